@@ -1,0 +1,20 @@
+//! Errors of the engine crate.
+
+use crate::request::InvalidRequest;
+
+/// Why the engine refused or lost a request.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The request is malformed or does not fit the model (400-class).
+    #[error(transparent)]
+    Invalid(#[from] InvalidRequest),
+    /// The engine thread has stopped; no request can be served.
+    #[error("engine is shut down")]
+    Shutdown,
+    /// Loading or running the model failed.
+    #[error("model error: {0}")]
+    Model(#[from] pd_model::ModelError),
+    /// The tokenizer failed.
+    #[error("tokenizer error: {0}")]
+    Tokenize(#[from] pd_tokenize::TokenizeError),
+}

@@ -1,0 +1,175 @@
+//! The engine's thread and the async handle callers use to reach it.
+//!
+//! The engine (model, pool, scheduler) lives on one dedicated OS thread: forward passes are
+//! CPU-bound and must never run on the async reactor. Callers talk to it over a channel of
+//! [`Command`]s and get each request's events back over their own unbounded channel.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use tokio::sync::mpsc as tokio_mpsc;
+
+use crate::engine::Engine;
+use crate::error::EngineError;
+use crate::metrics::EngineMetrics;
+use crate::request::{GenerateRequest, RequestEvent, RequestId};
+
+/// What the engine thread can be asked to do.
+#[derive(Debug)]
+pub(crate) enum Command {
+    /// Admit a request; its events go to `events`.
+    Add {
+        id: RequestId,
+        request: GenerateRequest,
+        arrival: Instant,
+        events: tokio_mpsc::UnboundedSender<RequestEvent>,
+    },
+    /// Drop a request and free its blocks (client gone).
+    Abort(RequestId),
+    /// Stop the thread after failing every live request.
+    Shutdown,
+}
+
+/// Static facts about the served model and pool, fixed at start.
+#[derive(Debug, Clone)]
+pub struct EngineInfo {
+    /// Name clients use in the `model` field.
+    pub model_name: String,
+    /// Longest prompt + completion, in tokens.
+    pub max_model_len: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Blocks in the pool.
+    pub num_blocks: usize,
+    /// Vocabulary size of the model.
+    pub vocab_size: usize,
+}
+
+/// Cheap, cloneable handle to a running engine thread.
+#[derive(Debug, Clone)]
+pub struct EngineHandle {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    commands: mpsc::Sender<Command>,
+    info: EngineInfo,
+    tokenizer: Arc<pd_tokenize::Tokenizer>,
+    metrics: EngineMetrics,
+    next_id: AtomicU64,
+    thread: std::sync::Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let _ = self.commands.send(Command::Shutdown);
+        if let Some(t) = self.thread.lock().ok().and_then(|mut t| t.take()) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl EngineHandle {
+    /// Moves `engine` onto its own thread and returns a handle to it.
+    pub fn spawn(engine: Engine) -> std::io::Result<Self> {
+        let (commands, rx) = mpsc::channel();
+        let info = engine.info().clone();
+        let tokenizer = engine.tokenizer().clone();
+        let metrics = engine.metrics().clone();
+        let thread = std::thread::Builder::new()
+            .name("pd-engine".into())
+            .spawn(move || engine.run(rx))?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                commands,
+                info,
+                tokenizer,
+                metrics,
+                next_id: AtomicU64::new(1),
+                thread: std::sync::Mutex::new(Some(thread)),
+            }),
+        })
+    }
+
+    /// The served model and pool.
+    pub fn info(&self) -> &EngineInfo {
+        &self.inner.info
+    }
+
+    /// The model's tokenizer and chat template.
+    pub fn tokenizer(&self) -> &Arc<pd_tokenize::Tokenizer> {
+        &self.inner.tokenizer
+    }
+
+    /// The engine's metrics (also readable while it runs).
+    pub fn metrics(&self) -> &EngineMetrics {
+        &self.inner.metrics
+    }
+
+    /// Blocks currently not referenced by any sequence.
+    pub fn free_blocks(&self) -> usize {
+        self.inner.metrics.kv_blocks_free.get().max(0) as usize
+    }
+
+    /// Validates `request` against the model and queues it. The returned stream yields its
+    /// events; dropping the stream before it ends aborts the request and frees its blocks.
+    ///
+    /// # Errors
+    /// [`EngineError::Invalid`] when a parameter is out of range or the prompt does not fit the
+    /// context; [`EngineError::Shutdown`] when the engine thread is gone.
+    pub fn submit(&self, request: GenerateRequest) -> Result<RequestStream, EngineError> {
+        crate::engine::validate(&self.inner.info, &request)?;
+        let n = request.params.n;
+        let id = RequestId(self.inner.next_id.fetch_add(1, Ordering::Relaxed));
+        let (events, rx) = tokio_mpsc::unbounded_channel();
+        self.inner
+            .commands
+            .send(Command::Add { id, request, arrival: Instant::now(), events })
+            .map_err(|_| EngineError::Shutdown)?;
+        Ok(RequestStream { id, rx, commands: self.inner.commands.clone(), open_children: n })
+    }
+}
+
+/// The events of one request. Dropping it before the last child finished aborts the request.
+#[derive(Debug)]
+pub struct RequestStream {
+    id: RequestId,
+    rx: tokio_mpsc::UnboundedReceiver<RequestEvent>,
+    commands: mpsc::Sender<Command>,
+    /// Children not yet finished.
+    open_children: usize,
+}
+
+impl RequestStream {
+    /// The engine's id for this request.
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// Next event, or `None` once every child finished (or the engine went away).
+    pub async fn recv(&mut self) -> Option<RequestEvent> {
+        if self.open_children == 0 {
+            return None;
+        }
+        let event = self.rx.recv().await?;
+        match &event {
+            RequestEvent::Started { .. } => {}
+            RequestEvent::Finished { .. } => self.open_children = self.open_children.saturating_sub(1),
+            RequestEvent::Failed { .. } => self.open_children = 0,
+            RequestEvent::Token { .. } => {}
+        }
+        Some(event)
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if self.open_children != 0 {
+            let _ = self.commands.send(Command::Abort(self.id));
+        }
+    }
+}

@@ -1,0 +1,33 @@
+//! The engine of one node: it owns the model, the KV block pool and the scheduler, runs them on a
+//! dedicated thread, and turns [`GenerateRequest`]s into streams of [`RequestEvent`]s.
+//!
+//! Brief overview:
+//! - [`EngineHandle`] is what the HTTP layer holds: `submit` a request, read its
+//!   [`RequestStream`], drop it to abort.
+//! - `engine` runs one step at a time: schedule, one batched forward pass, sample, emit events.
+//! - `scheduler` decides which sequences run each step (continuous batching, chunked prefill,
+//!   preemption by recompute, sequences waiting for remote KV).
+//! - `sampler` turns a row of logits into a token (greedy, temperature, top-k, top-p, seed).
+//!
+//! This crate does not speak HTTP, parse JSON or know the OpenAI API; it never touches the pool's
+//! memory except through `pd_model` (forward pass) and `pd_kv_pool` (block bookkeeping).
+#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
+#![deny(unused_must_use)]
+
+mod engine;
+mod error;
+mod handle;
+mod metrics;
+mod request;
+mod sampler;
+mod scheduler;
+mod sequence;
+
+pub use engine::{Engine, EngineConfig};
+pub use error::EngineError;
+pub use handle::{EngineHandle, EngineInfo, RequestStream};
+pub use metrics::EngineMetrics;
+pub use request::{
+    FinishReason, GenerateRequest, InvalidRequest, MAX_LOGPROBS, MAX_N, RequestEvent, RequestId, SamplingParams,
+    TokenLogprob,
+};

@@ -1,0 +1,104 @@
+//! Prometheus metrics of one engine: queue sizes, KV usage, prefix-cache hits, latencies, tokens.
+
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntGauge, Opts, Registry};
+
+/// All metrics the engine exports, registered in their own [`Registry`] (no global state).
+#[derive(Debug, Clone)]
+pub struct EngineMetrics {
+    registry: Registry,
+    /// Sequences currently scheduled (prefilling or decoding).
+    pub running: IntGauge,
+    /// Sequences waiting to be scheduled (new or preempted).
+    pub waiting: IntGauge,
+    /// Sequences waiting for their KV to arrive from another node.
+    pub waiting_remote_kv: IntGauge,
+    /// Total blocks in the pool.
+    pub kv_blocks_total: IntGauge,
+    /// Blocks not referenced by any sequence (includes cached, evictable ones).
+    pub kv_blocks_free: IntGauge,
+    /// Prompt tokens looked up in the prefix cache.
+    pub prefix_cache_queries: IntCounter,
+    /// Prompt tokens found in the prefix cache.
+    pub prefix_cache_hits: IntCounter,
+    /// Sequences preempted (their KV dropped, to be recomputed).
+    pub preemptions: IntCounter,
+    /// Prompt tokens of admitted requests.
+    pub prompt_tokens: IntCounter,
+    /// Generated tokens.
+    pub generation_tokens: IntCounter,
+    /// Requests finished, any reason.
+    pub requests_finished: IntCounter,
+    /// Seconds from arrival to first generated token.
+    pub time_to_first_token: Histogram,
+    /// Seconds between consecutive tokens of one child.
+    pub inter_token_latency: Histogram,
+    /// Seconds from arrival to the last child finishing.
+    pub e2e_latency: Histogram,
+}
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+impl EngineMetrics {
+    /// Creates the metrics and registers them in a fresh registry.
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let gauge = |name: &str, help: &str| {
+            let g = IntGauge::with_opts(Opts::new(name, help)).expect("valid metric name");
+            registry.register(Box::new(g.clone())).expect("unique metric name");
+            g
+        };
+        let counter = |name: &str, help: &str| {
+            let c = IntCounter::with_opts(Opts::new(name, help)).expect("valid metric name");
+            registry.register(Box::new(c.clone())).expect("unique metric name");
+            c
+        };
+        let histogram = |name: &str, help: &str| {
+            let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()))
+                .expect("valid metric name");
+            registry.register(Box::new(h.clone())).expect("unique metric name");
+            h
+        };
+        Self {
+            running: gauge("pd_node_requests_running", "Sequences being prefilled or decoded"),
+            waiting: gauge("pd_node_requests_waiting", "Sequences waiting to be scheduled"),
+            waiting_remote_kv: gauge(
+                "pd_node_requests_waiting_remote_kv",
+                "Sequences waiting for KV from another node",
+            ),
+            kv_blocks_total: gauge("pd_node_kv_blocks_total", "Blocks in the KV pool"),
+            kv_blocks_free: gauge("pd_node_kv_blocks_free", "KV blocks not referenced by any sequence"),
+            prefix_cache_queries: counter(
+                "pd_node_prefix_cache_queries_total",
+                "Prompt tokens looked up in the prefix cache",
+            ),
+            prefix_cache_hits: counter("pd_node_prefix_cache_hits_total", "Prompt tokens found in the prefix cache"),
+            preemptions: counter("pd_node_preemptions_total", "Sequences preempted for recompute"),
+            prompt_tokens: counter("pd_node_prompt_tokens_total", "Prompt tokens of admitted requests"),
+            generation_tokens: counter("pd_node_generation_tokens_total", "Generated tokens"),
+            requests_finished: counter("pd_node_requests_finished_total", "Requests finished"),
+            time_to_first_token: histogram(
+                "pd_node_time_to_first_token_seconds",
+                "Seconds from arrival to first generated token",
+            ),
+            inter_token_latency: histogram(
+                "pd_node_inter_token_latency_seconds",
+                "Seconds between consecutive tokens of one sequence",
+            ),
+            e2e_latency: histogram("pd_node_e2e_request_latency_seconds", "Seconds from arrival to finish"),
+            registry,
+        }
+    }
+
+    /// The registry holding every metric above, for the `/metrics` endpoint.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+}
+
+impl Default for EngineMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

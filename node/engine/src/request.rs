@@ -1,0 +1,192 @@
+//! What a caller hands the engine ([`GenerateRequest`]) and what it gets back ([`RequestEvent`]).
+
+use std::fmt;
+
+/// Engine-wide unique id of one request (all of its `n` children share it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "req-{}", self.0)
+    }
+}
+
+/// How to pick tokens and when to stop. Validated by [`SamplingParams::validate`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// Number of independent completions of the same prompt. The prompt is prefilled once and
+    /// the children share its blocks copy-on-write.
+    pub n: usize,
+    /// 0.0 means greedy (argmax).
+    pub temperature: f32,
+    /// Nucleus sampling mass in (0, 1]; 1.0 disables it.
+    pub top_p: f32,
+    /// Keep only the k most likely tokens; 0 disables it.
+    pub top_k: usize,
+    /// Seed for the sampler. Child `i` of an `n>1` request uses `seed + i`.
+    pub seed: Option<u64>,
+    /// Most tokens to generate per child. `None`: up to the model's context length.
+    pub max_tokens: Option<usize>,
+    /// Stop when the generated text contains one of these (the stop string is not returned).
+    pub stop: Vec<String>,
+    /// Stop when one of these token ids is generated (in addition to EOS unless `ignore_eos`).
+    pub stop_token_ids: Vec<u32>,
+    /// Do not stop on the model's EOS tokens.
+    pub ignore_eos: bool,
+    /// Return this many top alternatives' log-probabilities with every token.
+    pub logprobs: Option<usize>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            n: 1,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: None,
+            max_tokens: None,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+        }
+    }
+}
+
+/// Largest `n` one request may ask for.
+pub const MAX_N: usize = 128;
+/// Largest `logprobs` (top alternatives per token) one request may ask for.
+pub const MAX_LOGPROBS: usize = 20;
+
+/// A request the engine could not take; `param` names the offending field.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{message}")]
+pub struct InvalidRequest {
+    /// Human-readable reason.
+    pub message: String,
+    /// The request field at fault, in the OpenAI API's naming (`n`, `max_tokens`, `messages`...).
+    pub param: Option<&'static str>,
+}
+
+impl InvalidRequest {
+    pub(crate) fn new(param: &'static str, message: impl Into<String>) -> Self {
+        Self { message: message.into(), param: Some(param) }
+    }
+}
+
+impl SamplingParams {
+    /// Checks ranges that do not depend on the prompt.
+    pub fn validate(&self) -> Result<(), InvalidRequest> {
+        if self.n == 0 || self.n > MAX_N {
+            return Err(InvalidRequest::new("n", format!("n must be between 1 and {MAX_N}, got {}", self.n)));
+        }
+        if !(self.temperature.is_finite() && (0.0..=2.0).contains(&self.temperature)) {
+            return Err(InvalidRequest::new(
+                "temperature",
+                format!("temperature must be between 0 and 2, got {}", self.temperature),
+            ));
+        }
+        if !(self.top_p.is_finite() && self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(InvalidRequest::new("top_p", format!("top_p must be in (0, 1], got {}", self.top_p)));
+        }
+        if self.max_tokens == Some(0) {
+            return Err(InvalidRequest::new("max_tokens", "max_tokens must be at least 1"));
+        }
+        if let Some(k) = self.logprobs
+            && k > MAX_LOGPROBS
+        {
+            return Err(InvalidRequest::new(
+                "logprobs",
+                format!("at most {MAX_LOGPROBS} logprobs per token, got {k}"),
+            ));
+        }
+        if self.stop.iter().any(|s| s.is_empty()) {
+            return Err(InvalidRequest::new("stop", "stop strings must not be empty"));
+        }
+        Ok(())
+    }
+}
+
+/// One generation request: already-tokenized prompt plus sampling parameters.
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    /// Prompt token ids (chat template already applied).
+    pub prompt_tokens: Vec<u32>,
+    /// How to sample.
+    pub params: SamplingParams,
+}
+
+/// Why a child stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS, a stop token id or a stop string.
+    Stop,
+    /// `max_tokens` or the context length was reached.
+    Length,
+    /// The request was aborted (client gone, engine shutting down).
+    Abort,
+}
+
+impl FinishReason {
+    /// The OpenAI API's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+/// Log-probability of one token, with the top alternatives at that position.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    /// The token id.
+    pub token_id: u32,
+    /// Its natural-log probability under the (temperature-free) model distribution.
+    pub logprob: f32,
+    /// The `logprobs` most likely tokens at this position, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Something that happened to a request, in order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RequestEvent {
+    /// The prompt was admitted; `cached_tokens` of it came from the prefix cache.
+    Started {
+        /// Prompt length in tokens.
+        prompt_tokens: usize,
+        /// Tokens of the prompt whose KV was reused instead of computed.
+        cached_tokens: usize,
+    },
+    /// Child `child` produced a token. `text` is the newly decodable text (may be empty while a
+    /// multi-byte character is incomplete, or while a possible stop string is held back).
+    Token {
+        /// Index of the child in `0..n`.
+        child: usize,
+        /// The sampled token.
+        token_id: u32,
+        /// Text to append to this child's output.
+        text: String,
+        /// Present when the request asked for logprobs.
+        logprob: Option<TokenLogprob>,
+    },
+    /// Child `child` is done. `text` is held-back text flushed at the end (may be empty).
+    Finished {
+        /// Index of the child in `0..n`.
+        child: usize,
+        /// Why it stopped.
+        reason: FinishReason,
+        /// Remaining text of this child not yet sent in a `Token` event.
+        text: String,
+        /// Tokens generated by this child.
+        completion_tokens: usize,
+    },
+    /// The engine failed while running this request (a model error); the request is over.
+    Failed {
+        /// What went wrong.
+        message: String,
+    },
+}

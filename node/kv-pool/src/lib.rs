@@ -1,0 +1,27 @@
+//! The paged KV block pool of one node: a single fixed allocation cut into equal blocks, the
+//! allocator that hands blocks to sequences (reference-counted, so forks share copy-on-write), the
+//! prefix cache that lets full blocks be reused across requests, and the chained block hash the
+//! gateway computes too.
+//!
+//! Brief overview:
+//! - [`KvLayout`] says how one block is laid out in memory. Peers read it to address blocks remotely.
+//! - [`KvPool`] owns the memory: allocated once, never resized or moved, so it can be registered
+//!   with a NIC (UCX) and read by peers.
+//! - [`BlockAllocator`] owns the bookkeeping: free list in LRU order, reference counts, the
+//!   hash → block map of the prefix cache.
+//! - [`block_hash`] / [`hash_full_blocks`] chain a block's tokens onto its parent's hash.
+//!
+//! This crate does not run models, know about requests or sequences, do I/O, or read the clock.
+//! It depends on neither candle nor tokio, so the gateway can use the hash functions cheaply.
+#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
+#![deny(unused_must_use)]
+
+mod allocator;
+mod hash;
+mod layout;
+mod pool;
+
+pub use allocator::{AllocatorError, BlockAllocator, BlockId};
+pub use hash::{BlockHash, ROOT_HASH_SEED, block_hash, hash_full_blocks};
+pub use layout::{KvDtype, KvLayout};
+pub use pool::KvPool;

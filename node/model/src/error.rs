@@ -1,0 +1,45 @@
+//! Errors of model loading and the forward pass.
+
+use std::path::PathBuf;
+
+/// Why a model could not be loaded or run.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// A file of the model directory could not be read.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// `config.json` (or the safetensors index) is not valid JSON of the expected shape.
+    #[error("invalid {path}: {source}")]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: serde_json::Error,
+    },
+    /// The architecture in `config.json` is not one this engine implements.
+    #[error("unsupported architecture {0:?}: supported are LlamaForCausalLM and Qwen2ForCausalLM")]
+    UnsupportedArchitecture(String),
+    /// The weights' or requested dtype is not supported.
+    #[error("unsupported dtype {0:?}: supported are float32, float16 and bfloat16 weights (computed in f32 on CPU)")]
+    UnsupportedDtype(String),
+    /// A config value is missing or inconsistent.
+    #[error("invalid model config: {0}")]
+    InvalidConfig(String),
+    /// No `*.safetensors` file in the directory.
+    #[error("no safetensors weights in {0}")]
+    NoWeights(PathBuf),
+    /// A candle operation failed (missing tensor, shape mismatch...).
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    /// The batch does not fit the pool or the model.
+    #[error("invalid batch: {0}")]
+    InvalidBatch(String),
+    /// The tokenizer files could not be written.
+    #[error(transparent)]
+    Tokenizer(#[from] pd_tokenize::TokenizeError),
+}

@@ -1,0 +1,153 @@
+//! Attention over a paged KV pool: write one step's K/V into pool slots, then let every query
+//! token attend to its sequence's positions through the sequence's block table.
+//!
+//! These are the CPU reference kernels (f32, rayon over query rows × heads). A CUDA build
+//! implements the same two calls over device memory; the CPU versions stay as its reference.
+
+use pd_kv_pool::{BlockId, KvLayout};
+use rayon::prelude::*;
+
+use crate::batch::SeqView;
+
+/// Writes K and V of `layer` for every token of the step into its slot.
+///
+/// - `k`, `v`: `(num_tokens, num_kv_heads, head_dim)`, row-major.
+/// - `slots`: `(num_tokens,)`, `block * block_size + offset`.
+/// - `pool`: the whole pool, laid out as `layout` says.
+pub fn write_kv(pool: &mut [f32], layout: &KvLayout, layer: usize, k: &[f32], v: &[f32], slots: &[usize]) {
+    let (hd, kvh, bs) = (layout.head_dim, layout.num_kv_heads, layout.block_size);
+    for (t, &slot) in slots.iter().enumerate() {
+        let (block, off) = (slot / bs, slot % bs);
+        for h in 0..kvh {
+            let src = (t * kvh + h) * hd;
+            let dk = layout.tile_offset(block, layer, 0, h) + off * hd;
+            pool[dk..dk + hd].copy_from_slice(&k[src..src + hd]);
+            let dv = layout.tile_offset(block, layer, 1, h) + off * hd;
+            pool[dv..dv + hd].copy_from_slice(&v[src..src + hd]);
+        }
+    }
+}
+
+/// Causal attention of every query token over its own sequence's K/V in the pool.
+///
+/// - `q`: `(num_tokens, num_heads, head_dim)`, already rotated.
+/// - returns `(num_tokens, num_heads, head_dim)`.
+///
+/// Query token `i` of a sequence with `query_len` new tokens sits at position
+/// `context_len - query_len + i` and attends to positions `0..=that`.
+pub fn attend(
+    pool: &[f32],
+    layout: &KvLayout,
+    layer: usize,
+    q: &[f32],
+    num_heads: usize,
+    seqs: &[SeqView],
+    scale: f32,
+) -> Vec<f32> {
+    let (hd, bs) = (layout.head_dim, layout.block_size);
+    let group = num_heads / layout.num_kv_heads;
+    // (num_tokens,) → (sequence index, absolute position).
+    let mut rows: Vec<(usize, usize)> = Vec::with_capacity(q.len() / (num_heads * hd).max(1));
+    for (s, seq) in seqs.iter().enumerate() {
+        let first = seq.context_len - seq.query_len;
+        rows.extend((0..seq.query_len).map(|i| (s, first + i)));
+    }
+    let mut out = vec![0f32; q.len()];
+    out.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (idx, o)| {
+        let (t, h) = (idx / num_heads, idx % num_heads);
+        let (s, pos) = rows[t];
+        let table: &[BlockId] = &seqs[s].block_table;
+        let kvh = h / group;
+        let qv = &q[idx * hd..(idx + 1) * hd];
+        let n = pos + 1;
+        scores.clear();
+        scores.reserve(n);
+        let mut max = f32::NEG_INFINITY;
+        for (b, block) in table.iter().enumerate().take(n.div_ceil(bs)) {
+            let base = layout.tile_offset(block.index(), layer, 0, kvh);
+            let len = bs.min(n - b * bs);
+            for j in 0..len {
+                let kv = &pool[base + j * hd..base + (j + 1) * hd];
+                let dot = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale;
+                max = max.max(dot);
+                scores.push(dot);
+            }
+        }
+        let mut denom = 0f32;
+        for x in scores.iter_mut() {
+            *x = (*x - max).exp();
+            denom += *x;
+        }
+        let inv = 1.0 / denom;
+        o.fill(0.0);
+        for (b, block) in table.iter().enumerate().take(n.div_ceil(bs)) {
+            let base = layout.tile_offset(block.index(), layer, 1, kvh);
+            let len = bs.min(n - b * bs);
+            for j in 0..len {
+                let p = scores[b * bs + j] * inv;
+                let vv = &pool[base + j * hd..base + (j + 1) * hd];
+                for (acc, x) in o.iter_mut().zip(vv) {
+                    *acc += p * x;
+                }
+            }
+        }
+    });
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pd_kv_pool::KvDtype;
+
+    /// Naive attention over contiguous K/V: (seq, kvh, hd).
+    fn reference(q: &[f32], k: &[f32], v: &[f32], heads: usize, kvh: usize, hd: usize, scale: f32) -> Vec<f32> {
+        let n = k.len() / (kvh * hd);
+        let qn = q.len() / (heads * hd);
+        let mut out = vec![0f32; q.len()];
+        for t in 0..qn {
+            let pos = n - qn + t;
+            for h in 0..heads {
+                let g = h / (heads / kvh);
+                let qv = &q[(t * heads + h) * hd..][..hd];
+                let s: Vec<f32> = (0..=pos)
+                    .map(|j| qv.iter().zip(&k[(j * kvh + g) * hd..][..hd]).map(|(a, b)| a * b).sum::<f32>() * scale)
+                    .collect();
+                let m = s.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
+                let z: f32 = e.iter().sum();
+                for (j, w) in e.iter().enumerate() {
+                    for d in 0..hd {
+                        out[(t * heads + h) * hd + d] += w / z * v[(j * kvh + g) * hd + d];
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn paged_equals_contiguous_with_scattered_blocks() {
+        // 10 positions over blocks of 4 → 3 blocks, deliberately out of order in the pool.
+        let layout = KvLayout { num_blocks: 6, block_size: 4, num_layers: 2, num_kv_heads: 2, head_dim: 8, dtype: KvDtype::F32 };
+        let (heads, kvh, hd, n) = (4, 2, 8, 10);
+        let mut x = 0.37f32;
+        let mut rnd = || {
+            x = (x * 9301.0 + 0.49297).fract();
+            x - 0.5
+        };
+        let k: Vec<f32> = (0..n * kvh * hd).map(|_| rnd()).collect();
+        let v: Vec<f32> = (0..n * kvh * hd).map(|_| rnd()).collect();
+        let q: Vec<f32> = (0..3 * heads * hd).map(|_| rnd()).collect(); // last 3 positions as queries
+        let table = vec![BlockId(5), BlockId(1), BlockId(3)];
+        let slots: Vec<usize> = (0..n).map(|p| table[p / 4].index() * 4 + p % 4).collect();
+        let mut pool = vec![f32::NAN; layout.num_blocks * layout.block_elems()];
+        write_kv(&mut pool, &layout, 1, &k, &v, &slots);
+        let seqs = [SeqView { query_start: 0, query_len: 3, context_len: n, block_table: table }];
+        let got = attend(&pool, &layout, 1, &q, heads, &seqs, 0.35);
+        let want = reference(&q, &k, &v, heads, kvh, hd, 0.35);
+        for (a, b) in got.iter().zip(&want) {
+            assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+        }
+    }
+}

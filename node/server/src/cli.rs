@@ -1,0 +1,294 @@
+//! The `pd-node` command line: `serve` and `gen-tiny-model`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use pd_engine::EngineConfig;
+use pd_model::tiny::{TinyArch, TinySpec};
+
+/// Engine node of the P/D-disaggregated serving system.
+#[derive(Debug, Parser)]
+#[command(name = "pd-node", version, about)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// `pd-node` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve a model over the OpenAI HTTP API.
+    Serve(ServeArgs),
+    /// Write a small random model (config, weights, tokenizer) for tests and demos.
+    GenTinyModel(GenTinyModelArgs),
+}
+
+/// Where the model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Device {
+    /// The CPU.
+    Cpu,
+    /// An NVIDIA GPU (needs a build with CUDA support).
+    Cuda,
+}
+
+/// `pd-node serve`.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on; 0 picks a free one (printed on stdout once ready).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Name clients use in `model`; defaults to the model directory's name.
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Blocks in the KV pool; overrides --kv-cache-memory.
+    #[arg(long = "num-gpu-blocks")]
+    pub num_blocks: Option<usize>,
+    /// KV pool size: bytes, or with a unit (256MiB, 1GiB, 500MB).
+    #[arg(long, value_parser = parse_size)]
+    pub kv_cache_memory: Option<usize>,
+    /// Token budget of one engine step.
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// Most sequences in one engine step.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Context length limit; defaults to the model's.
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Do not reuse cached prompt blocks across requests.
+    #[arg(long)]
+    pub no_enable_prefix_caching: bool,
+    /// Where the model runs.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
+}
+
+/// A `serve` argument this build cannot honour.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// `--device cuda` on a build without CUDA.
+    #[error("--device cuda: pd-node was built without CUDA support")]
+    NoCuda,
+    /// `--host`/`--port` do not form an address.
+    #[error("invalid listen address {0:?}")]
+    BadAddress(String),
+}
+
+impl ServeArgs {
+    /// The engine configuration these arguments ask for.
+    ///
+    /// # Errors
+    /// [`CliError::NoCuda`] for `--device cuda`.
+    pub fn engine_config(&self) -> Result<EngineConfig, CliError> {
+        if self.device == Device::Cuda {
+            return Err(CliError::NoCuda);
+        }
+        let defaults = EngineConfig::default();
+        Ok(EngineConfig {
+            model_dir: self.model.clone(),
+            served_model_name: self.served_model_name.clone(),
+            block_size: self.block_size,
+            num_blocks: self.num_blocks,
+            kv_cache_memory: self.kv_cache_memory.unwrap_or(defaults.kv_cache_memory),
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+            max_model_len: self.max_model_len,
+            enable_prefix_caching: !self.no_enable_prefix_caching,
+        })
+    }
+
+    /// The address to bind (`--host`, `--port`); host may be an IPv6 literal.
+    ///
+    /// # Errors
+    /// [`CliError::BadAddress`] when the host is not an IP address.
+    pub fn listen_addr(&self) -> Result<SocketAddr, CliError> {
+        let host = self.host.trim_start_matches('[').trim_end_matches(']');
+        let ip = if host == "localhost" { "127.0.0.1" } else { host };
+        ip.parse::<std::net::IpAddr>()
+            .map(|ip| SocketAddr::new(ip, self.port))
+            .map_err(|_| CliError::BadAddress(self.host.clone()))
+    }
+}
+
+/// Architecture of a generated model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Arch {
+    /// Llama (no attention bias).
+    Llama,
+    /// Qwen2 (bias on q/k/v projections).
+    Qwen2,
+}
+
+impl From<Arch> for TinyArch {
+    fn from(arch: Arch) -> Self {
+        match arch {
+            Arch::Llama => TinyArch::Llama,
+            Arch::Qwen2 => TinyArch::Qwen2,
+        }
+    }
+}
+
+/// `pd-node gen-tiny-model`.
+#[derive(Debug, Args)]
+pub struct GenTinyModelArgs {
+    /// Directory to write (created if missing).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Seed of the weights: the same seed gives the same files.
+    #[arg(long)]
+    pub seed: u64,
+    /// Architecture.
+    #[arg(long, value_enum, default_value_t = Arch::Llama)]
+    pub arch: Arch,
+    /// Decoder layers.
+    #[arg(long, default_value_t = 2)]
+    pub layers: usize,
+    /// Hidden size.
+    #[arg(long, default_value_t = 64)]
+    pub hidden: usize,
+    /// Attention heads.
+    #[arg(long, default_value_t = 4)]
+    pub heads: usize,
+    /// Key/value heads (grouped-query attention).
+    #[arg(long, default_value_t = 2)]
+    pub kv_heads: usize,
+    /// Vocabulary size.
+    #[arg(long, default_value_t = 512)]
+    pub vocab: usize,
+    /// MLP intermediate size.
+    #[arg(long, default_value_t = 128)]
+    pub intermediate: usize,
+    /// Context length the model claims.
+    #[arg(long, default_value_t = 2048)]
+    pub max_position_embeddings: usize,
+    /// Safetensors files to split the weights over.
+    #[arg(long, default_value_t = 1)]
+    pub shards: usize,
+}
+
+impl GenTinyModelArgs {
+    /// The model these arguments describe.
+    pub fn spec(&self) -> TinySpec {
+        TinySpec {
+            arch: self.arch.into(),
+            seed: self.seed,
+            layers: self.layers,
+            hidden: self.hidden,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            vocab: self.vocab,
+            intermediate: self.intermediate,
+            max_position_embeddings: self.max_position_embeddings,
+            shards: self.shards,
+        }
+    }
+}
+
+/// Parses a byte size: `1048576`, `256MiB`, `1GiB`, `512k`, `1.5G`, `500MB`.
+/// Binary units (`KiB`, `MiB`, `GiB`, `TiB` and the bare `K`, `M`, `G`, `T`) are powers of
+/// 1024; `KB`, `MB`, `GB`, `TB` are powers of 1000.
+///
+/// # Errors
+/// A message naming the input when it is not a size.
+pub fn parse_size(input: &str) -> Result<usize, String> {
+    let s = input.trim();
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    let unit = unit.trim().to_ascii_lowercase();
+    let multiplier: u64 = match unit.as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "t" | "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        _ => return Err(format!("unknown size unit in {input:?} (use B, KiB, MiB, GiB, KB, MB, GB)")),
+    };
+    let bytes = if let Ok(n) = number.parse::<u64>() {
+        n.checked_mul(multiplier)
+    } else {
+        let f: f64 = number.parse().map_err(|_| format!("not a size: {input:?}"))?;
+        let bytes = f * multiplier as f64;
+        (bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64).then_some(bytes as u64)
+    };
+    bytes
+        .and_then(|b| usize::try_from(b).ok())
+        .ok_or_else(|| format!("size out of range: {input:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("1024"), Ok(1024));
+        assert_eq!(parse_size("256MiB"), Ok(256 << 20));
+        assert_eq!(parse_size("1GiB"), Ok(1 << 30));
+        assert_eq!(parse_size("1gib"), Ok(1 << 30));
+        assert_eq!(parse_size("512k"), Ok(512 << 10));
+        assert_eq!(parse_size("500MB"), Ok(500_000_000));
+        assert_eq!(parse_size("1.5GiB"), Ok(3 << 29));
+        assert!(parse_size("12 parsecs").is_err());
+        assert!(parse_size("").is_err());
+        assert!(parse_size("-1").is_err());
+        assert!(parse_size("99999999999TiB").is_err());
+    }
+
+    #[test]
+    fn serve_args_map_to_engine_config() {
+        let cli = Cli::try_parse_from([
+            "pd-node",
+            "serve",
+            "--model",
+            "/m",
+            "--port",
+            "0",
+            "--kv-cache-memory",
+            "64MiB",
+            "--num-gpu-blocks",
+            "100",
+            "--no-enable-prefix-caching",
+        ])
+        .unwrap();
+        let Command::Serve(args) = cli.command else { panic!("expected serve") };
+        let cfg = args.engine_config().unwrap();
+        assert_eq!(cfg.kv_cache_memory, 64 << 20);
+        assert_eq!(cfg.num_blocks, Some(100));
+        assert!(!cfg.enable_prefix_caching);
+        assert_eq!(cfg.block_size, 16);
+        assert_eq!(args.listen_addr().unwrap().port(), 0);
+    }
+
+    #[test]
+    fn cuda_is_refused() {
+        let cli = Cli::try_parse_from(["pd-node", "serve", "--model", "/m", "--device", "cuda"]).unwrap();
+        let Command::Serve(args) = cli.command else { panic!("expected serve") };
+        let err = args.engine_config().unwrap_err();
+        assert!(err.to_string().contains("built without CUDA support"));
+    }
+
+    #[test]
+    fn gen_tiny_model_defaults() {
+        let cli = Cli::try_parse_from(["pd-node", "gen-tiny-model", "--out", "/tmp/x", "--seed", "7"]).unwrap();
+        let Command::GenTinyModel(args) = cli.command else { panic!("expected gen-tiny-model") };
+        let spec = args.spec();
+        assert_eq!((spec.seed, spec.layers, spec.hidden, spec.vocab, spec.shards), (7, 2, 64, 512, 1));
+        assert!(Cli::try_parse_from(["pd-node", "gen-tiny-model", "--out", "/tmp/x"]).is_err());
+    }
+}

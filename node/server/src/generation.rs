@@ -1,0 +1,89 @@
+//! Running one engine request to the end and keeping what each child produced (non-streaming
+//! endpoints), plus the per-request token accounting shared with the streaming ones.
+
+use pd_engine::{FinishReason, RequestEvent, RequestStream, TokenLogprob};
+
+use crate::error::ApiError;
+
+/// What one child (one choice) produced.
+#[derive(Debug, Default)]
+pub(crate) struct ChildOutput {
+    pub(crate) text: String,
+    pub(crate) token_ids: Vec<u32>,
+    pub(crate) logprobs: Vec<TokenLogprob>,
+    pub(crate) finish_reason: Option<FinishReason>,
+    pub(crate) completion_tokens: usize,
+}
+
+/// A finished request.
+#[derive(Debug)]
+pub(crate) struct Generation {
+    pub(crate) usage: TokenCounts,
+    /// One entry per child, indexed by `child`.
+    pub(crate) children: Vec<ChildOutput>,
+}
+
+/// Token accounting of one request.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct TokenCounts {
+    pub(crate) prompt_tokens: usize,
+    pub(crate) cached_tokens: usize,
+    pub(crate) completion_tokens: usize,
+}
+
+impl TokenCounts {
+    pub(crate) fn new(prompt_tokens: usize) -> Self {
+        Self { prompt_tokens, ..Self::default() }
+    }
+
+    /// Folds the counts an event carries into `self`.
+    pub(crate) fn observe(&mut self, event: &RequestEvent) {
+        match event {
+            RequestEvent::Started { prompt_tokens, cached_tokens } => {
+                self.prompt_tokens = *prompt_tokens;
+                self.cached_tokens = *cached_tokens;
+            }
+            RequestEvent::Finished { completion_tokens, .. } => self.completion_tokens += completion_tokens,
+            RequestEvent::Token { .. } | RequestEvent::Failed { .. } => {}
+        }
+    }
+
+    pub(crate) fn usage(&self) -> crate::openai::Usage {
+        crate::openai::Usage::new(self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+    }
+}
+
+/// Reads `stream` until every one of its `n` children finished.
+///
+/// # Errors
+/// [`ApiError::GenerationFailed`] when the engine reported a failure, [`ApiError::EngineStopped`]
+/// when the stream ended with a child unfinished.
+pub(crate) async fn collect(mut stream: RequestStream, n: usize, prompt_tokens: usize) -> Result<Generation, ApiError> {
+    let mut usage = TokenCounts::new(prompt_tokens);
+    let mut children: Vec<ChildOutput> = (0..n).map(|_| ChildOutput::default()).collect();
+    while let Some(event) = stream.recv().await {
+        usage.observe(&event);
+        match event {
+            RequestEvent::Started { .. } => {}
+            RequestEvent::Token { child, token_id, text, logprob } => {
+                if let Some(out) = children.get_mut(child) {
+                    out.text.push_str(&text);
+                    out.token_ids.push(token_id);
+                    out.logprobs.extend(logprob);
+                }
+            }
+            RequestEvent::Finished { child, reason, text, completion_tokens } => {
+                if let Some(out) = children.get_mut(child) {
+                    out.text.push_str(&text);
+                    out.finish_reason = Some(reason);
+                    out.completion_tokens = completion_tokens;
+                }
+            }
+            RequestEvent::Failed { message } => return Err(ApiError::GenerationFailed(message)),
+        }
+    }
+    if children.iter().any(|c| c.finish_reason.is_none()) {
+        return Err(ApiError::EngineStopped);
+    }
+    Ok(Generation { usage, children })
+}

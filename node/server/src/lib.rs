@@ -1,0 +1,54 @@
+//! The HTTP front of one engine node: it serves the OpenAI API (`/v1/completions`,
+//! `/v1/chat/completions`, `/v1/responses`, `/v1/models`) plus `/health` and `/metrics`, and
+//! translates each request into one [`pd_engine::GenerateRequest`] and the engine's events back
+//! into OpenAI JSON or server-sent events.
+//!
+//! Brief overview:
+//! - [`router`] builds the axum app over an [`EngineHandle`]; [`serve`] runs it on a listener
+//!   until a shutdown future resolves (tests run it in-process on `127.0.0.1:0`).
+//! - `openai` holds the wire types, `prompt` turns them into prompt tokens (chat template,
+//!   tokenizer), `generation` collects a finished request, `sse` frames streaming bodies, and
+//!   `routes` holds one handler module per endpoint.
+//! - [`ApiError`] is every way a request can fail, mapped to a status and the OpenAI error
+//!   object `{"error": {"message", "type", "param", "code"}}`.
+//! - [`cli`] holds the `pd-node` command line, so the binary stays thin.
+//!
+//! This crate does not run the model, schedule sequences or touch KV memory: all of that is the
+//! engine's, reached only through [`EngineHandle::submit`]. A streaming body owns its
+//! [`pd_engine::RequestStream`], so a client that goes away drops it and the engine aborts the
+//! request and frees its blocks.
+#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
+#![deny(unused_must_use)]
+
+pub mod cli;
+mod error;
+mod generation;
+mod openai;
+mod prompt;
+mod routes;
+mod sse;
+
+use std::future::Future;
+
+use pd_engine::EngineHandle;
+
+pub use error::ApiError;
+pub use routes::MAX_BODY_BYTES;
+
+/// Builds the HTTP app serving `engine`.
+pub fn router(engine: EngineHandle) -> axum::Router {
+    routes::router(engine)
+}
+
+/// Serves [`router`]`(engine)` on `listener` until `shutdown` resolves, then stops accepting
+/// and waits for in-flight requests to finish.
+///
+/// # Errors
+/// Only when accepting on `listener` fails fatally.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    engine: EngineHandle,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(engine)).with_graceful_shutdown(shutdown).await
+}

@@ -1,0 +1,99 @@
+//! `pd-node`: an engine node serving the OpenAI API. See `pd-node --help`.
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Parser;
+use pd_node::cli::{Cli, Command, GenTinyModelArgs, ServeArgs};
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("pd-node: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match cli.command {
+        Command::Serve(args) => serve(&args),
+        Command::GenTinyModel(args) => gen_tiny_model(&args),
+    }
+}
+
+fn serve(args: &ServeArgs) -> anyhow::Result<()> {
+    let config = args.engine_config()?;
+    let addr = args.listen_addr()?;
+    let engine = pd_engine::Engine::load(&config)
+        .with_context(|| format!("loading model from {}", config.model_dir.display()))?;
+    let engine = pd_engine::EngineHandle::spawn(engine).context("starting the engine thread")?;
+    let info = engine.info();
+    tracing::info!(
+        model = %info.model_name,
+        max_model_len = info.max_model_len,
+        num_blocks = info.num_blocks,
+        block_size = info.block_size,
+        "engine ready"
+    );
+
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+        let local = listener.local_addr().context("reading the bound address")?;
+        let mut stdout = std::io::stdout().lock();
+        writeln!(stdout, "pd-node listening on http://{local}").context("writing to stdout")?;
+        stdout.flush().context("flushing stdout")?;
+        drop(stdout);
+        pd_node::serve(listener, engine, shutdown_signal()).await.context("serving HTTP")
+    })?;
+    tracing::info!("shut down");
+    Ok(())
+}
+
+/// Resolves on ctrl-c or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!(error = %e, "cannot listen for ctrl-c");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut sig) => {
+                sig.recv().await;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = terminate => {}
+    }
+    tracing::info!("shutdown signal received; finishing in-flight requests");
+}
+
+fn gen_tiny_model(args: &GenTinyModelArgs) -> anyhow::Result<()> {
+    let spec = args.spec();
+    pd_model::tiny::generate(&spec, &args.out)
+        .with_context(|| format!("writing a tiny model to {}", args.out.display()))?;
+    println!("wrote tiny {:?} model to {}", args.arch, args.out.display());
+    Ok(())
+}

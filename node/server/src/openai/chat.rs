@@ -1,0 +1,126 @@
+//! `/v1/chat/completions` request and response bodies.
+
+use serde::{Deserialize, Serialize};
+
+use super::{SamplingFields, Usage};
+
+/// `POST /v1/chat/completions` body.
+#[derive(Debug, Deserialize)]
+pub(crate) struct ChatCompletionRequest {
+    #[serde(default)]
+    pub(crate) model: Option<String>,
+    pub(crate) messages: Vec<ChatMessageIn>,
+    /// Deprecated by OpenAI in favour of `max_completion_tokens`, still sent by most clients.
+    #[serde(default)]
+    pub(crate) max_tokens: Option<i64>,
+    /// Wins over `max_tokens` when both are set. Neither: up to the context length.
+    #[serde(default)]
+    pub(crate) max_completion_tokens: Option<i64>,
+    #[serde(default)]
+    pub(crate) logprobs: Option<bool>,
+    /// Alternatives per token (needs `logprobs: true`).
+    #[serde(default)]
+    pub(crate) top_logprobs: Option<i64>,
+    #[serde(flatten)]
+    pub(crate) sampling: SamplingFields,
+}
+
+/// One input message. `content` is a string, a list of parts, or null (assistant tool calls).
+#[derive(Debug, Deserialize)]
+pub(crate) struct ChatMessageIn {
+    pub(crate) role: String,
+    #[serde(default)]
+    pub(crate) content: Option<serde_json::Value>,
+}
+
+/// A chat completion.
+#[derive(Debug, Serialize)]
+pub(crate) struct ChatCompletionResponse {
+    pub(crate) id: String,
+    pub(crate) object: &'static str,
+    pub(crate) created: u64,
+    pub(crate) model: String,
+    pub(crate) choices: Vec<ChatChoice>,
+    pub(crate) usage: Usage,
+    /// vLLM `return_token_ids`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) prompt_token_ids: Option<Vec<u32>>,
+}
+
+/// One choice of a chat completion.
+#[derive(Debug, Serialize)]
+pub(crate) struct ChatChoice {
+    pub(crate) index: usize,
+    pub(crate) message: ChatMessageOut,
+    pub(crate) logprobs: Option<ChatLogprobs>,
+    pub(crate) finish_reason: Option<&'static str>,
+    /// vLLM `return_token_ids`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) token_ids: Option<Vec<u32>>,
+}
+
+/// The generated message.
+#[derive(Debug, Serialize)]
+pub(crate) struct ChatMessageOut {
+    pub(crate) role: &'static str,
+    pub(crate) content: String,
+    pub(crate) tool_calls: Vec<serde_json::Value>,
+}
+
+/// `choices[].logprobs`.
+#[derive(Debug, Default, Serialize)]
+pub(crate) struct ChatLogprobs {
+    pub(crate) content: Vec<ChatTokenLogprob>,
+}
+
+/// Logprob of one generated token.
+#[derive(Debug, Serialize)]
+pub(crate) struct ChatTokenLogprob {
+    pub(crate) token: String,
+    pub(crate) logprob: f32,
+    pub(crate) bytes: Vec<u8>,
+    pub(crate) top_logprobs: Vec<TopLogprob>,
+}
+
+/// One alternative at a position.
+#[derive(Debug, Serialize)]
+pub(crate) struct TopLogprob {
+    pub(crate) token: String,
+    pub(crate) logprob: f32,
+    pub(crate) bytes: Vec<u8>,
+}
+
+/// One streamed chunk.
+#[derive(Debug, Serialize)]
+pub(crate) struct ChatCompletionChunk {
+    pub(crate) id: String,
+    pub(crate) object: &'static str,
+    pub(crate) created: u64,
+    pub(crate) model: String,
+    pub(crate) choices: Vec<ChatChunkChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) usage: Option<Usage>,
+    /// vLLM `return_token_ids`: on the first chunk only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) prompt_token_ids: Option<Vec<u32>>,
+}
+
+/// One choice's part of a chunk.
+#[derive(Debug, Serialize)]
+pub(crate) struct ChatChunkChoice {
+    pub(crate) index: usize,
+    pub(crate) delta: ChatDelta,
+    pub(crate) logprobs: Option<ChatLogprobs>,
+    pub(crate) finish_reason: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) token_ids: Option<Vec<u32>>,
+}
+
+/// What a chunk adds to a choice's message.
+#[derive(Debug, Default, Serialize)]
+pub(crate) struct ChatDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) content: Option<String>,
+}

@@ -1,0 +1,75 @@
+//! `/v1/completions` request and response bodies.
+
+use serde::{Deserialize, Serialize};
+
+use super::{SamplingFields, Usage};
+
+/// `POST /v1/completions` body.
+#[derive(Debug, Deserialize)]
+pub(crate) struct CompletionRequest {
+    #[serde(default)]
+    pub(crate) model: Option<String>,
+    /// A string, an array of token ids, or a one-element list of either (see `prompt`).
+    pub(crate) prompt: serde_json::Value,
+    /// Absent means 16 (OpenAI's default); `null` means up to the context length.
+    #[serde(default = "default_max_tokens")]
+    pub(crate) max_tokens: Option<i64>,
+    /// Top alternatives per token, 0 for the sampled token's logprob only.
+    #[serde(default)]
+    pub(crate) logprobs: Option<i64>,
+    /// Prepend the prompt to the output; not supported.
+    #[serde(default)]
+    pub(crate) echo: Option<bool>,
+    #[serde(flatten)]
+    pub(crate) sampling: SamplingFields,
+}
+
+fn default_max_tokens() -> Option<i64> {
+    Some(16)
+}
+
+/// A completion, or one chunk of a streamed one (same object in both cases).
+#[derive(Debug, Serialize)]
+pub(crate) struct CompletionResponse {
+    pub(crate) id: String,
+    pub(crate) object: &'static str,
+    pub(crate) created: u64,
+    pub(crate) model: String,
+    pub(crate) choices: Vec<CompletionChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) usage: Option<Usage>,
+}
+
+/// One choice (one child of an `n > 1` request).
+#[derive(Debug, Serialize)]
+pub(crate) struct CompletionChoice {
+    pub(crate) index: usize,
+    pub(crate) text: String,
+    pub(crate) logprobs: Option<CompletionLogprobs>,
+    pub(crate) finish_reason: Option<&'static str>,
+    /// vLLM `return_token_ids`: the prompt's tokens (first chunk of each choice when streaming).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) prompt_token_ids: Option<Vec<u32>>,
+    /// vLLM `return_token_ids`: the generated tokens.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) token_ids: Option<Vec<u32>>,
+}
+
+/// The legacy completions logprobs object.
+#[derive(Debug, Default, Serialize)]
+pub(crate) struct CompletionLogprobs {
+    pub(crate) tokens: Vec<String>,
+    pub(crate) token_logprobs: Vec<f32>,
+    pub(crate) top_logprobs: Vec<TokenMap>,
+    pub(crate) text_offset: Vec<usize>,
+}
+
+/// `{token: logprob, ...}` in the given order (a JSON object, as the legacy API returns it).
+#[derive(Debug, Default)]
+pub(crate) struct TokenMap(pub(crate) Vec<(String, f32)>);
+
+impl Serialize for TokenMap {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_map(self.0.iter().map(|(k, v)| (k, v)))
+    }
+}

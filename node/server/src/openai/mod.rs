@@ -1,0 +1,210 @@
+//! Wire types of the OpenAI API, as this node reads and writes them.
+//!
+//! Request structs accept and ignore fields they do not name (no `deny_unknown_fields`), so
+//! clients that send newer or vendor fields keep working; a new field is one more `Option`.
+//! Numbers a client may get wrong (`n`, `max_tokens`, `top_k`...) are read as `i64` and range
+//! checked here, so the 400 names the field instead of failing inside serde.
+
+pub(crate) mod chat;
+pub(crate) mod completions;
+pub(crate) mod responses;
+
+use pd_engine::SamplingParams;
+use serde::{Deserialize, Serialize};
+
+use crate::error::ApiError;
+
+/// `{"error": {...}}`, the body of every failed request.
+#[derive(Debug, Serialize)]
+pub(crate) struct ErrorResponse {
+    pub(crate) error: ErrorObject,
+}
+
+/// The OpenAI error object.
+#[derive(Debug, Serialize)]
+pub(crate) struct ErrorObject {
+    pub(crate) message: String,
+    #[serde(rename = "type")]
+    pub(crate) kind: &'static str,
+    pub(crate) param: Option<String>,
+    pub(crate) code: Option<&'static str>,
+}
+
+/// `stop`: one string or a list of them.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Stop {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            Stop::One(s) => vec![s],
+            Stop::Many(v) => v,
+        }
+    }
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+pub(crate) struct StreamOptions {
+    /// Send a last chunk with `usage` (and `choices: []`) before `[DONE]`.
+    #[serde(default)]
+    pub(crate) include_usage: Option<bool>,
+}
+
+/// Sampling fields shared by `/v1/completions` and `/v1/chat/completions` (flattened into both).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub(crate) struct SamplingFields {
+    #[serde(default)]
+    pub(crate) n: Option<i64>,
+    #[serde(default)]
+    pub(crate) temperature: Option<f32>,
+    #[serde(default)]
+    pub(crate) top_p: Option<f32>,
+    /// vLLM extension; 0 or -1 disable it.
+    #[serde(default)]
+    pub(crate) top_k: Option<i64>,
+    #[serde(default)]
+    pub(crate) seed: Option<i64>,
+    #[serde(default)]
+    pub(crate) stop: Option<Stop>,
+    /// vLLM extension.
+    #[serde(default)]
+    pub(crate) stop_token_ids: Option<Vec<u32>>,
+    /// vLLM extension.
+    #[serde(default)]
+    pub(crate) ignore_eos: Option<bool>,
+    #[serde(default)]
+    pub(crate) stream: Option<bool>,
+    #[serde(default)]
+    pub(crate) stream_options: Option<StreamOptions>,
+    /// vLLM extension: add `token_ids` (and the prompt's) to the response.
+    #[serde(default)]
+    pub(crate) return_token_ids: Option<bool>,
+}
+
+impl SamplingFields {
+    /// Engine parameters for these fields; `max_tokens` and `logprobs` come from the endpoint.
+    pub(crate) fn to_params(
+        &self,
+        max_tokens: (Option<i64>, &'static str),
+        logprobs: Option<usize>,
+    ) -> Result<SamplingParams, ApiError> {
+        let defaults = SamplingParams::default();
+        let n = match self.n {
+            None => defaults.n,
+            Some(n) => non_negative(n, "n")?,
+        };
+        let top_k = match self.top_k {
+            None | Some(-1) => 0,
+            Some(k) if k < 0 => return Err(ApiError::invalid("top_k", format!("top_k must be -1, 0 or positive, got {k}"))),
+            Some(k) => non_negative(k, "top_k")?,
+        };
+        let max_tokens = match max_tokens.0 {
+            None => None,
+            Some(m) => Some(non_negative(m, max_tokens.1)?),
+        };
+        Ok(SamplingParams {
+            n,
+            temperature: self.temperature.unwrap_or(defaults.temperature),
+            top_p: self.top_p.unwrap_or(defaults.top_p),
+            top_k,
+            // Any 64-bit pattern is a fine seed; negative seeds are as valid as positive ones.
+            seed: self.seed.map(|s| s as u64),
+            max_tokens,
+            stop: self.stop.clone().map(Stop::into_vec).unwrap_or_default(),
+            stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+            logprobs,
+        })
+    }
+
+    pub(crate) fn stream(&self) -> bool {
+        self.stream.unwrap_or(false)
+    }
+
+    pub(crate) fn include_usage(&self) -> bool {
+        self.stream_options.and_then(|o| o.include_usage).unwrap_or(false)
+    }
+
+    pub(crate) fn return_token_ids(&self) -> bool {
+        self.return_token_ids.unwrap_or(false)
+    }
+}
+
+/// `value` as a `usize`, or a 400 naming `param`.
+pub(crate) fn non_negative(value: i64, param: &'static str) -> Result<usize, ApiError> {
+    usize::try_from(value).map_err(|_| ApiError::invalid(param, format!("{param} must be non-negative, got {value}")))
+}
+
+/// `usage` of completions and chat completions.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub(crate) struct Usage {
+    pub(crate) prompt_tokens: usize,
+    pub(crate) completion_tokens: usize,
+    pub(crate) total_tokens: usize,
+    pub(crate) prompt_tokens_details: PromptTokensDetails,
+}
+
+impl Usage {
+    pub(crate) fn new(prompt_tokens: usize, cached_tokens: usize, completion_tokens: usize) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails { cached_tokens },
+        }
+    }
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub(crate) struct PromptTokensDetails {
+    pub(crate) cached_tokens: usize,
+}
+
+/// One entry of `GET /v1/models`.
+#[derive(Debug, Serialize)]
+pub(crate) struct ModelCard {
+    pub(crate) id: String,
+    pub(crate) object: &'static str,
+    pub(crate) created: u64,
+    pub(crate) owned_by: &'static str,
+    pub(crate) root: String,
+    pub(crate) parent: Option<String>,
+    pub(crate) max_model_len: usize,
+}
+
+/// `GET /v1/models`.
+#[derive(Debug, Serialize)]
+pub(crate) struct ModelList {
+    pub(crate) object: &'static str,
+    pub(crate) data: Vec<ModelCard>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampling_defaults_and_ranges() {
+        let f: SamplingFields = serde_json::from_str(r#"{"stop": "x", "top_k": -1, "seed": -3}"#).unwrap();
+        let p = f.to_params((Some(16), "max_tokens"), None).unwrap();
+        assert_eq!(p.stop, vec!["x".to_string()]);
+        assert_eq!(p.top_k, 0);
+        assert_eq!(p.n, 1);
+        assert_eq!(p.max_tokens, Some(16));
+        assert_eq!(p.seed, Some(-3i64 as u64));
+
+        let f: SamplingFields = serde_json::from_str(r#"{"n": -2}"#).unwrap();
+        let e = f.to_params((None, "max_tokens"), None).unwrap_err();
+        assert_eq!(e.param(), Some("n"));
+
+        let f: SamplingFields = serde_json::from_str(r#"{"stop": ["a", "b"]}"#).unwrap();
+        let e = f.to_params((Some(-1), "max_completion_tokens"), None).unwrap_err();
+        assert_eq!(e.param(), Some("max_completion_tokens"));
+    }
+}

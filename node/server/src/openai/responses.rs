@@ -1,0 +1,215 @@
+//! `/v1/responses` request, response and stream-event bodies.
+
+use serde::{Deserialize, Serialize};
+
+/// `POST /v1/responses` body.
+#[derive(Debug, Deserialize)]
+pub(crate) struct ResponsesRequest {
+    #[serde(default)]
+    pub(crate) model: Option<String>,
+    /// A string, or a list of `{role, content}` message items.
+    pub(crate) input: serde_json::Value,
+    /// Becomes a leading system message.
+    #[serde(default)]
+    pub(crate) instructions: Option<String>,
+    #[serde(default)]
+    pub(crate) max_output_tokens: Option<i64>,
+    #[serde(default)]
+    pub(crate) temperature: Option<f32>,
+    #[serde(default)]
+    pub(crate) top_p: Option<f32>,
+    #[serde(default)]
+    pub(crate) stream: Option<bool>,
+    /// Server-side conversation state; not kept by this node.
+    #[serde(default)]
+    pub(crate) previous_response_id: Option<String>,
+}
+
+/// The `response` object (also the payload of `response.created` / `.completed` events).
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct ResponseObject {
+    pub(crate) id: String,
+    pub(crate) object: &'static str,
+    pub(crate) created_at: u64,
+    pub(crate) model: String,
+    /// `in_progress`, `completed`, `incomplete` or `failed`.
+    pub(crate) status: &'static str,
+    pub(crate) incomplete_details: Option<IncompleteDetails>,
+    pub(crate) error: Option<ResponseError>,
+    pub(crate) instructions: Option<String>,
+    pub(crate) max_output_tokens: Option<usize>,
+    pub(crate) temperature: f32,
+    pub(crate) top_p: f32,
+    pub(crate) output: Vec<OutputMessage>,
+    pub(crate) parallel_tool_calls: bool,
+    pub(crate) tool_choice: &'static str,
+    pub(crate) tools: Vec<serde_json::Value>,
+    pub(crate) usage: Option<ResponseUsage>,
+}
+
+/// Why a response is `incomplete`.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct IncompleteDetails {
+    pub(crate) reason: &'static str,
+}
+
+/// Why a response `failed`.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct ResponseError {
+    pub(crate) code: &'static str,
+    pub(crate) message: String,
+}
+
+/// An output item of type `message`.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct OutputMessage {
+    #[serde(rename = "type")]
+    pub(crate) kind: &'static str,
+    pub(crate) id: String,
+    pub(crate) role: &'static str,
+    pub(crate) status: &'static str,
+    pub(crate) content: Vec<OutputText>,
+}
+
+/// A content part of type `output_text`.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct OutputText {
+    #[serde(rename = "type")]
+    pub(crate) kind: &'static str,
+    pub(crate) text: String,
+    pub(crate) annotations: Vec<serde_json::Value>,
+}
+
+impl OutputText {
+    pub(crate) fn new(text: String) -> Self {
+        Self { kind: "output_text", text, annotations: Vec::new() }
+    }
+}
+
+/// `usage` of a response.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct ResponseUsage {
+    pub(crate) input_tokens: usize,
+    pub(crate) output_tokens: usize,
+    pub(crate) total_tokens: usize,
+    pub(crate) input_tokens_details: InputTokensDetails,
+    pub(crate) output_tokens_details: OutputTokensDetails,
+}
+
+impl ResponseUsage {
+    pub(crate) fn new(input_tokens: usize, cached_tokens: usize, output_tokens: usize) -> Self {
+        Self {
+            input_tokens,
+            output_tokens,
+            total_tokens: input_tokens + output_tokens,
+            input_tokens_details: InputTokensDetails { cached_tokens },
+            output_tokens_details: OutputTokensDetails { reasoning_tokens: 0 },
+        }
+    }
+}
+
+/// `usage.input_tokens_details`.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct InputTokensDetails {
+    pub(crate) cached_tokens: usize,
+}
+
+/// `usage.output_tokens_details`.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct OutputTokensDetails {
+    pub(crate) reasoning_tokens: usize,
+}
+
+/// One server-sent event of a streamed response; `type` is also the SSE `event:` name.
+#[derive(Debug, Serialize)]
+#[serde(tag = "type")]
+pub(crate) enum ResponseStreamEvent {
+    #[serde(rename = "response.created")]
+    Created { sequence_number: u64, response: ResponseObject },
+    #[serde(rename = "response.in_progress")]
+    InProgress { sequence_number: u64, response: ResponseObject },
+    #[serde(rename = "response.output_item.added")]
+    OutputItemAdded { sequence_number: u64, output_index: usize, item: OutputMessage },
+    #[serde(rename = "response.content_part.added")]
+    ContentPartAdded {
+        sequence_number: u64,
+        item_id: String,
+        output_index: usize,
+        content_index: usize,
+        part: OutputText,
+    },
+    #[serde(rename = "response.output_text.delta")]
+    OutputTextDelta {
+        sequence_number: u64,
+        item_id: String,
+        output_index: usize,
+        content_index: usize,
+        delta: String,
+        logprobs: Vec<serde_json::Value>,
+    },
+    #[serde(rename = "response.output_text.done")]
+    OutputTextDone {
+        sequence_number: u64,
+        item_id: String,
+        output_index: usize,
+        content_index: usize,
+        text: String,
+        logprobs: Vec<serde_json::Value>,
+    },
+    #[serde(rename = "response.content_part.done")]
+    ContentPartDone {
+        sequence_number: u64,
+        item_id: String,
+        output_index: usize,
+        content_index: usize,
+        part: OutputText,
+    },
+    #[serde(rename = "response.output_item.done")]
+    OutputItemDone { sequence_number: u64, output_index: usize, item: OutputMessage },
+    #[serde(rename = "response.completed")]
+    Completed { sequence_number: u64, response: ResponseObject },
+    #[serde(rename = "response.incomplete")]
+    Incomplete { sequence_number: u64, response: ResponseObject },
+    #[serde(rename = "response.failed")]
+    Failed { sequence_number: u64, response: ResponseObject },
+}
+
+impl ResponseStreamEvent {
+    /// The event's `type`, used as the SSE `event:` line.
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Self::Created { .. } => "response.created",
+            Self::InProgress { .. } => "response.in_progress",
+            Self::OutputItemAdded { .. } => "response.output_item.added",
+            Self::ContentPartAdded { .. } => "response.content_part.added",
+            Self::OutputTextDelta { .. } => "response.output_text.delta",
+            Self::OutputTextDone { .. } => "response.output_text.done",
+            Self::ContentPartDone { .. } => "response.content_part.done",
+            Self::OutputItemDone { .. } => "response.output_item.done",
+            Self::Completed { .. } => "response.completed",
+            Self::Incomplete { .. } => "response.incomplete",
+            Self::Failed { .. } => "response.failed",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_name_matches_serialized_type() {
+        let e = ResponseStreamEvent::OutputTextDelta {
+            sequence_number: 3,
+            item_id: "msg_1".into(),
+            output_index: 0,
+            content_index: 0,
+            delta: "hi".into(),
+            logprobs: Vec::new(),
+        };
+        let v = serde_json::to_value(&e).unwrap();
+        assert_eq!(v["type"], e.name());
+        assert_eq!(v["sequence_number"], 3);
+        assert_eq!(v["delta"], "hi");
+    }
+}

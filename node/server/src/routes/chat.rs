@@ -1,0 +1,214 @@
+//! `POST /v1/chat/completions`.
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use pd_engine::{EngineError, GenerateRequest, RequestEvent, TokenLogprob};
+use pd_tokenize::Tokenizer;
+
+use super::{AppState, JsonBody, new_id, unix_now};
+use crate::error::ApiError;
+use crate::generation::{TokenCounts, collect};
+use crate::openai::chat::{
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
+    ChatLogprobs, ChatMessageOut, ChatTokenLogprob, TopLogprob,
+};
+use crate::openai::{Usage, non_negative};
+use crate::prompt::{chat_messages, chat_tokens, token_text};
+use crate::sse::{DONE, SseFormatter, data_frame, error_frame, sse_response};
+
+const ROLE: &str = "assistant";
+
+pub(super) async fn create(
+    State(state): State<AppState>,
+    JsonBody(req): JsonBody<ChatCompletionRequest>,
+) -> Result<Response, ApiError> {
+    let model = state.model_name(req.model.as_deref())?;
+    let logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
+        (false, Some(k)) if k > 0 => {
+            return Err(ApiError::invalid("top_logprobs", "top_logprobs requires logprobs to be true"));
+        }
+        (false, _) => None,
+        (true, k) => Some(non_negative(k.unwrap_or(0), "top_logprobs")?),
+    };
+    let max_tokens = match req.max_completion_tokens {
+        Some(m) => (Some(m), "max_completion_tokens"),
+        None => (req.max_tokens, "max_tokens"),
+    };
+    let params = req.sampling.to_params(max_tokens, logprobs)?;
+    params.validate().map_err(EngineError::from)?;
+    let messages = chat_messages(&req.messages)?;
+    let prompt_tokens = chat_tokens(&state.engine, messages, "messages").await?;
+
+    let n = params.n;
+    let prompt_len = prompt_tokens.len();
+    let prompt_token_ids = req.sampling.return_token_ids().then(|| prompt_tokens.clone());
+    let stream = state.engine.submit(GenerateRequest { prompt_tokens, params })?;
+    let out = Output {
+        id: new_id("chatcmpl-"),
+        created: unix_now(),
+        model,
+        tokenizer: state.engine.tokenizer().clone(),
+        return_token_ids: prompt_token_ids.is_some(),
+    };
+    tracing::debug!(id = %out.id, engine_id = %stream.id(), n, prompt_len, "chat completion");
+
+    if req.sampling.stream() {
+        let formatter = ChatStream {
+            counts: TokenCounts::new(prompt_len),
+            include_usage: req.sampling.include_usage(),
+            finished: vec![false; n],
+            failed: false,
+            prompt_token_ids,
+            out,
+        };
+        return Ok(sse_response(stream, formatter));
+    }
+
+    let generation = collect(stream, n, prompt_len).await?;
+    let choices = generation
+        .children
+        .into_iter()
+        .enumerate()
+        .map(|(index, child)| ChatChoice {
+            index,
+            message: ChatMessageOut { role: ROLE, content: child.text, tool_calls: Vec::new() },
+            logprobs: logprobs.is_some().then(|| ChatLogprobs {
+                content: child.logprobs.iter().map(|lp| logprob_entry(&out.tokenizer, lp)).collect(),
+            }),
+            finish_reason: child.finish_reason.map(|r| r.as_str()),
+            token_ids: out.return_token_ids.then_some(child.token_ids),
+        })
+        .collect();
+    Ok(Json(ChatCompletionResponse {
+        id: out.id,
+        object: "chat.completion",
+        created: out.created,
+        model: out.model,
+        choices,
+        usage: generation.usage.usage(),
+        prompt_token_ids,
+    })
+    .into_response())
+}
+
+/// One `logprobs.content` entry.
+fn logprob_entry(tokenizer: &Tokenizer, lp: &TokenLogprob) -> ChatTokenLogprob {
+    let token = token_text(tokenizer, lp.token_id);
+    ChatTokenLogprob {
+        bytes: token.as_bytes().to_vec(),
+        token,
+        logprob: lp.logprob,
+        top_logprobs: lp
+            .top
+            .iter()
+            .map(|&(id, logprob)| {
+                let token = token_text(tokenizer, id);
+                TopLogprob { bytes: token.as_bytes().to_vec(), token, logprob }
+            })
+            .collect(),
+    }
+}
+
+/// What every chunk of one request repeats.
+#[derive(Debug)]
+struct Output {
+    id: String,
+    created: u64,
+    model: String,
+    tokenizer: Arc<Tokenizer>,
+    return_token_ids: bool,
+}
+
+/// Streams `chat.completion.chunk`s: a role chunk per choice, content deltas interleaved by
+/// `index`, a final chunk per choice with its `finish_reason`, the usage chunk, `[DONE]`.
+#[derive(Debug)]
+struct ChatStream {
+    out: Output,
+    counts: TokenCounts,
+    include_usage: bool,
+    finished: Vec<bool>,
+    failed: bool,
+    /// Sent on the first chunk, then `None`.
+    prompt_token_ids: Option<Vec<u32>>,
+}
+
+impl ChatStream {
+    fn chunk(&mut self, choices: Vec<ChatChunkChoice>, usage: Option<Usage>) -> ChatCompletionChunk {
+        ChatCompletionChunk {
+            id: self.out.id.clone(),
+            object: "chat.completion.chunk",
+            created: self.out.created,
+            model: self.out.model.clone(),
+            choices,
+            usage,
+            prompt_token_ids: self.prompt_token_ids.take(),
+        }
+    }
+
+    fn choice(&self, index: usize, delta: ChatDelta, logprob: Option<&TokenLogprob>, token_ids: Vec<u32>, finish: Option<&'static str>) -> ChatChunkChoice {
+        ChatChunkChoice {
+            index,
+            delta,
+            logprobs: logprob.map(|lp| ChatLogprobs { content: vec![logprob_entry(&self.out.tokenizer, lp)] }),
+            finish_reason: finish,
+            token_ids: self.out.return_token_ids.then_some(token_ids),
+        }
+    }
+}
+
+impl SseFormatter for ChatStream {
+    fn prelude(&mut self, out: &mut Vec<u8>) {
+        for index in 0..self.finished.len() {
+            let delta = ChatDelta { role: Some(ROLE), content: Some(String::new()) };
+            let choice = self.choice(index, delta, None, Vec::new(), None);
+            let chunk = self.chunk(vec![choice], None);
+            data_frame(out, &chunk);
+        }
+    }
+
+    fn event(&mut self, event: RequestEvent, out: &mut Vec<u8>) {
+        self.counts.observe(&event);
+        let choice = match event {
+            RequestEvent::Started { .. } => None,
+            RequestEvent::Token { child, token_id, text, logprob } => {
+                if text.is_empty() && logprob.is_none() && !self.out.return_token_ids {
+                    None
+                } else {
+                    let delta = ChatDelta { role: None, content: Some(text) };
+                    Some(self.choice(child, delta, logprob.as_ref(), vec![token_id], None))
+                }
+            }
+            RequestEvent::Finished { child, reason, text, .. } => {
+                if let Some(f) = self.finished.get_mut(child) {
+                    *f = true;
+                }
+                let delta = ChatDelta { role: None, content: (!text.is_empty()).then_some(text) };
+                Some(self.choice(child, delta, None, Vec::new(), Some(reason.as_str())))
+            }
+            RequestEvent::Failed { message } => {
+                self.failed = true;
+                error_frame(out, &ApiError::GenerationFailed(message));
+                None
+            }
+        };
+        if let Some(choice) = choice {
+            let chunk = self.chunk(vec![choice], None);
+            data_frame(out, &chunk);
+        }
+    }
+
+    fn finish(&mut self, out: &mut Vec<u8>) {
+        if !self.failed && self.finished.iter().any(|f| !f) {
+            self.failed = true;
+            error_frame(out, &ApiError::EngineStopped);
+        }
+        if self.include_usage && !self.failed {
+            let chunk = self.chunk(Vec::new(), Some(self.counts.usage()));
+            data_frame(out, &chunk);
+        }
+        out.extend_from_slice(DONE);
+    }
+}

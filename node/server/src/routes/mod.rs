@@ -1,0 +1,178 @@
+//! The axum router: one module per OpenAI endpoint, plus health, models, metrics and the
+//! fallbacks that keep every error in the OpenAI shape.
+
+mod chat;
+mod completions;
+mod responses;
+
+use std::hash::{BuildHasher, RandomState};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
+use axum::http::{Method, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use bytes::Bytes;
+use pd_engine::EngineHandle;
+use serde::de::DeserializeOwned;
+
+use crate::error::ApiError;
+use crate::openai::{ModelCard, ModelList};
+
+/// Largest request body accepted; larger ones get a 413.
+pub const MAX_BODY_BYTES: usize = 32 << 20;
+
+/// What every handler shares.
+#[derive(Debug, Clone)]
+pub(crate) struct AppState {
+    pub(crate) engine: EngineHandle,
+    /// Unix seconds when this server started (the model card's `created`).
+    pub(crate) started: u64,
+}
+
+impl AppState {
+    /// Checks the request's `model` against the served one (absent means the served one) and
+    /// returns the name to echo back.
+    pub(crate) fn model_name(&self, requested: Option<&str>) -> Result<String, ApiError> {
+        let served = &self.engine.info().model_name;
+        match requested {
+            None => Ok(served.clone()),
+            Some(m) if m == served => Ok(served.clone()),
+            Some(m) => Err(ApiError::ModelNotFound(m.to_owned())),
+        }
+    }
+}
+
+pub(crate) fn router(engine: EngineHandle) -> Router {
+    let state = AppState { engine, started: unix_now() };
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
+        .route("/v1/completions", post(completions::create))
+        .route("/v1/chat/completions", post(chat::create))
+        .route("/v1/responses", post(responses::create))
+        .fallback(unknown_route)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+async fn health() -> StatusCode {
+    StatusCode::OK
+}
+
+async fn models(State(state): State<AppState>) -> Json<ModelList> {
+    let info = state.engine.info();
+    Json(ModelList {
+        object: "list",
+        data: vec![ModelCard {
+            id: info.model_name.clone(),
+            object: "model",
+            created: state.started,
+            owned_by: "pd-node",
+            root: info.model_name.clone(),
+            parent: None,
+            max_model_len: info.max_model_len,
+        }],
+    })
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    let families = state.engine.metrics().registry().gather();
+    match prometheus::TextEncoder::new().encode_to_string(&families) {
+        Ok(text) => ([(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)], text).into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "encoding metrics failed");
+            (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response()
+        }
+    }
+}
+
+async fn unknown_route(method: Method, uri: Uri) -> ApiError {
+    ApiError::UnknownRoute { method: method.to_string(), path: uri.path().to_owned() }
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::MethodNotAllowed { method: method.to_string(), path: uri.path().to_owned() }
+}
+
+/// A JSON body read as bytes and parsed here, whatever the `Content-Type`, so every failure is
+/// a 400 (or 413) in the OpenAI error shape and a missing field is named in `param`.
+#[derive(Debug)]
+pub(crate) struct JsonBody<T>(pub(crate) T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
+            if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::PayloadTooLarge { limit: MAX_BODY_BYTES }
+            } else {
+                ApiError::InvalidRequest { message: rejection.body_text(), param: None }
+            }
+        })?;
+        parse_json(&bytes).map(JsonBody)
+    }
+}
+
+fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let value: serde_json::Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::InvalidRequest { message: format!("Invalid JSON body: {e}"), param: None })?;
+    if !value.is_object() {
+        return Err(ApiError::InvalidRequest { message: "The request body must be a JSON object".into(), param: None });
+    }
+    T::deserialize(value).map_err(|e| {
+        let message = e.to_string();
+        let param = missing_field(&message).map(str::to_owned);
+        ApiError::InvalidRequest { message: format!("Invalid request: {message}"), param }
+    })
+}
+
+/// The field named by serde's "missing field `x`" message.
+fn missing_field(message: &str) -> Option<&str> {
+    let rest = message.strip_prefix("missing field `")?;
+    rest.split('`').next()
+}
+
+/// Unix time in seconds.
+pub(crate) fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// A fresh id like `cmpl-3f2a…`: 128 random bits (std's per-process random hasher keys).
+pub(crate) fn new_id(prefix: &str) -> String {
+    let a = RandomState::new().hash_one(unix_now());
+    let b = RandomState::new().hash_one(a);
+    format!("{prefix}{a:016x}{b:016x}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, serde::Deserialize)]
+    struct Needs {
+        #[allow(dead_code)]
+        prompt: String,
+    }
+
+    #[test]
+    fn json_errors_name_missing_fields() {
+        let e = parse_json::<Needs>(br#"{"model": "m"}"#).unwrap_err();
+        assert_eq!(e.param(), Some("prompt"));
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        let e = parse_json::<Needs>(b"{not json").unwrap_err();
+        assert!(e.to_string().starts_with("Invalid JSON body"), "{e}");
+        let e = parse_json::<Needs>(b"[1]").unwrap_err();
+        assert_eq!(e.param(), None);
+    }
+
+    #[test]
+    fn ids_are_unique() {
+        assert_ne!(new_id("cmpl-"), new_id("cmpl-"));
+        assert!(new_id("resp_").starts_with("resp_"));
+    }
+}

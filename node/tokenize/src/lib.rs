@@ -1,0 +1,38 @@
+//! `pd-tokenize` owns everything between text and token ids for one Hugging Face model
+//! directory: loading `tokenizer.json` and `tokenizer_config.json` (plus the optional
+//! `generation_config.json`, `config.json` and `chat_template.jinja` for stop ids and the
+//! template), rendering the chat template with minijinja the way `transformers` renders it
+//! with jinja2, incremental detokenization for streaming, and writing a tiny byte-level
+//! tokenizer for generated test models. The nodes and the gateway both use it, so a prompt
+//! tokenizes to the same ids everywhere.
+//!
+//! This crate does not run models, touch the KV cache, or do any I/O besides reading and
+//! writing those few files; it depends on neither candle nor tokio.
+//!
+//! Brief overview:
+//! - [`Tokenizer`]: loaded once per model with [`Tokenizer::from_dir`]; `Send + Sync`, share it
+//!   behind an `Arc`.
+//! - [`Tokenizer::apply_chat_template`]: renders [`ChatMessage`]s to prompt text. The template
+//!   already contains any BOS token, so encode its output with `add_special_tokens = false`.
+//! - [`IncrementalDecoder`]: per-sequence streaming detokenizer, created by
+//!   [`Tokenizer::decoder`].
+//! - [`write_byte_level_tokenizer`]: writes a 256-byte tokenizer plus ChatML specials.
+#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
+#![deny(unused_must_use)]
+
+mod byte_level;
+mod decoder;
+mod error;
+mod template;
+mod tokenizer;
+
+pub use byte_level::{
+    BYTE_LEVEL_ENDOFTEXT_ID, BYTE_LEVEL_IM_END_ID, BYTE_LEVEL_IM_START_ID,
+    BYTE_LEVEL_MIN_VOCAB_SIZE, write_byte_level_tokenizer,
+};
+pub use decoder::IncrementalDecoder;
+pub use error::TokenizeError;
+pub use tokenizer::{ChatMessage, Tokenizer};
+
+#[cfg(test)]
+pub(crate) mod test_util;
