@@ -40,3 +40,599 @@ impl Default for EngineConfig {
         }
     }
 }
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::Instant;
+
+use candle_core::Device;
+use pd_kv_pool::{KvDtype, KvLayout, KvPool};
+use pd_model::{BatchInput, Model};
+use pd_tokenize::Tokenizer;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use tokio::sync::mpsc as tokio_mpsc;
+
+use crate::error::EngineError;
+use crate::handle::{Command, EngineInfo};
+use crate::metrics::EngineMetrics;
+use crate::request::{
+    FinishReason, GenerateRequest, InvalidRequest, RequestEvent, RequestId, SamplingParams,
+};
+use crate::sampler;
+use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::sequence::Sequence;
+
+/// Per-request state kept while any child is alive.
+#[derive(Debug)]
+struct RequestState {
+    params: SamplingParams,
+    events: tokio_mpsc::UnboundedSender<RequestEvent>,
+    arrival: Instant,
+    /// Children not yet finished.
+    open: usize,
+    /// Whether the `n` children were forked off child 0 yet.
+    forked: bool,
+    first_token_at: Option<Instant>,
+    /// Resolved `max_tokens`.
+    max_tokens: usize,
+    /// Longest stop string in bytes (text held back from the client).
+    max_stop_len: usize,
+}
+
+/// The model, its KV pool and the scheduler, stepped by one thread.
+#[derive(Debug)]
+pub struct Engine {
+    model: Model,
+    pool: KvPool,
+    scheduler: Scheduler,
+    tokenizer: Arc<Tokenizer>,
+    info: EngineInfo,
+    metrics: EngineMetrics,
+    requests: HashMap<RequestId, RequestState>,
+    eos: Vec<u32>,
+}
+
+impl Engine {
+    /// Loads the model and tokenizer of `cfg.model_dir` and allocates the KV pool.
+    ///
+    /// # Errors
+    /// [`EngineError::Model`] naming an unsupported architecture/dtype or a missing file,
+    /// [`EngineError::Tokenize`] for tokenizer files, [`EngineError::Invalid`] for a pool too small.
+    pub fn load(cfg: &EngineConfig) -> Result<Self, EngineError> {
+        let device = Device::Cpu;
+        let model = Model::load(&cfg.model_dir, &device)?;
+        let tokenizer = Arc::new(Tokenizer::from_dir(&cfg.model_dir)?);
+        let mc = model.config().clone();
+        let bad =
+            |param: &'static str, m: String| EngineError::Invalid(InvalidRequest::new(param, m));
+        if cfg.block_size == 0 || cfg.max_num_batched_tokens == 0 || cfg.max_num_seqs == 0 {
+            return Err(bad(
+                "block_size",
+                "block size, token budget and sequence limit must be positive".into(),
+            ));
+        }
+        let mut layout = KvLayout {
+            num_blocks: 0,
+            block_size: cfg.block_size,
+            num_layers: mc.num_layers,
+            num_kv_heads: mc.num_kv_heads,
+            head_dim: mc.head_dim,
+            dtype: KvDtype::F32,
+        };
+        layout.num_blocks = cfg.num_blocks.unwrap_or_else(|| {
+            KvLayout::blocks_for_bytes(cfg.kv_cache_memory, layout.block_bytes())
+        });
+        if layout.num_blocks == 0 {
+            return Err(bad(
+                "num_gpu_blocks",
+                format!(
+                    "KV pool of {} bytes holds no block of {} bytes",
+                    cfg.kv_cache_memory,
+                    layout.block_bytes()
+                ),
+            ));
+        }
+        let pool = KvPool::new(layout).map_err(|e| {
+            bad(
+                "kv_cache_memory",
+                format!("cannot allocate the KV pool: {e}"),
+            )
+        })?;
+        let capacity = layout.num_blocks * layout.block_size;
+        let mut max_model_len = cfg
+            .max_model_len
+            .unwrap_or(mc.max_position_embeddings)
+            .min(mc.max_position_embeddings);
+        if max_model_len > capacity {
+            tracing::warn!(
+                max_model_len,
+                capacity,
+                "KV pool holds fewer tokens than the context; capping max_model_len"
+            );
+            max_model_len = capacity;
+        }
+        let model_name = cfg.served_model_name.clone().unwrap_or_else(|| {
+            cfg.model_dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "model".into())
+        });
+        let mut eos = mc.eos_token_ids.clone();
+        eos.extend_from_slice(tokenizer.eos_token_ids());
+        eos.sort_unstable();
+        eos.dedup();
+        let metrics = EngineMetrics::new();
+        metrics.kv_blocks_total.set(layout.num_blocks as i64);
+        metrics.kv_blocks_free.set(layout.num_blocks as i64);
+        tracing::info!(
+            model = %model_name, blocks = layout.num_blocks, block_size = layout.block_size,
+            pool_bytes = layout.pool_bytes(), max_model_len, "engine ready"
+        );
+        Ok(Self {
+            info: EngineInfo {
+                model_name,
+                max_model_len,
+                block_size: layout.block_size,
+                num_blocks: layout.num_blocks,
+                vocab_size: mc.vocab_size,
+            },
+            scheduler: Scheduler::new(
+                SchedulerConfig {
+                    block_size: layout.block_size,
+                    max_num_batched_tokens: cfg.max_num_batched_tokens,
+                    max_num_seqs: cfg.max_num_seqs,
+                    enable_prefix_caching: cfg.enable_prefix_caching,
+                },
+                layout.num_blocks,
+            ),
+            model,
+            pool,
+            tokenizer,
+            metrics,
+            requests: HashMap::new(),
+            eos,
+        })
+    }
+
+    pub(crate) fn info(&self) -> &EngineInfo {
+        &self.info
+    }
+
+    pub(crate) fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    pub(crate) fn metrics(&self) -> &EngineMetrics {
+        &self.metrics
+    }
+
+    /// The engine thread's loop: take commands, step while there is work, sleep otherwise.
+    pub(crate) fn run(mut self, commands: mpsc::Receiver<Command>) {
+        loop {
+            if !self.scheduler.has_work() {
+                match commands.recv() {
+                    Ok(c) => {
+                        if !self.handle(c) {
+                            break;
+                        }
+                    }
+                    Err(_) => break,
+                }
+            }
+            let mut stop = false;
+            while let Ok(c) = commands.try_recv() {
+                if !self.handle(c) {
+                    stop = true;
+                    break;
+                }
+            }
+            if stop {
+                break;
+            }
+            if self.scheduler.has_work() {
+                self.step();
+            }
+        }
+        for (_, state) in self.requests.drain() {
+            let _ = state.events.send(RequestEvent::Failed {
+                message: "engine shut down".into(),
+            });
+        }
+    }
+
+    /// Applies one command; false means stop.
+    fn handle(&mut self, command: Command) -> bool {
+        match command {
+            Command::Add {
+                id,
+                request,
+                arrival,
+                events,
+            } => self.add(id, request, arrival, events),
+            Command::Abort(id) => self.abort(id),
+            Command::Shutdown => return false,
+        }
+        true
+    }
+
+    fn add(
+        &mut self,
+        id: RequestId,
+        request: GenerateRequest,
+        arrival: Instant,
+        events: tokio_mpsc::UnboundedSender<RequestEvent>,
+    ) {
+        let GenerateRequest {
+            prompt_tokens,
+            params,
+        } = request;
+        let prompt_len = prompt_tokens.len();
+        let max_tokens = params
+            .max_tokens
+            .unwrap_or(self.info.max_model_len - prompt_len);
+        let seed = params.seed.unwrap_or_else(|| rand::rng().random());
+        let seq = Sequence {
+            request: id,
+            child: 0,
+            decoder: self.tokenizer.decoder_with_prompt(true, &prompt_tokens),
+            tokens: prompt_tokens,
+            prompt_len,
+            num_computed: 0,
+            blocks: Vec::new(),
+            hashes: Vec::new(),
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            text: String::new(),
+            sent: 0,
+            last_token_at: None,
+        };
+        let max_stop_len = params.stop.iter().map(String::len).max().unwrap_or(0);
+        self.requests.insert(
+            id,
+            RequestState {
+                open: params.n,
+                params: SamplingParams {
+                    seed: Some(seed),
+                    ..params
+                },
+                events,
+                arrival,
+                forked: false,
+                first_token_at: None,
+                max_tokens,
+                max_stop_len,
+            },
+        );
+        self.scheduler.waiting.push_back(seq);
+        self.update_gauges();
+    }
+
+    fn abort(&mut self, id: RequestId) {
+        if self.requests.remove(&id).is_some() {
+            let n = self.scheduler.remove_request(id);
+            tracing::debug!(request = %id, sequences = n, "request aborted");
+            self.metrics.requests_finished.inc();
+            self.update_gauges();
+        }
+    }
+
+    /// One scheduling step and forward pass.
+    fn step(&mut self) {
+        let plan = self.scheduler.schedule();
+        self.metrics.preemptions.inc_by(plan.preempted as u64);
+        for &(id, cached) in &plan.admitted {
+            if let Some(state) = self.requests.get(&id) {
+                let prompt_tokens = self
+                    .scheduler
+                    .running
+                    .iter()
+                    .find(|s| s.request == id)
+                    .map_or(0, |s| s.prompt_len);
+                self.metrics.prompt_tokens.inc_by(prompt_tokens as u64);
+                self.metrics
+                    .prefix_cache_queries
+                    .inc_by(prompt_tokens as u64);
+                self.metrics.prefix_cache_hits.inc_by(cached as u64);
+                let _ = state.events.send(RequestEvent::Started {
+                    prompt_tokens,
+                    cached_tokens: cached,
+                });
+            }
+        }
+        for b in self.scheduler.allocator.take_poison_list() {
+            self.pool.poison_block(b);
+        }
+        for &(src, dst) in &plan.copies {
+            self.pool.copy_block(src, dst);
+        }
+        if plan.scheduled.is_empty() {
+            self.update_gauges();
+            return;
+        }
+
+        let bs = self.info.block_size;
+        let mut batch = BatchInput::default();
+        let mut sampled = Vec::new();
+        for s in &plan.scheduled {
+            let seq = &self.scheduler.running[s.index];
+            let start = seq.num_computed;
+            let want_logits = start + s.num_tokens == seq.tokens.len();
+            if let Err(e) = batch.push_seq(
+                &seq.tokens[start..start + s.num_tokens],
+                start,
+                &seq.blocks,
+                bs,
+                want_logits,
+            ) {
+                tracing::error!(error = %e, "scheduler produced an invalid batch");
+            }
+            if want_logits {
+                sampled.push(s.index);
+            }
+        }
+        let logits = self
+            .model
+            .forward(&batch, &mut self.pool)
+            .and_then(|l| Ok(l.to_vec2::<f32>()?));
+        let logits = match logits {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "forward pass failed");
+                let ids: HashSet<RequestId> = plan
+                    .scheduled
+                    .iter()
+                    .map(|s| self.scheduler.running[s.index].request)
+                    .collect();
+                for id in ids {
+                    if let Some(state) = self.requests.remove(&id) {
+                        let _ = state.events.send(RequestEvent::Failed {
+                            message: format!("model error: {e}"),
+                        });
+                    }
+                    self.scheduler.remove_request(id);
+                }
+                self.update_gauges();
+                return;
+            }
+        };
+        for s in &plan.scheduled {
+            self.scheduler.commit(*s);
+        }
+        let mut finished: HashSet<(RequestId, usize)> = HashSet::new();
+        let mut gone: HashSet<RequestId> = HashSet::new();
+        for (row, &index) in logits.iter().zip(&sampled) {
+            let id = self.scheduler.running[index].request;
+            let Some(state) = self.requests.get_mut(&id) else {
+                continue;
+            };
+            let mut children = vec![index];
+            if !state.forked {
+                state.forked = true;
+                let seed = state.params.seed.unwrap_or(0);
+                for c in 1..state.params.n {
+                    let parent = &self.scheduler.running[index];
+                    for &b in &parent.blocks {
+                        self.scheduler.allocator.share(b);
+                    }
+                    let child =
+                        parent.fork(c, ChaCha8Rng::seed_from_u64(seed.wrapping_add(c as u64)));
+                    self.scheduler.running.push(child);
+                    children.push(self.scheduler.running.len() - 1);
+                }
+            }
+            for i in children {
+                match self.emit_token(i, row) {
+                    Ok(true) => {
+                        let s = &self.scheduler.running[i];
+                        finished.insert((s.request, s.child));
+                    }
+                    Ok(false) => {}
+                    Err(()) => {
+                        gone.insert(id);
+                    }
+                }
+            }
+        }
+        if !finished.is_empty() {
+            let mut done = Vec::new();
+            let mut i = 0;
+            while i < self.scheduler.running.len() {
+                let s = &self.scheduler.running[i];
+                if finished.contains(&(s.request, s.child)) {
+                    done.push(self.scheduler.running.remove(i));
+                } else {
+                    i += 1;
+                }
+            }
+            for mut s in done {
+                self.scheduler.release(&mut s);
+            }
+        }
+        for id in gone {
+            self.abort(id);
+        }
+        self.update_gauges();
+    }
+
+    /// Samples a token for `running[index]` from `logits`, updates its text and sends the
+    /// events. `Ok(true)`: the child finished. `Err(())`: the client is gone.
+    fn emit_token(&mut self, index: usize, logits: &[f32]) -> Result<bool, ()> {
+        let seq = &mut self.scheduler.running[index];
+        let Some(state) = self.requests.get_mut(&seq.request) else {
+            return Err(());
+        };
+        let token = sampler::sample(logits, &state.params, &mut seq.rng);
+        let logprob = state
+            .params
+            .logprobs
+            .map(|k| sampler::logprobs(logits, token, k));
+        seq.tokens.push(token);
+        let now = Instant::now();
+        match (state.first_token_at, seq.last_token_at) {
+            (None, _) => {
+                state.first_token_at = Some(now);
+                self.metrics
+                    .time_to_first_token
+                    .observe((now - state.arrival).as_secs_f64());
+            }
+            (_, Some(prev)) => self
+                .metrics
+                .inter_token_latency
+                .observe((now - prev).as_secs_f64()),
+            _ => {}
+        }
+        seq.last_token_at = Some(now);
+        self.metrics.generation_tokens.inc();
+
+        let mut reason = None;
+        if (!state.params.ignore_eos && self.eos.contains(&token))
+            || state.params.stop_token_ids.contains(&token)
+        {
+            reason = Some(FinishReason::Stop);
+        } else {
+            let piece = seq
+                .decoder
+                .step(&self.tokenizer, token)
+                .unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, token, "detokenization failed");
+                    String::new()
+                });
+            let search_from = seq.sent.saturating_sub(state.max_stop_len);
+            seq.text.push_str(&piece);
+            if let Some(at) = find_stop(&seq.text, search_from, &state.params.stop) {
+                seq.text.truncate(at);
+                reason = Some(FinishReason::Stop);
+            }
+        }
+        if reason.is_none()
+            && (seq.num_generated() >= state.max_tokens
+                || seq.tokens.len() >= self.info.max_model_len)
+        {
+            reason = Some(FinishReason::Length);
+            if let Ok(rest) = seq.decoder.flush(&self.tokenizer) {
+                seq.text.push_str(&rest);
+            }
+        }
+        // Hold back what could be the start of a stop string.
+        let mut upto = if reason.is_some() || state.max_stop_len == 0 {
+            seq.text.len()
+        } else {
+            seq.text.len().saturating_sub(state.max_stop_len - 1)
+        };
+        while !seq.text.is_char_boundary(upto) {
+            upto -= 1;
+        }
+        let text = if upto > seq.sent {
+            seq.text[seq.sent..upto].to_string()
+        } else {
+            String::new()
+        };
+        seq.sent = seq.sent.max(upto);
+        let child = seq.child;
+        if state
+            .events
+            .send(RequestEvent::Token {
+                child,
+                token_id: token,
+                text,
+                logprob,
+            })
+            .is_err()
+        {
+            return Err(());
+        }
+        let Some(reason) = reason else {
+            return Ok(false);
+        };
+        let completion_tokens = seq.num_generated();
+        let _ = state.events.send(RequestEvent::Finished {
+            child,
+            reason,
+            text: String::new(),
+            completion_tokens,
+        });
+        state.open -= 1;
+        if state.open == 0 {
+            self.metrics
+                .e2e_latency
+                .observe(state.arrival.elapsed().as_secs_f64());
+            self.metrics.requests_finished.inc();
+            let id = seq.request;
+            self.requests.remove(&id);
+        }
+        Ok(true)
+    }
+
+    fn update_gauges(&self) {
+        self.metrics
+            .running
+            .set(self.scheduler.running.len() as i64);
+        self.metrics
+            .waiting
+            .set(self.scheduler.waiting.len() as i64);
+        self.metrics
+            .waiting_remote_kv
+            .set(self.scheduler.remote.len() as i64);
+        self.metrics
+            .kv_blocks_free
+            .set(self.scheduler.allocator.num_free() as i64);
+    }
+}
+
+/// Byte index of the first stop string found in `text[from..]` (earliest match wins).
+fn find_stop(text: &str, mut from: usize, stops: &[String]) -> Option<usize> {
+    while !text.is_char_boundary(from) {
+        from -= 1;
+    }
+    stops
+        .iter()
+        .filter_map(|s| text[from..].find(s.as_str()).map(|i| i + from))
+        .min()
+}
+
+/// Checks `request` against the model and pool before it is queued.
+pub(crate) fn validate(info: &EngineInfo, request: &GenerateRequest) -> Result<(), InvalidRequest> {
+    request.params.validate()?;
+    let len = request.prompt_tokens.len();
+    if len == 0 {
+        return Err(InvalidRequest::new("prompt", "the prompt is empty"));
+    }
+    if let Some(&t) = request
+        .prompt_tokens
+        .iter()
+        .find(|&&t| t as usize >= info.vocab_size)
+    {
+        return Err(InvalidRequest::new(
+            "prompt",
+            format!(
+                "token id {t} is outside the vocabulary ({})",
+                info.vocab_size
+            ),
+        ));
+    }
+    if len >= info.max_model_len {
+        return Err(InvalidRequest::new(
+            "prompt",
+            format!(
+                "This model's maximum context length is {} tokens. However, your prompt has {len} tokens \
+                 (at least one token must be left for the completion).",
+                info.max_model_len
+            ),
+        ));
+    }
+    if let Some(m) = request.params.max_tokens
+        && len + m > info.max_model_len
+    {
+        return Err(InvalidRequest::new(
+            "max_tokens",
+            format!(
+                "This model's maximum context length is {} tokens. However, you requested {} tokens \
+                 ({len} in the prompt, {m} in the completion).",
+                info.max_model_len,
+                len + m
+            ),
+        ));
+    }
+    Ok(())
+}

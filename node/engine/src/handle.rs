@@ -128,9 +128,19 @@ impl EngineHandle {
         let (events, rx) = tokio_mpsc::unbounded_channel();
         self.inner
             .commands
-            .send(Command::Add { id, request, arrival: Instant::now(), events })
+            .send(Command::Add {
+                id,
+                request,
+                arrival: Instant::now(),
+                events,
+            })
             .map_err(|_| EngineError::Shutdown)?;
-        Ok(RequestStream { id, rx, commands: self.inner.commands.clone(), open_children: n })
+        Ok(RequestStream {
+            id,
+            rx,
+            commands: self.inner.commands.clone(),
+            open_children: n,
+        })
     }
 }
 
@@ -158,7 +168,9 @@ impl RequestStream {
         let event = self.rx.recv().await?;
         match &event {
             RequestEvent::Started { .. } => {}
-            RequestEvent::Finished { .. } => self.open_children = self.open_children.saturating_sub(1),
+            RequestEvent::Finished { .. } => {
+                self.open_children = self.open_children.saturating_sub(1)
+            }
             RequestEvent::Failed { .. } => self.open_children = 0,
             RequestEvent::Token { .. } => {}
         }

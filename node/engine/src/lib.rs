@@ -28,6 +28,6 @@ pub use error::EngineError;
 pub use handle::{EngineHandle, EngineInfo, RequestStream};
 pub use metrics::EngineMetrics;
 pub use request::{
-    FinishReason, GenerateRequest, InvalidRequest, MAX_LOGPROBS, MAX_N, RequestEvent, RequestId, SamplingParams,
-    TokenLogprob,
+    FinishReason, GenerateRequest, InvalidRequest, MAX_LOGPROBS, MAX_N, RequestEvent, RequestId,
+    SamplingParams, TokenLogprob,
 };

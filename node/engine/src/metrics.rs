@@ -46,36 +46,62 @@ impl EngineMetrics {
         let registry = Registry::new();
         let gauge = |name: &str, help: &str| {
             let g = IntGauge::with_opts(Opts::new(name, help)).expect("valid metric name");
-            registry.register(Box::new(g.clone())).expect("unique metric name");
+            registry
+                .register(Box::new(g.clone()))
+                .expect("unique metric name");
             g
         };
         let counter = |name: &str, help: &str| {
             let c = IntCounter::with_opts(Opts::new(name, help)).expect("valid metric name");
-            registry.register(Box::new(c.clone())).expect("unique metric name");
+            registry
+                .register(Box::new(c.clone()))
+                .expect("unique metric name");
             c
         };
         let histogram = |name: &str, help: &str| {
-            let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()))
-                .expect("valid metric name");
-            registry.register(Box::new(h.clone())).expect("unique metric name");
+            let h = Histogram::with_opts(
+                HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
+            )
+            .expect("valid metric name");
+            registry
+                .register(Box::new(h.clone()))
+                .expect("unique metric name");
             h
         };
         Self {
-            running: gauge("pd_node_requests_running", "Sequences being prefilled or decoded"),
-            waiting: gauge("pd_node_requests_waiting", "Sequences waiting to be scheduled"),
+            running: gauge(
+                "pd_node_requests_running",
+                "Sequences being prefilled or decoded",
+            ),
+            waiting: gauge(
+                "pd_node_requests_waiting",
+                "Sequences waiting to be scheduled",
+            ),
             waiting_remote_kv: gauge(
                 "pd_node_requests_waiting_remote_kv",
                 "Sequences waiting for KV from another node",
             ),
             kv_blocks_total: gauge("pd_node_kv_blocks_total", "Blocks in the KV pool"),
-            kv_blocks_free: gauge("pd_node_kv_blocks_free", "KV blocks not referenced by any sequence"),
+            kv_blocks_free: gauge(
+                "pd_node_kv_blocks_free",
+                "KV blocks not referenced by any sequence",
+            ),
             prefix_cache_queries: counter(
                 "pd_node_prefix_cache_queries_total",
                 "Prompt tokens looked up in the prefix cache",
             ),
-            prefix_cache_hits: counter("pd_node_prefix_cache_hits_total", "Prompt tokens found in the prefix cache"),
-            preemptions: counter("pd_node_preemptions_total", "Sequences preempted for recompute"),
-            prompt_tokens: counter("pd_node_prompt_tokens_total", "Prompt tokens of admitted requests"),
+            prefix_cache_hits: counter(
+                "pd_node_prefix_cache_hits_total",
+                "Prompt tokens found in the prefix cache",
+            ),
+            preemptions: counter(
+                "pd_node_preemptions_total",
+                "Sequences preempted for recompute",
+            ),
+            prompt_tokens: counter(
+                "pd_node_prompt_tokens_total",
+                "Prompt tokens of admitted requests",
+            ),
             generation_tokens: counter("pd_node_generation_tokens_total", "Generated tokens"),
             requests_finished: counter("pd_node_requests_finished_total", "Requests finished"),
             time_to_first_token: histogram(
@@ -86,7 +112,10 @@ impl EngineMetrics {
                 "pd_node_inter_token_latency_seconds",
                 "Seconds between consecutive tokens of one sequence",
             ),
-            e2e_latency: histogram("pd_node_e2e_request_latency_seconds", "Seconds from arrival to finish"),
+            e2e_latency: histogram(
+                "pd_node_e2e_request_latency_seconds",
+                "Seconds from arrival to finish",
+            ),
             registry,
         }
     }

@@ -72,7 +72,10 @@ pub struct InvalidRequest {
 
 impl InvalidRequest {
     pub(crate) fn new(param: &'static str, message: impl Into<String>) -> Self {
-        Self { message: message.into(), param: Some(param) }
+        Self {
+            message: message.into(),
+            param: Some(param),
+        }
     }
 }
 
@@ -80,19 +83,31 @@ impl SamplingParams {
     /// Checks ranges that do not depend on the prompt.
     pub fn validate(&self) -> Result<(), InvalidRequest> {
         if self.n == 0 || self.n > MAX_N {
-            return Err(InvalidRequest::new("n", format!("n must be between 1 and {MAX_N}, got {}", self.n)));
+            return Err(InvalidRequest::new(
+                "n",
+                format!("n must be between 1 and {MAX_N}, got {}", self.n),
+            ));
         }
         if !(self.temperature.is_finite() && (0.0..=2.0).contains(&self.temperature)) {
             return Err(InvalidRequest::new(
                 "temperature",
-                format!("temperature must be between 0 and 2, got {}", self.temperature),
+                format!(
+                    "temperature must be between 0 and 2, got {}",
+                    self.temperature
+                ),
             ));
         }
         if !(self.top_p.is_finite() && self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(InvalidRequest::new("top_p", format!("top_p must be in (0, 1], got {}", self.top_p)));
+            return Err(InvalidRequest::new(
+                "top_p",
+                format!("top_p must be in (0, 1], got {}", self.top_p),
+            ));
         }
         if self.max_tokens == Some(0) {
-            return Err(InvalidRequest::new("max_tokens", "max_tokens must be at least 1"));
+            return Err(InvalidRequest::new(
+                "max_tokens",
+                "max_tokens must be at least 1",
+            ));
         }
         if let Some(k) = self.logprobs
             && k > MAX_LOGPROBS
@@ -103,7 +118,10 @@ impl SamplingParams {
             ));
         }
         if self.stop.iter().any(|s| s.is_empty()) {
-            return Err(InvalidRequest::new("stop", "stop strings must not be empty"));
+            return Err(InvalidRequest::new(
+                "stop",
+                "stop strings must not be empty",
+            ));
         }
         Ok(())
     }

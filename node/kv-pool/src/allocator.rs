@@ -75,7 +75,13 @@ impl BlockAllocator {
     pub fn new(num_blocks: usize) -> Self {
         let mut a = Self {
             meta: (0..num_blocks)
-                .map(|_| Meta { ref_count: 0, hash: None, prev: NIL, next: NIL, on_free_list: false })
+                .map(|_| Meta {
+                    ref_count: 0,
+                    hash: None,
+                    prev: NIL,
+                    next: NIL,
+                    on_free_list: false,
+                })
                 .collect(),
             head: NIL,
             tail: NIL,
@@ -122,7 +128,9 @@ impl BlockAllocator {
     pub fn allocate(&mut self) -> Result<BlockId, AllocatorError> {
         let b = self.head;
         if b == NIL {
-            return Err(AllocatorError::Exhausted { total: self.meta.len() });
+            return Err(AllocatorError::Exhausted {
+                total: self.meta.len(),
+            });
         }
         self.unlink(b);
         let m = &mut self.meta[b as usize];
@@ -145,7 +153,9 @@ impl BlockAllocator {
     /// [`AllocatorError::Exhausted`] when fewer than `n` are free.
     pub fn allocate_n(&mut self, n: usize) -> Result<Vec<BlockId>, AllocatorError> {
         if n > self.num_free {
-            return Err(AllocatorError::Exhausted { total: self.meta.len() });
+            return Err(AllocatorError::Exhausted {
+                total: self.meta.len(),
+            });
         }
         (0..n).map(|_| self.allocate()).collect()
     }
@@ -191,7 +201,10 @@ impl BlockAllocator {
 
     /// Looks up the longest prefix of `hashes` present in the cache, without taking references.
     pub fn lookup(&self, hashes: &[BlockHash]) -> Vec<BlockId> {
-        hashes.iter().map_while(|h| self.cached.get(h).copied()).collect()
+        hashes
+            .iter()
+            .map_while(|h| self.cached.get(h).copied())
+            .collect()
     }
 
     /// Takes a reference on a cached block found by [`BlockAllocator::lookup`] (removing it from
@@ -275,7 +288,10 @@ mod tests {
         assert_eq!(a.ref_count(x), 1);
         let y = a.allocate().unwrap();
         assert_ne!(x, y);
-        assert!(a.allocate().is_err(), "x must not be handed out while referenced");
+        assert!(
+            a.allocate().is_err(),
+            "x must not be handed out while referenced"
+        );
         a.free(x);
         assert_eq!(a.allocate().unwrap(), x);
     }
@@ -306,7 +322,11 @@ mod tests {
     #[test]
     fn lookup_stops_at_first_miss() {
         let mut a = BlockAllocator::new(3);
-        let h = [block_hash(None, &[1]), block_hash(None, &[2]), block_hash(None, &[3])];
+        let h = [
+            block_hash(None, &[1]),
+            block_hash(None, &[2]),
+            block_hash(None, &[3]),
+        ];
         let b0 = a.allocate().unwrap();
         let b2 = a.allocate().unwrap();
         a.register(b0, h[0]);

@@ -20,7 +20,10 @@ pub fn block_hash(parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
     for t in tokens {
         bytes.extend_from_slice(&t.to_le_bytes());
     }
-    BlockHash(xxh3_64_with_seed(&bytes, parent.map_or(ROOT_HASH_SEED, |p| p.0)))
+    BlockHash(xxh3_64_with_seed(
+        &bytes,
+        parent.map_or(ROOT_HASH_SEED, |p| p.0),
+    ))
 }
 
 /// Hashes of every *full* block of `tokens` (a trailing partial block has no hash).
@@ -63,7 +66,10 @@ mod tests {
     #[test]
     fn hash_is_stable_across_builds() {
         // Pinned value: the gateway and every node must agree on it.
-        assert_eq!(hash_full_blocks(&[1, 2, 3, 4], 4)[0], block_hash(None, &[1, 2, 3, 4]));
+        assert_eq!(
+            hash_full_blocks(&[1, 2, 3, 4], 4)[0],
+            block_hash(None, &[1, 2, 3, 4])
+        );
         let h = block_hash(None, &[0, 1, 2, 3]);
         let again = block_hash(None, &[0, 1, 2, 3]);
         assert_eq!(h, again);

@@ -78,12 +78,17 @@ impl KvLayout {
     /// Element offset of the tile of (`block`, `layer`, `kv` 0=K/1=V, `head`).
     #[inline]
     pub fn tile_offset(&self, block: usize, layer: usize, kv: usize, head: usize) -> usize {
-        (((block * self.num_layers + layer) * 2 + kv) * self.num_kv_heads + head) * self.tile_elems()
+        (((block * self.num_layers + layer) * 2 + kv) * self.num_kv_heads + head)
+            * self.tile_elems()
     }
 
     /// How many blocks fit in `bytes` (at least zero).
     pub fn blocks_for_bytes(bytes: usize, block_bytes: usize) -> usize {
-        if block_bytes == 0 { 0 } else { bytes / block_bytes }
+        if block_bytes == 0 {
+            0
+        } else {
+            bytes / block_bytes
+        }
     }
 }
 
@@ -93,7 +98,14 @@ mod tests {
 
     #[test]
     fn offsets_cover_the_pool_without_overlap() {
-        let l = KvLayout { num_blocks: 3, block_size: 4, num_layers: 2, num_kv_heads: 2, head_dim: 8, dtype: KvDtype::F32 };
+        let l = KvLayout {
+            num_blocks: 3,
+            block_size: 4,
+            num_layers: 2,
+            num_kv_heads: 2,
+            head_dim: 8,
+            dtype: KvDtype::F32,
+        };
         let mut seen = vec![false; l.num_blocks * l.block_elems()];
         for b in 0..3 {
             for layer in 0..2 {

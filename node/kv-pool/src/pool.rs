@@ -26,9 +26,15 @@ impl KvPool {
         }
         let elems = layout.num_blocks * layout.block_elems();
         let mut v: Vec<f32> = Vec::new();
-        v.try_reserve_exact(elems).map_err(|_| AllocatorError::OutOfMemory { bytes: layout.pool_bytes() })?;
+        v.try_reserve_exact(elems)
+            .map_err(|_| AllocatorError::OutOfMemory {
+                bytes: layout.pool_bytes(),
+            })?;
         v.resize(elems, 0.0);
-        Ok(Self { layout, data: v.into_boxed_slice() })
+        Ok(Self {
+            layout,
+            data: v.into_boxed_slice(),
+        })
     }
 
     /// The layout of this pool.
@@ -71,7 +77,8 @@ impl KvPool {
     /// Copies block `src` over block `dst` (copy-on-write of a shared partial block).
     pub fn copy_block(&mut self, src: BlockId, dst: BlockId) {
         let n = self.layout.block_elems();
-        self.data.copy_within(src.index() * n..(src.index() + 1) * n, dst.index() * n);
+        self.data
+            .copy_within(src.index() * n..(src.index() + 1) * n, dst.index() * n);
     }
 
     /// Fills a block with NaN so any read of a block nobody owns shows up in the output.

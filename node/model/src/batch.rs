@@ -59,7 +59,8 @@ impl BatchInput {
             let pos = start + i;
             self.tokens.push(t);
             self.positions.push(pos as u32);
-            self.slots.push(block_table[pos / block_size].index() * block_size + pos % block_size);
+            self.slots
+                .push(block_table[pos / block_size].index() * block_size + pos % block_size);
         }
         self.seqs.push(SeqView {
             query_start,
@@ -68,7 +69,8 @@ impl BatchInput {
             block_table: block_table.to_vec(),
         });
         if want_logits && !tokens.is_empty() {
-            self.logits_rows.push((query_start + tokens.len() - 1) as u32);
+            self.logits_rows
+                .push((query_start + tokens.len() - 1) as u32);
         }
         Ok(())
     }

@@ -136,7 +136,10 @@ impl HfConfig {
     /// [`ModelError::Io`] / [`ModelError::Json`] naming the file.
     pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
+        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
+            path: path.clone(),
+            source,
+        })?;
         serde_json::from_str(&text).map_err(|source| ModelError::Json { path, source })
     }
 
@@ -171,7 +174,9 @@ impl HfConfig {
         }
         let head_dim = self.head_dim.unwrap_or(self.hidden_size / num_heads);
         if head_dim == 0 || head_dim % 2 != 0 {
-            return Err(ModelError::InvalidConfig(format!("head_dim must be even and positive, got {head_dim}")));
+            return Err(ModelError::InvalidConfig(format!(
+                "head_dim must be even and positive, got {head_dim}"
+            )));
         }
         if self.hidden_size == 0 || self.num_hidden_layers == 0 || self.vocab_size == 0 {
             return Err(ModelError::InvalidConfig(
@@ -181,20 +186,27 @@ impl HfConfig {
         let rope_scaling = match &self.rope_scaling {
             None | Some(serde_json::Value::Null) => None,
             Some(v) => {
-                let kind = v.get("rope_type").or_else(|| v.get("type")).and_then(|t| t.as_str()).unwrap_or("");
+                let kind = v
+                    .get("rope_type")
+                    .or_else(|| v.get("type"))
+                    .and_then(|t| t.as_str())
+                    .unwrap_or("");
                 match kind {
                     "default" => None,
                     "llama3" => {
                         let f = |k: &str| {
                             v.get(k).and_then(|x| x.as_f64()).ok_or_else(|| {
-                                ModelError::InvalidConfig(format!("rope_scaling.{k} missing for llama3 scaling"))
+                                ModelError::InvalidConfig(format!(
+                                    "rope_scaling.{k} missing for llama3 scaling"
+                                ))
                             })
                         };
                         Some(Llama3RopeScaling {
                             factor: f("factor")?,
                             low_freq_factor: f("low_freq_factor")?,
                             high_freq_factor: f("high_freq_factor")?,
-                            original_max_position_embeddings: f("original_max_position_embeddings")? as usize,
+                            original_max_position_embeddings: f("original_max_position_embeddings")?
+                                as usize,
                         })
                     }
                     other => {
@@ -206,8 +218,14 @@ impl HfConfig {
             }
         };
         let eos_token_ids = match &self.eos_token_id {
-            Some(serde_json::Value::Number(n)) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
-            Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|n| n as u32).collect(),
+            Some(serde_json::Value::Number(n)) => {
+                n.as_u64().map(|n| vec![n as u32]).unwrap_or_default()
+            }
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .filter_map(|x| x.as_u64())
+                .map(|n| n as u32)
+                .collect(),
             _ => Vec::new(),
         };
         Ok(ModelConfig {
@@ -239,7 +257,9 @@ impl ModelConfig {
             .step_by(2)
             .map(|i| 1f32 / (self.rope_theta as f32).powf(i as f32 / d as f32))
             .collect();
-        let Some(s) = self.rope_scaling else { return base };
+        let Some(s) = self.rope_scaling else {
+            return base;
+        };
         let low_wavelen = s.original_max_position_embeddings as f32 / s.low_freq_factor as f32;
         let high_wavelen = s.original_max_position_embeddings as f32 / s.high_freq_factor as f32;
         base.into_iter()
@@ -250,7 +270,8 @@ impl ModelConfig {
                 } else if wavelen > low_wavelen {
                     freq / s.factor as f32
                 } else {
-                    let smooth = (s.original_max_position_embeddings as f32 / wavelen - s.low_freq_factor as f32)
+                    let smooth = (s.original_max_position_embeddings as f32 / wavelen
+                        - s.low_freq_factor as f32)
                         / (s.high_freq_factor as f32 - s.low_freq_factor as f32);
                     (1.0 - smooth) * freq / s.factor as f32 + smooth * freq
                 }
@@ -293,7 +314,10 @@ mod tests {
         let mut v = base();
         v["architectures"] = serde_json::json!(["Qwen2ForCausalLM"]);
         v["eos_token_id"] = serde_json::json!([5, 7]);
-        let c = serde_json::from_value::<HfConfig>(v).unwrap().resolve().unwrap();
+        let c = serde_json::from_value::<HfConfig>(v)
+            .unwrap()
+            .resolve()
+            .unwrap();
         assert_eq!(c.arch, Arch::Qwen2);
         assert!(c.qkv_bias && !c.o_bias);
         assert_eq!(c.head_dim, 16);

@@ -25,7 +25,9 @@ pub enum ModelError {
     #[error("unsupported architecture {0:?}: supported are LlamaForCausalLM and Qwen2ForCausalLM")]
     UnsupportedArchitecture(String),
     /// The weights' or requested dtype is not supported.
-    #[error("unsupported dtype {0:?}: supported are float32, float16 and bfloat16 weights (computed in f32 on CPU)")]
+    #[error(
+        "unsupported dtype {0:?}: supported are float32, float16 and bfloat16 weights (computed in f32 on CPU)"
+    )]
     UnsupportedDtype(String),
     /// A config value is missing or inconsistent.
     #[error("invalid model config: {0}")]

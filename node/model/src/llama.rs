@@ -19,8 +19,17 @@ use crate::config::{HfConfig, ModelConfig};
 use crate::error::ModelError;
 use crate::paged_attention;
 
-fn linear(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> candle_core::Result<Linear> {
-    if bias { candle_nn::linear(in_dim, out_dim, vb) } else { candle_nn::linear_no_bias(in_dim, out_dim, vb) }
+fn linear(
+    in_dim: usize,
+    out_dim: usize,
+    bias: bool,
+    vb: VarBuilder,
+) -> candle_core::Result<Linear> {
+    if bias {
+        candle_nn::linear(in_dim, out_dim, vb)
+    } else {
+        candle_nn::linear_no_bias(in_dim, out_dim, vb)
+    }
 }
 
 /// Self-attention of one layer.
@@ -52,7 +61,13 @@ impl Attention {
     }
 
     /// `x`: (num_tokens, hidden) → (num_tokens, hidden). Writes this step's K/V into `pool`.
-    fn forward(&self, x: &Tensor, rope: &Rope, batch: &BatchInput, pool: &mut KvPool) -> Result<Tensor, ModelError> {
+    fn forward(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        batch: &BatchInput,
+        pool: &mut KvPool,
+    ) -> Result<Tensor, ModelError> {
         let (t, _hidden) = x.dims2()?;
         let (hd, nh, nkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
         // (t, nh*hd) → (1, t, nh, hd): rope_thd wants (batch, seq, heads, dim).
@@ -68,7 +83,8 @@ impl Attention {
         let layout = *pool.layout();
         paged_attention::write_kv(pool.data_mut(), &layout, self.layer, &k, &v, &batch.slots);
         let scale = 1.0 / (hd as f32).sqrt();
-        let out = paged_attention::attend(pool.data(), &layout, self.layer, &q, nh, &batch.seqs, scale);
+        let out =
+            paged_attention::attend(pool.data(), &layout, self.layer, &q, nh, &batch.seqs, scale);
         // (t, nh*hd) → o_proj → (t, hidden)
         let out = Tensor::from_vec(out, (t, nh * hd), x.device())?;
         Ok(self.o_proj.forward(&out)?)
@@ -112,7 +128,11 @@ pub struct DecoderLayer {
 impl DecoderLayer {
     fn load(vb: VarBuilder, cfg: &ModelConfig, layer: usize) -> candle_core::Result<Self> {
         Ok(Self {
-            input_layernorm: candle_nn::rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
+            input_layernorm: candle_nn::rms_norm(
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+                vb.pp("input_layernorm"),
+            )?,
             self_attn: Attention::load(vb.pp("self_attn"), cfg, layer)?,
             post_attention_layernorm: candle_nn::rms_norm(
                 cfg.hidden_size,
@@ -124,10 +144,20 @@ impl DecoderLayer {
     }
 
     /// `x`: (num_tokens, hidden) → (num_tokens, hidden).
-    fn forward(&self, x: &Tensor, rope: &Rope, batch: &BatchInput, pool: &mut KvPool) -> Result<Tensor, ModelError> {
-        let h = self.self_attn.forward(&self.input_layernorm.forward(x)?, rope, batch, pool)?;
+    fn forward(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        batch: &BatchInput,
+        pool: &mut KvPool,
+    ) -> Result<Tensor, ModelError> {
+        let h = self
+            .self_attn
+            .forward(&self.input_layernorm.forward(x)?, rope, batch, pool)?;
         let x = (x + h)?;
-        let h = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
+        let h = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&x)?)?;
         Ok((x + h)?)
     }
 }
@@ -163,19 +193,30 @@ pub struct Model {
 pub fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>, ModelError> {
     let index = dir.join("model.safetensors.index.json");
     let files: Vec<std::path::PathBuf> = if index.exists() {
-        let text = std::fs::read_to_string(&index).map_err(|source| ModelError::Io { path: index.clone(), source })?;
+        let text = std::fs::read_to_string(&index).map_err(|source| ModelError::Io {
+            path: index.clone(),
+            source,
+        })?;
         let v: serde_json::Value =
-            serde_json::from_str(&text).map_err(|source| ModelError::Json { path: index.clone(), source })?;
+            serde_json::from_str(&text).map_err(|source| ModelError::Json {
+                path: index.clone(),
+                source,
+            })?;
         let map = v
             .get("weight_map")
             .and_then(|m| m.as_object())
-            .ok_or_else(|| ModelError::InvalidConfig(format!("{} has no weight_map", index.display())))?;
+            .ok_or_else(|| {
+                ModelError::InvalidConfig(format!("{} has no weight_map", index.display()))
+            })?;
         let mut names: Vec<&str> = map.values().filter_map(|f| f.as_str()).collect();
         names.sort_unstable();
         names.dedup();
         names.into_iter().map(|n| dir.join(n)).collect()
     } else {
-        let rd = std::fs::read_dir(dir).map_err(|source| ModelError::Io { path: dir.to_path_buf(), source })?;
+        let rd = std::fs::read_dir(dir).map_err(|source| ModelError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
         let mut f: Vec<_> = rd
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
@@ -190,7 +231,10 @@ pub fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>, ModelErr
         if !f.exists() {
             return Err(ModelError::Io {
                 path: f.clone(),
-                source: std::io::Error::new(std::io::ErrorKind::NotFound, "shard listed in index is missing"),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "shard listed in index is missing",
+                ),
             });
         }
     }
@@ -217,9 +261,14 @@ impl Model {
     ///
     /// # Errors
     /// A missing tensor or a shape mismatch, naming the tensor.
-    pub fn from_var_builder(cfg: ModelConfig, vb: VarBuilder, device: &Device) -> Result<Self, ModelError> {
+    pub fn from_var_builder(
+        cfg: ModelConfig,
+        vb: VarBuilder,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
         let m = vb.pp("model");
-        let embed_tokens = candle_nn::embedding(cfg.vocab_size, cfg.hidden_size, m.pp("embed_tokens"))?;
+        let embed_tokens =
+            candle_nn::embedding(cfg.vocab_size, cfg.hidden_size, m.pp("embed_tokens"))?;
         let layers = (0..cfg.num_layers)
             .map(|i| DecoderLayer::load(m.pp("layers").pp(i), &cfg, i))
             .collect::<candle_core::Result<Vec<_>>>()?;
@@ -271,14 +320,18 @@ impl Model {
         let ids = Tensor::from_slice(&batch.tokens, (t,), &self.device)?;
         let positions = Tensor::from_slice(&batch.positions, (t,), &self.device)?;
         // (t, head_dim/2) each.
-        let rope = Rope { cos: self.cos.index_select(&positions, 0)?, sin: self.sin.index_select(&positions, 0)? };
+        let rope = Rope {
+            cos: self.cos.index_select(&positions, 0)?,
+            sin: self.sin.index_select(&positions, 0)?,
+        };
         // (t,) → (t, hidden)
         let mut x = self.embed_tokens.forward(&ids)?;
         for layer in &self.layers {
             x = layer.forward(&x, &rope, batch, pool)?;
         }
         // (t, hidden) → (n_logits, hidden) → (n_logits, vocab)
-        let rows = Tensor::from_slice(&batch.logits_rows, (batch.logits_rows.len(),), &self.device)?;
+        let rows =
+            Tensor::from_slice(&batch.logits_rows, (batch.logits_rows.len(),), &self.device)?;
         let x = self.norm.forward(&x.index_select(&rows, 0)?)?;
         Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
     }
@@ -286,18 +339,39 @@ impl Model {
     fn check_batch(&self, batch: &BatchInput, pool: &KvPool) -> Result<(), ModelError> {
         let l = pool.layout();
         let bad = |m: String| Err(ModelError::InvalidBatch(m));
-        if l.num_layers != self.cfg.num_layers || l.num_kv_heads != self.cfg.num_kv_heads || l.head_dim != self.cfg.head_dim {
+        if l.num_layers != self.cfg.num_layers
+            || l.num_kv_heads != self.cfg.num_kv_heads
+            || l.head_dim != self.cfg.head_dim
+        {
             return bad(format!("pool layout {l:?} does not match the model"));
         }
         let t = batch.tokens.len();
         if t == 0 || batch.positions.len() != t || batch.slots.len() != t {
-            return bad(format!("{t} tokens, {} positions, {} slots", batch.positions.len(), batch.slots.len()));
+            return bad(format!(
+                "{t} tokens, {} positions, {} slots",
+                batch.positions.len(),
+                batch.slots.len()
+            ));
         }
-        if let Some(&tok) = batch.tokens.iter().find(|&&x| x as usize >= self.cfg.vocab_size) {
-            return bad(format!("token id {tok} is outside the vocabulary ({})", self.cfg.vocab_size));
+        if let Some(&tok) = batch
+            .tokens
+            .iter()
+            .find(|&&x| x as usize >= self.cfg.vocab_size)
+        {
+            return bad(format!(
+                "token id {tok} is outside the vocabulary ({})",
+                self.cfg.vocab_size
+            ));
         }
-        if let Some(&p) = batch.positions.iter().find(|&&p| p as usize >= self.cfg.max_position_embeddings) {
-            return bad(format!("position {p} exceeds max_position_embeddings {}", self.cfg.max_position_embeddings));
+        if let Some(&p) = batch
+            .positions
+            .iter()
+            .find(|&&p| p as usize >= self.cfg.max_position_embeddings)
+        {
+            return bad(format!(
+                "position {p} exceeds max_position_embeddings {}",
+                self.cfg.max_position_embeddings
+            ));
         }
         let slots_total = l.num_blocks * l.block_size;
         if batch.slots.iter().any(|&s| s >= slots_total) {
@@ -305,7 +379,10 @@ impl Model {
         }
         let mut covered = 0;
         for s in &batch.seqs {
-            if s.query_start != covered || s.query_len > s.context_len || s.block_table.len() * l.block_size < s.context_len {
+            if s.query_start != covered
+                || s.query_len > s.context_len
+                || s.block_table.len() * l.block_size < s.context_len
+            {
                 return bad(format!("sequence view {s:?} is inconsistent"));
             }
             if s.block_table.iter().any(|b| b.index() >= l.num_blocks) {
@@ -325,22 +402,36 @@ impl Model {
 fn check_weight_dtypes(files: &[std::path::PathBuf]) -> Result<(), ModelError> {
     use std::io::Read;
     for f in files {
-        let io = |source| ModelError::Io { path: f.clone(), source };
+        let io = |source| ModelError::Io {
+            path: f.clone(),
+            source,
+        };
         let mut file = std::fs::File::open(f).map_err(io)?;
         let mut len = [0u8; 8];
         file.read_exact(&mut len).map_err(io)?;
         let len = u64::from_le_bytes(len);
         if len > 100 << 20 {
-            return Err(ModelError::InvalidConfig(format!("{}: safetensors header of {len} bytes", f.display())));
+            return Err(ModelError::InvalidConfig(format!(
+                "{}: safetensors header of {len} bytes",
+                f.display()
+            )));
         }
         let mut header = vec![0u8; len as usize];
         file.read_exact(&mut header).map_err(io)?;
-        let header: serde_json::Map<String, serde_json::Value> =
-            serde_json::from_slice(&header).map_err(|source| ModelError::Json { path: f.clone(), source })?;
+        let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
+            .map_err(|source| ModelError::Json {
+                path: f.clone(),
+                source,
+            })?;
         for (name, info) in &header {
-            let Some(dtype) = info.get("dtype").and_then(|d| d.as_str()) else { continue };
+            let Some(dtype) = info.get("dtype").and_then(|d| d.as_str()) else {
+                continue;
+            };
             if !matches!(dtype, "F32" | "F16" | "BF16") {
-                return Err(ModelError::UnsupportedDtype(format!("{dtype} (tensor {name} in {})", f.display())));
+                return Err(ModelError::UnsupportedDtype(format!(
+                    "{dtype} (tensor {name} in {})",
+                    f.display()
+                )));
             }
         }
     }

@@ -14,7 +14,14 @@ use crate::batch::SeqView;
 /// - `k`, `v`: `(num_tokens, num_kv_heads, head_dim)`, row-major.
 /// - `slots`: `(num_tokens,)`, `block * block_size + offset`.
 /// - `pool`: the whole pool, laid out as `layout` says.
-pub fn write_kv(pool: &mut [f32], layout: &KvLayout, layer: usize, k: &[f32], v: &[f32], slots: &[usize]) {
+pub fn write_kv(
+    pool: &mut [f32],
+    layout: &KvLayout,
+    layer: usize,
+    k: &[f32],
+    v: &[f32],
+    slots: &[usize],
+) {
     let (hd, kvh, bs) = (layout.head_dim, layout.num_kv_heads, layout.block_size);
     for (t, &slot) in slots.iter().enumerate() {
         let (block, off) = (slot / bs, slot % bs);
@@ -53,45 +60,48 @@ pub fn attend(
         rows.extend((0..seq.query_len).map(|i| (s, first + i)));
     }
     let mut out = vec![0f32; q.len()];
-    out.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (idx, o)| {
-        let (t, h) = (idx / num_heads, idx % num_heads);
-        let (s, pos) = rows[t];
-        let table: &[BlockId] = &seqs[s].block_table;
-        let kvh = h / group;
-        let qv = &q[idx * hd..(idx + 1) * hd];
-        let n = pos + 1;
-        scores.clear();
-        scores.reserve(n);
-        let mut max = f32::NEG_INFINITY;
-        for (b, block) in table.iter().enumerate().take(n.div_ceil(bs)) {
-            let base = layout.tile_offset(block.index(), layer, 0, kvh);
-            let len = bs.min(n - b * bs);
-            for j in 0..len {
-                let kv = &pool[base + j * hd..base + (j + 1) * hd];
-                let dot = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale;
-                max = max.max(dot);
-                scores.push(dot);
-            }
-        }
-        let mut denom = 0f32;
-        for x in scores.iter_mut() {
-            *x = (*x - max).exp();
-            denom += *x;
-        }
-        let inv = 1.0 / denom;
-        o.fill(0.0);
-        for (b, block) in table.iter().enumerate().take(n.div_ceil(bs)) {
-            let base = layout.tile_offset(block.index(), layer, 1, kvh);
-            let len = bs.min(n - b * bs);
-            for j in 0..len {
-                let p = scores[b * bs + j] * inv;
-                let vv = &pool[base + j * hd..base + (j + 1) * hd];
-                for (acc, x) in o.iter_mut().zip(vv) {
-                    *acc += p * x;
+    out.par_chunks_mut(hd).enumerate().for_each_init(
+        Vec::new,
+        |scores: &mut Vec<f32>, (idx, o)| {
+            let (t, h) = (idx / num_heads, idx % num_heads);
+            let (s, pos) = rows[t];
+            let table: &[BlockId] = &seqs[s].block_table;
+            let kvh = h / group;
+            let qv = &q[idx * hd..(idx + 1) * hd];
+            let n = pos + 1;
+            scores.clear();
+            scores.reserve(n);
+            let mut max = f32::NEG_INFINITY;
+            for (b, block) in table.iter().enumerate().take(n.div_ceil(bs)) {
+                let base = layout.tile_offset(block.index(), layer, 0, kvh);
+                let len = bs.min(n - b * bs);
+                for j in 0..len {
+                    let kv = &pool[base + j * hd..base + (j + 1) * hd];
+                    let dot = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale;
+                    max = max.max(dot);
+                    scores.push(dot);
                 }
             }
-        }
-    });
+            let mut denom = 0f32;
+            for x in scores.iter_mut() {
+                *x = (*x - max).exp();
+                denom += *x;
+            }
+            let inv = 1.0 / denom;
+            o.fill(0.0);
+            for (b, block) in table.iter().enumerate().take(n.div_ceil(bs)) {
+                let base = layout.tile_offset(block.index(), layer, 1, kvh);
+                let len = bs.min(n - b * bs);
+                for j in 0..len {
+                    let p = scores[b * bs + j] * inv;
+                    let vv = &pool[base + j * hd..base + (j + 1) * hd];
+                    for (acc, x) in o.iter_mut().zip(vv) {
+                        *acc += p * x;
+                    }
+                }
+            }
+        },
+    );
     out
 }
 
@@ -101,7 +111,15 @@ mod tests {
     use pd_kv_pool::KvDtype;
 
     /// Naive attention over contiguous K/V: (seq, kvh, hd).
-    fn reference(q: &[f32], k: &[f32], v: &[f32], heads: usize, kvh: usize, hd: usize, scale: f32) -> Vec<f32> {
+    fn reference(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        heads: usize,
+        kvh: usize,
+        hd: usize,
+        scale: f32,
+    ) -> Vec<f32> {
         let n = k.len() / (kvh * hd);
         let qn = q.len() / (heads * hd);
         let mut out = vec![0f32; q.len()];
@@ -111,7 +129,13 @@ mod tests {
                 let g = h / (heads / kvh);
                 let qv = &q[(t * heads + h) * hd..][..hd];
                 let s: Vec<f32> = (0..=pos)
-                    .map(|j| qv.iter().zip(&k[(j * kvh + g) * hd..][..hd]).map(|(a, b)| a * b).sum::<f32>() * scale)
+                    .map(|j| {
+                        qv.iter()
+                            .zip(&k[(j * kvh + g) * hd..][..hd])
+                            .map(|(a, b)| a * b)
+                            .sum::<f32>()
+                            * scale
+                    })
                     .collect();
                 let m = s.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
                 let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
@@ -129,7 +153,14 @@ mod tests {
     #[test]
     fn paged_equals_contiguous_with_scattered_blocks() {
         // 10 positions over blocks of 4 → 3 blocks, deliberately out of order in the pool.
-        let layout = KvLayout { num_blocks: 6, block_size: 4, num_layers: 2, num_kv_heads: 2, head_dim: 8, dtype: KvDtype::F32 };
+        let layout = KvLayout {
+            num_blocks: 6,
+            block_size: 4,
+            num_layers: 2,
+            num_kv_heads: 2,
+            head_dim: 8,
+            dtype: KvDtype::F32,
+        };
         let (heads, kvh, hd, n) = (4, 2, 8, 10);
         let mut x = 0.37f32;
         let mut rnd = || {
@@ -143,7 +174,12 @@ mod tests {
         let slots: Vec<usize> = (0..n).map(|p| table[p / 4].index() * 4 + p % 4).collect();
         let mut pool = vec![f32::NAN; layout.num_blocks * layout.block_elems()];
         write_kv(&mut pool, &layout, 1, &k, &v, &slots);
-        let seqs = [SeqView { query_start: 0, query_len: 3, context_len: n, block_table: table }];
+        let seqs = [SeqView {
+            query_start: 0,
+            query_len: 3,
+            context_len: n,
+            block_table: table,
+        }];
         let got = attend(&pool, &layout, 1, &q, heads, &seqs, 0.35);
         let want = reference(&q, &k, &v, heads, kvh, hd, 0.35);
         for (a, b) in got.iter().zip(&want) {

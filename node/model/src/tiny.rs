@@ -1,5 +1,6 @@
 //! Writes a real Hugging Face model directory with seeded random weights: `config.json`,
-//! `model.safetensors` (or shards plus `model.safetensors.index.json`), `generation_config.json`,
+//! `model.safetensors` (or shards plus `model.safetensors.index.json`), `generation_config.json`
+//! (EOS ids `<|endoftext|>` and `<|im_end|>`, written by the tokenizer writer),
 //! and a byte-level tokenizer with a ChatML template. Tests and the demo load it through the same
 //! path a downloaded model takes.
 //!
@@ -75,7 +76,11 @@ pub const TINY_EOS_ID: u32 = 256;
 /// Invalid shapes, or I/O errors naming the file.
 pub fn generate(spec: &TinySpec, out: &Path) -> Result<(), ModelError> {
     let bad = |m: String| Err(ModelError::InvalidConfig(m));
-    if spec.heads == 0 || spec.kv_heads == 0 || spec.heads % spec.kv_heads != 0 || spec.hidden % spec.heads != 0 {
+    if spec.heads == 0
+        || spec.kv_heads == 0
+        || spec.heads % spec.kv_heads != 0
+        || spec.hidden % spec.heads != 0
+    {
         return bad(format!(
             "hidden ({}) must divide into heads ({}) and heads into kv_heads ({})",
             spec.hidden, spec.heads, spec.kv_heads
@@ -87,7 +92,10 @@ pub fn generate(spec: &TinySpec, out: &Path) -> Result<(), ModelError> {
     if spec.layers == 0 || spec.intermediate == 0 || spec.shards == 0 {
         return bad("layers, intermediate and shards must be positive".into());
     }
-    std::fs::create_dir_all(out).map_err(|source| ModelError::Io { path: out.to_path_buf(), source })?;
+    std::fs::create_dir_all(out).map_err(|source| ModelError::Io {
+        path: out.to_path_buf(),
+        source,
+    })?;
     pd_tokenize::write_byte_level_tokenizer(out, spec.vocab)?;
 
     let head_dim = spec.hidden / spec.heads;
@@ -118,45 +126,135 @@ pub fn generate(spec: &TinySpec, out: &Path) -> Result<(), ModelError> {
         config["use_sliding_window"] = serde_json::json!(false);
     }
     write_json(&out.join("config.json"), &config)?;
-    write_json(
-        &out.join("generation_config.json"),
-        &serde_json::json!({"bos_token_id": TINY_EOS_ID, "eos_token_id": TINY_EOS_ID}),
-    )?;
 
     // Weights. Scales keep activations O(1) and logits peaked, so greedy decoding has clear
     // winners (near-ties would make token-exact comparisons fragile).
     let mut rng = ChaCha8Rng::seed_from_u64(spec.seed);
     let dev = Device::Cpu;
-    let (h, i, v, kvd) = (spec.hidden, spec.intermediate, spec.vocab, spec.kv_heads * head_dim);
+    let (h, i, v, kvd) = (
+        spec.hidden,
+        spec.intermediate,
+        spec.vocab,
+        spec.kv_heads * head_dim,
+    );
     let mut tensors: Vec<(String, Tensor)> = Vec::new();
-    let mut push = |name: String, shape: &[usize], std: f32, mean: f32, rng: &mut ChaCha8Rng| -> Result<(), ModelError> {
+    let mut push = |name: String,
+                    shape: &[usize],
+                    std: f32,
+                    mean: f32,
+                    rng: &mut ChaCha8Rng|
+     -> Result<(), ModelError> {
         let n: usize = shape.iter().product();
         let data: Vec<f32> = (0..n).map(|_| mean + std * normal(rng)).collect();
         tensors.push((name, Tensor::from_vec(data, shape, &dev)?));
         Ok(())
     };
     let lin = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
-    push("model.embed_tokens.weight".into(), &[v, h], 1.0, 0.0, &mut rng)?;
+    push(
+        "model.embed_tokens.weight".into(),
+        &[v, h],
+        1.0,
+        0.0,
+        &mut rng,
+    )?;
     for l in 0..spec.layers {
         let p = format!("model.layers.{l}");
-        push(format!("{p}.input_layernorm.weight"), &[h], 0.1, 1.0, &mut rng)?;
-        push(format!("{p}.post_attention_layernorm.weight"), &[h], 0.1, 1.0, &mut rng)?;
-        push(format!("{p}.self_attn.q_proj.weight"), &[h, h], 2.0 * lin(h), 0.0, &mut rng)?;
-        push(format!("{p}.self_attn.k_proj.weight"), &[kvd, h], 2.0 * lin(h), 0.0, &mut rng)?;
-        push(format!("{p}.self_attn.v_proj.weight"), &[kvd, h], lin(h), 0.0, &mut rng)?;
-        push(format!("{p}.self_attn.o_proj.weight"), &[h, h], lin(h), 0.0, &mut rng)?;
+        push(
+            format!("{p}.input_layernorm.weight"),
+            &[h],
+            0.1,
+            1.0,
+            &mut rng,
+        )?;
+        push(
+            format!("{p}.post_attention_layernorm.weight"),
+            &[h],
+            0.1,
+            1.0,
+            &mut rng,
+        )?;
+        push(
+            format!("{p}.self_attn.q_proj.weight"),
+            &[h, h],
+            2.0 * lin(h),
+            0.0,
+            &mut rng,
+        )?;
+        push(
+            format!("{p}.self_attn.k_proj.weight"),
+            &[kvd, h],
+            2.0 * lin(h),
+            0.0,
+            &mut rng,
+        )?;
+        push(
+            format!("{p}.self_attn.v_proj.weight"),
+            &[kvd, h],
+            lin(h),
+            0.0,
+            &mut rng,
+        )?;
+        push(
+            format!("{p}.self_attn.o_proj.weight"),
+            &[h, h],
+            lin(h),
+            0.0,
+            &mut rng,
+        )?;
         if spec.arch == TinyArch::Qwen2 {
-            push(format!("{p}.self_attn.q_proj.bias"), &[h], 0.1, 0.0, &mut rng)?;
-            push(format!("{p}.self_attn.k_proj.bias"), &[kvd], 0.1, 0.0, &mut rng)?;
-            push(format!("{p}.self_attn.v_proj.bias"), &[kvd], 0.1, 0.0, &mut rng)?;
+            push(
+                format!("{p}.self_attn.q_proj.bias"),
+                &[h],
+                0.1,
+                0.0,
+                &mut rng,
+            )?;
+            push(
+                format!("{p}.self_attn.k_proj.bias"),
+                &[kvd],
+                0.1,
+                0.0,
+                &mut rng,
+            )?;
+            push(
+                format!("{p}.self_attn.v_proj.bias"),
+                &[kvd],
+                0.1,
+                0.0,
+                &mut rng,
+            )?;
         }
-        push(format!("{p}.mlp.gate_proj.weight"), &[i, h], lin(h), 0.0, &mut rng)?;
-        push(format!("{p}.mlp.up_proj.weight"), &[i, h], lin(h), 0.0, &mut rng)?;
-        push(format!("{p}.mlp.down_proj.weight"), &[h, i], lin(i), 0.0, &mut rng)?;
+        push(
+            format!("{p}.mlp.gate_proj.weight"),
+            &[i, h],
+            lin(h),
+            0.0,
+            &mut rng,
+        )?;
+        push(
+            format!("{p}.mlp.up_proj.weight"),
+            &[i, h],
+            lin(h),
+            0.0,
+            &mut rng,
+        )?;
+        push(
+            format!("{p}.mlp.down_proj.weight"),
+            &[h, i],
+            lin(i),
+            0.0,
+            &mut rng,
+        )?;
     }
     push("model.norm.weight".into(), &[h], 0.1, 1.0, &mut rng)?;
     if !tied {
-        push("lm_head.weight".into(), &[v, h], 4.0 * lin(h), 0.0, &mut rng)?;
+        push(
+            "lm_head.weight".into(),
+            &[v, h],
+            4.0 * lin(h),
+            0.0,
+            &mut rng,
+        )?;
     }
 
     if spec.shards == 1 {
@@ -195,6 +293,12 @@ fn save(tensors: &[(String, Tensor)], path: &Path) -> Result<(), ModelError> {
 }
 
 fn write_json(path: &Path, value: &serde_json::Value) -> Result<(), ModelError> {
-    let text = serde_json::to_string_pretty(value).map_err(|source| ModelError::Json { path: path.to_path_buf(), source })?;
-    std::fs::write(path, text).map_err(|source| ModelError::Io { path: path.to_path_buf(), source })
+    let text = serde_json::to_string_pretty(value).map_err(|source| ModelError::Json {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    std::fs::write(path, text).map_err(|source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
 }

@@ -115,7 +115,11 @@ impl ServeArgs {
     /// [`CliError::BadAddress`] when the host is not an IP address.
     pub fn listen_addr(&self) -> Result<SocketAddr, CliError> {
         let host = self.host.trim_start_matches('[').trim_end_matches(']');
-        let ip = if host == "localhost" { "127.0.0.1" } else { host };
+        let ip = if host == "localhost" {
+            "127.0.0.1"
+        } else {
+            host
+        };
         ip.parse::<std::net::IpAddr>()
             .map(|ip| SocketAddr::new(ip, self.port))
             .map_err(|_| CliError::BadAddress(self.host.clone()))
@@ -204,7 +208,9 @@ impl GenTinyModelArgs {
 /// A message naming the input when it is not a size.
 pub fn parse_size(input: &str) -> Result<usize, String> {
     let s = input.trim();
-    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
     let (number, unit) = s.split_at(split);
     let unit = unit.trim().to_ascii_lowercase();
     let multiplier: u64 = match unit.as_str() {
@@ -217,12 +223,18 @@ pub fn parse_size(input: &str) -> Result<usize, String> {
         "mb" => 1_000_000,
         "gb" => 1_000_000_000,
         "tb" => 1_000_000_000_000,
-        _ => return Err(format!("unknown size unit in {input:?} (use B, KiB, MiB, GiB, KB, MB, GB)")),
+        _ => {
+            return Err(format!(
+                "unknown size unit in {input:?} (use B, KiB, MiB, GiB, KB, MB, GB)"
+            ));
+        }
     };
     let bytes = if let Ok(n) = number.parse::<u64>() {
         n.checked_mul(multiplier)
     } else {
-        let f: f64 = number.parse().map_err(|_| format!("not a size: {input:?}"))?;
+        let f: f64 = number
+            .parse()
+            .map_err(|_| format!("not a size: {input:?}"))?;
         let bytes = f * multiplier as f64;
         (bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64).then_some(bytes as u64)
     };
@@ -266,7 +278,9 @@ mod tests {
             "--no-enable-prefix-caching",
         ])
         .unwrap();
-        let Command::Serve(args) = cli.command else { panic!("expected serve") };
+        let Command::Serve(args) = cli.command else {
+            panic!("expected serve")
+        };
         let cfg = args.engine_config().unwrap();
         assert_eq!(cfg.kv_cache_memory, 64 << 20);
         assert_eq!(cfg.num_blocks, Some(100));
@@ -277,18 +291,34 @@ mod tests {
 
     #[test]
     fn cuda_is_refused() {
-        let cli = Cli::try_parse_from(["pd-node", "serve", "--model", "/m", "--device", "cuda"]).unwrap();
-        let Command::Serve(args) = cli.command else { panic!("expected serve") };
+        let cli =
+            Cli::try_parse_from(["pd-node", "serve", "--model", "/m", "--device", "cuda"]).unwrap();
+        let Command::Serve(args) = cli.command else {
+            panic!("expected serve")
+        };
         let err = args.engine_config().unwrap_err();
         assert!(err.to_string().contains("built without CUDA support"));
     }
 
     #[test]
     fn gen_tiny_model_defaults() {
-        let cli = Cli::try_parse_from(["pd-node", "gen-tiny-model", "--out", "/tmp/x", "--seed", "7"]).unwrap();
-        let Command::GenTinyModel(args) = cli.command else { panic!("expected gen-tiny-model") };
+        let cli = Cli::try_parse_from([
+            "pd-node",
+            "gen-tiny-model",
+            "--out",
+            "/tmp/x",
+            "--seed",
+            "7",
+        ])
+        .unwrap();
+        let Command::GenTinyModel(args) = cli.command else {
+            panic!("expected gen-tiny-model")
+        };
         let spec = args.spec();
-        assert_eq!((spec.seed, spec.layers, spec.hidden, spec.vocab, spec.shards), (7, 2, 64, 512, 1));
+        assert_eq!(
+            (spec.seed, spec.layers, spec.hidden, spec.vocab, spec.shards),
+            (7, 2, 64, 512, 1)
+        );
         assert!(Cli::try_parse_from(["pd-node", "gen-tiny-model", "--out", "/tmp/x"]).is_err());
     }
 }

@@ -63,7 +63,21 @@ pub enum ApiError {
 impl ApiError {
     /// A 400 naming `param`.
     pub(crate) fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
-        Self::InvalidRequest { message: message.into(), param: Some(param.into()) }
+        Self::InvalidRequest {
+            message: message.into(),
+            param: Some(param.into()),
+        }
+    }
+
+    /// Renames the engine's `param` (it speaks `max_tokens`, `logprobs`) to the field this
+    /// endpoint's client actually sent (`max_completion_tokens`, `top_logprobs`...).
+    pub(crate) fn rename_param(mut self, from: &str, to: &'static str) -> Self {
+        if let Self::Engine(EngineError::Invalid(invalid)) = &mut self
+            && invalid.param == Some(from)
+        {
+            invalid.param = Some(to);
+        }
+        self
     }
 
     /// The HTTP status this error is answered with.
@@ -74,7 +88,9 @@ impl ApiError {
             Self::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Engine(EngineError::Invalid(_)) => StatusCode::BAD_REQUEST,
-            Self::Engine(EngineError::Shutdown) | Self::EngineStopped => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Engine(EngineError::Shutdown) | Self::EngineStopped => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Self::Engine(_) | Self::Tokenize(_) | Self::GenerationFailed(_) | Self::Task(_) => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }

@@ -33,23 +33,35 @@ pub(crate) struct TokenCounts {
 
 impl TokenCounts {
     pub(crate) fn new(prompt_tokens: usize) -> Self {
-        Self { prompt_tokens, ..Self::default() }
+        Self {
+            prompt_tokens,
+            ..Self::default()
+        }
     }
 
     /// Folds the counts an event carries into `self`.
     pub(crate) fn observe(&mut self, event: &RequestEvent) {
         match event {
-            RequestEvent::Started { prompt_tokens, cached_tokens } => {
+            RequestEvent::Started {
+                prompt_tokens,
+                cached_tokens,
+            } => {
                 self.prompt_tokens = *prompt_tokens;
                 self.cached_tokens = *cached_tokens;
             }
-            RequestEvent::Finished { completion_tokens, .. } => self.completion_tokens += completion_tokens,
+            RequestEvent::Finished {
+                completion_tokens, ..
+            } => self.completion_tokens += completion_tokens,
             RequestEvent::Token { .. } | RequestEvent::Failed { .. } => {}
         }
     }
 
     pub(crate) fn usage(&self) -> crate::openai::Usage {
-        crate::openai::Usage::new(self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+        crate::openai::Usage::new(
+            self.prompt_tokens,
+            self.cached_tokens,
+            self.completion_tokens,
+        )
     }
 }
 
@@ -58,21 +70,35 @@ impl TokenCounts {
 /// # Errors
 /// [`ApiError::GenerationFailed`] when the engine reported a failure, [`ApiError::EngineStopped`]
 /// when the stream ended with a child unfinished.
-pub(crate) async fn collect(mut stream: RequestStream, n: usize, prompt_tokens: usize) -> Result<Generation, ApiError> {
+pub(crate) async fn collect(
+    mut stream: RequestStream,
+    n: usize,
+    prompt_tokens: usize,
+) -> Result<Generation, ApiError> {
     let mut usage = TokenCounts::new(prompt_tokens);
     let mut children: Vec<ChildOutput> = (0..n).map(|_| ChildOutput::default()).collect();
     while let Some(event) = stream.recv().await {
         usage.observe(&event);
         match event {
             RequestEvent::Started { .. } => {}
-            RequestEvent::Token { child, token_id, text, logprob } => {
+            RequestEvent::Token {
+                child,
+                token_id,
+                text,
+                logprob,
+            } => {
                 if let Some(out) = children.get_mut(child) {
                     out.text.push_str(&text);
                     out.token_ids.push(token_id);
                     out.logprobs.extend(logprob);
                 }
             }
-            RequestEvent::Finished { child, reason, text, completion_tokens } => {
+            RequestEvent::Finished {
+                child,
+                reason,
+                text,
+                completion_tokens,
+            } => {
                 if let Some(out) = children.get_mut(child) {
                     out.text.push_str(&text);
                     out.finish_reason = Some(reason);

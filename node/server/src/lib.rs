@@ -50,5 +50,7 @@ pub async fn serve(
     engine: EngineHandle,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(engine)).with_graceful_shutdown(shutdown).await
+    axum::serve(listener, router(engine))
+        .with_graceful_shutdown(shutdown)
+        .await
 }

@@ -47,15 +47,22 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         "engine ready"
     );
 
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting tokio")?;
     runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
         let local = listener.local_addr().context("reading the bound address")?;
         let mut stdout = std::io::stdout().lock();
         writeln!(stdout, "pd-node listening on http://{local}").context("writing to stdout")?;
         stdout.flush().context("flushing stdout")?;
         drop(stdout);
-        pd_node::serve(listener, engine, shutdown_signal()).await.context("serving HTTP")
+        pd_node::serve(listener, engine, shutdown_signal())
+            .await
+            .context("serving HTTP")
     })?;
     tracing::info!("shut down");
     Ok(())

@@ -89,7 +89,10 @@ pub(crate) fn sse_response<F: SseFormatter>(stream: RequestStream, formatter: F)
         Some((Ok(Bytes::from(out)), State::Running(stream, formatter)))
     });
     (
-        [(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")],
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
         Body::from_stream(body),
     )
         .into_response()

@@ -131,16 +131,16 @@ mod tests {
     fn streamed_text_equals_full_decode() {
         let (_dir, tok) = byte_level_tokenizer();
         let text = "héllo 👋 wörld, 日本語!";
-        let ids = tok.encode(text, false).unwrap_or_default();
+        let ids = tok.encode(text, false).expect("encode");
         let mut dec = tok.decoder(false);
         let mut out = String::new();
         let mut empties = 0;
         for &id in &ids {
-            let piece = dec.step(&tok, id).unwrap_or_default();
+            let piece = dec.step(&tok, id).expect("step");
             empties += usize::from(piece.is_empty());
             out.push_str(&piece);
         }
-        out.push_str(&dec.flush(&tok).unwrap_or_default());
+        out.push_str(&dec.flush(&tok).expect("flush"));
         assert_eq!(out, text);
         // Each continuation byte of a multi-byte char yields "" once.
         assert_eq!(empties, text.len() - text.chars().count());
@@ -156,8 +156,11 @@ mod tests {
         // First two bytes of the 4-byte "👋" (F0 9F 91 8B).
         assert_eq!(dec.step(&tok, 0xF0).ok().as_deref(), Some(""));
         assert_eq!(dec.step(&tok, 0x9F).ok().as_deref(), Some(""));
-        let rest = dec.flush(&tok).unwrap_or_default();
-        assert!(!rest.is_empty() && rest.chars().all(|c| c == '\u{FFFD}'), "{rest:?}");
+        let rest = dec.flush(&tok).expect("flush");
+        assert!(
+            !rest.is_empty() && rest.chars().all(|c| c == '\u{FFFD}'),
+            "{rest:?}"
+        );
         assert_eq!(dec.flush(&tok).ok().as_deref(), Some(""));
     }
 
@@ -176,7 +179,7 @@ mod tests {
     #[test]
     fn prompt_context_is_not_emitted() {
         let (_dir, tok) = byte_level_tokenizer();
-        let prompt = tok.encode("a prompt", false).unwrap_or_default();
+        let prompt = tok.encode("a prompt", false).expect("encode");
         let mut dec = tok.decoder_with_prompt(false, &prompt);
         assert_eq!(dec.step(&tok, u32::from(b'!')).ok().as_deref(), Some("!"));
     }

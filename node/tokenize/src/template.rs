@@ -262,10 +262,11 @@ fn rewrite_generation_tags(source: &str) -> String {
     let mut out = String::with_capacity(source.len());
     let mut rest = source;
     while let Some(start) = rest.find("{%") {
-        let Some(len) = rest[start..].find("%}") else {
+        // The closing "%}" is searched after the opening "{%", so "{%}" is not a tag.
+        let Some(len) = rest.get(start + 2..).and_then(|r| r.find("%}")) else {
             break;
         };
-        let end = start + len + 2;
+        let end = start + 2 + len + 2;
         let tag = &rest[start..end];
         let inner = &tag[2..tag.len() - 2];
         let (lead, inner) = split_marker_start(inner);
@@ -500,7 +501,10 @@ mod tests {
         let t = 1_709_211_909;
         assert_eq!(strftime("%Y-%m-%d %H:%M:%S", t), "2024-02-29 13:05:09");
         assert_eq!(strftime("%d %b %Y", t), "29 Feb 2024");
-        assert_eq!(strftime("%A %B %-d, %I%p %j %%", t), "Thursday February 29, 01PM 060 %");
+        assert_eq!(
+            strftime("%A %B %-d, %I%p %j %%", t),
+            "Thursday February 29, 01PM 060 %"
+        );
         assert_eq!(strftime("%d %b %Y", 0), "01 Jan 1970");
         assert_eq!(strftime("%-m/%-d %Q %", 0), "1/1 %Q %");
     }
@@ -511,6 +515,8 @@ mod tests {
             rewrite_generation_tags("a{%- generation -%}b{% endgeneration %}c{% if x %}"),
             "a{%- if true -%}b{% endif %}c{% if x %}"
         );
+        assert_eq!(rewrite_generation_tags("{%}{%"), "{%}{%");
+        assert_eq!(rewrite_generation_tags("{%%}x"), "{%%}x");
         let out = render(
             "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}",
             &[ChatMessage::new("assistant", "hi")],
@@ -526,7 +532,10 @@ mod tests {
             out.ok().as_deref(),
             Some(r#"[{"role": "user", "content": "é \"q\" <b>\n"}]"#)
         );
-        let out = render("{{ messages[0] | tojson(indent=2) }}|{{ [] | tojson }}", &msgs);
+        let out = render(
+            "{{ messages[0] | tojson(indent=2) }}|{{ [] | tojson }}",
+            &msgs,
+        );
         assert_eq!(
             out.ok().as_deref(),
             Some("{\n  \"role\": \"user\",\n  \"content\": \"é \\\"q\\\" <b>\\n\"\n}|[]")
@@ -551,7 +560,7 @@ mod tests {
             "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}{{ m.content.upper() }}{% break %}{% endfor %}|{{ messages[0].content.strip() }}|{{ messages[1]['content'].startswith('he') }}|{{ tools is none }}|{{ bos_token }}{{ unk_token is defined }}",
             &msgs,
         );
-        assert_eq!(out.ok().as_deref(), Some("HELLO|sys|true|true|<s>false"));
+        assert_eq!(out.ok().as_deref(), Some("HELLO|sys|True|True|<s>False"));
     }
 
     #[test]
@@ -570,8 +579,14 @@ mod tests {
 
     #[test]
     fn render_errors_are_typed() {
-        let out = render("{{ messages[0].content + 1 }}", &[ChatMessage::new("u", "x")]);
-        assert!(matches!(out, Err(TokenizeError::TemplateRender { .. })), "{out:?}");
+        let out = render(
+            "{{ messages[0].content + 1 }}",
+            &[ChatMessage::new("u", "x")],
+        );
+        assert!(
+            matches!(out, Err(TokenizeError::TemplateRender { .. })),
+            "{out:?}"
+        );
         let err = ChatTemplate::new("{% if %}", SpecialTokens::default(), Path::new("t.jinja"));
         assert!(matches!(err, Err(TokenizeError::TemplateSyntax { .. })));
     }

@@ -386,7 +386,10 @@ mod tests {
     fn eos_token_id_shapes() {
         let p = Path::new("x.json");
         assert_eq!(token_ids(&serde_json::json!(2), p).ok(), Some(vec![2]));
-        assert_eq!(token_ids(&serde_json::json!([1, 2]), p).ok(), Some(vec![1, 2]));
+        assert_eq!(
+            token_ids(&serde_json::json!([1, 2]), p).ok(),
+            Some(vec![1, 2])
+        );
         assert_eq!(token_ids(&serde_json::json!(null), p).ok(), Some(vec![]));
         assert!(token_ids(&serde_json::json!("a"), p).is_err());
         assert!(token_ids(&serde_json::json!(-1), p).is_err());

@@ -100,7 +100,12 @@ impl SamplingFields {
         };
         let top_k = match self.top_k {
             None | Some(-1) => 0,
-            Some(k) if k < 0 => return Err(ApiError::invalid("top_k", format!("top_k must be -1, 0 or positive, got {k}"))),
+            Some(k) if k < 0 => {
+                return Err(ApiError::invalid(
+                    "top_k",
+                    format!("top_k must be -1, 0 or positive, got {k}"),
+                ));
+            }
             Some(k) => non_negative(k, "top_k")?,
         };
         let max_tokens = match max_tokens.0 {
@@ -127,7 +132,9 @@ impl SamplingFields {
     }
 
     pub(crate) fn include_usage(&self) -> bool {
-        self.stream_options.and_then(|o| o.include_usage).unwrap_or(false)
+        self.stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false)
     }
 
     pub(crate) fn return_token_ids(&self) -> bool {
@@ -137,7 +144,8 @@ impl SamplingFields {
 
 /// `value` as a `usize`, or a 400 naming `param`.
 pub(crate) fn non_negative(value: i64, param: &'static str) -> Result<usize, ApiError> {
-    usize::try_from(value).map_err(|_| ApiError::invalid(param, format!("{param} must be non-negative, got {value}")))
+    usize::try_from(value)
+        .map_err(|_| ApiError::invalid(param, format!("{param} must be non-negative, got {value}")))
 }
 
 /// `usage` of completions and chat completions.
@@ -150,7 +158,11 @@ pub(crate) struct Usage {
 }
 
 impl Usage {
-    pub(crate) fn new(prompt_tokens: usize, cached_tokens: usize, completion_tokens: usize) -> Self {
+    pub(crate) fn new(
+        prompt_tokens: usize,
+        cached_tokens: usize,
+        completion_tokens: usize,
+    ) -> Self {
         Self {
             prompt_tokens,
             completion_tokens,
@@ -191,7 +203,8 @@ mod tests {
 
     #[test]
     fn sampling_defaults_and_ranges() {
-        let f: SamplingFields = serde_json::from_str(r#"{"stop": "x", "top_k": -1, "seed": -3}"#).unwrap();
+        let f: SamplingFields =
+            serde_json::from_str(r#"{"stop": "x", "top_k": -1, "seed": -3}"#).unwrap();
         let p = f.to_params((Some(16), "max_tokens"), None).unwrap();
         assert_eq!(p.stop, vec!["x".to_string()]);
         assert_eq!(p.top_k, 0);
@@ -204,7 +217,9 @@ mod tests {
         assert_eq!(e.param(), Some("n"));
 
         let f: SamplingFields = serde_json::from_str(r#"{"stop": ["a", "b"]}"#).unwrap();
-        let e = f.to_params((Some(-1), "max_completion_tokens"), None).unwrap_err();
+        let e = f
+            .to_params((Some(-1), "max_completion_tokens"), None)
+            .unwrap_err();
         assert_eq!(e.param(), Some("max_completion_tokens"));
     }
 }

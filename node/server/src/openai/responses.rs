@@ -82,7 +82,11 @@ pub(crate) struct OutputText {
 
 impl OutputText {
     pub(crate) fn new(text: String) -> Self {
-        Self { kind: "output_text", text, annotations: Vec::new() }
+        Self {
+            kind: "output_text",
+            text,
+            annotations: Vec::new(),
+        }
     }
 }
 
@@ -103,7 +107,9 @@ impl ResponseUsage {
             output_tokens,
             total_tokens: input_tokens + output_tokens,
             input_tokens_details: InputTokensDetails { cached_tokens },
-            output_tokens_details: OutputTokensDetails { reasoning_tokens: 0 },
+            output_tokens_details: OutputTokensDetails {
+                reasoning_tokens: 0,
+            },
         }
     }
 }
@@ -125,11 +131,21 @@ pub(crate) struct OutputTokensDetails {
 #[serde(tag = "type")]
 pub(crate) enum ResponseStreamEvent {
     #[serde(rename = "response.created")]
-    Created { sequence_number: u64, response: ResponseObject },
+    Created {
+        sequence_number: u64,
+        response: ResponseObject,
+    },
     #[serde(rename = "response.in_progress")]
-    InProgress { sequence_number: u64, response: ResponseObject },
+    InProgress {
+        sequence_number: u64,
+        response: ResponseObject,
+    },
     #[serde(rename = "response.output_item.added")]
-    OutputItemAdded { sequence_number: u64, output_index: usize, item: OutputMessage },
+    OutputItemAdded {
+        sequence_number: u64,
+        output_index: usize,
+        item: OutputMessage,
+    },
     #[serde(rename = "response.content_part.added")]
     ContentPartAdded {
         sequence_number: u64,
@@ -165,13 +181,26 @@ pub(crate) enum ResponseStreamEvent {
         part: OutputText,
     },
     #[serde(rename = "response.output_item.done")]
-    OutputItemDone { sequence_number: u64, output_index: usize, item: OutputMessage },
+    OutputItemDone {
+        sequence_number: u64,
+        output_index: usize,
+        item: OutputMessage,
+    },
     #[serde(rename = "response.completed")]
-    Completed { sequence_number: u64, response: ResponseObject },
+    Completed {
+        sequence_number: u64,
+        response: ResponseObject,
+    },
     #[serde(rename = "response.incomplete")]
-    Incomplete { sequence_number: u64, response: ResponseObject },
+    Incomplete {
+        sequence_number: u64,
+        response: ResponseObject,
+    },
     #[serde(rename = "response.failed")]
-    Failed { sequence_number: u64, response: ResponseObject },
+    Failed {
+        sequence_number: u64,
+        response: ResponseObject,
+    },
 }
 
 impl ResponseStreamEvent {

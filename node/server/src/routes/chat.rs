@@ -12,8 +12,8 @@ use super::{AppState, JsonBody, new_id, unix_now};
 use crate::error::ApiError;
 use crate::generation::{TokenCounts, collect};
 use crate::openai::chat::{
-    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
-    ChatLogprobs, ChatMessageOut, ChatTokenLogprob, TopLogprob,
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+    ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessageOut, ChatTokenLogprob, TopLogprob,
 };
 use crate::openai::{Usage, non_negative};
 use crate::prompt::{chat_messages, chat_tokens, token_text};
@@ -28,7 +28,10 @@ pub(super) async fn create(
     let model = state.model_name(req.model.as_deref())?;
     let logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
         (false, Some(k)) if k > 0 => {
-            return Err(ApiError::invalid("top_logprobs", "top_logprobs requires logprobs to be true"));
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                "top_logprobs requires logprobs to be true",
+            ));
         }
         (false, _) => None,
         (true, k) => Some(non_negative(k.unwrap_or(0), "top_logprobs")?),
@@ -37,15 +40,32 @@ pub(super) async fn create(
         Some(m) => (Some(m), "max_completion_tokens"),
         None => (req.max_tokens, "max_tokens"),
     };
+    // The engine names `max_tokens` and `logprobs`; answer with the fields this client sent.
+    let max_tokens_param = max_tokens.1;
+    let engine_error = |e: EngineError| {
+        ApiError::from(e)
+            .rename_param("max_tokens", max_tokens_param)
+            .rename_param("logprobs", "top_logprobs")
+            .rename_param("prompt", "messages")
+    };
     let params = req.sampling.to_params(max_tokens, logprobs)?;
-    params.validate().map_err(EngineError::from)?;
+    params.validate().map_err(|e| engine_error(e.into()))?;
     let messages = chat_messages(&req.messages)?;
     let prompt_tokens = chat_tokens(&state.engine, messages, "messages").await?;
 
     let n = params.n;
     let prompt_len = prompt_tokens.len();
-    let prompt_token_ids = req.sampling.return_token_ids().then(|| prompt_tokens.clone());
-    let stream = state.engine.submit(GenerateRequest { prompt_tokens, params })?;
+    let prompt_token_ids = req
+        .sampling
+        .return_token_ids()
+        .then(|| prompt_tokens.clone());
+    let stream = state
+        .engine
+        .submit(GenerateRequest {
+            prompt_tokens,
+            params,
+        })
+        .map_err(engine_error)?;
     let out = Output {
         id: new_id("chatcmpl-"),
         created: unix_now(),
@@ -74,9 +94,17 @@ pub(super) async fn create(
         .enumerate()
         .map(|(index, child)| ChatChoice {
             index,
-            message: ChatMessageOut { role: ROLE, content: child.text, tool_calls: Vec::new() },
+            message: ChatMessageOut {
+                role: ROLE,
+                content: child.text,
+                tool_calls: Vec::new(),
+            },
             logprobs: logprobs.is_some().then(|| ChatLogprobs {
-                content: child.logprobs.iter().map(|lp| logprob_entry(&out.tokenizer, lp)).collect(),
+                content: child
+                    .logprobs
+                    .iter()
+                    .map(|lp| logprob_entry(&out.tokenizer, lp))
+                    .collect(),
             }),
             finish_reason: child.finish_reason.map(|r| r.as_str()),
             token_ids: out.return_token_ids.then_some(child.token_ids),
@@ -106,7 +134,11 @@ fn logprob_entry(tokenizer: &Tokenizer, lp: &TokenLogprob) -> ChatTokenLogprob {
             .iter()
             .map(|&(id, logprob)| {
                 let token = token_text(tokenizer, id);
-                TopLogprob { bytes: token.as_bytes().to_vec(), token, logprob }
+                TopLogprob {
+                    bytes: token.as_bytes().to_vec(),
+                    token,
+                    logprob,
+                }
             })
             .collect(),
     }
@@ -136,7 +168,11 @@ struct ChatStream {
 }
 
 impl ChatStream {
-    fn chunk(&mut self, choices: Vec<ChatChunkChoice>, usage: Option<Usage>) -> ChatCompletionChunk {
+    fn chunk(
+        &mut self,
+        choices: Vec<ChatChunkChoice>,
+        usage: Option<Usage>,
+    ) -> ChatCompletionChunk {
         ChatCompletionChunk {
             id: self.out.id.clone(),
             object: "chat.completion.chunk",
@@ -148,11 +184,20 @@ impl ChatStream {
         }
     }
 
-    fn choice(&self, index: usize, delta: ChatDelta, logprob: Option<&TokenLogprob>, token_ids: Vec<u32>, finish: Option<&'static str>) -> ChatChunkChoice {
+    fn choice(
+        &self,
+        index: usize,
+        delta: ChatDelta,
+        logprob: Option<&TokenLogprob>,
+        token_ids: Vec<u32>,
+        finish: Option<&'static str>,
+    ) -> ChatChunkChoice {
         ChatChunkChoice {
             index,
             delta,
-            logprobs: logprob.map(|lp| ChatLogprobs { content: vec![logprob_entry(&self.out.tokenizer, lp)] }),
+            logprobs: logprob.map(|lp| ChatLogprobs {
+                content: vec![logprob_entry(&self.out.tokenizer, lp)],
+            }),
             finish_reason: finish,
             token_ids: self.out.return_token_ids.then_some(token_ids),
         }
@@ -162,7 +207,10 @@ impl ChatStream {
 impl SseFormatter for ChatStream {
     fn prelude(&mut self, out: &mut Vec<u8>) {
         for index in 0..self.finished.len() {
-            let delta = ChatDelta { role: Some(ROLE), content: Some(String::new()) };
+            let delta = ChatDelta {
+                role: Some(ROLE),
+                content: Some(String::new()),
+            };
             let choice = self.choice(index, delta, None, Vec::new(), None);
             let chunk = self.chunk(vec![choice], None);
             data_frame(out, &chunk);
@@ -173,19 +221,35 @@ impl SseFormatter for ChatStream {
         self.counts.observe(&event);
         let choice = match event {
             RequestEvent::Started { .. } => None,
-            RequestEvent::Token { child, token_id, text, logprob } => {
+            RequestEvent::Token {
+                child,
+                token_id,
+                text,
+                logprob,
+            } => {
                 if text.is_empty() && logprob.is_none() && !self.out.return_token_ids {
                     None
                 } else {
-                    let delta = ChatDelta { role: None, content: Some(text) };
+                    let delta = ChatDelta {
+                        role: None,
+                        content: Some(text),
+                    };
                     Some(self.choice(child, delta, logprob.as_ref(), vec![token_id], None))
                 }
             }
-            RequestEvent::Finished { child, reason, text, .. } => {
+            RequestEvent::Finished {
+                child,
+                reason,
+                text,
+                ..
+            } => {
                 if let Some(f) = self.finished.get_mut(child) {
                     *f = true;
                 }
-                let delta = ChatDelta { role: None, content: (!text.is_empty()).then_some(text) };
+                let delta = ChatDelta {
+                    role: None,
+                    content: (!text.is_empty()).then_some(text),
+                };
                 Some(self.choice(child, delta, None, Vec::new(), Some(reason.as_str())))
             }
             RequestEvent::Failed { message } => {

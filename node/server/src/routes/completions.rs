@@ -9,7 +9,9 @@ use pd_tokenize::Tokenizer;
 use super::{AppState, JsonBody, new_id, unix_now};
 use crate::error::ApiError;
 use crate::generation::{TokenCounts, collect};
-use crate::openai::completions::{CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, TokenMap};
+use crate::openai::completions::{
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, TokenMap,
+};
 use crate::openai::non_negative;
 use crate::prompt::{completion_prompt, completion_tokens, token_text};
 use crate::sse::{DONE, SseFormatter, data_frame, error_frame, sse_response};
@@ -24,8 +26,13 @@ pub(super) async fn create(
     if req.echo == Some(true) {
         return Err(ApiError::invalid("echo", "echo is not supported"));
     }
-    let logprobs = req.logprobs.map(|l| non_negative(l, "logprobs")).transpose()?;
-    let params = req.sampling.to_params((req.max_tokens, "max_tokens"), logprobs)?;
+    let logprobs = req
+        .logprobs
+        .map(|l| non_negative(l, "logprobs"))
+        .transpose()?;
+    let params = req
+        .sampling
+        .to_params((req.max_tokens, "max_tokens"), logprobs)?;
     params.validate().map_err(EngineError::from)?;
     let prompt_tokens = completion_tokens(&state.engine, completion_prompt(req.prompt)?).await?;
 
@@ -33,7 +40,10 @@ pub(super) async fn create(
     let prompt_len = prompt_tokens.len();
     let return_token_ids = req.sampling.return_token_ids();
     let prompt_token_ids = return_token_ids.then(|| prompt_tokens.clone());
-    let stream = state.engine.submit(GenerateRequest { prompt_tokens, params })?;
+    let stream = state.engine.submit(GenerateRequest {
+        prompt_tokens,
+        params,
+    })?;
     let out = Output {
         id: new_id("cmpl-"),
         created: unix_now(),
@@ -63,7 +73,9 @@ pub(super) async fn create(
         .map(|(index, child)| CompletionChoice {
             index,
             text: child.text,
-            logprobs: out.logprobs.then(|| out.logprobs_of(&child.logprobs, &mut 0)),
+            logprobs: out
+                .logprobs
+                .then(|| out.logprobs_of(&child.logprobs, &mut 0)),
             finish_reason: child.finish_reason.map(|r| r.as_str()),
             prompt_token_ids: out.prompt_token_ids.clone(),
             token_ids: out.prompt_token_ids.is_some().then_some(child.token_ids),
@@ -86,7 +98,11 @@ struct Output {
 }
 
 impl Output {
-    fn response(&self, choices: Vec<CompletionChoice>, usage: Option<crate::openai::Usage>) -> CompletionResponse {
+    fn response(
+        &self,
+        choices: Vec<CompletionChoice>,
+        usage: Option<crate::openai::Usage>,
+    ) -> CompletionResponse {
         CompletionResponse {
             id: self.id.clone(),
             object: OBJECT,
@@ -107,7 +123,10 @@ impl Output {
             out.tokens.push(text);
             out.token_logprobs.push(lp.logprob);
             out.top_logprobs.push(TokenMap(
-                lp.top.iter().map(|&(id, logprob)| (token_text(&self.tokenizer, id), logprob)).collect(),
+                lp.top
+                    .iter()
+                    .map(|&(id, logprob)| (token_text(&self.tokenizer, id), logprob))
+                    .collect(),
             ));
         }
         out
@@ -134,15 +153,28 @@ struct CompletionStream {
 }
 
 impl CompletionStream {
-    fn chunk(&mut self, child: usize, text: String, token: Option<(u32, Option<TokenLogprob>)>, finish: Option<&'static str>) -> Option<CompletionResponse> {
+    fn chunk(
+        &mut self,
+        child: usize,
+        text: String,
+        token: Option<(u32, Option<TokenLogprob>)>,
+        finish: Option<&'static str>,
+    ) -> Option<CompletionResponse> {
         let state = self.children.get_mut(child)?;
-        let prompt_token_ids = if state.started { None } else { self.out.prompt_token_ids.clone() };
+        let prompt_token_ids = if state.started {
+            None
+        } else {
+            self.out.prompt_token_ids.clone()
+        };
         state.started = true;
         let (token_ids, logprob) = match token {
             Some((id, logprob)) => (vec![id], logprob),
             None => (Vec::new(), None),
         };
-        let logprobs = self.out.logprobs.then(|| self.out.logprobs_of(logprob.as_slice(), &mut state.offset));
+        let logprobs = self
+            .out
+            .logprobs
+            .then(|| self.out.logprobs_of(logprob.as_slice(), &mut state.offset));
         if !self.out.logprobs {
             state.offset += text.chars().count();
         }
@@ -165,14 +197,24 @@ impl SseFormatter for CompletionStream {
         self.counts.observe(&event);
         let chunk = match event {
             RequestEvent::Started { .. } => None,
-            RequestEvent::Token { child, token_id, text, logprob } => {
+            RequestEvent::Token {
+                child,
+                token_id,
+                text,
+                logprob,
+            } => {
                 if text.is_empty() && logprob.is_none() && self.out.prompt_token_ids.is_none() {
                     None
                 } else {
                     self.chunk(child, text, Some((token_id, logprob)), None)
                 }
             }
-            RequestEvent::Finished { child, reason, text, .. } => {
+            RequestEvent::Finished {
+                child,
+                reason,
+                text,
+                ..
+            } => {
                 if let Some(c) = self.children.get_mut(child) {
                     c.finished = true;
                 }
@@ -195,7 +237,10 @@ impl SseFormatter for CompletionStream {
             error_frame(out, &ApiError::EngineStopped);
         }
         if self.include_usage && !self.failed {
-            data_frame(out, &self.out.response(Vec::new(), Some(self.counts.usage())));
+            data_frame(
+                out,
+                &self.out.response(Vec::new(), Some(self.counts.usage())),
+            );
         }
         out.extend_from_slice(DONE);
     }

@@ -45,7 +45,10 @@ impl AppState {
 }
 
 pub(crate) fn router(engine: EngineHandle) -> Router {
-    let state = AppState { engine, started: unix_now() };
+    let state = AppState {
+        engine,
+        started: unix_now(),
+    };
     Router::new()
         .route("/health", get(health))
         .route("/v1/models", get(models))
@@ -91,11 +94,17 @@ async fn metrics(State(state): State<AppState>) -> Response {
 }
 
 async fn unknown_route(method: Method, uri: Uri) -> ApiError {
-    ApiError::UnknownRoute { method: method.to_string(), path: uri.path().to_owned() }
+    ApiError::UnknownRoute {
+        method: method.to_string(),
+        path: uri.path().to_owned(),
+    }
 }
 
 async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
-    ApiError::MethodNotAllowed { method: method.to_string(), path: uri.path().to_owned() }
+    ApiError::MethodNotAllowed {
+        method: method.to_string(),
+        path: uri.path().to_owned(),
+    }
 }
 
 /// A JSON body read as bytes and parsed here, whatever the `Content-Type`, so every failure is
@@ -109,9 +118,14 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
         let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
             if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::PayloadTooLarge { limit: MAX_BODY_BYTES }
+                ApiError::PayloadTooLarge {
+                    limit: MAX_BODY_BYTES,
+                }
             } else {
-                ApiError::InvalidRequest { message: rejection.body_text(), param: None }
+                ApiError::InvalidRequest {
+                    message: rejection.body_text(),
+                    param: None,
+                }
             }
         })?;
         parse_json(&bytes).map(JsonBody)
@@ -119,15 +133,24 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
 }
 
 fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    let value: serde_json::Value = serde_json::from_slice(bytes)
-        .map_err(|e| ApiError::InvalidRequest { message: format!("Invalid JSON body: {e}"), param: None })?;
+    let value: serde_json::Value =
+        serde_json::from_slice(bytes).map_err(|e| ApiError::InvalidRequest {
+            message: format!("Invalid JSON body: {e}"),
+            param: None,
+        })?;
     if !value.is_object() {
-        return Err(ApiError::InvalidRequest { message: "The request body must be a JSON object".into(), param: None });
+        return Err(ApiError::InvalidRequest {
+            message: "The request body must be a JSON object".into(),
+            param: None,
+        });
     }
     T::deserialize(value).map_err(|e| {
         let message = e.to_string();
         let param = missing_field(&message).map(str::to_owned);
-        ApiError::InvalidRequest { message: format!("Invalid request: {message}"), param }
+        ApiError::InvalidRequest {
+            message: format!("Invalid request: {message}"),
+            param,
+        }
     })
 }
 
@@ -139,7 +162,10 @@ fn missing_field(message: &str) -> Option<&str> {
 
 /// Unix time in seconds.
 pub(crate) fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 /// A fresh id like `cmpl-3f2a…`: 128 random bits (std's per-process random hasher keys).

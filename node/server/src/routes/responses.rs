@@ -10,8 +10,8 @@ use crate::error::ApiError;
 use crate::generation::{TokenCounts, collect};
 use crate::openai::non_negative;
 use crate::openai::responses::{
-    IncompleteDetails, OutputMessage, OutputText, ResponseError, ResponseObject, ResponseStreamEvent,
-    ResponseUsage, ResponsesRequest,
+    IncompleteDetails, OutputMessage, OutputText, ResponseError, ResponseObject,
+    ResponseStreamEvent, ResponseUsage, ResponsesRequest,
 };
 use crate::prompt::{chat_tokens, responses_messages};
 use crate::sse::{SseFormatter, event_frame, sse_response};
@@ -31,15 +31,18 @@ pub(super) async fn create(
     let params = SamplingParams {
         temperature: req.temperature.unwrap_or(defaults.temperature),
         top_p: req.top_p.unwrap_or(defaults.top_p),
-        max_tokens: req.max_output_tokens.map(|m| non_negative(m, "max_output_tokens")).transpose()?,
+        max_tokens: req
+            .max_output_tokens
+            .map(|m| non_negative(m, "max_output_tokens"))
+            .transpose()?,
         ..defaults
     };
-    params.validate().map_err(|mut e| {
-        if e.param == Some("max_tokens") {
-            e.param = Some("max_output_tokens");
-        }
-        EngineError::from(e)
-    })?;
+    let engine_error = |e: EngineError| {
+        ApiError::from(e)
+            .rename_param("max_tokens", "max_output_tokens")
+            .rename_param("prompt", "input")
+    };
+    params.validate().map_err(|e| engine_error(e.into()))?;
     let messages = responses_messages(req.instructions.as_deref(), &req.input)?;
     let prompt_tokens = chat_tokens(&state.engine, messages, "input").await?;
 
@@ -62,13 +65,13 @@ pub(super) async fn create(
         tools: Vec::new(),
         usage: None,
     };
-    let stream = state.engine.submit(GenerateRequest { prompt_tokens, params }).map_err(|e| match e {
-        EngineError::Invalid(mut invalid) if invalid.param == Some("max_tokens") => {
-            invalid.param = Some("max_output_tokens");
-            EngineError::Invalid(invalid)
-        }
-        e => e,
-    })?;
+    let stream = state
+        .engine
+        .submit(GenerateRequest {
+            prompt_tokens,
+            params,
+        })
+        .map_err(engine_error)?;
     let message_id = new_id("msg_");
     tracing::debug!(id = %template.id, engine_id = %stream.id(), prompt_len, "response");
 
@@ -86,7 +89,13 @@ pub(super) async fn create(
 
     let generation = collect(stream, 1, prompt_len).await?;
     let child = generation.children.into_iter().next().unwrap_or_default();
-    let response = complete(template, message_id, child.text, child.finish_reason, &generation.usage);
+    let response = complete(
+        template,
+        message_id,
+        child.text,
+        child.finish_reason,
+        &generation.usage,
+    );
     Ok(Json(response).into_response())
 }
 
@@ -111,7 +120,11 @@ fn complete(
     response.status = status;
     response.incomplete_details = incomplete.map(|reason| IncompleteDetails { reason });
     response.output = vec![message(message_id, item_status, Some(text))];
-    response.usage = Some(ResponseUsage::new(counts.prompt_tokens, counts.cached_tokens, counts.completion_tokens));
+    response.usage = Some(ResponseUsage::new(
+        counts.prompt_tokens,
+        counts.cached_tokens,
+        counts.completion_tokens,
+    ));
     response
 }
 
@@ -157,21 +170,29 @@ impl ResponseStream {
         }
         self.text.push_str(&delta);
         let item_id = self.message_id.clone();
-        self.emit(out, |sequence_number| ResponseStreamEvent::OutputTextDelta {
-            sequence_number,
-            item_id,
-            output_index: 0,
-            content_index: 0,
-            delta,
-            logprobs: Vec::new(),
+        self.emit(out, |sequence_number| {
+            ResponseStreamEvent::OutputTextDelta {
+                sequence_number,
+                item_id,
+                output_index: 0,
+                content_index: 0,
+                delta,
+                logprobs: Vec::new(),
+            }
         });
     }
 
     fn fail(&mut self, out: &mut Vec<u8>, error: &ApiError) {
         let mut response = self.response.clone();
         response.status = "failed";
-        response.error = Some(ResponseError { code: "server_error", message: error.to_string() });
-        self.emit(out, |sequence_number| ResponseStreamEvent::Failed { sequence_number, response });
+        response.error = Some(ResponseError {
+            code: "server_error",
+            message: error.to_string(),
+        });
+        self.emit(out, |sequence_number| ResponseStreamEvent::Failed {
+            sequence_number,
+            response,
+        });
         self.done = true;
     }
 }
@@ -179,18 +200,32 @@ impl ResponseStream {
 impl SseFormatter for ResponseStream {
     fn prelude(&mut self, out: &mut Vec<u8>) {
         let response = self.response.clone();
-        self.emit(out, |sequence_number| ResponseStreamEvent::Created { sequence_number, response });
-        let response = self.response.clone();
-        self.emit(out, |sequence_number| ResponseStreamEvent::InProgress { sequence_number, response });
-        let item = message(self.message_id.clone(), "in_progress", None);
-        self.emit(out, |sequence_number| ResponseStreamEvent::OutputItemAdded { sequence_number, output_index: 0, item });
-        let item_id = self.message_id.clone();
-        self.emit(out, |sequence_number| ResponseStreamEvent::ContentPartAdded {
+        self.emit(out, |sequence_number| ResponseStreamEvent::Created {
             sequence_number,
-            item_id,
-            output_index: 0,
-            content_index: 0,
-            part: OutputText::new(String::new()),
+            response,
+        });
+        let response = self.response.clone();
+        self.emit(out, |sequence_number| ResponseStreamEvent::InProgress {
+            sequence_number,
+            response,
+        });
+        let item = message(self.message_id.clone(), "in_progress", None);
+        self.emit(out, |sequence_number| {
+            ResponseStreamEvent::OutputItemAdded {
+                sequence_number,
+                output_index: 0,
+                item,
+            }
+        });
+        let item_id = self.message_id.clone();
+        self.emit(out, |sequence_number| {
+            ResponseStreamEvent::ContentPartAdded {
+                sequence_number,
+                item_id,
+                output_index: 0,
+                content_index: 0,
+                part: OutputText::new(String::new()),
+            }
         });
     }
 
@@ -211,12 +246,14 @@ impl SseFormatter for ResponseStream {
                     text: text.clone(),
                     logprobs: Vec::new(),
                 });
-                self.emit(out, |sequence_number| ResponseStreamEvent::ContentPartDone {
-                    sequence_number,
-                    item_id,
-                    output_index: 0,
-                    content_index: 0,
-                    part: OutputText::new(text),
+                self.emit(out, |sequence_number| {
+                    ResponseStreamEvent::ContentPartDone {
+                        sequence_number,
+                        item_id,
+                        output_index: 0,
+                        content_index: 0,
+                        part: OutputText::new(text),
+                    }
                 });
                 let response = complete(
                     self.response.clone(),
@@ -225,17 +262,31 @@ impl SseFormatter for ResponseStream {
                     Some(reason),
                     &self.counts,
                 );
-                let item = response.output.first().cloned().unwrap_or_else(|| message(self.message_id.clone(), "completed", None));
-                self.emit(out, |sequence_number| ResponseStreamEvent::OutputItemDone { sequence_number, output_index: 0, item });
+                let item = response
+                    .output
+                    .first()
+                    .cloned()
+                    .unwrap_or_else(|| message(self.message_id.clone(), "completed", None));
+                self.emit(out, |sequence_number| ResponseStreamEvent::OutputItemDone {
+                    sequence_number,
+                    output_index: 0,
+                    item,
+                });
                 self.emit(out, |sequence_number| match reason {
-                    FinishReason::Stop => ResponseStreamEvent::Completed { sequence_number, response },
-                    FinishReason::Length | FinishReason::Abort => {
-                        ResponseStreamEvent::Incomplete { sequence_number, response }
-                    }
+                    FinishReason::Stop => ResponseStreamEvent::Completed {
+                        sequence_number,
+                        response,
+                    },
+                    FinishReason::Length | FinishReason::Abort => ResponseStreamEvent::Incomplete {
+                        sequence_number,
+                        response,
+                    },
                 });
                 self.done = true;
             }
-            RequestEvent::Failed { message } => self.fail(out, &ApiError::GenerationFailed(message)),
+            RequestEvent::Failed { message } => {
+                self.fail(out, &ApiError::GenerationFailed(message))
+            }
         }
     }
 

@@ -1,0 +1,337 @@
+//! Which sequences run in the next step, and with how many tokens.
+//!
+//! Continuous batching with a per-step token budget, as in vLLM's v1 scheduler:
+//! 1. Running sequences go first, oldest first. Each gets what it still lacks (one token when
+//!    decoding, the rest of its prompt when prefilling), capped by the remaining budget: long
+//!    prompts are prefilled in chunks across steps.
+//! 2. If a running sequence needs a block and the pool is empty, the newest running sequence is
+//!    preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
+//!    (prompt + what it generated) later. No request is lost.
+//! 3. If nothing was preempted, waiting sequences are admitted while budget, sequence slots and
+//!    blocks last. Admission first reuses cached full blocks of the same prefix.
+//!
+//! Sequences waiting for KV from another node sit apart ([`Scheduler::park_for_remote_kv`]) and
+//! hold their blocks without taking part in steps until [`Scheduler::remote_kv_ready`].
+
+use std::collections::VecDeque;
+
+use pd_kv_pool::{AllocatorError, BlockAllocator, BlockId, block_hash, hash_full_blocks};
+
+use crate::request::RequestId;
+use crate::sequence::Sequence;
+
+/// Limits of one step.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SchedulerConfig {
+    pub(crate) block_size: usize,
+    pub(crate) max_num_batched_tokens: usize,
+    pub(crate) max_num_seqs: usize,
+    pub(crate) enable_prefix_caching: bool,
+}
+
+/// One scheduled sequence: `running[index]` computes `num_tokens` tokens from `num_computed`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Scheduled {
+    pub(crate) index: usize,
+    pub(crate) num_tokens: usize,
+}
+
+/// What the next forward pass runs, and pool work to do before it.
+#[derive(Debug, Default)]
+pub(crate) struct StepPlan {
+    pub(crate) scheduled: Vec<Scheduled>,
+    /// Copy-on-write: copy block `.0` into block `.1` before the step.
+    pub(crate) copies: Vec<(BlockId, BlockId)>,
+    /// Sequences admitted for the first time this step: (request, prompt tokens found cached).
+    pub(crate) admitted: Vec<(RequestId, usize)>,
+    /// Sequences preempted this step.
+    pub(crate) preempted: usize,
+}
+
+/// Queues and block bookkeeping of one engine.
+#[derive(Debug)]
+pub(crate) struct Scheduler {
+    cfg: SchedulerConfig,
+    pub(crate) allocator: BlockAllocator,
+    pub(crate) waiting: VecDeque<Sequence>,
+    pub(crate) running: Vec<Sequence>,
+    pub(crate) remote: Vec<Sequence>,
+}
+
+impl Scheduler {
+    pub(crate) fn new(cfg: SchedulerConfig, num_blocks: usize) -> Self {
+        Self {
+            cfg,
+            allocator: BlockAllocator::new(num_blocks),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            remote: Vec::new(),
+        }
+    }
+
+    pub(crate) fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// Plans the next step.
+    pub(crate) fn schedule(&mut self) -> StepPlan {
+        let mut plan = StepPlan::default();
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let need = self.running[i].tokens.len() - self.running[i].num_computed;
+            let n = need.min(budget);
+            let mut scheduled_self = true;
+            loop {
+                let upto = self.running[i].num_computed + n;
+                if ensure_blocks(
+                    &mut self.allocator,
+                    self.cfg.block_size,
+                    &mut self.running[i],
+                    upto,
+                    &mut plan.copies,
+                )
+                .is_ok()
+                {
+                    break;
+                }
+                // Out of blocks: preempt the newest running sequence (maybe this one).
+                let Some(victim) = self.running.pop() else {
+                    break;
+                };
+                let was_self = self.running.len() == i;
+                self.preempt(victim);
+                plan.preempted += 1;
+                if was_self {
+                    scheduled_self = false;
+                    break;
+                }
+            }
+            if !scheduled_self {
+                break;
+            }
+            plan.scheduled.push(Scheduled {
+                index: i,
+                num_tokens: n,
+            });
+            budget -= n;
+            i += 1;
+        }
+        if plan.preempted > 0 {
+            return plan;
+        }
+        while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+            let Some(mut seq) = self.waiting.pop_front() else {
+                break;
+            };
+            let first_time =
+                seq.num_computed == 0 && seq.blocks.is_empty() && seq.num_generated() == 0;
+            let cached = self.take_cached_prefix(&mut seq);
+            let n = (seq.tokens.len() - seq.num_computed).min(budget);
+            let upto = seq.num_computed + n;
+            if self
+                .ensure_blocks(&mut seq, upto, &mut plan.copies)
+                .is_err()
+            {
+                // Not enough blocks now; give back what it took and wait.
+                self.release(&mut seq);
+                self.waiting.push_front(seq);
+                break;
+            }
+            if first_time {
+                plan.admitted.push((seq.request, cached));
+            }
+            self.running.push(seq);
+            plan.scheduled.push(Scheduled {
+                index: self.running.len() - 1,
+                num_tokens: n,
+            });
+            budget -= n;
+        }
+        plan
+    }
+
+    /// Called after the forward pass: `running[index]` now has `num_tokens` more computed tokens.
+    /// Registers blocks that became full in the prefix cache.
+    pub(crate) fn commit(&mut self, s: Scheduled) {
+        let bs = self.cfg.block_size;
+        let seq = &mut self.running[s.index];
+        seq.num_computed += s.num_tokens;
+        if !self.cfg.enable_prefix_caching {
+            return;
+        }
+        while seq.hashes.len() < seq.num_computed / bs {
+            let k = seq.hashes.len();
+            let h = block_hash(
+                seq.hashes.last().copied(),
+                &seq.tokens[k * bs..(k + 1) * bs],
+            );
+            self.allocator.register(seq.blocks[k], h);
+            seq.hashes.push(h);
+        }
+    }
+
+    /// Frees a sequence's blocks, last block first (so a prefix's head is evicted last).
+    pub(crate) fn release(&mut self, seq: &mut Sequence) {
+        for b in seq.blocks.drain(..).rev() {
+            self.allocator.free(b);
+        }
+        seq.hashes.clear();
+        seq.num_computed = 0;
+    }
+
+    /// Removes every sequence of `request` from all queues, freeing their blocks.
+    pub(crate) fn remove_request(&mut self, request: RequestId) -> usize {
+        let mut removed = Vec::new();
+        let mut keep = |q: &mut Vec<Sequence>| {
+            let mut i = 0;
+            while i < q.len() {
+                if q[i].request == request {
+                    removed.push(q.swap_remove(i));
+                } else {
+                    i += 1;
+                }
+            }
+        };
+        keep(&mut self.running);
+        keep(&mut self.remote);
+        let mut w: Vec<Sequence> = self.waiting.drain(..).collect();
+        keep(&mut w);
+        self.waiting = w.into();
+        let n = removed.len();
+        for mut s in removed {
+            self.release(&mut s);
+        }
+        n
+    }
+
+    /// Puts `seq` aside until its prompt's KV arrives from another node: takes blocks for the
+    /// whole prompt now (so the pull has somewhere to write), and leaves it out of every step.
+    ///
+    /// # Errors
+    /// [`AllocatorError::Exhausted`] when the prompt's blocks are not free; `seq` is returned.
+    #[allow(dead_code)] // driven by the P/D consumer path
+    pub(crate) fn park_for_remote_kv(
+        &mut self,
+        mut seq: Sequence,
+    ) -> Result<(), (Sequence, AllocatorError)> {
+        let need = seq.prompt_len.div_ceil(self.cfg.block_size);
+        match self.allocator.allocate_n(need) {
+            Ok(blocks) => {
+                seq.blocks = blocks;
+                self.remote.push(seq);
+                Ok(())
+            }
+            Err(e) => Err((seq, e)),
+        }
+    }
+
+    /// The KV of the first `num_tokens` prompt tokens of `request` has been written into its
+    /// blocks: it joins the queue (at the front) and computes only what it still lacks — at
+    /// least the last prompt token, whose logits it needs.
+    #[allow(dead_code)] // driven by the P/D consumer path
+    pub(crate) fn remote_kv_ready(&mut self, request: RequestId, num_tokens: usize) -> bool {
+        let Some(pos) = self.remote.iter().position(|s| s.request == request) else {
+            return false;
+        };
+        let mut seq = self.remote.swap_remove(pos);
+        seq.num_computed = num_tokens.min(seq.prompt_len.saturating_sub(1));
+        let bs = self.cfg.block_size;
+        if self.cfg.enable_prefix_caching {
+            for k in 0..seq.num_computed / bs {
+                let h = block_hash(
+                    seq.hashes.last().copied(),
+                    &seq.tokens[k * bs..(k + 1) * bs],
+                );
+                self.allocator.register(seq.blocks[k], h);
+                seq.hashes.push(h);
+            }
+        }
+        self.waiting.push_front(seq);
+        true
+    }
+
+    /// Blocks referenced by sequences of `request` (for tests and the transfer layer).
+    #[allow(dead_code)]
+    pub(crate) fn blocks_of(&self, request: RequestId) -> Vec<BlockId> {
+        self.running
+            .iter()
+            .chain(self.remote.iter())
+            .chain(self.waiting.iter())
+            .filter(|s| s.request == request)
+            .flat_map(|s| s.blocks.iter().copied())
+            .collect()
+    }
+
+    fn preempt(&mut self, mut seq: Sequence) {
+        tracing::debug!(request = %seq.request, child = seq.child, "preempting sequence (recompute)");
+        self.release(&mut seq);
+        self.waiting.push_front(seq);
+    }
+
+    /// For a newly admitted sequence: takes references on the longest cached prefix of its
+    /// tokens (never the whole of them: the last token must be computed for its logits).
+    /// Returns the number of tokens found.
+    fn take_cached_prefix(&mut self, seq: &mut Sequence) -> usize {
+        if !self.cfg.enable_prefix_caching || seq.num_computed > 0 || !seq.blocks.is_empty() {
+            return 0;
+        }
+        let bs = self.cfg.block_size;
+        let hashes = hash_full_blocks(&seq.tokens, bs);
+        let mut found = self.allocator.lookup(&hashes);
+        if found.len() * bs >= seq.tokens.len() {
+            found.pop();
+        }
+        for &b in &found {
+            self.allocator.take_cached(b);
+        }
+        seq.num_computed = found.len() * bs;
+        seq.hashes = hashes[..found.len()].to_vec();
+        seq.blocks = found;
+        seq.num_computed
+    }
+
+    /// Makes `seq.blocks` cover positions `0..upto`, copying a shared partial block first
+    /// (copy-on-write). All or nothing.
+    fn ensure_blocks(
+        &mut self,
+        seq: &mut Sequence,
+        upto: usize,
+        copies: &mut Vec<(BlockId, BlockId)>,
+    ) -> Result<(), AllocatorError> {
+        ensure_blocks(&mut self.allocator, self.cfg.block_size, seq, upto, copies)
+    }
+}
+
+/// Makes `seq.blocks` cover positions `0..upto`, copying a shared partial block first
+/// (copy-on-write). All or nothing.
+fn ensure_blocks(
+    allocator: &mut BlockAllocator,
+    bs: usize,
+    seq: &mut Sequence,
+    upto: usize,
+    copies: &mut Vec<(BlockId, BlockId)>,
+) -> Result<(), AllocatorError> {
+    let needed = upto.div_ceil(bs);
+    let extra = needed.saturating_sub(seq.blocks.len());
+    let write_block = seq.num_computed / bs;
+    let cow = seq.num_computed % bs != 0
+        && write_block < seq.blocks.len()
+        && allocator.ref_count(seq.blocks[write_block]) > 1;
+    if extra + usize::from(cow) > allocator.num_free() {
+        return Err(AllocatorError::Exhausted {
+            total: allocator.num_total(),
+        });
+    }
+    if cow {
+        let old = seq.blocks[write_block];
+        let new = allocator.allocate()?;
+        copies.push((old, new));
+        allocator.free(old);
+        seq.blocks[write_block] = new;
+    }
+    for _ in 0..extra {
+        seq.blocks.push(allocator.allocate()?);
+    }
+    Ok(())
+}

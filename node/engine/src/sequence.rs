@@ -1,0 +1,63 @@
+//! One sequence: a prompt plus the tokens one child generated, and the blocks holding its K/V.
+
+use std::time::Instant;
+
+use pd_kv_pool::{BlockHash, BlockId};
+use pd_tokenize::IncrementalDecoder;
+use rand_chacha::ChaCha8Rng;
+
+use crate::request::RequestId;
+
+/// A prompt and one child's continuation, with its KV bookkeeping.
+#[derive(Debug)]
+pub(crate) struct Sequence {
+    /// The request this sequence belongs to.
+    pub(crate) request: RequestId,
+    /// Index of this child in `0..n`.
+    pub(crate) child: usize,
+    /// Prompt followed by generated tokens.
+    pub(crate) tokens: Vec<u32>,
+    /// Length of the prompt part of `tokens`.
+    pub(crate) prompt_len: usize,
+    /// Leading tokens whose K/V is in `blocks`.
+    pub(crate) num_computed: usize,
+    /// Blocks holding positions `0..num_computed` (and room for what is being computed).
+    pub(crate) blocks: Vec<BlockId>,
+    /// Hashes of the leading full blocks, registered in the prefix cache.
+    pub(crate) hashes: Vec<BlockHash>,
+    /// This child's sampler state.
+    pub(crate) rng: ChaCha8Rng,
+    /// Turns generated tokens into text.
+    pub(crate) decoder: IncrementalDecoder,
+    /// Generated text so far (stop strings removed).
+    pub(crate) text: String,
+    /// Bytes of `text` already sent to the client.
+    pub(crate) sent: usize,
+    /// When this child last produced a token.
+    pub(crate) last_token_at: Option<Instant>,
+}
+
+impl Sequence {
+    /// Tokens generated so far.
+    pub(crate) fn num_generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// A child sharing every block of `self` (references are taken by the caller).
+    pub(crate) fn fork(&self, child: usize, rng: ChaCha8Rng) -> Sequence {
+        Sequence {
+            request: self.request,
+            child,
+            tokens: self.tokens.clone(),
+            prompt_len: self.prompt_len,
+            num_computed: self.num_computed,
+            blocks: self.blocks.clone(),
+            hashes: self.hashes.clone(),
+            rng,
+            decoder: self.decoder.clone(),
+            text: self.text.clone(),
+            sent: self.sent,
+            last_token_at: self.last_token_at,
+        }
+    }
+}

@@ -1,0 +1,917 @@
+//! End-to-end tests of the OpenAI API: the real server, in-process on `127.0.0.1:0`, over a real
+//! engine running a generated tiny model. Greedy (`temperature: 0`) everywhere, so streamed and
+//! non-streamed outputs of the same request must agree.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use pd_engine::{Engine, EngineConfig, EngineHandle};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// Longest context of the test engine.
+const MAX_MODEL_LEN: usize = 2048;
+
+/// One tiny model per test process, written once into a fresh temp directory.
+fn model_dir() -> &'static PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let dir = std::env::temp_dir().join(format!("pd-node-api-{}-{nanos}", std::process::id()));
+        let spec = pd_model::tiny::TinySpec {
+            seed: 7,
+            ..Default::default()
+        };
+        pd_model::tiny::generate(&spec, &dir).expect("generate tiny model");
+        dir
+    })
+}
+
+/// A running server; `stop` shuts it down and checks it exited cleanly.
+struct Server {
+    base: String,
+    engine: EngineHandle,
+    client: reqwest::Client,
+    shutdown: oneshot::Sender<()>,
+    task: JoinHandle<std::io::Result<()>>,
+}
+
+impl Server {
+    async fn start() -> Self {
+        let config = EngineConfig {
+            model_dir: model_dir().clone(),
+            served_model_name: Some("tiny".into()),
+            num_blocks: Some(256),
+            max_model_len: Some(MAX_MODEL_LEN),
+            ..EngineConfig::default()
+        };
+        let engine = tokio::task::spawn_blocking(move || Engine::load(&config))
+            .await
+            .unwrap()
+            .expect("load engine");
+        let engine = EngineHandle::spawn(engine).expect("spawn engine");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let (shutdown, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(pd_node::serve(listener, engine.clone(), async {
+            let _ = rx.await;
+        }));
+        Self {
+            base,
+            engine,
+            client: reqwest::Client::new(),
+            shutdown,
+            task,
+        }
+    }
+
+    async fn stop(self) {
+        let _ = self.shutdown.send(());
+        tokio::time::timeout(Duration::from_secs(10), self.task)
+            .await
+            .expect("server stops within 10 s")
+            .expect("server task did not panic")
+            .expect("server exited cleanly");
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// POSTs `body` and returns status and JSON body.
+    async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let resp = self
+            .client
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        let status = resp.status().as_u16();
+        let text = resp.text().await.unwrap();
+        let value = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {text}"));
+        (status, value)
+    }
+
+    /// POSTs `body` (with `stream: true`) and returns the SSE frames once the stream ends.
+    async fn post_stream(&self, path: &str, body: &Value) -> Vec<Frame> {
+        let resp = self
+            .client
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 200, "{path}");
+        let content_type = resp
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned();
+        assert!(
+            content_type.starts_with("text/event-stream"),
+            "{content_type}"
+        );
+        parse_sse(&resp.text().await.unwrap())
+    }
+
+    async fn get(&self, path: &str) -> (u16, String) {
+        let resp = self.client.get(self.url(path)).send().await.unwrap();
+        (resp.status().as_u16(), resp.text().await.unwrap())
+    }
+}
+
+/// One server-sent event: its `event:` name, if any, and its `data:`.
+#[derive(Debug)]
+struct Frame {
+    event: Option<String>,
+    data: String,
+}
+
+impl Frame {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.data)
+            .unwrap_or_else(|e| panic!("frame data is not JSON ({e}): {}", self.data))
+    }
+}
+
+fn parse_sse(body: &str) -> Vec<Frame> {
+    body.split("\n\n")
+        .filter(|f| !f.trim().is_empty())
+        .map(|frame| {
+            let mut event = None;
+            let mut data = Vec::new();
+            for line in frame.lines() {
+                if let Some(e) = line.strip_prefix("event: ") {
+                    event = Some(e.to_owned());
+                } else if let Some(d) = line.strip_prefix("data: ") {
+                    data.push(d);
+                } else {
+                    panic!("unexpected SSE line {line:?}");
+                }
+            }
+            Frame {
+                event,
+                data: data.join("\n"),
+            }
+        })
+        .collect()
+}
+
+/// Chat/completions stream: checks the `[DONE]` terminator and returns the JSON chunks.
+fn json_chunks(frames: &[Frame]) -> Vec<Value> {
+    let (last, rest) = frames.split_last().expect("stream has frames");
+    assert_eq!(last.data, "[DONE]");
+    rest.iter().map(Frame::json).collect()
+}
+
+#[track_caller]
+fn assert_usage(usage: &Value, completion_tokens: u64) {
+    assert_eq!(usage["completion_tokens"], completion_tokens, "{usage}");
+    let prompt = usage["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt > 0);
+    assert_eq!(
+        usage["total_tokens"].as_u64().unwrap(),
+        prompt + completion_tokens
+    );
+    assert!(
+        usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            <= prompt
+    );
+}
+
+#[tokio::test]
+async fn health_models_and_metrics() {
+    let server = Server::start().await;
+    assert_eq!(server.get("/health").await.0, 200);
+
+    let (status, body) = server.get("/v1/models").await;
+    assert_eq!(status, 200);
+    let models: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(models["object"], "list");
+    let card = &models["data"][0];
+    assert_eq!(card["id"], "tiny");
+    assert_eq!(card["object"], "model");
+    assert_eq!(card["max_model_len"], MAX_MODEL_LEN);
+    assert!(card["created"].as_u64().unwrap() > 0);
+    assert!(card["owned_by"].is_string());
+
+    let (status, text) = server.get("/metrics").await;
+    assert_eq!(status, 200);
+    for name in [
+        "pd_node_kv_blocks_free",
+        "pd_node_kv_blocks_total",
+        "pd_node_requests_running",
+        "pd_node_requests_waiting",
+    ] {
+        assert!(text.contains(name), "/metrics lacks {name}:\n{text}");
+    }
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn completions_stream_matches_non_stream() {
+    let server = Server::start().await;
+    let body = json!({
+        "model": "tiny", "prompt": "Hello, my name is", "max_tokens": 12,
+        "temperature": 0, "ignore_eos": true, "user": "ignored", "kv_transfer_params": null,
+    });
+    let (status, full) = server.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{full}");
+    assert!(full["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert_eq!(full["object"], "text_completion");
+    assert_eq!(full["model"], "tiny");
+    let choice = &full["choices"][0];
+    assert_eq!(choice["index"], 0);
+    assert_eq!(choice["finish_reason"], "length");
+    assert!(choice["logprobs"].is_null());
+    assert!(choice.get("token_ids").is_none());
+    assert_usage(&full["usage"], 12);
+
+    let mut stream_body = body.clone();
+    stream_body["stream"] = json!(true);
+    stream_body["stream_options"] = json!({"include_usage": true});
+    let chunks = json_chunks(&server.post_stream("/v1/completions", &stream_body).await);
+    let (usage_chunk, token_chunks) = chunks.split_last().unwrap();
+    assert_eq!(usage_chunk["choices"], json!([]));
+    assert_eq!(usage_chunk["usage"], full["usage"]);
+    let text: String = token_chunks
+        .iter()
+        .map(|c| c["choices"][0]["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(text, choice["text"].as_str().unwrap());
+    let finishes: Vec<_> = token_chunks
+        .iter()
+        .filter(|c| !c["choices"][0]["finish_reason"].is_null())
+        .collect();
+    assert_eq!(finishes.len(), 1);
+    assert_eq!(finishes[0]["choices"][0]["finish_reason"], "length");
+    assert!(
+        token_chunks
+            .iter()
+            .all(|c| c["object"] == "text_completion" && c["id"] == token_chunks[0]["id"])
+    );
+
+    // Without include_usage no usage chunk is sent.
+    stream_body["stream_options"] = json!(null);
+    let plain = json_chunks(&server.post_stream("/v1/completions", &stream_body).await);
+    assert!(
+        plain
+            .iter()
+            .all(|c| c.get("usage").is_none() && !c["choices"].as_array().unwrap().is_empty())
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn completions_token_prompt_return_token_ids_and_logprobs() {
+    let server = Server::start().await;
+    let prompt = [72u32, 101, 108, 108, 111];
+    let body = json!({
+        "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": true,
+        "return_token_ids": true, "logprobs": 2,
+    });
+    let (status, full) = server.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{full}");
+    let choice = &full["choices"][0];
+    assert_eq!(choice["prompt_token_ids"], json!(prompt));
+    assert_eq!(full["usage"]["prompt_tokens"], prompt.len());
+    let token_ids = choice["token_ids"].as_array().unwrap();
+    assert_eq!(token_ids.len(), 6);
+    let logprobs = &choice["logprobs"];
+    assert_eq!(logprobs["tokens"].as_array().unwrap().len(), 6);
+    assert_eq!(logprobs["text_offset"].as_array().unwrap().len(), 6);
+    for (lp, top) in logprobs["token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(logprobs["top_logprobs"].as_array().unwrap())
+    {
+        assert!(lp.as_f64().unwrap() <= 0.0);
+        let top = top.as_object().unwrap();
+        assert!(!top.is_empty() && top.len() <= 2, "{top:?}");
+    }
+
+    // Streamed, the token ids arrive one per chunk and the prompt's on the first chunk.
+    let mut stream_body = body.clone();
+    stream_body["stream"] = json!(true);
+    let chunks = json_chunks(&server.post_stream("/v1/completions", &stream_body).await);
+    assert_eq!(chunks[0]["choices"][0]["prompt_token_ids"], json!(prompt));
+    let streamed: Vec<Value> = chunks
+        .iter()
+        .flat_map(|c| {
+            c["choices"][0]["token_ids"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(&streamed, token_ids);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn completions_n_gives_one_choice_per_child() {
+    let server = Server::start().await;
+    let body =
+        json!({"prompt": "abc", "max_tokens": 5, "n": 3, "temperature": 0, "ignore_eos": true});
+    let (status, full) = server.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{full}");
+    let choices = full["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["finish_reason"], "length");
+        // Greedy children of one prompt agree.
+        assert_eq!(c["text"], choices[0]["text"]);
+    }
+    assert_usage(&full["usage"], 15);
+
+    let mut stream_body = body.clone();
+    stream_body["stream"] = json!(true);
+    let chunks = json_chunks(&server.post_stream("/v1/completions", &stream_body).await);
+    let mut texts = [String::new(), String::new(), String::new()];
+    let mut finished = [0; 3];
+    for chunk in &chunks {
+        for c in chunk["choices"].as_array().unwrap() {
+            let i = c["index"].as_u64().unwrap() as usize;
+            texts[i].push_str(c["text"].as_str().unwrap());
+            if !c["finish_reason"].is_null() {
+                finished[i] += 1;
+            }
+        }
+    }
+    assert_eq!(finished, [1, 1, 1]);
+    for (i, t) in texts.iter().enumerate() {
+        assert_eq!(t, choices[i]["text"].as_str().unwrap());
+    }
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn chat_stream_matches_non_stream() {
+    let server = Server::start().await;
+    let body = json!({
+        "model": "tiny",
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": [{"type": "text", "text": "Say hi"}]},
+        ],
+        "max_completion_tokens": 10, "temperature": 0, "ignore_eos": true,
+        "logprobs": true, "top_logprobs": 2, "return_token_ids": true,
+    });
+    let (status, full) = server.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{full}");
+    assert!(full["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(full["object"], "chat.completion");
+    let choice = &full["choices"][0];
+    assert_eq!(choice["message"]["role"], "assistant");
+    assert_eq!(choice["finish_reason"], "length");
+    assert_usage(&full["usage"], 10);
+    assert_eq!(
+        full["prompt_token_ids"].as_array().unwrap().len() as u64,
+        full["usage"]["prompt_tokens"].as_u64().unwrap()
+    );
+    assert_eq!(choice["token_ids"].as_array().unwrap().len(), 10);
+    let content = choice["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 10);
+    for entry in content {
+        let token = entry["token"].as_str().unwrap();
+        let bytes: Vec<u8> = entry["bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap() as u8)
+            .collect();
+        assert_eq!(bytes, token.as_bytes());
+        assert_eq!(entry["top_logprobs"].as_array().unwrap().len(), 2);
+    }
+
+    let mut stream_body = body.clone();
+    stream_body["stream"] = json!(true);
+    stream_body["stream_options"] = json!({"include_usage": true});
+    let chunks = json_chunks(
+        &server
+            .post_stream("/v1/chat/completions", &stream_body)
+            .await,
+    );
+    let first = &chunks[0];
+    assert_eq!(first["object"], "chat.completion.chunk");
+    assert_eq!(
+        first["choices"][0]["delta"],
+        json!({"role": "assistant", "content": ""})
+    );
+    assert_eq!(first["prompt_token_ids"], full["prompt_token_ids"]);
+    let (usage_chunk, rest) = chunks.split_last().unwrap();
+    assert_eq!(usage_chunk["choices"], json!([]));
+    assert_eq!(usage_chunk["usage"], full["usage"]);
+    let text: String = rest
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, choice["message"]["content"].as_str().unwrap());
+    let last = rest.last().unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    let streamed_logprobs = rest
+        .iter()
+        .flat_map(|c| {
+            c["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .count();
+    assert_eq!(streamed_logprobs, 10);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn chat_n_streams_interleave_by_index() {
+    let server = Server::start().await;
+    let body = json!({
+        "messages": [{"role": "user", "content": "count"}],
+        "max_tokens": 4, "n": 3, "temperature": 0, "ignore_eos": true, "stream": true,
+    });
+    let chunks = json_chunks(&server.post_stream("/v1/chat/completions", &body).await);
+    let mut roles = [0; 3];
+    let mut finishes = [0; 3];
+    for chunk in &chunks {
+        for c in chunk["choices"].as_array().unwrap() {
+            let i = c["index"].as_u64().unwrap() as usize;
+            if c["delta"]["role"] == "assistant" {
+                roles[i] += 1;
+            }
+            if !c["finish_reason"].is_null() {
+                finishes[i] += 1;
+            }
+        }
+    }
+    assert_eq!(roles, [1, 1, 1]);
+    assert_eq!(finishes, [1, 1, 1]);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn responses_stream_matches_non_stream() {
+    let server = Server::start().await;
+    let body = json!({
+        "model": "tiny",
+        "instructions": "Be brief.",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hello"}]}],
+        "max_output_tokens": 9, "temperature": 0,
+    });
+    let (status, full) = server.post("/v1/responses", &body).await;
+    assert_eq!(status, 200, "{full}");
+    assert!(full["id"].as_str().unwrap().starts_with("resp_"));
+    assert_eq!(full["object"], "response");
+    let text = full["output"][0]["content"][0]["text"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(full["output"][0]["type"], "message");
+    assert_eq!(full["output"][0]["role"], "assistant");
+    assert_eq!(full["output"][0]["content"][0]["type"], "output_text");
+    assert_eq!(full["output"][0]["content"][0]["annotations"], json!([]));
+    let usage = &full["usage"];
+    let output_tokens = usage["output_tokens"].as_u64().unwrap();
+    assert!((1..=9).contains(&output_tokens));
+    assert_eq!(
+        usage["total_tokens"].as_u64().unwrap(),
+        usage["input_tokens"].as_u64().unwrap() + output_tokens
+    );
+    assert_eq!(usage["output_tokens_details"]["reasoning_tokens"], 0);
+    assert!(usage["input_tokens_details"]["cached_tokens"].is_u64());
+    if output_tokens == 9 {
+        assert_eq!(full["status"], "incomplete");
+        assert_eq!(full["incomplete_details"]["reason"], "max_output_tokens");
+    } else {
+        assert_eq!(full["status"], "completed");
+    }
+
+    let mut stream_body = body.clone();
+    stream_body["stream"] = json!(true);
+    let frames = server.post_stream("/v1/responses", &stream_body).await;
+    let events: Vec<(String, Value)> = frames
+        .iter()
+        .map(|f| {
+            let data = f.json();
+            let name = f.event.clone().expect("every frame names its event");
+            assert_eq!(data["type"], name.as_str());
+            (name, data)
+        })
+        .collect();
+    for (i, (_, data)) in events.iter().enumerate() {
+        assert_eq!(data["sequence_number"], i, "{data}");
+    }
+    let names: Vec<&str> = events
+        .iter()
+        .map(|(n, _)| n.as_str())
+        .filter(|n| *n != "response.output_text.delta")
+        .collect();
+    let terminal = if full["status"] == "completed" {
+        "response.completed"
+    } else {
+        "response.incomplete"
+    };
+    assert_eq!(
+        names,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            terminal,
+        ]
+    );
+    let deltas: String = events
+        .iter()
+        .filter(|(n, _)| n == "response.output_text.delta")
+        .map(|(_, d)| {
+            assert_eq!(d["output_index"], 0);
+            assert_eq!(d["content_index"], 0);
+            d["delta"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert_eq!(deltas, text);
+    let (_, last) = events.last().unwrap();
+    assert_eq!(
+        last["response"]["output"][0]["content"][0]["text"],
+        text.as_str()
+    );
+    assert_eq!(last["response"]["status"], full["status"]);
+    assert_eq!(last["response"]["usage"], full["usage"]);
+    let (_, done) = events
+        .iter()
+        .find(|(n, _)| n == "response.output_text.done")
+        .unwrap();
+    assert_eq!(done["text"], text.as_str());
+    assert_eq!(done["item_id"], last["response"]["output"][0]["id"]);
+
+    // A plain string input works too.
+    let (status, simple) = server
+        .post(
+            "/v1/responses",
+            &json!({"input": "hi", "max_output_tokens": 3}),
+        )
+        .await;
+    assert_eq!(status, 200, "{simple}");
+    server.stop().await;
+}
+
+/// Checks status, `error.type` and `error.param` of a failed request.
+#[track_caller]
+fn assert_error(result: (u16, Value), status: u16, kind: &str, param: Option<&str>) -> Value {
+    let (got, body) = result;
+    assert_eq!(got, status, "{body}");
+    let error = &body["error"];
+    assert_eq!(error["type"], kind, "{body}");
+    assert_eq!(error["param"].as_str(), param, "{body}");
+    assert!(!error["message"].as_str().unwrap().is_empty());
+    body
+}
+
+#[tokio::test]
+async fn errors_have_the_openai_shape() {
+    let server = Server::start().await;
+    let raw = |path: &'static str, body: &'static str, content_type: &'static str| {
+        let req = server
+            .client
+            .post(server.url(path))
+            .header("content-type", content_type)
+            .body(body);
+        async move {
+            let resp = req.send().await.unwrap();
+            (resp.status().as_u16(), resp.json::<Value>().await.unwrap())
+        }
+    };
+    const BAD: &str = "invalid_request_error";
+
+    // Malformed JSON, and JSON that is not an object.
+    assert_error(
+        raw("/v1/completions", "{\"prompt\": ", "application/json").await,
+        400,
+        BAD,
+        None,
+    );
+    assert_error(
+        raw("/v1/chat/completions", "[1, 2]", "application/json").await,
+        400,
+        BAD,
+        None,
+    );
+    // A wrong content type still parses.
+    let (status, ok) = raw(
+        "/v1/completions",
+        r#"{"prompt": "hi", "max_tokens": 2}"#,
+        "text/plain",
+    )
+    .await;
+    assert_eq!(status, 200, "{ok}");
+
+    // Missing required fields are named.
+    assert_error(
+        server
+            .post("/v1/completions", &json!({"max_tokens": 2}))
+            .await,
+        400,
+        BAD,
+        Some("prompt"),
+    );
+    assert_error(
+        server
+            .post("/v1/chat/completions", &json!({"model": "tiny"}))
+            .await,
+        400,
+        BAD,
+        Some("messages"),
+    );
+    assert_error(
+        server
+            .post("/v1/responses", &json!({"model": "tiny"}))
+            .await,
+        400,
+        BAD,
+        Some("input"),
+    );
+
+    // Unknown model.
+    let body = assert_error(
+        server
+            .post("/v1/completions", &json!({"model": "gpt-9", "prompt": "x"}))
+            .await,
+        404,
+        BAD,
+        Some("model"),
+    );
+    assert_eq!(body["error"]["code"], "model_not_found");
+    assert_error(
+        server
+            .post(
+                "/v1/chat/completions",
+                &json!({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}),
+            )
+            .await,
+        404,
+        BAD,
+        Some("model"),
+    );
+
+    // Out-of-range parameters, named by the field the client sent.
+    let chat = |extra: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": "x"}]});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let completion = |extra: Value| {
+        let mut body = json!({"prompt": "x"});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        body
+    };
+    for (extra, param) in [
+        (json!({"n": 0}), "n"),
+        (json!({"n": 100000}), "n"),
+        (json!({"n": -1}), "n"),
+        (json!({"max_tokens": 0}), "max_tokens"),
+        (json!({"max_tokens": -5}), "max_tokens"),
+        (json!({"max_tokens": MAX_MODEL_LEN * 4}), "max_tokens"),
+        (json!({"temperature": 5.0}), "temperature"),
+        (json!({"top_p": 0.0}), "top_p"),
+        (json!({"logprobs": 1000}), "logprobs"),
+        (json!({"top_k": -7}), "top_k"),
+        (json!({"echo": true}), "echo"),
+        (json!({"prompt": ["a", "b"]}), "prompt"),
+        (json!({"prompt": [1, 2, 999999]}), "prompt"),
+        (json!({"prompt": vec![65u32; MAX_MODEL_LEN + 10]}), "prompt"),
+        (json!({"prompt": 12}), "prompt"),
+    ] {
+        assert_error(
+            server
+                .post("/v1/completions", &completion(extra.clone()))
+                .await,
+            400,
+            BAD,
+            Some(param),
+        );
+    }
+    for (extra, param) in [
+        (json!({"max_completion_tokens": 0}), "max_completion_tokens"),
+        (json!({"max_tokens": 0}), "max_tokens"),
+        (json!({"temperature": -1.0}), "temperature"),
+        (json!({"top_logprobs": 3}), "top_logprobs"),
+        (
+            json!({"logprobs": true, "top_logprobs": 1000}),
+            "top_logprobs",
+        ),
+        (json!({"messages": []}), "messages"),
+        (
+            json!({"messages": [{"role": "wizard", "content": "x"}]}),
+            "messages",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
+            "messages",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "word ".repeat(MAX_MODEL_LEN * 2)}]}),
+            "messages",
+        ),
+    ] {
+        assert_error(
+            server
+                .post("/v1/chat/completions", &chat(extra.clone()))
+                .await,
+            400,
+            BAD,
+            Some(param),
+        );
+    }
+    assert_error(
+        server
+            .post(
+                "/v1/responses",
+                &json!({"input": "x", "max_output_tokens": 0}),
+            )
+            .await,
+        400,
+        BAD,
+        Some("max_output_tokens"),
+    );
+    assert_error(
+        server.post("/v1/responses", &json!({"input": 5})).await,
+        400,
+        BAD,
+        Some("input"),
+    );
+    assert_error(
+        server
+            .post(
+                "/v1/responses",
+                &json!({"input": "x", "previous_response_id": "resp_1"}),
+            )
+            .await,
+        400,
+        BAD,
+        Some("previous_response_id"),
+    );
+
+    // Unknown route and wrong method.
+    let resp = server
+        .client
+        .post(server.url("/v1/nothing"))
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    let body = assert_error(
+        (resp.status().as_u16(), resp.json().await.unwrap()),
+        404,
+        BAD,
+        None,
+    );
+    assert_eq!(body["error"]["code"], "unknown_url");
+    let resp = server
+        .client
+        .get(server.url("/v1/completions"))
+        .send()
+        .await
+        .unwrap();
+    assert_error(
+        (resp.status().as_u16(), resp.json().await.unwrap()),
+        405,
+        BAD,
+        None,
+    );
+
+    // The server still works after all that.
+    let (status, _) = server
+        .post("/v1/completions", &completion(json!({"max_tokens": 1})))
+        .await;
+    assert_eq!(status, 200);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn oversized_body_is_413() {
+    let server = Server::start().await;
+    // Announce a body over the limit but send only its first byte: the server must answer from
+    // the Content-Length alone, in the OpenAI error shape.
+    let addr = server.base.trim_start_matches("http://").to_owned();
+    let mut sock = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{{",
+        pd_node::MAX_BODY_BYTES + 1
+    );
+    sock.write_all(head.as_bytes()).await.unwrap();
+    // Read until the head and a Content-Length worth of body arrived (the server may keep the
+    // connection open, so EOF is not the end of the response).
+    let read = async {
+        let mut response = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            let n = sock.read(&mut buf).await.unwrap();
+            assert!(
+                n > 0,
+                "connection closed mid-response: {}",
+                String::from_utf8_lossy(&response)
+            );
+            response.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&response).into_owned();
+            if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                let len = head
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length:")
+                            .map(|v| v.trim().parse::<usize>())
+                    })
+                    .expect("response has a content-length")
+                    .unwrap();
+                if body.len() >= len {
+                    return (head.to_owned(), body.to_owned());
+                }
+            }
+        }
+    };
+    let (head, body) = tokio::time::timeout(Duration::from_secs(10), read)
+        .await
+        .expect("413 within 10 s");
+    assert!(head.starts_with("HTTP/1.1 413"), "{head}");
+    let body: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    assert_eq!(body["error"]["type"], "invalid_request_error");
+    assert_eq!(body["error"]["code"], "payload_too_large");
+    server.stop().await;
+}
+
+/// Parses `pd_node_<name> <value>` out of the Prometheus text.
+fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+#[tokio::test]
+async fn disconnected_streams_free_their_blocks() {
+    let server = Server::start().await;
+    let total = server.engine.info().num_blocks;
+    assert_eq!(server.engine.free_blocks(), total);
+    let max_tokens = MAX_MODEL_LEN - 64;
+
+    let mut open = Vec::new();
+    for i in 0..4 {
+        let body = json!({
+            "prompt": format!("stream number {i} "), "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": true, "stream": true,
+        });
+        let mut resp = server
+            .client
+            .post(server.url("/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+        // Completions streams send nothing before the first token: this chunk proves the engine
+        // admitted the request and holds its blocks.
+        let first = resp.chunk().await.unwrap().expect("a first chunk");
+        assert!(first.starts_with(b"data: "));
+        open.push(resp);
+    }
+    drop(open);
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, text) = server.get("/metrics").await;
+        let free = metric(&text, "pd_node_kv_blocks_free").unwrap_or(-1.0);
+        if free == total as f64 && server.engine.free_blocks() == total {
+            // Freed because the requests were aborted, not because they ran to the end.
+            let generated = metric(&text, "pd_node_generation_tokens_total").unwrap_or(0.0);
+            assert!(
+                generated < (4 * max_tokens) as f64,
+                "requests ran to completion ({generated} tokens)"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "blocks not freed within 10 s: {free} of {total} free"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    server.stop().await;
+}
