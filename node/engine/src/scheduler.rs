@@ -335,3 +335,120 @@ fn ensure_blocks(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    fn seq(request: u64, len: usize, tok: &pd_tokenize::Tokenizer) -> Sequence {
+        Sequence {
+            request: RequestId(request),
+            child: 0,
+            tokens: (0..len as u32)
+                .map(|i| (i + request as u32 * 7) % 256)
+                .collect(),
+            prompt_len: len,
+            num_computed: 0,
+            blocks: Vec::new(),
+            hashes: Vec::new(),
+            rng: rand_chacha::ChaCha8Rng::seed_from_u64(0),
+            decoder: tok.decoder(true),
+            text: String::new(),
+            sent: 0,
+            last_token_at: None,
+        }
+    }
+
+    fn tokenizer() -> pd_tokenize::Tokenizer {
+        let dir = std::env::temp_dir().join(format!("pd-sched-tok-{}", std::process::id()));
+        pd_tokenize::write_byte_level_tokenizer(&dir, 300).unwrap();
+        pd_tokenize::Tokenizer::from_dir(&dir).unwrap()
+    }
+
+    fn cfg(budget: usize) -> SchedulerConfig {
+        SchedulerConfig {
+            block_size: 4,
+            max_num_batched_tokens: budget,
+            max_num_seqs: 8,
+            enable_prefix_caching: true,
+        }
+    }
+
+    /// Runs `plan` as if the forward pass happened, appending a token to finished prefills.
+    fn complete(s: &mut Scheduler, plan: &StepPlan) {
+        for sc in &plan.scheduled {
+            s.commit(*sc);
+            let q = &mut s.running[sc.index];
+            if q.num_computed == q.tokens.len() {
+                q.tokens.push(1);
+            }
+        }
+    }
+
+    #[test]
+    fn chunked_prefill_respects_the_budget() {
+        let tok = tokenizer();
+        let mut s = Scheduler::new(cfg(8), 32);
+        s.waiting.push_back(seq(1, 20, &tok));
+        let mut steps = Vec::new();
+        for _ in 0..3 {
+            let plan = s.schedule();
+            steps.push(plan.scheduled.iter().map(|x| x.num_tokens).sum::<usize>());
+            complete(&mut s, &plan);
+        }
+        assert_eq!(steps, vec![8, 8, 4]);
+    }
+
+    #[test]
+    fn sequence_waiting_for_remote_kv_does_not_block_others() {
+        let tok = tokenizer();
+        let mut s = Scheduler::new(cfg(64), 32);
+        s.park_for_remote_kv(seq(1, 10, &tok)).unwrap();
+        let parked = s.blocks_of(RequestId(1));
+        assert_eq!(parked.len(), 3);
+        s.waiting.push_back(seq(2, 6, &tok));
+        for _ in 0..5 {
+            let plan = s.schedule();
+            assert!(
+                plan.scheduled
+                    .iter()
+                    .all(|x| s.running[x.index].request == RequestId(2))
+            );
+            assert!(!plan.scheduled.is_empty());
+            complete(&mut s, &plan);
+            // The parked sequence's blocks are never handed to anyone else.
+            for r in &s.running {
+                assert!(r.blocks.iter().all(|b| !parked.contains(b)));
+            }
+        }
+        // KV for all 10 prompt tokens arrived: it computes just the last one for its logits.
+        assert!(s.remote_kv_ready(RequestId(1), 10));
+        let plan = s.schedule();
+        let mine: Vec<_> = plan
+            .scheduled
+            .iter()
+            .filter(|x| s.running[x.index].request == RequestId(1))
+            .collect();
+        assert_eq!(mine.len(), 1);
+        assert_eq!(mine[0].num_tokens, 1);
+        assert_eq!(s.running[mine[0].index].blocks, parked);
+    }
+
+    #[test]
+    fn exhausted_pool_preempts_the_newest_and_frees_its_blocks() {
+        let tok = tokenizer();
+        // 6 blocks; two prompts of 8 tokens take 2 blocks each, decoding needs one more each.
+        let mut s = Scheduler::new(cfg(64), 5);
+        s.waiting.push_back(seq(1, 8, &tok));
+        s.waiting.push_back(seq(2, 8, &tok));
+        let plan = s.schedule();
+        assert_eq!(plan.scheduled.len(), 2);
+        complete(&mut s, &plan);
+        let plan = s.schedule(); // seq 1 takes the 5th block; seq 2 finds none and is preempted
+        assert_eq!(plan.preempted, 1);
+        assert_eq!(s.waiting.front().map(|q| q.request), Some(RequestId(2)));
+        assert!(s.waiting[0].blocks.is_empty() && s.waiting[0].num_computed == 0);
+        assert_eq!(s.allocator.num_free(), 5 - 3);
+    }
+}

@@ -116,6 +116,18 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        // Refuse an announced oversized body before reading any of it; the limit on the body
+        // stream below catches chunked bodies that grow past it.
+        let announced = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if announced.is_some_and(|len| len > MAX_BODY_BYTES as u64) {
+            return Err(ApiError::PayloadTooLarge {
+                limit: MAX_BODY_BYTES,
+            });
+        }
         let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
             if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 ApiError::PayloadTooLarge {

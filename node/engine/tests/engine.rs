@@ -1,0 +1,378 @@
+//! The engine end to end on a generated model: greedy output must equal a plain, non-paged
+//! forward pass (candle-transformers' stock Llama) token for token — alone, in concurrent batches
+//! of different lengths, with chunked prefill forced, with prefix-cache hits, under preemption,
+//! and for n>1 children. Aborting a request frees its blocks.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use pd_engine::{
+    Engine, EngineConfig, EngineHandle, FinishReason, GenerateRequest, RequestEvent, SamplingParams,
+};
+use pd_model::tiny::{TinySpec, generate};
+
+fn model_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("pd-engine-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    generate(
+        &TinySpec {
+            seed: 11,
+            ..TinySpec::default()
+        },
+        &d,
+    )
+    .unwrap();
+    d
+}
+
+/// Greedy continuation of `prompt` by candle-transformers' Llama (contiguous KV cache).
+fn reference_greedy(dir: &Path, prompt: &[u32], n: usize) -> Vec<u32> {
+    use candle_transformers::models::llama::{Cache, Llama, LlamaConfig};
+    let files = pd_model::llama::safetensors_files(dir).unwrap();
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, &Device::Cpu).unwrap() };
+    let cfg: LlamaConfig =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let cfg = cfg.into_config(false);
+    let mut cache = Cache::new(true, DType::F32, &cfg, &Device::Cpu).unwrap();
+    let model = Llama::load(vb, &cfg).unwrap();
+    let mut out = Vec::new();
+    let mut input = prompt.to_vec();
+    let mut pos = 0;
+    for _ in 0..n {
+        let x = Tensor::new(input.as_slice(), &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let logits: Vec<f32> = model
+            .forward(&x, pos, &mut cache)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        pos += input.len();
+        let next = logits
+            .iter()
+            .enumerate()
+            .fold(
+                (0, f32::NEG_INFINITY),
+                |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+            )
+            .0 as u32;
+        out.push(next);
+        input = vec![next];
+    }
+    out
+}
+
+fn engine(dir: &Path, f: impl FnOnce(&mut EngineConfig)) -> EngineHandle {
+    let mut cfg = EngineConfig {
+        model_dir: dir.to_path_buf(),
+        block_size: 4,
+        num_blocks: Some(256),
+        ..Default::default()
+    };
+    f(&mut cfg);
+    EngineHandle::spawn(Engine::load(&cfg).unwrap()).unwrap()
+}
+
+fn greedy(max_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        max_tokens: Some(max_tokens),
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+fn prompt(len: usize, salt: u32) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (i * 31 + salt * 17 + 3) % 256)
+        .collect()
+}
+
+#[derive(Debug, Default)]
+struct Outcome {
+    /// Tokens per child.
+    tokens: Vec<Vec<u32>>,
+    reasons: Vec<Option<FinishReason>>,
+    /// Text per child.
+    texts: Vec<String>,
+    cached_tokens: usize,
+}
+
+async fn run(handle: &EngineHandle, prompt_tokens: Vec<u32>, params: SamplingParams) -> Outcome {
+    let n = params.n;
+    let mut s = handle
+        .submit(GenerateRequest {
+            prompt_tokens,
+            params,
+        })
+        .unwrap();
+    let mut o = Outcome {
+        tokens: vec![Vec::new(); n],
+        reasons: vec![None; n],
+        texts: vec![String::new(); n],
+        cached_tokens: 0,
+    };
+    while let Some(e) = s.recv().await {
+        match e {
+            RequestEvent::Started { cached_tokens, .. } => o.cached_tokens = cached_tokens,
+            RequestEvent::Token {
+                child,
+                token_id,
+                text,
+                ..
+            } => {
+                o.tokens[child].push(token_id);
+                o.texts[child].push_str(&text);
+            }
+            RequestEvent::Finished {
+                child,
+                reason,
+                text,
+                ..
+            } => {
+                o.reasons[child] = Some(reason);
+                o.texts[child].push_str(&text);
+            }
+            RequestEvent::Failed { message } => panic!("request failed: {message}"),
+        }
+    }
+    o
+}
+
+async fn wait_all_free(handle: &EngineHandle) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while handle.free_blocks() != handle.info().num_blocks {
+        assert!(
+            Instant::now() < deadline,
+            "blocks not freed: {} of {}",
+            handle.free_blocks(),
+            handle.info().num_blocks
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn greedy_single_requests_equal_reference() {
+    let dir = model_dir("single");
+    let h = engine(&dir, |_| {});
+    for (len, salt) in [(1, 0), (5, 1), (16, 2), (37, 3)] {
+        let p = prompt(len, salt);
+        let got = run(&h, p.clone(), greedy(20)).await;
+        assert_eq!(
+            got.tokens[0],
+            reference_greedy(&dir, &p, 20),
+            "prompt of {len} tokens"
+        );
+        assert_eq!(got.reasons[0], Some(FinishReason::Length));
+    }
+    wait_all_free(&h).await;
+}
+
+#[tokio::test]
+async fn concurrent_batch_with_chunked_prefill_equals_reference() {
+    let dir = model_dir("batch");
+    // A 7-token step budget forces every prompt longer than 7 into chunks, interleaved with
+    // other sequences' decode steps.
+    let h = engine(&dir, |c| c.max_num_batched_tokens = 7);
+    let prompts: Vec<Vec<u32>> = [3, 9, 17, 30, 41]
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| prompt(l, 10 + i as u32))
+        .collect();
+    let futs = prompts.iter().map(|p| run(&h, p.clone(), greedy(16)));
+    let outs = futures::future::join_all(futs).await;
+    for (p, o) in prompts.iter().zip(outs) {
+        assert_eq!(
+            o.tokens[0],
+            reference_greedy(&dir, p, 16),
+            "prompt of {} tokens",
+            p.len()
+        );
+    }
+    wait_all_free(&h).await;
+}
+
+#[tokio::test]
+async fn prefix_cache_hit_gives_same_tokens() {
+    let dir = model_dir("prefix");
+    let h = engine(&dir, |_| {});
+    let p = prompt(26, 5);
+    let first = run(&h, p.clone(), greedy(12)).await;
+    let second = run(&h, p.clone(), greedy(12)).await;
+    assert_eq!(first.cached_tokens, 0);
+    // 26 tokens = 6 full blocks of 4 + 2; all 6 full blocks are reused.
+    assert_eq!(second.cached_tokens, 24);
+    assert_eq!(first.tokens, second.tokens);
+    assert_eq!(second.tokens[0], reference_greedy(&dir, &p, 12));
+    // A prompt sharing only the first 10 tokens reuses 2 blocks.
+    let mut q = p[..10].to_vec();
+    q.extend(prompt(9, 99));
+    let third = run(&h, q.clone(), greedy(12)).await;
+    assert_eq!(third.cached_tokens, 8);
+    assert_eq!(third.tokens[0], reference_greedy(&dir, &q, 12));
+    let m = prometheus::TextEncoder::new()
+        .encode_to_string(&h.metrics().registry().gather())
+        .unwrap();
+    assert!(m.contains("pd_node_prefix_cache_hits_total 32"), "{m}");
+}
+
+#[tokio::test]
+async fn preemption_under_block_pressure_keeps_output_exact() {
+    let dir = model_dir("preempt");
+    // 24 blocks of 4 = 96 slots; four requests needing ~11 blocks each cannot all fit.
+    let h = engine(&dir, |c| c.num_blocks = Some(24));
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| prompt(20, 40 + i)).collect();
+    let outs =
+        futures::future::join_all(prompts.iter().map(|p| run(&h, p.clone(), greedy(24)))).await;
+    for (p, o) in prompts.iter().zip(outs) {
+        assert_eq!(o.tokens[0], reference_greedy(&dir, p, 24));
+    }
+    assert!(
+        h.metrics().preemptions.get() > 0,
+        "the test must actually preempt"
+    );
+    wait_all_free(&h).await;
+}
+
+#[tokio::test]
+async fn n_greedy_children_all_equal_reference_and_share_the_prefill() {
+    let dir = model_dir("n");
+    let h = engine(&dir, |_| {});
+    let p = prompt(18, 7);
+    let mut params = greedy(10);
+    params.n = 4;
+    let o = run(&h, p.clone(), params).await;
+    let want = reference_greedy(&dir, &p, 10);
+    for c in &o.tokens {
+        assert_eq!(c, &want);
+    }
+    // The prompt was prefilled once: 18 prompt tokens counted once, not four times.
+    assert_eq!(h.metrics().prompt_tokens.get(), 18);
+    wait_all_free(&h).await;
+}
+
+#[tokio::test]
+async fn seeded_sampling_is_reproducible_and_children_differ() {
+    let dir = model_dir("seed");
+    let h = engine(&dir, |_| {});
+    let p = prompt(9, 3);
+    let params = SamplingParams {
+        temperature: 1.0,
+        n: 3,
+        seed: Some(42),
+        max_tokens: Some(16),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let a = run(&h, p.clone(), params.clone()).await;
+    let b = run(&h, p.clone(), params).await;
+    assert_eq!(a.tokens, b.tokens);
+    assert!(
+        a.tokens[0] != a.tokens[1] || a.tokens[1] != a.tokens[2],
+        "children should differ: {:?}",
+        a.tokens
+    );
+    wait_all_free(&h).await;
+}
+
+#[tokio::test]
+async fn stop_token_and_stop_string() {
+    let dir = model_dir("stop");
+    let h = engine(&dir, |_| {});
+    let p = prompt(12, 8);
+    let want = reference_greedy(&dir, &p, 12);
+    // Stop at the 5th generated token's id.
+    let params = SamplingParams {
+        stop_token_ids: vec![want[4]],
+        ..greedy(12)
+    };
+    let o = run(&h, p.clone(), params).await;
+    let first = want.iter().position(|&t| t == want[4]).unwrap();
+    assert_eq!(o.tokens[0], want[..=first]);
+    assert_eq!(o.reasons[0], Some(FinishReason::Stop));
+
+    // Stop string: two characters from the middle of the greedy text; the output is the text
+    // before their first occurrence, and the stop string itself is not returned.
+    let full = run(&h, p.clone(), greedy(12)).await.texts.remove(0);
+    assert_eq!(full, h.tokenizer().decode(&want, true).unwrap());
+    let chars: Vec<(usize, char)> = full.char_indices().collect();
+    let (start, _) = chars[chars.len() / 2];
+    let end = chars.get(chars.len() / 2 + 2).map_or(full.len(), |c| c.0);
+    let stop = full[start..end].to_string();
+    let o = run(
+        &h,
+        p.clone(),
+        SamplingParams {
+            stop: vec![stop.clone()],
+            ..greedy(12)
+        },
+    )
+    .await;
+    let cut = full.find(&stop).unwrap();
+    assert_eq!(o.texts[0], full[..cut], "stop string {stop:?}");
+    assert_eq!(o.reasons[0], Some(FinishReason::Stop));
+    wait_all_free(&h).await;
+}
+
+#[tokio::test]
+async fn dropping_streams_aborts_and_frees_blocks() {
+    let dir = model_dir("abort");
+    let h = engine(&dir, |_| {});
+    let mut streams = Vec::new();
+    for i in 0..3 {
+        let mut s = h
+            .submit(GenerateRequest {
+                prompt_tokens: prompt(30, i),
+                params: greedy(900),
+            })
+            .unwrap();
+        // Wait for a first token so the request holds blocks.
+        loop {
+            if let Some(RequestEvent::Token { .. }) = s.recv().await {
+                break;
+            }
+        }
+        streams.push(s);
+    }
+    assert!(h.free_blocks() < h.info().num_blocks);
+    drop(streams);
+    wait_all_free(&h).await;
+}
+
+#[tokio::test]
+async fn invalid_requests_are_refused_with_the_param_named() {
+    let dir = model_dir("invalid");
+    let h = engine(&dir, |c| c.max_model_len = Some(64));
+    let submit = |p: Vec<u32>, params: SamplingParams| match h.submit(GenerateRequest {
+        prompt_tokens: p,
+        params,
+    }) {
+        Err(pd_engine::EngineError::Invalid(e)) => e.param,
+        other => panic!("expected invalid, got {other:?}"),
+    };
+    assert_eq!(submit(prompt(64, 0), greedy(1)), Some("prompt"));
+    assert_eq!(submit(prompt(60, 0), greedy(10)), Some("max_tokens"));
+    assert_eq!(submit(vec![], greedy(1)), Some("prompt"));
+    assert_eq!(submit(vec![100_000], greedy(1)), Some("prompt"));
+    assert_eq!(
+        submit(prompt(4, 0), SamplingParams { n: 0, ..greedy(1) }),
+        Some("n")
+    );
+    assert_eq!(
+        submit(
+            prompt(4, 0),
+            SamplingParams {
+                temperature: -1.0,
+                ..greedy(1)
+            }
+        ),
+        Some("temperature")
+    );
+}
