@@ -190,6 +190,20 @@ fn assert_usage(usage: &Value, completion_tokens: u64) {
     );
 }
 
+/// The second of two identical requests (`second`) reports the same counts as the first, except
+/// that its prompt now comes from the prefix cache: every full block of it.
+#[track_caller]
+fn assert_same_usage(second: &Value, first: &Value, details: &str) {
+    let mut a = second.clone();
+    let mut b = first.clone();
+    let cached = a[details]["cached_tokens"].take().as_u64().unwrap();
+    b[details]["cached_tokens"].take();
+    assert_eq!(a, b);
+    let prompt = second.get("prompt_tokens").or(second.get("input_tokens")).unwrap().as_u64().unwrap();
+    // Block size 16; the last prompt token is always computed.
+    assert_eq!(cached, (prompt - 1) / 16 * 16, "{second}");
+}
+
 #[tokio::test]
 async fn health_models_and_metrics() {
     let server = Server::start().await;
@@ -244,7 +258,7 @@ async fn completions_stream_matches_non_stream() {
     let chunks = json_chunks(&server.post_stream("/v1/completions", &stream_body).await);
     let (usage_chunk, token_chunks) = chunks.split_last().unwrap();
     assert_eq!(usage_chunk["choices"], json!([]));
-    assert_eq!(usage_chunk["usage"], full["usage"]);
+    assert_same_usage(&usage_chunk["usage"], &full["usage"], "prompt_tokens_details");
     let text: String = token_chunks
         .iter()
         .map(|c| c["choices"][0]["text"].as_str().unwrap())
@@ -414,7 +428,7 @@ async fn chat_stream_matches_non_stream() {
     assert_eq!(first["prompt_token_ids"], full["prompt_token_ids"]);
     let (usage_chunk, rest) = chunks.split_last().unwrap();
     assert_eq!(usage_chunk["choices"], json!([]));
-    assert_eq!(usage_chunk["usage"], full["usage"]);
+    assert_same_usage(&usage_chunk["usage"], &full["usage"], "prompt_tokens_details");
     let text: String = rest
         .iter()
         .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
@@ -552,7 +566,7 @@ async fn responses_stream_matches_non_stream() {
         text.as_str()
     );
     assert_eq!(last["response"]["status"], full["status"]);
-    assert_eq!(last["response"]["usage"], full["usage"]);
+    assert_same_usage(&last["response"]["usage"], &full["usage"], "input_tokens_details");
     let (_, done) = events
         .iter()
         .find(|(n, _)| n == "response.output_text.done")
