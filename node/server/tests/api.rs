@@ -191,7 +191,7 @@ fn assert_usage(usage: &Value, completion_tokens: u64) {
 }
 
 /// The second of two identical requests (`second`) reports the same counts as the first, except
-/// that its prompt now comes from the prefix cache: every full block of it.
+/// that part of its prompt now comes from the prefix cache.
 #[track_caller]
 fn assert_same_usage(second: &Value, first: &Value, details: &str) {
     let mut a = second.clone();
@@ -199,9 +199,14 @@ fn assert_same_usage(second: &Value, first: &Value, details: &str) {
     let cached = a[details]["cached_tokens"].take().as_u64().unwrap();
     b[details]["cached_tokens"].take();
     assert_eq!(a, b);
-    let prompt = second.get("prompt_tokens").or(second.get("input_tokens")).unwrap().as_u64().unwrap();
-    // Block size 16; the last prompt token is always computed.
-    assert_eq!(cached, (prompt - 1) / 16 * 16, "{second}");
+    let prompt = second
+        .get("prompt_tokens")
+        .or(second.get("input_tokens"))
+        .unwrap()
+        .as_u64()
+        .unwrap();
+    // Every prompt here spans more than one block; the last prompt token is always computed.
+    assert!(0 < cached && cached < prompt, "{second}");
 }
 
 #[tokio::test]
@@ -258,7 +263,11 @@ async fn completions_stream_matches_non_stream() {
     let chunks = json_chunks(&server.post_stream("/v1/completions", &stream_body).await);
     let (usage_chunk, token_chunks) = chunks.split_last().unwrap();
     assert_eq!(usage_chunk["choices"], json!([]));
-    assert_same_usage(&usage_chunk["usage"], &full["usage"], "prompt_tokens_details");
+    assert_same_usage(
+        &usage_chunk["usage"],
+        &full["usage"],
+        "prompt_tokens_details",
+    );
     let text: String = token_chunks
         .iter()
         .map(|c| c["choices"][0]["text"].as_str().unwrap())
@@ -428,7 +437,11 @@ async fn chat_stream_matches_non_stream() {
     assert_eq!(first["prompt_token_ids"], full["prompt_token_ids"]);
     let (usage_chunk, rest) = chunks.split_last().unwrap();
     assert_eq!(usage_chunk["choices"], json!([]));
-    assert_same_usage(&usage_chunk["usage"], &full["usage"], "prompt_tokens_details");
+    assert_same_usage(
+        &usage_chunk["usage"],
+        &full["usage"],
+        "prompt_tokens_details",
+    );
     let text: String = rest
         .iter()
         .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
@@ -566,7 +579,11 @@ async fn responses_stream_matches_non_stream() {
         text.as_str()
     );
     assert_eq!(last["response"]["status"], full["status"]);
-    assert_same_usage(&last["response"]["usage"], &full["usage"], "input_tokens_details");
+    assert_same_usage(
+        &last["response"]["usage"],
+        &full["usage"],
+        "input_tokens_details",
+    );
     let (_, done) = events
         .iter()
         .find(|(n, _)| n == "response.output_text.done")
