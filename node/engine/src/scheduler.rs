@@ -209,12 +209,9 @@ impl Scheduler {
     /// whole prompt now (so the pull has somewhere to write), and leaves it out of every step.
     ///
     /// # Errors
-    /// [`AllocatorError::Exhausted`] when the prompt's blocks are not free; `seq` is returned.
+    /// When the prompt's blocks are not free, `seq` is handed back.
     #[allow(dead_code)] // driven by the P/D consumer path
-    pub(crate) fn park_for_remote_kv(
-        &mut self,
-        mut seq: Sequence,
-    ) -> Result<(), (Sequence, AllocatorError)> {
+    pub(crate) fn park_for_remote_kv(&mut self, mut seq: Sequence) -> Result<(), Box<Sequence>> {
         let need = seq.prompt_len.div_ceil(self.cfg.block_size);
         match self.allocator.allocate_n(need) {
             Ok(blocks) => {
@@ -222,7 +219,7 @@ impl Scheduler {
                 self.remote.push(seq);
                 Ok(())
             }
-            Err(e) => Err((seq, e)),
+            Err(_) => Err(Box::new(seq)),
         }
     }
 
@@ -315,7 +312,7 @@ fn ensure_blocks(
     let needed = upto.div_ceil(bs);
     let extra = needed.saturating_sub(seq.blocks.len());
     let write_block = seq.num_computed / bs;
-    let cow = seq.num_computed % bs != 0
+    let cow = !seq.num_computed.is_multiple_of(bs)
         && write_block < seq.blocks.len()
         && allocator.ref_count(seq.blocks[write_block]) > 1;
     if extra + usize::from(cow) > allocator.num_free() {

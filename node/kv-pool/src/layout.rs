@@ -84,11 +84,7 @@ impl KvLayout {
 
     /// How many blocks fit in `bytes` (at least zero).
     pub fn blocks_for_bytes(bytes: usize, block_bytes: usize) -> usize {
-        if block_bytes == 0 {
-            0
-        } else {
-            bytes / block_bytes
-        }
+        bytes.checked_div(block_bytes).unwrap_or(0)
     }
 }
 

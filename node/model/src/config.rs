@@ -167,13 +167,13 @@ impl HfConfig {
         }
         let num_heads = self.num_attention_heads;
         let num_kv_heads = self.num_key_value_heads.unwrap_or(num_heads);
-        if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+        if num_heads == 0 || num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) {
             return Err(ModelError::InvalidConfig(format!(
                 "num_attention_heads ({num_heads}) must be a positive multiple of num_key_value_heads ({num_kv_heads})"
             )));
         }
         let head_dim = self.head_dim.unwrap_or(self.hidden_size / num_heads);
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(ModelError::InvalidConfig(format!(
                 "head_dim must be even and positive, got {head_dim}"
             )));

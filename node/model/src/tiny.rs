@@ -78,15 +78,15 @@ pub fn generate(spec: &TinySpec, out: &Path) -> Result<(), ModelError> {
     let bad = |m: String| Err(ModelError::InvalidConfig(m));
     if spec.heads == 0
         || spec.kv_heads == 0
-        || spec.heads % spec.kv_heads != 0
-        || spec.hidden % spec.heads != 0
+        || !spec.heads.is_multiple_of(spec.kv_heads)
+        || !spec.hidden.is_multiple_of(spec.heads)
     {
         return bad(format!(
             "hidden ({}) must divide into heads ({}) and heads into kv_heads ({})",
             spec.hidden, spec.heads, spec.kv_heads
         ));
     }
-    if (spec.hidden / spec.heads) % 2 != 0 {
+    if !(spec.hidden / spec.heads).is_multiple_of(2) {
         return bad("head_dim (hidden / heads) must be even".into());
     }
     if spec.layers == 0 || spec.intermediate == 0 || spec.shards == 0 {
