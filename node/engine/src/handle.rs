@@ -115,6 +115,12 @@ impl EngineHandle {
         self.inner.metrics.kv_blocks_free.get().max(0) as usize
     }
 
+    /// Stops the engine thread: every live request gets [`RequestEvent::Failed`], and later
+    /// [`EngineHandle::submit`] calls fail with [`EngineError::Shutdown`].
+    pub fn shutdown(&self) {
+        let _ = self.inner.commands.send(Command::Shutdown);
+    }
+
     /// Validates `request` against the model and queues it. The returned stream yields its
     /// events; dropping the stream before it ends aborts the request and frees its blocks.
     ///

@@ -376,3 +376,36 @@ async fn invalid_requests_are_refused_with_the_param_named() {
         Some("temperature")
     );
 }
+
+#[tokio::test]
+async fn shutdown_fails_live_requests_and_refuses_new_ones() {
+    let dir = model_dir("shutdown");
+    let h = engine(&dir, |_| {});
+    let mut s = h
+        .submit(GenerateRequest {
+            prompt_tokens: prompt(8, 1),
+            params: greedy(900),
+        })
+        .unwrap();
+    h.shutdown();
+    let mut failed = false;
+    while let Some(e) = s.recv().await {
+        if let RequestEvent::Failed { message } = e {
+            assert!(message.contains("shut down"), "{message}");
+            failed = true;
+        }
+    }
+    assert!(failed, "a live request must be told the engine stopped");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match h.submit(GenerateRequest {
+            prompt_tokens: prompt(8, 1),
+            params: greedy(4),
+        }) {
+            Err(pd_engine::EngineError::Shutdown) => break,
+            Ok(_) => assert!(Instant::now() < deadline, "engine did not shut down"),
+            Err(e) => panic!("unexpected {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

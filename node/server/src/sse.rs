@@ -82,7 +82,8 @@ pub(crate) fn sse_response<F: SseFormatter>(stream: RequestStream, formatter: F)
                 None => {
                     formatter.finish(&mut out);
                     drop(stream);
-                    return Some((Ok::<_, Infallible>(Bytes::from(out)), State::Done));
+                    return (!out.is_empty())
+                        .then(|| (Ok::<_, Infallible>(Bytes::from(out)), State::Done));
                 }
             }
         }

@@ -925,18 +925,46 @@ async fn disconnected_streams_free_their_blocks() {
     }
     drop(open);
 
+    let generated = wait_all_blocks_free(&server).await;
+    // Freed because the requests were aborted, not because they ran to the end.
+    assert!(
+        generated < (4 * max_tokens) as f64,
+        "requests ran to completion ({generated} tokens)"
+    );
+
+    // A non-streaming client that gives up: dropping the request future closes the connection,
+    // hyper drops the handler, and the handler's request stream aborts the request.
+    let request = server
+        .client
+        .post(server.url("/v1/completions"))
+        .json(&json!({"prompt": "patience", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true}))
+        .send();
+    let client = tokio::spawn(request);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while server.engine.metrics().running.get() == 0 {
+        assert!(Instant::now() < deadline, "request never started");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    client.abort();
+    let after = wait_all_blocks_free(&server).await;
+    assert!(
+        after - generated < max_tokens as f64,
+        "request ran to completion ({} tokens)",
+        after - generated
+    );
+    server.stop().await;
+}
+
+/// Polls `/metrics` and the handle until every block is free again (10 s deadline); returns the
+/// generated-tokens counter at that point.
+async fn wait_all_blocks_free(server: &Server) -> f64 {
+    let total = server.engine.info().num_blocks;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let (_, text) = server.get("/metrics").await;
         let free = metric(&text, "pd_node_kv_blocks_free").unwrap_or(-1.0);
         if free == total as f64 && server.engine.free_blocks() == total {
-            // Freed because the requests were aborted, not because they ran to the end.
-            let generated = metric(&text, "pd_node_generation_tokens_total").unwrap_or(0.0);
-            assert!(
-                generated < (4 * max_tokens) as f64,
-                "requests ran to completion ({generated} tokens)"
-            );
-            break;
+            return metric(&text, "pd_node_generation_tokens_total").unwrap_or(0.0);
         }
         assert!(
             Instant::now() < deadline,
@@ -944,5 +972,4 @@ async fn disconnected_streams_free_their_blocks() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    server.stop().await;
 }

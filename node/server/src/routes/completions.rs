@@ -137,7 +137,7 @@ impl Output {
 struct ChildState {
     /// `prompt_token_ids` was sent on this choice's first chunk.
     started: bool,
-    /// Characters sent so far (`text_offset`).
+    /// Running `text_offset` of this choice's logprobs, in characters.
     offset: usize,
     finished: bool,
 }
@@ -175,9 +175,6 @@ impl CompletionStream {
             .out
             .logprobs
             .then(|| self.out.logprobs_of(logprob.as_slice(), &mut state.offset));
-        if !self.out.logprobs {
-            state.offset += text.chars().count();
-        }
         let choice = CompletionChoice {
             index: child,
             text,
