@@ -10,6 +10,7 @@
 //! - [`BlockAllocator`] owns the bookkeeping: free list in LRU order, reference counts, the
 //!   hash → block map of the prefix cache.
 //! - [`block_hash`] / [`hash_full_blocks`] chain a block's tokens onto its parent's hash.
+//! - [`LeaseTable`] keeps blocks handed to a peer alive until released or expired.
 //!
 //! This crate does not run models, know about requests or sequences, do I/O, or read the clock.
 //! It depends on neither candle nor tokio, so the gateway can use the hash functions cheaply.
@@ -19,9 +20,11 @@
 mod allocator;
 mod hash;
 mod layout;
+mod lease;
 mod pool;
 
 pub use allocator::{AllocatorError, BlockAllocator, BlockId};
 pub use hash::{BlockHash, ROOT_HASH_SEED, block_hash, hash_full_blocks};
 pub use layout::{KvDtype, KvLayout};
+pub use lease::{Lease, LeaseCounts, LeaseError, LeaseId, LeaseTable};
 pub use pool::KvPool;

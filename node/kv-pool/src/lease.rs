@@ -1,0 +1,362 @@
+//! Leases: blocks handed to a peer stay untouched until the peer says it is done or the lease
+//! expires.
+//!
+//! A lease holds one allocator reference on each of its blocks, so a leased block is never on
+//! the free list and never reused while the lease lives. Ids are 128-bit random (unguessable: a
+//! peer cannot read blocks leased to someone else by guessing). Each grant also gets a fresh
+//! generation number, so a stale `(id, generation)` pair is told apart from a live one.
+//!
+//! The table never reads the clock: every call takes `now`.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha20Rng;
+
+use crate::allocator::{BlockAllocator, BlockId};
+
+/// Unguessable lease id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LeaseId(pub u128);
+
+impl fmt::Display for LeaseId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+impl std::str::FromStr for LeaseId {
+    type Err = std::num::ParseIntError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        u128::from_str_radix(s, 16).map(LeaseId)
+    }
+}
+
+/// Why a lease operation was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LeaseError {
+    /// No lease with this id (never granted, released, or expired and collected).
+    #[error("unknown lease {0}")]
+    Unknown(LeaseId),
+    /// The id exists but with another generation: the caller holds a stale reference.
+    #[error("stale lease {id}: generation {given}, live generation {live}")]
+    Stale {
+        /// The lease.
+        id: LeaseId,
+        /// Generation the caller gave.
+        given: u64,
+        /// Generation of the live lease.
+        live: u64,
+    },
+    /// The deadline passed.
+    #[error("lease {0} expired")]
+    Expired(LeaseId),
+    /// The lease belongs to another peer.
+    #[error("lease {id} is not granted to peer {peer}")]
+    WrongPeer {
+        /// The lease.
+        id: LeaseId,
+        /// The peer that asked.
+        peer: String,
+    },
+}
+
+/// A live lease.
+#[derive(Debug, Clone)]
+pub struct Lease {
+    /// Its id.
+    pub id: LeaseId,
+    /// Generation at grant.
+    pub generation: u64,
+    /// Engine id of the peer allowed to read the blocks (empty: any registered peer).
+    pub peer: String,
+    /// The leased blocks, in the order they were handed out.
+    pub blocks: Vec<BlockId>,
+    /// When it ends unless renewed.
+    pub deadline: Instant,
+}
+
+/// Counters of what happened to leases.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LeaseCounts {
+    /// Leases granted.
+    pub granted: u64,
+    /// Successful renewals.
+    pub renewed: u64,
+    /// Leases released by their peer.
+    pub released: u64,
+    /// Leases that reached their deadline.
+    pub expired: u64,
+}
+
+/// All leases of one node.
+#[derive(Debug)]
+pub struct LeaseTable {
+    duration: Duration,
+    leases: HashMap<LeaseId, Lease>,
+    next_generation: u64,
+    rng: ChaCha20Rng,
+    counts: LeaseCounts,
+}
+
+impl LeaseTable {
+    /// An empty table whose leases last `duration` (vLLM's `kv_lease_duration`, default 30 s).
+    /// `seed` feeds the id generator; pass OS randomness (e.g. `rand::random()`) in production.
+    pub fn new(duration: Duration, seed: [u8; 32]) -> Self {
+        Self {
+            duration,
+            leases: HashMap::new(),
+            next_generation: 1,
+            rng: ChaCha20Rng::from_seed(seed),
+            counts: LeaseCounts::default(),
+        }
+    }
+
+    /// Lease duration.
+    pub fn duration(&self) -> Duration {
+        self.duration
+    }
+
+    /// How often a holder should renew: every duration / 6.
+    pub fn renew_interval(&self) -> Duration {
+        self.duration / 6
+    }
+
+    /// Live leases.
+    pub fn live(&self) -> usize {
+        self.leases.len()
+    }
+
+    /// What happened so far.
+    pub fn counts(&self) -> LeaseCounts {
+        self.counts
+    }
+
+    /// Grants `peer` a lease on `blocks` (each must already be referenced by the caller, e.g. a
+    /// finished prefill's sequence); the lease takes its own reference on each.
+    pub fn grant(
+        &mut self,
+        alloc: &mut BlockAllocator,
+        blocks: Vec<BlockId>,
+        peer: &str,
+        now: Instant,
+    ) -> Lease {
+        for &b in &blocks {
+            alloc.share(b);
+        }
+        let mut id = LeaseId(self.rng.random());
+        while self.leases.contains_key(&id) {
+            id = LeaseId(self.rng.random());
+        }
+        let lease = Lease {
+            id,
+            generation: self.next_generation,
+            peer: peer.to_string(),
+            blocks,
+            deadline: now + self.duration,
+        };
+        self.next_generation += 1;
+        self.counts.granted += 1;
+        self.leases.insert(id, lease.clone());
+        lease
+    }
+
+    /// The live lease `(id, generation)`, checked against `peer` when the lease names one.
+    ///
+    /// # Errors
+    /// [`LeaseError`] saying why it is not live.
+    pub fn check(
+        &self,
+        id: LeaseId,
+        generation: u64,
+        peer: &str,
+        now: Instant,
+    ) -> Result<&Lease, LeaseError> {
+        let l = self.leases.get(&id).ok_or(LeaseError::Unknown(id))?;
+        if l.generation != generation {
+            return Err(LeaseError::Stale {
+                id,
+                given: generation,
+                live: l.generation,
+            });
+        }
+        if l.deadline <= now {
+            return Err(LeaseError::Expired(id));
+        }
+        if !l.peer.is_empty() && l.peer != peer {
+            return Err(LeaseError::WrongPeer {
+                id,
+                peer: peer.to_string(),
+            });
+        }
+        Ok(l)
+    }
+
+    /// Extends a live lease to at least `now + duration × 2/3`; returns the new deadline.
+    ///
+    /// # Errors
+    /// [`LeaseError`] when the lease is not live (an expired lease cannot be revived).
+    pub fn renew(
+        &mut self,
+        id: LeaseId,
+        generation: u64,
+        peer: &str,
+        now: Instant,
+    ) -> Result<Instant, LeaseError> {
+        self.check(id, generation, peer, now)?;
+        let ext = now + self.duration * 2 / 3;
+        let l = self.leases.get_mut(&id).ok_or(LeaseError::Unknown(id))?;
+        l.deadline = l.deadline.max(ext);
+        self.counts.renewed += 1;
+        Ok(l.deadline)
+    }
+
+    /// The peer is done with the blocks: drops the lease and its references.
+    ///
+    /// # Errors
+    /// [`LeaseError`] when the lease is not live (expired leases were already freed).
+    pub fn release(
+        &mut self,
+        alloc: &mut BlockAllocator,
+        id: LeaseId,
+        generation: u64,
+        peer: &str,
+        now: Instant,
+    ) -> Result<Lease, LeaseError> {
+        self.check(id, generation, peer, now)?;
+        let l = self.leases.remove(&id).ok_or(LeaseError::Unknown(id))?;
+        for &b in &l.blocks {
+            alloc.free(b);
+        }
+        self.counts.released += 1;
+        Ok(l)
+    }
+
+    /// Ends every lease whose deadline is at or before `now`, dropping its references.
+    pub fn expire(&mut self, alloc: &mut BlockAllocator, now: Instant) -> Vec<Lease> {
+        let gone: Vec<LeaseId> = self
+            .leases
+            .values()
+            .filter(|l| l.deadline <= now)
+            .map(|l| l.id)
+            .collect();
+        let mut out = Vec::with_capacity(gone.len());
+        for id in gone {
+            if let Some(l) = self.leases.remove(&id) {
+                for &b in &l.blocks {
+                    alloc.free(b);
+                }
+                self.counts.expired += 1;
+                out.push(l);
+            }
+        }
+        out
+    }
+
+    /// Earliest deadline of any live lease (when to call [`LeaseTable::expire`] next).
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.leases.values().map(|l| l.deadline).min()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn setup() -> (BlockAllocator, LeaseTable, Vec<BlockId>, Instant) {
+        let mut a = BlockAllocator::new(4);
+        let blocks = vec![a.allocate().unwrap(), a.allocate().unwrap()];
+        (
+            a,
+            LeaseTable::new(Duration::from_secs(30), [7; 32]),
+            blocks,
+            Instant::now(),
+        )
+    }
+
+    #[test]
+    fn leased_blocks_outlive_their_owner_until_release() {
+        let (mut a, mut t, blocks, now) = setup();
+        let l = t.grant(&mut a, blocks.clone(), "d1", now);
+        // The sequence that computed them finishes and frees its references.
+        for &b in &blocks {
+            a.free(b);
+        }
+        assert_eq!(a.num_free(), 2, "leased blocks must not be free");
+        let got: Vec<_> = (0..2).map(|_| a.allocate().unwrap()).collect();
+        assert!(got.iter().all(|b| !blocks.contains(b)));
+        assert!(a.allocate().is_err());
+        t.release(&mut a, l.id, l.generation, "d1", now).unwrap();
+        assert_eq!(a.num_free(), 2);
+        assert_eq!(t.counts().released, 1);
+    }
+
+    #[test]
+    fn expiry_frees_and_counts_and_renewal_extends() {
+        let (mut a, mut t, blocks, now) = setup();
+        let l = t.grant(&mut a, blocks.clone(), "d1", now);
+        for &b in &blocks {
+            a.free(b);
+        }
+        // Renew at 25 s: deadline becomes 25 + 20 = 45 s, past the first deadline of 30 s.
+        let d = t
+            .renew(l.id, l.generation, "d1", now + Duration::from_secs(25))
+            .unwrap();
+        assert_eq!(d, now + Duration::from_secs(45));
+        assert!(t.expire(&mut a, now + Duration::from_secs(31)).is_empty());
+        assert!(
+            t.check(l.id, l.generation, "d1", now + Duration::from_secs(31))
+                .is_ok()
+        );
+        let gone = t.expire(&mut a, now + Duration::from_secs(45));
+        assert_eq!(gone.len(), 1);
+        assert_eq!(a.num_free(), 4);
+        assert_eq!(t.counts().expired, 1);
+        assert_eq!(
+            t.renew(l.id, l.generation, "d1", now + Duration::from_secs(46)),
+            Err(LeaseError::Unknown(l.id))
+        );
+    }
+
+    #[test]
+    fn stale_wrong_peer_and_expired_are_refused() {
+        let (mut a, mut t, blocks, now) = setup();
+        let l = t.grant(&mut a, blocks, "d1", now);
+        assert!(matches!(
+            t.check(l.id, l.generation + 1, "d1", now),
+            Err(LeaseError::Stale { .. })
+        ));
+        assert!(matches!(
+            t.check(l.id, l.generation, "d2", now),
+            Err(LeaseError::WrongPeer { .. })
+        ));
+        assert_eq!(
+            t.check(l.id, l.generation, "d1", now + Duration::from_secs(30))
+                .err(),
+            Some(LeaseError::Expired(l.id))
+        );
+        assert!(matches!(
+            t.release(
+                &mut a,
+                l.id,
+                l.generation,
+                "d1",
+                now + Duration::from_secs(31)
+            ),
+            Err(LeaseError::Expired(_))
+        ));
+    }
+
+    #[test]
+    fn ids_are_distinct_and_round_trip_as_hex() {
+        let (mut a, mut t, blocks, now) = setup();
+        let x = t.grant(&mut a, blocks.clone(), "", now);
+        let y = t.grant(&mut a, blocks, "", now);
+        assert_ne!(x.id, y.id);
+        assert_ne!(x.generation, y.generation);
+        assert_eq!(x.id.to_string().parse::<LeaseId>().unwrap(), x.id);
+        assert_eq!(x.id.to_string().len(), 32);
+    }
+}
