@@ -1,7 +1,7 @@
 //! Decode throughput of the engine at batch 1, 4 and 16 against candle-transformers' stock Llama
 //! at batch 1, on the same generated model, in the same process.
 //!
-//! Run (release): `cargo bench -p pd-engine --bench decode [-- --quick] [-- --layers 8 ...]`
+//! Run (release): `cargo bench -p pd-engine --bench decode [-- --quick --layers 8 ...]`
 //! (`--help` lists the knobs). Results are recorded in `BENCHMARKS.md`.
 //!
 //! What is measured:
@@ -205,13 +205,11 @@ impl Reference {
         let input = Tensor::new(prompt, &dev)?.unsqueeze(0)?;
         let logits = self.model.forward(&input, 0, &mut cache)?;
         let mut next = argmax(&logits.flatten_all()?.to_vec1::<f32>()?);
-        let mut pos = prompt.len();
         let start = Instant::now();
-        for _ in 0..tokens {
+        for pos in prompt.len()..prompt.len() + tokens {
             let input = Tensor::new(&[next], &dev)?.unsqueeze(0)?;
             let logits = self.model.forward(&input, pos, &mut cache)?;
             next = argmax(&logits.flatten_all()?.to_vec1::<f32>()?);
-            pos += 1;
         }
         Ok(start.elapsed())
     }
@@ -318,7 +316,12 @@ fn main() -> BenchResult<()> {
     } else {
         format!(" -- {}", args.join(" "))
     };
-    println!("command: cargo bench -p pd-engine --bench decode{extra}");
+    // Thread-count variables change candle's matmul path (see BENCHMARKS.md): show them.
+    let env: String = ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"]
+        .iter()
+        .filter_map(|k| std::env::var(k).ok().map(|v| format!("{k}={v} ")))
+        .collect();
+    println!("command: {env}cargo bench -p pd-engine --bench decode{extra}");
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!("machine: {}, {cores} cores", cpu_model());
     println!("model:   {}", o.shape());
