@@ -11,7 +11,7 @@
 use std::path::Path;
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{Embedding, Linear, RmsNorm, VarBuilder};
+use candle_nn::{Embedding, RmsNorm, VarBuilder};
 use pd_kv_pool::KvPool;
 
 use crate::batch::BatchInput;
@@ -19,26 +19,65 @@ use crate::config::{HfConfig, ModelConfig};
 use crate::error::ModelError;
 use crate::paged_attention;
 
-fn linear(
-    in_dim: usize,
-    out_dim: usize,
-    bias: bool,
-    vb: VarBuilder,
-) -> candle_core::Result<Linear> {
-    if bias {
-        candle_nn::linear(in_dim, out_dim, vb)
-    } else {
-        candle_nn::linear_no_bias(in_dim, out_dim, vb)
+/// Linear projections of the flattened batch, stored transposed: `y = x @ wt + b`.
+///
+/// Checkpoints store `(out, in)`; multiplying by `w.t()` makes gemm repack the weight on every
+/// call once the batch has more than one row. Keeping `(in, out)` contiguous avoids that, and
+/// projections reading the same input (q/k/v, gate/up) are fused into one matmul.
+#[derive(Debug)]
+pub struct Proj {
+    /// (in_dim, sum of out_dims), contiguous.
+    wt: Tensor,
+    /// (sum of out_dims,)
+    bias: Option<Tensor>,
+}
+
+impl Proj {
+    /// Loads `weight` (and `bias` when `bias`) of every `(out_dim, vb)` part and fuses them
+    /// along the output dimension, in order.
+    fn load(in_dim: usize, parts: &[(usize, VarBuilder)], bias: bool) -> candle_core::Result<Self> {
+        let ws = parts
+            .iter()
+            .map(|(out, vb)| vb.get((*out, in_dim), "weight"))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        // (sum_out, in) → (in, sum_out)
+        let wt = Tensor::cat(&ws, 0)?.t()?.contiguous()?;
+        let bias = if bias {
+            let bs = parts
+                .iter()
+                .map(|(out, vb)| vb.get(*out, "bias"))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Some(Tensor::cat(&bs, 0)?)
+        } else {
+            None
+        };
+        Ok(Self { wt, bias })
+    }
+
+    /// From an `(out, in)` weight already loaded (tied embeddings).
+    fn from_weight(w: &Tensor) -> candle_core::Result<Self> {
+        Ok(Self {
+            wt: w.t()?.contiguous()?,
+            bias: None,
+        })
+    }
+
+    /// `x`: (t, in) → (t, out).
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let y = x.matmul(&self.wt)?;
+        match &self.bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
     }
 }
 
 /// Self-attention of one layer.
 #[derive(Debug)]
 pub struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
+    /// q, k and v fused: (hidden, (num_heads + 2·num_kv_heads)·head_dim).
+    qkv_proj: Proj,
+    o_proj: Proj,
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
@@ -49,10 +88,16 @@ impl Attention {
     fn load(vb: VarBuilder, cfg: &ModelConfig, layer: usize) -> candle_core::Result<Self> {
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
         Ok(Self {
-            q_proj: linear(h, cfg.num_heads * d, cfg.qkv_bias, vb.pp("q_proj"))?,
-            k_proj: linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, vb.pp("k_proj"))?,
-            v_proj: linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, vb.pp("v_proj"))?,
-            o_proj: linear(cfg.num_heads * d, h, cfg.o_bias, vb.pp("o_proj"))?,
+            qkv_proj: Proj::load(
+                h,
+                &[
+                    (cfg.num_heads * d, vb.pp("q_proj")),
+                    (cfg.num_kv_heads * d, vb.pp("k_proj")),
+                    (cfg.num_kv_heads * d, vb.pp("v_proj")),
+                ],
+                cfg.qkv_bias,
+            )?,
+            o_proj: Proj::load(cfg.num_heads * d, &[(h, vb.pp("o_proj"))], cfg.o_bias)?,
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
             head_dim: d,
@@ -71,9 +116,13 @@ impl Attention {
         let (t, _hidden) = x.dims2()?;
         let (hd, nh, nkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
         // (t, nh*hd) → (1, t, nh, hd): rope_thd wants (batch, seq, heads, dim).
-        let q = self.q_proj.forward(x)?.reshape((1, t, nh, hd))?;
-        let k = self.k_proj.forward(x)?.reshape((1, t, nkv, hd))?;
-        let v = self.v_proj.forward(x)?.reshape((t * nkv * hd,))?;
+        // (t, (nh + 2·nkv)·hd), split by columns.
+        let qkv = self.qkv_proj.forward(x)?;
+        let q = qkv.narrow(1, 0, nh * hd)?.reshape((1, t, nh, hd))?;
+        let k = qkv.narrow(1, nh * hd, nkv * hd)?.reshape((1, t, nkv, hd))?;
+        let v = qkv
+            .narrow(1, (nh + nkv) * hd, nkv * hd)?
+            .reshape((t * nkv * hd,))?;
         let q = candle_nn::rotary_emb::rope_thd(&q, &rope.cos, &rope.sin)?;
         let k = candle_nn::rotary_emb::rope_thd(&k, &rope.cos, &rope.sin)?;
         // Host copies, (t, heads, hd) row-major, for the paged kernels.
@@ -94,25 +143,29 @@ impl Attention {
 /// SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`.
 #[derive(Debug)]
 pub struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
+    /// gate and up fused: (hidden, 2·intermediate).
+    gate_up_proj: Proj,
+    down_proj: Proj,
+    intermediate: usize,
 }
 
 impl Mlp {
     fn load(vb: VarBuilder, cfg: &ModelConfig) -> candle_core::Result<Self> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
         Ok(Self {
-            gate_proj: candle_nn::linear_no_bias(h, i, vb.pp("gate_proj"))?,
-            up_proj: candle_nn::linear_no_bias(h, i, vb.pp("up_proj"))?,
-            down_proj: candle_nn::linear_no_bias(i, h, vb.pp("down_proj"))?,
+            gate_up_proj: Proj::load(h, &[(i, vb.pp("gate_proj")), (i, vb.pp("up_proj"))], false)?,
+            down_proj: Proj::load(i, &[(h, vb.pp("down_proj"))], false)?,
+            intermediate: i,
         })
     }
 
     /// `x`: (num_tokens, hidden) → (num_tokens, hidden).
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let gate = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
-        self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)
+        // (t, 2·i) → gate (t, i), up (t, i)
+        let gate_up = self.gate_up_proj.forward(x)?;
+        let i = self.intermediate;
+        let gate = candle_nn::ops::silu(&gate_up.narrow(1, 0, i)?)?;
+        self.down_proj.forward(&(gate * gate_up.narrow(1, i, i)?)?)
     }
 }
 
@@ -177,7 +230,7 @@ pub struct Model {
     embed_tokens: Embedding,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
-    lm_head: Linear,
+    lm_head: Proj,
     /// (max_position_embeddings, head_dim / 2)
     cos: Tensor,
     /// (max_position_embeddings, head_dim / 2)
@@ -274,9 +327,13 @@ impl Model {
             .collect::<candle_core::Result<Vec<_>>>()?;
         let norm = candle_nn::rms_norm(cfg.hidden_size, cfg.rms_norm_eps, m.pp("norm"))?;
         let lm_head = if cfg.tie_word_embeddings {
-            Linear::new(embed_tokens.embeddings().clone(), None)
+            Proj::from_weight(embed_tokens.embeddings())?
         } else {
-            candle_nn::linear_no_bias(cfg.hidden_size, cfg.vocab_size, vb.pp("lm_head"))?
+            Proj::load(
+                cfg.hidden_size,
+                &[(cfg.vocab_size, vb.pp("lm_head"))],
+                false,
+            )?
         };
         // (max_pos, 1) x (1, head_dim/2) → (max_pos, head_dim/2)
         let inv_freq = cfg.rope_inv_freq();

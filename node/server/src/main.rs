@@ -8,12 +8,25 @@ use clap::Parser;
 use pd_node::cli::{Cli, Command, GenTinyModelArgs, ServeArgs};
 
 fn main() -> ExitCode {
+    pin_compute_threads();
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("pd-node: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// candle asks for its thread count on every CPU matmul; without `RAYON_NUM_THREADS` that reads
+/// `/proc/cpuinfo` each time (~40 µs a call, ~16% of a decode step here). Setting the variable
+/// once, to the machine's parallelism, makes the lookup free and changes nothing else.
+fn pin_compute_threads() {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // SAFETY: called first thing in `main`, before any other thread exists, so nothing can
+        // read the environment concurrently.
+        unsafe { std::env::set_var("RAYON_NUM_THREADS", n.to_string()) };
     }
 }
 

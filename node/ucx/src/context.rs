@@ -1,0 +1,159 @@
+//! [`Context`]: one `ucp_context_h`, shared by workers and memory regions.
+
+use std::ffi::CString;
+use std::fmt;
+use std::sync::Arc;
+
+use ucx_sys as sys;
+
+use crate::error::{Result, check};
+
+/// Which UCP features a [`Context`] asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Features {
+    /// One-sided put/get (`UCP_FEATURE_RMA`). Needed for KV pulls.
+    pub rma: bool,
+    /// Active messages (`UCP_FEATURE_AM`). Needed for control messages.
+    pub am: bool,
+    /// Event-driven progress (`UCP_FEATURE_WAKEUP`). Off by default: it can exclude transports
+    /// that have no event support.
+    pub wakeup: bool,
+}
+
+impl Default for Features {
+    /// RMA and AM, no wakeup.
+    fn default() -> Self {
+        Features {
+            rma: true,
+            am: true,
+            wakeup: false,
+        }
+    }
+}
+
+impl Features {
+    fn bits(self) -> u64 {
+        let mut bits = 0u64;
+        if self.rma {
+            bits |= u64::from(sys::UCP_FEATURE_RMA);
+        }
+        if self.am {
+            bits |= u64::from(sys::UCP_FEATURE_AM);
+        }
+        if self.wakeup {
+            bits |= u64::from(sys::UCP_FEATURE_WAKEUP);
+        }
+        bits
+    }
+}
+
+pub(crate) struct ContextInner {
+    pub(crate) handle: sys::ucp_context_h,
+    pub(crate) features: Features,
+}
+
+// SAFETY: the context is created with `mt_workers_shared = 1`, which makes UCX guard the
+// context-level calls we make from several threads (`ucp_mem_map`, `ucp_mem_unmap`,
+// `ucp_rkey_pack`, `ucp_worker_create`) with its own lock. Worker-level calls never go through
+// `ContextInner`.
+unsafe impl Send for ContextInner {}
+// SAFETY: see `Send` above; `&ContextInner` only exposes the handle to those thread-safe calls.
+unsafe impl Sync for ContextInner {}
+
+impl Drop for ContextInner {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from a successful ucp_init and every worker and memory region
+        // holds an `Arc<ContextInner>`, so none of them is alive when this runs.
+        unsafe { sys::ucp_cleanup(self.handle) };
+    }
+}
+
+/// A UCP application context (`ucp_context_h`): the transports and memory domains UCX found.
+///
+/// Cheap to clone (an `Arc`); `Send + Sync`. Workers and memory regions keep it alive. It reads
+/// UCX's usual `UCX_*` environment variables (e.g. `UCX_TLS`) when created.
+#[derive(Clone)]
+pub struct Context {
+    pub(crate) inner: Arc<ContextInner>,
+}
+
+impl fmt::Debug for Context {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Context")
+            .field("handle", &self.inner.handle)
+            .field("features", &self.inner.features)
+            .finish()
+    }
+}
+
+impl Context {
+    /// A context with [`Features::default`] (RMA + AM).
+    ///
+    /// # Errors
+    /// [`Error::Ucs`](crate::Error::Ucs) when `ucp_config_read` or `ucp_init` fails.
+    pub fn new() -> Result<Self> {
+        Self::with_features(Features::default())
+    }
+
+    /// A context with the given features. Requests use the `nbx` API with no user-reserved
+    /// request space (`request_size = 0`).
+    ///
+    /// # Errors
+    /// [`Error::Ucs`](crate::Error::Ucs) when `ucp_config_read` or `ucp_init` fails.
+    pub fn with_features(features: Features) -> Result<Self> {
+        let name = CString::new("pd-ucx").expect("no NUL in literal");
+        let params = sys::ucp_params_t {
+            field_mask: u64::from(
+                sys::UCP_PARAM_FIELD_FEATURES
+                    | sys::UCP_PARAM_FIELD_REQUEST_SIZE
+                    | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED
+                    | sys::UCP_PARAM_FIELD_NAME,
+            ),
+            features: features.bits(),
+            request_size: 0,
+            mt_workers_shared: 1,
+            name: name.as_ptr(),
+            ..Default::default()
+        };
+        let mut config: *mut sys::ucp_config_t = std::ptr::null_mut();
+        // SAFETY: null prefix and file mean "UCX_ prefix, no file"; `config` is a valid out-ptr.
+        check("ucp_config_read", unsafe {
+            sys::ucp_config_read(std::ptr::null(), std::ptr::null(), &mut config)
+        })?;
+        let mut handle: sys::ucp_context_h = std::ptr::null_mut();
+        // SAFETY: `params` is fully initialised with a matching field mask, `config` is live
+        // and `handle` is a valid out-pointer. `name` outlives the call (UCX copies it).
+        let status = unsafe { sys::ucp_init(&params, config, &mut handle) };
+        // SAFETY: `config` came from ucp_config_read and is not used after this.
+        unsafe { sys::ucp_config_release(config) };
+        check("ucp_init", status)?;
+        Ok(Context {
+            inner: Arc::new(ContextInner { handle, features }),
+        })
+    }
+
+    /// The features this context was created with.
+    pub fn features(&self) -> Features {
+        self.inner.features
+    }
+
+    /// `ucp_context_print_info` captured as text: the transports and memory domains UCX
+    /// selected for this context.
+    ///
+    /// # Errors
+    /// [`Error::Capture`](crate::Error::Capture) when the memstream cannot be opened.
+    pub fn print_info(&self) -> Result<String> {
+        crate::transport::capture(|file| {
+            // SAFETY: the handle is live (we hold the Arc) and `file` is an open FILE*.
+            unsafe { sys::ucp_context_print_info(self.inner.handle, file) }
+        })
+    }
+}
+
+/// The version of the UCX library loaded at run time, as `(major, minor, release)`.
+pub fn library_version() -> (u32, u32, u32) {
+    let (mut major, mut minor, mut release) = (0, 0, 0);
+    // SAFETY: three valid out-pointers.
+    unsafe { sys::ucp_get_version(&mut major, &mut minor, &mut release) };
+    (major, minor, release)
+}

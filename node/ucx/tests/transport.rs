@@ -1,0 +1,63 @@
+//! The transport report names the real transports of a loopback endpoint.
+
+mod common;
+
+use common::wait_both;
+use pd_ucx::{Context, EndpointOptions, Worker, is_tcp_emulated_rma};
+
+#[test]
+fn report_names_transports() {
+    let ctx = Context::new().unwrap();
+    let a = Worker::new(&ctx).unwrap();
+    let b = Worker::new(&ctx).unwrap();
+    let ep = b.connect(&a.address().unwrap()).unwrap();
+    wait_both(ep.flush().unwrap(), &a).unwrap();
+    let report = ep.transport_report().unwrap();
+    eprintln!(
+        "default: {:?} (rma lanes {:?})",
+        report.transports(),
+        report.rma_transports()
+    );
+    assert!(
+        !report.lanes.is_empty(),
+        "no lanes parsed from:\n{}",
+        report.raw
+    );
+    assert!(
+        report
+            .transports()
+            .iter()
+            .all(|t| t.split('/').count() == 2)
+    );
+    if std::env::var_os("UCX_TLS").is_none() {
+        // Default transports on one host are shared memory and cma, never tcp alone.
+        assert!(
+            !is_tcp_emulated_rma(&report),
+            "fell back to tcp: {}",
+            report.raw
+        );
+    }
+    wait_both(ep.close().unwrap(), &a).unwrap();
+}
+
+/// UCX 1.13 quirk: peer-failure handling excludes shm/cma, so such an endpoint lands on tcp.
+#[test]
+fn peer_error_mode_report() {
+    let ctx = Context::new().unwrap();
+    let a = Worker::new(&ctx).unwrap();
+    let b = Worker::new(&ctx).unwrap();
+    let opts = EndpointOptions {
+        peer_error_handling: true,
+        ..EndpointOptions::default()
+    };
+    let ep = b.connect_with(&a.address().unwrap(), opts).unwrap();
+    wait_both(ep.flush().unwrap(), &a).unwrap();
+    let report = ep.transport_report().unwrap();
+    eprintln!(
+        "peer-error mode: {:?} (tcp-emulated rma: {})",
+        report.transports(),
+        is_tcp_emulated_rma(&report)
+    );
+    assert!(!report.lanes.is_empty());
+    wait_both(ep.close().unwrap(), &a).unwrap();
+}
