@@ -1,0 +1,158 @@
+//! What two nodes must agree on before one reads the other's blocks.
+
+use pd_kv_pool::KvLayout;
+
+/// Version of the block-transfer protocol (layout of a block, meaning of the handshake fields).
+pub const TRANSFER_PROTOCOL_VERSION: u32 = 1;
+
+/// Identity of a node's KV cache. Two nodes may exchange blocks only if every field is equal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CompatInfo {
+    /// Version of this project (`CARGO_PKG_VERSION`).
+    pub project_version: String,
+    /// [`TRANSFER_PROTOCOL_VERSION`].
+    pub protocol_version: u32,
+    /// Model identity (served name plus a digest of its config).
+    pub model: String,
+    /// Element type of the pool (`f32`, `f16`, `bf16`).
+    pub dtype: String,
+    /// KV heads per layer.
+    pub num_kv_heads: u32,
+    /// Layers.
+    pub num_layers: u32,
+    /// Elements per head.
+    pub head_dim: u32,
+    /// Tokens per block.
+    pub block_size: u32,
+}
+
+/// The first field two nodes disagree on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("KV compatibility mismatch on {field}: local {local}, remote {remote}")]
+pub struct CompatError {
+    /// Name of the differing field.
+    pub field: &'static str,
+    /// Our value.
+    pub local: String,
+    /// The peer's value.
+    pub remote: String,
+}
+
+impl CompatInfo {
+    /// The compatibility info of a pool holding `model`'s KV.
+    pub fn new(model: impl Into<String>, layout: &KvLayout) -> Self {
+        Self {
+            project_version: env!("CARGO_PKG_VERSION").to_string(),
+            protocol_version: TRANSFER_PROTOCOL_VERSION,
+            model: model.into(),
+            dtype: layout.dtype.as_str().to_string(),
+            num_kv_heads: layout.num_kv_heads as u32,
+            num_layers: layout.num_layers as u32,
+            head_dim: layout.head_dim as u32,
+            block_size: layout.block_size as u32,
+        }
+    }
+
+    /// xxh3-64 over every field, in order (sent in the handshake so a mismatch is cheap to see).
+    pub fn hash(&self) -> u64 {
+        let s = format!(
+            "{}\0{}\0{}\0{}\0{}\0{}\0{}\0{}",
+            self.project_version,
+            self.protocol_version,
+            self.model,
+            self.dtype,
+            self.num_kv_heads,
+            self.num_layers,
+            self.head_dim,
+            self.block_size
+        );
+        xxhash_rust::xxh3::xxh3_64(s.as_bytes())
+    }
+
+    /// Checks `remote` against `self`, naming the first differing field.
+    ///
+    /// # Errors
+    /// [`CompatError`] with the field, our value and theirs.
+    pub fn check(&self, remote: &CompatInfo) -> Result<(), CompatError> {
+        let fields: [(&'static str, String, String); 8] = [
+            (
+                "project_version",
+                self.project_version.clone(),
+                remote.project_version.clone(),
+            ),
+            (
+                "protocol_version",
+                self.protocol_version.to_string(),
+                remote.protocol_version.to_string(),
+            ),
+            ("model", self.model.clone(), remote.model.clone()),
+            ("dtype", self.dtype.clone(), remote.dtype.clone()),
+            (
+                "num_kv_heads",
+                self.num_kv_heads.to_string(),
+                remote.num_kv_heads.to_string(),
+            ),
+            (
+                "num_layers",
+                self.num_layers.to_string(),
+                remote.num_layers.to_string(),
+            ),
+            (
+                "head_dim",
+                self.head_dim.to_string(),
+                remote.head_dim.to_string(),
+            ),
+            (
+                "block_size",
+                self.block_size.to_string(),
+                remote.block_size.to_string(),
+            ),
+        ];
+        match fields.into_iter().find(|(_, l, r)| l != r) {
+            Some((field, local, remote)) => Err(CompatError {
+                field,
+                local,
+                remote,
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pd_kv_pool::KvDtype;
+
+    fn layout() -> KvLayout {
+        KvLayout {
+            num_blocks: 8,
+            block_size: 16,
+            num_layers: 2,
+            num_kv_heads: 2,
+            head_dim: 32,
+            dtype: KvDtype::F32,
+        }
+    }
+
+    #[test]
+    fn equal_infos_pass_and_hash_equal() {
+        let a = CompatInfo::new("tiny", &layout());
+        assert_eq!(a.check(&a.clone()), Ok(()));
+        assert_eq!(a.hash(), a.clone().hash());
+    }
+
+    #[test]
+    fn mismatch_names_the_field() {
+        let a = CompatInfo::new("tiny", &layout());
+        let mut b = a.clone();
+        b.block_size = 32;
+        let e = a.check(&b).unwrap_err();
+        assert_eq!(e.field, "block_size");
+        assert_eq!((e.local.as_str(), e.remote.as_str()), ("16", "32"));
+        assert_ne!(a.hash(), b.hash());
+        let mut c = a.clone();
+        c.model = "other".into();
+        assert_eq!(a.check(&c).unwrap_err().field, "model");
+    }
+}
