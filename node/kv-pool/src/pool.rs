@@ -80,7 +80,7 @@ impl KvPool {
             return Err(AllocatorError::UnsupportedDtype(layout.dtype.as_str()));
         }
         let elems = layout.num_blocks * layout.block_elems();
-        if bytes < elems * 4 || (ptr as usize) % 4 != 0 {
+        if bytes < elems * 4 || !(ptr as usize).is_multiple_of(4) {
             return Err(AllocatorError::OutOfMemory {
                 bytes: layout.pool_bytes(),
             });

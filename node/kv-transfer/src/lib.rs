@@ -1,17 +1,31 @@
 //! The data plane that moves KV blocks from the node that computed them to the node that needs
-//! them: what two nodes must agree on before a pull ([`compat`]), how a list of block ids becomes
-//! a short list of byte ranges ([`plan`]), and the one-sided UCX reads themselves ([`pull`]).
+//! them, and the side channel that makes it safe:
 //!
-//! This crate does not schedule requests, run models or own the pool's bookkeeping (blocks and
-//! leases belong to `pd_kv_pool`, driven by the engine); it never decides *whether* to pull, only
-//! how.
+//! - [`compat`]: what two nodes must agree on before one reads the other's blocks.
+//! - [`plan`]: a list of block ids becomes a short list of contiguous byte ranges.
+//! - [`pull`]: the one-sided UCX reads; [`puller`] runs them on a thread that owns the worker.
+//! - [`service`] (owner) and [`peer`] (puller): the `KvPeer` gRPC side channel — handshake,
+//!   lease renew / confirm / release, pool stats — and the failure policy.
+//! - [`lease_authority`]: the owner-side decisions about leases, behind a trait the engine
+//!   implements; [`LocalBlocks`] is the standalone implementation.
+//!
+//! This crate does not schedule requests or run models, and never decides *whether* to pull,
+//! only how; blocks and leases are `pd_kv_pool`'s.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 #![deny(unused_must_use)]
 
 pub mod compat;
+pub mod lease_authority;
+pub mod peer;
 pub mod plan;
 pub mod pull;
+pub mod puller;
+pub mod service;
 
 pub use compat::{CompatError, CompatInfo, TRANSFER_PROTOCOL_VERSION};
+pub use lease_authority::{LeaseAuthority, LocalBlocks, PoolStats};
+pub use peer::{FailurePolicy, Fallback, HandshakeCache, PeerClient, PeerInfo, TransferError};
 pub use plan::{CopyRange, plan_ranges};
-pub use pull::{PullError, PullSource, pull_blocks};
+pub use pull::{PullError, PullSource, PullStats, pull_blocks};
+pub use puller::{Puller, pull_under_lease};
+pub use service::{KvPeerService, OwnerIdentity};

@@ -1,0 +1,127 @@
+//! Who decides about leases on the owning node, as seen by the side channel.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use pd_kv_pool::{BlockAllocator, BlockId, Lease, LeaseCounts, LeaseError, LeaseId, LeaseTable};
+
+/// Pool and lease counters reported to peers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PoolStats {
+    /// Blocks in the pool.
+    pub total_blocks: usize,
+    /// Blocks nobody references.
+    pub free_blocks: usize,
+    /// Live leases.
+    pub live_leases: usize,
+    /// Lifetime counters.
+    pub counts: LeaseCounts,
+}
+
+/// What the side channel needs from the owner of the blocks. In a node this is the engine; a
+/// standalone pool uses [`LocalBlocks`]. Methods must not block for long: they run on the async
+/// reactor.
+pub trait LeaseAuthority: Send + Sync + 'static {
+    /// Extends a live lease; returns its new deadline.
+    ///
+    /// # Errors
+    /// [`LeaseError`] when the lease is not live for `peer`.
+    fn renew(&self, id: LeaseId, generation: u64, peer: &str) -> Result<SystemTime, LeaseError>;
+    /// Whether the lease is live now; returns its deadline.
+    ///
+    /// # Errors
+    /// [`LeaseError`] when it is not.
+    fn confirm(&self, id: LeaseId, generation: u64, peer: &str) -> Result<SystemTime, LeaseError>;
+    /// Ends the lease and drops its references.
+    ///
+    /// # Errors
+    /// [`LeaseError`] when it was not live.
+    fn release(&self, id: LeaseId, generation: u64, peer: &str) -> Result<(), LeaseError>;
+    /// Current counters.
+    fn stats(&self) -> PoolStats;
+}
+
+/// Converts a monotonic deadline to wall-clock time (for peers in other processes).
+pub fn to_system_time(deadline: Instant) -> SystemTime {
+    let now = Instant::now();
+    if deadline >= now {
+        SystemTime::now() + (deadline - now)
+    } else {
+        SystemTime::now() - (now - deadline)
+    }
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn unix_ms(t: SystemTime) -> i64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// A block allocator and its lease table behind one mutex: the owner of a pool that no engine
+/// thread owns (tools, tests, benchmarks). Expiry runs whenever any method is called and from
+/// [`LocalBlocks::expire`].
+#[derive(Debug)]
+pub struct LocalBlocks {
+    inner: Mutex<(BlockAllocator, LeaseTable)>,
+}
+
+impl LocalBlocks {
+    /// A pool of `num_blocks` free blocks whose leases last `lease_duration`.
+    pub fn new(num_blocks: usize, lease_duration: Duration, seed: [u8; 32]) -> Self {
+        Self {
+            inner: Mutex::new((
+                BlockAllocator::new(num_blocks),
+                LeaseTable::new(lease_duration, seed),
+            )),
+        }
+    }
+
+    /// Runs `f` on the allocator and lease table (after expiring due leases).
+    pub fn with<R>(&self, f: impl FnOnce(&mut BlockAllocator, &mut LeaseTable) -> R) -> R {
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let (alloc, leases) = &mut *g;
+        leases.expire(alloc, Instant::now());
+        f(alloc, leases)
+    }
+
+    /// Grants `peer` a lease on `blocks` (which the caller references).
+    pub fn grant(&self, blocks: Vec<BlockId>, peer: &str) -> Lease {
+        self.with(|a, l| l.grant(a, blocks, peer, Instant::now()))
+    }
+
+    /// Ends due leases; returns how many.
+    pub fn expire(&self) -> usize {
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let (alloc, leases) = &mut *g;
+        leases.expire(alloc, Instant::now()).len()
+    }
+}
+
+impl LeaseAuthority for LocalBlocks {
+    fn renew(&self, id: LeaseId, generation: u64, peer: &str) -> Result<SystemTime, LeaseError> {
+        self.with(|_, l| l.renew(id, generation, peer, Instant::now()))
+            .map(to_system_time)
+    }
+
+    fn confirm(&self, id: LeaseId, generation: u64, peer: &str) -> Result<SystemTime, LeaseError> {
+        self.with(|_, l| {
+            l.check(id, generation, peer, Instant::now())
+                .map(|x| x.deadline)
+        })
+        .map(to_system_time)
+    }
+
+    fn release(&self, id: LeaseId, generation: u64, peer: &str) -> Result<(), LeaseError> {
+        self.with(|a, l| l.release(a, id, generation, peer, Instant::now()))
+            .map(|_| ())
+    }
+
+    fn stats(&self) -> PoolStats {
+        self.with(|a, l| PoolStats {
+            total_blocks: a.num_total(),
+            free_blocks: a.num_free(),
+            live_leases: l.live(),
+            counts: l.counts(),
+        })
+    }
+}

@@ -1,0 +1,366 @@
+//! The puller's side of the side channel: handshake (cached per peer, redone after a restart),
+//! lease renewal / confirmation / release, and the failure policy.
+
+use std::collections::HashMap;
+
+use pd_kv_pool::{KvDtype, KvLayout, LeaseId};
+use pd_rpc::kv::kv_peer_client::KvPeerClient;
+use pd_rpc::kv::{HandshakeRequest, LeaseRef, PoolStatsReply, PoolStatsRequest};
+use tonic::transport::Channel;
+
+use crate::compat::{CompatError, CompatInfo};
+use crate::pull::PullError;
+use crate::service::{compat_from_proto, compat_to_proto};
+
+/// What a handshake told us about a peer.
+#[derive(Debug, Clone)]
+pub struct PeerInfo {
+    /// The peer's engine id.
+    pub engine_id: String,
+    /// The peer's start epoch.
+    pub epoch: u64,
+    /// Its compatibility info.
+    pub compat: CompatInfo,
+    /// Its pool layout.
+    pub layout: KvLayout,
+    /// UCX worker address.
+    pub worker_address: Vec<u8>,
+    /// Pool base and length.
+    pub region_base: u64,
+    /// Bytes registered.
+    pub region_len: u64,
+    /// Packed remote key.
+    pub rkey: Vec<u8>,
+    /// Transports the peer offers.
+    pub transports: Vec<String>,
+}
+
+/// Why KV expected from a peer did not arrive. Every case is counted by [`TransferError::reason`].
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    /// The side channel could not be reached.
+    #[error("peer {addr} unreachable: {message}")]
+    PeerUnreachable {
+        /// Its address.
+        addr: String,
+        /// The transport error.
+        message: String,
+    },
+    /// The peer (or we) refused the handshake.
+    #[error("handshake refused: {0}")]
+    HandshakeRefused(String),
+    /// Compatibility mismatch found locally.
+    #[error(transparent)]
+    Incompatible(#[from] CompatError),
+    /// The reads failed.
+    #[error(transparent)]
+    Transfer(#[from] PullError),
+    /// The lease ended before the data was confirmed; the data was discarded.
+    #[error("lease {lease} lost ({reason}); pulled data discarded")]
+    LeaseLost {
+        /// The lease.
+        lease: String,
+        /// `expired`, `unknown`, `stale`, `wrong_peer`.
+        reason: String,
+    },
+    /// The side channel answered with an error.
+    #[error("side channel error: {0}")]
+    Rpc(String),
+    /// The local puller thread is gone.
+    #[error("puller stopped")]
+    PullerStopped,
+}
+
+impl TransferError {
+    /// Metric label of this failure.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            TransferError::PeerUnreachable { .. } => "peer_unreachable",
+            TransferError::HandshakeRefused(_) | TransferError::Incompatible(_) => {
+                "handshake_refused"
+            }
+            TransferError::Transfer(_) => "transfer_error",
+            TransferError::LeaseLost { .. } => "lease_expired",
+            TransferError::Rpc(_) => "rpc_error",
+            TransferError::PullerStopped => "puller_stopped",
+        }
+    }
+}
+
+/// What to do when expected KV does not arrive (vLLM's `kv_load_failure_policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FailurePolicy {
+    /// Fail the request with the error.
+    #[default]
+    Fail,
+    /// Compute the prompt locally instead.
+    Recompute,
+}
+
+/// The decision after a failed pull.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Fallback {
+    /// Compute the prompt locally.
+    Recompute,
+}
+
+impl FailurePolicy {
+    /// Applies the policy to `err`, logging it either way (never silent).
+    ///
+    /// # Errors
+    /// `err` itself under [`FailurePolicy::Fail`].
+    pub fn apply(self, err: TransferError) -> Result<Fallback, TransferError> {
+        match self {
+            FailurePolicy::Fail => {
+                tracing::warn!(reason = err.reason(), error = %err, "KV pull failed; failing the request");
+                Err(err)
+            }
+            FailurePolicy::Recompute => {
+                tracing::warn!(reason = err.reason(), error = %err, "KV pull failed; recomputing locally");
+                Ok(Fallback::Recompute)
+            }
+        }
+    }
+}
+
+/// A side-channel client to one peer.
+#[derive(Debug, Clone)]
+pub struct PeerClient {
+    addr: String,
+    me: String,
+    client: KvPeerClient<Channel>,
+}
+
+impl PeerClient {
+    /// Connects to the peer's side channel at `addr` (`http://host:port`) as engine `me`.
+    ///
+    /// # Errors
+    /// [`TransferError::PeerUnreachable`].
+    pub async fn connect(addr: &str, me: &str) -> Result<Self, TransferError> {
+        let unreachable = |e: &dyn std::fmt::Display| TransferError::PeerUnreachable {
+            addr: addr.to_string(),
+            message: e.to_string(),
+        };
+        let endpoint = Channel::from_shared(addr.to_string()).map_err(|e| unreachable(&e))?;
+        let channel = endpoint
+            .connect_timeout(std::time::Duration::from_secs(5))
+            .connect()
+            .await
+            .map_err(|e| unreachable(&e))?;
+        Ok(Self {
+            addr: addr.to_string(),
+            me: me.to_string(),
+            client: KvPeerClient::new(channel),
+        })
+    }
+
+    fn status(&self, s: tonic::Status) -> TransferError {
+        match s.code() {
+            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => {
+                TransferError::PeerUnreachable {
+                    addr: self.addr.clone(),
+                    message: s.message().to_string(),
+                }
+            }
+            tonic::Code::FailedPrecondition | tonic::Code::InvalidArgument => {
+                TransferError::HandshakeRefused(s.message().to_string())
+            }
+            _ => TransferError::Rpc(s.to_string()),
+        }
+    }
+
+    /// Handshakes with the peer; checks compatibility on our side too unless `skip_check`.
+    ///
+    /// # Errors
+    /// [`TransferError::HandshakeRefused`] / [`TransferError::Incompatible`] naming the field,
+    /// or [`TransferError::PeerUnreachable`].
+    pub async fn handshake(
+        &mut self,
+        local: &CompatInfo,
+        epoch: u64,
+        skip_check: bool,
+    ) -> Result<PeerInfo, TransferError> {
+        let req = HandshakeRequest {
+            engine_id: self.me.clone(),
+            epoch,
+            compat: Some(compat_to_proto(local)),
+            skip_compat_check: skip_check,
+        };
+        let r = self
+            .client
+            .handshake(req)
+            .await
+            .map_err(|s| self.status(s))?
+            .into_inner();
+        let compat = r.compat.as_ref().map(compat_from_proto).ok_or_else(|| {
+            TransferError::HandshakeRefused("reply lacks compatibility info".into())
+        })?;
+        if !skip_check {
+            local.check(&compat)?;
+        }
+        let l = r
+            .layout
+            .ok_or_else(|| TransferError::HandshakeRefused("reply lacks the pool layout".into()))?;
+        let dtype = match l.dtype.as_str() {
+            "f32" => KvDtype::F32,
+            "f16" => KvDtype::F16,
+            "bf16" => KvDtype::BF16,
+            other => {
+                return Err(TransferError::HandshakeRefused(format!(
+                    "unknown pool dtype {other:?}"
+                )));
+            }
+        };
+        if l.dim_order != crate::service::DIM_ORDER {
+            return Err(TransferError::HandshakeRefused(format!(
+                "unsupported pool dimension order {:?}",
+                l.dim_order
+            )));
+        }
+        let layout = KvLayout {
+            num_blocks: l.num_blocks as usize,
+            block_size: l.block_size as usize,
+            num_layers: l.num_layers as usize,
+            num_kv_heads: l.num_kv_heads as usize,
+            head_dim: l.head_dim as usize,
+            dtype,
+        };
+        if layout.block_bytes() as u64 != l.block_bytes || layout.pool_bytes() as u64 > r.region_len
+        {
+            return Err(TransferError::HandshakeRefused(
+                "pool layout and registered region disagree".into(),
+            ));
+        }
+        Ok(PeerInfo {
+            engine_id: r.engine_id,
+            epoch: r.epoch,
+            compat,
+            layout,
+            worker_address: r.worker_address,
+            region_base: r.region_base,
+            region_len: r.region_len,
+            rkey: r.rkey,
+            transports: r.transports,
+        })
+    }
+
+    fn lease_ref(&self, id: LeaseId, generation: u64) -> LeaseRef {
+        LeaseRef {
+            lease_id: id.to_string(),
+            generation,
+            peer_engine_id: self.me.clone(),
+        }
+    }
+
+    /// Renews a lease; `Ok(false)` when the owner says it is no longer live.
+    ///
+    /// # Errors
+    /// Side-channel failures.
+    pub async fn renew(&mut self, id: LeaseId, generation: u64) -> Result<bool, TransferError> {
+        let r = self
+            .client
+            .renew_lease(self.lease_ref(id, generation))
+            .await
+            .map_err(|s| self.status(s))?;
+        Ok(r.into_inner().live)
+    }
+
+    /// Confirms a lease is still live.
+    ///
+    /// # Errors
+    /// [`TransferError::LeaseLost`] when it is not; side-channel failures.
+    pub async fn confirm(&mut self, id: LeaseId, generation: u64) -> Result<(), TransferError> {
+        let r = self
+            .client
+            .confirm_lease(self.lease_ref(id, generation))
+            .await
+            .map_err(|s| self.status(s))?
+            .into_inner();
+        if r.live {
+            Ok(())
+        } else {
+            Err(TransferError::LeaseLost {
+                lease: id.to_string(),
+                reason: r.reason,
+            })
+        }
+    }
+
+    /// Tells the owner the pull is done.
+    ///
+    /// # Errors
+    /// [`TransferError::LeaseLost`] when the lease was no longer live; side-channel failures.
+    pub async fn release(&mut self, id: LeaseId, generation: u64) -> Result<(), TransferError> {
+        let r = self
+            .client
+            .release_lease(self.lease_ref(id, generation))
+            .await
+            .map_err(|s| self.status(s))?
+            .into_inner();
+        if r.live {
+            Ok(())
+        } else {
+            Err(TransferError::LeaseLost {
+                lease: id.to_string(),
+                reason: r.reason,
+            })
+        }
+    }
+
+    /// The owner's pool and lease counters.
+    ///
+    /// # Errors
+    /// Side-channel failures.
+    pub async fn stats(&mut self) -> Result<PoolStatsReply, TransferError> {
+        Ok(self
+            .client
+            .pool_stats(PoolStatsRequest {})
+            .await
+            .map_err(|s| self.status(s))?
+            .into_inner())
+    }
+}
+
+/// Handshakes cached per peer address. A peer that restarted shows a new epoch at the next
+/// handshake and replaces its entry; [`HandshakeCache::invalidate`] forces one after a failure.
+#[derive(Debug, Default)]
+pub struct HandshakeCache {
+    peers: HashMap<String, PeerInfo>,
+}
+
+impl HandshakeCache {
+    /// The cached handshake of `addr`, or a fresh one through `client`.
+    ///
+    /// # Errors
+    /// As [`PeerClient::handshake`].
+    pub async fn get(
+        &mut self,
+        client: &mut PeerClient,
+        local: &CompatInfo,
+        epoch: u64,
+        skip: bool,
+    ) -> Result<PeerInfo, TransferError> {
+        if let Some(p) = self.peers.get(&client.addr) {
+            return Ok(p.clone());
+        }
+        let p = client.handshake(local, epoch, skip).await?;
+        self.peers.insert(client.addr.clone(), p.clone());
+        Ok(p)
+    }
+
+    /// Forgets `addr` (after a transfer failure or a changed engine id / epoch).
+    pub fn invalidate(&mut self, addr: &str) {
+        self.peers.remove(addr);
+    }
+
+    /// Records a handshake seen elsewhere; returns true when it replaced one with another
+    /// engine id or epoch (the peer restarted).
+    pub fn observe(&mut self, addr: &str, info: PeerInfo) -> bool {
+        let restarted = self
+            .peers
+            .get(addr)
+            .is_some_and(|old| old.engine_id != info.engine_id || old.epoch != info.epoch);
+        self.peers.insert(addr.to_string(), info);
+        restarted
+    }
+}

@@ -1,0 +1,224 @@
+//! The owner's side of the `KvPeer` side channel (tonic server).
+
+use std::sync::Arc;
+
+use pd_kv_pool::{KvLayout, LeaseError, LeaseId};
+use pd_rpc::kv::kv_peer_server::KvPeer;
+use pd_rpc::kv::{
+    Compat, HandshakeReply, HandshakeRequest, Layout, LeaseRef, LeaseReply, PoolStatsReply,
+    PoolStatsRequest,
+};
+use tonic::{Request, Response, Status};
+
+use crate::compat::CompatInfo;
+use crate::lease_authority::{LeaseAuthority, unix_ms};
+
+/// How peers reach and read this node's pool.
+#[derive(Debug, Clone)]
+pub struct OwnerIdentity {
+    /// This node's engine id.
+    pub engine_id: String,
+    /// Changes at every start.
+    pub epoch: u64,
+    /// What peers must match.
+    pub compat: CompatInfo,
+    /// The pool's layout.
+    pub layout: KvLayout,
+    /// UCX worker address.
+    pub worker_address: Vec<u8>,
+    /// Pool base address and length (as registered).
+    pub region_base: u64,
+    /// Bytes registered.
+    pub region_len: u64,
+    /// Packed remote key of the pool.
+    pub rkey: Vec<u8>,
+    /// Transports offered, for the report.
+    pub transports: Vec<String>,
+}
+
+/// Element order of [`KvLayout`], outermost first.
+pub const DIM_ORDER: &str = "block,layer,kv,head,slot,dim";
+
+/// The `KvPeer` service over a [`LeaseAuthority`].
+#[derive(Debug)]
+pub struct KvPeerService<A> {
+    identity: OwnerIdentity,
+    authority: Arc<A>,
+}
+
+impl<A: LeaseAuthority> KvPeerService<A> {
+    /// Serves `identity`, deciding about leases with `authority`.
+    pub fn new(identity: OwnerIdentity, authority: Arc<A>) -> Self {
+        Self {
+            identity,
+            authority,
+        }
+    }
+
+    /// The tonic server wrapper, ready for `Server::builder().add_service(...)`.
+    pub fn into_server(self) -> pd_rpc::kv::kv_peer_server::KvPeerServer<Self> {
+        pd_rpc::kv::kv_peer_server::KvPeerServer::new(self)
+    }
+}
+
+/// `CompatInfo` → wire.
+pub fn compat_to_proto(c: &CompatInfo) -> Compat {
+    Compat {
+        project_version: c.project_version.clone(),
+        protocol_version: c.protocol_version,
+        model: c.model.clone(),
+        dtype: c.dtype.clone(),
+        num_kv_heads: c.num_kv_heads,
+        num_layers: c.num_layers,
+        head_dim: c.head_dim,
+        block_size: c.block_size,
+        hash: c.hash(),
+    }
+}
+
+/// Wire → `CompatInfo`.
+pub fn compat_from_proto(c: &Compat) -> CompatInfo {
+    CompatInfo {
+        project_version: c.project_version.clone(),
+        protocol_version: c.protocol_version,
+        model: c.model.clone(),
+        dtype: c.dtype.clone(),
+        num_kv_heads: c.num_kv_heads,
+        num_layers: c.num_layers,
+        head_dim: c.head_dim,
+        block_size: c.block_size,
+    }
+}
+
+fn layout_to_proto(l: &KvLayout) -> Layout {
+    Layout {
+        num_blocks: l.num_blocks as u64,
+        block_size: l.block_size as u32,
+        num_layers: l.num_layers as u32,
+        num_kv_heads: l.num_kv_heads as u32,
+        head_dim: l.head_dim as u32,
+        dtype: l.dtype.as_str().to_string(),
+        dim_order: DIM_ORDER.to_string(),
+        block_bytes: l.block_bytes() as u64,
+    }
+}
+
+fn parse_lease(r: &LeaseRef) -> Result<LeaseId, Status> {
+    r.lease_id
+        .parse::<LeaseId>()
+        .map_err(|_| Status::invalid_argument(format!("malformed lease id {:?}", r.lease_id)))
+}
+
+/// The reason string of a refused lease.
+pub fn lease_reason(e: &LeaseError) -> &'static str {
+    match e {
+        LeaseError::Unknown(_) => "unknown",
+        LeaseError::Stale { .. } => "stale",
+        LeaseError::Expired(_) => "expired",
+        LeaseError::WrongPeer { .. } => "wrong_peer",
+    }
+}
+
+fn reply(r: Result<std::time::SystemTime, LeaseError>) -> Response<LeaseReply> {
+    Response::new(match r {
+        Ok(t) => LeaseReply {
+            live: true,
+            deadline_unix_ms: unix_ms(t),
+            reason: String::new(),
+        },
+        Err(e) => LeaseReply {
+            live: false,
+            deadline_unix_ms: 0,
+            reason: lease_reason(&e).to_string(),
+        },
+    })
+}
+
+#[tonic::async_trait]
+impl<A: LeaseAuthority> KvPeer for KvPeerService<A> {
+    async fn handshake(
+        &self,
+        request: Request<HandshakeRequest>,
+    ) -> Result<Response<HandshakeReply>, Status> {
+        let req = request.into_inner();
+        let theirs = req.compat.as_ref().map(compat_from_proto);
+        match theirs {
+            Some(theirs) if !req.skip_compat_check => {
+                if let Err(e) = self.identity.compat.check(&theirs) {
+                    tracing::warn!(peer = %req.engine_id, error = %e, "handshake refused");
+                    return Err(Status::failed_precondition(e.to_string()));
+                }
+            }
+            None if !req.skip_compat_check => {
+                return Err(Status::invalid_argument(
+                    "handshake without compatibility info",
+                ));
+            }
+            _ => {}
+        }
+        tracing::debug!(peer = %req.engine_id, epoch = req.epoch, "handshake accepted");
+        let id = &self.identity;
+        Ok(Response::new(HandshakeReply {
+            engine_id: id.engine_id.clone(),
+            epoch: id.epoch,
+            compat: Some(compat_to_proto(&id.compat)),
+            worker_address: id.worker_address.clone(),
+            region_base: id.region_base,
+            region_len: id.region_len,
+            rkey: id.rkey.clone(),
+            layout: Some(layout_to_proto(&id.layout)),
+            transports: id.transports.clone(),
+        }))
+    }
+
+    async fn renew_lease(
+        &self,
+        request: Request<LeaseRef>,
+    ) -> Result<Response<LeaseReply>, Status> {
+        let r = request.into_inner();
+        Ok(reply(self.authority.renew(
+            parse_lease(&r)?,
+            r.generation,
+            &r.peer_engine_id,
+        )))
+    }
+
+    async fn confirm_lease(
+        &self,
+        request: Request<LeaseRef>,
+    ) -> Result<Response<LeaseReply>, Status> {
+        let r = request.into_inner();
+        Ok(reply(self.authority.confirm(
+            parse_lease(&r)?,
+            r.generation,
+            &r.peer_engine_id,
+        )))
+    }
+
+    async fn release_lease(
+        &self,
+        request: Request<LeaseRef>,
+    ) -> Result<Response<LeaseReply>, Status> {
+        let r = request.into_inner();
+        let res = self
+            .authority
+            .release(parse_lease(&r)?, r.generation, &r.peer_engine_id);
+        Ok(reply(res.map(|()| std::time::SystemTime::now())))
+    }
+
+    async fn pool_stats(
+        &self,
+        _: Request<PoolStatsRequest>,
+    ) -> Result<Response<PoolStatsReply>, Status> {
+        let s = self.authority.stats();
+        Ok(Response::new(PoolStatsReply {
+            total_blocks: s.total_blocks as u64,
+            free_blocks: s.free_blocks as u64,
+            live_leases: s.live_leases as u64,
+            leases_granted: s.counts.granted,
+            leases_renewed: s.counts.renewed,
+            leases_released: s.counts.released,
+            leases_expired: s.counts.expired,
+        }))
+    }
+}

@@ -1,0 +1,301 @@
+//! Transfers between two real processes: `pd-kv-owner` (a UCX-allocated pool, one lease, the
+//! `KvPeer` side channel) and this test as the puller (its own UCX worker and pool). Checks
+//! byte-exact pulls of non-contiguous blocks, lease expiry and renewal, compatibility refusal,
+//! stale leases, and a peer killed before the pull under both failure policies.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pd_kv_pool::{BlockId, KvDtype, KvLayout, LeaseId};
+use pd_kv_transfer::{
+    CompatInfo, FailurePolicy, Fallback, PeerClient, Puller, TransferError, pull_under_lease,
+};
+use pd_ucx::{Context, MemoryRegion};
+
+const PEER: &str = "puller";
+
+fn layout() -> KvLayout {
+    KvLayout {
+        num_blocks: 32,
+        block_size: 16,
+        num_layers: 2,
+        num_kv_heads: 2,
+        head_dim: 32,
+        dtype: KvDtype::F32,
+    }
+}
+
+/// Same formula as `pd-kv-owner`.
+fn pattern(b: usize, i: usize) -> f32 {
+    ((b * 7919 + i * 31) % 65_521) as f32
+}
+
+/// The owner process, killed when dropped.
+struct Owner {
+    child: Child,
+    addr: String,
+    lease: LeaseId,
+    generation: u64,
+    blocks: Vec<BlockId>,
+}
+
+impl Owner {
+    fn start(lease_ms: u64) -> Owner {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_pd-kv-owner"))
+            .args(["--blocks", "32", "--lease", "7,2,3,11,5,20", "--peer", PEER])
+            .args(["--lease-ms", &lease_ms.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn pd-kv-owner");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(
+            parts.first(),
+            Some(&"OWNER"),
+            "unexpected owner output {line:?}"
+        );
+        Owner {
+            addr: parts[1].to_string(),
+            lease: parts[2].parse().unwrap(),
+            generation: parts[3].parse().unwrap(),
+            blocks: parts[4]
+                .split(',')
+                .map(|b| BlockId(b.parse().unwrap()))
+                .collect(),
+            child,
+        }
+    }
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The puller side: a UCX context, a local pool of the same layout, and the puller thread.
+struct Local {
+    region: Arc<MemoryRegion>,
+    puller: Puller,
+}
+
+fn local() -> Local {
+    let ctx = Context::new().unwrap();
+    let region = Arc::new(MemoryRegion::allocate(&ctx, layout().pool_bytes()).unwrap());
+    // Poison the local pool so an incomplete pull cannot look right.
+    unsafe { std::ptr::write_bytes(region.as_ptr(), 0xff, region.len()) };
+    let puller = Puller::spawn(ctx, region.clone(), layout().block_bytes()).unwrap();
+    Local { region, puller }
+}
+
+fn local_block(l: &Local, b: BlockId) -> &[f32] {
+    let n = layout().block_elems();
+    // SAFETY: the region holds the whole pool; the pull completed before this read.
+    let all = unsafe {
+        std::slice::from_raw_parts(l.region.as_ptr().cast::<f32>(), layout().num_blocks * n)
+    };
+    &all[b.index() * n..(b.index() + 1) * n]
+}
+
+fn compat() -> CompatInfo {
+    CompatInfo::new("tiny", &layout())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_contiguous_blocks_arrive_byte_exact_and_release_frees_them() {
+    let owner = Owner::start(30_000);
+    let l = local();
+    let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
+    let peer = client.handshake(&compat(), 1, false).await.unwrap();
+    assert_eq!(peer.layout, layout());
+    // Remote 7,2,3,11,5,20 into local 30,0,1,9,10,4: runs (2,3)->(0,1) coalesce, others don't.
+    let local_ids: Vec<BlockId> = [30, 0, 1, 9, 10, 4].iter().map(|&b| BlockId(b)).collect();
+    let stats = pull_under_lease(
+        &l.puller,
+        &mut client,
+        &peer,
+        owner.lease,
+        owner.generation,
+        owner.blocks.clone(),
+        local_ids.clone(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(stats.bytes, 6 * layout().block_bytes());
+    assert_eq!(stats.descriptors, 5);
+    for (r, lb) in owner.blocks.iter().zip(&local_ids) {
+        let got = local_block(&l, *lb);
+        let want: Vec<f32> = (0..got.len()).map(|i| pattern(r.index(), i)).collect();
+        assert!(got == want.as_slice(), "block {r:?} -> {lb:?} differs");
+    }
+    let before = client.stats().await.unwrap();
+    assert_eq!(before.live_leases, 1);
+    assert_eq!(before.free_blocks, 32 - 6, "leased blocks are held");
+    client.release(owner.lease, owner.generation).await.unwrap();
+    let after = client.stats().await.unwrap();
+    assert_eq!(
+        (after.free_blocks, after.leases_released, after.live_leases),
+        (32, 1, 0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unrenewed_lease_expires_frees_blocks_and_is_counted() {
+    let owner = Owner::start(300);
+    let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = client.stats().await.unwrap();
+        if s.leases_expired == 1 {
+            assert_eq!((s.free_blocks, s.live_leases), (32, 0));
+            break;
+        }
+        assert!(Instant::now() < deadline, "lease never expired: {s:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let err = client
+        .confirm(owner.lease, owner.generation)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TransferError::LeaseLost { .. }), "{err}");
+    assert_eq!(err.reason(), "lease_expired");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewal_keeps_a_lease_alive_past_its_first_deadline() {
+    let owner = Owner::start(600);
+    let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
+    let started = Instant::now();
+    // Renew every duration/6 = 100 ms for 2.5 lease durations.
+    while started.elapsed() < Duration::from_millis(1500) {
+        assert!(
+            client.renew(owner.lease, owner.generation).await.unwrap(),
+            "renewal refused"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    client.confirm(owner.lease, owner.generation).await.unwrap();
+    let s = client.stats().await.unwrap();
+    assert_eq!(s.leases_expired, 0);
+    assert!(s.leases_renewed >= 10, "{s:?}");
+    client.release(owner.lease, owner.generation).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compatibility_mismatch_is_refused_naming_the_field() {
+    let owner = Owner::start(30_000);
+    let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
+    let mut other = compat();
+    other.block_size = 32;
+    let err = client.handshake(&other, 1, false).await.unwrap_err();
+    assert!(matches!(err, TransferError::HandshakeRefused(_)), "{err}");
+    assert!(err.to_string().contains("block_size"), "{err}");
+    let mut other = compat();
+    other.model = "another-model".into();
+    assert!(
+        client
+            .handshake(&other, 1, false)
+            .await
+            .unwrap_err()
+            .to_string()
+            .contains("model")
+    );
+    // The operator's escape hatch skips the check on both sides.
+    let mut other = compat();
+    other.block_size = 32;
+    client.handshake(&other, 1, true).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_or_released_lease_is_detected_and_its_data_discarded() {
+    let owner = Owner::start(30_000);
+    let l = local();
+    let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
+    let peer = client.handshake(&compat(), 1, false).await.unwrap();
+    let stale = client
+        .confirm(owner.lease, owner.generation + 1)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&stale, TransferError::LeaseLost { reason, .. } if reason == "stale"),
+        "{stale}"
+    );
+    // Another peer cannot use the lease.
+    let mut intruder = PeerClient::connect(&owner.addr, "intruder").await.unwrap();
+    let wrong = intruder
+        .confirm(owner.lease, owner.generation)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&wrong, TransferError::LeaseLost { reason, .. } if reason == "wrong_peer"),
+        "{wrong}"
+    );
+    // After release the blocks may be reused by the owner: a pull under that lease must fail.
+    client.release(owner.lease, owner.generation).await.unwrap();
+    let local_ids: Vec<BlockId> = (0..6).map(BlockId).collect();
+    let err = pull_under_lease(
+        &l.puller,
+        &mut client,
+        &peer,
+        owner.lease,
+        owner.generation,
+        owner.blocks.clone(),
+        local_ids,
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(&err, TransferError::LeaseLost { reason, .. } if reason == "unknown"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_killed_before_the_pull_triggers_the_failure_policy() {
+    let mut owner = Owner::start(30_000);
+    let l = local();
+    let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
+    let peer = client.handshake(&compat(), 1, false).await.unwrap();
+    owner.child.kill().unwrap();
+    owner.child.wait().unwrap();
+    // Both policies, each on a real failed pull.
+    for policy in [FailurePolicy::Fail, FailurePolicy::Recompute] {
+        let local_ids: Vec<BlockId> = (0..6).map(BlockId).collect();
+        let pull = pull_under_lease(
+            &l.puller,
+            &mut client,
+            &peer,
+            owner.lease,
+            owner.generation,
+            owner.blocks.clone(),
+            local_ids,
+        );
+        let result = tokio::time::timeout(Duration::from_secs(30), pull)
+            .await
+            .expect("a dead peer must not hang the pull");
+        // Whatever the reads did (shared memory may even still be mapped), the owner cannot
+        // confirm the lease, so the data is never used.
+        let err = result.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TransferError::PeerUnreachable { .. }
+                    | TransferError::Transfer(_)
+                    | TransferError::Rpc(_)
+            ),
+            "{err}"
+        );
+        match policy {
+            FailurePolicy::Fail => assert!(policy.apply(err).is_err()),
+            FailurePolicy::Recompute => assert_eq!(policy.apply(err).unwrap(), Fallback::Recompute),
+        }
+    }
+}
