@@ -6,6 +6,7 @@
 //! - [`pull`]: the one-sided UCX reads; [`puller`] runs them on a thread that owns the worker.
 //! - [`service`] (owner) and [`peer`] (puller): the `KvPeer` gRPC side channel — handshake,
 //!   lease renew / confirm / release, pool stats — and the failure policy.
+//! - [`metrics`]: transfer time, bytes, descriptors, failures by reason, lease events.
 //! - [`lease_authority`]: the owner-side decisions about leases, behind a trait the engine
 //!   implements; [`LocalBlocks`] is the standalone implementation.
 //!
@@ -16,6 +17,7 @@
 
 pub mod compat;
 pub mod lease_authority;
+pub mod metrics;
 pub mod peer;
 pub mod plan;
 pub mod pull;
@@ -24,8 +26,9 @@ pub mod service;
 
 pub use compat::{CompatError, CompatInfo, TRANSFER_PROTOCOL_VERSION};
 pub use lease_authority::{LeaseAuthority, LocalBlocks, PoolStats};
+pub use metrics::TransferMetrics;
 pub use peer::{FailurePolicy, Fallback, HandshakeCache, PeerClient, PeerInfo, TransferError};
 pub use plan::{CopyRange, plan_ranges};
 pub use pull::{PullError, PullSource, PullStats, pull_blocks};
-pub use puller::{Puller, pull_under_lease};
+pub use puller::{LeaseKeeper, LeasedBlocks, Puller, pull_under_lease};
 pub use service::{KvPeerService, OwnerIdentity};

@@ -141,10 +141,24 @@ fn connect<'w>(
     Ok((ep, rkey))
 }
 
+/// Blocks of a peer held under one lease, and where they go locally.
+#[derive(Debug, Clone)]
+pub struct LeasedBlocks {
+    /// The lease.
+    pub lease: pd_kv_pool::LeaseId,
+    /// Its generation.
+    pub generation: u64,
+    /// The peer's block ids.
+    pub remote: Vec<BlockId>,
+    /// Our block ids, one per remote block.
+    pub local: Vec<BlockId>,
+}
+
 /// The whole pull of one lease: read the blocks, then confirm with the owner that the lease
 /// was still live — live now means live during the whole read, since a lease never comes back
 /// once ended. If not, the data is discarded (the caller must not use the local blocks) and the
-/// error says why. The lease is renewed by the caller while this runs if it takes long.
+/// error says why. Successes and failures (by reason) are recorded in `metrics`; the caller keeps
+/// the lease alive meanwhile with a [`LeaseKeeper`] and releases it afterwards.
 ///
 /// # Errors
 /// [`TransferError`] for every way the KV did not arrive intact.
@@ -152,12 +166,63 @@ pub async fn pull_under_lease(
     puller: &Puller,
     client: &mut crate::peer::PeerClient,
     peer: &PeerInfo,
-    lease: pd_kv_pool::LeaseId,
-    generation: u64,
-    remote: Vec<BlockId>,
-    local: Vec<BlockId>,
+    blocks: LeasedBlocks,
+    metrics: &crate::metrics::TransferMetrics,
 ) -> Result<PullStats, TransferError> {
-    let stats = puller.pull(peer, remote, local).await?;
-    client.confirm(lease, generation).await?;
-    Ok(stats)
+    let result = async {
+        let stats = puller.pull(peer, blocks.remote, blocks.local).await?;
+        client.confirm(blocks.lease, blocks.generation).await?;
+        Ok(stats)
+    }
+    .await;
+    match &result {
+        Ok(s) => metrics.record_pull(s),
+        Err(e) => metrics.record_failure(e),
+    }
+    result
+}
+
+/// Renews a lease every `interval` (duration / 6) until dropped, so a pull that waits in a
+/// queue does not lose its blocks. Unacknowledged renewals are counted.
+#[derive(Debug)]
+pub struct LeaseKeeper {
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl LeaseKeeper {
+    /// Starts renewing `(lease, generation)` through `client`.
+    pub fn start(
+        mut client: crate::peer::PeerClient,
+        lease: pd_kv_pool::LeaseId,
+        generation: u64,
+        interval: std::time::Duration,
+        metrics: Arc<crate::metrics::TransferMetrics>,
+    ) -> Self {
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                match client.renew(lease, generation).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        metrics.notification_failures.inc();
+                        tracing::warn!(%lease, "lease renewal refused: the lease ended");
+                        return;
+                    }
+                    Err(e) => {
+                        metrics.notification_failures.inc();
+                        tracing::warn!(%lease, error = %e, "lease renewal failed");
+                    }
+                }
+            }
+        });
+        Self { task }
+    }
+}
+
+impl Drop for LeaseKeeper {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }

@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 
 use pd_kv_pool::{BlockId, KvDtype, KvLayout, LeaseId};
 use pd_kv_transfer::{
-    CompatInfo, FailurePolicy, Fallback, PeerClient, Puller, TransferError, pull_under_lease,
+    CompatInfo, FailurePolicy, Fallback, LeaseKeeper, LeasedBlocks, PeerClient, Puller,
+    TransferError, TransferMetrics, pull_under_lease,
 };
 use pd_ucx::{Context, MemoryRegion};
 
@@ -113,6 +114,7 @@ fn compat() -> CompatInfo {
 async fn non_contiguous_blocks_arrive_byte_exact_and_release_frees_them() {
     let owner = Owner::start(30_000);
     let l = local();
+    let metrics = TransferMetrics::new();
     let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
     let peer = client.handshake(&compat(), 1, false).await.unwrap();
     assert_eq!(peer.layout, layout());
@@ -122,15 +124,19 @@ async fn non_contiguous_blocks_arrive_byte_exact_and_release_frees_them() {
         &l.puller,
         &mut client,
         &peer,
-        owner.lease,
-        owner.generation,
-        owner.blocks.clone(),
-        local_ids.clone(),
+        LeasedBlocks {
+            lease: owner.lease,
+            generation: owner.generation,
+            remote: owner.blocks.clone(),
+            local: local_ids.clone(),
+        },
+        &metrics,
     )
     .await
     .unwrap();
     assert_eq!(stats.bytes, 6 * layout().block_bytes());
     assert_eq!(stats.descriptors, 5);
+    assert_eq!(metrics.bytes.get(), stats.bytes as u64);
     for (r, lb) in owner.blocks.iter().zip(&local_ids) {
         let got = local_block(&l, *lb);
         let want: Vec<f32> = (0..got.len()).map(|i| pattern(r.index(), i)).collect();
@@ -173,19 +179,22 @@ async fn unrenewed_lease_expires_frees_blocks_and_is_counted() {
 async fn renewal_keeps_a_lease_alive_past_its_first_deadline() {
     let owner = Owner::start(600);
     let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
-    let started = Instant::now();
-    // Renew every duration/6 = 100 ms for 2.5 lease durations.
-    while started.elapsed() < Duration::from_millis(1500) {
-        assert!(
-            client.renew(owner.lease, owner.generation).await.unwrap(),
-            "renewal refused"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    // The keeper renews every duration/6 = 100 ms; wait 2.5 lease durations.
+    let metrics = std::sync::Arc::new(TransferMetrics::new());
+    let keeper = LeaseKeeper::start(
+        client.clone(),
+        owner.lease,
+        owner.generation,
+        Duration::from_millis(100),
+        metrics.clone(),
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     client.confirm(owner.lease, owner.generation).await.unwrap();
     let s = client.stats().await.unwrap();
     assert_eq!(s.leases_expired, 0);
     assert!(s.leases_renewed >= 10, "{s:?}");
+    assert_eq!(metrics.notification_failures.get(), 0);
+    drop(keeper);
     client.release(owner.lease, owner.generation).await.unwrap();
 }
 
@@ -218,6 +227,7 @@ async fn compatibility_mismatch_is_refused_naming_the_field() {
 async fn stale_or_released_lease_is_detected_and_its_data_discarded() {
     let owner = Owner::start(30_000);
     let l = local();
+    let metrics = TransferMetrics::new();
     let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
     let peer = client.handshake(&compat(), 1, false).await.unwrap();
     let stale = client
@@ -245,10 +255,13 @@ async fn stale_or_released_lease_is_detected_and_its_data_discarded() {
         &l.puller,
         &mut client,
         &peer,
-        owner.lease,
-        owner.generation,
-        owner.blocks.clone(),
-        local_ids,
+        LeasedBlocks {
+            lease: owner.lease,
+            generation: owner.generation,
+            remote: owner.blocks.clone(),
+            local: local_ids,
+        },
+        &metrics,
     )
     .await
     .unwrap_err();
@@ -256,12 +269,17 @@ async fn stale_or_released_lease_is_detected_and_its_data_discarded() {
         matches!(&err, TransferError::LeaseLost { reason, .. } if reason == "unknown"),
         "{err}"
     );
+    assert_eq!(
+        metrics.failures.with_label_values(&["lease_expired"]).get(),
+        1
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_killed_before_the_pull_triggers_the_failure_policy() {
     let mut owner = Owner::start(30_000);
     let l = local();
+    let metrics = TransferMetrics::new();
     let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
     let peer = client.handshake(&compat(), 1, false).await.unwrap();
     owner.child.kill().unwrap();
@@ -273,10 +291,13 @@ async fn peer_killed_before_the_pull_triggers_the_failure_policy() {
             &l.puller,
             &mut client,
             &peer,
-            owner.lease,
-            owner.generation,
-            owner.blocks.clone(),
-            local_ids,
+            LeasedBlocks {
+                lease: owner.lease,
+                generation: owner.generation,
+                remote: owner.blocks.clone(),
+                local: local_ids,
+            },
+            &metrics,
         );
         let result = tokio::time::timeout(Duration::from_secs(30), pull)
             .await

@@ -1,0 +1,178 @@
+//! Prometheus metrics of the transfer layer (own registry, no global state).
+
+use std::sync::Mutex;
+
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+
+use crate::lease_authority::PoolStats;
+use crate::peer::TransferError;
+use crate::pull::PullStats;
+
+/// Transfer and lease metrics of one node.
+#[derive(Debug)]
+pub struct TransferMetrics {
+    registry: Registry,
+    /// Seconds from first posted read to completion.
+    pub transfer_seconds: Histogram,
+    /// Seconds spent posting reads.
+    pub post_seconds: Histogram,
+    /// Bytes pulled.
+    pub bytes: IntCounter,
+    /// Descriptors (contiguous reads) per transfer.
+    pub descriptors: Histogram,
+    /// Failed transfers by reason (`peer_unreachable`, `handshake_refused`, `transfer_error`,
+    /// `lease_expired`, ...).
+    pub failures: IntCounterVec,
+    /// Renewals or releases the owner did not acknowledge.
+    pub notification_failures: IntCounter,
+    /// Leases granted / renewed / released / expired on this node as owner.
+    pub leases: IntCounterVec,
+    /// Live leases on this node as owner.
+    pub live_leases: IntGauge,
+    last_counts: Mutex<pd_kv_pool::LeaseCounts>,
+}
+
+impl TransferMetrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let h = |name: &str, help: &str, buckets: Vec<f64>| {
+            let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))
+                .expect("valid histogram");
+            registry
+                .register(Box::new(h.clone()))
+                .expect("unique metric");
+            h
+        };
+        let secs = vec![
+            1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0,
+        ];
+        let transfer_seconds = h(
+            "pd_kv_transfer_seconds",
+            "Seconds per KV pull",
+            secs.clone(),
+        );
+        let post_seconds = h(
+            "pd_kv_transfer_post_seconds",
+            "Seconds posting the reads of a KV pull",
+            secs,
+        );
+        let descriptors = h(
+            "pd_kv_transfer_descriptors",
+            "Contiguous reads per KV pull",
+            vec![1.0, 2.0, 4.0, 8.0, 16.0, 64.0, 256.0, 1024.0, 4096.0],
+        );
+        let bytes =
+            IntCounter::new("pd_kv_transfer_bytes_total", "Bytes pulled").expect("valid counter");
+        let notification_failures = IntCounter::new(
+            "pd_kv_notification_failures_total",
+            "Lease renewals or releases not acknowledged",
+        )
+        .expect("valid counter");
+        let failures = IntCounterVec::new(
+            Opts::new("pd_kv_transfer_failures_total", "Failed KV pulls by reason"),
+            &["reason"],
+        )
+        .expect("valid counter");
+        let leases = IntCounterVec::new(
+            Opts::new("pd_kv_leases_total", "Lease events on this node as owner"),
+            &["event"],
+        )
+        .expect("valid counter");
+        let live_leases = IntGauge::new("pd_kv_leases_live", "Live leases on this node as owner")
+            .expect("valid gauge");
+        for c in [
+            Box::new(bytes.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(notification_failures.clone()),
+            Box::new(failures.clone()),
+            Box::new(leases.clone()),
+            Box::new(live_leases.clone()),
+        ] {
+            registry.register(c).expect("unique metric");
+        }
+        Self {
+            registry,
+            transfer_seconds,
+            post_seconds,
+            bytes,
+            descriptors,
+            failures,
+            notification_failures,
+            leases,
+            live_leases,
+            last_counts: Mutex::new(Default::default()),
+        }
+    }
+
+    /// The registry, for a `/metrics` endpoint.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// Records a completed pull.
+    pub fn record_pull(&self, s: &PullStats) {
+        self.transfer_seconds.observe(s.total_time.as_secs_f64());
+        self.post_seconds.observe(s.post_time.as_secs_f64());
+        self.bytes.inc_by(s.bytes as u64);
+        self.descriptors.observe(s.descriptors as f64);
+    }
+
+    /// Records a failed pull by its reason.
+    pub fn record_failure(&self, e: &TransferError) {
+        self.failures.with_label_values(&[e.reason()]).inc();
+    }
+
+    /// Brings the owner-side lease metrics up to `stats`.
+    pub fn observe_leases(&self, stats: &PoolStats) {
+        let mut last = self.last_counts.lock().unwrap_or_else(|p| p.into_inner());
+        let c = stats.counts;
+        for (event, now, before) in [
+            ("granted", c.granted, last.granted),
+            ("renewed", c.renewed, last.renewed),
+            ("released", c.released, last.released),
+            ("expired", c.expired, last.expired),
+        ] {
+            self.leases
+                .with_label_values(&[event])
+                .inc_by(now.saturating_sub(before));
+        }
+        *last = c;
+        self.live_leases.set(stats.live_leases as i64);
+    }
+}
+
+impl Default for TransferMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lease_counters_follow_the_table_by_deltas() {
+        let m = TransferMetrics::new();
+        let mut s = PoolStats {
+            live_leases: 2,
+            ..Default::default()
+        };
+        s.counts.granted = 3;
+        m.observe_leases(&s);
+        s.counts.granted = 5;
+        s.counts.expired = 1;
+        s.live_leases = 1;
+        m.observe_leases(&s);
+        assert_eq!(m.leases.with_label_values(&["granted"]).get(), 5);
+        assert_eq!(m.leases.with_label_values(&["expired"]).get(), 1);
+        assert_eq!(m.live_leases.get(), 1);
+        let text = prometheus::TextEncoder::new()
+            .encode_to_string(&m.registry().gather())
+            .unwrap();
+        assert!(
+            text.contains("pd_kv_leases_total{event=\"granted\"} 5"),
+            "{text}"
+        );
+    }
+}
