@@ -74,6 +74,8 @@ struct RequestState {
     open: usize,
     /// Whether the `n` children were forked off child 0 yet.
     forked: bool,
+    /// Whether `Started` was sent (a sequence preempted mid-prefill is admitted again).
+    started: bool,
     first_token_at: Option<Instant>,
     /// Resolved `max_tokens`.
     max_tokens: usize,
@@ -231,8 +233,18 @@ impl Engine {
             if stop {
                 break;
             }
-            if self.scheduler.has_work() {
-                self.step();
+            // Nothing could run (waiting sequences cannot get blocks held elsewhere): sleep until
+            // a command arrives or a little time passed, instead of spinning.
+            if self.scheduler.has_work() && !self.step() {
+                match commands.recv_timeout(std::time::Duration::from_millis(10)) {
+                    Ok(c) => {
+                        if !self.handle(c) {
+                            break;
+                        }
+                    }
+                    Err(mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                }
             }
         }
         for (_, state) in self.requests.drain() {
@@ -299,6 +311,7 @@ impl Engine {
                 events,
                 arrival,
                 forked: false,
+                started: false,
                 first_token_at: None,
                 max_tokens,
                 max_stop_len,
@@ -317,12 +330,15 @@ impl Engine {
         }
     }
 
-    /// One scheduling step and forward pass.
-    fn step(&mut self) {
+    /// One scheduling step and forward pass; false when nothing could be scheduled.
+    fn step(&mut self) -> bool {
         let plan = self.scheduler.schedule();
         self.metrics.preemptions.inc_by(plan.preempted as u64);
         for &(id, cached) in &plan.admitted {
-            if let Some(state) = self.requests.get(&id) {
+            if let Some(state) = self.requests.get_mut(&id)
+                && !state.started
+            {
+                state.started = true;
                 let prompt_tokens = self
                     .scheduler
                     .running
@@ -346,9 +362,10 @@ impl Engine {
         for &(src, dst) in &plan.copies {
             self.pool.copy_block(src, dst);
         }
+        self.scheduler.finish_copies(&plan.copies);
         if plan.scheduled.is_empty() {
             self.update_gauges();
-            return;
+            return false;
         }
 
         let bs = self.info.block_size;
@@ -393,7 +410,7 @@ impl Engine {
                     self.scheduler.remove_request(id);
                 }
                 self.update_gauges();
-                return;
+                return true;
             }
         };
         for s in &plan.scheduled {
@@ -453,6 +470,7 @@ impl Engine {
             self.abort(id);
         }
         self.update_gauges();
+        true
     }
 
     /// Samples a token for `running[index]` from `logits`, updates its text and sends the
@@ -622,7 +640,7 @@ pub(crate) fn validate(info: &EngineInfo, request: &GenerateRequest) -> Result<(
         ));
     }
     if let Some(m) = request.params.max_tokens
-        && len + m > info.max_model_len
+        && m > info.max_model_len.saturating_sub(len)
     {
         return Err(InvalidRequest::new(
             "max_tokens",

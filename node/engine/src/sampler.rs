@@ -7,7 +7,8 @@ use crate::request::{SamplingParams, TokenLogprob};
 
 /// Picks the next token from `logits` (vocab,) under `params`, drawing from `rng` unless greedy.
 pub(crate) fn sample(logits: &[f32], params: &SamplingParams, rng: &mut ChaCha8Rng) -> u32 {
-    if params.temperature == 0.0 || params.top_k == 1 {
+    // Below 1e-5 the scaled logits overflow: treat as greedy (as vLLM does).
+    if params.temperature < 1e-5 || params.top_k == 1 {
         return argmax(logits);
     }
     let inv_t = 1.0 / params.temperature;

@@ -40,7 +40,8 @@ pub(crate) struct Scheduled {
 #[derive(Debug, Default)]
 pub(crate) struct StepPlan {
     pub(crate) scheduled: Vec<Scheduled>,
-    /// Copy-on-write: copy block `.0` into block `.1` before the step.
+    /// Copy-on-write: copy block `.0` into block `.1` before the step, then drop one reference
+    /// on `.0` ([`Scheduler::finish_copies`]).
     pub(crate) copies: Vec<(BlockId, BlockId)>,
     /// Sequences admitted for the first time this step: (request, prompt tokens found cached).
     pub(crate) admitted: Vec<(RequestId, usize)>,
@@ -171,6 +172,13 @@ impl Scheduler {
         }
     }
 
+    /// Drops the reference each copy-on-write source kept until its copy was made.
+    pub(crate) fn finish_copies(&mut self, copies: &[(BlockId, BlockId)]) {
+        for &(src, _) in copies {
+            self.allocator.free(src);
+        }
+    }
+
     /// Frees a sequence's blocks, last block first (so a prefix's head is evicted last).
     pub(crate) fn release(&mut self, seq: &mut Sequence) {
         for b in seq.blocks.drain(..).rev() {
@@ -182,22 +190,20 @@ impl Scheduler {
 
     /// Removes every sequence of `request` from all queues, freeing their blocks.
     pub(crate) fn remove_request(&mut self, request: RequestId) -> usize {
+        // Keep the order of the queues: preemption takes the newest, re-admission the oldest.
         let mut removed = Vec::new();
-        let mut keep = |q: &mut Vec<Sequence>| {
-            let mut i = 0;
-            while i < q.len() {
-                if q[i].request == request {
-                    removed.push(q.swap_remove(i));
-                } else {
-                    i += 1;
-                }
-            }
-        };
-        keep(&mut self.running);
-        keep(&mut self.remote);
-        let mut w: Vec<Sequence> = self.waiting.drain(..).collect();
-        keep(&mut w);
-        self.waiting = w.into();
+        for q in [&mut self.running, &mut self.remote] {
+            let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(q)
+                .into_iter()
+                .partition(|s| s.request == request);
+            *q = kept;
+            removed.extend(gone);
+        }
+        let (gone, kept): (VecDeque<_>, VecDeque<_>) = std::mem::take(&mut self.waiting)
+            .into_iter()
+            .partition(|s| s.request == request);
+        self.waiting = kept;
+        removed.extend(gone);
         let n = removed.len();
         for mut s in removed {
             self.release(&mut s);
@@ -324,7 +330,8 @@ fn ensure_blocks(
         let old = seq.blocks[write_block];
         let new = allocator.allocate()?;
         copies.push((old, new));
-        allocator.free(old);
+        // The reference on `old` is dropped by the engine after the copy ran
+        // (`Scheduler::finish_copies`): freed now, it could be poisoned before being copied.
         seq.blocks[write_block] = new;
     }
     for _ in 0..extra {
@@ -447,5 +454,40 @@ mod tests {
         assert_eq!(s.waiting.front().map(|q| q.request), Some(RequestId(2)));
         assert!(s.waiting[0].blocks.is_empty() && s.waiting[0].num_computed == 0);
         assert_eq!(s.allocator.num_free(), 5 - 3);
+    }
+
+    #[test]
+    fn copy_on_write_source_stays_valid_until_copied_even_if_its_sharer_is_preempted() {
+        let tok = tokenizer();
+        let mut s = Scheduler::new(cfg(64), 5);
+        // c0 and c1: 6 tokens, 5 computed, sharing full block b0 and partial block p.
+        let b0 = s.allocator.allocate().unwrap();
+        let p = s.allocator.allocate().unwrap();
+        let mut c0 = seq(1, 6, &tok);
+        c0.num_computed = 5;
+        c0.blocks = vec![b0, p];
+        s.allocator.share(b0);
+        s.allocator.share(p);
+        let mut c1 = seq(1, 6, &tok);
+        c1.child = 1;
+        c1.num_computed = 5;
+        c1.blocks = vec![b0, p];
+        // x: 9 tokens, 8 computed in two blocks, needs a third.
+        let mut x = seq(2, 9, &tok);
+        x.num_computed = 8;
+        x.blocks = s.allocator.allocate_n(2).unwrap();
+        s.running = vec![c0, x, c1];
+        let _ = s.allocator.take_poison_list();
+        // c0 copies p into the last free block; x then preempts c1 (the newest).
+        let plan = s.schedule();
+        assert_eq!(plan.copies.len(), 1);
+        assert_eq!(plan.copies[0].0, p);
+        assert!(plan.preempted >= 1);
+        assert!(
+            !s.allocator.take_poison_list().contains(&p),
+            "p is about to be copied: it must not be invalidated before the copy"
+        );
+        s.finish_copies(&plan.copies);
+        assert_eq!(s.allocator.ref_count(p), 0);
     }
 }

@@ -409,3 +409,26 @@ async fn shutdown_fails_live_requests_and_refuses_new_ones() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+#[tokio::test]
+async fn forked_children_with_copy_on_write_under_preemption_stay_exact() {
+    // 6 blocks of 4: a 5-token prompt forked into 2 children (sharing a partial block, so the
+    // first child to write copies it) next to another request cannot all fit: preemption frees
+    // shared blocks while copies are pending. Debug builds poison freed blocks, so a copy made
+    // from a freed block would change the tokens.
+    let dir = model_dir("cow");
+    let h = engine(&dir, |c| c.num_blocks = Some(6));
+    let a = prompt(5, 61);
+    let x = prompt(6, 62);
+    let mut pa = greedy(8);
+    pa.n = 2;
+    let (oa, ox) = futures::join!(run(&h, a.clone(), pa), run(&h, x.clone(), greedy(8)));
+    let want_a = reference_greedy(&dir, &a, 8);
+    assert_eq!(oa.tokens, vec![want_a.clone(), want_a]);
+    assert_eq!(ox.tokens[0], reference_greedy(&dir, &x, 8));
+    assert!(
+        h.metrics().preemptions.get() > 0,
+        "the test must actually preempt"
+    );
+    wait_all_free(&h).await;
+}

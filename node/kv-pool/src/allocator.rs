@@ -160,11 +160,13 @@ impl BlockAllocator {
         (0..n).map(|_| self.allocate()).collect()
     }
 
-    /// Adds a reference to a block already referenced (a fork shares it).
+    /// Adds a reference. A block nobody referenced (a cached, free one) leaves the free list
+    /// first, so it can never be handed out while this reference lives.
     pub fn share(&mut self, block: BlockId) {
-        let m = &mut self.meta[block.index()];
-        debug_assert!(m.ref_count > 0, "share of unreferenced block {block:?}");
-        m.ref_count += 1;
+        if self.meta[block.index()].ref_count == 0 {
+            self.unlink(block.0);
+        }
+        self.meta[block.index()].ref_count += 1;
     }
 
     /// Drops one reference. At zero the block goes to the free list; it stays findable by its
@@ -294,6 +296,23 @@ mod tests {
         );
         a.free(x);
         assert_eq!(a.allocate().unwrap(), x);
+    }
+
+    #[test]
+    fn sharing_a_free_cached_block_takes_it_off_the_free_list() {
+        let mut a = BlockAllocator::new(2);
+        let x = a.allocate().unwrap();
+        a.register(x, block_hash(None, &[1]));
+        a.free(x);
+        assert_eq!(a.num_free(), 2);
+        a.share(x); // e.g. a lease granted after the sequence finished
+        assert_eq!(a.num_free(), 1);
+        let y = a.allocate().unwrap();
+        assert_ne!(x, y);
+        assert!(
+            a.allocate().is_err(),
+            "x must not be handed out while shared"
+        );
     }
 
     #[test]
