@@ -12,28 +12,8 @@ use crate::compat::{CompatError, CompatInfo};
 use crate::pull::PullError;
 use crate::service::{compat_from_proto, compat_to_proto};
 
-/// What a handshake told us about a peer.
-#[derive(Debug, Clone)]
-pub struct PeerInfo {
-    /// The peer's engine id.
-    pub engine_id: String,
-    /// The peer's start epoch.
-    pub epoch: u64,
-    /// Its compatibility info.
-    pub compat: CompatInfo,
-    /// Its pool layout.
-    pub layout: KvLayout,
-    /// UCX worker address.
-    pub worker_address: Vec<u8>,
-    /// Pool base and length.
-    pub region_base: u64,
-    /// Bytes registered.
-    pub region_len: u64,
-    /// Packed remote key.
-    pub rkey: Vec<u8>,
-    /// Transports the peer offers.
-    pub transports: Vec<String>,
-}
+/// What a handshake told us about a peer: its [`crate::service::OwnerIdentity`].
+pub type PeerInfo = crate::service::OwnerIdentity;
 
 /// Why KV expected from a peer did not arrive. Every case is counted by [`TransferError::reason`].
 #[derive(Debug, thiserror::Error)]
