@@ -23,6 +23,21 @@ pub struct EngineConfig {
     pub max_model_len: Option<usize>,
     /// Reuse cached full blocks across requests.
     pub enable_prefix_caching: bool,
+    /// Where the pool's memory comes from; `None`: the heap. A node that serves KV to peers
+    /// allocates it through UCX so they can read it one-sidedly.
+    pub pool_memory: Option<PoolMemory>,
+}
+
+/// Allocates the KV pool for a layout (e.g. in UCX-allocated memory).
+#[derive(Clone)]
+pub struct PoolMemory(
+    pub std::sync::Arc<dyn Fn(KvLayout) -> Result<KvPool, pd_kv_pool::AllocatorError> + Send + Sync>,
+);
+
+impl std::fmt::Debug for PoolMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PoolMemory(..)")
+    }
 }
 
 impl Default for EngineConfig {
@@ -37,6 +52,7 @@ impl Default for EngineConfig {
             max_num_seqs: 256,
             max_model_len: None,
             enable_prefix_caching: true,
+            pool_memory: None,
         }
     }
 }
@@ -136,7 +152,11 @@ impl Engine {
                 ),
             ));
         }
-        let pool = KvPool::new(layout).map_err(|e| {
+        let pool = match &cfg.pool_memory {
+            Some(f) => (f.0)(layout),
+            None => KvPool::new(layout),
+        }
+        .map_err(|e| {
             bad(
                 "kv_cache_memory",
                 format!("cannot allocate the KV pool: {e}"),
@@ -179,6 +199,7 @@ impl Engine {
                 block_size: layout.block_size,
                 num_blocks: layout.num_blocks,
                 vocab_size: mc.vocab_size,
+                kv_layout: layout,
             },
             scheduler: Scheduler::new(
                 SchedulerConfig {

@@ -46,6 +46,8 @@ pub struct EngineInfo {
     pub num_blocks: usize,
     /// Vocabulary size of the model.
     pub vocab_size: usize,
+    /// Layout of the KV pool (what peers need to read it).
+    pub kv_layout: pd_kv_pool::KvLayout,
 }
 
 /// Cheap, cloneable handle to a running engine thread.

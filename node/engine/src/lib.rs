@@ -23,7 +23,7 @@ mod sampler;
 mod scheduler;
 mod sequence;
 
-pub use engine::{Engine, EngineConfig};
+pub use engine::{Engine, EngineConfig, PoolMemory};
 pub use error::EngineError;
 pub use handle::{EngineHandle, EngineInfo, RequestStream};
 pub use metrics::EngineMetrics;

@@ -364,10 +364,15 @@ mod tests {
         }
     }
 
-    fn tokenizer() -> pd_tokenize::Tokenizer {
-        let dir = std::env::temp_dir().join(format!("pd-sched-tok-{}", std::process::id()));
-        pd_tokenize::write_byte_level_tokenizer(&dir, 300).unwrap();
-        pd_tokenize::Tokenizer::from_dir(&dir).unwrap()
+    /// One tokenizer for all tests of this module (they run in parallel threads: writing the
+    /// files once avoids one test reading them while another rewrites them).
+    fn tokenizer() -> &'static pd_tokenize::Tokenizer {
+        static TOK: std::sync::OnceLock<pd_tokenize::Tokenizer> = std::sync::OnceLock::new();
+        TOK.get_or_init(|| {
+            let dir = std::env::temp_dir().join(format!("pd-sched-tok-{}", std::process::id()));
+            pd_tokenize::write_byte_level_tokenizer(&dir, 300).unwrap();
+            pd_tokenize::Tokenizer::from_dir(&dir).unwrap()
+        })
     }
 
     fn cfg(budget: usize) -> SchedulerConfig {
@@ -394,7 +399,7 @@ mod tests {
     fn chunked_prefill_respects_the_budget() {
         let tok = tokenizer();
         let mut s = Scheduler::new(cfg(8), 32);
-        s.waiting.push_back(seq(1, 20, &tok));
+        s.waiting.push_back(seq(1, 20, tok));
         let mut steps = Vec::new();
         for _ in 0..3 {
             let plan = s.schedule();
@@ -408,10 +413,10 @@ mod tests {
     fn sequence_waiting_for_remote_kv_does_not_block_others() {
         let tok = tokenizer();
         let mut s = Scheduler::new(cfg(64), 32);
-        s.park_for_remote_kv(seq(1, 10, &tok)).unwrap();
+        s.park_for_remote_kv(seq(1, 10, tok)).unwrap();
         let parked = s.blocks_of(RequestId(1));
         assert_eq!(parked.len(), 3);
-        s.waiting.push_back(seq(2, 6, &tok));
+        s.waiting.push_back(seq(2, 6, tok));
         for _ in 0..5 {
             let plan = s.schedule();
             assert!(
@@ -444,8 +449,8 @@ mod tests {
         let tok = tokenizer();
         // 6 blocks; two prompts of 8 tokens take 2 blocks each, decoding needs one more each.
         let mut s = Scheduler::new(cfg(64), 5);
-        s.waiting.push_back(seq(1, 8, &tok));
-        s.waiting.push_back(seq(2, 8, &tok));
+        s.waiting.push_back(seq(1, 8, tok));
+        s.waiting.push_back(seq(2, 8, tok));
         let plan = s.schedule();
         assert_eq!(plan.scheduled.len(), 2);
         complete(&mut s, &plan);

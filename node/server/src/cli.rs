@@ -73,6 +73,13 @@ pub struct ServeArgs {
     /// Where the model runs.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     pub device: Device,
+    /// Serve the KV pool to peers: allocate it through UCX and answer the `KvPeer` side channel
+    /// (handshake, leases, pool stats) on this port of `--host` (0 picks one; printed on stdout).
+    #[arg(long)]
+    pub kv_port: Option<u16>,
+    /// This node's engine id in KV handshakes; defaults to `pd-node-<pid>`.
+    #[arg(long)]
+    pub engine_id: Option<String>,
 }
 
 /// A `serve` argument this build cannot honour.
@@ -106,6 +113,7 @@ impl ServeArgs {
             max_num_seqs: self.max_num_seqs,
             max_model_len: self.max_model_len,
             enable_prefix_caching: !self.no_enable_prefix_caching,
+            pool_memory: None,
         })
     }
 

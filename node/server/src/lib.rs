@@ -23,6 +23,7 @@
 pub mod cli;
 mod error;
 mod generation;
+pub mod kv_side_channel;
 mod openai;
 mod prompt;
 mod routes;

@@ -46,8 +46,16 @@ fn run() -> anyhow::Result<()> {
 }
 
 fn serve(args: &ServeArgs) -> anyhow::Result<()> {
-    let config = args.engine_config()?;
+    let mut config = args.engine_config()?;
     let addr = args.listen_addr()?;
+    let ucx = match args.kv_port {
+        Some(_) => {
+            let ucx = pd_node::kv_side_channel::UcxPool::new().context("starting UCX")?;
+            config.pool_memory = Some(ucx.pool_memory());
+            Some(ucx)
+        }
+        None => None,
+    };
     let engine = pd_engine::Engine::load(&config)
         .with_context(|| format!("loading model from {}", config.model_dir.display()))?;
     let engine = pd_engine::EngineHandle::spawn(engine).context("starting the engine thread")?;
@@ -60,6 +68,20 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         "engine ready"
     );
 
+    let kv_service = match &ucx {
+        Some(ucx) => {
+            let id = args
+                .engine_id
+                .clone()
+                .unwrap_or_else(|| format!("pd-node-{}", std::process::id()));
+            Some(
+                ucx.service(engine.clone(), id)
+                    .context("starting the KV side channel")?,
+            )
+        }
+        None => None,
+    };
+
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -69,6 +91,24 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("binding {addr}"))?;
         let local = listener.local_addr().context("reading the bound address")?;
+        if let (Some(service), Some(port)) = (kv_service, args.kv_port) {
+            let kv_addr = std::net::SocketAddr::new(addr.ip(), port);
+            let kv_listener = tokio::net::TcpListener::bind(kv_addr)
+                .await
+                .with_context(|| format!("binding {kv_addr}"))?;
+            let kv_local = kv_listener.local_addr().context("reading the KV address")?;
+            println!("pd-node kv side channel on http://{kv_local}");
+            tokio::spawn(async move {
+                let incoming = tonic::transport::server::TcpIncoming::from(kv_listener);
+                if let Err(e) = tonic::transport::Server::builder()
+                    .add_service(service)
+                    .serve_with_incoming_shutdown(incoming, shutdown_signal())
+                    .await
+                {
+                    tracing::error!(error = %e, "KV side channel stopped");
+                }
+            });
+        }
         let mut stdout = std::io::stdout().lock();
         writeln!(stdout, "pd-node listening on http://{local}").context("writing to stdout")?;
         stdout.flush().context("flushing stdout")?;

@@ -1,0 +1,165 @@
+//! The node as a KV owner: its pool in UCX-allocated memory (so peers read it one-sidedly) and
+//! the `KvPeer` side channel that publishes how to read it.
+//!
+//! Leases are granted by the prefill path (P/D roles); until a node has granted one, lease
+//! calls answer "unknown", which is the truth for such a node.
+
+use std::sync::{Arc, OnceLock};
+use std::time::SystemTime;
+
+use pd_engine::{EngineHandle, PoolMemory};
+use pd_kv_pool::{KvPool, LeaseError, LeaseId};
+use pd_kv_transfer::{CompatInfo, KvPeerService, LeaseAuthority, OwnerIdentity, PoolStats};
+use pd_ucx::{Context, MemoryRegion, Worker};
+
+/// Errors of setting up the side channel.
+#[derive(Debug, thiserror::Error)]
+pub enum KvSideChannelError {
+    /// UCX failed.
+    #[error("UCX: {0}")]
+    Ucx(#[from] pd_ucx::Error),
+    /// The engine was loaded without UCX pool memory.
+    #[error("the engine's pool was not allocated through UCX")]
+    NoRegion,
+    /// The progress thread could not start.
+    #[error("starting the UCX progress thread: {0}")]
+    Thread(#[from] std::io::Error),
+}
+
+/// UCX memory for the engine's pool; hand [`UcxPool::pool_memory`] to the engine config.
+#[derive(Debug, Clone)]
+pub struct UcxPool {
+    ctx: Context,
+    region: Arc<OnceLock<Arc<MemoryRegion>>>,
+}
+
+impl UcxPool {
+    /// A UCX context for the pool.
+    ///
+    /// # Errors
+    /// When UCX cannot start.
+    pub fn new() -> Result<Self, KvSideChannelError> {
+        Ok(Self {
+            ctx: Context::new()?,
+            region: Arc::new(OnceLock::new()),
+        })
+    }
+
+    /// The engine's pool allocator: one UCX allocation of the pool's size, kept here for the
+    /// handshake (base address, packed key).
+    pub fn pool_memory(&self) -> PoolMemory {
+        let ctx = self.ctx.clone();
+        let slot = self.region.clone();
+        PoolMemory(Arc::new(move |layout| {
+            let region = Arc::new(MemoryRegion::allocate(&ctx, layout.pool_bytes()).map_err(
+                |_| pd_kv_pool::AllocatorError::OutOfMemory {
+                    bytes: layout.pool_bytes(),
+                },
+            )?);
+            // SAFETY: UCX allocated `len` bytes, page aligned; the pool holds an Arc to the region
+            // so the memory outlives it; only the engine thread writes it.
+            let pool = unsafe {
+                KvPool::from_raw(
+                    layout,
+                    region.as_ptr(),
+                    region.len(),
+                    Box::new(region.clone()),
+                )?
+            };
+            let _ = slot.set(region);
+            Ok(pool)
+        }))
+    }
+
+    /// Starts a UCX progress thread and returns the `KvPeer` service of `engine`'s pool.
+    ///
+    /// # Errors
+    /// [`KvSideChannelError::NoRegion`] when the engine did not use [`UcxPool::pool_memory`].
+    pub fn service(
+        &self,
+        engine: EngineHandle,
+        engine_id: String,
+    ) -> Result<
+        pd_rpc::kv::kv_peer_server::KvPeerServer<KvPeerService<EngineLeases>>,
+        KvSideChannelError,
+    > {
+        let region = self
+            .region
+            .get()
+            .ok_or(KvSideChannelError::NoRegion)?
+            .clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let ctx = self.ctx.clone();
+        std::thread::Builder::new()
+            .name("pd-kv-progress".into())
+            .spawn(move || {
+                let worker = match Worker::new(&ctx) {
+                    Ok(w) => w,
+                    Err(e) => {
+                        let _ = tx.send(Err(e));
+                        return;
+                    }
+                };
+                let _ = tx.send(worker.address());
+                // Serves AM-emulated operations and wireup; one-sided reads of UCX-allocated memory
+                // need none of it.
+                loop {
+                    if worker.progress() == 0 {
+                        std::thread::sleep(std::time::Duration::from_micros(100));
+                    }
+                }
+            })?;
+        let worker_address = rx.recv().map_err(|_| KvSideChannelError::NoRegion)??;
+        let info = engine.info();
+        let identity = OwnerIdentity {
+            engine_id,
+            epoch: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
+            compat: CompatInfo::new(info.model_name.clone(), &info.kv_layout),
+            layout: info.kv_layout,
+            worker_address,
+            region_base: region.base(),
+            region_len: region.len() as u64,
+            rkey: region.rkey_pack()?,
+            transports: Vec::new(),
+        };
+        tracing::info!(
+            engine_id = %identity.engine_id,
+            pool_bytes = identity.region_len,
+            block_bytes = info.kv_layout.block_bytes(),
+            "KV pool registered with UCX"
+        );
+        Ok(KvPeerService::new(identity, Arc::new(EngineLeases { engine })).into_server())
+    }
+}
+
+/// Lease decisions of a node. This node grants no leases yet (the prefill role does, in the P/D
+/// path), so every lease is unknown; stats come from the engine.
+#[derive(Debug)]
+pub struct EngineLeases {
+    engine: EngineHandle,
+}
+
+impl LeaseAuthority for EngineLeases {
+    fn renew(&self, id: LeaseId, _: u64, _: &str) -> Result<SystemTime, LeaseError> {
+        Err(LeaseError::Unknown(id))
+    }
+
+    fn confirm(&self, id: LeaseId, _: u64, _: &str) -> Result<SystemTime, LeaseError> {
+        Err(LeaseError::Unknown(id))
+    }
+
+    fn release(&self, id: LeaseId, _: u64, _: &str) -> Result<(), LeaseError> {
+        Err(LeaseError::Unknown(id))
+    }
+
+    fn stats(&self) -> PoolStats {
+        PoolStats {
+            total_blocks: self.engine.info().num_blocks,
+            free_blocks: self.engine.free_blocks(),
+            live_leases: 0,
+            counts: Default::default(),
+        }
+    }
+}
