@@ -468,17 +468,17 @@ mod tests {
         // c0 and c1: 6 tokens, 5 computed, sharing full block b0 and partial block p.
         let b0 = s.allocator.allocate().unwrap();
         let p = s.allocator.allocate().unwrap();
-        let mut c0 = seq(1, 6, &tok);
+        let mut c0 = seq(1, 6, tok);
         c0.num_computed = 5;
         c0.blocks = vec![b0, p];
         s.allocator.share(b0);
         s.allocator.share(p);
-        let mut c1 = seq(1, 6, &tok);
+        let mut c1 = seq(1, 6, tok);
         c1.child = 1;
         c1.num_computed = 5;
         c1.blocks = vec![b0, p];
         // x: 9 tokens, 8 computed in two blocks, needs a third.
-        let mut x = seq(2, 9, &tok);
+        let mut x = seq(2, 9, tok);
         x.num_computed = 8;
         x.blocks = s.allocator.allocate_n(2).unwrap();
         s.running = vec![c0, x, c1];
