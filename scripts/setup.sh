@@ -26,6 +26,6 @@ fi
 # rustfmt and clippy are part of the test command.
 if command -v rustup >/dev/null 2>&1; then
   for c in rustfmt clippy; do
-    rustup component list --installed 2>/dev/null | grep -q "^$c" || rustup component add "$c"
+    rustup component list --installed 2>/dev/null | grep -q "^$c" || rustup component add "$c" || echo "setup: could not add rustup component $c" >&2
   done
 fi
