@@ -413,9 +413,10 @@ async fn shutdown_fails_live_requests_and_refuses_new_ones() {
 #[tokio::test]
 async fn forked_children_with_copy_on_write_under_preemption_stay_exact() {
     // 6 blocks of 4: a 5-token prompt forked into 2 children (sharing a partial block, so the
-    // first child to write copies it) next to another request cannot all fit: preemption frees
-    // shared blocks while copies are pending. Debug builds poison freed blocks, so a copy made
-    // from a freed block would change the tokens.
+    // first child to write copies it) next to another request cannot all fit, so sequences are
+    // preempted while children share blocks. Output must stay exact. (The exact step ordering
+    // where a copy source loses its last sharer is pinned down deterministically by the
+    // scheduler unit test `copy_on_write_source_stays_valid_until_copied_...`.)
     let dir = model_dir("cow");
     let h = engine(&dir, |c| c.num_blocks = Some(6));
     let a = prompt(5, 61);

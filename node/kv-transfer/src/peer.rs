@@ -256,14 +256,7 @@ impl PeerClient {
             .await
             .map_err(|s| self.status(s))?
             .into_inner();
-        if r.live {
-            Ok(())
-        } else {
-            Err(TransferError::LeaseLost {
-                lease: id.to_string(),
-                reason: r.reason,
-            })
-        }
+        live_or_lost(id, r)
     }
 
     /// Tells the owner the pull is done.
@@ -277,14 +270,7 @@ impl PeerClient {
             .await
             .map_err(|s| self.status(s))?
             .into_inner();
-        if r.live {
-            Ok(())
-        } else {
-            Err(TransferError::LeaseLost {
-                lease: id.to_string(),
-                reason: r.reason,
-            })
-        }
+        live_or_lost(id, r)
     }
 
     /// The owner's pool and lease counters.
@@ -298,6 +284,18 @@ impl PeerClient {
             .await
             .map_err(|s| self.status(s))?
             .into_inner())
+    }
+}
+
+/// `Ok` when the owner says the lease is live, else [`TransferError::LeaseLost`] with its reason.
+fn live_or_lost(id: LeaseId, r: pd_rpc::kv::LeaseReply) -> Result<(), TransferError> {
+    if r.live {
+        Ok(())
+    } else {
+        Err(TransferError::LeaseLost {
+            lease: id.to_string(),
+            reason: r.reason,
+        })
     }
 }
 
