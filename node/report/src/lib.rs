@@ -1,0 +1,1 @@
+//! A node's reports to the gateway (placeholder; being written).
