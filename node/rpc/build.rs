@@ -4,7 +4,8 @@
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     // SAFETY: build scripts are single-threaded; nothing reads the environment concurrently.
     unsafe { std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?) };
-    tonic_prost_build::configure().compile_protos(&["proto/kv_peer.proto"], &["proto"])?;
+    tonic_prost_build::configure()
+        .compile_protos(&["proto/kv_peer.proto", "proto/registry.proto"], &["proto"])?;
     println!("cargo:rerun-if-changed=proto");
     Ok(())
 }

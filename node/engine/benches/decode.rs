@@ -234,6 +234,7 @@ async fn engine_decode(
                 ignore_eos: true,
                 ..SamplingParams::default()
             },
+            kv: Default::default(),
         })?);
     }
     let mut tasks = Vec::with_capacity(batch);
@@ -252,7 +253,7 @@ async fn engine_decode(
                         count += 1;
                     }
                     RequestEvent::Failed { message } => return Err(message),
-                    RequestEvent::Started { .. } | RequestEvent::Finished { .. } => {}
+                    _ => {}
                 }
             }
             match (first, last) {

@@ -26,6 +26,9 @@ pub struct EngineConfig {
     /// Where the pool's memory comes from; `None`: the heap. A node that serves KV to peers
     /// allocates it through UCX so they can read it one-sidedly.
     pub pool_memory: Option<PoolMemory>,
+    /// How long a prefill node keeps a finished prompt's blocks for a decode node unless the
+    /// lease is renewed (vLLM's `kv_lease_duration`).
+    pub kv_lease_duration: std::time::Duration,
 }
 
 /// Allocates the KV pool for a layout (e.g. in UCX-allocated memory).
@@ -53,6 +56,7 @@ impl Default for EngineConfig {
             max_model_len: None,
             enable_prefix_caching: true,
             pool_memory: None,
+            kv_lease_duration: std::time::Duration::from_secs(30),
         }
     }
 }
@@ -63,18 +67,20 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use candle_core::Device;
-use pd_kv_pool::{KvDtype, KvLayout, KvPool};
+use pd_kv_pool::{CacheEvent, KvDtype, KvLayout, KvPool};
 use pd_model::{BatchInput, Model};
 use pd_tokenize::Tokenizer;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use tokio::sync::mpsc as tokio_mpsc;
+use tokio::sync::{broadcast, mpsc as tokio_mpsc};
 
 use crate::error::EngineError;
-use crate::handle::{Command, EngineInfo};
+use crate::handle::{CacheSubscription, Command, EngineInfo};
+use crate::lease_book::LeaseBook;
 use crate::metrics::EngineMetrics;
 use crate::request::{
-    FinishReason, GenerateRequest, InvalidRequest, RequestEvent, RequestId, SamplingParams,
+    FinishReason, GenerateRequest, InvalidRequest, KvHandoff, KvTransfer, RemoteKv, RequestEvent,
+    RequestId, SamplingParams,
 };
 use crate::sampler;
 use crate::scheduler::{Scheduler, SchedulerConfig};
@@ -97,6 +103,8 @@ struct RequestState {
     max_tokens: usize,
     /// Longest stop string in bytes (text held back from the client).
     max_stop_len: usize,
+    /// Its part in P/D disaggregation.
+    kv: KvTransfer,
 }
 
 /// The model, its KV pool and the scheduler, stepped by one thread.
@@ -110,7 +118,13 @@ pub struct Engine {
     metrics: EngineMetrics,
     requests: HashMap<RequestId, RequestState>,
     eos: Vec<u32>,
+    leases: Arc<LeaseBook>,
+    cache_events: broadcast::Sender<CacheEvent>,
 }
+
+/// Prefix-cache events buffered for a subscriber that is slow to read; past this it lags and
+/// resubscribes (the engine never waits).
+const CACHE_EVENT_CAPACITY: usize = 16 * 1024;
 
 impl Engine {
     /// Loads the model and tokenizer of `cfg.model_dir` and allocates the KV pool.
@@ -209,14 +223,21 @@ impl Engine {
                     enable_prefix_caching: cfg.enable_prefix_caching,
                 },
                 layout.num_blocks,
-            ),
+            )
+            .recording_cache_events(),
             model,
             pool,
             tokenizer,
             metrics,
             requests: HashMap::new(),
             eos,
+            leases: Arc::new(LeaseBook::new(cfg.kv_lease_duration, rand::random())),
+            cache_events: broadcast::channel(CACHE_EVENT_CAPACITY).0,
         })
+    }
+
+    pub(crate) fn leases(&self) -> &Arc<LeaseBook> {
+        &self.leases
     }
 
     pub(crate) fn info(&self) -> &EngineInfo {
@@ -234,14 +255,25 @@ impl Engine {
     /// The engine thread's loop: take commands, step while there is work, sleep otherwise.
     pub(crate) fn run(mut self, commands: mpsc::Receiver<Command>) {
         loop {
+            self.housekeeping();
             if !self.scheduler.has_work() {
-                match commands.recv() {
+                // Idle: sleep until a command arrives or the next lease is due.
+                let c = match self.leases.next_deadline() {
+                    None => commands
+                        .recv()
+                        .map_err(|_| mpsc::RecvTimeoutError::Disconnected),
+                    Some(due) => {
+                        commands.recv_timeout(due.saturating_duration_since(Instant::now()))
+                    }
+                };
+                match c {
                     Ok(c) => {
                         if !self.handle(c) {
                             break;
                         }
                     }
-                    Err(_) => break,
+                    Err(mpsc::RecvTimeoutError::Timeout) => continue,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
                 }
             }
             let mut stop = false;
@@ -285,9 +317,78 @@ impl Engine {
                 events,
             } => self.add(id, request, arrival, events),
             Command::Abort(id) => self.abort(id),
+            Command::RemoteKv(id, outcome) => self.remote_kv_ready(id, outcome),
+            Command::Wake => {}
+            Command::SubscribeCache(reply) => {
+                let _ = reply.send(CacheSubscription {
+                    cached: self.scheduler.allocator.cached_hashes(),
+                    events: self.cache_events.subscribe(),
+                });
+            }
             Command::Shutdown => return false,
         }
         true
+    }
+
+    /// Work between steps: drop the references of ended leases, park requests waiting for
+    /// remote KV (telling their callers where to write), publish prefix-cache changes.
+    fn housekeeping(&mut self) {
+        let freed = self.leases.collect(Instant::now());
+        for b in freed {
+            self.scheduler.allocator.free(b);
+        }
+        let parked = self.scheduler.park_pending();
+        if !parked.is_empty() {
+            // Blocks taken from the cache are invalid from now on: poison them *before* the
+            // caller starts writing pulled KV into them, not at the next step.
+            for b in self.scheduler.allocator.take_poison_list() {
+                self.pool.poison_block(b);
+            }
+        }
+        for (id, blocks, first_block, cached_tokens) in parked {
+            if let Some(state) = self.requests.get(&id) {
+                let _ = state.events.send(RequestEvent::AwaitingKv {
+                    blocks,
+                    first_block,
+                    cached_tokens,
+                });
+            }
+        }
+        for e in self.scheduler.allocator.take_cache_events() {
+            // No subscriber is fine: the event is dropped.
+            let _ = self.cache_events.send(e);
+        }
+        self.update_gauges();
+    }
+
+    /// A consumer's wait for remote KV ended: it joins the queue with what arrived.
+    fn remote_kv_ready(&mut self, id: RequestId, outcome: RemoteKv) {
+        let tokens = match outcome {
+            RemoteKv::Pulled(n) => n,
+            RemoteKv::Recompute => 0,
+        };
+        let Some((prompt_tokens, held, pulled)) = self.scheduler.remote_kv_ready(id, tokens) else {
+            tracing::debug!(request = %id, "remote KV for a request no longer waiting");
+            return;
+        };
+        self.metrics.kv_pulled_tokens.inc_by(pulled as u64);
+        if let Some(state) = self.requests.get_mut(&id)
+            && !state.started
+        {
+            state.started = true;
+            self.metrics.prompt_tokens.inc_by(prompt_tokens as u64);
+            self.metrics
+                .prefix_cache_queries
+                .inc_by(prompt_tokens as u64);
+            self.metrics
+                .prefix_cache_hits
+                .inc_by((held - pulled) as u64);
+            let _ = state.events.send(RequestEvent::Started {
+                prompt_tokens,
+                cached_tokens: held,
+                pulled_tokens: pulled,
+            });
+        }
     }
 
     fn add(
@@ -300,11 +401,16 @@ impl Engine {
         let GenerateRequest {
             prompt_tokens,
             params,
+            kv,
         } = request;
         let prompt_len = prompt_tokens.len();
-        let max_tokens = params
-            .max_tokens
-            .unwrap_or(self.info.max_model_len - prompt_len);
+        let max_tokens = match kv {
+            // Prefill only: one token per child, as vLLM's proxies ask of a prefill node.
+            KvTransfer::Produce => 1,
+            _ => params
+                .max_tokens
+                .unwrap_or(self.info.max_model_len - prompt_len),
+        };
         let seed = params.seed.unwrap_or_else(|| rand::rng().random());
         let seq = Sequence {
             request: id,
@@ -336,9 +442,13 @@ impl Engine {
                 first_token_at: None,
                 max_tokens,
                 max_stop_len,
+                kv,
             },
         );
-        self.scheduler.waiting.push_back(seq);
+        match kv {
+            KvTransfer::Consume => self.scheduler.remote_pending.push_back(seq),
+            _ => self.scheduler.waiting.push_back(seq),
+        }
         self.update_gauges();
     }
 
@@ -374,6 +484,7 @@ impl Engine {
                 let _ = state.events.send(RequestEvent::Started {
                     prompt_tokens,
                     cached_tokens: cached,
+                    pulled_tokens: 0,
                 });
             }
         }
@@ -447,6 +558,26 @@ impl Engine {
             let mut children = vec![index];
             if !state.forked {
                 state.forked = true;
+                if state.kv == KvTransfer::Produce {
+                    // The prompt is computed: lease its blocks to the decode node, once for all
+                    // `n` children (they would share them anyway).
+                    let seq = &self.scheduler.running[index];
+                    let blocks =
+                        seq.blocks[..seq.prompt_len.div_ceil(self.info.block_size)].to_vec();
+                    for &b in &blocks {
+                        self.scheduler.allocator.share(b);
+                    }
+                    let num_tokens = seq.prompt_len;
+                    let lease = self.leases.grant(blocks, "", Instant::now());
+                    tracing::debug!(request = %id, lease = %lease.id, blocks = lease.blocks.len(), "prompt KV leased");
+                    let _ = state.events.send(RequestEvent::KvReady(KvHandoff {
+                        lease: lease.id,
+                        generation: lease.generation,
+                        deadline: to_system_time(lease.deadline),
+                        block_ids: lease.blocks,
+                        num_tokens,
+                    }));
+                }
                 let seed = state.params.seed.unwrap_or(0);
                 for c in 1..state.params.n {
                     let parent = &self.scheduler.running[index];
@@ -612,10 +743,21 @@ impl Engine {
             .set(self.scheduler.waiting.len() as i64);
         self.metrics
             .waiting_remote_kv
-            .set(self.scheduler.remote.len() as i64);
+            .set((self.scheduler.remote.len() + self.scheduler.remote_pending.len()) as i64);
         self.metrics
             .kv_blocks_free
             .set(self.scheduler.allocator.num_free() as i64);
+    }
+}
+
+/// A monotonic deadline as wall-clock time (for peers in other processes).
+fn to_system_time(deadline: Instant) -> std::time::SystemTime {
+    let now = Instant::now();
+    let wall = std::time::SystemTime::now();
+    if deadline >= now {
+        wall + (deadline - now)
+    } else {
+        wall - (now - deadline)
     }
 }
 

@@ -10,12 +10,24 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use tokio::sync::mpsc as tokio_mpsc;
+use pd_kv_pool::{CacheEvent, LeaseError, LeaseId};
+use tokio::sync::{broadcast, mpsc as tokio_mpsc, oneshot};
 
 use crate::engine::Engine;
 use crate::error::EngineError;
+use crate::lease_book::{LeaseBook, LeaseStats};
 use crate::metrics::EngineMetrics;
-use crate::request::{GenerateRequest, RequestEvent, RequestId};
+use crate::request::{GenerateRequest, RemoteKv, RequestEvent, RequestId};
+
+/// The prefix cache now and its changes from then on ([`EngineHandle::subscribe_cache`]).
+#[derive(Debug)]
+pub struct CacheSubscription {
+    /// Every block hash cached when the subscription started.
+    pub cached: Vec<pd_kv_pool::BlockHash>,
+    /// Later changes, in order. A receiver that falls behind gets `Lagged` and should resubscribe
+    /// (the engine never waits for it).
+    pub events: broadcast::Receiver<CacheEvent>,
+}
 
 /// What the engine thread can be asked to do.
 #[derive(Debug)]
@@ -29,6 +41,13 @@ pub(crate) enum Command {
     },
     /// Drop a request and free its blocks (client gone).
     Abort(RequestId),
+    /// The wait of a [`crate::KvTransfer::Consume`] request for remote KV ended.
+    RemoteKv(RequestId, RemoteKv),
+    /// Something changed outside the engine (a lease was released): run a loop turn.
+    Wake,
+    /// Start receiving prefix-cache events; the reply carries every hash cached now, taken on
+    /// the engine thread together with the subscription so no event falls between them.
+    SubscribeCache(oneshot::Sender<CacheSubscription>),
     /// Stop the thread after failing every live request.
     Shutdown,
 }
@@ -62,6 +81,7 @@ struct Inner {
     info: EngineInfo,
     tokenizer: Arc<pd_tokenize::Tokenizer>,
     metrics: EngineMetrics,
+    leases: Arc<LeaseBook>,
     next_id: AtomicU64,
     thread: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
@@ -82,6 +102,7 @@ impl EngineHandle {
         let info = engine.info().clone();
         let tokenizer = engine.tokenizer().clone();
         let metrics = engine.metrics().clone();
+        let leases = engine.leases().clone();
         let thread = std::thread::Builder::new()
             .name("pd-engine".into())
             .spawn(move || engine.run(rx))?;
@@ -91,6 +112,7 @@ impl EngineHandle {
                 info,
                 tokenizer,
                 metrics,
+                leases,
                 next_id: AtomicU64::new(1),
                 thread: std::sync::Mutex::new(Some(thread)),
             }),
@@ -115,6 +137,50 @@ impl EngineHandle {
     /// Blocks currently not referenced by any sequence.
     pub fn free_blocks(&self) -> usize {
         self.inner.metrics.kv_blocks_free.get().max(0) as usize
+    }
+
+    /// The leases this node granted (as a prefill node): renew and confirm through it.
+    pub fn leases(&self) -> &LeaseBook {
+        &self.inner.leases
+    }
+
+    /// Live leases and counters.
+    pub fn lease_stats(&self) -> LeaseStats {
+        self.inner.leases.stats()
+    }
+
+    /// A peer is done with a lease: ends it and has the engine drop its block references.
+    ///
+    /// # Errors
+    /// [`LeaseError`] when it was not live.
+    pub fn release_lease(
+        &self,
+        id: LeaseId,
+        generation: u64,
+        peer: &str,
+    ) -> Result<(), LeaseError> {
+        self.inner.leases.release(id, generation, peer)?;
+        let _ = self.inner.commands.send(Command::Wake);
+        Ok(())
+    }
+
+    /// Ends the wait of request `id` (submitted with [`crate::KvTransfer::Consume`]) for its
+    /// prompt's KV: what arrived, or that it must be computed here.
+    pub fn remote_kv_ready(&self, id: RequestId, outcome: RemoteKv) {
+        let _ = self.inner.commands.send(Command::RemoteKv(id, outcome));
+    }
+
+    /// The prefix cache's hashes now, and its changes from then on.
+    ///
+    /// # Errors
+    /// [`EngineError::Shutdown`] when the engine thread is gone.
+    pub async fn subscribe_cache(&self) -> Result<CacheSubscription, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.inner
+            .commands
+            .send(Command::SubscribeCache(reply))
+            .map_err(|_| EngineError::Shutdown)?;
+        rx.await.map_err(|_| EngineError::Shutdown)
     }
 
     /// Stops the engine thread: every live request gets [`RequestEvent::Failed`], and later
@@ -180,7 +246,9 @@ impl RequestStream {
                 self.open_children = self.open_children.saturating_sub(1)
             }
             RequestEvent::Failed { .. } => self.open_children = 0,
-            RequestEvent::Token { .. } => {}
+            RequestEvent::Token { .. }
+            | RequestEvent::AwaitingKv { .. }
+            | RequestEvent::KvReady(_) => {}
         }
         Some(event)
     }

@@ -7,6 +7,7 @@
 //! - `engine` runs one step at a time: schedule, one batched forward pass, sample, emit events.
 //! - `scheduler` decides which sequences run each step (continuous batching, chunked prefill,
 //!   preemption by recompute, sequences waiting for remote KV).
+//! - `lease_book` holds the leases a prefill node grants on its blocks for decode nodes.
 //! - `sampler` turns a row of logits into a token (greedy, temperature, top-k, top-p, seed).
 //!
 //! This crate does not speak HTTP, parse JSON or know the OpenAI API; it never touches the pool's
@@ -17,6 +18,7 @@
 mod engine;
 mod error;
 mod handle;
+mod lease_book;
 mod metrics;
 mod request;
 mod sampler;
@@ -25,9 +27,10 @@ mod sequence;
 
 pub use engine::{Engine, EngineConfig, PoolMemory};
 pub use error::EngineError;
-pub use handle::{EngineHandle, EngineInfo, RequestStream};
+pub use handle::{CacheSubscription, EngineHandle, EngineInfo, RequestStream};
+pub use lease_book::{LeaseBook, LeaseStats};
 pub use metrics::EngineMetrics;
 pub use request::{
-    FinishReason, GenerateRequest, InvalidRequest, MAX_LOGPROBS, MAX_N, RequestEvent, RequestId,
-    SamplingParams, TokenLogprob,
+    FinishReason, GenerateRequest, InvalidRequest, KvHandoff, KvTransfer, MAX_LOGPROBS, MAX_N,
+    RemoteKv, RequestEvent, RequestId, SamplingParams, TokenLogprob,
 };

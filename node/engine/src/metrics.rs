@@ -22,6 +22,8 @@ pub struct EngineMetrics {
     pub prefix_cache_hits: IntCounter,
     /// Sequences preempted (their KV dropped, to be recomputed).
     pub preemptions: IntCounter,
+    /// Prompt tokens whose KV was pulled from a prefill node instead of computed.
+    pub kv_pulled_tokens: IntCounter,
     /// Prompt tokens of admitted requests.
     pub prompt_tokens: IntCounter,
     /// Generated tokens.
@@ -97,6 +99,10 @@ impl EngineMetrics {
             preemptions: counter(
                 "pd_node_preemptions_total",
                 "Sequences preempted for recompute",
+            ),
+            kv_pulled_tokens: counter(
+                "pd_node_kv_pulled_tokens_total",
+                "Prompt tokens whose KV was pulled from a prefill node instead of computed",
             ),
             prompt_tokens: counter(
                 "pd_node_prompt_tokens_total",

@@ -134,6 +134,46 @@ pub struct GenerateRequest {
     pub prompt_tokens: Vec<u32>,
     /// How to sample.
     pub params: SamplingParams,
+    /// Whether the prompt's KV is handed to, or taken from, another node.
+    pub kv: KvTransfer,
+}
+
+/// A request's part in prefill/decode disaggregation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvTransfer {
+    /// Computed and decoded here.
+    #[default]
+    Local,
+    /// Prefill node: compute the prompt, sample one token per child, then keep the prompt's
+    /// blocks under a lease for a decode node ([`RequestEvent::KvReady`]).
+    Produce,
+    /// Decode node: the prompt's KV comes from a peer. The request waits with blocks reserved
+    /// ([`RequestEvent::AwaitingKv`]) until [`crate::EngineHandle::remote_kv_ready`].
+    Consume,
+}
+
+/// The prompt's blocks on a prefill node, held under a lease for the decode node to read.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvHandoff {
+    /// The lease id (unguessable).
+    pub lease: pd_kv_pool::LeaseId,
+    /// Its generation.
+    pub generation: u64,
+    /// When it ends unless renewed.
+    pub deadline: std::time::SystemTime,
+    /// The blocks, in prompt order: block `i` holds positions `i*block_size..`.
+    pub block_ids: Vec<pd_kv_pool::BlockId>,
+    /// Prompt tokens whose KV the blocks hold.
+    pub num_tokens: usize,
+}
+
+/// How a wait for remote KV ended ([`crate::EngineHandle::remote_kv_ready`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RemoteKv {
+    /// The KV of the first `n` prompt tokens is in the reserved blocks.
+    Pulled(usize),
+    /// Nothing usable arrived: compute the prompt here (the caller counted why).
+    Recompute,
 }
 
 /// Why a child stopped.
@@ -172,13 +212,30 @@ pub struct TokenLogprob {
 /// Something that happened to a request, in order.
 #[derive(Clone, Debug, PartialEq)]
 pub enum RequestEvent {
-    /// The prompt was admitted; `cached_tokens` of it came from the prefix cache.
+    /// The prompt was admitted; `cached_tokens` of it came from the prefix cache or a pull.
     Started {
         /// Prompt length in tokens.
         prompt_tokens: usize,
-        /// Tokens of the prompt whose KV was reused instead of computed.
+        /// Tokens of the prompt whose KV was reused or pulled instead of computed.
+        cached_tokens: usize,
+        /// Of `cached_tokens`, those pulled from a peer.
+        pulled_tokens: usize,
+    },
+    /// ([`KvTransfer::Consume`]) Blocks are reserved for the prompt: the first `first_block`
+    /// prompt blocks were found in the local prefix cache (`cached_tokens` tokens); pull the
+    /// peer's blocks `first_block..` into `blocks`, then call
+    /// [`crate::EngineHandle::remote_kv_ready`]. Other requests keep running meanwhile.
+    AwaitingKv {
+        /// Local blocks to write, one per remaining prompt block.
+        blocks: Vec<pd_kv_pool::BlockId>,
+        /// Index of the first prompt block they stand for.
+        first_block: usize,
+        /// Prompt tokens already held locally.
         cached_tokens: usize,
     },
+    /// ([`KvTransfer::Produce`]) The prompt is computed and its blocks are leased; sent once,
+    /// before the first token.
+    KvReady(KvHandoff),
     /// Child `child` produced a token. `text` is the newly decodable text (may be empty while a
     /// multi-byte character is incomplete, or while a possible stop string is held back).
     Token {

@@ -56,7 +56,10 @@ pub(crate) struct Scheduler {
     pub(crate) allocator: BlockAllocator,
     pub(crate) waiting: VecDeque<Sequence>,
     pub(crate) running: Vec<Sequence>,
+    /// Parked: blocks reserved, waiting for a peer's KV.
     pub(crate) remote: Vec<Sequence>,
+    /// Waiting for remote KV but not parked yet (no free blocks for the prompt).
+    pub(crate) remote_pending: VecDeque<Sequence>,
 }
 
 impl Scheduler {
@@ -67,11 +70,18 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             remote: Vec::new(),
+            remote_pending: VecDeque::new(),
         }
     }
 
+    /// Has the allocator record prefix-cache changes (for the gateway's placement).
+    pub(crate) fn recording_cache_events(mut self) -> Self {
+        self.allocator.record_cache_events();
+        self
+    }
+
     pub(crate) fn has_work(&self) -> bool {
-        !self.waiting.is_empty() || !self.running.is_empty()
+        !self.waiting.is_empty() || !self.running.is_empty() || !self.remote_pending.is_empty()
     }
 
     /// Plans the next step.
@@ -192,6 +202,11 @@ impl Scheduler {
     pub(crate) fn remove_request(&mut self, request: RequestId) -> usize {
         // Keep the order of the queues: preemption takes the newest, re-admission the oldest.
         let mut removed = Vec::new();
+        let (gone, kept): (VecDeque<_>, VecDeque<_>) = std::mem::take(&mut self.remote_pending)
+            .into_iter()
+            .partition(|s| s.request == request);
+        self.remote_pending = kept;
+        removed.extend(gone);
         for q in [&mut self.running, &mut self.remote] {
             let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(q)
                 .into_iter()
@@ -211,37 +226,67 @@ impl Scheduler {
         n
     }
 
-    /// Puts `seq` aside until its prompt's KV arrives from another node: takes blocks for the
-    /// whole prompt now (so the pull has somewhere to write), and leaves it out of every step.
+    /// Parks sequences waiting for remote KV, oldest first, while their prompts' blocks are free.
+    /// Returns what each parked one must receive: (request, local blocks, first prompt block
+    /// they stand for, prompt tokens already cached here).
+    pub(crate) fn park_pending(&mut self) -> Vec<(RequestId, Vec<BlockId>, usize, usize)> {
+        let mut parked = Vec::new();
+        while let Some(seq) = self.remote_pending.pop_front() {
+            match self.park_for_remote_kv(seq) {
+                Ok(p) => parked.push(p),
+                Err(seq) => {
+                    self.remote_pending.push_front(*seq);
+                    break;
+                }
+            }
+        }
+        parked
+    }
+
+    /// Puts `seq` aside until its prompt's KV arrives from another node: reuses the prompt's
+    /// blocks found in the local prefix cache, takes fresh blocks for the rest now (so the pull
+    /// has somewhere to write), and leaves it out of every step.
     ///
     /// # Errors
-    /// When the prompt's blocks are not free, `seq` is handed back.
-    #[allow(dead_code)] // driven by the P/D consumer path
-    pub(crate) fn park_for_remote_kv(&mut self, mut seq: Sequence) -> Result<(), Box<Sequence>> {
+    /// When the prompt's blocks are not free, `seq` is handed back holding nothing.
+    fn park_for_remote_kv(
+        &mut self,
+        mut seq: Sequence,
+    ) -> Result<(RequestId, Vec<BlockId>, usize, usize), Box<Sequence>> {
         let need = seq.prompt_len.div_ceil(self.cfg.block_size);
-        match self.allocator.allocate_n(need) {
+        let cached = self.take_cached_prefix(&mut seq);
+        let first = seq.blocks.len();
+        match self.allocator.allocate_n(need - first) {
             Ok(blocks) => {
-                seq.blocks = blocks;
+                seq.blocks.extend_from_slice(&blocks);
+                let request = seq.request;
                 self.remote.push(seq);
-                Ok(())
+                Ok((request, blocks, first, cached))
             }
-            Err(_) => Err(Box::new(seq)),
+            Err(_) => {
+                self.release(&mut seq);
+                Err(Box::new(seq))
+            }
         }
     }
 
-    /// The KV of the first `num_tokens` prompt tokens of `request` has been written into its
-    /// blocks: it joins the queue (at the front) and computes only what it still lacks — at
-    /// least the last prompt token, whose logits it needs.
-    #[allow(dead_code)] // driven by the P/D consumer path
-    pub(crate) fn remote_kv_ready(&mut self, request: RequestId, num_tokens: usize) -> bool {
-        let Some(pos) = self.remote.iter().position(|s| s.request == request) else {
-            return false;
-        };
+    /// The KV of the first `num_tokens` prompt tokens of `request` is in its blocks (or, with
+    /// `num_tokens` at most what was cached, nothing arrived): it joins the queue at the front
+    /// and computes only what it still lacks — at least the last prompt token, for its logits.
+    /// Returns (prompt length, tokens now held, of which pulled) or `None` for an unknown request.
+    pub(crate) fn remote_kv_ready(
+        &mut self,
+        request: RequestId,
+        num_tokens: usize,
+    ) -> Option<(usize, usize, usize)> {
+        let pos = self.remote.iter().position(|s| s.request == request)?;
         let mut seq = self.remote.swap_remove(pos);
-        seq.num_computed = num_tokens.min(seq.prompt_len.saturating_sub(1));
+        let cached = seq.num_computed;
+        seq.num_computed = num_tokens.min(seq.prompt_len.saturating_sub(1)).max(cached);
+        let pulled = seq.num_computed - cached;
         let bs = self.cfg.block_size;
         if self.cfg.enable_prefix_caching {
-            for k in 0..seq.num_computed / bs {
+            for k in seq.hashes.len()..seq.num_computed / bs {
                 let h = block_hash(
                     seq.hashes.last().copied(),
                     &seq.tokens[k * bs..(k + 1) * bs],
@@ -250,8 +295,9 @@ impl Scheduler {
                 seq.hashes.push(h);
             }
         }
+        let out = (seq.prompt_len, seq.num_computed, pulled);
         self.waiting.push_front(seq);
-        true
+        Some(out)
     }
 
     /// Blocks referenced by sequences of `request` (for tests and the transfer layer).
@@ -413,9 +459,13 @@ mod tests {
     fn sequence_waiting_for_remote_kv_does_not_block_others() {
         let tok = tokenizer();
         let mut s = Scheduler::new(cfg(64), 32);
-        s.park_for_remote_kv(seq(1, 10, tok)).unwrap();
+        s.remote_pending.push_back(seq(1, 10, tok));
+        let got = s.park_pending();
+        assert_eq!(got.len(), 1);
+        assert_eq!((got[0].2, got[0].3), (0, 0), "nothing cached locally");
         let parked = s.blocks_of(RequestId(1));
         assert_eq!(parked.len(), 3);
+        assert_eq!(got[0].1, parked);
         s.waiting.push_back(seq(2, 6, tok));
         for _ in 0..5 {
             let plan = s.schedule();
@@ -432,7 +482,7 @@ mod tests {
             }
         }
         // KV for all 10 prompt tokens arrived: it computes just the last one for its logits.
-        assert!(s.remote_kv_ready(RequestId(1), 10));
+        assert_eq!(s.remote_kv_ready(RequestId(1), 10), Some((10, 9, 9)));
         let plan = s.schedule();
         let mine: Vec<_> = plan
             .scheduled

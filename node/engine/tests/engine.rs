@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use pd_engine::{
-    Engine, EngineConfig, EngineHandle, FinishReason, GenerateRequest, RequestEvent, SamplingParams,
+    Engine, EngineConfig, EngineHandle, FinishReason, GenerateRequest, KvTransfer, RemoteKv,
+    RequestEvent, SamplingParams,
 };
 use pd_model::tiny::{TinySpec, generate};
 
@@ -110,6 +111,7 @@ async fn run(handle: &EngineHandle, prompt_tokens: Vec<u32>, params: SamplingPar
         .submit(GenerateRequest {
             prompt_tokens,
             params,
+            kv: Default::default(),
         })
         .unwrap();
     let mut o = Outcome {
@@ -140,6 +142,9 @@ async fn run(handle: &EngineHandle, prompt_tokens: Vec<u32>, params: SamplingPar
                 o.texts[child].push_str(&text);
             }
             RequestEvent::Failed { message } => panic!("request failed: {message}"),
+            e @ (RequestEvent::AwaitingKv { .. } | RequestEvent::KvReady(_)) => {
+                panic!("a local request got a P/D event: {e:?}")
+            }
         }
     }
     o
@@ -331,6 +336,7 @@ async fn dropping_streams_aborts_and_frees_blocks() {
             .submit(GenerateRequest {
                 prompt_tokens: prompt(30, i),
                 params: greedy(900),
+                kv: Default::default(),
             })
             .unwrap();
         // Wait for a first token so the request holds blocks.
@@ -353,6 +359,7 @@ async fn invalid_requests_are_refused_with_the_param_named() {
     let submit = |p: Vec<u32>, params: SamplingParams| match h.submit(GenerateRequest {
         prompt_tokens: p,
         params,
+        kv: Default::default(),
     }) {
         Err(pd_engine::EngineError::Invalid(e)) => e.param,
         other => panic!("expected invalid, got {other:?}"),
@@ -385,6 +392,7 @@ async fn shutdown_fails_live_requests_and_refuses_new_ones() {
         .submit(GenerateRequest {
             prompt_tokens: prompt(8, 1),
             params: greedy(900),
+            kv: Default::default(),
         })
         .unwrap();
     h.shutdown();
@@ -401,6 +409,7 @@ async fn shutdown_fails_live_requests_and_refuses_new_ones() {
         match h.submit(GenerateRequest {
             prompt_tokens: prompt(8, 1),
             params: greedy(4),
+            kv: Default::default(),
         }) {
             Err(pd_engine::EngineError::Shutdown) => break,
             Ok(_) => assert!(Instant::now() < deadline, "engine did not shut down"),
@@ -431,5 +440,166 @@ async fn forked_children_with_copy_on_write_under_preemption_stay_exact() {
         h.metrics().preemptions.get() > 0,
         "the test must actually preempt"
     );
+    wait_all_free(&h).await;
+}
+
+/// Waits until `cond` holds, failing after 10 s.
+async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn producer_prefills_once_and_leases_the_prompt_blocks_until_released() {
+    let dir = model_dir("produce");
+    let h = engine(&dir, |_| {});
+    let p = prompt(10, 4); // 3 blocks of 4
+    let mut s = h
+        .submit(GenerateRequest {
+            prompt_tokens: p.clone(),
+            // max_tokens is ignored: a producer samples one token per child.
+            params: SamplingParams { n: 3, ..greedy(50) },
+            kv: KvTransfer::Produce,
+        })
+        .unwrap();
+    let mut handoffs = Vec::new();
+    let mut tokens = vec![Vec::new(); 3];
+    let mut reasons = Vec::new();
+    while let Some(e) = s.recv().await {
+        match e {
+            RequestEvent::KvReady(k) => {
+                assert!(
+                    tokens.iter().all(Vec::is_empty),
+                    "handoff comes before tokens"
+                );
+                handoffs.push(k);
+            }
+            RequestEvent::Token {
+                child, token_id, ..
+            } => tokens[child].push(token_id),
+            RequestEvent::Finished { reason, .. } => reasons.push(reason),
+            _ => {}
+        }
+    }
+    assert_eq!(handoffs.len(), 1, "n=3 hands off once");
+    let k = &handoffs[0];
+    assert_eq!((k.block_ids.len(), k.num_tokens), (3, 10));
+    let first = reference_greedy(&dir, &p, 1);
+    assert!(tokens.iter().all(|t| *t == first), "{tokens:?}");
+    assert_eq!(reasons, vec![FinishReason::Length; 3]);
+    // The request is over; its prompt blocks are still held by the lease.
+    eventually("request blocks freed", || {
+        h.free_blocks() == h.info().num_blocks - 3
+    })
+    .await;
+    h.leases().renew(k.lease, k.generation, "d").unwrap();
+    h.leases().confirm(k.lease, k.generation, "d").unwrap();
+    assert!(h.leases().confirm(k.lease, k.generation + 1, "d").is_err());
+    h.release_lease(k.lease, k.generation, "d").unwrap();
+    wait_all_free(&h).await;
+    assert!(h.leases().confirm(k.lease, k.generation, "d").is_err());
+    let st = h.lease_stats();
+    assert_eq!((st.live, st.counts.granted, st.counts.released), (0, 1, 1));
+}
+
+#[tokio::test]
+async fn an_unreleased_lease_expires_frees_its_blocks_and_is_counted() {
+    let dir = model_dir("expire");
+    let h = engine(&dir, |c| c.kv_lease_duration = Duration::from_millis(300));
+    let mut s = h
+        .submit(GenerateRequest {
+            prompt_tokens: prompt(9, 1),
+            params: greedy(1),
+            kv: KvTransfer::Produce,
+        })
+        .unwrap();
+    let mut lease = None;
+    while let Some(e) = s.recv().await {
+        if let RequestEvent::KvReady(k) = e {
+            lease = Some(k);
+        }
+    }
+    let k = lease.expect("a handoff");
+    // The idle engine wakes up for the deadline by itself: nothing else is submitted.
+    wait_all_free(&h).await;
+    assert_eq!(h.lease_stats().counts.expired, 1);
+    assert!(h.leases().renew(k.lease, k.generation, "d").is_err());
+}
+
+/// Submits a consumer request and returns its stream and the `AwaitingKv` event.
+async fn consume(
+    h: &EngineHandle,
+    p: Vec<u32>,
+    params: SamplingParams,
+) -> (
+    pd_engine::RequestStream,
+    Vec<pd_kv_pool::BlockId>,
+    usize,
+    usize,
+) {
+    let mut s = h
+        .submit(GenerateRequest {
+            prompt_tokens: p,
+            params,
+            kv: KvTransfer::Consume,
+        })
+        .unwrap();
+    match s.recv().await {
+        Some(RequestEvent::AwaitingKv {
+            blocks,
+            first_block,
+            cached_tokens,
+        }) => (s, blocks, first_block, cached_tokens),
+        other => panic!("expected AwaitingKv, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn consumer_waits_without_blocking_others_and_recompute_is_exact() {
+    let dir = model_dir("consume");
+    let h = engine(&dir, |_| {});
+    let p = prompt(11, 5);
+    let (mut s, blocks, first, cached) =
+        consume(&h, p.clone(), SamplingParams { n: 2, ..greedy(6) }).await;
+    assert_eq!((blocks.len(), first, cached), (3, 0, 0));
+    // While it waits, another request runs to completion.
+    let other = run(&h, prompt(6, 9), greedy(4)).await;
+    assert_eq!(other.tokens[0], reference_greedy(&dir, &prompt(6, 9), 4));
+    h.remote_kv_ready(s.id(), RemoteKv::Recompute);
+    let mut tokens = vec![Vec::new(); 2];
+    let mut started = None;
+    while let Some(e) = s.recv().await {
+        match e {
+            RequestEvent::Started {
+                cached_tokens,
+                pulled_tokens,
+                ..
+            } => started = Some((cached_tokens, pulled_tokens)),
+            RequestEvent::Token {
+                child, token_id, ..
+            } => tokens[child].push(token_id),
+            RequestEvent::Failed { message } => panic!("{message}"),
+            _ => {}
+        }
+    }
+    assert_eq!(started, Some((0, 0)));
+    let want = reference_greedy(&dir, &p, 6);
+    assert_eq!(tokens, vec![want.clone(), want]);
+    wait_all_free(&h).await;
+}
+
+#[tokio::test]
+async fn consumer_reuses_its_local_prefix_and_asks_only_for_the_rest() {
+    let dir = model_dir("consume-prefix");
+    let h = engine(&dir, |_| {});
+    let p = prompt(14, 2);
+    run(&h, p[..9].to_vec(), greedy(1)).await; // caches blocks 0 and 1 (8 tokens)
+    let (s, blocks, first, cached) = consume(&h, p, greedy(3)).await;
+    assert_eq!((blocks.len(), first, cached), (2, 2, 8));
+    // A client that goes away while the pull is pending frees everything.
+    drop(s);
     wait_all_free(&h).await;
 }

@@ -56,6 +56,15 @@ struct Meta {
     on_free_list: bool,
 }
 
+/// A change of the prefix cache, as a gateway doing prefix-aware placement wants to hear it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// A full block with this hash became findable.
+    Stored(BlockHash),
+    /// The block with this hash was evicted; the prefix is gone from this node.
+    Removed(BlockHash),
+}
+
 /// Hands out blocks, counts references, and remembers which free blocks still hold a prefix.
 #[derive(Debug)]
 pub struct BlockAllocator {
@@ -68,6 +77,8 @@ pub struct BlockAllocator {
     cached: HashMap<BlockHash, BlockId>,
     poison: Vec<BlockId>,
     evictions: u64,
+    /// Cache changes not yet taken; only recorded after [`BlockAllocator::record_cache_events`].
+    events: Option<Vec<CacheEvent>>,
 }
 
 impl BlockAllocator {
@@ -89,6 +100,7 @@ impl BlockAllocator {
             cached: HashMap::new(),
             poison: Vec::new(),
             evictions: 0,
+            events: None,
         };
         for b in 0..num_blocks {
             a.push_free(b as u32);
@@ -137,6 +149,9 @@ impl BlockAllocator {
         if let Some(h) = m.hash.take() {
             if self.cached.get(&h) == Some(&BlockId(b)) {
                 self.cached.remove(&h);
+                if let Some(ev) = &mut self.events {
+                    ev.push(CacheEvent::Removed(h));
+                }
             }
             self.evictions += 1;
             if cfg!(debug_assertions) {
@@ -198,6 +213,9 @@ impl BlockAllocator {
         if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(hash) {
             e.insert(block);
             m.hash = Some(hash);
+            if let Some(ev) = &mut self.events {
+                ev.push(CacheEvent::Stored(hash));
+            }
         }
     }
 
@@ -217,6 +235,22 @@ impl BlockAllocator {
             self.unlink(block.0);
         }
         self.meta[block.index()].ref_count += 1;
+    }
+
+    /// From now on, record every prefix-cache change for [`BlockAllocator::take_cache_events`]
+    /// (whoever turns this on must take them regularly).
+    pub fn record_cache_events(&mut self) {
+        self.events.get_or_insert_with(Vec::new);
+    }
+
+    /// Cache changes since the last call, in order.
+    pub fn take_cache_events(&mut self) -> Vec<CacheEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Every hash findable in the prefix cache now (a snapshot for a resync).
+    pub fn cached_hashes(&self) -> Vec<BlockHash> {
+        self.cached.keys().copied().collect()
     }
 
     /// Blocks that became invalid since the last call (debug builds only; empty in release).
@@ -336,6 +370,27 @@ mod tests {
         assert_eq!(a.lookup(&[h1]), vec![]);
         assert_eq!(a.lookup(&[h2]), vec![y]);
         assert_eq!(a.evictions(), 1);
+    }
+
+    #[test]
+    fn cache_events_report_stores_and_evictions_in_order() {
+        let mut a = BlockAllocator::new(1);
+        a.record_cache_events();
+        let x = a.allocate().unwrap();
+        a.register(x, BlockHash(7));
+        a.register(x, BlockHash(8)); // already registered: no event
+        a.free(x);
+        assert_eq!(a.cached_hashes(), vec![BlockHash(7)]);
+        let _ = a.allocate().unwrap(); // evicts 7
+        assert_eq!(
+            a.take_cache_events(),
+            vec![
+                CacheEvent::Stored(BlockHash(7)),
+                CacheEvent::Removed(BlockHash(7))
+            ]
+        );
+        assert!(a.take_cache_events().is_empty());
+        assert!(a.cached_hashes().is_empty());
     }
 
     #[test]

@@ -2,7 +2,11 @@
 //! expires.
 //!
 //! A lease holds one allocator reference on each of its blocks, so a leased block is never on
-//! the free list and never reused while the lease lives. Ids are 128-bit random (unguessable: a
+//! the free list and never reused while the lease lives. The table does not touch the allocator:
+//! the caller hands a reference over at [`LeaseTable::grant`] and drops the references of every
+//! lease [`LeaseTable::release`] and [`LeaseTable::expire`] return. That lets the table live
+//! behind its own lock (answering a peer at once) while the allocator stays with the one thread
+//! that owns it. Ids are 128-bit random (unguessable: a
 //! peer cannot read blocks leased to someone else by guessing). Each grant also gets a fresh
 //! generation number, so a stale `(id, generation)` pair is told apart from a live one.
 //!
@@ -15,7 +19,9 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 
-use crate::allocator::{BlockAllocator, BlockId};
+#[cfg(doc)]
+use crate::allocator::BlockAllocator;
+use crate::allocator::BlockId;
 
 /// Unguessable lease id.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -134,18 +140,9 @@ impl LeaseTable {
         self.counts
     }
 
-    /// Grants `peer` a lease on `blocks` (each must already be referenced by the caller, e.g. a
-    /// finished prefill's sequence); the lease takes its own reference on each.
-    pub fn grant(
-        &mut self,
-        alloc: &mut BlockAllocator,
-        blocks: Vec<BlockId>,
-        peer: &str,
-        now: Instant,
-    ) -> Lease {
-        for &b in &blocks {
-            alloc.share(b);
-        }
+    /// Grants `peer` a lease on `blocks`. The caller hands over one allocator reference per
+    /// block (e.g. taken with [`BlockAllocator::share`]); it is dropped when the lease ends.
+    pub fn grant(&mut self, blocks: Vec<BlockId>, peer: &str, now: Instant) -> Lease {
         let mut id = LeaseId(self.rng.random());
         while self.leases.contains_key(&id) {
             id = LeaseId(self.rng.random());
@@ -213,13 +210,14 @@ impl LeaseTable {
         Ok(l.deadline)
     }
 
-    /// The peer is done with the blocks: drops the lease and its references.
+    /// The peer is done with the blocks: ends the lease. The caller must drop one reference on
+    /// each of the returned lease's blocks.
     ///
     /// # Errors
-    /// [`LeaseError`] when the lease is not live (expired leases were already freed).
+    /// [`LeaseError`] when the lease is not live (expired leases were already ended).
+    #[must_use = "the returned lease's block references must be dropped"]
     pub fn release(
         &mut self,
-        alloc: &mut BlockAllocator,
         id: LeaseId,
         generation: u64,
         peer: &str,
@@ -227,15 +225,14 @@ impl LeaseTable {
     ) -> Result<Lease, LeaseError> {
         self.check(id, generation, peer, now)?;
         let l = self.leases.remove(&id).ok_or(LeaseError::Unknown(id))?;
-        for &b in &l.blocks {
-            alloc.free(b);
-        }
         self.counts.released += 1;
         Ok(l)
     }
 
-    /// Ends every lease whose deadline is at or before `now`, dropping its references.
-    pub fn expire(&mut self, alloc: &mut BlockAllocator, now: Instant) -> Vec<Lease> {
+    /// Ends every lease whose deadline is at or before `now`; the caller must drop one reference
+    /// on each block of each returned lease.
+    #[must_use = "the returned leases' block references must be dropped"]
+    pub fn expire(&mut self, now: Instant) -> Vec<Lease> {
         let gone: Vec<LeaseId> = self
             .leases
             .values()
@@ -245,9 +242,6 @@ impl LeaseTable {
         let mut out = Vec::with_capacity(gone.len());
         for id in gone {
             if let Some(l) = self.leases.remove(&id) {
-                for &b in &l.blocks {
-                    alloc.free(b);
-                }
                 self.counts.expired += 1;
                 out.push(l);
             }
@@ -265,6 +259,30 @@ impl LeaseTable {
 mod tests {
     use super::*;
 
+    use crate::allocator::BlockAllocator;
+
+    /// Grants like a node does: one reference handed over per block.
+    fn grant(
+        a: &mut BlockAllocator,
+        t: &mut LeaseTable,
+        blocks: &[BlockId],
+        peer: &str,
+        now: Instant,
+    ) -> Lease {
+        for &b in blocks {
+            a.share(b);
+        }
+        t.grant(blocks.to_vec(), peer, now)
+    }
+
+    fn free_all(a: &mut BlockAllocator, leases: &[Lease]) {
+        for l in leases {
+            for &b in &l.blocks {
+                a.free(b);
+            }
+        }
+    }
+
     fn setup() -> (BlockAllocator, LeaseTable, Vec<BlockId>, Instant) {
         let mut a = BlockAllocator::new(4);
         let blocks = vec![a.allocate().unwrap(), a.allocate().unwrap()];
@@ -279,7 +297,7 @@ mod tests {
     #[test]
     fn leased_blocks_outlive_their_owner_until_release() {
         let (mut a, mut t, blocks, now) = setup();
-        let l = t.grant(&mut a, blocks.clone(), "d1", now);
+        let l = grant(&mut a, &mut t, &blocks, "d1", now);
         // The sequence that computed them finishes and frees its references.
         for &b in &blocks {
             a.free(b);
@@ -288,7 +306,8 @@ mod tests {
         let got: Vec<_> = (0..2).map(|_| a.allocate().unwrap()).collect();
         assert!(got.iter().all(|b| !blocks.contains(b)));
         assert!(a.allocate().is_err());
-        t.release(&mut a, l.id, l.generation, "d1", now).unwrap();
+        let l = t.release(l.id, l.generation, "d1", now).unwrap();
+        free_all(&mut a, &[l]);
         assert_eq!(a.num_free(), 2);
         assert_eq!(t.counts().released, 1);
     }
@@ -296,7 +315,7 @@ mod tests {
     #[test]
     fn expiry_frees_and_counts_and_renewal_extends() {
         let (mut a, mut t, blocks, now) = setup();
-        let l = t.grant(&mut a, blocks.clone(), "d1", now);
+        let l = grant(&mut a, &mut t, &blocks, "d1", now);
         for &b in &blocks {
             a.free(b);
         }
@@ -305,13 +324,14 @@ mod tests {
             .renew(l.id, l.generation, "d1", now + Duration::from_secs(25))
             .unwrap();
         assert_eq!(d, now + Duration::from_secs(45));
-        assert!(t.expire(&mut a, now + Duration::from_secs(31)).is_empty());
+        assert!(t.expire(now + Duration::from_secs(31)).is_empty());
         assert!(
             t.check(l.id, l.generation, "d1", now + Duration::from_secs(31))
                 .is_ok()
         );
-        let gone = t.expire(&mut a, now + Duration::from_secs(45));
+        let gone = t.expire(now + Duration::from_secs(45));
         assert_eq!(gone.len(), 1);
+        free_all(&mut a, &gone);
         assert_eq!(a.num_free(), 4);
         assert_eq!(t.counts().expired, 1);
         assert_eq!(
@@ -323,7 +343,7 @@ mod tests {
     #[test]
     fn stale_wrong_peer_and_expired_are_refused() {
         let (mut a, mut t, blocks, now) = setup();
-        let l = t.grant(&mut a, blocks, "d1", now);
+        let l = grant(&mut a, &mut t, &blocks, "d1", now);
         assert!(matches!(
             t.check(l.id, l.generation + 1, "d1", now),
             Err(LeaseError::Stale { .. })
@@ -338,13 +358,7 @@ mod tests {
             Some(LeaseError::Expired(l.id))
         );
         assert!(matches!(
-            t.release(
-                &mut a,
-                l.id,
-                l.generation,
-                "d1",
-                now + Duration::from_secs(31)
-            ),
+            t.release(l.id, l.generation, "d1", now + Duration::from_secs(31)),
             Err(LeaseError::Expired(_))
         ));
     }
@@ -352,8 +366,8 @@ mod tests {
     #[test]
     fn ids_are_distinct_and_round_trip_as_hex() {
         let (mut a, mut t, blocks, now) = setup();
-        let x = t.grant(&mut a, blocks.clone(), "", now);
-        let y = t.grant(&mut a, blocks, "", now);
+        let x = grant(&mut a, &mut t, &blocks, "", now);
+        let y = grant(&mut a, &mut t, &blocks, "", now);
         assert_ne!(x.id, y.id);
         assert_ne!(x.generation, y.generation);
         assert_eq!(x.id.to_string().parse::<LeaseId>().unwrap(), x.id);

@@ -23,7 +23,7 @@ mod layout;
 mod lease;
 mod pool;
 
-pub use allocator::{AllocatorError, BlockAllocator, BlockId};
+pub use allocator::{AllocatorError, BlockAllocator, BlockId, CacheEvent};
 pub use hash::{BlockHash, ROOT_HASH_SEED, block_hash, hash_full_blocks};
 pub use layout::{KvDtype, KvLayout};
 pub use lease::{Lease, LeaseCounts, LeaseError, LeaseId, LeaseTable};

@@ -80,20 +80,37 @@ impl LocalBlocks {
     pub fn with<R>(&self, f: impl FnOnce(&mut BlockAllocator, &mut LeaseTable) -> R) -> R {
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let (alloc, leases) = &mut *g;
-        leases.expire(alloc, Instant::now());
+        free_leased(alloc, &leases.expire(Instant::now()));
         f(alloc, leases)
     }
 
-    /// Grants `peer` a lease on `blocks` (which the caller references).
+    /// Grants `peer` a lease on `blocks` (which the caller references); the lease takes its own
+    /// reference on each.
     pub fn grant(&self, blocks: Vec<BlockId>, peer: &str) -> Lease {
-        self.with(|a, l| l.grant(a, blocks, peer, Instant::now()))
+        self.with(|a, l| {
+            for &b in &blocks {
+                a.share(b);
+            }
+            l.grant(blocks, peer, Instant::now())
+        })
     }
 
     /// Ends due leases; returns how many.
     pub fn expire(&self) -> usize {
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let (alloc, leases) = &mut *g;
-        leases.expire(alloc, Instant::now()).len()
+        let gone = leases.expire(Instant::now());
+        free_leased(alloc, &gone);
+        gone.len()
+    }
+}
+
+/// Drops the references of ended leases.
+fn free_leased(alloc: &mut BlockAllocator, leases: &[Lease]) {
+    for l in leases {
+        for &b in &l.blocks {
+            alloc.free(b);
+        }
     }
 }
 
@@ -112,8 +129,11 @@ impl LeaseAuthority for LocalBlocks {
     }
 
     fn release(&self, id: LeaseId, generation: u64, peer: &str) -> Result<(), LeaseError> {
-        self.with(|a, l| l.release(a, id, generation, peer, Instant::now()))
-            .map(|_| ())
+        self.with(|a, l| {
+            let lease = l.release(id, generation, peer, Instant::now())?;
+            free_leased(a, std::slice::from_ref(&lease));
+            Ok(())
+        })
     }
 
     fn stats(&self) -> PoolStats {

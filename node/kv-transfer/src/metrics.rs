@@ -29,6 +29,12 @@ pub struct TransferMetrics {
     pub leases: IntCounterVec,
     /// Live leases on this node as owner.
     pub live_leases: IntGauge,
+    /// Requests that expected KV from a peer and computed their prompt here instead, by reason
+    /// (a failure reason under the `recompute` policy, or `below_threshold`): no silent recompute.
+    pub recomputes: IntCounterVec,
+    /// Requests whose `kv_transfer_params` asked for a pull but lacked a field (served without a
+    /// pull, as vLLM does), by the first missing field.
+    pub incomplete_params: IntCounterVec,
     last_counts: Mutex<pd_kv_pool::LeaseCounts>,
 }
 
@@ -79,6 +85,22 @@ impl TransferMetrics {
             &["event"],
         )
         .expect("valid counter");
+        let recomputes = IntCounterVec::new(
+            Opts::new(
+                "pd_kv_recompute_total",
+                "Requests that expected remote KV and computed the prompt locally, by reason",
+            ),
+            &["reason"],
+        )
+        .expect("valid counter");
+        let incomplete_params = IntCounterVec::new(
+            Opts::new(
+                "pd_kv_params_incomplete_total",
+                "kv_transfer_params asking for a pull but missing a field (no pull), by field",
+            ),
+            &["field"],
+        )
+        .expect("valid counter");
         let live_leases = IntGauge::new("pd_kv_leases_live", "Live leases on this node as owner")
             .expect("valid gauge");
         for c in [
@@ -87,6 +109,8 @@ impl TransferMetrics {
             Box::new(failures.clone()),
             Box::new(leases.clone()),
             Box::new(live_leases.clone()),
+            Box::new(recomputes.clone()),
+            Box::new(incomplete_params.clone()),
         ] {
             registry.register(c).expect("unique metric");
         }
@@ -100,6 +124,8 @@ impl TransferMetrics {
             notification_failures,
             leases,
             live_leases,
+            recomputes,
+            incomplete_params,
             last_counts: Mutex::new(Default::default()),
         }
     }

@@ -49,6 +49,10 @@ pub enum TransferError {
     /// The local puller thread is gone.
     #[error("puller stopped")]
     PullerStopped,
+    /// The transfer parameters do not describe this request's prompt (wrong block count, token
+    /// count or prompt hash, or another engine than the one named).
+    #[error("kv_transfer_params do not match this request: {0}")]
+    Mismatch(String),
 }
 
 impl TransferError {
@@ -63,6 +67,7 @@ impl TransferError {
             TransferError::LeaseLost { .. } => "lease_expired",
             TransferError::Rpc(_) => "rpc_error",
             TransferError::PullerStopped => "puller_stopped",
+            TransferError::Mismatch(_) => "params_mismatch",
         }
     }
 }

@@ -1,1 +1,30 @@
-//! A node's reports to the gateway (placeholder; being written).
+//! A node's reports to the gateway: the client side of `pd.registry.v1.NodeRegistry`
+//! (`node/rpc/proto/registry.proto`).
+//!
+//! - [`Reporter`]: a background task that registers the node ([`Registration`]) and streams its
+//!   load ([`NodeStateSnapshot`]) and the block hashes of its prefix cache ([`BlockEvent`]),
+//!   reconnecting with backoff and resyncing after every reconnect. [`ReporterHandle`] shows its
+//!   [`ReporterStatus`] and stops it.
+//! - [`StateSource`]: what the node implements so the reporter can read it; [`StoredBlocks`] is
+//!   the ready-made, never-blocking set of stored hashes with a bounded change feed.
+//! - [`test_registry`]: a recording `NodeRegistry` server for tests (here and in `pd-node`'s).
+//!
+//! This crate does not depend on the engine or the scheduler and never calls into them: it reads
+//! the node only through [`StateSource`], and nothing the node does waits for it (a gateway that
+//! is down or slow costs a resync, not a stall). Its public API uses plain Rust types; the
+//! protobuf types stay in `pd-rpc`, except in the test registry's records.
+#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
+#![deny(unused_must_use)]
+
+mod error;
+mod registration;
+mod reporter;
+mod source;
+pub mod test_registry;
+
+pub use error::ReportError;
+pub use registration::{REGISTRY_PROTOCOL_VERSION, Registration, Role};
+pub use reporter::{Reporter, ReporterHandle, ReporterOptions, ReporterStatus};
+pub use source::{
+    BlockEvent, BlockSubscription, LeaseCounters, NodeStateSnapshot, StateSource, StoredBlocks,
+};

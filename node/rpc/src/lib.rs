@@ -1,6 +1,10 @@
-//! The gRPC contracts of the system, generated from `proto/` by tonic: today the `KvPeer` side
-//! channel between nodes that exchange KV blocks ([`kv`]); the gateway's node registry will live
-//! here too, so both sides build from one definition.
+//! The gRPC contracts of the system, generated from `proto/` by tonic, so every side builds from
+//! one definition:
+//!
+//! - [`kv`]: the `KvPeer` side channel between nodes that exchange KV blocks.
+//! - [`registry`]: the `NodeRegistry` stream a node keeps open to the gateway (registration,
+//!   load, lease counters, block-hash events); the node's client is `pd-report`, the gateway
+//!   implements the server.
 //!
 //! This crate holds generated types and stubs only: no service logic, no UCX, no engine.
 #![warn(unreachable_pub, missing_debug_implementations)]
@@ -16,4 +20,16 @@
 )]
 pub mod kv {
     tonic::include_proto!("pd.kv.v1");
+}
+
+/// `pd.registry.v1`: a node's registration with the gateway and its state stream.
+#[allow(
+    missing_docs,
+    clippy::all,
+    clippy::pedantic,
+    unreachable_pub,
+    missing_debug_implementations
+)]
+pub mod registry {
+    tonic::include_proto!("pd.registry.v1");
 }

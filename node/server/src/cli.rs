@@ -80,6 +80,51 @@ pub struct ServeArgs {
     /// This node's engine id in KV handshakes; defaults to `pd-node-<pid>`.
     #[arg(long)]
     pub engine_id: Option<String>,
+    /// Part in P/D disaggregation: `kv_producer` (prefill node), `kv_consumer` (decode node);
+    /// `kv_both` is deprecated. Absent: standalone. A role needs `--kv-port`.
+    #[arg(long, value_enum)]
+    pub kv_role: Option<KvRoleArg>,
+    /// Host decode nodes reach this node's side channel at (in `kv_transfer_params`);
+    /// defaults to `--host`, or 127.0.0.1 when that is a wildcard address.
+    #[arg(long)]
+    pub kv_host: Option<String>,
+    /// Seconds a prefill node keeps a prompt's blocks for the decode node unless renewed.
+    #[arg(long, default_value_t = 30.0)]
+    pub kv_lease_duration: f64,
+    /// What a decode node does when the KV does not arrive: fail the request, or compute the
+    /// prompt itself (counted by reason either way).
+    #[arg(long, value_enum, default_value_t = FailurePolicyArg::Fail)]
+    pub kv_load_failure_policy: FailurePolicyArg,
+    /// A decode node computes prompts itself instead of pulling fewer than this many tokens.
+    #[arg(long, default_value_t = 64)]
+    pub kv_recompute_threshold: usize,
+    /// Skip the compatibility check of KV handshakes (model, dtype, layout...). Dangerous.
+    #[arg(long)]
+    pub kv_skip_compat_check: bool,
+    /// Gateway to register with and stream state to (`host:port` or `http://host:port`).
+    #[arg(long)]
+    pub gateway: Option<String>,
+}
+
+/// `--kv-role` values (vLLM's spelling).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[value(rename_all = "snake_case")]
+pub enum KvRoleArg {
+    /// Prefill node.
+    KvProducer,
+    /// Decode node.
+    KvConsumer,
+    /// Both (deprecated: run one node per role).
+    KvBoth,
+}
+
+/// `--kv-load-failure-policy` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum FailurePolicyArg {
+    /// Fail the request with the transfer error.
+    Fail,
+    /// Compute the prompt locally.
+    Recompute,
 }
 
 /// A `serve` argument this build cannot honour.
@@ -91,6 +136,9 @@ pub enum CliError {
     /// `--host`/`--port` do not form an address.
     #[error("invalid listen address {0:?}")]
     BadAddress(String),
+    /// A KV flag is inconsistent.
+    #[error("{0}")]
+    Kv(String),
 }
 
 impl ServeArgs {
@@ -114,7 +162,71 @@ impl ServeArgs {
             max_model_len: self.max_model_len,
             enable_prefix_caching: !self.no_enable_prefix_caching,
             pool_memory: None,
+            kv_lease_duration: self.lease_duration()?,
         })
+    }
+
+    /// `--kv-lease-duration` as a duration.
+    ///
+    /// # Errors
+    /// [`CliError::Kv`] when it is not a positive number of seconds.
+    pub fn lease_duration(&self) -> Result<std::time::Duration, CliError> {
+        std::time::Duration::try_from_secs_f64(self.kv_lease_duration)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| {
+                CliError::Kv(format!(
+                    "--kv-lease-duration must be a positive number of seconds, got {}",
+                    self.kv_lease_duration
+                ))
+            })
+    }
+
+    /// The P/D role. `kv_both` logs a deprecation warning; a role without `--kv-port` is an
+    /// error.
+    ///
+    /// # Errors
+    /// [`CliError::Kv`] for a role without a side channel.
+    pub fn role(&self) -> Result<crate::KvRole, CliError> {
+        let role = match self.kv_role {
+            None => return Ok(crate::KvRole::Standalone),
+            Some(KvRoleArg::KvProducer) => crate::KvRole::Producer,
+            Some(KvRoleArg::KvConsumer) => crate::KvRole::Consumer,
+            Some(KvRoleArg::KvBoth) => {
+                tracing::warn!(
+                    "--kv-role kv_both is deprecated: run prefill nodes with --kv-role kv_producer \
+                     and decode nodes with --kv-role kv_consumer"
+                );
+                crate::KvRole::Both
+            }
+        };
+        if self.kv_port.is_none() {
+            return Err(CliError::Kv(format!(
+                "--kv-role {} needs --kv-port (the KV side channel)",
+                role.as_str()
+            )));
+        }
+        Ok(role)
+    }
+
+    /// The failure policy.
+    pub fn failure_policy(&self) -> pd_kv_transfer::FailurePolicy {
+        match self.kv_load_failure_policy {
+            FailurePolicyArg::Fail => pd_kv_transfer::FailurePolicy::Fail,
+            FailurePolicyArg::Recompute => pd_kv_transfer::FailurePolicy::Recompute,
+        }
+    }
+
+    /// The host put in `kv_transfer_params.remote_host`.
+    pub fn advertised_kv_host(&self) -> String {
+        if let Some(h) = &self.kv_host {
+            return h.clone();
+        }
+        let host = self.host.trim_start_matches('[').trim_end_matches(']');
+        match host.parse::<std::net::IpAddr>() {
+            Ok(ip) if ip.is_unspecified() => "127.0.0.1".into(),
+            _ => host.to_string(),
+        }
     }
 
     /// The address to bind (`--host`, `--port`); host may be an IPv6 literal.

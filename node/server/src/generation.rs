@@ -1,9 +1,11 @@
 //! Running one engine request to the end and keeping what each child produced (non-streaming
 //! endpoints), plus the per-request token accounting shared with the streaming ones.
 
-use pd_engine::{FinishReason, RequestEvent, RequestStream, TokenLogprob};
+use pd_engine::{FinishReason, RequestEvent, TokenLogprob};
 
+use crate::disagg::Events;
 use crate::error::ApiError;
+use crate::kv_params::KvReply;
 
 /// What one child (one choice) produced.
 #[derive(Debug, Default)]
@@ -21,6 +23,8 @@ pub(crate) struct Generation {
     pub(crate) usage: TokenCounts,
     /// One entry per child, indexed by `child`.
     pub(crate) children: Vec<ChildOutput>,
+    /// A prefill node's handoff, for the response.
+    pub(crate) kv_transfer_params: Option<serde_json::Value>,
 }
 
 /// Token accounting of one request.
@@ -28,6 +32,8 @@ pub(crate) struct Generation {
 pub(crate) struct TokenCounts {
     pub(crate) prompt_tokens: usize,
     pub(crate) cached_tokens: usize,
+    /// Of `cached_tokens`, those pulled from a prefill node.
+    pub(crate) pulled_tokens: usize,
     pub(crate) completion_tokens: usize,
 }
 
@@ -45,14 +51,19 @@ impl TokenCounts {
             RequestEvent::Started {
                 prompt_tokens,
                 cached_tokens,
+                pulled_tokens,
             } => {
                 self.prompt_tokens = *prompt_tokens;
                 self.cached_tokens = *cached_tokens;
+                self.pulled_tokens = *pulled_tokens;
             }
             RequestEvent::Finished {
                 completion_tokens, ..
             } => self.completion_tokens += completion_tokens,
-            RequestEvent::Token { .. } | RequestEvent::Failed { .. } => {}
+            RequestEvent::Token { .. }
+            | RequestEvent::Failed { .. }
+            | RequestEvent::AwaitingKv { .. }
+            | RequestEvent::KvReady(_) => {}
         }
     }
 
@@ -60,6 +71,7 @@ impl TokenCounts {
         crate::openai::Usage::new(
             self.prompt_tokens,
             self.cached_tokens,
+            self.pulled_tokens,
             self.completion_tokens,
         )
     }
@@ -71,16 +83,20 @@ impl TokenCounts {
 /// [`ApiError::GenerationFailed`] when the engine reported a failure, [`ApiError::EngineStopped`]
 /// when the stream ended with a child unfinished.
 pub(crate) async fn collect(
-    mut stream: RequestStream,
+    mut stream: Events,
     n: usize,
     prompt_tokens: usize,
+    mut kv: KvReply,
 ) -> Result<Generation, ApiError> {
     let mut usage = TokenCounts::new(prompt_tokens);
     let mut children: Vec<ChildOutput> = (0..n).map(|_| ChildOutput::default()).collect();
     while let Some(event) = stream.recv().await {
         usage.observe(&event);
+        kv.observe(&event);
         match event {
-            RequestEvent::Started { .. } => {}
+            RequestEvent::Started { .. }
+            | RequestEvent::AwaitingKv { .. }
+            | RequestEvent::KvReady(_) => {}
             RequestEvent::Token {
                 child,
                 token_id,
@@ -111,5 +127,9 @@ pub(crate) async fn collect(
     if children.iter().any(|c| c.finish_reason.is_none()) {
         return Err(ApiError::EngineStopped);
     }
-    Ok(Generation { usage, children })
+    Ok(Generation {
+        usage,
+        children,
+        kv_transfer_params: kv.params(),
+    })
 }

@@ -1,8 +1,8 @@
 //! The node as a KV owner: its pool in UCX-allocated memory (so peers read it one-sidedly) and
 //! the `KvPeer` side channel that publishes how to read it.
 //!
-//! Leases are granted by the prefill path (P/D roles); until a node has granted one, lease
-//! calls answer "unknown", which is the truth for such a node.
+//! Leases are granted by the engine when a prefill (`do_remote_decode`) finishes; this side
+//! channel renews, confirms and releases them through [`EngineHandle::leases`].
 
 use std::sync::{Arc, OnceLock};
 use std::time::SystemTime;
@@ -71,6 +71,23 @@ impl UcxPool {
         }))
     }
 
+    /// A puller thread reading peers' pools into this engine's pool (a decode node's).
+    ///
+    /// # Errors
+    /// [`KvSideChannelError::NoRegion`] when the engine did not use [`UcxPool::pool_memory`].
+    pub fn puller(&self, block_bytes: usize) -> Result<pd_kv_transfer::Puller, KvSideChannelError> {
+        let region = self
+            .region
+            .get()
+            .ok_or(KvSideChannelError::NoRegion)?
+            .clone();
+        Ok(pd_kv_transfer::Puller::spawn(
+            self.ctx.clone(),
+            region,
+            block_bytes,
+        )?)
+    }
+
     /// Starts a UCX progress thread and returns the `KvPeer` service of `engine`'s pool.
     ///
     /// # Errors
@@ -134,32 +151,36 @@ impl UcxPool {
     }
 }
 
-/// Lease decisions of a node. This node grants no leases yet (the prefill role does, in the P/D
-/// path), so every lease is unknown; stats come from the engine.
+/// Lease decisions of a node: the engine's lease book.
 #[derive(Debug)]
 pub struct EngineLeases {
     engine: EngineHandle,
 }
 
+fn wall(deadline: std::time::Instant) -> SystemTime {
+    pd_kv_transfer::lease_authority::to_system_time(deadline)
+}
+
 impl LeaseAuthority for EngineLeases {
-    fn renew(&self, id: LeaseId, _: u64, _: &str) -> Result<SystemTime, LeaseError> {
-        Err(LeaseError::Unknown(id))
+    fn renew(&self, id: LeaseId, generation: u64, peer: &str) -> Result<SystemTime, LeaseError> {
+        self.engine.leases().renew(id, generation, peer).map(wall)
     }
 
-    fn confirm(&self, id: LeaseId, _: u64, _: &str) -> Result<SystemTime, LeaseError> {
-        Err(LeaseError::Unknown(id))
+    fn confirm(&self, id: LeaseId, generation: u64, peer: &str) -> Result<SystemTime, LeaseError> {
+        self.engine.leases().confirm(id, generation, peer).map(wall)
     }
 
-    fn release(&self, id: LeaseId, _: u64, _: &str) -> Result<(), LeaseError> {
-        Err(LeaseError::Unknown(id))
+    fn release(&self, id: LeaseId, generation: u64, peer: &str) -> Result<(), LeaseError> {
+        self.engine.release_lease(id, generation, peer)
     }
 
     fn stats(&self) -> PoolStats {
+        let leases = self.engine.lease_stats();
         PoolStats {
             total_blocks: self.engine.info().num_blocks,
             free_blocks: self.engine.free_blocks(),
-            live_leases: 0,
-            counts: Default::default(),
+            live_leases: leases.live,
+            counts: leases.counts,
         }
     }
 }

@@ -21,8 +21,10 @@
 #![deny(unused_must_use)]
 
 pub mod cli;
+pub mod disagg;
 mod error;
 mod generation;
+mod kv_params;
 pub mod kv_side_channel;
 mod openai;
 mod prompt;
@@ -31,14 +33,17 @@ mod sse;
 
 use std::future::Future;
 
+use std::sync::Arc;
+
 use pd_engine::EngineHandle;
 
+pub use disagg::{Disagg, KvRole, PullConfig};
 pub use error::ApiError;
 pub use routes::MAX_BODY_BYTES;
 
-/// Builds the HTTP app serving `engine`.
+/// Builds the HTTP app serving `engine` as a standalone node.
 pub fn router(engine: EngineHandle) -> axum::Router {
-    routes::router(engine)
+    routes::router(engine, std::sync::Arc::new(Disagg::standalone()))
 }
 
 /// Serves [`router`]`(engine)` on `listener` until `shutdown` resolves, then stops accepting
@@ -51,7 +56,20 @@ pub async fn serve(
     engine: EngineHandle,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(engine))
+    serve_with(listener, engine, Arc::new(Disagg::standalone()), shutdown).await
+}
+
+/// [`serve`] for a node with a P/D role.
+///
+/// # Errors
+/// Only when accepting on `listener` fails fatally.
+pub async fn serve_with(
+    listener: tokio::net::TcpListener,
+    engine: EngineHandle,
+    disagg: Arc<Disagg>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, routes::router(engine, disagg))
         .with_graceful_shutdown(shutdown)
         .await
 }

@@ -5,7 +5,10 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
+use std::sync::Arc;
+
 use pd_node::cli::{Cli, Command, GenTinyModelArgs, ServeArgs};
+use pd_node::{Disagg, KvRole, PullConfig};
 
 fn main() -> ExitCode {
     pin_compute_threads();
@@ -48,6 +51,7 @@ fn run() -> anyhow::Result<()> {
 fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     let mut config = args.engine_config()?;
     let addr = args.listen_addr()?;
+    let role = args.role()?;
     let ucx = match args.kv_port {
         Some(_) => {
             let ucx = pd_node::kv_side_channel::UcxPool::new().context("starting UCX")?;
@@ -68,19 +72,35 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         "engine ready"
     );
 
+    let engine_id = args
+        .engine_id
+        .clone()
+        .unwrap_or_else(|| format!("pd-node-{}", std::process::id()));
     let kv_service = match &ucx {
-        Some(ucx) => {
-            let id = args
-                .engine_id
-                .clone()
-                .unwrap_or_else(|| format!("pd-node-{}", std::process::id()));
-            Some(
-                ucx.service(engine.clone(), id)
-                    .context("starting the KV side channel")?,
-            )
-        }
+        Some(ucx) => Some(
+            ucx.service(engine.clone(), engine_id.clone())
+                .context("starting the KV side channel")?,
+        ),
         None => None,
     };
+    let puller = match (&ucx, role.consumes()) {
+        (Some(ucx), true) => Some(
+            ucx.puller(info.kv_layout.block_bytes())
+                .context("starting the KV puller")?,
+        ),
+        _ => None,
+    };
+    let lease_duration = args.lease_duration()?;
+    let pull = PullConfig {
+        engine_id: engine_id.clone(),
+        policy: args.failure_policy(),
+        recompute_threshold: args.kv_recompute_threshold,
+        skip_compat_check: args.kv_skip_compat_check,
+        renew_interval: lease_duration / 6,
+    };
+    if role != KvRole::Standalone {
+        tracing::info!(role = role.as_str(), engine_id = %engine_id, "P/D role");
+    }
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -91,12 +111,14 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("binding {addr}"))?;
         let local = listener.local_addr().context("reading the bound address")?;
+        let mut side_channel = None;
         if let (Some(service), Some(port)) = (kv_service, args.kv_port) {
             let kv_addr = std::net::SocketAddr::new(addr.ip(), port);
             let kv_listener = tokio::net::TcpListener::bind(kv_addr)
                 .await
                 .with_context(|| format!("binding {kv_addr}"))?;
             let kv_local = kv_listener.local_addr().context("reading the KV address")?;
+            side_channel = Some((args.advertised_kv_host(), kv_local.port()));
             println!("pd-node kv side channel on http://{kv_local}");
             tokio::spawn(async move {
                 let incoming = tonic::transport::server::TcpIncoming::from(kv_listener);
@@ -113,7 +135,16 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         writeln!(stdout, "pd-node listening on http://{local}").context("writing to stdout")?;
         stdout.flush().context("flushing stdout")?;
         drop(stdout);
-        pd_node::serve(listener, engine, shutdown_signal())
+        let disagg = Arc::new(Disagg::new(
+            role,
+            &engine,
+            &engine_id,
+            side_channel.filter(|_| role.produces()),
+            puller,
+            pull,
+            Arc::new(pd_kv_transfer::TransferMetrics::new()),
+        ));
+        pd_node::serve_with(listener, engine, disagg, shutdown_signal())
             .await
             .context("serving HTTP")
     })?;

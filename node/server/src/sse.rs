@@ -1,7 +1,7 @@
-//! Server-sent-event bodies built over an engine [`RequestStream`].
+//! Server-sent-event bodies built over a request's [`Events`].
 //!
-//! The body stream owns the [`RequestStream`]: when hyper drops the body (client gone, connection
-//! reset), the request stream drops with it and the engine aborts the request and frees its KV
+//! The body stream owns the [`Events`]: when hyper drops the body (client gone, connection
+//! reset), the events drop with them and the engine aborts the request and frees its KV
 //! blocks. Each endpoint supplies a [`SseFormatter`] that turns engine events into frames.
 
 use std::convert::Infallible;
@@ -10,9 +10,10 @@ use axum::body::Body;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use pd_engine::{RequestEvent, RequestStream};
+use pd_engine::RequestEvent;
 use serde::Serialize;
 
+use crate::disagg::Events;
 use crate::error::ApiError;
 
 /// The terminator of OpenAI chat and completion streams.
@@ -58,13 +59,13 @@ fn write_json(out: &mut Vec<u8>, value: &impl Serialize) {
 }
 
 enum State<F> {
-    Start(RequestStream, F),
-    Running(RequestStream, F),
+    Start(Events, F),
+    Running(Events, F),
     Done,
 }
 
 /// A `text/event-stream` response that drives `stream` through `formatter`.
-pub(crate) fn sse_response<F: SseFormatter>(stream: RequestStream, formatter: F) -> Response {
+pub(crate) fn sse_response<F: SseFormatter>(stream: Events, formatter: F) -> Response {
     let body = futures::stream::unfold(State::Start(stream, formatter), |state| async move {
         let mut out = Vec::new();
         let (mut stream, mut formatter) = match state {

@@ -131,12 +131,10 @@ fn main() -> BoxResult<()> {
     let lease = blocks.with(|alloc, leases| -> BoxResult<_> {
         // A "sequence" takes every block, the lease takes its own references, the sequence ends.
         let all = alloc.allocate_n(layout.num_blocks)?;
-        let lease = leases.grant(
-            alloc,
-            lease_blocks.clone(),
-            &args.peer,
-            std::time::Instant::now(),
-        );
+        for &b in &lease_blocks {
+            alloc.share(b);
+        }
+        let lease = leases.grant(lease_blocks.clone(), &args.peer, std::time::Instant::now());
         for b in all {
             alloc.free(b);
         }

@@ -21,6 +21,9 @@ pub(crate) struct ChatCompletionRequest {
     /// Alternatives per token (needs `logprobs: true`).
     #[serde(default)]
     pub(crate) top_logprobs: Option<i64>,
+    /// P/D disaggregation (vLLM's field): checked in `kv_params`.
+    #[serde(default)]
+    pub(crate) kv_transfer_params: Option<serde_json::Value>,
     #[serde(flatten)]
     pub(crate) sampling: SamplingFields,
 }
@@ -45,6 +48,9 @@ pub(crate) struct ChatCompletionResponse {
     /// vLLM `return_token_ids`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) prompt_token_ids: Option<Vec<u32>>,
+    /// A prefill node's handoff to the decode node.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) kv_transfer_params: Option<serde_json::Value>,
 }
 
 /// One choice of a chat completion.
@@ -103,6 +109,9 @@ pub(crate) struct ChatCompletionChunk {
     /// vLLM `return_token_ids`: on the first chunk only.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) prompt_token_ids: Option<Vec<u32>>,
+    /// A prefill node's handoff: on the chunk that finishes the last choice.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) kv_transfer_params: Option<serde_json::Value>,
 }
 
 /// One choice's part of a chunk.

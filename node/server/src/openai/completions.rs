@@ -20,6 +20,9 @@ pub(crate) struct CompletionRequest {
     /// Prepend the prompt to the output; not supported.
     #[serde(default)]
     pub(crate) echo: Option<bool>,
+    /// P/D disaggregation (vLLM's field): checked in `kv_params`.
+    #[serde(default)]
+    pub(crate) kv_transfer_params: Option<serde_json::Value>,
     #[serde(flatten)]
     pub(crate) sampling: SamplingFields,
 }
@@ -38,6 +41,10 @@ pub(crate) struct CompletionResponse {
     pub(crate) choices: Vec<CompletionChoice>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) usage: Option<Usage>,
+    /// A prefill node's handoff to the decode node (streaming: on the chunk that finishes the
+    /// last choice).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) kv_transfer_params: Option<serde_json::Value>,
 }
 
 /// One choice (one child of an `n > 1` request).

@@ -161,13 +161,17 @@ impl Usage {
     pub(crate) fn new(
         prompt_tokens: usize,
         cached_tokens: usize,
+        pulled_tokens: usize,
         completion_tokens: usize,
     ) -> Self {
         Self {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
-            prompt_tokens_details: PromptTokensDetails { cached_tokens },
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens,
+                kv_pulled_tokens: (pulled_tokens > 0).then_some(pulled_tokens),
+            },
         }
     }
 }
@@ -175,7 +179,11 @@ impl Usage {
 /// `usage.prompt_tokens_details`.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub(crate) struct PromptTokensDetails {
+    /// Prompt tokens not computed for this request: found in the prefix cache or pulled.
     pub(crate) cached_tokens: usize,
+    /// Extension: of `cached_tokens`, those pulled from a prefill node (absent when none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) kv_pulled_tokens: Option<usize>,
 }
 
 /// One entry of `GET /v1/models`.

@@ -23,6 +23,9 @@ pub(crate) struct ResponsesRequest {
     /// Server-side conversation state; not kept by this node.
     #[serde(default)]
     pub(crate) previous_response_id: Option<String>,
+    /// P/D disaggregation (vLLM's field): checked in `kv_params`.
+    #[serde(default)]
+    pub(crate) kv_transfer_params: Option<serde_json::Value>,
 }
 
 /// The `response` object (also the payload of `response.created` / `.completed` events).
@@ -45,6 +48,9 @@ pub(crate) struct ResponseObject {
     pub(crate) tool_choice: &'static str,
     pub(crate) tools: Vec<serde_json::Value>,
     pub(crate) usage: Option<ResponseUsage>,
+    /// A prefill node's handoff to the decode node (in the final response object).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) kv_transfer_params: Option<serde_json::Value>,
 }
 
 /// Why a response is `incomplete`.
@@ -101,12 +107,20 @@ pub(crate) struct ResponseUsage {
 }
 
 impl ResponseUsage {
-    pub(crate) fn new(input_tokens: usize, cached_tokens: usize, output_tokens: usize) -> Self {
+    pub(crate) fn new(
+        input_tokens: usize,
+        cached_tokens: usize,
+        pulled_tokens: usize,
+        output_tokens: usize,
+    ) -> Self {
         Self {
             input_tokens,
             output_tokens,
             total_tokens: input_tokens + output_tokens,
-            input_tokens_details: InputTokensDetails { cached_tokens },
+            input_tokens_details: InputTokensDetails {
+                cached_tokens,
+                kv_pulled_tokens: (pulled_tokens > 0).then_some(pulled_tokens),
+            },
             output_tokens_details: OutputTokensDetails {
                 reasoning_tokens: 0,
             },
@@ -118,6 +132,9 @@ impl ResponseUsage {
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct InputTokensDetails {
     pub(crate) cached_tokens: usize,
+    /// Extension: of `cached_tokens`, those pulled from a prefill node (absent when none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) kv_pulled_tokens: Option<usize>,
 }
 
 /// `usage.output_tokens_details`.

@@ -11,6 +11,7 @@ use pd_tokenize::Tokenizer;
 use super::{AppState, JsonBody, new_id, unix_now};
 use crate::error::ApiError;
 use crate::generation::{TokenCounts, collect};
+use crate::kv_params::KvReply;
 use crate::openai::chat::{
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessageOut, ChatTokenLogprob, TopLogprob,
@@ -50,6 +51,7 @@ pub(super) async fn create(
     };
     let params = req.sampling.to_params(max_tokens, logprobs)?;
     params.validate().map_err(|e| engine_error(e.into()))?;
+    let directive = state.kv_directive(req.kv_transfer_params.as_ref())?;
     let messages = chat_messages(&req.messages)?;
     let prompt_tokens = chat_tokens(&state.engine, messages, "messages").await?;
 
@@ -59,15 +61,18 @@ pub(super) async fn create(
         .sampling
         .return_token_ids()
         .then(|| prompt_tokens.clone());
+    let id = new_id("chatcmpl-");
     let stream = state
         .engine
         .submit(GenerateRequest {
-            prompt_tokens,
+            prompt_tokens: prompt_tokens.clone(),
             params,
+            kv: AppState::kv_transfer(&directive),
         })
         .map_err(engine_error)?;
+    let (stream, kv) = state.events(stream, directive, &id, &prompt_tokens);
     let out = Output {
-        id: new_id("chatcmpl-"),
+        id,
         created: unix_now(),
         model,
         tokenizer: state.engine.tokenizer().clone(),
@@ -83,11 +88,12 @@ pub(super) async fn create(
             failed: false,
             prompt_token_ids,
             out,
+            kv,
         };
         return Ok(sse_response(stream, formatter));
     }
 
-    let generation = collect(stream, n, prompt_len).await?;
+    let generation = collect(stream, n, prompt_len, kv).await?;
     let choices = generation
         .children
         .into_iter()
@@ -118,6 +124,7 @@ pub(super) async fn create(
         choices,
         usage: generation.usage.usage(),
         prompt_token_ids,
+        kv_transfer_params: generation.kv_transfer_params,
     })
     .into_response())
 }
@@ -165,6 +172,7 @@ struct ChatStream {
     failed: bool,
     /// Sent on the first chunk, then `None`.
     prompt_token_ids: Option<Vec<u32>>,
+    kv: KvReply,
 }
 
 impl ChatStream {
@@ -181,6 +189,7 @@ impl ChatStream {
             choices,
             usage,
             prompt_token_ids: self.prompt_token_ids.take(),
+            kv_transfer_params: None,
         }
     }
 
@@ -219,8 +228,11 @@ impl SseFormatter for ChatStream {
 
     fn event(&mut self, event: RequestEvent, out: &mut Vec<u8>) {
         self.counts.observe(&event);
+        self.kv.observe(&event);
         let choice = match event {
-            RequestEvent::Started { .. } => None,
+            RequestEvent::Started { .. }
+            | RequestEvent::AwaitingKv { .. }
+            | RequestEvent::KvReady(_) => None,
             RequestEvent::Token {
                 child,
                 token_id,
@@ -259,7 +271,11 @@ impl SseFormatter for ChatStream {
             }
         };
         if let Some(choice) = choice {
-            let chunk = self.chunk(vec![choice], None);
+            let last = choice.finish_reason.is_some() && self.finished.iter().all(|f| *f);
+            let mut chunk = self.chunk(vec![choice], None);
+            if last {
+                chunk.kv_transfer_params = self.kv.params();
+            }
             data_frame(out, &chunk);
         }
     }

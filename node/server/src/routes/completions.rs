@@ -9,6 +9,7 @@ use pd_tokenize::Tokenizer;
 use super::{AppState, JsonBody, new_id, unix_now};
 use crate::error::ApiError;
 use crate::generation::{TokenCounts, collect};
+use crate::kv_params::KvReply;
 use crate::openai::completions::{
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, TokenMap,
 };
@@ -34,18 +35,22 @@ pub(super) async fn create(
         .sampling
         .to_params((req.max_tokens, "max_tokens"), logprobs)?;
     params.validate().map_err(EngineError::from)?;
+    let directive = state.kv_directive(req.kv_transfer_params.as_ref())?;
     let prompt_tokens = completion_tokens(&state.engine, completion_prompt(req.prompt)?).await?;
 
     let n = params.n;
     let prompt_len = prompt_tokens.len();
     let return_token_ids = req.sampling.return_token_ids();
     let prompt_token_ids = return_token_ids.then(|| prompt_tokens.clone());
+    let id = new_id("cmpl-");
     let stream = state.engine.submit(GenerateRequest {
-        prompt_tokens,
+        prompt_tokens: prompt_tokens.clone(),
         params,
+        kv: AppState::kv_transfer(&directive),
     })?;
+    let (stream, kv) = state.events(stream, directive, &id, &prompt_tokens);
     let out = Output {
-        id: new_id("cmpl-"),
+        id,
         created: unix_now(),
         model,
         tokenizer: state.engine.tokenizer().clone(),
@@ -61,11 +66,12 @@ pub(super) async fn create(
             children: vec![ChildState::default(); n],
             failed: false,
             out,
+            kv,
         };
         return Ok(sse_response(stream, formatter));
     }
 
-    let generation = collect(stream, n, prompt_len).await?;
+    let generation = collect(stream, n, prompt_len, kv).await?;
     let choices = generation
         .children
         .into_iter()
@@ -81,7 +87,9 @@ pub(super) async fn create(
             token_ids: out.prompt_token_ids.is_some().then_some(child.token_ids),
         })
         .collect();
-    Ok(Json(out.response(choices, Some(generation.usage.usage()))).into_response())
+    let mut response = out.response(choices, Some(generation.usage.usage()));
+    response.kv_transfer_params = generation.kv_transfer_params;
+    Ok(Json(response).into_response())
 }
 
 /// What every response or chunk of one request repeats.
@@ -110,6 +118,7 @@ impl Output {
             model: self.model.clone(),
             choices,
             usage,
+            kv_transfer_params: None,
         }
     }
 
@@ -150,6 +159,7 @@ struct CompletionStream {
     include_usage: bool,
     children: Vec<ChildState>,
     failed: bool,
+    kv: KvReply,
 }
 
 impl CompletionStream {
@@ -192,8 +202,11 @@ impl SseFormatter for CompletionStream {
 
     fn event(&mut self, event: RequestEvent, out: &mut Vec<u8>) {
         self.counts.observe(&event);
+        self.kv.observe(&event);
         let chunk = match event {
-            RequestEvent::Started { .. } => None,
+            RequestEvent::Started { .. }
+            | RequestEvent::AwaitingKv { .. }
+            | RequestEvent::KvReady(_) => None,
             RequestEvent::Token {
                 child,
                 token_id,
@@ -215,7 +228,14 @@ impl SseFormatter for CompletionStream {
                 if let Some(c) = self.children.get_mut(child) {
                     c.finished = true;
                 }
-                self.chunk(child, text, None, Some(reason.as_str()))
+                let last = self.children.iter().all(|c| c.finished);
+                let mut chunk = self.chunk(child, text, None, Some(reason.as_str()));
+                if let Some(c) = &mut chunk
+                    && last
+                {
+                    c.kv_transfer_params = self.kv.params();
+                }
+                chunk
             }
             RequestEvent::Failed { message } => {
                 self.failed = true;

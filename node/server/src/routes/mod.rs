@@ -14,10 +14,14 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
-use pd_engine::EngineHandle;
+use std::sync::Arc;
+
+use pd_engine::{EngineHandle, KvTransfer, RequestStream};
 use serde::de::DeserializeOwned;
 
+use crate::disagg::{Disagg, Events, consume};
 use crate::error::ApiError;
+use crate::kv_params::{self, KvDirective, KvReply};
 use crate::openai::{ModelCard, ModelList};
 
 /// Largest request body accepted; larger ones get a 413.
@@ -29,6 +33,8 @@ pub(crate) struct AppState {
     pub(crate) engine: EngineHandle,
     /// Unix seconds when this server started (the model card's `created`).
     pub(crate) started: u64,
+    /// The node's P/D role and transfer machinery.
+    pub(crate) disagg: Arc<Disagg>,
 }
 
 impl AppState {
@@ -42,12 +48,87 @@ impl AppState {
             Some(m) => Err(ApiError::ModelNotFound(m.to_owned())),
         }
     }
+
+    /// Reads a request's `kv_transfer_params` and checks it against this node's role.
+    pub(crate) fn kv_directive(
+        &self,
+        params: Option<&serde_json::Value>,
+    ) -> Result<KvDirective, ApiError> {
+        let d = kv_params::parse(params)?;
+        let role = self.disagg.role;
+        let refuse = |what: &str, role_needed: &str| ApiError::InvalidRequest {
+            message: format!(
+                "{what} needs a node started with --kv-role {role_needed}; this node is {}",
+                role.as_str()
+            ),
+            param: Some(kv_params::FIELD.into()),
+        };
+        match &d {
+            KvDirective::None => {}
+            KvDirective::Produce if !role.produces() || self.disagg.advert.is_none() => {
+                return Err(refuse("do_remote_decode", "kv_producer"));
+            }
+            KvDirective::Produce => {}
+            KvDirective::Consume(_) | KvDirective::Incomplete { .. }
+                if !role.consumes() || self.disagg.loader.is_none() =>
+            {
+                return Err(refuse("do_remote_prefill", "kv_consumer"));
+            }
+            KvDirective::Consume(_) => {}
+            KvDirective::Incomplete { missing } => {
+                // As vLLM: no pull. Unlike vLLM: counted and logged.
+                self.disagg
+                    .metrics
+                    .incomplete_params
+                    .with_label_values(&[missing])
+                    .inc();
+                tracing::warn!(
+                    missing,
+                    "kv_transfer_params asks for a remote prefill but lacks a field: computing locally"
+                );
+            }
+        }
+        Ok(d)
+    }
+
+    /// The engine's part for `d`.
+    pub(crate) fn kv_transfer(d: &KvDirective) -> KvTransfer {
+        match d {
+            KvDirective::Produce => KvTransfer::Produce,
+            KvDirective::Consume(_) => KvTransfer::Consume,
+            KvDirective::None | KvDirective::Incomplete { .. } => KvTransfer::Local,
+        }
+    }
+
+    /// The events of a submitted request (relayed through the pull task for a consumer), and
+    /// the builder of its response's `kv_transfer_params`.
+    pub(crate) fn events(
+        &self,
+        stream: RequestStream,
+        d: KvDirective,
+        request_id: &str,
+        prompt: &[u32],
+    ) -> (Events, KvReply) {
+        let reply = KvReply::new(self.disagg.advert.clone(), request_id, prompt);
+        let events = match d {
+            KvDirective::Consume(remotes) => consume(
+                self.disagg.clone(),
+                self.engine.clone(),
+                stream,
+                remotes,
+                prompt.to_vec(),
+            ),
+            _ => Events::Engine(stream),
+        };
+        (events, reply)
+    }
 }
 
-pub(crate) fn router(engine: EngineHandle) -> Router {
+pub(crate) fn router(engine: EngineHandle, disagg: Arc<Disagg>) -> Router {
     let state = AppState {
         engine,
         started: unix_now(),
+        disagg,
     };
     Router::new()
         .route("/health", get(health))
@@ -83,7 +164,18 @@ async fn models(State(state): State<AppState>) -> Json<ModelList> {
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
-    let families = state.engine.metrics().registry().gather();
+    let leases = state.engine.lease_stats();
+    state
+        .disagg
+        .metrics
+        .observe_leases(&pd_kv_transfer::PoolStats {
+            total_blocks: state.engine.info().num_blocks,
+            free_blocks: state.engine.free_blocks(),
+            live_leases: leases.live,
+            counts: leases.counts,
+        });
+    let mut families = state.engine.metrics().registry().gather();
+    families.extend(state.disagg.metrics.registry().gather());
     match prometheus::TextEncoder::new().encode_to_string(&families) {
         Ok(text) => ([(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)], text).into_response(),
         Err(e) => {

@@ -8,6 +8,7 @@ use pd_engine::{EngineError, FinishReason, GenerateRequest, RequestEvent, Sampli
 use super::{AppState, JsonBody, new_id, unix_now};
 use crate::error::ApiError;
 use crate::generation::{TokenCounts, collect};
+use crate::kv_params::KvReply;
 use crate::openai::non_negative;
 use crate::openai::responses::{
     IncompleteDetails, OutputMessage, OutputText, ResponseError, ResponseObject,
@@ -43,6 +44,7 @@ pub(super) async fn create(
             .rename_param("prompt", "input")
     };
     params.validate().map_err(|e| engine_error(e.into()))?;
+    let directive = state.kv_directive(req.kv_transfer_params.as_ref())?;
     let messages = responses_messages(req.instructions.as_deref(), &req.input)?;
     let prompt_tokens = chat_tokens(&state.engine, messages, "input").await?;
 
@@ -64,14 +66,17 @@ pub(super) async fn create(
         tool_choice: "auto",
         tools: Vec::new(),
         usage: None,
+        kv_transfer_params: None,
     };
     let stream = state
         .engine
         .submit(GenerateRequest {
-            prompt_tokens,
+            prompt_tokens: prompt_tokens.clone(),
             params,
+            kv: AppState::kv_transfer(&directive),
         })
         .map_err(engine_error)?;
+    let (stream, kv) = state.events(stream, directive, &template.id, &prompt_tokens);
     let message_id = new_id("msg_");
     tracing::debug!(id = %template.id, engine_id = %stream.id(), prompt_len, "response");
 
@@ -83,19 +88,22 @@ pub(super) async fn create(
             text: String::new(),
             sequence_number: 0,
             done: false,
+            kv,
         };
         return Ok(sse_response(stream, formatter));
     }
 
-    let generation = collect(stream, 1, prompt_len).await?;
+    let generation = collect(stream, 1, prompt_len, kv).await?;
+    let kv_transfer_params = generation.kv_transfer_params;
     let child = generation.children.into_iter().next().unwrap_or_default();
-    let response = complete(
+    let mut response = complete(
         template,
         message_id,
         child.text,
         child.finish_reason,
         &generation.usage,
     );
+    response.kv_transfer_params = kv_transfer_params;
     Ok(Json(response).into_response())
 }
 
@@ -123,6 +131,7 @@ fn complete(
     response.usage = Some(ResponseUsage::new(
         counts.prompt_tokens,
         counts.cached_tokens,
+        counts.pulled_tokens,
         counts.completion_tokens,
     ));
     response
@@ -150,6 +159,7 @@ struct ResponseStream {
     sequence_number: u64,
     /// A terminal event (`completed`, `incomplete`, `failed`) was sent.
     done: bool,
+    kv: KvReply,
 }
 
 impl ResponseStream {
@@ -231,8 +241,11 @@ impl SseFormatter for ResponseStream {
 
     fn event(&mut self, event: RequestEvent, out: &mut Vec<u8>) {
         self.counts.observe(&event);
+        self.kv.observe(&event);
         match event {
-            RequestEvent::Started { .. } => {}
+            RequestEvent::Started { .. }
+            | RequestEvent::AwaitingKv { .. }
+            | RequestEvent::KvReady(_) => {}
             RequestEvent::Token { text, .. } => self.delta(out, text),
             RequestEvent::Finished { reason, text, .. } => {
                 self.delta(out, text);
@@ -255,13 +268,14 @@ impl SseFormatter for ResponseStream {
                         part: OutputText::new(text),
                     }
                 });
-                let response = complete(
+                let mut response = complete(
                     self.response.clone(),
                     self.message_id.clone(),
                     self.text.clone(),
                     Some(reason),
                     &self.counts,
                 );
+                response.kv_transfer_params = self.kv.params();
                 let item = response
                     .output
                     .first()

@@ -1,0 +1,129 @@
+//! The leases this node granted on its blocks (as a prefill node), shared between the engine
+//! thread and the side channel that answers peers.
+//!
+//! Split of duties, so no block is ever touched by two threads:
+//! - The lease table lives here, behind one small lock: a peer's renew / confirm / release is
+//!   answered at once, without waiting for the engine to finish a step.
+//! - Block references stay with the engine thread's allocator. A grant hands one reference per
+//!   block over to the lease (taken by the engine before [`LeaseBook::grant`]). A release or an
+//!   expiry only moves the lease's blocks to `to_free`; the engine drops those references at its
+//!   next loop turn ([`LeaseBook::collect`]). Until then the blocks stay referenced, so a block
+//!   under a live lease — or just released — is never reused early.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use pd_kv_pool::{BlockId, Lease, LeaseCounts, LeaseError, LeaseId, LeaseTable};
+
+/// Live leases and their counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LeaseStats {
+    /// Leases live now.
+    pub live: usize,
+    /// Lifetime counters.
+    pub counts: LeaseCounts,
+}
+
+#[derive(Debug)]
+struct Book {
+    table: LeaseTable,
+    /// Blocks of ended leases whose references the engine has not dropped yet.
+    to_free: Vec<BlockId>,
+}
+
+/// The node's lease table; see the module docs.
+#[derive(Debug)]
+pub struct LeaseBook {
+    inner: Mutex<Book>,
+}
+
+impl LeaseBook {
+    pub(crate) fn new(duration: Duration, seed: [u8; 32]) -> Self {
+        Self {
+            inner: Mutex::new(Book {
+                table: LeaseTable::new(duration, seed),
+                to_free: Vec::new(),
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Book> {
+        // A panic while holding this lock cannot leave the table half-updated in a way that
+        // matters more than stopping the node would; keep serving.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// How long a lease lasts unless renewed.
+    pub fn duration(&self) -> Duration {
+        self.lock().table.duration()
+    }
+
+    /// Grants a lease on `blocks`; the caller handed one reference per block over to it.
+    pub(crate) fn grant(&self, blocks: Vec<BlockId>, peer: &str, now: Instant) -> Lease {
+        self.lock().table.grant(blocks, peer, now)
+    }
+
+    /// Extends a live lease; returns the new deadline.
+    ///
+    /// # Errors
+    /// [`LeaseError`] saying why the lease is not live.
+    pub fn renew(&self, id: LeaseId, generation: u64, peer: &str) -> Result<Instant, LeaseError> {
+        self.lock()
+            .table
+            .renew(id, generation, peer, Instant::now())
+    }
+
+    /// Whether the lease is live now; returns its deadline. A lease never comes back once ended,
+    /// so live now means live since it was granted.
+    ///
+    /// # Errors
+    /// [`LeaseError`] saying why it is not.
+    pub fn confirm(&self, id: LeaseId, generation: u64, peer: &str) -> Result<Instant, LeaseError> {
+        self.lock()
+            .table
+            .check(id, generation, peer, Instant::now())
+            .map(|l| l.deadline)
+    }
+
+    /// Ends a live lease; its blocks are freed at the engine's next loop turn (wake it).
+    ///
+    /// # Errors
+    /// [`LeaseError`] saying why it was not live.
+    pub(crate) fn release(
+        &self,
+        id: LeaseId,
+        generation: u64,
+        peer: &str,
+    ) -> Result<(), LeaseError> {
+        let mut book = self.lock();
+        let lease = book.table.release(id, generation, peer, Instant::now())?;
+        book.to_free.extend(lease.blocks);
+        Ok(())
+    }
+
+    /// Expires due leases and returns every block reference the engine must drop now.
+    pub(crate) fn collect(&self, now: Instant) -> Vec<BlockId> {
+        let mut book = self.lock();
+        let expired = book.table.expire(now);
+        for l in &expired {
+            tracing::warn!(lease = %l.id, blocks = l.blocks.len(), "KV lease expired unreleased");
+        }
+        let mut out = std::mem::take(&mut book.to_free);
+        out.extend(expired.into_iter().flat_map(|l| l.blocks));
+        out
+    }
+
+    /// When the next lease expires, if any.
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+        self.lock().table.next_deadline()
+    }
+
+    /// Live leases and counters.
+    pub fn stats(&self) -> LeaseStats {
+        let book = self.lock();
+        LeaseStats {
+            live: book.table.live(),
+            counts: book.table.counts(),
+        }
+    }
+}

@@ -1,0 +1,51 @@
+//! What can go wrong between the reporter and the gateway.
+
+use std::time::Duration;
+
+/// Why a connection to the gateway failed or ended. Every one of these makes the reporter back
+/// off and reconnect; only [`InvalidAddress`](Self::InvalidAddress) is returned to the caller
+/// (from [`Reporter::spawn`](crate::Reporter::spawn)), the rest show up in
+/// [`ReporterStatus::last_error`](crate::ReporterStatus::last_error) and the logs.
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    /// `--gateway` is not a usable address (`host:port` or `http://host:port`).
+    #[error("invalid gateway address {addr:?}")]
+    InvalidAddress {
+        /// The address as given.
+        addr: String,
+        /// Why it was refused.
+        #[source]
+        source: tonic::transport::Error,
+    },
+    /// No connection to the gateway (refused, unreachable, or the connect timed out).
+    #[error("cannot connect to the gateway at {addr}")]
+    Connect {
+        /// The gateway's URI.
+        addr: String,
+        /// The transport's reason.
+        #[source]
+        source: tonic::transport::Error,
+    },
+    /// The gateway refused the registration or the stream failed (status from the gateway or the
+    /// transport).
+    #[error("gateway stream failed ({:?})", .0.code())]
+    Rpc(#[from] tonic::Status),
+    /// The gateway ended the stream without an error.
+    #[error("the gateway closed the stream")]
+    Closed,
+    /// The gateway did not acknowledge the registration in time.
+    #[error("no registration acknowledgement within {0:?}")]
+    AckTimeout(Duration),
+}
+
+/// `err` and its sources, joined with `": "` (for logs).
+pub(crate) fn chain(err: &dyn std::error::Error) -> String {
+    let mut out = err.to_string();
+    let mut source = err.source();
+    while let Some(e) = source {
+        out.push_str(": ");
+        out.push_str(&e.to_string());
+        source = e.source();
+    }
+    out
+}

@@ -1,0 +1,636 @@
+//! The node's client: one tokio task that keeps a `NodeRegistry.Report` stream open to the
+//! gateway, and reconnects with backoff whenever it breaks.
+//!
+//! One connection, in order (see `proto/registry.proto` for the gateway's side):
+//!
+//! 1. `Register`, then wait for the gateway's `RegisterAck` ([`ReporterOptions::ack_timeout`]);
+//! 2. a full `NodeState` (seq 1);
+//! 3. a block resync: a fresh [`BlockSubscription`], its snapshot sent as `BlockEvents` with
+//!    `resync = true` (split into several messages when larger than
+//!    [`ReporterOptions::max_hashes_per_message`]; only the first carries `resync`);
+//! 4. then, until the stream breaks: `NodeState` every [`ReporterOptions::change_poll`] when it
+//!    differs from the last one sent and at least every state interval regardless; `BlockEvents`
+//!    deltas as the feed delivers them; a new resync whenever the feed lagged.
+//!
+//! The task only reads from the [`StateSource`]; nothing the node does waits for it. A stalled
+//! gateway stalls only this task (HTTP/2 flow control, then a bounded outgoing queue), and the
+//! block feed it stops draining drops old events instead of growing: the task resyncs when it
+//! catches up.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use pd_rpc::registry as pb;
+use pd_rpc::registry::node_registry_client::NodeRegistryClient;
+use rand::Rng;
+use tokio::sync::broadcast::{self, error::RecvError};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio::time::MissedTickBehavior;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Streaming;
+use tonic::transport::Endpoint;
+use tracing::{debug, info, warn};
+
+use crate::error::{ReportError, chain};
+use crate::registration::Registration;
+use crate::source::{BlockEvent, BlockSubscription, NodeStateSnapshot, StateSource};
+
+/// Messages queued for the gateway beyond what HTTP/2 flow control already buffers.
+const OUTBOUND_QUEUE: usize = 16;
+/// The shortest state interval a gateway may ask for.
+const MIN_STATE_INTERVAL: Duration = Duration::from_millis(10);
+
+/// Timing and sizing of the reporter. `Default` gives the production values.
+#[derive(Debug, Clone)]
+pub struct ReporterOptions {
+    /// A `NodeState` is sent at least this often, changed or not, unless the gateway's
+    /// `RegisterAck` asks for another period. Default: 1 s.
+    pub state_interval: Duration,
+    /// How often the counters are read and sent if they changed. Default: 100 ms.
+    pub change_poll: Duration,
+    /// First reconnect delay; doubles after every failed attempt, and is back to this after a
+    /// registration was acknowledged. Default: 100 ms.
+    pub backoff_initial: Duration,
+    /// Longest reconnect delay. Default: 5 s.
+    pub backoff_max: Duration,
+    /// Limit on establishing the TCP/HTTP2 connection. Default: 3 s.
+    pub connect_timeout: Duration,
+    /// Limit on the gateway's `RegisterAck` after connecting. Default: 5 s.
+    pub ack_timeout: Duration,
+    /// HTTP/2 keep-alive ping period; a gateway that does not answer a ping within this long is
+    /// taken as gone, even when the stream is idle. Default: 10 s.
+    pub keepalive: Duration,
+    /// Hashes per `BlockEvents` message (resync chunks and deltas); keeps every message far below
+    /// tonic's 4 MiB default limit. Default: 16384 (about 180 KB).
+    pub max_hashes_per_message: usize,
+    /// On shutdown, how long to wait for the gateway to see the stream end cleanly. Default: 1 s.
+    pub close_grace: Duration,
+}
+
+impl Default for ReporterOptions {
+    fn default() -> Self {
+        Self {
+            state_interval: Duration::from_secs(1),
+            change_poll: Duration::from_millis(100),
+            backoff_initial: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(3),
+            ack_timeout: Duration::from_secs(5),
+            keepalive: Duration::from_secs(10),
+            max_hashes_per_message: 16384,
+            close_grace: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Where the reporter stands, as of the last change.
+#[derive(Debug, Clone, Default)]
+pub struct ReporterStatus {
+    /// Registered with a gateway and streaming now.
+    pub connected: bool,
+    /// The `gateway_id` of the last acknowledged registration.
+    pub gateway_id: Option<String>,
+    /// Registrations acknowledged since spawn (1 after the first connection; each reconnect adds
+    /// one).
+    pub connects: u64,
+    /// Connection attempts that failed plus connections that broke.
+    pub failures: u64,
+    /// Full block resyncs sent (one per connection, plus one per lagged feed).
+    pub resyncs: u64,
+    /// The state interval in effect (the option, or what the gateway asked for).
+    pub state_interval: Duration,
+    /// The most recent failure, kept after a successful reconnect.
+    pub last_error: Option<Arc<ReportError>>,
+}
+
+/// The reporting task's state. Built and started by [`Reporter::spawn`]; the caller keeps the
+/// [`ReporterHandle`].
+pub struct Reporter {
+    addr: String,
+    endpoint: Endpoint,
+    register: pb::Register,
+    source: Arc<dyn StateSource>,
+    options: ReporterOptions,
+    status: watch::Sender<ReporterStatus>,
+    backoff: Backoff,
+    /// The connection being streamed on, kept outside the session future so a shutdown can end
+    /// it cleanly after cancelling that future.
+    live: Option<Live>,
+}
+
+impl std::fmt::Debug for Reporter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reporter")
+            .field("addr", &self.addr)
+            .field("engine_id", &self.register.engine_id)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Reporter {
+    /// Starts reporting `registration` and `source` to the gateway at `gateway_addr`
+    /// (`host:port`, or a full `http://` URI) on the current tokio runtime, and returns at once:
+    /// the first connection is made in the background, and a gateway that is down is retried
+    /// with backoff for as long as the handle lives.
+    ///
+    /// # Errors
+    /// [`ReportError::InvalidAddress`] when `gateway_addr` is not a URI; nothing is spawned then.
+    ///
+    /// # Panics
+    /// Outside a tokio runtime (as `tokio::spawn`).
+    pub fn spawn(
+        gateway_addr: impl Into<String>,
+        registration: Registration,
+        source: Arc<dyn StateSource>,
+        options: ReporterOptions,
+    ) -> Result<ReporterHandle, ReportError> {
+        let given = gateway_addr.into();
+        let addr = if given.contains("://") {
+            given.clone()
+        } else {
+            format!("http://{given}")
+        };
+        let endpoint = Endpoint::from_shared(addr.clone())
+            .map_err(|source| ReportError::InvalidAddress {
+                addr: given,
+                source,
+            })?
+            .connect_timeout(options.connect_timeout)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(options.keepalive)
+            .keep_alive_timeout(options.keepalive)
+            .keep_alive_while_idle(true);
+        let (status, status_rx) = watch::channel(ReporterStatus {
+            state_interval: options.state_interval,
+            ..ReporterStatus::default()
+        });
+        let (stop, stop_rx) = watch::channel(false);
+        let reporter = Self {
+            addr,
+            endpoint,
+            register: pb::Register::from(&registration),
+            source,
+            backoff: Backoff::new(options.backoff_initial, options.backoff_max),
+            options,
+            status,
+            live: None,
+        };
+        let task = tokio::spawn(reporter.run(stop_rx));
+        Ok(ReporterHandle {
+            status: status_rx,
+            stop,
+            task: Some(task),
+        })
+    }
+
+    async fn run(mut self, mut stop: watch::Receiver<bool>) {
+        loop {
+            let err = tokio::select! {
+                Err(err) = self.session() => err,
+                _ = stopped(&mut stop) => break,
+            };
+            self.live = None;
+            let was_connected = self.status.borrow().connected;
+            let failures = {
+                let mut failures = 0;
+                self.status.send_modify(|s| {
+                    s.connected = false;
+                    s.failures += 1;
+                    failures = s.failures;
+                });
+                failures
+            };
+            let delay = self.backoff.next_delay();
+            if was_connected {
+                warn!(gateway = %self.addr, error = %chain(&err), ?delay, "lost the gateway; reconnecting");
+            } else if self.backoff.attempts == 1 {
+                warn!(gateway = %self.addr, error = %chain(&err), ?delay, "cannot register with the gateway; retrying with backoff");
+            } else {
+                debug!(gateway = %self.addr, error = %chain(&err), ?delay, attempt = self.backoff.attempts, failures, "gateway still unavailable");
+            }
+            self.status
+                .send_modify(|s| s.last_error = Some(Arc::new(err)));
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                _ = stopped(&mut stop) => break,
+            }
+        }
+        self.close().await;
+    }
+
+    /// Ends the current connection cleanly: the request stream finishes (the gateway reads "node
+    /// leaving", not a failure), and the gateway gets `close_grace` to end its side.
+    async fn close(&mut self) {
+        self.status.send_modify(|s| s.connected = false);
+        let Some(Live {
+            tx, mut inbound, ..
+        }) = self.live.take()
+        else {
+            return;
+        };
+        drop(tx);
+        let drained = tokio::time::timeout(self.options.close_grace, async {
+            while let Ok(Some(_)) = inbound.message().await {}
+        })
+        .await;
+        if drained.is_err() {
+            debug!(gateway = %self.addr, "the gateway did not end the stream within the grace period");
+        }
+        info!(gateway = %self.addr, "stopped reporting to the gateway");
+    }
+
+    /// One connection, from connect to failure. Returns only with the reason it ended.
+    async fn session(&mut self) -> Result<std::convert::Infallible, ReportError> {
+        self.live = None;
+        let channel = self
+            .endpoint
+            .connect()
+            .await
+            .map_err(|source| ReportError::Connect {
+                addr: self.addr.clone(),
+                source,
+            })?;
+        let mut client = NodeRegistryClient::new(channel);
+        let (tx, rx) = mpsc::channel(OUTBOUND_QUEUE);
+        let register = pb::NodeMessage {
+            msg: Some(pb::node_message::Msg::Register(self.register.clone())),
+        };
+        tx.send(register).await.map_err(|_| ReportError::Closed)?;
+
+        let ack_timeout = self.options.ack_timeout;
+        let (inbound, ack) = tokio::time::timeout(ack_timeout, async {
+            let mut inbound = client.report(ReceiverStream::new(rx)).await?.into_inner();
+            loop {
+                match inbound.message().await? {
+                    Some(pb::GatewayMessage {
+                        msg: Some(pb::gateway_message::Msg::Ack(ack)),
+                    }) => return Ok((inbound, ack)),
+                    // A message this version does not know: not an acknowledgement.
+                    Some(_) => debug!("ignoring a gateway message before the acknowledgement"),
+                    None => return Err(ReportError::Closed),
+                }
+            }
+        })
+        .await
+        .map_err(|_| ReportError::AckTimeout(ack_timeout))??;
+
+        let state_interval = state_interval_from(&ack, self.options.state_interval);
+        self.backoff.reset();
+        let mut connects = 0;
+        self.status.send_modify(|s| {
+            s.connected = true;
+            s.connects += 1;
+            s.gateway_id = Some(ack.gateway_id.clone());
+            s.state_interval = state_interval;
+            connects = s.connects;
+        });
+        info!(gateway = %self.addr, gateway_id = %ack.gateway_id, connects, ?state_interval, "registered with the gateway");
+
+        let live = self.live.insert(Live {
+            tx,
+            inbound,
+            seq: 0,
+            last_state: None,
+            last_sent: Instant::now(),
+            state_interval,
+        });
+        live.send_state(self.source.state()).await?;
+        let mut blocks = self.source.subscribe_blocks();
+        live.send_resync(&mut blocks, self.options.max_hashes_per_message)
+            .await?;
+        self.status.send_modify(|s| s.resyncs += 1);
+
+        let mut feed_open = true;
+        let mut poll = tokio::time::interval(self.options.change_poll);
+        poll.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                msg = live.inbound.message() => match msg? {
+                    Some(pb::GatewayMessage { msg: Some(pb::gateway_message::Msg::Ack(ack)) }) => {
+                        let interval = state_interval_from(&ack, self.options.state_interval);
+                        live.state_interval = interval;
+                        self.status.send_modify(|s| s.state_interval = interval);
+                    }
+                    Some(_) => debug!("ignoring an unknown gateway message"),
+                    None => return Err(ReportError::Closed),
+                },
+                _ = poll.tick() => {
+                    let state = self.source.state();
+                    if live.last_state != Some(state) || live.last_sent.elapsed() >= live.state_interval {
+                        live.send_state(state).await?;
+                    }
+                }
+                event = blocks.events.recv(), if feed_open => match event {
+                    Ok(first) => {
+                        live.send_deltas(first, &mut blocks, self.options.max_hashes_per_message).await?;
+                    }
+                    Err(RecvError::Lagged(missed)) => {
+                        warn!(missed, "block event feed lagged behind the node; resyncing");
+                        blocks = self.source.subscribe_blocks();
+                        live.send_resync(&mut blocks, self.options.max_hashes_per_message).await?;
+                        self.status.send_modify(|s| s.resyncs += 1);
+                    }
+                    Err(RecvError::Closed) => {
+                        debug!("the node closed its block event feed");
+                        feed_open = false;
+                    }
+                },
+            }
+        }
+    }
+}
+
+/// The state interval `ack` asks for, or `default`.
+fn state_interval_from(ack: &pb::RegisterAck, default: Duration) -> Duration {
+    match ack.state_interval_ms {
+        0 => default,
+        ms => Duration::from_millis(u64::from(ms)).max(MIN_STATE_INTERVAL),
+    }
+}
+
+/// One registered connection.
+struct Live {
+    tx: mpsc::Sender<pb::NodeMessage>,
+    inbound: Streaming<pb::GatewayMessage>,
+    /// Last `NodeState.seq` sent on this connection.
+    seq: u64,
+    last_state: Option<NodeStateSnapshot>,
+    last_sent: Instant,
+    state_interval: Duration,
+}
+
+impl Live {
+    async fn send(&self, msg: pb::node_message::Msg) -> Result<(), ReportError> {
+        self.tx
+            .send(pb::NodeMessage { msg: Some(msg) })
+            .await
+            .map_err(|_| ReportError::Closed)
+    }
+
+    async fn send_state(&mut self, state: NodeStateSnapshot) -> Result<(), ReportError> {
+        self.seq += 1;
+        let leases = state.leases;
+        let msg = pb::NodeState {
+            seq: self.seq,
+            unix_ms: unix_ms(),
+            total_blocks: state.total_blocks,
+            free_blocks: state.free_blocks,
+            waiting: state.waiting,
+            running: state.running,
+            waiting_remote_kv: state.waiting_remote_kv,
+            leases: Some(pb::LeaseCounters {
+                granted: leases.granted,
+                renewed: leases.renewed,
+                released: leases.released,
+                expired: leases.expired,
+                live: leases.live,
+            }),
+        };
+        self.send(pb::node_message::Msg::State(msg)).await?;
+        self.last_state = Some(state);
+        self.last_sent = Instant::now();
+        Ok(())
+    }
+
+    /// Sends `blocks.stored` as a resync (at least one message, even when empty).
+    async fn send_resync(
+        &mut self,
+        blocks: &mut BlockSubscription,
+        max_per_message: usize,
+    ) -> Result<(), ReportError> {
+        let stored = std::mem::take(&mut blocks.stored);
+        let mut chunks = stored.chunks(max_per_message.max(1));
+        let first = chunks.next().unwrap_or_default();
+        self.send(pb::node_message::Msg::Blocks(pb::BlockEvents {
+            resync: true,
+            stored: first.to_vec(),
+            removed: Vec::new(),
+        }))
+        .await?;
+        for chunk in chunks {
+            self.send(pb::node_message::Msg::Blocks(pb::BlockEvents {
+                resync: false,
+                stored: chunk.to_vec(),
+                removed: Vec::new(),
+            }))
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// Sends `first` and the events already waiting behind it (see [`drain_deltas`]).
+    async fn send_deltas(
+        &mut self,
+        first: BlockEvent,
+        blocks: &mut BlockSubscription,
+        max_per_message: usize,
+    ) -> Result<(), ReportError> {
+        for msg in drain_deltas(first, &mut blocks.events, max_per_message) {
+            self.send(pb::node_message::Msg::Blocks(msg)).await?;
+        }
+        Ok(())
+    }
+}
+
+/// `first` and up to `max - 1` events already waiting behind it, as `BlockEvents` deltas in
+/// order, split so that no hash appears twice in one message (the two lists of one message
+/// commute; see the proto). Never waits, and takes at most `max` events, so a node producing
+/// events faster than they are sent cannot keep this loop busy. A lag noticed here is left in
+/// the feed: the next `recv` reports it and the caller resyncs.
+fn drain_deltas(
+    first: BlockEvent,
+    events: &mut broadcast::Receiver<BlockEvent>,
+    max: usize,
+) -> Vec<pb::BlockEvents> {
+    let mut out = Vec::new();
+    let mut batch = DeltaBatch::default();
+    batch.push(first);
+    let mut taken = 1;
+    while taken < max {
+        let Ok(event) = events.try_recv() else {
+            break;
+        };
+        if batch.hashes.contains(&event.hash()) {
+            out.push(batch.take());
+        }
+        batch.push(event);
+        taken += 1;
+    }
+    out.push(batch.take());
+    out
+}
+
+/// A `BlockEvents` delta being built.
+#[derive(Default)]
+struct DeltaBatch {
+    stored: Vec<u64>,
+    removed: Vec<u64>,
+    hashes: HashSet<u64>,
+}
+
+impl DeltaBatch {
+    fn push(&mut self, event: BlockEvent) {
+        self.hashes.insert(event.hash());
+        match event {
+            BlockEvent::Stored(h) => self.stored.push(h),
+            BlockEvent::Removed(h) => self.removed.push(h),
+        }
+    }
+
+    fn take(&mut self) -> pb::BlockEvents {
+        self.hashes.clear();
+        pb::BlockEvents {
+            resync: false,
+            stored: std::mem::take(&mut self.stored),
+            removed: std::mem::take(&mut self.removed),
+        }
+    }
+}
+
+/// Exponential backoff with jitter: `initial`, doubling up to `max`; each delay is drawn from
+/// `[d/2, d]` so that nodes restarted together do not reconnect in lockstep.
+#[derive(Debug)]
+struct Backoff {
+    initial: Duration,
+    max: Duration,
+    next: Duration,
+    /// Delays handed out since the last reset.
+    attempts: u32,
+}
+
+impl Backoff {
+    fn new(initial: Duration, max: Duration) -> Self {
+        let initial = initial.max(Duration::from_millis(1));
+        Self {
+            initial,
+            max: max.max(initial),
+            next: initial,
+            attempts: 0,
+        }
+    }
+
+    fn next_delay(&mut self) -> Duration {
+        let d = self.next;
+        self.next = (d * 2).min(self.max);
+        self.attempts += 1;
+        let half = d / 2;
+        half + rand::rng().random_range(Duration::ZERO..=d - half)
+    }
+
+    fn reset(&mut self) {
+        self.next = self.initial;
+        self.attempts = 0;
+    }
+}
+
+/// Handle to a running [`Reporter`]. Dropping it stops the task as
+/// [`shutdown`](Self::shutdown) does, without waiting for it.
+#[derive(Debug)]
+pub struct ReporterHandle {
+    status: watch::Receiver<ReporterStatus>,
+    stop: watch::Sender<bool>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl ReporterHandle {
+    /// Where the reporter stands now.
+    pub fn status(&self) -> ReporterStatus {
+        self.status.borrow().clone()
+    }
+
+    /// A receiver that sees every status change (for readiness probes and tests).
+    pub fn watch_status(&self) -> watch::Receiver<ReporterStatus> {
+        self.status.clone()
+    }
+
+    /// Stops reporting: a live stream is ended cleanly (the gateway sees the node leave, not
+    /// fail), waiting at most [`ReporterOptions::close_grace`] for the gateway; a pending
+    /// connection attempt or backoff is abandoned. Returns when the task has ended.
+    pub async fn shutdown(mut self) {
+        self.stop.send_replace(true);
+        if let Some(task) = self.task.take()
+            && let Err(e) = task.await
+        {
+            warn!(error = %e, "the reporter task did not end cleanly");
+        }
+    }
+}
+
+impl Drop for ReporterHandle {
+    fn drop(&mut self) {
+        self.stop.send_replace(true);
+    }
+}
+
+/// Resolves once a stop is requested (or the handle is gone).
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+fn unix_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_to_the_cap_with_jitter_and_resets() {
+        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(400));
+        let bounds = [(50, 100), (100, 200), (200, 400), (200, 400), (200, 400)];
+        for (lo, hi) in bounds {
+            let d = b.next_delay();
+            assert!(
+                d >= Duration::from_millis(lo) && d <= Duration::from_millis(hi),
+                "{d:?} not in [{lo}, {hi}] ms"
+            );
+        }
+        b.reset();
+        assert!(b.next_delay() <= Duration::from_millis(100));
+    }
+
+    #[test]
+    fn deltas_keep_order_and_never_repeat_a_hash_within_one_message() {
+        let feed = crate::StoredBlocks::with_capacity(64);
+        let mut sub = feed.subscribe();
+        feed.insert(7);
+        feed.insert(8);
+        feed.remove(7);
+        feed.insert(7);
+        feed.insert(9);
+        let first = sub.events.try_recv().expect("an event");
+        let msgs: Vec<_> = drain_deltas(first, &mut sub.events, 64)
+            .into_iter()
+            .map(|m| (m.resync, m.stored, m.removed))
+            .collect();
+        assert_eq!(
+            msgs,
+            vec![
+                (false, vec![7, 8], vec![]),
+                (false, vec![], vec![7]),
+                (false, vec![7, 9], vec![]),
+            ]
+        );
+    }
+
+    #[test]
+    fn one_drain_takes_at_most_max_events() {
+        let feed = crate::StoredBlocks::with_capacity(64);
+        let mut sub = feed.subscribe();
+        for h in 0..10 {
+            feed.insert(h);
+        }
+        let first = sub.events.try_recv().expect("an event");
+        let msgs = drain_deltas(first, &mut sub.events, 4);
+        assert_eq!(msgs.len(), 1);
+        assert_eq!(msgs[0].stored, vec![0, 1, 2, 3]);
+        let next = sub.events.try_recv().expect("the rest stays in the feed");
+        assert_eq!(next, BlockEvent::Stored(4));
+    }
+}

@@ -1,0 +1,474 @@
+//! Prefill/decode disaggregation as one node plays it: its role, what it advertises as a
+//! producer, and the consumer's side — wait for blocks, pull them from the producer, confirm
+//! and release the lease, then let the engine decode.
+//!
+//! The consumer path of one request is a task between the engine's [`RequestStream`] and the
+//! HTTP body ([`Events::Relayed`]):
+//! 1. wait for [`RequestEvent::AwaitingKv`] (blocks reserved; other requests keep running);
+//! 2. check the params against the prompt, connect and handshake (cached per peer), renew the
+//!    lease while waiting ([`LeaseKeeper`]), pull, confirm the lease;
+//! 3. release the lease (in the background), tell the engine what arrived — or, when something
+//!    failed, apply the failure policy: fail the request, or recompute and count why;
+//! 4. relay events until the request ends. A client that goes away aborts the request and
+//!    releases the producer's lease at once; a pull already posted is waited for first, since
+//!    its writes land in blocks the engine would otherwise reuse.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use pd_engine::{EngineHandle, RemoteKv, RequestEvent, RequestId, RequestStream};
+use pd_kv_transfer::{
+    CompatInfo, FailurePolicy, Fallback, HandshakeCache, LeaseKeeper, LeasedBlocks, PeerClient,
+    PeerInfo, Puller, TransferError, TransferMetrics, pull_under_lease,
+};
+use tokio::sync::mpsc;
+
+use crate::kv_params::{Advert, RemotePrefill, prompt_hash};
+
+/// A node's part in P/D disaggregation (vLLM's `kv_role`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvRole {
+    /// No KV transfer: `kv_transfer_params` asking for one is refused.
+    #[default]
+    Standalone,
+    /// Prefill node: serves `do_remote_decode` requests.
+    Producer,
+    /// Decode node: serves `do_remote_prefill` requests.
+    Consumer,
+    /// Both (vLLM's deprecated `kv_both`).
+    Both,
+}
+
+impl KvRole {
+    /// Whether `do_remote_decode` requests are served.
+    pub fn produces(self) -> bool {
+        matches!(self, KvRole::Producer | KvRole::Both)
+    }
+
+    /// Whether `do_remote_prefill` requests are served.
+    pub fn consumes(self) -> bool {
+        matches!(self, KvRole::Consumer | KvRole::Both)
+    }
+
+    /// vLLM's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvRole::Standalone => "standalone",
+            KvRole::Producer => "kv_producer",
+            KvRole::Consumer => "kv_consumer",
+            KvRole::Both => "kv_both",
+        }
+    }
+}
+
+/// How a consumer pulls.
+#[derive(Debug, Clone)]
+pub struct PullConfig {
+    /// This node's engine id (sent to producers with every lease call).
+    pub engine_id: String,
+    /// What to do when the KV does not arrive.
+    pub policy: FailurePolicy,
+    /// Compute prompts locally when fewer than this many tokens would be pulled.
+    pub recompute_threshold: usize,
+    /// Skip the handshake's compatibility check (both sides must agree to).
+    pub skip_compat_check: bool,
+    /// How often to renew a lease while waiting (the producer's duration / 6).
+    pub renew_interval: std::time::Duration,
+}
+
+/// Everything P/D about one node, shared by the HTTP handlers.
+#[derive(Debug)]
+pub struct Disagg {
+    pub(crate) role: KvRole,
+    /// Set when the node produces: how proxies reach its side channel.
+    pub(crate) advert: Option<Advert>,
+    pub(crate) loader: Option<Loader>,
+    pub(crate) metrics: Arc<TransferMetrics>,
+}
+
+impl Disagg {
+    /// A node without KV transfer.
+    pub fn standalone() -> Self {
+        Self {
+            role: KvRole::Standalone,
+            advert: None,
+            loader: None,
+            metrics: Arc::new(TransferMetrics::new()),
+        }
+    }
+
+    /// A node playing `role`. A producer needs `advert` (engine id and the side channel's host
+    /// and port); a consumer needs a `puller` over the engine's pool and `pull`.
+    pub fn new(
+        role: KvRole,
+        engine: &EngineHandle,
+        engine_id: &str,
+        side_channel: Option<(String, u16)>,
+        puller: Option<Puller>,
+        pull: PullConfig,
+        metrics: Arc<TransferMetrics>,
+    ) -> Self {
+        let info = engine.info();
+        let advert = side_channel.map(|(host, port)| Advert {
+            engine_id: engine_id.to_string(),
+            host,
+            port,
+        });
+        let loader = puller.map(|puller| Loader {
+            puller,
+            compat: CompatInfo::new(info.model_name.clone(), &info.kv_layout),
+            epoch: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
+            block_size: info.block_size,
+            cfg: pull,
+            clients: Mutex::new(HashMap::new()),
+            handshakes: tokio::sync::Mutex::new(HandshakeCache::default()),
+        });
+        Self {
+            role,
+            advert,
+            loader,
+            metrics,
+        }
+    }
+
+    /// The transfer metrics (for `/metrics`).
+    pub fn metrics(&self) -> &TransferMetrics {
+        &self.metrics
+    }
+}
+
+/// The consumer's pulling machinery.
+pub(crate) struct Loader {
+    puller: Puller,
+    compat: CompatInfo,
+    epoch: u64,
+    block_size: usize,
+    cfg: PullConfig,
+    /// Side-channel clients per producer address.
+    clients: Mutex<HashMap<String, PeerClient>>,
+    handshakes: tokio::sync::Mutex<HandshakeCache>,
+}
+
+impl std::fmt::Debug for Loader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loader")
+            .field("engine_id", &self.cfg.engine_id)
+            .finish()
+    }
+}
+
+/// A request's events as the HTTP layer reads them: straight from the engine, or relayed by the
+/// consumer task. Dropping it aborts the request either way.
+#[derive(Debug)]
+pub(crate) enum Events {
+    Engine(RequestStream),
+    Relayed(RequestId, mpsc::UnboundedReceiver<RequestEvent>),
+}
+
+impl Events {
+    pub(crate) fn id(&self) -> RequestId {
+        match self {
+            Events::Engine(s) => s.id(),
+            Events::Relayed(id, _) => *id,
+        }
+    }
+
+    /// Next event; `None` when the request ended.
+    pub(crate) async fn recv(&mut self) -> Option<RequestEvent> {
+        match self {
+            Events::Engine(s) => s.recv().await,
+            Events::Relayed(_, rx) => rx.recv().await,
+        }
+    }
+}
+
+/// Why a pull did not happen or failed, before the failure policy.
+enum Skip {
+    /// Nothing to pull (the local prefix cache had it): not a recompute.
+    Nothing,
+    /// Fewer tokens than the threshold: computed here on purpose (counted).
+    BelowThreshold,
+}
+
+impl Loader {
+    async fn client(&self, addr: &str) -> Result<PeerClient, TransferError> {
+        if let Some(c) = self
+            .clients
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(addr)
+        {
+            return Ok(c.clone());
+        }
+        let c = PeerClient::connect(addr, &self.cfg.engine_id).await?;
+        self.clients
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(addr.to_string(), c.clone());
+        Ok(c)
+    }
+
+    /// Forgets a producer after a failure, so the next request connects and handshakes afresh.
+    async fn forget(&self, addr: &str) {
+        self.clients
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(addr);
+        self.handshakes.lock().await.invalidate(addr);
+    }
+
+    /// Checks `remote` against the prompt and reaches the producer (cancellable: nothing is
+    /// written locally yet).
+    async fn prepare(
+        &self,
+        remote: &RemotePrefill,
+        prompt: &[u32],
+    ) -> Result<(PeerClient, PeerInfo), TransferError> {
+        let want_blocks = prompt.len().div_ceil(self.block_size);
+        if remote.block_ids.len() != want_blocks {
+            return Err(TransferError::Mismatch(format!(
+                "{} remote blocks for a prompt of {} tokens ({want_blocks} blocks of {})",
+                remote.block_ids.len(),
+                prompt.len(),
+                self.block_size
+            )));
+        }
+        if let Some(n) = remote.num_tokens
+            && n != prompt.len()
+        {
+            return Err(TransferError::Mismatch(format!(
+                "remote_num_tokens is {n}, the prompt has {} tokens",
+                prompt.len()
+            )));
+        }
+        if let Some(h) = remote.prompt_hash
+            && h != prompt_hash(prompt)
+        {
+            return Err(TransferError::Mismatch(
+                "remote_prompt_hash differs: the producer computed another prompt".into(),
+            ));
+        }
+        let addr = remote.side_channel();
+        let mut client = self.client(&addr).await?;
+        let peer = {
+            let mut cache = self.handshakes.lock().await;
+            let mut peer = cache
+                .get(
+                    &mut client,
+                    &self.compat,
+                    self.epoch,
+                    self.cfg.skip_compat_check,
+                )
+                .await?;
+            if peer.engine_id != remote.engine_id {
+                // Maybe the producer restarted under another id: ask again once.
+                cache.invalidate(&addr);
+                peer = cache
+                    .get(
+                        &mut client,
+                        &self.compat,
+                        self.epoch,
+                        self.cfg.skip_compat_check,
+                    )
+                    .await?;
+            }
+            peer
+        };
+        if peer.engine_id != remote.engine_id {
+            return Err(TransferError::Mismatch(format!(
+                "remote_engine_id is {:?} but {addr} is engine {:?}",
+                remote.engine_id, peer.engine_id
+            )));
+        }
+        Ok((client, peer))
+    }
+}
+
+/// Releases the leases of `remotes` (deduplicated) in the background; unacknowledged releases
+/// are counted (the lease then ends by expiry on the producer).
+fn release_all(disagg: &Arc<Disagg>, remotes: &[RemotePrefill]) {
+    let mut seen = std::collections::HashSet::new();
+    for r in remotes {
+        if !seen.insert((r.side_channel(), r.lease, r.generation)) {
+            continue;
+        }
+        let disagg = disagg.clone();
+        let r = r.clone();
+        tokio::spawn(async move {
+            let result = match disagg.loader().client(&r.side_channel()).await {
+                Ok(mut c) => c.release(r.lease, r.generation).await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = result {
+                disagg.metrics.notification_failures.inc();
+                tracing::warn!(lease = %r.lease, producer = %r.engine_id, error = %e, "releasing a KV lease failed");
+            }
+        });
+    }
+}
+
+impl Disagg {
+    fn loader(&self) -> &Loader {
+        // Only built through `consume`, which checks the loader exists.
+        self.loader
+            .as_ref()
+            .expect("consumer task started without a loader")
+    }
+}
+
+/// Runs a consumer request: returns the events the HTTP layer reads while a task pulls the KV.
+/// `remotes[0]` drives the pull; every distinct lease in `remotes` is released at the end.
+///
+/// The caller must have checked that `disagg` has a loader.
+pub(crate) fn consume(
+    disagg: Arc<Disagg>,
+    engine: EngineHandle,
+    stream: RequestStream,
+    remotes: Vec<RemotePrefill>,
+    prompt: Vec<u32>,
+) -> Events {
+    let id = stream.id();
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(relay(disagg, engine, stream, remotes, prompt, tx));
+    Events::Relayed(id, rx)
+}
+
+async fn relay(
+    disagg: Arc<Disagg>,
+    engine: EngineHandle,
+    mut stream: RequestStream,
+    remotes: Vec<RemotePrefill>,
+    prompt: Vec<u32>,
+    tx: mpsc::UnboundedSender<RequestEvent>,
+) {
+    let loader = disagg.loader();
+    let id = stream.id();
+    // 1. Blocks reserved?
+    let (blocks, first_block, cached) = loop {
+        tokio::select! {
+            () = tx.closed() => {
+                release_all(&disagg, &remotes);
+                return;
+            }
+            e = stream.recv() => match e {
+                Some(RequestEvent::AwaitingKv { blocks, first_block, cached_tokens }) => {
+                    break (blocks, first_block, cached_tokens);
+                }
+                Some(other) => {
+                    // Only a failure can come first; pass it on and stop.
+                    let _ = tx.send(other);
+                    release_all(&disagg, &remotes);
+                    return;
+                }
+                None => {
+                    release_all(&disagg, &remotes);
+                    return;
+                }
+            }
+        }
+    };
+    let remote = &remotes[0];
+    let wanted = prompt.len().saturating_sub(1).saturating_sub(cached);
+    let skip = if wanted == 0 || blocks.is_empty() {
+        Some(Skip::Nothing)
+    } else if wanted < loader.cfg.recompute_threshold {
+        Some(Skip::BelowThreshold)
+    } else {
+        None
+    };
+    // 2. Pull.
+    let outcome: Result<RemoteKv, TransferError> = match skip {
+        Some(Skip::Nothing) => Ok(RemoteKv::Pulled(cached)),
+        Some(Skip::BelowThreshold) => {
+            disagg
+                .metrics
+                .recomputes
+                .with_label_values(&["below_threshold"])
+                .inc();
+            tracing::debug!(request = %id, tokens = wanted, "below kv_recompute_threshold: computing locally");
+            Ok(RemoteKv::Recompute)
+        }
+        None => {
+            let prepared = tokio::select! {
+                () = tx.closed() => {
+                    release_all(&disagg, &remotes);
+                    return;
+                }
+                p = loader.prepare(remote, &prompt) => p,
+            };
+            match prepared {
+                Err(e) => {
+                    // (`pull_under_lease` records its own outcomes.)
+                    disagg.metrics.record_failure(&e);
+                    Err(e)
+                }
+                Ok((mut client, peer)) => {
+                    let keeper = LeaseKeeper::start(
+                        client.clone(),
+                        remote.lease,
+                        remote.generation,
+                        loader.cfg.renew_interval,
+                        disagg.metrics.clone(),
+                    );
+                    let leased = LeasedBlocks {
+                        lease: remote.lease,
+                        generation: remote.generation,
+                        remote: remote.block_ids[first_block..].to_vec(),
+                        local: blocks,
+                    };
+                    // Not cancellable: the reads land in our reserved blocks.
+                    let r = pull_under_lease(
+                        &loader.puller,
+                        &mut client,
+                        &peer,
+                        leased,
+                        &disagg.metrics,
+                    )
+                    .await;
+                    drop(keeper);
+                    r.map(|_| RemoteKv::Pulled(prompt.len()))
+                }
+            }
+        }
+    };
+    // 3. Release the producer's blocks and start decoding (or fail).
+    release_all(&disagg, &remotes);
+    match outcome {
+        Ok(kv) => engine.remote_kv_ready(id, kv),
+        Err(e) => {
+            if !matches!(e, TransferError::Mismatch(_)) {
+                // Reconnect and handshake afresh next time.
+                loader.forget(&remote.side_channel()).await;
+            }
+            let reason = e.reason();
+            match loader.cfg.policy.apply(e) {
+                Ok(Fallback::Recompute) => {
+                    disagg.metrics.recomputes.with_label_values(&[reason]).inc();
+                    engine.remote_kv_ready(id, RemoteKv::Recompute);
+                }
+                Err(e) => {
+                    let _ = tx.send(RequestEvent::Failed {
+                        message: format!("KV transfer failed ({reason}): {e}"),
+                    });
+                    return; // dropping `stream` aborts the request and frees its blocks
+                }
+            }
+        }
+    }
+    // 4. Relay.
+    loop {
+        tokio::select! {
+            () = tx.closed() => return,
+            e = stream.recv() => match e {
+                Some(e) => {
+                    if tx.send(e).is_err() {
+                        return;
+                    }
+                }
+                None => return,
+            }
+        }
+    }
+}

@@ -1,0 +1,438 @@
+//! `kv_transfer_params` on the wire, as vLLM's NixlConnector and its proxies speak it (pull
+//! mode), plus our lease fields.
+//!
+//! Request side: a proxy asks a prefill node for `{"do_remote_decode": true, ...}` and copies
+//! the object it gets back into the request to a decode node (`{"do_remote_prefill": true,
+//! "remote_block_ids": [...], "remote_engine_id", "remote_request_id", "remote_host",
+//! "remote_port", "tp_size", ...}`). A decode node also accepts a *list* of such objects, one per
+//! child (seed PR #38900). A field of the wrong type is a 400 naming it; a pull request missing
+//! a field is served without a pull, as vLLM does, and counted by the caller.
+//!
+//! Response side: a prefill node answers with the object above, plus `remote_num_tokens`,
+//! `remote_lease_id`, `remote_lease_generation`, `remote_blocks_expiry_time` (Unix seconds) and
+//! `remote_prompt_hash` (hex xxh3 of the prompt's token ids, checked by the decode node).
+
+use pd_engine::KvHandoff;
+use pd_kv_pool::{BlockId, LeaseId, block_hash};
+use serde_json::{Map, Value, json};
+
+use crate::error::ApiError;
+
+/// The request field.
+pub(crate) const FIELD: &str = "kv_transfer_params";
+
+/// What a request's `kv_transfer_params` asks of this node.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum KvDirective {
+    /// Absent, `null`, or neither flag set: an ordinary request.
+    None,
+    /// `do_remote_decode: true`: prefill here, hand the KV to a decode node.
+    Produce,
+    /// `do_remote_prefill: true` with everything needed: pull the prompt's KV. More than one
+    /// object (one per child) may name the same blocks; the first drives the pull.
+    Consume(Vec<RemotePrefill>),
+    /// `do_remote_prefill: true` but `missing` is absent: served without a pull.
+    Incomplete {
+        /// The first missing field.
+        missing: &'static str,
+    },
+}
+
+/// Where a prompt's KV is and how to claim it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct RemotePrefill {
+    pub(crate) block_ids: Vec<BlockId>,
+    pub(crate) engine_id: String,
+    pub(crate) request_id: String,
+    pub(crate) host: String,
+    pub(crate) port: u16,
+    pub(crate) lease: LeaseId,
+    pub(crate) generation: u64,
+    /// Prompt tokens the blocks hold, when the producer said.
+    pub(crate) num_tokens: Option<usize>,
+    /// xxh3 of the producer's prompt token ids, when it said.
+    pub(crate) prompt_hash: Option<u64>,
+}
+
+impl RemotePrefill {
+    /// The producer's side channel, as a tonic endpoint URI.
+    pub(crate) fn side_channel(&self) -> String {
+        if self.host.contains(':') && !self.host.starts_with('[') {
+            format!("http://[{}]:{}", self.host, self.port)
+        } else {
+            format!("http://{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// Hash of a prompt's token ids as carried in `remote_prompt_hash`.
+pub(crate) fn prompt_hash(tokens: &[u32]) -> u64 {
+    block_hash(None, tokens).0
+}
+
+fn bad(field: &str, message: String) -> ApiError {
+    ApiError::InvalidRequest {
+        message,
+        param: Some(format!("{FIELD}.{field}")),
+    }
+}
+
+fn get<'a>(o: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
+    o.get(k).filter(|v| !v.is_null())
+}
+
+fn boolean(o: &Map<String, Value>, k: &str) -> Result<bool, ApiError> {
+    match get(o, k) {
+        None => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(v) => Err(bad(k, format!("{FIELD}.{k} must be a boolean, got {v}"))),
+    }
+}
+
+fn string(o: &Map<String, Value>, k: &str) -> Result<Option<String>, ApiError> {
+    match get(o, k) {
+        None => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(v) => Err(bad(k, format!("{FIELD}.{k} must be a string, got {v}"))),
+    }
+}
+
+fn unsigned(o: &Map<String, Value>, k: &str, max: u64) -> Result<Option<u64>, ApiError> {
+    match get(o, k) {
+        None => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(n) if n <= max => Ok(Some(n)),
+            _ => Err(bad(
+                k,
+                format!("{FIELD}.{k} must be an integer between 0 and {max}, got {v}"),
+            )),
+        },
+    }
+}
+
+/// Parses one params object.
+fn parse_one(v: &Value) -> Result<KvDirective, ApiError> {
+    let Value::Object(o) = v else {
+        return Err(ApiError::InvalidRequest {
+            message: format!("{FIELD} must be an object or a list of objects, got {v}"),
+            param: Some(FIELD.into()),
+        });
+    };
+    let decode = boolean(o, "do_remote_decode")?;
+    let prefill = boolean(o, "do_remote_prefill")?;
+    let block_ids = match get(o, "remote_block_ids") {
+        None => None,
+        Some(Value::Array(ids)) => Some(
+            ids.iter()
+                .map(|id| {
+                    id.as_u64()
+                        .and_then(|n| u32::try_from(n).ok())
+                        .map(BlockId)
+                        .ok_or_else(|| {
+                            bad(
+                                "remote_block_ids",
+                                format!(
+                                    "{FIELD}.remote_block_ids must hold block numbers, got {id}"
+                                ),
+                            )
+                        })
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+        ),
+        Some(v) => {
+            return Err(bad(
+                "remote_block_ids",
+                format!("{FIELD}.remote_block_ids must be a list, got {v}"),
+            ));
+        }
+    };
+    let engine_id = string(o, "remote_engine_id")?;
+    let request_id = match get(o, "remote_request_id") {
+        // vLLM sends a string; accept a number too.
+        Some(Value::Number(n)) => Some(n.to_string()),
+        _ => string(o, "remote_request_id")?,
+    };
+    let host = string(o, "remote_host")?;
+    let port = unsigned(o, "remote_port", u16::MAX.into())?.map(|p| p as u16);
+    if let Some(tp) = unsigned(o, "tp_size", u32::MAX.into())?
+        && tp != 1
+    {
+        return Err(bad(
+            "tp_size",
+            format!("{FIELD}.tp_size {tp} is not supported: nodes run with tp_size 1"),
+        ));
+    }
+    let num_tokens = unsigned(o, "remote_num_tokens", u32::MAX.into())?.map(|n| n as usize);
+    let lease = match string(o, "remote_lease_id")? {
+        None => None,
+        Some(s) => Some(s.parse::<LeaseId>().map_err(|_| {
+            bad(
+                "remote_lease_id",
+                format!("{FIELD}.remote_lease_id must be 32 hex digits, got {s:?}"),
+            )
+        })?),
+    };
+    let generation = unsigned(o, "remote_lease_generation", u64::MAX)?;
+    let prompt_hash = match string(o, "remote_prompt_hash")? {
+        None => None,
+        Some(s) => Some(u64::from_str_radix(&s, 16).map_err(|_| {
+            bad(
+                "remote_prompt_hash",
+                format!("{FIELD}.remote_prompt_hash must be hex, got {s:?}"),
+            )
+        })?),
+    };
+    if decode && prefill {
+        return Err(ApiError::InvalidRequest {
+            message: format!("{FIELD} cannot ask for both do_remote_decode and do_remote_prefill"),
+            param: Some(FIELD.into()),
+        });
+    }
+    if decode {
+        return Ok(KvDirective::Produce);
+    }
+    if !prefill {
+        return Ok(KvDirective::None);
+    }
+    let missing = |f: &'static str| KvDirective::Incomplete { missing: f };
+    let Some(block_ids) = block_ids else {
+        return Ok(missing("remote_block_ids"));
+    };
+    let Some(engine_id) = engine_id else {
+        return Ok(missing("remote_engine_id"));
+    };
+    let Some(request_id) = request_id else {
+        return Ok(missing("remote_request_id"));
+    };
+    let Some(host) = host else {
+        return Ok(missing("remote_host"));
+    };
+    let Some(port) = port else {
+        return Ok(missing("remote_port"));
+    };
+    let Some(lease) = lease else {
+        return Ok(missing("remote_lease_id"));
+    };
+    let Some(generation) = generation else {
+        return Ok(missing("remote_lease_generation"));
+    };
+    Ok(KvDirective::Consume(vec![RemotePrefill {
+        block_ids,
+        engine_id,
+        request_id,
+        host,
+        port,
+        lease,
+        generation,
+        num_tokens,
+        prompt_hash,
+    }]))
+}
+
+/// Parses a request's `kv_transfer_params` (absent, `null`, an object, or a list of objects).
+///
+/// # Errors
+/// A 400 naming the field whose type is wrong, or a list that mixes directions.
+pub(crate) fn parse(v: Option<&Value>) -> Result<KvDirective, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(KvDirective::None),
+        Some(Value::Array(items)) if items.is_empty() => Ok(KvDirective::None),
+        Some(Value::Array(items)) => {
+            let parsed = items.iter().map(parse_one).collect::<Result<Vec<_>, _>>()?;
+            let mut out = parsed[0].clone();
+            for p in &parsed[1..] {
+                out = match (out, p) {
+                    (KvDirective::Consume(mut a), KvDirective::Consume(b)) => {
+                        a.extend(b.iter().cloned());
+                        KvDirective::Consume(a)
+                    }
+                    (i @ KvDirective::Incomplete { .. }, _) => i,
+                    (_, i @ KvDirective::Incomplete { .. }) => i.clone(),
+                    (a, b) if a == *b => a,
+                    _ => {
+                        return Err(ApiError::InvalidRequest {
+                            message: format!("the objects of a {FIELD} list disagree"),
+                            param: Some(FIELD.into()),
+                        });
+                    }
+                };
+            }
+            Ok(out)
+        }
+        Some(v) => parse_one(v),
+    }
+}
+
+/// What a prefill node tells proxies about itself.
+#[derive(Debug, Clone)]
+pub(crate) struct Advert {
+    pub(crate) engine_id: String,
+    /// Host peers reach the KV side channel at.
+    pub(crate) host: String,
+    /// KV side channel port.
+    pub(crate) port: u16,
+}
+
+/// The response's `kv_transfer_params` for a prefill whose KV was handed off.
+pub(crate) fn handoff(advert: &Advert, request_id: &str, h: &KvHandoff, prompt_hash: u64) -> Value {
+    let expiry = h
+        .deadline
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    json!({
+        "do_remote_prefill": true,
+        "do_remote_decode": false,
+        "remote_block_ids": h.block_ids.iter().map(|b| b.0).collect::<Vec<_>>(),
+        "remote_engine_id": advert.engine_id,
+        "remote_request_id": request_id,
+        "remote_host": advert.host,
+        "remote_port": advert.port,
+        "tp_size": 1,
+        "remote_num_tokens": h.num_tokens,
+        "remote_lease_id": h.lease.to_string(),
+        "remote_lease_generation": h.generation,
+        "remote_blocks_expiry_time": expiry,
+        "remote_prompt_hash": format!("{prompt_hash:016x}"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(v: Value) -> Result<KvDirective, ApiError> {
+        parse(Some(&v))
+    }
+
+    fn full() -> Value {
+        json!({
+            "do_remote_prefill": true, "do_remote_decode": false,
+            "remote_block_ids": [3, 4, 9], "remote_engine_id": "p1", "remote_request_id": "cmpl-1",
+            "remote_host": "127.0.0.1", "remote_port": 7000, "tp_size": 1,
+            "remote_num_tokens": 40, "remote_lease_id": "000000000000000000000000000000ff",
+            "remote_lease_generation": 2, "remote_prompt_hash": "00ff"
+        })
+    }
+
+    #[test]
+    fn vllm_prefill_request_and_empty_forms() {
+        let proxy_to_p = json!({"do_remote_decode": true, "do_remote_prefill": false,
+            "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null});
+        assert_eq!(p(proxy_to_p).unwrap(), KvDirective::Produce);
+        assert_eq!(parse(None).unwrap(), KvDirective::None);
+        assert_eq!(p(Value::Null).unwrap(), KvDirective::None);
+        assert_eq!(p(json!({})).unwrap(), KvDirective::None);
+    }
+
+    #[test]
+    fn complete_decode_params_and_the_list_form() {
+        let KvDirective::Consume(r) = p(full()).unwrap() else {
+            panic!()
+        };
+        assert_eq!(r[0].block_ids, vec![BlockId(3), BlockId(4), BlockId(9)]);
+        assert_eq!(
+            (r[0].port, r[0].generation, r[0].prompt_hash),
+            (7000, 2, Some(255))
+        );
+        assert_eq!(r[0].side_channel(), "http://127.0.0.1:7000");
+        let KvDirective::Consume(r) = p(json!([full(), full(), full()])).unwrap() else {
+            panic!()
+        };
+        assert_eq!(r.len(), 3);
+    }
+
+    #[test]
+    fn missing_fields_mean_no_pull_and_name_the_field() {
+        for f in [
+            "remote_block_ids",
+            "remote_engine_id",
+            "remote_request_id",
+            "remote_host",
+            "remote_port",
+            "remote_lease_id",
+        ] {
+            let mut v = full();
+            v.as_object_mut().unwrap().remove(f);
+            assert_eq!(p(v).unwrap(), KvDirective::Incomplete { missing: f });
+        }
+    }
+
+    #[test]
+    fn wrong_types_are_400_naming_the_field() {
+        for (f, bad) in [
+            ("remote_block_ids", json!("1,2")),
+            ("remote_block_ids", json!([1, -2])),
+            ("remote_port", json!(70000)),
+            ("remote_port", json!("80")),
+            ("do_remote_prefill", json!("yes")),
+            ("remote_lease_id", json!("not-hex")),
+            ("tp_size", json!(2)),
+        ] {
+            let mut v = full();
+            v[f] = bad;
+            let e = p(v).unwrap_err();
+            assert_eq!(e.param(), Some(format!("{FIELD}.{f}").as_str()), "{f}");
+        }
+        assert_eq!(p(json!(3)).unwrap_err().param(), Some(FIELD));
+        let both = json!({"do_remote_decode": true, "do_remote_prefill": true});
+        assert_eq!(p(both).unwrap_err().param(), Some(FIELD));
+    }
+
+    #[test]
+    fn handoff_round_trips_through_a_proxy() {
+        let advert = Advert {
+            engine_id: "p1".into(),
+            host: "127.0.0.1".into(),
+            port: 7000,
+        };
+        let h = KvHandoff {
+            lease: LeaseId(0xabc),
+            generation: 5,
+            deadline: std::time::SystemTime::now(),
+            block_ids: vec![BlockId(1), BlockId(2)],
+            num_tokens: 7,
+        };
+        let prompt = [1, 2, 3, 4, 5, 6, 7];
+        let v = handoff(&advert, "cmpl-9", &h, prompt_hash(&prompt));
+        let KvDirective::Consume(r) = p(v).unwrap() else {
+            panic!()
+        };
+        assert_eq!(r[0].lease, LeaseId(0xabc));
+        assert_eq!(r[0].block_ids, h.block_ids);
+        assert_eq!(r[0].num_tokens, Some(7));
+        assert_eq!(r[0].prompt_hash, Some(prompt_hash(&prompt)));
+    }
+}
+
+/// Builds a prefill's response `kv_transfer_params` from the request's events.
+#[derive(Debug, Clone)]
+pub(crate) struct KvReply {
+    advert: Option<Advert>,
+    request_id: String,
+    prompt_hash: u64,
+    params: Option<Value>,
+}
+
+impl KvReply {
+    /// For request `request_id` of `prompt`; `advert` is set on a node that produces.
+    pub(crate) fn new(advert: Option<Advert>, request_id: &str, prompt: &[u32]) -> Self {
+        Self {
+            advert,
+            request_id: request_id.to_string(),
+            prompt_hash: prompt_hash(prompt),
+            params: None,
+        }
+    }
+
+    /// Notes a handoff when `event` is one.
+    pub(crate) fn observe(&mut self, event: &pd_engine::RequestEvent) {
+        if let (pd_engine::RequestEvent::KvReady(h), Some(advert)) = (event, &self.advert) {
+            self.params = Some(handoff(advert, &self.request_id, h, self.prompt_hash));
+        }
+    }
+
+    /// The response's `kv_transfer_params`, once the handoff happened.
+    pub(crate) fn params(&self) -> Option<Value> {
+        self.params.clone()
+    }
+}
