@@ -48,7 +48,8 @@ pub struct ReporterOptions {
     /// A `NodeState` is sent at least this often, changed or not, unless the gateway's
     /// `RegisterAck` asks for another period. Default: 1 s.
     pub state_interval: Duration,
-    /// How often the counters are read and sent if they changed. Default: 100 ms.
+    /// How often the counters are read and sent if they changed (the state interval instead, if
+    /// shorter). Default: 100 ms.
     pub change_poll: Duration,
     /// First reconnect delay; doubles after every failed attempt, and is back to this after a
     /// registration was acknowledged. Default: 100 ms.
@@ -304,14 +305,14 @@ impl Reporter {
         self.status.send_modify(|s| s.resyncs += 1);
 
         let mut feed_open = true;
-        let mut poll = tokio::time::interval(self.options.change_poll);
-        poll.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut poll = poll_timer(self.options.change_poll, live.state_interval);
         loop {
             tokio::select! {
                 msg = live.inbound.message() => match msg? {
                     Some(pb::GatewayMessage { msg: Some(pb::gateway_message::Msg::Ack(ack)) }) => {
                         let interval = state_interval_from(&ack, self.options.state_interval);
                         live.state_interval = interval;
+                        poll = poll_timer(self.options.change_poll, interval);
                         self.status.send_modify(|s| s.state_interval = interval);
                     }
                     Some(_) => debug!("ignoring an unknown gateway message"),
@@ -341,6 +342,15 @@ impl Reporter {
             }
         }
     }
+}
+
+/// Ticks when the counters are read: every `change_poll`, or every state interval when that is
+/// shorter (so a gateway asking for a short period gets it).
+fn poll_timer(change_poll: Duration, state_interval: Duration) -> tokio::time::Interval {
+    let period = change_poll.min(state_interval).max(MIN_STATE_INTERVAL);
+    let mut timer = tokio::time::interval(period);
+    timer.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    timer
 }
 
 /// The state interval `ack` asks for, or `default`.
