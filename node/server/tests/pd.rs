@@ -1,0 +1,660 @@
+//! Prefill/decode disaggregation between real `pd-node` processes, driven the way a vLLM proxy
+//! drives them: P gets the request with `max_tokens: 1`, `stream: false` and
+//! `kv_transfer_params: {"do_remote_decode": true}`; the `kv_transfer_params` P answers with are
+//! copied into the request to D, which pulls the prompt's KV over UCX and decodes.
+//!
+//! Correctness is token-exact: greedy output through P→D equals a standalone node's, for all three
+//! APIs, streaming and not, short and multi-block prompts, and n=3 (seeded) children. Every test
+//! also checks that the KV really moved (`kv_pulled_tokens`, transfer bytes) or, on the failure
+//! paths, that the recompute was counted with its reason.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use pd_model::tiny::{TinySpec, generate};
+use serde_json::{Value, json};
+
+struct Node {
+    child: Child,
+    http: String,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn model(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("pd-pd-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    generate(
+        &TinySpec {
+            seed: 21,
+            ..TinySpec::default()
+        },
+        &dir,
+    )
+    .unwrap();
+    dir
+}
+
+/// Starts `pd-node serve` on `model` with 4-token blocks plus `extra` flags.
+fn start(model: &Path, extra: &[&str]) -> Node {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pd-node"));
+    cmd.arg("serve").arg("--model").arg(model);
+    cmd.args([
+        "--port",
+        "0",
+        "--block-size",
+        "4",
+        "--served-model-name",
+        "tiny",
+    ]);
+    if !extra.contains(&"--num-gpu-blocks") {
+        cmd.args(["--num-gpu-blocks", "256"]);
+    }
+    cmd.args(extra);
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn pd-node");
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    loop {
+        let mut line = String::new();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "pd-node {extra:?} exited before listening"
+        );
+        if let Some(a) = line.trim().strip_prefix("pd-node listening on ") {
+            return Node {
+                child,
+                http: a.to_string(),
+            };
+        }
+    }
+}
+
+fn producer(model: &Path, extra: &[&str]) -> Node {
+    let mut args = vec![
+        "--kv-role",
+        "kv_producer",
+        "--kv-port",
+        "0",
+        "--engine-id",
+        "p1",
+    ];
+    args.extend_from_slice(extra);
+    start(model, &args)
+}
+
+fn consumer(model: &Path, policy: &str) -> Node {
+    start(
+        model,
+        &[
+            "--kv-role",
+            "kv_consumer",
+            "--kv-port",
+            "0",
+            "--engine-id",
+            "d1",
+            "--kv-recompute-threshold",
+            "0",
+            "--kv-load-failure-policy",
+            policy,
+        ],
+    )
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Api {
+    Completions,
+    Chat,
+    Responses,
+}
+
+impl Api {
+    fn path(self) -> &'static str {
+        match self {
+            Api::Completions => "/v1/completions",
+            Api::Chat => "/v1/chat/completions",
+            Api::Responses => "/v1/responses",
+        }
+    }
+
+    /// A greedy request for `text`.
+    fn body(self, text: &str, max_tokens: usize) -> Value {
+        match self {
+            Api::Completions => json!({"model": "tiny", "prompt": text, "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": true, "return_token_ids": true}),
+            Api::Chat => json!({"model": "tiny", "messages": [{"role": "user", "content": text}],
+                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true,
+                "return_token_ids": true}),
+            Api::Responses => json!({"model": "tiny", "input": text,
+                "max_output_tokens": max_tokens, "temperature": 0}),
+        }
+    }
+}
+
+async fn post(http: &str, path: &str, body: &Value) -> reqwest::Response {
+    reqwest::Client::new()
+        .post(format!("{http}{path}"))
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// What a client saw, normalised across APIs and streaming.
+#[derive(Debug, Default, PartialEq)]
+struct Seen {
+    /// Token ids per choice (empty for `/v1/responses`, which has none).
+    tokens: Vec<Vec<u64>>,
+    /// Text per choice.
+    texts: Vec<String>,
+    /// `usage.prompt_tokens` / `usage.input_tokens`.
+    prompt: Option<u64>,
+    /// `usage.*_tokens_details.cached_tokens` (prefix cache + pulled).
+    cached: Option<u64>,
+    /// `usage.*_tokens_details.kv_pulled_tokens`.
+    pulled: Option<u64>,
+    /// `kv_transfer_params` of the response (final chunk when streaming).
+    kv: Option<Value>,
+}
+
+fn choice_slot<T: Default + Clone>(v: &mut Vec<T>, i: usize) -> &mut T {
+    if v.len() <= i {
+        v.resize(i + 1, T::default());
+    }
+    &mut v[i]
+}
+
+fn read_usage(seen: &mut Seen, usage: &Value) {
+    seen.prompt = usage
+        .get("prompt_tokens")
+        .or_else(|| usage.get("input_tokens"))
+        .and_then(Value::as_u64);
+    let d = usage
+        .get("prompt_tokens_details")
+        .or_else(|| usage.get("input_tokens_details"));
+    seen.cached = d
+        .and_then(|d| d.get("cached_tokens"))
+        .and_then(Value::as_u64);
+    if let Some(p) = d.and_then(|d| d.get("kv_pulled_tokens")) {
+        seen.pulled = p.as_u64();
+    }
+}
+
+/// Reads a whole response (JSON or SSE) into [`Seen`].
+async fn seen(api: Api, r: reqwest::Response) -> Seen {
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    let streaming = r
+        .headers()
+        .get("content-type")
+        .is_some_and(|v| v.to_str().unwrap().starts_with("text/event-stream"));
+    let mut s = Seen::default();
+    if !streaming {
+        let v: Value = r.json().await.unwrap();
+        s.kv = v.get("kv_transfer_params").cloned();
+        read_usage(&mut s, &v["usage"]);
+        match api {
+            Api::Responses => {
+                s.texts = vec![
+                    v["output"][0]["content"][0]["text"]
+                        .as_str()
+                        .unwrap()
+                        .into(),
+                ]
+            }
+            _ => {
+                for c in v["choices"].as_array().unwrap() {
+                    let i = c["index"].as_u64().unwrap() as usize;
+                    let text = c.get("text").or_else(|| c["message"].get("content"));
+                    *choice_slot(&mut s.texts, i) = text.and_then(Value::as_str).unwrap().into();
+                    *choice_slot(&mut s.tokens, i) = c["token_ids"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|t| t.as_u64().unwrap())
+                        .collect();
+                }
+            }
+        }
+        return s;
+    }
+    let body = r.text().await.unwrap();
+    for line in body.lines() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(data).unwrap();
+        assert!(v.get("error").is_none(), "stream error: {v}");
+        if let Some(kv) = v.get("kv_transfer_params") {
+            s.kv = Some(kv.clone());
+        }
+        match api {
+            Api::Responses => {
+                let t = v["type"].as_str().unwrap();
+                if t == "response.completed" || t == "response.incomplete" {
+                    let resp = &v["response"];
+                    s.texts = vec![
+                        resp["output"][0]["content"][0]["text"]
+                            .as_str()
+                            .unwrap()
+                            .into(),
+                    ];
+                    s.kv = resp.get("kv_transfer_params").cloned();
+                    read_usage(&mut s, &resp["usage"]);
+                }
+            }
+            _ => {
+                if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+                    read_usage(&mut s, u);
+                }
+                for c in v["choices"].as_array().unwrap() {
+                    let i = c["index"].as_u64().unwrap() as usize;
+                    let text = c.get("text").or_else(|| c["delta"].get("content"));
+                    if let Some(t) = text.and_then(Value::as_str) {
+                        choice_slot(&mut s.texts, i).push_str(t);
+                    }
+                    if let Some(ids) = c.get("token_ids").and_then(Value::as_array) {
+                        choice_slot(&mut s.tokens, i)
+                            .extend(ids.iter().map(|t| t.as_u64().unwrap()));
+                    }
+                }
+            }
+        }
+    }
+    s
+}
+
+/// The request a vLLM proxy sends P for `body`.
+fn prefill_body(api: Api, body: &Value) -> Value {
+    let mut p = body.clone();
+    let o = p.as_object_mut().unwrap();
+    match api {
+        Api::Responses => {
+            o.insert("max_output_tokens".into(), json!(1));
+        }
+        _ => {
+            o.insert("max_tokens".into(), json!(1));
+            if api == Api::Chat {
+                o.insert("max_completion_tokens".into(), json!(1));
+            }
+        }
+    }
+    o.insert("stream".into(), json!(false));
+    o.remove("stream_options");
+    o.insert(
+        "kv_transfer_params".into(),
+        json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+               "remote_block_ids": null, "remote_host": null, "remote_port": null}),
+    );
+    p
+}
+
+/// Asks P to prefill `body`; returns the `kv_transfer_params` it answered with.
+async fn prefill(p: &Node, api: Api, body: &Value) -> Value {
+    let r = post(&p.http, api.path(), &prefill_body(api, body)).await;
+    let s = seen(api, r).await;
+    s.kv.expect("P answers with kv_transfer_params")
+}
+
+/// The proxy's whole flow: P, then D with P's params (streaming or not as `body` says).
+async fn through_pd(p: &Node, d: &Node, api: Api, body: &Value) -> Seen {
+    let params = prefill(p, api, body).await;
+    let mut db = body.clone();
+    db["kv_transfer_params"] = params;
+    seen(api, post(&d.http, api.path(), &db).await).await
+}
+
+fn streaming(api: Api, body: &Value) -> Value {
+    let mut b = body.clone();
+    b["stream"] = json!(true);
+    if api != Api::Responses {
+        b["stream_options"] = json!({"include_usage": true});
+    }
+    b
+}
+
+/// The value of a Prometheus sample (`name{labels}` exactly as printed), 0 when absent.
+async fn metric(node: &Node, sample: &str) -> f64 {
+    let text = reqwest::get(format!("{}/metrics", node.http))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            (name == sample).then(|| value.parse().unwrap())
+        })
+        .unwrap_or(0.0)
+}
+
+async fn eventually(what: &str, mut check: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !check().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+const SHORT: &str = "Hi";
+const LONG: &str = "Prefill and decode run on different nodes; the KV cache moves between them.";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_output_through_p_and_d_equals_one_node_on_every_api() {
+    let dir = model("exact");
+    let solo = start(&dir, &[]);
+    let p = producer(&dir, &[]);
+    let d = consumer(&dir, "fail");
+    let mut run = 0;
+    for api in [Api::Completions, Api::Chat, Api::Responses] {
+        for text in [SHORT, LONG] {
+            for stream in [false, true] {
+                // A distinct prompt per run, so D's prefix cache never holds any of it.
+                run += 1;
+                let text = format!("{run}{text}");
+                let body = api.body(&text, 12);
+                let body = if stream { streaming(api, &body) } else { body };
+                let want = seen(api, post(&solo.http, api.path(), &body).await).await;
+                assert_eq!(want.pulled, None);
+                let got = through_pd(&p, &d, api, &body).await;
+                assert_eq!(got.texts, want.texts, "{body}");
+                assert_eq!(got.tokens, want.tokens, "{body}");
+                // The prompt's KV came from P — all of it but the last token, which D computes
+                // for its logits — except blocks D had cached (the chat template's head).
+                // D never answers with params of its own.
+                let prompt = got.prompt.expect("usage");
+                let pulled = got.pulled.expect("D reports pulled tokens");
+                assert!(pulled > 0);
+                assert_eq!(got.cached, Some(prompt - 1), "{body}");
+                if api == Api::Completions {
+                    assert_eq!(pulled, prompt - 1, "no shared prefix: all pulled");
+                }
+                assert!(got.kv.is_none());
+            }
+        }
+    }
+    // P: every lease was released by D right after its pull, none expired.
+    eventually("P's leases released", async || {
+        metric(&p, "pd_kv_leases_live").await == 0.0
+    })
+    .await;
+    assert_eq!(
+        metric(&p, "pd_kv_leases_total{event=\"granted\"}").await,
+        12.0
+    );
+    assert_eq!(
+        metric(&p, "pd_kv_leases_total{event=\"released\"}").await,
+        12.0
+    );
+    assert_eq!(
+        metric(&p, "pd_kv_leases_total{event=\"expired\"}").await,
+        0.0
+    );
+    assert_eq!(
+        metric(
+            &d,
+            "pd_kv_transfer_failures_total{reason=\"lease_expired\"}"
+        )
+        .await,
+        0.0
+    );
+    assert!(metric(&d, "pd_kv_transfer_bytes_total").await > 0.0);
+    assert!(metric(&d, "pd_node_kv_pulled_tokens_total").await > 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_children_share_one_handoff_and_one_pull() {
+    let dir = model("fork");
+    let solo = start(&dir, &[]);
+    let p = producer(&dir, &[]);
+    let d = consumer(&dir, "fail");
+    // `salt` makes prompts of one length that share no block (D's prefix cache stays cold).
+    let body_salted = |n: usize, salt: char| {
+        json!({"model": "tiny", "prompt": format!("{salt}{LONG}"), "max_tokens": 10, "n": n,
+               "seed": 42, "temperature": 0.9, "ignore_eos": true, "return_token_ids": true})
+    };
+    let body = |n: usize| body_salted(n, 'a');
+    let want = seen(
+        Api::Completions,
+        post(&solo.http, "/v1/completions", &body(3)).await,
+    )
+    .await;
+    assert_eq!(want.tokens.len(), 3);
+    assert_ne!(want.tokens[0], want.tokens[1], "seeded children differ");
+
+    // n=3: P hands off one object; D pulls once and forks three children.
+    let params = prefill(&p, Api::Completions, &body(3)).await;
+    assert!(params.is_object(), "one handoff for n>1: {params}");
+    let mut db = body(3);
+    db["kv_transfer_params"] = params;
+    let got = seen(
+        Api::Completions,
+        post(&d.http, "/v1/completions", &db).await,
+    )
+    .await;
+    assert_eq!(
+        got.tokens, want.tokens,
+        "children equal the standalone node's with the same seeds"
+    );
+    let bytes_n3 = metric(&d, "pd_kv_transfer_bytes_total").await;
+
+    // n=1 and n=8 move the same bytes (the KV of one prompt).
+    let mut moved = Vec::new();
+    for (n, salt) in [(1, 'b'), (8, 'c')] {
+        let before = metric(&d, "pd_kv_transfer_bytes_total").await;
+        let params = prefill(&p, Api::Completions, &body_salted(n, salt)).await;
+        let mut db = body_salted(n, salt);
+        db["kv_transfer_params"] = params;
+        let got = seen(
+            Api::Completions,
+            post(&d.http, "/v1/completions", &db).await,
+        )
+        .await;
+        assert_eq!(got.tokens.len(), n);
+        moved.push(metric(&d, "pd_kv_transfer_bytes_total").await - before);
+    }
+    assert_eq!(moved[0], bytes_n3);
+    assert_eq!(moved[0], moved[1], "n=8 moves the bytes of n=1");
+
+    // The list form (one params object per child, seed PR #38900): blocks shared by the
+    // children are pulled once, and every lease is released.
+    let before = metric(&d, "pd_kv_transfer_bytes_total").await;
+    let want = seen(
+        Api::Completions,
+        post(&solo.http, "/v1/completions", &body_salted(3, 'd')).await,
+    )
+    .await;
+    let params = prefill(&p, Api::Completions, &body_salted(3, 'd')).await;
+    let mut db = body_salted(3, 'd');
+    db["kv_transfer_params"] = json!([params.clone(), params.clone(), params]);
+    let got = seen(
+        Api::Completions,
+        post(&d.http, "/v1/completions", &db).await,
+    )
+    .await;
+    assert_eq!(got.tokens, want.tokens);
+    assert_eq!(
+        metric(&d, "pd_kv_transfer_bytes_total").await - before,
+        bytes_n3
+    );
+    eventually("P's leases released", async || {
+        metric(&p, "pd_kv_leases_live").await == 0.0
+    })
+    .await;
+}
+
+/// D's recompute counter for `reason`.
+async fn recomputes(d: &Node, reason: &str) -> f64 {
+    metric(d, &format!("pd_kv_recompute_total{{reason=\"{reason}\"}}")).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_follow_the_policy_and_are_counted() {
+    let dir = model("fail");
+    let solo = start(&dir, &[]);
+    let p = producer(&dir, &["--kv-lease-duration", "0.6"]);
+    let d_fail = consumer(&dir, "fail");
+    let d_recompute = consumer(&dir, "recompute");
+    let api = Api::Completions;
+    let body = api.body(LONG, 8);
+    let want = seen(api, post(&solo.http, api.path(), &body).await).await;
+
+    // Lease expired before the pull: P frees the blocks; D must not use whatever they hold.
+    let params = prefill(&p, api, &body).await;
+    eventually("the lease to expire on P", async || {
+        metric(&p, "pd_kv_leases_total{event=\"expired\"}").await == 1.0
+    })
+    .await;
+    let mut db = body.clone();
+    db["kv_transfer_params"] = params.clone();
+    let r = post(&d_fail.http, api.path(), &db).await;
+    assert_eq!(r.status(), 500);
+    let e: Value = r.json().await.unwrap();
+    let msg = e["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("lease_expired"), "{msg}");
+    let got = seen(api, post(&d_recompute.http, api.path(), &db).await).await;
+    assert_eq!(got.tokens, want.tokens);
+    assert_eq!(got.pulled, None, "nothing pulled: recomputed");
+    assert_eq!(recomputes(&d_recompute, "lease_expired").await, 1.0);
+
+    // Forged lease id: never served.
+    let fresh = prefill(&p, api, &body).await;
+    let mut forged = fresh.clone();
+    forged["remote_lease_id"] = json!("0123456789abcdef0123456789abcdef");
+    db["kv_transfer_params"] = forged;
+    let got = seen(api, post(&d_recompute.http, api.path(), &db).await).await;
+    assert_eq!(got.tokens, want.tokens);
+    assert_eq!(recomputes(&d_recompute, "lease_expired").await, 2.0);
+
+    // Params of another prompt: refused before any read.
+    let mut other = body.clone();
+    other["prompt"] = json!("A different prompt of another length.");
+    other["kv_transfer_params"] = fresh.clone();
+    let r = post(&d_fail.http, api.path(), &other).await;
+    assert_eq!(r.status(), 500);
+    assert!(r.text().await.unwrap().contains("params_mismatch"));
+
+    // Incomplete params: no pull, as vLLM; counted.
+    let mut partial = fresh;
+    partial.as_object_mut().unwrap().remove("remote_host");
+    db["kv_transfer_params"] = partial;
+    let got = seen(api, post(&d_fail.http, api.path(), &db).await).await;
+    assert_eq!(got.tokens, want.tokens);
+    assert_eq!(
+        metric(
+            &d_fail,
+            "pd_kv_params_incomplete_total{field=\"remote_host\"}"
+        )
+        .await,
+        1.0
+    );
+
+    // Malformed params: 400 naming the field, on D and on P.
+    db["kv_transfer_params"] = json!({"do_remote_prefill": true, "remote_block_ids": "1,2"});
+    let r = post(&d_fail.http, api.path(), &db).await;
+    assert_eq!(r.status(), 400);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["param"], "kv_transfer_params.remote_block_ids");
+    db["kv_transfer_params"] = json!({"do_remote_decode": "yes"});
+    let r = post(&p.http, api.path(), &db).await;
+    assert_eq!(r.status(), 400);
+    // A standalone node refuses P/D requests instead of silently computing.
+    db["kv_transfer_params"] = json!({"do_remote_decode": true});
+    let r = post(&solo.http, api.path(), &db).await;
+    assert_eq!(r.status(), 400);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["param"], "kv_transfer_params");
+
+    // P killed after its prefill.
+    let params = prefill(&p, api, &body).await;
+    drop(p);
+    db["kv_transfer_params"] = params;
+    let r = post(&d_fail.http, api.path(), &db).await;
+    assert_eq!(r.status(), 500);
+    let got = seen(api, post(&d_recompute.http, api.path(), &db).await).await;
+    assert_eq!(got.tokens, want.tokens);
+    let total: f64 = {
+        let mut t = 0.0;
+        for reason in [
+            "peer_unreachable",
+            "transfer_error",
+            "rpc_error",
+            "lease_expired",
+        ] {
+            t += recomputes(&d_recompute, reason).await;
+        }
+        t
+    };
+    assert_eq!(total, 3.0, "the dead producer's recompute is counted");
+    // D itself is fine and serves on.
+    let again = seen(api, post(&d_recompute.http, api.path(), &body).await).await;
+    assert_eq!(again.tokens, want.tokens);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_d_releases_the_lease_on_p_at_once() {
+    let dir = model("abort");
+    let p = producer(&dir, &[]);
+    // D also produces (kv_both, deprecated but working), so leases can fill its small pool:
+    // the P/D request then waits for blocks on D.
+    let d = start(
+        &dir,
+        &[
+            "--kv-role",
+            "kv_both",
+            "--kv-port",
+            "0",
+            "--engine-id",
+            "d1",
+            "--kv-recompute-threshold",
+            "0",
+            "--num-gpu-blocks",
+            "16",
+        ],
+    );
+    let api = Api::Completions;
+    for i in 0..3 {
+        // 3 × 5 blocks of D's 16 held under (30 s) leases.
+        let text = format!("filler prompt no {i}.");
+        prefill(&d, api, &api.body(&text, 1)).await;
+    }
+    assert_eq!(metric(&d, "pd_kv_leases_live").await, 3.0);
+    let body = api.body("twenty-token prompt.", 4);
+    let params = prefill(&p, api, &body).await;
+    assert_eq!(metric(&p, "pd_kv_leases_live").await, 1.0);
+    let mut db = body.clone();
+    db["kv_transfer_params"] = params;
+    let http = d.http.clone();
+    let client = tokio::spawn(async move { post(&http, api.path(), &db).await });
+    eventually("D to wait for blocks", async || {
+        metric(&d, "pd_node_requests_waiting_remote_kv").await == 1.0
+    })
+    .await;
+    client.abort();
+    // Released well before its 30 s expiry.
+    eventually("P's lease released", async || {
+        metric(&p, "pd_kv_leases_live").await == 0.0
+    })
+    .await;
+    assert_eq!(
+        metric(&p, "pd_kv_leases_total{event=\"released\"}").await,
+        1.0
+    );
+    eventually("D's request gone", async || {
+        metric(&d, "pd_node_requests_waiting_remote_kv").await == 0.0
+    })
+    .await;
+}
