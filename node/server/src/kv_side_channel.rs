@@ -88,7 +88,8 @@ impl UcxPool {
         )?)
     }
 
-    /// Starts a UCX progress thread and returns the `KvPeer` service of `engine`'s pool.
+    /// Starts a UCX progress thread and returns the `KvPeer` service of `engine`'s pool, as
+    /// engine `engine_id` in its incarnation `epoch` (new at every start).
     ///
     /// # Errors
     /// [`KvSideChannelError::NoRegion`] when the engine did not use [`UcxPool::pool_memory`].
@@ -96,6 +97,7 @@ impl UcxPool {
         &self,
         engine: EngineHandle,
         engine_id: String,
+        epoch: u64,
     ) -> Result<
         pd_rpc::kv::kv_peer_server::KvPeerServer<KvPeerService<EngineLeases>>,
         KvSideChannelError,
@@ -130,9 +132,7 @@ impl UcxPool {
         let info = engine.info();
         let identity = OwnerIdentity {
             engine_id,
-            epoch: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as u64),
+            epoch,
             compat: CompatInfo::new(info.model_name.clone(), &info.kv_layout),
             layout: info.kv_layout,
             worker_address,

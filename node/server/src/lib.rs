@@ -12,6 +12,8 @@
 //! - [`ApiError`] is every way a request can fail, mapped to a status and the OpenAI error
 //!   object `{"error": {"message", "type", "param", "code"}}`.
 //! - [`cli`] holds the `pd-node` command line, so the binary stays thin.
+//! - [`disagg`] is the node's P/D role: `kv_transfer_params` (`kv_params`), the consumer's
+//!   pull task; [`kv_side_channel`] serves the pool to peers; [`report`] feeds the gateway.
 //!
 //! This crate does not run the model, schedule sequences or touch KV memory: all of that is the
 //! engine's, reached only through [`EngineHandle::submit`]. A streaming body owns its
@@ -28,6 +30,7 @@ mod kv_params;
 pub mod kv_side_channel;
 mod openai;
 mod prompt;
+pub mod report;
 mod routes;
 mod sse;
 

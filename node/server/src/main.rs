@@ -63,7 +63,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     let engine = pd_engine::Engine::load(&config)
         .with_context(|| format!("loading model from {}", config.model_dir.display()))?;
     let engine = pd_engine::EngineHandle::spawn(engine).context("starting the engine thread")?;
-    let info = engine.info();
+    let info = engine.info().clone();
     tracing::info!(
         model = %info.model_name,
         max_model_len = info.max_model_len,
@@ -76,9 +76,13 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         .engine_id
         .clone()
         .unwrap_or_else(|| format!("pd-node-{}", std::process::id()));
+    // New at every start: peers and the gateway tell a restarted node from the old one.
+    let epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
     let kv_service = match &ucx {
         Some(ucx) => Some(
-            ucx.service(engine.clone(), engine_id.clone())
+            ucx.service(engine.clone(), engine_id.clone(), epoch)
                 .context("starting the KV side channel")?,
         ),
         None => None,
@@ -135,6 +139,38 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         writeln!(stdout, "pd-node listening on http://{local}").context("writing to stdout")?;
         stdout.flush().context("flushing stdout")?;
         drop(stdout);
+        let reporter = match &args.gateway {
+            Some(gateway) => {
+                let registration = pd_report::Registration {
+                    engine_id: engine_id.clone(),
+                    epoch,
+                    role: pd_node::report::role(role),
+                    model: info.model_name.clone(),
+                    block_size: info.block_size as u32,
+                    compat_hash: pd_kv_transfer::CompatInfo::new(
+                        info.model_name.clone(),
+                        &info.kv_layout,
+                    )
+                    .hash(),
+                    http_addr: local.to_string(),
+                    kv_side_channel_addr: side_channel.as_ref().map(|(h, p)| format!("{h}:{p}")),
+                    grpc_addr: None,
+                    num_blocks: info.num_blocks as u64,
+                    max_model_len: info.max_model_len as u32,
+                };
+                let source = Arc::new(pd_node::report::EngineSource::new(engine.clone()));
+                let handle = pd_report::Reporter::spawn(
+                    gateway.clone(),
+                    registration,
+                    source,
+                    pd_report::ReporterOptions::default(),
+                )
+                .with_context(|| format!("--gateway {gateway}"))?;
+                tracing::info!(gateway = %gateway, "reporting to the gateway");
+                Some(handle)
+            }
+            None => None,
+        };
         let disagg = Arc::new(Disagg::new(
             role,
             &engine,
@@ -144,9 +180,13 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
             pull,
             Arc::new(pd_kv_transfer::TransferMetrics::new()),
         ));
-        pd_node::serve_with(listener, engine, disagg, shutdown_signal())
+        let served = pd_node::serve_with(listener, engine, disagg, shutdown_signal())
             .await
-            .context("serving HTTP")
+            .context("serving HTTP");
+        if let Some(r) = reporter {
+            r.shutdown().await;
+        }
+        served
     })?;
     tracing::info!("shut down");
     Ok(())
