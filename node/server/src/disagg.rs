@@ -346,27 +346,23 @@ async fn relay(
     let loader = disagg.loader();
     let id = stream.id();
     // 1. Blocks reserved?
-    let (blocks, first_block, cached) = loop {
-        tokio::select! {
-            () = tx.closed() => {
-                release_all(&disagg, &remotes);
-                return;
+    let first = tokio::select! {
+        () = tx.closed() => None,
+        e = stream.recv() => Some(e),
+    };
+    let (blocks, first_block, cached) = match first {
+        Some(Some(RequestEvent::AwaitingKv {
+            blocks,
+            first_block,
+            cached_tokens,
+        })) => (blocks, first_block, cached_tokens),
+        other => {
+            // Client gone, engine gone, or a failure (passed on): nothing to pull.
+            if let Some(Some(e)) = other {
+                let _ = tx.send(e);
             }
-            e = stream.recv() => match e {
-                Some(RequestEvent::AwaitingKv { blocks, first_block, cached_tokens }) => {
-                    break (blocks, first_block, cached_tokens);
-                }
-                Some(other) => {
-                    // Only a failure can come first; pass it on and stop.
-                    let _ = tx.send(other);
-                    release_all(&disagg, &remotes);
-                    return;
-                }
-                None => {
-                    release_all(&disagg, &remotes);
-                    return;
-                }
-            }
+            release_all(&disagg, &remotes);
+            return;
         }
     };
     let remote = &remotes[0];

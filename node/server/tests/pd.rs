@@ -58,12 +58,15 @@ fn start(model: &Path, extra: &[&str]) -> Node {
         cmd.args(["--num-gpu-blocks", "256"]);
     }
     cmd.args(extra);
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn pd-node");
-    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut node = Node {
+        child: cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn pd-node"),
+        http: String::new(),
+    };
+    let mut out = BufReader::new(node.child.stdout.take().unwrap());
     loop {
         let mut line = String::new();
         assert!(
@@ -71,10 +74,8 @@ fn start(model: &Path, extra: &[&str]) -> Node {
             "pd-node {extra:?} exited before listening"
         );
         if let Some(a) = line.trim().strip_prefix("pd-node listening on ") {
-            return Node {
-                child,
-                http: a.to_string(),
-            };
+            node.http = a.to_string();
+            return node;
         }
     }
 }
