@@ -335,6 +335,38 @@ pub(crate) fn consume(
     Events::Relayed(id, rx)
 }
 
+/// Aborts a task when dropped (on every way out of the relay).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Renews `remote`'s lease until aborted: every duration / 6 of the producer's lease (read off
+/// its expiry time; the configured interval when it did not say).
+async fn keep_alive(disagg: Arc<Disagg>, remote: RemotePrefill) {
+    let loader = disagg.loader();
+    let interval = remote
+        .expiry
+        .and_then(|e| e.duration_since(std::time::SystemTime::now()).ok())
+        .map_or(loader.cfg.renew_interval, |left| {
+            (left / 6).max(std::time::Duration::from_millis(10))
+        });
+    let Ok(client) = loader.client(&remote.side_channel()).await else {
+        return; // the pull will find out and say why
+    };
+    let _keeper = LeaseKeeper::start(
+        client,
+        remote.lease,
+        remote.generation,
+        interval,
+        disagg.metrics.clone(),
+    );
+    std::future::pending::<()>().await;
+}
+
 async fn relay(
     disagg: Arc<Disagg>,
     engine: EngineHandle,
@@ -345,6 +377,8 @@ async fn relay(
 ) {
     let loader = disagg.loader();
     let id = stream.id();
+    // Keep the producer's lease alive from now on: the request may wait a while for blocks here.
+    let keeper = AbortOnDrop(tokio::spawn(keep_alive(disagg.clone(), remotes[0].clone())));
     // 1. Blocks reserved?
     let first = tokio::select! {
         () = tx.closed() => None,
@@ -401,13 +435,6 @@ async fn relay(
                     Err(e)
                 }
                 Ok((mut client, peer)) => {
-                    let keeper = LeaseKeeper::start(
-                        client.clone(),
-                        remote.lease,
-                        remote.generation,
-                        loader.cfg.renew_interval,
-                        disagg.metrics.clone(),
-                    );
                     let leased = LeasedBlocks {
                         lease: remote.lease,
                         generation: remote.generation,
@@ -423,13 +450,13 @@ async fn relay(
                         &disagg.metrics,
                     )
                     .await;
-                    drop(keeper);
                     r.map(|_| RemoteKv::Pulled(prompt.len()))
                 }
             }
         }
     };
     // 3. Release the producer's blocks and start decoding (or fail).
+    drop(keeper);
     release_all(&disagg, &remotes);
     match outcome {
         Ok(kv) => engine.remote_kv_ready(id, kv),

@@ -52,6 +52,8 @@ pub(crate) struct RemotePrefill {
     pub(crate) num_tokens: Option<usize>,
     /// xxh3 of the producer's prompt token ids, when it said.
     pub(crate) prompt_hash: Option<u64>,
+    /// When the lease ends unless renewed (`remote_blocks_expiry_time`), when the producer said.
+    pub(crate) expiry: Option<std::time::SystemTime>,
 }
 
 impl RemotePrefill {
@@ -182,6 +184,23 @@ fn parse_one(v: &Value) -> Result<KvDirective, ApiError> {
             )
         })?),
     };
+    let expiry = match get(o, "remote_blocks_expiry_time") {
+        None => None,
+        Some(v) => {
+            let secs = v
+                .as_f64()
+                .filter(|s| s.is_finite() && *s >= 0.0)
+                .ok_or_else(|| {
+                    bad(
+                        "remote_blocks_expiry_time",
+                        format!("{FIELD}.remote_blocks_expiry_time must be Unix seconds, got {v}"),
+                    )
+                })?;
+            std::time::Duration::try_from_secs_f64(secs)
+                .ok()
+                .map(|d| std::time::UNIX_EPOCH + d)
+        }
+    };
     if decode && prefill {
         return Err(ApiError::InvalidRequest {
             message: format!("{FIELD} cannot ask for both do_remote_decode and do_remote_prefill"),
@@ -226,6 +245,7 @@ fn parse_one(v: &Value) -> Result<KvDirective, ApiError> {
         generation,
         num_tokens,
         prompt_hash,
+        expiry,
     }]))
 }
 

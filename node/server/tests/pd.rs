@@ -629,7 +629,7 @@ async fn a_client_leaving_d_releases_the_lease_on_p_at_once() {
     let api = Api::Completions;
     for i in 0..3 {
         // 3 × 5 blocks of D's 16 held under (30 s) leases.
-        let text = format!("filler prompt no {i}.");
+        let text = format!("{i} filler prompt no.");
         prefill(&d, api, &api.body(&text, 1)).await;
     }
     assert_eq!(metric(&d, "pd_kv_leases_live").await, 3.0);
@@ -644,6 +644,11 @@ async fn a_client_leaving_d_releases_the_lease_on_p_at_once() {
         metric(&d, "pd_node_requests_waiting_remote_kv").await == 1.0
     })
     .await;
+    assert_eq!(
+        metric(&d, "pd_kv_transfer_bytes_total").await,
+        0.0,
+        "still waiting"
+    );
     client.abort();
     // Released well before its 30 s expiry.
     eventually("P's lease released", async || {
@@ -658,4 +663,59 @@ async fn a_client_leaving_d_releases_the_lease_on_p_at_once() {
         metric(&d, "pd_node_requests_waiting_remote_kv").await == 0.0
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d_renews_the_lease_while_it_waits_for_blocks() {
+    let dir = model("renew");
+    let solo = start(&dir, &[]);
+    // P's leases last 0.6 s unless renewed.
+    let p = producer(&dir, &["--kv-lease-duration", "0.6"]);
+    // D's pool is held by its own prefill leases for 2 s, so the P/D request waits that long.
+    let d = start(
+        &dir,
+        &[
+            "--kv-role",
+            "kv_both",
+            "--kv-port",
+            "0",
+            "--engine-id",
+            "d1",
+            "--kv-recompute-threshold",
+            "0",
+            "--num-gpu-blocks",
+            "16",
+            "--kv-lease-duration",
+            "2",
+        ],
+    );
+    let api = Api::Completions;
+    for i in 0..3 {
+        prefill(&d, api, &api.body(&format!("{i} filler prompt no."), 1)).await;
+    }
+    let body = api.body("twenty-token prompt.", 4);
+    let want = seen(api, post(&solo.http, api.path(), &body).await).await;
+    let params = prefill(&p, api, &body).await;
+    let mut db = body.clone();
+    db["kv_transfer_params"] = params;
+    let got = seen(api, post(&d.http, api.path(), &db).await).await;
+    assert_eq!(got.tokens, want.tokens);
+    assert_eq!(
+        got.pulled,
+        Some(19),
+        "pulled, not recomputed, after waiting"
+    );
+    assert_eq!(
+        metric(&d, "pd_kv_leases_total{event=\"expired\"}").await,
+        3.0
+    );
+    assert!(metric(&p, "pd_kv_leases_total{event=\"renewed\"}").await >= 2.0);
+    assert_eq!(
+        metric(&p, "pd_kv_leases_total{event=\"expired\"}").await,
+        0.0
+    );
+    assert_eq!(
+        metric(&p, "pd_kv_leases_total{event=\"released\"}").await,
+        1.0
+    );
 }
