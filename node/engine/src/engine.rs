@@ -255,7 +255,6 @@ impl Engine {
     /// The engine thread's loop: take commands, step while there is work, sleep otherwise.
     pub(crate) fn run(mut self, commands: mpsc::Receiver<Command>) {
         loop {
-            self.housekeeping();
             if !self.scheduler.has_work() {
                 // Idle: sleep until a command arrives or the next lease is due.
                 let c = match self.leases.next_deadline() {
@@ -272,7 +271,7 @@ impl Engine {
                             break;
                         }
                     }
-                    Err(mpsc::RecvTimeoutError::Timeout) => continue,
+                    Err(mpsc::RecvTimeoutError::Timeout) => {}
                     Err(mpsc::RecvTimeoutError::Disconnected) => break,
                 }
             }
@@ -286,6 +285,9 @@ impl Engine {
             if stop {
                 break;
             }
+            // After the commands, so a request that just arrived for remote KV is parked (and its
+            // caller can start pulling) before this step, not after it.
+            self.housekeeping();
             // Nothing could run (waiting sequences cannot get blocks held elsewhere): sleep until
             // a command arrives or a little time passed, instead of spinning.
             if self.scheduler.has_work() && !self.step() {

@@ -1,0 +1,271 @@
+//! Prefill/decode disaggregation between real `pd-node` processes (release build) against one
+//! standalone node, on the same generated model, in one run.
+//!
+//! Run: `cargo bench -p pd-node --bench pd [-- --repeat 5 --lens 64,512,1536]`. Results are
+//! recorded in `BENCHMARKS.md`.
+//!
+//! Per prompt length (token-id prompts through `/v1/completions`, greedy, distinct prompts so no
+//! prefix cache helps):
+//! - `solo`: one request with `max_tokens = 1` to the standalone node (prefill + first token).
+//! - `P`: the proxy's prefill request to the producer; `D`: the request with P's params to the
+//!   consumer, `max_tokens = 1` (wait, handshake (cached), pull, confirm, last prompt token, first
+//!   token). `P+D` is their sum: the time to first token a proxy adds up to, without the proxy.
+//! - `pull`: D's own `pd_kv_transfer_seconds` (posting the reads to their completion) and the
+//!   bytes it moved.
+//!
+//! Then the KV bytes D pulls for n = 1 and n = 8 of one prompt (they must be equal: one pull).
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Instant;
+
+use pd_model::tiny::{TinyArch, TinySpec, generate};
+use serde_json::{Value, json};
+
+type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+struct Node {
+    child: Child,
+    http: String,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(model: &Path, extra: &[&str]) -> BenchResult<Node> {
+    let mut node = Node {
+        child: Command::new(env!("CARGO_BIN_EXE_pd-node"))
+            .arg("serve")
+            .arg("--model")
+            .arg(model)
+            .args([
+                "--port",
+                "0",
+                "--served-model-name",
+                "tiny",
+                "--num-gpu-blocks",
+                "2048",
+            ])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()?,
+        http: String::new(),
+    };
+    let mut out = BufReader::new(node.child.stdout.take().ok_or("no stdout")?);
+    loop {
+        let mut line = String::new();
+        if out.read_line(&mut line)? == 0 {
+            return Err("pd-node exited before listening".into());
+        }
+        if let Some(a) = line.trim().strip_prefix("pd-node listening on ") {
+            node.http = a.to_string();
+            return Ok(node);
+        }
+    }
+}
+
+async fn post(client: &reqwest::Client, node: &Node, body: &Value) -> BenchResult<Value> {
+    let r = client
+        .post(format!("{}/v1/completions", node.http))
+        .json(body)
+        .send()
+        .await?;
+    if !r.status().is_success() {
+        return Err(format!("{}: {}", r.status(), r.text().await?).into());
+    }
+    Ok(r.json().await?)
+}
+
+async fn metric(client: &reqwest::Client, node: &Node, sample: &str) -> BenchResult<f64> {
+    let text = client
+        .get(format!("{}/metrics", node.http))
+        .send()
+        .await?
+        .text()
+        .await?;
+    Ok(text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            (name == sample).then(|| value.parse().ok())?
+        })
+        .unwrap_or(0.0))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> BenchResult<()> {
+    let mut repeat = 5usize;
+    let mut lens = vec![64usize, 512, 1536];
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--repeat" => repeat = args.next().ok_or("--repeat N")?.parse()?,
+            "--lens" => {
+                lens = args
+                    .next()
+                    .ok_or("--lens A,B")?
+                    .split(',')
+                    .map(str::parse)
+                    .collect::<Result<_, _>>()?
+            }
+            "--bench" => {}
+            other => return Err(format!("unknown argument {other}").into()),
+        }
+    }
+    let dir = std::env::temp_dir().join(format!("pd-bench-pd-{}", std::process::id()));
+    let spec = TinySpec {
+        arch: TinyArch::Llama,
+        seed: 1,
+        layers: 4,
+        hidden: 256,
+        heads: 8,
+        kv_heads: 4,
+        vocab: 2048,
+        intermediate: 768,
+        max_position_embeddings: 4096,
+        shards: 1,
+    };
+    generate(&spec, &dir)?;
+    let solo = start(&dir, &[])?;
+    let p = start(
+        &dir,
+        &[
+            "--kv-role",
+            "kv_producer",
+            "--kv-port",
+            "0",
+            "--engine-id",
+            "p",
+        ],
+    )?;
+    let d = start(
+        &dir,
+        &[
+            "--kv-role",
+            "kv_consumer",
+            "--kv-port",
+            "0",
+            "--engine-id",
+            "d",
+            "--kv-recompute-threshold",
+            "0",
+        ],
+    )?;
+    let client = reqwest::Client::new();
+    let mut salt = 0u32;
+    let mut prompt = |len: usize| -> Vec<u32> {
+        salt += 1;
+        (0..len as u32)
+            .map(|i| (i * 7 + salt * 131) % 2000 + 1)
+            .collect()
+    };
+    let body = |tokens: &[u32], n: usize| {
+        json!({"model": "tiny", "prompt": tokens, "max_tokens": 1, "temperature": 0,
+               "ignore_eos": true, "n": n})
+    };
+    let p_body = |tokens: &[u32], n: usize| {
+        let mut b = body(tokens, n);
+        b["kv_transfer_params"] = json!({"do_remote_decode": true});
+        b
+    };
+    // Warm-up: handshake, endpoint, caches.
+    let w = prompt(16);
+    let params = post(&client, &p, &p_body(&w, 1)).await?["kv_transfer_params"].clone();
+    let mut wb = body(&w, 1);
+    wb["kv_transfer_params"] = params;
+    post(&client, &d, &wb).await?;
+    post(&client, &solo, &body(&w, 1)).await?;
+
+    println!(
+        "model: {} layers, hidden {}, {} KV heads × {} dim, f32, block 16; median of {repeat} (ms)",
+        spec.layers,
+        spec.hidden,
+        spec.kv_heads,
+        spec.hidden / spec.heads
+    );
+    println!("| prompt | solo | P | D | P+D | P+D / solo | pull (reads) | KV bytes |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for &len in &lens {
+        let (mut solo_ms, mut p_ms, mut d_ms, mut pull_ms) = (vec![], vec![], vec![], vec![]);
+        let mut bytes = 0.0;
+        for _ in 0..repeat {
+            let t = prompt(len);
+            let s = Instant::now();
+            post(&client, &solo, &body(&t, 1)).await?;
+            solo_ms.push(s.elapsed().as_secs_f64() * 1e3);
+
+            let t = prompt(len);
+            let s = Instant::now();
+            let params = post(&client, &p, &p_body(&t, 1)).await?["kv_transfer_params"].clone();
+            p_ms.push(s.elapsed().as_secs_f64() * 1e3);
+            let (sum0, n0, b0) = (
+                metric(&client, &d, "pd_kv_transfer_seconds_sum").await?,
+                metric(&client, &d, "pd_kv_transfer_seconds_count").await?,
+                metric(&client, &d, "pd_kv_transfer_bytes_total").await?,
+            );
+            let mut db = body(&t, 1);
+            db["kv_transfer_params"] = params;
+            let s = Instant::now();
+            let r = post(&client, &d, &db).await?;
+            d_ms.push(s.elapsed().as_secs_f64() * 1e3);
+            let pulled = r["usage"]["prompt_tokens_details"]["kv_pulled_tokens"]
+                .as_u64()
+                .unwrap_or(0);
+            if pulled as usize != len - 1 {
+                return Err(format!("expected {} pulled tokens, got {pulled}", len - 1).into());
+            }
+            let (sum1, n1, b1) = (
+                metric(&client, &d, "pd_kv_transfer_seconds_sum").await?,
+                metric(&client, &d, "pd_kv_transfer_seconds_count").await?,
+                metric(&client, &d, "pd_kv_transfer_bytes_total").await?,
+            );
+            if n1 - n0 != 1.0 {
+                return Err("expected exactly one pull".into());
+            }
+            pull_ms.push((sum1 - sum0) * 1e3);
+            bytes = b1 - b0;
+        }
+        let (s, pm, dm) = (median(solo_ms), median(p_ms), median(d_ms));
+        println!(
+            "| {len} | {s:.2} | {pm:.2} | {dm:.2} | {:.2} | {:.2}× | {:.3} | {:.2} MiB |",
+            pm + dm,
+            (pm + dm) / s,
+            median(pull_ms),
+            bytes / (1 << 20) as f64
+        );
+    }
+
+    println!();
+    println!("| n | KV bytes pulled by D |");
+    println!("|---:|---:|");
+    for n in [1usize, 8] {
+        // A fresh prompt of the same length each time, so D's prefix cache holds none of it.
+        let t = prompt(512);
+        let b0 = metric(&client, &d, "pd_kv_transfer_bytes_total").await?;
+        let params = post(&client, &p, &p_body(&t, n)).await?["kv_transfer_params"].clone();
+        let mut db = body(&t, n);
+        db["max_tokens"] = json!(4);
+        db["temperature"] = json!(0.8);
+        db["kv_transfer_params"] = params;
+        let r = post(&client, &d, &db).await?;
+        if r["choices"].as_array().map(Vec::len) != Some(n) {
+            return Err("wrong number of choices".into());
+        }
+        let moved = metric(&client, &d, "pd_kv_transfer_bytes_total").await? - b0;
+        println!("| {n} | {moved} |");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
