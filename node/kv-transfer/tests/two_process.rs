@@ -320,3 +320,65 @@ async fn peer_killed_before_the_pull_triggers_the_failure_policy() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_killed_while_pulls_run_back_to_back_triggers_the_failure_policy() {
+    let mut owner = Owner::start(30_000);
+    let l = local();
+    let metrics = TransferMetrics::new();
+    let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
+    let peer = client.handshake(&compat(), 1, false).await.unwrap();
+    let dead = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Pull the leased blocks again and again (reads, then confirmation) until one fails.
+    let puller = l.puller.clone();
+    let (lease, generation, remote) = (owner.lease, owner.generation, owner.blocks.clone());
+    let flag = dead.clone();
+    let pulls = tokio::spawn(async move {
+        let mut ok = 0usize;
+        loop {
+            let started_after_death = flag.load(std::sync::atomic::Ordering::SeqCst);
+            let r = pull_under_lease(
+                &puller,
+                &mut client,
+                &peer,
+                LeasedBlocks {
+                    lease,
+                    generation,
+                    remote: remote.clone(),
+                    local: (0..6).map(BlockId).collect(),
+                },
+                &metrics,
+            )
+            .await;
+            match r {
+                Ok(_) => {
+                    assert!(!started_after_death, "a pull from a dead peer was used");
+                    ok += 1;
+                }
+                Err(e) => return (ok, e, metrics),
+            }
+        }
+    });
+    // Let some pulls complete, then kill the owner in the middle of the stream of pulls.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    owner.child.kill().unwrap();
+    owner.child.wait().unwrap();
+    dead.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (ok, err, metrics) = tokio::time::timeout(Duration::from_secs(30), pulls)
+        .await
+        .expect("a peer dying mid-stream must not hang the puller")
+        .unwrap();
+    assert!(ok > 0, "pulls ran before the kill");
+    // The pull in flight when the owner died failed (its reads or its confirmation), so its data
+    // is never used; the failure is counted and goes through the policy.
+    assert_eq!(metrics.failures.with_label_values(&[err.reason()]).get(), 1);
+    assert!(
+        FailurePolicy::Fail
+            .apply(TransferError::Rpc(err.to_string()))
+            .is_err()
+    );
+    assert_eq!(
+        FailurePolicy::Recompute.apply(err).unwrap(),
+        Fallback::Recompute
+    );
+}

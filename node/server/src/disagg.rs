@@ -297,7 +297,10 @@ fn release_all(disagg: &Arc<Disagg>, remotes: &[RemotePrefill]) {
         let disagg = disagg.clone();
         let r = r.clone();
         tokio::spawn(async move {
-            let result = match disagg.loader().client(&r.side_channel()).await {
+            let Some(loader) = disagg.loader.as_ref() else {
+                return;
+            };
+            let result = match loader.client(&r.side_channel()).await {
                 Ok(mut c) => c.release(r.lease, r.generation).await,
                 Err(e) => Err(e),
             };
@@ -309,19 +312,10 @@ fn release_all(disagg: &Arc<Disagg>, remotes: &[RemotePrefill]) {
     }
 }
 
-impl Disagg {
-    fn loader(&self) -> &Loader {
-        // Only built through `consume`, which checks the loader exists.
-        self.loader
-            .as_ref()
-            .expect("consumer task started without a loader")
-    }
-}
-
 /// Runs a consumer request: returns the events the HTTP layer reads while a task pulls the KV.
 /// `remotes[0]` drives the pull; every distinct lease in `remotes` is released at the end.
 ///
-/// The caller must have checked that `disagg` has a loader.
+/// Without a loader (a node that does not consume) the request fails with a clear message.
 pub(crate) fn consume(
     disagg: Arc<Disagg>,
     engine: EngineHandle,
@@ -347,7 +341,9 @@ impl Drop for AbortOnDrop {
 /// Renews `remote`'s lease until aborted: every duration / 6 of the producer's lease (read off
 /// its expiry time; the configured interval when it did not say).
 async fn keep_alive(disagg: Arc<Disagg>, remote: RemotePrefill) {
-    let loader = disagg.loader();
+    let Some(loader) = disagg.loader.as_ref() else {
+        return;
+    };
     let interval = remote
         .expiry
         .and_then(|e| e.duration_since(std::time::SystemTime::now()).ok())
@@ -375,7 +371,13 @@ async fn relay(
     prompt: Vec<u32>,
     tx: mpsc::UnboundedSender<RequestEvent>,
 ) {
-    let loader = disagg.loader();
+    let Some(loader) = disagg.loader.as_ref() else {
+        // `kv_directive` admits consumer requests only on a node with a loader.
+        let _ = tx.send(RequestEvent::Failed {
+            message: "this node cannot pull KV (no puller)".into(),
+        });
+        return;
+    };
     let id = stream.id();
     // Keep the producer's lease alive from now on: the request may wait a while for blocks here.
     let keeper = AbortOnDrop(tokio::spawn(keep_alive(disagg.clone(), remotes[0].clone())));
