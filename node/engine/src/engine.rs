@@ -560,7 +560,8 @@ impl Engine {
             let mut children = vec![index];
             if !state.forked {
                 state.forked = true;
-                if state.kv == KvTransfer::Produce {
+                // (A client already gone gets no lease: nobody could hand it to a decode node.)
+                if state.kv == KvTransfer::Produce && !state.events.is_closed() {
                     // The prompt is computed: lease its blocks to the decode node, once for all
                     // `n` children (they would share them anyway).
                     let seq = &self.scheduler.running[index];

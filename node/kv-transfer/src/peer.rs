@@ -108,6 +108,9 @@ impl FailurePolicy {
     }
 }
 
+/// Deadline of every side-channel call.
+pub const RPC_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// A side-channel client to one peer.
 #[derive(Debug, Clone)]
 pub struct PeerClient {
@@ -117,7 +120,9 @@ pub struct PeerClient {
 }
 
 impl PeerClient {
-    /// Connects to the peer's side channel at `addr` (`http://host:port`) as engine `me`.
+    /// Connects to the peer's side channel at `addr` (`http://host:port`) as engine `me`. Every
+    /// call has a deadline ([`RPC_TIMEOUT`]): a stalled peer fails a call as unreachable instead
+    /// of holding a pull (or a lease release) forever.
     ///
     /// # Errors
     /// [`TransferError::PeerUnreachable`].
@@ -129,6 +134,7 @@ impl PeerClient {
         let endpoint = Channel::from_shared(addr.to_string()).map_err(|e| unreachable(&e))?;
         let channel = endpoint
             .connect_timeout(std::time::Duration::from_secs(5))
+            .timeout(RPC_TIMEOUT)
             .connect()
             .await
             .map_err(|e| unreachable(&e))?;
@@ -329,6 +335,11 @@ impl HandshakeCache {
         let p = client.handshake(local, epoch, skip).await?;
         self.peers.insert(client.addr.clone(), p.clone());
         Ok(p)
+    }
+
+    /// The cached handshake of `addr`, if any (to handshake without holding a lock across it).
+    pub fn lookup(&self, addr: &str) -> Option<PeerInfo> {
+        self.peers.get(addr).cloned()
     }
 
     /// Forgets `addr` (after a transfer failure or a changed engine id / epoch).

@@ -120,10 +120,9 @@ impl Disagg {
             epoch: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64),
-            block_size: info.block_size,
             cfg: pull,
             clients: Mutex::new(HashMap::new()),
-            handshakes: tokio::sync::Mutex::new(HandshakeCache::default()),
+            handshakes: Mutex::new(HandshakeCache::default()),
         });
         Self {
             role,
@@ -144,11 +143,10 @@ pub(crate) struct Loader {
     puller: Puller,
     compat: CompatInfo,
     epoch: u64,
-    block_size: usize,
     cfg: PullConfig,
     /// Side-channel clients per producer address.
     clients: Mutex<HashMap<String, PeerClient>>,
-    handshakes: tokio::sync::Mutex<HandshakeCache>,
+    handshakes: Mutex<HandshakeCache>,
 }
 
 impl std::fmt::Debug for Loader {
@@ -211,71 +209,56 @@ impl Loader {
     }
 
     /// Forgets a producer after a failure, so the next request connects and handshakes afresh.
-    async fn forget(&self, addr: &str) {
+    fn forget(&self, addr: &str) {
         self.clients
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(addr);
-        self.handshakes.lock().await.invalidate(addr);
+        self.handshakes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .invalidate(addr);
     }
 
-    /// Checks `remote` against the prompt and reaches the producer (cancellable: nothing is
-    /// written locally yet).
+    /// A handshake with the producer at `addr` (cached; no lock held across the call).
+    async fn handshake(
+        &self,
+        client: &mut PeerClient,
+        addr: &str,
+        fresh: bool,
+    ) -> Result<PeerInfo, TransferError> {
+        if !fresh
+            && let Some(p) = self
+                .handshakes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .lookup(addr)
+        {
+            return Ok(p);
+        }
+        let p = client
+            .handshake(&self.compat, self.epoch, self.cfg.skip_compat_check)
+            .await?;
+        self.handshakes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .observe(addr, p.clone());
+        Ok(p)
+    }
+
+    /// Reaches the producer of `remote` and checks it is the engine the params name
+    /// (cancellable: nothing is written locally yet).
     async fn prepare(
         &self,
         remote: &RemotePrefill,
-        prompt: &[u32],
     ) -> Result<(PeerClient, PeerInfo), TransferError> {
-        let want_blocks = prompt.len().div_ceil(self.block_size);
-        if remote.block_ids.len() != want_blocks {
-            return Err(TransferError::Mismatch(format!(
-                "{} remote blocks for a prompt of {} tokens ({want_blocks} blocks of {})",
-                remote.block_ids.len(),
-                prompt.len(),
-                self.block_size
-            )));
-        }
-        if let Some(n) = remote.num_tokens
-            && n != prompt.len()
-        {
-            return Err(TransferError::Mismatch(format!(
-                "remote_num_tokens is {n}, the prompt has {} tokens",
-                prompt.len()
-            )));
-        }
-        if let Some(h) = remote.prompt_hash
-            && h != prompt_hash(prompt)
-        {
-            return Err(TransferError::Mismatch(
-                "remote_prompt_hash differs: the producer computed another prompt".into(),
-            ));
-        }
         let addr = remote.side_channel();
         let mut client = self.client(&addr).await?;
-        let peer = {
-            let mut cache = self.handshakes.lock().await;
-            let mut peer = cache
-                .get(
-                    &mut client,
-                    &self.compat,
-                    self.epoch,
-                    self.cfg.skip_compat_check,
-                )
-                .await?;
-            if peer.engine_id != remote.engine_id {
-                // Maybe the producer restarted under another id: ask again once.
-                cache.invalidate(&addr);
-                peer = cache
-                    .get(
-                        &mut client,
-                        &self.compat,
-                        self.epoch,
-                        self.cfg.skip_compat_check,
-                    )
-                    .await?;
-            }
-            peer
-        };
+        let mut peer = self.handshake(&mut client, &addr, false).await?;
+        if peer.engine_id != remote.engine_id {
+            // Maybe the producer restarted under another id: ask again once.
+            peer = self.handshake(&mut client, &addr, true).await?;
+        }
         if peer.engine_id != remote.engine_id {
             return Err(TransferError::Mismatch(format!(
                 "remote_engine_id is {:?} but {addr} is engine {:?}",
@@ -286,9 +269,52 @@ impl Loader {
     }
 }
 
+/// Checks that `remote` describes `prompt` (block count, token count, prompt hash); `Err` names
+/// the field that does not fit. Runs before the request is queued, so a mismatch is a 400.
+pub(crate) fn check_prompt(
+    remote: &RemotePrefill,
+    prompt: &[u32],
+    block_size: usize,
+) -> Result<(), (&'static str, String)> {
+    let want_blocks = prompt.len().div_ceil(block_size);
+    if remote.block_ids.len() != want_blocks {
+        return Err((
+            "remote_block_ids",
+            format!(
+                "{} remote blocks for a prompt of {} tokens ({want_blocks} blocks of {block_size})",
+                remote.block_ids.len(),
+                prompt.len()
+            ),
+        ));
+    }
+    if let Some(n) = remote.num_tokens
+        && n != prompt.len()
+    {
+        return Err((
+            "remote_num_tokens",
+            format!(
+                "remote_num_tokens is {n}, the prompt has {} tokens",
+                prompt.len()
+            ),
+        ));
+    }
+    if let Some(h) = remote.prompt_hash
+        && h != prompt_hash(prompt)
+    {
+        return Err((
+            "remote_prompt_hash",
+            "remote_prompt_hash differs: the producer computed another prompt".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Releases the leases of `remotes` (deduplicated) in the background; unacknowledged releases
 /// are counted (the lease then ends by expiry on the producer).
-fn release_all(disagg: &Arc<Disagg>, remotes: &[RemotePrefill]) {
+pub(crate) fn release_all(disagg: &Arc<Disagg>, remotes: &[RemotePrefill]) {
+    if tokio::runtime::Handle::try_current().is_err() {
+        return;
+    }
     let mut seen = std::collections::HashSet::new();
     for r in remotes {
         if !seen.insert((r.side_channel(), r.lease, r.generation)) {
@@ -339,16 +365,19 @@ impl Drop for AbortOnDrop {
 }
 
 /// Renews `remote`'s lease until aborted: every duration / 6 of the producer's lease (read off
-/// its expiry time; the configured interval when it did not say).
+/// its expiry time), at most the configured interval.
 async fn keep_alive(disagg: Arc<Disagg>, remote: RemotePrefill) {
     let Some(loader) = disagg.loader.as_ref() else {
         return;
     };
+    // Capped by our own setting: a producer whose clock runs ahead must not stretch it.
     let interval = remote
         .expiry
         .and_then(|e| e.duration_since(std::time::SystemTime::now()).ok())
         .map_or(loader.cfg.renew_interval, |left| {
-            (left / 6).max(std::time::Duration::from_millis(10))
+            (left / 6)
+                .max(std::time::Duration::from_millis(10))
+                .min(loader.cfg.renew_interval)
         });
     let Ok(client) = loader.client(&remote.side_channel()).await else {
         return; // the pull will find out and say why
@@ -428,7 +457,7 @@ async fn relay(
                     release_all(&disagg, &remotes);
                     return;
                 }
-                p = loader.prepare(remote, &prompt) => p,
+                p = loader.prepare(remote) => p,
             };
             match prepared {
                 Err(e) => {
@@ -465,7 +494,7 @@ async fn relay(
         Err(e) => {
             if !matches!(e, TransferError::Mismatch(_)) {
                 // Reconnect and handshake afresh next time.
-                loader.forget(&remote.side_channel()).await;
+                loader.forget(&remote.side_channel());
             }
             let reason = e.reason();
             match loader.cfg.policy.apply(e) {

@@ -198,7 +198,7 @@ fn parse_one(v: &Value) -> Result<KvDirective, ApiError> {
                 })?;
             std::time::Duration::try_from_secs_f64(secs)
                 .ok()
-                .map(|d| std::time::UNIX_EPOCH + d)
+                .and_then(|d| std::time::UNIX_EPOCH.checked_add(d))
         }
     };
     if decode && prefill {
@@ -266,8 +266,11 @@ pub(crate) fn parse(v: Option<&Value>) -> Result<KvDirective, ApiError> {
                         a.extend(b.iter().cloned());
                         KvDirective::Consume(a)
                     }
-                    (i @ KvDirective::Incomplete { .. }, _) => i,
-                    (_, i @ KvDirective::Incomplete { .. }) => i.clone(),
+                    (
+                        i @ KvDirective::Incomplete { .. },
+                        KvDirective::Consume(_) | KvDirective::Incomplete { .. },
+                    ) => i,
+                    (KvDirective::Consume(_), i @ KvDirective::Incomplete { .. }) => i.clone(),
                     (a, b) if a == *b => a,
                     _ => {
                         return Err(ApiError::InvalidRequest {

@@ -540,13 +540,26 @@ async fn failures_follow_the_policy_and_are_counted() {
     assert_eq!(got.tokens, want.tokens);
     assert_eq!(recomputes(&d_recompute, "lease_expired").await, 2.0);
 
-    // Params of another prompt: refused before any read.
+    // Params of another prompt: a 400 naming what does not fit, before any read; P's lease is
+    // released at once (not left to expire).
+    let released = metric(&p, "pd_kv_leases_total{event=\"released\"}").await;
     let mut other = body.clone();
     other["prompt"] = json!("A different prompt of another length.");
     other["kv_transfer_params"] = fresh.clone();
     let r = post(&d_fail.http, api.path(), &other).await;
-    assert_eq!(r.status(), 500);
-    assert!(r.text().await.unwrap().contains("params_mismatch"));
+    assert_eq!(r.status(), 400);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["param"], "kv_transfer_params.remote_block_ids");
+    let same_length: String = LONG.chars().rev().collect();
+    other["prompt"] = json!(same_length);
+    let r = post(&d_recompute.http, api.path(), &other).await;
+    assert_eq!(r.status(), 400, "a bad request whatever the failure policy");
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["param"], "kv_transfer_params.remote_prompt_hash");
+    eventually("P's lease released after the 400", async || {
+        metric(&p, "pd_kv_leases_total{event=\"released\"}").await == released + 1.0
+    })
+    .await;
 
     // Incomplete params: no pull, as vLLM; counted.
     let mut partial = fresh;
@@ -705,10 +718,8 @@ async fn d_renews_the_lease_while_it_waits_for_blocks() {
         Some(19),
         "pulled, not recomputed, after waiting"
     );
-    assert_eq!(
-        metric(&d, "pd_kv_leases_total{event=\"expired\"}").await,
-        3.0
-    );
+    // D waited until its own leases expired (one or more) to get blocks.
+    assert!(metric(&d, "pd_kv_leases_total{event=\"expired\"}").await >= 1.0);
     assert!(metric(&p, "pd_kv_leases_total{event=\"renewed\"}").await >= 2.0);
     assert_eq!(
         metric(&p, "pd_kv_leases_total{event=\"expired\"}").await,

@@ -54,6 +54,7 @@ pub(super) async fn create(
     let directive = state.kv_directive(req.kv_transfer_params.as_ref())?;
     let messages = chat_messages(&req.messages)?;
     let prompt_tokens = chat_tokens(&state.engine, messages, "messages").await?;
+    directive.check_prompt(&prompt_tokens, state.engine.info().block_size)?;
 
     let n = params.n;
     let prompt_len = prompt_tokens.len();
@@ -67,7 +68,7 @@ pub(super) async fn create(
         .submit(GenerateRequest {
             prompt_tokens: prompt_tokens.clone(),
             params,
-            kv: AppState::kv_transfer(&directive),
+            kv: directive.transfer(),
         })
         .map_err(engine_error)?;
     let (stream, kv) = state.events(stream, directive, &id, &prompt_tokens);

@@ -37,6 +37,7 @@ pub(super) async fn create(
     params.validate().map_err(EngineError::from)?;
     let directive = state.kv_directive(req.kv_transfer_params.as_ref())?;
     let prompt_tokens = completion_tokens(&state.engine, completion_prompt(req.prompt)?).await?;
+    directive.check_prompt(&prompt_tokens, state.engine.info().block_size)?;
 
     let n = params.n;
     let prompt_len = prompt_tokens.len();
@@ -46,7 +47,7 @@ pub(super) async fn create(
     let stream = state.engine.submit(GenerateRequest {
         prompt_tokens: prompt_tokens.clone(),
         params,
-        kv: AppState::kv_transfer(&directive),
+        kv: directive.transfer(),
     })?;
     let (stream, kv) = state.events(stream, directive, &id, &prompt_tokens);
     let out = Output {

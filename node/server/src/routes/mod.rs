@@ -19,7 +19,7 @@ use std::sync::Arc;
 use pd_engine::{EngineHandle, KvTransfer, RequestStream};
 use serde::de::DeserializeOwned;
 
-use crate::disagg::{Disagg, Events, consume};
+use crate::disagg::{Disagg, Events, check_prompt, consume, release_all};
 use crate::error::ApiError;
 use crate::kv_params::{self, KvDirective, KvReply};
 use crate::openai::{ModelCard, ModelList};
@@ -53,7 +53,7 @@ impl AppState {
     pub(crate) fn kv_directive(
         &self,
         params: Option<&serde_json::Value>,
-    ) -> Result<KvDirective, ApiError> {
+    ) -> Result<KvPlan, ApiError> {
         let d = kv_params::parse(params)?;
         let role = self.disagg.role;
         let refuse = |what: &str, role_needed: &str| ApiError::InvalidRequest {
@@ -88,16 +88,10 @@ impl AppState {
                 );
             }
         }
-        Ok(d)
-    }
-
-    /// The engine's part for `d`.
-    pub(crate) fn kv_transfer(d: &KvDirective) -> KvTransfer {
-        match d {
-            KvDirective::Produce => KvTransfer::Produce,
-            KvDirective::Consume(_) => KvTransfer::Consume,
-            KvDirective::None | KvDirective::Incomplete { .. } => KvTransfer::Local,
-        }
+        Ok(KvPlan {
+            directive: d,
+            disagg: self.disagg.clone(),
+        })
     }
 
     /// The events of a submitted request (relayed through the pull task for a consumer), and
@@ -105,12 +99,12 @@ impl AppState {
     pub(crate) fn events(
         &self,
         stream: RequestStream,
-        d: KvDirective,
+        mut plan: KvPlan,
         request_id: &str,
         prompt: &[u32],
     ) -> (Events, KvReply) {
         let reply = KvReply::new(self.disagg.advert.clone(), request_id, prompt);
-        let events = match d {
+        let events = match std::mem::replace(&mut plan.directive, KvDirective::None) {
             KvDirective::Consume(remotes) => consume(
                 self.disagg.clone(),
                 self.engine.clone(),
@@ -121,6 +115,50 @@ impl AppState {
             _ => Events::Engine(stream),
         };
         (events, reply)
+    }
+}
+
+/// A request's P/D directive between parsing and submission. Dropped before it reaches
+/// [`AppState::events`] (a later 4xx, an engine refusal), it releases the producer's leases at
+/// once instead of leaving them to expire.
+#[derive(Debug)]
+pub(crate) struct KvPlan {
+    directive: KvDirective,
+    disagg: Arc<Disagg>,
+}
+
+impl KvPlan {
+    /// The engine's part.
+    pub(crate) fn transfer(&self) -> KvTransfer {
+        match self.directive {
+            KvDirective::Produce => KvTransfer::Produce,
+            KvDirective::Consume(_) => KvTransfer::Consume,
+            KvDirective::None | KvDirective::Incomplete { .. } => KvTransfer::Local,
+        }
+    }
+
+    /// Checks the params against the tokenized prompt: a mismatch is the caller's error (400
+    /// naming the field), found before anything is read.
+    pub(crate) fn check_prompt(&self, prompt: &[u32], block_size: usize) -> Result<(), ApiError> {
+        if let KvDirective::Consume(remotes) = &self.directive {
+            for r in remotes {
+                check_prompt(r, prompt, block_size).map_err(|(field, message)| {
+                    ApiError::InvalidRequest {
+                        message: format!("kv_transfer_params do not match this request: {message}"),
+                        param: Some(format!("{}.{field}", kv_params::FIELD)),
+                    }
+                })?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for KvPlan {
+    fn drop(&mut self) {
+        if let KvDirective::Consume(remotes) = &self.directive {
+            release_all(&self.disagg, remotes);
+        }
     }
 }
 

@@ -47,6 +47,7 @@ pub(super) async fn create(
     let directive = state.kv_directive(req.kv_transfer_params.as_ref())?;
     let messages = responses_messages(req.instructions.as_deref(), &req.input)?;
     let prompt_tokens = chat_tokens(&state.engine, messages, "input").await?;
+    directive.check_prompt(&prompt_tokens, state.engine.info().block_size)?;
 
     let prompt_len = prompt_tokens.len();
     let template = ResponseObject {
@@ -73,7 +74,7 @@ pub(super) async fn create(
         .submit(GenerateRequest {
             prompt_tokens: prompt_tokens.clone(),
             params,
-            kv: AppState::kv_transfer(&directive),
+            kv: directive.transfer(),
         })
         .map_err(engine_error)?;
     let (stream, kv) = state.events(stream, directive, &template.id, &prompt_tokens);
