@@ -605,21 +605,26 @@ async fn consumer_reuses_its_local_prefix_and_asks_only_for_the_rest() {
 }
 
 #[tokio::test]
-async fn a_producer_whose_client_left_grants_no_lease() {
+async fn a_producer_whose_client_leaves_mid_prefill_grants_no_lease() {
     let dir = model_dir("produce-gone");
-    let h = engine(&dir, |_| {});
-    // A long prompt (several chunks at a 4-token budget), dropped right after submission.
-    let s = h
+    // A 40-token prompt at 4 tokens a step: ten steps of prefill.
+    let h = engine(&dir, |c| c.max_num_batched_tokens = 4);
+    let mut s = h
         .submit(GenerateRequest {
             prompt_tokens: prompt(40, 3),
             params: greedy(1),
             kv: KvTransfer::Produce,
         })
         .unwrap();
-    drop(s);
+    assert!(matches!(s.recv().await, Some(RequestEvent::Started { .. })));
+    drop(s); // admitted, prefill under way, client gone
     wait_all_free(&h).await;
     // One more request runs through the engine, so the first one was certainly handled.
     run(&h, prompt(5, 1), greedy(1)).await;
-    assert_eq!(h.lease_stats().counts.granted, 0);
+    assert_eq!(
+        h.lease_stats().counts.granted,
+        0,
+        "nobody to hand the KV to"
+    );
     assert_eq!(h.lease_stats().live, 0);
 }
