@@ -408,8 +408,15 @@ async fn relay(
         return;
     };
     let id = stream.id();
+    let Some(remote) = remotes.first().cloned() else {
+        // `kv_params::parse` never yields an empty list.
+        let _ = tx.send(RequestEvent::Failed {
+            message: "kv_transfer_params name no producer".into(),
+        });
+        return;
+    };
     // Keep the producer's lease alive from now on: the request may wait a while for blocks here.
-    let keeper = AbortOnDrop(tokio::spawn(keep_alive(disagg.clone(), remotes[0].clone())));
+    let keeper = AbortOnDrop(tokio::spawn(keep_alive(disagg.clone(), remote.clone())));
     // 1. Blocks reserved?
     let first = tokio::select! {
         () = tx.closed() => None,
@@ -430,7 +437,7 @@ async fn relay(
             return;
         }
     };
-    let remote = &remotes[0];
+    let remote = &remote;
     let wanted = prompt.len().saturating_sub(1).saturating_sub(cached);
     let skip = if wanted == 0 || blocks.is_empty() {
         Some(Skip::Nothing)
@@ -512,6 +519,12 @@ async fn relay(
         }
     }
     // 4. Relay.
+    relay_rest(stream, tx).await;
+}
+
+/// Passes the request's events on until it ends or the client leaves (dropping `stream` then
+/// aborts the request).
+async fn relay_rest(mut stream: RequestStream, tx: mpsc::UnboundedSender<RequestEvent>) {
     loop {
         tokio::select! {
             () = tx.closed() => return,
