@@ -301,6 +301,9 @@ impl Engine {
                     Err(mpsc::RecvTimeoutError::Disconnected) => break,
                 }
             }
+            // And after the step: its prefix-cache changes go out now, not when the next command
+            // wakes an engine that went idle.
+            self.housekeeping();
         }
         for (_, state) in self.requests.drain() {
             let _ = state.events.send(RequestEvent::Failed {
