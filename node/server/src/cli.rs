@@ -101,6 +101,11 @@ pub struct ServeArgs {
     /// Skip the compatibility check of KV handshakes (model, dtype, layout...). Dangerous.
     #[arg(long)]
     pub kv_skip_compat_check: bool,
+    /// Producers a decode node may contact, as `host` or `host:port` (IPv6 in brackets),
+    /// comma-separated; requests
+    /// naming another `remote_host` get a 400. Default: any (set it when clients are untrusted).
+    #[arg(long, value_delimiter = ',')]
+    pub kv_allowed_peers: Vec<String>,
     /// Gateway to register with and stream state to (`host:port` or `http://host:port`).
     #[arg(long)]
     pub gateway: Option<String>,

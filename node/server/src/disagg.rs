@@ -74,6 +74,31 @@ pub struct PullConfig {
     pub skip_compat_check: bool,
     /// How often to renew a lease while waiting (the producer's duration / 6).
     pub renew_interval: std::time::Duration,
+    /// Producers this node may contact (`host` or `host:port`); empty: any. `remote_host` comes
+    /// from the request, so a node reachable by untrusted clients should list its peers (vLLM
+    /// #47843 was an SSRF through it).
+    pub allowed_peers: Vec<String>,
+}
+
+impl PullConfig {
+    /// Whether `host:port` may be contacted.
+    pub fn allows(&self, host: &str, port: u16) -> bool {
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        self.allowed_peers.is_empty()
+            || self.allowed_peers.iter().any(|a| {
+                let a = a.trim();
+                match a
+                    .rsplit_once(':')
+                    .filter(|(h, p)| !h.ends_with(':') && p.parse::<u16>().is_ok())
+                {
+                    Some((h, p)) => {
+                        h.trim_start_matches('[').trim_end_matches(']') == host
+                            && p.parse::<u16>().ok() == Some(port)
+                    }
+                    None => a.trim_start_matches('[').trim_end_matches(']') == host,
+                }
+            })
+    }
 }
 
 /// Everything P/D about one node, shared by the HTTP handlers.
@@ -191,6 +216,11 @@ enum Skip {
 }
 
 impl Loader {
+    /// Whether the producer at `host:port` may be contacted (`--kv-allowed-peers`).
+    pub(crate) fn allows(&self, host: &str, port: u16) -> bool {
+        self.cfg.allows(host, port)
+    }
+
     async fn client(&self, addr: &str) -> Result<PeerClient, TransferError> {
         if let Some(c) = self
             .clients
@@ -537,5 +567,34 @@ async fn relay_rest(mut stream: RequestStream, tx: mpsc::UnboundedSender<Request
                 None => return,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(allowed: &[&str]) -> PullConfig {
+        PullConfig {
+            engine_id: "d".into(),
+            policy: FailurePolicy::Fail,
+            recompute_threshold: 0,
+            skip_compat_check: false,
+            renew_interval: std::time::Duration::from_secs(5),
+            allowed_peers: allowed.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn allowed_peers_match_host_or_host_and_port() {
+        assert!(cfg(&[]).allows("anything", 1));
+        let c = cfg(&["10.0.0.1", "p2.local:9100", "[::1]:7000"]);
+        assert!(c.allows("10.0.0.1", 5));
+        assert!(c.allows("p2.local", 9100));
+        assert!(!c.allows("p2.local", 9101));
+        assert!(c.allows("::1", 7000));
+        assert!(c.allows("[::1]", 7000));
+        assert!(!c.allows("::1", 7001));
+        assert!(!c.allows("169.254.169.254", 80));
     }
 }

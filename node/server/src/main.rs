@@ -101,6 +101,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         recompute_threshold: args.kv_recompute_threshold,
         skip_compat_check: args.kv_skip_compat_check,
         renew_interval: lease_duration / 6,
+        allowed_peers: args.kv_allowed_peers.clone(),
     };
     if role != KvRole::Standalone {
         tracing::info!(role = role.as_str(), engine_id = %engine_id, "P/D role");

@@ -561,6 +561,27 @@ async fn failures_follow_the_policy_and_are_counted() {
     })
     .await;
 
+    // A producer outside `--kv-allowed-peers`: refused before it is contacted (SSRF guard).
+    let d_strict = start(
+        &dir,
+        &[
+            "--kv-role",
+            "kv_consumer",
+            "--kv-port",
+            "0",
+            "--engine-id",
+            "d3",
+            "--kv-allowed-peers",
+            "10.9.8.7,p.example:1",
+        ],
+    );
+    db["kv_transfer_params"] = fresh.clone();
+    let r = post(&d_strict.http, api.path(), &db).await;
+    assert_eq!(r.status(), 400);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["param"], "kv_transfer_params.remote_host");
+    assert_eq!(metric(&d_strict, "pd_kv_transfer_bytes_total").await, 0.0);
+
     // Incomplete params: no pull, as vLLM; counted.
     let mut partial = fresh;
     partial.as_object_mut().unwrap().remove("remote_host");

@@ -74,7 +74,20 @@ impl AppState {
             {
                 return Err(refuse("do_remote_prefill", "kv_consumer"));
             }
-            KvDirective::Consume(_) => {}
+            KvDirective::Consume(remotes) => {
+                // Refused before anything is contacted — not even to release the lease.
+                if let Some(loader) = &self.disagg.loader
+                    && let Some(r) = remotes.iter().find(|r| !loader.allows(&r.host, r.port))
+                {
+                    return Err(ApiError::InvalidRequest {
+                        message: format!(
+                            "{}:{} is not an allowed KV peer of this node (--kv-allowed-peers)",
+                            r.host, r.port
+                        ),
+                        param: Some(format!("{}.remote_host", kv_params::FIELD)),
+                    });
+                }
+            }
             KvDirective::Incomplete { missing } => {
                 // As vLLM: no pull. Unlike vLLM: counted and logged.
                 self.disagg
