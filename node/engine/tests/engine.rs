@@ -524,8 +524,12 @@ async fn an_unreleased_lease_expires_frees_its_blocks_and_is_counted() {
     }
     let k = lease.expect("a handoff");
     // The idle engine wakes up for the deadline by itself: nothing else is submitted.
+    eventually("the lease to expire", || {
+        h.lease_stats().counts.expired == 1
+    })
+    .await;
+    assert_eq!(h.lease_stats().live, 0);
     wait_all_free(&h).await;
-    assert_eq!(h.lease_stats().counts.expired, 1);
     assert!(h.leases().renew(k.lease, k.generation, "d").is_err());
 }
 
