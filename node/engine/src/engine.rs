@@ -500,6 +500,8 @@ impl Engine {
             self.pool.copy_block(src, dst);
         }
         self.scheduler.finish_copies(&plan.copies);
+        // Gauges show this step's allocations before any of its events goes out.
+        self.update_gauges();
         if plan.scheduled.is_empty() {
             self.update_gauges();
             return false;
