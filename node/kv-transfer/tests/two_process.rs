@@ -75,6 +75,18 @@ impl Owner {
     }
 }
 
+impl Owner {
+    /// The owner's leased blocks, to be pulled into local blocks `local`.
+    fn leased(&self, local: Vec<BlockId>) -> LeasedBlocks {
+        LeasedBlocks {
+            lease: self.lease,
+            generation: self.generation,
+            remote: self.blocks.clone(),
+            local,
+        }
+    }
+}
+
 impl Drop for Owner {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -124,12 +136,7 @@ async fn non_contiguous_blocks_arrive_byte_exact_and_release_frees_them() {
         &l.puller,
         &mut client,
         &peer,
-        LeasedBlocks {
-            lease: owner.lease,
-            generation: owner.generation,
-            remote: owner.blocks.clone(),
-            local: local_ids.clone(),
-        },
+        owner.leased(local_ids.clone()),
         &metrics,
     )
     .await
@@ -255,12 +262,7 @@ async fn stale_or_released_lease_is_detected_and_its_data_discarded() {
         &l.puller,
         &mut client,
         &peer,
-        LeasedBlocks {
-            lease: owner.lease,
-            generation: owner.generation,
-            remote: owner.blocks.clone(),
-            local: local_ids,
-        },
+        owner.leased(local_ids),
         &metrics,
     )
     .await
@@ -291,12 +293,7 @@ async fn peer_killed_before_the_pull_triggers_the_failure_policy() {
             &l.puller,
             &mut client,
             &peer,
-            LeasedBlocks {
-                lease: owner.lease,
-                generation: owner.generation,
-                remote: owner.blocks.clone(),
-                local: local_ids,
-            },
+            owner.leased(local_ids),
             &metrics,
         );
         let result = tokio::time::timeout(Duration::from_secs(30), pull)
@@ -331,25 +328,13 @@ async fn peer_killed_while_pulls_run_back_to_back_triggers_the_failure_policy() 
     let dead = Arc::new(std::sync::atomic::AtomicBool::new(false));
     // Pull the leased blocks again and again (reads, then confirmation) until one fails.
     let puller = l.puller.clone();
-    let (lease, generation, remote) = (owner.lease, owner.generation, owner.blocks.clone());
+    let blocks = owner.leased((0..6).map(BlockId).collect());
     let flag = dead.clone();
     let pulls = tokio::spawn(async move {
         let mut ok = 0usize;
         loop {
             let started_after_death = flag.load(std::sync::atomic::Ordering::SeqCst);
-            let r = pull_under_lease(
-                &puller,
-                &mut client,
-                &peer,
-                LeasedBlocks {
-                    lease,
-                    generation,
-                    remote: remote.clone(),
-                    local: (0..6).map(BlockId).collect(),
-                },
-                &metrics,
-            )
-            .await;
+            let r = pull_under_lease(&puller, &mut client, &peer, blocks.clone(), &metrics).await;
             match r {
                 Ok(_) => {
                     assert!(!started_after_death, "a pull from a dead peer was used");

@@ -639,14 +639,11 @@ async fn failures_follow_the_policy_and_are_counted() {
     assert_eq!(again.tokens, want.tokens);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_leaving_d_releases_the_lease_on_p_at_once() {
-    let dir = model("abort");
-    let p = producer(&dir, &[]);
-    // D also produces (kv_both, deprecated but working), so leases can fill its small pool:
-    // the P/D request then waits for blocks on D.
+/// A decode node whose 16-block pool is 15/16 held by its own prefill leases (it is `kv_both`,
+/// deprecated but working) lasting `lease_secs`: a P/D request of 5 blocks waits for them.
+async fn full_decoder(dir: &Path, lease_secs: &str) -> Node {
     let d = start(
-        &dir,
+        dir,
         &[
             "--kv-role",
             "kv_both",
@@ -658,14 +655,26 @@ async fn a_client_leaving_d_releases_the_lease_on_p_at_once() {
             "0",
             "--num-gpu-blocks",
             "16",
+            "--kv-lease-duration",
+            lease_secs,
         ],
     );
     let api = Api::Completions;
     for i in 0..3 {
-        // 3 × 5 blocks of D's 16 held under (30 s) leases.
-        let text = format!("{i} filler prompt no.");
-        prefill(&d, api, &api.body(&text, 1)).await;
+        // Distinct first blocks: 3 × 5 blocks, no prefix shared.
+        prefill(&d, api, &api.body(&format!("{i} filler prompt no."), 1)).await;
     }
+    d
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_d_releases_the_lease_on_p_at_once() {
+    let dir = model("abort");
+    let p = producer(&dir, &[]);
+    // D also produces (kv_both, deprecated but working), so leases can fill its small pool:
+    // the P/D request then waits for blocks on D.
+    let d = full_decoder(&dir, "30").await;
+    let api = Api::Completions;
     assert_eq!(metric(&d, "pd_kv_leases_live").await, 3.0);
     let body = api.body("twenty-token prompt.", 4);
     let params = prefill(&p, api, &body).await;
@@ -706,27 +715,8 @@ async fn d_renews_the_lease_while_it_waits_for_blocks() {
     // P's leases last 0.6 s unless renewed.
     let p = producer(&dir, &["--kv-lease-duration", "0.6"]);
     // D's pool is held by its own prefill leases for 2 s, so the P/D request waits that long.
-    let d = start(
-        &dir,
-        &[
-            "--kv-role",
-            "kv_both",
-            "--kv-port",
-            "0",
-            "--engine-id",
-            "d1",
-            "--kv-recompute-threshold",
-            "0",
-            "--num-gpu-blocks",
-            "16",
-            "--kv-lease-duration",
-            "2",
-        ],
-    );
+    let d = full_decoder(&dir, "2").await;
     let api = Api::Completions;
-    for i in 0..3 {
-        prefill(&d, api, &api.body(&format!("{i} filler prompt no."), 1)).await;
-    }
     let body = api.body("twenty-token prompt.", 4);
     let want = seen(api, post(&solo.http, api.path(), &body).await).await;
     let params = prefill(&p, api, &body).await;
