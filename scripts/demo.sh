@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The project's main job: generate a tiny model, start a prefill node and a decode node, and
-# answer one OpenAI chat request through them the way a vLLM proxy drives P and D
-# (examples/pd_proxy.sh). The gateway issue puts the pingora gateway in front.
+# The project's main job: a demo cluster (pd-gateway + one prefill node + one decode node),
+# one request through it with the openai Python package, the routing policy swapped live, and
+# where to look next. See examples/gateway_demo.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-cargo build --locked --release -p pd-node
-PD_NODE="${CARGO_TARGET_DIR:-target}/release/pd-node" bash examples/pd_proxy.sh
+cargo build --locked --release -p pd-node -p pd-gateway
+bash scripts/build-policies.sh >/dev/null
+PD_PYTHON="$(bash scripts/python-env.sh)"
+export PD_PYTHON
+BIN_DIR="${CARGO_TARGET_DIR:-target}/release" bash examples/gateway_demo.sh

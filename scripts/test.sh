@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# The project's test command: set-up, formatting, lints, then every test of the workspace.
+# The project's test command: set-up, formatting, lints, then every test of the workspace
+# (with the guest policies built for wasm32 and a Python venv holding the openai package, which
+# the cross-process cluster tests drive the gateway with).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 cargo fmt --all -- --check
+cargo fmt --manifest-path policies/Cargo.toml --all -- --check
+bash scripts/build-policies.sh >/dev/null
+PD_TEST_PYTHON="$(bash scripts/python-env.sh)"
+export PD_TEST_PYTHON
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked

@@ -20,6 +20,8 @@ use pd_kv_pool::{BlockId, Lease, LeaseCounts, LeaseError, LeaseId, LeaseTable};
 pub struct LeaseStats {
     /// Leases live now.
     pub live: usize,
+    /// Blocks held by the live leases.
+    pub leased_blocks: usize,
     /// Lifetime counters.
     pub counts: LeaseCounts,
 }
@@ -123,6 +125,7 @@ impl LeaseBook {
         let book = self.lock();
         LeaseStats {
             live: book.table.live(),
+            leased_blocks: book.table.leased_blocks(),
             counts: book.table.counts(),
         }
     }

@@ -135,6 +135,11 @@ impl LeaseTable {
         self.leases.len()
     }
 
+    /// Blocks held by live leases (a block leased twice counts twice).
+    pub fn leased_blocks(&self) -> usize {
+        self.leases.values().map(|l| l.blocks.len()).sum()
+    }
+
     /// What happened so far.
     pub fn counts(&self) -> LeaseCounts {
         self.counts

@@ -29,13 +29,30 @@ pub enum ReportError {
     /// The gateway refused the registration or the stream failed (status from the gateway or the
     /// transport).
     #[error("gateway stream failed ({:?})", .0.code())]
-    Rpc(#[from] tonic::Status),
+    Rpc(#[source] tonic::Status),
+    /// The gateway refused the registration with `UNAUTHENTICATED`: the node's cluster token
+    /// (`--cluster-token` / `PD_CLUSTER_TOKEN`) is missing or not the gateway's.
+    #[error(
+        "the gateway refused this node's cluster token (missing or wrong --cluster-token / PD_CLUSTER_TOKEN): {}",
+        .0.message()
+    )]
+    Unauthenticated(tonic::Status),
     /// The gateway ended the stream without an error.
     #[error("the gateway closed the stream")]
     Closed,
     /// The gateway did not acknowledge the registration in time.
     #[error("no registration acknowledgement within {0:?}")]
     AckTimeout(Duration),
+}
+
+impl From<tonic::Status> for ReportError {
+    fn from(status: tonic::Status) -> Self {
+        if status.code() == tonic::Code::Unauthenticated {
+            Self::Unauthenticated(status)
+        } else {
+            Self::Rpc(status)
+        }
+    }
 }
 
 /// `err` and its sources, joined with `": "` (for logs).

@@ -4,7 +4,8 @@
 //! - [`Reporter`]: a background task that registers the node ([`Registration`]) and streams its
 //!   load ([`NodeStateSnapshot`]) and the block hashes of its prefix cache ([`BlockEvent`]),
 //!   reconnecting with backoff and resyncing after every reconnect. [`ReporterHandle`] shows its
-//!   [`ReporterStatus`] and stops it.
+//!   [`ReporterStatus`], what the gateway pushed (its KV peer list, the cluster token), and
+//!   stops it. A registration carries the node's cluster token and tokenizer files.
 //! - [`StateSource`]: what the node implements so the reporter can read it; [`StoredBlocks`] is
 //!   the ready-made, never-blocking set of stored hashes with a bounded change feed.
 //! - [`test_registry`]: a recording `NodeRegistry` server for tests (here and in `pd-node`'s).

@@ -1,5 +1,7 @@
 //! Who the node is ([`Registration`]) and its conversion to the wire (`pd.registry.v1.Register`).
 
+use std::collections::BTreeMap;
+
 use pd_rpc::registry as pb;
 
 /// Version of `pd.registry.v1` this crate speaks, sent in every registration.
@@ -19,8 +21,8 @@ pub enum Role {
 }
 
 /// Who the node is and where to reach it; sent as the first message of every connection.
-/// Fixed for the process's life.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Fixed for the process's life. `Debug` hides the cluster token and the tokenizer's contents.
+#[derive(Clone, PartialEq, Eq)]
 pub struct Registration {
     /// The node's engine id (the one `KvPeer.Handshake` reports).
     pub engine_id: String,
@@ -44,6 +46,50 @@ pub struct Registration {
     pub num_blocks: u64,
     /// Longest sequence (prompt + output) in tokens the node accepts.
     pub max_model_len: u32,
+    /// The cluster secret (`--cluster-token`); empty when the node has none. A gateway with a
+    /// secret refuses (UNAUTHENTICATED) a registration without it.
+    pub cluster_token: String,
+    /// The files the node's tokenizer was built from, by name
+    /// (`pd_tokenize::Tokenizer::files`); empty: no tokenizer is sent.
+    pub tokenizer_files: BTreeMap<String, String>,
+    /// `pd_tokenize::Tokenizer::fingerprint` of those files.
+    pub tokenizer_fingerprint: u64,
+}
+
+impl std::fmt::Debug for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let files: BTreeMap<&str, usize> = self
+            .tokenizer_files
+            .iter()
+            .map(|(name, content)| (name.as_str(), content.len()))
+            .collect();
+        f.debug_struct("Registration")
+            .field("engine_id", &self.engine_id)
+            .field("epoch", &self.epoch)
+            .field("role", &self.role)
+            .field("model", &self.model)
+            .field("block_size", &self.block_size)
+            .field("compat_hash", &self.compat_hash)
+            .field("http_addr", &self.http_addr)
+            .field("kv_side_channel_addr", &self.kv_side_channel_addr)
+            .field("grpc_addr", &self.grpc_addr)
+            .field("num_blocks", &self.num_blocks)
+            .field("max_model_len", &self.max_model_len)
+            .field(
+                "cluster_token",
+                &if self.cluster_token.is_empty() {
+                    "(none)"
+                } else {
+                    "(set)"
+                },
+            )
+            .field("tokenizer_files", &files)
+            .field(
+                "tokenizer_fingerprint",
+                &format_args!("{:016x}", self.tokenizer_fingerprint),
+            )
+            .finish()
+    }
 }
 
 impl From<Role> for pb::Role {
@@ -72,6 +118,18 @@ impl From<&Registration> for pb::Register {
             grpc_addr: r.grpc_addr.clone().unwrap_or_default(),
             num_blocks: r.num_blocks,
             max_model_len: r.max_model_len,
+            cluster_token: r.cluster_token.clone(),
+            tokenizer: (!r.tokenizer_files.is_empty()).then(|| pb::TokenizerBundle {
+                files: r
+                    .tokenizer_files
+                    .iter()
+                    .map(|(name, content)| pb::TokenizerFile {
+                        name: name.clone(),
+                        content: content.clone(),
+                    })
+                    .collect(),
+                fingerprint: r.tokenizer_fingerprint,
+            }),
         }
     }
 }

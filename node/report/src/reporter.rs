@@ -12,6 +12,12 @@
 //!    differs from the last one sent and at least every state interval regardless; `BlockEvents`
 //!    deltas as the feed delivers them; a new resync whenever the feed lagged.
 //!
+//! Gateway messages are read at any time after `Register`: a `RegisterAck` (also a later one)
+//! sets the state interval and, when it carries one, the cluster token in effect
+//! ([`ReporterHandle::cluster_token`]); a `PeerList` replaces the KV peers the gateway
+//! registered ([`ReporterHandle::peers`]). Both are kept across reconnects: a gateway that is
+//! away leaves the node with what it said last.
+//!
 //! The task only reads from the [`StateSource`]; nothing the node does waits for it. A stalled
 //! gateway stalls only this task (HTTP/2 flow control, then a bounded outgoing queue), and the
 //! block feed it stops draining drops old events instead of growing: the task resyncs when it
@@ -31,7 +37,7 @@ use tokio::time::MissedTickBehavior;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
 use tonic::transport::Endpoint;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::error::{ReportError, chain};
 use crate::registration::Registration;
@@ -115,6 +121,10 @@ pub struct Reporter {
     source: Arc<dyn StateSource>,
     options: ReporterOptions,
     status: watch::Sender<ReporterStatus>,
+    /// The gateway's latest `PeerList`.
+    peers: watch::Sender<Option<Vec<String>>>,
+    /// The cluster token in effect.
+    cluster_token: watch::Sender<Option<String>>,
     backoff: Backoff,
     /// The connection being streamed on, kept outside the session future so a shutdown can end
     /// it cleanly after cancelling that future.
@@ -169,6 +179,9 @@ impl Reporter {
             ..ReporterStatus::default()
         });
         let (stop, stop_rx) = watch::channel(false);
+        let (peers, peers_rx) = watch::channel(None);
+        let configured = Some(registration.cluster_token.clone()).filter(|t| !t.is_empty());
+        let (cluster_token, cluster_token_rx) = watch::channel(configured);
         let reporter = Self {
             addr,
             endpoint,
@@ -177,11 +190,15 @@ impl Reporter {
             backoff: Backoff::new(options.backoff_initial, options.backoff_max),
             options,
             status,
+            peers,
+            cluster_token,
             live: None,
         };
         let task = tokio::spawn(reporter.run(stop_rx));
         Ok(ReporterHandle {
             status: status_rx,
+            peers: peers_rx,
+            cluster_token: cluster_token_rx,
             stop,
             task: Some(task),
         })
@@ -205,12 +222,20 @@ impl Reporter {
                 failures
             };
             let delay = self.backoff.next_delay();
-            if was_connected {
+            let attempt = self.backoff.attempts;
+            if matches!(err, ReportError::Unauthenticated(_)) {
+                // A configuration error, not an outage: said loudly, and again now and then.
+                if attempt == 1 || attempt % 12 == 0 {
+                    error!(gateway = %self.addr, error = %chain(&err), ?delay, attempt, "the gateway refused the registration: wrong or missing cluster token (--cluster-token / PD_CLUSTER_TOKEN); retrying with backoff");
+                } else {
+                    debug!(gateway = %self.addr, ?delay, attempt, "cluster token still refused");
+                }
+            } else if was_connected {
                 warn!(gateway = %self.addr, error = %chain(&err), ?delay, "lost the gateway; reconnecting");
-            } else if self.backoff.attempts == 1 {
+            } else if attempt == 1 {
                 warn!(gateway = %self.addr, error = %chain(&err), ?delay, "cannot register with the gateway; retrying with backoff");
             } else {
-                debug!(gateway = %self.addr, error = %chain(&err), ?delay, attempt = self.backoff.attempts, failures, "gateway still unavailable");
+                debug!(gateway = %self.addr, error = %chain(&err), ?delay, attempt, failures, "gateway still unavailable");
             }
             self.status
                 .send_modify(|s| s.last_error = Some(Arc::new(err)));
@@ -262,6 +287,7 @@ impl Reporter {
         tx.send(register).await.map_err(|_| ReportError::Closed)?;
 
         let ack_timeout = self.options.ack_timeout;
+        let peers = &self.peers;
         let (inbound, ack) = tokio::time::timeout(ack_timeout, async {
             let mut inbound = client.report(ReceiverStream::new(rx)).await?.into_inner();
             loop {
@@ -269,6 +295,9 @@ impl Reporter {
                     Some(pb::GatewayMessage {
                         msg: Some(pb::gateway_message::Msg::Ack(ack)),
                     }) => return Ok((inbound, ack)),
+                    Some(pb::GatewayMessage {
+                        msg: Some(pb::gateway_message::Msg::Peers(list)),
+                    }) => publish_peers(peers, list),
                     // A message this version does not know: not an acknowledgement.
                     Some(_) => debug!("ignoring a gateway message before the acknowledgement"),
                     None => return Err(ReportError::Closed),
@@ -278,6 +307,7 @@ impl Reporter {
         .await
         .map_err(|_| ReportError::AckTimeout(ack_timeout))??;
 
+        publish_token(&self.cluster_token, &ack);
         let state_interval = state_interval_from(&ack, self.options.state_interval);
         self.backoff.reset();
         let mut connects = 0;
@@ -310,10 +340,14 @@ impl Reporter {
             tokio::select! {
                 msg = live.inbound.message() => match msg? {
                     Some(pb::GatewayMessage { msg: Some(pb::gateway_message::Msg::Ack(ack)) }) => {
+                        publish_token(&self.cluster_token, &ack);
                         let interval = state_interval_from(&ack, self.options.state_interval);
                         live.state_interval = interval;
                         poll = poll_timer(self.options.change_poll, interval);
                         self.status.send_modify(|s| s.state_interval = interval);
+                    }
+                    Some(pb::GatewayMessage { msg: Some(pb::gateway_message::Msg::Peers(list)) }) => {
+                        publish_peers(&self.peers, list);
                     }
                     Some(_) => debug!("ignoring an unknown gateway message"),
                     None => return Err(ReportError::Closed),
@@ -351,6 +385,38 @@ fn poll_timer(change_poll: Duration, state_interval: Duration) -> tokio::time::I
     let mut timer = tokio::time::interval(period);
     timer.set_missed_tick_behavior(MissedTickBehavior::Delay);
     timer
+}
+
+/// Replaces the published peer list with the gateway's (a change is logged).
+fn publish_peers(peers: &watch::Sender<Option<Vec<String>>>, list: pb::PeerList) {
+    let addrs = list.kv_side_channel_addrs;
+    let changed = peers.send_if_modified(|current| {
+        if current.as_ref() == Some(&addrs) {
+            return false;
+        }
+        *current = Some(addrs.clone());
+        true
+    });
+    if changed {
+        info!(peers = ?addrs, "KV peers registered with the gateway");
+    }
+}
+
+/// Publishes the cluster token `ack` carries, if any.
+fn publish_token(token: &watch::Sender<Option<String>>, ack: &pb::RegisterAck) {
+    if ack.cluster_token.is_empty() {
+        return;
+    }
+    let changed = token.send_if_modified(|current| {
+        if current.as_deref() == Some(ack.cluster_token.as_str()) {
+            return false;
+        }
+        *current = Some(ack.cluster_token.clone());
+        true
+    });
+    if changed {
+        info!("using the cluster token the gateway sent");
+    }
 }
 
 /// The state interval `ack` asks for, or `default`.
@@ -398,6 +464,7 @@ impl Live {
                 expired: leases.expired,
                 live: leases.live,
             }),
+            leased_blocks: state.leased_blocks,
         };
         self.send(pb::node_message::Msg::State(msg)).await?;
         self.last_state = Some(state);
@@ -541,6 +608,8 @@ impl Backoff {
 #[derive(Debug)]
 pub struct ReporterHandle {
     status: watch::Receiver<ReporterStatus>,
+    peers: watch::Receiver<Option<Vec<String>>>,
+    cluster_token: watch::Receiver<Option<String>>,
     stop: watch::Sender<bool>,
     task: Option<JoinHandle<()>>,
 }
@@ -554,6 +623,19 @@ impl ReporterHandle {
     /// A receiver that sees every status change (for readiness probes and tests).
     pub fn watch_status(&self) -> watch::Receiver<ReporterStatus> {
         self.status.clone()
+    }
+
+    /// The KV side channels (`host:port`) of the gateway's latest `PeerList`: `None` until a
+    /// gateway sent one, then the last one received (kept while the gateway is away).
+    pub fn peers(&self) -> watch::Receiver<Option<Vec<String>>> {
+        self.peers.clone()
+    }
+
+    /// The cluster token in effect: the registration's (when not empty) until a gateway's
+    /// `RegisterAck` carries one, then the last one received. Registrations keep sending the
+    /// configured token.
+    pub fn cluster_token(&self) -> watch::Receiver<Option<String>> {
+        self.cluster_token.clone()
     }
 
     /// Stops reporting: a live stream is ended cleanly (the gateway sees the node leave, not

@@ -22,6 +22,8 @@ pub struct NodeStateSnapshot {
     pub waiting_remote_kv: u64,
     /// The KV owner side's lease counters.
     pub leases: LeaseCounters,
+    /// Blocks held by live leases (KV kept for another node to pull).
+    pub leased_blocks: u64,
 }
 
 /// Lease counters, cumulative since process start except [`live`](Self::live).

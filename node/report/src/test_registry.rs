@@ -21,10 +21,15 @@
 //! ```
 //!
 //! What it checks itself: the first message of a connection must be `Register` with this
-//! crate's protocol version, otherwise the call ends with `FAILED_PRECONDITION` (and the
-//! connection is recorded as [`ConnectionEnd::Refused`]).
+//! crate's protocol version, otherwise the call ends with `FAILED_PRECONDITION`; with
+//! [`TestRegistryOptions::cluster_token`] set, a `Register` carrying another token ends it with
+//! `UNAUTHENTICATED` (either way the connection is recorded as [`ConnectionEnd::Refused`]).
+//!
+//! What it sends: a `RegisterAck` ([`TestRegistryOptions::gateway_id`], `state_interval_ms`,
+//! `ack_cluster_token`), then the peer list ([`TestRegistryOptions::peers`], or the latest
+//! [`TestRegistry::send_peers`]) if there is one, and every later list on every open connection.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -76,6 +81,13 @@ pub struct TestRegistryOptions {
     pub state_interval_ms: u32,
     /// Record into this log (to keep one log across a restart). Default: a new one.
     pub log: Option<RegistryLog>,
+    /// The cluster token a `Register` must carry; `None` accepts any. Default: `None`.
+    pub cluster_token: Option<String>,
+    /// Sent in every `RegisterAck` as `cluster_token` (empty: none). Default: empty.
+    pub ack_cluster_token: String,
+    /// The peer list sent after every acknowledgement until [`TestRegistry::send_peers`]
+    /// replaces it; `None`: no `PeerList` until then. Default: `None`.
+    pub peers: Option<Vec<String>>,
 }
 
 impl Default for TestRegistryOptions {
@@ -84,9 +96,16 @@ impl Default for TestRegistryOptions {
             gateway_id: "test-registry".to_string(),
             state_interval_ms: 0,
             log: None,
+            cluster_token: None,
+            ack_cluster_token: String::new(),
+            peers: None,
         }
     }
 }
+
+/// The largest message the test registry takes: a registration carries the node's tokenizer
+/// files (several MiB for real models, above tonic's 4 MiB default).
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 /// How a recorded connection ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,7 +114,8 @@ pub enum ConnectionEnd {
     Finished,
     /// The stream failed (the node went away without ending it); the status as text.
     Failed(String),
-    /// The registry refused the connection (first message not a valid `Register`); the reason.
+    /// The registry refused the connection (first message not a valid `Register`, or a wrong
+    /// cluster token); the reason.
     Refused(String),
     /// The registry was stopped while the connection was open.
     Stopped,
@@ -119,6 +139,19 @@ impl ConnectionRecord {
             pb::node_message::Msg::Register(r) => Some(r),
             _ => None,
         }
+    }
+
+    /// The registration's tokenizer files by name (empty when it sent none).
+    pub fn tokenizer_files(&self) -> BTreeMap<String, String> {
+        self.register()
+            .and_then(|r| r.tokenizer.as_ref())
+            .map(|t| {
+                t.files
+                    .iter()
+                    .map(|f| (f.name.clone(), f.content.clone()))
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// Every `NodeState`, in order.
@@ -230,6 +263,7 @@ pub struct TestRegistry {
     addr: SocketAddr,
     log: RegistryLog,
     stop: watch::Sender<bool>,
+    peers: watch::Sender<Option<Vec<String>>>,
     server: Option<JoinHandle<Result<(), tonic::transport::Error>>>,
 }
 
@@ -258,18 +292,24 @@ impl TestRegistry {
         let addr = listener.local_addr().map_err(bind_err)?;
         let log = options.log.clone().unwrap_or_default();
         let (stop, stop_rx) = watch::channel(false);
+        let (peers, peers_rx) = watch::channel(options.peers);
         let service = RegistryService {
             log: log.clone(),
             stop: stop_rx.clone(),
+            peers: peers_rx,
+            cluster_token: options.cluster_token,
             ack: pb::RegisterAck {
                 gateway_id: options.gateway_id,
                 state_interval_ms: options.state_interval_ms,
+                cluster_token: options.ack_cluster_token,
             },
         };
         let mut shutdown = stop_rx;
         let server = tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(NodeRegistryServer::new(service))
+                .add_service(
+                    NodeRegistryServer::new(service).max_decoding_message_size(MAX_MESSAGE_BYTES),
+                )
                 .serve_with_incoming_shutdown(
                     tonic::transport::server::TcpIncoming::from(listener),
                     async move {
@@ -281,6 +321,7 @@ impl TestRegistry {
             addr,
             log,
             stop,
+            peers,
             server: Some(server),
         })
     }
@@ -293,6 +334,12 @@ impl TestRegistry {
     /// The record of every connection.
     pub fn log(&self) -> &RegistryLog {
         &self.log
+    }
+
+    /// Sends `peers` as a `PeerList` on every open connection (after its acknowledgement), and
+    /// after the acknowledgement of every later one.
+    pub fn send_peers(&self, peers: Vec<String>) {
+        self.peers.send_replace(Some(peers));
     }
 
     /// Ends every open stream with `UNAVAILABLE` (recorded as [`ConnectionEnd::Stopped`]),
@@ -320,6 +367,8 @@ impl Drop for TestRegistry {
 struct RegistryService {
     log: RegistryLog,
     stop: watch::Receiver<bool>,
+    peers: watch::Receiver<Option<Vec<String>>>,
+    cluster_token: Option<String>,
     ack: pb::RegisterAck,
 }
 
@@ -335,45 +384,86 @@ impl NodeRegistry for RegistryService {
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(serve_connection(
-            self.log.clone(),
-            index,
+            Connection {
+                log: self.log.clone(),
+                index,
+                tx,
+                stop: self.stop.clone(),
+                peers: self.peers.clone(),
+                cluster_token: self.cluster_token.clone(),
+                ack: self.ack.clone(),
+            },
             inbound,
-            tx,
-            self.stop.clone(),
-            self.ack.clone(),
         ));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }
 
-/// Records one connection's messages until it ends or the registry stops.
-async fn serve_connection(
+/// One connection's side of the registry.
+struct Connection {
     log: RegistryLog,
     index: usize,
-    mut inbound: Streaming<pb::NodeMessage>,
     tx: mpsc::Sender<Result<pb::GatewayMessage, Status>>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
+    peers: watch::Receiver<Option<Vec<String>>>,
+    cluster_token: Option<String>,
     ack: pb::RegisterAck,
-) {
-    let mut first = true;
+}
+
+impl Connection {
+    async fn send(&self, msg: pb::gateway_message::Msg) -> bool {
+        self.tx
+            .send(Ok(pb::GatewayMessage { msg: Some(msg) }))
+            .await
+            .is_ok()
+    }
+
+    /// Sends the current peer list, if there is one.
+    async fn send_peers(&mut self) -> bool {
+        let peers = self.peers.borrow_and_update().clone();
+        match peers {
+            Some(addrs) => {
+                self.send(pb::gateway_message::Msg::Peers(pb::PeerList {
+                    kv_side_channel_addrs: addrs,
+                }))
+                .await
+            }
+            None => true,
+        }
+    }
+}
+
+/// Records one connection's messages until it ends or the registry stops.
+async fn serve_connection(mut conn: Connection, mut inbound: Streaming<pb::NodeMessage>) {
+    let mut registered = false;
     let end = loop {
         tokio::select! {
-            () = stopped(&mut stop) => {
-                let _ = tx.send(Err(Status::unavailable("test registry stopped"))).await;
+            () = stopped(&mut conn.stop) => {
+                let _ = conn.tx.send(Err(Status::unavailable("test registry stopped"))).await;
                 break ConnectionEnd::Stopped;
+            }
+            changed = conn.peers.changed(), if registered => {
+                if changed.is_err() || !conn.send_peers().await {
+                    break ConnectionEnd::Failed("response stream dropped".to_string());
+                }
             }
             msg = inbound.message() => match msg {
                 Ok(Some(msg)) => {
-                    let refusal = first.then(|| check_register(&msg)).flatten();
-                    log.push(index, msg);
-                    if let Some(reason) = refusal {
-                        let _ = tx.send(Err(Status::failed_precondition(reason.clone()))).await;
+                    let refusal = if registered {
+                        None
+                    } else {
+                        check_register(&msg, conn.cluster_token.as_deref())
+                    };
+                    conn.log.push(conn.index, msg);
+                    if let Some(status) = refusal {
+                        let reason = status.message().to_string();
+                        let _ = conn.tx.send(Err(status)).await;
                         break ConnectionEnd::Refused(reason);
                     }
-                    if first {
-                        first = false;
-                        let ack = pb::GatewayMessage { msg: Some(pb::gateway_message::Msg::Ack(ack.clone())) };
-                        if tx.send(Ok(ack)).await.is_err() {
+                    if !registered {
+                        registered = true;
+                        let ack = pb::gateway_message::Msg::Ack(conn.ack.clone());
+                        if !conn.send(ack).await || !conn.send_peers().await {
                             break ConnectionEnd::Failed("response stream dropped".to_string());
                         }
                     }
@@ -383,7 +473,7 @@ async fn serve_connection(
             },
         }
     };
-    log.close(index, end);
+    conn.log.close(conn.index, end);
 }
 
 /// Resolves once the registry is stopping.
@@ -392,17 +482,28 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
 }
 
 /// Why the first message of a connection is not acceptable, if it is not.
-fn check_register(msg: &pb::NodeMessage) -> Option<String> {
+fn check_register(msg: &pb::NodeMessage, cluster_token: Option<&str>) -> Option<Status> {
     match msg.msg.as_ref() {
         Some(pb::node_message::Msg::Register(r))
             if r.protocol_version != REGISTRY_PROTOCOL_VERSION =>
         {
-            Some(format!(
+            Some(Status::failed_precondition(format!(
                 "unsupported registry protocol version {} (this registry speaks {REGISTRY_PROTOCOL_VERSION})",
                 r.protocol_version
-            ))
+            )))
+        }
+        Some(pb::node_message::Msg::Register(r))
+            if cluster_token.is_some_and(|t| t != r.cluster_token) =>
+        {
+            Some(Status::unauthenticated(if r.cluster_token.is_empty() {
+                "this registry requires a cluster token"
+            } else {
+                "wrong cluster token"
+            }))
         }
         Some(pb::node_message::Msg::Register(_)) => None,
-        _ => Some("the first message of a connection must be Register".to_string()),
+        _ => Some(Status::failed_precondition(
+            "the first message of a connection must be Register",
+        )),
     }
 }

@@ -1,7 +1,7 @@
 //! The reporter against a real tonic `NodeRegistry` server on loopback (the test registry): what
 //! it sends, in which order, and how it survives a gateway restart.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -90,6 +90,12 @@ fn registration() -> Registration {
         grpc_addr: None,
         num_blocks: 1024,
         max_model_len: 2048,
+        cluster_token: "s3cret".to_string(),
+        tokenizer_files: BTreeMap::from([
+            ("tokenizer.json".to_string(), "{\"model\": {}}".to_string()),
+            ("tokenizer_config.json".to_string(), "{}".to_string()),
+        ]),
+        tokenizer_fingerprint: 0x1234_5678,
     }
 }
 
@@ -107,6 +113,7 @@ fn initial_state() -> NodeStateSnapshot {
             expired: 1,
             live: 1,
         },
+        leased_blocks: 7,
     }
 }
 
@@ -124,8 +131,17 @@ fn spawn(
     node: &Arc<FakeNode>,
     options: ReporterOptions,
 ) -> ReporterHandle {
+    spawn_as(registry, node, options, registration())
+}
+
+fn spawn_as(
+    registry: &TestRegistry,
+    node: &Arc<FakeNode>,
+    options: ReporterOptions,
+    registration: Registration,
+) -> ReporterHandle {
     let source: Arc<dyn StateSource> = node.clone();
-    Reporter::spawn(registry.addr().to_string(), registration(), source, options)
+    Reporter::spawn(registry.addr().to_string(), registration, source, options)
         .expect("valid address")
 }
 
@@ -187,8 +203,23 @@ async fn registers_then_sends_full_state_then_block_resync() -> TestResult {
             grpc_addr: String::new(),
             num_blocks: 1024,
             max_model_len: 2048,
+            cluster_token: "s3cret".to_string(),
+            tokenizer: Some(pb::TokenizerBundle {
+                files: vec![
+                    pb::TokenizerFile {
+                        name: "tokenizer.json".to_string(),
+                        content: "{\"model\": {}}".to_string(),
+                    },
+                    pb::TokenizerFile {
+                        name: "tokenizer_config.json".to_string(),
+                        content: "{}".to_string(),
+                    },
+                ],
+                fingerprint: 0x1234_5678,
+            }),
         }
     );
+    assert_eq!(conn.tokenizer_files(), registration().tokenizer_files);
 
     let state = conn.states().next().expect("a state");
     assert_eq!(
@@ -211,6 +242,7 @@ async fn registers_then_sends_full_state_then_block_resync() -> TestResult {
             live: 1
         })
     );
+    assert_eq!(state.leased_blocks, 7);
     assert!(state.unix_ms > 0);
     assert_eq!(conn.stored_hashes(), HashSet::from([11, 12, 13]));
 
@@ -559,4 +591,153 @@ async fn wait_for_times_out_with_the_log() {
         .await
         .expect_err("nobody connected");
     assert!(matches!(err, TestRegistryError::Timeout { ref log, .. } if log.is_empty()));
+}
+
+#[tokio::test]
+async fn peer_lists_and_the_gateways_cluster_token_are_published() -> TestResult {
+    let _guard = tracing_guard();
+    let registry = TestRegistry::start_with(
+        any_port(),
+        TestRegistryOptions {
+            ack_cluster_token: "minted".to_string(),
+            peers: Some(vec!["10.0.0.1:9000".to_string()]),
+            ..TestRegistryOptions::default()
+        },
+    )
+    .await?;
+    let addr = registry.addr();
+    let node = FakeNode::new(initial_state());
+    let reporter = spawn_as(
+        &registry,
+        &node,
+        options(),
+        Registration {
+            cluster_token: String::new(),
+            ..registration()
+        },
+    );
+    let mut peers = reporter.peers();
+    let mut token = reporter.cluster_token();
+
+    // After the acknowledgement: the registry's list and the token it minted.
+    let list = tokio::time::timeout(WAIT, peers.wait_for(Option::is_some)).await??;
+    assert_eq!(list.as_deref(), Some(&["10.0.0.1:9000".to_string()][..]));
+    drop(list);
+    let got = tokio::time::timeout(WAIT, token.wait_for(Option::is_some)).await??;
+    assert_eq!(got.as_deref(), Some("minted"));
+    drop(got);
+
+    // A new list replaces the old one.
+    let two = vec!["10.0.0.1:9000".to_string(), "[::1]:7000".to_string()];
+    registry.send_peers(two.clone());
+    let list = tokio::time::timeout(WAIT, peers.wait_for(|p| p.as_ref() == Some(&two))).await??;
+    drop(list);
+
+    // The gateway goes away: the node keeps what it was told.
+    let log = registry.stop().await?;
+    let mut status = reporter.watch_status();
+    tokio::time::timeout(WAIT, status.wait_for(|s| !s.connected)).await??;
+    assert_eq!(reporter.peers().borrow().as_ref(), Some(&two));
+    assert_eq!(reporter.cluster_token().borrow().as_deref(), Some("minted"));
+
+    // Back, with an empty list: the node re-registers with the token it was configured with
+    // (none), and the empty list replaces the old one.
+    let registry = TestRegistry::start_with(
+        addr,
+        TestRegistryOptions {
+            log: Some(log),
+            peers: Some(Vec::new()),
+            ..TestRegistryOptions::default()
+        },
+    )
+    .await?;
+    let list = tokio::time::timeout(
+        WAIT,
+        peers.wait_for(|p| p.as_ref().is_some_and(Vec::is_empty)),
+    )
+    .await??;
+    drop(list);
+    let conns = registry.log().connections();
+    assert_eq!(conns.len(), 2);
+    assert!(
+        conns
+            .iter()
+            .all(|c| c.register().is_some_and(|r| r.cluster_token.is_empty()))
+    );
+    assert_eq!(
+        reporter.cluster_token().borrow().as_deref(),
+        Some("minted"),
+        "an ack without a token changes nothing"
+    );
+    reporter.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn without_a_gateway_list_there_are_no_peers_and_the_configured_token_is_in_effect()
+-> TestResult {
+    let _guard = tracing_guard();
+    let registry = TestRegistry::start(any_port()).await?;
+    let node = FakeNode::new(initial_state());
+    let reporter = spawn(&registry, &node, options());
+    let mut status = reporter.watch_status();
+    tokio::time::timeout(WAIT, status.wait_for(|s| s.connected)).await??;
+    assert_eq!(*reporter.peers().borrow(), None);
+    assert_eq!(reporter.cluster_token().borrow().as_deref(), Some("s3cret"));
+    reporter.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_wrong_cluster_token_is_refused_and_retried_with_backoff() -> TestResult {
+    let _guard = tracing_guard();
+    let registry = TestRegistry::start_with(
+        any_port(),
+        TestRegistryOptions {
+            cluster_token: Some("the-right-one".to_string()),
+            ..TestRegistryOptions::default()
+        },
+    )
+    .await?;
+    let node = FakeNode::new(initial_state());
+    let reporter = spawn(&registry, &node, options());
+    let mut status = reporter.watch_status();
+    tokio::time::timeout(WAIT, status.wait_for(|s| s.failures >= 3)).await??;
+    let s = reporter.status();
+    assert!(!s.connected);
+    assert_eq!(s.connects, 0);
+    let err = s.last_error.expect("an error");
+    assert!(matches!(*err, ReportError::Unauthenticated(_)), "{err:?}");
+    assert!(err.to_string().contains("cluster token"), "{err}");
+    let conns = registry.log().connections();
+    assert!(conns.len() >= 3);
+    assert!(
+        conns
+            .iter()
+            .filter(|c| c.end.is_some())
+            .all(|c| c.end == Some(ConnectionEnd::Refused("wrong cluster token".to_string()))),
+        "{conns:#?}"
+    );
+    assert_eq!(*reporter.peers().borrow(), None, "never registered");
+    reporter.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_tokenizer_larger_than_grpcs_default_limit_registers() -> TestResult {
+    let _guard = tracing_guard();
+    let registry = TestRegistry::start(any_port()).await?;
+    let node = FakeNode::new(initial_state());
+    let mut big = registration();
+    // Real tokenizer.json files reach 7-9 MiB (Qwen2.5, Llama 3); tonic's default is 4 MiB.
+    big.tokenizer_files
+        .insert("tokenizer.json".to_string(), "x".repeat(6 << 20));
+    let reporter = spawn_as(&registry, &node, options(), big.clone());
+    let conns = registry
+        .log()
+        .wait_for(WAIT, |c| c.first().is_some_and(|c| c.messages.len() >= 3))
+        .await?;
+    assert_eq!(conns[0].tokenizer_files(), big.tokenizer_files);
+    reporter.shutdown().await;
+    Ok(())
 }

@@ -107,9 +107,18 @@ pub struct ServeArgs {
     #[arg(long, value_delimiter = ',')]
     pub kv_allowed_peers: Vec<String>,
     /// Gateway to register with and stream state to (`host:port` or `http://host:port`).
+    /// A decode node then also pulls from the producers the gateway registered, and with no
+    /// --kv-allowed-peers only from those.
     #[arg(long)]
     pub gateway: Option<String>,
+    /// Cluster secret sent when registering with the gateway (a gateway with a secret refuses
+    /// nodes without it). Default: the `PD_CLUSTER_TOKEN` environment variable.
+    #[arg(long, value_name = "TOKEN")]
+    pub cluster_token: Option<String>,
 }
+
+/// The environment variable read when `--cluster-token` is absent.
+pub const CLUSTER_TOKEN_ENV: &str = "PD_CLUSTER_TOKEN";
 
 /// `--kv-role` values (vLLM's spelling).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -222,6 +231,14 @@ impl ServeArgs {
         }
     }
 
+    /// The cluster token: `--cluster-token`, else `$PD_CLUSTER_TOKEN`, else none (empty).
+    pub fn cluster_token(&self) -> String {
+        cluster_token_from(
+            self.cluster_token.as_deref(),
+            std::env::var(CLUSTER_TOKEN_ENV).ok(),
+        )
+    }
+
     /// The host put in `kv_transfer_params.remote_host`.
     pub fn advertised_kv_host(&self) -> String {
         if let Some(h) = &self.kv_host {
@@ -248,6 +265,14 @@ impl ServeArgs {
         ip.parse::<std::net::IpAddr>()
             .map(|ip| SocketAddr::new(ip, self.port))
             .map_err(|_| CliError::BadAddress(self.host.clone()))
+    }
+}
+
+/// The flag wins over the environment; neither (or empty) is no token.
+fn cluster_token_from(flag: Option<&str>, env: Option<String>) -> String {
+    match flag {
+        Some(t) => t.to_owned(),
+        None => env.unwrap_or_default(),
     }
 }
 
@@ -412,6 +437,26 @@ mod tests {
         assert!(!cfg.enable_prefix_caching);
         assert_eq!(cfg.block_size, 16);
         assert_eq!(args.listen_addr().unwrap().port(), 0);
+    }
+
+    #[test]
+    fn cluster_token_flag_wins_over_the_environment() {
+        assert_eq!(cluster_token_from(Some("f"), Some("e".into())), "f");
+        assert_eq!(cluster_token_from(None, Some("e".into())), "e");
+        assert_eq!(cluster_token_from(None, None), "");
+        let cli = Cli::try_parse_from([
+            "pd-node",
+            "serve",
+            "--model",
+            "/m",
+            "--cluster-token",
+            "s3cret",
+        ])
+        .unwrap();
+        let Command::Serve(args) = cli.command else {
+            panic!("expected serve")
+        };
+        assert_eq!(args.cluster_token(), "s3cret");
     }
 
     #[test]

@@ -21,9 +21,10 @@ use pd_kv_transfer::{
     CompatInfo, FailurePolicy, Fallback, HandshakeCache, LeaseKeeper, LeasedBlocks, PeerClient,
     PeerInfo, Puller, TransferError, TransferMetrics, pull_under_lease,
 };
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use crate::kv_params::{Advert, RemotePrefill, prompt_hash};
+use crate::metrics::NodeMetrics;
 
 /// A node's part in P/D disaggregation (vLLM's `kv_role`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -74,30 +75,93 @@ pub struct PullConfig {
     pub skip_compat_check: bool,
     /// How often to renew a lease while waiting (the producer's duration / 6).
     pub renew_interval: std::time::Duration,
-    /// Producers this node may contact (`host` or `host:port`); empty: any. `remote_host` comes
-    /// from the request, so a node reachable by untrusted clients should list its peers (vLLM
-    /// #47843 was an SSRF through it).
-    pub allowed_peers: Vec<String>,
+    /// Producers this node may contact. `remote_host` comes from the request, so a node
+    /// reachable by untrusted clients must restrict them (vLLM #47843 was an SSRF through it).
+    pub allowed_peers: AllowedPeers,
 }
 
 impl PullConfig {
-    /// Whether `host:port` may be contacted.
+    /// Whether `host:port` may be contacted (see [`AllowedPeers::check`]).
     pub fn allows(&self, host: &str, port: u16) -> bool {
+        self.allowed_peers.check(host, port).is_ok()
+    }
+}
+
+/// The producers a consumer may contact: `--kv-allowed-peers`, plus, on a node reporting to a
+/// gateway, the KV side channels of the gateway's latest `PeerList` (swapped in by the reporter
+/// as lists arrive; read on every request).
+///
+/// - No gateway: the static list; empty allows any producer (the behaviour before gateways).
+/// - A gateway: the static list *or* the gateway's list; with an empty static list only the
+///   gateway's, and before the gateway sent one, none.
+#[derive(Debug, Clone, Default)]
+pub struct AllowedPeers {
+    /// `--kv-allowed-peers`: `host` or `host:port` (IPv6 in brackets).
+    pub fixed: Vec<String>,
+    /// The gateway's peer list (`host:port` each; `pd_report::ReporterHandle::peers`), when the
+    /// node reports to a gateway: `None` inside until the first list arrives.
+    pub gateway: Option<watch::Receiver<Option<Vec<String>>>>,
+}
+
+impl AllowedPeers {
+    /// Only `--kv-allowed-peers` (no gateway).
+    pub fn fixed(peers: Vec<String>) -> Self {
+        Self {
+            fixed: peers,
+            gateway: None,
+        }
+    }
+
+    /// `Ok` when the producer at `host:port` may be contacted; otherwise why not, for the
+    /// client.
+    ///
+    /// # Errors
+    /// The refusal's message.
+    pub fn check(&self, host: &str, port: u16) -> Result<(), String> {
         let host = host.trim_start_matches('[').trim_end_matches(']');
-        self.allowed_peers.is_empty()
-            || self.allowed_peers.iter().any(|a| {
-                let a = a.trim();
-                match a
-                    .rsplit_once(':')
-                    .filter(|(h, p)| !h.ends_with(':') && p.parse::<u16>().is_ok())
-                {
-                    Some((h, p)) => {
-                        h.trim_start_matches('[').trim_end_matches(']') == host
-                            && p.parse::<u16>().ok() == Some(port)
-                    }
-                    None => a.trim_start_matches('[').trim_end_matches(']') == host,
-                }
-            })
+        let listed = |list: &[String]| list.iter().any(|a| peer_matches(a, host, port));
+        if listed(&self.fixed) {
+            return Ok(());
+        }
+        let Some(gateway) = &self.gateway else {
+            if self.fixed.is_empty() {
+                return Ok(());
+            }
+            return Err(format!(
+                "{host}:{port} is not an allowed KV peer of this node (--kv-allowed-peers)"
+            ));
+        };
+        let nor_fixed = if self.fixed.is_empty() {
+            ""
+        } else {
+            " nor in --kv-allowed-peers"
+        };
+        match &*gateway.borrow() {
+            Some(peers) if listed(peers) => Ok(()),
+            Some(_) => Err(format!(
+                "{host}:{port} is not a KV peer registered with the gateway{nor_fixed}"
+            )),
+            None => Err(format!(
+                "{host}:{port} is not an allowed KV peer: this node is not registered with the \
+                 gateway yet (no KV peer list received){nor_fixed}"
+            )),
+        }
+    }
+}
+
+/// Whether the allow-list entry `entry` (`host` or `host:port`, IPv6 in brackets) names
+/// `host:port` (`host` without brackets).
+fn peer_matches(entry: &str, host: &str, port: u16) -> bool {
+    let entry = entry.trim();
+    match entry
+        .rsplit_once(':')
+        .filter(|(h, p)| !h.ends_with(':') && p.parse::<u16>().is_ok())
+    {
+        Some((h, p)) => {
+            h.trim_start_matches('[').trim_end_matches(']') == host
+                && p.parse::<u16>().ok() == Some(port)
+        }
+        None => entry.trim_start_matches('[').trim_end_matches(']') == host,
     }
 }
 
@@ -109,6 +173,8 @@ pub struct Disagg {
     pub(crate) advert: Option<Advert>,
     pub(crate) loader: Option<Loader>,
     pub(crate) metrics: Arc<TransferMetrics>,
+    /// The HTTP layer's own counters.
+    pub(crate) node_metrics: NodeMetrics,
 }
 
 impl Disagg {
@@ -119,6 +185,7 @@ impl Disagg {
             advert: None,
             loader: None,
             metrics: Arc::new(TransferMetrics::new()),
+            node_metrics: NodeMetrics::new(),
         }
     }
 
@@ -154,6 +221,7 @@ impl Disagg {
             advert,
             loader,
             metrics,
+            node_metrics: NodeMetrics::new(),
         }
     }
 
@@ -216,9 +284,10 @@ enum Skip {
 }
 
 impl Loader {
-    /// Whether the producer at `host:port` may be contacted (`--kv-allowed-peers`).
-    pub(crate) fn allows(&self, host: &str, port: u16) -> bool {
-        self.cfg.allows(host, port)
+    /// Whether the producer at `host:port` may be contacted (`--kv-allowed-peers`, the
+    /// gateway's peers); `Err` says why not.
+    pub(crate) fn check_peer(&self, host: &str, port: u16) -> Result<(), String> {
+        self.cfg.allowed_peers.check(host, port)
     }
 
     async fn client(&self, addr: &str) -> Result<PeerClient, TransferError> {
@@ -581,7 +650,7 @@ mod tests {
             recompute_threshold: 0,
             skip_compat_check: false,
             renew_interval: std::time::Duration::from_secs(5),
-            allowed_peers: allowed.iter().map(|s| s.to_string()).collect(),
+            allowed_peers: AllowedPeers::fixed(allowed.iter().map(|s| s.to_string()).collect()),
         }
     }
 
@@ -596,5 +665,49 @@ mod tests {
         assert!(c.allows("[::1]", 7000));
         assert!(!c.allows("::1", 7001));
         assert!(!c.allows("169.254.169.254", 80));
+        let e = c.allowed_peers.check("169.254.169.254", 80).unwrap_err();
+        assert!(e.contains("--kv-allowed-peers"), "{e}");
+    }
+
+    #[test]
+    fn with_a_gateway_only_its_peers_and_the_static_ones_are_allowed() {
+        let (tx, rx) = watch::channel(None);
+        let gw = AllowedPeers {
+            fixed: Vec::new(),
+            gateway: Some(rx.clone()),
+        };
+        // Before the first list: nobody, with a message saying why.
+        let e = gw.check("10.0.0.1", 9000).unwrap_err();
+        assert!(e.contains("not registered with the gateway"), "{e}");
+
+        tx.send_replace(Some(vec!["10.0.0.1:9000".into(), "[::1]:7000".into()]));
+        assert!(gw.check("10.0.0.1", 9000).is_ok());
+        assert!(gw.check("[::1]", 7000).is_ok());
+        let e = gw.check("10.0.0.1", 9001).unwrap_err();
+        assert!(
+            e.contains("not a KV peer registered with the gateway"),
+            "{e}"
+        );
+        assert!(gw.check("169.254.169.254", 80).is_err());
+
+        // A new list replaces the old one.
+        tx.send_replace(Some(vec!["10.0.0.2:9000".into()]));
+        assert!(gw.check("10.0.0.1", 9000).is_err());
+        assert!(gw.check("10.0.0.2", 9000).is_ok());
+
+        // Static peers are allowed besides the gateway's, even before its first list.
+        let (tx, rx) = watch::channel(None);
+        let both = AllowedPeers {
+            fixed: vec!["p.local".into()],
+            gateway: Some(rx),
+        };
+        assert!(both.check("p.local", 1).is_ok());
+        let e = both.check("10.0.0.1", 9000).unwrap_err();
+        assert!(e.contains("not registered with the gateway"), "{e}");
+        assert!(e.contains("--kv-allowed-peers"), "{e}");
+        tx.send_replace(Some(vec!["10.0.0.1:9000".into()]));
+        assert!(both.check("10.0.0.1", 9000).is_ok());
+        assert!(both.check("p.local", 2).is_ok());
+        assert!(both.check("10.0.0.3", 9000).is_err());
     }
 }

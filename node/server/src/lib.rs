@@ -28,6 +28,7 @@ mod error;
 mod generation;
 mod kv_params;
 pub mod kv_side_channel;
+mod metrics;
 mod openai;
 mod prompt;
 pub mod report;
@@ -40,7 +41,7 @@ use std::sync::Arc;
 
 use pd_engine::EngineHandle;
 
-pub use disagg::{Disagg, KvRole, PullConfig};
+pub use disagg::{AllowedPeers, Disagg, KvRole, PullConfig};
 pub use error::ApiError;
 pub use routes::MAX_BODY_BYTES;
 

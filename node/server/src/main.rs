@@ -8,7 +8,7 @@ use clap::Parser;
 use std::sync::Arc;
 
 use pd_node::cli::{Cli, Command, GenTinyModelArgs, ServeArgs};
-use pd_node::{Disagg, KvRole, PullConfig};
+use pd_node::{AllowedPeers, Disagg, KvRole, PullConfig};
 
 fn main() -> ExitCode {
     pin_compute_threads();
@@ -95,13 +95,13 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         _ => None,
     };
     let lease_duration = args.lease_duration()?;
-    let pull = PullConfig {
+    let mut pull = PullConfig {
         engine_id: engine_id.clone(),
         policy: args.failure_policy(),
         recompute_threshold: args.kv_recompute_threshold,
         skip_compat_check: args.kv_skip_compat_check,
         renew_interval: lease_duration / 6,
-        allowed_peers: args.kv_allowed_peers.clone(),
+        allowed_peers: AllowedPeers::fixed(args.kv_allowed_peers.clone()),
     };
     if role != KvRole::Standalone {
         tracing::info!(role = role.as_str(), engine_id = %engine_id, "P/D role");
@@ -158,6 +158,9 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                     grpc_addr: None,
                     num_blocks: info.num_blocks as u64,
                     max_model_len: info.max_model_len as u32,
+                    cluster_token: args.cluster_token(),
+                    tokenizer_files: engine.tokenizer().files().clone(),
+                    tokenizer_fingerprint: engine.tokenizer().fingerprint(),
                 };
                 let source = Arc::new(pd_node::report::EngineSource::new(engine.clone()));
                 let handle = pd_report::Reporter::spawn(
@@ -168,6 +171,9 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                 )
                 .with_context(|| format!("--gateway {gateway}"))?;
                 tracing::info!(gateway = %gateway, "reporting to the gateway");
+                // From now on a decode node pulls from the gateway's registered peers (and
+                // only from those when --kv-allowed-peers is empty).
+                pull.allowed_peers.gateway = Some(handle.peers());
                 Some(handle)
             }
             None => None,

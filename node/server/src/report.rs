@@ -50,6 +50,7 @@ impl StateSource for EngineSource {
                 expired: leases.counts.expired,
                 live: leases.live as u64,
             },
+            leased_blocks: leases.leased_blocks as u64,
         }
     }
 

@@ -21,6 +21,12 @@ pub enum TokenizeError {
         #[source]
         source: std::io::Error,
     },
+    /// A required file is not among those given to [`crate::Tokenizer::from_files`].
+    #[error("missing {}", path.display())]
+    MissingFile {
+        /// The file.
+        path: PathBuf,
+    },
     /// A JSON file of the model directory is not valid JSON.
     #[error("failed to parse {} as JSON", path.display())]
     ParseJson {
@@ -68,9 +74,9 @@ pub enum TokenizeError {
         source: BoxError,
     },
     /// The model directory has no chat template (or only named ones and no "default").
-    #[error("the tokenizer in {} has no chat template", dir.display())]
+    #[error("the tokenizer{} has no chat template", in_dir(dir))]
     NoChatTemplate {
-        /// The model directory.
+        /// The model directory (empty for a tokenizer built from files).
         dir: PathBuf,
     },
     /// The chat template does not compile.
@@ -123,4 +129,13 @@ pub enum TokenizeError {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// ` in DIR`, or nothing for a tokenizer built from files.
+fn in_dir(dir: &std::path::Path) -> String {
+    if dir.as_os_str().is_empty() {
+        String::new()
+    } else {
+        format!(" in {}", dir.display())
+    }
 }

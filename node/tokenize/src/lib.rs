@@ -11,7 +11,12 @@
 //!
 //! Brief overview:
 //! - [`Tokenizer`]: loaded once per model with [`Tokenizer::from_dir`]; `Send + Sync`, share it
-//!   behind an `Arc`.
+//!   behind an `Arc`. [`Tokenizer::files`] and [`Tokenizer::fingerprint`] are what it was built
+//!   from, so another process (the gateway) rebuilds the very same tokenizer with
+//!   [`Tokenizer::from_files`] without the model directory.
+//! - [`prompt`]: OpenAI request fields (completions `prompt`, chat `messages`, responses
+//!   `input`) to prompt token ids with [`prompt::prompt_tokens`]; one implementation for nodes
+//!   and gateway.
 //! - [`Tokenizer::apply_chat_template`]: renders [`ChatMessage`]s to prompt text. The template
 //!   already contains any BOS token, so encode its output with `add_special_tokens = false`.
 //! - [`IncrementalDecoder`]: per-sequence streaming detokenizer, created by
@@ -23,6 +28,7 @@
 mod byte_level;
 mod decoder;
 mod error;
+pub mod prompt;
 mod template;
 mod tokenizer;
 

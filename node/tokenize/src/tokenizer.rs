@@ -1,10 +1,12 @@
 //! [`Tokenizer`]: a Hugging Face model directory's tokenizer, stop ids and chat template.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value as Json;
+use xxhash_rust::xxh3::Xxh3Default;
 
 use crate::decoder::IncrementalDecoder;
 use crate::error::TokenizeError;
@@ -29,16 +31,30 @@ impl ChatMessage {
     }
 }
 
+/// The files a tokenizer is built from and must exist: `tokenizer.json`, `tokenizer_config.json`.
+const REQUIRED_FILES: [&str; 2] = ["tokenizer.json", "tokenizer_config.json"];
+/// The files read when present.
+const OPTIONAL_FILES: [&str; 3] = [
+    "chat_template.jinja",
+    "generation_config.json",
+    "config.json",
+];
+
 /// A model directory's tokenizer: vocabulary, special tokens, stop ids and chat template.
 ///
-/// Loaded once with [`Tokenizer::from_dir`]; immutable afterwards, `Send + Sync`.
+/// Loaded once with [`Tokenizer::from_dir`] (or [`Tokenizer::from_files`], from the files of
+/// another node's [`Tokenizer::files`]); immutable afterwards, `Send + Sync`.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The model directory, or empty when built from files (error messages only).
     dir: PathBuf,
     vocab_size: usize,
     eos_token_ids: Vec<u32>,
     special: SpecialTokens,
     chat: Option<ChatTemplate>,
+    /// What it was built from (`config.json` reduced to its `eos_token_id` fields).
+    files: BTreeMap<String, String>,
+    fingerprint: u64,
 }
 
 impl fmt::Debug for Tokenizer {
@@ -46,6 +62,8 @@ impl fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Tokenizer")
             .field("dir", &self.dir)
+            .field("files", &self.files.keys().collect::<Vec<_>>())
+            .field("fingerprint", &format_args!("{:016x}", self.fingerprint))
             .field("vocab_size", &self.vocab_size)
             .field("eos_token_ids", &self.eos_token_ids)
             .field("special", &self.special)
@@ -66,14 +84,55 @@ impl Tokenizer {
     /// - `generation_config.json` and `config.json` (optional): `eos_token_id`, an integer or
     ///   a list (also `text_config.eos_token_id` in `config.json`).
     ///
+    /// The same as [`Tokenizer::from_files`] over those files.
+    ///
     /// # Errors
     /// A required file is missing or unreadable ([`TokenizeError::ReadFile`] names it), a file
     /// is not valid JSON, `tokenizer.json` is not a valid tokenizer, or the chat template does
     /// not compile.
     pub fn from_dir(dir: &Path) -> Result<Self, TokenizeError> {
+        let mut files = BTreeMap::new();
+        for name in REQUIRED_FILES {
+            files.insert(name.to_owned(), read_required(&dir.join(name))?);
+        }
+        for name in OPTIONAL_FILES {
+            if let Some(text) = read_optional(&dir.join(name))? {
+                files.insert(name.to_owned(), text);
+            }
+        }
+        Self::build(files, dir)
+    }
+
+    /// Builds the tokenizer from the contents of a model directory's files, keyed by file name
+    /// (the names [`Tokenizer::from_dir`] reads; others are ignored). Exactly what `from_dir`
+    /// builds from a directory holding these files: a gateway given a node's
+    /// [`Tokenizer::files`] tokenizes and renders chat templates as the node does.
+    ///
+    /// # Errors
+    /// [`TokenizeError::MissingFile`] without `tokenizer.json` or `tokenizer_config.json`; then
+    /// as [`Tokenizer::from_dir`] (errors name the file alone).
+    pub fn from_files(files: &BTreeMap<String, String>) -> Result<Self, TokenizeError> {
+        let known = files
+            .iter()
+            .filter(|(name, _)| {
+                REQUIRED_FILES.contains(&name.as_str()) || OPTIONAL_FILES.contains(&name.as_str())
+            })
+            .map(|(name, text)| (name.clone(), text.clone()))
+            .collect();
+        Self::build(known, Path::new(""))
+    }
+
+    /// The one loading path: `files` holds only known names; `dir` prefixes paths in errors.
+    fn build(mut files: BTreeMap<String, String>, dir: &Path) -> Result<Self, TokenizeError> {
+        let file = |name: &str| files.get(name).map(String::as_str);
+        let required = |name: &str| {
+            file(name).ok_or_else(|| TokenizeError::MissingFile {
+                path: dir.join(name),
+            })
+        };
+
         let tokenizer_path = dir.join("tokenizer.json");
-        let tokenizer_text = read_required(&tokenizer_path)?;
-        let inner = tokenizer_text
+        let inner = required("tokenizer.json")?
             .parse::<tokenizers::Tokenizer>()
             .map_err(|source| TokenizeError::LoadTokenizer {
                 path: tokenizer_path.clone(),
@@ -81,7 +140,7 @@ impl Tokenizer {
             })?;
 
         let config_path = dir.join("tokenizer_config.json");
-        let config = parse_json(&config_path, &read_required(&config_path)?)?;
+        let config = parse_json(&config_path, required("tokenizer_config.json")?)?;
 
         let special = SpecialTokens {
             bos: special_token(&config, &config_path, "bos_token")?,
@@ -94,14 +153,15 @@ impl Tokenizer {
         if let Some(id) = special.eos.as_deref().and_then(|t| inner.token_to_id(t)) {
             eos_token_ids.push(id);
         }
-        for file in ["generation_config.json", "config.json"] {
-            let path = dir.join(file);
-            let Some(text) = read_optional(&path)? else {
+        let mut model_config = None;
+        for name in ["generation_config.json", "config.json"] {
+            let path = dir.join(name);
+            let Some(text) = file(name) else {
                 continue;
             };
-            let json = parse_json(&path, &text)?;
+            let json = parse_json(&path, text)?;
             let mut fields = vec![json.get("eos_token_id")];
-            if file == "config.json" {
+            if name == "config.json" {
                 fields.push(json.get("text_config").and_then(|t| t.get("eos_token_id")));
             }
             for field in fields.into_iter().flatten() {
@@ -111,12 +171,15 @@ impl Tokenizer {
                     }
                 }
             }
+            if name == "config.json" {
+                model_config = Some(eos_fields_only(&json));
+            }
         }
-
-        let chat = match chat_template_source(dir, &config, &config_path)? {
-            Some((source, path)) => Some(ChatTemplate::new(&source, special.clone(), &path)?),
-            None => None,
-        };
+        let chat =
+            match chat_template_source(dir, file("chat_template.jinja"), &config, &config_path)? {
+                Some((source, path)) => Some(ChatTemplate::new(&source, special.clone(), &path)?),
+                None => None,
+            };
 
         // Added tokens may sit above the base vocabulary with gaps; count up to the highest id.
         let max_added = inner
@@ -126,6 +189,13 @@ impl Tokenizer {
             .map_or(0, |&id| id as usize + 1);
         let vocab_size = inner.get_vocab_size(true).max(max_added);
 
+        // The model's config.json carries far more than the tokenizer needs (and differs
+        // between checkpoints of one tokenizer): keep only what was read from it.
+        if let Some(reduced) = model_config {
+            files.insert("config.json".to_owned(), reduced);
+        }
+        let fingerprint = fingerprint(&files);
+
         Ok(Self {
             inner,
             dir: dir.to_path_buf(),
@@ -133,7 +203,25 @@ impl Tokenizer {
             eos_token_ids,
             special,
             chat,
+            files,
+            fingerprint,
         })
+    }
+
+    /// The files this tokenizer was built from, by name, as [`Tokenizer::from_files`] takes
+    /// them: `tokenizer.json`, `tokenizer_config.json`, and those of `chat_template.jinja`,
+    /// `generation_config.json` and `config.json` that exist. `config.json` is reduced to its
+    /// `eos_token_id` and `text_config.eos_token_id` (all the tokenizer reads of it).
+    pub fn files(&self) -> &BTreeMap<String, String> {
+        &self.files
+    }
+
+    /// xxh3-64 of [`Tokenizer::files`]: for each file in name order, the name's length in
+    /// bytes (u64, little-endian), the name, the content's length (u64, little-endian) and the
+    /// content, hashed as one stream with seed 0. Equal fingerprints mean equal files, so
+    /// equal tokenization and chat templates.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
     }
 
     /// Encodes `text` to token ids.
@@ -334,16 +422,46 @@ fn token_ids(value: &Json, path: &Path) -> Result<Vec<u32>, TokenizeError> {
     }
 }
 
+/// See [`Tokenizer::fingerprint`].
+fn fingerprint(files: &BTreeMap<String, String>) -> u64 {
+    let mut h = Xxh3Default::new();
+    for (name, content) in files {
+        h.update(&(name.len() as u64).to_le_bytes());
+        h.update(name.as_bytes());
+        h.update(&(content.len() as u64).to_le_bytes());
+        h.update(content.as_bytes());
+    }
+    h.digest()
+}
+
+/// `config.json` reduced to the fields the tokenizer reads (`eos_token_id`,
+/// `text_config.eos_token_id`), those present only.
+fn eos_fields_only(config: &Json) -> String {
+    let mut out = serde_json::Map::new();
+    if let Some(v) = config.get("eos_token_id") {
+        out.insert("eos_token_id".to_owned(), v.clone());
+    }
+    if let Some(v) = config
+        .get("text_config")
+        .and_then(|t| t.get("eos_token_id"))
+    {
+        let mut text_config = serde_json::Map::new();
+        text_config.insert("eos_token_id".to_owned(), v.clone());
+        out.insert("text_config".to_owned(), Json::Object(text_config));
+    }
+    Json::Object(out).to_string()
+}
+
 /// The template source and the file it came from: `chat_template.jinja` if present, else
 /// `tokenizer_config.json`'s `chat_template`.
 fn chat_template_source(
     dir: &Path,
+    jinja: Option<&str>,
     config: &Json,
     config_path: &Path,
 ) -> Result<Option<(String, PathBuf)>, TokenizeError> {
-    let jinja_path = dir.join("chat_template.jinja");
-    if let Some(source) = read_optional(&jinja_path)? {
-        return Ok(Some((source, jinja_path)));
+    if let Some(source) = jinja {
+        return Ok(Some((source.to_owned(), dir.join("chat_template.jinja"))));
     }
     let invalid = |reason| TokenizeError::InvalidField {
         path: config_path.to_path_buf(),

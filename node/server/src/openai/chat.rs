@@ -28,13 +28,8 @@ pub(crate) struct ChatCompletionRequest {
     pub(crate) sampling: SamplingFields,
 }
 
-/// One input message. `content` is a string, a list of parts, or null (assistant tool calls).
-#[derive(Debug, Deserialize)]
-pub(crate) struct ChatMessageIn {
-    pub(crate) role: String,
-    #[serde(default)]
-    pub(crate) content: Option<serde_json::Value>,
-}
+/// One input message: `pd_tokenize`'s, so the gateway reads `messages` as the node does.
+pub(crate) use pd_tokenize::prompt::ChatMessageIn;
 
 /// A chat completion.
 #[derive(Debug, Serialize)]

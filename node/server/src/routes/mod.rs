@@ -55,6 +55,19 @@ impl AppState {
         params: Option<&serde_json::Value>,
     ) -> Result<KvPlan, ApiError> {
         let d = kv_params::parse(params)?;
+        let asked = match &d {
+            KvDirective::None => None,
+            KvDirective::Produce => Some("produce"),
+            KvDirective::Consume(_) => Some("consume"),
+            KvDirective::Incomplete { .. } => Some("incomplete"),
+        };
+        if let Some(directive) = asked {
+            self.disagg
+                .node_metrics
+                .kv_params_requests
+                .with_label_values(&[directive])
+                .inc();
+        }
         let role = self.disagg.role;
         let refuse = |what: &str, role_needed: &str| ApiError::InvalidRequest {
             message: format!(
@@ -77,13 +90,12 @@ impl AppState {
             KvDirective::Consume(remotes) => {
                 // Refused before anything is contacted — not even to release the lease.
                 if let Some(loader) = &self.disagg.loader
-                    && let Some(r) = remotes.iter().find(|r| !loader.allows(&r.host, r.port))
+                    && let Some(refusal) = remotes
+                        .iter()
+                        .find_map(|r| loader.check_peer(&r.host, r.port).err())
                 {
                     return Err(ApiError::InvalidRequest {
-                        message: format!(
-                            "{}:{} is not an allowed KV peer of this node (--kv-allowed-peers)",
-                            r.host, r.port
-                        ),
+                        message: refusal,
                         param: Some(format!("{}.remote_host", kv_params::FIELD)),
                     });
                 }
@@ -227,6 +239,7 @@ async fn metrics(State(state): State<AppState>) -> Response {
         });
     let mut families = state.engine.metrics().registry().gather();
     families.extend(state.disagg.metrics.registry().gather());
+    families.extend(state.disagg.node_metrics.registry().gather());
     match prometheus::TextEncoder::new().encode_to_string(&families) {
         Ok(text) => ([(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)], text).into_response(),
         Err(e) => {

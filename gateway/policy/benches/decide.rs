@@ -1,0 +1,151 @@
+//! Decision latency on a 64-node view: WASM guests against their native copies, and the
+//! whole host path (build the view from registry state, decide, validate). Calls run with a
+//! relaxed deadline so a descheduled call does not abort the run; limits cost the same.
+//!
+//! Run: `scripts/build-policies.sh && cargo bench -p pd-policy --bench decide`
+//! (`PD_BENCH_CALLS=N` changes the number of timed calls, default 20000).
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use common::{names, request, spec, wasm};
+use pd_policy::native;
+use pd_policy::{Decision, Node, PolicyEngine, Request, Role, View, validate};
+
+/// What a gateway registry holds per node, before it becomes a `View`.
+struct Registered {
+    role: Role,
+    free_blocks: u32,
+    waiting: u32,
+    running: u32,
+    draining: bool,
+}
+
+fn registry() -> Vec<Registered> {
+    (0..64u32)
+        .map(|i| Registered {
+            role: [Role::Prefill, Role::Decode, Role::Decode, Role::Standalone][i as usize % 4],
+            free_blocks: 1000 - (i * 37) % 500,
+            waiting: (i * 7) % 5,
+            running: (i * 3) % 4,
+            draining: i % 17 == 5,
+        })
+        .collect()
+}
+
+fn to_view(reg: &[Registered]) -> View {
+    View {
+        nodes: reg
+            .iter()
+            .map(|r| Node {
+                role: r.role,
+                free_blocks: r.free_blocks,
+                total_blocks: 1024,
+                leased_blocks: 0,
+                waiting: r.waiting,
+                running: r.running,
+                waiting_remote_kv: 0,
+                draining: r.draining,
+                conversation_tokens: 0,
+                conversation_expiry_ms: 0,
+            })
+            .collect(),
+    }
+}
+
+fn req(seq: u64) -> Request {
+    let mut r = request(seq, 2, (0..64).map(|i| (i * 5) % 9).collect());
+    r.block_hashes = (0..32).collect();
+    r
+}
+
+struct Row {
+    name: String,
+    p50: Duration,
+    p99: Duration,
+    mean: Duration,
+}
+
+fn time(name: &str, calls: usize, mut f: impl FnMut(u64)) -> Row {
+    for i in 0..(calls / 10).max(100) {
+        f(i as u64);
+    }
+    let mut samples = Vec::with_capacity(calls);
+    let all = Instant::now();
+    for i in 0..calls {
+        let t = Instant::now();
+        f(i as u64);
+        samples.push(t.elapsed());
+    }
+    let mean = all.elapsed() / calls as u32;
+    samples.sort_unstable();
+    let at = |q: f64| samples[((samples.len() - 1) as f64 * q) as usize];
+    Row { name: name.to_string(), p50: at(0.50), p99: at(0.99), mean }
+}
+
+fn main() {
+    let calls: usize = std::env::var("PD_BENCH_CALLS").ok().and_then(|s| s.parse().ok()).unwrap_or(20_000);
+    let engine = PolicyEngine::new().expect("engine");
+    let reg = registry();
+    let view = to_view(&reg);
+    let node_names = names(&view);
+    let mut rows = Vec::new();
+
+    type Native = fn(&Request, &View) -> Decision;
+    let natives: [(&str, Native); 3] = [
+        ("least-loaded", native::least_loaded),
+        ("round-robin", native::round_robin),
+        ("prefix-aware", native::prefix_aware),
+    ];
+    for (name, native) in natives {
+        let policy = engine
+            .load(&wasm(name), spec(name))
+            .expect("load");
+        let r = req(0);
+        assert_eq!(policy.decide(&r, &view, &node_names).expect("decide"), native(&r, &view));
+        rows.push(time(&format!("native {name}"), calls, |i| {
+            let mut r = req(0);
+            r.seq = i;
+            black_box(native(black_box(&r), black_box(&view)));
+        }));
+        rows.push(time(&format!("wasm   {name} (decide+validate)"), calls, |i| {
+            let mut r = req(0);
+            r.seq = i;
+            black_box(policy.decide(black_box(&r), black_box(&view), &node_names).expect("decide"));
+        }));
+        if name != "round-robin" {
+            rows.push(time(&format!("host path, wasm   {name}"), calls, |i| {
+                let view = to_view(black_box(&reg));
+                let r = req(i);
+                black_box(policy.decide(&r, &view, &node_names).expect("decide"));
+            }));
+            rows.push(time(&format!("host path, native {name}"), calls, |i| {
+                let view = to_view(black_box(&reg));
+                let r = req(i);
+                let d = native(&r, &view);
+                validate(&d, &r, &view).expect("valid");
+                black_box(d);
+            }));
+        }
+    }
+    let (_, stats) = engine
+        .load(&wasm("prefix-aware"), spec("prefix-aware"))
+        .expect("load")
+        .decide_with_stats(&req(0), &view, &node_names);
+
+    println!("\n64-node view, {calls} timed calls each (one thread)\n");
+    println!("{:<44} {:>10} {:>10} {:>10}", "case", "p50", "p99", "mean");
+    for r in &rows {
+        println!(
+            "{:<44} {:>8.2}µs {:>8.2}µs {:>8.2}µs",
+            r.name,
+            r.p50.as_secs_f64() * 1e6,
+            r.p99.as_secs_f64() * 1e6,
+            r.mean.as_secs_f64() * 1e6
+        );
+    }
+    println!("\nprefix-aware guest fuel per 64-node call: {}", stats.fuel_used);
+}

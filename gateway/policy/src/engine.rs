@@ -1,0 +1,648 @@
+//! The WASM policy host: one [`PolicyEngine`] per gateway, one [`WasmPolicy`] per loaded
+//! component, a fresh [`Store`] per call.
+//!
+//! Built once ([`PolicyEngine::new`]): the wasmtime [`Engine`] (pooling allocator, fuel, epoch
+//! interruption), the [`Linker`] with the `pd:policy/host` imports and a locked-down WASI p2
+//! (no files, no network, no environment, no arguments; stdout/stderr go nowhere), and the
+//! epoch ticker thread.
+//!
+//! At load ([`PolicyEngine::load`], off the request path): compile (cached by the sha256 of
+//! the bytes), `instantiate_pre` (all import resolution and type checking), then a smoke test.
+//!
+//! Per call ([`WasmPolicy::decide`]): a new [`Store`] whose data borrows the caller's node
+//! names, with a memory limiter, the fuel budget and the epoch deadline set before anything
+//! runs; instantiate from the pre-instantiated component (pooled, copy-on-write memory), call
+//! `decide`, drop the store, validate. A store that trapped is never reused.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime};
+
+use sha2::{Digest, Sha256};
+use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
+use wasmtime::{
+    Config, Enabled, Engine, InstanceAllocationStrategy, OptLevel, PoolingAllocationConfig,
+    ResourceLimiter, Store, Trap,
+};
+use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+
+use crate::bindings::pd::policy::host::Level;
+use crate::bindings::{Policy, PolicyPre};
+use crate::{
+    Api, Decision, Node, PolicyError, Request, Role, View, validate,
+};
+
+/// How often the ticker thread advances the engine's epoch.
+pub const EPOCH_TICK: Duration = Duration::from_micros(250);
+
+/// The largest [`PolicySpec::memory_limit`] the host accepts (the pool's per-memory size).
+pub const MAX_MEMORY_LIMIT: usize = 256 << 20;
+
+/// Calls that can run at once across all policies of one engine (pool slots); a call beyond
+/// that fails with [`PolicyError::Instantiate`].
+pub const MAX_CONCURRENT_CALLS: u32 = 128;
+
+/// Log lines a guest may write per call; later ones are dropped (counted in one last line).
+const MAX_LOG_LINES_PER_CALL: u32 = 32;
+
+/// Bytes of a guest log line kept; the rest is cut.
+const MAX_LOG_LINE: usize = 1024;
+
+/// Extra tries a smoke-test call gets when it times out (and only then).
+const SMOKE_TIMEOUT_RETRIES: u32 = 2;
+
+/// Compiled components kept in memory, by sha256 of their bytes.
+const COMPILE_CACHE_ENTRIES: usize = 16;
+
+/// Default [`PolicySpec::fuel`]: a 64-node prefix-aware decision by the Rust guest uses well
+/// under 1% of it (see `tests/limits.rs`, `fuel_budget_headroom`).
+pub const DEFAULT_FUEL: u64 = 5_000_000;
+
+
+/// How a policy runs: its name, its operator configuration and its limits.
+#[derive(Debug, Clone)]
+pub struct PolicySpec {
+    /// The operator's name for the policy (logs, metrics).
+    pub name: String,
+    /// What the guest reads with `host.config(key)`.
+    pub config: BTreeMap<String, String>,
+    /// Wall-clock budget of one call, instantiation included (a backstop to `fuel`; enforced
+    /// with epochs, so a runaway call stops between `deadline` and `deadline + EPOCH_TICK`).
+    /// Default: 1 ms.
+    pub deadline: Duration,
+    /// Largest size in bytes any one linear memory of the guest may reach. At most
+    /// [`MAX_MEMORY_LIMIT`]. Default: 16 MiB.
+    pub memory_limit: usize,
+    /// Deterministic CPU budget of one call, in wasmtime fuel (about one unit per wasm
+    /// instruction). Default: [`DEFAULT_FUEL`].
+    pub fuel: u64,
+}
+
+impl Default for PolicySpec {
+    fn default() -> Self {
+        PolicySpec {
+            name: "policy".to_string(),
+            config: BTreeMap::new(),
+            deadline: Duration::from_millis(1),
+            memory_limit: 16 << 20,
+            fuel: DEFAULT_FUEL,
+        }
+    }
+}
+
+/// What one call cost the guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CallStats {
+    /// Fuel consumed, instantiation included.
+    pub fuel_used: u64,
+}
+
+/// The gateway's WASM policy host. Cheap to clone (shared inside).
+#[derive(Clone)]
+pub struct PolicyEngine {
+    inner: Arc<EngineInner>,
+}
+
+impl std::fmt::Debug for PolicyEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PolicyEngine").finish_non_exhaustive()
+    }
+}
+
+struct EngineInner {
+    engine: Engine,
+    linker: Linker<HostState>,
+    cache: Mutex<Vec<([u8; 32], Component)>>,
+    stop: Arc<AtomicBool>,
+    ticker: Option<JoinHandle<()>>,
+}
+
+impl Drop for EngineInner {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.ticker.take() {
+            // The ticker only sleeps and bumps the epoch; it cannot panic.
+            let _ = t.join();
+        }
+    }
+}
+
+fn engine_err(e: wasmtime::Error) -> PolicyError {
+    PolicyError::Engine { source: e.into_boxed_dyn_error() }
+}
+
+impl PolicyEngine {
+    /// Builds the engine, the linker and the epoch ticker thread.
+    ///
+    /// # Errors
+    ///
+    /// [`PolicyError::Engine`] when wasmtime rejects the configuration (for example, the
+    /// pooling allocator cannot reserve its address space) or the ticker thread cannot start.
+    pub fn new() -> Result<Self, PolicyError> {
+        let mut pool = PoolingAllocationConfig::new();
+        pool.total_component_instances(MAX_CONCURRENT_CALLS)
+            .total_core_instances(MAX_CONCURRENT_CALLS * 16)
+            .total_memories(MAX_CONCURRENT_CALLS * 2)
+            .total_tables(MAX_CONCURRENT_CALLS * 4)
+            .max_core_instances_per_component(64)
+            .max_memories_per_component(4)
+            .max_tables_per_component(16)
+            .max_memory_size(MAX_MEMORY_LIMIT)
+            .table_elements(20_000)
+            .max_unused_warm_slots(MAX_CONCURRENT_CALLS)
+            // Keep a reused slot's pages mapped and reset only the dirty ones (PAGEMAP_SCAN,
+            // Linux ≥ 6.7): no madvise and no page faults per call.
+            .linear_memory_keep_resident(4 << 20)
+            .table_keep_resident(64 << 10)
+            .pagemap_scan(Enabled::Auto);
+        let mut config = Config::new();
+        config
+            .wasm_component_model(true)
+            .epoch_interruption(true)
+            .consume_fuel(true)
+            .cranelift_opt_level(OptLevel::Speed)
+            .parallel_compilation(true)
+            .memory_init_cow(true)
+            .max_wasm_stack(512 << 10)
+            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+        let engine = Engine::new(&config).map_err(engine_err)?;
+
+        let mut linker = Linker::<HostState>::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(engine_err)?;
+        Policy::add_to_linker::<HostState, HasSelf<HostState>>(&mut linker, |s| s)
+            .map_err(engine_err)?;
+
+        let stop = Arc::new(AtomicBool::new(false));
+        let ticker = {
+            let engine = engine.clone();
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name("pd-policy-epoch".to_string())
+                .spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        std::thread::sleep(EPOCH_TICK);
+                        engine.increment_epoch();
+                    }
+                })
+                .map_err(|e| PolicyError::Engine { source: Box::new(e) })?
+        };
+        Ok(PolicyEngine {
+            inner: Arc::new(EngineInner {
+                engine,
+                linker,
+                cache: Mutex::new(Vec::new()),
+                stop,
+                ticker: Some(ticker),
+            }),
+        })
+    }
+
+    /// Compiles `wasm` (a component; cached by sha256), checks it against the `policy`
+    /// world, and smoke-tests it: `decide` on a synthetic view of 2 prefill, 2 decode and 1
+    /// standalone nodes, with `n = 1` and `n = 3`, under `spec`'s limits (a call that times
+    /// out is tried up to twice more: the deadline is wall-clock time). A policy that fails
+    /// any of this is not loaded. Compiling takes milliseconds to seconds: call this off the
+    /// request path (a blocking thread).
+    ///
+    /// # Errors
+    ///
+    /// [`PolicyError::MemoryLimitTooLarge`] for a `spec.memory_limit` above
+    /// [`MAX_MEMORY_LIMIT`]; [`PolicyError::Compile`] when `wasm` is not a valid component;
+    /// [`PolicyError::Instantiate`] when its imports or exports do not match the world;
+    /// [`PolicyError::SmokeTest`] (with the call's error inside) when a smoke-test call traps,
+    /// runs out of time, fuel or memory, or answers an invalid decision.
+    pub fn load(&self, wasm: &[u8], spec: PolicySpec) -> Result<WasmPolicy, PolicyError> {
+        if spec.memory_limit > MAX_MEMORY_LIMIT {
+            return Err(PolicyError::MemoryLimitTooLarge {
+                requested: spec.memory_limit,
+                max: MAX_MEMORY_LIMIT,
+            });
+        }
+        let digest: [u8; 32] = Sha256::digest(wasm).into();
+        let sha256 = hex::encode(digest);
+        let component = self.compile(&spec.name, digest, wasm)?;
+        let instantiate_err = |e: wasmtime::Error| PolicyError::Instantiate {
+            name: spec.name.clone(),
+            source: e.into_boxed_dyn_error(),
+        };
+        let pre = self.inner.linker.instantiate_pre(&component).map_err(instantiate_err)?;
+        let pre = PolicyPre::new(pre).map_err(instantiate_err)?;
+        let deadline_ticks = deadline_ticks(spec.deadline);
+        let guest = Arc::new(GuestMeta {
+            name: spec.name.clone(),
+            version: sha256[..12].to_string(),
+            config: spec.config.clone(),
+        });
+        let policy = WasmPolicy {
+            engine: self.inner.clone(),
+            pre,
+            guest,
+            spec,
+            sha256,
+            loaded_at: SystemTime::now(),
+            deadline_ticks,
+        };
+        for (case, request, view, names) in smoke_cases() {
+            // A timeout can be the machine's fault (the thread was descheduled, the pool slot
+            // was cold): refuse only a policy that times out every time.
+            let mut timeouts = 0;
+            loop {
+                match policy.decide(&request, &view, &names) {
+                    Ok(_) => break,
+                    Err(PolicyError::Timeout { .. }) if timeouts < SMOKE_TIMEOUT_RETRIES => {
+                        timeouts += 1;
+                    }
+                    Err(e) => {
+                        return Err(PolicyError::SmokeTest {
+                            name: policy.spec.name.clone(),
+                            case,
+                            source: Box::new(e),
+                        });
+                    }
+                }
+            }
+        }
+        tracing::info!(
+            policy = %policy.spec.name,
+            version = %policy.guest.version,
+            "policy loaded"
+        );
+        Ok(policy)
+    }
+
+    fn compile(&self, name: &str, digest: [u8; 32], wasm: &[u8]) -> Result<Component, PolicyError> {
+        let cached = |cache: &Vec<([u8; 32], Component)>| {
+            cache.iter().find(|(d, _)| *d == digest).map(|(_, c)| c.clone())
+        };
+        if let Some(c) = cached(&self.cache()) {
+            return Ok(c);
+        }
+        let started = Instant::now();
+        let component = Component::new(&self.inner.engine, wasm).map_err(|e| {
+            PolicyError::Compile { name: name.to_string(), source: e.into_boxed_dyn_error() }
+        })?;
+        tracing::debug!(policy = %name, elapsed = ?started.elapsed(), "policy compiled");
+        let mut cache = self.cache();
+        if cached(&cache).is_none() {
+            if cache.len() >= COMPILE_CACHE_ENTRIES {
+                cache.remove(0);
+            }
+            cache.push((digest, component.clone()));
+        }
+        Ok(component)
+    }
+
+    fn cache(&self) -> std::sync::MutexGuard<'_, Vec<([u8; 32], Component)>> {
+        // The cache holds no invariant a panic could break: use it even if poisoned.
+        self.inner.cache.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Epoch ticks to allow for `deadline`: the first tick comes anywhere within one period, so
+/// one more than `deadline` spans; a call then stops between `deadline` and
+/// `deadline + EPOCH_TICK`.
+fn deadline_ticks(deadline: Duration) -> u64 {
+    let ticks = deadline.as_nanos().div_ceil(EPOCH_TICK.as_nanos());
+    u64::try_from(ticks).unwrap_or(u64::MAX).saturating_add(1)
+}
+
+/// The synthetic calls of the load-time smoke test: 2 prefill + 2 decode + 1 standalone nodes,
+/// with `n = 1` and `n = 3`.
+fn smoke_cases() -> Vec<(&'static str, Request, View, Vec<String>)> {
+    let node = |role: Role, waiting: u32| Node {
+        role,
+        free_blocks: 900,
+        total_blocks: 1024,
+        leased_blocks: 4,
+        waiting,
+        running: 2,
+        waiting_remote_kv: 1,
+        draining: false,
+        conversation_tokens: 0,
+        conversation_expiry_ms: 0,
+    };
+    let view = View {
+        nodes: vec![
+            node(Role::Prefill, 1),
+            node(Role::Prefill, 0),
+            node(Role::Decode, 3),
+            node(Role::Decode, 2),
+            node(Role::Standalone, 0),
+        ],
+    };
+    let names: Vec<String> = (0..view.nodes.len()).map(|i| format!("smoke-{i}")).collect();
+    let request = |seq: u64, n: u32| Request {
+        seq,
+        api: Api::ChatCompletions,
+        prompt_tokens: 40,
+        block_size: 16,
+        block_hashes: vec![0x9e37_79b9_7f4a_7c15, 0xc2b2_ae3d_27d4_eb4f],
+        prefix_blocks: vec![2, 0, 0, 1, 0],
+        n,
+        max_tokens: Some(16),
+        stream: false,
+        conversation_key: None,
+    };
+    vec![
+        ("n=1", request(0, 1), view.clone(), names.clone()),
+        ("n=3", request(1, 3), view, names),
+    ]
+}
+
+/// A loaded, smoke-tested policy component, ready to decide. Shared across threads; each
+/// call runs in its own store.
+pub struct WasmPolicy {
+    engine: Arc<EngineInner>,
+    pre: PolicyPre<HostState>,
+    guest: Arc<GuestMeta>,
+    spec: PolicySpec,
+    sha256: String,
+    loaded_at: SystemTime,
+    deadline_ticks: u64,
+}
+
+impl std::fmt::Debug for WasmPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WasmPolicy")
+            .field("spec", &self.spec)
+            .field("sha256", &self.sha256)
+            .field("loaded_at", &self.loaded_at)
+            .finish_non_exhaustive()
+    }
+}
+
+impl WasmPolicy {
+    /// Hex sha256 of the component's bytes.
+    pub fn sha256(&self) -> &str {
+        &self.sha256
+    }
+
+    /// The spec it was loaded with.
+    pub fn spec(&self) -> &PolicySpec {
+        &self.spec
+    }
+
+    /// When it was loaded.
+    pub fn loaded_at(&self) -> SystemTime {
+        self.loaded_at
+    }
+
+    /// Decides where `request` goes: a fresh store, the spec's limits, the guest's `decide`,
+    /// then [`validate`]. `node_names[i]` names `view.nodes[i]` for the guest's
+    /// `host.node-name` (logs only).
+    ///
+    /// # Errors
+    ///
+    /// [`PolicyError::Timeout`], [`PolicyError::OutOfFuel`], [`PolicyError::MemoryLimit`] or
+    /// [`PolicyError::Trap`] when the guest breaks a limit or traps;
+    /// [`PolicyError::Instantiate`] when no pool slot is free; [`PolicyError::Call`] when the
+    /// guest's answer cannot be read; [`PolicyError::Invalid`] for an invalid decision. The
+    /// policy stays usable after any of these.
+    pub fn decide(
+        &self,
+        request: &Request,
+        view: &View,
+        node_names: &[String],
+    ) -> Result<Decision, PolicyError> {
+        self.decide_with_stats(request, view, node_names).0
+    }
+
+    /// [`WasmPolicy::decide`], also returning what the call cost (for metrics).
+    pub fn decide_with_stats(
+        &self,
+        request: &Request,
+        view: &View,
+        node_names: &[String],
+    ) -> (Result<Decision, PolicyError>, CallStats) {
+        let state = HostState {
+            guest: self.guest.clone(),
+            names: NodeNames::borrow(node_names),
+            limiter: Limiter { memory_limit: self.spec.memory_limit, last_desired: 0 },
+            log_lines: 0,
+            wasi: None,
+        };
+        let mut store = Store::new(&self.engine.engine, state);
+        store.limiter(|s| &mut s.limiter);
+        if let Err(e) = store.set_fuel(self.spec.fuel) {
+            return (Err(engine_err(e)), CallStats::default());
+        }
+        store.set_epoch_deadline(self.deadline_ticks);
+        store.epoch_deadline_trap();
+        let result = match self.pre.instantiate(&mut store) {
+            Ok(policy) => {
+                policy.call_decide(&mut store, request, view).map_err(|e| self.call_error(e, false))
+            }
+            Err(e) => Err(self.call_error(e, true)),
+        };
+        let stats = CallStats {
+            fuel_used: self.spec.fuel.saturating_sub(store.get_fuel().unwrap_or(0)),
+        };
+        // The store (and its borrow of `node_names`) ends here, before anything returns.
+        drop(store);
+        let result = result.and_then(|d| {
+            validate(&d, request, view)?;
+            Ok(d)
+        });
+        if let Err(e) = &result {
+            tracing::debug!(policy = %self.spec.name, reason = e.reason(), error = %e, "policy call failed");
+        }
+        (result, stats)
+    }
+
+    /// Maps a failed instantiation or call to its typed error.
+    fn call_error(&self, e: wasmtime::Error, instantiating: bool) -> PolicyError {
+        if let Some(hit) = e.chain().find_map(|c| c.downcast_ref::<MemoryLimitHit>()) {
+            return PolicyError::MemoryLimit { limit: hit.limit, desired: hit.desired };
+        }
+        match e.chain().find_map(|c| c.downcast_ref::<Trap>()).copied() {
+            Some(Trap::Interrupt) => PolicyError::Timeout { deadline: self.spec.deadline },
+            Some(Trap::OutOfFuel) => PolicyError::OutOfFuel { fuel: self.spec.fuel },
+            Some(trap) => PolicyError::Trap { trap, detail: format!("{e:?}") },
+            None if instantiating => PolicyError::Instantiate {
+                name: self.spec.name.clone(),
+                source: e.into_boxed_dyn_error(),
+            },
+            None => PolicyError::Call { source: e.into_boxed_dyn_error() },
+        }
+    }
+}
+
+/// What the guest's host imports read: shared by all calls of one policy.
+#[derive(Debug)]
+struct GuestMeta {
+    name: String,
+    version: String,
+    config: BTreeMap<String, String>,
+}
+
+/// The caller's node names, borrowed for one call.
+///
+/// A store's data must be `'static`, but copying every name on every call would cost more
+/// than the call itself; the names are read only by the rare `host.node-name`.
+struct NodeNames {
+    ptr: *const String,
+    len: usize,
+}
+
+// SAFETY: a `NodeNames` stands for a `&[String]`, which is `Send` (`String: Sync`).
+unsafe impl Send for NodeNames {}
+
+impl NodeNames {
+    /// Borrows `names` for the life of one store. The store that holds the result must be
+    /// dropped before `names`' borrow ends: `decide_with_stats` creates and drops its store
+    /// inside one call that holds the borrow, and never lets the store escape.
+    fn borrow(names: &[String]) -> Self {
+        NodeNames { ptr: names.as_ptr(), len: names.len() }
+    }
+
+    fn get(&self, index: u32) -> Option<&String> {
+        // SAFETY: `ptr`/`len` come from a live `&[String]` (see `borrow`): the store holding
+        // this value never outlives that borrow, and host functions only run during the call.
+        let names = unsafe { std::slice::from_raw_parts(self.ptr, self.len) };
+        names.get(index as usize)
+    }
+}
+
+/// Store data of one call.
+struct HostState {
+    guest: Arc<GuestMeta>,
+    names: NodeNames,
+    limiter: Limiter,
+    log_lines: u32,
+    /// Built on the guest's first WASI call: most policies never make one.
+    wasi: Option<WasiState>,
+}
+
+struct WasiState {
+    ctx: WasiCtx,
+    table: ResourceTable,
+}
+
+impl WasiView for HostState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        let w = self.wasi.get_or_insert_with(|| WasiState {
+            // No preopens, environment, arguments or sockets; stdin empty, stdout and stderr
+            // discarded.
+            ctx: WasiCtx::builder().allow_tcp(false).allow_udp(false).allow_ip_name_lookup(false).build(),
+            table: ResourceTable::new(),
+        });
+        WasiCtxView { ctx: &mut w.ctx, table: &mut w.table }
+    }
+}
+
+impl crate::bindings::pd::policy::types::Host for HostState {}
+
+impl crate::bindings::pd::policy::host::Host for HostState {
+    fn log(&mut self, level: Level, mut message: String) {
+        self.log_lines += 1;
+        if self.log_lines > MAX_LOG_LINES_PER_CALL {
+            return;
+        }
+        if message.len() > MAX_LOG_LINE {
+            let mut cut = MAX_LOG_LINE;
+            while !message.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            message.truncate(cut);
+            message.push('…');
+        }
+        if self.log_lines == MAX_LOG_LINES_PER_CALL {
+            message.push_str(" (log limit reached: further lines of this call are dropped)");
+        }
+        let (policy, version) = (&self.guest.name, &self.guest.version);
+        match level {
+            Level::Debug => tracing::debug!(target: "pd_policy::guest", %policy, %version, "{message}"),
+            Level::Info => tracing::info!(target: "pd_policy::guest", %policy, %version, "{message}"),
+            Level::Warn => tracing::warn!(target: "pd_policy::guest", %policy, %version, "{message}"),
+            Level::Error => tracing::error!(target: "pd_policy::guest", %policy, %version, "{message}"),
+        }
+    }
+
+    fn now_ns(&mut self) -> u64 {
+        static ORIGIN: OnceLock<Instant> = OnceLock::new();
+        let origin = *ORIGIN.get_or_init(Instant::now);
+        u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    fn config(&mut self, key: String) -> Option<String> {
+        self.guest.config.get(&key).cloned()
+    }
+
+    fn node_name(&mut self, index: u32) -> Option<String> {
+        self.names.get(index).cloned()
+    }
+}
+
+/// The guest tried to grow a memory past its limit.
+#[derive(Debug, thiserror::Error)]
+#[error("memory limit: a memory tried to grow to {desired} bytes, limit {limit}")]
+struct MemoryLimitHit {
+    desired: usize,
+    limit: usize,
+}
+
+/// Caps each linear memory at the spec's limit and turns any failed growth into a typed
+/// trap ([`MemoryLimitHit`]), so the host tells "out of memory" from other traps.
+struct Limiter {
+    memory_limit: usize,
+    last_desired: usize,
+}
+
+impl ResourceLimiter for Limiter {
+    fn memory_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        self.last_desired = desired;
+        let limit = maximum.map_or(self.memory_limit, |m| m.min(self.memory_limit));
+        if desired > limit {
+            return Err(wasmtime::Error::new(MemoryLimitHit { desired, limit }));
+        }
+        Ok(true)
+    }
+
+    fn memory_grow_failed(&mut self, _error: wasmtime::Error) -> wasmtime::Result<()> {
+        Err(wasmtime::Error::new(MemoryLimitHit {
+            desired: self.last_desired,
+            limit: self.memory_limit,
+        }))
+    }
+
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        Ok(maximum.is_none_or(|m| desired <= m) && desired <= 20_000)
+    }
+
+    fn instances(&self) -> usize {
+        64
+    }
+
+    fn tables(&self) -> usize {
+        16
+    }
+
+    fn memories(&self) -> usize {
+        4
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deadline_ticks_cover_the_deadline() {
+        assert_eq!(deadline_ticks(Duration::from_millis(1)), 5);
+        assert_eq!(deadline_ticks(Duration::from_micros(1)), 2);
+        assert_eq!(deadline_ticks(Duration::ZERO), 1);
+        assert_eq!(deadline_ticks(Duration::MAX), u64::MAX);
+    }
+}

@@ -1,0 +1,36 @@
+//! Routing policies for `pd-gateway`: the WASM policy host, the native policies, and the
+//! hot-swappable slot that serves decisions.
+//!
+//! This crate owns the host side of the policy contract (`wit/policy.wit`, world `policy`):
+//! compiling and smoke-testing policy components ([`PolicyEngine::load`]), running them per
+//! request under memory, fuel and deadline limits ([`WasmPolicy::decide`]), checking their
+//! decisions ([`validate`]), the native policies that share the guests' rules ([`native`];
+//! `least-loaded` is the gateway's fallback), and the [`PolicySlot`] that swaps and rolls
+//! back policies while requests read it.
+//!
+//! This crate does not speak HTTP, run an async runtime (no tokio: calls are synchronous and
+//! take microseconds; the gateway decides where they run), or touch models (no candle). It
+//! does not build guest policies: `scripts/build-policies.sh` does.
+
+#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
+#![deny(unused_must_use)]
+
+mod bindings;
+mod engine;
+mod error;
+pub mod native;
+mod slot;
+mod validate;
+
+pub use bindings::pd::policy::types::{
+    Api, Decision, DecodeTarget, Node, Rejection, Request, ReversePull, Role, Route, Split, View,
+};
+pub use engine::{
+    CallStats, DEFAULT_FUEL, EPOCH_TICK, MAX_CONCURRENT_CALLS, MAX_MEMORY_LIMIT, PolicyEngine,
+    PolicySpec, WasmPolicy,
+};
+pub use error::PolicyError;
+pub use slot::{Installed, PolicySlot};
+pub use validate::{InvalidDecision, Slot, validate};
+/// The trap codes of [`PolicyError::Trap`], re-exported so callers need no wasmtime dependency.
+pub use wasmtime::Trap;

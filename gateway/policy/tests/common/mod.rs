@@ -1,0 +1,162 @@
+//! Shared by the integration tests: where the guest components are, view builders, a seeded
+//! RNG.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use pd_policy::{Api, Node, PolicyEngine, PolicySpec, Request, Role, View, WasmPolicy};
+
+/// The directory holding the built guest components: `$PD_POLICIES_DIR`, else
+/// `$CARGO_TARGET_DIR/policies`, else `<workspace>/target/policies`.
+pub fn policies_dir() -> PathBuf {
+    let workspace = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    if let Some(dir) = std::env::var_os("PD_POLICIES_DIR") {
+        return PathBuf::from(dir);
+    }
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(t) => workspace.join(t).join("policies"),
+        None => workspace.join("target/policies"),
+    }
+}
+
+/// The bytes of guest `name` (`least-loaded`, `looping`, …). Panics when it is not built.
+pub fn wasm(name: &str) -> Vec<u8> {
+    let path = policies_dir().join(format!("{name}.wasm"));
+    match std::fs::read(&path) {
+        Ok(bytes) => bytes,
+        Err(e) => panic!(
+            "guest policy {} is missing ({e}): run scripts/build-policies.sh first \
+             (or point PD_POLICIES_DIR at its output)",
+            path.display()
+        ),
+    }
+}
+
+/// A deadline no test call reaches on a loaded machine: the 1 ms default is wall-clock time,
+/// and tests run beside each other (and beside builds) on few cores. Tests of the deadline
+/// itself set their own.
+pub const RELAXED_DEADLINE: Duration = Duration::from_secs(10);
+
+/// A default spec named `name`, with [`RELAXED_DEADLINE`].
+pub fn spec(name: &str) -> PolicySpec {
+    PolicySpec { name: name.to_string(), deadline: RELAXED_DEADLINE, ..PolicySpec::default() }
+}
+
+/// Loads guest `name` with [`spec`]`(name)`.
+pub fn load(engine: &PolicyEngine, name: &str) -> WasmPolicy {
+    let spec = spec(name);
+    match engine.load(&wasm(name), spec) {
+        Ok(p) => p,
+        Err(e) => panic!("loading {name}: {e:?}"),
+    }
+}
+
+/// Names `node-0`, `node-1`, … for a view.
+pub fn names(view: &View) -> Vec<String> {
+    (0..view.nodes.len()).map(|i| format!("node-{i}")).collect()
+}
+
+/// A node with the given role and load figures; the rest neutral.
+pub fn node(role: Role, waiting: u32, running: u32, free_blocks: u32) -> Node {
+    Node {
+        role,
+        free_blocks,
+        total_blocks: 1024,
+        leased_blocks: 0,
+        waiting,
+        running,
+        waiting_remote_kv: 0,
+        draining: false,
+        conversation_tokens: 0,
+        conversation_expiry_ms: 0,
+    }
+}
+
+/// A request with sequence `seq`, `n` completions and the given per-node prefix blocks.
+pub fn request(seq: u64, n: u32, prefix_blocks: Vec<u32>) -> Request {
+    Request {
+        seq,
+        api: Api::Completions,
+        prompt_tokens: 64,
+        block_size: 16,
+        block_hashes: vec![1, 2, 3, 4],
+        prefix_blocks,
+        n,
+        max_tokens: Some(32),
+        stream: true,
+        conversation_key: Some("conv".to_string()),
+    }
+}
+
+/// xorshift64*: a tiny seeded RNG, so failures replay.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Uniform in `0..n` (n > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+
+    /// True with probability `percent`/100.
+    pub fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+
+    /// One of `items`.
+    pub fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        items[self.below(items.len() as u64) as usize]
+    }
+}
+
+/// A random request and view for case `case` of a seeded sweep: sizes 0..=8 and 64 nodes,
+/// few distinct load figures (ties), draining nodes, views without some roles, n up to 5,
+/// prefix lists shorter than the view.
+pub fn random_case(rng: &mut Rng, case: u64) -> (Request, View) {
+    let len = match case % 10 {
+        0 => 64,
+        1 => 0,
+        _ => rng.below(9) as usize,
+    };
+    // Some cases leave a role out entirely.
+    let roles: &[Role] = match rng.below(6) {
+        0 => &[Role::Standalone],
+        1 => &[Role::Prefill, Role::Standalone],
+        2 => &[Role::Decode],
+        3 => &[Role::Prefill, Role::Decode],
+        _ => &[Role::Prefill, Role::Decode, Role::Standalone],
+    };
+    let all_draining = rng.chance(10);
+    let nodes = (0..len)
+        .map(|_| Node {
+            role: rng.pick(roles),
+            free_blocks: rng.pick(&[0, 10, 10, 500, 1024]),
+            total_blocks: 1024,
+            leased_blocks: rng.below(8) as u32,
+            waiting: rng.pick(&[0, 0, 1, 2, 7]),
+            running: rng.pick(&[0, 1, 1, 3]),
+            waiting_remote_kv: rng.pick(&[0, 0, 0, 1, 4]),
+            draining: all_draining || rng.chance(20),
+            conversation_tokens: 0,
+            conversation_expiry_ms: 0,
+        })
+        .collect::<Vec<_>>();
+    let prefix_len = if rng.chance(20) { rng.below(len as u64 + 1) as usize } else { len };
+    let prefix_blocks = (0..prefix_len).map(|_| rng.pick(&[0, 0, 1, 3, 8, 40])).collect();
+    let seq = if rng.chance(10) { u64::MAX - rng.below(3) } else { rng.below(1000) };
+    let n = rng.pick(&[1, 1, 2, 3, 5]);
+    (request(seq, n, prefix_blocks), View { nodes })
+}

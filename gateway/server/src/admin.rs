@@ -1,0 +1,349 @@
+//! The operator's API (its own port, bearer token on every call):
+//!
+//! - `GET /admin/policy`: the policy serving now and the one a rollback would restore.
+//! - `PUT /admin/policy?name=N&deadline_ms=D&memory_mib=M&config.KEY=VALUE`: body = a policy
+//!   component. Compiled and smoke-tested off the request path; swapped in only if it passes.
+//!   `?native=least-loaded|round-robin|prefix-aware` installs a built-in policy instead.
+//! - `POST /admin/policy/rollback`: back to the previous policy.
+//! - `POST /admin/policy/dry-run?model=M&prompt_tokens=N&n=K`: body = a component; runs it on the
+//!   live view with a sample request and answers its decision and latency, installing nothing.
+//! - `GET /admin/nodes`: the view as policies see it, with ids and addresses.
+//! - `POST /admin/nodes/{engine_id}/drain?on=true|false`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Router as Axum;
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use pd_policy::{Api, Decision, Installed, PolicyEngine, PolicySpec, Request, Route};
+use serde_json::{Value, json};
+use tracing::{info, warn};
+
+use crate::cluster::{Cluster, role_label};
+use crate::route::{Router, run_policy};
+
+/// What the admin handlers share.
+#[derive(Debug, Clone)]
+pub struct Admin {
+    /// The bearer token every call must carry.
+    pub token: Arc<str>,
+    /// Compiles policies.
+    pub engine: Arc<PolicyEngine>,
+    /// The policy slot.
+    pub router: Arc<Router>,
+    /// The cluster.
+    pub cluster: Arc<Cluster>,
+    /// Defaults for pushed policies.
+    pub defaults: PolicySpec,
+}
+
+fn error(status: StatusCode, message: impl std::fmt::Display) -> Response {
+    let body = json!({"error": {"message": message.to_string(), "type": "admin_error", "param": null, "code": null}});
+    (status, axum::Json(body)).into_response()
+}
+
+fn unix(t: SystemTime) -> f64 {
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// A policy's description in the admin API.
+pub fn describe(p: &Installed) -> Value {
+    let mut v = json!({
+        "name": p.name(),
+        "version": p.version(),
+        "sha256": p.sha256(),
+        "loaded_at": unix(p.loaded_at()),
+        "kind": match p { Installed::Wasm(_) => "wasm", Installed::Native { .. } => "native" },
+    });
+    if let Installed::Wasm(w) = p {
+        v["deadline_ms"] = json!(w.spec().deadline.as_secs_f64() * 1000.0);
+        v["memory_limit"] = json!(w.spec().memory_limit);
+        v["config"] = json!(w.spec().config);
+    }
+    v
+}
+
+/// A decision in JSON, node indices resolved to engine ids.
+pub fn decision_json(d: &Decision, names: &[Arc<str>]) -> Value {
+    let name = |i: u32| names.get(i as usize).map_or("?", |n| &**n).to_owned();
+    let route = match &d.route {
+        Route::Split(s) => json!({"split": {
+            "prefill": s.prefill.iter().map(|&i| name(i)).collect::<Vec<_>>(),
+            "decode": s.decode.iter().map(|t| json!({"node": name(t.node), "children": t.children})).collect::<Vec<_>>(),
+        }}),
+        Route::Whole(c) => json!({"whole": c.iter().map(|&i| name(i)).collect::<Vec<_>>()}),
+        Route::Reject(r) => json!({"reject": {"status": r.status, "message": r.message}}),
+    };
+    json!({"route": route, "reverse_pull": d.reverse_pull.as_ref().map(|r| json!({"from": name(r.from), "min_tokens": r.min_tokens}))})
+}
+
+impl Admin {
+    fn authorized(&self, headers: &HeaderMap) -> bool {
+        headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|t| t == &*self.token)
+    }
+
+    fn spec(&self, q: &HashMap<String, String>) -> Result<PolicySpec, String> {
+        let mut spec = self.defaults.clone();
+        if let Some(name) = q.get("name") {
+            spec.name = name.clone();
+        }
+        if let Some(ms) = q.get("deadline_ms") {
+            let ms: f64 = ms.parse().map_err(|_| format!("deadline_ms: not a number: {ms}"))?;
+            if !(ms > 0.0 && ms <= 10_000.0) {
+                return Err("deadline_ms must be in (0, 10000]".into());
+            }
+            spec.deadline = Duration::from_secs_f64(ms / 1000.0);
+        }
+        if let Some(mib) = q.get("memory_mib") {
+            let mib: usize = mib.parse().map_err(|_| format!("memory_mib: not a number: {mib}"))?;
+            spec.memory_limit = mib << 20;
+        }
+        spec.config = q
+            .iter()
+            .filter_map(|(k, v)| k.strip_prefix("config.").map(|k| (k.to_owned(), v.clone())))
+            .collect::<BTreeMap<_, _>>();
+        Ok(spec)
+    }
+
+    async fn compile(&self, wasm: Bytes, spec: PolicySpec) -> Result<Installed, String> {
+        let engine = self.engine.clone();
+        tokio::task::spawn_blocking(move || engine.load(&wasm, spec))
+            .await
+            .map_err(|e| e.to_string())?
+            .map(Installed::Wasm)
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// The admin routes.
+pub fn routes(admin: Admin) -> Axum {
+    Axum::new()
+        .route("/admin/policy", get(show).put(push))
+        .route("/admin/policy/rollback", post(rollback))
+        .route("/admin/policy/dry-run", post(dry_run))
+        .route("/admin/nodes", get(nodes))
+        .route("/admin/nodes/{engine_id}/drain", post(drain))
+        .with_state(admin)
+}
+
+async fn show(State(a): State<Admin>, headers: HeaderMap) -> Response {
+    if !a.authorized(&headers) {
+        return error(StatusCode::UNAUTHORIZED, "missing or wrong admin token");
+    }
+    let slot = a.router.slot();
+    let previous = slot.previous().map(|p| describe(&p));
+    axum::Json(json!({"current": describe(&slot.current()), "previous": previous})).into_response()
+}
+
+async fn push(
+    State(a): State<Admin>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+    body: Bytes,
+) -> Response {
+    if !a.authorized(&headers) {
+        return error(StatusCode::UNAUTHORIZED, "missing or wrong admin token");
+    }
+    let installed = if let Some(native) = q.get("native") {
+        if !["least-loaded", "round-robin", "prefix-aware"].contains(&native.as_str()) {
+            return error(StatusCode::BAD_REQUEST, format!("no native policy `{native}`"));
+        }
+        Installed::Native {
+            name: native.clone(),
+        }
+    } else {
+        let spec = match a.spec(&q) {
+            Ok(s) => s,
+            Err(e) => return error(StatusCode::BAD_REQUEST, e),
+        };
+        match a.compile(body, spec).await {
+            Ok(p) => p,
+            Err(e) => {
+                warn!("policy push refused: {e}");
+                return error(StatusCode::BAD_REQUEST, format!("policy refused: {e}"));
+            }
+        }
+    };
+    let described = describe(&installed);
+    a.router.slot().install(installed);
+    a.router.publish_info();
+    info!(policy = %described, "policy installed");
+    axum::Json(json!({"current": described})).into_response()
+}
+
+async fn rollback(State(a): State<Admin>, headers: HeaderMap) -> Response {
+    if !a.authorized(&headers) {
+        return error(StatusCode::UNAUTHORIZED, "missing or wrong admin token");
+    }
+    match a.router.slot().rollback() {
+        Ok(()) => {
+            a.router.publish_info();
+            let current = describe(&a.router.slot().current());
+            info!(policy = %current, "policy rolled back");
+            axum::Json(json!({"current": current})).into_response()
+        }
+        Err(e) => error(StatusCode::CONFLICT, e),
+    }
+}
+
+async fn dry_run(
+    State(a): State<Admin>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+    body: Bytes,
+) -> Response {
+    if !a.authorized(&headers) {
+        return error(StatusCode::UNAUTHORIZED, "missing or wrong admin token");
+    }
+    let spec = match a.spec(&q) {
+        Ok(s) => s,
+        Err(e) => return error(StatusCode::BAD_REQUEST, e),
+    };
+    let policy = match a.compile(body, spec).await {
+        Ok(p) => p,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("policy refused: {e}")),
+    };
+    let model = q.get("model").cloned().or_else(|| a.cluster.live_models().into_iter().next());
+    let Some(model) = model else {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "no live node: nothing to decide over");
+    };
+    let num = |k: &str, d: u32| q.get(k).and_then(|v| v.parse().ok()).unwrap_or(d);
+    let prompt_tokens = num("prompt_tokens", 64);
+    let snapshot = a.cluster.snapshot(&model, &[]);
+    let block_size = a.cluster.model(&model).map_or(16, |(_, b)| b);
+    let request = Request {
+        seq: 0,
+        api: Api::ChatCompletions,
+        prompt_tokens,
+        block_size,
+        block_hashes: Vec::new(),
+        prefix_blocks: snapshot.prefix_blocks.clone(),
+        n: num("n", 1),
+        max_tokens: Some(num("max_tokens", 16)),
+        stream: false,
+        conversation_key: None,
+    };
+    let names: Vec<Arc<str>> = snapshot.nodes.iter().map(|n| n.engine_id.clone()).collect();
+    let result = tokio::task::spawn_blocking(move || {
+        let mut took = Vec::with_capacity(101);
+        let mut last = None;
+        for _ in 0..101 {
+            let t = Instant::now();
+            last = Some(run_policy(&policy, &request, &snapshot.view, &names));
+            took.push(t.elapsed());
+        }
+        took.sort();
+        (last, took[took.len() / 2], names)
+    })
+    .await;
+    match result {
+        Ok((Some(Ok(d)), p50, names)) => axum::Json(json!({
+            "model": model,
+            "decision": decision_json(&d, &names),
+            "latency_us_p50": p50.as_secs_f64() * 1e6,
+        }))
+        .into_response(),
+        Ok((Some(Err(e)), _, _)) => error(StatusCode::UNPROCESSABLE_ENTITY, format!("the policy failed: {e}")),
+        Ok((None, _, _)) | Err(_) => error(StatusCode::INTERNAL_SERVER_ERROR, "dry run failed"),
+    }
+}
+
+async fn nodes(State(a): State<Admin>, headers: HeaderMap) -> Response {
+    if !a.authorized(&headers) {
+        return error(StatusCode::UNAUTHORIZED, "missing or wrong admin token");
+    }
+    let state = a.cluster.read();
+    let nodes: Vec<Value> = state
+        .nodes
+        .values()
+        .map(|n| {
+            let s = &n.state;
+            json!({
+                "engine_id": &*n.engine_id,
+                "epoch": n.epoch,
+                "model": &*n.model,
+                "role": role_label(n.role),
+                "http_addr": &*n.http_addr,
+                "kv_side_channel_addr": &*n.kv_addr,
+                "block_size": n.block_size,
+                "max_model_len": n.max_model_len,
+                "free_blocks": s.free_blocks,
+                "total_blocks": s.total_blocks,
+                "leased_blocks": s.leased_blocks,
+                "waiting": s.waiting,
+                "running": s.running,
+                "waiting_remote_kv": s.waiting_remote_kv,
+                "draining": n.draining,
+                "cached_block_hashes": n.hashes.len(),
+                "registered_at": unix(n.registered_at),
+                "last_seen_ms_ago": n.last_seen.elapsed().as_millis() as u64,
+            })
+        })
+        .collect();
+    let models: Vec<Value> = state
+        .models
+        .iter()
+        .map(|(m, e)| json!({"model": &**m, "tokenizer_fingerprint": format!("{:016x}", e.fingerprint), "block_size": e.block_size}))
+        .collect();
+    axum::Json(json!({"nodes": nodes, "models": models})).into_response()
+}
+
+async fn drain(
+    State(a): State<Admin>,
+    headers: HeaderMap,
+    Path(engine_id): Path<String>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    if !a.authorized(&headers) {
+        return error(StatusCode::UNAUTHORIZED, "missing or wrong admin token");
+    }
+    let on = q.get("on").is_none_or(|v| v != "false");
+    if a.cluster.set_draining(&engine_id, on) {
+        axum::Json(json!({"engine_id": engine_id, "draining": on})).into_response()
+    } else {
+        error(StatusCode::NOT_FOUND, format!("no live node `{engine_id}`"))
+    }
+}
+
+/// Reloads the policy file whenever it changes (polled every second). A file that does not
+/// compile or fails the smoke test is refused and the current policy stays.
+pub async fn watch_policy_file(admin: Admin, path: PathBuf, spec: PolicySpec) {
+    let modified = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let mut seen = modified(&path);
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let now = modified(&path);
+        if now == seen {
+            continue;
+        }
+        seen = now;
+        let Ok(bytes) = std::fs::read(&path) else {
+            warn!(path = %path.display(), "policy file unreadable; keeping the current policy");
+            continue;
+        };
+        match admin.compile(bytes.into(), spec.clone()).await {
+            Ok(p) => {
+                let d = describe(&p);
+                admin.router.slot().install(p);
+                admin.router.publish_info();
+                info!(path = %path.display(), policy = %d, "policy file changed: installed");
+            }
+            Err(e) => {
+                warn!(path = %path.display(), "policy file changed but was refused: {e}");
+            }
+        }
+    }
+}

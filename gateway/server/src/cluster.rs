@@ -1,0 +1,366 @@
+//! The live cluster as the gateway knows it: which nodes are registered, their load, the block
+//! hashes each can serve, and the tokenizer of each model. Fed by the registry stream
+//! (`registry.rs`), read on every request to build the policy's [`View`].
+//!
+//! One `RwLock` guards it all: writers are the registry streams (a state update every few hundred
+//! milliseconds per node, block events as caches change), readers are requests, which hold the
+//! read lock only to copy out a view (no await while held).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Instant, SystemTime};
+
+use pd_policy::{Node, Role, View};
+use pd_rpc::registry as pb;
+use pd_tokenize::Tokenizer;
+use tokio::sync::{mpsc, watch};
+use tracing::{info, warn};
+
+/// Identifies one registry connection (a node's registration); a reconnect gets a new one.
+pub type ConnId = u64;
+
+/// What a node told the gateway at registration, plus what it streamed since.
+#[derive(Debug)]
+pub struct NodeEntry {
+    /// The connection this entry belongs to.
+    pub conn: ConnId,
+    /// The node's engine id.
+    pub engine_id: Arc<str>,
+    /// New at every process start.
+    pub epoch: u64,
+    /// Its role, as the policy sees it.
+    pub role: Role,
+    /// The served model name.
+    pub model: Arc<str>,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// `host:port` of its OpenAI API.
+    pub http_addr: Arc<str>,
+    /// `host:port` of its KV side channel (empty: none).
+    pub kv_addr: Arc<str>,
+    /// Longest sequence it accepts.
+    pub max_model_len: u32,
+    /// The last state it sent.
+    pub state: pb::NodeState,
+    /// Block hashes it can serve from its prefix cache.
+    pub hashes: HashSet<u64>,
+    /// The operator drains it: the policy is told, new work goes elsewhere when possible.
+    pub draining: bool,
+    /// When anything last arrived on its stream.
+    pub last_seen: Instant,
+    /// When it registered.
+    pub registered_at: SystemTime,
+    /// Messages to the node (peer lists); dropping it ends the node's stream.
+    pub outbox: mpsc::Sender<Result<pb::GatewayMessage, tonic::Status>>,
+}
+
+/// A model some node registered, kept after its nodes leave (so it stays 503, not 404).
+#[derive(Debug)]
+pub struct ModelEntry {
+    /// The tokenizer and chat template its nodes serve with.
+    pub tokenizer: Arc<Tokenizer>,
+    /// Fingerprint of the tokenizer files; nodes of this model must match it.
+    pub fingerprint: u64,
+    /// Tokens per block of its nodes (the first node's; others must agree).
+    pub block_size: u32,
+}
+
+/// Everything under the lock.
+#[derive(Debug, Default)]
+pub struct ClusterState {
+    /// Live nodes by connection, in registration order (BTreeMap over increasing conn ids).
+    pub nodes: BTreeMap<ConnId, NodeEntry>,
+    /// Every model ever registered.
+    pub models: HashMap<Arc<str>, ModelEntry>,
+}
+
+/// One node of a request's view, with what the host needs beyond the policy's [`Node`].
+#[derive(Debug, Clone)]
+pub struct NodeRef {
+    /// Its connection.
+    pub conn: ConnId,
+    /// Engine id (for logs and `host.node-name`).
+    pub engine_id: Arc<str>,
+    /// `host:port` of its OpenAI API.
+    pub http_addr: Arc<str>,
+}
+
+/// A model's nodes at one moment: the policy's view, the prefix holdings of one prompt, and the
+/// addresses behind the indices.
+#[derive(Debug)]
+pub struct Snapshot {
+    /// What the policy sees.
+    pub view: View,
+    /// Same order as `view.nodes`.
+    pub nodes: Vec<NodeRef>,
+    /// Leading blocks of the prompt each node holds (same order).
+    pub prefix_blocks: Vec<u32>,
+}
+
+/// The cluster, shared by the registry service, the proxy and the admin API.
+#[derive(Debug)]
+pub struct Cluster {
+    state: RwLock<ClusterState>,
+    peers: watch::Sender<Vec<String>>,
+}
+
+impl Default for Cluster {
+    fn default() -> Self {
+        Self {
+            state: RwLock::default(),
+            peers: watch::channel(Vec::new()).0,
+        }
+    }
+}
+
+fn sat(v: u64) -> u32 {
+    u32::try_from(v).unwrap_or(u32::MAX)
+}
+
+impl Cluster {
+    /// The state, for reading. Never held across an await.
+    pub fn read(&self) -> RwLockReadGuard<'_, ClusterState> {
+        self.state.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, ClusterState> {
+        self.state.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The registered KV side channels, updated whenever a node joins or leaves.
+    pub fn peers(&self) -> watch::Receiver<Vec<String>> {
+        self.peers.subscribe()
+    }
+
+    fn publish_peers(&self, state: &ClusterState) {
+        let mut addrs: Vec<String> = state
+            .nodes
+            .values()
+            .filter(|n| !n.kv_addr.is_empty())
+            .map(|n| n.kv_addr.to_string())
+            .collect();
+        addrs.sort();
+        addrs.dedup();
+        self.peers.send_if_modified(|old| {
+            if *old == addrs {
+                false
+            } else {
+                *old = addrs;
+                true
+            }
+        });
+    }
+
+    /// Admits a registered node. The model's tokenizer is set by its first node; a node whose
+    /// tokenizer fingerprint or block size differs is refused with the reason.
+    ///
+    /// # Errors
+    /// The refusal, for the node's `Status`.
+    pub fn join(
+        &self,
+        entry: NodeEntry,
+        tokenizer: impl FnOnce() -> Result<(Arc<Tokenizer>, u64), String>,
+        fingerprint: u64,
+    ) -> Result<(), String> {
+        let mut state = self.write();
+        match state.models.get(&entry.model) {
+            Some(m) if m.fingerprint != fingerprint => {
+                return Err(format!(
+                    "tokenizer fingerprint {fingerprint:016x} of node `{}` differs from {:016x}, the one model `{}` was registered with; nodes of one model must serve the same tokenizer and chat template",
+                    entry.engine_id, m.fingerprint, entry.model
+                ));
+            }
+            Some(m) if m.block_size != entry.block_size => {
+                return Err(format!(
+                    "block size {} of node `{}` differs from {}, the block size of model `{}`'s nodes",
+                    entry.block_size, entry.engine_id, m.block_size, entry.model
+                ));
+            }
+            Some(_) => {}
+            None => {
+                let (tokenizer, fingerprint) = tokenizer()?;
+                state.models.insert(
+                    entry.model.clone(),
+                    ModelEntry {
+                        tokenizer,
+                        fingerprint,
+                        block_size: entry.block_size,
+                    },
+                );
+            }
+        }
+        // The same engine registering again (a reconnect racing the old stream's end) replaces it.
+        let stale: Vec<ConnId> = state
+            .nodes
+            .values()
+            .filter(|n| n.engine_id == entry.engine_id)
+            .map(|n| n.conn)
+            .collect();
+        for conn in stale {
+            state.nodes.remove(&conn);
+        }
+        info!(engine_id = %entry.engine_id, role = ?entry.role, model = %entry.model, http = %entry.http_addr, "node joined");
+        state.nodes.insert(entry.conn, entry);
+        self.publish_peers(&state);
+        Ok(())
+    }
+
+    /// Removes a node (its stream ended or fell silent). Returns whether it was there.
+    pub fn leave(&self, conn: ConnId, why: &str) -> bool {
+        let mut state = self.write();
+        let gone = state.nodes.remove(&conn);
+        if let Some(n) = &gone {
+            warn!(engine_id = %n.engine_id, why, "node left the view");
+            self.publish_peers(&state);
+        }
+        gone.is_some()
+    }
+
+    /// Applies a state update; false when the node is no longer in the view.
+    pub fn state(&self, conn: ConnId, state: pb::NodeState) -> bool {
+        let mut guard = self.write();
+        let Some(n) = guard.nodes.get_mut(&conn) else {
+            return false;
+        };
+        n.state = state;
+        n.last_seen = Instant::now();
+        true
+    }
+
+    /// Whether the connection is still in the view.
+    pub fn is_live(&self, conn: ConnId) -> bool {
+        self.read().nodes.contains_key(&conn)
+    }
+
+    /// Applies block events; false when the node is no longer in the view.
+    pub fn blocks(&self, conn: ConnId, events: pb::BlockEvents) -> bool {
+        let mut guard = self.write();
+        let Some(n) = guard.nodes.get_mut(&conn) else {
+            return false;
+        };
+        {
+            if events.resync {
+                n.hashes.clear();
+            }
+            for h in events.removed {
+                n.hashes.remove(&h);
+            }
+            n.hashes.extend(events.stored);
+            n.last_seen = Instant::now();
+        }
+        true
+    }
+
+    /// Marks a node as draining or not; false when no live node has that engine id.
+    pub fn set_draining(&self, engine_id: &str, draining: bool) -> bool {
+        let mut state = self.write();
+        let mut found = false;
+        for n in state.nodes.values_mut() {
+            if &*n.engine_id == engine_id {
+                n.draining = draining;
+                found = true;
+            }
+        }
+        found
+    }
+
+    /// Connections silent for longer than `timeout`.
+    pub fn silent_since(&self, deadline: Instant) -> Vec<ConnId> {
+        self.read()
+            .nodes
+            .values()
+            .filter(|n| n.last_seen < deadline)
+            .map(|n| n.conn)
+            .collect()
+    }
+
+    /// The tokenizer and block size of `model`, if any node ever registered it.
+    pub fn model(&self, model: &str) -> Option<(Arc<Tokenizer>, u32)> {
+        self.read()
+            .models
+            .get(model)
+            .map(|m| (m.tokenizer.clone(), m.block_size))
+    }
+
+    /// Models served by at least one live node, sorted.
+    pub fn live_models(&self) -> Vec<String> {
+        let mut models: Vec<String> = self
+            .read()
+            .nodes
+            .values()
+            .map(|n| n.model.to_string())
+            .collect();
+        models.sort();
+        models.dedup();
+        models
+    }
+
+    /// Live nodes per role label, for the `nodes_up` gauge.
+    pub fn count_by_role(&self) -> [(Role, usize); 3] {
+        let state = self.read();
+        let count = |r: Role| state.nodes.values().filter(|n| n.role == r).count();
+        [
+            (Role::Prefill, count(Role::Prefill)),
+            (Role::Decode, count(Role::Decode)),
+            (Role::Standalone, count(Role::Standalone)),
+        ]
+    }
+
+    /// The view of `model`'s live nodes, and how many leading blocks of `hashes` each holds.
+    pub fn snapshot(&self, model: &str, hashes: &[u64]) -> Snapshot {
+        let state = self.read();
+        let members = state.nodes.values().filter(|n| &*n.model == model);
+        let (lower, _) = members.size_hint();
+        let mut view = View {
+            nodes: Vec::with_capacity(lower),
+        };
+        let mut nodes = Vec::with_capacity(lower);
+        let mut prefix_blocks = Vec::with_capacity(lower);
+        for n in members {
+            let s = &n.state;
+            view.nodes.push(Node {
+                role: n.role,
+                free_blocks: sat(s.free_blocks),
+                total_blocks: sat(s.total_blocks),
+                leased_blocks: sat(s.leased_blocks),
+                waiting: sat(s.waiting),
+                running: sat(s.running),
+                waiting_remote_kv: sat(s.waiting_remote_kv),
+                draining: n.draining,
+                conversation_tokens: 0,
+                conversation_expiry_ms: 0,
+            });
+            nodes.push(NodeRef {
+                conn: n.conn,
+                engine_id: n.engine_id.clone(),
+                http_addr: n.http_addr.clone(),
+            });
+            let held = hashes.iter().take_while(|h| n.hashes.contains(h)).count();
+            prefix_blocks.push(sat(held as u64));
+        }
+        Snapshot {
+            view,
+            nodes,
+            prefix_blocks,
+        }
+    }
+}
+
+/// The policy's role for a registered role.
+pub fn role_of(role: pb::Role) -> Option<Role> {
+    match role {
+        pb::Role::Producer => Some(Role::Prefill),
+        pb::Role::Consumer => Some(Role::Decode),
+        pb::Role::Standalone | pb::Role::Both => Some(Role::Standalone),
+        pb::Role::Unspecified => None,
+    }
+}
+
+/// The label of a role in metrics and the admin API.
+pub fn role_label(role: Role) -> &'static str {
+    match role {
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+        Role::Standalone => "standalone",
+    }
+}

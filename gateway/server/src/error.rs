@@ -1,0 +1,189 @@
+//! Every way a gateway request can fail, where the fault lies, and the OpenAI error object each
+//! becomes. As in pingora's error model, an error carries its source (the client, a node, the
+//! gateway, the policy) so the status follows from it: the client's fault is a 4xx, a node's a
+//! 502/503, the gateway's own a 500.
+
+use bytes::Bytes;
+use serde_json::json;
+
+/// Where a failure came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorSource {
+    /// The client sent something wrong (4xx).
+    Downstream,
+    /// A node failed or refused (5xx, or the node's own 4xx passed through).
+    Upstream,
+    /// The gateway itself (500).
+    Internal,
+    /// The routing policy rejected or failed.
+    Policy,
+}
+
+/// A failed request. Rendered as `{"error": {"message", "type", "param", "code"}}` with
+/// [`GatewayError::status`].
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    /// The body is not JSON, or a field is wrong (400).
+    #[error("{message}")]
+    InvalidRequest {
+        /// What is wrong, for the client.
+        message: String,
+        /// The field at fault, when known.
+        param: Option<String>,
+    },
+    /// No node ever registered this model (404).
+    #[error("The model `{0}` does not exist.")]
+    ModelNotFound(String),
+    /// No route for this path (404).
+    #[error("Unknown request URL: {method} {path}. Please check the URL for typos.")]
+    UnknownRoute {
+        /// The request's method.
+        method: String,
+        /// The request's path.
+        path: String,
+    },
+    /// The body is larger than the limit (413).
+    #[error("Request body is larger than the limit of {limit} bytes.")]
+    PayloadTooLarge {
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// The model is registered but no live node can serve this request now (503).
+    #[error("no live node can serve model `{model}` now: {why}")]
+    NoCapacity {
+        /// The requested model.
+        model: String,
+        /// Which role was missing, or that every candidate failed.
+        why: String,
+    },
+    /// The policy refused the request with its own status.
+    #[error("{message}")]
+    Rejected {
+        /// 400..=599, checked when the decision was validated.
+        status: u16,
+        /// The policy's message.
+        message: String,
+    },
+    /// The policy failed and the operator chose to fail requests instead of falling back (503).
+    #[error("the routing policy failed: {0}")]
+    PolicyFailed(String),
+    /// A node answered with an error; its status and body are passed through.
+    #[error("node error {status}")]
+    Node {
+        /// The node's status.
+        status: u16,
+        /// The node's body (an OpenAI error object).
+        body: Bytes,
+    },
+    /// A node could not be reached or broke the protocol (502).
+    #[error("{0}")]
+    BadGateway(String),
+    /// The gateway failed (500).
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl GatewayError {
+    /// A 400 naming `param`.
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::InvalidRequest {
+            message: message.into(),
+            param: Some(param.into()),
+        }
+    }
+
+    /// Where the failure came from.
+    pub fn source_kind(&self) -> ErrorSource {
+        match self {
+            Self::InvalidRequest { .. }
+            | Self::ModelNotFound(_)
+            | Self::UnknownRoute { .. }
+            | Self::PayloadTooLarge { .. } => ErrorSource::Downstream,
+            Self::NoCapacity { .. } | Self::Node { .. } | Self::BadGateway(_) => {
+                ErrorSource::Upstream
+            }
+            Self::Rejected { .. } | Self::PolicyFailed(_) => ErrorSource::Policy,
+            Self::Internal(_) => ErrorSource::Internal,
+        }
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> u16 {
+        match self {
+            Self::InvalidRequest { .. } => 400,
+            Self::ModelNotFound(_) | Self::UnknownRoute { .. } => 404,
+            Self::PayloadTooLarge { .. } => 413,
+            Self::NoCapacity { .. } | Self::PolicyFailed(_) => 503,
+            Self::Rejected { status, .. } | Self::Node { status, .. } => *status,
+            Self::BadGateway(_) => 502,
+            Self::Internal(_) => 500,
+        }
+    }
+
+    /// The `outcome` label of the request counter.
+    pub fn outcome(&self) -> &'static str {
+        match self.source_kind() {
+            ErrorSource::Downstream => "client_error",
+            ErrorSource::Upstream => "node_error",
+            ErrorSource::Policy => "rejected",
+            ErrorSource::Internal => "internal_error",
+        }
+    }
+
+    /// The response body: the node's own for [`GatewayError::Node`], else an OpenAI error object.
+    pub fn body(&self) -> Bytes {
+        if let Self::Node { body, .. } = self {
+            return body.clone();
+        }
+        let (kind, code) = match self {
+            Self::InvalidRequest { .. } | Self::PayloadTooLarge { .. } => {
+                ("invalid_request_error", None)
+            }
+            Self::ModelNotFound(_) => ("invalid_request_error", Some("model_not_found")),
+            Self::UnknownRoute { .. } => ("invalid_request_error", Some("unknown_url")),
+            Self::Rejected { .. } => ("invalid_request_error", Some("policy_rejected")),
+            Self::NoCapacity { .. } | Self::PolicyFailed(_) => {
+                ("service_unavailable_error", Some("no_capacity"))
+            }
+            Self::BadGateway(_) | Self::Node { .. } => ("upstream_error", None),
+            Self::Internal(_) => ("internal_error", None),
+        };
+        let param = match self {
+            Self::InvalidRequest { param, .. } => param.clone(),
+            _ => None,
+        };
+        let body = json!({"error": {
+            "message": self.to_string(),
+            "type": kind,
+            "param": param,
+            "code": code,
+        }});
+        Bytes::from(body.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_follow_the_source() {
+        let e = GatewayError::ModelNotFound("m".into());
+        assert_eq!(e.status(), 404);
+        let v: serde_json::Value = serde_json::from_slice(&e.body()).unwrap();
+        assert_eq!(v["error"]["code"], "model_not_found");
+        assert_eq!(GatewayError::BadGateway("x".into()).status(), 502);
+        assert_eq!(
+            GatewayError::Rejected {
+                status: 429,
+                message: "slow down".into()
+            }
+            .status(),
+            429
+        );
+        let e = GatewayError::invalid("messages", "bad");
+        let v: serde_json::Value = serde_json::from_slice(&e.body()).unwrap();
+        assert_eq!(v["error"]["param"], "messages");
+        assert_eq!(e.outcome(), "client_error");
+    }
+}

@@ -1,0 +1,31 @@
+//! `pd-gateway`: the front door of a prefill/decode-disaggregated cluster.
+//!
+//! An unmodified OpenAI client talks to it; it tokenizes the prompt once (with the tokenizer
+//! the nodes registered), asks a sandboxed WebAssembly routing policy where to prefill and
+//! where to decode, drives the chosen prefill node (P) and decode node (D) over their OpenAI
+//! HTTP API with vLLM's `kv_transfer_params` protocol, and streams D's answer back.
+//!
+//! Brief overview:
+//! - [`proxy`]: the pingora service; one small method per phase of a request.
+//! - [`openai`]: what routing reads from a request and how it is rewritten for P and D.
+//! - [`cluster`]: the live view of nodes, their load and prefix-cache hashes.
+//! - [`registry`]: the `pd.registry.v1.NodeRegistry` service nodes stream into.
+//! - [`route`]: the policy call with its fallback.
+//! - [`lease`]: releasing P's leases nobody will pull.
+//! - [`admin`]: the operator's API (policy push, rollback, dry-run, nodes).
+//! - [`metrics`]: Prometheus metrics.
+//!
+//! This crate does not run models or link candle (tokenizing uses `pd-tokenize`), does not move
+//! KV (nodes pull from each other), and does not run policies itself (`pd-policy` does).
+#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
+#![deny(unused_must_use)]
+
+pub mod admin;
+pub mod cluster;
+pub mod error;
+pub mod lease;
+pub mod metrics;
+pub mod openai;
+pub mod proxy;
+pub mod registry;
+pub mod route;

@@ -1,0 +1,466 @@
+//! `pd-gateway`: serve the gateway, or talk to a running one's admin API.
+//!
+//! ```sh
+//! pd-gateway serve --port 8080 --registry-port 50051 --admin-port 8081 [--policy FILE.wasm]
+//! pd-gateway policy push FILE.wasm --admin http://127.0.0.1:8081 --token-file FILE
+//! ```
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
+use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{Args, Parser, Subcommand};
+use pd_gateway::admin::{self, Admin};
+use pd_gateway::cluster::Cluster;
+use pd_gateway::lease::LeaseReleaser;
+use pd_gateway::metrics::Metrics;
+use pd_gateway::proxy::{Gateway, ProxyConfig, Shared};
+use pd_gateway::registry::{Registry, RegistryConfig};
+use pd_gateway::route::{OnPolicyFailure, Router};
+use pd_policy::{Installed, PolicyEngine, PolicySlot, PolicySpec};
+use pingora::server::Server;
+use pingora::server::configuration::ServerConf;
+use rand::Rng;
+use tracing::info;
+
+#[derive(Parser, Debug)]
+#[command(name = "pd-gateway", version, about = "Gateway of a prefill/decode-disaggregated LLM cluster")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Serve the OpenAI API, the node registry and the admin API.
+    Serve(ServeArgs),
+    /// Manage the policy of a running gateway.
+    #[command(subcommand)]
+    Policy(PolicyCommand),
+}
+
+#[derive(Args, Debug)]
+struct ServeArgs {
+    /// Address to listen on (all three ports).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// OpenAI API port (0: any free port).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Node registry (gRPC) port; nodes join with `pd-node serve --gateway HOST:PORT`.
+    #[arg(long, default_value_t = 50051)]
+    registry_port: u16,
+    /// Admin API port.
+    #[arg(long, default_value_t = 8081)]
+    admin_port: u16,
+    /// A policy component to serve, watched for changes. Without it the built-in policy serves.
+    #[arg(long)]
+    policy: Option<PathBuf>,
+    /// The built-in policy serving without --policy.
+    #[arg(long, default_value = "least-loaded", value_parser = ["least-loaded", "round-robin", "prefix-aware"])]
+    native_policy: String,
+    /// Configuration for the policy, KEY=VALUE (repeatable).
+    #[arg(long = "policy-config")]
+    policy_config: Vec<String>,
+    /// Deadline of one policy decision, milliseconds.
+    #[arg(long, default_value_t = 1.0)]
+    policy_deadline_ms: f64,
+    /// Memory a policy instance may use, MiB.
+    #[arg(long, default_value_t = 16)]
+    policy_memory_mib: usize,
+    /// What a failing policy does to a request: the built-in policy decides, or 503.
+    #[arg(long, value_enum, default_value_t = OnPolicyFailure::Fallback)]
+    on_policy_failure: OnPolicyFailure,
+    /// Admin bearer token (also PD_ADMIN_TOKEN). Without one a token is generated and written to
+    /// --admin-token-file.
+    #[arg(long)]
+    admin_token: Option<String>,
+    /// Where a generated admin token is written (mode 0600). Default: a file in the temp dir.
+    #[arg(long)]
+    admin_token_file: Option<PathBuf>,
+    /// Cluster secret nodes must present (also PD_CLUSTER_TOKEN). Without one the gateway mints
+    /// one and hands it to nodes at registration.
+    #[arg(long)]
+    cluster_token: Option<String>,
+    /// Clients whose bearer key equals this may send kv_transfer_params; everyone else's are
+    /// stripped.
+    #[arg(long)]
+    trusted_client_token: Option<String>,
+    /// A node silent this long leaves the view, milliseconds.
+    #[arg(long, default_value_t = 3000)]
+    node_timeout_ms: u64,
+    /// Largest request body, bytes.
+    #[arg(long, default_value_t = 32 << 20)]
+    max_body: usize,
+    /// Worker threads of the HTTP server.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+}
+
+#[derive(Args, Debug)]
+struct AdminArgs {
+    /// The gateway's admin API.
+    #[arg(long, default_value = "http://127.0.0.1:8081")]
+    admin: String,
+    /// Admin token (also PD_ADMIN_TOKEN).
+    #[arg(long)]
+    token: Option<String>,
+    /// A file holding the admin token (as written by `serve`).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+}
+
+#[derive(Subcommand, Debug)]
+enum PolicyCommand {
+    /// Compile, smoke-test and install a policy on a running gateway.
+    Push {
+        /// The policy component.
+        file: PathBuf,
+        #[command(flatten)]
+        admin: AdminArgs,
+        /// Name shown in metrics and the admin API (default: the file's stem).
+        #[arg(long)]
+        name: Option<String>,
+        /// Decision deadline, milliseconds.
+        #[arg(long)]
+        deadline_ms: Option<f64>,
+        /// Configuration, KEY=VALUE (repeatable).
+        #[arg(long)]
+        config: Vec<String>,
+    },
+    /// Show the policy serving now.
+    Show {
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
+    /// Go back to the previous policy.
+    Rollback {
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
+    /// Run a policy against the live view and a sample request; installs nothing.
+    DryRun {
+        /// The policy component.
+        file: PathBuf,
+        #[command(flatten)]
+        admin: AdminArgs,
+        /// Prompt length of the sample request.
+        #[arg(long, default_value_t = 64)]
+        prompt_tokens: u32,
+        /// Completions of the sample request.
+        #[arg(long, default_value_t = 1)]
+        n: u32,
+        /// Model (default: the first live one).
+        #[arg(long)]
+        model: Option<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,pingora_core=warn,pingora_proxy=warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Serve(args) => serve(args),
+        Command::Policy(cmd) => policy(cmd),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("pd-gateway: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn parse_config(items: &[String]) -> anyhow::Result<BTreeMap<String, String>> {
+    items
+        .iter()
+        .map(|kv| {
+            kv.split_once('=')
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .with_context(|| format!("policy config `{kv}` is not KEY=VALUE"))
+        })
+        .collect()
+}
+
+fn random_token() -> String {
+    let bytes: [u8; 16] = rand::rng().random();
+    hex::encode(bytes)
+}
+
+fn write_secret(path: &PathBuf, secret: &str) -> anyhow::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = std::fs::remove_file(path);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("creating {}", path.display()))?;
+    writeln!(f, "{secret}").with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let metrics = Metrics::new();
+    let engine = Arc::new(PolicyEngine::new().context("starting the policy engine")?);
+    let mut spec = PolicySpec {
+        config: parse_config(&args.policy_config)?,
+        deadline: Duration::from_secs_f64(args.policy_deadline_ms / 1000.0),
+        memory_limit: args.policy_memory_mib << 20,
+        ..PolicySpec::default()
+    };
+    let initial = match &args.policy {
+        Some(path) => {
+            let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+            spec.name = path
+                .file_stem()
+                .map_or("policy".into(), |s| s.to_string_lossy().into_owned());
+            Installed::Wasm(
+                engine
+                    .load(&bytes, spec.clone())
+                    .with_context(|| format!("loading the policy {}", path.display()))?,
+            )
+        }
+        None => Installed::Native {
+            name: args.native_policy.clone(),
+        },
+    };
+    let router = Arc::new(Router::new(
+        PolicySlot::new(initial),
+        args.on_policy_failure,
+        metrics.clone(),
+    ));
+    let cluster = Arc::new(Cluster::default());
+
+    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let admin_token = args.admin_token.clone().or_else(|| env("PD_ADMIN_TOKEN"));
+    let (admin_token, token_file) = match admin_token {
+        Some(t) => (t, None),
+        None => {
+            let t = random_token();
+            let path = args.admin_token_file.clone().unwrap_or_else(|| {
+                std::env::temp_dir().join(format!("pd-gateway-admin-{}.token", std::process::id()))
+            });
+            write_secret(&path, &t)?;
+            (t, Some(path))
+        }
+    };
+    let configured_cluster_token = args.cluster_token.clone().or_else(|| env("PD_CLUSTER_TOKEN"));
+    let token_required = configured_cluster_token.is_some();
+    let cluster_token = configured_cluster_token.unwrap_or_else(random_token);
+
+    let bind = |port: u16| -> anyhow::Result<TcpListener> {
+        let l = TcpListener::bind((args.host.as_str(), port))
+            .with_context(|| format!("binding {}:{port}", args.host))?;
+        l.set_nonblocking(true)?;
+        Ok(l)
+    };
+    let registry_listener = bind(args.registry_port)?;
+    let admin_listener = bind(args.admin_port)?;
+    // pingora binds its own listener: find a free port first when asked for any.
+    let http_addr: SocketAddr = {
+        let l = std::net::TcpListener::bind((args.host.as_str(), args.port))
+            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+        l.local_addr()?
+    };
+    let registry_addr = registry_listener.local_addr()?;
+    let admin_addr = admin_listener.local_addr()?;
+
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(1024)
+        .pool_idle_timeout(Duration::from_secs(90))
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(2))
+        .build()
+        .context("building the HTTP client")?;
+    let shared = Arc::new(Shared {
+        cluster: cluster.clone(),
+        router: router.clone(),
+        metrics: metrics.clone(),
+        http,
+        leases: LeaseReleaser::new(metrics.clone()),
+        config: ProxyConfig {
+            max_body: args.max_body,
+            trusted_client_token: args.trusted_client_token.clone(),
+            connect_timeout: Duration::from_secs(2),
+        },
+    });
+    let admin = Admin {
+        token: admin_token.into(),
+        engine: engine.clone(),
+        router: router.clone(),
+        cluster: cluster.clone(),
+        defaults: spec.clone(),
+    };
+
+    // The control plane (registry, admin API, policy file watcher) runs on its own runtime, so
+    // request load never delays a node's registration or an operator's push.
+    let registry = Registry::new(
+        cluster,
+        RegistryConfig {
+            gateway_id: format!("pd-gateway-{}", random_token()),
+            cluster_token,
+            token_required,
+            node_timeout: Duration::from_millis(args.node_timeout_ms.max(100)),
+        },
+    );
+    let watch = args.policy.clone().map(|p| (p, spec));
+    std::thread::Builder::new()
+        .name("pd-gateway-control".into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("pd-gateway: control runtime: {e}");
+                    std::process::exit(1);
+                }
+            };
+            rt.block_on(async move {
+                let registry_listener = tokio::net::TcpListener::from_std(registry_listener)
+                    .expect("a bound std listener converts");
+                let admin_listener = tokio::net::TcpListener::from_std(admin_listener)
+                    .expect("a bound std listener converts");
+                tokio::spawn(async move {
+                    if let Err(e) = registry.serve(registry_listener, std::future::pending()).await {
+                        eprintln!("pd-gateway: registry stopped: {e}");
+                        std::process::exit(1);
+                    }
+                });
+                if let Some((path, spec)) = watch {
+                    tokio::spawn(admin::watch_policy_file(admin.clone(), path, spec));
+                }
+                tokio::spawn(async move {
+                    if let Err(e) = axum::serve(admin_listener, admin::routes(admin)).await {
+                        eprintln!("pd-gateway: admin API stopped: {e}");
+                        std::process::exit(1);
+                    }
+                });
+                // Tell the caller where everything is once the OpenAI port accepts connections.
+                for _ in 0..500 {
+                    if tokio::net::TcpStream::connect(http_addr).await.is_ok() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                let mut out = std::io::stdout().lock();
+                let _ = writeln!(out, "pd-gateway registry on {registry_addr}");
+                let _ = writeln!(out, "pd-gateway admin on http://{admin_addr}");
+                if let Some(f) = &token_file {
+                    let _ = writeln!(out, "pd-gateway admin token in {}", f.display());
+                }
+                let _ = writeln!(out, "pd-gateway listening on http://{http_addr}");
+                let _ = out.flush();
+                std::future::pending::<()>().await;
+            });
+        })
+        .context("starting the control thread")?;
+
+    let conf = ServerConf {
+        threads: args.threads.max(1),
+        grace_period_seconds: Some(0),
+        graceful_shutdown_timeout_seconds: Some(1),
+        ..ServerConf::default()
+    };
+    let mut server = Server::new_with_opt_and_conf(None, conf);
+    server.bootstrap();
+    let mut service =
+        pingora::proxy::http_proxy_service_with_name(&server.configuration, Gateway(shared), "pd-gateway");
+    service.add_tcp(&http_addr.to_string());
+    server.add_service(service);
+    info!(%http_addr, %registry_addr, %admin_addr, "pd-gateway starting");
+    server.run_forever();
+}
+
+fn admin_client(a: &AdminArgs) -> anyhow::Result<(reqwest::Client, String, String)> {
+    let token = match (&a.token, &a.token_file) {
+        (Some(t), _) => t.clone(),
+        (None, Some(f)) => std::fs::read_to_string(f)
+            .with_context(|| format!("reading {}", f.display()))?
+            .trim()
+            .to_owned(),
+        (None, None) => std::env::var("PD_ADMIN_TOKEN")
+            .ok()
+            .context("give --token, --token-file or PD_ADMIN_TOKEN")?,
+    };
+    Ok((reqwest::Client::new(), a.admin.trim_end_matches('/').to_owned(), token))
+}
+
+fn policy(cmd: PolicyCommand) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let (client, url, req) = match &cmd {
+            PolicyCommand::Push { file, admin, name, deadline_ms, config } => {
+                let (c, base, token) = admin_client(admin)?;
+                let mut q: HashMap<String, String> = parse_config(config)?
+                    .into_iter()
+                    .map(|(k, v)| (format!("config.{k}"), v))
+                    .collect();
+                let stem = file.file_stem().map(|s| s.to_string_lossy().into_owned());
+                if let Some(n) = name.clone().or(stem) {
+                    q.insert("name".into(), n);
+                }
+                if let Some(d) = deadline_ms {
+                    q.insert("deadline_ms".into(), d.to_string());
+                }
+                let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+                let url = format!("{base}/admin/policy");
+                let req = c.put(&url).query(&q).bearer_auth(token).body(bytes);
+                (c, url, req)
+            }
+            PolicyCommand::Show { admin } => {
+                let (c, base, token) = admin_client(admin)?;
+                let url = format!("{base}/admin/policy");
+                let req = c.get(&url).bearer_auth(token);
+                (c, url, req)
+            }
+            PolicyCommand::Rollback { admin } => {
+                let (c, base, token) = admin_client(admin)?;
+                let url = format!("{base}/admin/policy/rollback");
+                let req = c.post(&url).bearer_auth(token);
+                (c, url, req)
+            }
+            PolicyCommand::DryRun { file, admin, prompt_tokens, n, model } => {
+                let (c, base, token) = admin_client(admin)?;
+                let mut q = vec![("prompt_tokens", prompt_tokens.to_string()), ("n", n.to_string())];
+                if let Some(m) = model {
+                    q.push(("model", m.clone()));
+                }
+                let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+                let url = format!("{base}/admin/policy/dry-run");
+                let req = c.post(&url).query(&q).bearer_auth(token).body(bytes);
+                (c, url, req)
+            }
+        };
+        drop(client);
+        let resp = req.send().await.with_context(|| format!("calling {url}"))?;
+        let status = resp.status();
+        let text = resp.text().await?;
+        let pretty = serde_json::from_str::<serde_json::Value>(&text)
+            .ok()
+            .and_then(|v| serde_json::to_string_pretty(&v).ok())
+            .unwrap_or(text);
+        println!("{pretty}");
+        if !status.is_success() {
+            bail!("{url} answered {status}");
+        }
+        Ok(())
+    })
+}

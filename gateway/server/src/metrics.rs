@@ -1,0 +1,178 @@
+//! The gateway's Prometheus metrics, in their own registry (no global state), served on
+//! `GET /metrics`.
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+    TextEncoder,
+};
+
+/// Every metric the gateway exports.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    registry: Registry,
+    /// Requests by `api` and `outcome` (ok, client_error, node_error, rejected, internal_error,
+    /// aborted).
+    pub requests: IntCounterVec,
+    /// Seconds from arrival to the last byte, by `api`.
+    pub e2e: HistogramVec,
+    /// Seconds from arrival to the first byte of the answer, by `api`.
+    pub ttft: HistogramVec,
+    /// Seconds the gateway itself spent on a request (parsing, tokenizing, the policy, rewriting
+    /// bodies, the P→D handoff), by `api`: end-to-end time minus time waiting on nodes.
+    pub added: HistogramVec,
+    /// Seconds one policy decision took (the whole host path), by `policy` and `version`.
+    pub decision: HistogramVec,
+    /// Decisions served, by `policy` and `version`.
+    pub decisions: IntCounterVec,
+    /// Policy failures by `policy`, `version` and `reason` (trap, timeout, out_of_fuel, memory,
+    /// invalid_decision, ...).
+    pub policy_failures: IntCounterVec,
+    /// Decisions made by the built-in fallback after a policy failure, by `reason`.
+    pub fallbacks: IntCounterVec,
+    /// The policy serving now: 1 for its `name`, `version`, `sha256`.
+    pub policy_info: IntGaugeVec,
+    /// Live nodes by `role`.
+    pub nodes_up: IntGaugeVec,
+    /// Prompt tokens the chosen first node already held, summed over decisions.
+    pub prefix_hit_tokens: IntCounter,
+    /// Client requests whose `kv_transfer_params` were stripped (untrusted client).
+    pub kv_params_stripped: IntCounter,
+    /// Candidates given up for the next one, by `stage` (prefill, decode, whole).
+    pub failovers: IntCounterVec,
+    /// P leases the gateway released itself (the client left, or a decode node failed).
+    pub leases_released: IntCounterVec,
+}
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 30.0, 60.0,
+];
+const DECISION_BUCKETS: &[f64] = &[
+    0.000_001, 0.000_002, 0.000_005, 0.000_01, 0.000_02, 0.000_05, 0.000_1, 0.000_25, 0.000_5,
+    0.001, 0.005,
+];
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Creates the metrics in a fresh registry.
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        fn reg<C: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: C) -> C {
+            r.register(Box::new(c.clone()))
+                .expect("unique metric name");
+            c
+        }
+        let counters = |name: &str, help: &str, labels: &[&str]| {
+            reg(
+                &registry,
+                IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric"),
+            )
+        };
+        let histograms = |name: &str, help: &str, labels: &[&str], buckets: &[f64]| {
+            reg(
+                &registry,
+                HistogramVec::new(
+                    HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+                    labels,
+                )
+                .expect("valid metric"),
+            )
+        };
+        let gauges = |name: &str, help: &str, labels: &[&str]| {
+            reg(
+                &registry,
+                IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric"),
+            )
+        };
+        let counter = |name: &str, help: &str| {
+            reg(
+                &registry,
+                IntCounter::with_opts(Opts::new(name, help)).expect("valid metric"),
+            )
+        };
+        Self {
+            requests: counters(
+                "pd_gateway_requests_total",
+                "Requests by API and outcome.",
+                &["api", "outcome"],
+            ),
+            e2e: histograms(
+                "pd_gateway_request_duration_seconds",
+                "Arrival to last byte.",
+                &["api"],
+                LATENCY_BUCKETS,
+            ),
+            ttft: histograms(
+                "pd_gateway_time_to_first_byte_seconds",
+                "Arrival to the first byte of the answer (first token when streaming).",
+                &["api"],
+                LATENCY_BUCKETS,
+            ),
+            added: histograms(
+                "pd_gateway_added_latency_seconds",
+                "Time the gateway itself spent on a request (end to end minus waiting on nodes).",
+                &["api"],
+                LATENCY_BUCKETS,
+            ),
+            decision: histograms(
+                "pd_gateway_policy_decision_seconds",
+                "One policy decision, whole host path.",
+                &["policy", "version"],
+                DECISION_BUCKETS,
+            ),
+            decisions: counters(
+                "pd_gateway_policy_decisions_total",
+                "Decisions served by each policy version.",
+                &["policy", "version"],
+            ),
+            policy_failures: counters(
+                "pd_gateway_policy_failures_total",
+                "Policy failures by reason.",
+                &["policy", "version", "reason"],
+            ),
+            fallbacks: counters(
+                "pd_gateway_policy_fallbacks_total",
+                "Decisions made by the built-in fallback after a policy failure.",
+                &["reason"],
+            ),
+            policy_info: gauges(
+                "pd_gateway_policy_info",
+                "The policy serving now.",
+                &["name", "version", "sha256"],
+            ),
+            nodes_up: gauges("pd_gateway_nodes_up", "Live nodes by role.", &["role"]),
+            prefix_hit_tokens: counter(
+                "pd_gateway_prefix_hit_tokens_total",
+                "Prompt tokens the first chosen node already held in its prefix cache.",
+            ),
+            kv_params_stripped: counter(
+                "pd_gateway_kv_params_stripped_total",
+                "Client requests whose kv_transfer_params were stripped (untrusted client).",
+            ),
+            failovers: counters(
+                "pd_gateway_failovers_total",
+                "Candidates given up for the next one.",
+                &["stage"],
+            ),
+            leases_released: counters(
+                "pd_gateway_leases_released_total",
+                "Prefill leases the gateway released itself, by why.",
+                &["why"],
+            ),
+            registry,
+        }
+    }
+
+    /// The text exposition of every metric.
+    pub fn render(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        // Encoding into a Vec cannot fail for the text format.
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        out
+    }
+}

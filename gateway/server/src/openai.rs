@@ -1,0 +1,319 @@
+//! What the gateway reads from an OpenAI request and how it rewrites it for P and D.
+//!
+//! The body stays a JSON object end to end: the gateway forwards what the client sent (so
+//! fields it does not know reach the node untouched) and changes only what the P/D protocol
+//! needs (`kv_transfer_params`, and for P `max_tokens = 1`, `stream = false`, `n = 1`). The
+//! prompt is rendered and tokenized with `pd_tokenize::prompt`, the same code the nodes run.
+
+use pd_policy::Api;
+use pd_tokenize::prompt::{self, ChatMessageIn, PromptKind};
+use serde_json::{Map, Value, json};
+
+use crate::error::GatewayError;
+
+/// The request field of the P/D protocol.
+pub const KV_FIELD: &str = "kv_transfer_params";
+
+/// The three generation APIs and their paths.
+pub fn api_of(path: &str) -> Option<Api> {
+    match path {
+        "/v1/chat/completions" => Some(Api::ChatCompletions),
+        "/v1/completions" => Some(Api::Completions),
+        "/v1/responses" => Some(Api::Responses),
+        _ => None,
+    }
+}
+
+/// The label of an API in metrics.
+pub fn api_label(api: Api) -> &'static str {
+    match api {
+        Api::ChatCompletions => "chat",
+        Api::Completions => "completions",
+        Api::Responses => "responses",
+    }
+}
+
+/// The path of an API on a node.
+pub fn api_path(api: Api) -> &'static str {
+    match api {
+        Api::ChatCompletions => "/v1/chat/completions",
+        Api::Completions => "/v1/completions",
+        Api::Responses => "/v1/responses",
+    }
+}
+
+/// What routing needs from a request, read once.
+#[derive(Debug)]
+pub struct Analyzed {
+    /// The API it came in on.
+    pub api: Api,
+    /// The `model` field.
+    pub model: String,
+    /// Completions asked for (`n`, 1 when absent; always 1 on `/v1/responses`).
+    pub n: u32,
+    /// The client's output limit, when set.
+    pub max_tokens: Option<u32>,
+    /// SSE asked for.
+    pub stream: bool,
+    /// `user`, or the `x-session-id` header.
+    pub conversation_key: Option<String>,
+    /// The prompt, to render and tokenize.
+    pub prompt: PromptKind,
+}
+
+fn bad(param: &'static str, message: impl Into<String>) -> GatewayError {
+    GatewayError::invalid(param, message)
+}
+
+fn opt_u32(body: &Map<String, Value>, key: &'static str) -> Result<Option<u32>, GatewayError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .map(Some)
+            .ok_or_else(|| bad(key, format!("{key} must be a non-negative integer, got {v}"))),
+    }
+}
+
+/// Reads the fields routing needs. Validation of everything else is the node's job (its 400s
+/// pass through unchanged).
+///
+/// # Errors
+/// A 400 naming the field: no `model`, a prompt of the wrong shape, `previous_response_id`
+/// (not served until the gateway keeps conversations).
+pub fn analyze(
+    api: Api,
+    body: &Map<String, Value>,
+    session_header: Option<&str>,
+) -> Result<Analyzed, GatewayError> {
+    let model = match body.get("model") {
+        Some(Value::String(m)) if !m.is_empty() => m.clone(),
+        Some(_) => return Err(bad("model", "model must be a non-empty string")),
+        None => return Err(bad("model", "you must provide a model parameter")),
+    };
+    let stream = match body.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => return Err(bad("stream", format!("stream must be a boolean, got {v}"))),
+    };
+    let n = match api {
+        Api::Responses => 1,
+        _ => opt_u32(body, "n")?.unwrap_or(1),
+    };
+    if n == 0 {
+        return Err(bad("n", "n must be at least 1"));
+    }
+    let max_tokens = match api {
+        Api::ChatCompletions => match opt_u32(body, "max_completion_tokens")? {
+            Some(m) => Some(m),
+            None => opt_u32(body, "max_tokens")?,
+        },
+        Api::Completions => opt_u32(body, "max_tokens")?,
+        Api::Responses => opt_u32(body, "max_output_tokens")?,
+    };
+    if let Some(v) = body.get("previous_response_id").filter(|v| !v.is_null()) {
+        return Err(bad(
+            "previous_response_id",
+            format!(
+                "previous_response_id ({v}) is not supported yet: send the whole conversation in `input`"
+            ),
+        ));
+    }
+    let conversation_key = body
+        .get("user")
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+        .or_else(|| session_header.map(str::to_owned));
+    let prompt = match api {
+        Api::ChatCompletions => {
+            let raw = body
+                .get("messages")
+                .ok_or_else(|| bad("messages", "messages is required"))?;
+            let messages: Vec<ChatMessageIn> = serde_json::from_value(raw.clone())
+                .map_err(|e| bad("messages", format!("messages: {e}")))?;
+            PromptKind::Chat(prompt::chat_messages(&messages)?, "messages")
+        }
+        Api::Completions => {
+            let raw = body
+                .get("prompt")
+                .ok_or_else(|| bad("prompt", "prompt is required"))?;
+            PromptKind::Completion(prompt::completion_prompt(raw.clone())?)
+        }
+        Api::Responses => {
+            let input = body
+                .get("input")
+                .ok_or_else(|| bad("input", "input is required"))?;
+            let instructions = match body.get("instructions") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(s)) => Some(s.as_str()),
+                Some(v) => {
+                    return Err(bad(
+                        "instructions",
+                        format!("instructions must be a string, got {v}"),
+                    ));
+                }
+            };
+            PromptKind::Chat(prompt::responses_messages(instructions, input)?, "input")
+        }
+    };
+    Ok(Analyzed {
+        api,
+        model,
+        n,
+        max_tokens,
+        stream,
+        conversation_key,
+        prompt,
+    })
+}
+
+impl From<prompt::PromptError> for GatewayError {
+    fn from(e: prompt::PromptError) -> Self {
+        if e.source.is_some() {
+            return GatewayError::Internal(e.message);
+        }
+        GatewayError::InvalidRequest {
+            message: e.message,
+            param: Some(e.param.to_owned()),
+        }
+    }
+}
+
+/// The body for a prefill node: the client's, answering with one token, not streamed, one
+/// completion, and asking P to hold the prompt's KV for a decode node.
+pub fn prefill_body(api: Api, body: &Map<String, Value>) -> Map<String, Value> {
+    let mut p = body.clone();
+    match api {
+        Api::ChatCompletions => {
+            p.insert("max_tokens".into(), json!(1));
+            p.insert("max_completion_tokens".into(), json!(1));
+            p.insert("n".into(), json!(1));
+        }
+        Api::Completions => {
+            p.insert("max_tokens".into(), json!(1));
+            p.insert("n".into(), json!(1));
+        }
+        Api::Responses => {
+            p.insert("max_output_tokens".into(), json!(1));
+        }
+    }
+    p.insert("stream".into(), json!(false));
+    p.remove("stream_options");
+    p.insert(
+        KV_FIELD.into(),
+        json!({
+            "do_remote_decode": true,
+            "do_remote_prefill": false,
+            "remote_engine_id": null,
+            "remote_block_ids": null,
+            "remote_host": null,
+            "remote_port": null,
+        }),
+    );
+    p
+}
+
+/// The `kv_transfer_params` a prefill node answered with (an object, or the first of a list).
+///
+/// # Errors
+/// P's body is not JSON or carries no params object.
+pub fn prefill_params(p_body: &[u8]) -> Result<Value, String> {
+    let v: Value = serde_json::from_slice(p_body).map_err(|e| format!("P's body: {e}"))?;
+    let params = match v.get(KV_FIELD) {
+        Some(Value::Array(list)) => list.first().cloned(),
+        Some(o @ Value::Object(_)) => Some(o.clone()),
+        _ => None,
+    };
+    let params = params.ok_or("P answered without kv_transfer_params")?;
+    if params.get("do_remote_prefill") != Some(&Value::Bool(true)) {
+        return Err(format!("P's kv_transfer_params do not ask for a pull: {params}"));
+    }
+    Ok(params)
+}
+
+/// Where to release P's lease if nobody pulls: the side channel and the lease in P's params.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LeaseRef {
+    /// `http://host:port` of P's KV side channel.
+    pub side_channel: String,
+    /// 32 hex digits.
+    pub lease_id: String,
+    /// The grant's generation.
+    pub generation: u64,
+}
+
+/// The lease P's params name, if they name one.
+pub fn lease_of(params: &Value) -> Option<LeaseRef> {
+    let host = params.get("remote_host")?.as_str()?;
+    let port = params.get("remote_port")?.as_u64()?;
+    let lease_id = params.get("remote_lease_id")?.as_str()?.to_owned();
+    let generation = params.get("remote_lease_generation")?.as_u64()?;
+    let side_channel = if host.contains(':') && !host.starts_with('[') {
+        format!("http://[{host}]:{port}")
+    } else {
+        format!("http://{host}:{port}")
+    };
+    Some(LeaseRef {
+        side_channel,
+        lease_id,
+        generation,
+    })
+}
+
+/// The body for a decode node: the client's, with P's params.
+pub fn decode_body(body: &Map<String, Value>, params: &Value) -> Map<String, Value> {
+    let mut d = body.clone();
+    d.insert(KV_FIELD.into(), params.clone());
+    d
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn obj(v: Value) -> Map<String, Value> {
+        match v {
+            Value::Object(m) => m,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn reads_the_routing_fields() {
+        let body = obj(json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "n": 3, "max_tokens": 9, "stream": true, "user": "u1"}));
+        let a = analyze(Api::ChatCompletions, &body, Some("s")).unwrap();
+        assert_eq!((a.n, a.max_tokens, a.stream), (3, Some(9), true));
+        assert_eq!(a.conversation_key.as_deref(), Some("u1"));
+        let body = obj(json!({"model": "m", "prompt": "x", "stream": "yes"}));
+        let e = analyze(Api::Completions, &body, None).unwrap_err();
+        assert_eq!(e.status(), 400);
+        let body = obj(json!({"model": "m", "input": "x", "previous_response_id": "r1"}));
+        let e = analyze(Api::Responses, &body, None).unwrap_err();
+        assert!(matches!(e, GatewayError::InvalidRequest { param: Some(p), .. } if p == "previous_response_id"));
+        let e = analyze(Api::Completions, &obj(json!({"prompt": "x"})), None).unwrap_err();
+        assert!(matches!(e, GatewayError::InvalidRequest { param: Some(p), .. } if p == "model"));
+    }
+
+    #[test]
+    fn prefill_asks_for_one_token_and_a_handoff() {
+        let body = obj(json!({"model": "m", "input": "x", "stream": true, "max_output_tokens": 50}));
+        let p = prefill_body(Api::Responses, &body);
+        assert_eq!(p["max_output_tokens"], 1);
+        assert_eq!(p["stream"], false);
+        assert_eq!(p[KV_FIELD]["do_remote_decode"], true);
+    }
+
+    #[test]
+    fn lease_from_params() {
+        let params = json!({"do_remote_prefill": true, "remote_host": "127.0.0.1", "remote_port": 9,
+            "remote_lease_id": "ab", "remote_lease_generation": 2});
+        let l = lease_of(&params).unwrap();
+        assert_eq!(l.side_channel, "http://127.0.0.1:9");
+        assert_eq!(l.generation, 2);
+        let body = serde_json::to_vec(&json!({"kv_transfer_params": [params]})).unwrap();
+        assert_eq!(prefill_params(&body).unwrap()["remote_port"], 9);
+        assert!(prefill_params(b"{}").is_err());
+    }
+}

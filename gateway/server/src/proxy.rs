@@ -1,0 +1,705 @@
+//! The front door: a pingora [`ProxyHttp`] whose `request_filter` answers every route itself.
+//!
+//! pingora proxies one upstream per request and cannot easily rewrite a large body before
+//! choosing it (DESIGN §7), while a P/D request needs the whole body before routing and then
+//! two upstream calls. So the LLM routes are served in `request_filter`: read the body, ask the
+//! policy, call P then D over pooled keep-alive HTTP, stream D's answer back with
+//! `write_response_body`, and return `Ok(true)` ("response already sent"). `upstream_peer` is
+//! never reached.
+//!
+//! One request, phase by phase (each a small method below):
+//! 1. [`Gateway::prepare`]: body → JSON, untrusted `kv_transfer_params` stripped, routing
+//!    fields read, prompt tokenized, block hashes, the view, the policy's decision.
+//! 2. [`Gateway::whole`]: one node serves the request; ranked failover before any byte is sent.
+//! 3. [`Gateway::prefill`]: P with `do_remote_decode`, failover over the prefill ranking.
+//! 4. [`Gateway::decode`]: D with P's params; failover over the decode ranking.
+//! 5. [`Gateway::relay`]: D's status, headers and body, chunk by chunk, to the client.
+//!
+//! A client that leaves while P or D works is noticed (the downstream connection closes):
+//! D's connection is dropped (the node aborts the request) and P's lease is released at once
+//! over P's KV side channel, so nothing waits for the lease to expire.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use pd_policy::{Api, Request, Route, Split};
+use pd_tokenize::Tokenizer;
+use pd_tokenize::prompt::PromptKind;
+use pingora::http::ResponseHeader;
+use pingora::prelude::{HttpPeer, ProxyHttp, Session};
+use serde_json::{Map, Value, json};
+use tracing::{debug, warn};
+
+use crate::cluster::{Cluster, Snapshot};
+use crate::error::GatewayError;
+use crate::lease::LeaseReleaser;
+use crate::metrics::Metrics;
+use crate::openai::{self, Analyzed, KV_FIELD, api_label, api_path};
+use crate::route::Router;
+
+/// Prompts longer than this (bytes of text) are tokenized on the blocking pool.
+const INLINE_TOKENIZE_BYTES: usize = 4096;
+
+/// Settings of the front door.
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    /// Largest request body accepted.
+    pub max_body: usize,
+    /// A client whose bearer key equals this may send `kv_transfer_params`.
+    pub trusted_client_token: Option<String>,
+    /// Limit on connecting to a node.
+    pub connect_timeout: Duration,
+}
+
+/// State shared by every request.
+#[derive(Debug)]
+pub struct Shared {
+    /// The live cluster.
+    pub cluster: Arc<Cluster>,
+    /// The policy.
+    pub router: Arc<Router>,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// Pooled keep-alive HTTP to the nodes.
+    pub http: reqwest::Client,
+    /// Releases P's leases nobody will pull.
+    pub leases: LeaseReleaser,
+    /// Settings.
+    pub config: ProxyConfig,
+}
+
+/// The pingora service.
+#[derive(Debug, Clone)]
+pub struct Gateway(pub Arc<Shared>);
+
+/// How a generation request ended, when it did not fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Ok,
+    /// The client left; whatever was in flight was cancelled.
+    Aborted,
+}
+
+/// Time spent waiting on nodes, subtracted from end-to-end time for the added-latency metric.
+#[derive(Debug)]
+struct Timing {
+    start: Instant,
+    waiting: Duration,
+    first_byte: Option<Instant>,
+}
+
+impl Timing {
+    async fn wait<T>(&mut self, fut: impl std::future::Future<Output = T>) -> T {
+        let t = Instant::now();
+        let out = fut.await;
+        self.waiting += t.elapsed();
+        out
+    }
+}
+
+/// Everything routing decided about one request.
+#[derive(Debug)]
+struct Prepared {
+    api: Api,
+    body: Map<String, Value>,
+    analyzed: Analyzed,
+    snapshot: Snapshot,
+    route: Route,
+    /// A trusted client's own `kv_transfer_params`: forwarded untouched to one node.
+    client_params: Option<Value>,
+}
+
+/// Why a node was not used.
+enum Failed {
+    /// Connection refused, reset or timed out, or a 5xx: try the next candidate.
+    Next(String),
+    /// The client left.
+    Gone,
+}
+
+async fn client_gone(session: &mut Session) {
+    loop {
+        match session.read_body_or_idle(true).await {
+            Ok(Some(_)) => continue,
+            Ok(None) | Err(_) => return,
+        }
+    }
+}
+
+fn header(status: u16, content_type: &str, len: Option<usize>) -> Box<ResponseHeader> {
+    // A status from a node or a validated policy decision is always a valid one; fall back to
+    // 500 rather than panic if it was not.
+    let mut h = ResponseHeader::build(status, Some(4))
+        .or_else(|_| ResponseHeader::build(500, Some(4)))
+        .expect("500 is a valid status");
+    let _ = h.insert_header("content-type", content_type);
+    if let Some(len) = len {
+        let _ = h.insert_header("content-length", len.to_string());
+    }
+    if content_type.starts_with("text/event-stream") {
+        let _ = h.insert_header("cache-control", "no-cache");
+    }
+    Box::new(h)
+}
+
+async fn respond(session: &mut Session, status: u16, content_type: &str, body: Bytes) {
+    let h = header(status, content_type, Some(body.len()));
+    if session.write_response_header(h, false).await.is_ok() {
+        let _ = session.write_response_body(Some(body), true).await;
+    }
+}
+
+async fn respond_error(session: &mut Session, e: &GatewayError) {
+    respond(session, e.status(), "application/json", e.body()).await;
+}
+
+async fn read_body(session: &mut Session, limit: usize) -> Result<Vec<u8>, GatewayError> {
+    let mut body = Vec::new();
+    loop {
+        match session.read_request_body().await {
+            Ok(Some(chunk)) => {
+                if body.len() + chunk.len() > limit {
+                    return Err(GatewayError::PayloadTooLarge { limit });
+                }
+                body.extend_from_slice(&chunk);
+            }
+            Ok(None) => return Ok(body),
+            Err(e) => return Err(GatewayError::invalid("body", format!("reading the body: {e}"))),
+        }
+    }
+}
+
+fn tokenize_inline(tokenizer: &Tokenizer, prompt: PromptKind) -> Result<Vec<u32>, GatewayError> {
+    Ok(pd_tokenize::prompt::prompt_tokens(tokenizer, prompt)?)
+}
+
+fn prompt_len(p: &PromptKind) -> usize {
+    match p {
+        PromptKind::Completion(pd_tokenize::prompt::PromptInput::Text(t)) => t.len(),
+        PromptKind::Completion(pd_tokenize::prompt::PromptInput::Tokens(t)) => t.len(),
+        PromptKind::Chat(m, _) => m.iter().map(|m| m.content.len()).sum(),
+    }
+}
+
+impl Gateway {
+    fn shared(&self) -> &Shared {
+        &self.0
+    }
+
+    fn trusted(&self, session: &Session) -> bool {
+        let Some(token) = &self.0.config.trusted_client_token else {
+            return false;
+        };
+        session
+            .req_header()
+            .headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|key| key == token)
+    }
+
+    async fn serve(&self, session: &mut Session) {
+        let method = session.req_header().method.as_str().to_owned();
+        let path = session.req_header().uri.path().to_owned();
+        match (method.as_str(), path.as_str()) {
+            ("GET", "/health") => {
+                let nodes = self.0.cluster.read().nodes.len();
+                let body = json!({"status": "ok", "nodes": nodes}).to_string();
+                respond(session, 200, "application/json", body.into()).await;
+            }
+            ("GET", "/metrics") => {
+                for (role, n) in self.0.cluster.count_by_role() {
+                    self.0
+                        .metrics
+                        .nodes_up
+                        .with_label_values(&[crate::cluster::role_label(role)])
+                        .set(n as i64);
+                }
+                let body = self.0.metrics.render();
+                respond(session, 200, "text/plain; version=0.0.4", body.into()).await;
+            }
+            ("GET", "/v1/models") => {
+                let data: Vec<Value> = self
+                    .0
+                    .cluster
+                    .live_models()
+                    .into_iter()
+                    .map(|m| json!({"id": m, "object": "model", "created": 0, "owned_by": "pd-serve"}))
+                    .collect();
+                let body = json!({"object": "list", "data": data}).to_string();
+                respond(session, 200, "application/json", body.into()).await;
+            }
+            ("POST", p) if openai::api_of(p).is_some() => {
+                if let Some(api) = openai::api_of(p) {
+                    self.generate(session, api).await;
+                }
+            }
+            _ => {
+                respond_error(session, &GatewayError::UnknownRoute { method, path }).await;
+            }
+        }
+    }
+
+    async fn generate(&self, session: &mut Session, api: Api) {
+        let mut t = Timing {
+            start: Instant::now(),
+            waiting: Duration::ZERO,
+            first_byte: None,
+        };
+        let label = api_label(api);
+        let outcome = match self.generate_inner(session, api, &mut t).await {
+            Ok(Outcome::Ok) => "ok",
+            Ok(Outcome::Aborted) => "aborted",
+            Err(e) => {
+                debug!(api = label, status = e.status(), "request failed: {e}");
+                if t.first_byte.is_none() {
+                    respond_error(session, &e).await;
+                }
+                e.outcome()
+            }
+        };
+        let m = &self.0.metrics;
+        m.requests.with_label_values(&[label, outcome]).inc();
+        let e2e = t.start.elapsed();
+        m.e2e.with_label_values(&[label]).observe(e2e.as_secs_f64());
+        if let Some(first) = t.first_byte {
+            m.ttft
+                .with_label_values(&[label])
+                .observe((first - t.start).as_secs_f64());
+        }
+        m.added
+            .with_label_values(&[label])
+            .observe(e2e.saturating_sub(t.waiting).as_secs_f64());
+    }
+
+    async fn generate_inner(
+        &self,
+        session: &mut Session,
+        api: Api,
+        t: &mut Timing,
+    ) -> Result<Outcome, GatewayError> {
+        let p = self.prepare(session, api).await?;
+        let Prepared {
+            api,
+            body,
+            analyzed,
+            snapshot,
+            route,
+            client_params,
+        } = p;
+        let path = api_path(api);
+        match route {
+            Route::Reject(r) => Err(GatewayError::Rejected {
+                status: r.status,
+                message: r.message,
+            }),
+            Route::Whole(candidates) => {
+                let bytes = Bytes::from(serde_json::to_vec(&body).map_err(internal)?);
+                self.whole(session, t, path, &snapshot, &candidates, bytes, "whole")
+                    .await
+            }
+            Route::Split(split) => {
+                if let Some(params) = client_params {
+                    // A trusted client drives P/D itself: forward to the role its params ask for.
+                    let candidates: Vec<u32> = if params.get("do_remote_decode") == Some(&json!(true)) {
+                        split.prefill.clone()
+                    } else {
+                        split.decode.iter().map(|d| d.node).collect()
+                    };
+                    let bytes = Bytes::from(serde_json::to_vec(&body).map_err(internal)?);
+                    return self
+                        .whole(session, t, path, &snapshot, &candidates, bytes, "trusted")
+                        .await;
+                }
+                self.split(session, t, path, &body, &analyzed, &snapshot, &split)
+                    .await
+            }
+        }
+    }
+
+    /// Phase 1: everything before the first node is called.
+    async fn prepare(&self, session: &mut Session, api: Api) -> Result<Prepared, GatewayError> {
+        let s = self.shared();
+        let raw = read_body(session, s.config.max_body).await?;
+        let mut body = match serde_json::from_slice::<Value>(&raw) {
+            Ok(Value::Object(m)) => m,
+            Ok(_) => return Err(GatewayError::invalid("body", "the body must be a JSON object")),
+            Err(e) => {
+                return Err(GatewayError::InvalidRequest {
+                    message: format!("the body is not valid JSON: {e}"),
+                    param: None,
+                });
+            }
+        };
+        let mut client_params = body.get(KV_FIELD).filter(|v| !v.is_null()).cloned();
+        if client_params.is_some() && !self.trusted(session) {
+            body.remove(KV_FIELD);
+            client_params = None;
+            s.metrics.kv_params_stripped.inc();
+            warn!(
+                "stripped kv_transfer_params from an untrusted client (only --trusted-client-token may send them)"
+            );
+        }
+        let session_key = session
+            .req_header()
+            .headers
+            .get("x-session-id")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let analyzed = openai::analyze(api, &body, session_key.as_deref())?;
+        let (tokenizer, block_size) = s
+            .cluster
+            .model(&analyzed.model)
+            .ok_or_else(|| GatewayError::ModelNotFound(analyzed.model.clone()))?;
+        let prompt = analyzed.prompt.clone();
+        let tokens = if prompt_len(&prompt) <= INLINE_TOKENIZE_BYTES {
+            tokenize_inline(&tokenizer, prompt)?
+        } else {
+            tokio::task::spawn_blocking(move || tokenize_inline(&tokenizer, prompt))
+                .await
+                .map_err(internal)??
+        };
+        let hashes: Vec<u64> = pd_kv_pool::hash_full_blocks(&tokens, block_size as usize)
+            .into_iter()
+            .map(|h| h.0)
+            .collect();
+        let snapshot = s.cluster.snapshot(&analyzed.model, &hashes);
+        if snapshot.view.nodes.is_empty() {
+            return Err(GatewayError::NoCapacity {
+                model: analyzed.model.clone(),
+                why: "no node of this model is live".into(),
+            });
+        }
+        let request = Request {
+            seq: s.router.next_seq(),
+            api,
+            prompt_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
+            block_size,
+            block_hashes: hashes,
+            prefix_blocks: snapshot.prefix_blocks.clone(),
+            n: analyzed.n,
+            max_tokens: analyzed.max_tokens,
+            stream: analyzed.stream,
+            conversation_key: analyzed.conversation_key.clone(),
+        };
+        let names: Vec<Arc<str>> = snapshot.nodes.iter().map(|n| n.engine_id.clone()).collect();
+        let decided = s.router.decide(&request, &snapshot.view, &names)?;
+        let first = match &decided.decision.route {
+            Route::Split(sp) => sp.prefill.first().copied(),
+            Route::Whole(c) => c.first().copied(),
+            Route::Reject(_) => None,
+        };
+        if let Some(i) = first {
+            let held = snapshot.prefix_blocks.get(i as usize).copied().unwrap_or(0);
+            s.metrics
+                .prefix_hit_tokens
+                .inc_by(u64::from(held) * u64::from(block_size));
+        }
+        if let Route::Split(_) = &decided.decision.route
+            && !snapshot
+                .view
+                .nodes
+                .iter()
+                .any(|n| n.role == pd_policy::Role::Decode)
+        {
+            return Err(GatewayError::NoCapacity {
+                model: analyzed.model.clone(),
+                why: "no decode node is live".into(),
+            });
+        }
+        debug!(policy = %decided.policy, version = %decided.version, route = ?decided.decision.route, "decided");
+        Ok(Prepared {
+            api,
+            body,
+            analyzed,
+            snapshot,
+            route: decided.decision.route,
+            client_params,
+        })
+    }
+
+    /// Sends `body` to node `addr`, watching the client. A connection failure or a 5xx is
+    /// [`Failed::Next`]; any other answer is returned for relaying.
+    async fn send(
+        &self,
+        session: &mut Session,
+        t: &mut Timing,
+        addr: &str,
+        path: &str,
+        body: Bytes,
+    ) -> Result<reqwest::Response, Failed> {
+        let url = format!("http://{addr}{path}");
+        let send = self
+            .0
+            .http
+            .post(url)
+            .header("content-type", "application/json")
+            .body(body)
+            .send();
+        let result = tokio::select! {
+            r = t.wait(send) => r,
+            () = client_gone(session) => return Err(Failed::Gone),
+        };
+        match result {
+            Ok(resp) if resp.status().is_server_error() => {
+                let status = resp.status();
+                let text = resp.text().await.unwrap_or_default();
+                Err(Failed::Next(format!("{addr} answered {status}: {text}")))
+            }
+            Ok(resp) => Ok(resp),
+            Err(e) => Err(Failed::Next(format!("{addr}: {e}"))),
+        }
+    }
+
+    /// Phase 2: one node serves the request; failover before any byte reaches the client.
+    #[allow(clippy::too_many_arguments)]
+    async fn whole(
+        &self,
+        session: &mut Session,
+        t: &mut Timing,
+        path: &str,
+        snapshot: &Snapshot,
+        candidates: &[u32],
+        body: Bytes,
+        stage: &'static str,
+    ) -> Result<Outcome, GatewayError> {
+        let mut why = Vec::new();
+        for &i in candidates {
+            let Some(node) = snapshot.nodes.get(i as usize) else {
+                continue;
+            };
+            match self.send(session, t, &node.http_addr, path, body.clone()).await {
+                Ok(resp) => return self.relay(session, t, resp, None).await,
+                Err(Failed::Gone) => return Ok(Outcome::Aborted),
+                Err(Failed::Next(e)) => {
+                    warn!(node = %node.engine_id, stage, "failing over: {e}");
+                    self.0.metrics.failovers.with_label_values(&[stage]).inc();
+                    why.push(e);
+                }
+            }
+        }
+        Err(GatewayError::NoCapacity {
+            model: String::new(),
+            why: format!("every candidate failed: {}", why.join("; ")),
+        })
+    }
+
+    /// Phases 3–5 for a split decision.
+    #[allow(clippy::too_many_arguments)]
+    async fn split(
+        &self,
+        session: &mut Session,
+        t: &mut Timing,
+        path: &str,
+        body: &Map<String, Value>,
+        analyzed: &Analyzed,
+        snapshot: &Snapshot,
+        split: &Split,
+    ) -> Result<Outcome, GatewayError> {
+        let Some(params) = self
+            .prefill(session, t, path, body, analyzed, snapshot, &split.prefill)
+            .await?
+        else {
+            return Ok(Outcome::Aborted);
+        };
+        let lease = openai::lease_of(&params);
+        // All n children go to one decode node (one pull, forked copy-on-write there); the
+        // other entries of the ranking are failover candidates. Spreading children over several
+        // decode nodes needs one lease per decode node from P (not built yet).
+        let candidates: Vec<u32> = split.decode.iter().map(|d| d.node).collect();
+        let d_body = Bytes::from(
+            serde_json::to_vec(&openai::decode_body(body, &params)).map_err(internal)?,
+        );
+        let outcome = self
+            .decode(session, t, path, snapshot, &candidates, d_body)
+            .await;
+        let release = match &outcome {
+            Ok(Outcome::Ok) => None,
+            Ok(Outcome::Aborted) => Some("client_left"),
+            Err(_) => Some("decode_failed"),
+        };
+        if let (Some(why), Some(lease)) = (release, lease) {
+            self.0.leases.release(lease, why);
+        }
+        outcome
+    }
+
+    /// Phase 3: P prefills and answers with the params naming its leased blocks. `None`: the
+    /// client left.
+    #[allow(clippy::too_many_arguments)]
+    async fn prefill(
+        &self,
+        session: &mut Session,
+        t: &mut Timing,
+        path: &str,
+        body: &Map<String, Value>,
+        analyzed: &Analyzed,
+        snapshot: &Snapshot,
+        candidates: &[u32],
+    ) -> Result<Option<Value>, GatewayError> {
+        let p_body = Bytes::from(
+            serde_json::to_vec(&openai::prefill_body(analyzed.api, body)).map_err(internal)?,
+        );
+        let mut why = Vec::new();
+        for &i in candidates {
+            let Some(node) = snapshot.nodes.get(i as usize) else {
+                continue;
+            };
+            let resp = match self.send(session, t, &node.http_addr, path, p_body.clone()).await {
+                Ok(r) => r,
+                Err(Failed::Gone) => return Ok(None),
+                Err(Failed::Next(e)) => {
+                    warn!(node = %node.engine_id, "prefill failing over: {e}");
+                    self.0.metrics.failovers.with_label_values(&["prefill"]).inc();
+                    why.push(e);
+                    continue;
+                }
+            };
+            let status = resp.status().as_u16();
+            let bytes = tokio::select! {
+                b = t.wait(resp.bytes()) => b,
+                () = client_gone(session) => return Ok(None),
+            };
+            let bytes = match bytes {
+                Ok(b) => b,
+                Err(e) => {
+                    why.push(format!("{}: {e}", node.http_addr));
+                    continue;
+                }
+            };
+            if status >= 400 {
+                // The node refused the request itself (too long a prompt, a bad field): the
+                // client's fault, the same on every node.
+                return Err(GatewayError::Node { status, body: bytes });
+            }
+            match openai::prefill_params(&bytes) {
+                Ok(params) => return Ok(Some(params)),
+                Err(e) => {
+                    warn!(node = %node.engine_id, "prefill failing over: {e}");
+                    self.0.metrics.failovers.with_label_values(&["prefill"]).inc();
+                    why.push(e);
+                }
+            }
+        }
+        Err(GatewayError::NoCapacity {
+            model: analyzed.model.clone(),
+            why: format!("no prefill node could serve the request: {}", why.join("; ")),
+        })
+    }
+
+    /// Phase 4: D pulls and decodes; failover while nothing reached the client.
+    async fn decode(
+        &self,
+        session: &mut Session,
+        t: &mut Timing,
+        path: &str,
+        snapshot: &Snapshot,
+        candidates: &[u32],
+        body: Bytes,
+    ) -> Result<Outcome, GatewayError> {
+        let mut why = Vec::new();
+        for &i in candidates {
+            let Some(node) = snapshot.nodes.get(i as usize) else {
+                continue;
+            };
+            match self.send(session, t, &node.http_addr, path, body.clone()).await {
+                Ok(resp) => return self.relay(session, t, resp, None).await,
+                Err(Failed::Gone) => return Ok(Outcome::Aborted),
+                Err(Failed::Next(e)) => {
+                    warn!(node = %node.engine_id, "decode failing over: {e}");
+                    self.0.metrics.failovers.with_label_values(&["decode"]).inc();
+                    why.push(e);
+                }
+            }
+        }
+        Err(GatewayError::NoCapacity {
+            model: String::new(),
+            why: format!("no decode node could serve the request: {}", why.join("; ")),
+        })
+    }
+
+    /// Phase 5: the node's answer to the client as it arrives.
+    async fn relay(
+        &self,
+        session: &mut Session,
+        t: &mut Timing,
+        mut resp: reqwest::Response,
+        _unused: Option<()>,
+    ) -> Result<Outcome, GatewayError> {
+        let status = resp.status().as_u16();
+        let content_type = resp
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("application/json")
+            .to_owned();
+        let len = resp.content_length().and_then(|l| usize::try_from(l).ok());
+        if session
+            .write_response_header(header(status, &content_type, len), false)
+            .await
+            .is_err()
+        {
+            return Ok(Outcome::Aborted);
+        }
+        loop {
+            let chunk = tokio::select! {
+                c = t.wait(resp.chunk()) => c,
+                () = client_gone(session) => return Ok(Outcome::Aborted),
+            };
+            match chunk {
+                Ok(Some(bytes)) => {
+                    t.first_byte.get_or_insert_with(Instant::now);
+                    if session.write_response_body(Some(bytes), false).await.is_err() {
+                        return Ok(Outcome::Aborted);
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    // The node broke off mid-answer; the client sees a truncated body.
+                    warn!("node stream broke: {e}");
+                    let _ = session.write_response_body(None, true).await;
+                    return Err(GatewayError::BadGateway(format!("node stream broke: {e}")));
+                }
+            }
+        }
+        t.first_byte.get_or_insert_with(Instant::now);
+        let _ = session.write_response_body(None, true).await;
+        Ok(Outcome::Ok)
+    }
+}
+
+fn internal(e: impl std::fmt::Display) -> GatewayError {
+    GatewayError::Internal(e.to_string())
+}
+
+#[async_trait]
+impl ProxyHttp for Gateway {
+    type CTX = ();
+
+    fn new_ctx(&self) -> Self::CTX {}
+
+    /// Never reached: `request_filter` answers every request.
+    async fn upstream_peer(
+        &self,
+        _session: &mut Session,
+        _ctx: &mut Self::CTX,
+    ) -> pingora::Result<Box<HttpPeer>> {
+        Err(pingora::Error::explain(
+            pingora::ErrorType::InternalError,
+            "every route is answered in request_filter",
+        ))
+    }
+
+    /// Serves the request and returns `Ok(true)`: the response was sent here.
+    async fn request_filter(
+        &self,
+        session: &mut Session,
+        _ctx: &mut Self::CTX,
+    ) -> pingora::Result<bool> {
+        self.serve(session).await;
+        Ok(true)
+    }
+}

@@ -1,0 +1,155 @@
+//! Asking the policy: the current policy (hot-swapped in a [`PolicySlot`]) decides; when it
+//! fails (trap, timeout, limit, an invalid decision) the built-in native least-loaded decides
+//! instead, or the request fails with 503 if the operator chose so. Either way the failure is
+//! logged with the policy's version and counted.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use pd_policy::{Decision, Installed, PolicySlot, Request, View, native};
+use tracing::warn;
+
+use crate::error::GatewayError;
+use crate::metrics::Metrics;
+
+/// What a policy failure does to the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnPolicyFailure {
+    /// The built-in least-loaded policy decides instead (the request is served).
+    Fallback,
+    /// The request fails with 503.
+    Fail,
+}
+
+/// The policy slot plus what every decision needs.
+#[derive(Debug)]
+pub struct Router {
+    slot: PolicySlot,
+    seq: AtomicU64,
+    on_failure: OnPolicyFailure,
+    metrics: Metrics,
+}
+
+/// A decision and who made it.
+#[derive(Debug)]
+pub struct Decided {
+    /// The decision (validated).
+    pub decision: Decision,
+    /// The policy that served it (the fallback's name when it stepped in).
+    pub policy: String,
+    /// Its version.
+    pub version: String,
+}
+
+/// Runs an installed policy.
+pub fn run_policy(
+    installed: &Installed,
+    request: &Request,
+    view: &View,
+    names: &[Arc<str>],
+) -> Result<Decision, pd_policy::PolicyError> {
+    match installed {
+        Installed::Wasm(p) => {
+            let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+            p.decide(request, view, &names)
+        }
+        Installed::Native { name } => {
+            let d = native::NativePolicy::from_name(name)?.decide(request, view);
+            pd_policy::validate(&d, request, view)?;
+            Ok(d)
+        }
+    }
+}
+
+impl Router {
+    /// A router over `slot`.
+    pub fn new(slot: PolicySlot, on_failure: OnPolicyFailure, metrics: Metrics) -> Self {
+        let r = Self {
+            slot,
+            seq: AtomicU64::new(0),
+            on_failure,
+            metrics,
+        };
+        r.publish_info();
+        r
+    }
+
+    /// The slot, for the admin API.
+    pub fn slot(&self) -> &PolicySlot {
+        &self.slot
+    }
+
+    /// Refreshes the `policy_info` gauge after a swap.
+    pub fn publish_info(&self) {
+        let p = self.slot.current();
+        self.metrics.policy_info.reset();
+        self.metrics
+            .policy_info
+            .with_label_values(&[p.name(), &p.version(), p.sha256().unwrap_or("")])
+            .set(1);
+    }
+
+    /// The next request sequence number.
+    pub fn next_seq(&self) -> u64 {
+        self.seq.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Decides where `request` goes.
+    ///
+    /// # Errors
+    /// 503 when the policy failed and the operator chose to fail, or the fallback could not
+    /// decide either.
+    pub fn decide(
+        &self,
+        request: &Request,
+        view: &View,
+        names: &[Arc<str>],
+    ) -> Result<Decided, GatewayError> {
+        let installed = self.slot.current();
+        let version = installed.version();
+        let start = Instant::now();
+        let outcome = run_policy(&installed, request, view, names);
+        let took = start.elapsed().as_secs_f64();
+        match outcome {
+            Ok(decision) => {
+                self.metrics
+                    .decision
+                    .with_label_values(&[installed.name(), &version])
+                    .observe(took);
+                self.metrics
+                    .decisions
+                    .with_label_values(&[installed.name(), &version])
+                    .inc();
+                Ok(Decided {
+                    decision,
+                    policy: installed.name().to_owned(),
+                    version,
+                })
+            }
+            Err(e) => {
+                let reason = e.reason();
+                warn!(policy = installed.name(), version = %version, reason, "policy failed: {e}");
+                self.metrics
+                    .policy_failures
+                    .with_label_values(&[installed.name(), &version, reason])
+                    .inc();
+                if self.on_failure == OnPolicyFailure::Fail {
+                    return Err(GatewayError::PolicyFailed(format!(
+                        "{} {version}: {e}",
+                        installed.name()
+                    )));
+                }
+                self.metrics.fallbacks.with_label_values(&[reason]).inc();
+                let decision = native::least_loaded(request, view);
+                pd_policy::validate(&decision, request, view)
+                    .map_err(|e| GatewayError::Internal(format!("fallback policy: {e}")))?;
+                Ok(Decided {
+                    decision,
+                    policy: "fallback-least-loaded".to_owned(),
+                    version: "native".to_owned(),
+                })
+            }
+        }
+    }
+}

@@ -1,0 +1,498 @@
+//! From OpenAI request fields to prompt token ids: the prompt shapes of `/v1/completions`, the
+//! `messages` of `/v1/chat/completions`, the `instructions`/`input` of `/v1/responses`, and
+//! [`prompt_tokens`], which renders and tokenizes them. Nodes and the gateway both call this
+//! module, so a request's prompt is the same ids wherever it is computed.
+//!
+//! Everything here is synchronous and may take milliseconds on long prompts (template
+//! rendering, BPE): async callers run [`prompt_tokens`] on a blocking pool.
+
+use serde_json::Value;
+
+use crate::error::TokenizeError;
+use crate::tokenizer::{ChatMessage, Tokenizer};
+
+/// A request field that does not make a prompt, naming the field (OpenAI's `error.param`).
+///
+/// `source` is set only when the tokenizer itself failed on input it should have taken (a
+/// server-side fault, answered 500 by a node); otherwise the request is at fault (400).
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct PromptError {
+    /// The request field at fault: `prompt`, `messages` or `input`.
+    pub param: &'static str,
+    /// What is wrong, for the client.
+    pub message: String,
+    /// The tokenizer's failure, when that is what happened.
+    #[source]
+    pub source: Option<TokenizeError>,
+}
+
+impl PromptError {
+    /// The request is at fault.
+    fn invalid(param: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            param,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// The tokenizer failed.
+    fn tokenizer(param: &'static str, source: TokenizeError) -> Self {
+        Self {
+            param,
+            message: format!("tokenizer error: {source}"),
+            source: Some(source),
+        }
+    }
+}
+
+/// One `/v1/chat/completions` input message. `content` is a string, a list of parts, or null
+/// (assistant tool calls).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ChatMessageIn {
+    /// `system`, `developer`, `user`, `assistant` or `tool`.
+    pub role: String,
+    /// The message's content as sent.
+    #[serde(default)]
+    pub content: Option<Value>,
+}
+
+/// A completions prompt: text to tokenize, or tokens as given.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PromptInput {
+    /// Text, tokenized with the tokenizer's special tokens (e.g. BOS).
+    Text(String),
+    /// Token ids, used as given once checked against the vocabulary.
+    Tokens(Vec<u32>),
+}
+
+/// What [`prompt_tokens`] tokenizes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PromptKind {
+    /// A `/v1/completions` prompt.
+    Completion(PromptInput),
+    /// Messages for the chat template, and the request field they came from (`messages` or
+    /// `input`), named in errors.
+    Chat(Vec<ChatMessage>, &'static str),
+}
+
+/// Reads `/v1/completions`' `prompt`: a string, an array of token ids, or a one-element list of
+/// either. Longer lists (batches) are refused: send one request per prompt.
+///
+/// # Errors
+/// A [`PromptError`] naming `prompt`.
+pub fn completion_prompt(value: Value) -> Result<PromptInput, PromptError> {
+    const SHAPE: &str = "prompt must be a string or an array of token ids";
+    match value {
+        Value::String(s) => Ok(PromptInput::Text(s)),
+        Value::Array(items) if items.is_empty() => {
+            Err(PromptError::invalid("prompt", "prompt must not be empty"))
+        }
+        Value::Array(items) if items.iter().all(Value::is_number) => {
+            token_ids(&items).map(PromptInput::Tokens)
+        }
+        Value::Array(mut items) if items.len() == 1 => match items.pop() {
+            Some(Value::String(s)) => Ok(PromptInput::Text(s)),
+            Some(Value::Array(ids)) if ids.iter().all(Value::is_number) => {
+                token_ids(&ids).map(PromptInput::Tokens)
+            }
+            _ => Err(PromptError::invalid("prompt", SHAPE)),
+        },
+        Value::Array(items) if items.iter().all(|v| v.is_string() || v.is_array()) => {
+            Err(PromptError::invalid(
+                "prompt",
+                format!(
+                    "batched prompts ({} prompts in one request) are not supported; send one request per prompt",
+                    items.len()
+                ),
+            ))
+        }
+        _ => Err(PromptError::invalid("prompt", SHAPE)),
+    }
+}
+
+fn token_ids(items: &[Value]) -> Result<Vec<u32>, PromptError> {
+    items
+        .iter()
+        .map(|v| {
+            v.as_u64()
+                .and_then(|id| u32::try_from(id).ok())
+                .ok_or_else(|| {
+                    PromptError::invalid(
+                        "prompt",
+                        format!("token ids must be integers in 0..2^32, got {v}"),
+                    )
+                })
+        })
+        .collect()
+}
+
+/// Roles a chat template understands; `developer` (OpenAI's newer name) is sent as `system`.
+fn template_role(role: &str) -> Option<&'static str> {
+    match role {
+        "system" | "developer" => Some("system"),
+        "user" => Some("user"),
+        "assistant" => Some("assistant"),
+        "tool" => Some("tool"),
+        _ => None,
+    }
+}
+
+/// The text of a message's `content`: a string, null, or a list of `{type, text}` parts whose
+/// type is one of `text_types`. Parts are joined with newlines, as vLLM does.
+fn content_text(
+    content: Option<&Value>,
+    text_types: &[&str],
+    param: &'static str,
+    at: &str,
+) -> Result<String, PromptError> {
+    match content {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for (i, part) in parts.iter().enumerate() {
+                let kind = part.get("type").and_then(Value::as_str).unwrap_or("");
+                if !text_types.contains(&kind) {
+                    return Err(PromptError::invalid(
+                        param,
+                        format!(
+                            "{at}.content[{i}]: only text content parts ({}) are supported, got `{kind}`",
+                            text_types.join(", ")
+                        ),
+                    ));
+                }
+                match part.get("text").and_then(Value::as_str) {
+                    Some(t) => texts.push(t),
+                    None => {
+                        return Err(PromptError::invalid(
+                            param,
+                            format!("{at}.content[{i}]: missing string field `text`"),
+                        ));
+                    }
+                }
+            }
+            Ok(texts.join("\n"))
+        }
+        Some(_) => Err(PromptError::invalid(
+            param,
+            format!("{at}.content must be a string or a list of content parts"),
+        )),
+    }
+}
+
+/// Checks `/v1/chat/completions`' `messages` and turns them into template messages.
+///
+/// # Errors
+/// A [`PromptError`] naming `messages`.
+pub fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<ChatMessage>, PromptError> {
+    if messages.is_empty() {
+        return Err(PromptError::invalid(
+            "messages",
+            "messages must not be empty",
+        ));
+    }
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let at = format!("messages[{i}]");
+            let role = template_role(&m.role).ok_or_else(|| {
+                PromptError::invalid("messages", format!("{at}.role: unknown role `{}`", m.role))
+            })?;
+            let content = content_text(m.content.as_ref(), &["text"], "messages", &at)?;
+            Ok(ChatMessage {
+                role: role.to_owned(),
+                content,
+            })
+        })
+        .collect()
+}
+
+/// Turns `/v1/responses`' `instructions` and `input` into template messages.
+///
+/// # Errors
+/// A [`PromptError`] naming `input`.
+pub fn responses_messages(
+    instructions: Option<&str>,
+    input: &Value,
+) -> Result<Vec<ChatMessage>, PromptError> {
+    let mut messages = Vec::new();
+    if let Some(instructions) = instructions {
+        messages.push(ChatMessage {
+            role: "system".to_owned(),
+            content: instructions.to_owned(),
+        });
+    }
+    match input {
+        Value::String(s) => messages.push(ChatMessage {
+            role: "user".to_owned(),
+            content: s.clone(),
+        }),
+        Value::Array(items) if !items.is_empty() => {
+            for (i, item) in items.iter().enumerate() {
+                let at = format!("input[{i}]");
+                let kind = item
+                    .get("type")
+                    .and_then(Value::as_str)
+                    .unwrap_or("message");
+                if kind != "message" {
+                    return Err(PromptError::invalid(
+                        "input",
+                        format!("{at}: only message items are supported, got `{kind}`"),
+                    ));
+                }
+                let role = item.get("role").and_then(Value::as_str).ok_or_else(|| {
+                    PromptError::invalid("input", format!("{at}: missing string field `role`"))
+                })?;
+                let role = template_role(role).ok_or_else(|| {
+                    PromptError::invalid("input", format!("{at}.role: unknown role `{role}`"))
+                })?;
+                let content = content_text(
+                    item.get("content"),
+                    &["input_text", "output_text", "text"],
+                    "input",
+                    &at,
+                )?;
+                messages.push(ChatMessage {
+                    role: role.to_owned(),
+                    content,
+                });
+            }
+        }
+        Value::Array(_) => return Err(PromptError::invalid("input", "input must not be empty")),
+        _ => {
+            return Err(PromptError::invalid(
+                "input",
+                "input must be a string or a list of messages",
+            ));
+        }
+    }
+    Ok(messages)
+}
+
+/// The prompt's token ids, as a node computes them:
+/// - [`PromptKind::Completion`]: text is encoded *with* the tokenizer's special tokens (e.g.
+///   BOS); token ids are checked against [`Tokenizer::vocab_size`]; an empty result is refused.
+/// - [`PromptKind::Chat`]: the messages are rendered through the chat template with the
+///   generation prompt, then encoded *without* special tokens (the template carries its own).
+///
+/// Same as [`prompt_tokens_in_vocab`] with the tokenizer's vocabulary size.
+///
+/// # Errors
+/// A [`PromptError`] naming the field: empty prompt, token id out of vocabulary, no chat
+/// template, the template refused the conversation; or the tokenizer failed (`source` set).
+pub fn prompt_tokens(tokenizer: &Tokenizer, prompt: PromptKind) -> Result<Vec<u32>, PromptError> {
+    prompt_tokens_in_vocab(tokenizer, prompt, tokenizer.vocab_size())
+}
+
+/// [`prompt_tokens`] with given token ids checked against `vocab_size` instead of the
+/// tokenizer's (a node checks against its model's embedding size, which may be padded above
+/// the tokenizer's vocabulary).
+///
+/// # Errors
+/// As [`prompt_tokens`].
+pub fn prompt_tokens_in_vocab(
+    tokenizer: &Tokenizer,
+    prompt: PromptKind,
+    vocab_size: usize,
+) -> Result<Vec<u32>, PromptError> {
+    match prompt {
+        PromptKind::Completion(input) => {
+            let tokens = match input {
+                PromptInput::Tokens(ids) => {
+                    if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab_size) {
+                        return Err(PromptError::invalid(
+                            "prompt",
+                            format!("token id {bad} is out of vocabulary (size {vocab_size})"),
+                        ));
+                    }
+                    ids
+                }
+                PromptInput::Text(text) => tokenizer
+                    .encode(&text, true)
+                    .map_err(|e| PromptError::tokenizer("prompt", e))?,
+            };
+            if tokens.is_empty() {
+                return Err(PromptError::invalid("prompt", "prompt must not be empty"));
+            }
+            Ok(tokens)
+        }
+        PromptKind::Chat(messages, param) => {
+            if !tokenizer.has_chat_template() {
+                return Err(PromptError::invalid(
+                    param,
+                    "this model has no chat template; use /v1/completions",
+                ));
+            }
+            let text = tokenizer
+                .apply_chat_template(&messages, true)
+                .map_err(|e| PromptError::invalid(param, format!("chat template failed: {e}")))?;
+            tokenizer
+                .encode(&text, false)
+                .map_err(|e| PromptError::tokenizer(param, e))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::test_util::byte_level_tokenizer;
+
+    #[test]
+    fn prompt_shapes() {
+        assert_eq!(
+            completion_prompt(json!("hi")).unwrap(),
+            PromptInput::Text("hi".into())
+        );
+        assert_eq!(
+            completion_prompt(json!([1, 2])).unwrap(),
+            PromptInput::Tokens(vec![1, 2])
+        );
+        assert_eq!(
+            completion_prompt(json!(["hi"])).unwrap(),
+            PromptInput::Text("hi".into())
+        );
+        assert_eq!(
+            completion_prompt(json!([[3]])).unwrap(),
+            PromptInput::Tokens(vec![3])
+        );
+        for bad in [
+            json!(["a", "b"]),
+            json!([-1]),
+            json!(null),
+            json!({}),
+            json!([]),
+            json!([[1], [2]]),
+        ] {
+            let e = completion_prompt(bad.clone()).unwrap_err();
+            assert_eq!(e.param, "prompt", "{bad}");
+            assert!(e.source.is_none());
+        }
+    }
+
+    #[test]
+    fn chat_content_parts() {
+        let msgs: Vec<ChatMessageIn> = serde_json::from_value(json!([
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": null},
+        ]))
+        .unwrap();
+        let out = chat_messages(&msgs).unwrap();
+        assert_eq!(out[0].role, "system");
+        assert_eq!(out[1].content, "a\nb");
+        assert_eq!(out[2].content, "");
+
+        let msgs: Vec<ChatMessageIn> =
+            serde_json::from_value(json!([{"role": "user", "content": [{"type": "image_url"}]}]))
+                .unwrap();
+        assert_eq!(chat_messages(&msgs).unwrap_err().param, "messages");
+        let msgs: Vec<ChatMessageIn> =
+            serde_json::from_value(json!([{"role": "wizard", "content": "x"}])).unwrap();
+        assert_eq!(chat_messages(&msgs).unwrap_err().param, "messages");
+        assert_eq!(chat_messages(&[]).unwrap_err().param, "messages");
+    }
+
+    #[test]
+    fn responses_input() {
+        let out = responses_messages(Some("sys"), &json!("hello")).unwrap();
+        assert_eq!(
+            (out[0].role.as_str(), out[1].role.as_str()),
+            ("system", "user")
+        );
+        let out = responses_messages(
+            None,
+            &json!([
+                {"role": "user", "content": [{"type": "input_text", "text": "q"}]},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "a"}]},
+            ]),
+        )
+        .unwrap();
+        assert_eq!(out.len(), 2);
+        assert_eq!(out[1].content, "a");
+        let e =
+            responses_messages(None, &json!([{"type": "function_call", "name": "f"}])).unwrap_err();
+        assert_eq!(e.param, "input");
+        assert_eq!(
+            responses_messages(None, &json!(5)).unwrap_err().param,
+            "input"
+        );
+    }
+
+    #[test]
+    fn completion_tokens_encode_text_and_check_ids() {
+        let (_dir, tok) = byte_level_tokenizer();
+        let ids =
+            prompt_tokens(&tok, PromptKind::Completion(PromptInput::Text("hi".into()))).unwrap();
+        assert_eq!(ids, tok.encode("hi", true).unwrap());
+        let ids = prompt_tokens(
+            &tok,
+            PromptKind::Completion(PromptInput::Tokens(vec![1, 2])),
+        )
+        .unwrap();
+        assert_eq!(ids, vec![1, 2]);
+
+        let vocab = tok.vocab_size() as u32;
+        let e = prompt_tokens(
+            &tok,
+            PromptKind::Completion(PromptInput::Tokens(vec![1, vocab])),
+        )
+        .unwrap_err();
+        assert_eq!(e.param, "prompt");
+        assert!(e.message.contains("out of vocabulary"), "{e}");
+        // A node's padded embedding admits ids above the tokenizer's vocabulary.
+        let ids = prompt_tokens_in_vocab(
+            &tok,
+            PromptKind::Completion(PromptInput::Tokens(vec![vocab])),
+            vocab as usize + 8,
+        )
+        .unwrap();
+        assert_eq!(ids, vec![vocab]);
+
+        let e = prompt_tokens(
+            &tok,
+            PromptKind::Completion(PromptInput::Text(String::new())),
+        )
+        .unwrap_err();
+        assert_eq!(
+            (e.param, e.message.as_str()),
+            ("prompt", "prompt must not be empty")
+        );
+    }
+
+    #[test]
+    fn chat_tokens_render_the_template_without_extra_special_tokens() {
+        let (_dir, tok) = byte_level_tokenizer();
+        let messages = vec![ChatMessage::new("user", "hello")];
+        let ids = prompt_tokens(&tok, PromptKind::Chat(messages.clone(), "messages")).unwrap();
+        let text = tok.apply_chat_template(&messages, true).unwrap();
+        assert_eq!(ids, tok.encode(&text, false).unwrap());
+    }
+
+    #[test]
+    fn chat_without_a_template_names_the_param() {
+        let dir = crate::test_util::TempDir::new("no-template");
+        crate::write_byte_level_tokenizer(dir.path(), 300).unwrap();
+        let config = dir.path().join("tokenizer_config.json");
+        let mut json: Value =
+            serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+        json.as_object_mut().unwrap().remove("chat_template");
+        std::fs::write(&config, json.to_string()).unwrap();
+        let _ = std::fs::remove_file(dir.path().join("chat_template.jinja"));
+        let tok = Tokenizer::from_dir(dir.path()).unwrap();
+        assert!(!tok.has_chat_template());
+        let e = prompt_tokens(
+            &tok,
+            PromptKind::Chat(vec![ChatMessage::new("user", "x")], "input"),
+        )
+        .unwrap_err();
+        assert_eq!(e.param, "input");
+        assert!(e.message.contains("no chat template"), "{e}");
+        assert!(e.source.is_none());
+    }
+}

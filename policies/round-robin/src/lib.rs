@@ -1,0 +1,67 @@
+//! Round-robin routing policy, as a WebAssembly component for pd-gateway.
+//!
+//! The same rules as `pd_policy::native::round_robin`; the gateway's tests check that both
+//! give the same decision on the same inputs. A policy keeps no state between calls, so it
+//! counts with `request.seq`.
+//!
+//! - Candidates for a role: its nodes that are not draining, or all its nodes when every one of
+//!   them is draining, in index order.
+//! - Route: if the view has a prefill and a decode node, split; else, if it has a standalone
+//!   node, whole; else reject with 503. Each decode entry takes all `n` children.
+//! - Rank: the candidate list rotated left by `seq % len` (candidate `seq % len` first, then
+//!   the ones after it, wrapping around).
+
+wit_bindgen::generate!({ world: "policy", path: "../../wit" });
+
+use pd::policy::types::{DecodeTarget, Node, Rejection, Role, Route, Split};
+
+struct RoundRobin;
+
+export!(RoundRobin);
+
+/// Message of the 503 when no node can serve the request.
+const NO_NODES: &str = "no node can serve this request: the view has no prefill+decode pair and no standalone node";
+
+impl Guest for RoundRobin {
+    fn decide(request: Request, view: View) -> Decision {
+        let nodes = &view.nodes;
+        let seq = request.seq;
+        let has = |role: Role| nodes.iter().any(|n| n.role == role);
+        let route = if has(Role::Prefill) && has(Role::Decode) {
+            Route::Split(Split {
+                prefill: rotated(candidates(nodes, Role::Prefill), seq),
+                decode: rotated(candidates(nodes, Role::Decode), seq)
+                    .into_iter()
+                    .map(|node| DecodeTarget { node, children: request.n.max(1) })
+                    .collect(),
+            })
+        } else if has(Role::Standalone) {
+            Route::Whole(rotated(candidates(nodes, Role::Standalone), seq))
+        } else {
+            Route::Reject(Rejection { status: 503, message: NO_NODES.to_string() })
+        };
+        Decision { route, reverse_pull: None }
+    }
+}
+
+/// Indices of the nodes of `role`, not draining ones unless all of them drain.
+fn candidates(nodes: &[Node], role: Role) -> Vec<u32> {
+    let pick = |draining_ok: bool| -> Vec<u32> {
+        (0u32..)
+            .zip(nodes)
+            .filter(|(_, n)| n.role == role && (draining_ok || !n.draining))
+            .map(|(i, _)| i)
+            .collect()
+    };
+    let live = pick(false);
+    if live.is_empty() { pick(true) } else { live }
+}
+
+/// `c` rotated left by `seq % c.len()`.
+fn rotated(mut c: Vec<u32>, seq: u64) -> Vec<u32> {
+    if !c.is_empty() {
+        let start = (seq % c.len() as u64) as usize;
+        c.rotate_left(start);
+    }
+    c
+}

@@ -1,0 +1,35 @@
+//! Test-only guest: panics (a wasm `unreachable` trap, built with `panic = "abort"`) when
+//! asked to (see `misbehave`), else answers validly.
+
+wit_bindgen::generate!({ world: "policy", path: "../../../wit" });
+
+use pd::policy::types::{Rejection, Route};
+
+struct Trapping;
+
+export!(Trapping);
+
+impl Guest for Trapping {
+    fn decide(request: Request, view: View) -> Decision {
+        if misbehave(&request) {
+            panic!("trapping guest: asked to trap (seq {})", request.seq);
+        }
+        valid(&view)
+    }
+}
+
+/// A valid decision for any view: every node as a whole-request candidate, or 503 when none.
+fn valid(view: &View) -> Decision {
+    let route = if view.nodes.is_empty() {
+        Route::Reject(Rejection { status: 503, message: "no nodes".to_string() })
+    } else {
+        Route::Whole((0..view.nodes.len() as u32).collect())
+    };
+    Decision { route, reverse_pull: None }
+}
+
+/// Misbehave when `request.n == 7`, or on every call when the policy's config has `mode=always`
+/// (then the gateway's load-time smoke test must refuse it).
+fn misbehave(request: &Request) -> bool {
+    request.n == 7 || pd::policy::host::config("mode").as_deref() == Some("always")
+}

@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""A client of the cluster built on the unmodified `openai` package (scripts/python-env.sh).
+
+Usage: openai_client.py BASE_URL < specs.json > results.json
+
+BASE_URL is the API root (http://127.0.0.1:PORT/v1). stdin is a JSON list of request specs:
+
+    {"api": "chat" | "completions" | "responses",
+     "stream": bool, "n": int, "max_tokens": int, "temperature": float, "seed": int | null,
+     "messages": [...] (chat), "prompt": str (completions), "input": str (responses),
+     "extra_body": {...}}   # optional, e.g. {"ignore_eos": true}
+
+stdout is a JSON list with one result per spec, in order:
+
+    {"texts": [str per choice], "finish_reasons": [...], "usage": {... as the SDK parsed it},
+     "prompt_tokens": int, "cached_tokens": int | null, "kv_pulled_tokens": int | null}
+
+`kv_pulled_tokens` is not a field the SDK knows: it is read from the parsed usage details'
+`model_extra` (pydantic keeps unknown fields), the way an application would. Streams are
+assembled from the deltas; their usage comes from the final chunk (`stream_options=
+{"include_usage": true}`) or, for the Responses API, from the `response.completed` event, whose
+`output_text` must equal the assembled deltas. Any API error makes the script fail (exit 1) with
+the error on stderr: the SDK's retries are off, so nothing is hidden.
+"""
+
+import json
+import sys
+
+import openai
+
+
+def details_extra(details, field):
+    """A field of a usage-details object the SDK does not declare (pydantic `model_extra`)."""
+    if details is None:
+        return None
+    extra = getattr(details, "model_extra", None) or {}
+    if field in extra:
+        return extra[field]
+    return details.model_dump().get(field)
+
+
+def usage_fields(usage, prompt_attr, details_attr):
+    if usage is None:
+        return {"usage": None, "prompt_tokens": None, "cached_tokens": None, "kv_pulled_tokens": None}
+    details = getattr(usage, details_attr, None)
+    return {
+        "usage": usage.model_dump(),
+        "prompt_tokens": getattr(usage, prompt_attr),
+        "cached_tokens": getattr(details, "cached_tokens", None) if details is not None else None,
+        "kv_pulled_tokens": details_extra(details, "kv_pulled_tokens"),
+    }
+
+
+def sampling(spec):
+    kwargs = {"model": spec.get("model", "tiny"), "temperature": spec.get("temperature", 0)}
+    if spec.get("extra_body"):
+        kwargs["extra_body"] = spec["extra_body"]
+    return kwargs
+
+
+def chat(client, spec):
+    kwargs = sampling(spec)
+    kwargs.update(messages=spec["messages"], n=spec.get("n", 1), max_tokens=spec["max_tokens"])
+    if spec.get("seed") is not None:
+        kwargs["seed"] = spec["seed"]
+    n = spec.get("n", 1)
+    if not spec.get("stream"):
+        r = client.chat.completions.create(**kwargs)
+        choices = sorted(r.choices, key=lambda c: c.index)
+        out = {
+            "texts": [c.message.content or "" for c in choices],
+            "finish_reasons": [c.finish_reason for c in choices],
+        }
+        out.update(usage_fields(r.usage, "prompt_tokens", "prompt_tokens_details"))
+        return out
+    texts, finish, usage = [""] * n, [None] * n, None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+        if chunk.usage is not None:
+            usage = chunk.usage
+    out = {"texts": texts, "finish_reasons": finish}
+    out.update(usage_fields(usage, "prompt_tokens", "prompt_tokens_details"))
+    return out
+
+
+def completions(client, spec):
+    kwargs = sampling(spec)
+    kwargs.update(prompt=spec["prompt"], n=spec.get("n", 1), max_tokens=spec["max_tokens"])
+    if spec.get("seed") is not None:
+        kwargs["seed"] = spec["seed"]
+    n = spec.get("n", 1)
+    if not spec.get("stream"):
+        r = client.completions.create(**kwargs)
+        choices = sorted(r.choices, key=lambda c: c.index)
+        out = {"texts": [c.text for c in choices], "finish_reasons": [c.finish_reason for c in choices]}
+        out.update(usage_fields(r.usage, "prompt_tokens", "prompt_tokens_details"))
+        return out
+    texts, finish, usage = [""] * n, [None] * n, None
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        for c in chunk.choices:
+            texts[c.index] += c.text or ""
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+        if chunk.usage is not None:
+            usage = chunk.usage
+    out = {"texts": texts, "finish_reasons": finish}
+    out.update(usage_fields(usage, "prompt_tokens", "prompt_tokens_details"))
+    return out
+
+
+def responses(client, spec):
+    kwargs = sampling(spec)
+    kwargs.update(input=spec["input"], max_output_tokens=spec["max_tokens"])
+    if spec.get("n", 1) != 1:
+        raise ValueError("the Responses API has no n")
+    if not spec.get("stream"):
+        r = client.responses.create(**kwargs)
+        out = {"texts": [r.output_text], "finish_reasons": [r.status]}
+        out.update(usage_fields(r.usage, "input_tokens", "input_tokens_details"))
+        return out
+    text, final = "", None
+    for event in client.responses.create(stream=True, **kwargs):
+        if event.type == "response.output_text.delta":
+            text += event.delta
+        elif event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+        elif event.type in ("response.failed", "error"):
+            raise RuntimeError(f"stream error event: {event.model_dump_json()}")
+    if final is None:
+        raise RuntimeError("the stream ended without response.completed")
+    if final.output_text != text:
+        raise RuntimeError(f"deltas {text!r} differ from the final output_text {final.output_text!r}")
+    out = {"texts": [text], "finish_reasons": [final.status]}
+    out.update(usage_fields(final.usage, "input_tokens", "input_tokens_details"))
+    return out
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    client = openai.OpenAI(base_url=sys.argv[1], api_key="sk-cluster-test", max_retries=0, timeout=120)
+    specs = json.load(sys.stdin)
+    calls = {"chat": chat, "completions": completions, "responses": responses}
+    results = []
+    for i, spec in enumerate(specs):
+        try:
+            results.append(calls[spec["api"]](client, spec))
+        except Exception as e:  # noqa: BLE001 - reported with the spec, then fail
+            print(f"spec {i} ({json.dumps(spec)}) failed: {type(e).__name__}: {e}", file=sys.stderr)
+            sys.exit(1)
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

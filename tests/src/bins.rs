@@ -1,0 +1,75 @@
+//! Where the binaries under test are: next to the test executable's profile directory
+//! (`target/debug/deps/<test>-<hash>` → `target/debug/pd-node`), and the guest policies in
+//! `${CARGO_TARGET_DIR:-target}/policies/*.wasm`.
+
+use std::path::{Path, PathBuf};
+
+/// The profile directory the test executable was built into (`.../target/debug`).
+pub fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test executable's path");
+    let mut dir = exe
+        .parent()
+        .expect("the test executable lies in a directory")
+        .to_path_buf();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    dir
+}
+
+/// The workspace root (the parent of this crate's directory).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the tests crate lies inside the workspace")
+        .to_path_buf()
+}
+
+/// The binary `name` of this workspace; panics with the command that builds it when missing.
+pub fn binary(name: &str) -> PathBuf {
+    let path = profile_dir().join(name);
+    assert!(
+        path.is_file(),
+        "{name} not found at {}: build it first with `cargo build -p pd-node -p pd-gateway` \
+         (`cargo test --workspace` builds it too)",
+        path.display()
+    );
+    path
+}
+
+/// `pd-node`.
+pub fn pd_node() -> PathBuf {
+    binary("pd-node")
+}
+
+/// `pd-gateway`.
+pub fn pd_gateway() -> PathBuf {
+    binary("pd-gateway")
+}
+
+/// The guest policy `name` (`round-robin`, `trapping`, ...) built by `scripts/build-policies.sh`;
+/// panics with that command when missing.
+pub fn policy(name: &str) -> PathBuf {
+    let mut roots = Vec::new();
+    if let Some(t) = std::env::var_os("CARGO_TARGET_DIR").filter(|t| !t.is_empty()) {
+        let t = PathBuf::from(t);
+        roots.push(if t.is_absolute() {
+            t
+        } else {
+            workspace_root().join(t)
+        });
+    }
+    // `target/debug` → `target`; `target/<triple>/debug` → `target/<triple>`, then `target`.
+    let profile = profile_dir();
+    roots.extend(profile.ancestors().skip(1).take(2).map(Path::to_path_buf));
+    for root in &roots {
+        let path = root.join("policies").join(format!("{name}.wasm"));
+        if path.is_file() {
+            return path;
+        }
+    }
+    panic!(
+        "policy {name}.wasm not found under {roots:?}/policies: build the guest policies first \
+         with `scripts/build-policies.sh`"
+    );
+}

@@ -1,0 +1,448 @@
+//! A gateway and its nodes as separate processes, every port `:0`.
+//!
+//! [`TestCluster::start`] generates the tiny model, starts `pd-gateway serve` and reads its
+//! addresses from stdout, starts the nodes with `--gateway <registry> --cluster-token <token>`,
+//! reads each node's address, then polls `GET /admin/nodes` until every engine id is listed.
+//! Engine ids: `p0, p1, ...` (prefill, `kv_producer`), `d0, ...` (decode, `kv_consumer` with
+//! `--kv-recompute-threshold 0`), `s0, ...` (standalone). Dropping the cluster kills everything.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::bins;
+use crate::metrics::{Metrics, scrape};
+use crate::process::{Proc, WorkDir};
+
+/// The admin bearer token of every test gateway.
+pub const ADMIN_TOKEN: &str = "test-admin-token";
+/// The cluster secret of every test gateway and its nodes.
+pub const CLUSTER_TOKEN: &str = "test-cluster-token";
+/// Blocks in each node's KV pool (small: many processes share two cores and little memory).
+pub const NUM_BLOCKS: u32 = 512;
+
+/// How long a process may take to print its address.
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long the gateway may take to list every node.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A node's role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// `--kv-role kv_producer`.
+    Prefill,
+    /// `--kv-role kv_consumer`.
+    Decode,
+    /// No role.
+    Standalone,
+}
+
+impl Role {
+    /// The label `/admin/nodes` uses.
+    pub fn label(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Standalone => "standalone",
+        }
+    }
+
+    fn id_prefix(self) -> &'static str {
+        match self {
+            Role::Prefill => "p",
+            Role::Decode => "d",
+            Role::Standalone => "s",
+        }
+    }
+}
+
+/// What to start.
+#[derive(Debug, Clone, Default)]
+pub struct ClusterSpec {
+    /// Prefill nodes.
+    pub prefill: usize,
+    /// Decode nodes.
+    pub decode: usize,
+    /// Standalone nodes (registered with the gateway, no KV role).
+    pub standalone: usize,
+    /// Extra `pd-gateway serve` flags (`--policy`, `--node-timeout-ms`, ...).
+    pub gateway_args: Vec<String>,
+    /// Extra flags for every node.
+    pub node_args: Vec<String>,
+    /// Extra flags for prefill nodes.
+    pub prefill_args: Vec<String>,
+    /// Extra flags for decode nodes.
+    pub decode_args: Vec<String>,
+}
+
+/// Turns `&["a", "b"]` into owned arguments.
+pub fn args(a: &[&str]) -> Vec<String> {
+    a.iter().map(|s| (*s).to_owned()).collect()
+}
+
+/// A running `pd-node`.
+#[derive(Debug)]
+pub struct Node {
+    /// Its engine id.
+    pub engine_id: String,
+    /// Its role.
+    pub role: Role,
+    /// `http://host:port` of its OpenAI API.
+    pub http: String,
+    /// The process.
+    pub proc: Proc,
+}
+
+impl Node {
+    /// Spawns `pd-node serve` on `model` (without waiting for it to listen).
+    fn spawn(
+        dir: &Path,
+        model: &Path,
+        engine_id: &str,
+        role: Role,
+        gateway: Option<&str>,
+        extra: &[String],
+    ) -> Proc {
+        let mut cmd = Command::new(bins::pd_node());
+        cmd.arg("serve")
+            .arg("--model")
+            .arg(model)
+            .args(["--served-model-name", crate::openai::MODEL, "--port", "0"])
+            .args(["--engine-id", engine_id])
+            .args(["--num-gpu-blocks", &NUM_BLOCKS.to_string()]);
+        match role {
+            Role::Prefill => {
+                cmd.args(["--kv-role", "kv_producer", "--kv-port", "0"]);
+            }
+            Role::Decode => {
+                cmd.args([
+                    "--kv-role",
+                    "kv_consumer",
+                    "--kv-port",
+                    "0",
+                    "--kv-recompute-threshold",
+                    "0",
+                ]);
+            }
+            Role::Standalone => {}
+        }
+        if let Some(g) = gateway {
+            cmd.args(["--gateway", g, "--cluster-token", CLUSTER_TOKEN]);
+        }
+        cmd.args(extra);
+        Proc::spawn(engine_id, cmd, dir)
+    }
+
+    fn listening(engine_id: &str, role: Role, mut proc: Proc) -> Self {
+        let http = proc.wait_line("pd-node listening on ", START_TIMEOUT);
+        Self {
+            engine_id: engine_id.to_owned(),
+            role,
+            http,
+            proc,
+        }
+    }
+
+    /// A standalone node that knows no gateway: the reference the P/D answers are compared to.
+    pub fn reference(dir: &WorkDir, model: &Path) -> Self {
+        let proc = Self::spawn(dir.path(), model, "reference", Role::Standalone, None, &[]);
+        Self::listening("reference", Role::Standalone, proc)
+    }
+
+    /// The TCP port of its OpenAI API.
+    pub fn port(&self) -> u16 {
+        self.http
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.trim_end_matches('/').parse().ok())
+            .unwrap_or_else(|| panic!("no port in {}", self.http))
+    }
+
+    /// Its metrics.
+    pub async fn metrics(&self, client: &reqwest::Client) -> Metrics {
+        scrape(client, &self.http).await
+    }
+}
+
+/// Generates the tiny random model (`pd-node gen-tiny-model --seed 1`) into `<dir>/model`.
+pub fn tiny_model(dir: &WorkDir) -> PathBuf {
+    let out = dir.path().join("model");
+    let status = Command::new(bins::pd_node())
+        .args(["gen-tiny-model", "--seed", "1", "--out"])
+        .arg(&out)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("running pd-node gen-tiny-model");
+    assert!(status.success(), "pd-node gen-tiny-model failed: {status}");
+    out
+}
+
+/// A running `pd-gateway`.
+#[derive(Debug)]
+pub struct Gateway {
+    /// `http://host:port` of its OpenAI API.
+    pub http: String,
+    /// `http://host:port` of its admin API.
+    pub admin: String,
+    /// `host:port` of its node registry.
+    pub registry: String,
+    /// The process.
+    pub proc: Proc,
+}
+
+impl Gateway {
+    /// Starts `pd-gateway serve` on `:0` ports with the test tokens plus `extra` flags and
+    /// waits for its addresses.
+    pub fn start(dir: &WorkDir, extra: &[String]) -> Self {
+        let mut cmd = Command::new(bins::pd_gateway());
+        cmd.args([
+            "serve",
+            "--port",
+            "0",
+            "--registry-port",
+            "0",
+            "--admin-port",
+            "0",
+        ])
+        .args([
+            "--admin-token",
+            ADMIN_TOKEN,
+            "--cluster-token",
+            CLUSTER_TOKEN,
+        ])
+        .args(extra);
+        let mut proc = Proc::spawn("gateway", cmd, dir.path());
+        let registry = proc.wait_line("pd-gateway registry on ", START_TIMEOUT);
+        let admin = proc.wait_line("pd-gateway admin on ", START_TIMEOUT);
+        let http = proc.wait_line("pd-gateway listening on ", START_TIMEOUT);
+        Self {
+            http,
+            admin,
+            registry,
+            proc,
+        }
+    }
+}
+
+/// A gateway and its nodes.
+#[derive(Debug)]
+pub struct TestCluster {
+    /// The gateway.
+    pub gateway: Gateway,
+    /// The nodes, prefill first, then decode, then standalone.
+    pub nodes: Vec<Node>,
+    /// The model directory.
+    pub model: PathBuf,
+    /// A client for tests to share (keep-alive).
+    pub client: reqwest::Client,
+    // Last: dropped after the processes, so their logs are still there to print.
+    dir: WorkDir,
+}
+
+impl TestCluster {
+    /// Starts the gateway and the nodes of `spec`, and waits until the gateway lists them all.
+    /// Blocks the thread while processes start (call it first in a multi-thread tokio test).
+    pub async fn start(name: &str, spec: ClusterSpec) -> Self {
+        let dir = WorkDir::new(name);
+        let model = tiny_model(&dir);
+        let gateway = Gateway::start(&dir, &spec.gateway_args);
+        let mut pending = Vec::new();
+        for (role, count, extra) in [
+            (Role::Prefill, spec.prefill, &spec.prefill_args),
+            (Role::Decode, spec.decode, &spec.decode_args),
+            (Role::Standalone, spec.standalone, &Vec::new()),
+        ] {
+            for i in 0..count {
+                let id = format!("{}{i}", role.id_prefix());
+                let mut all = spec.node_args.clone();
+                all.extend(extra.iter().cloned());
+                let proc =
+                    Node::spawn(dir.path(), &model, &id, role, Some(&gateway.registry), &all);
+                pending.push((id, role, proc));
+            }
+        }
+        let nodes = pending
+            .into_iter()
+            .map(|(id, role, proc)| Node::listening(&id, role, proc))
+            .collect();
+        let cluster = Self {
+            gateway,
+            nodes,
+            model,
+            client: reqwest::Client::new(),
+            dir,
+        };
+        let ids: Vec<String> = cluster.nodes.iter().map(|n| n.engine_id.clone()).collect();
+        let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+        cluster.wait_listed(&ids, READY_TIMEOUT).await;
+        cluster
+    }
+
+    /// The scratch directory (logs, model).
+    pub fn dir(&self) -> &WorkDir {
+        &self.dir
+    }
+
+    /// The node `engine_id`.
+    pub fn node(&self, engine_id: &str) -> &Node {
+        self.nodes
+            .iter()
+            .find(|n| n.engine_id == engine_id)
+            .unwrap_or_else(|| panic!("no node {engine_id}"))
+    }
+
+    /// The node `engine_id`, mutably (to signal or kill it).
+    pub fn node_mut(&mut self, engine_id: &str) -> &mut Node {
+        self.nodes
+            .iter_mut()
+            .find(|n| n.engine_id == engine_id)
+            .unwrap_or_else(|| panic!("no node {engine_id}"))
+    }
+
+    /// The nodes of `role`.
+    pub fn role(&self, role: Role) -> impl Iterator<Item = &Node> {
+        self.nodes.iter().filter(move |n| n.role == role)
+    }
+
+    /// `GET` an admin path with the admin token; returns the status and the JSON body.
+    pub async fn admin_get(&self, path: &str) -> (u16, Value) {
+        let url = format!("{}{path}", self.gateway.admin);
+        let resp = self
+            .client
+            .get(&url)
+            .bearer_auth(ADMIN_TOKEN)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("GET {url}: {e}"));
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap_or(Value::Null))
+    }
+
+    /// `GET /admin/nodes`' node list.
+    pub async fn admin_nodes(&self) -> Vec<Value> {
+        let (status, v) = self.admin_get("/admin/nodes").await;
+        assert_eq!(status, 200, "GET /admin/nodes: {v}");
+        v["nodes"].as_array().cloned().unwrap_or_default()
+    }
+
+    /// The engine ids `/admin/nodes` lists.
+    pub async fn listed(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self
+            .admin_nodes()
+            .await
+            .iter()
+            .filter_map(|n| n["engine_id"].as_str().map(str::to_owned))
+            .collect();
+        ids.sort();
+        ids
+    }
+
+    /// Waits until `/admin/nodes` lists every id of `ids`, each with the role it was started
+    /// with.
+    pub async fn wait_listed(&self, ids: &[&str], timeout: Duration) {
+        let start = Instant::now();
+        loop {
+            let nodes = self.admin_nodes().await;
+            let missing: Vec<&str> = ids
+                .iter()
+                .copied()
+                .filter(|id| !nodes.iter().any(|n| n["engine_id"] == *id))
+                .collect();
+            if missing.is_empty() {
+                for n in &nodes {
+                    let id = n["engine_id"].as_str().unwrap_or("");
+                    if let Some(node) = self.nodes.iter().find(|x| x.engine_id == id) {
+                        assert_eq!(
+                            n["role"],
+                            node.role.label(),
+                            "the gateway's role for {id}: {n}"
+                        );
+                    }
+                }
+                return;
+            }
+            if start.elapsed() > timeout {
+                let logs: String = self
+                    .nodes
+                    .iter()
+                    .filter(|n| missing.contains(&n.engine_id.as_str()))
+                    .map(|n| format!("--- {}:\n{}\n", n.engine_id, n.proc.log_tail(30)))
+                    .collect();
+                panic!(
+                    "the gateway did not list {missing:?} within {timeout:?}; it lists {nodes:?}\n\
+                     gateway log:\n{}\n{logs}",
+                    self.gateway.proc.log_tail(30)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits until `/admin/nodes` no longer lists `engine_id`; returns how long that took.
+    pub async fn wait_unlisted(&self, engine_id: &str, timeout: Duration) -> Duration {
+        crate::eventually(
+            &format!("{engine_id} to leave /admin/nodes"),
+            timeout,
+            async || !self.listed().await.iter().any(|id| id == engine_id),
+        )
+        .await
+    }
+
+    /// The gateway's metrics.
+    pub async fn gateway_metrics(&self) -> Metrics {
+        scrape(&self.client, &self.gateway.http).await
+    }
+
+    /// A node's metrics.
+    pub async fn node_metrics(&self, engine_id: &str) -> Metrics {
+        self.node(engine_id).metrics(&self.client).await
+    }
+
+    /// Sum of `name{filter}` over every node of `role`.
+    pub async fn sum_over(&self, role: Role, name: &str, filter: &[(&str, &str)]) -> f64 {
+        let mut total = 0.0;
+        for n in self.role(role) {
+            total += n.metrics(&self.client).await.sum(name, filter);
+        }
+        total
+    }
+
+    /// `PUT /admin/policy` with `query` and `body`; returns the status and the JSON answer.
+    pub async fn put_policy(&self, query: &[(&str, &str)], body: Vec<u8>) -> (u16, Value) {
+        let url = format!("{}/admin/policy", self.gateway.admin);
+        let resp = self
+            .client
+            .put(&url)
+            .query(query)
+            .bearer_auth(ADMIN_TOKEN)
+            .body(body)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("PUT {url}: {e}"));
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap_or(Value::Null))
+    }
+
+    /// Pushes the guest policy file `wasm` under `name`, with extra `query` pairs.
+    pub async fn push_policy(
+        &self,
+        wasm: &Path,
+        name: &str,
+        query: &[(&str, &str)],
+    ) -> (u16, Value) {
+        let bytes =
+            std::fs::read(wasm).unwrap_or_else(|e| panic!("reading {}: {e}", wasm.display()));
+        let mut q = vec![("name", name)];
+        q.extend_from_slice(query);
+        self.put_policy(&q, bytes).await
+    }
+
+    /// `GET /admin/policy`.
+    pub async fn policy(&self) -> Value {
+        let (status, v) = self.admin_get("/admin/policy").await;
+        assert_eq!(status, 200, "GET /admin/policy: {v}");
+        v
+    }
+}

@@ -1,0 +1,47 @@
+//! The harness of the cluster tests: real `pd-gateway` and `pd-node` processes, started from the
+//! workspace's own build, talking over real sockets (HTTP, the gRPC registry, the KV side
+//! channel, UCX), driven the way an operator and a client drive them.
+//!
+//! - [`bins`]: where the binaries and the guest policies are (next to the test executable).
+//! - [`process`]: a child process whose address is read from its stdout and which is killed
+//!   by a `Drop` guard; its stderr goes to a log file printed when a test fails.
+//! - [`cluster`]: [`cluster::TestCluster::start`] brings up a gateway and its nodes (every port
+//!   `:0`) and waits until the gateway lists every node; admin calls and metrics scrapes.
+//! - [`metrics`]: Prometheus text parsing and label-filtered sums.
+//! - [`openai`]: requests over plain HTTP, JSON and SSE answers read into one [`openai::Answer`].
+//! - [`python`]: the unmodified `openai` Python package as a client (`tests/clients/`).
+//!
+//! This crate does not start anything in-process: every server under test is a separate process
+//! built by `cargo build -p pd-node -p pd-gateway`. Tests never bind fixed ports and never sleep
+//! without a condition: every wait polls a condition under a deadline ([`eventually`]).
+#![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
+#![deny(unused_must_use)]
+
+pub mod bins;
+pub mod cluster;
+pub mod metrics;
+pub mod openai;
+pub mod process;
+pub mod python;
+
+use std::time::{Duration, Instant};
+
+/// Polls `check` every 20 ms until it holds; panics naming `what` after `timeout`. Returns how
+/// long it took.
+pub async fn eventually(
+    what: &str,
+    timeout: Duration,
+    mut check: impl AsyncFnMut() -> bool,
+) -> Duration {
+    let start = Instant::now();
+    loop {
+        if check().await {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

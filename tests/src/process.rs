@@ -1,0 +1,225 @@
+//! Child processes under test and the scratch directory they share.
+//!
+//! A [`Proc`]'s stdout is read line by line on a thread (the servers print their addresses
+//! there); its stderr (the logs) goes to `<workdir>/<name>.log`. Dropping a `Proc` sends it
+//! `SIGCONT` (a stopped child would ignore nothing but could not exit cleanly otherwise) and
+//! `SIGKILL`, then reaps it. When a test panics, every `Proc` dropped during the unwind prints
+//! the tail of its log, so a failure shows what the servers said.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::time::{Duration, Instant};
+
+/// A scratch directory, removed on drop unless the test failed (then its path is printed, with
+/// the logs in it).
+#[derive(Debug)]
+pub struct WorkDir {
+    path: PathBuf,
+}
+
+impl WorkDir {
+    /// A fresh directory under the system temp dir, named after `name` and this process.
+    pub fn new(name: &str) -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "pd-cluster-{name}-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path)
+            .unwrap_or_else(|e| panic!("creating {}: {e}", path.display()));
+        Self { path }
+    }
+
+    /// Its path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("cluster test failed; logs kept in {}", self.path.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+/// A running child process, killed on drop.
+#[derive(Debug)]
+pub struct Proc {
+    name: String,
+    child: Child,
+    log: PathBuf,
+    lines: Receiver<String>,
+    exited: Option<ExitStatus>,
+}
+
+impl Proc {
+    /// Spawns `cmd` with stdout piped to a line reader and stderr to `<dir>/<name>.log`.
+    pub fn spawn(name: &str, mut cmd: Command, dir: &Path) -> Self {
+        let log = dir.join(format!("{name}.log"));
+        let err = File::create(&log).unwrap_or_else(|e| panic!("creating {}: {e}", log.display()));
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(err)
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning {name} ({cmd:?}): {e}"));
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let (tx, lines) = channel();
+        std::thread::Builder::new()
+            .name(format!("{name}-stdout"))
+            .spawn(move || {
+                for line in BufReader::new(stdout).lines() {
+                    let Ok(line) = line else { break };
+                    if tx.send(line).is_err() {
+                        break;
+                    }
+                }
+            })
+            .expect("spawning a reader thread");
+        Self {
+            name: name.to_owned(),
+            child,
+            log,
+            lines,
+            exited: None,
+        }
+    }
+
+    /// Its name in logs.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Reads stdout until a line starting with `prefix` and returns the rest of it. Panics (with
+    /// the log's tail) if the process exits first or `timeout` passes. Blocks the thread: call it
+    /// while starting a cluster, before anything else runs.
+    pub fn wait_line(&mut self, prefix: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    if let Some(rest) = line.trim_end().strip_prefix(prefix) {
+                        return rest.to_owned();
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => panic!(
+                    "{} printed no `{prefix}` line within {timeout:?}; its log:\n{}",
+                    self.name,
+                    self.log_tail(60)
+                ),
+                Err(RecvTimeoutError::Disconnected) => {
+                    let status = self.child.wait().ok();
+                    self.exited = status;
+                    panic!(
+                        "{} exited ({status:?}) before printing `{prefix}`; its log:\n{}",
+                        self.name,
+                        self.log_tail(60)
+                    );
+                }
+            }
+        }
+    }
+
+    /// Sends `signal` (a `libc::SIG*`) to the process.
+    pub fn signal(&self, signal: i32) {
+        let pid = libc::pid_t::try_from(self.child.id()).expect("a pid fits pid_t");
+        // SAFETY: kill(2) with a pid this struct spawned and has not reaped (reaping happens
+        // only in `kill_and_wait` and `drop`, which take `&mut self`), so it names our child.
+        let rc = unsafe { libc::kill(pid, signal) };
+        assert_eq!(
+            rc,
+            0,
+            "kill({pid}, {signal}) on {}: {}",
+            self.name,
+            std::io::Error::last_os_error()
+        );
+    }
+
+    /// `SIGKILL`, then reap. Idempotent.
+    pub fn kill_and_wait(&mut self) -> ExitStatus {
+        if let Some(s) = self.exited {
+            return s;
+        }
+        let _ = self.child.kill();
+        let status = self.child.wait().expect("reaping a child");
+        self.exited = Some(status);
+        status
+    }
+
+    /// Whether the process has exited (reaping it if so).
+    pub fn has_exited(&mut self) -> bool {
+        if self.exited.is_some() {
+            return true;
+        }
+        match self.child.try_wait() {
+            Ok(Some(s)) => {
+                self.exited = Some(s);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The path of its stderr log.
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
+    /// The whole log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The last `lines` lines of its log (reads at most the last 64 KiB).
+    pub fn log_tail(&self, lines: usize) -> String {
+        let Ok(mut f) = File::open(&self.log) else {
+            return String::new();
+        };
+        let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+        let _ = f.seek(SeekFrom::Start(len.saturating_sub(64 << 10)));
+        let mut text = String::new();
+        let _ = f.read_to_string(&mut text);
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if self.exited.is_none() {
+            let pid = libc::pid_t::try_from(self.child.id()).unwrap_or(0);
+            if pid > 0 {
+                // SAFETY: our own child, not yet reaped (see `signal`). A stopped process is
+                // continued so it dies now rather than when someone resumes it.
+                unsafe {
+                    libc::kill(pid, libc::SIGCONT);
+                }
+            }
+            self.kill_and_wait();
+        }
+        if std::thread::panicking() {
+            eprintln!(
+                "----- {} ({}) log tail -----\n{}\n-----",
+                self.name,
+                self.log.display(),
+                self.log_tail(40)
+            );
+        }
+    }
+}

@@ -1,0 +1,254 @@
+//! The unmodified `openai` Python package, as an application would use it, gets the same tokens
+//! from a standalone node as from the gateway in front of 1 prefill + 1 decode node, and in front
+//! of 2 + 2: chat, completions and responses, streamed and not, greedy and (chat, completions)
+//! n=3 seeded sampling. Every P/D answer's usage shows the prompt's KV pulled from P (the
+//! prompt but its last token, which D recomputes for its logits), and the gateway's and the
+//! nodes' counters show the split path ran for every request with no fallback, failover,
+//! recompute or leaked lease.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use pd_cluster_tests::cluster::{ClusterSpec, Node, Role, TestCluster, args, tiny_model};
+use pd_cluster_tests::eventually;
+use pd_cluster_tests::process::WorkDir;
+use pd_cluster_tests::python;
+use serde_json::{Value, json};
+
+const MAX_TOKENS: u32 = 12;
+
+/// Every combination, each with its own prompt: its first block (chat template head + the
+/// numbered start of the text, or BOS + text) differs from every other's, so no node ever holds
+/// a cached prefix of it and D must pull all of it but the last token.
+fn specs() -> Vec<Value> {
+    let mut specs = Vec::new();
+    for api in ["chat", "completions", "responses"] {
+        for stream in [false, true] {
+            for (n, temperature, seed) in [(1, 0.0, None), (3, 0.8, Some(7))] {
+                if api == "responses" && n != 1 {
+                    continue; // the Responses API has no `n`
+                }
+                let text = format!(
+                    "{:02} {api} stream={stream} n={n}: prefill and decode nodes share one KV cache.",
+                    specs.len()
+                );
+                let mut s = json!({"api": api, "stream": stream, "n": n, "max_tokens": MAX_TOKENS,
+                    "temperature": temperature, "seed": seed});
+                match api {
+                    "chat" => s["messages"] = json!([{"role": "user", "content": text}]),
+                    "completions" => s["prompt"] = json!(text),
+                    _ => s["input"] = json!(text),
+                }
+                if api != "responses" {
+                    s["extra_body"] = json!({"ignore_eos": true});
+                }
+                specs.push(s);
+            }
+        }
+    }
+    specs
+}
+
+async fn run_client(python: &PathBuf, http: &str, specs: &[Value]) -> Vec<Value> {
+    let python = python.clone();
+    let base = format!("{http}/v1");
+    let list = Value::Array(specs.to_vec());
+    let out = tokio::task::spawn_blocking(move || python::run_client(&python, &base, &list))
+        .await
+        .expect("the client thread");
+    let results = out.as_array().cloned().expect("a JSON list of results");
+    assert_eq!(results.len(), specs.len(), "one result per spec");
+    results
+}
+
+fn u64_of(v: &Value, key: &str) -> Option<u64> {
+    v.get(key).and_then(Value::as_u64)
+}
+
+/// Checks one cluster's answers against the reference's; returns the KV tokens the answers say
+/// were pulled, summed.
+fn compare(cluster: &str, specs: &[Value], want: &[Value], got: &[Value]) -> u64 {
+    let mut pulled_sum = 0;
+    for ((spec, w), g) in specs.iter().zip(want).zip(got) {
+        let at = format!("{cluster}: {spec}");
+        assert_eq!(
+            g["texts"], w["texts"],
+            "texts differ from the reference: {at}"
+        );
+        assert_eq!(
+            g["finish_reasons"], w["finish_reasons"],
+            "finish reasons: {at}"
+        );
+        let n = spec["n"].as_u64().unwrap_or(1) as usize;
+        assert_eq!(g["texts"].as_array().map_or(0, Vec::len), n, "{at}");
+        let prompt = u64_of(g, "prompt_tokens").unwrap_or_else(|| panic!("no usage: {at}: {g}"));
+        assert_eq!(
+            Some(prompt),
+            u64_of(w, "prompt_tokens"),
+            "prompt tokens: {at}"
+        );
+        // D pulled every prompt token P computed except the last, which D computes itself for
+        // its logits (node/server/tests/pd.rs: no shared prefix → pulled = prompt - 1), and
+        // reports all of them as cached.
+        let pulled = u64_of(g, "kv_pulled_tokens")
+            .unwrap_or_else(|| panic!("no usage.*_details.kv_pulled_tokens: {at}: {g}"));
+        assert!(pulled > 0, "{at}");
+        assert_eq!(pulled, prompt - 1, "KV pulled from P: {at}: {g}");
+        assert_eq!(u64_of(g, "cached_tokens"), Some(prompt - 1), "{at}: {g}");
+        pulled_sum += pulled;
+    }
+    pulled_sum
+}
+
+async fn check_counters(c: &TestCluster, specs: &[Value], pulled_sum: u64) {
+    let requests = specs.len() as f64;
+    let g = c.gateway_metrics().await;
+    assert_eq!(
+        g.sum("pd_gateway_requests_total", &[("outcome", "ok")]),
+        requests,
+        "{}",
+        g.show("pd_gateway_requests_total")
+    );
+    assert_eq!(
+        g.sum_except("pd_gateway_requests_total", "outcome", "ok"),
+        0.0
+    );
+    for api in ["chat", "completions", "responses"] {
+        let n = specs.iter().filter(|s| s["api"] == api).count() as f64;
+        assert_eq!(
+            g.sum(
+                "pd_gateway_requests_total",
+                &[("api", api), ("outcome", "ok")]
+            ),
+            n,
+            "{api}"
+        );
+    }
+    assert_eq!(
+        g.sum("pd_gateway_policy_decisions_total", &[]),
+        requests,
+        "{}",
+        g.show("pd_gateway_policy_decisions_total")
+    );
+    for (metric, what) in [
+        ("pd_gateway_policy_fallbacks_total", "fallbacks"),
+        ("pd_gateway_policy_failures_total", "policy failures"),
+        ("pd_gateway_failovers_total", "failovers"),
+        ("pd_gateway_kv_params_stripped_total", "stripped params"),
+        ("pd_gateway_leases_released_total", "gateway lease releases"),
+    ] {
+        assert_eq!(g.sum(metric, &[]), 0.0, "{what}: {}", g.show(metric));
+    }
+
+    // P: one lease per request, every one released by D after its pull, none expired.
+    eventually(
+        "every P lease released",
+        Duration::from_secs(10),
+        async || c.sum_over(Role::Prefill, "pd_kv_leases_live", &[]).await == 0.0,
+    )
+    .await;
+    let granted = c
+        .sum_over(Role::Prefill, "pd_kv_leases_total", &[("event", "granted")])
+        .await;
+    assert_eq!(granted, requests, "one P lease per request");
+    assert_eq!(
+        c.sum_over(
+            Role::Prefill,
+            "pd_kv_leases_total",
+            &[("event", "released")]
+        )
+        .await,
+        requests
+    );
+    assert_eq!(
+        c.sum_over(Role::Prefill, "pd_kv_leases_total", &[("event", "expired")])
+            .await,
+        0.0
+    );
+    // D: the tokens the answers report are the tokens D's counter pulled; nothing failed or was
+    // recomputed.
+    assert_eq!(
+        c.sum_over(Role::Decode, "pd_node_kv_pulled_tokens_total", &[])
+            .await,
+        pulled_sum as f64
+    );
+    assert!(
+        c.sum_over(Role::Decode, "pd_kv_transfer_bytes_total", &[])
+            .await
+            > 0.0
+    );
+    for metric in ["pd_kv_transfer_failures_total", "pd_kv_recompute_total"] {
+        assert_eq!(c.sum_over(Role::Decode, metric, &[]).await, 0.0, "{metric}");
+    }
+    // Every node of each role took part (round-robin over 2 + 2).
+    for n in &c.nodes {
+        let m = n.metrics(&c.client).await;
+        let worked = match n.role {
+            Role::Prefill => m.sum("pd_kv_leases_total", &[("event", "granted")]),
+            _ => m.sum("pd_node_kv_pulled_tokens_total", &[]),
+        };
+        assert!(worked > 0.0, "{} served nothing", n.engine_id);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_package_gets_identical_tokens_through_the_gateway_and_p_d() {
+    let python = python::interpreter();
+    let specs = specs();
+
+    // (a) The reference: one standalone node, no gateway. The tiny model is generated from a
+    // fixed seed, byte-identical in every directory.
+    let want = {
+        let dir = WorkDir::new("openai-reference");
+        let model = tiny_model(&dir);
+        let reference = Node::reference(&dir, &model);
+        run_client(&python, &reference.http, &specs).await
+    };
+    for (spec, w) in specs.iter().zip(&want) {
+        assert!(
+            w["kv_pulled_tokens"].is_null(),
+            "a standalone node pulls nothing: {spec}: {w}"
+        );
+        if spec["n"] == 3 {
+            let texts = w["texts"].as_array().expect("texts");
+            assert!(
+                texts.windows(2).any(|t| t[0] != t[1]),
+                "seeded children differ: {w}"
+            );
+        }
+    }
+    let text_len: usize = want
+        .iter()
+        .flat_map(|w| w["texts"].as_array().cloned().unwrap_or_default())
+        .map(|t| t.as_str().map_or(0, str::len))
+        .sum();
+    assert!(text_len > 0, "the reference generated text: {want:?}");
+
+    // (b) gateway + 1P + 1D (default policy), (c) gateway + 2P + 2D (round-robin, so every
+    // node serves).
+    let clusters = [
+        (
+            "openai-1p1d",
+            ClusterSpec {
+                prefill: 1,
+                decode: 1,
+                ..ClusterSpec::default()
+            },
+        ),
+        (
+            "openai-2p2d",
+            ClusterSpec {
+                prefill: 2,
+                decode: 2,
+                gateway_args: args(&["--native-policy", "round-robin"]),
+                ..ClusterSpec::default()
+            },
+        ),
+    ];
+    for (name, spec) in clusters {
+        let c = TestCluster::start(name, spec).await;
+        let got = run_client(&python, &c.gateway.http, &specs).await;
+        let pulled = compare(name, &specs, &want, &got);
+        check_counters(&c, &specs, pulled).await;
+    }
+}

@@ -1,0 +1,147 @@
+//! Hot-swapping the policy under load: 8 streaming clients loop requests through a gateway +
+//! 2P + 1D while the operator pushes 100 policies, alternating the round-robin and least-loaded
+//! guest components (which rank the two prefill nodes differently). No request fails, no
+//! policy fails or falls back, and both versions served decisions.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use pd_cluster_tests::bins;
+use pd_cluster_tests::cluster::{ClusterSpec, TestCluster, args};
+use pd_cluster_tests::eventually;
+use pd_cluster_tests::openai::{self, Api};
+
+const CLIENTS: usize = 8;
+const SWAPS: usize = 100;
+/// Each client stops after this many requests whatever happens.
+const MAX_PER_CLIENT: usize = 400;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_policy_swaps_under_streaming_load_fail_nothing() {
+    let least_loaded = bins::policy("least-loaded");
+    let round_robin = bins::policy("round-robin");
+    let c = TestCluster::start(
+        "hot-swap",
+        ClusterSpec {
+            prefill: 2,
+            decode: 1,
+            gateway_args: args(&["--policy", least_loaded.to_str().expect("a UTF-8 path")]),
+            ..ClusterSpec::default()
+        },
+    )
+    .await;
+    let current = c.policy().await;
+    assert_eq!(current["current"]["name"], "least-loaded", "{current}");
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let mut clients = Vec::new();
+    for w in 0..CLIENTS {
+        let (stop, done) = (stop.clone(), done.clone());
+        let gateway = c.gateway.http.clone();
+        clients.push(tokio::spawn(async move {
+            let client = reqwest::Client::new();
+            let mut failed = Vec::new();
+            let mut ok = 0usize;
+            for i in 0..MAX_PER_CLIENT {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                let api = Api::ALL[(w + i) % 3];
+                // A prompt shared by all clients' i-th requests: D's prefix cache hits too.
+                let body =
+                    api.streaming(&api.body(&format!("{i} Swapping policies under load."), 4));
+                let a = openai::send(&client, &gateway, api, &body, None).await;
+                if a.status == 200 && a.complete && a.error.is_none() {
+                    ok += 1;
+                } else {
+                    failed.push(format!("{api:?}: {} {}", a.status, a.body));
+                }
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+            (ok, failed)
+        }));
+    }
+
+    let mut versions = std::collections::BTreeMap::new();
+    for swap in 0..SWAPS {
+        let (file, name) = if swap % 2 == 0 {
+            (&round_robin, "round-robin")
+        } else {
+            (&least_loaded, "least-loaded")
+        };
+        // Let at least one request through per installed policy.
+        let seen = done.load(Ordering::Relaxed);
+        let (status, v) = c.push_policy(file, name, &[]).await;
+        assert_eq!(status, 200, "push {swap} ({name}): {v}");
+        assert_eq!(v["current"]["name"], name, "{v}");
+        let version = v["current"]["version"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no version: {v}"))
+            .to_owned();
+        versions.insert(name, version);
+        eventually(
+            "a request through the new policy",
+            Duration::from_secs(30),
+            async || done.load(Ordering::Relaxed) > seen,
+        )
+        .await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut ok = 0;
+    let mut failed = Vec::new();
+    for client in clients {
+        let (o, f) = client.await.expect("a client task");
+        ok += o;
+        failed.extend(f);
+    }
+    assert!(
+        failed.is_empty(),
+        "{} failed requests: {failed:#?}",
+        failed.len()
+    );
+    assert!(ok >= SWAPS, "{ok} requests over {SWAPS} swaps");
+
+    let g = c.gateway_metrics().await;
+    assert_eq!(
+        g.sum("pd_gateway_requests_total", &[("outcome", "ok")]),
+        ok as f64,
+        "{}",
+        g.show("pd_gateway_requests_total")
+    );
+    assert_eq!(
+        g.sum_except("pd_gateway_requests_total", "outcome", "ok"),
+        0.0
+    );
+    for metric in [
+        "pd_gateway_policy_fallbacks_total",
+        "pd_gateway_policy_failures_total",
+        "pd_gateway_failovers_total",
+    ] {
+        assert_eq!(g.sum(metric, &[]), 0.0, "{}", g.show(metric));
+    }
+    assert_ne!(versions["round-robin"], versions["least-loaded"]);
+    for (name, version) in &versions {
+        let n = g.sum(
+            "pd_gateway_policy_decisions_total",
+            &[("policy", name), ("version", version)],
+        );
+        assert!(
+            n > 0.0,
+            "{name} {version} decided nothing: {}",
+            g.show("pd_gateway_policy_decisions_total")
+        );
+    }
+    assert_eq!(
+        g.sum("pd_gateway_policy_decisions_total", &[]),
+        ok as f64,
+        "every request was decided by one of the two"
+    );
+    let last = c.policy().await;
+    assert_eq!(last["current"]["name"], "least-loaded", "{last}");
+    eprintln!(
+        "{ok} streamed requests over {SWAPS} swaps; {}",
+        g.show("pd_gateway_policy_decisions_total").trim()
+    );
+}

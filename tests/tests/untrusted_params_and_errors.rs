@@ -1,0 +1,340 @@
+//! Trust and errors at the front door, on one gateway + 1P + 1D cluster:
+//!
+//! 1. A client that is not trusted sends forged `kv_transfer_params` pointing D at 10.0.0.1:
+//!    the answer is a normal 200, the gateway counts the strip, each node counts exactly the one
+//!    P/D request the gateway itself sent, D pulled the KV from the real P, and no node ever
+//!    names 10.0.0.1. A trusted client (`--trusted-client-token`) drives P/D itself.
+//! 2. OpenAI error objects: unknown model (404 `model_not_found`), malformed JSON (400),
+//!    `previous_response_id` (400), a wrong type (400 naming the field), a node's own 400
+//!    passed through; and once the model's only decode node is gone, 503 (while an unknown
+//!    model stays 404).
+
+use std::time::Duration;
+
+use pd_cluster_tests::cluster::{ClusterSpec, TestCluster, args};
+use pd_cluster_tests::metrics::Metrics;
+use pd_cluster_tests::openai::{self, Answer, Api};
+use serde_json::{Value, json};
+
+const TRUSTED: &str = "trusted-client-key";
+const NODE_TIMEOUT_MS: u64 = 1000;
+
+/// The counters this test follows, from one scrape of each process.
+struct Counts {
+    gateway: Metrics,
+    p: Metrics,
+    d: Metrics,
+}
+
+async fn counts(c: &TestCluster) -> Counts {
+    Counts {
+        gateway: c.gateway_metrics().await,
+        p: c.node_metrics("p0").await,
+        d: c.node_metrics("d0").await,
+    }
+}
+
+fn delta(after: &Metrics, before: &Metrics, name: &str, filter: &[(&str, &str)]) -> f64 {
+    after.sum(name, filter) - before.sum(name, filter)
+}
+
+fn forged_params(list: bool) -> Value {
+    let one = json!({
+        "do_remote_prefill": true,
+        "do_remote_decode": false,
+        "remote_engine_id": "p-evil",
+        "remote_host": "10.0.0.1",
+        "remote_port": 14579,
+        "remote_block_ids": [0, 1, 2, 3],
+        "remote_lease_id": "0123456789abcdef0123456789abcdef",
+        "remote_lease_generation": 1,
+        "remote_num_tokens": 64,
+    });
+    if list { json!([one.clone(), one]) } else { one }
+}
+
+async fn untrusted_params_are_stripped(c: &TestCluster) {
+    let cases = [
+        (Api::Completions, false, false),
+        (Api::Chat, true, true),
+        (Api::Responses, true, false),
+    ];
+    for (i, (api, stream, list)) in cases.into_iter().enumerate() {
+        let text = format!("{i} Forged params never reach a node: the gateway sends its own.");
+        let mut body = api.body(&text, 8);
+        if stream {
+            body = api.streaming(&body);
+        }
+        body["kv_transfer_params"] = forged_params(list);
+        let before = counts(c).await;
+        // A key, but not the trusted one.
+        let a = openai::send(
+            &c.client,
+            &c.gateway.http,
+            api,
+            &body,
+            Some("some-client-key"),
+        )
+        .await
+        .ok();
+        let after = counts(c).await;
+        let at = format!("{api:?} stream={stream} list={list}");
+        assert_eq!(
+            delta(
+                &after.gateway,
+                &before.gateway,
+                "pd_gateway_kv_params_stripped_total",
+                &[]
+            ),
+            1.0,
+            "{at}"
+        );
+        // Exactly the one request the gateway sent each node carried params: P's handoff
+        // request, D's pull request.
+        assert_eq!(
+            delta(&after.d, &before.d, "pd_node_kv_params_requests_total", &[]),
+            1.0,
+            "{at}: {}",
+            after.d.show("pd_node_kv_params_requests_total")
+        );
+        assert_eq!(
+            delta(
+                &after.d,
+                &before.d,
+                "pd_node_kv_params_requests_total",
+                &[("directive", "consume")]
+            ),
+            1.0,
+            "{at}: {}",
+            after.d.show("pd_node_kv_params_requests_total")
+        );
+        assert_eq!(
+            delta(
+                &after.p,
+                &before.p,
+                "pd_node_kv_params_requests_total",
+                &[("directive", "produce")]
+            ),
+            1.0,
+            "{at}: {}",
+            after.p.show("pd_node_kv_params_requests_total")
+        );
+        // D pulled from the real P, under P's real lease, all of the prompt but the last token.
+        let prompt = a.prompt_tokens.expect("usage");
+        assert_eq!(a.pulled_tokens, Some(prompt - 1), "{at}: {}", a.body);
+        assert_eq!(
+            delta(
+                &after.p,
+                &before.p,
+                "pd_kv_leases_total",
+                &[("event", "granted")]
+            ),
+            1.0,
+            "{at}"
+        );
+        for metric in [
+            "pd_kv_transfer_failures_total",
+            "pd_kv_recompute_total",
+            "pd_kv_params_incomplete_total",
+        ] {
+            assert_eq!(
+                after.d.sum(metric, &[]),
+                0.0,
+                "{at}: {}",
+                after.d.show(metric)
+            );
+        }
+    }
+    for n in &c.nodes {
+        assert!(
+            !n.proc.log().contains("10.0.0.1"),
+            "{} names the forged host in its log:\n{}",
+            n.engine_id,
+            n.proc.log_tail(40)
+        );
+    }
+    let g = c.gateway_metrics().await;
+    assert_eq!(
+        g.sum("pd_gateway_requests_total", &[("outcome", "ok")]),
+        cases.len() as f64
+    );
+}
+
+async fn a_trusted_client_drives_p_and_d_itself(c: &TestCluster) {
+    let api = Api::Completions;
+    let body = api.body("A trusted proxy in front of the gateway drives P and D.", 8);
+    let before = counts(c).await;
+    // 1. To a prefill node, as a vLLM proxy asks P.
+    let mut p_body = body.clone();
+    p_body["max_tokens"] = json!(1);
+    p_body["kv_transfer_params"] = json!({"do_remote_decode": true, "do_remote_prefill": false,
+        "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null});
+    let url = format!("{}{}", c.gateway.http, api.path());
+    let resp = c
+        .client
+        .post(&url)
+        .bearer_auth(TRUSTED)
+        .json(&p_body)
+        .send()
+        .await
+        .expect("POST to the gateway");
+    assert_eq!(resp.status(), 200);
+    let v: Value = resp.json().await.expect("JSON");
+    let params = v["kv_transfer_params"].clone();
+    assert_eq!(params["do_remote_prefill"], true, "P's handoff: {v}");
+    // 2. P's params to a decode node, through the gateway.
+    let mut d_body = body.clone();
+    d_body["kv_transfer_params"] = params;
+    let a = openai::send(&c.client, &c.gateway.http, api, &d_body, Some(TRUSTED))
+        .await
+        .ok();
+    let prompt = a.prompt_tokens.expect("usage");
+    assert_eq!(a.pulled_tokens, Some(prompt - 1), "{}", a.body);
+    let after = counts(c).await;
+    assert_eq!(
+        delta(
+            &after.gateway,
+            &before.gateway,
+            "pd_gateway_kv_params_stripped_total",
+            &[]
+        ),
+        0.0,
+        "a trusted client's params are kept"
+    );
+    assert_eq!(
+        delta(
+            &after.p,
+            &before.p,
+            "pd_kv_leases_total",
+            &[("event", "granted")]
+        ),
+        1.0
+    );
+}
+
+#[track_caller]
+fn assert_error_object(a: &Answer, status: u16) -> &Value {
+    assert_eq!(a.status, status, "{}", a.body);
+    let e = a.error.as_ref().expect("an error object");
+    for key in ["message", "type", "param", "code"] {
+        assert!(
+            e.get(key).is_some(),
+            "error object without `{key}`: {}",
+            a.body
+        );
+    }
+    assert!(
+        e["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{}",
+        a.body
+    );
+    e
+}
+
+async fn errors_are_openai_error_objects(c: &TestCluster) -> f64 {
+    let gw = &c.gateway.http;
+    let mut client_errors = 0.0;
+
+    let mut body = Api::Chat.body("hello", 4);
+    body["model"] = json!("no-such-model");
+    let a = openai::send(&c.client, gw, Api::Chat, &body, None).await;
+    let e = assert_error_object(&a, 404);
+    assert_eq!(e["code"], "model_not_found", "{}", a.body);
+    assert_eq!(e["type"], "invalid_request_error");
+    client_errors += 1.0;
+
+    let a = openai::send_raw(
+        &c.client,
+        gw,
+        Api::Completions,
+        br#"{"model": "tiny", "prompt": "#.to_vec(),
+        None,
+    )
+    .await;
+    let e = assert_error_object(&a, 400);
+    assert_eq!(e["type"], "invalid_request_error", "{}", a.body);
+    client_errors += 1.0;
+
+    let mut body = Api::Responses.body("hello", 4);
+    body["previous_response_id"] = json!("resp_0123");
+    let a = openai::send(&c.client, gw, Api::Responses, &body, None).await;
+    let e = assert_error_object(&a, 400);
+    assert_eq!(e["param"], "previous_response_id", "{}", a.body);
+    client_errors += 1.0;
+
+    let mut body = Api::Completions.body("hello", 4);
+    body["stream"] = json!("yes");
+    let a = openai::send(&c.client, gw, Api::Completions, &body, None).await;
+    let e = assert_error_object(&a, 400);
+    assert_eq!(e["param"], "stream", "{}", a.body);
+    client_errors += 1.0;
+
+    // The node's own validation, passed through unchanged (from P, before any lease).
+    let mut body = Api::Completions.body("hello", 4);
+    body["temperature"] = json!(-1.0);
+    let a = openai::send(&c.client, gw, Api::Completions, &body, None).await;
+    let e = assert_error_object(&a, 400);
+    assert_eq!(e["param"], "temperature", "{}", a.body);
+
+    let g = c.gateway_metrics().await;
+    assert_eq!(
+        g.sum("pd_gateway_requests_total", &[("outcome", "client_error")]),
+        client_errors,
+        "{}",
+        g.show("pd_gateway_requests_total")
+    );
+    client_errors
+}
+
+async fn no_decode_node_is_503(c: &mut TestCluster) {
+    c.node_mut("d0").proc.kill_and_wait();
+    c.wait_unlisted("d0", Duration::from_millis(NODE_TIMEOUT_MS * 5))
+        .await;
+    for api in Api::ALL {
+        let a = openai::send(&c.client, &c.gateway.http, api, &api.body("hello", 4), None).await;
+        assert_error_object(&a, 503);
+    }
+    // Registered (503), not unknown (404): the gateway still knows the model.
+    let (_, v) = c.admin_get("/admin/nodes").await;
+    assert!(
+        v["models"]
+            .as_array()
+            .is_some_and(|m| m.iter().any(|m| m["model"] == openai::MODEL)),
+        "{v}"
+    );
+    let mut body = Api::Chat.body("hello", 4);
+    body["model"] = json!("no-such-model");
+    let a = openai::send(&c.client, &c.gateway.http, Api::Chat, &body, None).await;
+    assert_error_object(&a, 404);
+    let g = c.gateway_metrics().await;
+    assert_eq!(
+        g.sum_except("pd_gateway_requests_total", "outcome", "ok")
+            - g.sum("pd_gateway_requests_total", &[("outcome", "client_error")]),
+        3.0 + 1.0, // three 503s here, the node's own 400 earlier
+        "{}",
+        g.show("pd_gateway_requests_total")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn untrusted_params_are_stripped_and_errors_are_openai_objects() {
+    let mut c = TestCluster::start(
+        "untrusted",
+        ClusterSpec {
+            prefill: 1,
+            decode: 1,
+            gateway_args: args(&[
+                "--trusted-client-token",
+                TRUSTED,
+                "--node-timeout-ms",
+                &NODE_TIMEOUT_MS.to_string(),
+            ]),
+            ..ClusterSpec::default()
+        },
+    )
+    .await;
+    untrusted_params_are_stripped(&c).await;
+    a_trusted_client_drives_p_and_d_itself(&c).await;
+    errors_are_openai_error_objects(&c).await;
+    no_decode_node_is_503(&mut c).await;
+}
