@@ -8,15 +8,18 @@ BASE_URL is the API root (http://127.0.0.1:PORT/v1). stdin is a JSON list of req
     {"api": "chat" | "completions" | "responses",
      "stream": bool, "n": int, "max_tokens": int, "temperature": float, "seed": int | null,
      "messages": [...] (chat), "prompt": str (completions), "input": str (responses),
-     "extra_body": {...}}   # optional, e.g. {"ignore_eos": true}
+     "extra_body": {...}}   # optional, e.g. {"ignore_eos": true, "return_token_ids": true}
 
 stdout is a JSON list with one result per spec, in order:
 
-    {"texts": [str per choice], "finish_reasons": [...], "usage": {... as the SDK parsed it},
-     "prompt_tokens": int, "cached_tokens": int | null, "kv_pulled_tokens": int | null}
+    {"texts": [str per choice], "token_ids": [[int] per choice] | null, "finish_reasons": [...],
+     "usage": {... as the SDK parsed it}, "prompt_tokens": int, "cached_tokens": int | null,
+     "kv_pulled_tokens": int | null}
 
-`kv_pulled_tokens` is not a field the SDK knows: it is read from the parsed usage details'
-`model_extra` (pydantic keeps unknown fields), the way an application would. Streams are
+`kv_pulled_tokens` and the choices' `token_ids` (vLLM's `return_token_ids` extension) are not
+fields the SDK knows: they are read from the parsed objects' `model_extra` (pydantic keeps
+unknown fields), the way an application would. `token_ids` is null for the Responses API and
+when the server sent none. Streams are
 assembled from the deltas; their usage comes from the final chunk (`stream_options=
 {"include_usage": true}`) or, for the Responses API, from the `response.completed` event, whose
 `output_text` must equal the assembled deltas. Any API error makes the script fail (exit 1) with
@@ -37,6 +40,18 @@ def details_extra(details, field):
     if field in extra:
         return extra[field]
     return details.model_dump().get(field)
+
+
+def token_ids(choice):
+    """The generated token ids of a choice or chunk choice (vLLM's `return_token_ids`)."""
+    extra = getattr(choice, "model_extra", None) or {}
+    return extra.get("token_ids")
+
+
+def collect_ids(ids, choice):
+    got = token_ids(choice)
+    if got is not None:
+        ids[choice.index] = (ids[choice.index] or []) + list(got)
 
 
 def usage_fields(usage, prompt_attr, details_attr):
@@ -69,19 +84,21 @@ def chat(client, spec):
         choices = sorted(r.choices, key=lambda c: c.index)
         out = {
             "texts": [c.message.content or "" for c in choices],
+            "token_ids": [token_ids(c) for c in choices],
             "finish_reasons": [c.finish_reason for c in choices],
         }
         out.update(usage_fields(r.usage, "prompt_tokens", "prompt_tokens_details"))
         return out
-    texts, finish, usage = [""] * n, [None] * n, None
+    texts, ids, finish, usage = [""] * n, [None] * n, [None] * n, None
     for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
         for c in chunk.choices:
             texts[c.index] += c.delta.content or ""
+            collect_ids(ids, c)
             if c.finish_reason is not None:
                 finish[c.index] = c.finish_reason
         if chunk.usage is not None:
             usage = chunk.usage
-    out = {"texts": texts, "finish_reasons": finish}
+    out = {"texts": texts, "token_ids": ids, "finish_reasons": finish}
     out.update(usage_fields(usage, "prompt_tokens", "prompt_tokens_details"))
     return out
 
@@ -95,18 +112,23 @@ def completions(client, spec):
     if not spec.get("stream"):
         r = client.completions.create(**kwargs)
         choices = sorted(r.choices, key=lambda c: c.index)
-        out = {"texts": [c.text for c in choices], "finish_reasons": [c.finish_reason for c in choices]}
+        out = {
+            "texts": [c.text for c in choices],
+            "token_ids": [token_ids(c) for c in choices],
+            "finish_reasons": [c.finish_reason for c in choices],
+        }
         out.update(usage_fields(r.usage, "prompt_tokens", "prompt_tokens_details"))
         return out
-    texts, finish, usage = [""] * n, [None] * n, None
+    texts, ids, finish, usage = [""] * n, [None] * n, [None] * n, None
     for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
         for c in chunk.choices:
             texts[c.index] += c.text or ""
+            collect_ids(ids, c)
             if c.finish_reason is not None:
                 finish[c.index] = c.finish_reason
         if chunk.usage is not None:
             usage = chunk.usage
-    out = {"texts": texts, "finish_reasons": finish}
+    out = {"texts": texts, "token_ids": ids, "finish_reasons": finish}
     out.update(usage_fields(usage, "prompt_tokens", "prompt_tokens_details"))
     return out
 
@@ -118,7 +140,7 @@ def responses(client, spec):
         raise ValueError("the Responses API has no n")
     if not spec.get("stream"):
         r = client.responses.create(**kwargs)
-        out = {"texts": [r.output_text], "finish_reasons": [r.status]}
+        out = {"texts": [r.output_text], "token_ids": None, "finish_reasons": [r.status]}
         out.update(usage_fields(r.usage, "input_tokens", "input_tokens_details"))
         return out
     text, final = "", None
@@ -133,7 +155,7 @@ def responses(client, spec):
         raise RuntimeError("the stream ended without response.completed")
     if final.output_text != text:
         raise RuntimeError(f"deltas {text!r} differ from the final output_text {final.output_text!r}")
-    out = {"texts": [text], "finish_reasons": [final.status]}
+    out = {"texts": [text], "token_ids": None, "finish_reasons": [final.status]}
     out.update(usage_fields(final.usage, "input_tokens", "input_tokens_details"))
     return out
 

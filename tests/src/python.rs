@@ -3,7 +3,7 @@
 //! repository, keyed by the package version).
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use serde_json::Value;
@@ -49,7 +49,7 @@ pub fn interpreter() -> PathBuf {
 /// Runs the `openai`-package client against `base_url` (e.g. `http://127.0.0.1:8080/v1`) with
 /// the request `specs` (a JSON list, see `tests/clients/openai_client.py`) and returns its JSON
 /// list of results. Blocking: call it from `spawn_blocking`.
-pub fn run_client(python: &PathBuf, base_url: &str, specs: &Value) -> Value {
+pub fn run_client(python: &Path, base_url: &str, specs: &Value) -> Value {
     let client = workspace_root().join("tests/clients/openai_client.py");
     let mut child = Command::new(python)
         .arg(&client)

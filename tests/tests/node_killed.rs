@@ -24,7 +24,7 @@ const MAX_PER_CLIENT: usize = 200;
 fn request(i: usize) -> (Api, serde_json::Value) {
     let api = Api::ALL[i % 3];
     let body = api.body(&format!("{i} Requests keep flowing while a node dies."), 6);
-    let body = if i % 2 == 0 {
+    let body = if i.is_multiple_of(2) {
         api.streaming(&body)
     } else {
         body

@@ -6,7 +6,7 @@
 //! nodes' counters show the split path ran for every request with no fallback, failover,
 //! recompute or leaked lease.
 
-use std::path::PathBuf;
+use std::path::Path;
 use std::time::Duration;
 
 use pd_cluster_tests::cluster::{ClusterSpec, Node, Role, TestCluster, args, tiny_model};
@@ -40,7 +40,7 @@ fn specs() -> Vec<Value> {
                     _ => s["input"] = json!(text),
                 }
                 if api != "responses" {
-                    s["extra_body"] = json!({"ignore_eos": true});
+                    s["extra_body"] = json!({"ignore_eos": true, "return_token_ids": true});
                 }
                 specs.push(s);
             }
@@ -49,8 +49,8 @@ fn specs() -> Vec<Value> {
     specs
 }
 
-async fn run_client(python: &PathBuf, http: &str, specs: &[Value]) -> Vec<Value> {
-    let python = python.clone();
+async fn run_client(python: &Path, http: &str, specs: &[Value]) -> Vec<Value> {
+    let python = python.to_path_buf();
     let base = format!("{http}/v1");
     let list = Value::Array(specs.to_vec());
     let out = tokio::task::spawn_blocking(move || python::run_client(&python, &base, &list))
@@ -71,6 +71,10 @@ fn compare(cluster: &str, specs: &[Value], want: &[Value], got: &[Value]) -> u64
     let mut pulled_sum = 0;
     for ((spec, w), g) in specs.iter().zip(want).zip(got) {
         let at = format!("{cluster}: {spec}");
+        assert_eq!(
+            g["token_ids"], w["token_ids"],
+            "tokens differ from the reference: {at}"
+        );
         assert_eq!(
             g["texts"], w["texts"],
             "texts differ from the reference: {at}"
@@ -209,21 +213,27 @@ async fn the_openai_package_gets_identical_tokens_through_the_gateway_and_p_d() 
             w["kv_pulled_tokens"].is_null(),
             "a standalone node pulls nothing: {spec}: {w}"
         );
+        if spec["api"] == "responses" {
+            continue; // no token ids on the Responses API
+        }
+        // Every choice carries its token ids (`return_token_ids`), all MAX_TOKENS of them
+        // (`ignore_eos`): the comparison below is token for token, not only text.
+        let ids = w["token_ids"].as_array().expect("token ids per choice");
+        assert_eq!(ids.len() as u64, spec["n"].as_u64().unwrap_or(1), "{w}");
+        for choice in ids {
+            assert_eq!(
+                choice.as_array().map_or(0, Vec::len),
+                MAX_TOKENS as usize,
+                "{spec}: {w}"
+            );
+        }
         if spec["n"] == 3 {
-            let texts = w["texts"].as_array().expect("texts");
             assert!(
-                texts.windows(2).any(|t| t[0] != t[1]),
+                ids.windows(2).any(|t| t[0] != t[1]),
                 "seeded children differ: {w}"
             );
         }
     }
-    let text_len: usize = want
-        .iter()
-        .flat_map(|w| w["texts"].as_array().cloned().unwrap_or_default())
-        .map(|t| t.as_str().map_or(0, str::len))
-        .sum();
-    assert!(text_len > 0, "the reference generated text: {want:?}");
-
     // (b) gateway + 1P + 1D (default policy), (c) gateway + 2P + 2D (round-robin, so every
     // node serves).
     let clusters = [

@@ -3,7 +3,8 @@
 //! relaxed deadline so a descheduled call does not abort the run; limits cost the same.
 //!
 //! Run: `scripts/build-policies.sh && cargo bench -p pd-policy --bench decide`
-//! (`PD_BENCH_CALLS=N` changes the number of timed calls, default 20000).
+//! (`PD_BENCH_CALLS=N` changes the number of timed calls, default 20000;
+//! `PD_BENCH_ONLY=text` runs only the cases whose name contains `text`).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -69,7 +70,10 @@ struct Row {
     mean: Duration,
 }
 
-fn time(name: &str, calls: usize, mut f: impl FnMut(u64)) -> Row {
+fn time(name: &str, calls: usize, mut f: impl FnMut(u64)) -> Option<Row> {
+    if std::env::var("PD_BENCH_ONLY").is_ok_and(|only| !name.contains(&only)) {
+        return None;
+    }
     for i in 0..(calls / 10).max(100) {
         f(i as u64);
     }
@@ -83,11 +87,19 @@ fn time(name: &str, calls: usize, mut f: impl FnMut(u64)) -> Row {
     let mean = all.elapsed() / calls as u32;
     samples.sort_unstable();
     let at = |q: f64| samples[((samples.len() - 1) as f64 * q) as usize];
-    Row { name: name.to_string(), p50: at(0.50), p99: at(0.99), mean }
+    Some(Row {
+        name: name.to_string(),
+        p50: at(0.50),
+        p99: at(0.99),
+        mean,
+    })
 }
 
 fn main() {
-    let calls: usize = std::env::var("PD_BENCH_CALLS").ok().and_then(|s| s.parse().ok()).unwrap_or(20_000);
+    let calls: usize = std::env::var("PD_BENCH_CALLS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20_000);
     let engine = PolicyEngine::new().expect("engine");
     let reg = registry();
     let view = to_view(&reg);
@@ -101,28 +113,46 @@ fn main() {
         ("prefix-aware", native::prefix_aware),
     ];
     for (name, native) in natives {
-        let policy = engine
-            .load(&wasm(name), spec(name))
-            .expect("load");
+        let policy = engine.load(&wasm(name), spec(name)).expect("load");
         let r = req(0);
-        assert_eq!(policy.decide(&r, &view, &node_names).expect("decide"), native(&r, &view));
-        rows.push(time(&format!("native {name}"), calls, |i| {
+        assert_eq!(
+            policy.decide(&r, &view, &node_names).expect("decide"),
+            native(&r, &view)
+        );
+        if name == "least-loaded" {
+            // Fixed cost of a call: store, instantiation, a tiny view.
+            let empty = View { nodes: vec![] };
+            let r = request(0, 1, vec![]);
+            let (_, stats) = policy.decide_with_stats(&r, &empty, &[]);
+            rows.extend(time(&format!("wasm   {name}, empty view (fuel {})", stats.fuel_used), calls, |_| {
+                black_box(policy.decide(black_box(&r), &empty, &[]).expect("decide"));
+            }));
+        }
+        rows.extend(time(&format!("native {name}"), calls, |i| {
             let mut r = req(0);
             r.seq = i;
             black_box(native(black_box(&r), black_box(&view)));
         }));
-        rows.push(time(&format!("wasm   {name} (decide+validate)"), calls, |i| {
-            let mut r = req(0);
-            r.seq = i;
-            black_box(policy.decide(black_box(&r), black_box(&view), &node_names).expect("decide"));
-        }));
+        rows.extend(time(
+            &format!("wasm   {name} (decide+validate)"),
+            calls,
+            |i| {
+                let mut r = req(0);
+                r.seq = i;
+                black_box(
+                    policy
+                        .decide(black_box(&r), black_box(&view), &node_names)
+                        .expect("decide"),
+                );
+            },
+        ));
         if name != "round-robin" {
-            rows.push(time(&format!("host path, wasm   {name}"), calls, |i| {
+            rows.extend(time(&format!("host path, wasm   {name}"), calls, |i| {
                 let view = to_view(black_box(&reg));
                 let r = req(i);
                 black_box(policy.decide(&r, &view, &node_names).expect("decide"));
             }));
-            rows.push(time(&format!("host path, native {name}"), calls, |i| {
+            rows.extend(time(&format!("host path, native {name}"), calls, |i| {
                 let view = to_view(black_box(&reg));
                 let r = req(i);
                 let d = native(&r, &view);
@@ -147,5 +177,8 @@ fn main() {
             r.mean.as_secs_f64() * 1e6
         );
     }
-    println!("\nprefix-aware guest fuel per 64-node call: {}", stats.fuel_used);
+    println!(
+        "\nprefix-aware guest fuel per 64-node call: {}",
+        stats.fuel_used
+    );
 }

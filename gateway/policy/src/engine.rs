@@ -30,9 +30,7 @@ use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use crate::bindings::pd::policy::host::Level;
 use crate::bindings::{Policy, PolicyPre};
-use crate::{
-    Api, Decision, Node, PolicyError, Request, Role, View, validate,
-};
+use crate::{Api, Decision, Node, PolicyError, Request, Role, View, validate};
 
 /// How often the ticker thread advances the engine's epoch.
 pub const EPOCH_TICK: Duration = Duration::from_micros(250);
@@ -56,10 +54,10 @@ const SMOKE_TIMEOUT_RETRIES: u32 = 2;
 /// Compiled components kept in memory, by sha256 of their bytes.
 const COMPILE_CACHE_ENTRIES: usize = 16;
 
-/// Default [`PolicySpec::fuel`]: a 64-node prefix-aware decision by the Rust guest uses well
-/// under 1% of it (see `tests/limits.rs`, `fuel_budget_headroom`).
-pub const DEFAULT_FUEL: u64 = 5_000_000;
-
+/// Default [`PolicySpec::fuel`], roughly 0.3 to 1 ms of guest code: a 64-node prefix-aware
+/// decision by the Rust guest uses about 3.5% of it, instantiation included (see
+/// `tests/limits.rs`, `fuel_budget_headroom`). Interpreted guests (Python, JS) need more.
+pub const DEFAULT_FUEL: u64 = 1_000_000;
 
 /// How a policy runs: its name, its operator configuration and its limits.
 #[derive(Debug, Clone)]
@@ -130,7 +128,9 @@ impl Drop for EngineInner {
 }
 
 fn engine_err(e: wasmtime::Error) -> PolicyError {
-    PolicyError::Engine { source: e.into_boxed_dyn_error() }
+    PolicyError::Engine {
+        source: e.into_boxed_dyn_error(),
+    }
 }
 
 impl PolicyEngine {
@@ -186,7 +186,9 @@ impl PolicyEngine {
                         engine.increment_epoch();
                     }
                 })
-                .map_err(|e| PolicyError::Engine { source: Box::new(e) })?
+                .map_err(|e| PolicyError::Engine {
+                    source: Box::new(e),
+                })?
         };
         Ok(PolicyEngine {
             inner: Arc::new(EngineInner {
@@ -227,7 +229,11 @@ impl PolicyEngine {
             name: spec.name.clone(),
             source: e.into_boxed_dyn_error(),
         };
-        let pre = self.inner.linker.instantiate_pre(&component).map_err(instantiate_err)?;
+        let pre = self
+            .inner
+            .linker
+            .instantiate_pre(&component)
+            .map_err(instantiate_err)?;
         let pre = PolicyPre::new(pre).map_err(instantiate_err)?;
         let deadline_ticks = deadline_ticks(spec.deadline);
         let guest = Arc::new(GuestMeta {
@@ -274,15 +280,20 @@ impl PolicyEngine {
 
     fn compile(&self, name: &str, digest: [u8; 32], wasm: &[u8]) -> Result<Component, PolicyError> {
         let cached = |cache: &Vec<([u8; 32], Component)>| {
-            cache.iter().find(|(d, _)| *d == digest).map(|(_, c)| c.clone())
+            cache
+                .iter()
+                .find(|(d, _)| *d == digest)
+                .map(|(_, c)| c.clone())
         };
         if let Some(c) = cached(&self.cache()) {
             return Ok(c);
         }
         let started = Instant::now();
-        let component = Component::new(&self.inner.engine, wasm).map_err(|e| {
-            PolicyError::Compile { name: name.to_string(), source: e.into_boxed_dyn_error() }
-        })?;
+        let component =
+            Component::new(&self.inner.engine, wasm).map_err(|e| PolicyError::Compile {
+                name: name.to_string(),
+                source: e.into_boxed_dyn_error(),
+            })?;
         tracing::debug!(policy = %name, elapsed = ?started.elapsed(), "policy compiled");
         let mut cache = self.cache();
         if cached(&cache).is_none() {
@@ -332,7 +343,9 @@ fn smoke_cases() -> Vec<(&'static str, Request, View, Vec<String>)> {
             node(Role::Standalone, 0),
         ],
     };
-    let names: Vec<String> = (0..view.nodes.len()).map(|i| format!("smoke-{i}")).collect();
+    let names: Vec<String> = (0..view.nodes.len())
+        .map(|i| format!("smoke-{i}"))
+        .collect();
     let request = |seq: u64, n: u32| Request {
         seq,
         api: Api::ChatCompletions,
@@ -419,7 +432,10 @@ impl WasmPolicy {
         let state = HostState {
             guest: self.guest.clone(),
             names: NodeNames::borrow(node_names),
-            limiter: Limiter { memory_limit: self.spec.memory_limit, last_desired: 0 },
+            limiter: Limiter {
+                memory_limit: self.spec.memory_limit,
+                last_desired: 0,
+            },
             log_lines: 0,
             wasi: None,
         };
@@ -431,9 +447,9 @@ impl WasmPolicy {
         store.set_epoch_deadline(self.deadline_ticks);
         store.epoch_deadline_trap();
         let result = match self.pre.instantiate(&mut store) {
-            Ok(policy) => {
-                policy.call_decide(&mut store, request, view).map_err(|e| self.call_error(e, false))
-            }
+            Ok(policy) => policy
+                .call_decide(&mut store, request, view)
+                .map_err(|e| self.call_error(e, false)),
             Err(e) => Err(self.call_error(e, true)),
         };
         let stats = CallStats {
@@ -454,17 +470,29 @@ impl WasmPolicy {
     /// Maps a failed instantiation or call to its typed error.
     fn call_error(&self, e: wasmtime::Error, instantiating: bool) -> PolicyError {
         if let Some(hit) = e.chain().find_map(|c| c.downcast_ref::<MemoryLimitHit>()) {
-            return PolicyError::MemoryLimit { limit: hit.limit, desired: hit.desired };
+            return PolicyError::MemoryLimit {
+                limit: hit.limit,
+                desired: hit.desired,
+            };
         }
         match e.chain().find_map(|c| c.downcast_ref::<Trap>()).copied() {
-            Some(Trap::Interrupt) => PolicyError::Timeout { deadline: self.spec.deadline },
-            Some(Trap::OutOfFuel) => PolicyError::OutOfFuel { fuel: self.spec.fuel },
-            Some(trap) => PolicyError::Trap { trap, detail: format!("{e:?}") },
+            Some(Trap::Interrupt) => PolicyError::Timeout {
+                deadline: self.spec.deadline,
+            },
+            Some(Trap::OutOfFuel) => PolicyError::OutOfFuel {
+                fuel: self.spec.fuel,
+            },
+            Some(trap) => PolicyError::Trap {
+                trap,
+                detail: format!("{e:?}"),
+            },
             None if instantiating => PolicyError::Instantiate {
                 name: self.spec.name.clone(),
                 source: e.into_boxed_dyn_error(),
             },
-            None => PolicyError::Call { source: e.into_boxed_dyn_error() },
+            None => PolicyError::Call {
+                source: e.into_boxed_dyn_error(),
+            },
         }
     }
 }
@@ -494,7 +522,10 @@ impl NodeNames {
     /// dropped before `names`' borrow ends: `decide_with_stats` creates and drops its store
     /// inside one call that holds the borrow, and never lets the store escape.
     fn borrow(names: &[String]) -> Self {
-        NodeNames { ptr: names.as_ptr(), len: names.len() }
+        NodeNames {
+            ptr: names.as_ptr(),
+            len: names.len(),
+        }
     }
 
     fn get(&self, index: u32) -> Option<&String> {
@@ -525,10 +556,17 @@ impl WasiView for HostState {
         let w = self.wasi.get_or_insert_with(|| WasiState {
             // No preopens, environment, arguments or sockets; stdin empty, stdout and stderr
             // discarded.
-            ctx: WasiCtx::builder().allow_tcp(false).allow_udp(false).allow_ip_name_lookup(false).build(),
+            ctx: WasiCtx::builder()
+                .allow_tcp(false)
+                .allow_udp(false)
+                .allow_ip_name_lookup(false)
+                .build(),
             table: ResourceTable::new(),
         });
-        WasiCtxView { ctx: &mut w.ctx, table: &mut w.table }
+        WasiCtxView {
+            ctx: &mut w.ctx,
+            table: &mut w.table,
+        }
     }
 }
 
@@ -553,10 +591,18 @@ impl crate::bindings::pd::policy::host::Host for HostState {
         }
         let (policy, version) = (&self.guest.name, &self.guest.version);
         match level {
-            Level::Debug => tracing::debug!(target: "pd_policy::guest", %policy, %version, "{message}"),
-            Level::Info => tracing::info!(target: "pd_policy::guest", %policy, %version, "{message}"),
-            Level::Warn => tracing::warn!(target: "pd_policy::guest", %policy, %version, "{message}"),
-            Level::Error => tracing::error!(target: "pd_policy::guest", %policy, %version, "{message}"),
+            Level::Debug => {
+                tracing::debug!(target: "pd_policy::guest", %policy, %version, "{message}")
+            }
+            Level::Info => {
+                tracing::info!(target: "pd_policy::guest", %policy, %version, "{message}")
+            }
+            Level::Warn => {
+                tracing::warn!(target: "pd_policy::guest", %policy, %version, "{message}")
+            }
+            Level::Error => {
+                tracing::error!(target: "pd_policy::guest", %policy, %version, "{message}")
+            }
         }
     }
 

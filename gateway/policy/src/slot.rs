@@ -128,7 +128,10 @@ impl PolicySlot {
     /// [`PolicyError::NothingToRollBack`] when nothing was installed before.
     pub fn rollback(&self) -> Result<(), PolicyError> {
         let _w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
-        let previous = self.previous.load_full().ok_or(PolicyError::NothingToRollBack)?;
+        let previous = self
+            .previous
+            .load_full()
+            .ok_or(PolicyError::NothingToRollBack)?;
         let old = self.current.swap(previous);
         tracing::info!(from = %old.name(), to = %self.current.load().name(), "policy rolled back");
         self.previous.store(Some(old));

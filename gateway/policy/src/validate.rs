@@ -91,22 +91,36 @@ pub enum InvalidDecision {
 /// # Errors
 ///
 /// The first rule the decision breaks.
-pub fn validate(decision: &Decision, request: &Request, view: &View) -> Result<(), InvalidDecision> {
+pub fn validate(
+    decision: &Decision,
+    request: &Request,
+    view: &View,
+) -> Result<(), InvalidDecision> {
     let nodes = &view.nodes;
     let role_of = |slot: Slot, index: u32| -> Result<Role, InvalidDecision> {
         nodes
             .get(index as usize)
             .map(|n| n.role)
-            .ok_or(InvalidDecision::UnknownNode { slot, index, nodes: nodes.len() })
+            .ok_or(InvalidDecision::UnknownNode {
+                slot,
+                index,
+                nodes: nodes.len(),
+            })
     };
     let expect_role = |slot: Slot, index: u32, want: Role| -> Result<(), InvalidDecision> {
         let role = role_of(slot, index)?;
-        if role == want { Ok(()) } else { Err(InvalidDecision::WrongRole { slot, index, role }) }
+        if role == want {
+            Ok(())
+        } else {
+            Err(InvalidDecision::WrongRole { slot, index, role })
+        }
     };
     match &decision.route {
         Route::Split(split) => {
             if split.prefill.is_empty() {
-                return Err(InvalidDecision::EmptyList { slot: Slot::Prefill });
+                return Err(InvalidDecision::EmptyList {
+                    slot: Slot::Prefill,
+                });
             }
             if split.decode.is_empty() {
                 return Err(InvalidDecision::EmptyList { slot: Slot::Decode });
@@ -118,12 +132,18 @@ pub fn validate(decision: &Decision, request: &Request, view: &View) -> Result<(
             for (position, target) in split.decode.iter().enumerate() {
                 expect_role(Slot::Decode, target.node, Role::Decode)?;
                 if target.children == 0 {
-                    return Err(InvalidDecision::ZeroChildren { position, node: target.node });
+                    return Err(InvalidDecision::ZeroChildren {
+                        position,
+                        node: target.node,
+                    });
                 }
                 total += u64::from(target.children);
             }
             if total < u64::from(request.n) {
-                return Err(InvalidDecision::TooFewChildren { total, n: request.n });
+                return Err(InvalidDecision::TooFewChildren {
+                    total,
+                    n: request.n,
+                });
             }
         }
         Route::Whole(list) => {
@@ -136,7 +156,9 @@ pub fn validate(decision: &Decision, request: &Request, view: &View) -> Result<(
         }
         Route::Reject(rejection) => {
             if !(400..=599).contains(&rejection.status) {
-                return Err(InvalidDecision::BadStatus { status: rejection.status });
+                return Err(InvalidDecision::BadStatus {
+                    status: rejection.status,
+                });
             }
         }
     }

@@ -34,7 +34,10 @@ fn guests_match_native_on_random_views() {
             let got = policy
                 .decide(&request, &view, &names(&view))
                 .unwrap_or_else(|e| panic!("{name} case {case}: {e:?}"));
-            assert_eq!(got, want, "{name} case {case}: guest and native disagree on {request:?} {view:?}");
+            assert_eq!(
+                got, want,
+                "{name} case {case}: guest and native disagree on {request:?} {view:?}"
+            );
             match want.route {
                 Route::Split(_) => splits += 1,
                 Route::Whole(_) => wholes += 1,
@@ -42,7 +45,10 @@ fn guests_match_native_on_random_views() {
             }
         }
         // The sweep reaches every route shape.
-        assert!(splits > 20 && wholes > 20 && rejects > 5, "{name}: {splits}/{wholes}/{rejects}");
+        assert!(
+            splits > 20 && wholes > 20 && rejects > 5,
+            "{name}: {splits}/{wholes}/{rejects}"
+        );
     }
 }
 
@@ -52,7 +58,10 @@ fn draining(mut n: pd_policy::Node) -> pd_policy::Node {
 }
 
 fn targets(nodes: &[u32], children: u32) -> Vec<DecodeTarget> {
-    nodes.iter().map(|&node| DecodeTarget { node, children }).collect()
+    nodes
+        .iter()
+        .map(|&node| DecodeTarget { node, children })
+        .collect()
 }
 
 /// Hand-written views with the exact decision each policy must give, checked against both
@@ -81,16 +90,37 @@ fn recorded_views() {
             node(Role::Standalone, 0, 1, 5),
         ],
     };
-    let split = |prefill: Vec<u32>, decode: Vec<DecodeTarget>| Route::Split(Split { prefill, decode });
+    let split =
+        |prefill: Vec<u32>, decode: Vec<DecodeTarget>| Route::Split(Split { prefill, decode });
     let cases: Vec<(&str, Request, &View, Route)> = vec![
         // least-loaded: prefill 1 (load 1) before 0 (load 4); decode 4 (load 1) before 2
         // (load 4); draining 3 left out; all n=3 children on each decode entry.
-        ("least-loaded", request(0, 3, vec![]), &pd_view, split(vec![1, 0], targets(&[4, 2], 3))),
+        (
+            "least-loaded",
+            request(0, 3, vec![]),
+            &pd_view,
+            split(vec![1, 0], targets(&[4, 2], 3)),
+        ),
         // Ties on load (1 and 2) go to more free blocks, then lower index.
-        ("least-loaded", request(0, 1, vec![]), &whole_view, Route::Whole(vec![3, 2, 1, 0])),
+        (
+            "least-loaded",
+            request(0, 1, vec![]),
+            &whole_view,
+            Route::Whole(vec![3, 2, 1, 0]),
+        ),
         // round-robin: seq 1 starts at the second candidate of each list.
-        ("round-robin", request(1, 1, vec![]), &pd_view, split(vec![1, 0], targets(&[4, 2], 1))),
-        ("round-robin", request(6, 2, vec![]), &whole_view, Route::Whole(vec![2, 3, 0, 1])),
+        (
+            "round-robin",
+            request(1, 1, vec![]),
+            &pd_view,
+            split(vec![1, 0], targets(&[4, 2], 1)),
+        ),
+        (
+            "round-robin",
+            request(6, 2, vec![]),
+            &whole_view,
+            Route::Whole(vec![2, 3, 0, 1]),
+        ),
         // prefix-aware: node 0 holds 10 blocks: 10 - 4 = 6 beats node 1's 0 - 1; decode stays
         // least-loaded.
         (
@@ -101,24 +131,43 @@ fn recorded_views() {
         ),
         // 8 blocks on busy node 0 (8 - 8 = 0) lose to 3 blocks on node 2 (3 - 2 = 1); then
         // node 3 (0 - 1; past the end of the prefix list) and node 1 (0 - 2).
-        ("prefix-aware", request(0, 1, vec![8, 0, 3]), &whole_view, Route::Whole(vec![2, 0, 3, 1])),
+        (
+            "prefix-aware",
+            request(0, 1, vec![8, 0, 3]),
+            &whole_view,
+            Route::Whole(vec![2, 0, 3, 1]),
+        ),
     ];
     let engine = PolicyEngine::new().expect("engine");
     for (name, native) in SHIPPED {
         let policy = load(&engine, name);
-        for (i, (_, request, view, route)) in cases.iter().enumerate().filter(|(_, c)| c.0 == name) {
-            let want = Decision { route: route.clone(), reverse_pull: None };
+        for (i, (_, request, view, route)) in cases.iter().enumerate().filter(|(_, c)| c.0 == name)
+        {
+            let want = Decision {
+                route: route.clone(),
+                reverse_pull: None,
+            };
             assert_eq!(native(request, view), want, "{name} native, case {i}");
             let got = policy.decide(request, view, &names(view)).expect("decide");
             assert_eq!(got, want, "{name} guest, case {i}");
         }
         // No prefill+decode pair and no standalone node: 503, same message everywhere.
-        let lonely = View { nodes: vec![node(Role::Decode, 0, 0, 1)] };
+        let lonely = View {
+            nodes: vec![node(Role::Decode, 0, 0, 1)],
+        };
         let want = Decision {
-            route: Route::Reject(Rejection { status: 503, message: NO_NODES.to_string() }),
+            route: Route::Reject(Rejection {
+                status: 503,
+                message: NO_NODES.to_string(),
+            }),
             reverse_pull: None,
         };
-        assert_eq!(policy.decide(&request(0, 1, vec![]), &lonely, &names(&lonely)).expect("decide"), want);
+        assert_eq!(
+            policy
+                .decide(&request(0, 1, vec![]), &lonely, &names(&lonely))
+                .expect("decide"),
+            want
+        );
         assert_eq!(native(&request(0, 1, vec![]), &lonely), want);
     }
 }

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use common::{load, names, node, request, spec, wasm};
 use pd_policy::{
-    DEFAULT_FUEL, InvalidDecision, MAX_MEMORY_LIMIT, PolicyEngine, PolicyError, PolicySpec, Request,
-    Role, Route, Slot, View, WasmPolicy,
+    DEFAULT_FUEL, InvalidDecision, MAX_MEMORY_LIMIT, PolicyEngine, PolicyError, PolicySpec,
+    Request, Role, Route, Slot, View, WasmPolicy,
 };
 use wasmtime::Trap;
 
@@ -37,7 +37,10 @@ fn refused(engine: &PolicyEngine, guest: &str, spec: PolicySpec) -> PolicyError 
     match engine.load(&wasm(guest), spec) {
         Ok(_) => panic!("{guest}: load accepted a guest whose smoke test must fail"),
         Err(PolicyError::SmokeTest { source, case, .. }) => {
-            assert_eq!(case, "n=1", "{guest}: the first smoke call already misbehaves");
+            assert_eq!(
+                case, "n=1",
+                "{guest}: the first smoke call already misbehaves"
+            );
             *source
         }
         Err(e) => panic!("{guest}: expected a smoke-test failure, got {e:?}"),
@@ -60,44 +63,86 @@ fn deadline_stops_a_loop() {
     let engine = PolicyEngine::new().expect("engine");
     // Fuel out of the way: only the epoch deadline can stop it.
     let deadline = Duration::from_millis(20);
-    let timed = |s: PolicySpec| PolicySpec { fuel: u64::MAX, deadline, ..s };
+    let timed = |s: PolicySpec| PolicySpec {
+        fuel: u64::MAX,
+        deadline,
+        ..s
+    };
     let started = Instant::now();
     let e = refused(&engine, "looping", always(timed(spec("looping"))));
-    assert!(matches!(e, PolicyError::Timeout { deadline: d } if d == deadline), "{e:?}");
+    assert!(
+        matches!(e, PolicyError::Timeout { deadline: d } if d == deadline),
+        "{e:?}"
+    );
     // Three tries (a timeout is retried twice at load).
-    assert!(started.elapsed() >= 3 * deadline, "took {:?}", started.elapsed());
-    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    assert!(
+        started.elapsed() >= 3 * deadline,
+        "took {:?}",
+        started.elapsed()
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        started.elapsed()
+    );
     assert_eq!(e.reason(), "timeout");
 
-    let policy = engine.load(&wasm("looping"), timed(spec("looping"))).expect("load");
+    let policy = engine
+        .load(&wasm("looping"), timed(spec("looping")))
+        .expect("load");
     let started = Instant::now();
     let e = call(&policy, &request(0, 7, vec![])).expect_err("n=7 loops");
     let took = started.elapsed();
     assert!(matches!(e, PolicyError::Timeout { .. }), "{e:?}");
     // The deadline plus at most one epoch tick, plus scheduling slack on a busy machine.
-    assert!(took >= deadline && took < Duration::from_secs(2), "took {took:?}");
+    assert!(
+        took >= deadline && took < Duration::from_secs(2),
+        "took {took:?}"
+    );
     recovers(&policy);
 
     // The default deadline (1 ms) stops it too.
     let policy = engine
-        .load(&wasm("looping"), PolicySpec { fuel: u64::MAX, ..PolicySpec::default() })
+        .load(
+            &wasm("looping"),
+            PolicySpec {
+                fuel: u64::MAX,
+                ..PolicySpec::default()
+            },
+        )
         .expect("load");
     let e = call(&policy, &request(0, 7, vec![])).expect_err("n=7 loops");
-    assert!(matches!(e, PolicyError::Timeout { deadline } if deadline == Duration::from_millis(1)), "{e:?}");
+    assert!(
+        matches!(e, PolicyError::Timeout { deadline } if deadline == Duration::from_millis(1)),
+        "{e:?}"
+    );
 }
 
 #[test]
 fn fuel_stops_a_loop() {
     let engine = PolicyEngine::new().expect("engine");
     // Deadline out of the way: only fuel can stop it.
-    let slow = |s: PolicySpec| PolicySpec { deadline: Duration::from_secs(60), fuel: 200_000, ..s };
+    let slow = |s: PolicySpec| PolicySpec {
+        deadline: Duration::from_secs(60),
+        fuel: 200_000,
+        ..s
+    };
     let e = refused(&engine, "looping", always(slow(spec("looping"))));
-    assert!(matches!(e, PolicyError::OutOfFuel { fuel: 200_000 }), "{e:?}");
+    assert!(
+        matches!(e, PolicyError::OutOfFuel { fuel: 200_000 }),
+        "{e:?}"
+    );
     assert_eq!(e.reason(), "out_of_fuel");
 
-    let policy = engine.load(&wasm("looping"), slow(spec("looping"))).expect("load");
-    let (result, stats) = policy.decide_with_stats(&request(0, 7, vec![]), &view(), &names(&view()));
-    assert!(matches!(result, Err(PolicyError::OutOfFuel { .. })), "{result:?}");
+    let policy = engine
+        .load(&wasm("looping"), slow(spec("looping")))
+        .expect("load");
+    let (result, stats) =
+        policy.decide_with_stats(&request(0, 7, vec![]), &view(), &names(&view()));
+    assert!(
+        matches!(result, Err(PolicyError::OutOfFuel { .. })),
+        "{result:?}"
+    );
     assert_eq!(stats.fuel_used, 200_000);
     recovers(&policy);
 }
@@ -107,38 +152,81 @@ fn memory_limit_stops_a_hoarder() {
     let engine = PolicyEngine::new().expect("engine");
     let limit = 4 << 20;
     // Fuel out of the way: only the memory limit can stop it.
-    let small = |s: PolicySpec| PolicySpec { memory_limit: limit, fuel: u64::MAX, ..s };
+    let small = |s: PolicySpec| PolicySpec {
+        memory_limit: limit,
+        fuel: u64::MAX,
+        ..s
+    };
     let e = refused(&engine, "hungry", always(small(spec("hungry"))));
-    assert!(matches!(e, PolicyError::MemoryLimit { limit: l, desired } if l == limit && desired > limit), "{e:?}");
+    assert!(
+        matches!(e, PolicyError::MemoryLimit { limit: l, desired } if l == limit && desired > limit),
+        "{e:?}"
+    );
     assert_eq!(e.reason(), "memory");
 
-    let policy = engine.load(&wasm("hungry"), small(spec("hungry"))).expect("load");
+    let policy = engine
+        .load(&wasm("hungry"), small(spec("hungry")))
+        .expect("load");
     let e = call(&policy, &request(0, 7, vec![])).expect_err("n=7 hoards");
     assert!(matches!(e, PolicyError::MemoryLimit { .. }), "{e:?}");
     recovers(&policy);
 
     // A limit below the guest's initial memory: it cannot even instantiate.
-    let e = refused(&engine, "least-loaded", PolicySpec { memory_limit: 64 << 10, ..spec("tiny") });
+    let e = refused(
+        &engine,
+        "least-loaded",
+        PolicySpec {
+            memory_limit: 64 << 10,
+            ..spec("tiny")
+        },
+    );
     assert!(matches!(e, PolicyError::MemoryLimit { .. }), "{e:?}");
 
     // More than the host's pool holds: refused before compiling.
     let e = engine
-        .load(&wasm("least-loaded"), PolicySpec { memory_limit: MAX_MEMORY_LIMIT + 1, ..spec("big") })
+        .load(
+            &wasm("least-loaded"),
+            PolicySpec {
+                memory_limit: MAX_MEMORY_LIMIT + 1,
+                ..spec("big")
+            },
+        )
         .expect_err("too large");
-    assert!(matches!(e, PolicyError::MemoryLimitTooLarge { .. }), "{e:?}");
+    assert!(
+        matches!(e, PolicyError::MemoryLimitTooLarge { .. }),
+        "{e:?}"
+    );
 }
 
 #[test]
 fn traps_are_contained() {
     let engine = PolicyEngine::new().expect("engine");
     let e = refused(&engine, "trapping", always(spec("trapping")));
-    assert!(matches!(e, PolicyError::Trap { trap: Trap::UnreachableCodeReached, .. }), "{e:?}");
+    assert!(
+        matches!(
+            e,
+            PolicyError::Trap {
+                trap: Trap::UnreachableCodeReached,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
     assert_eq!(e.reason(), "trap");
 
     let policy = load(&engine, "trapping");
     for _ in 0..3 {
         let e = call(&policy, &request(0, 7, vec![])).expect_err("n=7 traps");
-        assert!(matches!(e, PolicyError::Trap { trap: Trap::UnreachableCodeReached, .. }), "{e:?}");
+        assert!(
+            matches!(
+                e,
+                PolicyError::Trap {
+                    trap: Trap::UnreachableCodeReached,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
         recovers(&policy);
     }
 }
@@ -149,7 +237,14 @@ fn invalid_decisions_are_caught() {
     let e = refused(&engine, "lying", always(spec("lying")));
     // The smoke view has 5 nodes.
     assert!(
-        matches!(e, PolicyError::Invalid(InvalidDecision::UnknownNode { slot: Slot::Whole, index: 999, nodes: 5 })),
+        matches!(
+            e,
+            PolicyError::Invalid(InvalidDecision::UnknownNode {
+                slot: Slot::Whole,
+                index: 999,
+                nodes: 5
+            })
+        ),
         "{e:?}"
     );
     assert_eq!(e.reason(), "invalid_decision");
@@ -157,7 +252,14 @@ fn invalid_decisions_are_caught() {
     let policy = load(&engine, "lying");
     let e = call(&policy, &request(0, 7, vec![])).expect_err("n=7 lies");
     assert!(
-        matches!(e, PolicyError::Invalid(InvalidDecision::UnknownNode { index: 999, nodes: 3, .. })),
+        matches!(
+            e,
+            PolicyError::Invalid(InvalidDecision::UnknownNode {
+                index: 999,
+                nodes: 3,
+                ..
+            })
+        ),
         "{e:?}"
     );
     recovers(&policy);
@@ -166,7 +268,9 @@ fn invalid_decisions_are_caught() {
 #[test]
 fn bad_bytes_do_not_compile() {
     let engine = PolicyEngine::new().expect("engine");
-    let e = engine.load(b"not wasm at all", spec("junk")).expect_err("junk");
+    let e = engine
+        .load(b"not wasm at all", spec("junk"))
+        .expect_err("junk");
     assert!(matches!(e, PolicyError::Compile { .. }), "{e:?}");
     assert_eq!(e.reason(), "compile");
     // A core module, not a component.
@@ -181,17 +285,31 @@ fn host_imports_work() {
     let mut config = BTreeMap::new();
     config.insert("greeting".to_string(), "hello".to_string());
     let policy = engine
-        .load(&wasm("echo"), PolicySpec { config, ..spec("echo") })
+        .load(
+            &wasm("echo"),
+            PolicySpec {
+                config,
+                ..spec("echo")
+            },
+        )
         .expect("echo answers 4xx rejections, which are valid");
     let v = view();
-    let d = policy.decide(&request(0, 21, vec![]), &v, &names(&v)).expect("decide");
-    let Route::Reject(r) = d.route else { panic!("echo rejects: {d:?}") };
+    let d = policy
+        .decide(&request(0, 21, vec![]), &v, &names(&v))
+        .expect("decide");
+    let Route::Reject(r) = d.route else {
+        panic!("echo rejects: {d:?}")
+    };
     assert_eq!(r.status, 421);
     assert_eq!(r.message, "name0=node-0;name_out=-;greeting=hello;clock=ok");
     // Without config and without names.
     let policy = engine.load(&wasm("echo"), spec("echo")).expect("load");
-    let d = policy.decide(&request(0, 1, vec![]), &v, &[]).expect("decide");
-    let Route::Reject(r) = d.route else { panic!("echo rejects: {d:?}") };
+    let d = policy
+        .decide(&request(0, 1, vec![]), &v, &[])
+        .expect("decide");
+    let Route::Reject(r) = d.route else {
+        panic!("echo rejects: {d:?}")
+    };
     assert_eq!(r.message, "name0=-;name_out=-;greeting=-;clock=ok");
 }
 
@@ -209,10 +327,17 @@ fn fuel_budget_headroom() {
     let prefix: Vec<u32> = (0..64).map(|i| i % 7).collect();
     for name in ["prefix-aware", "least-loaded", "round-robin"] {
         let policy = load(&engine, name);
-        let (result, stats) = policy.decide_with_stats(&request(3, 2, prefix.clone()), &v, &names(&v));
+        let (result, stats) =
+            policy.decide_with_stats(&request(3, 2, prefix.clone()), &v, &names(&v));
         result.expect("decide");
-        eprintln!("{name}: 64-node decision used {} fuel of {DEFAULT_FUEL}", stats.fuel_used);
-        assert!(stats.fuel_used > 0 && stats.fuel_used < DEFAULT_FUEL / 10, "{name}: {stats:?}");
+        eprintln!(
+            "{name}: 64-node decision used {} fuel of {DEFAULT_FUEL}",
+            stats.fuel_used
+        );
+        assert!(
+            stats.fuel_used > 0 && stats.fuel_used < DEFAULT_FUEL / 10,
+            "{name}: {stats:?}"
+        );
     }
 }
 

@@ -8,7 +8,9 @@ use common::{load, names, node, request};
 use pd_policy::{Installed, PolicyEngine, PolicyError, PolicySlot, Role, Route, View};
 
 fn native(name: &str) -> Installed {
-    Installed::Native { name: name.to_string() }
+    Installed::Native {
+        name: name.to_string(),
+    }
 }
 
 #[test]
@@ -17,7 +19,10 @@ fn install_and_rollback() {
     assert_eq!(slot.current().name(), "least-loaded");
     assert_eq!(slot.current().version(), "native");
     assert_eq!(slot.current().sha256(), None);
-    assert!(matches!(slot.rollback(), Err(PolicyError::NothingToRollBack)));
+    assert!(matches!(
+        slot.rollback(),
+        Err(PolicyError::NothingToRollBack)
+    ));
 
     let engine = PolicyEngine::new().expect("engine");
     let wasm = load(&engine, "round-robin");
@@ -28,7 +33,10 @@ fn install_and_rollback() {
     assert_eq!(current.version(), sha[..12]);
     assert_eq!(current.sha256(), Some(sha.as_str()));
     assert!(current.loaded_at() >= std::time::UNIX_EPOCH);
-    assert_eq!(slot.previous().map(|p| p.name().to_string()).as_deref(), Some("least-loaded"));
+    assert_eq!(
+        slot.previous().map(|p| p.name().to_string()).as_deref(),
+        Some("least-loaded")
+    );
 
     slot.rollback().expect("rollback");
     assert_eq!(slot.current().name(), "least-loaded");
@@ -40,8 +48,13 @@ fn install_and_rollback() {
 
     // An unknown native name fails at decide time, typed.
     slot.install(native("first-node"));
-    let v = View { nodes: vec![node(Role::Standalone, 0, 0, 1)] };
-    let e = slot.current().decide(&request(0, 1, vec![]), &v, &names(&v)).expect_err("unknown");
+    let v = View {
+        nodes: vec![node(Role::Standalone, 0, 0, 1)],
+    };
+    let e = slot
+        .current()
+        .decide(&request(0, 1, vec![]), &v, &names(&v))
+        .expect_err("unknown");
     assert!(matches!(e, PolicyError::UnknownNative { .. }), "{e:?}");
 }
 
@@ -50,7 +63,12 @@ fn readers_see_whole_policies_while_swapping() {
     let engine = PolicyEngine::new().expect("engine");
     // Two policies that answer differently on this view: least-loaded puts idle node 1
     // first, round-robin (seq 0) keeps index order.
-    let v = View { nodes: vec![node(Role::Standalone, 5, 0, 1), node(Role::Standalone, 0, 0, 1)] };
+    let v = View {
+        nodes: vec![
+            node(Role::Standalone, 5, 0, 1),
+            node(Role::Standalone, 0, 0, 1),
+        ],
+    };
     let want = |name: &str| match name {
         "least-loaded" => Route::Whole(vec![1, 0]),
         "round-robin" => Route::Whole(vec![0, 1]),
@@ -64,10 +82,15 @@ fn readers_see_whole_policies_while_swapping() {
                 let mut calls = 0u32;
                 while !done.load(Ordering::Relaxed) || calls < 50 {
                     let policy = slot.current();
-                    let d = policy.decide(&request(0, 1, vec![]), &v, &names(&v)).expect("decide");
+                    let d = policy
+                        .decide(&request(0, 1, vec![]), &v, &names(&v))
+                        .expect("decide");
                     // Name, sha and behaviour all come from the same policy.
                     assert_eq!(d.route, want(policy.name()));
-                    assert_eq!(policy.sha256().is_some(), matches!(**policy, Installed::Wasm(_)));
+                    assert_eq!(
+                        policy.sha256().is_some(),
+                        matches!(**policy, Installed::Wasm(_))
+                    );
                     calls += 1;
                 }
             });

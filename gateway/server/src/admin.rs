@@ -100,14 +100,18 @@ impl Admin {
             spec.name = name.clone();
         }
         if let Some(ms) = q.get("deadline_ms") {
-            let ms: f64 = ms.parse().map_err(|_| format!("deadline_ms: not a number: {ms}"))?;
+            let ms: f64 = ms
+                .parse()
+                .map_err(|_| format!("deadline_ms: not a number: {ms}"))?;
             if !(ms > 0.0 && ms <= 10_000.0) {
                 return Err("deadline_ms must be in (0, 10000]".into());
             }
             spec.deadline = Duration::from_secs_f64(ms / 1000.0);
         }
         if let Some(mib) = q.get("memory_mib") {
-            let mib: usize = mib.parse().map_err(|_| format!("memory_mib: not a number: {mib}"))?;
+            let mib: usize = mib
+                .parse()
+                .map_err(|_| format!("memory_mib: not a number: {mib}"))?;
             spec.memory_limit = mib << 20;
         }
         spec.config = q
@@ -158,7 +162,10 @@ async fn push(
     }
     let installed = if let Some(native) = q.get("native") {
         if !["least-loaded", "round-robin", "prefix-aware"].contains(&native.as_str()) {
-            return error(StatusCode::BAD_REQUEST, format!("no native policy `{native}`"));
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("no native policy `{native}`"),
+            );
         }
         Installed::Native {
             name: native.clone(),
@@ -215,9 +222,15 @@ async fn dry_run(
         Ok(p) => p,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("policy refused: {e}")),
     };
-    let model = q.get("model").cloned().or_else(|| a.cluster.live_models().into_iter().next());
+    let model = q
+        .get("model")
+        .cloned()
+        .or_else(|| a.cluster.live_models().into_iter().next());
     let Some(model) = model else {
-        return error(StatusCode::SERVICE_UNAVAILABLE, "no live node: nothing to decide over");
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no live node: nothing to decide over",
+        );
     };
     let num = |k: &str, d: u32| q.get(k).and_then(|v| v.parse().ok()).unwrap_or(d);
     let prompt_tokens = num("prompt_tokens", 64);
@@ -255,7 +268,10 @@ async fn dry_run(
             "latency_us_p50": p50.as_secs_f64() * 1e6,
         }))
         .into_response(),
-        Ok((Some(Err(e)), _, _)) => error(StatusCode::UNPROCESSABLE_ENTITY, format!("the policy failed: {e}")),
+        Ok((Some(Err(e)), _, _)) => error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!("the policy failed: {e}"),
+        ),
         Ok((None, _, _)) | Err(_) => error(StatusCode::INTERNAL_SERVER_ERROR, "dry run failed"),
     }
 }

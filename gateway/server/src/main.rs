@@ -29,7 +29,11 @@ use rand::Rng;
 use tracing::info;
 
 #[derive(Parser, Debug)]
-#[command(name = "pd-gateway", version, about = "Gateway of a prefill/decode-disaggregated LLM cluster")]
+#[command(
+    name = "pd-gateway",
+    version,
+    about = "Gateway of a prefill/decode-disaggregated LLM cluster"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -223,7 +227,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let initial = match &args.policy {
         Some(path) => {
-            let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+            let bytes =
+                std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
             spec.name = path
                 .file_stem()
                 .map_or("policy".into(), |s| s.to_string_lossy().into_owned());
@@ -257,7 +262,10 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             (t, Some(path))
         }
     };
-    let configured_cluster_token = args.cluster_token.clone().or_else(|| env("PD_CLUSTER_TOKEN"));
+    let configured_cluster_token = args
+        .cluster_token
+        .clone()
+        .or_else(|| env("PD_CLUSTER_TOKEN"));
     let token_required = configured_cluster_token.is_some();
     let cluster_token = configured_cluster_token.unwrap_or_else(random_token);
 
@@ -337,7 +345,10 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 let admin_listener = tokio::net::TcpListener::from_std(admin_listener)
                     .expect("a bound std listener converts");
                 tokio::spawn(async move {
-                    if let Err(e) = registry.serve(registry_listener, std::future::pending()).await {
+                    if let Err(e) = registry
+                        .serve(registry_listener, std::future::pending())
+                        .await
+                    {
                         eprintln!("pd-gateway: registry stopped: {e}");
                         std::process::exit(1);
                     }
@@ -379,8 +390,11 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
-    let mut service =
-        pingora::proxy::http_proxy_service_with_name(&server.configuration, Gateway(shared), "pd-gateway");
+    let mut service = pingora::proxy::http_proxy_service_with_name(
+        &server.configuration,
+        Gateway(shared),
+        "pd-gateway",
+    );
     service.add_tcp(&http_addr.to_string());
     server.add_service(service);
     info!(%http_addr, %registry_addr, %admin_addr, "pd-gateway starting");
@@ -398,7 +412,11 @@ fn admin_client(a: &AdminArgs) -> anyhow::Result<(reqwest::Client, String, Strin
             .ok()
             .context("give --token, --token-file or PD_ADMIN_TOKEN")?,
     };
-    Ok((reqwest::Client::new(), a.admin.trim_end_matches('/').to_owned(), token))
+    Ok((
+        reqwest::Client::new(),
+        a.admin.trim_end_matches('/').to_owned(),
+        token,
+    ))
 }
 
 fn policy(cmd: PolicyCommand) -> anyhow::Result<()> {
@@ -407,7 +425,13 @@ fn policy(cmd: PolicyCommand) -> anyhow::Result<()> {
         .build()?;
     rt.block_on(async move {
         let (client, url, req) = match &cmd {
-            PolicyCommand::Push { file, admin, name, deadline_ms, config } => {
+            PolicyCommand::Push {
+                file,
+                admin,
+                name,
+                deadline_ms,
+                config,
+            } => {
                 let (c, base, token) = admin_client(admin)?;
                 let mut q: HashMap<String, String> = parse_config(config)?
                     .into_iter()
@@ -420,7 +444,8 @@ fn policy(cmd: PolicyCommand) -> anyhow::Result<()> {
                 if let Some(d) = deadline_ms {
                     q.insert("deadline_ms".into(), d.to_string());
                 }
-                let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+                let bytes =
+                    std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
                 let url = format!("{base}/admin/policy");
                 let req = c.put(&url).query(&q).bearer_auth(token).body(bytes);
                 (c, url, req)
@@ -437,13 +462,23 @@ fn policy(cmd: PolicyCommand) -> anyhow::Result<()> {
                 let req = c.post(&url).bearer_auth(token);
                 (c, url, req)
             }
-            PolicyCommand::DryRun { file, admin, prompt_tokens, n, model } => {
+            PolicyCommand::DryRun {
+                file,
+                admin,
+                prompt_tokens,
+                n,
+                model,
+            } => {
                 let (c, base, token) = admin_client(admin)?;
-                let mut q = vec![("prompt_tokens", prompt_tokens.to_string()), ("n", n.to_string())];
+                let mut q = vec![
+                    ("prompt_tokens", prompt_tokens.to_string()),
+                    ("n", n.to_string()),
+                ];
                 if let Some(m) = model {
                     q.push(("model", m.clone()));
                 }
-                let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+                let bytes =
+                    std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
                 let url = format!("{base}/admin/policy/dry-run");
                 let req = c.post(&url).query(&q).bearer_auth(token).body(bytes);
                 (c, url, req)

@@ -63,8 +63,7 @@ impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new();
         fn reg<C: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: C) -> C {
-            r.register(Box::new(c.clone()))
-                .expect("unique metric name");
+            r.register(Box::new(c.clone())).expect("unique metric name");
             c
         }
         let counters = |name: &str, help: &str, labels: &[&str]| {

@@ -72,7 +72,12 @@ fn opt_u32(body: &Map<String, Value>, key: &'static str) -> Result<Option<u32>, 
             .as_u64()
             .and_then(|n| u32::try_from(n).ok())
             .map(Some)
-            .ok_or_else(|| bad(key, format!("{key} must be a non-negative integer, got {v}"))),
+            .ok_or_else(|| {
+                bad(
+                    key,
+                    format!("{key} must be a non-negative integer, got {v}"),
+                )
+            }),
     }
 }
 
@@ -227,7 +232,9 @@ pub fn prefill_params(p_body: &[u8]) -> Result<Value, String> {
     };
     let params = params.ok_or("P answered without kv_transfer_params")?;
     if params.get("do_remote_prefill") != Some(&Value::Bool(true)) {
-        return Err(format!("P's kv_transfer_params do not ask for a pull: {params}"));
+        return Err(format!(
+            "P's kv_transfer_params do not ask for a pull: {params}"
+        ));
     }
     Ok(params)
 }
@@ -281,8 +288,10 @@ mod tests {
 
     #[test]
     fn reads_the_routing_fields() {
-        let body = obj(json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-            "n": 3, "max_tokens": 9, "stream": true, "user": "u1"}));
+        let body = obj(
+            json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "n": 3, "max_tokens": 9, "stream": true, "user": "u1"}),
+        );
         let a = analyze(Api::ChatCompletions, &body, Some("s")).unwrap();
         assert_eq!((a.n, a.max_tokens, a.stream), (3, Some(9), true));
         assert_eq!(a.conversation_key.as_deref(), Some("u1"));
@@ -291,14 +300,17 @@ mod tests {
         assert_eq!(e.status(), 400);
         let body = obj(json!({"model": "m", "input": "x", "previous_response_id": "r1"}));
         let e = analyze(Api::Responses, &body, None).unwrap_err();
-        assert!(matches!(e, GatewayError::InvalidRequest { param: Some(p), .. } if p == "previous_response_id"));
+        assert!(
+            matches!(e, GatewayError::InvalidRequest { param: Some(p), .. } if p == "previous_response_id")
+        );
         let e = analyze(Api::Completions, &obj(json!({"prompt": "x"})), None).unwrap_err();
         assert!(matches!(e, GatewayError::InvalidRequest { param: Some(p), .. } if p == "model"));
     }
 
     #[test]
     fn prefill_asks_for_one_token_and_a_handoff() {
-        let body = obj(json!({"model": "m", "input": "x", "stream": true, "max_output_tokens": 50}));
+        let body =
+            obj(json!({"model": "m", "input": "x", "stream": true, "max_output_tokens": 50}));
         let p = prefill_body(Api::Responses, &body);
         assert_eq!(p["max_output_tokens"], 1);
         assert_eq!(p["stream"], false);

@@ -166,7 +166,12 @@ async fn read_body(session: &mut Session, limit: usize) -> Result<Vec<u8>, Gatew
                 body.extend_from_slice(&chunk);
             }
             Ok(None) => return Ok(body),
-            Err(e) => return Err(GatewayError::invalid("body", format!("reading the body: {e}"))),
+            Err(e) => {
+                return Err(GatewayError::invalid(
+                    "body",
+                    format!("reading the body: {e}"),
+                ));
+            }
         }
     }
 }
@@ -304,11 +309,12 @@ impl Gateway {
             Route::Split(split) => {
                 if let Some(params) = client_params {
                     // A trusted client drives P/D itself: forward to the role its params ask for.
-                    let candidates: Vec<u32> = if params.get("do_remote_decode") == Some(&json!(true)) {
-                        split.prefill.clone()
-                    } else {
-                        split.decode.iter().map(|d| d.node).collect()
-                    };
+                    let candidates: Vec<u32> =
+                        if params.get("do_remote_decode") == Some(&json!(true)) {
+                            split.prefill.clone()
+                        } else {
+                            split.decode.iter().map(|d| d.node).collect()
+                        };
                     let bytes = Bytes::from(serde_json::to_vec(&body).map_err(internal)?);
                     return self
                         .whole(session, t, path, &snapshot, &candidates, bytes, "trusted")
@@ -326,7 +332,12 @@ impl Gateway {
         let raw = read_body(session, s.config.max_body).await?;
         let mut body = match serde_json::from_slice::<Value>(&raw) {
             Ok(Value::Object(m)) => m,
-            Ok(_) => return Err(GatewayError::invalid("body", "the body must be a JSON object")),
+            Ok(_) => {
+                return Err(GatewayError::invalid(
+                    "body",
+                    "the body must be a JSON object",
+                ));
+            }
             Err(e) => {
                 return Err(GatewayError::InvalidRequest {
                     message: format!("the body is not valid JSON: {e}"),
@@ -349,6 +360,12 @@ impl Gateway {
             .get("x-session-id")
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
+        // An unknown model is a 404 whatever else is wrong with the request.
+        if let Some(Value::String(model)) = body.get("model")
+            && s.cluster.model(model).is_none()
+        {
+            return Err(GatewayError::ModelNotFound(model.clone()));
+        }
         let analyzed = openai::analyze(api, &body, session_key.as_deref())?;
         let (tokenizer, block_size) = s
             .cluster
@@ -471,8 +488,11 @@ impl Gateway {
             let Some(node) = snapshot.nodes.get(i as usize) else {
                 continue;
             };
-            match self.send(session, t, &node.http_addr, path, body.clone()).await {
-                Ok(resp) => return self.relay(session, t, resp, None).await,
+            match self
+                .send(session, t, &node.http_addr, path, body.clone())
+                .await
+            {
+                Ok(resp) => return self.relay(session, t, resp).await,
                 Err(Failed::Gone) => return Ok(Outcome::Aborted),
                 Err(Failed::Next(e)) => {
                     warn!(node = %node.engine_id, stage, "failing over: {e}");
@@ -510,9 +530,8 @@ impl Gateway {
         // other entries of the ranking are failover candidates. Spreading children over several
         // decode nodes needs one lease per decode node from P (not built yet).
         let candidates: Vec<u32> = split.decode.iter().map(|d| d.node).collect();
-        let d_body = Bytes::from(
-            serde_json::to_vec(&openai::decode_body(body, &params)).map_err(internal)?,
-        );
+        let d_body =
+            Bytes::from(serde_json::to_vec(&openai::decode_body(body, &params)).map_err(internal)?);
         let outcome = self
             .decode(session, t, path, snapshot, &candidates, d_body)
             .await;
@@ -548,12 +567,19 @@ impl Gateway {
             let Some(node) = snapshot.nodes.get(i as usize) else {
                 continue;
             };
-            let resp = match self.send(session, t, &node.http_addr, path, p_body.clone()).await {
+            let resp = match self
+                .send(session, t, &node.http_addr, path, p_body.clone())
+                .await
+            {
                 Ok(r) => r,
                 Err(Failed::Gone) => return Ok(None),
                 Err(Failed::Next(e)) => {
                     warn!(node = %node.engine_id, "prefill failing over: {e}");
-                    self.0.metrics.failovers.with_label_values(&["prefill"]).inc();
+                    self.0
+                        .metrics
+                        .failovers
+                        .with_label_values(&["prefill"])
+                        .inc();
                     why.push(e);
                     continue;
                 }
@@ -573,20 +599,30 @@ impl Gateway {
             if status >= 400 {
                 // The node refused the request itself (too long a prompt, a bad field): the
                 // client's fault, the same on every node.
-                return Err(GatewayError::Node { status, body: bytes });
+                return Err(GatewayError::Node {
+                    status,
+                    body: bytes,
+                });
             }
             match openai::prefill_params(&bytes) {
                 Ok(params) => return Ok(Some(params)),
                 Err(e) => {
                     warn!(node = %node.engine_id, "prefill failing over: {e}");
-                    self.0.metrics.failovers.with_label_values(&["prefill"]).inc();
+                    self.0
+                        .metrics
+                        .failovers
+                        .with_label_values(&["prefill"])
+                        .inc();
                     why.push(e);
                 }
             }
         }
         Err(GatewayError::NoCapacity {
             model: analyzed.model.clone(),
-            why: format!("no prefill node could serve the request: {}", why.join("; ")),
+            why: format!(
+                "no prefill node could serve the request: {}",
+                why.join("; ")
+            ),
         })
     }
 
@@ -605,12 +641,19 @@ impl Gateway {
             let Some(node) = snapshot.nodes.get(i as usize) else {
                 continue;
             };
-            match self.send(session, t, &node.http_addr, path, body.clone()).await {
-                Ok(resp) => return self.relay(session, t, resp, None).await,
+            match self
+                .send(session, t, &node.http_addr, path, body.clone())
+                .await
+            {
+                Ok(resp) => return self.relay(session, t, resp).await,
                 Err(Failed::Gone) => return Ok(Outcome::Aborted),
                 Err(Failed::Next(e)) => {
                     warn!(node = %node.engine_id, "decode failing over: {e}");
-                    self.0.metrics.failovers.with_label_values(&["decode"]).inc();
+                    self.0
+                        .metrics
+                        .failovers
+                        .with_label_values(&["decode"])
+                        .inc();
                     why.push(e);
                 }
             }
@@ -627,7 +670,6 @@ impl Gateway {
         session: &mut Session,
         t: &mut Timing,
         mut resp: reqwest::Response,
-        _unused: Option<()>,
     ) -> Result<Outcome, GatewayError> {
         let status = resp.status().as_u16();
         let content_type = resp
@@ -652,7 +694,11 @@ impl Gateway {
             match chunk {
                 Ok(Some(bytes)) => {
                     t.first_byte.get_or_insert_with(Instant::now);
-                    if session.write_response_body(Some(bytes), false).await.is_err() {
+                    if session
+                        .write_response_body(Some(bytes), false)
+                        .await
+                        .is_err()
+                    {
                         return Ok(Outcome::Aborted);
                     }
                 }

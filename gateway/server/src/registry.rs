@@ -138,11 +138,15 @@ impl NodeRegistry for Registry {
             Ok(Some(Ok(m))) => m,
             Ok(Some(Err(s))) => return Err(s),
             Ok(None) | Err(_) => {
-                return Err(Status::invalid_argument("expected a Register message first"));
+                return Err(Status::invalid_argument(
+                    "expected a Register message first",
+                ));
             }
         };
         let Some(pb::node_message::Msg::Register(reg)) = first.msg else {
-            return Err(Status::invalid_argument("the first message must be Register"));
+            return Err(Status::invalid_argument(
+                "the first message must be Register",
+            ));
         };
         if let Err(status) = self.check(&reg) {
             warn!(engine_id = %reg.engine_id, ?peer, "registration refused: {}", status.message());

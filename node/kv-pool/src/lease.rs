@@ -303,6 +303,7 @@ mod tests {
     fn leased_blocks_outlive_their_owner_until_release() {
         let (mut a, mut t, blocks, now) = setup();
         let l = grant(&mut a, &mut t, &blocks, "d1", now);
+        assert_eq!(t.leased_blocks(), 2);
         // The sequence that computed them finishes and frees its references.
         for &b in &blocks {
             a.free(b);
@@ -315,6 +316,7 @@ mod tests {
         free_all(&mut a, &[l]);
         assert_eq!(a.num_free(), 2);
         assert_eq!(t.counts().released, 1);
+        assert_eq!(t.leased_blocks(), 0);
     }
 
     #[test]

@@ -225,7 +225,7 @@ impl Reporter {
             let attempt = self.backoff.attempts;
             if matches!(err, ReportError::Unauthenticated(_)) {
                 // A configuration error, not an outage: said loudly, and again now and then.
-                if attempt == 1 || attempt % 12 == 0 {
+                if attempt == 1 || attempt.is_multiple_of(12) {
                     error!(gateway = %self.addr, error = %chain(&err), ?delay, attempt, "the gateway refused the registration: wrong or missing cluster token (--cluster-token / PD_CLUSTER_TOKEN); retrying with backoff");
                 } else {
                     debug!(gateway = %self.addr, ?delay, attempt, "cluster token still refused");

@@ -1,15 +1,20 @@
 //! `pd-node serve --gateway`: the real node binary registers with a (test) registry over gRPC and
 //! streams its state: load, leases, and the block hashes of its prefix cache. A registry restart
-//! does not disturb serving; the node re-registers and resyncs.
+//! does not disturb serving; the node re-registers and resyncs. The registration carries the
+//! cluster token and the tokenizer files (from which the gateway tokenizes as the node does),
+//! and a decode node pulls only from the producers in the gateway's peer list.
 
 use std::io::{BufRead, BufReader};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pd_kv_pool::hash_full_blocks;
 use pd_model::tiny::{TinySpec, generate};
 use pd_report::test_registry::{RegistryLog, TestRegistry, TestRegistryOptions};
 use pd_rpc::registry as pb;
+use pd_tokenize::Tokenizer;
+use pd_tokenize::prompt::{ChatMessageIn, PromptKind, chat_messages, prompt_tokens};
 use serde_json::{Value, json};
 
 struct Node(Child);
@@ -22,6 +27,57 @@ impl Drop for Node {
 }
 
 const WAIT: Duration = Duration::from_secs(15);
+
+/// Starts `pd-node serve --model dir --port 0 --block-size 4 --served-model-name tiny` plus
+/// `args`; returns it and its HTTP base URL once it listens.
+fn start(dir: &Path, args: &[&str]) -> (Node, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pd-node"))
+        .arg("serve")
+        .arg("--model")
+        .arg(dir)
+        .args(["--port", "0", "--block-size", "4"])
+        .args(["--served-model-name", "tiny"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let node = Node(child);
+    loop {
+        let mut line = String::new();
+        assert!(out.read_line(&mut line).unwrap() > 0, "pd-node exited");
+        if let Some(a) = line.trim().strip_prefix("pd-node listening on ") {
+            return (node, a.to_string());
+        }
+    }
+}
+
+async fn post(url: &str, body: &Value) -> reqwest::Response {
+    reqwest::Client::new()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// The value of a Prometheus sample (`name{labels}` exactly as printed), 0 when absent.
+async fn metric(http: &str, sample: &str) -> f64 {
+    let text = reqwest::get(format!("{http}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            (name == sample).then(|| value.parse().unwrap())
+        })
+        .unwrap_or(0.0)
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_registers_streams_state_and_survives_a_registry_restart() {
@@ -54,6 +110,7 @@ async fn node_registers_streams_state_and_survives_a_registry_restart() {
         .args(["--served-model-name", "tiny", "--kv-role", "kv_producer"])
         .args(["--kv-port", "0", "--engine-id", "p7"])
         .args(["--gateway", &gateway.to_string()])
+        .env("PD_CLUSTER_TOKEN", "s3cret")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -83,6 +140,44 @@ async fn node_registers_streams_state_and_survives_a_registry_restart() {
     assert_eq!(format!("http://{}", reg.http_addr), http);
     assert!(!reg.kv_side_channel_addr.is_empty());
     assert_ne!(reg.compat_hash, 0);
+    assert_eq!(reg.cluster_token, "s3cret", "from PD_CLUSTER_TOKEN");
+
+    // The tokenizer, as files: the gateway rebuilds the node's very tokenizer from them.
+    let bundle = reg.tokenizer.clone().expect("the tokenizer is sent");
+    let files = conns[0].tokenizer_files();
+    for name in ["tokenizer.json", "tokenizer_config.json", "config.json"] {
+        assert!(files.contains_key(name), "{name} sent: {:?}", files.keys());
+    }
+    let local = Tokenizer::from_dir(&dir).unwrap();
+    assert_eq!(&files, local.files());
+    assert_eq!(bundle.fingerprint, local.fingerprint());
+    let rebuilt = Tokenizer::from_files(&files).unwrap();
+    assert_eq!(rebuilt.fingerprint(), bundle.fingerprint);
+    let messages: Vec<ChatMessageIn> = serde_json::from_value(json!([
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": [{"type": "text", "text": "Same ids"}, {"type": "text", "text": "everywhere?"}]},
+    ]))
+    .unwrap();
+    let r: Value = post(
+        &format!("{http}/v1/chat/completions"),
+        &json!({"model": "tiny", "messages": messages, "max_tokens": 1, "return_token_ids": true}),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    let node_ids: Vec<u32> = r["prompt_token_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("prompt_token_ids in {r}"))
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    let gateway_ids = prompt_tokens(
+        &rebuilt,
+        PromptKind::Chat(chat_messages(&messages).unwrap(), "messages"),
+    )
+    .unwrap();
+    assert_eq!(gateway_ids, node_ids);
 
     // A prefill: its full blocks show up as stored hashes, its lease in the state.
     let body = json!({"model": "tiny", "prompt": "Twenty bytes prompt!", "max_tokens": 1,
@@ -119,6 +214,7 @@ async fn node_registers_streams_state_and_survives_a_registry_restart() {
     assert!(states.windows(2).all(|w| w[1] == w[0] + 1), "{states:?}");
     let last = log.connections()[0].states().last().cloned().unwrap();
     assert_eq!(last.total_blocks, 128);
+    assert_eq!(last.leased_blocks, 5);
     assert_eq!(
         last.free_blocks,
         128 - 5,
@@ -167,4 +263,142 @@ async fn node_registers_streams_state_and_survives_a_registry_restart() {
     assert_eq!(second.register().unwrap().epoch, reg.epoch, "same process");
     drop(registry);
     drop(node);
+}
+
+/// Posts `body` to D until `done` holds for the status and the body, at most [`WAIT`].
+async fn until(url: &str, body: &Value, mut done: impl FnMut(u16, &Value) -> bool) -> Value {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let r = post(url, body).await;
+        let status = r.status().as_u16();
+        let v: Value = r.json().await.unwrap();
+        if done(status, &v) {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "last answer {status}: {v}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn message(v: &Value) -> &str {
+    v["error"]["message"].as_str().unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_node_with_a_gateway_pulls_only_from_the_peers_it_pushed() {
+    let dir = std::env::temp_dir().join(format!("pd-registry-peers-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    generate(&TinySpec::default(), &dir).unwrap();
+    let registry = TestRegistry::start("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let gateway = registry.addr().to_string();
+    let (_p, p) = start(
+        &dir,
+        &[
+            "--kv-role",
+            "kv_producer",
+            "--kv-port",
+            "0",
+            "--engine-id",
+            "p1",
+        ],
+    );
+    let (_d, d) = start(
+        &dir,
+        &[
+            "--kv-role",
+            "kv_consumer",
+            "--kv-port",
+            "0",
+            "--engine-id",
+            "d1",
+            "--kv-recompute-threshold",
+            "0",
+            "--gateway",
+            &gateway,
+        ],
+    );
+    registry
+        .log()
+        .wait_for(WAIT, |c| {
+            c.iter()
+                .any(|c| c.register().is_some_and(|r| r.engine_id == "d1"))
+        })
+        .await
+        .unwrap();
+
+    // P prefills and answers with the params a proxy forwards to D.
+    let body = json!({"model": "tiny", "prompt": "A prompt of several blocks for D to pull.",
+        "max_tokens": 4, "temperature": 0, "ignore_eos": true, "return_token_ids": true});
+    let mut prefill = body.clone();
+    prefill["max_tokens"] = json!(1);
+    prefill["kv_transfer_params"] = json!({"do_remote_decode": true});
+    let r: Value = post(&format!("{p}/v1/completions"), &prefill)
+        .await
+        .json()
+        .await
+        .unwrap();
+    let params = r["kv_transfer_params"].clone();
+    let producer = format!(
+        "{}:{}",
+        params["remote_host"].as_str().unwrap(),
+        params["remote_port"].as_u64().unwrap()
+    );
+    let mut decode = body.clone();
+    decode["kv_transfer_params"] = params;
+    let url = format!("{d}/v1/completions");
+
+    // No peer list yet: D refuses to contact anyone, before contacting anything.
+    let r = post(&url, &decode).await;
+    assert_eq!(r.status(), 400);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["param"], "kv_transfer_params.remote_host");
+    assert!(
+        message(&e).contains("not registered with the gateway"),
+        "{e}"
+    );
+    let consumed = "pd_node_kv_params_requests_total{directive=\"consume\"}";
+    assert_eq!(metric(&d, consumed).await, 1.0, "counted though refused");
+    assert_eq!(
+        metric(
+            &p,
+            "pd_node_kv_params_requests_total{directive=\"produce\"}"
+        )
+        .await,
+        1.0
+    );
+    assert_eq!(metric(&d, "pd_kv_transfer_bytes_total").await, 0.0);
+
+    // A list without this producer: still refused, now saying so.
+    registry.send_peers(vec!["10.9.8.7:1".to_string()]);
+    let e = until(&url, &decode, |status, v| {
+        status == 400 && message(v).contains("not a KV peer registered with the gateway")
+    })
+    .await;
+    assert_eq!(e["error"]["param"], "kv_transfer_params.remote_host");
+    assert_eq!(metric(&d, "pd_kv_transfer_bytes_total").await, 0.0);
+
+    // The gateway names it: D pulls.
+    registry.send_peers(vec!["10.9.8.7:1".to_string(), producer]);
+    let r = until(&url, &decode, |status, _| status != 400).await;
+    let pulled = r["usage"]["prompt_tokens_details"]["kv_pulled_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("pulled tokens in {r}"));
+    assert!(pulled > 0, "{r}");
+    assert!(metric(&d, "pd_kv_transfer_bytes_total").await > 0.0);
+    assert_eq!(
+        metric(
+            &d,
+            "pd_node_kv_params_requests_total{directive=\"produce\"}"
+        )
+        .await,
+        0.0
+    );
+
+    // Requests without params are not counted.
+    let before = metric(&d, consumed).await;
+    let r = post(&url, &body).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(metric(&d, consumed).await, before);
 }

@@ -12,6 +12,14 @@
 //! - Rank: load = `waiting + running + waiting-remote-kv`, lowest first; then most
 //!   `free-blocks` first; then lowest index first.
 
+#![no_std]
+
+extern crate alloc;
+
+use alloc::string::ToString;
+use alloc::vec::Vec;
+use guest_rt as _;
+
 wit_bindgen::generate!({ world: "policy", path: "../../wit" });
 
 use pd::policy::types::{DecodeTarget, Node, Rejection, Role, Route, Split};
@@ -21,7 +29,8 @@ struct LeastLoaded;
 export!(LeastLoaded);
 
 /// Message of the 503 when no node can serve the request.
-const NO_NODES: &str = "no node can serve this request: the view has no prefill+decode pair and no standalone node";
+const NO_NODES: &str =
+    "no node can serve this request: the view has no prefill+decode pair and no standalone node";
 
 impl Guest for LeastLoaded {
     fn decide(request: Request, view: View) -> Decision {
@@ -32,15 +41,24 @@ impl Guest for LeastLoaded {
                 prefill: ranked(nodes, candidates(nodes, Role::Prefill)),
                 decode: ranked(nodes, candidates(nodes, Role::Decode))
                     .into_iter()
-                    .map(|node| DecodeTarget { node, children: request.n.max(1) })
+                    .map(|node| DecodeTarget {
+                        node,
+                        children: request.n.max(1),
+                    })
                     .collect(),
             })
         } else if has(Role::Standalone) {
             Route::Whole(ranked(nodes, candidates(nodes, Role::Standalone)))
         } else {
-            Route::Reject(Rejection { status: 503, message: NO_NODES.to_string() })
+            Route::Reject(Rejection {
+                status: 503,
+                message: NO_NODES.to_string(),
+            })
         };
-        Decision { route, reverse_pull: None }
+        Decision {
+            route,
+            reverse_pull: None,
+        }
     }
 }
 
@@ -66,7 +84,7 @@ fn candidates(nodes: &[Node], role: Role) -> Vec<u32> {
 fn ranked(nodes: &[Node], mut c: Vec<u32>) -> Vec<u32> {
     c.sort_by_key(|&i| {
         let n = &nodes[i as usize];
-        (load(n), std::cmp::Reverse(n.free_blocks), i)
+        (load(n), core::cmp::Reverse(n.free_blocks), i)
     });
     c
 }

@@ -15,17 +15,26 @@
 //! - Decode ranking: least-loaded order (the decode node pulls the KV, so its cache does not
 //!   matter).
 
+#![no_std]
+
+extern crate alloc;
+
+use alloc::string::ToString;
+use alloc::vec::Vec;
+use guest_rt as _;
+
 wit_bindgen::generate!({ world: "policy", path: "../../wit" });
 
 use pd::policy::types::{DecodeTarget, Node, Rejection, Role, Route, Split};
-use std::cmp::Reverse;
+use core::cmp::Reverse;
 
 struct PrefixAware;
 
 export!(PrefixAware);
 
 /// Message of the 503 when no node can serve the request.
-const NO_NODES: &str = "no node can serve this request: the view has no prefill+decode pair and no standalone node";
+const NO_NODES: &str =
+    "no node can serve this request: the view has no prefill+decode pair and no standalone node";
 
 impl Guest for PrefixAware {
     fn decide(request: Request, view: View) -> Decision {
@@ -37,15 +46,28 @@ impl Guest for PrefixAware {
                 prefill: by_prefix(nodes, prefix, candidates(nodes, Role::Prefill)),
                 decode: least_loaded(nodes, candidates(nodes, Role::Decode))
                     .into_iter()
-                    .map(|node| DecodeTarget { node, children: request.n.max(1) })
+                    .map(|node| DecodeTarget {
+                        node,
+                        children: request.n.max(1),
+                    })
                     .collect(),
             })
         } else if has(Role::Standalone) {
-            Route::Whole(by_prefix(nodes, prefix, candidates(nodes, Role::Standalone)))
+            Route::Whole(by_prefix(
+                nodes,
+                prefix,
+                candidates(nodes, Role::Standalone),
+            ))
         } else {
-            Route::Reject(Rejection { status: 503, message: NO_NODES.to_string() })
+            Route::Reject(Rejection {
+                status: 503,
+                message: NO_NODES.to_string(),
+            })
         };
-        Decision { route, reverse_pull: None }
+        Decision {
+            route,
+            reverse_pull: None,
+        }
     }
 }
 

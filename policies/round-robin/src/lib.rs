@@ -11,6 +11,14 @@
 //! - Rank: the candidate list rotated left by `seq % len` (candidate `seq % len` first, then
 //!   the ones after it, wrapping around).
 
+#![no_std]
+
+extern crate alloc;
+
+use alloc::string::ToString;
+use alloc::vec::Vec;
+use guest_rt as _;
+
 wit_bindgen::generate!({ world: "policy", path: "../../wit" });
 
 use pd::policy::types::{DecodeTarget, Node, Rejection, Role, Route, Split};
@@ -20,7 +28,8 @@ struct RoundRobin;
 export!(RoundRobin);
 
 /// Message of the 503 when no node can serve the request.
-const NO_NODES: &str = "no node can serve this request: the view has no prefill+decode pair and no standalone node";
+const NO_NODES: &str =
+    "no node can serve this request: the view has no prefill+decode pair and no standalone node";
 
 impl Guest for RoundRobin {
     fn decide(request: Request, view: View) -> Decision {
@@ -32,15 +41,24 @@ impl Guest for RoundRobin {
                 prefill: rotated(candidates(nodes, Role::Prefill), seq),
                 decode: rotated(candidates(nodes, Role::Decode), seq)
                     .into_iter()
-                    .map(|node| DecodeTarget { node, children: request.n.max(1) })
+                    .map(|node| DecodeTarget {
+                        node,
+                        children: request.n.max(1),
+                    })
                     .collect(),
             })
         } else if has(Role::Standalone) {
             Route::Whole(rotated(candidates(nodes, Role::Standalone), seq))
         } else {
-            Route::Reject(Rejection { status: 503, message: NO_NODES.to_string() })
+            Route::Reject(Rejection {
+                status: 503,
+                message: NO_NODES.to_string(),
+            })
         };
-        Decision { route, reverse_pull: None }
+        Decision {
+            route,
+            reverse_pull: None,
+        }
     }
 }
 

@@ -33,7 +33,10 @@ mod tests {
 
     #[test]
     fn concurrent_callers_agree() {
-        let v = view(vec![node(Role::Standalone, 3, 1, false), node(Role::Standalone, 2, 1, false)]);
+        let v = view(vec![
+            node(Role::Standalone, 3, 1, false),
+            node(Role::Standalone, 2, 1, false),
+        ]);
         let r = request(0, 1, vec![]);
         let want = least_loaded(&r, &v);
         std::thread::scope(|s| {

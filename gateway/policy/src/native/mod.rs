@@ -37,7 +37,9 @@ pub use least_loaded::least_loaded;
 pub use prefix_aware::prefix_aware;
 pub use round_robin::round_robin;
 
-use crate::{Decision, DecodeTarget, Node, PolicyError, Rejection, Request, Role, Route, Split, View};
+use crate::{
+    Decision, DecodeTarget, Node, PolicyError, Rejection, Request, Role, Route, Split, View,
+};
 
 /// Message of the 503 a policy answers when no node can serve the request.
 pub const NO_NODES: &str =
@@ -56,8 +58,11 @@ pub enum NativePolicy {
 
 impl NativePolicy {
     /// Every native policy.
-    pub const ALL: [NativePolicy; 3] =
-        [NativePolicy::LeastLoaded, NativePolicy::RoundRobin, NativePolicy::PrefixAware];
+    pub const ALL: [NativePolicy; 3] = [
+        NativePolicy::LeastLoaded,
+        NativePolicy::RoundRobin,
+        NativePolicy::PrefixAware,
+    ];
 
     /// The policy named `name` (`least-loaded`, `round-robin`, `prefix-aware`).
     ///
@@ -68,7 +73,9 @@ impl NativePolicy {
         Self::ALL
             .into_iter()
             .find(|p| p.name() == name)
-            .ok_or_else(|| PolicyError::UnknownNative { name: name.to_string() })
+            .ok_or_else(|| PolicyError::UnknownNative {
+                name: name.to_string(),
+            })
     }
 
     /// The operator-facing name.
@@ -115,22 +122,35 @@ fn candidates(nodes: &[Node], role: Role) -> Vec<u32> {
 }
 
 /// The route shape shared by all native policies; `rank(role, candidates)` orders a list.
-fn route(request: &Request, view: &View, mut rank: impl FnMut(Role, Vec<u32>) -> Vec<u32>) -> Decision {
+fn route(
+    request: &Request,
+    view: &View,
+    mut rank: impl FnMut(Role, Vec<u32>) -> Vec<u32>,
+) -> Decision {
     let nodes = &view.nodes;
     let has = |role: Role| nodes.iter().any(|n| n.role == role);
     let route = if has(Role::Prefill) && has(Role::Decode) {
         let prefill = rank(Role::Prefill, candidates(nodes, Role::Prefill));
         let decode = rank(Role::Decode, candidates(nodes, Role::Decode))
             .into_iter()
-            .map(|node| DecodeTarget { node, children: request.n.max(1) })
+            .map(|node| DecodeTarget {
+                node,
+                children: request.n.max(1),
+            })
             .collect();
         Route::Split(Split { prefill, decode })
     } else if has(Role::Standalone) {
         Route::Whole(rank(Role::Standalone, candidates(nodes, Role::Standalone)))
     } else {
-        Route::Reject(Rejection { status: 503, message: NO_NODES.to_string() })
+        Route::Reject(Rejection {
+            status: 503,
+            message: NO_NODES.to_string(),
+        })
     };
-    Decision { route, reverse_pull: None }
+    Decision {
+        route,
+        reverse_pull: None,
+    }
 }
 
 #[cfg(test)]
@@ -178,12 +198,26 @@ pub(crate) mod tests {
         let r = request(0, 3, vec![]);
         for p in NativePolicy::ALL {
             // Empty view, prefill only, decode only: 503.
-            for nodes in [vec![], vec![node(Role::Prefill, 0, 1, false)], vec![node(Role::Decode, 0, 1, false)]] {
+            for nodes in [
+                vec![],
+                vec![node(Role::Prefill, 0, 1, false)],
+                vec![node(Role::Decode, 0, 1, false)],
+            ] {
                 let d = p.decide(&r, &view(nodes));
-                assert_eq!(d.route, Route::Reject(Rejection { status: 503, message: NO_NODES.into() }), "{p:?}");
+                assert_eq!(
+                    d.route,
+                    Route::Reject(Rejection {
+                        status: 503,
+                        message: NO_NODES.into()
+                    }),
+                    "{p:?}"
+                );
             }
             // Prefill + standalone: whole on the standalone node.
-            let v = view(vec![node(Role::Prefill, 0, 1, false), node(Role::Standalone, 0, 1, true)]);
+            let v = view(vec![
+                node(Role::Prefill, 0, 1, false),
+                node(Role::Standalone, 0, 1, true),
+            ]);
             assert_eq!(p.decide(&r, &v).route, Route::Whole(vec![1]), "{p:?}");
             // All prefill nodes draining: still a split, on the draining ones; n on each decode.
             let v = view(vec![
@@ -191,11 +225,20 @@ pub(crate) mod tests {
                 node(Role::Decode, 0, 1, false),
                 node(Role::Standalone, 0, 1, false),
             ]);
-            let want = Split { prefill: vec![0], decode: vec![DecodeTarget { node: 1, children: 3 }] };
+            let want = Split {
+                prefill: vec![0],
+                decode: vec![DecodeTarget {
+                    node: 1,
+                    children: 3,
+                }],
+            };
             assert_eq!(p.decide(&r, &v).route, Route::Split(want), "{p:?}");
             assert_eq!(p.decide(&r, &v).reverse_pull, None);
             assert_eq!(NativePolicy::from_name(p.name()).ok(), Some(p));
         }
-        assert!(matches!(NativePolicy::from_name("first-node"), Err(PolicyError::UnknownNative { .. })));
+        assert!(matches!(
+            NativePolicy::from_name("first-node"),
+            Err(PolicyError::UnknownNative { .. })
+        ));
     }
 }

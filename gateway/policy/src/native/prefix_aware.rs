@@ -17,7 +17,12 @@ pub fn prefix_aware(request: &Request, view: &View) -> Decision {
         if role == Role::Decode {
             c.sort_by_key(|&i| least_loaded_key(nodes, i));
         } else {
-            c.sort_by_key(|&i| (Reverse(score(request, nodes, i)), least_loaded_key(nodes, i)));
+            c.sort_by_key(|&i| {
+                (
+                    Reverse(score(request, nodes, i)),
+                    least_loaded_key(nodes, i),
+                )
+            });
         }
         c
     })
@@ -48,12 +53,23 @@ mod tests {
         let d = prefix_aware(&request(0, 2, vec![0, 8, 0, 0]), &v);
         let want = Split {
             prefill: vec![1, 0],
-            decode: vec![DecodeTarget { node: 3, children: 2 }, DecodeTarget { node: 2, children: 2 }],
+            decode: vec![
+                DecodeTarget {
+                    node: 3,
+                    children: 2,
+                },
+                DecodeTarget {
+                    node: 2,
+                    children: 2,
+                },
+            ],
         };
         assert_eq!(d.route, Route::Split(want));
         // Without the prefix, least-loaded order.
         let d = prefix_aware(&request(0, 1, vec![]), &v);
-        let Route::Split(s) = d.route else { panic!("expected split") };
+        let Route::Split(s) = d.route else {
+            panic!("expected split")
+        };
         assert_eq!(s.prefill, vec![0, 1]);
     }
 }

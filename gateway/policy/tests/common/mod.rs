@@ -41,7 +41,11 @@ pub const RELAXED_DEADLINE: Duration = Duration::from_secs(10);
 
 /// A default spec named `name`, with [`RELAXED_DEADLINE`].
 pub fn spec(name: &str) -> PolicySpec {
-    PolicySpec { name: name.to_string(), deadline: RELAXED_DEADLINE, ..PolicySpec::default() }
+    PolicySpec {
+        name: name.to_string(),
+        deadline: RELAXED_DEADLINE,
+        ..PolicySpec::default()
+    }
 }
 
 /// Loads guest `name` with [`spec`]`(name)`.
@@ -154,9 +158,19 @@ pub fn random_case(rng: &mut Rng, case: u64) -> (Request, View) {
             conversation_expiry_ms: 0,
         })
         .collect::<Vec<_>>();
-    let prefix_len = if rng.chance(20) { rng.below(len as u64 + 1) as usize } else { len };
-    let prefix_blocks = (0..prefix_len).map(|_| rng.pick(&[0, 0, 1, 3, 8, 40])).collect();
-    let seq = if rng.chance(10) { u64::MAX - rng.below(3) } else { rng.below(1000) };
+    let prefix_len = if rng.chance(20) {
+        rng.below(len as u64 + 1) as usize
+    } else {
+        len
+    };
+    let prefix_blocks = (0..prefix_len)
+        .map(|_| rng.pick(&[0, 0, 1, 3, 8, 40]))
+        .collect();
+    let seq = if rng.chance(10) {
+        u64::MAX - rng.below(3)
+    } else {
+        rng.below(1000)
+    };
     let n = rng.pick(&[1, 1, 2, 3, 5]);
     (request(seq, n, prefix_blocks), View { nodes })
 }

@@ -1,6 +1,15 @@
 //! Test-only guest: names node index 999 (outside any test view) when asked to (see
 //! `misbehave`), else answers validly. The host's `validate` must catch it.
 
+#![no_std]
+
+extern crate alloc;
+
+use alloc::string::ToString;
+use alloc::vec;
+use alloc::vec::Vec;
+use guest_rt as _;
+
 wit_bindgen::generate!({ world: "policy", path: "../../../wit" });
 
 use pd::policy::types::{Rejection, Route};
@@ -12,7 +21,10 @@ export!(Lying);
 impl Guest for Lying {
     fn decide(request: Request, view: View) -> Decision {
         if misbehave(&request) {
-            return Decision { route: Route::Whole(vec![999]), reverse_pull: None };
+            return Decision {
+                route: Route::Whole(vec![999]),
+                reverse_pull: None,
+            };
         }
         valid(&view)
     }
@@ -21,11 +33,17 @@ impl Guest for Lying {
 /// A valid decision for any view: every node as a whole-request candidate, or 503 when none.
 fn valid(view: &View) -> Decision {
     let route = if view.nodes.is_empty() {
-        Route::Reject(Rejection { status: 503, message: "no nodes".to_string() })
+        Route::Reject(Rejection {
+            status: 503,
+            message: "no nodes".to_string(),
+        })
     } else {
         Route::Whole((0..view.nodes.len() as u32).collect())
     };
-    Decision { route, reverse_pull: None }
+    Decision {
+        route,
+        reverse_pull: None,
+    }
 }
 
 /// Misbehave when `request.n == 7`, or on every call when the policy's config has `mode=always`

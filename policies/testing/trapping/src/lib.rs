@@ -1,6 +1,14 @@
 //! Test-only guest: panics (a wasm `unreachable` trap, built with `panic = "abort"`) when
 //! asked to (see `misbehave`), else answers validly.
 
+#![no_std]
+
+extern crate alloc;
+
+use alloc::string::ToString;
+use alloc::vec::Vec;
+use guest_rt as _;
+
 wit_bindgen::generate!({ world: "policy", path: "../../../wit" });
 
 use pd::policy::types::{Rejection, Route};
@@ -21,11 +29,17 @@ impl Guest for Trapping {
 /// A valid decision for any view: every node as a whole-request candidate, or 503 when none.
 fn valid(view: &View) -> Decision {
     let route = if view.nodes.is_empty() {
-        Route::Reject(Rejection { status: 503, message: "no nodes".to_string() })
+        Route::Reject(Rejection {
+            status: 503,
+            message: "no nodes".to_string(),
+        })
     } else {
         Route::Whole((0..view.nodes.len() as u32).collect())
     };
-    Decision { route, reverse_pull: None }
+    Decision {
+        route,
+        reverse_pull: None,
+    }
 }
 
 /// Misbehave when `request.n == 7`, or on every call when the policy's config has `mode=always`

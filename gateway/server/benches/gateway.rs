@@ -1,0 +1,286 @@
+//! Gateway-added latency: the same P→D requests through `pd-gateway` (WASM least-loaded policy
+//! in the path) and from a Rust client that drives P and D itself, interleaved in one run.
+//!
+//! ```sh
+//! bash scripts/build-policies.sh && cargo build --release -p pd-node
+//! cargo bench -p pd-gateway --bench gateway            # BENCH_REQUESTS=400 by default
+//! ```
+//!
+//! Real processes on loopback: a tiny generated model, one prefill node (P), one decode node
+//! (D), the gateway. Each request has a fresh prompt (no prefix-cache hits) and asks for 4
+//! tokens, greedy, not streamed. The direct client sends exactly what the gateway sends (the
+//! same `prefill_body`/`decode_body`), over the same kind of pooled keep-alive client.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use pd_gateway::openai::{decode_body, prefill_body, prefill_params};
+use pd_policy::Api;
+use serde_json::{Map, Value, json};
+
+struct Proc(Child);
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `bin args`; returns it and, for each of `prefixes`, the rest of the stdout line
+/// starting with it.
+fn start<S: AsRef<std::ffi::OsStr>>(
+    bin: &Path,
+    args: &[S],
+    prefixes: &[&str],
+) -> (Proc, Vec<String>) {
+    let mut child = Command::new(bin)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()));
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut found = vec![String::new(); prefixes.len()];
+    let mut lines = BufReader::new(stdout).lines();
+    while found.iter().any(String::is_empty) {
+        let line = lines
+            .next()
+            .unwrap_or_else(|| panic!("{} exited before it was ready", bin.display()))
+            .expect("stdout line");
+        for (i, p) in prefixes.iter().enumerate() {
+            if let Some(rest) = line.strip_prefix(p) {
+                found[i] = rest.trim().to_owned();
+            }
+        }
+    }
+    // Keep draining stdout so the child never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines {});
+    (Proc(child), found)
+}
+
+fn pct(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+struct Stats {
+    p50: f64,
+    p99: f64,
+    mean: f64,
+}
+
+fn stats(mut v: Vec<f64>) -> Stats {
+    v.sort_by(f64::total_cmp);
+    let mean = v.iter().sum::<f64>() / v.len() as f64;
+    Stats {
+        p50: pct(&v, 0.5),
+        p99: pct(&v, 0.99),
+        mean,
+    }
+}
+
+fn prompt(i: usize, len: usize) -> String {
+    // The tiny model's tokenizer is byte-level: one ASCII byte is one token.
+    let head = format!("{i:08} ");
+    let mut s = head.clone();
+    while s.len() < len {
+        s.push_str("abcdefghij klmnopqrst ");
+    }
+    s.truncate(len);
+    s
+}
+
+fn body(i: usize, len: usize) -> Map<String, Value> {
+    match json!({"model": "tiny", "prompt": prompt(i, len), "max_tokens": 4, "temperature": 0}) {
+        Value::Object(m) => m,
+        _ => unreachable!(),
+    }
+}
+
+async fn direct(c: &reqwest::Client, p: &str, d: &str, b: &Map<String, Value>) {
+    let pr = c
+        .post(format!("{p}/v1/completions"))
+        .json(&prefill_body(Api::Completions, b))
+        .send()
+        .await
+        .expect("P answers");
+    assert!(pr.status().is_success(), "P: {}", pr.status());
+    let params = prefill_params(&pr.bytes().await.expect("P body")).expect("P's params");
+    let dr = c
+        .post(format!("{d}/v1/completions"))
+        .json(&decode_body(b, &params))
+        .send()
+        .await
+        .expect("D answers");
+    assert!(dr.status().is_success(), "D: {}", dr.status());
+    let v: Value = dr.json().await.expect("D's JSON");
+    assert!(v["usage"]["prompt_tokens_details"]["kv_pulled_tokens"].as_u64() > Some(0));
+}
+
+async fn via_gateway(c: &reqwest::Client, gw: &str, b: &Map<String, Value>) {
+    let r = c
+        .post(format!("{gw}/v1/completions"))
+        .json(b)
+        .send()
+        .await
+        .expect("gateway answers");
+    assert!(r.status().is_success(), "gateway: {}", r.status());
+    let v: Value = r.json().await.expect("gateway JSON");
+    assert!(v["usage"]["prompt_tokens_details"]["kv_pulled_tokens"].as_u64() > Some(0));
+}
+
+async fn run(prompt_len: usize, n: usize, c: &reqwest::Client, gw: &str, p: &str, d: &str) {
+    let mut ids = 0..;
+    let mut next = || ids.next().expect("unbounded");
+    for _ in 0..20 {
+        direct(c, p, d, &body(next(), prompt_len)).await;
+        via_gateway(c, gw, &body(next(), prompt_len)).await;
+    }
+    let (mut dt, mut gt) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for _ in 0..n {
+        let b = body(next(), prompt_len);
+        let t = Instant::now();
+        direct(c, p, d, &b).await;
+        dt.push(t.elapsed().as_secs_f64() * 1e3);
+        let b = body(next(), prompt_len);
+        let t = Instant::now();
+        via_gateway(c, gw, &b).await;
+        gt.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let (ds, gs) = (stats(dt), stats(gt));
+    println!(
+        "| {prompt_len:>5} | {n:>5} | {:>8.3} | {:>8.3} | {:>8.3} | {:>8.3} | {:>8.0} | {:>8.0} | {:>8.0} | {:>8.0} |",
+        ds.p50,
+        ds.p99,
+        gs.p50,
+        gs.p99,
+        (gs.p50 - ds.p50) * 1e3,
+        (gs.p99 - ds.p99) * 1e3,
+        1e3 / ds.mean,
+        1e3 / gs.mean,
+    );
+}
+
+fn main() {
+    let n: usize = std::env::var("BENCH_REQUESTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(400);
+    let gateway = PathBuf::from(env!("CARGO_BIN_EXE_pd-gateway"));
+    let node = gateway.with_file_name("pd-node");
+    assert!(
+        node.exists(),
+        "{} is missing: cargo build --release -p pd-node",
+        node.display()
+    );
+    let policies = std::env::var("PD_POLICIES_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            gateway
+                .parent()
+                .and_then(Path::parent)
+                .expect("target dir")
+                .join("policies")
+        });
+    let policy = policies.join("least-loaded.wasm");
+    assert!(
+        policy.exists(),
+        "{} is missing: bash scripts/build-policies.sh",
+        policy.display()
+    );
+    let dir = std::env::temp_dir().join(format!("pd-gateway-bench-{}", std::process::id()));
+    let model = dir.join("model");
+    let status = Command::new(&node)
+        .args(["gen-tiny-model", "--out"])
+        .arg(&model)
+        .args(["--seed", "1"])
+        .stdout(Stdio::null())
+        .status()
+        .expect("gen-tiny-model");
+    assert!(status.success());
+    let model = model.to_str().expect("utf-8 path").to_owned();
+
+    let (_gw, found) = start(
+        &gateway,
+        &[
+            "serve",
+            "--port",
+            "0",
+            "--registry-port",
+            "0",
+            "--admin-port",
+            "0",
+            "--admin-token",
+            "bench",
+            "--policy",
+            policy.to_str().expect("utf-8 path"),
+        ],
+        &["pd-gateway registry on ", "pd-gateway listening on "],
+    );
+    let (registry, gw) = (found[0].clone(), found[1].clone());
+    let node_args = |id: &'static str, role: &'static str| {
+        vec![
+            "serve".to_owned(),
+            "--model".into(),
+            model.clone(),
+            "--served-model-name".into(),
+            "tiny".into(),
+            "--port".into(),
+            "0".into(),
+            "--engine-id".into(),
+            id.into(),
+            "--kv-role".into(),
+            role.into(),
+            "--kv-port".into(),
+            "0".into(),
+            "--kv-recompute-threshold".into(),
+            "0".into(),
+            "--gateway".into(),
+            registry.clone(),
+        ]
+    };
+    let (_p, pf) = start(
+        &node,
+        &node_args("bench-p", "kv_producer"),
+        &["pd-node listening on "],
+    );
+    let (_d, df) = start(
+        &node,
+        &node_args("bench-d", "kv_consumer"),
+        &["pd-node listening on "],
+    );
+    let (p, d) = (pf[0].clone(), df[0].clone());
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let c = reqwest::Client::builder()
+            .pool_max_idle_per_host(64)
+            .tcp_nodelay(true)
+            .build()
+            .expect("client");
+        // Wait until both nodes are in the gateway's view (a request routes to P and D).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let r = c
+                .post(format!("{gw}/v1/completions"))
+                .json(&body(usize::MAX / 2, 64))
+                .send()
+                .await;
+            if r.is_ok_and(|r| r.status().is_success()) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the cluster did not come up");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        println!("pd-gateway added latency (ms for latencies, µs for added, req/s sequential), {n} requests per row per path");
+        println!("| prompt tokens | requests | direct p50 | direct p99 | gateway p50 | gateway p99 | added p50 µs | added p99 µs | direct req/s | gateway req/s |");
+        println!("|---|---|---|---|---|---|---|---|---|---|");
+        run(64, n, &c, &gw, &p, &d).await;
+        run(2000, (n / 4).max(20), &c, &gw, &p, &d).await;
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}
