@@ -14,8 +14,8 @@ if ! rustup target list --installed | grep -qx wasm32-wasip2; then
     rustup target add wasm32-wasip2 >&2
 fi
 
-CARGO_TARGET_DIR="$build_dir" cargo build --release --target wasm32-wasip2 \
-    --manifest-path "$repo/policies/Cargo.toml" >&2
+# From inside policies/, so cargo reads policies/.cargo/config.toml (the guests' stack size).
+(cd "$repo/policies" && CARGO_TARGET_DIR="$build_dir" cargo build --release --target wasm32-wasip2 >&2)
 
 mkdir -p "$out_dir"
 for name in round-robin least-loaded prefix-aware looping hungry trapping lying echo; do

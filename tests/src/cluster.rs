@@ -1,8 +1,10 @@
 //! A gateway and its nodes as separate processes, every port `:0`.
 //!
 //! [`TestCluster::start`] generates the tiny model, starts `pd-gateway serve` and reads its
-//! addresses from stdout, starts the nodes with `--gateway <registry> --cluster-token <token>`,
-//! reads each node's address, then polls `GET /admin/nodes` until every engine id is listed.
+//! addresses from stdout, starts the nodes with `--gateway <registry> --cluster-token <token>`
+//! (prefill nodes first, then the others), reads each node's address, polls `GET /admin/nodes`
+//! until every engine id is listed with its role, and waits until every decode node has the
+//! gateway's peer list naming every prefill node.
 //! Engine ids: `p0, p1, ...` (prefill, `kv_producer`), `d0, ...` (decode, `kv_consumer` with
 //! `--kv-recompute-threshold 0`), `s0, ...` (standalone). Dropping the cluster kills everything.
 
@@ -160,6 +162,13 @@ impl Node {
             .unwrap_or_else(|| panic!("no port in {}", self.http))
     }
 
+    /// Request bytes sent to its OpenAI port that it has not read (see
+    /// [`crate::process::unread_tcp_bytes`]): with the node stopped, proof that a request
+    /// reached it.
+    pub fn unread_bytes(&self) -> u64 {
+        crate::process::unread_tcp_bytes(self.port())
+    }
+
     /// Its metrics.
     pub async fn metrics(&self, client: &reqwest::Client) -> Metrics {
         scrape(client, &self.http).await
@@ -248,36 +257,86 @@ impl TestCluster {
         let dir = WorkDir::new(name);
         let model = tiny_model(&dir);
         let gateway = Gateway::start(&dir, &spec.gateway_args);
-        let mut pending = Vec::new();
-        for (role, count, extra) in [
-            (Role::Prefill, spec.prefill, &spec.prefill_args),
-            (Role::Decode, spec.decode, &spec.decode_args),
-            (Role::Standalone, spec.standalone, &Vec::new()),
-        ] {
-            for i in 0..count {
-                let id = format!("{}{i}", role.id_prefix());
-                let mut all = spec.node_args.clone();
-                all.extend(extra.iter().cloned());
-                let proc =
-                    Node::spawn(dir.path(), &model, &id, role, Some(&gateway.registry), &all);
-                pending.push((id, role, proc));
-            }
-        }
-        let nodes = pending
-            .into_iter()
-            .map(|(id, role, proc)| Node::listening(&id, role, proc))
-            .collect();
-        let cluster = Self {
+        let mut cluster = Self {
             gateway,
-            nodes,
+            nodes: Vec::new(),
             model,
             client: reqwest::Client::new(),
             dir,
         };
-        let ids: Vec<String> = cluster.nodes.iter().map(|n| n.engine_id.clone()).collect();
-        let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
-        cluster.wait_listed(&ids, READY_TIMEOUT).await;
+        // Producers first, listed before any decode node starts: a decode node then gets the
+        // whole peer list when it registers. (A producer that joins after the decode nodes is
+        // routed to at once, and a decode node that has not yet received the new peer list
+        // refuses its params with a 400; see `wait_peers_known`.)
+        let no_args = Vec::new();
+        for stage in [
+            vec![(Role::Prefill, spec.prefill, &spec.prefill_args)],
+            vec![
+                (Role::Decode, spec.decode, &spec.decode_args),
+                (Role::Standalone, spec.standalone, &no_args),
+            ],
+        ] {
+            let mut pending = Vec::new();
+            for (role, count, extra) in stage {
+                for i in 0..count {
+                    let id = format!("{}{i}", role.id_prefix());
+                    let mut all = spec.node_args.clone();
+                    all.extend(extra.iter().cloned());
+                    let proc = Node::spawn(
+                        cluster.dir.path(),
+                        &cluster.model,
+                        &id,
+                        role,
+                        Some(&cluster.gateway.registry),
+                        &all,
+                    );
+                    pending.push((id, role, proc));
+                }
+            }
+            cluster.nodes.extend(
+                pending
+                    .into_iter()
+                    .map(|(id, role, proc)| Node::listening(&id, role, proc)),
+            );
+            let ids: Vec<String> = cluster.nodes.iter().map(|n| n.engine_id.clone()).collect();
+            let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+            cluster.wait_listed(&ids, READY_TIMEOUT).await;
+        }
+        cluster.wait_peers_known(READY_TIMEOUT).await;
         cluster
+    }
+
+    /// Waits until every decode node has logged a peer list from the gateway that names every
+    /// prefill node's KV side channel (as `/admin/nodes` gives it): until then a decode node
+    /// refuses params naming that producer.
+    pub async fn wait_peers_known(&self, timeout: Duration) {
+        let producers: Vec<String> = self
+            .admin_nodes()
+            .await
+            .iter()
+            .filter(|n| n["role"] == Role::Prefill.label())
+            .filter_map(|n| n["kv_side_channel_addr"].as_str().map(str::to_owned))
+            .collect();
+        for d in self.role(Role::Decode) {
+            let known = || {
+                d.proc
+                    .log()
+                    .lines()
+                    .rev()
+                    .find(|l| l.contains("KV peers registered with the gateway"))
+                    .is_some_and(|l| producers.iter().all(|p| l.contains(p.as_str())))
+            };
+            let start = Instant::now();
+            while !known() {
+                assert!(
+                    start.elapsed() < timeout,
+                    "{} logged no peer list naming every producer {producers:?} within                      {timeout:?}; its log:\n{}",
+                    d.engine_id,
+                    d.proc.log_tail(30)
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
     }
 
     /// The scratch directory (logs, model).

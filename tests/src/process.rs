@@ -223,3 +223,36 @@ impl Drop for Proc {
         }
     }
 }
+
+/// Bytes that arrived on TCP connections to local `port` and that their owner has not read
+/// (`/proc/net/tcp{,6}`: connections whose local port is `port`, not LISTEN, summed rx_queue).
+/// A stopped server's pending requests show up here, including connections still in its accept
+/// queue; 0 where `/proc` is not there.
+pub fn unread_tcp_bytes(port: u16) -> u64 {
+    let mut total = 0;
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            // sl, local_address, rem_address, st, tx_queue:rx_queue, ...; st 0A = LISTEN.
+            if f.len() < 5 || f[3] == "0A" {
+                continue;
+            }
+            let local_port = f[1]
+                .rsplit(':')
+                .next()
+                .and_then(|p| u16::from_str_radix(p, 16).ok());
+            if local_port != Some(port) {
+                continue;
+            }
+            total += f[4]
+                .split(':')
+                .nth(1)
+                .and_then(|q| u64::from_str_radix(q, 16).ok())
+                .unwrap_or(0);
+        }
+    }
+    total
+}

@@ -26,37 +26,6 @@ impl Drop for Stopped<'_> {
     }
 }
 
-/// Bytes that arrived on a TCP connection to local `port` and that its (stopped) owner has not
-/// read: `/proc/net/tcp{,6}` lines whose local port is `port`, state not LISTEN, rx_queue > 0.
-fn unread_bytes_to(port: u16) -> u64 {
-    let mut total = 0;
-    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
-        let Ok(text) = std::fs::read_to_string(table) else {
-            continue;
-        };
-        for line in text.lines().skip(1) {
-            let f: Vec<&str> = line.split_whitespace().collect();
-            if f.len() < 5 || f[3] == "0A" {
-                continue;
-            }
-            let local_port = f[1]
-                .rsplit(':')
-                .next()
-                .and_then(|p| u16::from_str_radix(p, 16).ok());
-            if local_port != Some(port) {
-                continue;
-            }
-            let rx = f[4]
-                .split(':')
-                .nth(1)
-                .and_then(|q| u64::from_str_radix(q, 16).ok())
-                .unwrap_or(0);
-            total += rx;
-        }
-    }
-    total
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_leaving_between_p_and_d_releases_p_lease_at_once() {
     // A stopped D stops reporting too: keep it in the view for the test's length.
@@ -127,7 +96,7 @@ async fn a_client_leaving_between_p_and_d_releases_p_lease_at_once() {
     eventually(
         "the gateway's request to reach the stopped D",
         Duration::from_secs(10),
-        async || unread_bytes_to(d.port()) > 0,
+        async || d.unread_bytes() > 0,
     )
     .await;
     assert!(!request.is_finished(), "the request waits on the stopped D");

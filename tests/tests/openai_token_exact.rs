@@ -259,6 +259,10 @@ async fn the_openai_package_gets_identical_tokens_through_the_gateway_and_p_d() 
         let c = TestCluster::start(name, spec).await;
         let got = run_client(&python, &c.gateway.http, &specs).await;
         let pulled = compare(name, &specs, &want, &got);
+        eprintln!(
+            "{name}: {} answers token-identical to the reference; {pulled} prompt tokens pulled P→D",
+            got.len()
+        );
         check_counters(&c, &specs, pulled).await;
     }
 }

@@ -81,7 +81,7 @@ async fn misbehaving_policies_are_refused_or_contained() {
     for (guest, reasons) in [
         ("trapping", &["trap"][..]),
         ("looping", &["timeout", "out_of_fuel"][..]),
-        ("hungry", &["memory", "trap"][..]),
+        ("hungry", &["memory", "out_of_fuel"][..]),
         ("lying", &["invalid_decision"][..]),
     ] {
         let (status, v) = c.push_policy(&bins::policy(guest), guest, &[]).await;

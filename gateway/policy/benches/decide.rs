@@ -124,9 +124,13 @@ fn main() {
             let empty = View { nodes: vec![] };
             let r = request(0, 1, vec![]);
             let (_, stats) = policy.decide_with_stats(&r, &empty, &[]);
-            rows.extend(time(&format!("wasm   {name}, empty view (fuel {})", stats.fuel_used), calls, |_| {
-                black_box(policy.decide(black_box(&r), &empty, &[]).expect("decide"));
-            }));
+            rows.extend(time(
+                &format!("wasm   {name}, empty view (fuel {})", stats.fuel_used),
+                calls,
+                |_| {
+                    black_box(policy.decide(black_box(&r), &empty, &[]).expect("decide"));
+                },
+            ));
         }
         rows.extend(time(&format!("native {name}"), calls, |i| {
             let mut r = req(0);

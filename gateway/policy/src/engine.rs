@@ -21,7 +21,10 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
 use sha2::{Digest, Sha256};
-use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
+use wasmtime::component::{
+    Component, ComponentExportIndex, HasSelf, Instance, InstancePre, Linker, ResourceTable,
+    TypedFunc,
+};
 use wasmtime::{
     Config, Enabled, Engine, InstanceAllocationStrategy, OptLevel, PoolingAllocationConfig,
     ResourceLimiter, Store, Trap,
@@ -30,6 +33,7 @@ use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use crate::bindings::pd::policy::host::Level;
 use crate::bindings::{Policy, PolicyPre};
+use crate::lower::FastView;
 use crate::{Api, Decision, Node, PolicyError, Request, Role, View, validate};
 
 /// How often the ticker thread advances the engine's epoch.
@@ -42,7 +46,7 @@ pub const MAX_MEMORY_LIMIT: usize = 256 << 20;
 /// that fails with [`PolicyError::Instantiate`].
 pub const MAX_CONCURRENT_CALLS: u32 = 128;
 
-/// Log lines a guest may write per call; later ones are dropped (counted in one last line).
+/// Log lines a guest may write per call; later ones are dropped (the last kept line says so).
 const MAX_LOG_LINES_PER_CALL: u32 = 32;
 
 /// Bytes of a guest log line kept; the rest is cut.
@@ -54,8 +58,8 @@ const SMOKE_TIMEOUT_RETRIES: u32 = 2;
 /// Compiled components kept in memory, by sha256 of their bytes.
 const COMPILE_CACHE_ENTRIES: usize = 16;
 
-/// Default [`PolicySpec::fuel`], roughly 0.3 to 1 ms of guest code: a 64-node prefix-aware
-/// decision by the Rust guest uses about 3.5% of it, instantiation included (see
+/// Default [`PolicySpec::fuel`], on the order of a millisecond of guest code: a 64-node
+/// prefix-aware decision by the Rust guest uses about 3% of it, instantiation included (see
 /// `tests/limits.rs`, `fuel_budget_headroom`). Interpreted guests (Python, JS) need more.
 pub const DEFAULT_FUEL: u64 = 1_000_000;
 
@@ -151,12 +155,21 @@ impl PolicyEngine {
             .max_tables_per_component(16)
             .max_memory_size(MAX_MEMORY_LIMIT)
             .table_elements(20_000)
-            .max_unused_warm_slots(MAX_CONCURRENT_CALLS)
-            // Keep a reused slot's pages mapped and reset only the dirty ones (PAGEMAP_SCAN,
-            // Linux ≥ 6.7): no madvise and no page faults per call.
-            .linear_memory_keep_resident(4 << 20)
-            .table_keep_resident(64 << 10)
-            .pagemap_scan(Enabled::Auto);
+            .max_unused_warm_slots(MAX_CONCURRENT_CALLS);
+        // After each call the pool resets the guest's memory. By default that is an madvise,
+        // and the next call page-faults everything back in: about 5 µs per call. Instead keep
+        // the pages mapped and reset them in place: with PAGEMAP_SCAN (Linux ≥ 6.7) only the
+        // pages the guest dirtied, up to 2 MiB; without it, a memset of the first 256 KiB
+        // (a Rust guest built like `policies/` touches less than 128 KiB), which is still
+        // cheaper than the madvise. Memory beyond that is madvised as usual.
+        if PoolingAllocationConfig::is_pagemap_scan_available() {
+            pool.linear_memory_keep_resident(2 << 20)
+                .table_keep_resident(64 << 10)
+                .pagemap_scan(Enabled::Yes);
+        } else {
+            pool.linear_memory_keep_resident(256 << 10)
+                .table_keep_resident(16 << 10);
+        }
         let mut config = Config::new();
         config
             .wasm_component_model(true)
@@ -234,7 +247,11 @@ impl PolicyEngine {
             .linker
             .instantiate_pre(&component)
             .map_err(instantiate_err)?;
-        let pre = PolicyPre::new(pre).map_err(instantiate_err)?;
+        // Type-checks the `decide` export against the world.
+        PolicyPre::new(pre.clone()).map_err(instantiate_err)?;
+        let decide = component
+            .get_export_index(None, "decide")
+            .ok_or_else(|| instantiate_err(wasmtime::format_err!("no `decide` export")))?;
         let deadline_ticks = deadline_ticks(spec.deadline);
         let guest = Arc::new(GuestMeta {
             name: spec.name.clone(),
@@ -244,12 +261,14 @@ impl PolicyEngine {
         let policy = WasmPolicy {
             engine: self.inner.clone(),
             pre,
+            decide,
             guest,
             spec,
             sha256,
             loaded_at: SystemTime::now(),
             deadline_ticks,
         };
+        policy.check_decide_type()?;
         for (case, request, view, names) in smoke_cases() {
             // A timeout can be the machine's fault (the thread was descheduled, the pool slot
             // was cold): refuse only a policy that times out every time.
@@ -368,7 +387,9 @@ fn smoke_cases() -> Vec<(&'static str, Request, View, Vec<String>)> {
 /// call runs in its own store.
 pub struct WasmPolicy {
     engine: Arc<EngineInner>,
-    pre: PolicyPre<HostState>,
+    pre: InstancePre<HostState>,
+    /// The `decide` export (type-checked at load).
+    decide: ComponentExportIndex,
     guest: Arc<GuestMeta>,
     spec: PolicySpec,
     sha256: String,
@@ -429,6 +450,32 @@ impl WasmPolicy {
         view: &View,
         node_names: &[String],
     ) -> (Result<Decision, PolicyError>, CallStats) {
+        let (result, stats) = self.with_store(node_names, |store| {
+            let result = match self.pre.instantiate(&mut *store) {
+                Ok(instance) => self.call(store, instance, request, view),
+                Err(e) => Err(self.call_error(e, true)),
+            };
+            let fuel_used = self.spec.fuel.saturating_sub(store.get_fuel().unwrap_or(0));
+            (result, CallStats { fuel_used })
+        });
+        let result = result.and_then(|d| {
+            validate(&d, request, view)?;
+            Ok(d)
+        });
+        if let Err(e) = &result {
+            tracing::debug!(policy = %self.spec.name, reason = e.reason(), error = %e, "policy call failed");
+        }
+        (result, stats)
+    }
+
+    /// Runs `f` with a fresh store: the spec's memory limit, fuel and epoch deadline set, and
+    /// `node_names` lent to the host imports. The store never outlives this call (which is
+    /// what makes lending `node_names` sound, see [`NodeNames`]).
+    fn with_store<R>(
+        &self,
+        node_names: &[String],
+        f: impl FnOnce(&mut Store<HostState>) -> (Result<R, PolicyError>, CallStats),
+    ) -> (Result<R, PolicyError>, CallStats) {
         let state = HostState {
             guest: self.guest.clone(),
             names: NodeNames::borrow(node_names),
@@ -446,25 +493,68 @@ impl WasmPolicy {
         }
         store.set_epoch_deadline(self.deadline_ticks);
         store.epoch_deadline_trap();
-        let result = match self.pre.instantiate(&mut store) {
-            Ok(policy) => policy
-                .call_decide(&mut store, request, view)
-                .map_err(|e| self.call_error(e, false)),
-            Err(e) => Err(self.call_error(e, true)),
-        };
-        let stats = CallStats {
-            fuel_used: self.spec.fuel.saturating_sub(store.get_fuel().unwrap_or(0)),
-        };
-        // The store (and its borrow of `node_names`) ends here, before anything returns.
+        let out = f(&mut store);
         drop(store);
-        let result = result.and_then(|d| {
-            validate(&d, request, view)?;
-            Ok(d)
-        });
-        if let Err(e) = &result {
-            tracing::debug!(policy = %self.spec.name, reason = e.reason(), error = %e, "policy call failed");
-        }
-        (result, stats)
+        out
+    }
+
+    /// Checks once, at load, that `decide` has the type [`WasmPolicy::call`] calls it with
+    /// (which lets each call skip that check). The first smoke test: an instance that cannot
+    /// even be created (memory limit below the guest's initial memory, say) fails here.
+    fn check_decide_type(&self) -> Result<(), PolicyError> {
+        self.with_store(&[], |store| {
+            let result = self
+                .pre
+                .instantiate(&mut *store)
+                .map_err(|e| PolicyError::SmokeTest {
+                    name: self.spec.name.clone(),
+                    case: "instantiate",
+                    source: Box::new(self.call_error(e, true)),
+                })
+                .and_then(|instance| self.decide_func(store, instance))
+                .and_then(|func| {
+                    func.typed::<(&Request, &FastView<'_>), (Decision,)>(&*store)
+                        .map(drop)
+                        .map_err(|e| PolicyError::Instantiate {
+                            name: self.spec.name.clone(),
+                            source: e.into_boxed_dyn_error(),
+                        })
+                });
+            (result, CallStats::default())
+        })
+        .0
+    }
+
+    fn decide_func(
+        &self,
+        store: &mut Store<HostState>,
+        instance: Instance,
+    ) -> Result<wasmtime::component::Func, PolicyError> {
+        instance
+            .get_func(&mut *store, self.decide)
+            .ok_or_else(|| PolicyError::Call {
+                source: wasmtime::format_err!("no `decide` export").into_boxed_dyn_error(),
+            })
+    }
+
+    /// Calls `decide` on a fresh instance. Not through the bindings' `call_decide`: the view
+    /// lowers as a [`FastView`] (same component type, one pass over the nodes).
+    fn call(
+        &self,
+        store: &mut Store<HostState>,
+        instance: Instance,
+        request: &Request,
+        view: &View,
+    ) -> Result<Decision, PolicyError> {
+        let func = self.decide_func(store, instance)?;
+        // SAFETY: `check_decide_type` checked, when the policy loaded, that `decide` of an
+        // instance of this very `InstancePre` has exactly this type.
+        let decide =
+            unsafe { TypedFunc::<(&Request, &FastView<'_>), (Decision,)>::new_unchecked(func) };
+        let (decision,) = decide
+            .call(&mut *store, (request, &FastView::new(view)))
+            .map_err(|e| self.call_error(e, false))?;
+        Ok(decision)
     }
 
     /// Maps a failed instantiation or call to its typed error.

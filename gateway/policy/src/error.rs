@@ -48,7 +48,7 @@ pub enum PolicyError {
     SmokeTest {
         /// The spec's name.
         name: String,
-        /// Which synthetic call failed (`n=1`, `n=3`).
+        /// What failed: `instantiate` (a first instance), or a synthetic call (`n=1`, `n=3`).
         case: &'static str,
         /// How it failed.
         #[source]

@@ -18,6 +18,7 @@
 mod bindings;
 mod engine;
 mod error;
+mod lower;
 pub mod native;
 mod slot;
 mod validate;

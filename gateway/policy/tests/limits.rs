@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use common::{load, names, node, request, spec, wasm};
 use pd_policy::{
-    DEFAULT_FUEL, InvalidDecision, MAX_MEMORY_LIMIT, PolicyEngine, PolicyError, PolicySpec,
-    Request, Role, Route, Slot, View, WasmPolicy,
+    Api, DEFAULT_FUEL, InvalidDecision, MAX_MEMORY_LIMIT, Node, PolicyEngine, PolicyError,
+    PolicySpec, Request, Role, Route, Slot, View, WasmPolicy,
 };
 use wasmtime::Trap;
 
@@ -32,19 +32,21 @@ fn always(mut spec: PolicySpec) -> PolicySpec {
     spec
 }
 
-/// `load` must refuse the guest with `spec`; returns the smoke test's inner error.
-fn refused(engine: &PolicyEngine, guest: &str, spec: PolicySpec) -> PolicyError {
+/// `load` must refuse the guest with `spec` in smoke-test step `step`; returns the inner error.
+fn refused_at(engine: &PolicyEngine, guest: &str, spec: PolicySpec, step: &str) -> PolicyError {
     match engine.load(&wasm(guest), spec) {
         Ok(_) => panic!("{guest}: load accepted a guest whose smoke test must fail"),
         Err(PolicyError::SmokeTest { source, case, .. }) => {
-            assert_eq!(
-                case, "n=1",
-                "{guest}: the first smoke call already misbehaves"
-            );
+            assert_eq!(case, step, "{guest}: failed at the wrong step: {source:?}");
             *source
         }
         Err(e) => panic!("{guest}: expected a smoke-test failure, got {e:?}"),
     }
+}
+
+/// `load` must refuse the guest with `spec` at its first smoke call.
+fn refused(engine: &PolicyEngine, guest: &str, spec: PolicySpec) -> PolicyError {
+    refused_at(engine, guest, spec, "n=1")
 }
 
 fn call(policy: &WasmPolicy, request: &Request) -> Result<pd_policy::Decision, PolicyError> {
@@ -172,13 +174,14 @@ fn memory_limit_stops_a_hoarder() {
     recovers(&policy);
 
     // A limit below the guest's initial memory: it cannot even instantiate.
-    let e = refused(
+    let e = refused_at(
         &engine,
         "least-loaded",
         PolicySpec {
             memory_limit: 64 << 10,
             ..spec("tiny")
         },
+        "instantiate",
     );
     assert!(matches!(e, PolicyError::MemoryLimit { .. }), "{e:?}");
 
@@ -280,7 +283,7 @@ fn bad_bytes_do_not_compile() {
 }
 
 #[test]
-fn host_imports_work() {
+fn host_imports_and_every_field_reach_the_guest() {
     let engine = PolicyEngine::new().expect("engine");
     let mut config = BTreeMap::new();
     config.insert("greeting".to_string(), "hello".to_string());
@@ -293,24 +296,130 @@ fn host_imports_work() {
             },
         )
         .expect("echo answers 4xx rejections, which are valid");
-    let v = view();
-    let d = policy
-        .decide(&request(0, 21, vec![]), &v, &names(&v))
-        .expect("decide");
-    let Route::Reject(r) = d.route else {
+    // Every field distinct, so a field lowered at the wrong offset shows.
+    let field_node = |role, base: u32, draining| Node {
+        role,
+        free_blocks: base + 1,
+        total_blocks: base + 2,
+        leased_blocks: base + 3,
+        waiting: base + 4,
+        running: base + 5,
+        waiting_remote_kv: base + 6,
+        draining,
+        conversation_tokens: base + 7,
+        conversation_expiry_ms: u32::MAX - base,
+    };
+    let v = View {
+        nodes: vec![
+            field_node(Role::Standalone, 10, true),
+            field_node(Role::Prefill, 20, false),
+            field_node(Role::Decode, 30, true),
+        ],
+    };
+    let r = Request {
+        seq: 12_345_678_901,
+        api: Api::Responses,
+        prompt_tokens: 321,
+        block_size: 16,
+        block_hashes: vec![1, u64::MAX],
+        prefix_blocks: vec![3, 0, 2],
+        n: 21,
+        max_tokens: Some(99),
+        stream: true,
+        conversation_key: Some("conv-α".to_string()),
+    };
+    let d = policy.decide(&r, &v, &names(&v)).expect("decide");
+    let Route::Reject(rejection) = d.route else {
         panic!("echo rejects: {d:?}")
     };
-    assert_eq!(r.status, 421);
-    assert_eq!(r.message, "name0=node-0;name_out=-;greeting=hello;clock=ok");
-    // Without config and without names.
+    assert_eq!(rejection.status, 421);
+    let want = "name0=node-0;name_out=-;greeting=hello;clock=ok\
+        ;request=12345678901,responses,321,16,[1, 18446744073709551615],[3, 0, 2],21,99,true,conv-α\
+        ;node=S,11,12,13,14,15,16,true,17,4294967285\
+        ;node=P,21,22,23,24,25,26,false,27,4294967275\
+        ;node=D,31,32,33,34,35,36,true,37,4294967265";
+    assert_eq!(rejection.message, want);
+
+    // Without config and without names; options unset.
     let policy = engine.load(&wasm("echo"), spec("echo")).expect("load");
-    let d = policy
-        .decide(&request(0, 1, vec![]), &v, &[])
-        .expect("decide");
-    let Route::Reject(r) = d.route else {
+    let empty = View { nodes: vec![] };
+    let mut r = request(5, 1, vec![]);
+    (r.max_tokens, r.conversation_key, r.api) = (None, None, Api::ChatCompletions);
+    let d = policy.decide(&r, &empty, &[]).expect("decide");
+    let Route::Reject(rejection) = d.route else {
         panic!("echo rejects: {d:?}")
     };
-    assert_eq!(r.message, "name0=-;name_out=-;greeting=-;clock=ok");
+    assert_eq!(
+        rejection.message,
+        "name0=-;name_out=-;greeting=-;clock=ok;request=5,chat,64,16,[1, 2, 3, 4],[],1,-,true,-"
+    );
+}
+
+/// Collects what a tracing subscriber writes.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("lock").extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn guest_logs_reach_tracing_and_are_capped() {
+    let engine = PolicyEngine::new().expect("engine");
+    let v = view();
+    let logs = |log_lines: u32| -> Vec<String> {
+        let mut config = BTreeMap::new();
+        config.insert("log_lines".to_string(), log_lines.to_string());
+        let policy = engine
+            .load(
+                &wasm("echo"),
+                PolicySpec {
+                    config,
+                    ..spec("echo")
+                },
+            )
+            .expect("load");
+        let out = Captured::default();
+        let writer = out.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            policy
+                .decide(&request(9, 1, vec![]), &v, &names(&v))
+                .expect("decide");
+        });
+        let text = String::from_utf8(out.0.lock().expect("lock").clone()).expect("utf-8");
+        text.lines()
+            .filter(|l| l.contains("pd_policy::guest"))
+            .map(str::to_string)
+            .collect()
+    };
+    let lines = logs(4);
+    assert_eq!(lines.len(), 4, "{lines:#?}");
+    for (line, level) in lines.iter().zip(["DEBUG", "INFO", "WARN", "ERROR"]) {
+        assert!(line.contains(level), "{line}");
+        assert!(
+            line.contains("echo: line") && line.contains("seq 9 nodes 3"),
+            "{line}"
+        );
+        assert!(
+            line.contains("policy=echo") && line.contains("version="),
+            "{line}"
+        );
+    }
+    // A chatty guest: 32 lines per call, the last one saying the rest were dropped.
+    let lines = logs(100);
+    assert_eq!(lines.len(), 32, "{lines:#?}");
+    assert!(lines[31].contains("log limit reached"), "{}", lines[31]);
 }
 
 #[test]

@@ -281,6 +281,32 @@ fn main() {
         println!("|---|---|---|---|---|---|---|---|---|---|");
         run(64, n, &c, &gw, &p, &d).await;
         run(2000, (n / 4).max(20), &c, &gw, &p, &d).await;
+        // The gateway's own account: time it spent on requests (not waiting on nodes) and in
+        // policy decisions, as means over every request of the run.
+        let text = c
+            .get(format!("{gw}/metrics"))
+            .send()
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("metrics text");
+        let sum = |name: &str| -> f64 {
+            text.lines()
+                .filter(|l| l.starts_with(name))
+                .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+                .sum()
+        };
+        for (what, metric) in [
+            ("gateway-side time per request", "pd_gateway_added_latency_seconds"),
+            ("policy decision", "pd_gateway_policy_decision_seconds"),
+        ] {
+            let (total, count) = (sum(&format!("{metric}_sum")), sum(&format!("{metric}_count")));
+            println!(
+                "{what} (from /metrics, mean over {count} requests): {:.1} µs",
+                total / count.max(1.0) * 1e6
+            );
+        }
     });
     let _ = std::fs::remove_dir_all(&dir);
 }

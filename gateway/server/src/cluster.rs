@@ -50,6 +50,9 @@ pub struct NodeEntry {
     pub last_seen: Instant,
     /// When it registered.
     pub registered_at: SystemTime,
+    /// Not routed to before this: a node serving KV waits until the decode nodes have had time
+    /// to receive the peer list naming it (they refuse producers they do not know).
+    pub visible_from: Instant,
     /// Messages to the node (peer lists); dropping it ends the node's stream.
     pub outbox: mpsc::Sender<Result<pb::GatewayMessage, tonic::Status>>,
 }
@@ -309,7 +312,11 @@ impl Cluster {
     /// The view of `model`'s live nodes, and how many leading blocks of `hashes` each holds.
     pub fn snapshot(&self, model: &str, hashes: &[u64]) -> Snapshot {
         let state = self.read();
-        let members = state.nodes.values().filter(|n| &*n.model == model);
+        let now = Instant::now();
+        let members = state
+            .nodes
+            .values()
+            .filter(|n| &*n.model == model && n.visible_from <= now);
         let (lower, _) = members.size_hint();
         let mut view = View {
             nodes: Vec::with_capacity(lower),

@@ -122,6 +122,12 @@ impl GatewayError {
 
     /// The `outcome` label of the request counter.
     pub fn outcome(&self) -> &'static str {
+        if let Self::Node { status, .. } = self
+            && *status < 500
+        {
+            // The node refused the request itself: the client's fault.
+            return "client_error";
+        }
         match self.source_kind() {
             ErrorSource::Downstream => "client_error",
             ErrorSource::Upstream => "node_error",

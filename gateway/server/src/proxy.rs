@@ -585,9 +585,22 @@ impl Gateway {
                 }
             };
             let status = resp.status().as_u16();
+            let mut read = Box::pin(resp.bytes());
             let bytes = tokio::select! {
-                b = t.wait(resp.bytes()) => b,
-                () = client_gone(session) => return Ok(None),
+                b = t.wait(&mut read) => b,
+                () = client_gone(session) => {
+                    // P may have leased blocks already: finish reading its answer in the
+                    // background and release the lease it names.
+                    let leases = self.0.leases.clone();
+                    tokio::spawn(async move {
+                        if let Ok(body) = read.await
+                            && let Some(lease) = openai::prefill_params(&body).ok().as_ref().and_then(openai::lease_of)
+                        {
+                            leases.release(lease, "client_left");
+                        }
+                    });
+                    return Ok(None);
+                }
             };
             let bytes = match bytes {
                 Ok(b) => b,
@@ -686,10 +699,19 @@ impl Gateway {
         {
             return Ok(Outcome::Aborted);
         }
+        // Watch the client between chunks only for a chunked (streamed) answer: the client
+        // cannot send its next request before the final chunk, which is written after this
+        // loop. With a content length, the last body write completes the answer and a
+        // keep-alive client may send its next request at once; an idle read would eat it.
+        let watch = len.is_none();
         loop {
-            let chunk = tokio::select! {
-                c = t.wait(resp.chunk()) => c,
-                () = client_gone(session) => return Ok(Outcome::Aborted),
+            let chunk = if watch {
+                tokio::select! {
+                    c = t.wait(resp.chunk()) => c,
+                    () = client_gone(session) => return Ok(Outcome::Aborted),
+                }
+            } else {
+                t.wait(resp.chunk()).await
             };
             match chunk {
                 Ok(Some(bytes)) => {

@@ -24,6 +24,12 @@ use crate::cluster::{Cluster, ConnId, NodeEntry, role_of};
 pub const PROTOCOL_VERSION: u32 = 1;
 /// Messages queued to one node.
 const OUTBOX: usize = 8;
+/// Largest message a node may send (a registration with its tokenizer files).
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+/// How long a new node with a KV side channel stays out of the view: a new producer until the
+/// peer list naming it reaches the decode nodes, a new decode node until it has received the
+/// list (both are sent at once; decode nodes refuse producers they do not know).
+pub const PEER_SETTLE: Duration = Duration::from_millis(300);
 /// The state period the gateway asks nodes for.
 pub const STATE_INTERVAL: Duration = Duration::from_millis(250);
 
@@ -74,7 +80,9 @@ impl Registry {
         let result = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(Duration::from_secs(5)))
             .serve_with_incoming_shutdown(
-                NodeRegistryServer::new(self),
+                // Registrations carry the tokenizer: real tokenizer.json files are 7-9 MiB,
+                // above tonic's 4 MiB default.
+                NodeRegistryServer::new(self).max_decoding_message_size(MAX_MESSAGE_BYTES),
                 TcpListenerStream::new(listener),
                 shutdown,
             )
@@ -177,6 +185,11 @@ impl NodeRegistry for Registry {
             draining: false,
             last_seen: Instant::now(),
             registered_at: SystemTime::now(),
+            visible_from: if reg.kv_side_channel_addr.is_empty() {
+                Instant::now()
+            } else {
+                Instant::now() + PEER_SETTLE
+            },
             outbox: tx.clone(),
         };
         let bundle = reg.tokenizer.clone();

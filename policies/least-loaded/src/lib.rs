@@ -80,9 +80,10 @@ fn candidates(nodes: &[Node], role: Role) -> Vec<u32> {
     if live.is_empty() { pick(true) } else { live }
 }
 
-/// Least load first, then most free blocks, then lowest index.
+/// Least load first, then most free blocks, then lowest index (keys are unique: the index
+/// is part of them, so an unstable sort is exact).
 fn ranked(nodes: &[Node], mut c: Vec<u32>) -> Vec<u32> {
-    c.sort_by_key(|&i| {
+    c.sort_unstable_by_key(|&i| {
         let n = &nodes[i as usize];
         (load(n), core::cmp::Reverse(n.free_blocks), i)
     });

@@ -25,8 +25,8 @@ use guest_rt as _;
 
 wit_bindgen::generate!({ world: "policy", path: "../../wit" });
 
-use pd::policy::types::{DecodeTarget, Node, Rejection, Role, Route, Split};
 use core::cmp::Reverse;
+use pd::policy::types::{DecodeTarget, Node, Rejection, Role, Route, Split};
 
 struct PrefixAware;
 
@@ -94,9 +94,10 @@ fn candidates(nodes: &[Node], role: Role) -> Vec<u32> {
     if live.is_empty() { pick(true) } else { live }
 }
 
-/// Least load first, then most free blocks, then lowest index.
+/// Least load first, then most free blocks, then lowest index (keys are unique: the index
+/// is part of them, so an unstable sort is exact).
 fn least_loaded(nodes: &[Node], mut c: Vec<u32>) -> Vec<u32> {
-    c.sort_by_key(|&i| {
+    c.sort_unstable_by_key(|&i| {
         let n = &nodes[i as usize];
         (load(n), Reverse(n.free_blocks), i)
     });
@@ -105,7 +106,7 @@ fn least_loaded(nodes: &[Node], mut c: Vec<u32>) -> Vec<u32> {
 
 /// Highest score first, then least-loaded order.
 fn by_prefix(nodes: &[Node], prefix: &[u32], mut c: Vec<u32>) -> Vec<u32> {
-    c.sort_by_key(|&i| {
+    c.sort_unstable_by_key(|&i| {
         let n = &nodes[i as usize];
         let p = prefix.get(i as usize).copied().unwrap_or(0);
         (Reverse(score(n, p)), load(n), Reverse(n.free_blocks), i)

@@ -8,7 +8,7 @@ use crate::{Decision, Request, View};
 /// fallback. Same rules as `policies/least-loaded`.
 pub fn least_loaded(request: &Request, view: &View) -> Decision {
     route(request, view, |_, mut c| {
-        c.sort_by_key(|&i| least_loaded_key(&view.nodes, i));
+        c.sort_unstable_by_key(|&i| least_loaded_key(&view.nodes, i));
         c
     })
 }

@@ -15,9 +15,9 @@ pub fn prefix_aware(request: &Request, view: &View) -> Decision {
     let nodes = &view.nodes;
     route(request, view, |role, mut c| {
         if role == Role::Decode {
-            c.sort_by_key(|&i| least_loaded_key(nodes, i));
+            c.sort_unstable_by_key(|&i| least_loaded_key(nodes, i));
         } else {
-            c.sort_by_key(|&i| {
+            c.sort_unstable_by_key(|&i| {
                 (
                     Reverse(score(request, nodes, i)),
                     least_loaded_key(nodes, i),

@@ -5,7 +5,8 @@
 //! Answers `reject { status: 400 + n % 100, message }`, where `message` is
 //! `name0=<node-name(0)>;name_out=<node-name(len)>;greeting=<config("greeting")>;clock=<ok|backwards>`
 //! then `;request=<fields>` and `;node=<fields>` per node, fields joined by `,` (`-` stands
-//! for none; see `describe_request` and `describe_node`). Logs one line at each level.
+//! for none; see `describe_request` and `describe_node`). Logs `config("log_lines")` lines
+//! (default 4), cycling through the levels.
 
 #![no_std]
 
@@ -32,10 +33,23 @@ impl Guest for Echo {
         let name0 = dash(host::node_name(0));
         let name_out = dash(host::node_name(view.nodes.len() as u32));
         let greeting = dash(host::config("greeting"));
-        for level in [Level::Debug, Level::Info, Level::Warn, Level::Error] {
-            host::log(level, &format!("echo: seq {} nodes {}", request.seq, view.nodes.len()));
+        let lines = host::config("log_lines")
+            .and_then(|l| l.parse().ok())
+            .unwrap_or(4u32);
+        let levels = [Level::Debug, Level::Info, Level::Warn, Level::Error];
+        for i in 0..lines {
+            let line = format!(
+                "echo: line {i} seq {} nodes {}",
+                request.seq,
+                view.nodes.len()
+            );
+            host::log(levels[i as usize % 4], &line);
         }
-        let clock = if host::now_ns() >= t0 { "ok" } else { "backwards" };
+        let clock = if host::now_ns() >= t0 {
+            "ok"
+        } else {
+            "backwards"
+        };
         let mut message =
             format!("name0={name0};name_out={name_out};greeting={greeting};clock={clock}");
         describe_request(&mut message, &request);
@@ -43,7 +57,10 @@ impl Guest for Echo {
             describe_node(&mut message, node);
         }
         let status = 400 + (request.n % 100) as u16;
-        Decision { route: Route::Reject(Rejection { status, message }), reverse_pull: None }
+        Decision {
+            route: Route::Reject(Rejection { status, message }),
+            reverse_pull: None,
+        }
     }
 }
 

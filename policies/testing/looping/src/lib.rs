@@ -6,7 +6,6 @@
 extern crate alloc;
 
 use alloc::string::ToString;
-use alloc::vec::Vec;
 use guest_rt as _;
 
 wit_bindgen::generate!({ world: "policy", path: "../../../wit" });

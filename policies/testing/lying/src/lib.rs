@@ -7,7 +7,6 @@ extern crate alloc;
 
 use alloc::string::ToString;
 use alloc::vec;
-use alloc::vec::Vec;
 use guest_rt as _;
 
 wit_bindgen::generate!({ world: "policy", path: "../../../wit" });
