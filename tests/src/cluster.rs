@@ -398,8 +398,8 @@ impl TestCluster {
         ids
     }
 
-    /// Waits until `/admin/nodes` lists every id of `ids`, each with the role it was started
-    /// with.
+    /// Waits until `/admin/nodes` lists every id of `ids` as routable (a new KV node settles
+    /// for a moment first), each with the role it was started with.
     pub async fn wait_listed(&self, ids: &[&str], timeout: Duration) {
         let start = Instant::now();
         loop {
@@ -407,7 +407,11 @@ impl TestCluster {
             let missing: Vec<&str> = ids
                 .iter()
                 .copied()
-                .filter(|id| !nodes.iter().any(|n| n["engine_id"] == *id))
+                .filter(|id| {
+                    !nodes
+                        .iter()
+                        .any(|n| n["engine_id"] == *id && n["routable"] == true)
+                })
                 .collect();
             if missing.is_empty() {
                 for n in &nodes {

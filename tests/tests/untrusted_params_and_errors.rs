@@ -275,6 +275,8 @@ async fn errors_are_openai_error_objects(c: &TestCluster) -> f64 {
     let a = openai::send(&c.client, gw, Api::Completions, &body, None).await;
     let e = assert_error_object(&a, 400);
     assert_eq!(e["param"], "temperature", "{}", a.body);
+    // A node's own 4xx is the client's fault too.
+    client_errors += 1.0;
 
     let g = c.gateway_metrics().await;
     assert_eq!(

@@ -302,6 +302,7 @@ async fn nodes(State(a): State<Admin>, headers: HeaderMap) -> Response {
                 "running": s.running,
                 "waiting_remote_kv": s.waiting_remote_kv,
                 "draining": n.draining,
+                "routable": n.visible_from <= Instant::now(),
                 "cached_block_hashes": n.hashes.len(),
                 "registered_at": unix(n.registered_at),
                 "last_seen_ms_ago": n.last_seen.elapsed().as_millis() as u64,
