@@ -70,13 +70,13 @@ curl -sS -H "authorization: Bearer $ADMIN_TOKEN" "$ADMIN/admin/nodes" \
   | jq -r '.nodes[] | "  \(.engine_id)  \(.role)  \(.http_addr)  free blocks \(.free_blocks)/\(.total_blocks)"'
 
 ask() {
-  "$PY" - "$GW" <<'PY'
+  "$PY" - "$GW" "$1" <<'PY'
 import sys
 from openai import OpenAI
 client = OpenAI(base_url=sys.argv[1] + "/v1", api_key="none")
 r = client.chat.completions.create(
     model="demo",
-    messages=[{"role": "user", "content": "What is the capital of France?"}],
+    messages=[{"role": "user", "content": sys.argv[2]}],
     max_tokens=24, temperature=0)
 u = r.usage
 pulled = (u.prompt_tokens_details.model_extra or {}).get("kv_pulled_tokens") if u.prompt_tokens_details else None
@@ -86,14 +86,14 @@ PY
 }
 
 echo; echo "--- a chat request through the gateway (openai package), policy least-loaded.wasm"
-ask
+ask "What is the capital of France?"
 echo; echo "--- swapping the policy live: pd-gateway policy push prefix-aware.wasm"
 "$BIN_DIR/pd-gateway" policy push "$POLICY_DIR/prefix-aware.wasm" --admin "$ADMIN" --token "$ADMIN_TOKEN" \
   | jq -c '.current | {name, version, sha256}'
-ask
+ask "And the capital of Italy?"
 
 echo; echo "--- decisions by policy version (gateway /metrics)"
-curl -sS "$GW/metrics" | grep -E '^pd_gateway_policy_decisions_total|^pd_gateway_requests_total' || true
+curl -sS "$GW/metrics" | grep -E '^pd_gateway_policy_decisions_total|^pd_gateway_policy_fallbacks_total|^pd_gateway_requests_total' || true
 cat <<EOF2
 
 Where to look next (while this script runs; it stops the cluster on exit):

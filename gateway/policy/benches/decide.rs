@@ -123,12 +123,17 @@ fn main() {
             // Fixed cost of a call: store, instantiation, a tiny view.
             let empty = View { nodes: vec![] };
             let r = request(0, 1, vec![]);
-            let (_, stats) = policy.decide_with_stats(&r, &empty, &[]);
+            let no_names: std::sync::Arc<[std::sync::Arc<str>]> = std::sync::Arc::from([]);
+            let (_, stats) = policy.decide_with_stats(&r, &empty, &no_names);
             rows.extend(time(
                 &format!("wasm   {name}, empty view (fuel {})", stats.fuel_used),
                 calls,
                 |_| {
-                    black_box(policy.decide(black_box(&r), &empty, &[]).expect("decide"));
+                    black_box(
+                        policy
+                            .decide(black_box(&r), &empty, &no_names)
+                            .expect("decide"),
+                    );
                 },
             ));
         }

@@ -9,10 +9,12 @@
 //! At load ([`PolicyEngine::load`], off the request path): compile (cached by the sha256 of
 //! the bytes), `instantiate_pre` (all import resolution and type checking), then a smoke test.
 //!
-//! Per call ([`WasmPolicy::decide`]): a new [`Store`] whose data borrows the caller's node
-//! names, with a memory limiter, the fuel budget and the epoch deadline set before anything
-//! runs; instantiate from the pre-instantiated component (pooled, copy-on-write memory), call
-//! `decide`, drop the store, validate. A store that trapped is never reused.
+//! Per call ([`WasmPolicy::decide`]): a new [`Store`] whose data holds the caller's node names
+//! (shared, not copied), with a memory limiter, the fuel budget and the epoch deadline set
+//! before anything runs; instantiate from the pre-instantiated component (pooled,
+//! copy-on-write memory), call `decide` through the bindings `bindgen!` generated from the
+//! WIT (no hand-written lowering), drop the store, validate. A store that trapped is never
+//! reused.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -21,10 +23,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
 use sha2::{Digest, Sha256};
-use wasmtime::component::{
-    Component, ComponentExportIndex, HasSelf, Instance, InstancePre, Linker, ResourceTable,
-    TypedFunc,
-};
+use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
 use wasmtime::{
     Config, Enabled, Engine, InstanceAllocationStrategy, OptLevel, PoolingAllocationConfig,
     ResourceLimiter, Store, Trap,
@@ -33,7 +32,6 @@ use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use crate::bindings::pd::policy::host::Level;
 use crate::bindings::{Policy, PolicyPre};
-use crate::lower::FastView;
 use crate::{Api, Decision, Node, PolicyError, Request, Role, View, validate};
 
 /// How often the ticker thread advances the engine's epoch.
@@ -247,11 +245,8 @@ impl PolicyEngine {
             .linker
             .instantiate_pre(&component)
             .map_err(instantiate_err)?;
-        // Type-checks the `decide` export against the world.
-        PolicyPre::new(pre.clone()).map_err(instantiate_err)?;
-        let decide = component
-            .get_export_index(None, "decide")
-            .ok_or_else(|| instantiate_err(wasmtime::format_err!("no `decide` export")))?;
+        // Type-checks the `decide` export against the world, once.
+        let pre = PolicyPre::new(pre).map_err(instantiate_err)?;
         let deadline_ticks = deadline_ticks(spec.deadline);
         let guest = Arc::new(GuestMeta {
             name: spec.name.clone(),
@@ -261,14 +256,13 @@ impl PolicyEngine {
         let policy = WasmPolicy {
             engine: self.inner.clone(),
             pre,
-            decide,
             guest,
             spec,
             sha256,
             loaded_at: SystemTime::now(),
             deadline_ticks,
         };
-        policy.check_decide_type()?;
+        policy.check_instantiate()?;
         for (case, request, view, names) in smoke_cases() {
             // A timeout can be the machine's fault (the thread was descheduled, the pool slot
             // was cold): refuse only a policy that times out every time.
@@ -340,7 +334,7 @@ fn deadline_ticks(deadline: Duration) -> u64 {
 
 /// The synthetic calls of the load-time smoke test: 2 prefill + 2 decode + 1 standalone nodes,
 /// with `n = 1` and `n = 3`.
-fn smoke_cases() -> Vec<(&'static str, Request, View, Vec<String>)> {
+fn smoke_cases() -> Vec<(&'static str, Request, View, Arc<[Arc<str>]>)> {
     let node = |role: Role, waiting: u32| Node {
         role,
         free_blocks: 900,
@@ -362,8 +356,8 @@ fn smoke_cases() -> Vec<(&'static str, Request, View, Vec<String>)> {
             node(Role::Standalone, 0),
         ],
     };
-    let names: Vec<String> = (0..view.nodes.len())
-        .map(|i| format!("smoke-{i}"))
+    let names: Arc<[Arc<str>]> = (0..view.nodes.len())
+        .map(|i| Arc::from(format!("smoke-{i}")))
         .collect();
     let request = |seq: u64, n: u32| Request {
         seq,
@@ -387,9 +381,8 @@ fn smoke_cases() -> Vec<(&'static str, Request, View, Vec<String>)> {
 /// call runs in its own store.
 pub struct WasmPolicy {
     engine: Arc<EngineInner>,
-    pre: InstancePre<HostState>,
-    /// The `decide` export (type-checked at load).
-    decide: ComponentExportIndex,
+    /// Pre-instantiated, with `decide`'s type checked against the world.
+    pre: PolicyPre<HostState>,
     guest: Arc<GuestMeta>,
     spec: PolicySpec,
     sha256: String,
@@ -438,7 +431,7 @@ impl WasmPolicy {
         &self,
         request: &Request,
         view: &View,
-        node_names: &[String],
+        node_names: &Arc<[Arc<str>]>,
     ) -> Result<Decision, PolicyError> {
         self.decide_with_stats(request, view, node_names).0
     }
@@ -448,11 +441,11 @@ impl WasmPolicy {
         &self,
         request: &Request,
         view: &View,
-        node_names: &[String],
+        node_names: &Arc<[Arc<str>]>,
     ) -> (Result<Decision, PolicyError>, CallStats) {
-        let (result, stats) = self.with_store(node_names, |store| {
+        let (result, stats) = self.with_store(node_names.clone(), |store| {
             let result = match self.pre.instantiate(&mut *store) {
-                Ok(instance) => self.call(store, instance, request, view),
+                Ok(policy) => self.call(store, &policy, request, view),
                 Err(e) => Err(self.call_error(e, true)),
             };
             let fuel_used = self.spec.fuel.saturating_sub(store.get_fuel().unwrap_or(0));
@@ -469,16 +462,15 @@ impl WasmPolicy {
     }
 
     /// Runs `f` with a fresh store: the spec's memory limit, fuel and epoch deadline set, and
-    /// `node_names` lent to the host imports. The store never outlives this call (which is
-    /// what makes lending `node_names` sound, see [`NodeNames`]).
+    /// `node_names` for the host imports.
     fn with_store<R>(
         &self,
-        node_names: &[String],
+        node_names: Arc<[Arc<str>]>,
         f: impl FnOnce(&mut Store<HostState>) -> (Result<R, PolicyError>, CallStats),
     ) -> (Result<R, PolicyError>, CallStats) {
         let state = HostState {
             guest: self.guest.clone(),
-            names: NodeNames::borrow(node_names),
+            names: node_names,
             limiter: Limiter {
                 memory_limit: self.spec.memory_limit,
                 last_desired: 0,
@@ -498,63 +490,35 @@ impl WasmPolicy {
         out
     }
 
-    /// Checks once, at load, that `decide` has the type [`WasmPolicy::call`] calls it with
-    /// (which lets each call skip that check). The first smoke test: an instance that cannot
-    /// even be created (memory limit below the guest's initial memory, say) fails here.
-    fn check_decide_type(&self) -> Result<(), PolicyError> {
-        self.with_store(&[], |store| {
-            let result = self
-                .pre
-                .instantiate(&mut *store)
-                .map_err(|e| PolicyError::SmokeTest {
-                    name: self.spec.name.clone(),
-                    case: "instantiate",
-                    source: Box::new(self.call_error(e, true)),
-                })
-                .and_then(|instance| self.decide_func(store, instance))
-                .and_then(|func| {
-                    func.typed::<(&Request, &FastView<'_>), (Decision,)>(&*store)
-                        .map(drop)
-                        .map_err(|e| PolicyError::Instantiate {
-                            name: self.spec.name.clone(),
-                            source: e.into_boxed_dyn_error(),
-                        })
-                });
+    /// The first smoke test: an instance can be created at all (a memory limit below the
+    /// guest's initial memory, say, fails here).
+    fn check_instantiate(&self) -> Result<(), PolicyError> {
+        self.with_store(Arc::from([]), |store| {
+            let result =
+                self.pre
+                    .instantiate(&mut *store)
+                    .map(drop)
+                    .map_err(|e| PolicyError::SmokeTest {
+                        name: self.spec.name.clone(),
+                        case: "instantiate",
+                        source: Box::new(self.call_error(e, true)),
+                    });
             (result, CallStats::default())
         })
         .0
     }
 
-    fn decide_func(
-        &self,
-        store: &mut Store<HostState>,
-        instance: Instance,
-    ) -> Result<wasmtime::component::Func, PolicyError> {
-        instance
-            .get_func(&mut *store, self.decide)
-            .ok_or_else(|| PolicyError::Call {
-                source: wasmtime::format_err!("no `decide` export").into_boxed_dyn_error(),
-            })
-    }
-
-    /// Calls `decide` on a fresh instance. Not through the bindings' `call_decide`: the view
-    /// lowers as a [`FastView`] (same component type, one pass over the nodes).
+    /// Calls `decide` through the generated bindings.
     fn call(
         &self,
         store: &mut Store<HostState>,
-        instance: Instance,
+        policy: &Policy,
         request: &Request,
         view: &View,
     ) -> Result<Decision, PolicyError> {
-        let func = self.decide_func(store, instance)?;
-        // SAFETY: `check_decide_type` checked, when the policy loaded, that `decide` of an
-        // instance of this very `InstancePre` has exactly this type.
-        let decide =
-            unsafe { TypedFunc::<(&Request, &FastView<'_>), (Decision,)>::new_unchecked(func) };
-        let (decision,) = decide
-            .call(&mut *store, (request, &FastView::new(view)))
-            .map_err(|e| self.call_error(e, false))?;
-        Ok(decision)
+        policy
+            .call_decide(&mut *store, request, view)
+            .map_err(|e| self.call_error(e, false))
     }
 
     /// Maps a failed instantiation or call to its typed error.
@@ -595,41 +559,11 @@ struct GuestMeta {
     config: BTreeMap<String, String>,
 }
 
-/// The caller's node names, borrowed for one call.
-///
-/// A store's data must be `'static`, but copying every name on every call would cost more
-/// than the call itself; the names are read only by the rare `host.node-name`.
-struct NodeNames {
-    ptr: *const String,
-    len: usize,
-}
-
-// SAFETY: a `NodeNames` stands for a `&[String]`, which is `Send` (`String: Sync`).
-unsafe impl Send for NodeNames {}
-
-impl NodeNames {
-    /// Borrows `names` for the life of one store. The store that holds the result must be
-    /// dropped before `names`' borrow ends: `decide_with_stats` creates and drops its store
-    /// inside one call that holds the borrow, and never lets the store escape.
-    fn borrow(names: &[String]) -> Self {
-        NodeNames {
-            ptr: names.as_ptr(),
-            len: names.len(),
-        }
-    }
-
-    fn get(&self, index: u32) -> Option<&String> {
-        // SAFETY: `ptr`/`len` come from a live `&[String]` (see `borrow`): the store holding
-        // this value never outlives that borrow, and host functions only run during the call.
-        let names = unsafe { std::slice::from_raw_parts(self.ptr, self.len) };
-        names.get(index as usize)
-    }
-}
-
 /// Store data of one call.
 struct HostState {
     guest: Arc<GuestMeta>,
-    names: NodeNames,
+    /// `names[i]` names `view.nodes[i]` (shared with the caller, never copied).
+    names: Arc<[Arc<str>]>,
     limiter: Limiter,
     log_lines: u32,
     /// Built on the guest's first WASI call: most policies never make one.
@@ -707,7 +641,7 @@ impl crate::bindings::pd::policy::host::Host for HostState {
     }
 
     fn node_name(&mut self, index: u32) -> Option<String> {
-        self.names.get(index).cloned()
+        self.names.get(index as usize).map(|n| n.to_string())
     }
 }
 

@@ -18,7 +18,6 @@
 mod bindings;
 mod engine;
 mod error;
-mod lower;
 pub mod native;
 mod slot;
 mod validate;

@@ -68,7 +68,7 @@ impl Installed {
         &self,
         request: &Request,
         view: &View,
-        node_names: &[String],
+        node_names: &Arc<[Arc<str>]>,
     ) -> Result<Decision, PolicyError> {
         match self {
             Installed::Native { name } => Ok(NativePolicy::from_name(name)?.decide(request, view)),

@@ -345,7 +345,9 @@ fn host_imports_and_every_field_reach_the_guest() {
     let empty = View { nodes: vec![] };
     let mut r = request(5, 1, vec![]);
     (r.max_tokens, r.conversation_key, r.api) = (None, None, Api::ChatCompletions);
-    let d = policy.decide(&r, &empty, &[]).expect("decide");
+    let d = policy
+        .decide(&r, &empty, &std::sync::Arc::from([]))
+        .expect("decide");
     let Route::Reject(rejection) = d.route else {
         panic!("echo rejects: {d:?}")
     };

@@ -248,7 +248,7 @@ async fn dry_run(
         stream: false,
         conversation_key: None,
     };
-    let names: Vec<Arc<str>> = snapshot.nodes.iter().map(|n| n.engine_id.clone()).collect();
+    let names = snapshot.names.clone();
     let result = tokio::task::spawn_blocking(move || {
         let mut took = Vec::with_capacity(101);
         let mut last = None;

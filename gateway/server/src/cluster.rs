@@ -98,6 +98,8 @@ pub struct Snapshot {
     pub nodes: Vec<NodeRef>,
     /// Leading blocks of the prompt each node holds (same order).
     pub prefix_blocks: Vec<u32>,
+    /// Engine ids (same order), for the policy's `host.node-name`.
+    pub names: Arc<[Arc<str>]>,
 }
 
 /// The cluster, shared by the registry service, the proxy and the admin API.
@@ -345,10 +347,12 @@ impl Cluster {
             let held = hashes.iter().take_while(|h| n.hashes.contains(h)).count();
             prefix_blocks.push(sat(held as u64));
         }
+        let names = nodes.iter().map(|n| n.engine_id.clone()).collect();
         Snapshot {
             view,
             nodes,
             prefix_blocks,
+            names,
         }
     }
 }

@@ -402,8 +402,7 @@ impl Gateway {
             stream: analyzed.stream,
             conversation_key: analyzed.conversation_key.clone(),
         };
-        let names: Vec<Arc<str>> = snapshot.nodes.iter().map(|n| n.engine_id.clone()).collect();
-        let decided = s.router.decide(&request, &snapshot.view, &names)?;
+        let decided = s.router.decide(&request, &snapshot.view, &snapshot.names)?;
         let first = match &decided.decision.route {
             Route::Split(sp) => sp.prefill.first().copied(),
             Route::Whole(c) => c.first().copied(),

@@ -13,6 +13,9 @@ use tracing::warn;
 use crate::error::GatewayError;
 use crate::metrics::Metrics;
 
+/// The policy label of decisions the built-in fallback made.
+pub const FALLBACK: &str = "fallback-least-loaded";
+
 /// What a policy failure does to the request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum OnPolicyFailure {
@@ -47,13 +50,10 @@ pub fn run_policy(
     installed: &Installed,
     request: &Request,
     view: &View,
-    names: &[Arc<str>],
+    names: &Arc<[Arc<str>]>,
 ) -> Result<Decision, pd_policy::PolicyError> {
     match installed {
-        Installed::Wasm(p) => {
-            let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
-            p.decide(request, view, &names)
-        }
+        Installed::Wasm(p) => p.decide(request, view, names),
         Installed::Native { name } => {
             let d = native::NativePolicy::from_name(name)?.decide(request, view);
             pd_policy::validate(&d, request, view)?;
@@ -104,7 +104,7 @@ impl Router {
         &self,
         request: &Request,
         view: &View,
-        names: &[Arc<str>],
+        names: &Arc<[Arc<str>]>,
     ) -> Result<Decided, GatewayError> {
         let installed = self.slot.current();
         let version = installed.version();
@@ -141,12 +141,16 @@ impl Router {
                     )));
                 }
                 self.metrics.fallbacks.with_label_values(&[reason]).inc();
+                self.metrics
+                    .decisions
+                    .with_label_values(&[FALLBACK, "native"])
+                    .inc();
                 let decision = native::least_loaded(request, view);
                 pd_policy::validate(&decision, request, view)
                     .map_err(|e| GatewayError::Internal(format!("fallback policy: {e}")))?;
                 Ok(Decided {
                     decision,
-                    policy: "fallback-least-loaded".to_owned(),
+                    policy: FALLBACK.to_owned(),
                     version: "native".to_owned(),
                 })
             }

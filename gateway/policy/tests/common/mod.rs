@@ -58,8 +58,10 @@ pub fn load(engine: &PolicyEngine, name: &str) -> WasmPolicy {
 }
 
 /// Names `node-0`, `node-1`, … for a view.
-pub fn names(view: &View) -> Vec<String> {
-    (0..view.nodes.len()).map(|i| format!("node-{i}")).collect()
+pub fn names(view: &View) -> std::sync::Arc<[std::sync::Arc<str>]> {
+    (0..view.nodes.len())
+        .map(|i| std::sync::Arc::from(format!("node-{i}")))
+        .collect()
 }
 
 /// A node with the given role and load figures; the rest neutral.
