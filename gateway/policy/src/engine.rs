@@ -34,6 +34,10 @@ use crate::bindings::pd::policy::host::Level;
 use crate::bindings::{Policy, PolicyPre};
 use crate::{Api, Decision, Node, PolicyError, Request, Role, View, validate};
 
+/// Engine ids of a view's nodes (`names[i]` names `view.nodes[i]`), shared with the caller:
+/// the host's `node-name` import reads them, nothing copies them per call.
+pub type NodeNames = Arc<[Arc<str>]>;
+
 /// How often the ticker thread advances the engine's epoch.
 pub const EPOCH_TICK: Duration = Duration::from_micros(250);
 
@@ -334,7 +338,7 @@ fn deadline_ticks(deadline: Duration) -> u64 {
 
 /// The synthetic calls of the load-time smoke test: 2 prefill + 2 decode + 1 standalone nodes,
 /// with `n = 1` and `n = 3`.
-fn smoke_cases() -> Vec<(&'static str, Request, View, Arc<[Arc<str>]>)> {
+fn smoke_cases() -> Vec<(&'static str, Request, View, NodeNames)> {
     let node = |role: Role, waiting: u32| Node {
         role,
         free_blocks: 900,

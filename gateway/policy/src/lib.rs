@@ -26,8 +26,8 @@ pub use bindings::pd::policy::types::{
     Api, Decision, DecodeTarget, Node, Rejection, Request, ReversePull, Role, Route, Split, View,
 };
 pub use engine::{
-    CallStats, DEFAULT_FUEL, EPOCH_TICK, MAX_CONCURRENT_CALLS, MAX_MEMORY_LIMIT, PolicyEngine,
-    PolicySpec, WasmPolicy,
+    CallStats, DEFAULT_FUEL, EPOCH_TICK, MAX_CONCURRENT_CALLS, MAX_MEMORY_LIMIT, NodeNames,
+    PolicyEngine, PolicySpec, WasmPolicy,
 };
 pub use error::PolicyError;
 pub use slot::{Installed, PolicySlot};
