@@ -234,8 +234,9 @@ async fn the_openai_package_gets_identical_tokens_through_the_gateway_and_p_d() 
             );
         }
     }
-    // (b) gateway + 1P + 1D (default policy), (c) gateway + 2P + 2D (round-robin, so every
-    // node serves).
+    // (b) gateway + 1P + 1D (default: the built-in policy), (c) gateway + 2P + 2D (the WASM
+    // round-robin, so every node serves).
+    let round_robin = pd_cluster_tests::bins::policy("round-robin");
     let clusters = [
         (
             "openai-1p1d",
@@ -250,7 +251,14 @@ async fn the_openai_package_gets_identical_tokens_through_the_gateway_and_p_d() 
             ClusterSpec {
                 prefill: 2,
                 decode: 2,
-                gateway_args: args(&["--native-policy", "round-robin"]),
+                // The WASM round-robin (so every node serves), with a deadline a loaded
+                // 2-core debug build always meets: the test asserts zero fallbacks.
+                gateway_args: args(&[
+                    "--policy",
+                    round_robin.to_str().expect("a UTF-8 path"),
+                    "--policy-deadline-ms",
+                    "50",
+                ]),
                 ..ClusterSpec::default()
             },
         ),

@@ -26,7 +26,14 @@ async fn a_hundred_policy_swaps_under_streaming_load_fail_nothing() {
         ClusterSpec {
             prefill: 2,
             decode: 1,
-            gateway_args: args(&["--policy", least_loaded.to_str().expect("a UTF-8 path")]),
+            // Pushed policies inherit this deadline: one a loaded 2-core debug build always
+            // meets (the test asserts zero fallbacks; the 1 ms default is for release builds).
+            gateway_args: args(&[
+                "--policy",
+                least_loaded.to_str().expect("a UTF-8 path"),
+                "--policy-deadline-ms",
+                "50",
+            ]),
             ..ClusterSpec::default()
         },
     )
