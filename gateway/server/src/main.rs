@@ -302,7 +302,6 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         config: ProxyConfig {
             max_body: args.max_body,
             trusted_client_token: args.trusted_client_token.clone(),
-            connect_timeout: Duration::from_secs(2),
         },
     });
     let admin = Admin {

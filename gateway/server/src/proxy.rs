@@ -12,7 +12,7 @@
 //!    fields read, prompt tokenized, block hashes, the view, the policy's decision.
 //! 2. [`Gateway::whole`]: one node serves the request; ranked failover before any byte is sent.
 //! 3. [`Gateway::prefill`]: P with `do_remote_decode`, failover over the prefill ranking.
-//! 4. [`Gateway::decode`]: D with P's params; failover over the decode ranking.
+//! 4. D with P's params, through [`Gateway::whole`]: failover over the decode ranking.
 //! 5. [`Gateway::relay`]: D's status, headers and body, chunk by chunk, to the client.
 //!
 //! A client that leaves while P or D works is noticed (the downstream connection closes):
@@ -49,8 +49,6 @@ pub struct ProxyConfig {
     pub max_body: usize,
     /// A client whose bearer key equals this may send `kv_transfer_params`.
     pub trusted_client_token: Option<String>,
-    /// Limit on connecting to a node.
-    pub connect_timeout: Duration,
 }
 
 /// State shared by every request.
@@ -470,7 +468,8 @@ impl Gateway {
         }
     }
 
-    /// Phase 2: one node serves the request; failover before any byte reaches the client.
+    /// Phase 2 (and 4, for D): one node serves the request, the first of `candidates` that
+    /// answers; failover before any byte reaches the client. `stage` labels failovers.
     #[allow(clippy::too_many_arguments)]
     async fn whole(
         &self,
@@ -502,7 +501,7 @@ impl Gateway {
         }
         Err(GatewayError::NoCapacity {
             model: String::new(),
-            why: format!("every candidate failed: {}", why.join("; ")),
+            why: format!("every {stage} candidate failed: {}", why.join("; ")),
         })
     }
 
@@ -531,8 +530,9 @@ impl Gateway {
         let candidates: Vec<u32> = split.decode.iter().map(|d| d.node).collect();
         let d_body =
             Bytes::from(serde_json::to_vec(&openai::decode_body(body, &params)).map_err(internal)?);
+        // Phase 4: D pulls and decodes; failover while nothing reached the client.
         let outcome = self
-            .decode(session, t, path, snapshot, &candidates, d_body)
+            .whole(session, t, path, snapshot, &candidates, d_body, "decode")
             .await;
         let release = match &outcome {
             Ok(Outcome::Ok) => None,
@@ -635,44 +635,6 @@ impl Gateway {
                 "no prefill node could serve the request: {}",
                 why.join("; ")
             ),
-        })
-    }
-
-    /// Phase 4: D pulls and decodes; failover while nothing reached the client.
-    async fn decode(
-        &self,
-        session: &mut Session,
-        t: &mut Timing,
-        path: &str,
-        snapshot: &Snapshot,
-        candidates: &[u32],
-        body: Bytes,
-    ) -> Result<Outcome, GatewayError> {
-        let mut why = Vec::new();
-        for &i in candidates {
-            let Some(node) = snapshot.nodes.get(i as usize) else {
-                continue;
-            };
-            match self
-                .send(session, t, &node.http_addr, path, body.clone())
-                .await
-            {
-                Ok(resp) => return self.relay(session, t, resp).await,
-                Err(Failed::Gone) => return Ok(Outcome::Aborted),
-                Err(Failed::Next(e)) => {
-                    warn!(node = %node.engine_id, "decode failing over: {e}");
-                    self.0
-                        .metrics
-                        .failovers
-                        .with_label_values(&["decode"])
-                        .inc();
-                    why.push(e);
-                }
-            }
-        }
-        Err(GatewayError::NoCapacity {
-            model: String::new(),
-            why: format!("no decode node could serve the request: {}", why.join("; ")),
         })
     }
 
