@@ -96,10 +96,15 @@ echo; echo "--- decisions by policy version (gateway /metrics)"
 curl -sS "$GW/metrics" | grep -E '^pd_gateway_policy_decisions_total|^pd_gateway_policy_fallbacks_total|^pd_gateway_requests_total' || true
 cat <<EOF2
 
-Where to look next (while this script runs; it stops the cluster on exit):
+Where to look next (the cluster runs until this script exits):
   curl $GW/v1/models
   curl -H 'authorization: Bearer \$TOKEN' $ADMIN/admin/nodes      # the view as policies see it
   curl -H 'authorization: Bearer \$TOKEN' $ADMIN/admin/policy     # the policy serving now
   pd-gateway policy dry-run POLICY.wasm --admin $ADMIN --token \$TOKEN
   curl $GW/metrics                                               # pd_gateway_* metrics
 EOF2
+# Interactive: keep the cluster up until the user is done looking.
+if [ -t 0 ]; then
+  echo "admin token: $ADMIN_TOKEN"
+  read -r -p "press Enter to stop the cluster " _
+fi
