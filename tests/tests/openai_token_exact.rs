@@ -4,7 +4,9 @@
 //! n=3 seeded sampling. Every P/D answer's usage shows the prompt's KV pulled from P (the
 //! prompt but its last token, which D recomputes for its logits), and the gateway's and the
 //! nodes' counters show the split path ran for every request with no fallback, failover,
-//! recompute or leaked lease.
+//! recompute or leaked lease. Behind 2 + 2 the round-robin policy deals n=3's children over both
+//! decode nodes (2 + 1): P grants a lease per decode node, each pulls, and the gateway merges
+//! the two answers (choice indices, seeds, usage, one stream) into what one node gives.
 
 use std::path::Path;
 use std::time::Duration;
@@ -66,9 +68,9 @@ fn u64_of(v: &Value, key: &str) -> Option<u64> {
 }
 
 /// Checks one cluster's answers against the reference's; returns the KV tokens the answers say
-/// were pulled, summed.
-fn compare(cluster: &str, specs: &[Value], want: &[Value], got: &[Value]) -> u64 {
-    let mut pulled_sum = 0;
+/// were pulled, one entry per answer.
+fn compare(cluster: &str, specs: &[Value], want: &[Value], got: &[Value]) -> Vec<u64> {
+    let mut pulled_each = Vec::new();
     for ((spec, w), g) in specs.iter().zip(want).zip(got) {
         let at = format!("{cluster}: {spec}");
         assert_eq!(
@@ -99,14 +101,28 @@ fn compare(cluster: &str, specs: &[Value], want: &[Value], got: &[Value]) -> u64
         assert!(pulled > 0, "{at}");
         assert_eq!(pulled, prompt - 1, "KV pulled from P: {at}: {g}");
         assert_eq!(u64_of(g, "cached_tokens"), Some(prompt - 1), "{at}: {g}");
-        pulled_sum += pulled;
+        pulled_each.push(pulled);
     }
-    pulled_sum
+    pulled_each
 }
 
-async fn check_counters(c: &TestCluster, specs: &[Value], pulled_sum: u64) {
+/// `spread`: the cluster's policy deals n=3 over two decode nodes, each pulling the prompt
+/// under a lease of its own.
+async fn check_counters(c: &TestCluster, specs: &[Value], pulled_each: &[u64], spread: bool) {
     let requests = specs.len() as f64;
+    // Decode requests per answer: 2 for a spread n=3, else 1.
+    let groups: Vec<u64> = specs
+        .iter()
+        .map(|s| if spread && s["n"] == 3 { 2 } else { 1 })
+        .collect();
+    let leases = groups.iter().sum::<u64>() as f64;
     let g = c.gateway_metrics().await;
+    assert_eq!(
+        g.sum("pd_gateway_decode_spread_total", &[("groups", "2")]),
+        groups.iter().filter(|&&k| k == 2).count() as f64,
+        "{}",
+        g.show("pd_gateway_decode_spread_total")
+    );
     assert_eq!(
         g.sum("pd_gateway_requests_total", &[("outcome", "ok")]),
         requests,
@@ -144,7 +160,7 @@ async fn check_counters(c: &TestCluster, specs: &[Value], pulled_sum: u64) {
         assert_eq!(g.sum(metric, &[]), 0.0, "{what}: {}", g.show(metric));
     }
 
-    // P: one lease per request, every one released by D after its pull, none expired.
+    // P: one lease per decode request, every one released by D after its pull, none expired.
     eventually(
         "every P lease released",
         Duration::from_secs(10),
@@ -154,7 +170,7 @@ async fn check_counters(c: &TestCluster, specs: &[Value], pulled_sum: u64) {
     let granted = c
         .sum_over(Role::Prefill, "pd_kv_leases_total", &[("event", "granted")])
         .await;
-    assert_eq!(granted, requests, "one P lease per request");
+    assert_eq!(granted, leases, "one P lease per decode request");
     assert_eq!(
         c.sum_over(
             Role::Prefill,
@@ -162,19 +178,20 @@ async fn check_counters(c: &TestCluster, specs: &[Value], pulled_sum: u64) {
             &[("event", "released")]
         )
         .await,
-        requests
+        leases
     );
     assert_eq!(
         c.sum_over(Role::Prefill, "pd_kv_leases_total", &[("event", "expired")])
             .await,
         0.0
     );
-    // D: the tokens the answers report are the tokens D's counter pulled; nothing failed or was
-    // recomputed.
+    // D: the tokens the answers report are the tokens the decode nodes' counters pulled (each
+    // decode node of a spread answer pulled the prompt); nothing failed or was recomputed.
+    let pulled: u64 = pulled_each.iter().zip(&groups).map(|(p, k)| p * k).sum();
     assert_eq!(
         c.sum_over(Role::Decode, "pd_node_kv_pulled_tokens_total", &[])
             .await,
-        pulled_sum as f64
+        pulled as f64
     );
     assert!(
         c.sum_over(Role::Decode, "pd_kv_transfer_bytes_total", &[])
@@ -240,6 +257,7 @@ async fn the_openai_package_gets_identical_tokens_through_the_gateway_and_p_d() 
     let clusters = [
         (
             "openai-1p1d",
+            false,
             ClusterSpec {
                 prefill: 1,
                 decode: 1,
@@ -248,6 +266,7 @@ async fn the_openai_package_gets_identical_tokens_through_the_gateway_and_p_d() 
         ),
         (
             "openai-2p2d",
+            true,
             ClusterSpec {
                 prefill: 2,
                 decode: 2,
@@ -263,14 +282,15 @@ async fn the_openai_package_gets_identical_tokens_through_the_gateway_and_p_d() 
             },
         ),
     ];
-    for (name, spec) in clusters {
+    for (name, spread, spec) in clusters {
         let c = TestCluster::start(name, spec).await;
         let got = run_client(&python, &c.gateway.http, &specs).await;
         let pulled = compare(name, &specs, &want, &got);
         eprintln!(
-            "{name}: {} answers token-identical to the reference; {pulled} prompt tokens pulled P→D",
-            got.len()
+            "{name}: {} answers token-identical to the reference; {} prompt tokens pulled P→D",
+            got.len(),
+            pulled.iter().sum::<u64>()
         );
-        check_counters(&c, &specs, pulled).await;
+        check_counters(&c, &specs, &pulled, spread).await;
     }
 }

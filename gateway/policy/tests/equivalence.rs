@@ -115,6 +115,25 @@ fn recorded_views() {
             &pd_view,
             split(vec![1, 0], targets(&[4, 2], 1)),
         ),
+        // round-robin deals n=3 children over its two decode candidates: 2 then 1.
+        (
+            "round-robin",
+            request(1, 3, vec![]),
+            &pd_view,
+            split(
+                vec![1, 0],
+                vec![
+                    DecodeTarget {
+                        node: 4,
+                        children: 2,
+                    },
+                    DecodeTarget {
+                        node: 2,
+                        children: 1,
+                    },
+                ],
+            ),
+        ),
         (
             "round-robin",
             request(6, 2, vec![]),

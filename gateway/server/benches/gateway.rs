@@ -101,12 +101,12 @@ fn body(i: usize, len: usize) -> Map<String, Value> {
 async fn direct(c: &reqwest::Client, p: &str, d: &str, b: &Map<String, Value>) {
     let pr = c
         .post(format!("{p}/v1/completions"))
-        .json(&prefill_body(Api::Completions, b))
+        .json(&prefill_body(Api::Completions, b, 1))
         .send()
         .await
         .expect("P answers");
     assert!(pr.status().is_success(), "P: {}", pr.status());
-    let params = prefill_params(&pr.bytes().await.expect("P body")).expect("P's params");
+    let params = prefill_params(&pr.bytes().await.expect("P body")).expect("P's params")[0].clone();
     let dr = c
         .post(format!("{d}/v1/completions"))
         .json(&decode_body(b, &params))

@@ -11,6 +11,7 @@
 //! - [`cluster`]: the live view of nodes, their load and prefix-cache hashes.
 //! - [`registry`]: the `pd.registry.v1.NodeRegistry` service nodes stream into.
 //! - [`route`]: the policy call with its fallback.
+//! - [`spread`]: n>1 over several decode nodes: placing children, merging their answers.
 //! - [`lease`]: releasing P's leases nobody will pull.
 //! - [`admin`]: the operator's API (policy push, rollback, dry-run, nodes).
 //! - [`metrics`]: Prometheus metrics.
@@ -29,3 +30,4 @@ pub mod openai;
 pub mod proxy;
 pub mod registry;
 pub mod route;
+pub mod spread;

@@ -41,6 +41,8 @@ pub struct Metrics {
     pub failovers: IntCounterVec,
     /// P leases the gateway released itself (the client left, or a decode node failed).
     pub leases_released: IntCounterVec,
+    /// Requests whose `n` children were spread over this many decode requests, by `groups`.
+    pub spread: IntCounterVec,
 }
 
 const LATENCY_BUCKETS: &[f64] = &[
@@ -162,6 +164,11 @@ impl Metrics {
                 "pd_gateway_leases_released_total",
                 "Prefill leases the gateway released itself, by why.",
                 &["why"],
+            ),
+            spread: counters(
+                "pd_gateway_decode_spread_total",
+                "Split requests whose children went to more than one decode request, by how many.",
+                &["groups"],
             ),
             registry,
         }

@@ -186,8 +186,10 @@ impl From<prompt::PromptError> for GatewayError {
 }
 
 /// The body for a prefill node: the client's, answering with one token, not streamed, one
-/// completion, and asking P to hold the prompt's KV for a decode node.
-pub fn prefill_body(api: Api, body: &Map<String, Value>) -> Map<String, Value> {
+/// completion, and asking P to hold the prompt's KV for `consumers` decode nodes (each under a
+/// lease of its own; `num_consumers` is sent only when more than one, so a vLLM prefill node
+/// sees its own protocol).
+pub fn prefill_body(api: Api, body: &Map<String, Value>, consumers: u32) -> Map<String, Value> {
     let mut p = body.clone();
     match api {
         Api::ChatCompletions => {
@@ -216,25 +218,30 @@ pub fn prefill_body(api: Api, body: &Map<String, Value>) -> Map<String, Value> {
             "remote_port": null,
         }),
     );
+    if consumers > 1
+        && let Some(Value::Object(kv)) = p.get_mut(KV_FIELD)
+    {
+        kv.insert("num_consumers".into(), json!(consumers));
+    }
     p
 }
 
-/// The `kv_transfer_params` a prefill node answered with (an object, or the first of a list).
+/// The `kv_transfer_params` a prefill node answered with: one object per lease it granted (an
+/// object is a list of one).
 ///
 /// # Errors
-/// P's body is not JSON or carries no params object.
-pub fn prefill_params(p_body: &[u8]) -> Result<Value, String> {
+/// P's body is not JSON, carries no params, or an object does not ask for a pull.
+pub fn prefill_params(p_body: &[u8]) -> Result<Vec<Value>, String> {
     let v: Value = serde_json::from_slice(p_body).map_err(|e| format!("P's body: {e}"))?;
     let params = match v.get(KV_FIELD) {
-        Some(Value::Array(list)) => list.first().cloned(),
-        Some(o @ Value::Object(_)) => Some(o.clone()),
-        _ => None,
+        Some(Value::Array(list)) if !list.is_empty() => list.clone(),
+        Some(o @ Value::Object(_)) => vec![o.clone()],
+        _ => return Err("P answered without kv_transfer_params".into()),
     };
-    let params = params.ok_or("P answered without kv_transfer_params")?;
-    if params.get("do_remote_prefill") != Some(&Value::Bool(true)) {
-        return Err(format!(
-            "P's kv_transfer_params do not ask for a pull: {params}"
-        ));
+    for p in &params {
+        if p.get("do_remote_prefill") != Some(&Value::Bool(true)) {
+            return Err(format!("P's kv_transfer_params do not ask for a pull: {p}"));
+        }
     }
     Ok(params)
 }
@@ -311,10 +318,13 @@ mod tests {
     fn prefill_asks_for_one_token_and_a_handoff() {
         let body =
             obj(json!({"model": "m", "input": "x", "stream": true, "max_output_tokens": 50}));
-        let p = prefill_body(Api::Responses, &body);
+        let p = prefill_body(Api::Responses, &body, 1);
         assert_eq!(p["max_output_tokens"], 1);
         assert_eq!(p["stream"], false);
         assert_eq!(p[KV_FIELD]["do_remote_decode"], true);
+        assert!(p[KV_FIELD].get("num_consumers").is_none());
+        let p = prefill_body(Api::Completions, &body, 3);
+        assert_eq!(p[KV_FIELD]["num_consumers"], 3);
     }
 
     #[test]
@@ -325,7 +335,7 @@ mod tests {
         assert_eq!(l.side_channel, "http://127.0.0.1:9");
         assert_eq!(l.generation, 2);
         let body = serde_json::to_vec(&json!({"kv_transfer_params": [params]})).unwrap();
-        assert_eq!(prefill_params(&body).unwrap()["remote_port"], 9);
+        assert_eq!(prefill_params(&body).unwrap()[0]["remote_port"], 9);
         assert!(prefill_params(b"{}").is_err());
     }
 }

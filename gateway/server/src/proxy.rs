@@ -12,8 +12,11 @@
 //!    fields read, prompt tokenized, block hashes, the view, the policy's decision.
 //! 2. [`Gateway::whole`]: one node serves the request; ranked failover before any byte is sent.
 //! 3. [`Gateway::prefill`]: P with `do_remote_decode`, failover over the prefill ranking.
-//! 4. D with P's params, through [`Gateway::whole`]: failover over the decode ranking.
-//! 5. [`Gateway::relay`]: D's status, headers and body, chunk by chunk, to the client.
+//! 4. D with P's params, through [`Gateway::whole`]: failover over the decode ranking. With
+//!    n>1 spread over several decode nodes, [`Gateway::spread`] sends one request per group at
+//!    once, each with its own lease of P's ([`crate::spread`]).
+//! 5. [`Gateway::relay`]: D's status, headers and body, chunk by chunk, to the client (merged
+//!    from several, for spread children).
 //!
 //! A client that leaves while P or D works is noticed (the downstream connection closes):
 //! D's connection is dropped (the node aborts the request) and P's lease is released at once
@@ -38,6 +41,7 @@ use crate::lease::LeaseReleaser;
 use crate::metrics::Metrics;
 use crate::openai::{self, Analyzed, KV_FIELD, api_label, api_path};
 use crate::route::Router;
+use crate::spread;
 
 /// Prompts longer than this (bytes of text) are tokenized on the blocking pool.
 const INLINE_TOKENIZE_BYTES: usize = 4096;
@@ -505,7 +509,8 @@ impl Gateway {
         })
     }
 
-    /// Phases 3–5 for a split decision.
+    /// Phases 3–5 for a split decision: one decode group (all children on one node, forked
+    /// there) or several ([`Gateway::spread`]).
     #[allow(clippy::too_many_arguments)]
     async fn split(
         &self,
@@ -517,36 +522,288 @@ impl Gateway {
         snapshot: &Snapshot,
         split: &Split,
     ) -> Result<Outcome, GatewayError> {
-        let Some(params) = self
-            .prefill(session, t, path, body, analyzed, snapshot, &split.prefill)
+        let groups = spread::plan(&split.decode, analyzed.n);
+        let consumers = match groups.len() {
+            k @ 2..=spread::MAX_GROUPS => k as u32,
+            _ => 1,
+        };
+        let Some(mut params) = self
+            .prefill(
+                session,
+                t,
+                path,
+                body,
+                analyzed,
+                snapshot,
+                &split.prefill,
+                consumers,
+            )
             .await?
         else {
             return Ok(Outcome::Aborted);
         };
-        let lease = openai::lease_of(&params);
-        // All n children go to one decode node (one pull, forked copy-on-write there); the
-        // other entries of the ranking are failover candidates. Spreading children over several
-        // decode nodes needs one lease per decode node from P (not built yet).
-        let candidates: Vec<u32> = split.decode.iter().map(|d| d.node).collect();
+        if consumers > 1 && params.len() >= groups.len() {
+            for extra in params.drain(groups.len()..) {
+                self.release(Some(&extra), "unused");
+            }
+            return self
+                .spread(session, t, path, body, snapshot, &groups, params)
+                .await;
+        }
+        // One group, or a P that granted one lease for several (a node without
+        // `num_consumers`): all children on one decode node, the rest of the list failover.
+        let first = params.remove(0);
+        for extra in &params {
+            self.release(Some(extra), "unused");
+        }
+        let mut candidates: Vec<u32> = Vec::with_capacity(split.decode.len());
+        for d in &split.decode {
+            if !candidates.contains(&d.node) {
+                candidates.push(d.node);
+            }
+        }
         let d_body =
-            Bytes::from(serde_json::to_vec(&openai::decode_body(body, &params)).map_err(internal)?);
+            Bytes::from(serde_json::to_vec(&openai::decode_body(body, &first)).map_err(internal)?);
         // Phase 4: D pulls and decodes; failover while nothing reached the client.
         let outcome = self
             .whole(session, t, path, snapshot, &candidates, d_body, "decode")
             .await;
-        let release = match &outcome {
-            Ok(Outcome::Ok) => None,
-            Ok(Outcome::Aborted) => Some("client_left"),
-            Err(_) => Some("decode_failed"),
-        };
-        if let (Some(why), Some(lease)) = (release, lease) {
-            self.0.leases.release(lease, why);
+        match &outcome {
+            Ok(Outcome::Ok) => {}
+            Ok(Outcome::Aborted) => self.release(Some(&first), "client_left"),
+            Err(_) => self.release(Some(&first), "decode_failed"),
         }
         outcome
     }
 
-    /// Phase 3: P prefills and answers with the params naming its leased blocks. `None`: the
-    /// client left.
+    /// Releases the lease `params` name at P, counted by `why`.
+    fn release(&self, params: Option<&Value>, why: &'static str) {
+        if let Some(lease) = params.and_then(openai::lease_of) {
+            self.0.leases.release(lease, why);
+        }
+    }
+
+    /// Phases 4–5 with the children spread: one decode request per group, each with its own
+    /// lease and failover list, sent at once; their answers merged into one.
+    #[allow(clippy::too_many_arguments)]
+    async fn spread(
+        &self,
+        session: &mut Session,
+        t: &mut Timing,
+        path: &str,
+        body: &Map<String, Value>,
+        snapshot: &Snapshot,
+        groups: &[spread::Group],
+        params: Vec<Value>,
+    ) -> Result<Outcome, GatewayError> {
+        self.0
+            .metrics
+            .spread
+            .with_label_values(&[&groups.len().to_string()])
+            .inc();
+        // The client's seed, or one drawn here: children on different nodes must not share one.
+        let seed = body
+            .get("seed")
+            .and_then(Value::as_i64)
+            .unwrap_or_else(rand::random);
+        let mut bodies = Vec::with_capacity(groups.len());
+        for (g, p) in groups.iter().zip(&params) {
+            let b = spread::group_body(&openai::decode_body(body, p), g, seed);
+            bodies.push(Bytes::from(serde_json::to_vec(&b).map_err(internal)?));
+        }
+        let release_all = |why| {
+            for p in &params {
+                self.release(Some(p), why);
+            }
+        };
+        let sends = groups
+            .iter()
+            .zip(bodies)
+            .map(|(g, b)| self.send_ranked(snapshot, &g.candidates, path, b));
+        let answers = tokio::select! {
+            r = t.wait(futures::future::join_all(sends)) => r,
+            () = client_gone(session) => {
+                release_all("client_left");
+                return Ok(Outcome::Aborted);
+            }
+        };
+        let mut resps = Vec::with_capacity(answers.len());
+        for a in answers {
+            match a {
+                Ok(r) => resps.push(r),
+                Err(why) => {
+                    release_all("decode_failed");
+                    return Err(GatewayError::NoCapacity {
+                        model: String::new(),
+                        why,
+                    });
+                }
+            }
+        }
+        if let Some(i) = resps.iter().position(|r| !r.status().is_success()) {
+            // A node refused its part (a 4xx): the client's fault, the same on every node.
+            release_all("decode_failed");
+            let r = resps.swap_remove(i);
+            let status = r.status().as_u16();
+            let body = r.bytes().await.unwrap_or_default();
+            return Err(GatewayError::Node { status, body });
+        }
+        let offsets: Vec<u32> = groups.iter().map(|g| g.offset).collect();
+        let streamed = resps.iter().any(|r| {
+            r.headers()
+                .get("content-type")
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|c| c.starts_with("text/event-stream"))
+        });
+        let outcome = if streamed {
+            self.relay_merged_stream(session, t, resps, offsets).await
+        } else {
+            self.relay_merged_whole(session, t, resps, offsets).await
+        };
+        match &outcome {
+            Ok(Outcome::Ok) => {}
+            Ok(Outcome::Aborted) => release_all("client_left"),
+            Err(_) => release_all("decode_failed"),
+        }
+        outcome
+    }
+
+    /// Sends `body` to the first of `candidates` that answers (not a 5xx), without watching the
+    /// client (the caller does, over all groups at once).
+    async fn send_ranked(
+        &self,
+        snapshot: &Snapshot,
+        candidates: &[u32],
+        path: &str,
+        body: Bytes,
+    ) -> Result<reqwest::Response, String> {
+        let mut why = Vec::new();
+        for &i in candidates {
+            let Some(node) = snapshot.nodes.get(i as usize) else {
+                continue;
+            };
+            let sent = self
+                .0
+                .http
+                .post(format!("http://{}{path}", node.http_addr))
+                .header("content-type", "application/json")
+                .body(body.clone())
+                .send()
+                .await;
+            let e = match sent {
+                Ok(r) if r.status().is_server_error() => {
+                    let status = r.status();
+                    let text = r.text().await.unwrap_or_default();
+                    format!("{} answered {status}: {text}", node.http_addr)
+                }
+                Ok(r) => return Ok(r),
+                Err(e) => format!("{}: {e}", node.http_addr),
+            };
+            warn!(node = %node.engine_id, stage = "decode", "failing over: {e}");
+            self.0
+                .metrics
+                .failovers
+                .with_label_values(&["decode"])
+                .inc();
+            why.push(e);
+        }
+        Err(format!("every decode candidate failed: {}", why.join("; ")))
+    }
+
+    /// Phase 5 for spread children, not streamed: every group's body, merged.
+    async fn relay_merged_whole(
+        &self,
+        session: &mut Session,
+        t: &mut Timing,
+        resps: Vec<reqwest::Response>,
+        offsets: Vec<u32>,
+    ) -> Result<Outcome, GatewayError> {
+        let reads = futures::future::join_all(resps.into_iter().map(reqwest::Response::bytes));
+        let bodies = tokio::select! {
+            b = t.wait(reads) => b,
+            () = client_gone(session) => return Ok(Outcome::Aborted),
+        };
+        let mut parts = Vec::with_capacity(bodies.len());
+        for (b, &offset) in bodies.iter().zip(&offsets) {
+            match b {
+                Ok(b) => parts.push((offset, b.as_ref())),
+                Err(e) => return Err(GatewayError::BadGateway(format!("a decode node: {e}"))),
+            }
+        }
+        let merged = spread::merge_json(&parts).map_err(GatewayError::BadGateway)?;
+        let bytes = Bytes::from(serde_json::to_vec(&merged).map_err(internal)?);
+        t.first_byte.get_or_insert_with(Instant::now);
+        respond(session, 200, "application/json", bytes).await;
+        Ok(Outcome::Ok)
+    }
+
+    /// Phase 5 for spread children, streamed: events from every group as they arrive, indices
+    /// moved, one `[DONE]` at the end.
+    async fn relay_merged_stream(
+        &self,
+        session: &mut Session,
+        t: &mut Timing,
+        resps: Vec<reqwest::Response>,
+        offsets: Vec<u32>,
+    ) -> Result<Outcome, GatewayError> {
+        use futures::StreamExt;
+        if session
+            .write_response_header(header(200, "text/event-stream", None), false)
+            .await
+            .is_err()
+        {
+            return Ok(Outcome::Aborted);
+        }
+        let mut merge = spread::SseMerge::new(offsets);
+        let mut streams = futures::stream::select_all(
+            resps
+                .into_iter()
+                .enumerate()
+                .map(|(j, r)| r.bytes_stream().map(move |b| (j, b)).boxed()),
+        );
+        loop {
+            let next = tokio::select! {
+                n = t.wait(streams.next()) => n,
+                () = client_gone(session) => return Ok(Outcome::Aborted),
+            };
+            let out = match next {
+                Some((j, Ok(bytes))) => merge.feed(j, &bytes),
+                Some((_, Err(e))) => {
+                    warn!("decode stream broke: {e}");
+                    let _ = session.write_response_body(None, true).await;
+                    return Err(GatewayError::BadGateway(format!("node stream broke: {e}")));
+                }
+                None => break,
+            };
+            if !out.is_empty() {
+                t.first_byte.get_or_insert_with(Instant::now);
+                if session
+                    .write_response_body(Some(Bytes::from(out)), false)
+                    .await
+                    .is_err()
+                {
+                    return Ok(Outcome::Aborted);
+                }
+            }
+        }
+        if !merge.complete() {
+            // A node ended its stream without `[DONE]` (it reported an error frame): end the
+            // merged stream the same way.
+            let _ = session.write_response_body(None, true).await;
+            return Err(GatewayError::BadGateway(
+                "a decode node's stream ended early".into(),
+            ));
+        }
+        let tail = merge.finish();
+        t.first_byte.get_or_insert_with(Instant::now);
+        let _ = session
+            .write_response_body(Some(Bytes::from(tail)), true)
+            .await;
+        Ok(Outcome::Ok)
+    }
+
+    /// Phase 3: P prefills and answers with the params naming its leased blocks, one object
+    /// per consumer asked for (or fewer, from a node that grants one). `None`: the client left.
     #[allow(clippy::too_many_arguments)]
     async fn prefill(
         &self,
@@ -557,9 +814,11 @@ impl Gateway {
         analyzed: &Analyzed,
         snapshot: &Snapshot,
         candidates: &[u32],
-    ) -> Result<Option<Value>, GatewayError> {
+        consumers: u32,
+    ) -> Result<Option<Vec<Value>>, GatewayError> {
         let p_body = Bytes::from(
-            serde_json::to_vec(&openai::prefill_body(analyzed.api, body)).map_err(internal)?,
+            serde_json::to_vec(&openai::prefill_body(analyzed.api, body, consumers))
+                .map_err(internal)?,
         );
         let mut why = Vec::new();
         for &i in candidates {
@@ -593,9 +852,11 @@ impl Gateway {
                     let leases = self.0.leases.clone();
                     tokio::spawn(async move {
                         if let Ok(body) = read.await
-                            && let Some(lease) = openai::prefill_params(&body).ok().as_ref().and_then(openai::lease_of)
+                            && let Ok(params) = openai::prefill_params(&body)
                         {
-                            leases.release(lease, "client_left");
+                            for lease in params.iter().filter_map(openai::lease_of) {
+                                leases.release(lease, "client_left");
+                            }
                         }
                     });
                     return Ok(None);

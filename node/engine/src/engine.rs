@@ -411,7 +411,7 @@ impl Engine {
         let prompt_len = prompt_tokens.len();
         let max_tokens = match kv {
             // Prefill only: one token per child, as vLLM's proxies ask of a prefill node.
-            KvTransfer::Produce => 1,
+            KvTransfer::Produce { .. } => 1,
             _ => params
                 .max_tokens
                 .unwrap_or(self.info.max_model_len - prompt_len),
@@ -566,25 +566,31 @@ impl Engine {
             if !state.forked {
                 state.forked = true;
                 // (A client already gone gets no lease: nobody could hand it to a decode node.)
-                if state.kv == KvTransfer::Produce && !state.events.is_closed() {
-                    // The prompt is computed: lease its blocks to the decode node, once for all
-                    // `n` children (they would share them anyway).
+                if let KvTransfer::Produce { consumers } = state.kv
+                    && !state.events.is_closed()
+                {
+                    // The prompt is computed: lease its blocks to each decode node that will
+                    // pull them, once for all `n` children (they would share them anyway). Each
+                    // lease holds its own reference per block, so one consumer's release never
+                    // frees blocks another still reads.
                     let seq = &self.scheduler.running[index];
                     let blocks =
                         seq.blocks[..seq.prompt_len.div_ceil(self.info.block_size)].to_vec();
-                    for &b in &blocks {
-                        self.scheduler.allocator.share(b);
-                    }
                     let num_tokens = seq.prompt_len;
-                    let lease = self.leases.grant(blocks, "", Instant::now());
-                    tracing::debug!(request = %id, lease = %lease.id, blocks = lease.blocks.len(), "prompt KV leased");
-                    let _ = state.events.send(RequestEvent::KvReady(KvHandoff {
-                        lease: lease.id,
-                        generation: lease.generation,
-                        deadline: to_system_time(lease.deadline),
-                        block_ids: lease.blocks,
-                        num_tokens,
-                    }));
+                    for _ in 0..consumers.max(1) {
+                        for &b in &blocks {
+                            self.scheduler.allocator.share(b);
+                        }
+                        let lease = self.leases.grant(blocks.clone(), "", Instant::now());
+                        tracing::debug!(request = %id, lease = %lease.id, blocks = lease.blocks.len(), "prompt KV leased");
+                        let _ = state.events.send(RequestEvent::KvReady(KvHandoff {
+                            lease: lease.id,
+                            generation: lease.generation,
+                            deadline: to_system_time(lease.deadline),
+                            block_ids: lease.blocks,
+                            num_tokens,
+                        }));
+                    }
                 }
                 let seed = state.params.seed.unwrap_or(0);
                 for c in 1..state.params.n {

@@ -145,8 +145,12 @@ pub enum KvTransfer {
     #[default]
     Local,
     /// Prefill node: compute the prompt, sample one token per child, then keep the prompt's
-    /// blocks under a lease for a decode node ([`RequestEvent::KvReady`]).
-    Produce,
+    /// blocks under one lease per decode node that will pull them ([`RequestEvent::KvReady`],
+    /// once per consumer). `consumers` is at least 1 (0 is taken as 1).
+    Produce {
+        /// Decode nodes that will each pull the prompt's KV under their own lease.
+        consumers: usize,
+    },
     /// Decode node: the prompt's KV comes from a peer. The request waits with blocks reserved
     /// ([`RequestEvent::AwaitingKv`]) until [`crate::EngineHandle::remote_kv_ready`].
     Consume,
@@ -233,8 +237,8 @@ pub enum RequestEvent {
         /// Prompt tokens already held locally.
         cached_tokens: usize,
     },
-    /// ([`KvTransfer::Produce`]) The prompt is computed and its blocks are leased; sent once,
-    /// before the first token.
+    /// ([`KvTransfer::Produce`]) The prompt is computed and its blocks are leased; sent once per
+    /// consumer (each a lease of its own on the same blocks), before the first token.
     KvReady(KvHandoff),
     /// Child `child` produced a token. `text` is the newly decodable text (may be empty while a
     /// multi-byte character is incomplete, or while a possible stop string is held back).

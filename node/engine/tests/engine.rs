@@ -462,7 +462,7 @@ async fn producer_prefills_once_and_leases_the_prompt_blocks_until_released() {
             prompt_tokens: p.clone(),
             // max_tokens is ignored: a producer samples one token per child.
             params: SamplingParams { n: 3, ..greedy(50) },
-            kv: KvTransfer::Produce,
+            kv: KvTransfer::Produce { consumers: 1 },
         })
         .unwrap();
     let mut handoffs = Vec::new();
@@ -506,6 +506,42 @@ async fn producer_prefills_once_and_leases_the_prompt_blocks_until_released() {
 }
 
 #[tokio::test]
+async fn a_producer_for_two_consumers_grants_two_leases_and_keeps_blocks_until_both_end() {
+    let dir = model_dir("produce2");
+    let h = engine(&dir, |_| {});
+    let mut s = h
+        .submit(GenerateRequest {
+            prompt_tokens: prompt(10, 5), // 3 blocks of 4
+            params: greedy(1),
+            kv: KvTransfer::Produce { consumers: 2 },
+        })
+        .unwrap();
+    let mut handoffs = Vec::new();
+    while let Some(e) = s.recv().await {
+        if let RequestEvent::KvReady(k) = e {
+            handoffs.push(k);
+        }
+    }
+    assert_eq!(handoffs.len(), 2, "one lease per consumer");
+    let (a, b) = (&handoffs[0], &handoffs[1]);
+    assert_ne!(a.lease, b.lease);
+    assert_eq!(a.block_ids, b.block_ids, "both leases name the same blocks");
+    eventually("request blocks freed", || {
+        h.free_blocks() == h.info().num_blocks - 3
+    })
+    .await;
+    // One consumer done: the other still reads the blocks, so none is freed.
+    h.release_lease(a.lease, a.generation, "d0").unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(h.free_blocks(), h.info().num_blocks - 3);
+    h.leases().confirm(b.lease, b.generation, "d1").unwrap();
+    h.release_lease(b.lease, b.generation, "d1").unwrap();
+    wait_all_free(&h).await;
+    let st = h.lease_stats();
+    assert_eq!((st.live, st.counts.granted, st.counts.released), (0, 2, 2));
+}
+
+#[tokio::test]
 async fn an_unreleased_lease_expires_frees_its_blocks_and_is_counted() {
     let dir = model_dir("expire");
     let h = engine(&dir, |c| c.kv_lease_duration = Duration::from_millis(300));
@@ -513,7 +549,7 @@ async fn an_unreleased_lease_expires_frees_its_blocks_and_is_counted() {
         .submit(GenerateRequest {
             prompt_tokens: prompt(9, 1),
             params: greedy(1),
-            kv: KvTransfer::Produce,
+            kv: KvTransfer::Produce { consumers: 1 },
         })
         .unwrap();
     let mut lease = None;
@@ -617,7 +653,7 @@ async fn a_producer_whose_client_leaves_mid_prefill_grants_no_lease() {
         .submit(GenerateRequest {
             prompt_tokens: prompt(40, 3),
             params: greedy(1),
-            kv: KvTransfer::Produce,
+            kv: KvTransfer::Produce { consumers: 1 },
         })
         .unwrap();
     assert!(matches!(s.recv().await, Some(RequestEvent::Started { .. })));

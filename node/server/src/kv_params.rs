@@ -21,13 +21,21 @@ use crate::error::ApiError;
 /// The request field.
 pub(crate) const FIELD: &str = "kv_transfer_params";
 
+/// Most decode nodes one prefill may hand its KV to (`num_consumers`): each holds a lease, so
+/// the bound caps what one request can make a producer hold.
+pub(crate) const MAX_CONSUMERS: u64 = 16;
+
 /// What a request's `kv_transfer_params` asks of this node.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum KvDirective {
     /// Absent, `null`, or neither flag set: an ordinary request.
     None,
-    /// `do_remote_decode: true`: prefill here, hand the KV to a decode node.
-    Produce,
+    /// `do_remote_decode: true`: prefill here, hand the KV to `consumers` decode nodes
+    /// (`num_consumers`, 1 when absent), each under a lease of its own.
+    Produce {
+        /// Decode nodes that will pull the prompt's KV, `1..=MAX_CONSUMERS`.
+        consumers: usize,
+    },
     /// `do_remote_prefill: true` with everything needed: pull the prompt's KV. More than one
     /// object (one per child) may name the same blocks; the first drives the pull.
     Consume(Vec<RemotePrefill>),
@@ -208,7 +216,21 @@ fn parse_one(v: &Value) -> Result<KvDirective, ApiError> {
         });
     }
     if decode {
-        return Ok(KvDirective::Produce);
+        let consumers = match get(o, "num_consumers") {
+            None => 1,
+            Some(v) => match v.as_u64() {
+                Some(n @ 1..=MAX_CONSUMERS) => n as usize,
+                _ => {
+                    return Err(bad(
+                        "num_consumers",
+                        format!(
+                            "{FIELD}.num_consumers must be an integer between 1 and {MAX_CONSUMERS}, got {v}"
+                        ),
+                    ));
+                }
+            },
+        };
+        return Ok(KvDirective::Produce { consumers });
     }
     if !prefill {
         return Ok(KvDirective::None);
@@ -341,7 +363,19 @@ mod tests {
     fn vllm_prefill_request_and_empty_forms() {
         let proxy_to_p = json!({"do_remote_decode": true, "do_remote_prefill": false,
             "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null});
-        assert_eq!(p(proxy_to_p).unwrap(), KvDirective::Produce);
+        assert_eq!(
+            p(proxy_to_p).unwrap(),
+            KvDirective::Produce { consumers: 1 }
+        );
+        let two = json!({"do_remote_decode": true, "num_consumers": 2});
+        assert_eq!(p(two).unwrap(), KvDirective::Produce { consumers: 2 });
+        for bad in [json!(0), json!(17), json!("2"), json!(-1)] {
+            let e = p(json!({"do_remote_decode": true, "num_consumers": bad})).unwrap_err();
+            assert!(
+                matches!(&e, ApiError::InvalidRequest { param: Some(f), .. } if f == "kv_transfer_params.num_consumers"),
+                "{e:?}"
+            );
+        }
         assert_eq!(parse(None).unwrap(), KvDirective::None);
         assert_eq!(p(Value::Null).unwrap(), KvDirective::None);
         assert_eq!(p(json!({})).unwrap(), KvDirective::None);
@@ -433,7 +467,8 @@ pub(crate) struct KvReply {
     advert: Option<Advert>,
     request_id: String,
     prompt_hash: u64,
-    params: Option<Value>,
+    /// One object per lease granted, in grant order.
+    params: Vec<Value>,
 }
 
 impl KvReply {
@@ -443,19 +478,25 @@ impl KvReply {
             advert,
             request_id: request_id.to_string(),
             prompt_hash: prompt_hash(prompt),
-            params: None,
+            params: Vec::new(),
         }
     }
 
     /// Notes a handoff when `event` is one.
     pub(crate) fn observe(&mut self, event: &pd_engine::RequestEvent) {
         if let (pd_engine::RequestEvent::KvReady(h), Some(advert)) = (event, &self.advert) {
-            self.params = Some(handoff(advert, &self.request_id, h, self.prompt_hash));
+            self.params
+                .push(handoff(advert, &self.request_id, h, self.prompt_hash));
         }
     }
 
-    /// The response's `kv_transfer_params`, once the handoff happened.
+    /// The response's `kv_transfer_params`, once the handoff happened: one object (vLLM's
+    /// shape) for one consumer, a list of one object per consumer for more.
     pub(crate) fn params(&self) -> Option<Value> {
-        self.params.clone()
+        match self.params.as_slice() {
+            [] => None,
+            [one] => Some(one.clone()),
+            many => Some(Value::Array(many.to_vec())),
+        }
     }
 }

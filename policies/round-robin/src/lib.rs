@@ -7,7 +7,10 @@
 //! - Candidates for a role: its nodes that are not draining, or all its nodes when every one of
 //!   them is draining, in index order.
 //! - Route: if the view has a prefill and a decode node, split; else, if it has a standalone
-//!   node, whole; else reject with 503. Each decode entry takes all `n` children.
+//!   node, whole; else reject with 503.
+//! - Children: dealt one at a time over the ranked decode list, so n>1 spreads over the
+//!   decode nodes: entry `j` of `k` gets `n / k + (j < n % k)` children, and at least 1 (an
+//!   entry past the `n`-th is only a failover candidate).
 //! - Rank: the candidate list rotated left by `seq % len` (candidate `seq % len` first, then
 //!   the ones after it, wrapping around).
 
@@ -39,13 +42,7 @@ impl Guest for RoundRobin {
         let route = if has(Role::Prefill) && has(Role::Decode) {
             Route::Split(Split {
                 prefill: rotated(candidates(nodes, Role::Prefill), seq),
-                decode: rotated(candidates(nodes, Role::Decode), seq)
-                    .into_iter()
-                    .map(|node| DecodeTarget {
-                        node,
-                        children: request.n.max(1),
-                    })
-                    .collect(),
+                decode: dealt(rotated(candidates(nodes, Role::Decode), seq), request.n),
             })
         } else if has(Role::Standalone) {
             Route::Whole(rotated(candidates(nodes, Role::Standalone), seq))
@@ -82,4 +79,17 @@ fn rotated(mut c: Vec<u32>, seq: u64) -> Vec<u32> {
         c.rotate_left(start);
     }
     c
+}
+
+/// `n` children dealt one at a time over `nodes`, at least 1 per entry.
+fn dealt(nodes: Vec<u32>, n: u32) -> Vec<DecodeTarget> {
+    let k = nodes.len() as u32;
+    let n = n.max(1);
+    (0u32..)
+        .zip(nodes)
+        .map(|(j, node)| DecodeTarget {
+            node,
+            children: (n / k + u32::from(j < n % k)).max(1),
+        })
+        .collect()
 }

@@ -23,7 +23,9 @@
 //! Per policy, the ranking:
 //!
 //! - [`least_loaded`]: least-loaded order, for every list.
-//! - [`round_robin`]: candidates in index order, rotated left by `request.seq % len`.
+//! - [`round_robin`]: candidates in index order, rotated left by `request.seq % len`; the
+//!   decode list's children dealt one at a time over it ([`round_robin::deal`]: entry `j` of
+//!   `k` gets `n / k + (j < n % k)`, at least 1), so n>1 spreads over the decode nodes.
 //! - [`prefix_aware`]: prefill and whole lists by score
 //!   `prefix_blocks[i] - (waiting + running)` descending (`i64`; a node past the end of
 //!   `request.prefix_blocks` holds 0 blocks), ties in least-loaded order; decode list in
@@ -31,7 +33,7 @@
 
 mod least_loaded;
 mod prefix_aware;
-mod round_robin;
+pub mod round_robin;
 
 pub use least_loaded::least_loaded;
 pub use prefix_aware::prefix_aware;

@@ -57,7 +57,7 @@ impl AppState {
         let d = kv_params::parse(params)?;
         let asked = match &d {
             KvDirective::None => None,
-            KvDirective::Produce => Some("produce"),
+            KvDirective::Produce { .. } => Some("produce"),
             KvDirective::Consume(_) => Some("consume"),
             KvDirective::Incomplete { .. } => Some("incomplete"),
         };
@@ -78,10 +78,10 @@ impl AppState {
         };
         match &d {
             KvDirective::None => {}
-            KvDirective::Produce if !role.produces() || self.disagg.advert.is_none() => {
+            KvDirective::Produce { .. } if !role.produces() || self.disagg.advert.is_none() => {
                 return Err(refuse("do_remote_decode", "kv_producer"));
             }
-            KvDirective::Produce => {}
+            KvDirective::Produce { .. } => {}
             KvDirective::Consume(_) | KvDirective::Incomplete { .. }
                 if !role.consumes() || self.disagg.loader.is_none() =>
             {
@@ -156,7 +156,7 @@ impl KvPlan {
     /// The engine's part.
     pub(crate) fn transfer(&self) -> KvTransfer {
         match self.directive {
-            KvDirective::Produce => KvTransfer::Produce,
+            KvDirective::Produce { consumers } => KvTransfer::Produce { consumers },
             KvDirective::Consume(_) => KvTransfer::Consume,
             KvDirective::None | KvDirective::Incomplete { .. } => KvTransfer::Local,
         }
