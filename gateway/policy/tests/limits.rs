@@ -118,6 +118,13 @@ fn deadline_stops_a_loop() {
         matches!(e, PolicyError::Timeout { deadline } if deadline == Duration::from_millis(1)),
         "{e:?}"
     );
+
+    // After an idle spell the epoch ticker parks (it lingers 50 ms after the last call); the
+    // next call wakes it, and its deadline still stops a loop.
+    std::thread::sleep(Duration::from_millis(200));
+    let e = call(&policy, &request(0, 7, vec![])).expect_err("n=7 loops");
+    assert!(matches!(e, PolicyError::Timeout { .. }), "{e:?}");
+    recovers(&policy);
 }
 
 #[test]

@@ -162,6 +162,34 @@ async fn run(prompt_len: usize, n: usize, c: &reqwest::Client, gw: &str, p: &str
     );
 }
 
+/// The gateway's histogram sums and counts, keyed `name_sum{labels}` / `name_count{labels}`
+/// with the labels as exposed (summed over label sets for the unlabelled name).
+async fn scrape(c: &reqwest::Client, gw: &str) -> std::collections::HashMap<String, f64> {
+    let text = c
+        .get(format!("{gw}/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    let mut out = std::collections::HashMap::new();
+    for l in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((key, v)) = l.rsplit_once(' ') else {
+            continue;
+        };
+        let Ok(v) = v.parse::<f64>() else { continue };
+        if !(key.contains("_sum") || key.contains("_count")) {
+            continue;
+        }
+        *out.entry(key.to_owned()).or_default() += v;
+        if let Some((name, _)) = key.split_once('{') {
+            *out.entry(name.to_owned()).or_default() += v;
+        }
+    }
+    out
+}
+
 fn main() {
     let n: usize = std::env::var("BENCH_REQUESTS")
         .ok()
@@ -201,21 +229,42 @@ fn main() {
     assert!(status.success());
     let model = model.to_str().expect("utf-8 path").to_owned();
 
+    // Extra gateway flags to compare settings, e.g. BENCH_GATEWAY_ARGS="--threads 1", and
+    // BENCH_POLICY=native for the built-in least-loaded instead of the WASM one.
+    let extra = std::env::var("BENCH_GATEWAY_ARGS").unwrap_or_default();
+    let mut gw_args: Vec<String> = [
+        "serve",
+        "--port",
+        "0",
+        "--registry-port",
+        "0",
+        "--admin-port",
+        "0",
+        "--admin-token",
+        "bench",
+        "--policy",
+        policy.to_str().expect("utf-8 path"),
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    if std::env::var("BENCH_POLICY").is_ok_and(|p| p == "native") {
+        // The built-in native least-loaded instead of the WASM one.
+        gw_args.truncate(gw_args.len() - 2);
+    }
+    gw_args.extend(extra.split_whitespace().map(str::to_owned));
+    // BENCH_GATEWAY_CPUS=1: the gateway alone on CPU 1 (run the bench itself under `taskset -c
+    // 0` so the client and the nodes stay off it), as a deployment gives it cores of its own.
+    let (gw_bin, gw_args) = match std::env::var("BENCH_GATEWAY_CPUS") {
+        Ok(cpus) => {
+            let mut a = vec!["-c".to_owned(), cpus, gateway.display().to_string()];
+            a.extend(gw_args);
+            (PathBuf::from("taskset"), a)
+        }
+        Err(_) => (gateway.clone(), gw_args),
+    };
     let (_gw, found) = start(
-        &gateway,
-        &[
-            "serve",
-            "--port",
-            "0",
-            "--registry-port",
-            "0",
-            "--admin-port",
-            "0",
-            "--admin-token",
-            "bench",
-            "--policy",
-            policy.to_str().expect("utf-8 path"),
-        ],
+        &gw_bin,
+        &gw_args,
         &["pd-gateway registry on ", "pd-gateway listening on "],
     );
     let (registry, gw) = (found[0].clone(), found[1].clone());
@@ -279,32 +328,33 @@ fn main() {
         println!("pd-gateway added latency (ms for latencies, µs for added, req/s sequential), {n} requests per row per path");
         println!("| prompt tokens | requests | direct p50 | direct p99 | gateway p50 | gateway p99 | added p50 µs | added p99 µs | direct req/s | gateway req/s |");
         println!("|---|---|---|---|---|---|---|---|---|---|");
+        let before = scrape(&c, &gw).await;
         run(64, n, &c, &gw, &p, &d).await;
+        let mid = scrape(&c, &gw).await;
         run(2000, (n / 4).max(20), &c, &gw, &p, &d).await;
-        // The gateway's own account: time it spent on requests (not waiting on nodes) and in
-        // policy decisions, as means over every request of the run.
-        let text = c
-            .get(format!("{gw}/metrics"))
-            .send()
-            .await
-            .expect("metrics")
-            .text()
-            .await
-            .expect("metrics text");
-        let sum = |name: &str| -> f64 {
-            text.lines()
-                .filter(|l| l.starts_with(name))
-                .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-                .sum()
-        };
-        for (what, metric) in [
-            ("gateway-side time per request", "pd_gateway_added_latency_seconds"),
-            ("policy decision", "pd_gateway_policy_decision_seconds"),
-        ] {
-            let (total, count) = (sum(&format!("{metric}_sum")), sum(&format!("{metric}_count")));
+        let after = scrape(&c, &gw).await;
+        // The gateway's own account, per row: its time on requests (not waiting on nodes) by
+        // phase, and the policy decision, as means over the row's requests.
+        for (row, (a, b)) in [("64", (&before, &mid)), ("2000", (&mid, &after))] {
+            let mean = |metric: &str| {
+                let d = |suffix: &str| {
+                    let k = match metric.split_once('{') {
+                        Some((name, labels)) => format!("{name}_{suffix}{{{labels}"),
+                        None => format!("{metric}_{suffix}"),
+                    };
+                    b.get(&k).unwrap_or(&0.0) - a.get(&k).unwrap_or(&0.0)
+                };
+                d("sum") / d("count").max(1.0) * 1e6
+            };
             println!(
-                "{what} (from /metrics, mean over {count} requests): {:.1} µs",
-                total / count.max(1.0) * 1e6
+                "{row}-token row, gateway's own time (from /metrics, µs mean): total {:.1} = read {:.1} + tokenize {:.1} + view {:.1} + policy {:.1} + respond {:.1}; policy decision alone {:.1}",
+                mean("pd_gateway_added_latency_seconds"),
+                mean("pd_gateway_phase_seconds{phase=\"read\"}"),
+                mean("pd_gateway_phase_seconds{phase=\"tokenize\"}"),
+                mean("pd_gateway_phase_seconds{phase=\"view\"}"),
+                mean("pd_gateway_phase_seconds{phase=\"policy\"}"),
+                mean("pd_gateway_phase_seconds{phase=\"respond\"}"),
+                mean("pd_gateway_policy_decision_seconds"),
             );
         }
     });

@@ -20,6 +20,9 @@ pub struct Metrics {
     /// Seconds the gateway itself spent on a request (parsing, tokenizing, the policy, rewriting
     /// bodies, the P→D handoff), by `api`: end-to-end time minus time waiting on nodes.
     pub added: HistogramVec,
+    /// The gateway's own time by `phase` (`read` the client's body, `tokenize`, `view`, `policy`,
+    /// `respond`: everything after the first node was called that is not waiting on nodes).
+    pub phase: HistogramVec,
     /// Seconds one policy decision took (the whole host path), by `policy` and `version`.
     pub decision: HistogramVec,
     /// Decisions served, by `policy` and `version`.
@@ -119,6 +122,12 @@ impl Metrics {
                 "Time the gateway itself spent on a request (end to end minus waiting on nodes).",
                 &["api"],
                 LATENCY_BUCKETS,
+            ),
+            phase: histograms(
+                "pd_gateway_phase_seconds",
+                "The gateway's own time on a request, by phase.",
+                &["phase"],
+                DECISION_BUCKETS,
             ),
             decision: histograms(
                 "pd_gateway_policy_decision_seconds",

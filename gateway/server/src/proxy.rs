@@ -90,6 +90,8 @@ struct Timing {
     start: Instant,
     waiting: Duration,
     first_byte: Option<Instant>,
+    /// When routing was decided (nothing before it waits on nodes).
+    prepared: Option<Instant>,
 }
 
 impl Timing {
@@ -98,6 +100,30 @@ impl Timing {
         let out = fut.await;
         self.waiting += t.elapsed();
         out
+    }
+}
+
+/// Laps of the gateway's own phases, into `pd_gateway_phase_seconds{phase}`.
+struct PhaseClock<'a> {
+    metrics: &'a Metrics,
+    last: Instant,
+}
+
+impl<'a> PhaseClock<'a> {
+    fn new(metrics: &'a Metrics) -> Self {
+        Self {
+            metrics,
+            last: Instant::now(),
+        }
+    }
+
+    fn lap(&mut self, phase: &'static str) {
+        let now = Instant::now();
+        self.metrics
+            .phase
+            .with_label_values(&[phase])
+            .observe((now - self.last).as_secs_f64());
+        self.last = now;
     }
 }
 
@@ -255,6 +281,7 @@ impl Gateway {
             start: Instant::now(),
             waiting: Duration::ZERO,
             first_byte: None,
+            prepared: None,
         };
         let label = api_label(api);
         let outcome = match self.generate_inner(session, api, &mut t).await {
@@ -277,9 +304,15 @@ impl Gateway {
                 .with_label_values(&[label])
                 .observe((first - t.start).as_secs_f64());
         }
+        let own = e2e.saturating_sub(t.waiting);
         m.added
             .with_label_values(&[label])
-            .observe(e2e.saturating_sub(t.waiting).as_secs_f64());
+            .observe(own.as_secs_f64());
+        if let Some(p) = t.prepared {
+            m.phase
+                .with_label_values(&["respond"])
+                .observe(own.saturating_sub(p - t.start).as_secs_f64());
+        }
     }
 
     async fn generate_inner(
@@ -289,6 +322,7 @@ impl Gateway {
         t: &mut Timing,
     ) -> Result<Outcome, GatewayError> {
         let p = self.prepare(session, api).await?;
+        t.prepared = Some(Instant::now());
         let Prepared {
             api,
             body,
@@ -331,7 +365,9 @@ impl Gateway {
     /// Phase 1: everything before the first node is called.
     async fn prepare(&self, session: &mut Session, api: Api) -> Result<Prepared, GatewayError> {
         let s = self.shared();
+        let mut clock = PhaseClock::new(&s.metrics);
         let raw = read_body(session, s.config.max_body).await?;
+        clock.lap("read");
         let mut body = match serde_json::from_slice::<Value>(&raw) {
             Ok(Value::Object(m)) => m,
             Ok(_) => {
@@ -385,6 +421,7 @@ impl Gateway {
             .into_iter()
             .map(|h| h.0)
             .collect();
+        clock.lap("tokenize");
         let snapshot = s.cluster.snapshot(&analyzed.model, &hashes);
         if snapshot.view.nodes.is_empty() {
             return Err(GatewayError::NoCapacity {
@@ -404,7 +441,9 @@ impl Gateway {
             stream: analyzed.stream,
             conversation_key: analyzed.conversation_key.clone(),
         };
+        clock.lap("view");
         let decided = s.router.decide(&request, &snapshot.view, &snapshot.names)?;
+        clock.lap("policy");
         let first = match &decided.decision.route {
             Route::Split(sp) => sp.prefill.first().copied(),
             Route::Whole(c) => c.first().copied(),
