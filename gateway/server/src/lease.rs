@@ -61,6 +61,7 @@ impl LeaseReleaser {
                 lease_id: lease.lease_id.clone(),
                 generation: lease.generation,
                 peer_engine_id: String::new(),
+                owner_epoch: lease.epoch,
             };
             match client.release_lease(request).await {
                 Ok(reply) => {

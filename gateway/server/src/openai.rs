@@ -255,6 +255,9 @@ pub struct LeaseRef {
     pub lease_id: String,
     /// The grant's generation.
     pub generation: u64,
+    /// P's incarnation (`remote_engine_epoch`), 0 when P did not name it: a restarted P refuses
+    /// a release naming its previous one.
+    pub epoch: u64,
 }
 
 /// The lease P's params name, if they name one.
@@ -263,6 +266,11 @@ pub fn lease_of(params: &Value) -> Option<LeaseRef> {
     let port = params.get("remote_port")?.as_u64()?;
     let lease_id = params.get("remote_lease_id")?.as_str()?.to_owned();
     let generation = params.get("remote_lease_generation")?.as_u64()?;
+    let epoch = params
+        .get("remote_engine_epoch")
+        .and_then(Value::as_str)
+        .and_then(|e| u64::from_str_radix(e, 16).ok())
+        .unwrap_or(0);
     let side_channel = if host.contains(':') && !host.starts_with('[') {
         format!("http://[{host}]:{port}")
     } else {
@@ -272,6 +280,7 @@ pub fn lease_of(params: &Value) -> Option<LeaseRef> {
         side_channel,
         lease_id,
         generation,
+        epoch,
     })
 }
 
@@ -330,10 +339,10 @@ mod tests {
     #[test]
     fn lease_from_params() {
         let params = json!({"do_remote_prefill": true, "remote_host": "127.0.0.1", "remote_port": 9,
-            "remote_lease_id": "ab", "remote_lease_generation": 2});
+            "remote_lease_id": "ab", "remote_lease_generation": 2, "remote_engine_epoch": "00ff"});
         let l = lease_of(&params).unwrap();
         assert_eq!(l.side_channel, "http://127.0.0.1:9");
-        assert_eq!(l.generation, 2);
+        assert_eq!((l.generation, l.epoch), (2, 255));
         let body = serde_json::to_vec(&json!({"kv_transfer_params": [params]})).unwrap();
         assert_eq!(prefill_params(&body).unwrap()[0]["remote_port"], 9);
         assert!(prefill_params(b"{}").is_err());

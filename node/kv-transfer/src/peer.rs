@@ -40,7 +40,7 @@ pub enum TransferError {
     LeaseLost {
         /// The lease.
         lease: String,
-        /// `expired`, `unknown`, `stale`, `wrong_peer`.
+        /// `expired`, `unknown`, `stale`, `wrong_peer`, `stale_epoch`.
         reason: String,
     },
     /// The side channel answered with an error.
@@ -64,6 +64,7 @@ impl TransferError {
                 "handshake_refused"
             }
             TransferError::Transfer(_) => "transfer_error",
+            TransferError::LeaseLost { reason, .. } if reason == "stale_epoch" => "stale_epoch",
             TransferError::LeaseLost { .. } => "lease_expired",
             TransferError::Rpc(_) => "rpc_error",
             TransferError::PullerStopped => "puller_stopped",
@@ -117,6 +118,8 @@ pub struct PeerClient {
     addr: String,
     me: String,
     client: KvPeerClient<Channel>,
+    /// Named in lease calls ([`PeerClient::name_owner_epoch`]); 0: none.
+    owner_epoch: u64,
 }
 
 impl PeerClient {
@@ -142,6 +145,7 @@ impl PeerClient {
             addr: addr.to_string(),
             me: me.to_string(),
             client: KvPeerClient::new(channel),
+            owner_epoch: 0,
         })
     }
 
@@ -222,6 +226,7 @@ impl PeerClient {
                 "pool layout and registered region disagree".into(),
             ));
         }
+        self.owner_epoch = r.epoch;
         Ok(PeerInfo {
             engine_id: r.engine_id,
             epoch: r.epoch,
@@ -240,7 +245,15 @@ impl PeerClient {
             lease_id: id.to_string(),
             generation,
             peer_engine_id: self.me.clone(),
+            owner_epoch: self.owner_epoch,
         }
+    }
+
+    /// Names the owner's epoch in this client's lease calls from now on (the epoch of the
+    /// handshake whose keys the reads used); the owner refuses them if it is another
+    /// incarnation. 0 names none.
+    pub fn name_owner_epoch(&mut self, epoch: u64) {
+        self.owner_epoch = epoch;
     }
 
     /// Renews a lease; `Ok(false)` when the owner says it is no longer live.

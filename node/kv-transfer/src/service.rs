@@ -134,6 +134,23 @@ fn reply(r: Result<std::time::SystemTime, LeaseError>) -> Response<LeaseReply> {
     })
 }
 
+/// A lease call naming an epoch other than ours: refused before the authority is asked.
+fn stale_epoch(r: &LeaseRef, ours: u64) -> Option<Response<LeaseReply>> {
+    (r.owner_epoch != 0 && r.owner_epoch != ours).then(|| {
+        tracing::warn!(
+            peer = %r.peer_engine_id,
+            named = r.owner_epoch,
+            ours,
+            "lease call names another epoch of this engine: refused"
+        );
+        Response::new(LeaseReply {
+            live: false,
+            deadline_unix_ms: 0,
+            reason: "stale_epoch".to_string(),
+        })
+    })
+}
+
 #[tonic::async_trait]
 impl<A: LeaseAuthority> KvPeer for KvPeerService<A> {
     async fn handshake(
@@ -176,6 +193,9 @@ impl<A: LeaseAuthority> KvPeer for KvPeerService<A> {
         request: Request<LeaseRef>,
     ) -> Result<Response<LeaseReply>, Status> {
         let r = request.into_inner();
+        if let Some(refused) = stale_epoch(&r, self.identity.epoch) {
+            return Ok(refused);
+        }
         Ok(reply(self.authority.renew(
             parse_lease(&r)?,
             r.generation,
@@ -188,6 +208,9 @@ impl<A: LeaseAuthority> KvPeer for KvPeerService<A> {
         request: Request<LeaseRef>,
     ) -> Result<Response<LeaseReply>, Status> {
         let r = request.into_inner();
+        if let Some(refused) = stale_epoch(&r, self.identity.epoch) {
+            return Ok(refused);
+        }
         Ok(reply(self.authority.confirm(
             parse_lease(&r)?,
             r.generation,
@@ -200,6 +223,9 @@ impl<A: LeaseAuthority> KvPeer for KvPeerService<A> {
         request: Request<LeaseRef>,
     ) -> Result<Response<LeaseReply>, Status> {
         let r = request.into_inner();
+        if let Some(refused) = stale_epoch(&r, self.identity.epoch) {
+            return Ok(refused);
+        }
         let res = self
             .authority
             .release(parse_lease(&r)?, r.generation, &r.peer_engine_id);

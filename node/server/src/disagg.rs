@@ -189,12 +189,15 @@ impl Disagg {
         }
     }
 
-    /// A node playing `role`. A producer needs `advert` (engine id and the side channel's host
-    /// and port); a consumer needs a `puller` over the engine's pool and `pull`.
+    /// A node playing `role`, in its incarnation `epoch` (new at every start). A producer needs
+    /// `side_channel` (the host and port peers reach it at); a consumer needs a `puller` over
+    /// the engine's pool and `pull`.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         role: KvRole,
         engine: &EngineHandle,
         engine_id: &str,
+        epoch: u64,
         side_channel: Option<(String, u16)>,
         puller: Option<Puller>,
         pull: PullConfig,
@@ -203,15 +206,14 @@ impl Disagg {
         let info = engine.info();
         let advert = side_channel.map(|(host, port)| Advert {
             engine_id: engine_id.to_string(),
+            epoch,
             host,
             port,
         });
         let loader = puller.map(|puller| Loader {
             puller,
             compat: CompatInfo::new(info.model_name.clone(), &info.kv_layout),
-            epoch: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as u64),
+            epoch,
             cfg: pull,
             clients: Mutex::new(HashMap::new()),
             handshakes: Mutex::new(HandshakeCache::default()),
@@ -354,8 +356,10 @@ impl Loader {
         let addr = remote.side_channel();
         let mut client = self.client(&addr).await?;
         let mut peer = self.handshake(&mut client, &addr, false).await?;
-        if peer.engine_id != remote.engine_id {
-            // Maybe the producer restarted under another id: ask again once.
+        let named = |peer: &PeerInfo| remote.epoch.is_none_or(|e| e == peer.epoch);
+        if peer.engine_id != remote.engine_id || !named(&peer) {
+            // The producer restarted (another id, or the same id in a new incarnation): the
+            // cached handshake's worker and keys are the old process's. Ask again once.
             peer = self.handshake(&mut client, &addr, true).await?;
         }
         if peer.engine_id != remote.engine_id {
@@ -364,6 +368,15 @@ impl Loader {
                 remote.engine_id, peer.engine_id
             )));
         }
+        if !named(&peer) {
+            // Params from an earlier incarnation: their lease and blocks died with it.
+            return Err(TransferError::LeaseLost {
+                lease: remote.lease.to_string(),
+                reason: "stale_epoch".into(),
+            });
+        }
+        // Lease calls name the incarnation the reads go to; another one refuses them.
+        client.name_owner_epoch(peer.epoch);
         Ok((client, peer))
     }
 }
@@ -426,7 +439,11 @@ pub(crate) fn release_all(disagg: &Arc<Disagg>, remotes: &[RemotePrefill]) {
                 return;
             };
             let result = match loader.client(&r.side_channel()).await {
-                Ok(mut c) => c.release(r.lease, r.generation).await,
+                Ok(mut c) => {
+                    // Name the incarnation the params came from: a restarted producer refuses.
+                    c.name_owner_epoch(r.epoch.unwrap_or(0));
+                    c.release(r.lease, r.generation).await
+                }
                 Err(e) => Err(e),
             };
             if let Err(e) = result {

@@ -62,6 +62,9 @@ pub(crate) struct RemotePrefill {
     pub(crate) prompt_hash: Option<u64>,
     /// When the lease ends unless renewed (`remote_blocks_expiry_time`), when the producer said.
     pub(crate) expiry: Option<std::time::SystemTime>,
+    /// The producer's incarnation (`remote_engine_epoch`, 16 hex digits), when it said: a
+    /// cached handshake with another epoch is redone before any read.
+    pub(crate) epoch: Option<u64>,
 }
 
 impl RemotePrefill {
@@ -183,6 +186,15 @@ fn parse_one(v: &Value) -> Result<KvDirective, ApiError> {
         })?),
     };
     let generation = unsigned(o, "remote_lease_generation", u64::MAX)?;
+    let epoch = match string(o, "remote_engine_epoch")? {
+        None => None,
+        Some(s) => Some(u64::from_str_radix(&s, 16).map_err(|_| {
+            bad(
+                "remote_engine_epoch",
+                format!("{FIELD}.remote_engine_epoch must be hex, got {s:?}"),
+            )
+        })?),
+    };
     let prompt_hash = match string(o, "remote_prompt_hash")? {
         None => None,
         Some(s) => Some(u64::from_str_radix(&s, 16).map_err(|_| {
@@ -268,6 +280,7 @@ fn parse_one(v: &Value) -> Result<KvDirective, ApiError> {
         num_tokens,
         prompt_hash,
         expiry,
+        epoch,
     }]))
 }
 
@@ -312,6 +325,8 @@ pub(crate) fn parse(v: Option<&Value>) -> Result<KvDirective, ApiError> {
 #[derive(Debug, Clone)]
 pub(crate) struct Advert {
     pub(crate) engine_id: String,
+    /// This process's incarnation (`remote_engine_epoch`).
+    pub(crate) epoch: u64,
     /// Host peers reach the KV side channel at.
     pub(crate) host: String,
     /// KV side channel port.
@@ -329,6 +344,7 @@ pub(crate) fn handoff(advert: &Advert, request_id: &str, h: &KvHandoff, prompt_h
         "do_remote_decode": false,
         "remote_block_ids": h.block_ids.iter().map(|b| b.0).collect::<Vec<_>>(),
         "remote_engine_id": advert.engine_id,
+        "remote_engine_epoch": format!("{:016x}", advert.epoch),
         "remote_request_id": request_id,
         "remote_host": advert.host,
         "remote_port": advert.port,
@@ -439,6 +455,7 @@ mod tests {
     fn handoff_round_trips_through_a_proxy() {
         let advert = Advert {
             engine_id: "p1".into(),
+            epoch: u64::MAX - 1,
             host: "127.0.0.1".into(),
             port: 7000,
         };
@@ -458,6 +475,7 @@ mod tests {
         assert_eq!(r[0].block_ids, h.block_ids);
         assert_eq!(r[0].num_tokens, Some(7));
         assert_eq!(r[0].prompt_hash, Some(prompt_hash(&prompt)));
+        assert_eq!(r[0].epoch, Some(u64::MAX - 1));
     }
 }
 

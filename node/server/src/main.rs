@@ -76,10 +76,9 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         .engine_id
         .clone()
         .unwrap_or_else(|| format!("pd-node-{}", std::process::id()));
-    // New at every start: peers and the gateway tell a restarted node from the old one.
-    let epoch = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
+    // New at every start, random (never 0, which names no epoch): peers and the gateway tell
+    // a restarted node from the old one, even one restarted within the same clock tick.
+    let epoch = rand::random::<u64>() | 1;
     let kv_service = match &ucx {
         Some(ucx) => Some(
             ucx.service(engine.clone(), engine_id.clone(), epoch)
@@ -182,6 +181,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
             role,
             &engine,
             &engine_id,
+            epoch,
             side_channel.filter(|_| role.produces()),
             puller,
             pull,

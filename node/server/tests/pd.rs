@@ -741,3 +741,84 @@ async fn d_renews_the_lease_while_it_waits_for_blocks() {
         1.0
     );
 }
+
+/// A free TCP port on loopback (bound, then released for the node to take).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// Issue 12's first wrong-KV hole: P restarts under the same engine id and side-channel port.
+/// D must not read through its cached handshake with the old incarnation (old worker, old
+/// remote key) and then confirm the new incarnation's lease: the params name P's epoch, D
+/// handshakes again when it differs, and P refuses lease calls naming another epoch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_restarted_under_the_same_id_and_port_is_never_read_through_a_stale_handshake() {
+    let dir = model("restart");
+    let solo = start(&dir, &[]);
+    let d = consumer(&dir, "fail");
+    let port = free_port().to_string();
+    let args = [
+        "--kv-role",
+        "kv_producer",
+        "--kv-port",
+        port.as_str(),
+        "--engine-id",
+        "p0",
+    ];
+    let api = Api::Completions;
+    // Same length, different words: the same number of blocks, different KV.
+    let texts = [
+        "Alpha prompt: prefill and decode nodes share one KV cache between them.",
+        "Omega prompt: a restarted producer must never be read through old keys.",
+    ];
+    let mut epochs = Vec::new();
+    for text in texts {
+        let p = start(&dir, &args);
+        let body = api.body(text, 12);
+        let want = seen(api, post(&solo.http, api.path(), &body).await).await;
+        let params = prefill(&p, api, &body).await;
+        epochs.push(params["remote_engine_epoch"].clone());
+        let mut db = body.clone();
+        db["kv_transfer_params"] = params;
+        let got = seen(api, post(&d.http, api.path(), &db).await).await;
+        assert_eq!(got.tokens, want.tokens, "{text}");
+        assert_eq!(got.texts, want.texts, "{text}");
+        assert!(got.pulled.is_some_and(|n| n > 0), "{text}: KV was pulled");
+        drop(p); // killed; the next one takes the same id and port
+    }
+    assert!(epochs[0].is_string(), "P names its epoch: {epochs:?}");
+    assert_ne!(epochs[0], epochs[1], "a new epoch per process");
+
+    // A proxy that drops `remote_engine_epoch` (D cannot see the restart): D reads through its
+    // cached handshake, names that epoch when it confirms, and the new P refuses: the request
+    // fails by D's policy ("fail") instead of decoding on the old process's memory.
+    let p = start(&dir, &args);
+    let body = api.body(
+        "Gamma prompt: without the epoch in the params, P itself must refuse.",
+        12,
+    );
+    let mut params = prefill(&p, api, &body).await;
+    params
+        .as_object_mut()
+        .unwrap()
+        .remove("remote_engine_epoch");
+    let mut db = body.clone();
+    db["kv_transfer_params"] = params;
+    let r = post(&d.http, api.path(), &db).await;
+    assert!(r.status().is_server_error(), "{}", r.status());
+    let text = r.text().await.unwrap();
+    assert!(text.contains("stale_epoch"), "{text}");
+    assert_eq!(
+        metric(&d, "pd_kv_transfer_failures_total{reason=\"stale_epoch\"}").await,
+        1.0
+    );
+    // D forgot the stale handshake: the next request through this P is served exactly.
+    let body = api.body("Delta prompt: after the refusal D handshakes afresh.", 12);
+    let want = seen(api, post(&solo.http, api.path(), &body).await).await;
+    let got = through_pd(&p, &d, api, &body).await;
+    assert_eq!(got.tokens, want.tokens);
+    assert!(got.pulled.is_some_and(|n| n > 0));
+}
