@@ -162,7 +162,7 @@ fn write_json(path: &Path, value: &Json) -> Result<(), TokenizeError> {
 
 /// GPT-2's `bytes_to_unicode`: the printable character standing for each byte, indexed by
 /// byte value. Printable Latin-1 bytes stand for themselves; the others map to U+0100 upward.
-fn bytes_to_unicode() -> [char; 256] {
+pub(crate) fn bytes_to_unicode() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut next = 256u32;
     for (byte, slot) in (0u32..).zip(table.iter_mut()) {
