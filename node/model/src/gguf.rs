@@ -51,13 +51,32 @@ enum Plan {
     Requantize(GgmlDType),
 }
 
+/// What to do with projection weights of a type candle-core 0.11.1 has no SIMD dot product
+/// for (`Q4_1`, `Q5_0`, `Q5_1`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SlowTypes {
+    /// Requantize to `Q8_0` at load: fast, and within `Q8_0`'s rounding of the stored values
+    /// (the default; the measurements are in `BENCHMARKS.md`).
+    #[default]
+    Requantize,
+    /// Keep them as stored: exactly the file's arithmetic (what candle-transformers'
+    /// `quantized_llama` computes), on candle's scalar kernels.
+    Keep,
+    /// Dequantize to dense f32: exact weights, f32 matmuls.
+    Dequantize,
+}
+
 /// The plan for a projection weight stored as `dtype`, or `None` if it cannot be served.
-fn plan(dtype: GgmlDType) -> Option<Plan> {
+fn plan(dtype: GgmlDType, slow: SlowTypes) -> Option<Plan> {
     use GgmlDType as T;
     match dtype {
         T::F32 | T::F16 | T::BF16 => Some(Plan::Dense),
         T::Q4_0 | T::Q8_0 | T::Q2K | T::Q3K | T::Q4K | T::Q5K | T::Q6K => Some(Plan::Keep),
-        T::Q4_1 | T::Q5_0 | T::Q5_1 => Some(Plan::Requantize(T::Q8_0)),
+        T::Q4_1 | T::Q5_0 | T::Q5_1 => Some(match slow {
+            SlowTypes::Requantize => Plan::Requantize(T::Q8_0),
+            SlowTypes::Keep => Plan::Keep,
+            SlowTypes::Dequantize => Plan::Dense,
+        }),
         T::Q8_1 | T::Q8K => None,
     }
 }
@@ -84,7 +103,7 @@ impl GgufFile {
         names.sort();
         for name in names {
             let dtype = content.tensor_infos[name].ggml_dtype;
-            if plan(dtype).is_none() {
+            if plan(dtype, SlowTypes::default()).is_none() {
                 return Err(ModelError::UnsupportedTensorType {
                     tensor: name.clone(),
                     dtype: format!("{dtype:?}"),
@@ -136,7 +155,8 @@ impl GgufFile {
     fn float(&self, key: &str) -> Result<f64, ModelError> {
         let v = self.get(key)?;
         match v {
-            Value::F32(x) => Ok(f64::from(*x)),
+            // The shortest decimal of the f32 (1e-5 stays 1e-5, not 9.99999974e-6).
+            Value::F32(x) => Ok(x.to_string().parse().unwrap_or(f64::from(*x))),
             Value::F64(x) => Ok(*x),
             other => as_u64(other)
                 .map(|n| n as f64)
@@ -332,7 +352,8 @@ impl GgufFile {
         })
     }
 
-    /// The tensors, served under Hugging Face names for a model of `cfg`.
+    /// The tensors, served under Hugging Face names for a model of `cfg`; `slow` says what
+    /// becomes of weight types without SIMD kernels.
     ///
     /// # Errors
     /// [`ModelError::Io`] if the file cannot be opened again.
@@ -340,6 +361,7 @@ impl GgufFile {
         &self,
         cfg: &ModelConfig,
         device: &Device,
+        slow: SlowTypes,
     ) -> Result<GgufWeights<'_>, ModelError> {
         let file = std::fs::File::open(&self.path).map_err(|source| ModelError::Io {
             path: self.path.clone(),
@@ -353,6 +375,7 @@ impl GgufFile {
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
             formats: RefCell::new(BTreeMap::new()),
+            slow,
         })
     }
 }
@@ -379,7 +402,7 @@ fn invalid_value(key: &str, v: &Value, want: &str) -> ModelError {
 }
 
 /// The GGUF name of a Hugging Face tensor name of a Llama/Qwen2 checkpoint.
-fn gguf_name(hf: &str) -> Option<String> {
+pub(crate) fn gguf_name(hf: &str) -> Option<String> {
     let fixed = match hf {
         "model.embed_tokens.weight" => Some("token_embd.weight"),
         "model.norm.weight" => Some("output_norm.weight"),
@@ -421,6 +444,7 @@ pub struct GgufWeights<'a> {
     num_kv_heads: usize,
     /// "stored type → held as" → tensor count.
     formats: RefCell<BTreeMap<String, usize>>,
+    slow: SlowTypes,
 }
 
 impl GgufWeights<'_> {
@@ -539,7 +563,7 @@ impl WeightSource for GgufWeights<'_> {
         // else the common block format, else (a mix such as Q4_K with Q6_K) all in Q8_0.
         let plans: Vec<Plan> = weights
             .iter()
-            .map(|q| plan(q.dtype()).unwrap_or(Plan::Dense))
+            .map(|q| plan(q.dtype(), self.slow).unwrap_or(Plan::Dense))
             .collect();
         let target = |q: &QTensor, p: Plan| match p {
             Plan::Dense => None,
@@ -628,11 +652,19 @@ mod tests {
     #[test]
     fn plans() {
         assert_eq!(
-            plan(GgmlDType::Q4_1),
+            plan(GgmlDType::Q4_1, SlowTypes::Requantize),
             Some(Plan::Requantize(GgmlDType::Q8_0))
         );
-        assert_eq!(plan(GgmlDType::Q8_0), Some(Plan::Keep));
-        assert_eq!(plan(GgmlDType::F16), Some(Plan::Dense));
-        assert_eq!(plan(GgmlDType::Q8K), None);
+        assert_eq!(plan(GgmlDType::Q4_1, SlowTypes::Keep), Some(Plan::Keep));
+        assert_eq!(
+            plan(GgmlDType::Q5_0, SlowTypes::Dequantize),
+            Some(Plan::Dense)
+        );
+        assert_eq!(
+            plan(GgmlDType::Q8_0, SlowTypes::Dequantize),
+            Some(Plan::Keep)
+        );
+        assert_eq!(plan(GgmlDType::F16, SlowTypes::Keep), Some(Plan::Dense));
+        assert_eq!(plan(GgmlDType::Q8K, SlowTypes::Keep), None);
     }
 }

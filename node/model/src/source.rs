@@ -8,7 +8,7 @@ use pd_tokenize::Tokenizer;
 
 use crate::config::HfConfig;
 use crate::error::ModelError;
-use crate::gguf::GgufFile;
+use crate::gguf::{GgufFile, SlowTypes};
 use crate::llama::{Model, safetensors_files};
 use crate::weights::{SafetensorsWeights, check_weight_dtypes};
 
@@ -22,7 +22,7 @@ pub enum ModelSource {
 }
 
 impl ModelSource {
-    /// Finds the model at `path`: a `*.gguf` file; a directory with `config.json` (Hugging
+    /// Finds the model at `path`: a GGUF file (by its magic bytes, whatever its name); a directory with `config.json` (Hugging
     /// Face); or a directory without `config.json` holding exactly one `*.gguf` file.
     ///
     /// # Errors
@@ -34,11 +34,13 @@ impl ModelSource {
             why,
         };
         if path.is_file() {
-            return if path.extension().is_some_and(|e| e == "gguf") {
+            return if is_gguf(path)? {
                 Ok(Self::Gguf(Box::new(GgufFile::open(path)?)))
             } else {
                 Err(no_model(
-                    "a file must be a GGUF model (*.gguf); otherwise give a directory".into(),
+                    "a file must be a GGUF model (it does not start with \"GGUF\"); otherwise \
+                     give a directory"
+                        .into(),
                 ))
             };
         }
@@ -84,11 +86,21 @@ impl ModelSource {
             .unwrap_or_else(|| "model".into())
     }
 
-    /// Loads the model onto `device`, computing in f32.
+    /// Loads the model onto `device`, computing in f32 (GGUF weights as
+    /// [`SlowTypes::default`] decides).
     ///
     /// # Errors
     /// Names the unsupported architecture, weight type, missing file or tensor.
     pub fn load_model(&self, device: &Device) -> Result<Model, ModelError> {
+        self.load_model_with(device, SlowTypes::default())
+    }
+
+    /// [`ModelSource::load_model`], with GGUF weight types that have no SIMD kernel handled
+    /// as `slow` says (ignored for safetensors).
+    ///
+    /// # Errors
+    /// As [`ModelSource::load_model`].
+    pub fn load_model_with(&self, device: &Device, slow: SlowTypes) -> Result<Model, ModelError> {
         match self {
             Self::HfDir(dir) => {
                 let cfg = HfConfig::from_dir(dir)?.resolve()?;
@@ -99,7 +111,7 @@ impl ModelSource {
             }
             Self::Gguf(g) => {
                 let cfg = g.config()?;
-                let weights = g.weights(&cfg, device)?;
+                let weights = g.weights(&cfg, device, slow)?;
                 let model = Model::from_weights(cfg, &weights, device)?;
                 tracing::info!(
                     file = %g.path().display(),
@@ -122,5 +134,21 @@ impl ModelSource {
             Self::HfDir(dir) => Tokenizer::from_dir(dir)?,
             Self::Gguf(g) => Tokenizer::from_gguf_vocab(&g.vocab()?)?,
         })
+    }
+}
+
+/// Whether the file starts with GGUF's magic bytes.
+fn is_gguf(path: &Path) -> Result<bool, ModelError> {
+    use std::io::Read;
+    let io = |source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut magic = [0u8; 4];
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    match f.read_exact(&mut magic) {
+        Ok(()) => Ok(&magic == b"GGUF"),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(false),
+        Err(e) => Err(io(e)),
     }
 }

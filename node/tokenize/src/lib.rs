@@ -39,7 +39,7 @@ mod tokenizer;
 
 pub use byte_level::{
     BYTE_LEVEL_ENDOFTEXT_ID, BYTE_LEVEL_IM_END_ID, BYTE_LEVEL_IM_START_ID,
-    BYTE_LEVEL_MIN_VOCAB_SIZE, write_byte_level_tokenizer,
+    BYTE_LEVEL_MIN_VOCAB_SIZE, byte_level_gguf_vocab, write_byte_level_tokenizer,
 };
 pub use decoder::IncrementalDecoder;
 pub use error::TokenizeError;
