@@ -3,7 +3,8 @@
 //! a [`GgufVocab`], and [`GgufWeights`], a [`WeightSource`] that serves the GGUF tensors under
 //! the Hugging Face names the model asks for.
 //!
-//! What each tensor type becomes (decided by measurement, see `BENCHMARKS.md`):
+//! What each tensor type becomes by default ([`QuantPolicy::Fast`], decided by measurement,
+//! see `BENCHMARKS.md`):
 //! - `F32`, `F16`, `BF16` (norms, biases): dense f32.
 //! - `Q4_0`, `Q8_0`, `Q2_K`…`Q6_K`: kept as they are; candle has SIMD dot products for them.
 //! - `Q4_1`, `Q5_0`, `Q5_1`: requantized to `Q8_0` at load. candle-core 0.11.1 has no SIMD
@@ -51,32 +52,36 @@ enum Plan {
     Requantize(GgmlDType),
 }
 
-/// What to do with projection weights of a type candle-core 0.11.1 has no SIMD dot product
-/// for (`Q4_1`, `Q5_0`, `Q5_1`).
+/// How GGUF weights are held in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum SlowTypes {
-    /// Requantize to `Q8_0` at load: fast, and within `Q8_0`'s rounding of the stored values
-    /// (the default; the measurements are in `BENCHMARKS.md`).
+pub enum QuantPolicy {
+    /// Types with SIMD dot products in candle-core 0.11.1 (`Q4_0`, `Q8_0`, K-quants) are kept;
+    /// those without (`Q4_1`, `Q5_0`, `Q5_1`) are requantized to `Q8_0` at load, within
+    /// `Q8_0`'s rounding of the stored values. The default; the measurements behind it are in
+    /// `BENCHMARKS.md`.
     #[default]
-    Requantize,
-    /// Keep them as stored: exactly the file's arithmetic (what candle-transformers'
-    /// `quantized_llama` computes), on candle's scalar kernels.
-    Keep,
-    /// Dequantize to dense f32: exact weights, f32 matmuls.
-    Dequantize,
+    Fast,
+    /// Every quantized type kept as stored: exactly the file's arithmetic (what
+    /// candle-transformers' `quantized_llama` computes), slow for `Q4_1`/`Q5_*`.
+    AsStored,
+    /// Everything dequantized to dense f32: the file's exact weights in f32 arithmetic.
+    Dense,
 }
 
 /// The plan for a projection weight stored as `dtype`, or `None` if it cannot be served.
-fn plan(dtype: GgmlDType, slow: SlowTypes) -> Option<Plan> {
+fn plan(dtype: GgmlDType, policy: QuantPolicy) -> Option<Plan> {
     use GgmlDType as T;
+    let quantized = |fast: Plan| match policy {
+        QuantPolicy::Fast => fast,
+        QuantPolicy::AsStored => Plan::Keep,
+        QuantPolicy::Dense => Plan::Dense,
+    };
     match dtype {
         T::F32 | T::F16 | T::BF16 => Some(Plan::Dense),
-        T::Q4_0 | T::Q8_0 | T::Q2K | T::Q3K | T::Q4K | T::Q5K | T::Q6K => Some(Plan::Keep),
-        T::Q4_1 | T::Q5_0 | T::Q5_1 => Some(match slow {
-            SlowTypes::Requantize => Plan::Requantize(T::Q8_0),
-            SlowTypes::Keep => Plan::Keep,
-            SlowTypes::Dequantize => Plan::Dense,
-        }),
+        T::Q4_0 | T::Q8_0 | T::Q2K | T::Q3K | T::Q4K | T::Q5K | T::Q6K => {
+            Some(quantized(Plan::Keep))
+        }
+        T::Q4_1 | T::Q5_0 | T::Q5_1 => Some(quantized(Plan::Requantize(T::Q8_0))),
         T::Q8_1 | T::Q8K => None,
     }
 }
@@ -103,7 +108,7 @@ impl GgufFile {
         names.sort();
         for name in names {
             let dtype = content.tensor_infos[name].ggml_dtype;
-            if plan(dtype, SlowTypes::default()).is_none() {
+            if plan(dtype, QuantPolicy::default()).is_none() {
                 return Err(ModelError::UnsupportedTensorType {
                     tensor: name.clone(),
                     dtype: format!("{dtype:?}"),
@@ -352,8 +357,8 @@ impl GgufFile {
         })
     }
 
-    /// The tensors, served under Hugging Face names for a model of `cfg`; `slow` says what
-    /// becomes of weight types without SIMD kernels.
+    /// The tensors, served under Hugging Face names for a model of `cfg`, held as `policy`
+    /// says.
     ///
     /// # Errors
     /// [`ModelError::Io`] if the file cannot be opened again.
@@ -361,7 +366,7 @@ impl GgufFile {
         &self,
         cfg: &ModelConfig,
         device: &Device,
-        slow: SlowTypes,
+        policy: QuantPolicy,
     ) -> Result<GgufWeights<'_>, ModelError> {
         let file = std::fs::File::open(&self.path).map_err(|source| ModelError::Io {
             path: self.path.clone(),
@@ -375,7 +380,7 @@ impl GgufFile {
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
             formats: RefCell::new(BTreeMap::new()),
-            slow,
+            policy,
         })
     }
 }
@@ -444,7 +449,7 @@ pub struct GgufWeights<'a> {
     num_kv_heads: usize,
     /// "stored type → held as" → tensor count.
     formats: RefCell<BTreeMap<String, usize>>,
-    slow: SlowTypes,
+    policy: QuantPolicy,
 }
 
 impl GgufWeights<'_> {
@@ -563,7 +568,7 @@ impl WeightSource for GgufWeights<'_> {
         // else the common block format, else (a mix such as Q4_K with Q6_K) all in Q8_0.
         let plans: Vec<Plan> = weights
             .iter()
-            .map(|q| plan(q.dtype(), self.slow).unwrap_or(Plan::Dense))
+            .map(|q| plan(q.dtype(), self.policy).unwrap_or(Plan::Dense))
             .collect();
         let target = |q: &QTensor, p: Plan| match p {
             Plan::Dense => None,
@@ -652,19 +657,20 @@ mod tests {
     #[test]
     fn plans() {
         assert_eq!(
-            plan(GgmlDType::Q4_1, SlowTypes::Requantize),
+            plan(GgmlDType::Q4_1, QuantPolicy::Fast),
             Some(Plan::Requantize(GgmlDType::Q8_0))
         );
-        assert_eq!(plan(GgmlDType::Q4_1, SlowTypes::Keep), Some(Plan::Keep));
         assert_eq!(
-            plan(GgmlDType::Q5_0, SlowTypes::Dequantize),
-            Some(Plan::Dense)
-        );
-        assert_eq!(
-            plan(GgmlDType::Q8_0, SlowTypes::Dequantize),
+            plan(GgmlDType::Q4_1, QuantPolicy::AsStored),
             Some(Plan::Keep)
         );
-        assert_eq!(plan(GgmlDType::F16, SlowTypes::Keep), Some(Plan::Dense));
-        assert_eq!(plan(GgmlDType::Q8K, SlowTypes::Keep), None);
+        assert_eq!(plan(GgmlDType::Q5_0, QuantPolicy::Dense), Some(Plan::Dense));
+        assert_eq!(plan(GgmlDType::Q8_0, QuantPolicy::Dense), Some(Plan::Dense));
+        assert_eq!(plan(GgmlDType::Q8_0, QuantPolicy::Fast), Some(Plan::Keep));
+        assert_eq!(
+            plan(GgmlDType::F16, QuantPolicy::AsStored),
+            Some(Plan::Dense)
+        );
+        assert_eq!(plan(GgmlDType::Q8K, QuantPolicy::AsStored), None);
     }
 }

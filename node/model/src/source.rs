@@ -8,7 +8,7 @@ use pd_tokenize::Tokenizer;
 
 use crate::config::HfConfig;
 use crate::error::ModelError;
-use crate::gguf::{GgufFile, SlowTypes};
+use crate::gguf::{GgufFile, QuantPolicy};
 use crate::llama::{Model, safetensors_files};
 use crate::weights::{SafetensorsWeights, check_weight_dtypes};
 
@@ -87,20 +87,24 @@ impl ModelSource {
     }
 
     /// Loads the model onto `device`, computing in f32 (GGUF weights as
-    /// [`SlowTypes::default`] decides).
+    /// [`QuantPolicy::default`] decides).
     ///
     /// # Errors
     /// Names the unsupported architecture, weight type, missing file or tensor.
     pub fn load_model(&self, device: &Device) -> Result<Model, ModelError> {
-        self.load_model_with(device, SlowTypes::default())
+        self.load_model_with(device, QuantPolicy::default())
     }
 
-    /// [`ModelSource::load_model`], with GGUF weight types that have no SIMD kernel handled
-    /// as `slow` says (ignored for safetensors).
+    /// [`ModelSource::load_model`], with GGUF weights held as `policy` says (ignored for
+    /// safetensors).
     ///
     /// # Errors
     /// As [`ModelSource::load_model`].
-    pub fn load_model_with(&self, device: &Device, slow: SlowTypes) -> Result<Model, ModelError> {
+    pub fn load_model_with(
+        &self,
+        device: &Device,
+        policy: QuantPolicy,
+    ) -> Result<Model, ModelError> {
         match self {
             Self::HfDir(dir) => {
                 let cfg = HfConfig::from_dir(dir)?.resolve()?;
@@ -111,7 +115,7 @@ impl ModelSource {
             }
             Self::Gguf(g) => {
                 let cfg = g.config()?;
-                let weights = g.weights(&cfg, device, slow)?;
+                let weights = g.weights(&cfg, device, policy)?;
                 let model = Model::from_weights(cfg, &weights, device)?;
                 tracing::info!(
                     file = %g.path().display(),

@@ -13,7 +13,7 @@ use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use common::{Ours, Reference, greedy, max_diff, tmp_path};
-use pd_model::gguf::SlowTypes;
+use pd_model::gguf::QuantPolicy;
 use pd_model::tiny::{TinyArch, TinySpec, generate, generate_gguf};
 use pd_model::{Model, ModelError, ModelSource};
 
@@ -103,7 +103,7 @@ fn q4_1_kept_as_stored_decodes_like_candle_quantized_llama() {
     generate_gguf(&spec(TinyArch::Llama), &file, GgmlDType::Q4_1).unwrap();
     let model = ModelSource::open(&file)
         .unwrap()
-        .load_model_with(&Device::Cpu, SlowTypes::Keep)
+        .load_model_with(&Device::Cpu, QuantPolicy::AsStored)
         .unwrap();
     let mut ours = Ours::new(&model, 128);
     let mut reference = Reference::load(&file);
