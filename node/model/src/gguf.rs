@@ -600,8 +600,17 @@ impl WeightSource for GgufWeights<'_> {
         };
         let mut bytes = Vec::new();
         let mut rows = 0;
+        let mut dense_parts = Vec::new();
+        // candle's fast x86 kernels for batches of rows (repacked Q8_0 / K-quant tiles) need
+        // the input width to be a multiple of 256; below that, f32 gemm wins from
+        // DENSE_MIN_ROWS rows (BENCHMARKS.md), so such projections also keep an f32 copy.
+        let keep_dense = self.policy == QuantPolicy::Fast && !in_dim.is_multiple_of(256);
+        let held = format!("{dtype:?}{}", if keep_dense { "+f32" } else { "" });
         for q in weights {
-            self.note(q.dtype(), &format!("{dtype:?}"), 1);
+            self.note(q.dtype(), &held, 1);
+            if keep_dense {
+                dense_parts.push(q.dequantize(&self.device)?);
+            }
             let q = if q.dtype() == dtype {
                 q
             } else {
@@ -613,7 +622,12 @@ impl WeightSource for GgufWeights<'_> {
         // (sum_out, in) in `dtype` blocks: rows of a fused projection are contiguous per part.
         let storage = QStorage::from_data(std::borrow::Cow::Owned(bytes), &self.device, dtype)?;
         let fused = QTensor::new(storage, (rows, in_dim))?;
-        Ok(Proj::quantized(QMatMul::from_qtensor(fused)?, dtype, bias))
+        let dense = match dense_parts.is_empty() {
+            true => None,
+            // (sum_out, in)
+            false => Some(Tensor::cat(&dense_parts, 0)?),
+        };
+        Proj::quantized(QMatMul::from_qtensor(fused)?, dtype, dense.as_ref(), bias)
     }
 
     fn contains(&self, name: &str) -> bool {

@@ -49,8 +49,18 @@ enum ProjWeight {
     Dense(Tensor),
     /// (out_dim, in_dim) in GGUF blocks (rows of `in_dim / block_size` blocks), multiplied by
     /// candle's quantized kernels (the input is quantized per row on the fly).
-    Quantized(QMatMul, GgmlDType),
+    Quantized {
+        w: QMatMul,
+        dtype: GgmlDType,
+        /// (in_dim, out_dim), contiguous f32: the same weights dequantized, used for batches of
+        /// at least [`DENSE_MIN_ROWS`] rows where f32 gemm beats the quantized kernel.
+        dense: Option<Tensor>,
+    },
 }
+
+/// Batches of at least this many rows use a quantized projection's dense copy, when it has
+/// one (measured in `BENCHMARKS.md`, "GGUF weight formats").
+pub const DENSE_MIN_ROWS: usize = 16;
 
 /// A linear projection of the flattened batch: `y = x @ W^T + b`, `x`: (t, in) → (t, out).
 /// Projections reading the same input (q/k/v, gate/up) are fused into one along the output
@@ -75,12 +85,22 @@ impl Proj {
         })
     }
 
-    /// A projection over a quantized `(out, in)` weight.
-    pub(crate) fn quantized(w: QMatMul, dtype: GgmlDType, bias: Option<Tensor>) -> Self {
-        Self {
-            weight: ProjWeight::Quantized(w, dtype),
+    /// A projection over a quantized `(out, in)` weight; `dense`, its `(out, in)` f32 values,
+    /// serves batches of [`DENSE_MIN_ROWS`] rows or more.
+    pub(crate) fn quantized(
+        w: QMatMul,
+        dtype: GgmlDType,
+        dense: Option<&Tensor>,
+        bias: Option<Tensor>,
+    ) -> Result<Self, ModelError> {
+        let dense = match dense {
+            Some(d) => Some(d.t()?.contiguous()?),
+            None => None,
+        };
+        Ok(Self {
+            weight: ProjWeight::Quantized { w, dtype, dense },
             bias,
-        }
+        })
     }
 
     /// `x`: (t, in) → (t, out).
@@ -88,9 +108,13 @@ impl Proj {
     /// # Errors
     /// A candle error (shape mismatch).
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (rows, _in) = x.dims2()?;
         let y = match &self.weight {
             ProjWeight::Dense(wt) => x.matmul(wt)?,
-            ProjWeight::Quantized(w, _) => w.forward(&x.contiguous()?)?,
+            ProjWeight::Quantized {
+                dense: Some(wt), ..
+            } if rows >= DENSE_MIN_ROWS => x.matmul(wt)?,
+            ProjWeight::Quantized { w, .. } => w.forward(&x.contiguous()?)?,
         };
         match &self.bias {
             Some(b) => y.broadcast_add(b),
@@ -98,11 +122,15 @@ impl Proj {
         }
     }
 
-    /// How the weight is held: `f32` or the GGUF block type (`Q8_0`, ...).
+    /// How the weight is held: `f32`, the GGUF block type (`Q8_0`, ...), or both
+    /// (`Q8_0+f32`: the block type for small batches, f32 from [`DENSE_MIN_ROWS`] rows).
     pub fn weight_format(&self) -> String {
         match &self.weight {
             ProjWeight::Dense(_) => "f32".into(),
-            ProjWeight::Quantized(_, dtype) => format!("{dtype:?}"),
+            ProjWeight::Quantized { dtype, dense, .. } => match dense {
+                Some(_) => format!("{dtype:?}+f32"),
+                None => format!("{dtype:?}"),
+            },
         }
     }
 }
