@@ -12,6 +12,9 @@
 //!   (`Q4_0` would add a second 4-bit rounding).
 //! - `Q8_1`, `Q8_K` (activation formats, never weights) and types candle does not know are
 //!   refused at start, naming the tensor or the type.
+//! - A quantized projection whose input width is not a multiple of 256 (candle's tiled batch
+//!   kernels need that) also keeps an f32 copy for steps of
+//!   [`crate::weights::DENSE_MIN_ROWS`] rows or more, where f32 gemm is several times faster.
 //!
 //! The token embedding is dequantized to f32 for the lookup; a tied LM head multiplies by the
 //! embedding in its stored (quantized) form.
