@@ -2,11 +2,13 @@
 # A demo cluster on one machine: pd-gateway in front of one prefill node (P) and one decode node
 # (D), a WASM routing policy, an unmodified OpenAI client, and a live policy swap.
 #
-# Usage: examples/gateway_demo.sh [MODEL_DIR]
+# Usage: examples/gateway_demo.sh [MODEL | tiny]
 #   BIN_DIR: where pd-gateway and pd-node are (default target/release)
 #   PD_PYTHON: a python with the `openai` package (scripts/python-env.sh makes one)
 #   POLICY_DIR: the built guest policies (scripts/build-policies.sh; default target/policies)
-# Without MODEL_DIR a tiny random model is generated (its answers are random text).
+# MODEL: a GGUF file or a model directory. Without it, the real SmolLM2-135M-Instruct (Q4_1
+# GGUF, fetched once and cached by scripts/fetch-model.sh); `tiny` generates a tiny model with
+# random weights instead (fast, but its answers are random text).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 T="${CARGO_TARGET_DIR:-target}"
@@ -15,9 +17,12 @@ POLICY_DIR="${POLICY_DIR:-$T/policies}"
 PY="${PD_PYTHON:-python3}"
 MODEL="${1:-}"
 if [ -z "$MODEL" ]; then
+  MODEL="$(bash scripts/fetch-model.sh)"
+elif [ "$MODEL" = tiny ]; then
   MODEL="$T/demo-model"
   "$BIN_DIR/pd-node" gen-tiny-model --out "$MODEL" --seed 1 >/dev/null
 fi
+echo "model: $MODEL"
 
 LOGS="$(mktemp -d)"
 PIDS=()
@@ -76,8 +81,11 @@ from openai import OpenAI
 client = OpenAI(base_url=sys.argv[1] + "/v1", api_key="none")
 r = client.chat.completions.create(
     model="demo",
-    messages=[{"role": "user", "content": sys.argv[2]}],
-    max_tokens=24, temperature=0)
+    # SmolLM2 is a 135M model: a short system prompt keeps its greedy answers on topic (its
+    # template's default one makes it ramble).
+    messages=[{"role": "system", "content": "Answer in one sentence."},
+              {"role": "user", "content": sys.argv[2]}],
+    max_tokens=48, temperature=0)
 u = r.usage
 pulled = (u.prompt_tokens_details.model_extra or {}).get("kv_pulled_tokens") if u.prompt_tokens_details else None
 print(f"  answer: {r.choices[0].message.content!r}")
@@ -90,7 +98,7 @@ ask "What is the capital of France?"
 echo; echo "--- swapping the policy live: pd-gateway policy push prefix-aware.wasm"
 "$BIN_DIR/pd-gateway" policy push "$POLICY_DIR/prefix-aware.wasm" --admin "$ADMIN" --token "$ADMIN_TOKEN" \
   | jq -c '.current | {name, version, sha256}'
-ask "And the capital of Italy?"
+ask "What is the boiling point of water in Celsius?"
 
 echo; echo "--- decisions by policy version (gateway /metrics)"
 curl -sS "$GW/metrics" | grep -E '^pd_gateway_policy_decisions_total|^pd_gateway_policy_fallbacks_total|^pd_gateway_requests_total' || true

@@ -32,3 +32,7 @@ if command -v rustup >/dev/null 2>&1; then
   done
   rustup target list --installed 2>/dev/null | grep -q '^wasm32-wasip2$' || rustup target add wasm32-wasip2
 fi
+
+# The real model (SmolLM2-135M-Instruct, GGUF) for the demo and the real-model tests, cached
+# outside the clone and checked by sha256 (scripts/fetch-model.sh).
+bash "$(dirname "$0")/fetch-model.sh" >/dev/null

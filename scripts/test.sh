@@ -8,6 +8,8 @@ bash scripts/setup.sh
 cargo fmt --all -- --check
 cargo fmt --manifest-path policies/Cargo.toml --all -- --check
 bash scripts/build-policies.sh >/dev/null
+PD_MODEL_GGUF="$(bash scripts/fetch-model.sh)"
+export PD_MODEL_GGUF
 PD_TEST_PYTHON="$(bash scripts/python-env.sh)"
 export PD_TEST_PYTHON
 cargo clippy --workspace --all-targets --locked -- -D warnings

@@ -5,9 +5,11 @@ use std::path::PathBuf;
 /// Everything needed to start an engine.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
-    /// Hugging Face model directory (config.json, *.safetensors, tokenizer files).
+    /// The model: a Hugging Face directory (config.json, *.safetensors, tokenizer files), a GGUF
+    /// file, or a directory holding one GGUF file ([`pd_model::ModelSource::open`]).
     pub model_dir: PathBuf,
-    /// Name clients must use in `model`; defaults to the directory's name.
+    /// Name clients must use in `model`; defaults to the directory's name (a GGUF file's name
+    /// without `.gguf`).
     pub served_model_name: Option<String>,
     /// Tokens per KV block.
     pub block_size: usize,
@@ -68,7 +70,7 @@ use std::time::Instant;
 
 use candle_core::Device;
 use pd_kv_pool::{CacheEvent, KvDtype, KvLayout, KvPool};
-use pd_model::{BatchInput, Model};
+use pd_model::{BatchInput, Model, ModelSource};
 use pd_tokenize::Tokenizer;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -134,8 +136,9 @@ impl Engine {
     /// [`EngineError::Tokenize`] for tokenizer files, [`EngineError::Invalid`] for a pool too small.
     pub fn load(cfg: &EngineConfig) -> Result<Self, EngineError> {
         let device = Device::Cpu;
-        let model = Model::load(&cfg.model_dir, &device)?;
-        let tokenizer = Arc::new(Tokenizer::from_dir(&cfg.model_dir)?);
+        let source = ModelSource::open(&cfg.model_dir)?;
+        let model = source.load_model(&device)?;
+        let tokenizer = Arc::new(source.tokenizer()?);
         let mc = model.config().clone();
         let bad =
             |param: &'static str, m: String| EngineError::Invalid(InvalidRequest::new(param, m));
@@ -189,12 +192,10 @@ impl Engine {
             );
             max_model_len = capacity;
         }
-        let model_name = cfg.served_model_name.clone().unwrap_or_else(|| {
-            cfg.model_dir
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_else(|| "model".into())
-        });
+        let model_name = cfg
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| source.default_name());
         let mut eos = mc.eos_token_ids.clone();
         eos.extend_from_slice(tokenizer.eos_token_ids());
         eos.sort_unstable();

@@ -22,7 +22,9 @@ pub enum ModelError {
         source: serde_json::Error,
     },
     /// The architecture in `config.json` is not one this engine implements.
-    #[error("unsupported architecture {0:?}: supported are LlamaForCausalLM and Qwen2ForCausalLM")]
+    #[error(
+        "unsupported architecture {0:?}: supported are LlamaForCausalLM and Qwen2ForCausalLM (GGUF: llama, qwen2)"
+    )]
     UnsupportedArchitecture(String),
     /// The weights' or requested dtype is not supported.
     #[error(
@@ -35,6 +37,33 @@ pub enum ModelError {
     /// No `*.safetensors` file in the directory.
     #[error("no safetensors weights in {0}")]
     NoWeights(PathBuf),
+    /// `--model` names no model this engine reads.
+    #[error("no model at {path}: {why}")]
+    NoModel {
+        /// The path given.
+        path: PathBuf,
+        /// What was expected.
+        why: String,
+    },
+    /// A GGUF file's header or a tensor could not be read (not GGUF, truncated, or a tensor
+    /// type candle does not know, named by its ggml type id).
+    #[error("cannot read GGUF file {path}: {source}")]
+    Gguf {
+        /// The file.
+        path: PathBuf,
+        /// candle's error.
+        source: candle_core::Error,
+    },
+    /// A GGUF tensor's type is not a weight format this engine computes with.
+    #[error(
+        "unsupported GGUF tensor type {dtype} of {tensor}: supported are F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K to Q6_K"
+    )]
+    UnsupportedTensorType {
+        /// The tensor's GGUF name.
+        tensor: String,
+        /// Its type.
+        dtype: String,
+    },
     /// A candle operation failed (missing tensor, shape mismatch...).
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -1,9 +1,15 @@
 //! Model code of the engine: reads a Hugging Face model directory (config.json and safetensors)
-//! into Llama-family or Qwen2 layers and runs a batched forward pass whose attention reads and
+//! or a GGUF file into Llama-family or Qwen2 layers and runs a batched forward pass whose attention reads and
 //! writes K/V in the paged [`pd_kv_pool::KvPool`] through per-sequence block tables.
 //!
 //! Brief overview:
+//! - [`ModelSource`]: what `--model` names (HF directory, GGUF file or a directory holding
+//!   one), and the model and tokenizer built from it.
 //! - [`config`]: the raw `config.json` ([`HfConfig`]) and the resolved [`ModelConfig`].
+//! - [`weights`]: [`WeightSource`], the model's tensors by Hugging Face name (safetensors, or
+//!   [`gguf`]), and [`weights::Proj`], a linear layer held dense or quantized.
+//! - [`gguf`]: GGUF files through candle's reader: config from the metadata, tokenizer
+//!   metadata as [`pd_tokenize::GgufVocab`], tensors kept quantized, requantized or dequantized.
 //! - [`llama`]: one struct per layer ([`llama::Attention`], [`llama::Mlp`],
 //!   [`llama::DecoderLayer`], [`Model`]); Qwen2 is the same graph with q/k/v biases.
 //! - [`paged_attention`]: the kernels that write a step's K/V into the pool and attend over
@@ -19,11 +25,17 @@
 mod batch;
 pub mod config;
 mod error;
+pub mod gguf;
 pub mod llama;
 pub mod paged_attention;
+mod source;
 pub mod tiny;
+pub mod weights;
 
 pub use batch::{BatchInput, SeqView};
 pub use config::{Arch, HfConfig, ModelConfig};
 pub use error::ModelError;
+pub use gguf::GgufFile;
 pub use llama::Model;
+pub use source::ModelSource;
+pub use weights::WeightSource;

@@ -11,66 +11,15 @@
 use std::path::Path;
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{Embedding, RmsNorm, VarBuilder};
+use candle_nn::{Embedding, RmsNorm};
 use pd_kv_pool::KvPool;
 
 use crate::batch::BatchInput;
-use crate::config::{HfConfig, ModelConfig};
+use crate::config::ModelConfig;
 use crate::error::ModelError;
 use crate::paged_attention;
-
-/// Linear projections of the flattened batch, stored transposed: `y = x @ wt + b`.
-///
-/// Checkpoints store `(out, in)`; multiplying by `w.t()` makes gemm repack the weight on every
-/// call once the batch has more than one row. Keeping `(in, out)` contiguous avoids that, and
-/// projections reading the same input (q/k/v, gate/up) are fused into one matmul.
-#[derive(Debug)]
-pub struct Proj {
-    /// (in_dim, sum of out_dims), contiguous.
-    wt: Tensor,
-    /// (sum of out_dims,)
-    bias: Option<Tensor>,
-}
-
-impl Proj {
-    /// Loads `weight` (and `bias` when `bias`) of every `(out_dim, vb)` part and fuses them
-    /// along the output dimension, in order.
-    fn load(in_dim: usize, parts: &[(usize, VarBuilder)], bias: bool) -> candle_core::Result<Self> {
-        let ws = parts
-            .iter()
-            .map(|(out, vb)| vb.get((*out, in_dim), "weight"))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        // (sum_out, in) → (in, sum_out)
-        let wt = Tensor::cat(&ws, 0)?.t()?.contiguous()?;
-        let bias = if bias {
-            let bs = parts
-                .iter()
-                .map(|(out, vb)| vb.get(*out, "bias"))
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            Some(Tensor::cat(&bs, 0)?)
-        } else {
-            None
-        };
-        Ok(Self { wt, bias })
-    }
-
-    /// From an `(out, in)` weight already loaded (tied embeddings).
-    fn from_weight(w: &Tensor) -> candle_core::Result<Self> {
-        Ok(Self {
-            wt: w.t()?.contiguous()?,
-            bias: None,
-        })
-    }
-
-    /// `x`: (t, in) → (t, out).
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = x.matmul(&self.wt)?;
-        match &self.bias {
-            Some(b) => y.broadcast_add(b),
-            None => Ok(y),
-        }
-    }
-}
+use crate::source::ModelSource;
+use crate::weights::{Proj, WeightSource};
 
 /// Self-attention of one layer.
 #[derive(Debug)]
@@ -85,19 +34,29 @@ pub struct Attention {
 }
 
 impl Attention {
-    fn load(vb: VarBuilder, cfg: &ModelConfig, layer: usize) -> candle_core::Result<Self> {
+    /// `p`: the layer's attention prefix, `model.layers.{layer}.self_attn`.
+    fn load(
+        w: &dyn WeightSource,
+        p: &str,
+        cfg: &ModelConfig,
+        layer: usize,
+    ) -> Result<Self, ModelError> {
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
         Ok(Self {
-            qkv_proj: Proj::load(
+            qkv_proj: w.projection(
                 h,
                 &[
-                    (cfg.num_heads * d, vb.pp("q_proj")),
-                    (cfg.num_kv_heads * d, vb.pp("k_proj")),
-                    (cfg.num_kv_heads * d, vb.pp("v_proj")),
+                    (cfg.num_heads * d, &format!("{p}.q_proj")),
+                    (cfg.num_kv_heads * d, &format!("{p}.k_proj")),
+                    (cfg.num_kv_heads * d, &format!("{p}.v_proj")),
                 ],
                 cfg.qkv_bias,
             )?,
-            o_proj: Proj::load(cfg.num_heads * d, &[(h, vb.pp("o_proj"))], cfg.o_bias)?,
+            o_proj: w.projection(
+                cfg.num_heads * d,
+                &[(h, &format!("{p}.o_proj"))],
+                cfg.o_bias,
+            )?,
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
             head_dim: d,
@@ -150,11 +109,16 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    fn load(vb: VarBuilder, cfg: &ModelConfig) -> candle_core::Result<Self> {
+    /// `p`: the layer's MLP prefix, `model.layers.{layer}.mlp`.
+    fn load(w: &dyn WeightSource, p: &str, cfg: &ModelConfig) -> Result<Self, ModelError> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
         Ok(Self {
-            gate_up_proj: Proj::load(h, &[(i, vb.pp("gate_proj")), (i, vb.pp("up_proj"))], false)?,
-            down_proj: Proj::load(i, &[(h, vb.pp("down_proj"))], false)?,
+            gate_up_proj: w.projection(
+                h,
+                &[(i, &format!("{p}.gate_proj")), (i, &format!("{p}.up_proj"))],
+                false,
+            )?,
+            down_proj: w.projection(i, &[(h, &format!("{p}.down_proj"))], false)?,
             intermediate: i,
         })
     }
@@ -179,20 +143,13 @@ pub struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn load(vb: VarBuilder, cfg: &ModelConfig, layer: usize) -> candle_core::Result<Self> {
+    fn load(w: &dyn WeightSource, cfg: &ModelConfig, layer: usize) -> Result<Self, ModelError> {
+        let p = format!("model.layers.{layer}");
         Ok(Self {
-            input_layernorm: candle_nn::rms_norm(
-                cfg.hidden_size,
-                cfg.rms_norm_eps,
-                vb.pp("input_layernorm"),
-            )?,
-            self_attn: Attention::load(vb.pp("self_attn"), cfg, layer)?,
-            post_attention_layernorm: candle_nn::rms_norm(
-                cfg.hidden_size,
-                cfg.rms_norm_eps,
-                vb.pp("post_attention_layernorm"),
-            )?,
-            mlp: Mlp::load(vb.pp("mlp"), cfg)?,
+            input_layernorm: rms_norm(w, &format!("{p}.input_layernorm"), cfg)?,
+            self_attn: Attention::load(w, &format!("{p}.self_attn"), cfg, layer)?,
+            post_attention_layernorm: rms_norm(w, &format!("{p}.post_attention_layernorm"), cfg)?,
+            mlp: Mlp::load(w, &format!("{p}.mlp"), cfg)?,
         })
     }
 
@@ -213,6 +170,12 @@ impl DecoderLayer {
             .forward(&self.post_attention_layernorm.forward(&x)?)?;
         Ok((x + h)?)
     }
+}
+
+/// The RMSNorm whose weight is `{prefix}.weight`, (hidden,).
+fn rms_norm(w: &dyn WeightSource, prefix: &str, cfg: &ModelConfig) -> Result<RmsNorm, ModelError> {
+    let weight = w.tensor(&format!("{prefix}.weight"), &[cfg.hidden_size])?;
+    Ok(RmsNorm::new(weight, cfg.rms_norm_eps))
 }
 
 /// cos/sin of this step's positions.
@@ -295,45 +258,38 @@ pub fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>, ModelErr
 }
 
 impl Model {
-    /// Loads `dir` (config.json + safetensors) onto `device`, computing in f32.
+    /// Loads the model at `path` onto `device`, computing in f32: a Hugging Face directory
+    /// (config.json + safetensors), a GGUF file, or a directory holding one GGUF file (see
+    /// [`ModelSource::open`]).
     ///
     /// # Errors
-    /// Names the unsupported architecture or dtype, the missing file or tensor.
-    pub fn load(dir: &Path, device: &Device) -> Result<Self, ModelError> {
-        let cfg = HfConfig::from_dir(dir)?.resolve()?;
-        let files = safetensors_files(dir)?;
-        check_weight_dtypes(&files)?;
-        // SAFETY: the files are memory-mapped read-only; the engine does not modify them, and a
-        // model directory changing under a running server is outside our contract (as for every
-        // HF loader).
-        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, device)? };
-        Self::from_var_builder(cfg, vb, device)
+    /// Names the unsupported architecture or weight type, the missing file or tensor.
+    pub fn load(path: &Path, device: &Device) -> Result<Self, ModelError> {
+        ModelSource::open(path)?.load_model(device)
     }
 
-    /// Builds the model from an already-open weight source.
+    /// Builds the model from an already-open weight source, whose tensors have the Hugging
+    /// Face names of `cfg`'s architecture.
     ///
     /// # Errors
     /// A missing tensor or a shape mismatch, naming the tensor.
-    pub fn from_var_builder(
+    pub fn from_weights(
         cfg: ModelConfig,
-        vb: VarBuilder,
+        w: &dyn WeightSource,
         device: &Device,
     ) -> Result<Self, ModelError> {
-        let m = vb.pp("model");
-        let embed_tokens =
-            candle_nn::embedding(cfg.vocab_size, cfg.hidden_size, m.pp("embed_tokens"))?;
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        // (vocab, hidden)
+        let embeddings = w.tensor("model.embed_tokens.weight", &[v, h])?;
+        let embed_tokens = Embedding::new(embeddings, h);
         let layers = (0..cfg.num_layers)
-            .map(|i| DecoderLayer::load(m.pp("layers").pp(i), &cfg, i))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let norm = candle_nn::rms_norm(cfg.hidden_size, cfg.rms_norm_eps, m.pp("norm"))?;
+            .map(|i| DecoderLayer::load(w, &cfg, i))
+            .collect::<Result<Vec<_>, _>>()?;
+        let norm = rms_norm(w, "model.norm", &cfg)?;
         let lm_head = if cfg.tie_word_embeddings {
-            Proj::from_weight(embed_tokens.embeddings())?
+            w.projection(h, &[(v, "model.embed_tokens")], false)?
         } else {
-            Proj::load(
-                cfg.hidden_size,
-                &[(cfg.vocab_size, vb.pp("lm_head"))],
-                false,
-            )?
+            w.projection(h, &[(v, "lm_head")], false)?
         };
         // (max_pos, 1) x (1, head_dim/2) → (max_pos, head_dim/2)
         let inv_freq = cfg.rope_inv_freq();
@@ -452,45 +408,4 @@ impl Model {
         }
         Ok(())
     }
-}
-
-/// Rejects weight files whose tensors are not float32/float16/bfloat16, naming the dtype.
-/// Reads only each file's JSON header (8-byte little-endian length, then the header).
-fn check_weight_dtypes(files: &[std::path::PathBuf]) -> Result<(), ModelError> {
-    use std::io::Read;
-    for f in files {
-        let io = |source| ModelError::Io {
-            path: f.clone(),
-            source,
-        };
-        let mut file = std::fs::File::open(f).map_err(io)?;
-        let mut len = [0u8; 8];
-        file.read_exact(&mut len).map_err(io)?;
-        let len = u64::from_le_bytes(len);
-        if len > 100 << 20 {
-            return Err(ModelError::InvalidConfig(format!(
-                "{}: safetensors header of {len} bytes",
-                f.display()
-            )));
-        }
-        let mut header = vec![0u8; len as usize];
-        file.read_exact(&mut header).map_err(io)?;
-        let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
-            .map_err(|source| ModelError::Json {
-                path: f.clone(),
-                source,
-            })?;
-        for (name, info) in &header {
-            let Some(dtype) = info.get("dtype").and_then(|d| d.as_str()) else {
-                continue;
-            };
-            if !matches!(dtype, "F32" | "F16" | "BF16") {
-                return Err(ModelError::UnsupportedDtype(format!(
-                    "{dtype} (tensor {name} in {})",
-                    f.display()
-                )));
-            }
-        }
-    }
-    Ok(())
 }

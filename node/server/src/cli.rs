@@ -37,7 +37,8 @@ pub enum Device {
 /// `pd-node serve`.
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
+    /// The model: a Hugging Face directory (config.json, *.safetensors, tokenizer.json), a GGUF
+    /// file (llama / qwen2 architecture, byte-level BPE tokenizer), or a directory holding one.
     #[arg(long)]
     pub model: PathBuf,
     /// Address to listen on.
@@ -46,7 +47,8 @@ pub struct ServeArgs {
     /// Port to listen on; 0 picks a free one (printed on stdout once ready).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// Name clients use in `model`; defaults to the model directory's name.
+    /// Name clients use in `model`; defaults to the model directory's name (a GGUF file's name
+    /// without `.gguf`).
     #[arg(long)]
     pub served_model_name: Option<String>,
     /// Tokens per KV block.

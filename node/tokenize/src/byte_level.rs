@@ -6,6 +6,7 @@ use std::path::Path;
 use serde_json::{Map, Value as Json, json};
 
 use crate::error::TokenizeError;
+use crate::gguf::GgufVocab;
 
 /// Id of `<|endoftext|>` (the BOS and EOS token) in [`write_byte_level_tokenizer`]'s output.
 pub const BYTE_LEVEL_ENDOFTEXT_ID: u32 = 256;
@@ -148,6 +149,43 @@ pub fn write_byte_level_tokenizer(dir: &Path, vocab_size: usize) -> Result<(), T
     Ok(())
 }
 
+/// The vocabulary [`write_byte_level_tokenizer`] writes, in GGUF form (`tokenizer.ggml.*`):
+/// the same ids, special tokens (as control tokens), GPT-2 pre-tokenizer, ChatML template, and
+/// EOS `<|endoftext|>` with `<|im_end|>` as end-of-turn, so a generated GGUF model tokenizes
+/// exactly as its Hugging Face twin.
+///
+/// # Errors
+/// [`TokenizeError::VocabTooSmall`] if `vocab_size < 259`.
+pub fn byte_level_gguf_vocab(vocab_size: usize) -> Result<GgufVocab, TokenizeError> {
+    if vocab_size < BYTE_LEVEL_MIN_VOCAB_SIZE {
+        return Err(TokenizeError::VocabTooSmall {
+            vocab_size,
+            min: BYTE_LEVEL_MIN_VOCAB_SIZE,
+        });
+    }
+    let mut tokens: Vec<String> = bytes_to_unicode().iter().map(|c| c.to_string()).collect();
+    tokens.extend(["<|endoftext|>", "<|im_start|>", "<|im_end|>"].map(String::from));
+    tokens.extend((0..vocab_size - BYTE_LEVEL_MIN_VOCAB_SIZE).map(|k| format!("<|reserved_{k}|>")));
+    let token_types = (0..vocab_size)
+        .map(|id| if id < 256 { 1 } else { 3 })
+        .collect();
+    Ok(GgufVocab {
+        model: "gpt2".into(),
+        pre: Some("gpt-2".into()),
+        tokens,
+        token_types,
+        merges: Vec::new(),
+        bos_token_id: Some(BYTE_LEVEL_ENDOFTEXT_ID),
+        eos_token_id: Some(BYTE_LEVEL_ENDOFTEXT_ID),
+        eot_token_id: Some(BYTE_LEVEL_IM_END_ID),
+        unknown_token_id: None,
+        padding_token_id: Some(BYTE_LEVEL_ENDOFTEXT_ID),
+        add_bos_token: Some(false),
+        add_eos_token: Some(false),
+        chat_template: Some(CHATML_TEMPLATE.into()),
+    })
+}
+
 fn write_json(path: &Path, value: &Json) -> Result<(), TokenizeError> {
     let text =
         serde_json::to_string_pretty(value).map_err(|source| TokenizeError::SerializeJson {
@@ -162,7 +200,7 @@ fn write_json(path: &Path, value: &Json) -> Result<(), TokenizeError> {
 
 /// GPT-2's `bytes_to_unicode`: the printable character standing for each byte, indexed by
 /// byte value. Printable Latin-1 bytes stand for themselves; the others map to U+0100 upward.
-fn bytes_to_unicode() -> [char; 256] {
+pub(crate) fn bytes_to_unicode() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut next = 256u32;
     for (byte, slot) in (0u32..).zip(table.iter_mut()) {
@@ -304,6 +342,25 @@ mod tests {
         assert_eq!(
             ids.iter().filter(|&&id| id == BYTE_LEVEL_IM_END_ID).count(),
             1
+        );
+    }
+
+    #[test]
+    fn gguf_form_tokenizes_like_the_files() {
+        let (_dir, files) = byte_level_tokenizer();
+        let gguf =
+            Tokenizer::from_gguf_vocab(&byte_level_gguf_vocab(300).expect("vocab")).expect("build");
+        let text = "<|im_start|>user\nhéllo 123 👋<|im_end|>\n<|reserved_3|>";
+        assert_eq!(
+            gguf.encode(text, true).expect("encode"),
+            files.encode(text, true).expect("encode")
+        );
+        assert_eq!(gguf.eos_token_ids(), files.eos_token_ids());
+        assert_eq!(gguf.vocab_size(), files.vocab_size());
+        let m = [ChatMessage::new("user", "hi")];
+        assert_eq!(
+            gguf.apply_chat_template(&m, true).expect("render"),
+            files.apply_chat_template(&m, true).expect("render")
         );
     }
 

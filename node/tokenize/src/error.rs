@@ -120,6 +120,13 @@ pub enum TokenizeError {
         #[source]
         source: serde_json::Error,
     },
+    /// A GGUF file's tokenizer is of a kind this crate does not build, or is inconsistent;
+    /// `what` names it (tokenizer model, pre-tokenizer, token type, token).
+    #[error("unsupported GGUF tokenizer: {what}")]
+    UnsupportedGguf {
+        /// What is not supported, with the metadata key it came from.
+        what: String,
+    },
     /// A file could not be written.
     #[error("failed to write {}", path.display())]
     WriteFile {

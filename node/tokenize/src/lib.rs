@@ -1,5 +1,5 @@
 //! `pd-tokenize` owns everything between text and token ids for one Hugging Face model
-//! directory: loading `tokenizer.json` and `tokenizer_config.json` (plus the optional
+//! directory (or the tokenizer metadata of a GGUF file): loading `tokenizer.json` and `tokenizer_config.json` (plus the optional
 //! `generation_config.json`, `config.json` and `chat_template.jinja` for stop ids and the
 //! template), rendering the chat template with minijinja the way `transformers` renders it
 //! with jinja2, incremental detokenization for streaming, and writing a tiny byte-level
@@ -21,6 +21,10 @@
 //!   already contains any BOS token, so encode its output with `add_special_tokens = false`.
 //! - [`IncrementalDecoder`]: per-sequence streaming detokenizer, created by
 //!   [`Tokenizer::decoder`].
+//! - [`GgufVocab`]: a GGUF file's `tokenizer.ggml.*` metadata as plain data (the model crate
+//!   reads the file); [`Tokenizer::from_gguf_vocab`] builds from it through the equivalent
+//!   `tokenizer.json` / `tokenizer_config.json` / `generation_config.json`, which are then this
+//!   tokenizer's [`Tokenizer::files`].
 //! - [`write_byte_level_tokenizer`]: writes a 256-byte tokenizer plus ChatML specials.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 #![deny(unused_must_use)]
@@ -28,16 +32,18 @@
 mod byte_level;
 mod decoder;
 mod error;
+mod gguf;
 pub mod prompt;
 mod template;
 mod tokenizer;
 
 pub use byte_level::{
     BYTE_LEVEL_ENDOFTEXT_ID, BYTE_LEVEL_IM_END_ID, BYTE_LEVEL_IM_START_ID,
-    BYTE_LEVEL_MIN_VOCAB_SIZE, write_byte_level_tokenizer,
+    BYTE_LEVEL_MIN_VOCAB_SIZE, byte_level_gguf_vocab, write_byte_level_tokenizer,
 };
 pub use decoder::IncrementalDecoder;
 pub use error::TokenizeError;
+pub use gguf::GgufVocab;
 pub use tokenizer::{ChatMessage, Tokenizer};
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ use xxhash_rust::xxh3::Xxh3Default;
 
 use crate::decoder::IncrementalDecoder;
 use crate::error::TokenizeError;
+use crate::gguf::GgufVocab;
 use crate::template::{ChatTemplate, SpecialTokens};
 
 /// One chat message, as in the OpenAI `messages` array (text content only).
@@ -120,6 +121,17 @@ impl Tokenizer {
             .map(|(name, text)| (name.clone(), text.clone()))
             .collect();
         Self::build(known, Path::new(""))
+    }
+
+    /// Builds the tokenizer a GGUF file describes (see [`GgufVocab::to_files`]): exactly
+    /// [`Tokenizer::from_files`] over the equivalent Hugging Face files, which are then its
+    /// [`Tokenizer::files`], so a gateway rebuilds it without the GGUF.
+    ///
+    /// # Errors
+    /// [`TokenizeError::UnsupportedGguf`] naming what is not supported (a SentencePiece
+    /// vocabulary, an unknown pre-tokenizer...); then as [`Tokenizer::from_files`].
+    pub fn from_gguf_vocab(vocab: &GgufVocab) -> Result<Self, TokenizeError> {
+        Self::build(vocab.to_files()?, Path::new(""))
     }
 
     /// The one loading path: `files` holds only known names; `dir` prefixes paths in errors.

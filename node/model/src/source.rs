@@ -1,0 +1,158 @@
+//! [`ModelSource`]: what `--model PATH` names — a Hugging Face directory, a GGUF file, or a
+//! directory holding one GGUF file — and the model and tokenizer built from it.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::Device;
+use pd_tokenize::Tokenizer;
+
+use crate::config::HfConfig;
+use crate::error::ModelError;
+use crate::gguf::{GgufFile, QuantPolicy};
+use crate::llama::{Model, safetensors_files};
+use crate::weights::{SafetensorsWeights, check_weight_dtypes};
+
+/// A model on disk, in one of the formats the engine reads.
+#[derive(Debug)]
+pub enum ModelSource {
+    /// A Hugging Face directory: `config.json`, `*.safetensors`, tokenizer files.
+    HfDir(PathBuf),
+    /// A GGUF file (weights, config and tokenizer in one file); its header is read.
+    Gguf(Box<GgufFile>),
+}
+
+impl ModelSource {
+    /// Finds the model at `path`: a GGUF file (by its magic bytes, whatever its name); a directory with `config.json` (Hugging
+    /// Face); or a directory without `config.json` holding exactly one `*.gguf` file.
+    ///
+    /// # Errors
+    /// [`ModelError::NoModel`] when `path` is none of these (naming the GGUF files when there
+    /// are several); GGUF header errors from [`GgufFile::open`].
+    pub fn open(path: &Path) -> Result<Self, ModelError> {
+        let no_model = |why: String| ModelError::NoModel {
+            path: path.to_path_buf(),
+            why,
+        };
+        if path.is_file() {
+            return if is_gguf(path)? {
+                Ok(Self::Gguf(Box::new(GgufFile::open(path)?)))
+            } else {
+                Err(no_model(
+                    "a file must be a GGUF model (it does not start with \"GGUF\"); otherwise \
+                     give a directory"
+                        .into(),
+                ))
+            };
+        }
+        if !path.is_dir() {
+            return Err(no_model("no such file or directory".into()));
+        }
+        if path.join("config.json").exists() {
+            return Ok(Self::HfDir(path.to_path_buf()));
+        }
+        let rd = std::fs::read_dir(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let mut ggufs: Vec<PathBuf> = rd
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.is_file() && p.extension().is_some_and(|e| e == "gguf"))
+            .collect();
+        ggufs.sort();
+        match ggufs.as_slice() {
+            [one] => Ok(Self::Gguf(Box::new(GgufFile::open(one)?))),
+            [] => Err(no_model(
+                "neither config.json (Hugging Face) nor a *.gguf file".into(),
+            )),
+            many => Err(no_model(format!(
+                "several GGUF files ({}); name one",
+                many.iter()
+                    .filter_map(|p| p.file_name())
+                    .map(|n| n.to_string_lossy())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))),
+        }
+    }
+
+    /// The name clients use by default: the directory's name, or the GGUF file's name without
+    /// `.gguf`.
+    pub fn default_name(&self) -> String {
+        let name = match self {
+            Self::HfDir(dir) => dir.file_name(),
+            Self::Gguf(g) => g.path().file_stem(),
+        };
+        name.map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into())
+    }
+
+    /// Loads the model onto `device`, computing in f32 (GGUF weights as
+    /// [`QuantPolicy::default`] decides).
+    ///
+    /// # Errors
+    /// Names the unsupported architecture, weight type, missing file or tensor.
+    pub fn load_model(&self, device: &Device) -> Result<Model, ModelError> {
+        self.load_model_with(device, QuantPolicy::default())
+    }
+
+    /// [`ModelSource::load_model`], with GGUF weights held as `policy` says (ignored for
+    /// safetensors).
+    ///
+    /// # Errors
+    /// As [`ModelSource::load_model`].
+    pub fn load_model_with(
+        &self,
+        device: &Device,
+        policy: QuantPolicy,
+    ) -> Result<Model, ModelError> {
+        match self {
+            Self::HfDir(dir) => {
+                let cfg = HfConfig::from_dir(dir)?.resolve()?;
+                let files = safetensors_files(dir)?;
+                check_weight_dtypes(&files)?;
+                let weights = SafetensorsWeights::open(&files, device)?;
+                Model::from_weights(cfg, &weights, device)
+            }
+            Self::Gguf(g) => {
+                let cfg = g.config()?;
+                let weights = g.weights(&cfg, device, policy)?;
+                let model = Model::from_weights(cfg, &weights, device)?;
+                tracing::info!(
+                    file = %g.path().display(),
+                    weights = %weights.summary(),
+                    "GGUF weights loaded (stored type→held as ×tensors)"
+                );
+                Ok(model)
+            }
+        }
+    }
+
+    /// The model's tokenizer and chat template: the directory's tokenizer files, or the one
+    /// the GGUF metadata describes (built through its `tokenizer.json` form, see
+    /// [`pd_tokenize::GgufVocab`]).
+    ///
+    /// # Errors
+    /// Tokenizer files missing or invalid; a GGUF tokenizer that is not supported, named.
+    pub fn tokenizer(&self) -> Result<Tokenizer, ModelError> {
+        Ok(match self {
+            Self::HfDir(dir) => Tokenizer::from_dir(dir)?,
+            Self::Gguf(g) => Tokenizer::from_gguf_vocab(&g.vocab()?)?,
+        })
+    }
+}
+
+/// Whether the file starts with GGUF's magic bytes.
+fn is_gguf(path: &Path) -> Result<bool, ModelError> {
+    use std::io::Read;
+    let io = |source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut magic = [0u8; 4];
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    match f.read_exact(&mut magic) {
+        Ok(()) => Ok(&magic == b"GGUF"),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(false),
+        Err(e) => Err(io(e)),
+    }
+}

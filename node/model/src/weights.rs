@@ -1,0 +1,243 @@
+//! Where the model's tensors come from: [`WeightSource`], with one implementation per file
+//! format ([`SafetensorsWeights`] here, [`crate::gguf::GgufWeights`]), and [`Proj`], the linear
+//! layer whose weight is either dense f32 or kept in a quantized GGUF block format.
+//!
+//! The model asks for tensors by their Hugging Face names (`model.layers.0.self_attn.q_proj`);
+//! a source translates them to its own. There is one model implementation ([`crate::llama`]);
+//! sources differ only in how a named tensor becomes a [`Tensor`] or a [`Proj`].
+
+use candle_core::quantized::{GgmlDType, QMatMul};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::VarBuilder;
+
+use crate::error::ModelError;
+
+/// A model's weights by Hugging Face name.
+pub trait WeightSource {
+    /// The dense f32 tensor `name` (a full name such as `model.norm.weight`), checked to have
+    /// `shape`.
+    ///
+    /// # Errors
+    /// A missing tensor or a shape mismatch, naming the tensor.
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor, ModelError>;
+
+    /// The projection reading `in_dim` features made of `parts` fused along the output
+    /// dimension, in order: each `(out_dim, prefix)` is the weight `{prefix}.weight`
+    /// `(out_dim, in_dim)` and, when `bias`, the bias `{prefix}.bias` `(out_dim,)`.
+    ///
+    /// # Errors
+    /// A missing tensor, a shape mismatch or an unsupported weight type, naming the tensor.
+    fn projection(
+        &self,
+        in_dim: usize,
+        parts: &[(usize, &str)],
+        bias: bool,
+    ) -> Result<Proj, ModelError>;
+
+    /// Whether the source holds the tensor `name`.
+    fn contains(&self, name: &str) -> bool;
+}
+
+/// How a [`Proj`] holds its weight.
+#[derive(Debug)]
+enum ProjWeight {
+    /// (in_dim, out_dim), contiguous f32.
+    ///
+    /// Checkpoints store `(out, in)`; multiplying by `w.t()` makes gemm repack the weight on
+    /// every call once the batch has more than one row. Keeping `(in, out)` contiguous avoids
+    /// that.
+    Dense(Tensor),
+    /// (out_dim, in_dim) in GGUF blocks (rows of `in_dim / block_size` blocks), multiplied by
+    /// candle's quantized kernels (the input is quantized per row on the fly).
+    Quantized {
+        w: QMatMul,
+        dtype: GgmlDType,
+        /// (in_dim, out_dim), contiguous f32: the same weights dequantized, used for batches of
+        /// at least [`DENSE_MIN_ROWS`] rows where f32 gemm beats the quantized kernel.
+        dense: Option<Tensor>,
+    },
+}
+
+/// Batches of at least this many rows use a quantized projection's dense copy, when it has
+/// one (measured in `BENCHMARKS.md`, "GGUF weight formats").
+pub const DENSE_MIN_ROWS: usize = 16;
+
+/// A linear projection of the flattened batch: `y = x @ W^T + b`, `x`: (t, in) → (t, out).
+/// Projections reading the same input (q/k/v, gate/up) are fused into one along the output
+/// dimension, so a layer runs one matmul where a checkpoint names several.
+#[derive(Debug)]
+pub struct Proj {
+    weight: ProjWeight,
+    /// (out_dim,)
+    bias: Option<Tensor>,
+}
+
+impl Proj {
+    /// A dense projection from its `(out, in)` f32 weight.
+    ///
+    /// # Errors
+    /// A candle error (not 2-D).
+    pub fn dense(w: &Tensor, bias: Option<Tensor>) -> Result<Self, ModelError> {
+        let (_out, _in) = w.dims2()?;
+        Ok(Self {
+            weight: ProjWeight::Dense(w.t()?.contiguous()?),
+            bias,
+        })
+    }
+
+    /// A projection over a quantized `(out, in)` weight; `dense`, its `(out, in)` f32 values,
+    /// serves batches of [`DENSE_MIN_ROWS`] rows or more.
+    pub(crate) fn quantized(
+        w: QMatMul,
+        dtype: GgmlDType,
+        dense: Option<&Tensor>,
+        bias: Option<Tensor>,
+    ) -> Result<Self, ModelError> {
+        let dense = match dense {
+            Some(d) => Some(d.t()?.contiguous()?),
+            None => None,
+        };
+        Ok(Self {
+            weight: ProjWeight::Quantized { w, dtype, dense },
+            bias,
+        })
+    }
+
+    /// `x`: (t, in) → (t, out).
+    ///
+    /// # Errors
+    /// A candle error (shape mismatch).
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (rows, _in) = x.dims2()?;
+        let y = match &self.weight {
+            ProjWeight::Dense(wt) => x.matmul(wt)?,
+            ProjWeight::Quantized {
+                dense: Some(wt), ..
+            } if rows >= DENSE_MIN_ROWS => x.matmul(wt)?,
+            ProjWeight::Quantized { w, .. } => w.forward(&x.contiguous()?)?,
+        };
+        match &self.bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+
+    /// How the weight is held: `f32`, the GGUF block type (`Q8_0`, ...), or both
+    /// (`Q8_0+f32`: the block type for small batches, f32 from [`DENSE_MIN_ROWS`] rows).
+    pub fn weight_format(&self) -> String {
+        match &self.weight {
+            ProjWeight::Dense(_) => "f32".into(),
+            ProjWeight::Quantized { dtype, dense, .. } => match dense {
+                Some(_) => format!("{dtype:?}+f32"),
+                None => format!("{dtype:?}"),
+            },
+        }
+    }
+}
+
+/// Weights from a Hugging Face directory's safetensors files, computed in f32 (f16 and bf16
+/// are converted at load).
+pub struct SafetensorsWeights<'a> {
+    vb: VarBuilder<'a>,
+}
+
+impl std::fmt::Debug for SafetensorsWeights<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SafetensorsWeights").finish_non_exhaustive()
+    }
+}
+
+impl SafetensorsWeights<'static> {
+    /// Memory-maps `files` (all of a checkpoint's shards).
+    ///
+    /// # Errors
+    /// A file that cannot be mapped or parsed.
+    pub fn open(files: &[std::path::PathBuf], device: &Device) -> Result<Self, ModelError> {
+        // SAFETY: the files are memory-mapped read-only; the engine does not modify them, and
+        // a model directory changing under a running server is outside our contract (as for
+        // every HF loader).
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(files, DType::F32, device)? };
+        Ok(Self { vb })
+    }
+}
+
+impl<'a> SafetensorsWeights<'a> {
+    /// Over an already-open [`VarBuilder`] (names are looked up from its root).
+    pub fn from_var_builder(vb: VarBuilder<'a>) -> Self {
+        Self { vb }
+    }
+}
+
+impl WeightSource for SafetensorsWeights<'_> {
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor, ModelError> {
+        Ok(self.vb.get(shape, name)?)
+    }
+
+    fn projection(
+        &self,
+        in_dim: usize,
+        parts: &[(usize, &str)],
+        bias: bool,
+    ) -> Result<Proj, ModelError> {
+        let ws = parts
+            .iter()
+            .map(|(out, prefix)| self.vb.get((*out, in_dim), &format!("{prefix}.weight")))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let bias = if bias {
+            let bs = parts
+                .iter()
+                .map(|(out, prefix)| self.vb.get(*out, &format!("{prefix}.bias")))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Some(Tensor::cat(&bs, 0)?)
+        } else {
+            None
+        };
+        // (sum_out, in)
+        Proj::dense(&Tensor::cat(&ws, 0)?, bias)
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.vb.contains_tensor(name)
+    }
+}
+
+/// Rejects weight files whose tensors are not float32/float16/bfloat16, naming the dtype.
+/// Reads only each file's JSON header (8-byte little-endian length, then the header).
+pub(crate) fn check_weight_dtypes(files: &[std::path::PathBuf]) -> Result<(), ModelError> {
+    use std::io::Read;
+    for f in files {
+        let io = |source| ModelError::Io {
+            path: f.clone(),
+            source,
+        };
+        let mut file = std::fs::File::open(f).map_err(io)?;
+        let mut len = [0u8; 8];
+        file.read_exact(&mut len).map_err(io)?;
+        let len = u64::from_le_bytes(len);
+        if len > 100 << 20 {
+            return Err(ModelError::InvalidConfig(format!(
+                "{}: safetensors header of {len} bytes",
+                f.display()
+            )));
+        }
+        let mut header = vec![0u8; len as usize];
+        file.read_exact(&mut header).map_err(io)?;
+        let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
+            .map_err(|source| ModelError::Json {
+                path: f.clone(),
+                source,
+            })?;
+        for (name, info) in &header {
+            let Some(dtype) = info.get("dtype").and_then(|d| d.as_str()) else {
+                continue;
+            };
+            if !matches!(dtype, "F32" | "F16" | "BF16") {
+                return Err(ModelError::UnsupportedDtype(format!(
+                    "{dtype} (tensor {name} in {})",
+                    f.display()
+                )));
+            }
+        }
+    }
+    Ok(())
+}

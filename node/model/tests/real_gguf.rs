@@ -1,0 +1,54 @@
+//! The real model: SmolLM2-135M-Instruct Q4_1 (`bash scripts/fetch-model.sh` puts it in the
+//! cache; `PD_MODEL_GGUF` names it). Without the file these tests fail when `CI=true` and
+//! skip with a message otherwise.
+//!
+//! The configuration and tokenizer read from the file are SmolLM2's (`real_gguf_greedy.rs`
+//! compares the forward pass with candle-transformers).
+
+mod common;
+
+use common::model_file;
+use pd_model::{Arch, ModelSource};
+
+#[test]
+fn config_and_tokenizer_are_smollm2() {
+    let Some(path) = model_file() else { return };
+    let source = ModelSource::open(&path).unwrap();
+    let ModelSource::Gguf(g) = &source else {
+        panic!("not read as GGUF")
+    };
+    let c = g.config().unwrap();
+    assert_eq!(c.arch, Arch::Llama);
+    assert_eq!(
+        (
+            c.num_layers,
+            c.hidden_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim
+        ),
+        (30, 576, 9, 3, 64)
+    );
+    assert_eq!((c.intermediate_size, c.vocab_size), (1536, 49152));
+    assert_eq!((c.rope_theta, c.max_position_embeddings), (100_000.0, 8192));
+    assert!(c.tie_word_embeddings);
+    assert_eq!(c.eos_token_ids, vec![2]);
+    let tok = source.tokenizer().unwrap();
+    assert_eq!(tok.eos_token_ids(), &[2]);
+    // `smollm` splits digits one by one.
+    let ids = tok.encode("2024", false).unwrap();
+    assert_eq!(ids.len(), 4, "{ids:?}");
+    let text = "What is the capital of France? Ünïcödé 日本 👋";
+    let ids = tok.encode(text, true).unwrap();
+    assert_eq!(tok.decode(&ids, false).unwrap(), text);
+    let chat = tok
+        .apply_chat_template(&[pd_tokenize::ChatMessage::new("user", "Hi")], true)
+        .unwrap();
+    assert_eq!(
+        chat,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging \
+         Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let ids = tok.encode(&chat, false).unwrap();
+    assert_eq!(ids[0], 1, "<|im_start|> is one token");
+}

