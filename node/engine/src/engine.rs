@@ -578,11 +578,15 @@ impl Engine {
                     let blocks =
                         seq.blocks[..seq.prompt_len.div_ceil(self.info.block_size)].to_vec();
                     let num_tokens = seq.prompt_len;
+                    // Bound to what the blocks hold: a reader checks it on confirm.
+                    let contents = pd_kv_pool::LeaseContents::of(&seq.tokens[..seq.prompt_len]);
                     for _ in 0..consumers.max(1) {
                         for &b in &blocks {
                             self.scheduler.allocator.share(b);
                         }
-                        let lease = self.leases.grant(blocks.clone(), "", Instant::now());
+                        let lease = self
+                            .leases
+                            .grant(blocks.clone(), contents, "", Instant::now());
                         tracing::debug!(request = %id, lease = %lease.id, blocks = lease.blocks.len(), "prompt KV leased");
                         let _ = state.events.send(RequestEvent::KvReady(KvHandoff {
                             lease: lease.id,

@@ -13,7 +13,7 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use pd_kv_pool::{BlockId, Lease, LeaseCounts, LeaseError, LeaseId, LeaseTable};
+use pd_kv_pool::{BlockId, Lease, LeaseContents, LeaseCounts, LeaseError, LeaseId, LeaseTable};
 
 /// Live leases and their counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -61,8 +61,14 @@ impl LeaseBook {
     }
 
     /// Grants a lease on `blocks`; the caller handed one reference per block over to it.
-    pub(crate) fn grant(&self, blocks: Vec<BlockId>, peer: &str, now: Instant) -> Lease {
-        self.lock().table.grant(blocks, peer, now)
+    pub(crate) fn grant(
+        &self,
+        blocks: Vec<BlockId>,
+        contents: LeaseContents,
+        peer: &str,
+        now: Instant,
+    ) -> Lease {
+        self.lock().table.grant(blocks, contents, peer, now)
     }
 
     /// Extends a live lease; returns the new deadline.
@@ -80,11 +86,16 @@ impl LeaseBook {
     ///
     /// # Errors
     /// [`LeaseError`] saying why it is not.
-    pub fn confirm(&self, id: LeaseId, generation: u64, peer: &str) -> Result<Instant, LeaseError> {
+    pub fn confirm(
+        &self,
+        id: LeaseId,
+        generation: u64,
+        peer: &str,
+    ) -> Result<(Instant, LeaseContents), LeaseError> {
         self.lock()
             .table
             .check(id, generation, peer, Instant::now())
-            .map(|l| l.deadline)
+            .map(|l| (l.deadline, l.contents))
     }
 
     /// Ends a live lease; its blocks are freed at the engine's next loop turn (wake it).

@@ -69,6 +69,33 @@ pub enum LeaseError {
     },
 }
 
+/// What a lease's blocks hold, as their owner computed them: `num_tokens` token ids hashed with
+/// [`crate::block_hash`]`(None, tokens)`. The owner tells a reader on confirm, so the reader can
+/// check the blocks hold its own prompt: request params are forgeable, the owner is not.
+/// All zero: the owner does not say (not attested).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LeaseContents {
+    /// Tokens the blocks hold.
+    pub num_tokens: u32,
+    /// `block_hash(None, tokens).0`.
+    pub tokens_hash: u64,
+}
+
+impl LeaseContents {
+    /// The contents of blocks holding `tokens`.
+    pub fn of(tokens: &[u32]) -> Self {
+        Self {
+            num_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
+            tokens_hash: crate::block_hash(None, tokens).0,
+        }
+    }
+
+    /// Whether the owner said what the blocks hold.
+    pub fn attested(&self) -> bool {
+        *self != Self::default()
+    }
+}
+
 /// A live lease.
 #[derive(Debug, Clone)]
 pub struct Lease {
@@ -80,6 +107,8 @@ pub struct Lease {
     pub peer: String,
     /// The leased blocks, in the order they were handed out.
     pub blocks: Vec<BlockId>,
+    /// What they hold, as the owner computed it.
+    pub contents: LeaseContents,
     /// When it ends unless renewed.
     pub deadline: Instant,
 }
@@ -145,9 +174,16 @@ impl LeaseTable {
         self.counts
     }
 
-    /// Grants `peer` a lease on `blocks`. The caller hands over one allocator reference per
-    /// block (e.g. taken with [`BlockAllocator::share`]); it is dropped when the lease ends.
-    pub fn grant(&mut self, blocks: Vec<BlockId>, peer: &str, now: Instant) -> Lease {
+    /// Grants `peer` a lease on `blocks`, which hold `contents`. The caller hands over one
+    /// allocator reference per block (e.g. taken with [`BlockAllocator::share`]); it is dropped
+    /// when the lease ends.
+    pub fn grant(
+        &mut self,
+        blocks: Vec<BlockId>,
+        contents: LeaseContents,
+        peer: &str,
+        now: Instant,
+    ) -> Lease {
         let mut id = LeaseId(self.rng.random());
         while self.leases.contains_key(&id) {
             id = LeaseId(self.rng.random());
@@ -157,6 +193,7 @@ impl LeaseTable {
             generation: self.next_generation,
             peer: peer.to_string(),
             blocks,
+            contents,
             deadline: now + self.duration,
         };
         self.next_generation += 1;
@@ -277,7 +314,7 @@ mod tests {
         for &b in blocks {
             a.share(b);
         }
-        t.grant(blocks.to_vec(), peer, now)
+        t.grant(blocks.to_vec(), LeaseContents::default(), peer, now)
     }
 
     fn free_all(a: &mut BlockAllocator, leases: &[Lease]) {

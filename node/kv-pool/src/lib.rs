@@ -26,5 +26,5 @@ mod pool;
 pub use allocator::{AllocatorError, BlockAllocator, BlockId, CacheEvent};
 pub use hash::{BlockHash, ROOT_HASH_SEED, block_hash, hash_full_blocks};
 pub use layout::{KvDtype, KvLayout};
-pub use lease::{Lease, LeaseCounts, LeaseError, LeaseId, LeaseTable};
+pub use lease::{Lease, LeaseContents, LeaseCounts, LeaseError, LeaseId, LeaseTable};
 pub use pool::KvPool;

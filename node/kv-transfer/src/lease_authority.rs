@@ -3,7 +3,9 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use pd_kv_pool::{BlockAllocator, BlockId, Lease, LeaseCounts, LeaseError, LeaseId, LeaseTable};
+use pd_kv_pool::{
+    BlockAllocator, BlockId, Lease, LeaseContents, LeaseCounts, LeaseError, LeaseId, LeaseTable,
+};
 
 /// Pool and lease counters reported to peers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -27,11 +29,16 @@ pub trait LeaseAuthority: Send + Sync + 'static {
     /// # Errors
     /// [`LeaseError`] when the lease is not live for `peer`.
     fn renew(&self, id: LeaseId, generation: u64, peer: &str) -> Result<SystemTime, LeaseError>;
-    /// Whether the lease is live now; returns its deadline.
+    /// Whether the lease is live now; returns its deadline and what its blocks hold.
     ///
     /// # Errors
     /// [`LeaseError`] when it is not.
-    fn confirm(&self, id: LeaseId, generation: u64, peer: &str) -> Result<SystemTime, LeaseError>;
+    fn confirm(
+        &self,
+        id: LeaseId,
+        generation: u64,
+        peer: &str,
+    ) -> Result<(SystemTime, LeaseContents), LeaseError>;
     /// Ends the lease and drops its references.
     ///
     /// # Errors
@@ -91,7 +98,7 @@ impl LocalBlocks {
             for &b in &blocks {
                 a.share(b);
             }
-            l.grant(blocks, peer, Instant::now())
+            l.grant(blocks, LeaseContents::default(), peer, Instant::now())
         })
     }
 
@@ -120,12 +127,16 @@ impl LeaseAuthority for LocalBlocks {
             .map(to_system_time)
     }
 
-    fn confirm(&self, id: LeaseId, generation: u64, peer: &str) -> Result<SystemTime, LeaseError> {
+    fn confirm(
+        &self,
+        id: LeaseId,
+        generation: u64,
+        peer: &str,
+    ) -> Result<(SystemTime, LeaseContents), LeaseError> {
         self.with(|_, l| {
             l.check(id, generation, peer, Instant::now())
-                .map(|x| x.deadline)
+                .map(|x| (to_system_time(x.deadline), x.contents))
         })
-        .map(to_system_time)
     }
 
     fn release(&self, id: LeaseId, generation: u64, peer: &str) -> Result<(), LeaseError> {

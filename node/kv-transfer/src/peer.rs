@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use pd_kv_pool::{KvDtype, KvLayout, LeaseId};
+use pd_kv_pool::{KvDtype, KvLayout, LeaseContents, LeaseId};
 use pd_rpc::kv::kv_peer_client::KvPeerClient;
 use pd_rpc::kv::{HandshakeRequest, LeaseRef, PoolStatsReply, PoolStatsRequest};
 use tonic::transport::Channel;
@@ -53,6 +53,19 @@ pub enum TransferError {
     /// count or prompt hash, or another engine than the one named).
     #[error("kv_transfer_params do not match this request: {0}")]
     Mismatch(String),
+    /// The owner says the leased blocks hold another prompt than the reader's: the pulled data
+    /// was discarded (forged or mismatched params).
+    #[error(
+        "prompt_mismatch: lease {lease} holds {theirs:?}, this request's prompt is {ours:?}; pulled data discarded"
+    )]
+    PromptMismatch {
+        /// The lease.
+        lease: String,
+        /// What the owner says its blocks hold.
+        theirs: LeaseContents,
+        /// What the reader's prompt is.
+        ours: LeaseContents,
+    },
 }
 
 impl TransferError {
@@ -69,6 +82,7 @@ impl TransferError {
             TransferError::Rpc(_) => "rpc_error",
             TransferError::PullerStopped => "puller_stopped",
             TransferError::Mismatch(_) => "params_mismatch",
+            TransferError::PromptMismatch { .. } => "prompt_mismatch",
         }
     }
 }
@@ -269,18 +283,27 @@ impl PeerClient {
         Ok(r.into_inner().live)
     }
 
-    /// Confirms a lease is still live.
+    /// Confirms a lease is still live; returns what its blocks hold, as the owner says.
     ///
     /// # Errors
     /// [`TransferError::LeaseLost`] when it is not; side-channel failures.
-    pub async fn confirm(&mut self, id: LeaseId, generation: u64) -> Result<(), TransferError> {
+    pub async fn confirm(
+        &mut self,
+        id: LeaseId,
+        generation: u64,
+    ) -> Result<LeaseContents, TransferError> {
         let r = self
             .client
             .confirm_lease(self.lease_ref(id, generation))
             .await
             .map_err(|s| self.status(s))?
             .into_inner();
-        live_or_lost(id, r)
+        let contents = LeaseContents {
+            num_tokens: r.num_tokens,
+            tokens_hash: r.tokens_hash,
+        };
+        live_or_lost(id, r)?;
+        Ok(contents)
     }
 
     /// Tells the owner the pull is done.

@@ -152,6 +152,9 @@ pub struct LeasedBlocks {
     pub remote: Vec<BlockId>,
     /// Our block ids, one per remote block.
     pub local: Vec<BlockId>,
+    /// What the blocks must hold (the reader's prompt), checked against what the owner says at
+    /// confirm. Not attested (all zero): no check.
+    pub expect: pd_kv_pool::LeaseContents,
 }
 
 /// The whole pull of one lease: read the blocks, then confirm with the owner that the lease
@@ -171,7 +174,16 @@ pub async fn pull_under_lease(
 ) -> Result<PullStats, TransferError> {
     let result = async {
         let stats = puller.pull(peer, blocks.remote, blocks.local).await?;
-        client.confirm(blocks.lease, blocks.generation).await?;
+        let theirs = client.confirm(blocks.lease, blocks.generation).await?;
+        // An owner that attests its lease must hold exactly the reader's prompt: otherwise the
+        // params were forged or mixed up, and the blocks are another prompt's KV.
+        if theirs.attested() && blocks.expect.attested() && theirs != blocks.expect {
+            return Err(TransferError::PromptMismatch {
+                lease: blocks.lease.to_string(),
+                theirs,
+                ours: blocks.expect,
+            });
+        }
         Ok(stats)
     }
     .await;

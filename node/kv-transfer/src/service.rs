@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use pd_kv_pool::{KvLayout, LeaseError, LeaseId};
+use pd_kv_pool::{KvLayout, LeaseContents, LeaseError, LeaseId};
 use pd_rpc::kv::kv_peer_server::KvPeer;
 use pd_rpc::kv::{
     Compat, HandshakeReply, HandshakeRequest, Layout, LeaseRef, LeaseReply, PoolStatsReply,
@@ -120,16 +120,25 @@ pub fn lease_reason(e: &LeaseError) -> &'static str {
 }
 
 fn reply(r: Result<std::time::SystemTime, LeaseError>) -> Response<LeaseReply> {
+    reply_with(r.map(|t| (t, LeaseContents::default())))
+}
+
+fn reply_with(
+    r: Result<(std::time::SystemTime, LeaseContents), LeaseError>,
+) -> Response<LeaseReply> {
     Response::new(match r {
-        Ok(t) => LeaseReply {
+        Ok((t, c)) => LeaseReply {
             live: true,
             deadline_unix_ms: unix_ms(t),
             reason: String::new(),
+            num_tokens: c.num_tokens,
+            tokens_hash: c.tokens_hash,
         },
         Err(e) => LeaseReply {
             live: false,
             deadline_unix_ms: 0,
             reason: lease_reason(&e).to_string(),
+            ..LeaseReply::default()
         },
     })
 }
@@ -145,8 +154,8 @@ fn stale_epoch(r: &LeaseRef, ours: u64) -> Option<Response<LeaseReply>> {
         );
         Response::new(LeaseReply {
             live: false,
-            deadline_unix_ms: 0,
             reason: "stale_epoch".to_string(),
+            ..LeaseReply::default()
         })
     })
 }
@@ -211,7 +220,7 @@ impl<A: LeaseAuthority> KvPeer for KvPeerService<A> {
         if let Some(refused) = stale_epoch(&r, self.identity.epoch) {
             return Ok(refused);
         }
-        Ok(reply(self.authority.confirm(
+        Ok(reply_with(self.authority.confirm(
             parse_lease(&r)?,
             r.generation,
             &r.peer_engine_id,

@@ -594,6 +594,7 @@ async fn relay(
                         generation: remote.generation,
                         remote: remote.block_ids[first_block..].to_vec(),
                         local: blocks,
+                        expect: pd_kv_pool::LeaseContents::of(&prompt),
                     };
                     // Not cancellable: the reads land in our reserved blocks.
                     let r = pull_under_lease(

@@ -166,8 +166,16 @@ impl LeaseAuthority for EngineLeases {
         self.engine.leases().renew(id, generation, peer).map(wall)
     }
 
-    fn confirm(&self, id: LeaseId, generation: u64, peer: &str) -> Result<SystemTime, LeaseError> {
-        self.engine.leases().confirm(id, generation, peer).map(wall)
+    fn confirm(
+        &self,
+        id: LeaseId,
+        generation: u64,
+        peer: &str,
+    ) -> Result<(SystemTime, pd_kv_pool::LeaseContents), LeaseError> {
+        self.engine
+            .leases()
+            .confirm(id, generation, peer)
+            .map(|(deadline, contents)| (wall(deadline), contents))
     }
 
     fn release(&self, id: LeaseId, generation: u64, peer: &str) -> Result<(), LeaseError> {

@@ -822,3 +822,46 @@ async fn a_producer_restarted_under_the_same_id_and_port_is_never_read_through_a
     assert_eq!(got.tokens, want.tokens);
     assert!(got.pulled.is_some_and(|n| n > 0));
 }
+
+/// Issue 12's second wrong-KV hole: params whose optional checks (`remote_prompt_hash`,
+/// `remote_num_tokens`) were stripped or forged, naming another prompt's blocks of the same
+/// count. D must not decode on them nor enter them in its prefix cache under its own prompt's
+/// hashes: P binds each lease to the tokens it computed and says so when D confirms; D compares
+/// before using the blocks (`prompt_mismatch`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_params_naming_another_prompts_blocks_never_reach_the_answer_or_the_cache() {
+    let dir = model("forged");
+    let solo = start(&dir, &[]);
+    let p = producer(&dir, &[]);
+    let d = consumer(&dir, "fail");
+    let api = Api::Completions;
+    // The same block count (`failures_follow_the_policy_and_are_counted` relies on it too).
+    let a = api.body(LONG, 12);
+    let b = api.body(&LONG.chars().rev().collect::<String>(), 12);
+    let want_b = seen(api, post(&solo.http, api.path(), &b).await).await;
+    let mut params = prefill(&p, api, &a).await;
+    let o = params.as_object_mut().unwrap();
+    o.remove("remote_prompt_hash");
+    o.remove("remote_num_tokens");
+    let mut db = b.clone();
+    db["kv_transfer_params"] = params;
+    let r = post(&d.http, api.path(), &db).await;
+    assert_eq!(r.status(), 500, "A's KV under B's prompt is refused");
+    let text = r.text().await.unwrap();
+    assert!(text.contains("prompt_mismatch"), "{text}");
+    assert_eq!(
+        metric(
+            &d,
+            "pd_kv_transfer_failures_total{reason=\"prompt_mismatch\"}"
+        )
+        .await,
+        1.0
+    );
+    // D's prefix cache holds nothing of A under B's hashes: B served by D alone is exact.
+    let got = seen(api, post(&d.http, api.path(), &b).await).await;
+    assert_eq!(got.tokens, want_b.tokens);
+    eventually("P's leases released", async || {
+        metric(&p, "pd_kv_leases_live").await == 0.0
+    })
+    .await;
+}

@@ -134,7 +134,12 @@ fn main() -> BoxResult<()> {
         for &b in &lease_blocks {
             alloc.share(b);
         }
-        let lease = leases.grant(lease_blocks.clone(), &args.peer, std::time::Instant::now());
+        let lease = leases.grant(
+            lease_blocks.clone(),
+            pd_kv_pool::LeaseContents::default(),
+            &args.peer,
+            std::time::Instant::now(),
+        );
         for b in all {
             alloc.free(b);
         }
