@@ -23,14 +23,17 @@ const RELEASE_TIMEOUT: Duration = Duration::from_secs(2);
 pub struct LeaseReleaser {
     channels: Arc<Mutex<HashMap<String, Channel>>>,
     metrics: Metrics,
+    /// The cluster token, sent with every call (P's side channel requires it).
+    token: Option<tonic::metadata::AsciiMetadataValue>,
 }
 
 impl LeaseReleaser {
-    /// A releaser counting into `metrics`.
-    pub fn new(metrics: Metrics) -> Self {
+    /// A releaser counting into `metrics`, sending the cluster token `token`.
+    pub fn new(metrics: Metrics, token: &str) -> Self {
         Self {
             channels: Arc::default(),
             metrics,
+            token: tonic::metadata::AsciiMetadataValue::try_from(token).ok(),
         }
     }
 
@@ -55,6 +58,7 @@ impl LeaseReleaser {
             return;
         };
         let metrics = self.metrics.clone();
+        let token = self.token.clone();
         tokio::spawn(async move {
             let mut client = KvPeerClient::new(channel);
             let request = pb::LeaseRef {
@@ -63,6 +67,12 @@ impl LeaseReleaser {
                 peer_engine_id: String::new(),
                 owner_epoch: lease.epoch,
             };
+            let mut request = tonic::Request::new(request);
+            if let Some(t) = token {
+                request
+                    .metadata_mut()
+                    .insert(pd_rpc::CLUSTER_TOKEN_METADATA, t);
+            }
             match client.release_lease(request).await {
                 Ok(reply) => {
                     let reply = reply.into_inner();

@@ -298,7 +298,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         router: router.clone(),
         metrics: metrics.clone(),
         http,
-        leases: LeaseReleaser::new(metrics.clone()),
+        leases: LeaseReleaser::new(metrics.clone(), &cluster_token),
         config: ProxyConfig {
             max_body: args.max_body,
             trusted_client_token: args.trusted_client_token.clone(),

@@ -25,6 +25,8 @@ pub struct TransferMetrics {
     pub failures: IntCounterVec,
     /// Renewals or releases the owner did not acknowledge.
     pub notification_failures: IntCounter,
+    /// Side-channel calls refused on this node as owner for lacking the cluster token.
+    pub side_channel_refused: IntCounter,
     /// Leases granted / renewed / released / expired on this node as owner.
     pub leases: IntCounterVec,
     /// Live leases on this node as owner.
@@ -75,6 +77,11 @@ impl TransferMetrics {
             "Lease renewals or releases not acknowledged",
         )
         .expect("valid counter");
+        let side_channel_refused = IntCounter::new(
+            "pd_kv_side_channel_refused_total",
+            "KV side-channel calls refused for lacking the cluster token",
+        )
+        .expect("valid counter");
         let failures = IntCounterVec::new(
             Opts::new("pd_kv_transfer_failures_total", "Failed KV pulls by reason"),
             &["reason"],
@@ -106,6 +113,7 @@ impl TransferMetrics {
         for c in [
             Box::new(bytes.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(notification_failures.clone()),
+            Box::new(side_channel_refused.clone()),
             Box::new(failures.clone()),
             Box::new(leases.clone()),
             Box::new(live_leases.clone()),
@@ -122,6 +130,7 @@ impl TransferMetrics {
             descriptors,
             failures,
             notification_failures,
+            side_channel_refused,
             leases,
             live_leases,
             recomputes,

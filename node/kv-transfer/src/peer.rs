@@ -134,6 +134,8 @@ pub struct PeerClient {
     client: KvPeerClient<Channel>,
     /// Named in lease calls ([`PeerClient::name_owner_epoch`]); 0: none.
     owner_epoch: u64,
+    /// The cluster token sent with every call, as it is at the call.
+    token: Option<tokio::sync::watch::Receiver<Option<String>>>,
 }
 
 impl PeerClient {
@@ -160,7 +162,31 @@ impl PeerClient {
             me: me.to_string(),
             client: KvPeerClient::new(channel),
             owner_epoch: 0,
+            token: None,
         })
+    }
+
+    /// Sends the cluster token `token` holds (at each call) with every call from now on.
+    #[must_use]
+    pub fn with_cluster_token(
+        mut self,
+        token: tokio::sync::watch::Receiver<Option<String>>,
+    ) -> Self {
+        self.token = Some(token);
+        self
+    }
+
+    /// `message` as a request carrying the cluster token, when there is one.
+    fn request<T>(&self, message: T) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(message);
+        let token = self.token.as_ref().and_then(|t| t.borrow().clone());
+        if let Some(v) = token
+            .filter(|t| !t.is_empty())
+            .and_then(|t| tonic::metadata::MetadataValue::try_from(t.as_str()).ok())
+        {
+            r.metadata_mut().insert(pd_rpc::CLUSTER_TOKEN_METADATA, v);
+        }
+        r
     }
 
     fn status(&self, s: tonic::Status) -> TransferError {
@@ -171,7 +197,9 @@ impl PeerClient {
                     message: s.message().to_string(),
                 }
             }
-            tonic::Code::FailedPrecondition | tonic::Code::InvalidArgument => {
+            tonic::Code::FailedPrecondition
+            | tonic::Code::InvalidArgument
+            | tonic::Code::Unauthenticated => {
                 TransferError::HandshakeRefused(s.message().to_string())
             }
             _ => TransferError::Rpc(s.to_string()),
@@ -197,7 +225,7 @@ impl PeerClient {
         };
         let r = self
             .client
-            .handshake(req)
+            .handshake(self.request(req))
             .await
             .map_err(|s| self.status(s))?
             .into_inner();
@@ -277,7 +305,7 @@ impl PeerClient {
     pub async fn renew(&mut self, id: LeaseId, generation: u64) -> Result<bool, TransferError> {
         let r = self
             .client
-            .renew_lease(self.lease_ref(id, generation))
+            .renew_lease(self.request(self.lease_ref(id, generation)))
             .await
             .map_err(|s| self.status(s))?;
         Ok(r.into_inner().live)
@@ -294,7 +322,7 @@ impl PeerClient {
     ) -> Result<LeaseContents, TransferError> {
         let r = self
             .client
-            .confirm_lease(self.lease_ref(id, generation))
+            .confirm_lease(self.request(self.lease_ref(id, generation)))
             .await
             .map_err(|s| self.status(s))?
             .into_inner();
@@ -313,7 +341,7 @@ impl PeerClient {
     pub async fn release(&mut self, id: LeaseId, generation: u64) -> Result<(), TransferError> {
         let r = self
             .client
-            .release_lease(self.lease_ref(id, generation))
+            .release_lease(self.request(self.lease_ref(id, generation)))
             .await
             .map_err(|s| self.status(s))?
             .into_inner();
@@ -327,7 +355,7 @@ impl PeerClient {
     pub async fn stats(&mut self) -> Result<PoolStatsReply, TransferError> {
         Ok(self
             .client
-            .pool_stats(PoolStatsRequest {})
+            .pool_stats(self.request(PoolStatsRequest {}))
             .await
             .map_err(|s| self.status(s))?
             .into_inner())

@@ -55,9 +55,46 @@ impl<A: LeaseAuthority> KvPeerService<A> {
         }
     }
 
-    /// The tonic server wrapper, ready for `Server::builder().add_service(...)`.
+    /// The tonic server wrapper, ready for `Server::builder().add_service(...)`, admitting every
+    /// caller (tests and tools; a node serves [`KvPeerService::into_guarded_server`]).
     pub fn into_server(self) -> pd_rpc::kv::kv_peer_server::KvPeerServer<Self> {
         pd_rpc::kv::kv_peer_server::KvPeerServer::new(self)
+    }
+
+    /// The server wrapper admitting only calls that carry the cluster token
+    /// ([`pd_rpc::CLUSTER_TOKEN_METADATA`]) `token` holds now; while it holds none, every call.
+    /// Refusals are `UNAUTHENTICATED` and counted in `refused`.
+    pub fn into_guarded_server(
+        self,
+        token: tokio::sync::watch::Receiver<Option<String>>,
+        refused: prometheus::IntCounter,
+    ) -> tonic::service::interceptor::InterceptedService<
+        pd_rpc::kv::kv_peer_server::KvPeerServer<Self>,
+        impl tonic::service::Interceptor + Clone,
+    > {
+        let check = move |req: Request<()>| -> Result<Request<()>, Status> {
+            let want = token.borrow();
+            let Some(want) = want.as_deref().filter(|t| !t.is_empty()) else {
+                return Ok(req);
+            };
+            let given = req
+                .metadata()
+                .get(pd_rpc::CLUSTER_TOKEN_METADATA)
+                .and_then(|v| v.to_str().ok());
+            if given.is_some_and(|g| constant_time_eq(g.as_bytes(), want.as_bytes())) {
+                Ok(req)
+            } else {
+                refused.inc();
+                tracing::warn!(
+                    token_given = given.is_some(),
+                    "KV side channel call without the cluster token: refused"
+                );
+                Err(Status::unauthenticated(
+                    "the KV side channel needs the cluster token (x-pd-cluster-token)",
+                ))
+            }
+        };
+        pd_rpc::kv::kv_peer_server::KvPeerServer::with_interceptor(self, check)
     }
 }
 
@@ -141,6 +178,11 @@ fn reply_with(
             ..LeaseReply::default()
         },
     })
+}
+
+/// Equality that takes the same time wherever the first difference is.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// A lease call naming an epoch other than ours: refused before the authority is asked.

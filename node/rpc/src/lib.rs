@@ -10,6 +10,11 @@
 #![warn(unreachable_pub, missing_debug_implementations)]
 #![deny(unused_must_use)]
 
+/// The gRPC metadata key carrying the cluster secret on every `KvPeer` call: an owner with a
+/// cluster token refuses a call without it (`UNAUTHENTICATED`), so only members of the cluster
+/// (nodes, and the gateway releasing leases) read a pool or touch its leases.
+pub const CLUSTER_TOKEN_METADATA: &str = "x-pd-cluster-token";
+
 /// `pd.kv.v1`: handshake, leases and pool stats between a KV owner and a puller.
 #[allow(
     missing_docs,

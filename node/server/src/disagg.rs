@@ -78,6 +78,9 @@ pub struct PullConfig {
     /// Producers this node may contact. `remote_host` comes from the request, so a node
     /// reachable by untrusted clients must restrict them (vLLM #47843 was an SSRF through it).
     pub allowed_peers: AllowedPeers,
+    /// The cluster token sent on every side-channel call (`--cluster-token`, or the one the
+    /// gateway handed out at registration); `None` while there is none.
+    pub cluster_token: tokio::sync::watch::Receiver<Option<String>>,
 }
 
 impl PullConfig {
@@ -301,7 +304,9 @@ impl Loader {
         {
             return Ok(c.clone());
         }
-        let c = PeerClient::connect(addr, &self.cfg.engine_id).await?;
+        let c = PeerClient::connect(addr, &self.cfg.engine_id)
+            .await?
+            .with_cluster_token(self.cfg.cluster_token.clone());
         self.clients
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -669,6 +674,7 @@ mod tests {
             skip_compat_check: false,
             renew_interval: std::time::Duration::from_secs(5),
             allowed_peers: AllowedPeers::fixed(allowed.iter().map(|s| s.to_string()).collect()),
+            cluster_token: tokio::sync::watch::channel(None).1,
         }
     }
 

@@ -89,7 +89,8 @@ impl UcxPool {
     }
 
     /// Starts a UCX progress thread and returns the `KvPeer` service of `engine`'s pool, as
-    /// engine `engine_id` in its incarnation `epoch` (new at every start).
+    /// engine `engine_id` in its incarnation `epoch` (new at every start). Serve it with
+    /// [`KvPeerService::into_guarded_server`] so only cluster members reach it.
     ///
     /// # Errors
     /// [`KvSideChannelError::NoRegion`] when the engine did not use [`UcxPool::pool_memory`].
@@ -98,10 +99,7 @@ impl UcxPool {
         engine: EngineHandle,
         engine_id: String,
         epoch: u64,
-    ) -> Result<
-        pd_rpc::kv::kv_peer_server::KvPeerServer<KvPeerService<EngineLeases>>,
-        KvSideChannelError,
-    > {
+    ) -> Result<KvPeerService<EngineLeases>, KvSideChannelError> {
         let region = self
             .region
             .get()
@@ -147,7 +145,10 @@ impl UcxPool {
             block_bytes = info.kv_layout.block_bytes(),
             "KV pool registered with UCX"
         );
-        Ok(KvPeerService::new(identity, Arc::new(EngineLeases { engine })).into_server())
+        Ok(KvPeerService::new(
+            identity,
+            Arc::new(EngineLeases { engine }),
+        ))
     }
 }
 

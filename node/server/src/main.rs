@@ -94,6 +94,11 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         _ => None,
     };
     let lease_duration = args.lease_duration()?;
+    // The cluster token the side channel requires and sends: the configured one, replaced by
+    // the one the gateway hands out at registration (see below).
+    let (cluster_token, token_rx) =
+        tokio::sync::watch::channel(Some(args.cluster_token()).filter(|t| !t.is_empty()));
+    let transfer_metrics = Arc::new(pd_kv_transfer::TransferMetrics::new());
     let mut pull = PullConfig {
         engine_id: engine_id.clone(),
         policy: args.failure_policy(),
@@ -101,6 +106,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         skip_compat_check: args.kv_skip_compat_check,
         renew_interval: lease_duration / 6,
         allowed_peers: AllowedPeers::fixed(args.kv_allowed_peers.clone()),
+        cluster_token: token_rx.clone(),
     };
     if role != KvRole::Standalone {
         tracing::info!(role = role.as_str(), engine_id = %engine_id, "P/D role");
@@ -117,6 +123,10 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         let local = listener.local_addr().context("reading the bound address")?;
         let mut side_channel = None;
         if let (Some(service), Some(port)) = (kv_service, args.kv_port) {
+            let (token_rx, refused) = (
+                pull.cluster_token.clone(),
+                transfer_metrics.side_channel_refused.clone(),
+            );
             let kv_addr = std::net::SocketAddr::new(addr.ip(), port);
             let kv_listener = tokio::net::TcpListener::bind(kv_addr)
                 .await
@@ -126,6 +136,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
             println!("pd-node kv side channel on http://{kv_local}");
             tokio::spawn(async move {
                 let incoming = tonic::transport::server::TcpIncoming::from(kv_listener);
+                let service = service.into_guarded_server(token_rx, refused);
                 if let Err(e) = tonic::transport::Server::builder()
                     .add_service(service)
                     .serve_with_incoming_shutdown(incoming, shutdown_signal())
@@ -173,6 +184,19 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                 // From now on a decode node pulls from the gateway's registered peers (and
                 // only from those when --kv-allowed-peers is empty).
                 pull.allowed_peers.gateway = Some(handle.peers());
+                // The gateway's token (configured there, or minted) becomes the side channel's.
+                let mut from_gateway = handle.cluster_token();
+                tokio::spawn(async move {
+                    loop {
+                        let t = from_gateway.borrow_and_update().clone();
+                        if t.as_deref().is_some_and(|t| !t.is_empty()) {
+                            cluster_token.send_replace(t);
+                        }
+                        if from_gateway.changed().await.is_err() {
+                            return;
+                        }
+                    }
+                });
                 Some(handle)
             }
             None => None,
@@ -185,7 +209,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
             side_channel.filter(|_| role.produces()),
             puller,
             pull,
-            Arc::new(pd_kv_transfer::TransferMetrics::new()),
+            transfer_metrics,
         ));
         let served = pd_node::serve_with(listener, engine, disagg, shutdown_signal())
             .await

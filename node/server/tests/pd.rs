@@ -865,3 +865,51 @@ async fn forged_params_naming_another_prompts_blocks_never_reach_the_answer_or_t
     })
     .await;
 }
+
+/// Who may read a pool: a producer with a cluster token refuses side-channel calls without it
+/// (`UNAUTHENTICATED`, counted), so a decode node outside the cluster cannot handshake, read or
+/// touch leases; one with the token pulls as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_side_channel_requires_the_cluster_token() {
+    let dir = model("token");
+    let solo = start(&dir, &[]);
+    let p = producer(&dir, &["--cluster-token", "s3cret"]);
+    let outsider = consumer(&dir, "fail");
+    let member = start(
+        &dir,
+        &[
+            "--kv-role",
+            "kv_consumer",
+            "--kv-port",
+            "0",
+            "--engine-id",
+            "d2",
+            "--kv-recompute-threshold",
+            "0",
+            "--kv-load-failure-policy",
+            "fail",
+            "--cluster-token",
+            "s3cret",
+        ],
+    );
+    let api = Api::Completions;
+    let body = api.body(LONG, 8);
+    let want = seen(api, post(&solo.http, api.path(), &body).await).await;
+
+    let mut db = body.clone();
+    db["kv_transfer_params"] = prefill(&p, api, &body).await;
+    let r = post(&outsider.http, api.path(), &db).await;
+    assert_eq!(r.status(), 500);
+    let text = r.text().await.unwrap();
+    assert!(text.contains("handshake_refused"), "{text}");
+    assert!(text.contains("cluster token"), "{text}");
+    assert!(metric(&p, "pd_kv_side_channel_refused_total").await >= 1.0);
+    assert_eq!(
+        metric(&outsider, "pd_node_kv_pulled_tokens_total").await,
+        0.0
+    );
+
+    let got = through_pd(&p, &member, api, &body).await;
+    assert_eq!(got.tokens, want.tokens);
+    assert!(got.pulled.is_some_and(|n| n > 0));
+}
