@@ -540,6 +540,19 @@ async fn failures_follow_the_policy_and_are_counted() {
     assert_eq!(got.tokens, want.tokens);
     assert_eq!(recomputes(&d_recompute, "lease_expired").await, 2.0);
 
+    // A list form longer than n (one object per completion at most): a 400 before anything is
+    // contacted.
+    let mut long_list = body.clone();
+    long_list["kv_transfer_params"] = json!([fresh.clone(), fresh.clone()]);
+    let r = post(&d_fail.http, api.path(), &long_list).await;
+    assert_eq!(r.status(), 400);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["param"], "kv_transfer_params");
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("n = 1"),
+        "{e}"
+    );
+
     // Params of another prompt: a 400 naming what does not fit, before any read; P's lease is
     // released at once (not left to expire).
     let released = metric(&p, "pd_kv_leases_total{event=\"released\"}").await;

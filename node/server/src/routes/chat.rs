@@ -51,7 +51,7 @@ pub(super) async fn create(
     };
     let params = req.sampling.to_params(max_tokens, logprobs)?;
     params.validate().map_err(|e| engine_error(e.into()))?;
-    let directive = state.kv_directive(req.kv_transfer_params.as_ref())?;
+    let directive = state.kv_directive(req.kv_transfer_params.as_ref(), params.n)?;
     let messages = chat_messages(&req.messages)?;
     let prompt_tokens = chat_tokens(&state.engine, messages, "messages").await?;
     directive.check_prompt(&prompt_tokens, state.engine.info().block_size)?;

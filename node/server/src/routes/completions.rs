@@ -35,7 +35,7 @@ pub(super) async fn create(
         .sampling
         .to_params((req.max_tokens, "max_tokens"), logprobs)?;
     params.validate().map_err(EngineError::from)?;
-    let directive = state.kv_directive(req.kv_transfer_params.as_ref())?;
+    let directive = state.kv_directive(req.kv_transfer_params.as_ref(), params.n)?;
     let prompt_tokens = completion_tokens(&state.engine, completion_prompt(req.prompt)?).await?;
     directive.check_prompt(&prompt_tokens, state.engine.info().block_size)?;
 

@@ -49,11 +49,26 @@ impl AppState {
         }
     }
 
-    /// Reads a request's `kv_transfer_params` and checks it against this node's role.
+    /// Reads a request's `kv_transfer_params` and checks it against this node's role. A list
+    /// form holds at most one object per completion (`n`): each names a lease this node would
+    /// renew and release, so the bound caps what one request can make it hold.
     pub(crate) fn kv_directive(
         &self,
         params: Option<&serde_json::Value>,
+        n: usize,
     ) -> Result<KvPlan, ApiError> {
+        if let Some(serde_json::Value::Array(items)) = params
+            && items.len() > n.max(1)
+        {
+            return Err(ApiError::InvalidRequest {
+                message: format!(
+                    "{} lists {} objects; at most one per completion (n = {n})",
+                    kv_params::FIELD,
+                    items.len()
+                ),
+                param: Some(kv_params::FIELD.into()),
+            });
+        }
         let d = kv_params::parse(params)?;
         let asked = match &d {
             KvDirective::None => None,
