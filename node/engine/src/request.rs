@@ -59,6 +59,12 @@ impl Default for SamplingParams {
 pub const MAX_N: usize = 128;
 /// Largest `logprobs` (top alternatives per token) one request may ask for.
 pub const MAX_LOGPROBS: usize = 20;
+/// Most stop strings one request may give (every new piece of text is checked against each).
+pub const MAX_STOP: usize = 32;
+/// Longest stop string, in bytes (the engine holds back up to this much text per child).
+pub const MAX_STOP_LEN: usize = 512;
+/// Most stop token ids one request may give.
+pub const MAX_STOP_TOKEN_IDS: usize = 1024;
 
 /// A request the engine could not take; `param` names the offending field.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -121,6 +127,30 @@ impl SamplingParams {
             return Err(InvalidRequest::new(
                 "stop",
                 "stop strings must not be empty",
+            ));
+        }
+        if self.stop.len() > MAX_STOP {
+            return Err(InvalidRequest::new(
+                "stop",
+                format!("at most {MAX_STOP} stop strings, got {}", self.stop.len()),
+            ));
+        }
+        if let Some(s) = self.stop.iter().find(|s| s.len() > MAX_STOP_LEN) {
+            return Err(InvalidRequest::new(
+                "stop",
+                format!(
+                    "stop strings are at most {MAX_STOP_LEN} bytes, got one of {}",
+                    s.len()
+                ),
+            ));
+        }
+        if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return Err(InvalidRequest::new(
+                "stop_token_ids",
+                format!(
+                    "at most {MAX_STOP_TOKEN_IDS} stop token ids, got {}",
+                    self.stop_token_ids.len()
+                ),
             ));
         }
         Ok(())

@@ -382,6 +382,33 @@ async fn invalid_requests_are_refused_with_the_param_named() {
         ),
         Some("temperature")
     );
+    // Bounds on what a request makes the engine check on every piece of text.
+    let stops = |stop: Vec<String>| SamplingParams { stop, ..greedy(1) };
+    assert_eq!(
+        submit(prompt(4, 0), stops(vec!["x".into(); 33])),
+        Some("stop")
+    );
+    assert_eq!(
+        submit(prompt(4, 0), stops(vec!["y".repeat(513)])),
+        Some("stop")
+    );
+    assert_eq!(
+        submit(
+            prompt(4, 0),
+            SamplingParams {
+                stop_token_ids: vec![1; 1025],
+                ..greedy(1)
+            }
+        ),
+        Some("stop_token_ids")
+    );
+    // At the bounds: accepted.
+    let ok = h.submit(GenerateRequest {
+        prompt_tokens: prompt(4, 0),
+        params: stops(vec!["y".repeat(512); 32]),
+        kv: Default::default(),
+    });
+    assert!(ok.is_ok(), "{ok:?}");
 }
 
 #[tokio::test]
