@@ -32,5 +32,6 @@ pub use lease_book::{LeaseBook, LeaseStats};
 pub use metrics::EngineMetrics;
 pub use request::{
     FinishReason, GenerateRequest, InvalidRequest, KvHandoff, KvTransfer, MAX_LOGPROBS, MAX_N,
-    RemoteKv, RequestEvent, RequestId, SamplingParams, TokenLogprob,
+    MAX_STOP, MAX_STOP_LEN, MAX_STOP_TOKEN_IDS, RemoteKv, RequestEvent, RequestId, SamplingParams,
+    TokenLogprob,
 };
