@@ -94,21 +94,23 @@ fn producer(model: &Path, extra: &[&str]) -> Node {
 }
 
 fn consumer(model: &Path, policy: &str) -> Node {
-    start(
-        model,
-        &[
-            "--kv-role",
-            "kv_consumer",
-            "--kv-port",
-            "0",
-            "--engine-id",
-            "d1",
-            "--kv-recompute-threshold",
-            "0",
-            "--kv-load-failure-policy",
-            policy,
-        ],
-    )
+    consumer_with(model, policy, &["--engine-id", "d1"])
+}
+
+/// A consumer with `extra` flags too (its `--engine-id` among them).
+fn consumer_with(model: &Path, policy: &str, extra: &[&str]) -> Node {
+    let mut args = vec![
+        "--kv-role",
+        "kv_consumer",
+        "--kv-port",
+        "0",
+        "--kv-recompute-threshold",
+        "0",
+        "--kv-load-failure-policy",
+        policy,
+    ];
+    args.extend_from_slice(extra);
+    start(model, &args)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -888,22 +890,10 @@ async fn the_side_channel_requires_the_cluster_token() {
     let solo = start(&dir, &[]);
     let p = producer(&dir, &["--cluster-token", "s3cret"]);
     let outsider = consumer(&dir, "fail");
-    let member = start(
+    let member = consumer_with(
         &dir,
-        &[
-            "--kv-role",
-            "kv_consumer",
-            "--kv-port",
-            "0",
-            "--engine-id",
-            "d2",
-            "--kv-recompute-threshold",
-            "0",
-            "--kv-load-failure-policy",
-            "fail",
-            "--cluster-token",
-            "s3cret",
-        ],
+        "fail",
+        &["--engine-id", "d2", "--cluster-token", "s3cret"],
     );
     let api = Api::Completions;
     let body = api.body(LONG, 8);

