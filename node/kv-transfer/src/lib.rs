@@ -29,6 +29,8 @@ pub use lease_authority::{LeaseAuthority, LocalBlocks, PoolStats};
 pub use metrics::TransferMetrics;
 pub use peer::{FailurePolicy, Fallback, HandshakeCache, PeerClient, PeerInfo, TransferError};
 pub use plan::{CopyRange, plan_ranges};
-pub use pull::{PullError, PullSource, PullStats, pull_blocks};
-pub use puller::{LeaseKeeper, LeasedBlocks, Puller, pull_under_lease};
+pub use pull::{PostedPull, PullError, PullSource, PullStats, post_pull, pull_blocks};
+pub use puller::{
+    LeaseKeeper, LeasedBlocks, MAX_PEERS, MAX_PULLS_PER_PEER, Puller, pull_under_lease,
+};
 pub use service::{KvPeerService, OwnerIdentity};

@@ -46,6 +46,14 @@ pub enum TransferError {
     /// The side channel answered with an error.
     #[error("side channel error: {0}")]
     Rpc(String),
+    /// The pull (reads, or a side-channel call it needs) did not finish by its deadline; any
+    /// reads were cancelled before this was returned.
+    #[error("KV pull past its deadline ({0})")]
+    Deadline(String),
+    /// The request waited this long for free local blocks to pull into and gave up (the
+    /// producer's lease is released).
+    #[error("no free KV blocks to pull into within {0:?}")]
+    BlocksUnavailable(std::time::Duration),
     /// The local puller thread is gone.
     #[error("puller stopped")]
     PullerStopped,
@@ -76,11 +84,15 @@ impl TransferError {
             TransferError::HandshakeRefused(_) | TransferError::Incompatible(_) => {
                 "handshake_refused"
             }
+            TransferError::Deadline(_) | TransferError::Transfer(PullError::Deadline(_)) => {
+                "deadline"
+            }
             TransferError::Transfer(_) => "transfer_error",
             TransferError::LeaseLost { reason, .. } if reason == "stale_epoch" => "stale_epoch",
             TransferError::LeaseLost { .. } => "lease_expired",
             TransferError::Rpc(_) => "rpc_error",
             TransferError::PullerStopped => "puller_stopped",
+            TransferError::BlocksUnavailable(_) => "wait_timeout",
             TransferError::Mismatch(_) => "params_mismatch",
             TransferError::PromptMismatch { .. } => "prompt_mismatch",
         }

@@ -53,6 +53,10 @@ pub enum PullError {
     /// UCX failed to post or complete a read (peer gone, transport error).
     #[error("transfer failed: {0}")]
     Ucx(#[from] pd_ucx::Error),
+    /// The reads did not complete by the pull's deadline; they were cancelled (the endpoint
+    /// force-closed) before this error was returned.
+    #[error("pull did not complete within {0:?}; the peer's endpoint was closed")]
+    Deadline(Duration),
 }
 
 /// Reads `remote[i]` of the peer into `local[i]` of `dst` for every `i`, one descriptor per run of
@@ -60,7 +64,9 @@ pub enum PullError {
 /// reads completed.
 ///
 /// # Errors
-/// [`PullError`]; on error the contents of the local blocks are unspecified.
+/// [`PullError`]; on error the contents of the local blocks are unspecified, and reads posted
+/// before a failed post may still be in flight: the caller must close the endpoint (and wait
+/// for the close) before the local blocks are used again.
 pub fn pull_blocks(
     src: &PullSource<'_, '_>,
     dst: &MemoryRegion,
@@ -68,6 +74,62 @@ pub fn pull_blocks(
     local: &[BlockId],
     block_bytes: usize,
 ) -> Result<PullStats, PullError> {
+    let PostedPull {
+        flush,
+        bytes,
+        descriptors,
+        start,
+        post_time,
+    } = post_pull(src, dst, remote, local, block_bytes)?;
+    flush.wait()?;
+    Ok(PullStats {
+        bytes,
+        descriptors,
+        post_time,
+        total_time: start.elapsed(),
+    })
+}
+
+/// Reads posted by [`post_pull`], completed by one flush of their endpoint.
+#[derive(Debug)]
+pub struct PostedPull<'w> {
+    /// Completes after every read (progress its worker, or poll it).
+    pub flush: pd_ucx::Request<'w>,
+    /// Bytes being read.
+    pub bytes: usize,
+    /// Contiguous reads posted.
+    pub descriptors: usize,
+    /// When the first read was posted.
+    pub start: Instant,
+    /// Time to post every read.
+    pub post_time: Duration,
+}
+
+impl PostedPull<'_> {
+    /// The pull's statistics, as of now (call once the flush completed).
+    pub fn stats(&self) -> PullStats {
+        PullStats {
+            bytes: self.bytes,
+            descriptors: self.descriptors,
+            post_time: self.post_time,
+            total_time: self.start.elapsed(),
+        }
+    }
+}
+
+/// Checks the block lists and posts the reads of [`pull_blocks`] without waiting: the returned
+/// flush completes once all of them have.
+///
+/// # Errors
+/// [`PullError`]. When a post fails after others succeeded, those are in flight: close the
+/// endpoint (and wait for the close) before the local blocks are used again.
+pub fn post_pull<'w>(
+    src: &PullSource<'_, 'w>,
+    dst: &MemoryRegion,
+    remote: &[BlockId],
+    local: &[BlockId],
+    block_bytes: usize,
+) -> Result<PostedPull<'w>, PullError> {
     if remote.len() != local.len() {
         return Err(PullError::LengthMismatch {
             remote: remote.len(),
@@ -95,11 +157,12 @@ pub fn pull_blocks(
         )?;
     }
     let post_time = start.elapsed();
-    src.endpoint.flush()?.wait()?;
-    Ok(PullStats {
+    let flush = src.endpoint.flush()?;
+    Ok(PostedPull {
+        flush,
         bytes: ranges.iter().map(|r| r.len).sum(),
         descriptors: ranges.len(),
+        start,
         post_time,
-        total_time: start.elapsed(),
     })
 }

@@ -1,28 +1,64 @@
 //! The puller thread: owns a UCX worker (not thread-safe), endpoints and remote keys per peer,
-//! and runs pulls handed to it, so async callers only await a reply.
+//! and runs the pulls handed to it, so async callers only await a reply.
+//!
+//! One thread, many pulls at once: a pull is posted (all its reads, then one flush) and the
+//! thread goes on taking new jobs and progressing the worker, so a peer that stopped answering
+//! (SIGSTOP, a hung host) holds up only its own pulls. Each pull has a deadline; at the
+//! deadline the stalled peer's endpoint is force-closed, which cancels its reads, and only once
+//! the close completed does the caller hear of it — no read can land in the local blocks after
+//! the reply, whatever the caller does with them next. While pulls are in flight but nothing
+//! moves, the thread backs off to sleeping (up to [`MAX_IDLE_SLEEP`] between polls), so a
+//! stalled peer costs almost no CPU.
+//!
+//! Bounds: at most [`MAX_PULLS_PER_PEER`] pulls of one peer in flight (the rest queue, their
+//! deadlines running), and at most [`MAX_PEERS`] connected peers (the least recently used idle
+//! one is closed to make room).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use pd_kv_pool::BlockId;
-use pd_ucx::{Context, Endpoint, MemoryRegion, RemoteKey, Worker};
+use pd_ucx::{Context, Endpoint, MemoryRegion, RemoteKey, Request, Worker};
 use tokio::sync::oneshot;
 
 use crate::peer::{PeerInfo, TransferError};
-use crate::pull::{PullError, PullSource, PullStats, pull_blocks};
+use crate::pull::{PostedPull, PullError, PullSource, PullStats, post_pull};
+
+/// Pulls of one peer in flight at once; more wait in the puller's queue.
+pub const MAX_PULLS_PER_PEER: usize = 4;
+
+/// Connected peers kept; beyond, the least recently used one without pulls is closed.
+pub const MAX_PEERS: usize = 64;
+
+/// The longest sleep between polls while pulls are in flight but nothing completes.
+pub const MAX_IDLE_SLEEP: Duration = Duration::from_millis(1);
+
+/// Polls without progress before the thread starts sleeping between polls.
+const SPIN_POLLS: u32 = 256;
+
+type PeerKey = (String, u64);
 
 struct Job {
     peer: PeerInfo,
     remote: Vec<BlockId>,
     local: Vec<BlockId>,
+    deadline: Instant,
+    timeout: Duration,
     reply: oneshot::Sender<Result<PullStats, PullError>>,
 }
 
-/// Handle to the puller thread; dropping it stops the thread.
+enum Msg {
+    Pull(Box<Job>),
+    /// Close the endpoint of every incarnation of this engine id that has no pull in flight.
+    Forget(String),
+}
+
+/// Handle to the puller thread; dropping every clone stops the thread.
 #[derive(Debug, Clone)]
 pub struct Puller {
-    jobs: mpsc::Sender<Job>,
+    jobs: mpsc::Sender<Msg>,
 }
 
 impl std::fmt::Debug for Job {
@@ -45,7 +81,7 @@ impl Puller {
         local: Arc<MemoryRegion>,
         block_bytes: usize,
     ) -> std::io::Result<Self> {
-        let (jobs, rx) = mpsc::channel::<Job>();
+        let (jobs, rx) = mpsc::channel::<Msg>();
         std::thread::Builder::new()
             .name("pd-kv-puller".into())
             .spawn(move || run(&ctx, &local, block_bytes, &rx))?;
@@ -53,30 +89,83 @@ impl Puller {
     }
 
     /// Reads `remote[i]` of `peer` into local block `local[i]`; resolves when the data is in
-    /// place (the engine keeps stepping meanwhile).
+    /// place (the engine keeps stepping meanwhile), or when the reads were cancelled at
+    /// `deadline` — in both cases nothing writes the local blocks any more.
     ///
     /// # Errors
-    /// [`TransferError::Transfer`] or [`TransferError::PullerStopped`].
+    /// [`TransferError::Transfer`] (with [`PullError::Deadline`] at the deadline) or
+    /// [`TransferError::PullerStopped`].
     pub async fn pull(
         &self,
         peer: &PeerInfo,
         remote: Vec<BlockId>,
         local: Vec<BlockId>,
+        deadline: Instant,
     ) -> Result<PullStats, TransferError> {
         let (reply, rx) = oneshot::channel();
+        let now = Instant::now();
         self.jobs
-            .send(Job {
+            .send(Msg::Pull(Box::new(Job {
                 peer: peer.clone(),
                 remote,
                 local,
+                deadline,
+                timeout: deadline.saturating_duration_since(now),
                 reply,
-            })
+            })))
             .map_err(|_| TransferError::PullerStopped)?;
         Ok(rx.await.map_err(|_| TransferError::PullerStopped)??)
     }
+
+    /// Closes the endpoints to `engine_id` that no pull uses (after a failure or a stall on
+    /// the side channel), so the next pull connects afresh.
+    pub fn forget(&self, engine_id: &str) {
+        let _ = self.jobs.send(Msg::Forget(engine_id.to_string()));
+    }
 }
 
-fn run(ctx: &Context, local: &MemoryRegion, block_bytes: usize, jobs: &mpsc::Receiver<Job>) {
+/// A connected peer. Field order matters: the key is destroyed before the endpoint closes.
+struct Peer<'w> {
+    rkey: RemoteKey<'w>,
+    ep: Endpoint<'w>,
+    in_flight: usize,
+    queued: VecDeque<Job>,
+    last_used: Instant,
+}
+
+/// A posted pull waiting for its flush.
+struct Flight<'w> {
+    key: PeerKey,
+    /// `None` for a job whose posting failed: it only waits for its endpoint's close.
+    posted: Option<PostedPull<'w>>,
+    deadline: Instant,
+    timeout: Duration,
+    reply: oneshot::Sender<Result<PullStats, PullError>>,
+    /// Set when its endpoint was force-closed: the error to answer with once the flush (or the
+    /// close) completed.
+    aborted: Option<PullError>,
+}
+
+/// A force-close in progress.
+struct Closing<'w> {
+    close: Option<Request<'w>>,
+    started: Instant,
+}
+
+/// How long a force close may take before its request is let go (a force close completes
+/// locally; this only guards against a UCX that never reports it).
+const CLOSE_GRACE: Duration = Duration::from_secs(1);
+
+struct State<'w> {
+    worker: &'w Worker,
+    local: &'w MemoryRegion,
+    block_bytes: usize,
+    peers: HashMap<PeerKey, Peer<'w>>,
+    flights: Vec<Flight<'w>>,
+    closing: Vec<Closing<'w>>,
+}
+
+fn run(ctx: &Context, local: &MemoryRegion, block_bytes: usize, jobs: &mpsc::Receiver<Msg>) {
     let worker = match Worker::new(ctx) {
         Ok(w) => w,
         Err(e) => {
@@ -84,37 +173,351 @@ fn run(ctx: &Context, local: &MemoryRegion, block_bytes: usize, jobs: &mpsc::Rec
             return;
         }
     };
-    // (engine id, epoch) → endpoint and the peer pool's key.
-    let mut peers: HashMap<(String, u64), (Endpoint<'_>, RemoteKey<'_>)> = HashMap::new();
-    while let Ok(job) = jobs.recv() {
-        let key = (job.peer.engine_id.clone(), job.peer.epoch);
-        if !peers.contains_key(&key) {
-            // A restarted peer has a new epoch: drop endpoints of its old incarnation.
-            peers.retain(|(id, _), _| id != &key.0);
-            match connect(&worker, &job.peer) {
-                Ok(ep) => {
-                    peers.insert(key.clone(), ep);
-                }
-                Err(e) => {
-                    let _ = job.reply.send(Err(e.into()));
-                    continue;
+    let mut st = State {
+        worker: &worker,
+        local,
+        block_bytes,
+        peers: HashMap::new(),
+        flights: Vec::new(),
+        closing: Vec::new(),
+    };
+    let mut idle_polls = 0u32;
+    loop {
+        // Take new jobs: block when nothing is in flight, otherwise wait at most the back-off.
+        let busy = !st.flights.is_empty() || !st.closing.is_empty() || st.has_queued();
+        let msg = if !busy {
+            match jobs.recv() {
+                Ok(m) => Some(m),
+                Err(_) => break,
+            }
+        } else if idle_polls < SPIN_POLLS {
+            match jobs.try_recv() {
+                Ok(m) => Some(m),
+                Err(mpsc::TryRecvError::Empty) => None,
+                Err(mpsc::TryRecvError::Disconnected) => break,
+            }
+        } else {
+            let sleep = MAX_IDLE_SLEEP.min(st.next_deadline().map_or(MAX_IDLE_SLEEP, |d| {
+                d.saturating_duration_since(Instant::now())
+            }));
+            match jobs.recv_timeout(sleep) {
+                Ok(m) => Some(m),
+                Err(mpsc::RecvTimeoutError::Timeout) => None,
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        };
+        let mut moved = false;
+        if let Some(m) = msg {
+            moved = true;
+            st.take(m);
+            while let Ok(m) = jobs.try_recv() {
+                st.take(m);
+            }
+        }
+        if st.worker.progress() > 0 {
+            moved = true;
+        }
+        moved |= st.reap();
+        idle_polls = if moved {
+            0
+        } else {
+            idle_polls.saturating_add(1)
+        };
+    }
+    // Shutting down: cancel what is still in flight and wait for it, so no read outlives us.
+    let keys: Vec<PeerKey> = st.peers.keys().cloned().collect();
+    for k in keys {
+        st.abort_peer(&k, || PullError::Deadline(Duration::ZERO));
+    }
+    while !st.flights.is_empty() || !st.closing.is_empty() {
+        st.worker.progress();
+        st.reap();
+    }
+}
+
+impl<'w> State<'w> {
+    fn has_queued(&self) -> bool {
+        self.peers.values().any(|p| !p.queued.is_empty())
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        let flights = self.flights.iter().filter(|f| f.aborted.is_none());
+        let queued = self.peers.values().flat_map(|p| p.queued.iter());
+        flights
+            .map(|f| f.deadline)
+            .chain(queued.map(|j| j.deadline))
+            .min()
+    }
+
+    fn take(&mut self, msg: Msg) {
+        match msg {
+            Msg::Pull(job) => self.admit(*job),
+            Msg::Forget(engine_id) => {
+                let idle: Vec<PeerKey> = self
+                    .peers
+                    .iter()
+                    .filter(|(k, p)| k.0 == engine_id && p.in_flight == 0 && p.queued.is_empty())
+                    .map(|(k, _)| k.clone())
+                    .collect();
+                for k in idle {
+                    self.abort_peer(&k, || PullError::Deadline(Duration::ZERO));
                 }
             }
         }
-        let Some((ep, rkey)) = peers.get(&key) else {
-            continue;
+    }
+
+    /// Connects to the job's peer if needed, then posts the job or queues it behind the peer's
+    /// pulls in flight.
+    fn admit(&mut self, job: Job) {
+        let key = (job.peer.engine_id.clone(), job.peer.epoch);
+        if !self.peers.contains_key(&key) {
+            // A restarted peer has a new epoch: close the endpoints of its old incarnation.
+            let old: Vec<PeerKey> = self
+                .peers
+                .keys()
+                .filter(|(id, _)| id == &key.0)
+                .cloned()
+                .collect();
+            for k in old {
+                self.abort_peer(&k, || PullError::Deadline(Duration::ZERO));
+            }
+            self.make_room();
+            match connect(self.worker, &job.peer) {
+                Ok((ep, rkey)) => {
+                    self.peers.insert(
+                        key.clone(),
+                        Peer {
+                            rkey,
+                            ep,
+                            in_flight: 0,
+                            queued: VecDeque::new(),
+                            last_used: Instant::now(),
+                        },
+                    );
+                }
+                Err(e) => {
+                    let _ = job.reply.send(Err(e.into()));
+                    return;
+                }
+            }
+        }
+        let Some(peer) = self.peers.get_mut(&key) else {
+            return;
         };
+        if peer.in_flight >= MAX_PULLS_PER_PEER {
+            peer.queued.push_back(job);
+        } else {
+            self.post(key, job);
+        }
+    }
+
+    /// Closes the least recently used peer without pulls when [`MAX_PEERS`] are connected.
+    fn make_room(&mut self) {
+        if self.peers.len() < MAX_PEERS {
+            return;
+        }
+        let lru = self
+            .peers
+            .iter()
+            .filter(|(_, p)| p.in_flight == 0 && p.queued.is_empty())
+            .min_by_key(|(_, p)| p.last_used)
+            .map(|(k, _)| k.clone());
+        if let Some(k) = lru {
+            tracing::debug!(peer = %k.0, "closing the least recently used KV peer endpoint");
+            self.abort_peer(&k, || PullError::Deadline(Duration::ZERO));
+        }
+    }
+
+    /// Posts `job`'s reads to its (connected) peer.
+    fn post(&mut self, key: PeerKey, job: Job) {
+        let Some(peer) = self.peers.get_mut(&key) else {
+            let _ = job.reply.send(Err(PullError::Deadline(job.timeout)));
+            return;
+        };
+        if Instant::now() >= job.deadline {
+            let _ = job.reply.send(Err(PullError::Deadline(job.timeout)));
+            return;
+        }
+        peer.last_used = Instant::now();
         let src = PullSource {
-            endpoint: ep,
-            rkey,
+            endpoint: &peer.ep,
+            rkey: &peer.rkey,
             remote_base: job.peer.region_base,
             remote_len: job.peer.region_len as usize,
         };
-        let result = pull_blocks(&src, local, &job.remote, &job.local, block_bytes);
-        if result.is_err() {
-            peers.remove(&key);
+        match post_pull(&src, self.local, &job.remote, &job.local, self.block_bytes) {
+            Ok(posted) => {
+                peer.in_flight += 1;
+                self.flights.push(Flight {
+                    key,
+                    posted: Some(posted),
+                    deadline: job.deadline,
+                    timeout: job.timeout,
+                    reply: job.reply,
+                    aborted: None,
+                });
+            }
+            Err(e @ (PullError::LengthMismatch { .. } | PullError::OutOfBounds { .. })) => {
+                // Nothing was posted.
+                let _ = job.reply.send(Err(e));
+            }
+            Err(e) => {
+                // Some reads may be in flight: cancel them before answering. The job answers
+                // once the close completed, as an aborted flight without a flush.
+                tracing::warn!(peer = %key.0, error = %e, "posting KV reads failed; closing the endpoint");
+                self.abort_peer(&key, || PullError::Deadline(Duration::ZERO));
+                self.closing_reply(job.reply, e);
+            }
         }
-        let _ = job.reply.send(result);
+    }
+
+    /// Answers `reply` with `err` once every close in progress completed.
+    fn closing_reply(
+        &mut self,
+        reply: oneshot::Sender<Result<PullStats, PullError>>,
+        err: PullError,
+    ) {
+        self.flights.push(Flight {
+            key: (String::new(), 0),
+            posted: None,
+            deadline: Instant::now(),
+            timeout: Duration::ZERO,
+            reply,
+            aborted: Some(err),
+        });
+    }
+
+    /// Force-closes `key`'s endpoint: its flights and queued jobs fail with `why()` once the
+    /// close completed.
+    fn abort_peer(&mut self, key: &PeerKey, why: impl Fn() -> PullError) {
+        let Some(peer) = self.peers.remove(key) else {
+            return;
+        };
+        for f in self.flights.iter_mut().filter(|f| &f.key == key) {
+            if f.aborted.is_none() {
+                f.aborted = Some(why());
+            }
+        }
+        let Peer {
+            rkey, ep, queued, ..
+        } = peer;
+        drop(rkey);
+        match ep.close_force() {
+            Ok(close) => self.closing.push(Closing {
+                close: Some(close),
+                started: Instant::now(),
+            }),
+            Err(e) => {
+                tracing::warn!(peer = %key.0, error = %e, "force-closing a KV endpoint failed")
+            }
+        }
+        for job in queued {
+            let _ = job.reply.send(Err(PullError::Deadline(job.timeout)));
+        }
+    }
+
+    /// Completes what can be completed; returns whether anything did.
+    fn reap(&mut self) -> bool {
+        let mut moved = false;
+        // Closes first: a flight of a closed endpoint may answer once its close is done.
+        for c in &mut self.closing {
+            if let Some(req) = c.close.as_mut()
+                && let Some(r) = req.poll()
+            {
+                if let Err(e) = r {
+                    tracing::debug!(error = %e, "force close of a KV endpoint ended with an error");
+                }
+                c.close = None;
+                moved = true;
+            } else if c.started.elapsed() > CLOSE_GRACE
+                && let Some(req) = c.close.take()
+            {
+                tracing::warn!("a KV endpoint's force close did not complete; letting it go");
+                std::mem::forget(req);
+                moved = true;
+            }
+        }
+        self.closing.retain(|c| c.close.is_some());
+        let now = Instant::now();
+        // Deadlines: close the endpoints of flights past theirs.
+        let late: Vec<(PeerKey, Duration)> = self
+            .flights
+            .iter()
+            .filter(|f| f.aborted.is_none() && now >= f.deadline)
+            .map(|f| (f.key.clone(), f.timeout))
+            .collect();
+        for (key, timeout) in late {
+            tracing::warn!(peer = %key.0, ?timeout, "KV pull past its deadline; closing the peer's endpoint");
+            self.abort_peer(&key, || PullError::Deadline(timeout));
+            moved = true;
+        }
+        // Queued jobs past their deadline never post.
+        for peer in self.peers.values_mut() {
+            let (late, keep): (Vec<Job>, Vec<Job>) =
+                peer.queued.drain(..).partition(|j| now >= j.deadline);
+            peer.queued = keep.into();
+            for job in late {
+                let _ = job.reply.send(Err(PullError::Deadline(job.timeout)));
+                moved = true;
+            }
+        }
+        // Flights whose flush completed, or that were aborted and whose close is done.
+        let mut i = 0;
+        while i < self.flights.len() {
+            let closes_done = self.closing.is_empty();
+            let f = &mut self.flights[i];
+            let flushed = f.posted.as_mut().and_then(|p| p.flush.poll());
+            let done = match (&flushed, &f.aborted) {
+                (Some(_), _) => true,
+                (None, Some(_)) => closes_done,
+                (None, None) => false,
+            };
+            if !done {
+                i += 1;
+                continue;
+            }
+            moved = true;
+            let f = self.flights.swap_remove(i);
+            let Flight {
+                key,
+                posted,
+                reply,
+                aborted,
+                ..
+            } = f;
+            let was_flushed = flushed.is_some();
+            let result = match (aborted, flushed, &posted) {
+                (Some(e), _, _) => Err(e),
+                (None, Some(Ok(())), Some(p)) => Ok(p.stats()),
+                (None, Some(Err(e)), _) => Err(PullError::Ucx(e)),
+                // Not done, or a flight without reads that was not aborted: neither exists.
+                (None, _, _) => Err(PullError::Deadline(Duration::ZERO)),
+            };
+            if let Some(p) = posted
+                && !was_flushed
+            {
+                // The force close cancelled its reads but UCX still holds the flush request:
+                // nothing writes the local blocks after a force close, so let the handle go
+                // (dropping it would wait for a completion that may never come).
+                std::mem::forget(p.flush);
+            }
+            if let Some(peer) = self.peers.get_mut(&key) {
+                peer.in_flight = peer.in_flight.saturating_sub(1);
+            }
+            if result.is_err() && self.peers.contains_key(&key) {
+                // A failed flush: the endpoint is no good any more.
+                self.abort_peer(&key, || PullError::Deadline(Duration::ZERO));
+            }
+            let _ = reply.send(result);
+            // The peer may take its next queued job.
+            if let Some(peer) = self.peers.get_mut(&key)
+                && peer.in_flight < MAX_PULLS_PER_PEER
+                && let Some(job) = peer.queued.pop_front()
+            {
+                self.post(key, job);
+            }
+        }
+        moved
     }
 }
 
@@ -163,6 +566,10 @@ pub struct LeasedBlocks {
 /// error says why. Successes and failures (by reason) are recorded in `metrics`; the caller keeps
 /// the lease alive meanwhile with a [`LeaseKeeper`] and releases it afterwards.
 ///
+/// Reads and confirmation end by `deadline`: past it the reads are cancelled (and, when it is the
+/// confirmation that hangs, the peer's endpoint is closed) and the error is
+/// [`TransferError::Deadline`]. Either way, when this returns nothing writes the local blocks.
+///
 /// # Errors
 /// [`TransferError`] for every way the KV did not arrive intact.
 pub async fn pull_under_lease(
@@ -170,11 +577,24 @@ pub async fn pull_under_lease(
     client: &mut crate::peer::PeerClient,
     peer: &PeerInfo,
     blocks: LeasedBlocks,
+    deadline: Instant,
     metrics: &crate::metrics::TransferMetrics,
 ) -> Result<PullStats, TransferError> {
     let result = async {
-        let stats = puller.pull(peer, blocks.remote, blocks.local).await?;
-        let theirs = client.confirm(blocks.lease, blocks.generation).await?;
+        let stats = puller
+            .pull(peer, blocks.remote, blocks.local, deadline)
+            .await?;
+        let confirm = client.confirm(blocks.lease, blocks.generation);
+        let theirs = match tokio::time::timeout_at(deadline.into(), confirm).await {
+            Ok(r) => r?,
+            Err(_) => {
+                puller.forget(&peer.engine_id);
+                return Err(TransferError::Deadline(format!(
+                    "the owner did not confirm lease {} in time",
+                    blocks.lease
+                )));
+            }
+        };
         // An owner that attests its lease must hold exactly the reader's prompt: otherwise the
         // params were forged or mixed up, and the blocks are another prompt's KV.
         if theirs.attested() && blocks.expect.attested() && theirs != blocks.expect {

@@ -139,6 +139,7 @@ async fn non_contiguous_blocks_arrive_byte_exact_and_release_frees_them() {
         &mut client,
         &peer,
         owner.leased(local_ids.clone()),
+        deadline(),
         &metrics,
     )
     .await
@@ -265,6 +266,7 @@ async fn stale_or_released_lease_is_detected_and_its_data_discarded() {
         &mut client,
         &peer,
         owner.leased(local_ids),
+        deadline(),
         &metrics,
     )
     .await
@@ -296,6 +298,7 @@ async fn peer_killed_before_the_pull_triggers_the_failure_policy() {
             &mut client,
             &peer,
             owner.leased(local_ids),
+            deadline(),
             &metrics,
         );
         let result = tokio::time::timeout(Duration::from_secs(30), pull)
@@ -336,7 +339,15 @@ async fn peer_killed_while_pulls_run_back_to_back_triggers_the_failure_policy() 
         let mut ok = 0usize;
         loop {
             let started_after_death = flag.load(std::sync::atomic::Ordering::SeqCst);
-            let r = pull_under_lease(&puller, &mut client, &peer, blocks.clone(), &metrics).await;
+            let r = pull_under_lease(
+                &puller,
+                &mut client,
+                &peer,
+                blocks.clone(),
+                deadline(),
+                &metrics,
+            )
+            .await;
             match r {
                 Ok(_) => {
                     assert!(!started_after_death, "a pull from a dead peer was used");
@@ -368,4 +379,58 @@ async fn peer_killed_while_pulls_run_back_to_back_triggers_the_failure_policy() 
         FailurePolicy::Recompute.apply(err).unwrap(),
         Fallback::Recompute
     );
+}
+
+/// A pull deadline far enough away that only a hung test reaches it.
+fn deadline() -> std::time::Instant {
+    std::time::Instant::now() + std::time::Duration::from_secs(30)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_concurrent_pulls_than_the_per_peer_bound_queue_and_all_arrive_byte_exact() {
+    let owner = Owner::start(30_000);
+    let l = local();
+    let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
+    let peer = client.handshake(&compat(), 1, false).await.unwrap();
+    // 5 pulls at once (the bound is 4 in flight per peer), each into its own 6 local blocks.
+    let pulls = pd_kv_transfer::MAX_PULLS_PER_PEER + 1;
+    let locals: Vec<Vec<BlockId>> = (0..pulls)
+        .map(|j| (0..6).map(|i| BlockId((j * 6 + i) as u32)).collect())
+        .collect();
+    let mut all = tokio::task::JoinSet::new();
+    for local in &locals {
+        let (puller, peer) = (l.puller.clone(), peer.clone());
+        let (remote, local) = (owner.blocks.clone(), local.clone());
+        all.spawn(async move { puller.pull(&peer, remote, local, deadline()).await });
+    }
+    while let Some(r) = all.join_next().await {
+        r.unwrap().unwrap();
+    }
+    let n = layout().block_elems();
+    for local in &locals {
+        for (r, b) in owner.blocks.iter().zip(local) {
+            let want: Vec<f32> = (0..n).map(|i| pattern(r.index(), i)).collect();
+            assert_eq!(
+                local_block(&l, *b),
+                &want[..],
+                "remote {r:?} -> local {b:?}"
+            );
+        }
+    }
+    // A pull whose deadline has passed is refused without reading; the puller goes on.
+    let err = l
+        .puller
+        .pull(
+            &peer,
+            owner.blocks.clone(),
+            locals[0].clone(),
+            Instant::now(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.reason(), "deadline", "{err}");
+    l.puller
+        .pull(&peer, owner.blocks.clone(), locals[0].clone(), deadline())
+        .await
+        .unwrap();
 }

@@ -20,7 +20,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Serve a model over the OpenAI HTTP API.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Write a small random model (config, weights, tokenizer) for tests and demos.
     GenTinyModel(GenTinyModelArgs),
 }
@@ -97,6 +97,16 @@ pub struct ServeArgs {
     /// prompt itself (counted by reason either way).
     #[arg(long, value_enum, default_value_t = FailurePolicyArg::Fail)]
     pub kv_load_failure_policy: FailurePolicyArg,
+    /// Seconds a decode node gives one pull (handshake, reads and the owner's confirmation)
+    /// before cancelling it and following `--kv-load-failure-policy`; larger pulls get more, at
+    /// 100 MiB/s. A producer that stops answering (a frozen process, a hung host) costs a
+    /// request at most this long.
+    #[arg(long, default_value_t = 5.0)]
+    pub kv_pull_timeout: f64,
+    /// Seconds a decode node's request may wait for free blocks to pull into before it fails
+    /// and releases the producer's lease.
+    #[arg(long, default_value_t = 60.0)]
+    pub kv_wait_timeout: f64,
     /// A decode node computes prompts itself instead of pulling fewer than this many tokens.
     #[arg(long, default_value_t = 64)]
     pub kv_recompute_threshold: usize,
@@ -196,6 +206,27 @@ impl ServeArgs {
                     self.kv_lease_duration
                 ))
             })
+    }
+
+    /// `--kv-pull-timeout` and `--kv-wait-timeout` as durations.
+    ///
+    /// # Errors
+    /// [`CliError::Kv`] when one is not a positive number of seconds.
+    pub fn pull_timeouts(&self) -> Result<(std::time::Duration, std::time::Duration), CliError> {
+        let secs = |flag: &str, v: f64| {
+            std::time::Duration::try_from_secs_f64(v)
+                .ok()
+                .filter(|d| !d.is_zero())
+                .ok_or_else(|| {
+                    CliError::Kv(format!(
+                        "{flag} must be a positive number of seconds, got {v}"
+                    ))
+                })
+        };
+        Ok((
+            secs("--kv-pull-timeout", self.kv_pull_timeout)?,
+            secs("--kv-wait-timeout", self.kv_wait_timeout)?,
+        ))
     }
 
     /// The P/D role. `kv_both` logs a deprecation warning; a role without `--kv-port` is an

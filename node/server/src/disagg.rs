@@ -75,6 +75,13 @@ pub struct PullConfig {
     pub skip_compat_check: bool,
     /// How often to renew a lease while waiting (the producer's duration / 6).
     pub renew_interval: std::time::Duration,
+    /// The time one pull gets (handshake, reads, confirmation), plus
+    /// [`PULL_DEADLINE_RATE`] for its bytes; past it the pull is cancelled and fails as
+    /// `deadline`.
+    pub pull_timeout: std::time::Duration,
+    /// How long a request may wait for free local blocks before it fails and releases the
+    /// producer's lease.
+    pub wait_timeout: std::time::Duration,
     /// Producers this node may contact. `remote_host` comes from the request, so a node
     /// reachable by untrusted clients must restrict them (vLLM #47843 was an SSRF through it).
     pub allowed_peers: AllowedPeers,
@@ -88,7 +95,21 @@ impl PullConfig {
     pub fn allows(&self, host: &str, port: u16) -> bool {
         self.allowed_peers.check(host, port).is_ok()
     }
+
+    /// The deadline of a pull of `bytes` starting now: [`PullConfig::pull_timeout`] plus the
+    /// bytes at [`PULL_DEADLINE_RATE`].
+    pub fn pull_deadline(&self, bytes: usize) -> std::time::Instant {
+        let transfer = std::time::Duration::from_secs_f64(bytes as f64 / PULL_DEADLINE_RATE);
+        std::time::Instant::now() + self.pull_timeout + transfer
+    }
 }
+
+/// Bytes per second a pull's deadline grants beyond the base timeout (100 MiB/s: well below
+/// even TCP-emulated RMA, so only a stalled peer reaches it).
+pub const PULL_DEADLINE_RATE: f64 = 100.0 * 1024.0 * 1024.0;
+
+/// Side-channel clients (and handshakes) a consumer keeps; beyond, one is dropped to make room.
+pub const MAX_PEER_CLIENTS: usize = 64;
 
 /// The producers a consumer may contact: `--kv-allowed-peers`, plus, on a node reporting to a
 /// gateway, the KV side channels of the gateway's latest `PeerList` (swapped in by the reporter
@@ -307,15 +328,24 @@ impl Loader {
         let c = PeerClient::connect(addr, &self.cfg.engine_id)
             .await?
             .with_cluster_token(self.cfg.cluster_token.clone());
-        self.clients
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(addr.to_string(), c.clone());
+        let mut clients = self.clients.lock().unwrap_or_else(|p| p.into_inner());
+        if clients.len() >= MAX_PEER_CLIENTS
+            && let Some(old) = clients.keys().find(|k| *k != addr).cloned()
+        {
+            // Bounded: the dropped producer reconnects (and handshakes) when it is named again.
+            clients.remove(&old);
+            self.handshakes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .invalidate(&old);
+        }
+        clients.insert(addr.to_string(), c.clone());
         Ok(c)
     }
 
-    /// Forgets a producer after a failure, so the next request connects and handshakes afresh.
-    fn forget(&self, addr: &str) {
+    /// Forgets a producer after a failure, so the next request connects and handshakes afresh
+    /// (and the puller opens a new endpoint to `engine_id`).
+    fn forget(&self, addr: &str, engine_id: &str) {
         self.clients
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -324,6 +354,7 @@ impl Loader {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .invalidate(addr);
+        self.puller.forget(engine_id);
     }
 
     /// A handshake with the producer at `addr` (cached; no lock held across the call).
@@ -538,10 +569,19 @@ async fn relay(
     };
     // Keep the producer's lease alive from now on: the request may wait a while for blocks here.
     let keeper = AbortOnDrop(tokio::spawn(keep_alive(disagg.clone(), remote.clone())));
-    // 1. Blocks reserved?
+    // 1. Blocks reserved? (bounded: a node with no room must not hold P's blocks forever)
+    let wait = loader.cfg.wait_timeout;
     let first = tokio::select! {
         () = tx.closed() => None,
-        e = stream.recv() => Some(e),
+        e = tokio::time::timeout(wait, stream.recv()) => match e {
+            Ok(e) => Some(e),
+            Err(_) => {
+                let e = TransferError::BlocksUnavailable(wait);
+                disagg.metrics.record_failure(&e);
+                tracing::warn!(request = %id, error = %e, "giving up waiting for blocks");
+                Some(Some(RequestEvent::Failed { message: e.to_string() }))
+            }
+        },
     };
     let (blocks, first_block, cached) = match first {
         Some(Some(RequestEvent::AwaitingKv {
@@ -580,12 +620,20 @@ async fn relay(
             Ok(RemoteKv::Recompute)
         }
         None => {
+            let bytes = remote.block_ids.len().saturating_sub(first_block)
+                * engine.info().kv_layout.block_bytes();
+            let deadline = loader.cfg.pull_deadline(bytes);
             let prepared = tokio::select! {
                 () = tx.closed() => {
                     release_all(&disagg, &remotes);
                     return;
                 }
-                p = loader.prepare(remote) => p,
+                p = tokio::time::timeout_at(deadline.into(), loader.prepare(remote)) => {
+                    p.unwrap_or_else(|_| Err(TransferError::Deadline(format!(
+                        "the producer at {} did not answer the handshake in time",
+                        remote.side_channel()
+                    ))))
+                }
             };
             match prepared {
                 Err(e) => {
@@ -607,6 +655,7 @@ async fn relay(
                         &mut client,
                         &peer,
                         leased,
+                        deadline,
                         &disagg.metrics,
                     )
                     .await;
@@ -623,7 +672,7 @@ async fn relay(
         Err(e) => {
             if !matches!(e, TransferError::Mismatch(_)) {
                 // Reconnect and handshake afresh next time.
-                loader.forget(&remote.side_channel());
+                loader.forget(&remote.side_channel(), &remote.engine_id);
             }
             let reason = e.reason();
             match loader.cfg.policy.apply(e) {
@@ -673,6 +722,8 @@ mod tests {
             recompute_threshold: 0,
             skip_compat_check: false,
             renew_interval: std::time::Duration::from_secs(5),
+            pull_timeout: std::time::Duration::from_secs(5),
+            wait_timeout: std::time::Duration::from_secs(60),
             allowed_peers: AllowedPeers::fixed(allowed.iter().map(|s| s.to_string()).collect()),
             cluster_token: tokio::sync::watch::channel(None).1,
         }

@@ -99,12 +99,15 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     let (cluster_token, token_rx) =
         tokio::sync::watch::channel(Some(args.cluster_token()).filter(|t| !t.is_empty()));
     let transfer_metrics = Arc::new(pd_kv_transfer::TransferMetrics::new());
+    let (pull_timeout, wait_timeout) = args.pull_timeouts()?;
     let mut pull = PullConfig {
         engine_id: engine_id.clone(),
         policy: args.failure_policy(),
         recompute_threshold: args.kv_recompute_threshold,
         skip_compat_check: args.kv_skip_compat_check,
         renew_interval: lease_duration / 6,
+        pull_timeout,
+        wait_timeout,
         allowed_peers: AllowedPeers::fixed(args.kv_allowed_peers.clone()),
         cluster_token: token_rx.clone(),
     };

@@ -44,7 +44,13 @@ fn model(name: &str) -> PathBuf {
 
 /// Starts `pd-node serve` on `model` with 4-token blocks plus `extra` flags.
 fn start(model: &Path, extra: &[&str]) -> Node {
+    start_env(model, extra, &[])
+}
+
+/// [`start`] with environment variables `env` set for the node (e.g. `UCX_TLS`).
+fn start_env(model: &Path, extra: &[&str], env: &[(&str, &str)]) -> Node {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_pd-node"));
+    cmd.envs(env.iter().copied());
     cmd.arg("serve").arg("--model").arg(model);
     cmd.args([
         "--port",
@@ -657,23 +663,27 @@ async fn failures_follow_the_policy_and_are_counted() {
 /// A decode node whose 16-block pool is 15/16 held by its own prefill leases (it is `kv_both`,
 /// deprecated but working) lasting `lease_secs`: a P/D request of 5 blocks waits for them.
 async fn full_decoder(dir: &Path, lease_secs: &str) -> Node {
-    let d = start(
-        dir,
-        &[
-            "--kv-role",
-            "kv_both",
-            "--kv-port",
-            "0",
-            "--engine-id",
-            "d1",
-            "--kv-recompute-threshold",
-            "0",
-            "--num-gpu-blocks",
-            "16",
-            "--kv-lease-duration",
-            lease_secs,
-        ],
-    );
+    full_decoder_with(dir, lease_secs, &[]).await
+}
+
+/// [`full_decoder`] with `extra` flags.
+async fn full_decoder_with(dir: &Path, lease_secs: &str, extra: &[&str]) -> Node {
+    let mut args = vec![
+        "--kv-role",
+        "kv_both",
+        "--kv-port",
+        "0",
+        "--engine-id",
+        "d1",
+        "--kv-recompute-threshold",
+        "0",
+        "--num-gpu-blocks",
+        "16",
+        "--kv-lease-duration",
+        lease_secs,
+    ];
+    args.extend_from_slice(extra);
+    let d = start(dir, &args);
     let api = Api::Completions;
     for i in 0..3 {
         // Distinct first blocks: 3 × 5 blocks, no prefix shared.
@@ -915,4 +925,232 @@ async fn the_side_channel_requires_the_cluster_token() {
     let got = through_pd(&p, &member, api, &body).await;
     assert_eq!(got.tokens, want.tokens);
     assert!(got.pulled.is_some_and(|n| n > 0));
+}
+
+/// `SIGSTOP`s a process; `SIGCONT`s it when dropped, whatever happens in between.
+struct Frozen(u32);
+
+impl Frozen {
+    fn new(node: &Node) -> Self {
+        signal(node.child.id(), "-STOP");
+        Frozen(node.child.id())
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        signal(self.0, "-CONT");
+    }
+}
+
+fn signal(pid: u32, sig: &str) {
+    let ok = Command::new("kill")
+        .arg(sig)
+        .arg(pid.to_string())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "kill {sig} {pid}");
+}
+
+/// CPU seconds (user + system) process `pid` has used so far.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
+    let hz = Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse::<f64>().ok())
+        .unwrap_or(100.0);
+    ticks / hz
+}
+
+/// Issue 12, "never stall": a producer frozen with `SIGSTOP` while D pulls from it. Its pull ends
+/// at D's deadline (`--kv-pull-timeout`) and follows the failure policy (recompute: the answer is
+/// still exact); pulls from a second producer keep flowing meanwhile; D does not spin while it
+/// waits (under 10% of a core); afterwards both producers and D are idle.
+///
+/// Run under the default transports (shared memory: the reads themselves do not need P, the
+/// lease confirmation does) and under `UCX_TLS=tcp` (the reads need P's progress too). Before
+/// the fix, the first hung for the side channel's 10 s call timeout and the second forever,
+/// with the single puller thread spinning and every other pull queued behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_producer_costs_only_its_own_pulls_and_only_until_the_deadline() {
+    for tls in [None, Some("tcp")] {
+        frozen_producer(tls).await;
+    }
+}
+
+async fn frozen_producer(tls: Option<&str>) {
+    let name = tls.unwrap_or("default");
+    let dir = model(&format!("frozen-{name}"));
+    let env: Vec<(&str, &str)> = tls.map(|t| vec![("UCX_TLS", t)]).unwrap_or_default();
+    let solo = start(&dir, &[]);
+    let producer_args = |id: &'static str| {
+        [
+            "--kv-role",
+            "kv_producer",
+            "--kv-port",
+            "0",
+            "--engine-id",
+            id,
+            "--kv-lease-duration",
+            "3",
+        ]
+    };
+    let p1 = start_env(&dir, &producer_args("p1"), &env);
+    let p2 = start_env(&dir, &producer_args("p2"), &env);
+    let timeout = 5.0;
+    let d = start_env(
+        &dir,
+        &[
+            "--kv-role",
+            "kv_consumer",
+            "--kv-port",
+            "0",
+            "--engine-id",
+            "d1",
+            "--kv-recompute-threshold",
+            "0",
+            "--kv-load-failure-policy",
+            "recompute",
+            "--kv-pull-timeout",
+            "5",
+        ],
+        &env,
+    );
+    let api = Api::Completions;
+    // Warm: D has handshaken and connected to both producers.
+    for (i, p) in [&p1, &p2].into_iter().enumerate() {
+        let body = api.body(&format!("{i} {name} warm-up prompt of some blocks."), 4);
+        let got = through_pd(p, &d, api, &body).await;
+        assert!(got.pulled.unwrap_or(0) > 0, "{name}: warm-up pulled");
+    }
+
+    let body_a = api.body(&format!("{name}: a prompt whose producer freezes."), 8);
+    let want_a = seen(api, post(&solo.http, api.path(), &body_a).await).await;
+    let params_a = prefill(&p1, api, &body_a).await;
+    let frozen = Frozen::new(&p1);
+    let mut db = body_a.clone();
+    db["kv_transfer_params"] = params_a;
+    let started = Instant::now();
+    let http = d.http.clone();
+    let a = tokio::spawn(async move { seen(api, post(&http, api.path(), &db).await).await });
+
+    // While A's pull is stalled, D idles: no spinning on the frozen peer.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (cpu0, t0) = (cpu_seconds(d.child.id()), Instant::now());
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let used = (cpu_seconds(d.child.id()) - cpu0) / t0.elapsed().as_secs_f64();
+    assert!(
+        !a.is_finished(),
+        "{name}: A is still waiting on the frozen P"
+    );
+    assert!(
+        used < 0.10,
+        "{name}: D used {:.0}% of a core while its pull waited on a frozen producer",
+        used * 100.0
+    );
+
+    // Pulls from the other producer flow meanwhile.
+    for i in 0..2 {
+        let body = api.body(&format!("{i} {name}: through the live producer."), 8);
+        let want = seen(api, post(&solo.http, api.path(), &body).await).await;
+        let got = through_pd(&p2, &d, api, &body).await;
+        assert_eq!(got.tokens, want.tokens, "{name}");
+        assert!(got.pulled.unwrap_or(0) > 0, "{name}: pulled from P2");
+    }
+    assert!(
+        !a.is_finished(),
+        "{name}: P2's pulls completed while A still waits on the frozen P1"
+    );
+
+    // A ends by its deadline, recomputed on D: still exact.
+    let got_a = tokio::time::timeout(Duration::from_secs(30), a)
+        .await
+        .unwrap_or_else(|_| panic!("{name}: the pull from a frozen producer never ended"))
+        .unwrap();
+    let took = started.elapsed().as_secs_f64();
+    assert!(
+        took < timeout * 1.6,
+        "{name}: A took {took:.1} s with a {timeout} s pull deadline"
+    );
+    assert_eq!(got_a.tokens, want_a.tokens, "{name}");
+    assert_eq!(
+        got_a.pulled.unwrap_or(0),
+        0,
+        "{name}: recomputed, not pulled"
+    );
+    assert_eq!(recomputes(&d, "deadline").await, 1.0, "{name}");
+    assert_eq!(
+        metric(&d, "pd_kv_transfer_failures_total{reason=\"deadline\"}").await,
+        1.0,
+        "{name}"
+    );
+
+    // Thawed: every pool is idle again (A's lease released or expired).
+    drop(frozen);
+    for (node, what) in [(&p1, "P1"), (&p2, "P2")] {
+        eventually(&format!("{name}: {what}'s leases gone"), async || {
+            metric(node, "pd_kv_leases_live").await == 0.0
+        })
+        .await;
+    }
+    for m in [
+        "pd_node_requests_running",
+        "pd_node_requests_waiting",
+        "pd_node_requests_waiting_remote_kv",
+    ] {
+        assert_eq!(metric(&d, m).await, 0.0, "{name}: {m}");
+    }
+    // P1 serves again, through a fresh endpoint.
+    let body = api.body(&format!("{name}: P1 after the thaw."), 4);
+    let want = seen(api, post(&solo.http, api.path(), &body).await).await;
+    let got = through_pd(&p1, &d, api, &body).await;
+    assert_eq!(got.tokens, want.tokens, "{name}");
+    assert!(got.pulled.unwrap_or(0) > 0, "{name}: pulled from P1 again");
+}
+
+/// Issue 12: a consumer that cannot get blocks to pull into gives up after `--kv-wait-timeout`
+/// and releases the producer's lease at once, instead of holding P's blocks until they expire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_gives_up_waiting_for_blocks_and_releases_the_lease() {
+    let dir = model("wait");
+    let p = producer(&dir, &[]);
+    // D's pool stays held by its own leases for 30 s; it waits at most 1 s for blocks.
+    let d = full_decoder_with(&dir, "30", &["--kv-wait-timeout", "1"]).await;
+    let api = Api::Completions;
+    let body = api.body("twenty-token prompt.", 4);
+    let params = prefill(&p, api, &body).await;
+    assert_eq!(metric(&p, "pd_kv_leases_live").await, 1.0);
+    let mut db = body.clone();
+    db["kv_transfer_params"] = params;
+    let r = tokio::time::timeout(Duration::from_secs(20), post(&d.http, api.path(), &db))
+        .await
+        .expect("D gives up waiting");
+    assert_eq!(r.status(), 500);
+    let e: Value = r.json().await.unwrap();
+    let msg = e["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("no free KV blocks"), "{msg}");
+    assert_eq!(
+        metric(&d, "pd_kv_transfer_failures_total{reason=\"wait_timeout\"}").await,
+        1.0
+    );
+    // Released, long before its 30 s expiry.
+    eventually("P's lease released", async || {
+        metric(&p, "pd_kv_leases_live").await == 0.0
+    })
+    .await;
+    assert_eq!(
+        metric(&p, "pd_kv_leases_total{event=\"released\"}").await,
+        1.0
+    );
+    eventually("D's request gone", async || {
+        metric(&d, "pd_node_requests_waiting_remote_kv").await == 0.0
+    })
+    .await;
 }

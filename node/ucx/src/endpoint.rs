@@ -476,8 +476,27 @@ impl<'w> Endpoint<'w> {
     /// # Errors
     /// [`Error::Ucs`] when the close cannot be started (the endpoint is released anyway).
     pub fn close(self) -> Result<Request<'w>> {
+        let param = self.close_param();
+        self.close_with(param)
+    }
+
+    /// Closes the endpoint in force mode (`UCP_EP_CLOSE_FLAG_FORCE`): outstanding operations
+    /// are cancelled locally, without waiting for the peer. This is how to give up on a peer
+    /// that stopped answering; once the returned request completes, none of this endpoint's
+    /// operations writes local memory any more.
+    ///
+    /// # Errors
+    /// [`Error::Ucs`] when the close cannot be started (the endpoint is released anyway).
+    pub fn close_force(self) -> Result<Request<'w>> {
+        self.close_with(sys::ucp_request_param_t {
+            op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS,
+            flags: sys::UCP_EP_CLOSE_FLAG_FORCE,
+            ..Default::default()
+        })
+    }
+
+    fn close_with(self, param: sys::ucp_request_param_t) -> Result<Request<'w>> {
         let this = std::mem::ManuallyDrop::new(self);
-        let param = this.close_param();
         // SAFETY: `this` is never dropped, so its state Box is moved out exactly once.
         let state: Box<EpState> = unsafe { std::ptr::read(&this.state) };
         // SAFETY: live endpoint, closed exactly once (Drop will not run for `this`).
