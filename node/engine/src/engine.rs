@@ -31,6 +31,10 @@ pub struct EngineConfig {
     /// How long a prefill node keeps a finished prompt's blocks for a decode node unless the
     /// lease is renewed (vLLM's `kv_lease_duration`).
     pub kv_lease_duration: std::time::Duration,
+    /// Share of the pool that leases for decode nodes may hold (0 < f ≤ 1); a prefill request
+    /// that would take leases beyond it is refused ([`crate::EngineError::LeaseCapacity`]), so
+    /// the node's own prefills always find blocks.
+    pub kv_max_leased_fraction: f64,
 }
 
 /// Allocates the KV pool for a layout (e.g. in UCX-allocated memory).
@@ -59,6 +63,7 @@ impl Default for EngineConfig {
             enable_prefix_caching: true,
             pool_memory: None,
             kv_lease_duration: std::time::Duration::from_secs(30),
+            kv_max_leased_fraction: 0.9,
         }
     }
 }
@@ -215,6 +220,7 @@ impl Engine {
                 num_blocks: layout.num_blocks,
                 vocab_size: mc.vocab_size,
                 kv_layout: layout,
+                max_leased_blocks: max_leased_blocks(cfg.kv_max_leased_fraction, layout.num_blocks),
             },
             scheduler: Scheduler::new(
                 SchedulerConfig {
@@ -369,11 +375,14 @@ impl Engine {
 
     /// A consumer's wait for remote KV ended: it joins the queue with what arrived.
     fn remote_kv_ready(&mut self, id: RequestId, outcome: RemoteKv) {
-        let tokens = match outcome {
-            RemoteKv::Pulled(n) => n,
-            RemoteKv::Recompute => 0,
+        let (tokens, cacheable) = match outcome {
+            RemoteKv::Pulled(n) => (n, true),
+            RemoteKv::PulledUnattested(n) => (n, false),
+            RemoteKv::Recompute => (0, true),
         };
-        let Some((prompt_tokens, held, pulled)) = self.scheduler.remote_kv_ready(id, tokens) else {
+        let Some((prompt_tokens, held, pulled)) =
+            self.scheduler.remote_kv_ready(id, tokens, cacheable)
+        else {
             tracing::debug!(request = %id, "remote KV for a request no longer waiting");
             return;
         };
@@ -427,6 +436,7 @@ impl Engine {
             num_computed: 0,
             blocks: Vec::new(),
             hashes: Vec::new(),
+            cacheable: true,
             rng: ChaCha8Rng::seed_from_u64(seed),
             text: String::new(),
             sent: 0,
@@ -792,6 +802,16 @@ fn find_stop(text: &str, mut from: usize, stops: &[String]) -> Option<usize> {
 }
 
 /// Checks `request` against the model and pool before it is queued.
+/// Blocks leases may hold: `fraction` of `num_blocks` (clamped to 0..=1), rounded down.
+fn max_leased_blocks(fraction: f64, num_blocks: usize) -> usize {
+    let f = if fraction.is_finite() {
+        fraction.clamp(0.0, 1.0)
+    } else {
+        1.0
+    };
+    (f * num_blocks as f64).floor() as usize
+}
+
 pub(crate) fn validate(info: &EngineInfo, request: &GenerateRequest) -> Result<(), InvalidRequest> {
     request.params.validate()?;
     let len = request.prompt_tokens.len();

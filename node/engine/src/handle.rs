@@ -67,6 +67,9 @@ pub struct EngineInfo {
     pub vocab_size: usize,
     /// Layout of the KV pool (what peers need to read it).
     pub kv_layout: pd_kv_pool::KvLayout,
+    /// Blocks that leases for decode nodes may hold at once
+    /// ([`crate::EngineConfig::kv_max_leased_fraction`] of the pool).
+    pub max_leased_blocks: usize,
 }
 
 /// Cheap, cloneable handle to a running engine thread.
@@ -197,6 +200,21 @@ impl EngineHandle {
     /// context; [`EngineError::Shutdown`] when the engine thread is gone.
     pub fn submit(&self, request: GenerateRequest) -> Result<RequestStream, EngineError> {
         crate::engine::validate(&self.inner.info, &request)?;
+        if let crate::KvTransfer::Produce { .. } = request.kv {
+            // Admission, not reservation: prefills admitted at the same moment may overshoot
+            // the cap by their own prompts before their leases show here.
+            let info = &self.inner.info;
+            let leased = self.inner.leases.stats().leased_blocks;
+            let wanted = request.prompt_tokens.len().div_ceil(info.block_size);
+            if leased + wanted > info.max_leased_blocks {
+                self.inner.metrics.lease_capacity_refusals.inc();
+                return Err(EngineError::LeaseCapacity {
+                    leased,
+                    wanted,
+                    cap: info.max_leased_blocks,
+                });
+            }
+        }
         let n = request.params.n;
         let id = RequestId(self.inner.next_id.fetch_add(1, Ordering::Relaxed));
         let (events, rx) = tokio_mpsc::unbounded_channel();

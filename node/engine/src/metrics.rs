@@ -36,6 +36,8 @@ pub struct EngineMetrics {
     pub inter_token_latency: Histogram,
     /// Seconds from arrival to the last child finishing.
     pub e2e_latency: Histogram,
+    /// Prefill requests for decode nodes refused because leases held their cap of the pool.
+    pub lease_capacity_refusals: IntCounter,
 }
 
 const LATENCY_BUCKETS: &[f64] = &[
@@ -121,6 +123,10 @@ impl EngineMetrics {
             e2e_latency: histogram(
                 "pd_node_e2e_request_latency_seconds",
                 "Seconds from arrival to finish",
+            ),
+            lease_capacity_refusals: counter(
+                "pd_node_kv_lease_capacity_refusals_total",
+                "Prefills for decode nodes refused: leases held --kv-max-leased-fraction of the pool",
             ),
             registry,
         }

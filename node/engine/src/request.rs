@@ -206,6 +206,10 @@ pub struct KvHandoff {
 pub enum RemoteKv {
     /// The KV of the first `n` prompt tokens is in the reserved blocks.
     Pulled(usize),
+    /// As [`RemoteKv::Pulled`], from a producer that did not attest what its blocks hold (a
+    /// peer without hash-bound leases): used for this request only, never entered in the
+    /// prefix cache (nor anything computed on top of it).
+    PulledUnattested(usize),
     /// Nothing usable arrived: compute the prompt here (the caller counted why).
     Recompute,
 }

@@ -168,7 +168,7 @@ impl Scheduler {
         let bs = self.cfg.block_size;
         let seq = &mut self.running[s.index];
         seq.num_computed += s.num_tokens;
-        if !self.cfg.enable_prefix_caching {
+        if !self.cfg.enable_prefix_caching || !seq.cacheable {
             return;
         }
         while seq.hashes.len() < seq.num_computed / bs {
@@ -274,18 +274,25 @@ impl Scheduler {
     /// `num_tokens` at most what was cached, nothing arrived): it joins the queue at the front
     /// and computes only what it still lacks — at least the last prompt token, for its logits.
     /// Returns (prompt length, tokens now held, of which pulled) or `None` for an unknown request.
+    ///
+    /// `cacheable: false` (KV nobody vouched for) keeps this sequence out of the prefix cache
+    /// for good: neither the pulled blocks nor any computed after them are registered.
     pub(crate) fn remote_kv_ready(
         &mut self,
         request: RequestId,
         num_tokens: usize,
+        cacheable: bool,
     ) -> Option<(usize, usize, usize)> {
         let pos = self.remote.iter().position(|s| s.request == request)?;
         let mut seq = self.remote.swap_remove(pos);
         let cached = seq.num_computed;
         seq.num_computed = num_tokens.min(seq.prompt_len.saturating_sub(1)).max(cached);
         let pulled = seq.num_computed - cached;
+        if pulled > 0 && !cacheable {
+            seq.cacheable = false;
+        }
         let bs = self.cfg.block_size;
-        if self.cfg.enable_prefix_caching {
+        if self.cfg.enable_prefix_caching && seq.cacheable {
             for k in seq.hashes.len()..seq.num_computed / bs {
                 let h = block_hash(
                     seq.hashes.last().copied(),
@@ -402,6 +409,7 @@ mod tests {
             num_computed: 0,
             blocks: Vec::new(),
             hashes: Vec::new(),
+            cacheable: true,
             rng: rand_chacha::ChaCha8Rng::seed_from_u64(0),
             decoder: tok.decoder(true),
             text: String::new(),
@@ -482,7 +490,7 @@ mod tests {
             }
         }
         // KV for all 10 prompt tokens arrived: it computes just the last one for its logits.
-        assert_eq!(s.remote_kv_ready(RequestId(1), 10), Some((10, 9, 9)));
+        assert_eq!(s.remote_kv_ready(RequestId(1), 10, true), Some((10, 9, 9)));
         let plan = s.schedule();
         let mine: Vec<_> = plan
             .scheduled
@@ -492,6 +500,32 @@ mod tests {
         assert_eq!(mine.len(), 1);
         assert_eq!(mine[0].num_tokens, 1);
         assert_eq!(s.running[mine[0].index].blocks, parked);
+    }
+
+    #[test]
+    fn unattested_remote_kv_never_enters_the_prefix_cache() {
+        let tok = tokenizer();
+        for (attested, want_cached) in [(true, true), (false, false)] {
+            let mut s = Scheduler::new(cfg(64), 32);
+            s.remote_pending.push_back(seq(1, 10, tok));
+            assert_eq!(s.park_pending().len(), 1);
+            assert_eq!(
+                s.remote_kv_ready(RequestId(1), 10, attested),
+                Some((10, 9, 9))
+            );
+            // Compute the last prompt token and a few more: blocks 0..=2 fill up.
+            for _ in 0..4 {
+                let plan = s.schedule();
+                complete(&mut s, &plan);
+                let r = &mut s.running[0];
+                r.tokens.push(1);
+            }
+            assert_eq!(
+                !s.allocator.cached_hashes().is_empty(),
+                want_cached,
+                "attested: {attested}"
+            );
+        }
     }
 
     #[test]

@@ -25,6 +25,10 @@ pub(crate) struct Sequence {
     pub(crate) blocks: Vec<BlockId>,
     /// Hashes of the leading full blocks, registered in the prefix cache.
     pub(crate) hashes: Vec<BlockHash>,
+    /// False once the sequence holds KV whose contents nobody vouched for (pulled from a
+    /// producer that does not attest its leases): none of its blocks, nor any computed on top
+    /// of them, is ever entered in the prefix cache.
+    pub(crate) cacheable: bool,
     /// This child's sampler state.
     pub(crate) rng: ChaCha8Rng,
     /// Turns generated tokens into text.
@@ -53,6 +57,7 @@ impl Sequence {
             num_computed: self.num_computed,
             blocks: self.blocks.clone(),
             hashes: self.hashes.clone(),
+            cacheable: self.cacheable,
             rng,
             decoder: self.decoder.clone(),
             text: self.text.clone(),

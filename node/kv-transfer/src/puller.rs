@@ -579,7 +579,7 @@ pub async fn pull_under_lease(
     blocks: LeasedBlocks,
     deadline: Instant,
     metrics: &crate::metrics::TransferMetrics,
-) -> Result<PullStats, TransferError> {
+) -> Result<LeasePull, TransferError> {
     let result = async {
         let stats = puller
             .pull(peer, blocks.remote, blocks.local, deadline)
@@ -604,14 +604,28 @@ pub async fn pull_under_lease(
                 ours: blocks.expect,
             });
         }
-        Ok(stats)
+        Ok(LeasePull {
+            stats,
+            attested: theirs.attested(),
+        })
     }
     .await;
     match &result {
-        Ok(s) => metrics.record_pull(s),
+        Ok(p) => metrics.record_pull(&p.stats),
         Err(e) => metrics.record_failure(e),
     }
     result
+}
+
+/// What [`pull_under_lease`] brought.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeasePull {
+    /// The reads.
+    pub stats: PullStats,
+    /// Whether the owner attested what the blocks hold (and it matched the reader's prompt).
+    /// KV nobody vouched for may serve the request it was pulled for but must never enter a
+    /// prefix cache.
+    pub attested: bool,
 }
 
 /// Renews a lease every `interval` (duration / 6) until dropped, so a pull that waits in a

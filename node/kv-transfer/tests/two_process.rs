@@ -134,7 +134,7 @@ async fn non_contiguous_blocks_arrive_byte_exact_and_release_frees_them() {
     assert_eq!(peer.layout, layout());
     // Remote 7,2,3,11,5,20 into local 30,0,1,9,10,4: runs (2,3)->(0,1) coalesce, others don't.
     let local_ids: Vec<BlockId> = [30, 0, 1, 9, 10, 4].iter().map(|&b| BlockId(b)).collect();
-    let stats = pull_under_lease(
+    let pulled = pull_under_lease(
         &l.puller,
         &mut client,
         &peer,
@@ -144,6 +144,9 @@ async fn non_contiguous_blocks_arrive_byte_exact_and_release_frees_them() {
     )
     .await
     .unwrap();
+    // pd-kv-owner does not attest its leases: the reader must keep this KV out of any cache.
+    assert!(!pulled.attested);
+    let stats = pulled.stats;
     assert_eq!(stats.bytes, 6 * layout().block_bytes());
     assert_eq!(stats.descriptors, 5);
     assert_eq!(metrics.bytes.get(), stats.bytes as u64);

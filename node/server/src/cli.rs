@@ -93,6 +93,11 @@ pub struct ServeArgs {
     /// Seconds a prefill node keeps a prompt's blocks for the decode node unless renewed.
     #[arg(long, default_value_t = 30.0)]
     pub kv_lease_duration: f64,
+    /// Share of the KV pool a prefill node lets leases for decode nodes hold (0 < f ≤ 1);
+    /// prefills beyond it are answered 503 `kv_lease_capacity`, so unpulled leases cannot
+    /// starve the node's own prefills.
+    #[arg(long, default_value_t = 0.9)]
+    pub kv_max_leased_fraction: f64,
     /// What a decode node does when the KV does not arrive: fail the request, or compute the
     /// prompt itself (counted by reason either way).
     #[arg(long, value_enum, default_value_t = FailurePolicyArg::Fail)]
@@ -189,6 +194,7 @@ impl ServeArgs {
             enable_prefix_caching: !self.no_enable_prefix_caching,
             pool_memory: None,
             kv_lease_duration: self.lease_duration()?,
+            kv_max_leased_fraction: self.max_leased_fraction()?,
         })
     }
 
@@ -206,6 +212,21 @@ impl ServeArgs {
                     self.kv_lease_duration
                 ))
             })
+    }
+
+    /// `--kv-max-leased-fraction`, checked.
+    ///
+    /// # Errors
+    /// [`CliError::Kv`] unless 0 < f ≤ 1.
+    pub fn max_leased_fraction(&self) -> Result<f64, CliError> {
+        let f = self.kv_max_leased_fraction;
+        if f > 0.0 && f <= 1.0 {
+            Ok(f)
+        } else {
+            Err(CliError::Kv(format!(
+                "--kv-max-leased-fraction must be in (0, 1], got {f}"
+            )))
+        }
     }
 
     /// `--kv-pull-timeout` and `--kv-wait-timeout` as durations.

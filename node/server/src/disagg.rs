@@ -659,7 +659,14 @@ async fn relay(
                         &disagg.metrics,
                     )
                     .await;
-                    r.map(|_| RemoteKv::Pulled(prompt.len()))
+                    r.map(|p| {
+                        if p.attested {
+                            RemoteKv::Pulled(prompt.len())
+                        } else {
+                            // KV nobody vouched for: this request only, never the cache.
+                            RemoteKv::PulledUnattested(prompt.len())
+                        }
+                    })
                 }
             }
         }

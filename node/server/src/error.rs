@@ -88,9 +88,8 @@ impl ApiError {
             Self::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Engine(EngineError::Invalid(_)) => StatusCode::BAD_REQUEST,
-            Self::Engine(EngineError::Shutdown) | Self::EngineStopped => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            Self::Engine(EngineError::Shutdown | EngineError::LeaseCapacity { .. })
+            | Self::EngineStopped => StatusCode::SERVICE_UNAVAILABLE,
             Self::Engine(_) | Self::Tokenize(_) | Self::GenerationFailed(_) | Self::Task(_) => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
@@ -127,6 +126,7 @@ impl ApiError {
             Self::MethodNotAllowed { .. } => Some("method_not_allowed"),
             Self::PayloadTooLarge { .. } => Some("payload_too_large"),
             Self::Engine(EngineError::Shutdown) | Self::EngineStopped => Some("engine_unavailable"),
+            Self::Engine(EngineError::LeaseCapacity { .. }) => Some("kv_lease_capacity"),
             _ => None,
         }
     }

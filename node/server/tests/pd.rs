@@ -681,6 +681,8 @@ async fn full_decoder_with(dir: &Path, lease_secs: &str, extra: &[&str]) -> Node
         "16",
         "--kv-lease-duration",
         lease_secs,
+        "--kv-max-leased-fraction",
+        "1",
     ];
     args.extend_from_slice(extra);
     let d = start(dir, &args);
@@ -1153,4 +1155,52 @@ async fn a_consumer_gives_up_waiting_for_blocks_and_releases_the_lease() {
         metric(&d, "pd_node_requests_waiting_remote_kv").await == 0.0
     })
     .await;
+}
+
+/// Issue 12: a prefill node caps the share of its pool that leases may hold
+/// (`--kv-max-leased-fraction`): beyond it a prefill for a decode node is a clear 503, while the
+/// node's own requests keep being served; once a lease ends the next prefill is accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_caps_the_blocks_leases_may_hold() {
+    let dir = model("cap");
+    let solo = start(&dir, &[]);
+    // 16 blocks, leases may hold 8: one 5-block prompt fits, a second would make 10.
+    let p = producer(
+        &dir,
+        &["--num-gpu-blocks", "16", "--kv-max-leased-fraction", "0.5"],
+    );
+    let d = consumer(&dir, "fail");
+    let api = Api::Completions;
+    let first = api.body("twenty-token prompt.", 4);
+    let params = prefill(&p, api, &first).await;
+    assert_eq!(metric(&p, "pd_kv_leases_live").await, 1.0);
+
+    let second = api.body("another twenty tokens.", 4);
+    let r = post(&p.http, api.path(), &prefill_body(api, &second)).await;
+    assert_eq!(r.status(), 503);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["code"], "kv_lease_capacity", "{e}");
+    let msg = e["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("--kv-max-leased-fraction"), "{msg}");
+    assert_eq!(
+        metric(&p, "pd_node_kv_lease_capacity_refusals_total").await,
+        1.0
+    );
+    // The node's own (non-P/D) requests are not refused.
+    let own = seen(api, post(&p.http, api.path(), &second).await).await;
+    let want = seen(api, post(&solo.http, api.path(), &second).await).await;
+    assert_eq!(own.tokens, want.tokens);
+
+    // D pulls the first prompt and releases its lease: room again.
+    let mut db = first.clone();
+    db["kv_transfer_params"] = params;
+    let got = seen(api, post(&d.http, api.path(), &db).await).await;
+    assert!(got.pulled.unwrap_or(0) > 0);
+    eventually("P's lease released", async || {
+        metric(&p, "pd_kv_leases_live").await == 0.0
+    })
+    .await;
+    let got = through_pd(&p, &d, api, &second).await;
+    assert_eq!(got.tokens, want.tokens);
+    assert!(got.pulled.unwrap_or(0) > 0);
 }
