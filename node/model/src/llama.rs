@@ -88,11 +88,9 @@ impl Attention {
         let q = q.flatten_all()?.to_vec1::<f32>()?;
         let k = k.flatten_all()?.to_vec1::<f32>()?;
         let v = v.to_vec1::<f32>()?;
-        let layout = *pool.layout();
-        paged_attention::write_kv(pool.data_mut(), &layout, self.layer, &k, &v, &batch.slots);
+        paged_attention::write_kv(pool, self.layer, &k, &v, &batch.slots);
         let scale = 1.0 / (hd as f32).sqrt();
-        let out =
-            paged_attention::attend(pool.data(), &layout, self.layer, &q, nh, &batch.seqs, scale);
+        let out = paged_attention::attend(pool, self.layer, &q, nh, &batch.seqs, scale);
         // (t, nh*hd) → o_proj → (t, hidden)
         let out = Tensor::from_vec(out, (t, nh * hd), x.device())?;
         Ok(self.o_proj.forward(&out)?)

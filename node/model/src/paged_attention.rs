@@ -4,7 +4,7 @@
 //! These are the CPU reference kernels (f32, rayon over query rows × heads). A CUDA build
 //! implements the same two calls over device memory; the CPU versions stay as its reference.
 
-use pd_kv_pool::{BlockId, KvLayout};
+use pd_kv_pool::{BlockId, KvLayout, KvPool};
 use rayon::prelude::*;
 
 use crate::batch::SeqView;
@@ -12,25 +12,18 @@ use crate::batch::SeqView;
 /// Writes K and V of `layer` for every token of the step into its slot.
 ///
 /// - `k`, `v`: `(num_tokens, num_kv_heads, head_dim)`, row-major.
-/// - `slots`: `(num_tokens,)`, `block * block_size + offset`.
-/// - `pool`: the whole pool, laid out as `layout` says.
-pub fn write_kv(
-    pool: &mut [f32],
-    layout: &KvLayout,
-    layer: usize,
-    k: &[f32],
-    v: &[f32],
-    slots: &[usize],
-) {
+/// - `slots`: `(num_tokens,)`, `block * block_size + offset`; only these blocks are touched.
+pub fn write_kv(pool: &mut KvPool, layer: usize, k: &[f32], v: &[f32], slots: &[usize]) {
+    let layout = *pool.layout();
     let (hd, kvh, bs) = (layout.head_dim, layout.num_kv_heads, layout.block_size);
     for (t, &slot) in slots.iter().enumerate() {
-        let (block, off) = (slot / bs, slot % bs);
+        let (block, off) = (BlockId((slot / bs) as u32), slot % bs);
         for h in 0..kvh {
             let src = (t * kvh + h) * hd;
-            let dk = layout.tile_offset(block, layer, 0, h) + off * hd;
-            pool[dk..dk + hd].copy_from_slice(&k[src..src + hd]);
-            let dv = layout.tile_offset(block, layer, 1, h) + off * hd;
-            pool[dv..dv + hd].copy_from_slice(&v[src..src + hd]);
+            pool.tile_mut(block, layer, 0, h)[off * hd..(off + 1) * hd]
+                .copy_from_slice(&k[src..src + hd]);
+            pool.tile_mut(block, layer, 1, h)[off * hd..(off + 1) * hd]
+                .copy_from_slice(&v[src..src + hd]);
         }
     }
 }
@@ -41,16 +34,17 @@ pub fn write_kv(
 /// - returns `(num_tokens, num_heads, head_dim)`.
 ///
 /// Query token `i` of a sequence with `query_len` new tokens sits at position
-/// `context_len - query_len + i` and attends to positions `0..=that`.
+/// `context_len - query_len + i` and attends to positions `0..=that`. Only the blocks in the
+/// sequences' block tables are read.
 pub fn attend(
-    pool: &[f32],
-    layout: &KvLayout,
+    pool: &KvPool,
     layer: usize,
     q: &[f32],
     num_heads: usize,
     seqs: &[SeqView],
     scale: f32,
 ) -> Vec<f32> {
+    let layout = pool.layout();
     let hd = layout.head_dim;
     let group = num_heads / layout.num_kv_heads;
     // (num_tokens,) → (sequence index, absolute position).
@@ -91,7 +85,7 @@ pub fn attend(
 
 /// One (query token, head) pair: what [`attend_row`] reads.
 struct Row<'a> {
-    pool: &'a [f32],
+    pool: &'a KvPool,
     layout: &'a KvLayout,
     layer: usize,
     table: &'a [BlockId],
@@ -127,11 +121,12 @@ fn attend_row(row: &Row<'_>, scores: &mut Vec<f32>, o: &mut [f32]) {
     scores.clear();
     scores.reserve(n);
     let mut max = f32::NEG_INFINITY;
-    for (b, block) in table.iter().enumerate().take(n.div_ceil(bs)) {
-        let base = layout.tile_offset(block.index(), layer, 0, kvh);
+    for (b, &block) in table.iter().enumerate().take(n.div_ceil(bs)) {
+        // (block_size, head_dim)
+        let keys = pool.tile(block, layer, 0, kvh);
         let len = bs.min(n - b * bs);
         for j in 0..len {
-            let d = dot(q, &pool[base + j * hd..base + (j + 1) * hd]) * scale;
+            let d = dot(q, &keys[j * hd..(j + 1) * hd]) * scale;
             max = max.max(d);
             scores.push(d);
         }
@@ -143,12 +138,13 @@ fn attend_row(row: &Row<'_>, scores: &mut Vec<f32>, o: &mut [f32]) {
     }
     let inv = 1.0 / denom;
     o.fill(0.0);
-    for (b, block) in table.iter().enumerate().take(n.div_ceil(bs)) {
-        let base = layout.tile_offset(block.index(), layer, 1, kvh);
+    for (b, &block) in table.iter().enumerate().take(n.div_ceil(bs)) {
+        // (block_size, head_dim)
+        let values = pool.tile(block, layer, 1, kvh);
         let len = bs.min(n - b * bs);
         for j in 0..len {
             let p = scores[b * bs + j] * inv;
-            for (acc, x) in o.iter_mut().zip(&pool[base + j * hd..base + (j + 1) * hd]) {
+            for (acc, x) in o.iter_mut().zip(&values[j * hd..(j + 1) * hd]) {
                 *acc += p * x;
             }
         }
@@ -238,15 +234,18 @@ mod tests {
         let q: Vec<f32> = (0..3 * heads * hd).map(|_| rnd()).collect(); // last 3 positions as queries
         let table = vec![BlockId(5), BlockId(1), BlockId(3)];
         let slots: Vec<usize> = (0..n).map(|p| table[p / 4].index() * 4 + p % 4).collect();
-        let mut pool = vec![f32::NAN; layout.num_blocks * layout.block_elems()];
-        write_kv(&mut pool, &layout, 1, &k, &v, &slots);
+        let mut pool = KvPool::new(layout).unwrap();
+        for b in 0..layout.num_blocks {
+            pool.poison_block(BlockId(b as u32));
+        }
+        write_kv(&mut pool, 1, &k, &v, &slots);
         let seqs = [SeqView {
             query_start: 0,
             query_len: 3,
             context_len: n,
             block_table: table,
         }];
-        let got = attend(&pool, &layout, 1, &q, heads, &seqs, 0.35);
+        let got = attend(&pool, 1, &q, heads, &seqs, 0.35);
         let want = reference(&q, &k, &v, heads, kvh, hd, 0.35);
         for (a, b) in got.iter().zip(&want) {
             assert!((a - b).abs() < 1e-5, "{a} vs {b}");
