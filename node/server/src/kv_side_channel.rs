@@ -51,11 +51,17 @@ impl UcxPool {
         let ctx = self.ctx.clone();
         let slot = self.region.clone();
         PoolMemory(Arc::new(move |layout| {
-            let region = Arc::new(MemoryRegion::allocate(&ctx, layout.pool_bytes()).map_err(
-                |_| pd_kv_pool::AllocatorError::OutOfMemory {
+            let region = Arc::new(
+                MemoryRegion::allocate_with(
+                    &ctx,
+                    layout.pool_bytes(),
+                    // Asked for, not enforced by UCX 1.13's shared-memory transports (ARCHITECTURE.md).
+                    pd_ucx::RemoteAccess::ReadOnly,
+                )
+                .map_err(|_| pd_kv_pool::AllocatorError::OutOfMemory {
                     bytes: layout.pool_bytes(),
-                },
-            )?);
+                })?,
+            );
             // SAFETY: UCX allocated `len` bytes, page aligned; the pool holds an Arc to the region
             // so the memory outlives it; only the engine thread writes it.
             let pool = unsafe {

@@ -93,15 +93,35 @@ impl MemoryRegion {
     /// # Errors
     /// [`Error::Ucs`] when `ucp_mem_map` or `ucp_mem_query` fails.
     pub fn allocate(ctx: &Context, len: usize) -> Result<Self> {
+        Self::allocate_with(ctx, len, RemoteAccess::ReadWrite)
+    }
+
+    /// [`MemoryRegion::allocate`] with the access peers get: [`RemoteAccess::ReadOnly`] asks UCX
+    /// (`UCP_MEM_MAP_PARAM_FIELD_PROT`) to let peers read but not write the region. Whether a
+    /// transport enforces it is UCX's business: on UCX 1.13's shared-memory transports it is not
+    /// enforced (see `tests/rma.rs::remote_read_only_is_asked_for_but_not_enforced_on_shm`).
+    ///
+    /// # Errors
+    /// As [`MemoryRegion::allocate`].
+    pub fn allocate_with(ctx: &Context, len: usize, access: RemoteAccess) -> Result<Self> {
+        let remote = match access {
+            RemoteAccess::ReadWrite => {
+                sys::UCP_MEM_MAP_PROT_REMOTE_READ | sys::UCP_MEM_MAP_PROT_REMOTE_WRITE
+            }
+            RemoteAccess::ReadOnly => sys::UCP_MEM_MAP_PROT_REMOTE_READ,
+        };
         let params = sys::ucp_mem_map_params_t {
             field_mask: u64::from(
                 sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
                     | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH
-                    | sys::UCP_MEM_MAP_PARAM_FIELD_FLAGS,
+                    | sys::UCP_MEM_MAP_PARAM_FIELD_FLAGS
+                    | sys::UCP_MEM_MAP_PARAM_FIELD_PROT,
             ),
             address: std::ptr::null_mut(),
             length: len,
             flags: sys::UCP_MEM_MAP_ALLOCATE,
+            prot: (sys::UCP_MEM_MAP_PROT_LOCAL_READ | sys::UCP_MEM_MAP_PROT_LOCAL_WRITE | remote)
+                as _,
             ..Default::default()
         };
         let mut memh: sys::ucp_mem_h = std::ptr::null_mut();
@@ -195,6 +215,15 @@ impl Drop for MemoryRegion {
             );
         }
     }
+}
+
+/// What peers may do to a region ([`MemoryRegion::allocate_with`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoteAccess {
+    /// Peers may read and write it (UCX's default).
+    ReadWrite,
+    /// Peers may only read it.
+    ReadOnly,
 }
 
 /// A peer's memory region key, unpacked for one endpoint (`ucp_ep_rkey_unpack`); destroyed on

@@ -241,3 +241,38 @@ fn misuse_is_rejected() {
     wait_both(ep1.close().unwrap(), &a).unwrap();
     wait_both(ep2.close().unwrap(), &a).unwrap();
 }
+
+/// Issue 12 asks UCX to map a node's pool read-only for peers. This records what UCX 1.13 does
+/// with that request under the default transports: the region is mapped, peers still read it,
+/// and a peer's `put` into it is *not* refused — shared memory hands the peer a writable mapping.
+/// If a UCX upgrade starts enforcing it, this test fails and the limitation written down in
+/// ARCHITECTURE.md ("Who may read a pool") can be lifted.
+#[test]
+fn remote_read_only_is_asked_for_but_not_enforced_on_shm() {
+    let ctx_a = Context::new().unwrap();
+    let ctx_b = Context::new().unwrap();
+    let a = Worker::new(&ctx_a).unwrap();
+    let b = Worker::new(&ctx_b).unwrap();
+    let len = 64 << 10;
+    let region =
+        pd_ucx::MemoryRegion::allocate_with(&ctx_a, len, pd_ucx::RemoteAccess::ReadOnly).unwrap();
+    // SAFETY: the region is `len` bytes we own; nobody else uses it yet.
+    unsafe { std::ptr::write_bytes(region.as_ptr(), 7, len) };
+    let ep = b.connect(&a.address().unwrap()).unwrap();
+    let rkey = ep.unpack_rkey(&region.rkey_pack().unwrap()).unwrap();
+    // Reads work, one-sidedly still: only B's worker progresses during the get.
+    let mut got = vec![0u8; 4096];
+    ep.get(&mut got, region.base(), &rkey).unwrap();
+    assert!(got.iter().all(|&x| x == 7));
+    // A write: refused (error) or not (the bytes changed)?
+    let put = ep.put(&[9u8; 4096], region.base(), &rkey);
+    // SAFETY: as above; the put completed (or failed) before this read.
+    let first = unsafe { *region.as_ptr() };
+    eprintln!("put into a remote-read-only region: {put:?}, first byte now {first}");
+    assert!(
+        put.is_ok() && first == 9,
+        "UCX now enforces remote read-only ({put:?}, byte {first}): update ARCHITECTURE.md"
+    );
+    drop(rkey);
+    drop(ep);
+}
