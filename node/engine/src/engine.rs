@@ -144,6 +144,7 @@ impl Engine {
         let source = ModelSource::open(&cfg.model_dir)?;
         let model = source.load_model(&device)?;
         let tokenizer = Arc::new(source.tokenizer()?);
+        let fingerprint = source.fingerprint()?;
         let mc = model.config().clone();
         let bad =
             |param: &'static str, m: String| EngineError::Invalid(InvalidRequest::new(param, m));
@@ -220,6 +221,7 @@ impl Engine {
                 num_blocks: layout.num_blocks,
                 vocab_size: mc.vocab_size,
                 kv_layout: layout,
+                fingerprint,
                 max_leased_blocks: max_leased_blocks(cfg.kv_max_leased_fraction, layout.num_blocks),
             },
             scheduler: Scheduler::new(

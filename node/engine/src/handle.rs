@@ -67,6 +67,9 @@ pub struct EngineInfo {
     pub vocab_size: usize,
     /// Layout of the KV pool (what peers need to read it).
     pub kv_layout: pd_kv_pool::KvLayout,
+    /// Fingerprint of the weights and tokenizer ([`pd_model::ModelSource::fingerprint`]): peers
+    /// must match it to exchange KV.
+    pub fingerprint: String,
     /// Blocks that leases for decode nodes may hold at once
     /// ([`crate::EngineConfig::kv_max_leased_fraction`] of the pool).
     pub max_leased_blocks: usize,

@@ -12,8 +12,11 @@ pub struct CompatInfo {
     pub project_version: String,
     /// [`TRANSFER_PROTOCOL_VERSION`].
     pub protocol_version: u32,
-    /// Model identity (served name plus a digest of its config).
+    /// The served model name.
     pub model: String,
+    /// Fingerprint of the weights and tokenizer (`pd_model::ModelSource::fingerprint`); empty
+    /// when the node does not say (it then matches only another node that does not say).
+    pub fingerprint: String,
     /// Element type of the pool (`f32`, `f16`, `bf16`).
     pub dtype: String,
     /// KV heads per layer.
@@ -39,12 +42,14 @@ pub struct CompatError {
 }
 
 impl CompatInfo {
-    /// The compatibility info of a pool holding `model`'s KV.
+    /// The compatibility info of a pool holding `model`'s KV (no fingerprint: see
+    /// [`CompatInfo::with_fingerprint`]).
     pub fn new(model: impl Into<String>, layout: &KvLayout) -> Self {
         Self {
             project_version: env!("CARGO_PKG_VERSION").to_string(),
             protocol_version: TRANSFER_PROTOCOL_VERSION,
             model: model.into(),
+            fingerprint: String::new(),
             dtype: layout.dtype.as_str().to_string(),
             num_kv_heads: layout.num_kv_heads as u32,
             num_layers: layout.num_layers as u32,
@@ -53,13 +58,21 @@ impl CompatInfo {
         }
     }
 
+    /// The same, for the weights and tokenizer that `fingerprint` identifies.
+    #[must_use]
+    pub fn with_fingerprint(mut self, fingerprint: impl Into<String>) -> Self {
+        self.fingerprint = fingerprint.into();
+        self
+    }
+
     /// xxh3-64 over every field, in order (sent in the handshake so a mismatch is cheap to see).
     pub fn hash(&self) -> u64 {
         let s = format!(
-            "{}\0{}\0{}\0{}\0{}\0{}\0{}\0{}",
+            "{}\0{}\0{}\0{}\0{}\0{}\0{}\0{}\0{}",
             self.project_version,
             self.protocol_version,
             self.model,
+            self.fingerprint,
             self.dtype,
             self.num_kv_heads,
             self.num_layers,
@@ -74,7 +87,7 @@ impl CompatInfo {
     /// # Errors
     /// [`CompatError`] with the field, our value and theirs.
     pub fn check(&self, remote: &CompatInfo) -> Result<(), CompatError> {
-        let fields: [(&'static str, String, String); 8] = [
+        let fields: [(&'static str, String, String); 9] = [
             (
                 "project_version",
                 self.project_version.clone(),
@@ -86,6 +99,11 @@ impl CompatInfo {
                 remote.protocol_version.to_string(),
             ),
             ("model", self.model.clone(), remote.model.clone()),
+            (
+                "model_fingerprint",
+                self.fingerprint.clone(),
+                remote.fingerprint.clone(),
+            ),
             ("dtype", self.dtype.clone(), remote.dtype.clone()),
             (
                 "num_kv_heads",
@@ -154,5 +172,11 @@ mod tests {
         let mut c = a.clone();
         c.model = "other".into();
         assert_eq!(a.check(&c).unwrap_err().field, "model");
+        // Same name and shapes, other weights.
+        let d = a.clone().with_fingerprint("00000000deadbeef");
+        let e = a.clone().with_fingerprint("0000000000c0ffee");
+        assert_eq!(d.check(&e).unwrap_err().field, "model_fingerprint");
+        assert_eq!(a.check(&d).unwrap_err().field, "model_fingerprint");
+        assert_ne!(d.hash(), e.hash());
     }
 }

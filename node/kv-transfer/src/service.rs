@@ -110,6 +110,7 @@ pub fn compat_to_proto(c: &CompatInfo) -> Compat {
         head_dim: c.head_dim,
         block_size: c.block_size,
         hash: c.hash(),
+        fingerprint: c.fingerprint.clone(),
     }
 }
 
@@ -119,6 +120,7 @@ pub fn compat_from_proto(c: &Compat) -> CompatInfo {
         project_version: c.project_version.clone(),
         protocol_version: c.protocol_version,
         model: c.model.clone(),
+        fingerprint: c.fingerprint.clone(),
         dtype: c.dtype.clone(),
         num_kv_heads: c.num_kv_heads,
         num_layers: c.num_layers,

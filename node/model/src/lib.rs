@@ -37,5 +37,5 @@ pub use config::{Arch, HfConfig, ModelConfig};
 pub use error::ModelError;
 pub use gguf::GgufFile;
 pub use llama::Model;
-pub use source::ModelSource;
+pub use source::{FINGERPRINT_FULL_BYTES, ModelSource};
 pub use weights::WeightSource;

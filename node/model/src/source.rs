@@ -10,6 +10,43 @@ use crate::config::HfConfig;
 use crate::error::ModelError;
 use crate::gguf::{GgufFile, QuantPolicy};
 use crate::llama::{Model, safetensors_files};
+
+/// Files up to this size are hashed whole by [`ModelSource::fingerprint`]; larger ones are
+/// sampled.
+pub const FINGERPRINT_FULL_BYTES: u64 = 256 << 20;
+
+/// Feeds `path`'s name, size and (sampled) bytes to `h`.
+fn fingerprint_file(h: &mut xxhash_rust::xxh3::Xxh3, path: &Path) -> std::io::Result<()> {
+    use std::io::{Read, Seek, SeekFrom};
+    const CHUNK: u64 = 1 << 20;
+    let mut file = std::fs::File::open(path)?;
+    let len = file.metadata()?.len();
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+    h.update(name.unwrap_or_default().as_bytes());
+    h.update(&len.to_le_bytes());
+    let mut buf = vec![0u8; CHUNK as usize];
+    let mut read_at = |h: &mut xxhash_rust::xxh3::Xxh3, at: u64, n: u64| -> std::io::Result<()> {
+        file.seek(SeekFrom::Start(at))?;
+        let n = n.min(len - at) as usize;
+        file.read_exact(&mut buf[..n])?;
+        h.update(&buf[..n]);
+        Ok(())
+    };
+    if len <= FINGERPRINT_FULL_BYTES {
+        let mut at = 0;
+        while at < len {
+            read_at(h, at, CHUNK)?;
+            at += CHUNK;
+        }
+    } else {
+        let last = len - CHUNK;
+        for i in 0..=65u64 {
+            // 0 (the head), 64 evenly spaced chunks, `last` (the tail).
+            read_at(h, (last * i) / 65, CHUNK)?;
+        }
+    }
+    Ok(())
+}
 use crate::weights::{SafetensorsWeights, check_weight_dtypes};
 
 /// A model on disk, in one of the formats the engine reads.
@@ -73,6 +110,45 @@ impl ModelSource {
                     .join(", ")
             ))),
         }
+    }
+
+    /// A fingerprint of the weights and tokenizer (16 hex digits): two nodes whose fingerprints
+    /// differ must never read each other's KV, whatever their served names say.
+    ///
+    /// xxh3-64 over, per file in a fixed order (GGUF: the file; Hugging Face: `config.json`,
+    /// the tokenizer files, every `*.safetensors` by name), its name, its size and its bytes —
+    /// all of them up to [`FINGERPRINT_FULL_BYTES`], beyond that the first and last MiB and
+    /// 64 evenly spaced MiB (a different checkpoint differs in every tensor).
+    ///
+    /// # Errors
+    /// [`ModelError::Io`] when a file cannot be read.
+    pub fn fingerprint(&self) -> Result<String, ModelError> {
+        let files: Vec<PathBuf> = match self {
+            Self::Gguf(g) => vec![g.path().to_path_buf()],
+            Self::HfDir(dir) => {
+                let mut files: Vec<PathBuf> = [
+                    "config.json",
+                    "tokenizer.json",
+                    "tokenizer_config.json",
+                    "vocab.json",
+                    "merges.txt",
+                ]
+                .iter()
+                .map(|f| dir.join(f))
+                .filter(|p| p.is_file())
+                .collect();
+                files.extend(safetensors_files(dir)?);
+                files
+            }
+        };
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        for path in &files {
+            fingerprint_file(&mut h, path).map_err(|source| ModelError::Io {
+                path: path.clone(),
+                source,
+            })?;
+        }
+        Ok(format!("{:016x}", h.digest()))
     }
 
     /// The name clients use by default: the directory's name, or the GGUF file's name without

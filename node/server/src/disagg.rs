@@ -236,7 +236,8 @@ impl Disagg {
         });
         let loader = puller.map(|puller| Loader {
             puller,
-            compat: CompatInfo::new(info.model_name.clone(), &info.kv_layout),
+            compat: CompatInfo::new(info.model_name.clone(), &info.kv_layout)
+                .with_fingerprint(info.fingerprint.clone()),
             epoch,
             cfg: pull,
             clients: Mutex::new(HashMap::new()),

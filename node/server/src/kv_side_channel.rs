@@ -137,7 +137,8 @@ impl UcxPool {
         let identity = OwnerIdentity {
             engine_id,
             epoch,
-            compat: CompatInfo::new(info.model_name.clone(), &info.kv_layout),
+            compat: CompatInfo::new(info.model_name.clone(), &info.kv_layout)
+                .with_fingerprint(info.fingerprint.clone()),
             layout: info.kv_layout,
             worker_address,
             region_base: region.base(),

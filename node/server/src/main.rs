@@ -165,6 +165,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                         info.model_name.clone(),
                         &info.kv_layout,
                     )
+                    .with_fingerprint(info.fingerprint.clone())
                     .hash(),
                     http_addr: local.to_string(),
                     kv_side_channel_addr: side_channel.as_ref().map(|(h, p)| format!("{h}:{p}")),

@@ -112,10 +112,13 @@ async fn node_publishes_its_ucx_pool_and_serves_from_it_token_exact() {
     let mut client = PeerClient::connect(with_kv.kv.as_deref().unwrap(), "node-b")
         .await
         .unwrap();
-    let peer = client
-        .handshake(&CompatInfo::new("tiny", &layout), 1, false)
-        .await
+    // The same model: same name, shapes and weights (its fingerprint).
+    let fingerprint = pd_model::ModelSource::open(&dir)
+        .unwrap()
+        .fingerprint()
         .unwrap();
+    let ours = CompatInfo::new("tiny", &layout).with_fingerprint(fingerprint);
+    let peer = client.handshake(&ours, 1, false).await.unwrap();
     assert_eq!(peer.engine_id, "node-a");
     assert_eq!(peer.layout, layout);
     assert!(peer.region_len >= layout.pool_bytes() as u64);
@@ -128,5 +131,11 @@ async fn node_publishes_its_ucx_pool_and_serves_from_it_token_exact() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("model"), "{err}");
+    // So is one with the same name and shapes but other weights.
+    let err = client
+        .handshake(&ours.clone().with_fingerprint("0000000000000000"), 1, false)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("model_fingerprint"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }

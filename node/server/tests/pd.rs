@@ -29,11 +29,16 @@ impl Drop for Node {
 }
 
 fn model(name: &str) -> PathBuf {
+    model_seeded(name, 21)
+}
+
+/// A tiny model whose weights come from `seed` (same shapes and tokenizer for every seed).
+fn model_seeded(name: &str, seed: u64) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("pd-pd-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     generate(
         &TinySpec {
-            seed: 21,
+            seed,
             ..TinySpec::default()
         },
         &dir,
@@ -1203,4 +1208,37 @@ async fn a_producer_caps_the_blocks_leases_may_hold() {
     let got = through_pd(&p, &d, api, &second).await;
     assert_eq!(got.tokens, want.tokens);
     assert!(got.pulled.unwrap_or(0) > 0);
+}
+
+/// Issue 12: the compatibility check covers the weights, not only shapes and the served name.
+/// P and D serve "tiny" with the same shapes and tokenizer but different weights: D must never
+/// decode on P's KV (it would answer 200 with another model's continuation). The handshake is
+/// refused naming `model_fingerprint`; under `recompute` D answers from its own model, exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_with_other_weights_under_the_same_name_is_refused() {
+    let ours = model_seeded("fp-ours", 21);
+    let theirs = model_seeded("fp-theirs", 22);
+    let solo = start(&ours, &[]);
+    let p = producer(&theirs, &[]);
+    let d_fail = consumer(&ours, "fail");
+    let d_recompute = consumer_with(&ours, "recompute", &["--engine-id", "d2"]);
+    let api = Api::Completions;
+    let body = api.body(LONG, 8);
+    let want = seen(api, post(&solo.http, api.path(), &body).await).await;
+
+    let params = prefill(&p, api, &body).await;
+    let mut db = body.clone();
+    db["kv_transfer_params"] = params;
+    let r = post(&d_fail.http, api.path(), &db).await;
+    let status = r.status();
+    let text = r.text().await.unwrap();
+    assert_eq!(status, 500, "{text}");
+    assert!(text.contains("model_fingerprint"), "{text}");
+
+    let params = prefill(&p, api, &body).await;
+    db["kv_transfer_params"] = params;
+    let got = seen(api, post(&d_recompute.http, api.path(), &db).await).await;
+    assert_eq!(got.tokens, want.tokens);
+    assert_eq!(got.pulled.unwrap_or(0), 0);
+    assert_eq!(recomputes(&d_recompute, "handshake_refused").await, 1.0);
 }
