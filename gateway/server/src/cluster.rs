@@ -40,6 +40,8 @@ pub struct NodeEntry {
     pub kv_addr: Arc<str>,
     /// Longest sequence it accepts.
     pub max_model_len: u32,
+    /// The prefix-cache hash key it registered with (secret; 0: none).
+    pub hash_key: u64,
     /// The last state it sent.
     pub state: pb::NodeState,
     /// Block hashes it can serve from its prefix cache.
@@ -66,6 +68,9 @@ pub struct ModelEntry {
     pub fingerprint: u64,
     /// Tokens per block of its nodes (the first node's; others must agree).
     pub block_size: u32,
+    /// The prefix-cache hash key of its nodes (the first node's; others must agree), so the
+    /// gateway's block hashes match theirs.
+    pub hash_key: u64,
 }
 
 /// Everything under the lock.
@@ -175,6 +180,13 @@ impl Cluster {
                     entry.engine_id, m.fingerprint, entry.model
                 ));
             }
+            Some(m) if m.hash_key != entry.hash_key => {
+                // (The keys are secrets: never printed.)
+                return Err(format!(
+                    "the prefix-cache hash key (--kv-hash-key) of node `{}` differs from the one of model `{}`'s nodes; nodes of one model must share it",
+                    entry.engine_id, entry.model
+                ));
+            }
             Some(m) if m.block_size != entry.block_size => {
                 return Err(format!(
                     "block size {} of node `{}` differs from {}, the block size of model `{}`'s nodes",
@@ -190,6 +202,7 @@ impl Cluster {
                         tokenizer,
                         fingerprint,
                         block_size: entry.block_size,
+                        hash_key: entry.hash_key,
                     },
                 );
             }
@@ -285,6 +298,11 @@ impl Cluster {
             .models
             .get(model)
             .map(|m| (m.tokenizer.clone(), m.block_size))
+    }
+
+    /// The prefix-cache hash key of `model`'s nodes (0: none, or no such model).
+    pub fn hash_key(&self, model: &str) -> u64 {
+        self.read().models.get(model).map_or(0, |m| m.hash_key)
     }
 
     /// Models served by at least one live node, sorted.

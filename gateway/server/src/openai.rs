@@ -59,6 +59,8 @@ pub struct Analyzed {
     pub conversation_key: Option<String>,
     /// The prompt, to render and tokenize.
     pub prompt: PromptKind,
+    /// vLLM's `cache_salt`: the prompt's block hashes start from it, as on the nodes.
+    pub cache_salt: Option<String>,
 }
 
 fn bad(param: &'static str, message: impl Into<String>) -> GatewayError {
@@ -162,6 +164,16 @@ pub fn analyze(
             PromptKind::Chat(prompt::responses_messages(instructions, input)?, "input")
         }
     };
+    let cache_salt = match body.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+        Some(v) => {
+            return Err(bad(
+                "cache_salt",
+                format!("cache_salt must be a non-empty string, got {v}"),
+            ));
+        }
+    };
     Ok(Analyzed {
         api,
         model,
@@ -170,6 +182,7 @@ pub fn analyze(
         stream,
         conversation_key,
         prompt,
+        cache_salt,
     })
 }
 
@@ -321,6 +334,17 @@ mod tests {
         );
         let e = analyze(Api::Completions, &obj(json!({"prompt": "x"})), None).unwrap_err();
         assert!(matches!(e, GatewayError::InvalidRequest { param: Some(p), .. } if p == "model"));
+        // `cache_salt` is kept for hashing; anything but a non-empty string is a 400.
+        let body = obj(json!({"model": "m", "prompt": "x", "cache_salt": "tenant"}));
+        let a = analyze(Api::Completions, &body, None).unwrap();
+        assert_eq!(a.cache_salt.as_deref(), Some("tenant"));
+        for bad in [json!(""), json!(7)] {
+            let body = obj(json!({"model": "m", "prompt": "x", "cache_salt": bad}));
+            let e = analyze(Api::Completions, &body, None).unwrap_err();
+            assert!(
+                matches!(e, GatewayError::InvalidRequest { param: Some(p), .. } if p == "cache_salt")
+            );
+        }
     }
 
     #[test]

@@ -417,10 +417,16 @@ impl Gateway {
                 .await
                 .map_err(internal)??
         };
-        let hashes: Vec<u64> = pd_kv_pool::hash_full_blocks(&tokens, block_size as usize)
-            .into_iter()
-            .map(|h| h.0)
-            .collect();
+        // Chained from the deployment's key and the request's salt, exactly as on the nodes.
+        let root = pd_kv_pool::root_hash(
+            s.cluster.hash_key(&analyzed.model),
+            analyzed.cache_salt.as_deref(),
+        );
+        let hashes: Vec<u64> =
+            pd_kv_pool::hash_full_blocks_from(root, &tokens, block_size as usize)
+                .into_iter()
+                .map(|h| h.0)
+                .collect();
         clock.lap("tokenize");
         let snapshot = s.cluster.snapshot(&analyzed.model, &hashes);
         if snapshot.view.nodes.is_empty() {

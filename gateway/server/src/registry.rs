@@ -176,6 +176,7 @@ impl NodeRegistry for Registry {
             http_addr: reg.http_addr.as_str().into(),
             kv_addr: reg.kv_side_channel_addr.as_str().into(),
             max_model_len: reg.max_model_len,
+            hash_key: reg.kv_hash_key,
             state: pb::NodeState {
                 total_blocks: reg.num_blocks,
                 free_blocks: reg.num_blocks,

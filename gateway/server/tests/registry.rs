@@ -135,7 +135,14 @@ async fn gateway_hashes_equal_the_hashes_the_node_reported() {
     let (node, http) = start_node(
         &model,
         &registry,
-        &["--cluster-token", "secret", "--engine-id", "solo"],
+        &[
+            "--cluster-token",
+            "secret",
+            "--engine-id",
+            "solo",
+            "--kv-hash-key",
+            "deployment-key",
+        ],
     );
     until("the node to register", || !cluster.live_models().is_empty()).await;
 
@@ -166,11 +173,19 @@ async fn gateway_hashes_equal_the_hashes_the_node_reported() {
         prompt_tokens,
         "the gateway counts the prompt as the node does"
     );
-    let hashes: Vec<u64> = pd_kv_pool::hash_full_blocks(&tokens, block_size as usize)
+    // Keyed with the key the node registered (the gateway never sees it otherwise).
+    let key = cluster.hash_key("tiny");
+    assert_eq!(key, pd_kv_pool::hash_key("deployment-key"));
+    let root = pd_kv_pool::root_hash(key, analyzed.cache_salt.as_deref());
+    let hashes: Vec<u64> = pd_kv_pool::hash_full_blocks_from(root, &tokens, block_size as usize)
         .into_iter()
         .map(|h| h.0)
         .collect();
     assert!(hashes.len() >= 10, "a prompt of several blocks");
+    let public: Vec<u64> = pd_kv_pool::hash_full_blocks(&tokens, block_size as usize)
+        .into_iter()
+        .map(|h| h.0)
+        .collect();
     // The node reports every full prompt block it cached: the view shows it holds them all.
     until("the node's block hashes", || {
         cluster.snapshot("tiny", &hashes).prefix_blocks == vec![hashes.len() as u32]
@@ -178,6 +193,8 @@ async fn gateway_hashes_equal_the_hashes_the_node_reported() {
     .await;
     let snap = cluster.snapshot("tiny", &hashes);
     assert_eq!(snap.view.nodes[0].role, Role::Standalone);
+    // The public (unkeyed) chain matches nothing.
+    assert_eq!(cluster.snapshot("tiny", &public).prefix_blocks, vec![0]);
     // A different prompt shares no prefix with it.
     let other = pd_kv_pool::hash_full_blocks(&[7, 7, 7, 7, 7, 7, 7, 7], 4);
     let other: Vec<u64> = other.into_iter().map(|h| h.0).collect();
@@ -212,6 +229,44 @@ async fn gateway_hashes_equal_the_hashes_the_node_reported() {
             .values()
             .all(|n| &*n.engine_id != "intruder"),
         "a node with a wrong token joined"
+    );
+
+    // A node of the same model with another hash key never joins either: its hashes would
+    // never match the gateway's.
+    let (_other_key, _, err) = start_node_logged(
+        &model,
+        &registry,
+        &[
+            "--cluster-token",
+            "secret",
+            "--engine-id",
+            "other-key",
+            "--kv-hash-key",
+            "another-key",
+        ],
+        Stdio::piped(),
+    );
+    let err = err.expect("piped stderr");
+    let refused = tokio::task::spawn_blocking(move || {
+        BufReader::new(err)
+            .lines()
+            .map_while(Result::ok)
+            .any(|l| l.contains("--kv-hash-key") && l.contains("differs"))
+    });
+    assert!(
+        tokio::time::timeout(WAIT, refused)
+            .await
+            .expect("the refusal within the deadline")
+            .expect("reader"),
+        "the node did not report the refusal"
+    );
+    assert!(
+        cluster
+            .read()
+            .nodes
+            .values()
+            .all(|n| &*n.engine_id != "other-key"),
+        "a node with another hash key joined"
     );
 
     // A dead node leaves the view at once (its stream ends).

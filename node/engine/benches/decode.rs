@@ -235,6 +235,7 @@ async fn engine_decode(
                 ..SamplingParams::default()
             },
             kv: Default::default(),
+            cache_salt: None,
         })?);
     }
     let mut tasks = Vec::with_capacity(batch);

@@ -35,6 +35,9 @@ pub struct EngineConfig {
     /// that would take leases beyond it is refused ([`crate::EngineError::LeaseCapacity`]), so
     /// the node's own prefills always find blocks.
     pub kv_max_leased_fraction: f64,
+    /// The per-deployment prefix-cache hash key ([`pd_kv_pool::hash_key`] of the operator's
+    /// secret; 0: none). The gateway must hash with the same key.
+    pub kv_hash_key: u64,
 }
 
 /// Allocates the KV pool for a layout (e.g. in UCX-allocated memory).
@@ -64,6 +67,7 @@ impl Default for EngineConfig {
             pool_memory: None,
             kv_lease_duration: std::time::Duration::from_secs(30),
             kv_max_leased_fraction: 0.9,
+            kv_hash_key: 0,
         }
     }
 }
@@ -127,6 +131,8 @@ pub struct Engine {
     eos: Vec<u32>,
     leases: Arc<LeaseBook>,
     cache_events: broadcast::Sender<CacheEvent>,
+    /// [`EngineConfig::kv_hash_key`].
+    hash_key: u64,
 }
 
 /// Prefix-cache events buffered for a subscriber that is slow to read; past this it lags and
@@ -241,6 +247,7 @@ impl Engine {
             requests: HashMap::new(),
             eos,
             leases: Arc::new(LeaseBook::new(cfg.kv_lease_duration, rand::random())),
+            hash_key: cfg.kv_hash_key,
             cache_events: broadcast::channel(CACHE_EVENT_CAPACITY).0,
         })
     }
@@ -419,6 +426,7 @@ impl Engine {
             prompt_tokens,
             params,
             kv,
+            cache_salt,
         } = request;
         let prompt_len = prompt_tokens.len();
         let max_tokens = match kv {
@@ -438,6 +446,7 @@ impl Engine {
             num_computed: 0,
             blocks: Vec::new(),
             hashes: Vec::new(),
+            root: pd_kv_pool::root_hash(self.hash_key, cache_salt.as_deref()),
             cacheable: true,
             rng: ChaCha8Rng::seed_from_u64(seed),
             text: String::new(),

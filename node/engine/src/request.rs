@@ -166,6 +166,9 @@ pub struct GenerateRequest {
     pub params: SamplingParams,
     /// Whether the prompt's KV is handed to, or taken from, another node.
     pub kv: KvTransfer,
+    /// vLLM's `cache_salt`: prefix-cache hits only between requests with the same salt
+    /// ([`pd_kv_pool::root_hash`]).
+    pub cache_salt: Option<String>,
 }
 
 /// A request's part in prefill/decode disaggregation.

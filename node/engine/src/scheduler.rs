@@ -15,7 +15,7 @@
 
 use std::collections::VecDeque;
 
-use pd_kv_pool::{AllocatorError, BlockAllocator, BlockId, block_hash, hash_full_blocks};
+use pd_kv_pool::{AllocatorError, BlockAllocator, BlockId, block_hash, hash_full_blocks_from};
 
 use crate::request::RequestId;
 use crate::sequence::Sequence;
@@ -174,7 +174,7 @@ impl Scheduler {
         while seq.hashes.len() < seq.num_computed / bs {
             let k = seq.hashes.len();
             let h = block_hash(
-                seq.hashes.last().copied(),
+                seq.hashes.last().copied().or(seq.root),
                 &seq.tokens[k * bs..(k + 1) * bs],
             );
             self.allocator.register(seq.blocks[k], h);
@@ -295,7 +295,7 @@ impl Scheduler {
         if self.cfg.enable_prefix_caching && seq.cacheable {
             for k in seq.hashes.len()..seq.num_computed / bs {
                 let h = block_hash(
-                    seq.hashes.last().copied(),
+                    seq.hashes.last().copied().or(seq.root),
                     &seq.tokens[k * bs..(k + 1) * bs],
                 );
                 self.allocator.register(seq.blocks[k], h);
@@ -333,7 +333,7 @@ impl Scheduler {
             return 0;
         }
         let bs = self.cfg.block_size;
-        let hashes = hash_full_blocks(&seq.tokens, bs);
+        let hashes = hash_full_blocks_from(seq.root, &seq.tokens, bs);
         let mut found = self.allocator.lookup(&hashes);
         if found.len() * bs >= seq.tokens.len() {
             found.pop();
@@ -409,6 +409,7 @@ mod tests {
             num_computed: 0,
             blocks: Vec::new(),
             hashes: Vec::new(),
+            root: None,
             cacheable: true,
             rng: rand_chacha::ChaCha8Rng::seed_from_u64(0),
             decoder: tok.decoder(true),

@@ -25,6 +25,9 @@ pub(crate) struct Sequence {
     pub(crate) blocks: Vec<BlockId>,
     /// Hashes of the leading full blocks, registered in the prefix cache.
     pub(crate) hashes: Vec<BlockHash>,
+    /// Parent of the first block's hash: the deployment key and the request's `cache_salt`
+    /// (`pd_kv_pool::root_hash`); `None`: the plain chain.
+    pub(crate) root: Option<BlockHash>,
     /// False once the sequence holds KV whose contents nobody vouched for (pulled from a
     /// producer that does not attest its leases): none of its blocks, nor any computed on top
     /// of them, is ever entered in the prefix cache.
@@ -57,6 +60,7 @@ impl Sequence {
             num_computed: self.num_computed,
             blocks: self.blocks.clone(),
             hashes: self.hashes.clone(),
+            root: self.root,
             cacheable: self.cacheable,
             rng,
             decoder: self.decoder.clone(),

@@ -112,6 +112,7 @@ async fn run(handle: &EngineHandle, prompt_tokens: Vec<u32>, params: SamplingPar
             prompt_tokens,
             params,
             kv: Default::default(),
+            cache_salt: None,
         })
         .unwrap();
     let mut o = Outcome {
@@ -337,6 +338,7 @@ async fn dropping_streams_aborts_and_frees_blocks() {
                 prompt_tokens: prompt(30, i),
                 params: greedy(900),
                 kv: Default::default(),
+                cache_salt: None,
             })
             .unwrap();
         // Wait for a first token so the request holds blocks.
@@ -360,6 +362,7 @@ async fn invalid_requests_are_refused_with_the_param_named() {
         prompt_tokens: p,
         params,
         kv: Default::default(),
+        cache_salt: None,
     }) {
         Err(pd_engine::EngineError::Invalid(e)) => e.param,
         other => panic!("expected invalid, got {other:?}"),
@@ -407,6 +410,7 @@ async fn invalid_requests_are_refused_with_the_param_named() {
         prompt_tokens: prompt(4, 0),
         params: stops(vec!["y".repeat(512); 32]),
         kv: Default::default(),
+        cache_salt: None,
     });
     assert!(ok.is_ok(), "{ok:?}");
 }
@@ -420,6 +424,7 @@ async fn shutdown_fails_live_requests_and_refuses_new_ones() {
             prompt_tokens: prompt(8, 1),
             params: greedy(900),
             kv: Default::default(),
+            cache_salt: None,
         })
         .unwrap();
     h.shutdown();
@@ -437,6 +442,7 @@ async fn shutdown_fails_live_requests_and_refuses_new_ones() {
             prompt_tokens: prompt(8, 1),
             params: greedy(4),
             kv: Default::default(),
+            cache_salt: None,
         }) {
             Err(pd_engine::EngineError::Shutdown) => break,
             Ok(_) => assert!(Instant::now() < deadline, "engine did not shut down"),
@@ -490,6 +496,7 @@ async fn producer_prefills_once_and_leases_the_prompt_blocks_until_released() {
             // max_tokens is ignored: a producer samples one token per child.
             params: SamplingParams { n: 3, ..greedy(50) },
             kv: KvTransfer::Produce { consumers: 1 },
+            cache_salt: None,
         })
         .unwrap();
     let mut handoffs = Vec::new();
@@ -541,6 +548,7 @@ async fn a_producer_for_two_consumers_grants_two_leases_and_keeps_blocks_until_b
             prompt_tokens: prompt(10, 5), // 3 blocks of 4
             params: greedy(1),
             kv: KvTransfer::Produce { consumers: 2 },
+            cache_salt: None,
         })
         .unwrap();
     let mut handoffs = Vec::new();
@@ -577,6 +585,7 @@ async fn an_unreleased_lease_expires_frees_its_blocks_and_is_counted() {
             prompt_tokens: prompt(9, 1),
             params: greedy(1),
             kv: KvTransfer::Produce { consumers: 1 },
+            cache_salt: None,
         })
         .unwrap();
     let mut lease = None;
@@ -612,6 +621,7 @@ async fn consume(
             prompt_tokens: p,
             params,
             kv: KvTransfer::Consume,
+            cache_salt: None,
         })
         .unwrap();
     match s.recv().await {
@@ -681,6 +691,7 @@ async fn a_producer_whose_client_leaves_mid_prefill_grants_no_lease() {
             prompt_tokens: prompt(40, 3),
             params: greedy(1),
             kv: KvTransfer::Produce { consumers: 1 },
+            cache_salt: None,
         })
         .unwrap();
     assert!(matches!(s.recv().await, Some(RequestEvent::Started { .. })));

@@ -26,12 +26,55 @@ pub fn block_hash(parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
     ))
 }
 
-/// Hashes of every *full* block of `tokens` (a trailing partial block has no hash).
+/// Hashes of every *full* block of `tokens` (a trailing partial block has no hash), unkeyed and
+/// unsalted: [`hash_full_blocks_from`] with no root.
 pub fn hash_full_blocks(tokens: &[u32], block_size: usize) -> Vec<BlockHash> {
+    hash_full_blocks_from(None, tokens, block_size)
+}
+
+/// The parent of a sequence's first block under a per-deployment `key` and a per-request
+/// `salt` (vLLM's `cache_salt`): `None` (the plain [`ROOT_HASH_SEED`] chain) when the key is 0
+/// and there is no salt.
+///
+/// The key makes hashes unpredictable to clients (no crafted 64-bit collisions to poison a
+/// prefix cache); the salt splits the cache between tenants: equal prompts under different
+/// salts never share a block. Nodes and the gateway must use the same key to agree on hashes.
+pub fn root_hash(key: u64, salt: Option<&str>) -> Option<BlockHash> {
+    if key == 0 && salt.is_none() {
+        return None;
+    }
+    let mut bytes = Vec::with_capacity(9 + salt.map_or(0, str::len));
+    bytes.extend_from_slice(&key.to_le_bytes());
+    match salt {
+        None => bytes.push(0),
+        Some(s) => {
+            bytes.push(1);
+            bytes.extend_from_slice(s.as_bytes());
+        }
+    }
+    Some(BlockHash(xxh3_64_with_seed(&bytes, ROOT_HASH_SEED)))
+}
+
+/// The key [`root_hash`] takes, from an operator's secret string (empty: no key).
+pub fn hash_key(secret: &str) -> u64 {
+    if secret.is_empty() {
+        0
+    } else {
+        // Never 0, so a set key always changes the chain.
+        xxh3_64_with_seed(secret.as_bytes(), ROOT_HASH_SEED).max(1)
+    }
+}
+
+/// [`hash_full_blocks`] for a chain whose first block's parent is `root` ([`root_hash`]).
+pub fn hash_full_blocks_from(
+    root: Option<BlockHash>,
+    tokens: &[u32],
+    block_size: usize,
+) -> Vec<BlockHash> {
     if block_size == 0 {
         return Vec::new();
     }
-    let mut parent = None;
+    let mut parent = root;
     tokens
         .chunks_exact(block_size)
         .map(|chunk| {
@@ -55,6 +98,35 @@ mod tests {
         // Same second block tokens, different parent: different hash.
         assert_ne!(a[1], b[1]);
         assert_eq!(a[1], block_hash(Some(a[0]), &[5, 6, 7, 8]));
+    }
+
+    #[test]
+    fn key_and_salt_change_every_hash_and_nothing_else_does() {
+        let tokens = [1, 2, 3, 4, 5, 6, 7, 8];
+        let plain = hash_full_blocks(&tokens, 4);
+        assert_eq!(root_hash(0, None), None);
+        assert_eq!(hash_full_blocks_from(None, &tokens, 4), plain);
+        let key = hash_key("deployment secret");
+        assert_eq!(hash_key(""), 0);
+        let keyed = hash_full_blocks_from(root_hash(key, None), &tokens, 4);
+        let salted = hash_full_blocks_from(root_hash(0, Some("tenant-a")), &tokens, 4);
+        let other = hash_full_blocks_from(root_hash(0, Some("tenant-b")), &tokens, 4);
+        let empty = hash_full_blocks_from(root_hash(0, Some("")), &tokens, 4);
+        let both = hash_full_blocks_from(root_hash(key, Some("tenant-a")), &tokens, 4);
+        let all = [&plain, &keyed, &salted, &other, &empty, &both];
+        for (i, a) in all.iter().enumerate() {
+            for b in &all[i + 1..] {
+                assert!(
+                    a.iter().zip(b.iter()).all(|(x, y)| x != y),
+                    "{a:?} vs {b:?}"
+                );
+            }
+        }
+        // Deterministic: the gateway computes the same.
+        assert_eq!(
+            keyed,
+            hash_full_blocks_from(root_hash(hash_key("deployment secret"), None), &tokens, 4)
+        );
     }
 
     #[test]

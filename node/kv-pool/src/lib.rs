@@ -24,7 +24,10 @@ mod lease;
 mod pool;
 
 pub use allocator::{AllocatorError, BlockAllocator, BlockId, CacheEvent};
-pub use hash::{BlockHash, ROOT_HASH_SEED, block_hash, hash_full_blocks};
+pub use hash::{
+    BlockHash, ROOT_HASH_SEED, block_hash, hash_full_blocks, hash_full_blocks_from, hash_key,
+    root_hash,
+};
 pub use layout::{KvDtype, KvLayout};
 pub use lease::{Lease, LeaseContents, LeaseCounts, LeaseError, LeaseId, LeaseTable};
 pub use pool::KvPool;

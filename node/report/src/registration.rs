@@ -54,6 +54,8 @@ pub struct Registration {
     pub tokenizer_files: BTreeMap<String, String>,
     /// `pd_tokenize::Tokenizer::fingerprint` of those files.
     pub tokenizer_fingerprint: u64,
+    /// The prefix-cache hash key (`pd_kv_pool::hash_key` of `--kv-hash-key`); 0: none.
+    pub kv_hash_key: u64,
 }
 
 impl std::fmt::Debug for Registration {
@@ -78,6 +80,14 @@ impl std::fmt::Debug for Registration {
             .field(
                 "cluster_token",
                 &if self.cluster_token.is_empty() {
+                    "(none)"
+                } else {
+                    "(set)"
+                },
+            )
+            .field(
+                "kv_hash_key",
+                &if self.kv_hash_key == 0 {
                     "(none)"
                 } else {
                     "(set)"
@@ -119,6 +129,7 @@ impl From<&Registration> for pb::Register {
             num_blocks: r.num_blocks,
             max_model_len: r.max_model_len,
             cluster_token: r.cluster_token.clone(),
+            kv_hash_key: r.kv_hash_key,
             tokenizer: (!r.tokenizer_files.is_empty()).then(|| pb::TokenizerBundle {
                 files: r
                     .tokenizer_files

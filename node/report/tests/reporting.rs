@@ -96,6 +96,7 @@ fn registration() -> Registration {
             ("tokenizer_config.json".to_string(), "{}".to_string()),
         ]),
         tokenizer_fingerprint: 0x1234_5678,
+        kv_hash_key: 0x00c0_ffee,
     }
 }
 
@@ -204,6 +205,7 @@ async fn registers_then_sends_full_state_then_block_resync() -> TestResult {
             num_blocks: 1024,
             max_model_len: 2048,
             cluster_token: "s3cret".to_string(),
+            kv_hash_key: 0x00c0_ffee,
             tokenizer: Some(pb::TokenizerBundle {
                 files: vec![
                     pb::TokenizerFile {

@@ -132,10 +132,19 @@ pub struct ServeArgs {
     /// nodes without it). Default: the `PD_CLUSTER_TOKEN` environment variable.
     #[arg(long, value_name = "TOKEN")]
     pub cluster_token: Option<String>,
+    /// Secret key of the prefix-cache hash, shared by every node of a deployment and sent to
+    /// the gateway at registration (so its hashes match). Without one, block hashes are the
+    /// public chain anyone can compute, and crafted prompts could collide with cached blocks.
+    /// Default: the `PD_KV_HASH_KEY` environment variable.
+    #[arg(long, value_name = "SECRET")]
+    pub kv_hash_key: Option<String>,
 }
 
 /// The environment variable read when `--cluster-token` is absent.
 pub const CLUSTER_TOKEN_ENV: &str = "PD_CLUSTER_TOKEN";
+
+/// Environment variable holding the prefix-cache hash key (`--kv-hash-key` wins).
+pub const HASH_KEY_ENV: &str = "PD_KV_HASH_KEY";
 
 /// `--kv-role` values (vLLM's spelling).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -195,6 +204,7 @@ impl ServeArgs {
             pool_memory: None,
             kv_lease_duration: self.lease_duration()?,
             kv_max_leased_fraction: self.max_leased_fraction()?,
+            kv_hash_key: self.hash_key(),
         })
     }
 
@@ -291,6 +301,14 @@ impl ServeArgs {
             self.cluster_token.as_deref(),
             std::env::var(CLUSTER_TOKEN_ENV).ok(),
         )
+    }
+
+    /// The prefix-cache hash key: `--kv-hash-key`, else `$PD_KV_HASH_KEY`, else none (0).
+    pub fn hash_key(&self) -> u64 {
+        pd_kv_pool::hash_key(&cluster_token_from(
+            self.kv_hash_key.as_deref(),
+            std::env::var(HASH_KEY_ENV).ok(),
+        ))
     }
 
     /// The host put in `kv_transfer_params.remote_host`.

@@ -173,6 +173,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                     num_blocks: info.num_blocks as u64,
                     max_model_len: info.max_model_len as u32,
                     cluster_token: args.cluster_token(),
+                    kv_hash_key: args.hash_key(),
                     tokenizer_files: engine.tokenizer().files().clone(),
                     tokenizer_fingerprint: engine.tokenizer().fingerprint(),
                 };

@@ -402,3 +402,101 @@ async fn a_decode_node_with_a_gateway_pulls_only_from_the_peers_it_pushed() {
     assert_eq!(r.status(), 200);
     assert_eq!(metric(&d, consumed).await, before);
 }
+
+/// Issue 12: the prefix-cache hash takes a per-deployment key and a per-request `cache_salt`.
+/// A node started with `--kv-hash-key` sends the key at registration (the gateway hashes with
+/// it) and its cached blocks carry keyed hashes — not the public chain a client could compute.
+/// Requests with different salts never share cached blocks; the same salt does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn block_hashes_take_the_deployment_key_and_the_request_salt() {
+    use pd_kv_pool::{hash_full_blocks_from, hash_key, root_hash};
+    let dir = std::env::temp_dir().join(format!("pd-registry-key-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    generate(&TinySpec::default(), &dir).unwrap();
+    let log = RegistryLog::default();
+    let registry = TestRegistry::start_with(
+        "127.0.0.1:0".parse().unwrap(),
+        TestRegistryOptions {
+            state_interval_ms: 50,
+            log: Some(log.clone()),
+            ..TestRegistryOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let gateway = registry.addr().to_string();
+    let (_node, http) = start(&dir, &["--gateway", &gateway, "--kv-hash-key", "k3y"]);
+    let key = hash_key("k3y");
+    log.wait_for(WAIT, |c| {
+        c.first()
+            .and_then(|c| c.register())
+            .is_some_and(|r| r.kv_hash_key == key)
+    })
+    .await
+    .unwrap();
+
+    let url = format!("{http}/v1/completions");
+    let text = "Twenty tokens of salt.";
+    let body = |salt: Option<&str>| {
+        let mut b = json!({"model": "tiny", "prompt": text, "max_tokens": 1,
+            "temperature": 0, "return_token_ids": true});
+        if let Some(s) = salt {
+            b["cache_salt"] = json!(s);
+        }
+        b
+    };
+    let cached = |v: &Value| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+    // Unsalted: the keyed chain is what the node caches and reports.
+    let r: Value = post(&url, &body(None)).await.json().await.unwrap();
+    let prompt: Vec<u32> = r["choices"][0]["prompt_token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    let keyed: Vec<u64> = hash_full_blocks_from(root_hash(key, None), &prompt, 4)
+        .iter()
+        .map(|h| h.0)
+        .collect();
+    let public: Vec<u64> = hash_full_blocks(&prompt, 4).iter().map(|h| h.0).collect();
+    assert!(!keyed.is_empty());
+    log.wait_for(WAIT, |c| {
+        let stored = c[0].stored_hashes();
+        keyed.iter().all(|h| stored.contains(h))
+    })
+    .await
+    .unwrap();
+    let stored = log.connections()[0].stored_hashes();
+    assert!(
+        public.iter().all(|h| !stored.contains(h)),
+        "unkeyed hashes cached"
+    );
+
+    // Salts: a first salted request finds nothing (the unsalted blocks are another tenant's),
+    // the same salt again finds its blocks, another salt finds nothing.
+    let a1: Value = post(&url, &body(Some("tenant-a")))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(cached(&a1), Some(0), "{a1}");
+    let a2: Value = post(&url, &body(Some("tenant-a")))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert!(cached(&a2).unwrap() > 0, "{a2}");
+    let b1: Value = post(&url, &body(Some("tenant-b")))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(cached(&b1), Some(0), "{b1}");
+    let again: Value = post(&url, &body(None)).await.json().await.unwrap();
+    assert!(cached(&again).unwrap() > 0, "{again}");
+    // An empty salt is a 400 naming the field.
+    let r = post(&url, &body(Some(""))).await;
+    assert_eq!(r.status(), 400);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["param"], "cache_salt", "{e}");
+}

@@ -84,6 +84,10 @@ pub(crate) struct SamplingFields {
     /// vLLM extension: add `token_ids` (and the prompt's) to the response.
     #[serde(default)]
     pub(crate) return_token_ids: Option<bool>,
+    /// vLLM extension: prefix-cache hits only among requests with the same salt (tenant
+    /// isolation); see [`cache_salt`].
+    #[serde(default)]
+    pub(crate) cache_salt: Option<String>,
 }
 
 impl SamplingFields {
@@ -139,6 +143,26 @@ impl SamplingFields {
 
     pub(crate) fn return_token_ids(&self) -> bool {
         self.return_token_ids.unwrap_or(false)
+    }
+}
+
+/// Longest `cache_salt` accepted, in bytes.
+pub(crate) const MAX_CACHE_SALT: usize = 1024;
+
+/// A request's `cache_salt`, checked: absent, or a non-empty string of at most
+/// [`MAX_CACHE_SALT`] bytes (a 400 naming the field otherwise).
+pub(crate) fn cache_salt(salt: Option<&String>) -> Result<Option<String>, ApiError> {
+    match salt {
+        None => Ok(None),
+        Some(s) if s.is_empty() => Err(ApiError::invalid(
+            "cache_salt",
+            "cache_salt must be a non-empty string",
+        )),
+        Some(s) if s.len() > MAX_CACHE_SALT => Err(ApiError::invalid(
+            "cache_salt",
+            format!("cache_salt is longer than {MAX_CACHE_SALT} bytes"),
+        )),
+        Some(s) => Ok(Some(s.clone())),
     }
 }
 

@@ -26,6 +26,9 @@ pub(crate) struct ResponsesRequest {
     /// P/D disaggregation (vLLM's field): checked in `kv_params`.
     #[serde(default)]
     pub(crate) kv_transfer_params: Option<serde_json::Value>,
+    /// vLLM extension: see `SamplingFields::cache_salt`.
+    #[serde(default)]
+    pub(crate) cache_salt: Option<String>,
 }
 
 /// The `response` object (also the payload of `response.created` / `.completed` events).

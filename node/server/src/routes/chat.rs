@@ -69,6 +69,7 @@ pub(super) async fn create(
             prompt_tokens: prompt_tokens.clone(),
             params,
             kv: directive.transfer(),
+            cache_salt: crate::openai::cache_salt(req.sampling.cache_salt.as_ref())?,
         })
         .map_err(engine_error)?;
     let (stream, kv) = state.events(stream, directive, &id, &prompt_tokens);

@@ -75,6 +75,7 @@ pub(super) async fn create(
             prompt_tokens: prompt_tokens.clone(),
             params,
             kv: directive.transfer(),
+            cache_salt: crate::openai::cache_salt(req.cache_salt.as_ref())?,
         })
         .map_err(engine_error)?;
     let (stream, kv) = state.events(stream, directive, &template.id, &prompt_tokens);
