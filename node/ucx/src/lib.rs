@@ -36,7 +36,7 @@ mod worker;
 pub use context::{Context, Features, library_version};
 pub use endpoint::{Endpoint, EndpointOptions};
 pub use error::{Error, Result, status_name};
-pub use memory::{MemoryRegion, RemoteAccess, RemoteKey};
+pub use memory::{MemoryRegion, RemoteAccess, RemoteKey, populate};
 pub use request::Request;
 pub use transport::{Lane, TransportReport, is_tcp_emulated_rma};
 pub use worker::Worker;

@@ -259,6 +259,31 @@ impl RemoteKey<'_> {
     pub fn endpoint_serial(&self) -> u64 {
         self.ep_serial
     }
+
+    /// Populates this process's page tables for `len` bytes of the peer's memory at `remote_addr`
+    /// when [`RemoteKey::local_ptr`] maps it (`madvise(MADV_POPULATE_READ)`), so later reads take
+    /// no page faults. Returns `Ok(false)` when the memory is not mapped here. Touches nothing from
+    /// user space: memory unmapped meanwhile makes it fail, not crash, so it may run on any thread
+    /// while the key lives (pass it [`RemoteKey::local_ptr`]'s address and call [`populate`]).
+    ///
+    /// # Errors
+    /// The `madvise` error.
+    pub fn populate(&self, remote_addr: u64, len: usize) -> std::io::Result<bool> {
+        match self.local_ptr(remote_addr) {
+            Some(ptr) => populate(ptr, len).map(|()| true),
+            None => Ok(false),
+        }
+    }
+
+    /// Where the peer's address `remote_addr` is mapped into this process (`ucp_rkey_ptr`), when
+    /// the key's transport maps peer memory directly (shared memory on one host); `None`
+    /// otherwise. The mapping lives as long as this key.
+    pub fn local_ptr(&self, remote_addr: u64) -> Option<*const u8> {
+        let mut ptr: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: live rkey handle; `ptr` is a valid out-pointer. UCX only computes an address.
+        let status = unsafe { sys::ucp_rkey_ptr(self.handle, remote_addr, &mut ptr) };
+        (status == sys::UCS_OK && !ptr.is_null()).then_some(ptr.cast_const().cast())
+    }
 }
 
 impl Drop for RemoteKey<'_> {
@@ -266,5 +291,30 @@ impl Drop for RemoteKey<'_> {
         // SAFETY: the handle came from ucp_ep_rkey_unpack and is destroyed once; the worker it
         // belongs to outlives `'w`.
         unsafe { sys::ucp_rkey_destroy(self.handle) };
+    }
+}
+
+/// `madvise(MADV_POPULATE_READ)` over the pages covering `ptr..ptr+len`: faults them in without
+/// reading them from user space (an unmapped range is an error, not a crash).
+///
+/// # Errors
+/// The `madvise` error (e.g. `ENOMEM` for an unmapped range).
+pub fn populate(ptr: *const u8, len: usize) -> std::io::Result<()> {
+    const PAGE: usize = 4096;
+    let start = (ptr as usize) & !(PAGE - 1);
+    let end = (ptr as usize).saturating_add(len).next_multiple_of(PAGE);
+    // SAFETY: madvise reads no memory from user space and changes no contents; on a range that
+    // is not mapped it returns an error.
+    let rc = unsafe {
+        libc::madvise(
+            start as *mut libc::c_void,
+            end - start,
+            libc::MADV_POPULATE_READ,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
     }
 }

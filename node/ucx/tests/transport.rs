@@ -61,3 +61,32 @@ fn peer_error_mode_report() {
     assert!(!report.lanes.is_empty());
     wait_both(ep.close().unwrap(), &a).unwrap();
 }
+
+/// Asking for `UCP_FEATURE_WAKEUP` (event-driven progress) must not move KV reads off shared
+/// memory: the transports and the RMA lane are the same as without it.
+#[test]
+fn wakeup_feature_keeps_the_transports() {
+    let report = |features: pd_ucx::Features| {
+        let ctx = Context::with_features(features).unwrap();
+        let a = Worker::new(&ctx).unwrap();
+        let b = Worker::new(&ctx).unwrap();
+        let ep = b.connect(&a.address().unwrap()).unwrap();
+        wait_both(ep.flush().unwrap(), &a).unwrap();
+        let r = ep.transport_report().unwrap();
+        wait_both(ep.close().unwrap(), &a).unwrap();
+        r
+    };
+    let plain = report(pd_ucx::Features::default());
+    let wakeup = report(pd_ucx::Features {
+        wakeup: true,
+        ..pd_ucx::Features::default()
+    });
+    eprintln!(
+        "without wakeup: {:?} rma {:?}\nwith wakeup: {:?} rma {:?}",
+        plain.transports(),
+        plain.rma_transports(),
+        wakeup.transports(),
+        wakeup.rma_transports()
+    );
+    assert_eq!(plain.rma_transports(), wakeup.rma_transports());
+}
