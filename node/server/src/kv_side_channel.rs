@@ -40,7 +40,12 @@ impl UcxPool {
     /// When UCX cannot start.
     pub fn new() -> Result<Self, KvSideChannelError> {
         Ok(Self {
-            ctx: Context::new()?,
+            // Wakeup: the owner's progress thread sleeps on the worker's event fd (asking for it
+            // keeps the transports: pd-ucx tests/transport.rs).
+            ctx: Context::with_features(pd_ucx::Features {
+                wakeup: true,
+                ..pd_ucx::Features::default()
+            })?,
             region: Arc::new(OnceLock::new()),
         })
     }
@@ -125,9 +130,9 @@ impl UcxPool {
                 };
                 let _ = tx.send(worker.address());
                 // Serves AM-emulated operations and wireup; one-sided reads of UCX-allocated memory
-                // need none of it.
+                // need none of it. Sleeps on the worker's event fd between events.
                 loop {
-                    if worker.progress() == 0 {
+                    if worker.progress() == 0 && worker.wait_for_events().is_err() {
                         std::thread::sleep(std::time::Duration::from_micros(100));
                     }
                 }

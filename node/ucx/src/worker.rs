@@ -134,6 +134,20 @@ impl Worker {
         n
     }
 
+    /// Blocks until the worker has something to progress (`ucp_worker_wait`: arms the worker's
+    /// event fd and sleeps on it), instead of polling. Call [`Worker::progress`] until it returns
+    /// 0 first; events that arrived meanwhile make this return at once.
+    ///
+    /// # Errors
+    /// [`Error::Ucs`] — e.g. `UNSUPPORTED` when the context was created without
+    /// [`crate::Features::wakeup`].
+    pub fn wait_for_events(&self) -> Result<()> {
+        // SAFETY: the handle is live; `&self` on a `!Sync` worker means we are its only user.
+        check("ucp_worker_wait", unsafe {
+            sys::ucp_worker_wait(self.handle)
+        })
+    }
+
     /// `progress` without re-raising handler panics (used from `Drop` impls).
     pub(crate) fn progress_no_unwind(&self) -> u32 {
         // SAFETY: the handle is live; `&self` on a `!Sync` worker means we are its only user.
