@@ -549,11 +549,12 @@ impl Engine {
                 sampled.push(s.index);
             }
         }
-        let logits = self
-            .model
-            .forward(&batch, &mut self.pool)
-            .and_then(|l| Ok(l.to_vec2::<f32>()?));
-        let logits = match logits {
+        // (rows, vocab) copied out once for the whole step, then read row by row.
+        let logits = self.model.forward(&batch, &mut self.pool).and_then(|l| {
+            let vocab = l.dim(1)?;
+            Ok((l.flatten_all()?.to_vec1::<f32>()?, vocab))
+        });
+        let (logits, vocab) = match logits {
             Ok(l) => l,
             Err(e) => {
                 tracing::error!(error = %e, "forward pass failed");
@@ -579,7 +580,7 @@ impl Engine {
         }
         let mut finished: HashSet<(RequestId, usize)> = HashSet::new();
         let mut gone: HashSet<RequestId> = HashSet::new();
-        for (row, &index) in logits.iter().zip(&sampled) {
+        for (row, &index) in logits.chunks_exact(vocab.max(1)).zip(&sampled) {
             let id = self.scheduler.running[index].request;
             let Some(state) = self.requests.get_mut(&id) else {
                 continue;

@@ -6,50 +6,73 @@ use rand_chacha::ChaCha8Rng;
 use crate::request::{SamplingParams, TokenLogprob};
 
 /// Picks the next token from `logits` (vocab,) under `params`, drawing from `rng` unless greedy.
+///
+/// No full sort of the vocabulary: top-k is a partial selection (`select_nth_unstable`) and only
+/// the candidates are sorted; top-p sorts a prefix of the most likely tokens, growing it until it
+/// holds the nucleus (usually a few dozen of 49 152 entries).
 pub(crate) fn sample(logits: &[f32], params: &SamplingParams, rng: &mut ChaCha8Rng) -> u32 {
     // Below 1e-5 the scaled logits overflow: treat as greedy (as vLLM does).
-    if params.temperature < 1e-5 || params.top_k == 1 {
+    if params.temperature < 1e-5 || params.top_k == 1 || logits.is_empty() {
         return argmax(logits);
     }
     let inv_t = 1.0 / params.temperature;
-    // (token, scaled logit), most likely first.
-    let mut cand: Vec<(u32, f32)> = logits
-        .iter()
-        .enumerate()
-        .map(|(i, &l)| (i as u32, l * inv_t))
-        .collect();
-    cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    // (vocab,) scaled logits; rank: most likely first, lowest id first on ties.
+    let scaled: Vec<f32> = logits.iter().map(|&l| l * inv_t).collect();
+    let by_rank = |a: &u32, b: &u32| {
+        scaled[*b as usize]
+            .total_cmp(&scaled[*a as usize])
+            .then(a.cmp(b))
+    };
+    let mut cand: Vec<u32> = (0..scaled.len() as u32).collect();
     if params.top_k > 0 && params.top_k < cand.len() {
+        cand.select_nth_unstable_by(params.top_k - 1, by_rank);
         cand.truncate(params.top_k);
     }
-    let max = cand[0].1;
-    let mut probs: Vec<f32> = cand.iter().map(|&(_, l)| (l - max).exp()).collect();
-    let total: f32 = probs.iter().sum();
-    for p in &mut probs {
-        *p /= total;
-    }
+    let max = cand
+        .iter()
+        .map(|&i| scaled[i as usize])
+        .fold(f32::NEG_INFINITY, f32::max);
+    let weight = |i: u32| (scaled[i as usize] - max).exp();
     if params.top_p < 1.0 {
-        let mut acc = 0.0;
-        let mut keep = probs.len();
-        for (i, p) in probs.iter().enumerate() {
-            acc += p;
-            if acc >= params.top_p {
-                keep = i + 1;
+        // The nucleus: the most likely candidates until their mass reaches top_p.
+        let target = params.top_p * cand.iter().map(|&i| weight(i)).sum::<f32>();
+        let mut m = NUCLEUS_FIRST_GUESS.min(cand.len());
+        loop {
+            if m < cand.len() {
+                cand.select_nth_unstable_by(m - 1, by_rank);
+            }
+            cand[..m].sort_unstable_by(by_rank);
+            let mut acc = 0.0;
+            let keep = cand[..m].iter().position(|&i| {
+                acc += weight(i);
+                acc >= target
+            });
+            if let Some(j) = keep {
+                cand.truncate(j + 1);
                 break;
             }
+            if m == cand.len() {
+                break; // (rounding) the whole set
+            }
+            m = (m * 8).min(cand.len());
         }
-        probs.truncate(keep);
+    } else if params.top_k > 0 {
+        cand.sort_unstable_by(by_rank);
     }
-    let mass: f32 = probs.iter().sum();
+    let mass: f32 = cand.iter().map(|&i| weight(i)).sum();
     let mut u = rng.random::<f32>() * mass;
-    for (i, p) in probs.iter().enumerate() {
-        if u < *p {
-            return cand[i].0;
+    for &i in &cand {
+        let p = weight(i);
+        if u < p {
+            return i;
         }
         u -= p;
     }
-    cand[probs.len() - 1].0
+    cand[cand.len() - 1]
 }
+
+/// Tokens sorted first when looking for a top-p nucleus (grown ×8 while too small).
+const NUCLEUS_FIRST_GUESS: usize = 64;
 
 /// Index of the largest logit (lowest index on ties).
 pub(crate) fn argmax(logits: &[f32]) -> u32 {
@@ -142,6 +165,38 @@ mod tests {
         };
         assert_eq!(draw(5), draw(5));
         assert_ne!(draw(5), draw(6));
+    }
+
+    #[test]
+    fn top_p_nucleus_larger_than_the_first_guess_is_found_whole() {
+        // 49 152 entries: 1000 equally likely tokens hold almost all the mass.
+        let mut l = vec![-30.0f32; 49_152];
+        for i in 0..1000 {
+            l[i * 37] = 5.0;
+        }
+        let mut rng = ChaCha8Rng::seed_from_u64(9);
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..3000 {
+            let t = sample(&l, &params(1.0, 0, 0.5), &mut rng) as usize;
+            assert_eq!(t % 37, 0, "{t} is outside the nucleus");
+            assert!(t < 1000 * 37);
+            seen.insert(t);
+        }
+        // Half the mass is ~500 of the 1000 tokens (the lowest ids first on ties): far more
+        // than the first guess of 64, and never beyond the nucleus.
+        assert!(seen.len() > 400 && seen.len() <= 501, "{}", seen.len());
+        assert!(seen.iter().all(|&t| t / 37 <= 500));
+    }
+
+    #[test]
+    fn top_k_and_top_p_together_keep_the_most_likely() {
+        let l: Vec<f32> = (0..5000).map(|i| -((i % 977) as f32) * 0.01).collect();
+        let mut rng = ChaCha8Rng::seed_from_u64(4);
+        for _ in 0..500 {
+            let t = sample(&l, &params(0.7, 20, 0.8), &mut rng) as usize;
+            // The 20 most likely are ids ≡ 0..=3 (mod 977) below 5000: 0,977,…,1,978,…
+            assert!(t % 977 <= 3, "{t}");
+        }
     }
 
     #[test]

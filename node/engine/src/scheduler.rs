@@ -371,9 +371,13 @@ fn ensure_blocks(
     let needed = upto.div_ceil(bs);
     let extra = needed.saturating_sub(seq.blocks.len());
     let write_block = seq.num_computed / bs;
-    let cow = !seq.num_computed.is_multiple_of(bs)
-        && write_block < seq.blocks.len()
-        && allocator.ref_count(seq.blocks[write_block]) > 1;
+    // Copy only while someone else keeps the block: references that copies already planned this
+    // step will drop (`finish_copies`) do not count, so the last sharer writes in place.
+    let cow = !seq.num_computed.is_multiple_of(bs) && write_block < seq.blocks.len() && {
+        let b = seq.blocks[write_block];
+        let leaving = copies.iter().filter(|&&(src, _)| src == b).count();
+        allocator.ref_count(b) as usize > 1 + leaving
+    };
     if extra + usize::from(cow) > allocator.num_free() {
         return Err(AllocatorError::Exhausted {
             total: allocator.num_total(),
@@ -544,6 +548,37 @@ mod tests {
         assert_eq!(s.waiting.front().map(|q| q.request), Some(RequestId(2)));
         assert!(s.waiting[0].blocks.is_empty() && s.waiting[0].num_computed == 0);
         assert_eq!(s.allocator.num_free(), 5 - 3);
+    }
+
+    #[test]
+    fn the_last_sharer_of_a_partial_block_writes_it_in_place() {
+        let tok = tokenizer();
+        let mut s = Scheduler::new(cfg(64), 16);
+        // Three children of one prompt: 6 tokens, 5 computed, sharing b0 and the partial p.
+        let b0 = s.allocator.allocate().unwrap();
+        let p = s.allocator.allocate().unwrap();
+        let mut children = Vec::new();
+        for c in 0..3 {
+            if c > 0 {
+                s.allocator.share(b0);
+                s.allocator.share(p);
+            }
+            let mut q = seq(1, 6, tok);
+            q.child = c;
+            q.num_computed = 5;
+            q.blocks = vec![b0, p];
+            children.push(q);
+        }
+        s.running = children;
+        let plan = s.schedule();
+        assert_eq!(plan.scheduled.len(), 3);
+        // Two copies for three sharers: the last one keeps p.
+        assert_eq!(plan.copies.len(), 2, "{:?}", plan.copies);
+        assert!(plan.copies.iter().all(|&(src, _)| src == p));
+        s.finish_copies(&plan.copies);
+        assert_eq!(s.allocator.ref_count(p), 1);
+        let holders = s.running.iter().filter(|q| q.blocks[1] == p).count();
+        assert_eq!(holders, 1, "exactly one child still writes p");
     }
 
     #[test]

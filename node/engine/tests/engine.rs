@@ -684,11 +684,13 @@ async fn consumer_reuses_its_local_prefix_and_asks_only_for_the_rest() {
 #[tokio::test]
 async fn a_producer_whose_client_leaves_mid_prefill_grants_no_lease() {
     let dir = model_dir("produce-gone");
-    // A 40-token prompt at 4 tokens a step: ten steps of prefill.
-    let h = engine(&dir, |c| c.max_num_batched_tokens = 4);
+    // A 400-token prompt at 2 tokens a step: two hundred steps of prefill, so the client is
+    // surely gone before the prompt is computed (with ten steps, a test thread descheduled for
+    // those few milliseconds left while P still had a client, and a lease was rightly granted).
+    let h = engine(&dir, |c| c.max_num_batched_tokens = 2);
     let mut s = h
         .submit(GenerateRequest {
-            prompt_tokens: prompt(40, 3),
+            prompt_tokens: prompt(400, 3),
             params: greedy(1),
             kv: KvTransfer::Produce { consumers: 1 },
             cache_salt: None,
