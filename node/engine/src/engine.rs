@@ -580,6 +580,8 @@ impl Engine {
         }
         let mut finished: HashSet<(RequestId, usize)> = HashSet::new();
         let mut gone: HashSet<RequestId> = HashSet::new();
+        // Forked children with no room to run yet: (request, child), moved to the queue below.
+        let mut parked: Vec<(RequestId, usize)> = Vec::new();
         for (row, &index) in logits.chunks_exact(vocab.max(1)).zip(&sampled) {
             let id = self.scheduler.running[index].request;
             let Some(state) = self.requests.get_mut(&id) else {
@@ -620,6 +622,20 @@ impl Engine {
                     }
                 }
                 let seed = state.params.seed.unwrap_or(0);
+                // Children that can run from the next step: a sequence slot each, and a block
+                // each for their first write (a copy of the shared partial block, or a fresh
+                // block) — but for one sharer of a partial block, which writes it in place. The
+                // rest wait at the queue's front holding only the shared blocks (no recompute).
+                let parent = &self.scheduler.running[index];
+                let partial = !parent.num_computed.is_multiple_of(self.info.block_size);
+                let slots = self
+                    .scheduler
+                    .cfg
+                    .max_num_seqs
+                    .saturating_sub(self.scheduler.running.len());
+                let blocks =
+                    (self.scheduler.allocator.num_free() + usize::from(partial)).saturating_sub(1); // the parent's own
+                let mut may_run = slots.min(blocks);
                 for c in 1..state.params.n {
                     let parent = &self.scheduler.running[index];
                     for &b in &parent.blocks {
@@ -627,6 +643,11 @@ impl Engine {
                     }
                     let child =
                         parent.fork(c, ChaCha8Rng::seed_from_u64(seed.wrapping_add(c as u64)));
+                    if may_run == 0 {
+                        parked.push((id, c));
+                    } else {
+                        may_run -= 1;
+                    }
                     self.scheduler.running.push(child);
                     children.push(self.scheduler.running.len() - 1);
                 }
@@ -642,6 +663,24 @@ impl Engine {
                         gone.insert(id);
                     }
                 }
+            }
+        }
+        if !parked.is_empty() {
+            // After their first token (sampled above, with their siblings): to the queue's
+            // front, in child order, keeping their shared blocks.
+            let mut waiting = Vec::new();
+            let mut i = 0;
+            while i < self.scheduler.running.len() {
+                let s = &self.scheduler.running[i];
+                let key = (s.request, s.child);
+                if parked.contains(&key) && !finished.contains(&key) && !gone.contains(&s.request) {
+                    waiting.push(self.scheduler.running.remove(i));
+                } else {
+                    i += 1;
+                }
+            }
+            for s in waiting.into_iter().rev() {
+                self.scheduler.waiting.push_front(s);
             }
         }
         if !finished.is_empty() {

@@ -52,7 +52,7 @@ pub(crate) struct StepPlan {
 /// Queues and block bookkeeping of one engine.
 #[derive(Debug)]
 pub(crate) struct Scheduler {
-    cfg: SchedulerConfig,
+    pub(crate) cfg: SchedulerConfig,
     pub(crate) allocator: BlockAllocator,
     pub(crate) waiting: VecDeque<Sequence>,
     pub(crate) running: Vec<Sequence>,
@@ -137,6 +137,8 @@ impl Scheduler {
             };
             let first_time =
                 seq.num_computed == 0 && seq.blocks.is_empty() && seq.num_generated() == 0;
+            // A forked child waits holding its computed, shared blocks; anything else holds none.
+            let held = !seq.blocks.is_empty();
             let cached = self.take_cached_prefix(&mut seq);
             let n = (seq.tokens.len() - seq.num_computed).min(budget);
             let upto = seq.num_computed + n;
@@ -144,8 +146,11 @@ impl Scheduler {
                 .ensure_blocks(&mut seq, upto, &mut plan.copies)
                 .is_err()
             {
-                // Not enough blocks now; give back what it took and wait.
-                self.release(&mut seq);
+                // Not enough blocks now: wait. A sequence gives back the cached prefix it just
+                // took; a forked child keeps the computed, shared blocks it came with.
+                if !held {
+                    self.release(&mut seq);
+                }
                 self.waiting.push_front(seq);
                 break;
             }

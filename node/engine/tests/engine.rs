@@ -708,3 +708,35 @@ async fn a_producer_whose_client_leaves_mid_prefill_grants_no_lease() {
     );
     assert_eq!(h.lease_stats().live, 0);
 }
+
+/// Issue 11: forking n children must respect the pool and `max_num_seqs`. Children that cannot
+/// get a block for their first step (or a sequence slot) wait in the queue holding the shared
+/// prompt blocks, instead of running and being preempted at once (which throws their prompt
+/// away). Seeded children equal the same request on a roomy engine, token for token.
+#[tokio::test]
+async fn forking_many_children_into_a_tight_pool_preempts_none() {
+    let dir = model_dir("tight-fork");
+    let p = prompt(10, 7);
+    let params = SamplingParams {
+        n: 8,
+        seed: Some(11),
+        temperature: 0.8,
+        ..greedy(2)
+    };
+    let roomy = engine(&dir, |_| {});
+    let want = run(&roomy, p.clone(), params.clone()).await;
+    // 10 prompt tokens = 3 blocks (the last partial); 10 + 2 tokens still fit in 3 blocks. With
+    // 7 blocks, 4 are free after the prompt: not enough for 7 copies at once.
+    let tight = engine(&dir, |c| {
+        c.num_blocks = Some(7);
+        c.max_num_seqs = 4;
+    });
+    let got = run(&tight, p, params).await;
+    assert_eq!(got.tokens, want.tokens);
+    assert_eq!(
+        tight.metrics().preemptions.get(),
+        0,
+        "children were preempted instead of waiting"
+    );
+    wait_all_free(&tight).await;
+}
