@@ -142,10 +142,8 @@ impl Scheduler {
             let cached = self.take_cached_prefix(&mut seq);
             let n = (seq.tokens.len() - seq.num_computed).min(budget);
             let upto = seq.num_computed + n;
-            if self
-                .ensure_blocks(&mut seq, upto, &mut plan.copies)
-                .is_err()
-            {
+            let bs = self.cfg.block_size;
+            if ensure_blocks(&mut self.allocator, bs, &mut seq, upto, &mut plan.copies).is_err() {
                 // Not enough blocks now: wait. A sequence gives back the cached prefix it just
                 // took; a forked child keeps the computed, shared blocks it came with.
                 if !held {
@@ -344,23 +342,12 @@ impl Scheduler {
             found.pop();
         }
         for &b in &found {
-            self.allocator.take_cached(b);
+            self.allocator.share(b);
         }
         seq.num_computed = found.len() * bs;
         seq.hashes = hashes[..found.len()].to_vec();
         seq.blocks = found;
         seq.num_computed
-    }
-
-    /// Makes `seq.blocks` cover positions `0..upto`, copying a shared partial block first
-    /// (copy-on-write). All or nothing.
-    fn ensure_blocks(
-        &mut self,
-        seq: &mut Sequence,
-        upto: usize,
-        copies: &mut Vec<(BlockId, BlockId)>,
-    ) -> Result<(), AllocatorError> {
-        ensure_blocks(&mut self.allocator, self.cfg.block_size, seq, upto, copies)
     }
 }
 

@@ -3,7 +3,7 @@
 //! Invariants:
 //! - A block with `ref_count > 0` is never on the free list and is never handed out again.
 //! - A block on the free list may still carry a hash (it is *cached*): a later request with the
-//!   same prefix can take it back ([`BlockAllocator::take_cached`]) until it is evicted.
+//!   same prefix can take it back ([`BlockAllocator::share`]) until it is evicted.
 //! - Allocation takes the least recently freed block first, evicting its hash.
 //! - In debug builds the allocator reports every block that stops being valid through
 //!   [`BlockAllocator::take_poison_list`], and the owner of the memory poisons it (NaN), so a
@@ -175,8 +175,9 @@ impl BlockAllocator {
         (0..n).map(|_| self.allocate()).collect()
     }
 
-    /// Adds a reference. A block nobody referenced (a cached, free one) leaves the free list
-    /// first, so it can never be handed out while this reference lives.
+    /// Adds a reference: a fork sharing a block, or a prefix-cache hit on a block found by
+    /// [`BlockAllocator::lookup`]. A block nobody referenced (a cached, free one) leaves the free
+    /// list first, so it can never be handed out while this reference lives.
     pub fn share(&mut self, block: BlockId) {
         if self.meta[block.index()].ref_count == 0 {
             self.unlink(block.0);
@@ -225,16 +226,6 @@ impl BlockAllocator {
             .iter()
             .map_while(|h| self.cached.get(h).copied())
             .collect()
-    }
-
-    /// Takes a reference on a cached block found by [`BlockAllocator::lookup`] (removing it from
-    /// the free list if nobody held it).
-    pub fn take_cached(&mut self, block: BlockId) {
-        let m = &mut self.meta[block.index()];
-        if m.ref_count == 0 {
-            self.unlink(block.0);
-        }
-        self.meta[block.index()].ref_count += 1;
     }
 
     /// From now on, record every prefix-cache change for [`BlockAllocator::take_cache_events`]
@@ -363,7 +354,7 @@ mod tests {
         assert_eq!(a.lookup(&[h1]), vec![x]);
         assert_eq!(a.num_free(), 2);
         // Reuse y's prefix: it leaves the free list.
-        a.take_cached(y);
+        a.share(y);
         assert_eq!(a.num_free(), 1);
         // The next allocation evicts x (the only free one), not y.
         assert_eq!(a.allocate().unwrap(), x);
