@@ -53,6 +53,10 @@ pub enum PullError {
     /// UCX failed to post or complete a read (peer gone, transport error).
     #[error("transfer failed: {0}")]
     Ucx(#[from] pd_ucx::Error),
+    /// The peer's endpoint was closed under the pull (the reason says why: the peer restarted,
+    /// a failed post or flush, shutdown); its reads were cancelled before this was returned.
+    #[error("the peer's endpoint was closed ({0}); reads cancelled")]
+    Closed(&'static str),
     /// The reads did not complete by the pull's deadline; they were cancelled (the endpoint
     /// force-closed) before this error was returned.
     #[error("pull did not complete within {0:?}; the peer's endpoint was closed")]

@@ -227,7 +227,7 @@ fn run(ctx: &Context, local: &MemoryRegion, block_bytes: usize, jobs: &mpsc::Rec
     // Shutting down: cancel what is still in flight and wait for it, so no read outlives us.
     let keys: Vec<PeerKey> = st.peers.keys().cloned().collect();
     for k in keys {
-        st.abort_peer(&k, || PullError::Deadline(Duration::ZERO));
+        st.abort_peer(&k, || PullError::Closed("shutting down"));
     }
     while !st.flights.is_empty() || !st.closing.is_empty() {
         st.worker.progress();
@@ -260,7 +260,7 @@ impl<'w> State<'w> {
                     .map(|(k, _)| k.clone())
                     .collect();
                 for k in idle {
-                    self.abort_peer(&k, || PullError::Deadline(Duration::ZERO));
+                    self.abort_peer(&k, || PullError::Closed("endpoint forgotten"));
                 }
             }
         }
@@ -279,7 +279,7 @@ impl<'w> State<'w> {
                 .cloned()
                 .collect();
             for k in old {
-                self.abort_peer(&k, || PullError::Deadline(Duration::ZERO));
+                self.abort_peer(&k, || PullError::Closed("peer restarted"));
             }
             self.make_room();
             match connect(self.worker, &job.peer) {
@@ -324,7 +324,7 @@ impl<'w> State<'w> {
             .map(|(k, _)| k.clone());
         if let Some(k) = lru {
             tracing::debug!(peer = %k.0, "closing the least recently used KV peer endpoint");
-            self.abort_peer(&k, || PullError::Deadline(Duration::ZERO));
+            self.abort_peer(&k, || PullError::Closed("closed to make room"));
         }
     }
 
@@ -365,7 +365,7 @@ impl<'w> State<'w> {
                 // Some reads may be in flight: cancel them before answering. The job answers
                 // once the close completed, as an aborted flight without a flush.
                 tracing::warn!(peer = %key.0, error = %e, "posting KV reads failed; closing the endpoint");
-                self.abort_peer(&key, || PullError::Deadline(Duration::ZERO));
+                self.abort_peer(&key, || PullError::Closed("posting failed"));
                 self.closing_reply(job.reply, e);
             }
         }
@@ -491,7 +491,7 @@ impl<'w> State<'w> {
                 (None, Some(Ok(())), Some(p)) => Ok(p.stats()),
                 (None, Some(Err(e)), _) => Err(PullError::Ucx(e)),
                 // Not done, or a flight without reads that was not aborted: neither exists.
-                (None, _, _) => Err(PullError::Deadline(Duration::ZERO)),
+                (None, _, _) => Err(PullError::Closed("no reads")),
             };
             if let Some(p) = posted
                 && !was_flushed
@@ -506,7 +506,7 @@ impl<'w> State<'w> {
             }
             if result.is_err() && self.peers.contains_key(&key) {
                 // A failed flush: the endpoint is no good any more.
-                self.abort_peer(&key, || PullError::Deadline(Duration::ZERO));
+                self.abort_peer(&key, || PullError::Closed("flush failed"));
             }
             let _ = reply.send(result);
             // The peer may take its next queued job.
