@@ -16,10 +16,6 @@ use common::{names, request, spec, wasm};
 use pd_policy::native;
 use pd_policy::{Decision, Node, PolicyEngine, Request, Role, View, validate};
 
-/// The allocator `pd-gateway` runs with, so the host path allocates as it does there.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 /// What a gateway registry holds per node, before it becomes a `View`.
 struct Registered {
     role: Role,

@@ -28,12 +28,6 @@ use pingora::server::configuration::ServerConf;
 use rand::Rng;
 use tracing::info;
 
-/// mimalloc instead of the system allocator: a request allocates many small, short-lived
-/// objects (the JSON body, the tokenizer's per-token strings, the policy's wasmtime store), and
-/// glibc's malloc/free were a third of tokenizing a short prompt (BENCHMARKS.md, gateway).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 #[derive(Parser, Debug)]
 #[command(
     name = "pd-gateway",
