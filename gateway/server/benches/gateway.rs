@@ -9,7 +9,10 @@
 //! Real processes on loopback: a tiny generated model, one prefill node (P), one decode node
 //! (D), the gateway. Each request has a fresh prompt (no prefix-cache hits) and asks for 4
 //! tokens, greedy, not streamed. The direct client sends exactly what the gateway sends (the
-//! same `prefill_body`/`decode_body`), over the same kind of pooled keep-alive client.
+//! same `prefill_body`/`decode_body`, which the gateway writes with `prefill_bytes`/
+//! `decode_bytes`), over the same kind of pooled keep-alive client.
+//!
+//! `BENCH_GATEWAY_BIN=PATH` runs another `pd-gateway` build against the same nodes (A/B).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
