@@ -73,7 +73,8 @@ pub struct PolicySpec {
     /// What the guest reads with `host.config(key)`.
     pub config: BTreeMap<String, String>,
     /// Wall-clock budget of one call, instantiation included (a backstop to `fuel`; enforced
-    /// with epochs, so a runaway call stops between `deadline` and `deadline + EPOCH_TICK`).
+    /// with epochs, so a runaway call stops between `deadline` and `deadline + EPOCH_TICK`, or
+    /// up to 1 ms later when it started while the ticker dozed between calls).
     /// Default: 1 ms.
     pub deadline: Duration,
     /// Largest size in bytes any one linear memory of the guest may reach. At most
@@ -123,11 +124,14 @@ struct EngineInner {
     ticker: Option<JoinHandle<()>>,
 }
 
-/// Drives the epoch while calls run and for [`EPOCH_LINGER`] after the last one; an idle
-/// gateway's ticker sleeps on a condvar instead of waking every [`EPOCH_TICK`] (4000 wake-ups a
-/// second on cores the nodes share). Under steady traffic the ticker never parks, so a call
-/// starts with two atomic adds and a load: no lock and no wake-up (a futex wake per call, and
-/// the context switch it caused, was a quarter of a decision's host time).
+/// Drives the epoch: every [`EPOCH_TICK`] while calls run, every [`EPOCH_DOZE`] in the gaps
+/// between them, and not at all once [`EPOCH_LINGER`] passed without a call (the ticker sleeps
+/// on a condvar, so an idle gateway does not wake 4000 times a second on cores the nodes
+/// share). While it ticks or dozes, a call starts with two atomic adds and a load: no lock and
+/// no wake-up (a futex wake per call, and the context switch it caused, was a quarter of a
+/// decision's host time). Dozing instead of ticking through the gaps cut the ticker's CPU from
+/// ~140 to ~50 µs per request at 180 requests a second (BENCHMARKS.md); the price is that a
+/// call starting in a doze sees its first tick up to [`EPOCH_DOZE`] late.
 #[derive(Debug, Default)]
 struct EpochClock {
     /// Calls in flight.
@@ -141,26 +145,31 @@ struct EpochClock {
     wake: Condvar,
 }
 
-/// How long the ticker keeps ticking after the last call before it parks.
+/// How long the ticker keeps dozing after the last call before it parks.
 const EPOCH_LINGER: Duration = Duration::from_millis(50);
+
+/// The ticker's period while no call runs (and one ran within [`EPOCH_LINGER`]).
+const EPOCH_DOZE: Duration = Duration::from_millis(1);
 
 impl EpochClock {
     /// The ticker thread's loop.
     fn run(&self, engine: &Engine) {
-        let linger_ticks = (EPOCH_LINGER.as_micros() / EPOCH_TICK.as_micros()).max(1);
         let mut seen = self.started.load(Ordering::SeqCst);
-        let mut idle_ticks = 0;
+        let mut idle = Duration::ZERO;
+        let mut period = EPOCH_TICK;
         while !self.stop.load(Ordering::Relaxed) {
-            std::thread::sleep(EPOCH_TICK);
+            std::thread::sleep(period);
             engine.increment_epoch();
             let started = self.started.load(Ordering::SeqCst);
             if started != seen || self.active.load(Ordering::SeqCst) != 0 {
                 seen = started;
-                idle_ticks = 0;
+                idle = Duration::ZERO;
+                period = EPOCH_TICK;
                 continue;
             }
-            idle_ticks += 1;
-            if idle_ticks < linger_ticks {
+            idle += period;
+            period = EPOCH_DOZE;
+            if idle < EPOCH_LINGER {
                 continue;
             }
             let guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -179,7 +188,8 @@ impl EpochClock {
             }
             self.parked.store(false, Ordering::SeqCst);
             seen = self.started.load(Ordering::SeqCst);
-            idle_ticks = 0;
+            idle = Duration::ZERO;
+            period = EPOCH_TICK;
         }
     }
 
@@ -413,9 +423,10 @@ impl PolicyEngine {
     }
 }
 
-/// Epoch ticks to allow for `deadline`: the first tick comes anywhere within one period, so
-/// one more than `deadline` spans; a call then stops between `deadline` and
-/// `deadline + EPOCH_TICK`.
+/// Epoch ticks to allow for `deadline`: the first tick comes anywhere within one period
+/// ([`EPOCH_TICK`], or [`EPOCH_DOZE`] for a call that starts while the ticker dozes), so one
+/// more than `deadline` spans; a call then stops between `deadline` and `deadline + EPOCH_TICK`
+/// (`deadline + EPOCH_DOZE` after a doze).
 fn deadline_ticks(deadline: Duration) -> u64 {
     let ticks = deadline.as_nanos().div_ceil(EPOCH_TICK.as_nanos());
     u64::try_from(ticks).unwrap_or(u64::MAX).saturating_add(1)

@@ -9,7 +9,10 @@
 //! Real processes on loopback: a tiny generated model, one prefill node (P), one decode node
 //! (D), the gateway. Each request has a fresh prompt (no prefix-cache hits) and asks for 4
 //! tokens, greedy, not streamed. The direct client sends exactly what the gateway sends (the
-//! same `prefill_body`/`decode_body`), over the same kind of pooled keep-alive client.
+//! same `prefill_body`/`decode_body`, which the gateway writes with `prefill_bytes`/
+//! `decode_bytes`), over the same kind of pooled keep-alive client.
+//!
+//! `BENCH_GATEWAY_BIN=PATH` runs another `pd-gateway` build against the same nodes (A/B).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -162,6 +165,32 @@ async fn run(prompt_len: usize, n: usize, c: &reqwest::Client, gw: &str, p: &str
     );
 }
 
+/// CPU time (user + system, in clock ticks) of each thread of process `pid`, summed by thread
+/// name (Linux `/proc`; empty elsewhere).
+fn thread_cpu(pid: u32) -> std::collections::BTreeMap<String, u64> {
+    let mut out = std::collections::BTreeMap::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return out;
+    };
+    for t in tasks.flatten() {
+        let (Ok(comm), Ok(stat)) = (
+            std::fs::read_to_string(t.path().join("comm")),
+            std::fs::read_to_string(t.path().join("stat")),
+        ) else {
+            continue;
+        };
+        // Fields after the `(comm)`: state is field 3, utime 14 and stime 15.
+        let Some((_, rest)) = stat.rsplit_once(") ") else {
+            continue;
+        };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let ticks: u64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0)
+            + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
+        *out.entry(comm.trim().to_owned()).or_default() += ticks;
+    }
+    out
+}
+
 /// The gateway's histogram sums and counts, keyed `name_sum{labels}` / `name_count{labels}`
 /// with the labels as exposed (summed over label sets for the unlabelled name).
 async fn scrape(c: &reqwest::Client, gw: &str) -> std::collections::HashMap<String, f64> {
@@ -195,8 +224,10 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(400);
-    let gateway = PathBuf::from(env!("CARGO_BIN_EXE_pd-gateway"));
-    let node = gateway.with_file_name("pd-node");
+    let built = PathBuf::from(env!("CARGO_BIN_EXE_pd-gateway"));
+    let node = built.with_file_name("pd-node");
+    // BENCH_GATEWAY_BIN: another pd-gateway binary (an A/B comparison of two builds).
+    let gateway = std::env::var_os("BENCH_GATEWAY_BIN").map_or(built, PathBuf::from);
     assert!(
         node.exists(),
         "{} is missing: cargo build --release -p pd-node",
@@ -205,8 +236,7 @@ fn main() {
     let policies = std::env::var("PD_POLICIES_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|_| {
-            gateway
-                .parent()
+            node.parent()
                 .and_then(Path::parent)
                 .expect("target dir")
                 .join("policies")
@@ -262,7 +292,7 @@ fn main() {
         }
         Err(_) => (gateway.clone(), gw_args),
     };
-    let (_gw, found) = start(
+    let (gw_proc, found) = start(
         &gw_bin,
         &gw_args,
         &["pd-gateway registry on ", "pd-gateway listening on "],
@@ -329,10 +359,29 @@ fn main() {
         println!("| prompt tokens | requests | direct p50 | direct p99 | gateway p50 | gateway p99 | added p50 µs | added p99 µs | direct req/s | gateway req/s |");
         println!("|---|---|---|---|---|---|---|---|---|---|");
         let before = scrape(&c, &gw).await;
+        let cpu_before = thread_cpu(gw_proc.0.id());
         run(64, n, &c, &gw, &p, &d).await;
+        let cpu_after = thread_cpu(gw_proc.0.id());
         let mid = scrape(&c, &gw).await;
         run(2000, (n / 4).max(20), &c, &gw, &p, &d).await;
         let after = scrape(&c, &gw).await;
+        // The gateway's CPU time over the 64-token row (its requests, and everything that ran
+        // meanwhile: the nodes' registry streams, the epoch ticker), per gateway request; clock
+        // ticks are 10 ms, so this needs a long row (BENCH_REQUESTS >= 1000).
+        let per_request = |ticks: u64| ticks as f64 * 1e4 / n as f64;
+        let by_thread: Vec<String> = cpu_after
+            .iter()
+            .map(|(name, t)| {
+                let d = t - cpu_before.get(name).copied().unwrap_or(0);
+                format!("{name} {:.0}", per_request(d))
+            })
+            .collect();
+        let total: u64 = cpu_after.values().sum::<u64>() - cpu_before.values().sum::<u64>();
+        println!(
+            "64-token row, gateway CPU per gateway request (µs, by thread name): total {:.0} = {}",
+            per_request(total),
+            by_thread.join(", ")
+        );
         // The gateway's own account, per row: its time on requests (not waiting on nodes) by
         // phase, and the policy decision, as means over the row's requests.
         for (row, (a, b)) in [("64", (&before, &mid)), ("2000", (&mid, &after))] {

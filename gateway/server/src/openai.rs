@@ -203,40 +203,89 @@ impl From<prompt::PromptError> for GatewayError {
 /// lease of its own; `num_consumers` is sent only when more than one, so a vLLM prefill node
 /// sees its own protocol).
 pub fn prefill_body(api: Api, body: &Map<String, Value>, consumers: u32) -> Map<String, Value> {
+    let (set, drop) = prefill_patch(api, consumers);
     let mut p = body.clone();
-    match api {
-        Api::ChatCompletions => {
-            p.insert("max_tokens".into(), json!(1));
-            p.insert("max_completion_tokens".into(), json!(1));
-            p.insert("n".into(), json!(1));
-        }
-        Api::Completions => {
-            p.insert("max_tokens".into(), json!(1));
-            p.insert("n".into(), json!(1));
-        }
-        Api::Responses => {
-            p.insert("max_output_tokens".into(), json!(1));
-        }
+    for key in drop {
+        p.remove(*key);
     }
-    p.insert("stream".into(), json!(false));
-    p.remove("stream_options");
-    p.insert(
-        KV_FIELD.into(),
-        json!({
-            "do_remote_decode": true,
-            "do_remote_prefill": false,
-            "remote_engine_id": null,
-            "remote_block_ids": null,
-            "remote_host": null,
-            "remote_port": null,
-        }),
-    );
-    if consumers > 1
-        && let Some(Value::Object(kv)) = p.get_mut(KV_FIELD)
-    {
-        kv.insert("num_consumers".into(), json!(consumers));
+    for (key, value) in set {
+        p.insert(key.to_owned(), value);
     }
     p
+}
+
+/// [`prefill_body`], serialized straight from the client's body (no copy of its map).
+///
+/// # Errors
+/// Serializing failed (a number serde_json cannot write).
+pub fn prefill_bytes(
+    api: Api,
+    body: &Map<String, Value>,
+    consumers: u32,
+) -> Result<Vec<u8>, serde_json::Error> {
+    let (set, drop) = prefill_patch(api, consumers);
+    serde_json::to_vec(&Patched {
+        body,
+        set: &set,
+        drop,
+    })
+}
+
+/// What [`prefill_body`] changes: fields set (replacing the client's) and fields removed.
+fn prefill_patch(
+    api: Api,
+    consumers: u32,
+) -> (Vec<(&'static str, Value)>, &'static [&'static str]) {
+    let mut set: Vec<(&'static str, Value)> = match api {
+        Api::ChatCompletions => vec![
+            ("max_tokens", json!(1)),
+            ("max_completion_tokens", json!(1)),
+            ("n", json!(1)),
+        ],
+        Api::Completions => vec![("max_tokens", json!(1)), ("n", json!(1))],
+        Api::Responses => vec![("max_output_tokens", json!(1))],
+    };
+    set.push(("stream", json!(false)));
+    let mut kv = json!({
+        "do_remote_decode": true,
+        "do_remote_prefill": false,
+        "remote_engine_id": null,
+        "remote_block_ids": null,
+        "remote_host": null,
+        "remote_port": null,
+    });
+    if consumers > 1
+        && let Value::Object(o) = &mut kv
+    {
+        o.insert("num_consumers".into(), json!(consumers));
+    }
+    set.push((KV_FIELD, kv));
+    (set, &["stream_options"])
+}
+
+/// A client body as serialized with some fields replaced or removed, written without copying
+/// the client's map: its fields first (minus the changed ones), then the replacements.
+struct Patched<'a> {
+    body: &'a Map<String, Value>,
+    set: &'a [(&'static str, Value)],
+    drop: &'a [&'static str],
+}
+
+impl serde::Serialize for Patched<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(None)?;
+        for (k, v) in self.body {
+            if self.drop.contains(&k.as_str()) || self.set.iter().any(|(sk, _)| sk == k) {
+                continue;
+            }
+            m.serialize_entry(k, v)?;
+        }
+        for (k, v) in self.set {
+            m.serialize_entry(k, v)?;
+        }
+        m.end()
+    }
 }
 
 /// The `kv_transfer_params` a prefill node answered with: one object per lease it granted (an
@@ -245,10 +294,16 @@ pub fn prefill_body(api: Api, body: &Map<String, Value>, consumers: u32) -> Map<
 /// # Errors
 /// P's body is not JSON, carries no params, or an object does not ask for a pull.
 pub fn prefill_params(p_body: &[u8]) -> Result<Vec<Value>, String> {
-    let v: Value = serde_json::from_slice(p_body).map_err(|e| format!("P's body: {e}"))?;
-    let params = match v.get(KV_FIELD) {
-        Some(Value::Array(list)) if !list.is_empty() => list.clone(),
-        Some(o @ Value::Object(_)) => vec![o.clone()],
+    /// P's answer as far as the gateway reads it: the rest (choices, usage) is skipped
+    /// unparsed.
+    #[derive(serde::Deserialize)]
+    struct PrefillAnswer {
+        kv_transfer_params: Option<Value>,
+    }
+    let v: PrefillAnswer = serde_json::from_slice(p_body).map_err(|e| format!("P's body: {e}"))?;
+    let params = match v.kv_transfer_params {
+        Some(Value::Array(list)) if !list.is_empty() => list,
+        Some(o @ Value::Object(_)) => vec![o],
         _ => return Err("P answered without kv_transfer_params".into()),
     };
     for p in &params {
@@ -302,6 +357,21 @@ pub fn decode_body(body: &Map<String, Value>, params: &Value) -> Map<String, Val
     let mut d = body.clone();
     d.insert(KV_FIELD.into(), params.clone());
     d
+}
+
+/// [`decode_body`], serialized straight from the client's body (no copy of its map).
+///
+/// # Errors
+/// Serializing failed (a number serde_json cannot write).
+pub fn decode_bytes(
+    body: &Map<String, Value>,
+    params: Value,
+) -> Result<Vec<u8>, serde_json::Error> {
+    serde_json::to_vec(&Patched {
+        body,
+        set: &[(KV_FIELD, params)],
+        drop: &[],
+    })
 }
 
 #[cfg(test)]
@@ -358,6 +428,30 @@ mod tests {
         assert!(p[KV_FIELD].get("num_consumers").is_none());
         let p = prefill_body(Api::Completions, &body, 3);
         assert_eq!(p[KV_FIELD]["num_consumers"], 3);
+    }
+
+    #[test]
+    fn bytes_match_the_bodies() {
+        let body = obj(
+            json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "n": 3, "stream": true, "stream_options": {"include_usage": true}, "max_tokens": 9,
+            "kv_transfer_params": {"x": 1}, "seed": 4}),
+        );
+        for api in [Api::ChatCompletions, Api::Completions, Api::Responses] {
+            for consumers in [1, 2] {
+                let bytes = prefill_bytes(api, &body, consumers).unwrap();
+                let parsed: Map<String, Value> = serde_json::from_slice(&bytes).unwrap();
+                assert_eq!(
+                    parsed,
+                    prefill_body(api, &body, consumers),
+                    "{api:?} {consumers}"
+                );
+            }
+        }
+        let params = json!({"do_remote_prefill": true, "remote_port": 9});
+        let parsed: Map<String, Value> =
+            serde_json::from_slice(&decode_bytes(&body, params.clone()).unwrap()).unwrap();
+        assert_eq!(parsed, decode_body(&body, &params));
     }
 
     #[test]

@@ -607,8 +607,7 @@ impl Gateway {
                 candidates.push(d.node);
             }
         }
-        let d_body =
-            Bytes::from(serde_json::to_vec(&openai::decode_body(body, &first)).map_err(internal)?);
+        let d_body = Bytes::from(openai::decode_bytes(body, first.clone()).map_err(internal)?);
         // Phase 4: D pulls and decodes; failover while nothing reached the client.
         let outcome = self
             .whole(session, t, path, snapshot, &candidates, d_body, "decode")
@@ -861,10 +860,8 @@ impl Gateway {
         candidates: &[u32],
         consumers: u32,
     ) -> Result<Option<Vec<Value>>, GatewayError> {
-        let p_body = Bytes::from(
-            serde_json::to_vec(&openai::prefill_body(analyzed.api, body, consumers))
-                .map_err(internal)?,
-        );
+        let p_body =
+            Bytes::from(openai::prefill_bytes(analyzed.api, body, consumers).map_err(internal)?);
         let mut why = Vec::new();
         for &i in candidates {
             let Some(node) = snapshot.nodes.get(i as usize) else {
