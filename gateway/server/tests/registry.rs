@@ -126,6 +126,43 @@ fn gen_model(dir: &Path) {
     assert!(status.success());
 }
 
+/// Starts a node with `args` (its `--engine-id` among them) that the registry must refuse: waits
+/// for the node's own report of the refusal (a stderr line holding every word of `says`), then
+/// checks it is not in the view.
+async fn refused_node(
+    cluster: &Cluster,
+    model: &Path,
+    registry: &str,
+    args: &[&str],
+    says: &[&str],
+) {
+    let id = args[args
+        .iter()
+        .position(|a| *a == "--engine-id")
+        .expect("an engine id")
+        + 1];
+    let (_node, _, err) = start_node_logged(model, registry, args, Stdio::piped());
+    let err = err.expect("piped stderr");
+    let says: Vec<String> = says.iter().map(|s| s.to_string()).collect();
+    let refused = tokio::task::spawn_blocking(move || {
+        BufReader::new(err)
+            .lines()
+            .map_while(Result::ok)
+            .any(|l| says.iter().all(|s| l.contains(s.as_str())))
+    });
+    assert!(
+        tokio::time::timeout(WAIT, refused)
+            .await
+            .expect("the refusal within the deadline")
+            .expect("reader"),
+        "node {id} did not report the refusal"
+    );
+    assert!(
+        cluster.read().nodes.values().all(|n| &*n.engine_id != id),
+        "node {id} joined"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gateway_hashes_equal_the_hashes_the_node_reported() {
     let tmp = std::env::temp_dir().join(format!("pd-gw-registry-{}", std::process::id()));
@@ -201,39 +238,18 @@ async fn gateway_hashes_equal_the_hashes_the_node_reported() {
     assert_eq!(cluster.snapshot("tiny", &other).prefix_blocks, vec![0]);
 
     // A node with the wrong cluster token never joins.
-    let (_bad, _, err) = start_node_logged(
+    refused_node(
+        &cluster,
         &model,
         &registry,
         &["--cluster-token", "wrong", "--engine-id", "intruder"],
-        Stdio::piped(),
-    );
-    // Wait for the node's own report of the refusal, then check it is not in the view.
-    let err = err.expect("piped stderr");
-    let refused = tokio::task::spawn_blocking(move || {
-        BufReader::new(err)
-            .lines()
-            .map_while(Result::ok)
-            .any(|l| l.contains("refused") && l.contains("cluster token"))
-    });
-    assert!(
-        tokio::time::timeout(WAIT, refused)
-            .await
-            .expect("the refusal within the deadline")
-            .expect("reader"),
-        "the node did not report the refusal"
-    );
-    assert!(
-        cluster
-            .read()
-            .nodes
-            .values()
-            .all(|n| &*n.engine_id != "intruder"),
-        "a node with a wrong token joined"
-    );
-
+        &["refused", "cluster token"],
+    )
+    .await;
     // A node of the same model with another hash key never joins either: its hashes would
     // never match the gateway's.
-    let (_other_key, _, err) = start_node_logged(
+    refused_node(
+        &cluster,
         &model,
         &registry,
         &[
@@ -244,30 +260,9 @@ async fn gateway_hashes_equal_the_hashes_the_node_reported() {
             "--kv-hash-key",
             "another-key",
         ],
-        Stdio::piped(),
-    );
-    let err = err.expect("piped stderr");
-    let refused = tokio::task::spawn_blocking(move || {
-        BufReader::new(err)
-            .lines()
-            .map_while(Result::ok)
-            .any(|l| l.contains("--kv-hash-key") && l.contains("differs"))
-    });
-    assert!(
-        tokio::time::timeout(WAIT, refused)
-            .await
-            .expect("the refusal within the deadline")
-            .expect("reader"),
-        "the node did not report the refusal"
-    );
-    assert!(
-        cluster
-            .read()
-            .nodes
-            .values()
-            .all(|n| &*n.engine_id != "other-key"),
-        "a node with another hash key joined"
-    );
+        &["--kv-hash-key", "differs"],
+    )
+    .await;
 
     // A dead node leaves the view at once (its stream ends).
     drop(node);

@@ -106,6 +106,11 @@ fn consumer(model: &Path, policy: &str) -> Node {
 
 /// A consumer with `extra` flags too (its `--engine-id` among them).
 fn consumer_with(model: &Path, policy: &str, extra: &[&str]) -> Node {
+    consumer_env(model, policy, extra, &[])
+}
+
+/// [`consumer_with`] with environment variables `env` set for the node.
+fn consumer_env(model: &Path, policy: &str, extra: &[&str], env: &[(&str, &str)]) -> Node {
     let mut args = vec![
         "--kv-role",
         "kv_consumer",
@@ -117,7 +122,7 @@ fn consumer_with(model: &Path, policy: &str, extra: &[&str]) -> Node {
         policy,
     ];
     args.extend_from_slice(extra);
-    start(model, &args)
+    start_env(model, &args, env)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -721,17 +726,22 @@ async fn a_client_leaving_d_releases_the_lease_on_p_at_once() {
         "still waiting"
     );
     client.abort();
-    // Released well before its 30 s expiry.
+    released_and_gone(&p, &d).await;
+}
+
+/// P's one lease was released (not expired: well before its 30 s), and D holds no request
+/// waiting for KV any more.
+async fn released_and_gone(p: &Node, d: &Node) {
     eventually("P's lease released", async || {
-        metric(&p, "pd_kv_leases_live").await == 0.0
+        metric(p, "pd_kv_leases_live").await == 0.0
     })
     .await;
     assert_eq!(
-        metric(&p, "pd_kv_leases_total{event=\"released\"}").await,
+        metric(p, "pd_kv_leases_total{event=\"released\"}").await,
         1.0
     );
     eventually("D's request gone", async || {
-        metric(&d, "pd_node_requests_waiting_remote_kv").await == 0.0
+        metric(d, "pd_node_requests_waiting_remote_kv").await == 0.0
     })
     .await;
 }
@@ -935,24 +945,21 @@ struct Frozen(u32);
 
 impl Frozen {
     fn new(node: &Node) -> Self {
-        signal(node.child.id(), "-STOP");
+        signal(node.child.id(), libc::SIGSTOP);
         Frozen(node.child.id())
     }
 }
 
 impl Drop for Frozen {
     fn drop(&mut self) {
-        signal(self.0, "-CONT");
+        signal(self.0, libc::SIGCONT);
     }
 }
 
-fn signal(pid: u32, sig: &str) {
-    let ok = Command::new("kill")
-        .arg(sig)
-        .arg(pid.to_string())
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(ok, "kill {sig} {pid}");
+fn signal(pid: u32, sig: libc::c_int) {
+    // SAFETY: kill(2) on a child process we started and still own.
+    let rc = unsafe { libc::kill(pid as libc::pid_t, sig) };
+    assert_eq!(rc, 0, "kill({pid}, {sig})");
 }
 
 /// CPU seconds (user + system) process `pid` has used so far.
@@ -962,13 +969,8 @@ fn cpu_seconds(pid: u32) -> f64 {
     let rest = &stat[stat.rfind(')').unwrap() + 2..];
     let f: Vec<&str> = rest.split_whitespace().collect();
     let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
-    let hz = Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|s| s.trim().parse::<f64>().ok())
-        .unwrap_or(100.0);
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     ticks / hz
 }
 
@@ -1008,22 +1010,10 @@ async fn frozen_producer(tls: Option<&str>) {
     let p1 = start_env(&dir, &producer_args("p1"), &env);
     let p2 = start_env(&dir, &producer_args("p2"), &env);
     let timeout = 5.0;
-    let d = start_env(
+    let d = consumer_env(
         &dir,
-        &[
-            "--kv-role",
-            "kv_consumer",
-            "--kv-port",
-            "0",
-            "--engine-id",
-            "d1",
-            "--kv-recompute-threshold",
-            "0",
-            "--kv-load-failure-policy",
-            "recompute",
-            "--kv-pull-timeout",
-            "5",
-        ],
+        "recompute",
+        &["--engine-id", "d1", "--kv-pull-timeout", "5"],
         &env,
     );
     let api = Api::Completions;
@@ -1143,19 +1133,7 @@ async fn a_consumer_gives_up_waiting_for_blocks_and_releases_the_lease() {
         metric(&d, "pd_kv_transfer_failures_total{reason=\"wait_timeout\"}").await,
         1.0
     );
-    // Released, long before its 30 s expiry.
-    eventually("P's lease released", async || {
-        metric(&p, "pd_kv_leases_live").await == 0.0
-    })
-    .await;
-    assert_eq!(
-        metric(&p, "pd_kv_leases_total{event=\"released\"}").await,
-        1.0
-    );
-    eventually("D's request gone", async || {
-        metric(&d, "pd_node_requests_waiting_remote_kv").await == 0.0
-    })
-    .await;
+    released_and_gone(&p, &d).await;
 }
 
 /// Issue 12: a prefill node caps the share of its pool that leases may hold
