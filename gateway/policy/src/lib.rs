@@ -19,6 +19,8 @@ mod bindings;
 mod engine;
 mod error;
 pub mod native;
+mod precompiled;
+pub mod record;
 mod slot;
 mod validate;
 
@@ -26,10 +28,12 @@ pub use bindings::pd::policy::types::{
     Api, Decision, DecodeTarget, Node, Rejection, Request, ReversePull, Role, Route, Split, View,
 };
 pub use engine::{
-    CallStats, DEFAULT_FUEL, EPOCH_TICK, MAX_CONCURRENT_CALLS, MAX_MEMORY_LIMIT, NodeNames,
-    PolicyEngine, PolicySpec, WasmPolicy,
+    CallStats, CompiledFrom, DEFAULT_FUEL, EPOCH_TICK, MAX_CONCURRENT_CALLS, MAX_MEMORY_LIMIT,
+    NodeNames, PolicyEngine, PolicySpec, WasmPolicy,
 };
 pub use error::PolicyError;
+pub use precompiled::CacheDirError;
+pub use record::{Record, RecordError, WIT_VERSION};
 pub use slot::{Installed, PolicySlot};
 pub use validate::{InvalidDecision, Slot, validate};
 /// The trap codes of [`PolicyError::Trap`], re-exported so callers need no wasmtime dependency.
