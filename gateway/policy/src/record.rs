@@ -104,10 +104,10 @@ impl Record {
     /// range, or a `wit` other than [`WIT_VERSION`].
     pub fn from_json(v: &Value) -> Result<Self, RecordError> {
         let o = object(v, "")?;
-        if let Some(w) = o.get("wit").filter(|w| !w.is_null()) {
-            if w.as_str() != Some(WIT_VERSION) {
-                return Err(err("wit", format!("{w} is not {WIT_VERSION}")));
-            }
+        if let Some(w) = o.get("wit").filter(|w| !w.is_null())
+            && w.as_str() != Some(WIT_VERSION)
+        {
+            return Err(err("wit", format!("{w} is not {WIT_VERSION}")));
         }
         let opt_str = |key: &str| -> Result<Option<String>, RecordError> {
             match o.get(key) {
