@@ -97,8 +97,9 @@ flock -u 9
 exec 9>&-
 
 # --- The component. ---
-out_dir="$(dirname "$out")"
-mkdir -p "$out_dir"
+mkdir -p "$(dirname "$out")"
+out_dir="$(cd "$(dirname "$out")" && pwd)"
+out="$out_dir/$(basename "$out")"
 tmp="$(mktemp "$out_dir/.$(basename "$out").XXXXXX")"
 trap 'rm -rf "$scratch" "$tmp"' EXIT
 # From the scratch folder: whatever the tool leaves in its working directory goes away.

@@ -96,8 +96,9 @@ exec 9>&-
 mkdir -p "$scratch/src"
 cp -R "$policy_dir/." "$scratch/src/"
 rm -rf "$scratch/src/__pycache__"
-out_dir="$(dirname "$out")"
-mkdir -p "$out_dir"
+mkdir -p "$(dirname "$out")"
+out_dir="$(cd "$(dirname "$out")" && pwd)"
+out="$out_dir/$(basename "$out")"
 tmp="$(mktemp "$out_dir/.$(basename "$out").XXXXXX")"
 trap 'rm -rf "$scratch" "$tmp"' EXIT
 quiet "$cpy" -d "$wit" -w policy componentize --stub-wasi -p "$scratch/src" -o "$tmp" app
