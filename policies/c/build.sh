@@ -71,7 +71,7 @@ wasm_tools="$(pd_tool_wasm_tools)"
 wit_bindgen="$(pd_tool_wit_bindgen)"
 
 work="$(mktemp -d "${TMPDIR:-/tmp}/pd-policy-c.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
+trap 'rm -rf "$work" "$out.tmp.$$"' EXIT
 
 # 1. Bindings.
 "$wit_bindgen" c --world policy --out-dir "$work/bindings" "$wit" >&2

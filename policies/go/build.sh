@@ -58,11 +58,11 @@ adapter="$(pd_tool_reactor_adapter)"
 go="$(pd_tool_go)"
 
 work="$(mktemp -d "${TMPDIR:-/tmp}/pd-policy-go.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
+trap 'rm -rf "$work" "$out.tmp.$$"' EXIT
 
 # 1. Bindings: a module `wit_component` (package main + one package per interface).
 mod="$work/mod"
-"$wit_bindgen" go --world policy --out-dir "$mod" "$wit" >&2
+"$wit_bindgen" go --world policy --format=false --out-dir "$mod" "$wit" >&2
 mkdir -p "$mod/export_wit_world"
 rm -f "$mod/export_wit_world/"*.go
 cp "$policy_dir"/*.go "$mod/export_wit_world/"
