@@ -95,16 +95,18 @@ pub fn read_cases(path: &Path) -> Result<Vec<Case>, CaseError> {
     let mut cases = Vec::new();
     for file in files {
         let text = std::fs::read_to_string(&file).map_err(io(&file))?;
-        let short = file
-            .file_name()
-            .map_or_else(|| file.display().to_string(), |n| n.to_string_lossy().into());
+        let short = file.file_name().map_or_else(
+            || file.display().to_string(),
+            |n| n.to_string_lossy().into(),
+        );
         let parse = |text: &str, line: Option<usize>| -> Result<Record, CaseError> {
             let fail = |message: String| CaseError::Parse {
                 path: file.clone(),
                 line,
                 message,
             };
-            let v: serde_json::Value = serde_json::from_str(text).map_err(|e| fail(e.to_string()))?;
+            let v: serde_json::Value =
+                serde_json::from_str(text).map_err(|e| fail(e.to_string()))?;
             Record::from_json(&v).map_err(|e| fail(e.to_string()))
         };
         if file.extension().and_then(|e| e.to_str()) == Some("jsonl") {
@@ -159,7 +161,10 @@ pub fn load_policy(
             .file_stem()
             .map_or_else(|| arg.to_string(), |s| s.to_string_lossy().into_owned());
     }
-    engine.load(&bytes, spec).map(Installed::Wasm).map_err(policy_err)
+    engine
+        .load(&bytes, spec)
+        .map(Installed::Wasm)
+        .map_err(policy_err)
 }
 
 /// Node names of a record (`node-<i>` where the record has none).

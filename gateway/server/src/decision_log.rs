@@ -229,7 +229,10 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
         assert_eq!(
-            std::fs::read_to_string(&path).expect("file").lines().count(),
+            std::fs::read_to_string(&path)
+                .expect("file")
+                .lines()
+                .count(),
             3
         );
         let _ = std::fs::remove_dir_all(&dir);

@@ -281,7 +281,11 @@ impl LocalLimits {
 
 /// The default directory of compiled policies (see `--policy-cache-dir`).
 fn default_cache_dir() -> Option<PathBuf> {
-    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let env = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
     let base = env("PD_CACHE_DIR")
         .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("pd-serve")))
         .or_else(|| env("HOME").map(|h| h.join(".cache/pd-serve")))?;
@@ -605,9 +609,10 @@ fn policy_local(cmd: PolicyCommand) -> anyhow::Result<ExitCode> {
                 .map(|c| c.record)
                 .collect();
             let engine = engine_with_cache(default_cache_dir())?;
-            let after = cases::load_policy(&engine, &policy, limits.spec()?)?;
+            let spec = limits.spec()?;
+            let after = cases::load_policy(&engine, &policy, spec.clone())?;
             let before = baseline
-                .map(|b| cases::load_policy(&engine, &b, limits.spec()?))
+                .map(|b| cases::load_policy(&engine, &b, spec))
                 .transpose()?;
             let report = replay::replay(&records, &after, before.as_ref());
             if json {

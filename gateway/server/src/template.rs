@@ -56,19 +56,27 @@ const TOOLS: &str = include_str!("../../../policies/tools.sh");
 const CASES: [(&str, &str); 4] = [
     (
         "split-spreads-nothing-onto-busy-nodes.json",
-        include_str!("../../../policies/cases/least-loaded/split-spreads-nothing-onto-busy-nodes.json"),
+        include_str!(
+            "../../../policies/cases/least-loaded/split-spreads-nothing-onto-busy-nodes.json"
+        ),
     ),
     (
         "whole-ties-go-to-free-blocks-then-index.json",
-        include_str!("../../../policies/cases/least-loaded/whole-ties-go-to-free-blocks-then-index.json"),
+        include_str!(
+            "../../../policies/cases/least-loaded/whole-ties-go-to-free-blocks-then-index.json"
+        ),
     ),
     (
         "draining-only-when-the-whole-role-drains.json",
-        include_str!("../../../policies/cases/least-loaded/draining-only-when-the-whole-role-drains.json"),
+        include_str!(
+            "../../../policies/cases/least-loaded/draining-only-when-the-whole-role-drains.json"
+        ),
     ),
     (
         "reject-without-a-pair-or-a-standalone-node.json",
-        include_str!("../../../policies/cases/least-loaded/reject-without-a-pair-or-a-standalone-node.json"),
+        include_str!(
+            "../../../policies/cases/least-loaded/reject-without-a-pair-or-a-standalone-node.json"
+        ),
     ),
 ];
 
@@ -211,8 +219,8 @@ pub fn next_steps(lang: Lang, folder: &Path) -> String {
 /// Flags an interpreted guest needs (it runs a language runtime in each fresh instance).
 fn limits(lang: Lang) -> &'static str {
     match lang {
-        Lang::Python | Lang::Js => " --deadline-ms 50 --fuel 2000000000 --memory-mib 128",
-        Lang::Go => " --deadline-ms 5 --fuel 50000000 --memory-mib 64",
+        Lang::Python | Lang::Js => " --deadline-ms 20 --fuel 1000000000 --memory-mib 64",
+        Lang::Go => " --deadline-ms 10 --fuel 200000000 --memory-mib 64",
         Lang::Rust | Lang::C => "",
     }
 }
