@@ -80,7 +80,9 @@ impl DecisionLog {
         if self.every == 0 {
             return false;
         }
-        self.seen.fetch_add(1, Ordering::Relaxed) % self.every == 0
+        self.seen
+            .fetch_add(1, Ordering::Relaxed)
+            .is_multiple_of(self.every)
     }
 
     /// Records one decision.
