@@ -148,6 +148,9 @@ impl Admin {
     }
 }
 
+/// Largest policy component a push or dry-run accepts.
+pub const MAX_POLICY_BYTES: usize = 64 << 20;
+
 /// The admin routes.
 pub fn routes(admin: Admin) -> Axum {
     Axum::new()
@@ -157,6 +160,8 @@ pub fn routes(admin: Admin) -> Axum {
         .route("/admin/decisions", get(decisions))
         .route("/admin/nodes", get(nodes))
         .route("/admin/nodes/{engine_id}/drain", post(drain))
+        // A Python or JavaScript policy carries its interpreter: ~12–18 MB.
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_POLICY_BYTES))
         .with_state(admin)
 }
 
