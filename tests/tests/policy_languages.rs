@@ -1,7 +1,8 @@
 //! Policies in every language, through a running gateway (gateway + 2P + 1D, real processes):
 //! each language's least-loaded build is pushed live while streaming clients loop requests, and
 //! nothing fails: no failed request, no policy failure or fallback, every pushed version
-//! decided requests, and `GET /admin/policy` shows the one pushed last.
+//! decided requests, and `GET /admin/policy` shows the one pushed last. A push whose deadline
+//! the policy cannot make is refused.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -70,6 +71,28 @@ async fn every_language_pushed_live_under_load_fails_nothing() {
             (ok, failed)
         }));
     }
+
+    // The deadline is the policy's own, set at push: a Python policy pushed with a deadline it
+    // cannot make (100 µs: it starts an interpreter per call) is refused by the push's smoke
+    // test, not installed to fall back on every request.
+    let before = c.policy().await;
+    let (status, v) = c
+        .push_policy(
+            &files[0],
+            "too-slow",
+            &[
+                ("deadline_ms", "0.1"),
+                ("fuel", "1000000000"),
+                ("memory_mib", "64"),
+            ],
+        )
+        .await;
+    assert_eq!(status, 400, "{v}");
+    assert!(
+        v.to_string().contains("timed out") || v.to_string().contains("deadline"),
+        "{v}"
+    );
+    assert_eq!(c.policy().await["current"], before["current"]);
 
     let mut versions = Vec::new();
     for ((build, deadline, fuel, memory), file) in PUSHES.iter().zip(&files) {
