@@ -88,7 +88,7 @@ flock 9
 if ! ready; then
     rm -rf "$tool"
     mkdir -p "$tool"
-    quiet npm install --prefix "$tool" --no-audit --no-fund --no-update-notifier \
+    quiet npm install --prefix "$tool" --save-exact --no-audit --no-fund --no-update-notifier \
         --loglevel=error "@bytecodealliance/componentize-js@$COMPONENTIZE_JS_VERSION"
     works || die "$tool does not run componentize-js $COMPONENTIZE_JS_VERSION after installing it"
     touch "$tool/.pd-complete"
