@@ -67,11 +67,12 @@ mkdir -p "$mod/export_wit_world"
 rm -f "$mod/export_wit_world/"*.go
 cp "$policy_dir"/*.go "$mod/export_wit_world/"
 rm -f "$mod/export_wit_world/"*_test.go
-# The bindings' runtime package, offline: the copy shipped inside wit-bindgen-cli's sources.
-cp -R "$go_pkg" "$work/go-pkg"
+# The bindings' runtime package, offline: the copy shipped inside wit-bindgen-cli's sources,
+# as a nested module at a relative path (recorded as such in the build info: reproducible).
+cp -R "$go_pkg" "$mod/go-pkg"
 cat >>"$mod/go.mod" <<EOF
 
-replace go.bytecodealliance.org/pkg => $work/go-pkg
+replace go.bytecodealliance.org/pkg => ./go-pkg
 EOF
 
 # 2. Core module. Go's caches live in the pd-serve cache; no network, no toolchain switching.
