@@ -74,7 +74,11 @@ work="$(mktemp -d "${TMPDIR:-/tmp}/pd-policy-c.XXXXXX")"
 trap 'rm -rf "$work" "$out.tmp.$$"' EXIT
 
 # 1. Bindings.
-"$wit_bindgen" c --world policy --out-dir "$work/bindings" "$wit" >&2
+# (Its "Generating …" lines are shown only when it fails.)
+if ! "$wit_bindgen" c --world policy --out-dir "$work/bindings" "$wit" >"$work/wit-bindgen.log" 2>&1; then
+    cat "$work/wit-bindgen.log" >&2
+    exit 1
+fi
 
 # 2. Core module: the policy's files with warnings as errors, the generated file as is; linked
 # as a reactor (exports `_initialize`, which `component new` runs at instantiation) with a

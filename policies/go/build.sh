@@ -62,7 +62,11 @@ trap 'rm -rf "$work" "$out.tmp.$$"' EXIT
 
 # 1. Bindings: a module `wit_component` (package main + one package per interface).
 mod="$work/mod"
-"$wit_bindgen" go --world policy --format=false --out-dir "$mod" "$wit" >&2
+# (Its "Generating …" lines are shown only when it fails.)
+if ! "$wit_bindgen" go --world policy --format=false --out-dir "$mod" "$wit" >"$work/wit-bindgen.log" 2>&1; then
+    cat "$work/wit-bindgen.log" >&2
+    exit 1
+fi
 mkdir -p "$mod/export_wit_world"
 rm -f "$mod/export_wit_world/"*.go
 cp "$policy_dir"/*.go "$mod/export_wit_world/"
