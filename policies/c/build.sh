@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Builds a routing policy written in C into a WebAssembly component for pd-gateway.
 #
 # Usage: build.sh POLICY_DIR OUT.wasm
@@ -27,7 +28,7 @@ if [ "$#" -ne 2 ]; then
 fi
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if [ -f "$here/tools.sh" ]; then
-    # shellcheck source=../tools.sh
+    # shellcheck source=/dev/null
     source "$here/tools.sh"
 else
     # shellcheck source=../tools.sh
