@@ -6,8 +6,16 @@
 //! (no files, no network, no environment, no arguments; stdout/stderr go nowhere), and the
 //! epoch ticker thread.
 //!
-//! At load ([`PolicyEngine::load`], off the request path): compile (cached by the sha256 of
-//! the bytes), `instantiate_pre` (all import resolution and type checking), then a smoke test.
+//! At load ([`PolicyEngine::load`], off the request path): compile (cached in memory by the
+//! sha256 of the bytes, and on disk when the engine has a cache directory: see
+//! `precompiled.rs`), `instantiate_pre` (all import resolution and type checking), then a
+//! smoke test.
+//!
+//! A guest that imports WASI (a Go guest always does) gets a context built on its first WASI
+//! call: no preopens, environment, arguments or network, stdin empty, stdout and stderr
+//! discarded, a wall clock frozen at the Unix epoch, a monotonic clock that advances 1 µs per
+//! read from 0, and random bytes from a generator seeded with the request's `seq`: the same
+//! request and view give the same decision, so a recorded decision replays exactly.
 //!
 //! Per call ([`WasmPolicy::decide`]): a new [`Store`] whose data holds the caller's node names
 //! (shared, not copied), with a memory limiter, the fuel budget and the epoch deadline set
@@ -22,16 +30,21 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
+use std::path::Path;
+
 use sha2::{Digest, Sha256};
 use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
 use wasmtime::{
     Config, Enabled, Engine, InstanceAllocationStrategy, OptLevel, PoolingAllocationConfig,
     ResourceLimiter, Store, Trap,
 };
-use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+use wasmtime_wasi::{
+    Deterministic, HostMonotonicClock, HostWallClock, WasiCtx, WasiCtxView, WasiView,
+};
 
 use crate::bindings::pd::policy::host::Level;
 use crate::bindings::{Policy, PolicyPre};
+use crate::precompiled::DiskCache;
 use crate::{Api, Decision, Node, PolicyError, Request, Role, View, validate};
 
 /// Engine ids of a view's nodes (`names[i]` names `view.nodes[i]`), shared with the caller:
@@ -120,6 +133,8 @@ struct EngineInner {
     engine: Engine,
     linker: Linker<HostState>,
     cache: Mutex<Vec<([u8; 32], Component)>>,
+    /// Compiled components on disk, when the engine has a cache directory.
+    disk: Option<DiskCache>,
     clock: Arc<EpochClock>,
     ticker: Option<JoinHandle<()>>,
 }
@@ -245,6 +260,27 @@ impl PolicyEngine {
     /// [`PolicyError::Engine`] when wasmtime rejects the configuration (for example, the
     /// pooling allocator cannot reserve its address space) or the ticker thread cannot start.
     pub fn new() -> Result<Self, PolicyError> {
+        Self::build(None)
+    }
+
+    /// [`PolicyEngine::new`], with compiled components also kept in `dir` (created with mode
+    /// 0700 when missing), so a restart or a second push of the same component does not compile
+    /// it again.
+    ///
+    /// # Errors
+    ///
+    /// As [`PolicyEngine::new`], and [`PolicyError::CacheDir`] when `dir` cannot be created or
+    /// is not a private directory of this user.
+    pub fn with_disk_cache(dir: &Path) -> Result<Self, PolicyError> {
+        Self::build(Some(dir))
+    }
+
+    /// The on-disk cache directory, if any.
+    pub fn disk_cache(&self) -> Option<&Path> {
+        self.inner.disk.as_ref().map(DiskCache::dir)
+    }
+
+    fn build(disk_dir: Option<&Path>) -> Result<Self, PolicyError> {
         let mut pool = PoolingAllocationConfig::new();
         pool.total_component_instances(MAX_CONCURRENT_CALLS)
             .total_core_instances(MAX_CONCURRENT_CALLS * 16)
@@ -281,6 +317,7 @@ impl PolicyEngine {
             .max_wasm_stack(512 << 10)
             .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
         let engine = Engine::new(&config).map_err(engine_err)?;
+        let disk = disk_dir.map(|d| DiskCache::open(d, &engine)).transpose()?;
 
         let mut linker = Linker::<HostState>::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(engine_err)?;
@@ -305,6 +342,7 @@ impl PolicyEngine {
                 engine,
                 linker,
                 cache: Mutex::new(Vec::new()),
+                disk,
                 clock,
                 ticker: Some(ticker),
             }),
@@ -334,7 +372,9 @@ impl PolicyEngine {
         }
         let digest: [u8; 32] = Sha256::digest(wasm).into();
         let sha256 = hex::encode(digest);
-        let component = self.compile(&spec.name, digest, wasm)?;
+        let started = Instant::now();
+        let (component, compiled_from) = self.compile(&spec.name, digest, &sha256, wasm)?;
+        let compile_time = started.elapsed();
         let instantiate_err = |e: wasmtime::Error| PolicyError::Instantiate {
             name: spec.name.clone(),
             source: e.into_boxed_dyn_error(),
@@ -360,6 +400,8 @@ impl PolicyEngine {
             sha256,
             loaded_at: SystemTime::now(),
             deadline_ticks,
+            compiled_from,
+            compile_time,
         };
         policy.check_instantiate()?;
         for (case, request, view, names) in smoke_cases() {
@@ -385,12 +427,20 @@ impl PolicyEngine {
         tracing::info!(
             policy = %policy.spec.name,
             version = %policy.guest.version,
+            compiled_from = ?policy.compiled_from,
+            compile_time = ?policy.compile_time,
             "policy loaded"
         );
         Ok(policy)
     }
 
-    fn compile(&self, name: &str, digest: [u8; 32], wasm: &[u8]) -> Result<Component, PolicyError> {
+    fn compile(
+        &self,
+        name: &str,
+        digest: [u8; 32],
+        sha256: &str,
+        wasm: &[u8],
+    ) -> Result<(Component, CompiledFrom), PolicyError> {
         let cached = |cache: &Vec<([u8; 32], Component)>| {
             cache
                 .iter()
@@ -398,15 +448,29 @@ impl PolicyEngine {
                 .map(|(_, c)| c.clone())
         };
         if let Some(c) = cached(&self.cache()) {
-            return Ok(c);
+            return Ok((c, CompiledFrom::Memory));
         }
+        let engine = &self.inner.engine;
+        let compile_err = |e: wasmtime::Error| PolicyError::Compile {
+            name: name.to_string(),
+            source: e.into_boxed_dyn_error(),
+        };
         let started = Instant::now();
-        let component =
-            Component::new(&self.inner.engine, wasm).map_err(|e| PolicyError::Compile {
-                name: name.to_string(),
-                source: e.into_boxed_dyn_error(),
-            })?;
-        tracing::debug!(policy = %name, elapsed = ?started.elapsed(), "policy compiled");
+        let (component, from) = match &self.inner.disk {
+            Some(disk) => match disk.load(engine, sha256) {
+                Some(c) => (c, CompiledFrom::Disk),
+                None => (
+                    disk.compile_and_store(engine, sha256, wasm)
+                        .map_err(compile_err)?,
+                    CompiledFrom::Compiled,
+                ),
+            },
+            None => (
+                Component::new(engine, wasm).map_err(compile_err)?,
+                CompiledFrom::Compiled,
+            ),
+        };
+        tracing::debug!(policy = %name, ?from, elapsed = ?started.elapsed(), "policy compiled");
         let mut cache = self.cache();
         if cached(&cache).is_none() {
             if cache.len() >= COMPILE_CACHE_ENTRIES {
@@ -414,7 +478,7 @@ impl PolicyEngine {
             }
             cache.push((digest, component.clone()));
         }
-        Ok(component)
+        Ok((component, from))
     }
 
     fn cache(&self) -> std::sync::MutexGuard<'_, Vec<([u8; 32], Component)>> {
@@ -477,6 +541,17 @@ fn smoke_cases() -> Vec<(&'static str, Request, View, NodeNames)> {
     ]
 }
 
+/// Where a loaded policy's machine code came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CompiledFrom {
+    /// Compiled by this load.
+    Compiled,
+    /// The engine's in-memory cache (the same bytes were loaded before by this process).
+    Memory,
+    /// The on-disk cache (compiled by an earlier load, maybe by an earlier process).
+    Disk,
+}
+
 /// A loaded, smoke-tested policy component, ready to decide. Shared across threads; each
 /// call runs in its own store.
 pub struct WasmPolicy {
@@ -488,6 +563,8 @@ pub struct WasmPolicy {
     sha256: String,
     loaded_at: SystemTime,
     deadline_ticks: u64,
+    compiled_from: CompiledFrom,
+    compile_time: Duration,
 }
 
 impl std::fmt::Debug for WasmPolicy {
@@ -514,6 +591,12 @@ impl WasmPolicy {
     /// When it was loaded.
     pub fn loaded_at(&self) -> SystemTime {
         self.loaded_at
+    }
+
+    /// Where its machine code came from, and how long getting it took (compiling, or reading
+    /// the cache).
+    pub fn compiled(&self) -> (CompiledFrom, Duration) {
+        (self.compiled_from, self.compile_time)
     }
 
     /// Decides where `request` goes: a fresh store, the spec's limits, the guest's `decide`,
@@ -543,7 +626,7 @@ impl WasmPolicy {
         view: &View,
         node_names: &Arc<[Arc<str>]>,
     ) -> (Result<Decision, PolicyError>, CallStats) {
-        let (result, stats) = self.with_store(node_names.clone(), |store| {
+        let (result, stats) = self.with_store(node_names.clone(), request.seq, |store| {
             let result = match self.pre.instantiate(&mut *store) {
                 Ok(policy) => self.call(store, &policy, request, view),
                 Err(e) => Err(self.call_error(e, true)),
@@ -566,6 +649,7 @@ impl WasmPolicy {
     fn with_store<R>(
         &self,
         node_names: Arc<[Arc<str>]>,
+        seed: u64,
         f: impl FnOnce(&mut Store<HostState>) -> (Result<R, PolicyError>, CallStats),
     ) -> (Result<R, PolicyError>, CallStats) {
         let state = HostState {
@@ -576,6 +660,7 @@ impl WasmPolicy {
                 last_desired: 0,
             },
             log_lines: 0,
+            seed,
             wasi: None,
         };
         let mut store = Store::new(&self.engine.engine, state);
@@ -595,7 +680,7 @@ impl WasmPolicy {
     /// The first smoke test: an instance can be created at all (a memory limit below the
     /// guest's initial memory, say, fails here).
     fn check_instantiate(&self) -> Result<(), PolicyError> {
-        self.with_store(Arc::from([]), |store| {
+        self.with_store(Arc::from([]), 0, |store| {
             let result =
                 self.pre
                     .instantiate(&mut *store)
@@ -668,6 +753,8 @@ struct HostState {
     names: Arc<[Arc<str>]>,
     limiter: Limiter,
     log_lines: u32,
+    /// Seeds the WASI random generators: the request's `seq`.
+    seed: u64,
     /// Built on the guest's first WASI call: most policies never make one.
     wasi: Option<WasiState>,
 }
@@ -679,13 +766,19 @@ struct WasiState {
 
 impl WasiView for HostState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
+        let seed = self.seed;
         let w = self.wasi.get_or_insert_with(|| WasiState {
             // No preopens, environment, arguments or sockets; stdin empty, stdout and stderr
-            // discarded.
+            // discarded; clocks and randomness reproducible (see the module docs).
             ctx: WasiCtx::builder()
                 .allow_tcp(false)
                 .allow_udp(false)
                 .allow_ip_name_lookup(false)
+                .wall_clock(FrozenWallClock)
+                .monotonic_clock(StepClock::default())
+                .secure_random(seeded_random(seed))
+                .insecure_random(seeded_random(seed ^ 0x5851_f42d_4c95_7f2d))
+                .insecure_random_seed(u128::from(seed))
                 .build(),
             table: ResourceTable::new(),
         });
@@ -694,6 +787,50 @@ impl WasiView for HostState {
             table: &mut w.table,
         }
     }
+}
+
+/// `wasi:clocks/wall-clock` of a policy: always the Unix epoch.
+struct FrozenWallClock;
+
+impl HostWallClock for FrozenWallClock {
+    fn resolution(&self) -> Duration {
+        Duration::from_nanos(1)
+    }
+    fn now(&self) -> Duration {
+        Duration::ZERO
+    }
+}
+
+/// `wasi:clocks/monotonic-clock` of a policy: 0, then 1 µs more at every read (time passes,
+/// so a guest that waits for it ends, but the same calls see the same times).
+#[derive(Default)]
+struct StepClock(AtomicU64);
+
+impl HostMonotonicClock for StepClock {
+    fn resolution(&self) -> u64 {
+        1_000
+    }
+    fn now(&self) -> u64 {
+        self.0.fetch_add(1_000, Ordering::Relaxed)
+    }
+}
+
+/// Bytes the WASI random generators cycle through (a guest asks for a few: hash seeds).
+const RANDOM_BYTES: usize = 4096;
+
+/// A generator whose bytes depend only on `seed` (splitmix64 over 4 KiB, cycled).
+fn seeded_random(seed: u64) -> Deterministic {
+    let mut x = seed;
+    let bytes = (0..RANDOM_BYTES / 8)
+        .flat_map(|_| {
+            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            (z ^ (z >> 31)).to_le_bytes()
+        })
+        .collect();
+    Deterministic::new(bytes)
 }
 
 impl crate::bindings::pd::policy::types::Host for HostState {}

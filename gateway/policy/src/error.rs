@@ -24,6 +24,9 @@ pub enum PolicyError {
         /// [`crate::MAX_MEMORY_LIMIT`].
         max: usize,
     },
+    /// The on-disk cache directory cannot be used.
+    #[error(transparent)]
+    CacheDir(#[from] crate::CacheDirError),
     /// The bytes are not a valid WebAssembly component.
     #[error("policy {name}: compiling the component failed")]
     Compile {
@@ -111,6 +114,7 @@ impl PolicyError {
     pub fn reason(&self) -> &'static str {
         match self {
             PolicyError::Engine { .. } => "engine",
+            PolicyError::CacheDir(_) => "cache_dir",
             PolicyError::MemoryLimitTooLarge { .. } => "memory_limit_too_large",
             PolicyError::Compile { .. } => "compile",
             PolicyError::Instantiate { .. } => "instantiate",

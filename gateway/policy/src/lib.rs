@@ -5,8 +5,10 @@
 //! compiling and smoke-testing policy components ([`PolicyEngine::load`]), running them per
 //! request under memory, fuel and deadline limits ([`WasmPolicy::decide`]), checking their
 //! decisions ([`validate`]), the native policies that share the guests' rules ([`native`];
-//! `least-loaded` is the gateway's fallback), and the [`PolicySlot`] that swaps and rolls
-//! back policies while requests read it.
+//! `least-loaded` is the gateway's fallback), the [`PolicySlot`] that swaps and rolls back
+//! policies while requests read it, the on-disk cache of compiled components
+//! ([`PolicyEngine::with_disk_cache`]), and decision records in the WIT's own names
+//! ([`record`]: the decision log's, test cases' and replay's format).
 //!
 //! This crate does not speak HTTP, run an async runtime (no tokio: calls are synchronous and
 //! take microseconds; the gateway decides where they run), or touch models (no candle). It
@@ -19,6 +21,8 @@ mod bindings;
 mod engine;
 mod error;
 pub mod native;
+mod precompiled;
+pub mod record;
 mod slot;
 mod validate;
 
@@ -26,10 +30,12 @@ pub use bindings::pd::policy::types::{
     Api, Decision, DecodeTarget, Node, Rejection, Request, ReversePull, Role, Route, Split, View,
 };
 pub use engine::{
-    CallStats, DEFAULT_FUEL, EPOCH_TICK, MAX_CONCURRENT_CALLS, MAX_MEMORY_LIMIT, NodeNames,
-    PolicyEngine, PolicySpec, WasmPolicy,
+    CallStats, CompiledFrom, DEFAULT_FUEL, EPOCH_TICK, MAX_CONCURRENT_CALLS, MAX_MEMORY_LIMIT,
+    NodeNames, PolicyEngine, PolicySpec, WasmPolicy,
 };
 pub use error::PolicyError;
+pub use precompiled::CacheDirError;
+pub use record::{Record, RecordError, WIT_VERSION};
 pub use slot::{Installed, PolicySlot};
 pub use validate::{InvalidDecision, Slot, validate};
 /// The trap codes of [`PolicyError::Trap`], re-exported so callers need no wasmtime dependency.

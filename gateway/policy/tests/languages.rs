@@ -16,11 +16,12 @@ use pd_policy::{Decision, PolicyEngine, PolicySpec, Request, Route, View, valida
 type Native = fn(&Request, &View) -> Decision;
 
 /// (language, policy, native copy): every build the repository ships.
-const BUILDS: [(&str, &str, Native); 6] = [
+const BUILDS: [(&str, &str, Native); 7] = [
     ("rust", "least-loaded", native::least_loaded),
     ("python", "least-loaded", native::least_loaded),
     ("python", "prefix-aware", native::prefix_aware),
     ("js", "least-loaded", native::least_loaded),
+    ("js", "prefix-aware", native::prefix_aware),
     ("go", "least-loaded", native::least_loaded),
     ("c", "least-loaded", native::least_loaded),
 ];
@@ -51,7 +52,9 @@ fn wasm_path(lang: &str, policy: &str) -> std::path::PathBuf {
 fn every_language_decides_as_the_native_policy() {
     // Optional filter for authors working on one language: PD_POLICY_LANGS=python,js.
     let only = std::env::var("PD_POLICY_LANGS").ok();
-    let engine = PolicyEngine::new().expect("engine");
+    // Interpreted guests take seconds to compile: share the compiled code with the other
+    // tests and runs, as the gateway does.
+    let engine = PolicyEngine::with_disk_cache(&common::compile_cache()).expect("engine");
     let mut checked = 0;
     for (lang, policy, native) in BUILDS {
         if only

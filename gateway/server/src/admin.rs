@@ -66,7 +66,17 @@ pub fn describe(p: &Installed) -> Value {
     if let Installed::Wasm(w) = p {
         v["deadline_ms"] = json!(w.spec().deadline.as_secs_f64() * 1000.0);
         v["memory_limit"] = json!(w.spec().memory_limit);
+        v["fuel"] = json!(w.spec().fuel);
         v["config"] = json!(w.spec().config);
+        let (from, took) = w.compiled();
+        v["compiled"] = json!({
+            "from": match from {
+                pd_policy::CompiledFrom::Compiled => "compiled",
+                pd_policy::CompiledFrom::Memory => "memory",
+                pd_policy::CompiledFrom::Disk => "disk",
+            },
+            "ms": took.as_secs_f64() * 1000.0,
+        });
     }
     v
 }
@@ -114,6 +124,13 @@ impl Admin {
                 .map_err(|_| format!("memory_mib: not a number: {mib}"))?;
             spec.memory_limit = mib << 20;
         }
+        if let Some(fuel) = q.get("fuel") {
+            spec.fuel = fuel
+                .parse()
+                .ok()
+                .filter(|&f: &u64| f > 0)
+                .ok_or_else(|| format!("fuel: not a positive integer: {fuel}"))?;
+        }
         spec.config = q
             .iter()
             .filter_map(|(k, v)| k.strip_prefix("config.").map(|k| (k.to_owned(), v.clone())))
@@ -127,9 +144,24 @@ impl Admin {
             .await
             .map_err(|e| e.to_string())?
             .map(Installed::Wasm)
-            .map_err(|e| e.to_string())
+            .map_err(|e| chain(&e))
     }
 }
+
+/// An error and its causes, `: `-joined (the push's answer says why a smoke test failed).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cause = c.source();
+    }
+    out
+}
+
+/// Largest policy component a push or dry-run accepts.
+pub const MAX_POLICY_BYTES: usize = 64 << 20;
 
 /// The admin routes.
 pub fn routes(admin: Admin) -> Axum {
@@ -137,9 +169,33 @@ pub fn routes(admin: Admin) -> Axum {
         .route("/admin/policy", get(show).put(push))
         .route("/admin/policy/rollback", post(rollback))
         .route("/admin/policy/dry-run", post(dry_run))
+        .route("/admin/decisions", get(decisions))
         .route("/admin/nodes", get(nodes))
         .route("/admin/nodes/{engine_id}/drain", post(drain))
+        // A Python or JavaScript policy carries its interpreter: ~12–18 MB.
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_POLICY_BYTES))
         .with_state(admin)
+}
+
+/// The decision log's last records (`?limit=N`, default 1000), as JSONL.
+async fn decisions(
+    State(a): State<Admin>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    if !a.authorized(&headers) {
+        return error(StatusCode::UNAUTHORIZED, "missing or wrong admin token");
+    }
+    let limit = match q.get("limit").map(|l| l.parse::<usize>()) {
+        None => 1000,
+        Some(Ok(l)) => l,
+        Some(Err(_)) => return error(StatusCode::BAD_REQUEST, "limit: not a number"),
+    };
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/x-ndjson")],
+        a.router.log().recent(limit),
+    )
+        .into_response()
 }
 
 async fn show(State(a): State<Admin>, headers: HeaderMap) -> Response {

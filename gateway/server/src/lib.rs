@@ -13,7 +13,10 @@
 //! - [`route`]: the policy call with its fallback.
 //! - [`spread`]: n>1 over several decode nodes: placing children, merging their answers.
 //! - [`lease`]: releasing P's leases nobody will pull.
-//! - [`admin`]: the operator's API (policy push, rollback, dry-run, nodes).
+//! - [`decision_log`]: sampled decisions (inputs and outputs) for `GET /admin/decisions`.
+//! - [`admin`]: the operator's API (policy push, rollback, dry-run, decisions, nodes).
+//! - [`cases`], [`replay`], [`template`]: the policy author's tools (`pd-gateway policy test`,
+//!   `replay`, `new`), which run policies here, without a cluster.
 //! - [`metrics`]: Prometheus metrics.
 //!
 //! This crate does not run models or link candle (tokenizing uses `pd-tokenize`), does not move
@@ -22,12 +25,16 @@
 #![deny(unused_must_use)]
 
 pub mod admin;
+pub mod cases;
 pub mod cluster;
+pub mod decision_log;
 pub mod error;
 pub mod lease;
 pub mod metrics;
 pub mod openai;
 pub mod proxy;
 pub mod registry;
+pub mod replay;
 pub mod route;
 pub mod spread;
+pub mod template;

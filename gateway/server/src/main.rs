@@ -3,6 +3,9 @@
 //! ```sh
 //! pd-gateway serve --port 8080 --registry-port 50051 --admin-port 8081 [--policy FILE.wasm]
 //! pd-gateway policy push FILE.wasm --admin http://127.0.0.1:8081 --token-file FILE
+//! pd-gateway policy new --lang python my-policy
+//! pd-gateway policy test FILE.wasm --cases DIR
+//! pd-gateway policy replay decisions.jsonl --policy NEW.wasm
 //! ```
 
 use std::collections::{BTreeMap, HashMap};
@@ -16,12 +19,16 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use pd_gateway::admin::{self, Admin};
+use pd_gateway::cases;
 use pd_gateway::cluster::Cluster;
+use pd_gateway::decision_log::{DecisionLog, DecisionLogConfig};
 use pd_gateway::lease::LeaseReleaser;
 use pd_gateway::metrics::Metrics;
 use pd_gateway::proxy::{Gateway, ProxyConfig, Shared};
 use pd_gateway::registry::{Registry, RegistryConfig};
+use pd_gateway::replay;
 use pd_gateway::route::{OnPolicyFailure, Router};
+use pd_gateway::template::{self, Lang};
 use pd_policy::{Installed, PolicyEngine, PolicySlot, PolicySpec};
 use pingora::server::Server;
 use pingora::server::configuration::ServerConf;
@@ -77,6 +84,29 @@ struct ServeArgs {
     /// Memory a policy instance may use, MiB.
     #[arg(long, default_value_t = 16)]
     policy_memory_mib: usize,
+    /// Fuel (about one unit per wasm instruction) one policy decision may use.
+    #[arg(long, default_value_t = pd_policy::DEFAULT_FUEL)]
+    policy_fuel: u64,
+    /// Where compiled policies are cached (a private directory, created 0700). Default:
+    /// $PD_CACHE_DIR/policy-cache, else $XDG_CACHE_HOME/pd-serve/policy-cache, else
+    /// ~/.cache/pd-serve/policy-cache.
+    #[arg(long)]
+    policy_cache_dir: Option<PathBuf>,
+    /// Compile policies at every load instead of caching them on disk.
+    #[arg(long)]
+    no_policy_cache: bool,
+    /// Sample one decision in this many into the decision log (1: all; 0: none).
+    #[arg(long, default_value_t = 100)]
+    decision_log_every: u64,
+    /// Sampled decisions kept in memory for GET /admin/decisions.
+    #[arg(long, default_value_t = 1000)]
+    decision_log_keep: usize,
+    /// Also append sampled decisions to this JSONL file (rotated to FILE.1).
+    #[arg(long)]
+    decision_log: Option<PathBuf>,
+    /// Size at which the decision log file is rotated, MiB.
+    #[arg(long, default_value_t = 64)]
+    decision_log_max_mib: u64,
     /// What a failing policy does to a request: the built-in policy decides, or 503.
     #[arg(long, value_enum, default_value_t = OnPolicyFailure::Fallback)]
     on_policy_failure: OnPolicyFailure,
@@ -130,12 +160,67 @@ enum PolicyCommand {
         /// Name shown in metrics and the admin API (default: the file's stem).
         #[arg(long)]
         name: Option<String>,
-        /// Decision deadline, milliseconds.
+        /// Decision deadline, milliseconds (the push's smoke test refuses a policy that cannot
+        /// decide within it).
         #[arg(long)]
         deadline_ms: Option<f64>,
+        /// Memory a policy instance may use, MiB.
+        #[arg(long)]
+        memory_mib: Option<usize>,
+        /// Fuel one decision may use.
+        #[arg(long)]
+        fuel: Option<u64>,
         /// Configuration, KEY=VALUE (repeatable).
         #[arg(long)]
         config: Vec<String>,
+    },
+    /// Write a new policy from a template: source, build script, WIT, and test cases.
+    New {
+        /// The policy's language.
+        #[arg(long, value_enum)]
+        lang: Lang,
+        /// The policy's name (a folder of this name is created).
+        name: String,
+        /// Where to create the folder.
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+    },
+    /// Run a policy against recorded cases; non-zero exit on any mismatch.
+    Test {
+        /// The policy component (or native:NAME).
+        file: String,
+        /// A folder of cases (*.json, *.jsonl), or one case file.
+        #[arg(long)]
+        cases: PathBuf,
+        /// Times each case runs (for the latency percentiles).
+        #[arg(long, default_value_t = 10)]
+        repeat: usize,
+        #[command(flatten)]
+        limits: LocalLimits,
+    },
+    /// Replay a decision log through another policy and report what changes.
+    Replay {
+        /// A decision log (JSONL, from --decision-log or GET /admin/decisions).
+        log: PathBuf,
+        /// The policy to replay (a component, or native:NAME).
+        #[arg(long)]
+        policy: String,
+        /// Compare with this policy run on the same records instead of the recorded decisions.
+        #[arg(long)]
+        baseline: Option<String>,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        limits: LocalLimits,
+    },
+    /// Print a running gateway's recent decisions (JSONL, for replay or test cases).
+    Decisions {
+        #[command(flatten)]
+        admin: AdminArgs,
+        /// How many (the latest).
+        #[arg(long, default_value_t = 1000)]
+        limit: usize,
     },
     /// Show the policy serving now.
     Show {
@@ -165,6 +250,60 @@ enum PolicyCommand {
     },
 }
 
+/// Limits of a policy run here (`policy test`, `policy replay`): as the gateway would.
+#[derive(Args, Debug)]
+struct LocalLimits {
+    /// Decision deadline, milliseconds.
+    #[arg(long, default_value_t = 1.0)]
+    deadline_ms: f64,
+    /// Memory a policy instance may use, MiB.
+    #[arg(long, default_value_t = 16)]
+    memory_mib: usize,
+    /// Fuel one decision may use.
+    #[arg(long, default_value_t = pd_policy::DEFAULT_FUEL)]
+    fuel: u64,
+    /// Configuration, KEY=VALUE (repeatable).
+    #[arg(long)]
+    config: Vec<String>,
+}
+
+impl LocalLimits {
+    fn spec(&self) -> anyhow::Result<PolicySpec> {
+        Ok(PolicySpec {
+            config: parse_config(&self.config)?,
+            deadline: Duration::from_secs_f64(self.deadline_ms / 1000.0),
+            memory_limit: self.memory_mib << 20,
+            fuel: self.fuel,
+            ..PolicySpec::default()
+        })
+    }
+}
+
+/// The default directory of compiled policies (see `--policy-cache-dir`).
+fn default_cache_dir() -> Option<PathBuf> {
+    let env = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    let base = env("PD_CACHE_DIR")
+        .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("pd-serve")))
+        .or_else(|| env("HOME").map(|h| h.join(".cache/pd-serve")))?;
+    Some(base.join("policy-cache"))
+}
+
+/// A policy engine with the on-disk cache when one can be had (a warning, not an error,
+/// when not: it only saves compile time).
+fn engine_with_cache(dir: Option<PathBuf>) -> anyhow::Result<PolicyEngine> {
+    if let Some(dir) = dir {
+        match PolicyEngine::with_disk_cache(&dir) {
+            Ok(e) => return Ok(e),
+            Err(e) => tracing::warn!(error = %e, "compiled policies will not be cached on disk"),
+        }
+    }
+    PolicyEngine::new().context("starting the policy engine")
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -175,11 +314,11 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Serve(args) => serve(args),
-        Command::Policy(cmd) => policy(cmd),
+        Command::Serve(args) => serve(args).map(|()| ExitCode::SUCCESS),
+        Command::Policy(cmd) => policy_local(cmd),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("pd-gateway: {e:#}");
             ExitCode::FAILURE
@@ -218,13 +357,26 @@ fn write_secret(path: &PathBuf, secret: &str) -> anyhow::Result<()> {
 
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let metrics = Metrics::new();
-    let engine = Arc::new(PolicyEngine::new().context("starting the policy engine")?);
+    let cache_dir = if args.no_policy_cache {
+        None
+    } else {
+        args.policy_cache_dir.clone().or_else(default_cache_dir)
+    };
+    let engine = Arc::new(engine_with_cache(cache_dir)?);
     let mut spec = PolicySpec {
         config: parse_config(&args.policy_config)?,
         deadline: Duration::from_secs_f64(args.policy_deadline_ms / 1000.0),
         memory_limit: args.policy_memory_mib << 20,
+        fuel: args.policy_fuel,
         ..PolicySpec::default()
     };
+    let log = DecisionLog::new(DecisionLogConfig {
+        every: args.decision_log_every,
+        keep: args.decision_log_keep,
+        file: args.decision_log.clone(),
+        max_bytes: args.decision_log_max_mib << 20,
+    })
+    .context("opening the decision log")?;
     let initial = match &args.policy {
         Some(path) => {
             let bytes =
@@ -246,6 +398,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         PolicySlot::new(initial),
         args.on_policy_failure,
         metrics.clone(),
+        Arc::new(log),
     ));
     let cluster = Arc::new(Cluster::default());
 
@@ -418,6 +571,61 @@ fn admin_client(a: &AdminArgs) -> anyhow::Result<(reqwest::Client, String, Strin
     ))
 }
 
+/// The commands that run here, without a gateway.
+fn policy_local(cmd: PolicyCommand) -> anyhow::Result<ExitCode> {
+    match cmd {
+        PolicyCommand::New { lang, name, dir } => {
+            let folder = template::write(lang, &name, &dir)?;
+            println!("{}", folder.display());
+            eprintln!("{}", template::next_steps(lang, &folder));
+            Ok(ExitCode::SUCCESS)
+        }
+        PolicyCommand::Test {
+            file,
+            cases: dir,
+            repeat,
+            limits,
+        } => {
+            let cases = cases::read_cases(&dir)?;
+            let engine = engine_with_cache(default_cache_dir())?;
+            let policy = cases::load_policy(&engine, &file, limits.spec()?)?;
+            let report = cases::run_cases(&policy, &cases, repeat);
+            print!("{report}");
+            Ok(if report.failures() == 0 {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
+        PolicyCommand::Replay {
+            log,
+            policy,
+            baseline,
+            json,
+            limits,
+        } => {
+            let records: Vec<pd_policy::Record> = cases::read_cases(&log)?
+                .into_iter()
+                .map(|c| c.record)
+                .collect();
+            let engine = engine_with_cache(default_cache_dir())?;
+            let spec = limits.spec()?;
+            let after = cases::load_policy(&engine, &policy, spec.clone())?;
+            let before = baseline
+                .map(|b| cases::load_policy(&engine, &b, spec))
+                .transpose()?;
+            let report = replay::replay(&records, &after, before.as_ref());
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report.to_json())?);
+            } else {
+                print!("{report}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        remote => policy(remote).map(|()| ExitCode::SUCCESS),
+    }
+}
+
 fn policy(cmd: PolicyCommand) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -429,6 +637,8 @@ fn policy(cmd: PolicyCommand) -> anyhow::Result<()> {
                 admin,
                 name,
                 deadline_ms,
+                memory_mib,
+                fuel,
                 config,
             } => {
                 let (c, base, token) = admin_client(admin)?;
@@ -443,6 +653,12 @@ fn policy(cmd: PolicyCommand) -> anyhow::Result<()> {
                 if let Some(d) = deadline_ms {
                     q.insert("deadline_ms".into(), d.to_string());
                 }
+                if let Some(m) = memory_mib {
+                    q.insert("memory_mib".into(), m.to_string());
+                }
+                if let Some(f) = fuel {
+                    q.insert("fuel".into(), f.to_string());
+                }
                 let bytes =
                     std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
                 let url = format!("{base}/admin/policy");
@@ -455,6 +671,25 @@ fn policy(cmd: PolicyCommand) -> anyhow::Result<()> {
                 let req = c.get(&url).bearer_auth(token);
                 (c, url, req)
             }
+            PolicyCommand::Decisions { admin, limit } => {
+                let (c, base, token) = admin_client(admin)?;
+                let url = format!("{base}/admin/decisions");
+                let req = c
+                    .get(&url)
+                    .query(&[("limit", limit.to_string())])
+                    .bearer_auth(token);
+                let resp = req.send().await.with_context(|| format!("calling {url}"))?;
+                let status = resp.status();
+                let text = resp.text().await?;
+                if !status.is_success() {
+                    bail!("{url} answered {status}: {text}");
+                }
+                print!("{text}");
+                return Ok(());
+            }
+            PolicyCommand::New { .. }
+            | PolicyCommand::Test { .. }
+            | PolicyCommand::Replay { .. } => bail!("runs locally, not against a gateway"),
             PolicyCommand::Rollback { admin } => {
                 let (c, base, token) = admin_client(admin)?;
                 let url = format!("{base}/admin/policy/rollback");

@@ -7,9 +7,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use pd_policy::{Decision, Installed, PolicySlot, Request, View, native};
+use pd_policy::{Decision, Installed, PolicySlot, Record, Request, View, native};
 use tracing::warn;
 
+use crate::decision_log::DecisionLog;
 use crate::error::GatewayError;
 use crate::metrics::Metrics;
 
@@ -32,6 +33,7 @@ pub struct Router {
     seq: AtomicU64,
     on_failure: OnPolicyFailure,
     metrics: Metrics,
+    log: Arc<DecisionLog>,
 }
 
 /// A decision and who made it.
@@ -63,13 +65,19 @@ pub fn run_policy(
 }
 
 impl Router {
-    /// A router over `slot`.
-    pub fn new(slot: PolicySlot, on_failure: OnPolicyFailure, metrics: Metrics) -> Self {
+    /// A router over `slot`, sampling its decisions into `log`.
+    pub fn new(
+        slot: PolicySlot,
+        on_failure: OnPolicyFailure,
+        metrics: Metrics,
+        log: Arc<DecisionLog>,
+    ) -> Self {
         let r = Self {
             slot,
             seq: AtomicU64::new(0),
             on_failure,
             metrics,
+            log,
         };
         r.publish_info();
         r
@@ -78,6 +86,11 @@ impl Router {
     /// The slot, for the admin API.
     pub fn slot(&self) -> &PolicySlot {
         &self.slot
+    }
+
+    /// The decision log, for the admin API.
+    pub fn log(&self) -> &DecisionLog {
+        &self.log
     }
 
     /// Refreshes the `policy_info` gauge after a swap.
@@ -110,7 +123,35 @@ impl Router {
         let version = installed.version();
         let start = Instant::now();
         let outcome = run_policy(&installed, request, view, names);
-        let took = start.elapsed().as_secs_f64();
+        let elapsed = start.elapsed();
+        let took = elapsed.as_secs_f64();
+        let decided = self.settle(&installed, version, outcome, took, request, view)?;
+        if self.log.sample() {
+            let mut record = Record::new(request.clone(), view.clone(), decided.decision.clone());
+            record.node_names = names.iter().map(|n| n.to_string()).collect();
+            record.fallback = decided.policy == FALLBACK;
+            record.policy = Some(installed.name().to_owned());
+            record.policy_sha256 = installed.sha256().map(str::to_owned);
+            record.time_ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .ok()
+                .and_then(|d| u64::try_from(d.as_millis()).ok());
+            record.latency_ns = u64::try_from(elapsed.as_nanos()).ok();
+            self.log.record(&record);
+        }
+        Ok(decided)
+    }
+
+    /// Turns the policy's outcome into the decision served: the policy's, or the fallback's.
+    fn settle(
+        &self,
+        installed: &Installed,
+        version: String,
+        outcome: Result<Decision, pd_policy::PolicyError>,
+        took: f64,
+        request: &Request,
+        view: &View,
+    ) -> Result<Decided, GatewayError> {
         match outcome {
             Ok(decision) => {
                 self.metrics

@@ -1,0 +1,122 @@
+//! What a policy gets beyond the contract: a locked-down, reproducible WASI (for guests that
+//! import it, as Go guests do) and the on-disk cache of compiled components.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+
+use common::{load, names, node, request, spec, wasm};
+use pd_policy::{CompiledFrom, PolicyEngine, PolicyError, Role, Route, View};
+
+fn view() -> View {
+    View {
+        nodes: vec![node(Role::Standalone, 0, 0, 10)],
+    }
+}
+
+/// The probe's report for a request with `seq`, as `key=value` pairs.
+fn probe(policy: &pd_policy::WasmPolicy, seq: u64) -> Vec<(String, String)> {
+    let v = view();
+    let d = policy
+        .decide(&request(seq, 1, vec![]), &v, &names(&v))
+        .expect("decide");
+    let Route::Reject(r) = d.route else {
+        panic!("the probe always rejects")
+    };
+    assert_eq!(r.status, 418);
+    r.message
+        .split(';')
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').expect("key=value");
+            (k.to_string(), v.to_string())
+        })
+        .collect()
+}
+
+fn get<'a>(report: &'a [(String, String)], key: &str) -> &'a str {
+    &report.iter().find(|(k, _)| k == key).expect(key).1
+}
+
+#[test]
+fn wasi_is_locked_down_and_reproducible() {
+    let engine = PolicyEngine::new().expect("engine");
+    let probe_policy = load(&engine, "wasi-probe");
+    let a = probe(&probe_policy, 7);
+    // Frozen wall clock, no environment, no arguments, no file system.
+    assert_eq!(get(&a, "wall"), "0", "{a:?}");
+    assert_eq!(get(&a, "env"), "0", "{a:?}");
+    assert_eq!(get(&a, "args"), "0", "{a:?}");
+    assert_eq!(get(&a, "fs"), "err", "{a:?}");
+    assert_eq!(get(&a, "file"), "err", "{a:?}");
+    // The monotonic clock moves (a guest waiting for time ends) but the same calls see the
+    // same times.
+    assert_ne!(get(&a, "mono"), "0", "{a:?}");
+    // Randomness is seeded by the request: the same request gives the same answer, another
+    // request another one.
+    assert_eq!(probe(&probe_policy, 7), a);
+    let b = probe(&probe_policy, 8);
+    assert_ne!(get(&b, "rand"), get(&a, "rand"), "{a:?} {b:?}");
+    assert_eq!(get(&b, "mono"), get(&a, "mono"));
+}
+
+#[test]
+fn compiled_policies_are_cached_on_disk_in_a_private_directory() {
+    let root = std::env::temp_dir().join(format!("pd-policy-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let dir = root.join("nested/cache");
+    let bytes = wasm("least-loaded");
+
+    // First engine: compiles and stores; the same bytes again come from memory.
+    let engine = PolicyEngine::with_disk_cache(&dir).expect("engine");
+    let mode = std::fs::metadata(&dir).expect("dir").permissions().mode() & 0o777;
+    assert_eq!(mode, 0o700, "the cache directory is created private");
+    let first = engine.load(&bytes, spec("a")).expect("load");
+    assert_eq!(first.compiled().0, CompiledFrom::Compiled);
+    assert_eq!(
+        engine.load(&bytes, spec("b")).expect("load").compiled().0,
+        CompiledFrom::Memory
+    );
+    let files: Vec<_> = std::fs::read_dir(&dir)
+        .expect("read")
+        .map(|e| e.expect("entry").file_name().into_string().expect("utf-8"))
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    assert!(
+        files[0].starts_with(first.sha256()) && files[0].ends_with(".cwasm"),
+        "{files:?}"
+    );
+    drop((first, engine));
+
+    // A second engine (a restarted gateway) reads it back and decides the same.
+    let engine = PolicyEngine::with_disk_cache(&dir).expect("engine");
+    let again = engine.load(&bytes, spec("c")).expect("load");
+    assert_eq!(again.compiled().0, CompiledFrom::Disk);
+    let v = View {
+        nodes: vec![
+            node(Role::Standalone, 3, 0, 10),
+            node(Role::Standalone, 0, 0, 10),
+        ],
+    };
+    let d = again
+        .decide(&request(0, 1, vec![]), &v, &names(&v))
+        .expect("decide");
+    assert_eq!(d.route, Route::Whole(vec![1, 0]));
+
+    // A corrupt entry is compiled again and replaced, not trusted.
+    let entry = dir.join(&files[0]);
+    std::fs::write(&entry, b"not a compiled component").expect("corrupt");
+    let engine = PolicyEngine::with_disk_cache(&dir).expect("engine");
+    let fixed = engine.load(&bytes, spec("d")).expect("load");
+    assert_eq!(fixed.compiled().0, CompiledFrom::Compiled);
+    assert!(std::fs::metadata(&entry).expect("entry").len() > 1000);
+
+    // A directory others can write to is refused.
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    match PolicyEngine::with_disk_cache(&dir) {
+        Err(PolicyError::CacheDir(e)) => {
+            assert!(e.to_string().contains("not private"), "{e}")
+        }
+        other => panic!("a world-writable cache was accepted: {other:?}"),
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -1,0 +1,98 @@
+// Prefix-aware routing policy, in JavaScript, as a WebAssembly component for pd-gateway.
+//
+// The same rules as the Rust guest `policies/prefix-aware` and
+// `pd_policy::native::prefix_aware`; the gateway's tests check that they all decide the same.
+//
+// - Candidates for a role: its nodes that are not draining, or all its nodes when every one of
+//   them is draining.
+// - Route: if the view has a prefill and a decode node, split; else, if it has a standalone
+//   node, whole; else reject with 503. Each decode entry takes all `n` children.
+// - Prefill and whole ranking: score = `prefix-blocks[i] - (waiting + running)` (cached leading
+//   blocks of this prompt, minus the node's queued and running requests; a node past the end of
+//   `prefix-blocks` holds 0), highest first; ties in least-loaded order: load =
+//   `waiting + running + waiting-remote-kv` lowest first, then most `free-blocks`, then lowest
+//   index.
+// - Decode ranking: least-loaded order (the decode node pulls the KV, so its cache does not
+//   matter).
+//
+// One cached block counts as much as one queued or running request: a node holding 10 more
+// blocks of the prompt wins over a node with up to 9 more requests on it.
+//
+// Build: `policies/js/build.sh policies/js/prefix-aware OUT.wasm` (componentize-js).
+//
+// How WIT values look here (componentize-js): records are objects with camelCase fields
+// (`freeBlocks`, `waitingRemoteKv`, `prefixBlocks`), enums are strings (`"prefill"`), a variant
+// is `{ tag, val }`, an absent option is `undefined`, u32 is a number and u64 a BigInt
+// (`request.seq`). Sums of u32 fields stay exact in a JS number (below 2^53).
+
+/** Message of the 503 when no node can serve the request. */
+const NO_NODES =
+  "no node can serve this request: the view has no prefill+decode pair and no standalone node";
+
+/** Requests on a node: queued, running, and parked waiting for KV. */
+function load(node) {
+  return node.waiting + node.running + node.waitingRemoteKv;
+}
+
+/** Cached prefix blocks minus queued and running requests (may be negative). */
+function score(node, prefixBlocks) {
+  return prefixBlocks - node.waiting - node.running;
+}
+
+/** Indices of the nodes of `role`, not draining ones unless all of them drain. */
+function candidates(nodes, role) {
+  const ofRole = [];
+  nodes.forEach((n, i) => {
+    if (n.role === role) ofRole.push(i);
+  });
+  const live = ofRole.filter((i) => !nodes[i].draining);
+  return live.length > 0 ? live : ofRole;
+}
+
+/** Least-loaded comparison: least load first, then most free blocks, then lowest index. */
+function leastLoadedCmp(nodes, a, b) {
+  const na = nodes[a];
+  const nb = nodes[b];
+  return load(na) - load(nb) || nb.freeBlocks - na.freeBlocks || a - b;
+}
+
+/** Least-loaded order (the index is part of the key: keys are unique, the order exact). */
+function leastLoaded(nodes, indices) {
+  return indices.sort((a, b) => leastLoadedCmp(nodes, a, b));
+}
+
+/** Highest score first, then least-loaded order. `prefix[i]` is how many leading blocks of the
+ * prompt node `i` holds; the list may be shorter than the view (missing: 0). */
+function byPrefix(nodes, prefix, indices) {
+  const blocks = (i) => (i < prefix.length ? prefix[i] : 0);
+  return indices.sort(
+    (a, b) =>
+      score(nodes[b], blocks(b)) - score(nodes[a], blocks(a)) || leastLoadedCmp(nodes, a, b),
+  );
+}
+
+/** Decides where `request` goes, given `view` (the world's export `decide`). */
+export function decide(request, view) {
+  const nodes = view.nodes;
+  const prefix = request.prefixBlocks;
+  const has = (role) => nodes.some((n) => n.role === role);
+  let route;
+  if (has("prefill") && has("decode")) {
+    const children = Math.max(request.n, 1);
+    route = {
+      tag: "split",
+      val: {
+        prefill: byPrefix(nodes, prefix, candidates(nodes, "prefill")),
+        decode: leastLoaded(nodes, candidates(nodes, "decode")).map((node) => ({
+          node,
+          children,
+        })),
+      },
+    };
+  } else if (has("standalone")) {
+    route = { tag: "whole", val: byPrefix(nodes, prefix, candidates(nodes, "standalone")) };
+  } else {
+    route = { tag: "reject", val: { status: 503, message: NO_NODES } };
+  }
+  return { route, reversePull: undefined };
+}

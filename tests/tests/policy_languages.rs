@@ -1,0 +1,171 @@
+//! Policies in every language, through a running gateway (gateway + 2P + 1D, real processes):
+//! each language's least-loaded build is pushed live while streaming clients loop requests, and
+//! nothing fails: no failed request, no policy failure or fallback, every pushed version
+//! decided requests, and `GET /admin/policy` shows the one pushed last. A push whose deadline
+//! the policy cannot make is refused.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use pd_cluster_tests::bins;
+use pd_cluster_tests::cluster::{ClusterSpec, TestCluster, args};
+use pd_cluster_tests::eventually;
+use pd_cluster_tests::openai::{self, Api};
+
+const CLIENTS: usize = 4;
+/// Each client stops after this many requests whatever happens.
+const MAX_PER_CLIENT: usize = 2000;
+/// Requests each pushed policy must decide before the next push.
+const PER_POLICY: u64 = 10;
+
+/// (build under `target/policies`, push limits: deadline ms, fuel, memory MiB). Interpreted
+/// guests start a language runtime in every fresh instance: they get the limits
+/// `pd-gateway policy new` suggests for them, with the deadline raised for a loaded debug build.
+const PUSHES: [(&str, &str, &str, &str); 5] = [
+    ("python/least-loaded", "200", "1000000000", "64"),
+    ("js/least-loaded", "200", "1000000000", "64"),
+    ("go/least-loaded", "100", "200000000", "64"),
+    ("c/least-loaded", "50", "1000000", "16"),
+    ("least-loaded", "50", "1000000", "16"),
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_language_pushed_live_under_load_fails_nothing() {
+    let files: Vec<_> = PUSHES.iter().map(|p| bins::policy(p.0)).collect();
+    let c = TestCluster::start(
+        "policy-languages",
+        ClusterSpec {
+            prefill: 2,
+            decode: 1,
+            gateway_args: args(&["--policy-deadline-ms", "50"]),
+            ..ClusterSpec::default()
+        },
+    )
+    .await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let mut clients = Vec::new();
+    for w in 0..CLIENTS {
+        let (stop, done) = (stop.clone(), done.clone());
+        let gateway = c.gateway.http.clone();
+        clients.push(tokio::spawn(async move {
+            let client = reqwest::Client::new();
+            let mut failed = Vec::new();
+            let mut ok = 0usize;
+            for i in 0..MAX_PER_CLIENT {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                let api = Api::ALL[(w + i) % 3];
+                let body = api.streaming(&api.body(&format!("{i} Policies in any language."), 4));
+                let a = openai::send(&client, &gateway, api, &body, None).await;
+                if a.status == 200 && a.complete && a.error.is_none() {
+                    ok += 1;
+                } else {
+                    failed.push(format!("{api:?}: {} {}", a.status, a.body));
+                }
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+            (ok, failed)
+        }));
+    }
+
+    // The deadline is the policy's own, set at push: a Python policy pushed with a deadline it
+    // cannot make (100 µs: it starts an interpreter per call) is refused by the push's smoke
+    // test, not installed to fall back on every request.
+    let before = c.policy().await;
+    let (status, v) = c
+        .push_policy(
+            &files[0],
+            "too-slow",
+            &[
+                ("deadline_ms", "0.1"),
+                ("fuel", "1000000000"),
+                ("memory_mib", "64"),
+            ],
+        )
+        .await;
+    assert_eq!(status, 400, "{v}");
+    assert!(
+        v.to_string().contains("timed out") || v.to_string().contains("deadline"),
+        "{v}"
+    );
+    assert_eq!(c.policy().await["current"], before["current"]);
+
+    let mut versions = Vec::new();
+    for ((build, deadline, fuel, memory), file) in PUSHES.iter().zip(&files) {
+        let name = build.replace('/', "-");
+        let (status, v) = c
+            .push_policy(
+                file,
+                &name,
+                &[
+                    ("deadline_ms", deadline),
+                    ("fuel", fuel),
+                    ("memory_mib", memory),
+                ],
+            )
+            .await;
+        assert_eq!(status, 200, "push {build}: {v}");
+        assert_eq!(v["current"]["name"], name.as_str(), "{v}");
+        let version = v["current"]["version"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no version: {v}"))
+            .to_owned();
+        eprintln!(
+            "pushed {build} ({version}): compiled {}",
+            v["current"]["compiled"]
+        );
+        let seen = done.load(Ordering::Relaxed);
+        eventually(
+            "requests through the new policy",
+            Duration::from_secs(60),
+            async || done.load(Ordering::Relaxed) >= seen + PER_POLICY,
+        )
+        .await;
+        versions.push((name, version));
+    }
+    let shown = c.policy().await;
+    let (last_name, last_version) = versions.last().expect("pushed");
+    assert_eq!(shown["current"]["name"], last_name.as_str(), "{shown}");
+    assert_eq!(
+        shown["current"]["version"],
+        last_version.as_str(),
+        "{shown}"
+    );
+    stop.store(true, Ordering::Relaxed);
+
+    let mut ok = 0;
+    let mut failed = Vec::new();
+    for client in clients {
+        let (o, f) = client.await.expect("a client task");
+        ok += o;
+        failed.extend(f);
+    }
+    assert!(failed.is_empty(), "{} failed: {failed:#?}", failed.len());
+    let g = c.gateway_metrics().await;
+    for metric in [
+        "pd_gateway_policy_fallbacks_total",
+        "pd_gateway_policy_failures_total",
+    ] {
+        assert_eq!(g.sum(metric, &[]), 0.0, "{}", g.show(metric));
+    }
+    for (name, version) in &versions {
+        let n = g.sum(
+            "pd_gateway_policy_decisions_total",
+            &[("policy", name), ("version", version)],
+        );
+        assert!(
+            n > 0.0,
+            "{name} {version} decided nothing: {}",
+            g.show("pd_gateway_policy_decisions_total")
+        );
+    }
+    eprintln!(
+        "{ok} streamed requests over {} pushes; {}",
+        versions.len(),
+        g.show("pd_gateway_policy_decisions_total").trim()
+    );
+}
