@@ -104,7 +104,7 @@ _pd_go_pkg_check() {
 }
 _pd_go_pkg_install() {
     local crate="wit-bindgen-go-$PD_WIT_BINDGEN_VERSION" archive home="${CARGO_HOME:-$HOME/.cargo}"
-    archive="$(ls "$home"/registry/cache/*/"$crate.crate" 2>/dev/null | head -n1)"
+    archive="$(find "$home/registry/cache" -name "$crate.crate" -print -quit 2>/dev/null)"
     if [ -z "$archive" ]; then
         local tmp
         tmp="$(mktemp -d)"
@@ -114,7 +114,7 @@ _pd_go_pkg_install() {
             "$PD_WIT_BINDGEN_VERSION" >"$tmp/Cargo.toml"
         (cd "$tmp" && cargo fetch --quiet) || { rm -rf "$tmp"; return 1; }
         rm -rf "$tmp"
-        archive="$(ls "$home"/registry/cache/*/"$crate.crate" 2>/dev/null | head -n1)"
+        archive="$(find "$home/registry/cache" -name "$crate.crate" -print -quit 2>/dev/null)"
         [ -n "$archive" ] || return 1
     fi
     tar -xzf "$archive" -C "$1" --strip-components=3 "$crate/src/pkg"

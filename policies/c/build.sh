@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Builds a routing policy written in C into a WebAssembly component for pd-gateway.
 #
 # Usage: build.sh POLICY_DIR OUT.wasm
@@ -27,7 +28,7 @@ if [ "$#" -ne 2 ]; then
 fi
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if [ -f "$here/tools.sh" ]; then
-    # shellcheck source=../tools.sh
+    # shellcheck source=/dev/null
     source "$here/tools.sh"
 else
     # shellcheck source=../tools.sh
@@ -74,7 +75,11 @@ work="$(mktemp -d "${TMPDIR:-/tmp}/pd-policy-c.XXXXXX")"
 trap 'rm -rf "$work" "$out.tmp.$$"' EXIT
 
 # 1. Bindings.
-"$wit_bindgen" c --world policy --out-dir "$work/bindings" "$wit" >&2
+# (Its "Generating …" lines are shown only when it fails.)
+if ! "$wit_bindgen" c --world policy --out-dir "$work/bindings" "$wit" >"$work/wit-bindgen.log" 2>&1; then
+    cat "$work/wit-bindgen.log" >&2
+    exit 1
+fi
 
 # 2. Core module: the policy's files with warnings as errors, the generated file as is; linked
 # as a reactor (exports `_initialize`, which `component new` runs at instantiation) with a

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Builds a routing policy written in Go into a WebAssembly component for pd-gateway.
 #
 # Usage: build.sh POLICY_DIR OUT.wasm
@@ -28,7 +29,7 @@ if [ "$#" -ne 2 ]; then
 fi
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if [ -f "$here/tools.sh" ]; then
-    # shellcheck source=../tools.sh
+    # shellcheck source=/dev/null
     source "$here/tools.sh"
 else
     # shellcheck source=../tools.sh
@@ -62,16 +63,21 @@ trap 'rm -rf "$work" "$out.tmp.$$"' EXIT
 
 # 1. Bindings: a module `wit_component` (package main + one package per interface).
 mod="$work/mod"
-"$wit_bindgen" go --world policy --format=false --out-dir "$mod" "$wit" >&2
+# (Its "Generating …" lines are shown only when it fails.)
+if ! "$wit_bindgen" go --world policy --format=false --out-dir "$mod" "$wit" >"$work/wit-bindgen.log" 2>&1; then
+    cat "$work/wit-bindgen.log" >&2
+    exit 1
+fi
 mkdir -p "$mod/export_wit_world"
 rm -f "$mod/export_wit_world/"*.go
 cp "$policy_dir"/*.go "$mod/export_wit_world/"
 rm -f "$mod/export_wit_world/"*_test.go
-# The bindings' runtime package, offline: the copy shipped inside wit-bindgen-cli's sources.
-cp -R "$go_pkg" "$work/go-pkg"
+# The bindings' runtime package, offline: the copy shipped inside wit-bindgen-cli's sources,
+# as a nested module at a relative path (recorded as such in the build info: reproducible).
+cp -R "$go_pkg" "$mod/go-pkg"
 cat >>"$mod/go.mod" <<EOF
 
-replace go.bytecodealliance.org/pkg => $work/go-pkg
+replace go.bytecodealliance.org/pkg => ./go-pkg
 EOF
 
 # 2. Core module. Go's caches live in the pd-serve cache; no network, no toolchain switching.

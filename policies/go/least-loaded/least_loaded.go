@@ -38,9 +38,10 @@ func Decide(request types.Request, view types.View) types.Decision {
 	switch {
 	case has(nodes, types.RolePrefill) && has(nodes, types.RoleDecode):
 		children := max(request.N, 1)
-		decode := []types.DecodeTarget{}
-		for _, i := range ranked(nodes, candidates(nodes, types.RoleDecode)) {
-			decode = append(decode, types.DecodeTarget{Node: i, Children: children})
+		order := ranked(nodes, candidates(nodes, types.RoleDecode))
+		decode := make([]types.DecodeTarget, len(order))
+		for k, i := range order {
+			decode[k] = types.DecodeTarget{Node: i, Children: children}
 		}
 		route = types.MakeRouteSplit(types.Split{
 			Prefill: ranked(nodes, candidates(nodes, types.RolePrefill)),
@@ -68,7 +69,7 @@ func load(n *types.Node) uint64 {
 // candidates is the indices of the nodes of `role`, not draining ones unless all of them drain.
 func candidates(nodes []types.Node, role types.Role) []uint32 {
 	pick := func(drainingOK bool) []uint32 {
-		c := []uint32{}
+		c := make([]uint32, 0, len(nodes))
 		for i := range nodes {
 			if nodes[i].Role == role && (drainingOK || !nodes[i].Draining) {
 				c = append(c, uint32(i))
