@@ -17,6 +17,10 @@ pub struct EngineConfig {
     pub num_blocks: Option<usize>,
     /// Bytes of KV pool to allocate when `num_blocks` is unset.
     pub kv_cache_memory: usize,
+    /// Element type of the KV pool; `None`: the model's default, f16 for a GGUF model
+    /// (quantized weights gain nothing from f32 KV, which doubles the pool and every KV
+    /// transfer), f32 for a Hugging Face directory. Attention accumulates in f32 either way.
+    pub kv_cache_dtype: Option<KvDtype>,
     /// Token budget of one step (decode tokens + prefill chunks).
     pub max_num_batched_tokens: usize,
     /// Most sequences in one step.
@@ -60,6 +64,7 @@ impl Default for EngineConfig {
             block_size: 16,
             num_blocks: None,
             kv_cache_memory: 256 << 20,
+            kv_cache_dtype: None,
             max_num_batched_tokens: 2048,
             max_num_seqs: 256,
             max_model_len: None,
@@ -166,7 +171,10 @@ impl Engine {
             num_layers: mc.num_layers,
             num_kv_heads: mc.num_kv_heads,
             head_dim: mc.head_dim,
-            dtype: KvDtype::F32,
+            dtype: cfg.kv_cache_dtype.unwrap_or(match source {
+                ModelSource::Gguf(_) => KvDtype::F16,
+                ModelSource::HfDir(_) => KvDtype::F32,
+            }),
         };
         layout.num_blocks = cfg.num_blocks.unwrap_or_else(|| {
             KvLayout::blocks_for_bytes(cfg.kv_cache_memory, layout.block_bytes())
@@ -217,7 +225,8 @@ impl Engine {
         metrics.kv_blocks_free.set(layout.num_blocks as i64);
         tracing::info!(
             model = %model_name, blocks = layout.num_blocks, block_size = layout.block_size,
-            pool_bytes = layout.pool_bytes(), max_model_len, "engine ready"
+            pool_bytes = layout.pool_bytes(), kv_cache_dtype = layout.dtype.as_str(), max_model_len,
+            "engine ready"
         );
         Ok(Self {
             info: EngineInfo {

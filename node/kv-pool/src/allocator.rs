@@ -34,9 +34,6 @@ pub enum AllocatorError {
         /// Blocks in the pool.
         total: usize,
     },
-    /// The host pool only stores f32.
-    #[error("KV dtype {0} is not supported by the host pool")]
-    UnsupportedDtype(&'static str),
     /// The pool's memory could not be allocated.
     #[error("could not allocate {bytes} bytes for the KV pool")]
     OutOfMemory {

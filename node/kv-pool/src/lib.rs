@@ -30,4 +30,4 @@ pub use hash::{
 };
 pub use layout::{KvDtype, KvLayout};
 pub use lease::{Lease, LeaseContents, LeaseCounts, LeaseError, LeaseId, LeaseTable};
-pub use pool::KvPool;
+pub use pool::{KvElem, KvPool};

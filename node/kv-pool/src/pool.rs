@@ -14,9 +14,70 @@
 //!   the puller writes them through the registered region's raw pointer, never through this type.
 //! - Blocks under a lease are only read, by peers, and never written (copy-on-write makes any
 //!   writer take a copy first).
+//!
+//! # Element types
+//!
+//! The pool holds `f32`, `f16` or `bf16` elements ([`KvDtype`]); tiles and blocks are typed
+//! views ([`KvElem`]) checked against the layout's dtype, so a kernel cannot read f16 bytes as
+//! f32. Kernels compute in f32: [`KvElem::as_f32`] widens a tile (a no-op for f32) and
+//! [`KvElem::store_f32`] narrows on write (round to nearest even).
 
 use crate::allocator::{AllocatorError, BlockId};
 use crate::layout::{KvDtype, KvLayout};
+
+/// An element type a pool can hold.
+pub trait KvElem: Copy + Send + Sync + 'static {
+    /// The layout dtype of this element type.
+    const DTYPE: KvDtype;
+
+    /// `src` as f32: `src` itself for f32, else widened into `scratch` (resized to fit).
+    fn as_f32<'a>(src: &'a [Self], scratch: &'a mut Vec<f32>) -> &'a [f32];
+
+    /// Writes `src` into `dst` (same length), narrowing to this type.
+    fn store_f32(src: &[f32], dst: &mut [Self]);
+}
+
+impl KvElem for f32 {
+    const DTYPE: KvDtype = KvDtype::F32;
+
+    #[inline(always)]
+    fn as_f32<'a>(src: &'a [f32], _scratch: &'a mut Vec<f32>) -> &'a [f32] {
+        src
+    }
+
+    #[inline(always)]
+    fn store_f32(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+}
+
+macro_rules! half_elem {
+    ($t:ty, $dtype:expr) => {
+        impl KvElem for $t {
+            const DTYPE: KvDtype = $dtype;
+
+            #[inline(always)]
+            fn as_f32<'a>(src: &'a [$t], scratch: &'a mut Vec<f32>) -> &'a [f32] {
+                use half::slice::HalfFloatSliceExt;
+                scratch.resize(src.len(), 0.0);
+                src.convert_to_f32_slice(scratch);
+                scratch
+            }
+
+            #[inline(always)]
+            fn store_f32(src: &[f32], dst: &mut [$t]) {
+                use half::slice::HalfFloatSliceExt;
+                dst.convert_from_f32_slice(src);
+            }
+        }
+    };
+}
+
+half_elem!(half::f16, KvDtype::F16);
+half_elem!(half::bf16, KvDtype::BF16);
+
+/// The byte a poisoned block is filled with: all-ones is a NaN in f32, f16 and bf16 alike.
+const POISON: u8 = 0xff;
 
 /// The KV memory of a node, laid out as [`KvLayout`] says.
 ///
@@ -24,8 +85,9 @@ use crate::layout::{KvDtype, KvLayout};
 /// stable for the pool's whole life (it will be registered for remote reads).
 pub struct KvPool {
     layout: KvLayout,
-    /// Start of (num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim), f32.
-    ptr: std::ptr::NonNull<f32>,
+    /// Start of (num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim), elements of
+    /// `layout.dtype`, aligned to the element size.
+    ptr: std::ptr::NonNull<u8>,
     /// Elements at `ptr`.
     len: usize,
     /// Keeps the memory alive: a heap buffer, or whatever owns external memory (e.g. a UCX
@@ -52,22 +114,20 @@ impl KvPool {
     /// Allocates a zeroed pool.
     ///
     /// # Errors
-    /// [`AllocatorError::UnsupportedDtype`] for a non-f32 host pool; [`AllocatorError::OutOfMemory`]
-    /// when the allocation fails.
+    /// [`AllocatorError::OutOfMemory`] when the allocation fails.
     pub fn new(layout: KvLayout) -> Result<Self, AllocatorError> {
-        if layout.dtype != KvDtype::F32 {
-            return Err(AllocatorError::UnsupportedDtype(layout.dtype.as_str()));
-        }
         let elems = layout.num_blocks * layout.block_elems();
+        // f32 words: 4-byte aligned, which suits every element type.
+        let words = layout.pool_bytes().div_ceil(4);
         let mut v: Vec<f32> = Vec::new();
-        v.try_reserve_exact(elems)
+        v.try_reserve_exact(words)
             .map_err(|_| AllocatorError::OutOfMemory {
                 bytes: layout.pool_bytes(),
             })?;
-        v.resize(elems, 0.0);
+        v.resize(words, 0.0);
         let mut data = v.into_boxed_slice();
-        let ptr =
-            std::ptr::NonNull::new(data.as_mut_ptr()).unwrap_or(std::ptr::NonNull::dangling());
+        let ptr = std::ptr::NonNull::new(data.as_mut_ptr().cast::<u8>())
+            .unwrap_or(std::ptr::NonNull::dangling());
         Ok(Self {
             layout,
             ptr,
@@ -79,29 +139,25 @@ impl KvPool {
     /// A pool over memory someone else allocated (e.g. UCX, so peers read it one-sidedly).
     ///
     /// # Errors
-    /// [`AllocatorError::UnsupportedDtype`] for non-f32, [`AllocatorError::OutOfMemory`] when
-    /// `bytes` is smaller than the layout needs.
+    /// [`AllocatorError::OutOfMemory`] when `bytes` is smaller than the layout needs or `ptr`
+    /// is not aligned to the element size.
     ///
     /// # Safety
-    /// `ptr` must be 4-byte aligned and valid for reads and writes of `bytes` bytes for as long
-    /// as `owner` lives; nothing else may write it while the pool exists (peers may read it).
+    /// `ptr` must be valid for reads and writes of `bytes` bytes for as long as `owner` lives;
+    /// nothing else may write it while the pool exists (peers may read it).
     pub unsafe fn from_raw(
         layout: KvLayout,
         ptr: *mut u8,
         bytes: usize,
         owner: Box<dyn std::any::Any + Send>,
     ) -> Result<Self, AllocatorError> {
-        if layout.dtype != KvDtype::F32 {
-            return Err(AllocatorError::UnsupportedDtype(layout.dtype.as_str()));
-        }
         let elems = layout.num_blocks * layout.block_elems();
-        if bytes < elems * 4 || !(ptr as usize).is_multiple_of(4) {
+        if bytes < layout.pool_bytes() || !(ptr as usize).is_multiple_of(layout.dtype.size()) {
             return Err(AllocatorError::OutOfMemory {
                 bytes: layout.pool_bytes(),
             });
         }
-        let ptr = std::ptr::NonNull::new(ptr.cast::<f32>())
-            .ok_or(AllocatorError::OutOfMemory { bytes })?;
+        let ptr = std::ptr::NonNull::new(ptr).ok_or(AllocatorError::OutOfMemory { bytes })?;
         Ok(Self {
             layout,
             ptr,
@@ -128,27 +184,60 @@ impl KvPool {
         start..start + n
     }
 
+    /// Panics unless the pool holds `T`.
+    #[inline]
+    fn check_type<T: KvElem>(&self) {
+        assert!(
+            T::DTYPE == self.layout.dtype,
+            "a {} pool read as {}",
+            self.layout.dtype.as_str(),
+            T::DTYPE.as_str()
+        );
+    }
+
     /// `len` elements from element `start` (checked by the caller to lie inside the pool).
-    fn slice(&self, start: usize, len: usize) -> &[f32] {
-        // SAFETY: `start..start+len` lies inside `ptr..ptr+len` (checked by callers); the
+    fn slice<T: KvElem>(&self, start: usize, len: usize) -> &[T] {
+        self.check_type::<T>();
+        // SAFETY: `start..start+len` lies inside the pool's `self.len` elements (checked by
+        // callers), which are `T` (checked above) and aligned for it (constructors); the
         // constructors' contracts make it valid memory of this pool; the module docs say why no
         // one else writes it while this shared reference lives.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(start), len) }
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().cast::<T>().add(start), len) }
     }
 
     /// `len` elements from element `start`, writable.
-    fn slice_mut(&mut self, start: usize, len: usize) -> &mut [f32] {
+    fn slice_mut<T: KvElem>(&mut self, start: usize, len: usize) -> &mut [T] {
+        self.check_type::<T>();
         // SAFETY: as in `slice`; `&mut self` makes this the only reference the pool hands out
         // now, and it covers one block at most.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(start), len) }
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().cast::<T>().add(start), len) }
+    }
+
+    /// One block's bytes, writable.
+    fn block_bytes_mut(&mut self, block: BlockId) -> &mut [u8] {
+        let r = self.block_range(block);
+        let size = self.layout.dtype.size();
+        // SAFETY: the block's byte range lies inside the pool (`block_range`); `&mut self`
+        // makes this the only reference the pool hands out now.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(r.start * size), r.len() * size)
+        }
+    }
+
+    /// One block's bytes.
+    fn block_bytes(&self, block: BlockId) -> &[u8] {
+        let r = self.block_range(block);
+        let size = self.layout.dtype.size();
+        // SAFETY: as in `block_bytes_mut`, shared (see `slice`).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(r.start * size), r.len() * size) }
     }
 
     /// The `(block_size, head_dim)` tile of (`block`, `layer`, `kv` 0=K/1=V, `head`).
     ///
     /// # Panics
-    /// When an index lies outside the layout.
+    /// When an index lies outside the layout, or the pool does not hold `T`.
     #[inline]
-    pub fn tile(&self, block: BlockId, layer: usize, kv: usize, head: usize) -> &[f32] {
+    pub fn tile<T: KvElem>(&self, block: BlockId, layer: usize, kv: usize, head: usize) -> &[T] {
         let (start, n) = self.tile_range(block, layer, kv, head);
         self.slice(start, n)
     }
@@ -156,9 +245,15 @@ impl KvPool {
     /// The tile of [`KvPool::tile`], writable.
     ///
     /// # Panics
-    /// When an index lies outside the layout.
+    /// When an index lies outside the layout, or the pool does not hold `T`.
     #[inline]
-    pub fn tile_mut(&mut self, block: BlockId, layer: usize, kv: usize, head: usize) -> &mut [f32] {
+    pub fn tile_mut<T: KvElem>(
+        &mut self,
+        block: BlockId,
+        layer: usize,
+        kv: usize,
+        head: usize,
+    ) -> &mut [T] {
         let (start, n) = self.tile_range(block, layer, kv, head);
         self.slice_mut(start, n)
     }
@@ -184,14 +279,14 @@ impl KvPool {
 
     /// Size of the pool in bytes.
     pub fn len_bytes(&self) -> usize {
-        self.len * std::mem::size_of::<f32>()
+        self.len * self.layout.dtype.size()
     }
 
     /// One block's elements (all layers, K and V).
     ///
     /// # Panics
-    /// When `block` lies outside the pool.
-    pub fn block(&self, block: BlockId) -> &[f32] {
+    /// When `block` lies outside the pool, or the pool does not hold `T`.
+    pub fn block<T: KvElem>(&self, block: BlockId) -> &[T] {
         let r = self.block_range(block);
         self.slice(r.start, r.len())
     }
@@ -199,8 +294,8 @@ impl KvPool {
     /// One block's elements, writable.
     ///
     /// # Panics
-    /// When `block` lies outside the pool.
-    pub fn block_mut(&mut self, block: BlockId) -> &mut [f32] {
+    /// When `block` lies outside the pool, or the pool does not hold `T`.
+    pub fn block_mut<T: KvElem>(&mut self, block: BlockId) -> &mut [T] {
         let r = self.block_range(block);
         self.slice_mut(r.start, r.len())
     }
@@ -214,25 +309,28 @@ impl KvPool {
         if s == d {
             return;
         }
+        let size = self.layout.dtype.size();
         // SAFETY: both ranges lie inside the pool and are distinct blocks, so they do not
         // overlap; no reference into either is live (`&mut self`).
         unsafe {
             std::ptr::copy_nonoverlapping(
-                self.ptr.as_ptr().add(s.start),
-                self.ptr.as_ptr().add(d.start),
-                s.len(),
+                self.ptr.as_ptr().add(s.start * size),
+                self.ptr.as_ptr().add(d.start * size),
+                s.len() * size,
             );
         }
     }
 
-    /// Fills a block with NaN so any read of a block nobody owns shows up in the output.
+    /// Fills a block with NaN (all-ones bytes, a NaN in every dtype) so any read of a block
+    /// nobody owns shows up in the output.
     pub fn poison_block(&mut self, block: BlockId) {
-        self.block_mut(block).fill(f32::NAN);
+        self.block_bytes_mut(block).fill(POISON);
     }
 
-    /// True when every element of `block` is NaN (it was poisoned and not written since).
+    /// True when the whole of `block` still holds the poison (it was poisoned and not written
+    /// since).
     pub fn is_poisoned(&self, block: BlockId) -> bool {
-        self.block(block).iter().all(|x| x.is_nan())
+        self.block_bytes(block).iter().all(|&b| b == POISON)
     }
 }
 
@@ -260,7 +358,7 @@ mod tests {
             for layer in 0..l.num_layers {
                 for kv in 0..2 {
                     for h in 0..l.num_kv_heads {
-                        let t = pool.tile_mut(BlockId(b as u32), layer, kv, h);
+                        let t = pool.tile_mut::<f32>(BlockId(b as u32), layer, kv, h);
                         assert_eq!(t.len(), l.tile_elems());
                         t.fill(l.tile_offset(b, layer, kv, h) as f32);
                     }
@@ -268,7 +366,7 @@ mod tests {
             }
         }
         for b in 0..l.num_blocks {
-            let block = pool.block(BlockId(b as u32));
+            let block = pool.block::<f32>(BlockId(b as u32));
             assert_eq!(block.len(), l.block_elems());
             for (i, x) in block.iter().enumerate() {
                 let offset = b * l.block_elems() + i;
@@ -276,7 +374,7 @@ mod tests {
             }
         }
         pool.copy_block(BlockId(2), BlockId(0));
-        assert_eq!(pool.block(BlockId(0)), pool.block(BlockId(2)));
+        assert_eq!(pool.block::<f32>(BlockId(0)), pool.block::<f32>(BlockId(2)));
         pool.poison_block(BlockId(1));
         assert!(pool.is_poisoned(BlockId(1)) && !pool.is_poisoned(BlockId(2)));
     }
@@ -285,13 +383,52 @@ mod tests {
     #[should_panic(expected = "outside")]
     fn a_block_outside_the_pool_is_refused() {
         let pool = KvPool::new(layout()).unwrap();
-        let _ = pool.block(BlockId(3));
+        let _ = pool.block::<f32>(BlockId(3));
     }
 
     #[test]
     #[should_panic(expected = "outside")]
     fn a_tile_outside_the_layout_is_refused() {
         let pool = KvPool::new(layout()).unwrap();
-        let _ = pool.tile(BlockId(0), 2, 0, 0);
+        let _ = pool.tile::<f32>(BlockId(0), 2, 0, 0);
+    }
+
+    #[test]
+    fn half_pools_are_half_the_size_and_keep_their_type() {
+        for dtype in [KvDtype::F16, KvDtype::BF16] {
+            let l = KvLayout { dtype, ..layout() };
+            let mut pool = KvPool::new(l).unwrap();
+            assert_eq!(pool.len_bytes(), KvPool::new(layout()).unwrap().len_bytes() / 2);
+            let src: Vec<f32> = (0..l.tile_elems()).map(|i| i as f32 * 0.5 - 3.0).collect();
+            let mut scratch = Vec::new();
+            match dtype {
+                KvDtype::F16 => {
+                    KvElem::store_f32(&src, pool.tile_mut::<half::f16>(BlockId(1), 1, 1, 1));
+                    let t = pool.tile::<half::f16>(BlockId(1), 1, 1, 1);
+                    // Small multiples of 0.5 are exact in both half types.
+                    assert_eq!(KvElem::as_f32(t, &mut scratch), &src[..]);
+                }
+                _ => {
+                    KvElem::store_f32(&src, pool.tile_mut::<half::bf16>(BlockId(1), 1, 1, 1));
+                    let t = pool.tile::<half::bf16>(BlockId(1), 1, 1, 1);
+                    assert_eq!(KvElem::as_f32(t, &mut scratch), &src[..]);
+                }
+            }
+            pool.copy_block(BlockId(1), BlockId(2));
+            assert!(!pool.is_poisoned(BlockId(2)));
+            pool.poison_block(BlockId(2));
+            assert!(pool.is_poisoned(BlockId(2)) && !pool.is_poisoned(BlockId(1)));
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "a f16 pool read as f32")]
+    fn a_pool_is_read_only_as_its_own_type() {
+        let pool = KvPool::new(KvLayout {
+            dtype: KvDtype::F16,
+            ..layout()
+        })
+        .unwrap();
+        let _ = pool.tile::<f32>(BlockId(0), 0, 0, 0);
     }
 }

@@ -104,7 +104,7 @@ impl CompatInfo {
                 self.fingerprint.clone(),
                 remote.fingerprint.clone(),
             ),
-            ("dtype", self.dtype.clone(), remote.dtype.clone()),
+            ("kv_cache_dtype", self.dtype.clone(), remote.dtype.clone()),
             (
                 "num_kv_heads",
                 self.num_kv_heads.to_string(),

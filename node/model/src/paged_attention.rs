@@ -1,10 +1,13 @@
 //! Attention over a paged KV pool: write one step's K/V into pool slots, then let every query
 //! token attend to its sequence's positions through the sequence's block table.
 //!
-//! These are the CPU reference kernels (f32, rayon over query rows × heads). A CUDA build
-//! implements the same two calls over device memory; the CPU versions stay as its reference.
+//! These are the CPU reference kernels (rayon over query rows × heads). The pool holds f32, f16
+//! or bf16 ([`KvDtype`]); the kernels compute in f32 either way: a half-precision K or V tile is
+//! widened once per (row, block) before its dot products, and a step's K/V are rounded to the
+//! pool's type when written. A CUDA build implements the same two calls over device memory; the
+//! CPU versions stay as its reference.
 
-use pd_kv_pool::{BlockId, KvLayout, KvPool};
+use pd_kv_pool::{BlockId, KvDtype, KvElem, KvLayout, KvPool};
 use rayon::prelude::*;
 
 use crate::batch::SeqView;
@@ -14,16 +17,29 @@ use crate::batch::SeqView;
 /// - `k`, `v`: `(num_tokens, num_kv_heads, head_dim)`, row-major.
 /// - `slots`: `(num_tokens,)`, `block * block_size + offset`; only these blocks are touched.
 pub fn write_kv(pool: &mut KvPool, layer: usize, k: &[f32], v: &[f32], slots: &[usize]) {
+    match pool.layout().dtype {
+        KvDtype::F32 => write_kv_as::<f32>(pool, layer, k, v, slots),
+        KvDtype::F16 => write_kv_as::<half::f16>(pool, layer, k, v, slots),
+        KvDtype::BF16 => write_kv_as::<half::bf16>(pool, layer, k, v, slots),
+    }
+}
+
+/// [`write_kv`] into a pool of `T`.
+fn write_kv_as<T: KvElem>(pool: &mut KvPool, layer: usize, k: &[f32], v: &[f32], slots: &[usize]) {
     let layout = *pool.layout();
     let (hd, kvh, bs) = (layout.head_dim, layout.num_kv_heads, layout.block_size);
     for (t, &slot) in slots.iter().enumerate() {
         let (block, off) = (BlockId((slot / bs) as u32), slot % bs);
         for h in 0..kvh {
             let src = (t * kvh + h) * hd;
-            pool.tile_mut(block, layer, 0, h)[off * hd..(off + 1) * hd]
-                .copy_from_slice(&k[src..src + hd]);
-            pool.tile_mut(block, layer, 1, h)[off * hd..(off + 1) * hd]
-                .copy_from_slice(&v[src..src + hd]);
+            T::store_f32(
+                &k[src..src + hd],
+                &mut pool.tile_mut::<T>(block, layer, 0, h)[off * hd..(off + 1) * hd],
+            );
+            T::store_f32(
+                &v[src..src + hd],
+                &mut pool.tile_mut::<T>(block, layer, 1, h)[off * hd..(off + 1) * hd],
+            );
         }
     }
 }
@@ -44,6 +60,22 @@ pub fn attend(
     seqs: &[SeqView],
     scale: f32,
 ) -> Vec<f32> {
+    match pool.layout().dtype {
+        KvDtype::F32 => attend_as::<f32>(pool, layer, q, num_heads, seqs, scale),
+        KvDtype::F16 => attend_as::<half::f16>(pool, layer, q, num_heads, seqs, scale),
+        KvDtype::BF16 => attend_as::<half::bf16>(pool, layer, q, num_heads, seqs, scale),
+    }
+}
+
+/// [`attend`] over a pool of `T`.
+fn attend_as<T: KvElem>(
+    pool: &KvPool,
+    layer: usize,
+    q: &[f32],
+    num_heads: usize,
+    seqs: &[SeqView],
+    scale: f32,
+) -> Vec<f32> {
     let layout = pool.layout();
     let hd = layout.head_dim;
     let group = num_heads / layout.num_kv_heads;
@@ -57,8 +89,8 @@ pub fn attend(
     let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
     let mut out = vec![0f32; q.len()];
     out.par_chunks_mut(hd).enumerate().for_each_init(
-        Vec::new,
-        |scores: &mut Vec<f32>, (idx, o)| {
+        Scratch::default,
+        |scratch: &mut Scratch, (idx, o)| {
             let (t, h) = (idx / num_heads, idx % num_heads);
             let (s, pos) = rows[t];
             let row = Row {
@@ -74,13 +106,22 @@ pub fn attend(
             #[cfg(target_arch = "x86_64")]
             if avx2 {
                 // SAFETY: the CPU supports AVX2 and FMA (detected above).
-                unsafe { attend_row_avx2(&row, scores, o) };
+                unsafe { attend_row_avx2::<T>(&row, scratch, o) };
                 return;
             }
-            attend_row(&row, scores, o);
+            attend_row::<T>(&row, scratch, o);
         },
     );
     out
+}
+
+/// Per-worker buffers of [`attend_row`].
+#[derive(Default)]
+struct Scratch {
+    /// (n,) scores, then probabilities.
+    scores: Vec<f32>,
+    /// (block_size, head_dim): a half-precision tile widened to f32.
+    tile: Vec<f32>,
 }
 
 /// One (query token, head) pair: what [`attend_row`] reads.
@@ -100,13 +141,13 @@ struct Row<'a> {
 /// [`attend_row`] compiled with AVX2 + FMA (8-wide vectors), chosen at run time.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_row_avx2(row: &Row<'_>, scores: &mut Vec<f32>, o: &mut [f32]) {
-    attend_row(row, scores, o)
+unsafe fn attend_row_avx2<T: KvElem>(row: &Row<'_>, scratch: &mut Scratch, o: &mut [f32]) {
+    attend_row::<T>(row, scratch, o)
 }
 
 /// `o` (head_dim,) = softmax(q · Kᵀ · scale) · V over positions `0..n` of the row's sequence.
 #[inline(always)]
-fn attend_row(row: &Row<'_>, scores: &mut Vec<f32>, o: &mut [f32]) {
+fn attend_row<T: KvElem>(row: &Row<'_>, scratch: &mut Scratch, o: &mut [f32]) {
     let Row {
         pool,
         layout,
@@ -118,12 +159,13 @@ fn attend_row(row: &Row<'_>, scores: &mut Vec<f32>, o: &mut [f32]) {
         scale,
     } = *row;
     let (hd, bs) = (layout.head_dim, layout.block_size);
+    let Scratch { scores, tile } = scratch;
     scores.clear();
     scores.reserve(n);
     let mut max = f32::NEG_INFINITY;
     for (b, &block) in table.iter().enumerate().take(n.div_ceil(bs)) {
         // (block_size, head_dim)
-        let keys = pool.tile(block, layer, 0, kvh);
+        let keys = T::as_f32(pool.tile::<T>(block, layer, 0, kvh), tile);
         let len = bs.min(n - b * bs);
         for j in 0..len {
             let d = dot(q, &keys[j * hd..(j + 1) * hd]) * scale;
@@ -140,7 +182,7 @@ fn attend_row(row: &Row<'_>, scores: &mut Vec<f32>, o: &mut [f32]) {
     o.fill(0.0);
     for (b, &block) in table.iter().enumerate().take(n.div_ceil(bs)) {
         // (block_size, head_dim)
-        let values = pool.tile(block, layer, 1, kvh);
+        let values = T::as_f32(pool.tile::<T>(block, layer, 1, kvh), tile);
         let len = bs.min(n - b * bs);
         for j in 0..len {
             let p = scores[b * bs + j] * inv;
@@ -213,42 +255,59 @@ mod tests {
     }
 
     #[test]
-    fn paged_equals_contiguous_with_scattered_blocks() {
-        // 10 positions over blocks of 4 → 3 blocks, deliberately out of order in the pool.
-        let layout = KvLayout {
-            num_blocks: 6,
-            block_size: 4,
-            num_layers: 2,
-            num_kv_heads: 2,
-            head_dim: 8,
-            dtype: KvDtype::F32,
-        };
-        let (heads, kvh, hd, n) = (4, 2, 8, 10);
-        let mut x = 0.37f32;
-        let mut rnd = || {
-            x = (x * 9301.0 + 0.49297).fract();
-            x - 0.5
-        };
-        let k: Vec<f32> = (0..n * kvh * hd).map(|_| rnd()).collect();
-        let v: Vec<f32> = (0..n * kvh * hd).map(|_| rnd()).collect();
-        let q: Vec<f32> = (0..3 * heads * hd).map(|_| rnd()).collect(); // last 3 positions as queries
-        let table = vec![BlockId(5), BlockId(1), BlockId(3)];
-        let slots: Vec<usize> = (0..n).map(|p| table[p / 4].index() * 4 + p % 4).collect();
-        let mut pool = KvPool::new(layout).unwrap();
-        for b in 0..layout.num_blocks {
-            pool.poison_block(BlockId(b as u32));
-        }
-        write_kv(&mut pool, 1, &k, &v, &slots);
-        let seqs = [SeqView {
-            query_start: 0,
-            query_len: 3,
-            context_len: n,
-            block_table: table,
-        }];
-        let got = attend(&pool, 1, &q, heads, &seqs, 0.35);
-        let want = reference(&q, &k, &v, heads, kvh, hd, 0.35);
-        for (a, b) in got.iter().zip(&want) {
-            assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+    fn paged_equals_contiguous_with_scattered_blocks_in_every_dtype() {
+        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::BF16] {
+            // 10 positions over blocks of 4 → 3 blocks, deliberately out of order in the pool.
+            let layout = KvLayout {
+                num_blocks: 6,
+                block_size: 4,
+                num_layers: 2,
+                num_kv_heads: 2,
+                head_dim: 8,
+                dtype,
+            };
+            let (heads, kvh, hd, n) = (4, 2, 8, 10);
+            let mut x = 0.37f32;
+            let mut rnd = || {
+                x = (x * 9301.0 + 0.49297).fract();
+                x - 0.5
+            };
+            let k: Vec<f32> = (0..n * kvh * hd).map(|_| rnd()).collect();
+            let v: Vec<f32> = (0..n * kvh * hd).map(|_| rnd()).collect();
+            let q: Vec<f32> = (0..3 * heads * hd).map(|_| rnd()).collect(); // last 3 positions
+            let table = vec![BlockId(5), BlockId(1), BlockId(3)];
+            let slots: Vec<usize> = (0..n).map(|p| table[p / 4].index() * 4 + p % 4).collect();
+            let mut pool = KvPool::new(layout).unwrap();
+            for b in 0..layout.num_blocks {
+                pool.poison_block(BlockId(b as u32));
+            }
+            write_kv(&mut pool, 1, &k, &v, &slots);
+            let seqs = [SeqView {
+                query_start: 0,
+                query_len: 3,
+                context_len: n,
+                block_table: table,
+            }];
+            let got = attend(&pool, 1, &q, heads, &seqs, 0.35);
+            // The pool stores K/V rounded to its type; attention itself is f32 either way, so
+            // the paged result equals the contiguous one over the rounded K/V.
+            let round = |x: &f32| match dtype {
+                KvDtype::F32 => *x,
+                KvDtype::F16 => half::f16::from_f32(*x).to_f32(),
+                KvDtype::BF16 => half::bf16::from_f32(*x).to_f32(),
+            };
+            let (kr, vr): (Vec<f32>, Vec<f32>) =
+                (k.iter().map(round).collect(), v.iter().map(round).collect());
+            let want = reference(&q, &kr, &vr, heads, kvh, hd, 0.35);
+            for (a, b) in got.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-5, "{dtype:?}: {a} vs {b}");
+            }
+            // And within the type's precision of the f32 answer.
+            let exact = reference(&q, &k, &v, heads, kvh, hd, 0.35);
+            let tol = if dtype == KvDtype::BF16 { 2e-2 } else { 2e-3 };
+            for (a, b) in got.iter().zip(&exact) {
+                assert!((a - b).abs() < tol, "{dtype:?}: {a} vs {b}");
+            }
         }
     }
 }

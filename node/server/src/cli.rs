@@ -60,6 +60,10 @@ pub struct ServeArgs {
     /// KV pool size: bytes, or with a unit (256MiB, 1GiB, 500MB).
     #[arg(long, value_parser = parse_size)]
     pub kv_cache_memory: Option<usize>,
+    /// Element type of the KV pool (and of every KV transfer): f32, f16 or bf16. Default: f16
+    /// for a GGUF model, f32 for a Hugging Face directory. Peers must use the same.
+    #[arg(long, value_parser = parse_kv_dtype)]
+    pub kv_cache_dtype: Option<pd_kv_pool::KvDtype>,
     /// Token budget of one engine step.
     #[arg(long, default_value_t = 2048)]
     pub max_num_batched_tokens: usize,
@@ -197,6 +201,7 @@ impl ServeArgs {
             block_size: self.block_size,
             num_blocks: self.num_blocks,
             kv_cache_memory: self.kv_cache_memory.unwrap_or(defaults.kv_cache_memory),
+            kv_cache_dtype: self.kv_cache_dtype,
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,
             max_model_len: self.max_model_len,
@@ -420,6 +425,18 @@ impl GenTinyModelArgs {
             shards: self.shards,
         }
     }
+}
+
+/// Parses `--kv-cache-dtype`: `f32`, `f16` or `bf16`.
+///
+/// # Errors
+/// A message naming the accepted values.
+pub fn parse_kv_dtype(input: &str) -> Result<pd_kv_pool::KvDtype, String> {
+    use pd_kv_pool::KvDtype;
+    [KvDtype::F32, KvDtype::F16, KvDtype::BF16]
+        .into_iter()
+        .find(|d| d.as_str() == input)
+        .ok_or_else(|| format!("`{input}` is not a KV dtype: use f32, f16 or bf16"))
 }
 
 /// Parses a byte size: `1048576`, `256MiB`, `1GiB`, `512k`, `1.5G`, `500MB`.

@@ -31,7 +31,7 @@ pub fn tmp_path(name: &str) -> PathBuf {
     p
 }
 
-/// Our model over a private f32 pool, one sequence.
+/// Our model over a private pool (f32 unless asked otherwise), one sequence.
 pub struct Ours<'a> {
     pub model: &'a Model,
     pool: KvPool,
@@ -40,8 +40,13 @@ pub struct Ours<'a> {
 }
 
 impl<'a> Ours<'a> {
-    /// A pool big enough for `max_tokens`.
+    /// An f32 pool big enough for `max_tokens`.
     pub fn new(model: &'a Model, max_tokens: usize) -> Self {
+        Self::with_dtype(model, max_tokens, KvDtype::F32)
+    }
+
+    /// A pool of `dtype` big enough for `max_tokens`.
+    pub fn with_dtype(model: &'a Model, max_tokens: usize, dtype: KvDtype) -> Self {
         let cfg = model.config();
         let block_size = 16;
         let blocks = max_tokens.div_ceil(block_size) + 1;
@@ -51,7 +56,7 @@ impl<'a> Ours<'a> {
             num_layers: cfg.num_layers,
             num_kv_heads: cfg.num_kv_heads,
             head_dim: cfg.head_dim,
-            dtype: KvDtype::F32,
+            dtype,
         };
         let mut pool = KvPool::new(layout).expect("pool");
         for b in 0..blocks {
