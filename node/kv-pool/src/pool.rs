@@ -398,7 +398,10 @@ mod tests {
         for dtype in [KvDtype::F16, KvDtype::BF16] {
             let l = KvLayout { dtype, ..layout() };
             let mut pool = KvPool::new(l).unwrap();
-            assert_eq!(pool.len_bytes(), KvPool::new(layout()).unwrap().len_bytes() / 2);
+            assert_eq!(
+                pool.len_bytes(),
+                KvPool::new(layout()).unwrap().len_bytes() / 2
+            );
             let src: Vec<f32> = (0..l.tile_elems()).map(|i| i as f32 * 0.5 - 3.0).collect();
             let mut scratch = Vec::new();
             match dtype {

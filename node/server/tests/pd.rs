@@ -430,6 +430,62 @@ async fn greedy_output_through_p_and_d_equals_one_node_on_every_api() {
     assert!(metric(&d, "pd_node_kv_pulled_tokens_total").await > 0.0);
 }
 
+/// Half-precision KV end to end: P and D with `--kv-cache-dtype f16` answer token for token as
+/// one node with f16 KV, pull all of the prompt but its last token, and move exactly half the
+/// bytes f32 nodes move for the same prompts; an f32 consumer refuses an f16 producer's KV,
+/// naming `kv_cache_dtype`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_precision_kv_through_p_and_d_equals_one_node_and_moves_half_the_bytes() {
+    let dir = model("f16");
+    let f16 = ["--kv-cache-dtype", "f16"];
+    let solo = start(&dir, &f16);
+    let p = producer(&dir, &f16);
+    let d = consumer_with(
+        &dir,
+        "fail",
+        &["--engine-id", "d1", "--kv-cache-dtype", "f16"],
+    );
+    let p32 = start(
+        &dir,
+        &[
+            "--kv-role",
+            "kv_producer",
+            "--kv-port",
+            "0",
+            "--engine-id",
+            "p2",
+        ],
+    );
+    let d32 = consumer_with(&dir, "fail", &["--engine-id", "d2"]);
+    let api = Api::Completions;
+    for (i, stream) in [false, true].into_iter().enumerate() {
+        let body = api.body(&format!("{i}{LONG}"), 12);
+        let body = if stream { streaming(api, &body) } else { body };
+        let want = seen(api, post(&solo.http, api.path(), &body).await).await;
+        let got = through_pd(&p, &d, api, &body).await;
+        assert_eq!(got.texts, want.texts, "{body}");
+        assert_eq!(got.tokens, want.tokens, "{body}");
+        let prompt = got.prompt.expect("usage");
+        assert_eq!(got.pulled, Some(prompt - 1), "{body}");
+        let got32 = through_pd(&p32, &d32, api, &body).await;
+        assert_eq!(got32.pulled, Some(prompt - 1), "{body}");
+    }
+    let bytes16 = metric(&d, "pd_kv_transfer_bytes_total").await;
+    let bytes32 = metric(&d32, "pd_kv_transfer_bytes_total").await;
+    assert!(bytes16 > 0.0);
+    assert_eq!(bytes16 * 2.0, bytes32, "f16 KV moves half the bytes");
+
+    // An f32 consumer and an f16 producer: refused by the handshake's compatibility check.
+    let body = api.body(&format!("mixed{LONG}"), 4);
+    let mut db = body.clone();
+    db["kv_transfer_params"] = prefill(&p, api, &body).await;
+    let r = post(&d32.http, api.path(), &db).await;
+    let status = r.status();
+    let text = r.text().await.unwrap();
+    assert_eq!(status, 500, "{text}");
+    assert!(text.contains("kv_cache_dtype"), "{text}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn n_children_share_one_handoff_and_one_pull() {
     let dir = model("fork");
