@@ -5,7 +5,6 @@ mod chat;
 mod completions;
 mod responses;
 
-use std::hash::{BuildHasher, RandomState};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
@@ -351,11 +350,9 @@ pub(crate) fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-/// A fresh id like `cmpl-3f2a…`: 128 random bits (std's per-process random hasher keys).
+/// A fresh id like `cmpl-3f2a…`: a random (v4) UUID, 32 hex digits.
 pub(crate) fn new_id(prefix: &str) -> String {
-    let a = RandomState::new().hash_one(unix_now());
-    let b = RandomState::new().hash_one(a);
-    format!("{prefix}{a:016x}{b:016x}")
+    format!("{prefix}{}", uuid::Uuid::new_v4().simple())
 }
 
 #[cfg(test)]
