@@ -1,8 +1,9 @@
 //! Prefill/decode disaggregation between real `pd-node` processes (release build) against one
 //! standalone node, on the same generated model, in one run.
 //!
-//! Run: `cargo bench -p pd-node --bench pd [-- --repeat 5 --lens 64,512,1536]`. Results are
-//! recorded in `BENCHMARKS.md`.
+//! Run: `cargo bench -p pd-node --bench pd [-- --repeat 5 --lens 64,512,1536 --kv-cache-dtype
+//! f32|f16|bf16]` (the dtype is given to all three nodes; default f32). Results are recorded in
+//! `BENCHMARKS.md`.
 //!
 //! Per prompt length (token-id prompts through `/v1/completions`, greedy, distinct prompts so no
 //! prefix cache helps):
@@ -108,6 +109,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 async fn main() -> BenchResult<()> {
     let mut repeat = 5usize;
     let mut lens = vec![64usize, 512, 1536];
+    let mut dtype = "f32".to_string();
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -120,6 +122,7 @@ async fn main() -> BenchResult<()> {
                     .map(str::parse)
                     .collect::<Result<_, _>>()?
             }
+            "--kv-cache-dtype" => dtype = args.next().ok_or("--kv-cache-dtype f32|f16|bf16")?,
             "--bench" => {}
             other => return Err(format!("unknown argument {other}").into()),
         }
@@ -138,7 +141,8 @@ async fn main() -> BenchResult<()> {
         shards: 1,
     };
     generate(&spec, &dir)?;
-    let solo = start(&dir, &[])?;
+    let kv_dtype = ["--kv-cache-dtype", dtype.as_str()];
+    let solo = start(&dir, &kv_dtype)?;
     let p = start(
         &dir,
         &[
@@ -148,6 +152,8 @@ async fn main() -> BenchResult<()> {
             "0",
             "--engine-id",
             "p",
+            kv_dtype[0],
+            kv_dtype[1],
         ],
     )?;
     let d = start(
@@ -161,6 +167,8 @@ async fn main() -> BenchResult<()> {
             "d",
             "--kv-recompute-threshold",
             "0",
+            kv_dtype[0],
+            kv_dtype[1],
         ],
     )?;
     let client = reqwest::Client::new();
@@ -189,7 +197,7 @@ async fn main() -> BenchResult<()> {
     post(&client, &solo, &body(&w, 1)).await?;
 
     println!(
-        "model: {} layers, hidden {}, {} KV heads × {} dim, f32, block 16; median of {repeat} (ms)",
+        "model: {} layers, hidden {}, {} KV heads × {} dim, {dtype} KV, block 16; median of {repeat} (ms)",
         spec.layers,
         spec.hidden,
         spec.kv_heads,
