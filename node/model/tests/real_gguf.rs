@@ -52,3 +52,38 @@ fn config_and_tokenizer_are_smollm2() {
     let ids = tok.encode(&chat, false).unwrap();
     assert_eq!(ids[0], 1, "<|im_start|> is one token");
 }
+
+/// Our token ids equal llama.cpp's for the same file, on a fixture of 24 texts: ASCII, digit
+/// runs, accents, CJK, emoji (ZWJ sequences, flags, skin tones), code, whitespace runs. The
+/// fixture was written once by `fixtures/gen_llama_tokenize.py` with `llama-tokenize` from the
+/// llama.cpp that `scripts/llama-cpp.sh` builds.
+#[test]
+fn token_ids_equal_llama_cpp_on_the_fixture() {
+    let Some(path) = model_file() else { return };
+    let tok = ModelSource::open(&path).unwrap().tokenizer().unwrap();
+    let fixture: serde_json::Value =
+        serde_json::from_str(include_str!("fixtures/smollm2_llama_tokenize.json")).unwrap();
+    let cases = fixture["cases"].as_array().expect("cases");
+    assert!(cases.len() >= 20, "{} cases", cases.len());
+    let mut wrong = Vec::new();
+    for case in cases {
+        let text = case["text"].as_str().expect("text");
+        let want: Vec<u32> = case["ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|i| u32::try_from(i.as_u64().expect("id")).expect("u32"))
+            .collect();
+        let got = tok.encode(text, false).unwrap();
+        if got != want {
+            wrong.push(format!("{text:?}: ours {got:?}, llama.cpp {want:?}"));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} of {} differ:\n{}",
+        wrong.len(),
+        cases.len(),
+        wrong.join("\n")
+    );
+}
