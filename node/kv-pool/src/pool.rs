@@ -33,6 +33,9 @@ pub trait KvElem: Copy + Send + Sync + 'static {
     /// `src` as f32: `src` itself for f32, else widened into `scratch` (resized to fit).
     fn as_f32<'a>(src: &'a [Self], scratch: &'a mut Vec<f32>) -> &'a [f32];
 
+    /// Widens `src` into `dst` (same length).
+    fn load_f32(src: &[Self], dst: &mut [f32]);
+
     /// Writes `src` into `dst` (same length), narrowing to this type.
     fn store_f32(src: &[f32], dst: &mut [Self]);
 }
@@ -43,6 +46,11 @@ impl KvElem for f32 {
     #[inline(always)]
     fn as_f32<'a>(src: &'a [f32], _scratch: &'a mut Vec<f32>) -> &'a [f32] {
         src
+    }
+
+    #[inline(always)]
+    fn load_f32(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
     }
 
     #[inline(always)]
@@ -62,6 +70,12 @@ macro_rules! half_elem {
                 scratch.resize(src.len(), 0.0);
                 src.convert_to_f32_slice(scratch);
                 scratch
+            }
+
+            #[inline(always)]
+            fn load_f32(src: &[$t], dst: &mut [f32]) {
+                use half::slice::HalfFloatSliceExt;
+                src.convert_to_f32_slice(dst);
             }
 
             #[inline(always)]

@@ -2,9 +2,10 @@
 //! token attend to its sequence's positions through the sequence's block table.
 //!
 //! These are the CPU reference kernels (rayon over query rows × heads). The pool holds f32, f16
-//! or bf16 ([`KvDtype`]); the kernels compute in f32 either way: a half-precision K or V tile is
-//! widened once per (row, block) before its dot products, and a step's K/V are rounded to the
-//! pool's type when written. A CUDA build implements the same two calls over device memory; the
+//! or bf16 ([`KvDtype`]); the kernels compute in f32 either way: each worker widens a
+//! half-precision sequence's K and V tiles once into its own f32 copy, which every query row and
+//! every head of the GQA group it then takes for that sequence reads (a prefill chunk's rows
+//! share it), and a step's K/V are rounded to the pool's type when written. A CUDA build implements the same two calls over device memory; the
 //! CPU versions stay as its reference.
 
 use pd_kv_pool::{BlockId, KvDtype, KvElem, KvLayout, KvPool};
@@ -97,6 +98,7 @@ fn attend_as<T: KvElem>(
                 pool,
                 layout,
                 layer,
+                seq: s,
                 table: &seqs[s].block_table,
                 kvh: h / group,
                 q: &q[idx * hd..(idx + 1) * hd],
@@ -120,8 +122,48 @@ fn attend_as<T: KvElem>(
 struct Scratch {
     /// (n,) scores, then probabilities.
     scores: Vec<f32>,
-    /// (block_size, head_dim): a half-precision tile widened to f32.
-    tile: Vec<f32>,
+    /// Half-precision pools only: the sequence whose tiles `k` and `v` hold.
+    seq: Option<usize>,
+    /// Per KV head, (blocks widened so far, block_size, head_dim) of K, in table order.
+    k: Vec<Vec<f32>>,
+    /// The same for V.
+    v: Vec<Vec<f32>>,
+}
+
+impl Scratch {
+    /// Widens, for a half-precision pool, the row's sequence's K and V tiles of its KV head up
+    /// to block `blocks` (exclusive), keeping what earlier rows of that sequence widened.
+    fn widen<T: KvElem>(&mut self, row: &Row<'_>, blocks: usize) {
+        let l = row.layout;
+        if self.seq != Some(row.seq) {
+            self.seq = Some(row.seq);
+            self.k.resize_with(l.num_kv_heads, Vec::new);
+            self.v.resize_with(l.num_kv_heads, Vec::new);
+            self.k
+                .iter_mut()
+                .chain(self.v.iter_mut())
+                .for_each(Vec::clear);
+        }
+        let te = l.tile_elems();
+        let (k, v) = (&mut self.k[row.kvh], &mut self.v[row.kvh]);
+        let have = k.len() / te;
+        if have >= blocks {
+            return;
+        }
+        k.resize(blocks * te, 0.0);
+        v.resize(blocks * te, 0.0);
+        for (b, &block) in row.table.iter().enumerate().take(blocks).skip(have) {
+            let dst = b * te..(b + 1) * te;
+            T::load_f32(
+                row.pool.tile::<T>(block, row.layer, 0, row.kvh),
+                &mut k[dst.clone()],
+            );
+            T::load_f32(
+                row.pool.tile::<T>(block, row.layer, 1, row.kvh),
+                &mut v[dst],
+            );
+        }
+    }
 }
 
 /// One (query token, head) pair: what [`attend_row`] reads.
@@ -129,6 +171,8 @@ struct Row<'a> {
     pool: &'a KvPool,
     layout: &'a KvLayout,
     layer: usize,
+    /// Index of the row's sequence in the step.
+    seq: usize,
     table: &'a [BlockId],
     kvh: usize,
     /// (head_dim,)
@@ -157,15 +201,31 @@ fn attend_row<T: KvElem>(row: &Row<'_>, scratch: &mut Scratch, o: &mut [f32]) {
         q,
         n,
         scale,
+        ..
     } = *row;
     let (hd, bs) = (layout.head_dim, layout.block_size);
-    let Scratch { scores, tile } = scratch;
+    let te = layout.tile_elems();
+    let blocks = n.div_ceil(bs);
+    let half = T::DTYPE != KvDtype::F32;
+    if half {
+        scratch.widen::<T>(row, blocks);
+    }
+    let Scratch { scores, k, v, .. } = scratch;
+    // (block_size, head_dim) of K (`kv` 0) or V (1) of block `b` of the table, in f32.
+    let tile = |b: usize, kv: usize| -> &[f32] {
+        if half {
+            let widened = if kv == 0 { &k[kvh] } else { &v[kvh] };
+            &widened[b * te..(b + 1) * te]
+        } else {
+            pool.tile::<f32>(table[b], layer, kv, kvh)
+        }
+    };
     scores.clear();
     scores.reserve(n);
     let mut max = f32::NEG_INFINITY;
-    for (b, &block) in table.iter().enumerate().take(n.div_ceil(bs)) {
+    for b in 0..blocks {
         // (block_size, head_dim)
-        let keys = T::as_f32(pool.tile::<T>(block, layer, 0, kvh), tile);
+        let keys = tile(b, 0);
         let len = bs.min(n - b * bs);
         for j in 0..len {
             let d = dot(q, &keys[j * hd..(j + 1) * hd]) * scale;
@@ -180,9 +240,9 @@ fn attend_row<T: KvElem>(row: &Row<'_>, scratch: &mut Scratch, o: &mut [f32]) {
     }
     let inv = 1.0 / denom;
     o.fill(0.0);
-    for (b, &block) in table.iter().enumerate().take(n.div_ceil(bs)) {
+    for b in 0..blocks {
         // (block_size, head_dim)
-        let values = T::as_f32(pool.tile::<T>(block, layer, 1, kvh), tile);
+        let values = tile(b, 1);
         let len = bs.min(n - b * bs);
         for j in 0..len {
             let p = scores[b * bs + j] * inv;
