@@ -9,6 +9,7 @@
 //!   `:0`) and waits until the gateway lists every node; admin calls and metrics scrapes.
 //! - [`metrics`]: Prometheus text parsing and label-filtered sums.
 //! - [`openai`]: requests over plain HTTP, JSON and SSE answers read into one [`openai::Answer`].
+//! - [`load`]: streaming clients looping requests in the background, for changes under load.
 //! - [`python`]: the unmodified `openai` Python package as a client (`tests/clients/`).
 //!
 //! This crate does not start anything in-process: every server under test is a separate process
@@ -19,6 +20,7 @@
 
 pub mod bins;
 pub mod cluster;
+pub mod load;
 pub mod metrics;
 pub mod openai;
 pub mod process;

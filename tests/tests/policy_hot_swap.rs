@@ -3,14 +3,12 @@
 //! guest components (which rank the two prefill nodes differently). No request fails, no
 //! policy fails or falls back, and both versions served decisions.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use pd_cluster_tests::bins;
 use pd_cluster_tests::cluster::{ClusterSpec, TestCluster, args};
 use pd_cluster_tests::eventually;
-use pd_cluster_tests::openai::{self, Api};
+use pd_cluster_tests::load::{Load, LoadOutcome};
 
 const CLIENTS: usize = 8;
 const SWAPS: usize = 100;
@@ -41,35 +39,12 @@ async fn a_hundred_policy_swaps_under_streaming_load_fail_nothing() {
     let current = c.policy().await;
     assert_eq!(current["current"]["name"], "least-loaded", "{current}");
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let done = Arc::new(AtomicU64::new(0));
-    let mut clients = Vec::new();
-    for w in 0..CLIENTS {
-        let (stop, done) = (stop.clone(), done.clone());
-        let gateway = c.gateway.http.clone();
-        clients.push(tokio::spawn(async move {
-            let client = reqwest::Client::new();
-            let mut failed = Vec::new();
-            let mut ok = 0usize;
-            for i in 0..MAX_PER_CLIENT {
-                if stop.load(Ordering::Relaxed) {
-                    break;
-                }
-                let api = Api::ALL[(w + i) % 3];
-                // A prompt shared by all clients' i-th requests: D's prefix cache hits too.
-                let body =
-                    api.streaming(&api.body(&format!("{i} Swapping policies under load."), 4));
-                let a = openai::send(&client, &gateway, api, &body, None).await;
-                if a.status == 200 && a.complete && a.error.is_none() {
-                    ok += 1;
-                } else {
-                    failed.push(format!("{api:?}: {} {}", a.status, a.body));
-                }
-                done.fetch_add(1, Ordering::Relaxed);
-            }
-            (ok, failed)
-        }));
-    }
+    let load = Load::start(
+        &c.gateway.http,
+        CLIENTS,
+        MAX_PER_CLIENT,
+        "Swapping policies under load.",
+    );
 
     let mut versions = std::collections::BTreeMap::new();
     for swap in 0..SWAPS {
@@ -79,7 +54,7 @@ async fn a_hundred_policy_swaps_under_streaming_load_fail_nothing() {
             (&least_loaded, "least-loaded")
         };
         // Let at least one request through per installed policy.
-        let seen = done.load(Ordering::Relaxed);
+        let seen = load.done();
         let (status, v) = c.push_policy(file, name, &[]).await;
         assert_eq!(status, 200, "push {swap} ({name}): {v}");
         assert_eq!(v["current"]["name"], name, "{v}");
@@ -91,18 +66,11 @@ async fn a_hundred_policy_swaps_under_streaming_load_fail_nothing() {
         eventually(
             "a request through the new policy",
             Duration::from_secs(30),
-            async || done.load(Ordering::Relaxed) > seen,
+            async || load.done() > seen,
         )
         .await;
     }
-    stop.store(true, Ordering::Relaxed);
-    let mut ok = 0;
-    let mut failed = Vec::new();
-    for client in clients {
-        let (o, f) = client.await.expect("a client task");
-        ok += o;
-        failed.extend(f);
-    }
+    let LoadOutcome { ok, failed } = load.stop().await;
     assert!(
         failed.is_empty(),
         "{} failed requests: {failed:#?}",

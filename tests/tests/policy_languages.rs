@@ -4,14 +4,12 @@
 //! decided requests, and `GET /admin/policy` shows the one pushed last. A push whose deadline
 //! the policy cannot make is refused.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use pd_cluster_tests::bins;
 use pd_cluster_tests::cluster::{ClusterSpec, TestCluster, args};
 use pd_cluster_tests::eventually;
-use pd_cluster_tests::openai::{self, Api};
+use pd_cluster_tests::load::{Load, LoadOutcome};
 
 const CLIENTS: usize = 4;
 /// Each client stops after this many requests whatever happens.
@@ -44,33 +42,12 @@ async fn every_language_pushed_live_under_load_fails_nothing() {
     )
     .await;
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let done = Arc::new(AtomicU64::new(0));
-    let mut clients = Vec::new();
-    for w in 0..CLIENTS {
-        let (stop, done) = (stop.clone(), done.clone());
-        let gateway = c.gateway.http.clone();
-        clients.push(tokio::spawn(async move {
-            let client = reqwest::Client::new();
-            let mut failed = Vec::new();
-            let mut ok = 0usize;
-            for i in 0..MAX_PER_CLIENT {
-                if stop.load(Ordering::Relaxed) {
-                    break;
-                }
-                let api = Api::ALL[(w + i) % 3];
-                let body = api.streaming(&api.body(&format!("{i} Policies in any language."), 4));
-                let a = openai::send(&client, &gateway, api, &body, None).await;
-                if a.status == 200 && a.complete && a.error.is_none() {
-                    ok += 1;
-                } else {
-                    failed.push(format!("{api:?}: {} {}", a.status, a.body));
-                }
-                done.fetch_add(1, Ordering::Relaxed);
-            }
-            (ok, failed)
-        }));
-    }
+    let load = Load::start(
+        &c.gateway.http,
+        CLIENTS,
+        MAX_PER_CLIENT,
+        "Policies in any language.",
+    );
 
     // The deadline is the policy's own, set at push: a Python policy pushed with a deadline it
     // cannot make (100 µs: it starts an interpreter per call) is refused by the push's smoke
@@ -118,11 +95,11 @@ async fn every_language_pushed_live_under_load_fails_nothing() {
             "pushed {build} ({version}): compiled {}",
             v["current"]["compiled"]
         );
-        let seen = done.load(Ordering::Relaxed);
+        let seen = load.done();
         eventually(
             "requests through the new policy",
             Duration::from_secs(60),
-            async || done.load(Ordering::Relaxed) >= seen + PER_POLICY,
+            async || load.done() >= seen + PER_POLICY,
         )
         .await;
         versions.push((name, version));
@@ -135,15 +112,7 @@ async fn every_language_pushed_live_under_load_fails_nothing() {
         last_version.as_str(),
         "{shown}"
     );
-    stop.store(true, Ordering::Relaxed);
-
-    let mut ok = 0;
-    let mut failed = Vec::new();
-    for client in clients {
-        let (o, f) = client.await.expect("a client task");
-        ok += o;
-        failed.extend(f);
-    }
+    let LoadOutcome { ok, failed } = load.stop().await;
     assert!(failed.is_empty(), "{} failed: {failed:#?}", failed.len());
     let g = c.gateway_metrics().await;
     for metric in [
