@@ -13,6 +13,9 @@
 //!   token). `P+D` is their sum: the time to first token a proxy adds up to, without the proxy.
 //! - `pull`: D's own `pd_kv_transfer_seconds` (posting the reads to their completion) and the
 //!   bytes it moved.
+//! - `perftest`: `ucx_perftest -t ucp_get` of the same number of bytes in one get, between two
+//!   processes, right after the row's pulls (the transfer layer's reference, in the same run);
+//!   `pull / perftest` is the pull's bandwidth as a share of perftest's (goal ≥ 0.8).
 //!
 //! Then the KV bytes D pulls for n = 1 and n = 8 of one prompt (they must be equal: one pull).
 
@@ -24,7 +27,10 @@ use std::time::Instant;
 use pd_model::tiny::{TinyArch, TinySpec, generate};
 use serde_json::{Value, json};
 
-type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
+#[path = "../../kv-transfer/benches/support/perftest.rs"]
+mod perftest;
+
+use perftest::{BenchResult, run_perftest};
 
 struct Node {
     child: Child,
@@ -203,8 +209,10 @@ async fn main() -> BenchResult<()> {
         spec.kv_heads,
         spec.hidden / spec.heads
     );
-    println!("| prompt | solo | P | D | P+D | P+D / solo | pull (reads) | KV bytes |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| prompt | solo | P | D | P+D | P+D / solo | pull (reads) | KV bytes | perftest | pull / perftest |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for &len in &lens {
         let (mut solo_ms, mut p_ms, mut d_ms, mut pull_ms) = (vec![], vec![], vec![], vec![]);
         let mut bytes = 0.0;
@@ -246,12 +254,15 @@ async fn main() -> BenchResult<()> {
             bytes = b1 - b0;
         }
         let (s, pm, dm) = (median(solo_ms), median(p_ms), median(d_ms));
+        let pull = median(pull_ms);
+        let (reference, _) = run_perftest("ucx_perftest", bytes as usize, 200)?;
+        let perftest_ms = reference.overall_lat_us / 1e3;
         println!(
-            "| {len} | {s:.2} | {pm:.2} | {dm:.2} | {:.2} | {:.2}× | {:.3} | {:.2} MiB |",
+            "| {len} | {s:.2} | {pm:.2} | {dm:.2} | {:.2} | {:.2}× | {pull:.3} | {:.2} MiB | {perftest_ms:.3} | {:.2}× |",
             pm + dm,
             (pm + dm) / s,
-            median(pull_ms),
-            bytes / (1 << 20) as f64
+            bytes / (1 << 20) as f64,
+            perftest_ms / pull
         );
     }
 
