@@ -34,7 +34,7 @@ pub use engine::{
     NodeNames, PolicyEngine, PolicySpec, WasmPolicy,
 };
 pub use error::PolicyError;
-pub use precompiled::CacheDirError;
+pub use precompiled::{CacheDirError, default_cache_dir};
 pub use record::{Record, RecordError, WIT_VERSION};
 pub use slot::{Installed, PolicySlot};
 pub use validate::{InvalidDecision, Slot, validate};

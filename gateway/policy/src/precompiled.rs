@@ -18,6 +18,21 @@ use std::path::{Path, PathBuf};
 use wasmtime::Engine;
 use wasmtime::component::Component;
 
+/// The default cache directory: `$PD_CACHE_DIR/policy-cache`, else
+/// `$XDG_CACHE_HOME/pd-serve/policy-cache`, else `~/.cache/pd-serve/policy-cache` (the same
+/// cache root as the project's scripts); `None` without any of those variables.
+pub fn default_cache_dir() -> Option<PathBuf> {
+    let env = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    let base = env("PD_CACHE_DIR")
+        .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("pd-serve")))
+        .or_else(|| env("HOME").map(|h| h.join(".cache/pd-serve")))?;
+    Some(base.join("policy-cache"))
+}
+
 /// A private directory of precompiled components.
 #[derive(Debug)]
 pub(crate) struct DiskCache {

@@ -279,19 +279,6 @@ impl LocalLimits {
     }
 }
 
-/// The default directory of compiled policies (see `--policy-cache-dir`).
-fn default_cache_dir() -> Option<PathBuf> {
-    let env = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    let base = env("PD_CACHE_DIR")
-        .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("pd-serve")))
-        .or_else(|| env("HOME").map(|h| h.join(".cache/pd-serve")))?;
-    Some(base.join("policy-cache"))
-}
-
 /// A policy engine with the on-disk cache when one can be had (a warning, not an error,
 /// when not: it only saves compile time).
 fn engine_with_cache(dir: Option<PathBuf>) -> anyhow::Result<PolicyEngine> {
@@ -360,7 +347,9 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let cache_dir = if args.no_policy_cache {
         None
     } else {
-        args.policy_cache_dir.clone().or_else(default_cache_dir)
+        args.policy_cache_dir
+            .clone()
+            .or_else(pd_policy::default_cache_dir)
     };
     let engine = Arc::new(engine_with_cache(cache_dir)?);
     let mut spec = PolicySpec {
@@ -587,7 +576,7 @@ fn policy_local(cmd: PolicyCommand) -> anyhow::Result<ExitCode> {
             limits,
         } => {
             let cases = cases::read_cases(&dir)?;
-            let engine = engine_with_cache(default_cache_dir())?;
+            let engine = engine_with_cache(pd_policy::default_cache_dir())?;
             let policy = cases::load_policy(&engine, &file, limits.spec()?)?;
             let report = cases::run_cases(&policy, &cases, repeat);
             print!("{report}");
@@ -608,7 +597,7 @@ fn policy_local(cmd: PolicyCommand) -> anyhow::Result<ExitCode> {
                 .into_iter()
                 .map(|c| c.record)
                 .collect();
-            let engine = engine_with_cache(default_cache_dir())?;
+            let engine = engine_with_cache(pd_policy::default_cache_dir())?;
             let spec = limits.spec()?;
             let after = cases::load_policy(&engine, &policy, spec.clone())?;
             let before = baseline

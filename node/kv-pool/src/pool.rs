@@ -19,7 +19,7 @@
 //!
 //! The pool holds `f32`, `f16` or `bf16` elements ([`KvDtype`]); tiles and blocks are typed
 //! views ([`KvElem`]) checked against the layout's dtype, so a kernel cannot read f16 bytes as
-//! f32. Kernels compute in f32: [`KvElem::as_f32`] widens a tile (a no-op for f32) and
+//! f32. Kernels compute in f32: [`KvElem::load_f32`] widens a tile and
 //! [`KvElem::store_f32`] narrows on write (round to nearest even).
 
 use crate::allocator::{AllocatorError, BlockId};
@@ -30,9 +30,6 @@ pub trait KvElem: Copy + Send + Sync + 'static {
     /// The layout dtype of this element type.
     const DTYPE: KvDtype;
 
-    /// `src` as f32: `src` itself for f32, else widened into `scratch` (resized to fit).
-    fn as_f32<'a>(src: &'a [Self], scratch: &'a mut Vec<f32>) -> &'a [f32];
-
     /// Widens `src` into `dst` (same length).
     fn load_f32(src: &[Self], dst: &mut [f32]);
 
@@ -42,11 +39,6 @@ pub trait KvElem: Copy + Send + Sync + 'static {
 
 impl KvElem for f32 {
     const DTYPE: KvDtype = KvDtype::F32;
-
-    #[inline(always)]
-    fn as_f32<'a>(src: &'a [f32], _scratch: &'a mut Vec<f32>) -> &'a [f32] {
-        src
-    }
 
     #[inline(always)]
     fn load_f32(src: &[f32], dst: &mut [f32]) {
@@ -63,14 +55,6 @@ macro_rules! half_elem {
     ($t:ty, $dtype:expr) => {
         impl KvElem for $t {
             const DTYPE: KvDtype = $dtype;
-
-            #[inline(always)]
-            fn as_f32<'a>(src: &'a [$t], scratch: &'a mut Vec<f32>) -> &'a [f32] {
-                use half::slice::HalfFloatSliceExt;
-                scratch.resize(src.len(), 0.0);
-                src.convert_to_f32_slice(scratch);
-                scratch
-            }
 
             #[inline(always)]
             fn load_f32(src: &[$t], dst: &mut [f32]) {
@@ -417,18 +401,20 @@ mod tests {
                 KvPool::new(layout()).unwrap().len_bytes() / 2
             );
             let src: Vec<f32> = (0..l.tile_elems()).map(|i| i as f32 * 0.5 - 3.0).collect();
-            let mut scratch = Vec::new();
+            let mut back = vec![0f32; src.len()];
             match dtype {
                 KvDtype::F16 => {
                     KvElem::store_f32(&src, pool.tile_mut::<half::f16>(BlockId(1), 1, 1, 1));
                     let t = pool.tile::<half::f16>(BlockId(1), 1, 1, 1);
                     // Small multiples of 0.5 are exact in both half types.
-                    assert_eq!(KvElem::as_f32(t, &mut scratch), &src[..]);
+                    KvElem::load_f32(t, &mut back);
+                    assert_eq!(back, src);
                 }
                 _ => {
                     KvElem::store_f32(&src, pool.tile_mut::<half::bf16>(BlockId(1), 1, 1, 1));
                     let t = pool.tile::<half::bf16>(BlockId(1), 1, 1, 1);
-                    assert_eq!(KvElem::as_f32(t, &mut scratch), &src[..]);
+                    KvElem::load_f32(t, &mut back);
+                    assert_eq!(back, src);
                 }
             }
             pool.copy_block(BlockId(1), BlockId(2));

@@ -21,20 +21,10 @@ pub fn policies_dir() -> PathBuf {
     }
 }
 
-/// The on-disk cache of compiled policies the gateway uses by default:
-/// `$PD_CACHE_DIR/policy-cache`, else `$XDG_CACHE_HOME/pd-serve/policy-cache`, else
-/// `~/.cache/pd-serve/policy-cache`.
+/// The on-disk cache of compiled policies the gateway uses by default (the system temp dir
+/// when no cache root is set).
 pub fn compile_cache() -> PathBuf {
-    let env = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    env("PD_CACHE_DIR")
-        .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("pd-serve")))
-        .or_else(|| env("HOME").map(|h| h.join(".cache/pd-serve")))
-        .unwrap_or_else(std::env::temp_dir)
-        .join("policy-cache")
+    pd_policy::default_cache_dir().unwrap_or_else(|| std::env::temp_dir().join("policy-cache"))
 }
 
 /// The bytes of guest `name` (`least-loaded`, `looping`, …). Panics when it is not built.
