@@ -1,9 +1,7 @@
 //! Each shipped guest policy (a real component under real wasmtime) decides exactly as its
 //! native copy: over a seeded random sweep, and on hand-written views with recorded answers.
 
-mod common;
-
-use common::{Rng, load, names, node, random_case, request};
+use crate::common::{Rng, load, names, node, random_case, request};
 use pd_policy::native::{self, NO_NODES};
 use pd_policy::{
     Decision, DecodeTarget, PolicyEngine, Rejection, Request, Role, Route, Split, View, validate,

@@ -5,11 +5,9 @@
 //! Builds come from `scripts/build-policies.sh`: Rust at `<policies>/<policy>.wasm`, the
 //! others at `<policies>/<lang>/<policy>.wasm`. A missing build fails the test (never skips).
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::{Rng, names, policies_dir, random_case};
+use crate::common::{Rng, names, policies_dir, random_case};
 use pd_policy::native;
 use pd_policy::{Decision, PolicyEngine, PolicySpec, Request, Route, View, validate};
 
@@ -54,7 +52,7 @@ fn every_language_decides_as_the_native_policy() {
     let only = std::env::var("PD_POLICY_LANGS").ok();
     // Interpreted guests take seconds to compile: share the compiled code with the other
     // tests and runs, as the gateway does.
-    let engine = PolicyEngine::with_disk_cache(&common::compile_cache()).expect("engine");
+    let engine = PolicyEngine::with_disk_cache(&crate::common::compile_cache()).expect("engine");
     let mut checked = 0;
     for (lang, policy, native) in BUILDS {
         if only

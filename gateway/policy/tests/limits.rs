@@ -5,12 +5,10 @@
 //! must refuse each of them with `mode=always`, and accept them otherwise; then a call with
 //! `n == 7` must fail with the typed error, and the next call must work again.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use common::{load, names, node, request, spec, wasm};
+use crate::common::{load, names, node, request, spec, wasm};
 use pd_policy::{
     Api, DEFAULT_FUEL, InvalidDecision, MAX_MEMORY_LIMIT, Node, PolicyEngine, PolicyError,
     PolicySpec, Request, Role, Route, Slot, View, WasmPolicy,

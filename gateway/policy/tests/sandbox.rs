@@ -1,11 +1,9 @@
 //! What a policy gets beyond the contract: a locked-down, reproducible WASI (for guests that
 //! import it, as Go guests do) and the on-disk cache of compiled components.
 
-mod common;
-
 use std::os::unix::fs::PermissionsExt;
 
-use common::{load, names, node, request, spec, wasm};
+use crate::common::{load, names, node, request, spec, wasm};
 use pd_policy::{CompiledFrom, PolicyEngine, PolicyError, Role, Route, View};
 
 fn view() -> View {

@@ -1,10 +1,8 @@
 //! `PolicySlot`: install, rollback, and readers that never see a half-swapped policy.
 
-mod common;
-
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use common::{load, names, node, request};
+use crate::common::{load, names, node, request};
 use pd_policy::{Installed, PolicyEngine, PolicyError, PolicySlot, Role, Route, View};
 
 fn native(name: &str) -> Installed {

@@ -1,8 +1,6 @@
 //! `validate`: one test per `InvalidDecision` variant, and the valid shapes.
 
-mod common;
-
-use common::{node, request};
+use crate::common::{node, request};
 use pd_policy::{
     Decision, DecodeTarget, InvalidDecision, Rejection, ReversePull, Role, Route, Slot, Split,
     View, validate,

@@ -7,12 +7,10 @@
 //! - the tokenizer built from the metadata is the twin's tokenizer;
 //! - unsupported architectures, tokenizers and tensor types are refused, named.
 
-mod common;
-
+use crate::common::{Ours, Reference, greedy, max_diff, tmp_path};
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use common::{Ours, Reference, greedy, max_diff, tmp_path};
 use pd_model::gguf::QuantPolicy;
 use pd_model::tiny::{TinyArch, TinySpec, generate, generate_gguf};
 use pd_model::{Model, ModelError, ModelSource};
@@ -93,7 +91,7 @@ fn q4_1_requantized_to_q8_0_stays_close_to_the_stored_weights() {
         d < 0.05 * scale,
         "prefill logits differ by {d} (max |logit| {scale})"
     );
-    assert_eq!(common::argmax(&a), common::argmax(&b));
+    assert_eq!(crate::common::argmax(&a), crate::common::argmax(&b));
     let _ = std::fs::remove_file(&file);
 }
 

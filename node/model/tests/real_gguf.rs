@@ -5,9 +5,7 @@
 //! The configuration and tokenizer read from the file are SmolLM2's (`real_gguf_greedy.rs`
 //! compares the forward pass with candle-transformers).
 
-mod common;
-
-use common::model_file;
+use crate::common::model_file;
 use pd_model::{Arch, ModelSource};
 
 #[test]

@@ -1,11 +1,9 @@
 //! Active messages between two workers in one process: a round trip, a rendezvous-size
 //! message, and a panicking handler.
 
-mod common;
-
 use std::sync::{Arc, Mutex};
 
-use common::{pattern, progress_until, wait_both};
+use crate::common::{pattern, progress_until, wait_both};
 use pd_ucx::{Context, Error, Worker};
 
 type Inbox = Arc<Mutex<Vec<(Vec<u8>, Vec<u8>)>>>;

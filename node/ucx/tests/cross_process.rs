@@ -87,7 +87,7 @@ fn cross_process_pull() {
     let mut child = ChildGuard(
         Command::new(std::env::current_exe().unwrap())
             .args([
-                "peer_child",
+                "cross_process::peer_child",
                 "--exact",
                 "--ignored",
                 "--nocapture",
@@ -103,7 +103,7 @@ fn cross_process_pull() {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            // libtest prints "test peer_child ... " on the same line first.
+            // libtest prints "test cross_process::peer_child ... " on the same line first.
             if let Some((_, rest)) = line.split_once("PEER ") {
                 let _ = tx.send(rest.to_string());
             }

@@ -1,8 +1,6 @@
 //! One-sided get and put between two workers in one process (real UCX, loopback transports).
 
-mod common;
-
-use common::{Mapped, pattern, progress_until, wait_both};
+use crate::common::{Mapped, pattern, progress_until, wait_both};
 use pd_ucx::{Context, Error, Worker};
 
 /// Side A maps a patterned buffer; side B unpacks A's key and pulls non-contiguous ranges into

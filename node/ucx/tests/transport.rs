@@ -1,8 +1,6 @@
 //! The transport report names the real transports of a loopback endpoint.
 
-mod common;
-
-use common::wait_both;
+use crate::common::wait_both;
 use pd_ucx::{Context, EndpointOptions, Worker, is_tcp_emulated_rma};
 
 #[test]

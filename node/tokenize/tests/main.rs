@@ -1,0 +1,5 @@
+//! The integration tests of pd-tokenize, one module per subject, in one test binary (one binary
+//! per crate keeps CI's disk and link time down).
+
+mod from_dir;
+mod from_files;

@@ -1,0 +1,12 @@
+//! Cross-process cluster tests, one module per failure or feature, in one test binary (each test
+//! binary links the whole dependency tree; one binary keeps CI's disk and link time down). Run one
+//! subject with `cargo test -p pd-cluster-tests --test cluster node_killed::`.
+
+mod client_abort;
+mod node_killed;
+mod openai_token_exact;
+mod policy_contained;
+mod policy_hot_swap;
+mod policy_languages;
+mod policy_sdk;
+mod untrusted_params_and_errors;
