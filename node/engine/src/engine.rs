@@ -39,6 +39,11 @@ pub struct EngineConfig {
     /// that would take leases beyond it is refused ([`crate::EngineError::LeaseCapacity`]), so
     /// the node's own prefills always find blocks.
     pub kv_max_leased_fraction: f64,
+    /// Keep a finished request's full blocks (prompt and generated tokens) under a lease for
+    /// this long, for the conversation's next turn to pull or reuse here
+    /// ([`RequestEvent::Retained`]); `None`: free them at once. The engine revokes the oldest
+    /// such lease when it needs blocks, before preempting anything.
+    pub kv_retain_after_decode: Option<std::time::Duration>,
     /// The per-deployment prefix-cache hash key ([`pd_kv_pool::hash_key`] of the operator's
     /// secret; 0: none). The gateway must hash with the same key.
     pub kv_hash_key: u64,
@@ -72,6 +77,7 @@ impl Default for EngineConfig {
             pool_memory: None,
             kv_lease_duration: std::time::Duration::from_secs(30),
             kv_max_leased_fraction: 0.9,
+            kv_retain_after_decode: None,
             kv_hash_key: 0,
         }
     }
@@ -138,6 +144,8 @@ pub struct Engine {
     cache_events: broadcast::Sender<CacheEvent>,
     /// [`EngineConfig::kv_hash_key`].
     hash_key: u64,
+    /// [`EngineConfig::kv_retain_after_decode`].
+    retain_after_decode: Option<std::time::Duration>,
 }
 
 /// Prefix-cache events buffered for a subscriber that is slow to read; past this it lags and
@@ -257,6 +265,7 @@ impl Engine {
             eos,
             leases: Arc::new(LeaseBook::new(cfg.kv_lease_duration, rand::random())),
             hash_key: cfg.kv_hash_key,
+            retain_after_decode: cfg.kv_retain_after_decode.filter(|d| !d.is_zero()),
             cache_events: broadcast::channel(CACHE_EVENT_CAPACITY).0,
         })
     }
@@ -367,7 +376,10 @@ impl Engine {
         for b in freed {
             self.scheduler.allocator.free(b);
         }
-        let parked = self.scheduler.park_pending();
+        let leases = self.leases.clone();
+        let parked = self
+            .scheduler
+            .park_pending(&mut || leases.revoke_oldest_retained());
         if !parked.is_empty() {
             // Blocks taken from the cache are invalid from now on: poison them *before* the
             // caller starts writing pulled KV into them, not at the next step.
@@ -440,7 +452,7 @@ impl Engine {
         let prompt_len = prompt_tokens.len();
         let max_tokens = match kv {
             // Prefill only: one token per child, as vLLM's proxies ask of a prefill node.
-            KvTransfer::Produce { .. } => 1,
+            KvTransfer::Produce { .. } | KvTransfer::PullThenProduce { .. } => 1,
             _ => params
                 .max_tokens
                 .unwrap_or(self.info.max_model_len - prompt_len),
@@ -482,7 +494,9 @@ impl Engine {
             },
         );
         match kv {
-            KvTransfer::Consume => self.scheduler.remote_pending.push_back(seq),
+            KvTransfer::Consume | KvTransfer::PullThenProduce { .. } => {
+                self.scheduler.remote_pending.push_back(seq)
+            }
             _ => self.scheduler.waiting.push_back(seq),
         }
         self.update_gauges();
@@ -499,7 +513,10 @@ impl Engine {
 
     /// One scheduling step and forward pass; false when nothing could be scheduled.
     fn step(&mut self) -> bool {
-        let plan = self.scheduler.schedule();
+        let leases = self.leases.clone();
+        let plan = self
+            .scheduler
+            .schedule_with(&mut || leases.revoke_oldest_retained());
         self.metrics.preemptions.inc_by(plan.preempted as u64);
         for &(id, cached) in &plan.admitted {
             if let Some(state) = self.requests.get_mut(&id)
@@ -600,7 +617,8 @@ impl Engine {
             if !state.forked {
                 state.forked = true;
                 // (A client already gone gets no lease: nobody could hand it to a decode node.)
-                if let KvTransfer::Produce { consumers } = state.kv
+                if let KvTransfer::Produce { consumers } | KvTransfer::PullThenProduce { consumers } =
+                    state.kv
                     && !state.events.is_closed()
                 {
                     // The prompt is computed: lease its blocks to each decode node that will
@@ -805,6 +823,39 @@ impl Engine {
             return Ok(false);
         };
         let completion_tokens = seq.num_generated();
+        // A finished single completion may be kept for the conversation's next turn: its full,
+        // computed blocks (the last sampled token has no KV yet) under a retained lease, bound
+        // to the tokens they hold. Not for KV nobody vouched for, nor for a prefill's handoff.
+        if let Some(ttl) = self.retain_after_decode
+            && state.params.n == 1
+            && seq.cacheable
+            && !matches!(
+                state.kv,
+                KvTransfer::Produce { .. } | KvTransfer::PullThenProduce { .. }
+            )
+            && !matches!(reason, FinishReason::Abort)
+        {
+            let full = seq.num_computed / self.info.block_size;
+            if full > 0 {
+                let blocks = seq.blocks[..full].to_vec();
+                let num_tokens = full * self.info.block_size;
+                let contents = pd_kv_pool::LeaseContents::of(&seq.tokens[..num_tokens]);
+                for &b in &blocks {
+                    self.scheduler.allocator.share(b);
+                }
+                let lease = self
+                    .leases
+                    .grant_retained(blocks, contents, Instant::now(), ttl);
+                self.metrics.kv_retained.inc();
+                let _ = state.events.send(RequestEvent::Retained(KvHandoff {
+                    lease: lease.id,
+                    generation: lease.generation,
+                    deadline: to_system_time(lease.deadline),
+                    block_ids: lease.blocks,
+                    num_tokens,
+                }));
+            }
+        }
         let _ = state.events.send(RequestEvent::Finished {
             child,
             reason,

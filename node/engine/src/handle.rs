@@ -203,7 +203,9 @@ impl EngineHandle {
     /// context; [`EngineError::Shutdown`] when the engine thread is gone.
     pub fn submit(&self, request: GenerateRequest) -> Result<RequestStream, EngineError> {
         crate::engine::validate(&self.inner.info, &request)?;
-        if let crate::KvTransfer::Produce { .. } = request.kv {
+        if let crate::KvTransfer::Produce { .. } | crate::KvTransfer::PullThenProduce { .. } =
+            request.kv
+        {
             // Admission, not reservation: prefills admitted at the same moment may overshoot
             // the cap by their own prompts before their leases show here.
             let info = &self.inner.info;
@@ -269,7 +271,8 @@ impl RequestStream {
             RequestEvent::Failed { .. } => self.open_children = 0,
             RequestEvent::Token { .. }
             | RequestEvent::AwaitingKv { .. }
-            | RequestEvent::KvReady(_) => {}
+            | RequestEvent::KvReady(_)
+            | RequestEvent::Retained(_) => {}
         }
         Some(event)
     }

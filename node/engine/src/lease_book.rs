@@ -9,7 +9,13 @@
 //!   expiry only moves the lease's blocks to `to_free`; the engine drops those references at its
 //!   next loop turn ([`LeaseBook::collect`]). Until then the blocks stay referenced, so a block
 //!   under a live lease — or just released — is never reused early.
+//!
+//! Two kinds of lease share the table: a prefill's handoff to decode nodes, which only its
+//! reader or the deadline ends, and a finished conversation turn kept for the next turn
+//! (*retained*, `--kv-retain-after-decode`), which the engine may also revoke when it needs the
+//! blocks ([`LeaseBook::revoke_oldest_retained`]): evicted before anything is preempted.
 
+use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -20,7 +26,12 @@ use pd_kv_pool::{BlockId, Lease, LeaseContents, LeaseCounts, LeaseError, LeaseId
 pub struct LeaseStats {
     /// Leases live now.
     pub live: usize,
-    /// Blocks held by the live leases.
+    /// Of those, retained conversation turns.
+    pub retained: usize,
+    /// Blocks held by retained leases (not in `leased_blocks`: revocable, so they do not count
+    /// against `kv_max_leased_fraction`).
+    pub retained_blocks: usize,
+    /// Blocks held by the live leases for decode nodes.
     pub leased_blocks: usize,
     /// Lifetime counters.
     pub counts: LeaseCounts,
@@ -31,6 +42,8 @@ struct Book {
     table: LeaseTable,
     /// Blocks of ended leases whose references the engine has not dropped yet.
     to_free: Vec<BlockId>,
+    /// Retained leases, oldest first (ids of ended ones are pruned lazily).
+    retained: VecDeque<LeaseId>,
 }
 
 /// The node's lease table; see the module docs.
@@ -45,6 +58,7 @@ impl LeaseBook {
             inner: Mutex::new(Book {
                 table: LeaseTable::new(duration, seed),
                 to_free: Vec::new(),
+                retained: VecDeque::new(),
             }),
         }
     }
@@ -69,6 +83,34 @@ impl LeaseBook {
         now: Instant,
     ) -> Lease {
         self.lock().table.grant(blocks, contents, peer, now)
+    }
+
+    /// Grants a retained lease on a finished turn's `blocks` for `ttl`; revocable by
+    /// [`LeaseBook::revoke_oldest_retained`]. The caller handed one reference per block over.
+    pub(crate) fn grant_retained(
+        &self,
+        blocks: Vec<BlockId>,
+        contents: LeaseContents,
+        now: Instant,
+        ttl: Duration,
+    ) -> Lease {
+        let mut book = self.lock();
+        let lease = book.table.grant_for(blocks, contents, "", now, ttl);
+        book.retained.push_back(lease.id);
+        lease
+    }
+
+    /// Takes back the oldest live retained lease (its reader's confirm fails from now on) and
+    /// returns its blocks, whose references the caller drops now. `None`: nothing retained.
+    pub(crate) fn revoke_oldest_retained(&self) -> Option<Vec<BlockId>> {
+        let mut book = self.lock();
+        while let Some(id) = book.retained.pop_front() {
+            if let Some(lease) = book.table.revoke(id) {
+                tracing::debug!(lease = %id, blocks = lease.blocks.len(), "retained KV revoked: blocks needed");
+                return Some(lease.blocks);
+            }
+        }
+        None
     }
 
     /// Extends a live lease; returns the new deadline.
@@ -119,10 +161,19 @@ impl LeaseBook {
         let mut book = self.lock();
         let expired = book.table.expire(now);
         for l in &expired {
-            tracing::warn!(lease = %l.id, blocks = l.blocks.len(), "KV lease expired unreleased");
+            if book.retained.contains(&l.id) {
+                // The conversation did not come back in time: normal.
+                tracing::debug!(lease = %l.id, blocks = l.blocks.len(), "retained KV expired");
+            } else {
+                tracing::warn!(lease = %l.id, blocks = l.blocks.len(), "KV lease expired unreleased");
+            }
         }
         let mut out = std::mem::take(&mut book.to_free);
         out.extend(expired.into_iter().flat_map(|l| l.blocks));
+        let Book {
+            table, retained, ..
+        } = &mut *book;
+        retained.retain(|id| table.contains(*id));
         out
     }
 
@@ -134,9 +185,16 @@ impl LeaseBook {
     /// Live leases and counters.
     pub fn stats(&self) -> LeaseStats {
         let book = self.lock();
+        let (retained, retained_blocks) = book
+            .retained
+            .iter()
+            .filter_map(|id| book.table.get(*id))
+            .fold((0, 0), |(n, b), l| (n + 1, b + l.blocks.len()));
         LeaseStats {
             live: book.table.live(),
-            leased_blocks: book.table.leased_blocks(),
+            retained,
+            retained_blocks,
+            leased_blocks: book.table.leased_blocks() - retained_blocks,
             counts: book.table.counts(),
         }
     }

@@ -24,6 +24,8 @@ pub struct EngineMetrics {
     pub preemptions: IntCounter,
     /// Prompt tokens whose KV was pulled from a prefill node instead of computed.
     pub kv_pulled_tokens: IntCounter,
+    /// Finished completions whose blocks were kept for the next turn (`kv_retain_after_decode`).
+    pub kv_retained: IntCounter,
     /// Prompt tokens of admitted requests.
     pub prompt_tokens: IntCounter,
     /// Generated tokens.
@@ -105,6 +107,10 @@ impl EngineMetrics {
             kv_pulled_tokens: counter(
                 "pd_node_kv_pulled_tokens_total",
                 "Prompt tokens whose KV was pulled from a prefill node instead of computed",
+            ),
+            kv_retained: counter(
+                "pd_node_kv_retained_total",
+                "Finished completions whose KV was kept under a lease for the next turn",
             ),
             prompt_tokens: counter(
                 "pd_node_prompt_tokens_total",

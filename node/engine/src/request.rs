@@ -184,8 +184,16 @@ pub enum KvTransfer {
         /// Decode nodes that will each pull the prompt's KV under their own lease.
         consumers: usize,
     },
-    /// Decode node: the prompt's KV comes from a peer. The request waits with blocks reserved
-    /// ([`RequestEvent::AwaitingKv`]) until [`crate::EngineHandle::remote_kv_ready`].
+    /// As [`KvTransfer::Produce`], but a prefix of the prompt's KV (an earlier turn of the
+    /// conversation, kept by the node that decoded it) is pulled first, as for
+    /// [`KvTransfer::Consume`]; only the rest is computed here (reverse pull).
+    PullThenProduce {
+        /// Decode nodes that will pull the prompt's KV under their own lease.
+        consumers: usize,
+    },
+    /// Decode node: the prompt's KV, or a prefix of it, comes from a peer. The request waits
+    /// with blocks reserved ([`RequestEvent::AwaitingKv`]) until
+    /// [`crate::EngineHandle::remote_kv_ready`], then computes what was not pulled.
     Consume,
 }
 
@@ -262,7 +270,7 @@ pub enum RequestEvent {
         /// Of `cached_tokens`, those pulled from a peer.
         pulled_tokens: usize,
     },
-    /// ([`KvTransfer::Consume`]) Blocks are reserved for the prompt: the first `first_block`
+    /// ([`KvTransfer::Consume`], [`KvTransfer::PullThenProduce`]) Blocks are reserved for the prompt: the first `first_block`
     /// prompt blocks were found in the local prefix cache (`cached_tokens` tokens); pull the
     /// peer's blocks `first_block..` into `blocks`, then call
     /// [`crate::EngineHandle::remote_kv_ready`]. Other requests keep running meanwhile.
@@ -277,6 +285,11 @@ pub enum RequestEvent {
     /// ([`KvTransfer::Produce`]) The prompt is computed and its blocks are leased; sent once per
     /// consumer (each a lease of its own on the same blocks), before the first token.
     KvReady(KvHandoff),
+    /// (`kv_retain_after_decode`) The finished completion's full blocks — prompt and generated
+    /// tokens — are kept under a retained lease for the conversation's next turn; sent just
+    /// before that child's [`RequestEvent::Finished`]. `num_tokens` is a multiple of the block
+    /// size.
+    Retained(KvHandoff),
     /// Child `child` produced a token. `text` is the newly decodable text (may be empty while a
     /// multi-byte character is incomplete, or while a possible stop string is held back).
     Token {

@@ -20,6 +20,10 @@ use pd_kv_pool::{AllocatorError, BlockAllocator, BlockId, block_hash, hash_full_
 use crate::request::RequestId;
 use crate::sequence::Sequence;
 
+/// Gives up block references held by something revocable (a retained conversation turn), one
+/// holder at a time; `None` when nothing is left to give up.
+pub(crate) type Reclaim<'a> = dyn FnMut() -> Option<Vec<BlockId>> + 'a;
+
 /// Limits of one step.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct SchedulerConfig {
@@ -84,8 +88,17 @@ impl Scheduler {
         !self.waiting.is_empty() || !self.running.is_empty() || !self.remote_pending.is_empty()
     }
 
-    /// Plans the next step.
+    /// Plans the next step (nothing to reclaim: see [`Scheduler::schedule_with`]).
+    #[cfg(test)]
     pub(crate) fn schedule(&mut self) -> StepPlan {
+        self.schedule_with(&mut || None)
+    }
+
+    /// Plans the next step. When blocks run out, `reclaim` is asked first (it gives up blocks
+    /// others hold but may lose: retained conversation turns) and each reference it returns is
+    /// dropped; only when it has nothing left is a running sequence preempted or a waiting one
+    /// kept waiting.
+    pub(crate) fn schedule_with(&mut self, reclaim: &mut Reclaim<'_>) -> StepPlan {
         let mut plan = StepPlan::default();
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut i = 0;
@@ -106,7 +119,11 @@ impl Scheduler {
                 {
                     break;
                 }
-                // Out of blocks: preempt the newest running sequence (maybe this one).
+                // Out of blocks: evict what may be evicted, then preempt the newest running
+                // sequence (maybe this one).
+                if self.reclaim(reclaim) {
+                    continue;
+                }
                 let Some(victim) = self.running.pop() else {
                     break;
                 };
@@ -143,7 +160,15 @@ impl Scheduler {
             let n = (seq.tokens.len() - seq.num_computed).min(budget);
             let upto = seq.num_computed + n;
             let bs = self.cfg.block_size;
-            if ensure_blocks(&mut self.allocator, bs, &mut seq, upto, &mut plan.copies).is_err() {
+            let mut fits;
+            loop {
+                fits = ensure_blocks(&mut self.allocator, bs, &mut seq, upto, &mut plan.copies)
+                    .is_ok();
+                if fits || !self.reclaim(reclaim) {
+                    break;
+                }
+            }
+            if !fits {
                 // Not enough blocks now: wait. A sequence gives back the cached prefix it just
                 // took; a forked child keeps the computed, shared blocks it came with.
                 if !held {
@@ -232,18 +257,34 @@ impl Scheduler {
     /// Parks sequences waiting for remote KV, oldest first, while their prompts' blocks are free.
     /// Returns what each parked one must receive: (request, local blocks, first prompt block
     /// they stand for, prompt tokens already cached here).
-    pub(crate) fn park_pending(&mut self) -> Vec<(RequestId, Vec<BlockId>, usize, usize)> {
+    pub(crate) fn park_pending(
+        &mut self,
+        reclaim: &mut Reclaim<'_>,
+    ) -> Vec<(RequestId, Vec<BlockId>, usize, usize)> {
         let mut parked = Vec::new();
         while let Some(seq) = self.remote_pending.pop_front() {
             match self.park_for_remote_kv(seq) {
                 Ok(p) => parked.push(p),
                 Err(seq) => {
                     self.remote_pending.push_front(*seq);
-                    break;
+                    if !self.reclaim(reclaim) {
+                        break;
+                    }
                 }
             }
         }
         parked
+    }
+
+    /// Drops the block references `reclaim` gives up; false when it had none.
+    fn reclaim(&mut self, reclaim: &mut Reclaim<'_>) -> bool {
+        let Some(blocks) = reclaim() else {
+            return false;
+        };
+        for b in blocks {
+            self.allocator.free(b);
+        }
+        true
     }
 
     /// Puts `seq` aside until its prompt's KV arrives from another node: reuses the prompt's
@@ -465,7 +506,7 @@ mod tests {
         let tok = tokenizer();
         let mut s = Scheduler::new(cfg(64), 32);
         s.remote_pending.push_back(seq(1, 10, tok));
-        let got = s.park_pending();
+        let got = s.park_pending(&mut || None);
         assert_eq!(got.len(), 1);
         assert_eq!((got[0].2, got[0].3), (0, 0), "nothing cached locally");
         let parked = s.blocks_of(RequestId(1));
@@ -505,7 +546,7 @@ mod tests {
         for (attested, want_cached) in [(true, true), (false, false)] {
             let mut s = Scheduler::new(cfg(64), 32);
             s.remote_pending.push_back(seq(1, 10, tok));
-            assert_eq!(s.park_pending().len(), 1);
+            assert_eq!(s.park_pending(&mut || None).len(), 1);
             assert_eq!(
                 s.remote_kv_ready(RequestId(1), 10, attested),
                 Some((10, 9, 9))

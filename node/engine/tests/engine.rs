@@ -143,7 +143,9 @@ async fn run(handle: &EngineHandle, prompt_tokens: Vec<u32>, params: SamplingPar
                 o.texts[child].push_str(&text);
             }
             RequestEvent::Failed { message } => panic!("request failed: {message}"),
-            e @ (RequestEvent::AwaitingKv { .. } | RequestEvent::KvReady(_)) => {
+            e @ (RequestEvent::AwaitingKv { .. }
+            | RequestEvent::KvReady(_)
+            | RequestEvent::Retained(_)) => {
                 panic!("a local request got a P/D event: {e:?}")
             }
         }
@@ -739,4 +741,82 @@ async fn forking_many_children_into_a_tight_pool_preempts_none() {
         "children were preempted instead of waiting"
     );
     wait_all_free(&tight).await;
+}
+
+/// Runs a greedy local request to the end: its tokens and the retained turn, if kept.
+async fn run_retained(
+    h: &EngineHandle,
+    prompt_tokens: Vec<u32>,
+    max_tokens: usize,
+) -> (Vec<u32>, Option<pd_engine::KvHandoff>) {
+    let mut s = h
+        .submit(GenerateRequest {
+            prompt_tokens,
+            params: greedy(max_tokens),
+            kv: KvTransfer::Local,
+            cache_salt: None,
+        })
+        .unwrap();
+    let (mut tokens, mut kept) = (Vec::new(), None);
+    while let Some(e) = s.recv().await {
+        match e {
+            RequestEvent::Token { token_id, .. } => tokens.push(token_id),
+            RequestEvent::Retained(k) => {
+                assert!(kept.is_none(), "one retained turn per completion");
+                kept = Some(k);
+            }
+            RequestEvent::Failed { message } => panic!("request failed: {message}"),
+            _ => {}
+        }
+    }
+    (tokens, kept)
+}
+
+/// `kv_retain_after_decode`: a finished turn's whole blocks (prompt and generated tokens, the
+/// last sampled token has no KV yet) stay under a retained lease bound to those tokens; they do
+/// not count against the leases for decode nodes. When the pool runs short, the oldest retained
+/// turn is revoked (its confirm fails from then on, counted) before anything is preempted, and
+/// the request that needed the blocks is exact.
+#[tokio::test]
+async fn retained_turns_are_revoked_oldest_first_before_anything_is_preempted() {
+    let dir = model_dir("retain");
+    // 24 blocks of 4 tokens.
+    let h = engine(&dir, |c| {
+        c.num_blocks = Some(24);
+        c.kv_retain_after_decode = Some(Duration::from_secs(60));
+    });
+    let mut kept = Vec::new();
+    for i in 0..3 {
+        let p = prompt(20, 60 + i);
+        let (tokens, k) = run_retained(&h, p.clone(), 8).await;
+        assert_eq!(tokens, reference_greedy(&dir, &p, 8));
+        let k = k.expect("the turn is retained");
+        // 20 + 8 tokens, 27 with KV: 6 whole blocks.
+        assert_eq!((k.num_tokens, k.block_ids.len()), (24, 6));
+        let (_, contents) = h.leases().confirm(k.lease, k.generation, "").unwrap();
+        let held: Vec<u32> = p.iter().chain(&tokens).copied().take(24).collect();
+        assert_eq!(contents, pd_kv_pool::LeaseContents::of(&held));
+        kept.push(k);
+    }
+    let st = h.lease_stats();
+    assert_eq!(
+        (st.retained, st.retained_blocks, st.leased_blocks),
+        (3, 18, 0)
+    );
+    assert_eq!(h.free_blocks(), 6);
+
+    // 40 + 8 tokens need 12 blocks; 6 are free: the oldest turn (6 blocks) goes, nothing else.
+    let p = prompt(40, 99);
+    let (tokens, _) = run_retained(&h, p.clone(), 8).await;
+    assert_eq!(tokens, reference_greedy(&dir, &p, 8));
+    assert_eq!(h.metrics().preemptions.get(), 0, "evicted, not preempted");
+    assert_eq!(h.lease_stats().counts.revoked, 1);
+    assert!(
+        h.leases()
+            .confirm(kept[0].lease, kept[0].generation, "")
+            .is_err()
+    );
+    for k in &kept[1..] {
+        h.leases().confirm(k.lease, k.generation, "").unwrap();
+    }
 }

@@ -111,6 +111,8 @@ pub struct Lease {
     pub contents: LeaseContents,
     /// When it ends unless renewed.
     pub deadline: Instant,
+    /// How long it was granted for (a renewal extends by 2/3 of it).
+    pub duration: Duration,
 }
 
 /// Counters of what happened to leases.
@@ -124,6 +126,8 @@ pub struct LeaseCounts {
     pub released: u64,
     /// Leases that reached their deadline.
     pub expired: u64,
+    /// Leases their owner took back before the deadline (it needed the blocks).
+    pub revoked: u64,
 }
 
 /// All leases of one node.
@@ -184,6 +188,19 @@ impl LeaseTable {
         peer: &str,
         now: Instant,
     ) -> Lease {
+        let duration = self.duration;
+        self.grant_for(blocks, contents, peer, now, duration)
+    }
+
+    /// As [`LeaseTable::grant`], for `duration` instead of the table's.
+    pub fn grant_for(
+        &mut self,
+        blocks: Vec<BlockId>,
+        contents: LeaseContents,
+        peer: &str,
+        now: Instant,
+        duration: Duration,
+    ) -> Lease {
         let mut id = LeaseId(self.rng.random());
         while self.leases.contains_key(&id) {
             id = LeaseId(self.rng.random());
@@ -194,7 +211,8 @@ impl LeaseTable {
             peer: peer.to_string(),
             blocks,
             contents,
-            deadline: now + self.duration,
+            deadline: now + duration,
+            duration,
         };
         self.next_generation += 1;
         self.counts.granted += 1;
@@ -233,7 +251,7 @@ impl LeaseTable {
         Ok(l)
     }
 
-    /// Extends a live lease to at least `now + duration × 2/3`; returns the new deadline.
+    /// Extends a live lease to at least `now + 2/3 ×` its duration; returns the new deadline.
     ///
     /// # Errors
     /// [`LeaseError`] when the lease is not live (an expired lease cannot be revived).
@@ -245,9 +263,8 @@ impl LeaseTable {
         now: Instant,
     ) -> Result<Instant, LeaseError> {
         self.check(id, generation, peer, now)?;
-        let ext = now + self.duration * 2 / 3;
         let l = self.leases.get_mut(&id).ok_or(LeaseError::Unknown(id))?;
-        l.deadline = l.deadline.max(ext);
+        l.deadline = l.deadline.max(now + l.duration * 2 / 3);
         self.counts.renewed += 1;
         Ok(l.deadline)
     }
@@ -269,6 +286,26 @@ impl LeaseTable {
         let l = self.leases.remove(&id).ok_or(LeaseError::Unknown(id))?;
         self.counts.released += 1;
         Ok(l)
+    }
+
+    /// The owner takes lease `id` back before its deadline (whoever holds it): from now on it is
+    /// unknown, so a reader's confirm fails and data read meanwhile is discarded. The caller
+    /// must drop one reference on each block of the returned lease. `None`: not live.
+    #[must_use = "the returned lease's block references must be dropped"]
+    pub fn revoke(&mut self, id: LeaseId) -> Option<Lease> {
+        let l = self.leases.remove(&id)?;
+        self.counts.revoked += 1;
+        Some(l)
+    }
+
+    /// Whether lease `id` is in the table (live, or past its deadline and not yet expired).
+    pub fn contains(&self, id: LeaseId) -> bool {
+        self.leases.contains_key(&id)
+    }
+
+    /// Lease `id` as the table holds it, unchecked (owner-side bookkeeping).
+    pub fn get(&self, id: LeaseId) -> Option<&Lease> {
+        self.leases.get(&id)
     }
 
     /// Ends every lease whose deadline is at or before `now`; the caller must drop one reference

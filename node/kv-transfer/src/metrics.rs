@@ -166,6 +166,7 @@ impl TransferMetrics {
             ("renewed", c.renewed, last.renewed),
             ("released", c.released, last.released),
             ("expired", c.expired, last.expired),
+            ("revoked", c.revoked, last.revoked),
         ] {
             self.leases
                 .with_label_values(&[event])

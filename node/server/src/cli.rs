@@ -102,6 +102,12 @@ pub struct ServeArgs {
     /// starve the node's own prefills.
     #[arg(long, default_value_t = 0.9)]
     pub kv_max_leased_fraction: f64,
+    /// Seconds to keep a finished completion's KV (prompt and generated tokens, whole blocks)
+    /// under a lease for the conversation's next turn, which may then pull it (reverse pull) or
+    /// be sent here; 0: free at once. The final response's `kv_transfer_params` describe it.
+    /// Revoked first when this node needs the blocks, before anything is preempted.
+    #[arg(long, default_value_t = 0.0)]
+    pub kv_retain_after_decode: f64,
     /// What a decode node does when the KV does not arrive: fail the request, or compute the
     /// prompt itself (counted by reason either way).
     #[arg(long, value_enum, default_value_t = FailurePolicyArg::Fail)]
@@ -209,8 +215,24 @@ impl ServeArgs {
             pool_memory: None,
             kv_lease_duration: self.lease_duration()?,
             kv_max_leased_fraction: self.max_leased_fraction()?,
+            kv_retain_after_decode: self.retain_after_decode()?,
             kv_hash_key: self.hash_key(),
         })
+    }
+
+    /// `--kv-retain-after-decode` as a duration (`None`: off).
+    ///
+    /// # Errors
+    /// [`CliError::Kv`] when it is not a number of seconds ≥ 0.
+    pub fn retain_after_decode(&self) -> Result<Option<std::time::Duration>, CliError> {
+        std::time::Duration::try_from_secs_f64(self.kv_retain_after_decode)
+            .map(|d| Some(d).filter(|d| !d.is_zero()))
+            .map_err(|_| {
+                CliError::Kv(format!(
+                    "--kv-retain-after-decode must be a number of seconds >= 0, got {}",
+                    self.kv_retain_after_decode
+                ))
+            })
     }
 
     /// `--kv-lease-duration` as a duration.

@@ -420,35 +420,50 @@ impl Loader {
 
 /// Checks that `remote` describes `prompt` (block count, token count, prompt hash); `Err` names
 /// the field that does not fit. Runs before the request is queued, so a mismatch is a 400.
+/// Prompt tokens whose KV `remote` holds: `remote_num_tokens`, else whole blocks, at most the
+/// prompt. The prompt's whole KV for a prefill's handoff; a prefix of it for a retained turn.
+fn held_tokens(remote: &RemotePrefill, prompt_len: usize, block_size: usize) -> usize {
+    remote
+        .num_tokens
+        .unwrap_or(remote.block_ids.len() * block_size)
+        .min(prompt_len)
+}
+
+/// Whether `remote` describes this prompt's KV, or a prefix of it (a retained turn): no more
+/// blocks than the prompt has, `remote_num_tokens` within the prompt and filling exactly the
+/// blocks named, `remote_prompt_hash` equal to the hash of that prefix. The producer's own
+/// word on what its blocks hold is checked again at confirm (`pull_under_lease`).
 pub(crate) fn check_prompt(
     remote: &RemotePrefill,
     prompt: &[u32],
     block_size: usize,
 ) -> Result<(), (&'static str, String)> {
-    let want_blocks = prompt.len().div_ceil(block_size);
-    if remote.block_ids.len() != want_blocks {
+    if remote.block_ids.len() > prompt.len().div_ceil(block_size) {
         return Err((
             "remote_block_ids",
             format!(
-                "{} remote blocks for a prompt of {} tokens ({want_blocks} blocks of {block_size})",
+                "{} remote blocks for a prompt of {} tokens ({} blocks of {block_size})",
+                remote.block_ids.len(),
+                prompt.len(),
+                prompt.len().div_ceil(block_size)
+            ),
+        ));
+    }
+    let held = held_tokens(remote, prompt.len(), block_size);
+    if let Some(n) = remote.num_tokens
+        && (n > prompt.len() || n.div_ceil(block_size) != remote.block_ids.len())
+    {
+        return Err((
+            "remote_num_tokens",
+            format!(
+                "remote_num_tokens is {n} in {} blocks of {block_size}, the prompt has {} tokens",
                 remote.block_ids.len(),
                 prompt.len()
             ),
         ));
     }
-    if let Some(n) = remote.num_tokens
-        && n != prompt.len()
-    {
-        return Err((
-            "remote_num_tokens",
-            format!(
-                "remote_num_tokens is {n}, the prompt has {} tokens",
-                prompt.len()
-            ),
-        ));
-    }
     if let Some(h) = remote.prompt_hash
-        && h != prompt_hash(prompt)
+        && h != prompt_hash(&prompt[..held])
     {
         return Err((
             "remote_prompt_hash",
@@ -600,8 +615,15 @@ async fn relay(
         }
     };
     let remote = &remote;
-    let wanted = prompt.len().saturating_sub(1).saturating_sub(cached);
-    let skip = if wanted == 0 || blocks.is_empty() {
+    // The KV the producer holds: the whole prompt (a prefill's handoff) or a prefix of it (an
+    // earlier turn); what is not pulled is computed here.
+    let bs = engine.info().block_size;
+    let held = held_tokens(remote, prompt.len(), bs);
+    let held_blocks = remote.block_ids.len().min(held.div_ceil(bs));
+    let wanted = held
+        .min(prompt.len().saturating_sub(1))
+        .saturating_sub(cached);
+    let skip = if wanted == 0 || blocks.is_empty() || first_block >= held_blocks {
         Some(Skip::Nothing)
     } else if wanted < loader.cfg.recompute_threshold {
         Some(Skip::BelowThreshold)
@@ -621,8 +643,7 @@ async fn relay(
             Ok(RemoteKv::Recompute)
         }
         None => {
-            let bytes = remote.block_ids.len().saturating_sub(first_block)
-                * engine.info().kv_layout.block_bytes();
+            let bytes = (held_blocks - first_block) * engine.info().kv_layout.block_bytes();
             let deadline = loader.cfg.pull_deadline(bytes);
             let prepared = tokio::select! {
                 () = tx.closed() => {
@@ -646,9 +667,9 @@ async fn relay(
                     let leased = LeasedBlocks {
                         lease: remote.lease,
                         generation: remote.generation,
-                        remote: remote.block_ids[first_block..].to_vec(),
-                        local: blocks,
-                        expect: pd_kv_pool::LeaseContents::of(&prompt),
+                        remote: remote.block_ids[first_block..held_blocks].to_vec(),
+                        local: blocks[..held_blocks - first_block].to_vec(),
+                        expect: pd_kv_pool::LeaseContents::of(&prompt[..held]),
                     };
                     // Not cancellable: the reads land in our reserved blocks.
                     let r = pull_under_lease(
@@ -662,10 +683,10 @@ async fn relay(
                     .await;
                     r.map(|p| {
                         if p.attested {
-                            RemoteKv::Pulled(prompt.len())
+                            RemoteKv::Pulled(held)
                         } else {
                             // KV nobody vouched for: this request only, never the cache.
-                            RemoteKv::PulledUnattested(prompt.len())
+                            RemoteKv::PulledUnattested(held)
                         }
                     })
                 }

@@ -63,7 +63,8 @@ impl TokenCounts {
             RequestEvent::Token { .. }
             | RequestEvent::Failed { .. }
             | RequestEvent::AwaitingKv { .. }
-            | RequestEvent::KvReady(_) => {}
+            | RequestEvent::KvReady(_)
+            | RequestEvent::Retained(_) => {}
         }
     }
 
@@ -96,7 +97,8 @@ pub(crate) async fn collect(
         match event {
             RequestEvent::Started { .. }
             | RequestEvent::AwaitingKv { .. }
-            | RequestEvent::KvReady(_) => {}
+            | RequestEvent::KvReady(_)
+            | RequestEvent::Retained(_) => {}
             RequestEvent::Token {
                 child,
                 token_id,

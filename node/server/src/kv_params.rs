@@ -31,10 +31,16 @@ pub(crate) enum KvDirective {
     /// Absent, `null`, or neither flag set: an ordinary request.
     None,
     /// `do_remote_decode: true`: prefill here, hand the KV to `consumers` decode nodes
-    /// (`num_consumers`, 1 when absent), each under a lease of its own.
+    /// (`num_consumers`, 1 when absent), each under a lease of its own. With the fields of a
+    /// retained turn (`remote_block_ids`, `remote_engine_id`, `remote_host`, `remote_port`,
+    /// `remote_lease_id`, `remote_lease_generation`: what a node with
+    /// `--kv-retain-after-decode` answered the previous turn with), that prefix of the prompt
+    /// is pulled first and only the rest computed (reverse pull).
     Produce {
         /// Decode nodes that will pull the prompt's KV, `1..=MAX_CONSUMERS`.
         consumers: usize,
+        /// The earlier turn's KV to pull first (at most one).
+        held: Vec<RemotePrefill>,
     },
     /// `do_remote_prefill: true` with everything needed: pull the prompt's KV. More than one
     /// object (one per child) may name the same blocks; the first drives the pull.
@@ -242,7 +248,26 @@ fn parse_one(v: &Value) -> Result<KvDirective, ApiError> {
                 }
             },
         };
-        return Ok(KvDirective::Produce { consumers });
+        // A retained turn to pull first: all of its fields, or none of it.
+        let held = match (&block_ids, &engine_id, &host, port, lease, generation) {
+            (Some(ids), Some(e), Some(h), Some(port), Some(lease), Some(generation)) => {
+                vec![RemotePrefill {
+                    block_ids: ids.clone(),
+                    engine_id: e.clone(),
+                    request_id: request_id.clone().unwrap_or_default(),
+                    host: h.clone(),
+                    port,
+                    lease,
+                    generation,
+                    num_tokens,
+                    prompt_hash,
+                    expiry,
+                    epoch,
+                }]
+            }
+            _ => Vec::new(),
+        };
+        return Ok(KvDirective::Produce { consumers, held });
     }
     if !prefill {
         return Ok(KvDirective::None);
@@ -335,13 +360,30 @@ pub(crate) struct Advert {
 
 /// The response's `kv_transfer_params` for a prefill whose KV was handed off.
 pub(crate) fn handoff(advert: &Advert, request_id: &str, h: &KvHandoff, prompt_hash: u64) -> Value {
+    let mut v = held(advert, request_id, h);
+    v["do_remote_prefill"] = json!(true);
+    v["do_remote_decode"] = json!(false);
+    v["remote_prompt_hash"] = json!(format!("{prompt_hash:016x}"));
+    v
+}
+
+/// The final response's `kv_transfer_params` for a finished turn whose blocks this node keeps
+/// (`--kv-retain-after-decode`): `do_remote_decode: true`, so a proxy can copy the object as
+/// it is into the next turn's request to a prefill node, which then pulls this prefix first.
+/// (`remote_num_tokens` is the tokens held: prompt and generated, whole blocks only.)
+pub(crate) fn retained(advert: &Advert, request_id: &str, h: &KvHandoff) -> Value {
+    let mut v = held(advert, request_id, h);
+    v["do_remote_prefill"] = json!(false);
+    v["do_remote_decode"] = json!(true);
+    v
+}
+
+fn held(advert: &Advert, request_id: &str, h: &KvHandoff) -> Value {
     let expiry = h
         .deadline
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
     json!({
-        "do_remote_prefill": true,
-        "do_remote_decode": false,
         "remote_block_ids": h.block_ids.iter().map(|b| b.0).collect::<Vec<_>>(),
         "remote_engine_id": advert.engine_id,
         "remote_engine_epoch": format!("{:016x}", advert.epoch),
@@ -353,7 +395,6 @@ pub(crate) fn handoff(advert: &Advert, request_id: &str, h: &KvHandoff, prompt_h
         "remote_lease_id": h.lease.to_string(),
         "remote_lease_generation": h.generation,
         "remote_blocks_expiry_time": expiry,
-        "remote_prompt_hash": format!("{prompt_hash:016x}"),
     })
 }
 
@@ -381,10 +422,19 @@ mod tests {
             "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null});
         assert_eq!(
             p(proxy_to_p).unwrap(),
-            KvDirective::Produce { consumers: 1 }
+            KvDirective::Produce {
+                consumers: 1,
+                held: Vec::new()
+            }
         );
         let two = json!({"do_remote_decode": true, "num_consumers": 2});
-        assert_eq!(p(two).unwrap(), KvDirective::Produce { consumers: 2 });
+        assert_eq!(
+            p(two).unwrap(),
+            KvDirective::Produce {
+                consumers: 2,
+                held: Vec::new()
+            }
+        );
         for bad in [json!(0), json!(17), json!("2"), json!(-1)] {
             let e = p(json!({"do_remote_decode": true, "num_consumers": bad})).unwrap_err();
             assert!(
@@ -487,6 +537,8 @@ pub(crate) struct KvReply {
     prompt_hash: u64,
     /// One object per lease granted, in grant order.
     params: Vec<Value>,
+    /// The finished turn's retained blocks, when kept.
+    retained: Option<Value>,
 }
 
 impl KvReply {
@@ -497,22 +549,30 @@ impl KvReply {
             request_id: request_id.to_string(),
             prompt_hash: prompt_hash(prompt),
             params: Vec::new(),
+            retained: None,
         }
     }
 
     /// Notes a handoff when `event` is one.
     pub(crate) fn observe(&mut self, event: &pd_engine::RequestEvent) {
-        if let (pd_engine::RequestEvent::KvReady(h), Some(advert)) = (event, &self.advert) {
-            self.params
-                .push(handoff(advert, &self.request_id, h, self.prompt_hash));
+        match (event, &self.advert) {
+            (pd_engine::RequestEvent::KvReady(h), Some(advert)) => {
+                self.params
+                    .push(handoff(advert, &self.request_id, h, self.prompt_hash));
+            }
+            (pd_engine::RequestEvent::Retained(h), Some(advert)) => {
+                self.retained = Some(retained(advert, &self.request_id, h));
+            }
+            _ => {}
         }
     }
 
     /// The response's `kv_transfer_params`, once the handoff happened: one object (vLLM's
-    /// shape) for one consumer, a list of one object per consumer for more.
+    /// shape) for one consumer, a list of one object per consumer for more; on a node that
+    /// retained the finished turn, the retained blocks' object.
     pub(crate) fn params(&self) -> Option<Value> {
         match self.params.as_slice() {
-            [] => None,
+            [] => self.retained.clone(),
             [one] => Some(one.clone()),
             many => Some(Value::Array(many.to_vec())),
         }

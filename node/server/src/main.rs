@@ -86,12 +86,14 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    let puller = match (&ucx, role.consumes()) {
-        (Some(ucx), true) => Some(
+    // Every node with a side channel can pull: a decode node the prompt's KV from a prefill
+    // node, any node an earlier turn's KV from the node that retained it (reverse pull).
+    let puller = match &ucx {
+        Some(ucx) => Some(
             ucx.puller(info.kv_layout.block_bytes())
                 .context("starting the KV puller")?,
         ),
-        _ => None,
+        None => None,
     };
     let lease_duration = args.lease_duration()?;
     // The cluster token the side channel requires and sends: the configured one, replaced by
@@ -211,7 +213,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
             &engine,
             &engine_id,
             epoch,
-            side_channel.filter(|_| role.produces()),
+            side_channel,
             puller,
             pull,
             transfer_metrics,

@@ -4,6 +4,7 @@
 
 mod api;
 mod kv_side_channel;
+mod multi_turn;
 mod pd;
 mod real_model;
 mod registry;

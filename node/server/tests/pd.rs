@@ -16,9 +16,9 @@ use std::time::{Duration, Instant};
 use pd_model::tiny::{TinySpec, generate};
 use serde_json::{Value, json};
 
-struct Node {
-    child: Child,
-    http: String,
+pub(crate) struct Node {
+    pub(crate) child: Child,
+    pub(crate) http: String,
 }
 
 impl Drop for Node {
@@ -28,7 +28,7 @@ impl Drop for Node {
     }
 }
 
-fn model(name: &str) -> PathBuf {
+pub(crate) fn model(name: &str) -> PathBuf {
     model_seeded(name, 21)
 }
 
@@ -48,7 +48,7 @@ fn model_seeded(name: &str, seed: u64) -> PathBuf {
 }
 
 /// Starts `pd-node serve` on `model` with 4-token blocks plus `extra` flags.
-fn start(model: &Path, extra: &[&str]) -> Node {
+pub(crate) fn start(model: &Path, extra: &[&str]) -> Node {
     start_env(model, extra, &[])
 }
 
@@ -87,7 +87,7 @@ fn start_env(model: &Path, extra: &[&str], env: &[(&str, &str)]) -> Node {
     }
 }
 
-fn producer(model: &Path, extra: &[&str]) -> Node {
+pub(crate) fn producer(model: &Path, extra: &[&str]) -> Node {
     let mut args = vec![
         "--kv-role",
         "kv_producer",
@@ -105,7 +105,7 @@ fn consumer(model: &Path, policy: &str) -> Node {
 }
 
 /// A consumer with `extra` flags too (its `--engine-id` among them).
-fn consumer_with(model: &Path, policy: &str, extra: &[&str]) -> Node {
+pub(crate) fn consumer_with(model: &Path, policy: &str, extra: &[&str]) -> Node {
     consumer_env(model, policy, extra, &[])
 }
 
@@ -126,14 +126,14 @@ fn consumer_env(model: &Path, policy: &str, extra: &[&str], env: &[(&str, &str)]
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Api {
+pub(crate) enum Api {
     Completions,
     Chat,
     Responses,
 }
 
 impl Api {
-    fn path(self) -> &'static str {
+    pub(crate) fn path(self) -> &'static str {
         match self {
             Api::Completions => "/v1/completions",
             Api::Chat => "/v1/chat/completions",
@@ -142,7 +142,7 @@ impl Api {
     }
 
     /// A greedy request for `text`.
-    fn body(self, text: &str, max_tokens: usize) -> Value {
+    pub(crate) fn body(self, text: &str, max_tokens: usize) -> Value {
         match self {
             Api::Completions => json!({"model": "tiny", "prompt": text, "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": true, "return_token_ids": true}),
@@ -155,7 +155,7 @@ impl Api {
     }
 }
 
-async fn post(http: &str, path: &str, body: &Value) -> reqwest::Response {
+pub(crate) async fn post(http: &str, path: &str, body: &Value) -> reqwest::Response {
     reqwest::Client::new()
         .post(format!("{http}{path}"))
         .json(body)
@@ -166,19 +166,19 @@ async fn post(http: &str, path: &str, body: &Value) -> reqwest::Response {
 
 /// What a client saw, normalised across APIs and streaming.
 #[derive(Debug, Default, PartialEq)]
-struct Seen {
+pub(crate) struct Seen {
     /// Token ids per choice (empty for `/v1/responses`, which has none).
-    tokens: Vec<Vec<u64>>,
+    pub(crate) tokens: Vec<Vec<u64>>,
     /// Text per choice.
-    texts: Vec<String>,
+    pub(crate) texts: Vec<String>,
     /// `usage.prompt_tokens` / `usage.input_tokens`.
-    prompt: Option<u64>,
+    pub(crate) prompt: Option<u64>,
     /// `usage.*_tokens_details.cached_tokens` (prefix cache + pulled).
-    cached: Option<u64>,
+    pub(crate) cached: Option<u64>,
     /// `usage.*_tokens_details.kv_pulled_tokens`.
-    pulled: Option<u64>,
+    pub(crate) pulled: Option<u64>,
     /// `kv_transfer_params` of the response (final chunk when streaming).
-    kv: Option<Value>,
+    pub(crate) kv: Option<Value>,
 }
 
 fn choice_slot<T: Default + Clone>(v: &mut Vec<T>, i: usize) -> &mut T {
@@ -205,7 +205,7 @@ fn read_usage(seen: &mut Seen, usage: &Value) {
 }
 
 /// Reads a whole response (JSON or SSE) into [`Seen`].
-async fn seen(api: Api, r: reqwest::Response) -> Seen {
+pub(crate) async fn seen(api: Api, r: reqwest::Response) -> Seen {
     assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
     let streaming = r
         .headers()
@@ -291,7 +291,7 @@ async fn seen(api: Api, r: reqwest::Response) -> Seen {
 }
 
 /// The request a vLLM proxy sends P for `body`.
-fn prefill_body(api: Api, body: &Value) -> Value {
+pub(crate) fn prefill_body(api: Api, body: &Value) -> Value {
     let mut p = body.clone();
     let o = p.as_object_mut().unwrap();
     match api {
@@ -340,7 +340,7 @@ fn streaming(api: Api, body: &Value) -> Value {
 }
 
 /// The value of a Prometheus sample (`name{labels}` exactly as printed), 0 when absent.
-async fn metric(node: &Node, sample: &str) -> f64 {
+pub(crate) async fn metric(node: &Node, sample: &str) -> f64 {
     let text = reqwest::get(format!("{}/metrics", node.http))
         .await
         .unwrap()
@@ -356,7 +356,7 @@ async fn metric(node: &Node, sample: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-async fn eventually(what: &str, mut check: impl AsyncFnMut() -> bool) {
+pub(crate) async fn eventually(what: &str, mut check: impl AsyncFnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while !check().await {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
@@ -568,7 +568,7 @@ async fn n_children_share_one_handoff_and_one_pull() {
 }
 
 /// D's recompute counter for `reason`.
-async fn recomputes(d: &Node, reason: &str) -> f64 {
+pub(crate) async fn recomputes(d: &Node, reason: &str) -> f64 {
     metric(d, &format!("pd_kv_recompute_total{{reason=\"{reason}\"}}")).await
 }
 

@@ -234,7 +234,8 @@ impl SseFormatter for ChatStream {
         let choice = match event {
             RequestEvent::Started { .. }
             | RequestEvent::AwaitingKv { .. }
-            | RequestEvent::KvReady(_) => None,
+            | RequestEvent::KvReady(_)
+            | RequestEvent::Retained(_) => None,
             RequestEvent::Token {
                 child,
                 token_id,

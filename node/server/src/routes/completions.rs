@@ -208,7 +208,8 @@ impl SseFormatter for CompletionStream {
         let chunk = match event {
             RequestEvent::Started { .. }
             | RequestEvent::AwaitingKv { .. }
-            | RequestEvent::KvReady(_) => None,
+            | RequestEvent::KvReady(_)
+            | RequestEvent::Retained(_) => None,
             RequestEvent::Token {
                 child,
                 token_id,

@@ -95,25 +95,13 @@ impl AppState {
             KvDirective::Produce { .. } if !role.produces() || self.disagg.advert.is_none() => {
                 return Err(refuse("do_remote_decode", "kv_producer"));
             }
-            KvDirective::Produce { .. } => {}
+            KvDirective::Produce { held, .. } => self.check_peers(held)?,
             KvDirective::Consume(_) | KvDirective::Incomplete { .. }
                 if !role.consumes() || self.disagg.loader.is_none() =>
             {
                 return Err(refuse("do_remote_prefill", "kv_consumer"));
             }
-            KvDirective::Consume(remotes) => {
-                // Refused before anything is contacted — not even to release the lease.
-                if let Some(loader) = &self.disagg.loader
-                    && let Some(refusal) = remotes
-                        .iter()
-                        .find_map(|r| loader.check_peer(&r.host, r.port).err())
-                {
-                    return Err(ApiError::InvalidRequest {
-                        message: refusal,
-                        param: Some(format!("{}.remote_host", kv_params::FIELD)),
-                    });
-                }
-            }
+            KvDirective::Consume(remotes) => self.check_peers(remotes)?,
             KvDirective::Incomplete { missing } => {
                 // As vLLM: no pull. Unlike vLLM: counted and logged.
                 self.disagg
@@ -133,6 +121,30 @@ impl AppState {
         })
     }
 
+    /// Refuses params naming a peer this node may not pull from, before anything is contacted
+    /// (not even to release the lease): `remote_host` comes from the client.
+    fn check_peers(&self, remotes: &[kv_params::RemotePrefill]) -> Result<(), ApiError> {
+        if remotes.is_empty() {
+            return Ok(());
+        }
+        let Some(loader) = &self.disagg.loader else {
+            return Err(ApiError::InvalidRequest {
+                message: "this node cannot pull KV: it was started without --kv-port".into(),
+                param: Some(kv_params::FIELD.into()),
+            });
+        };
+        match remotes
+            .iter()
+            .find_map(|r| loader.check_peer(&r.host, r.port).err())
+        {
+            Some(refusal) => Err(ApiError::InvalidRequest {
+                message: refusal,
+                param: Some(format!("{}.remote_host", kv_params::FIELD)),
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// The events of a submitted request (relayed through the pull task for a consumer), and
     /// the builder of its response's `kv_transfer_params`.
     pub(crate) fn events(
@@ -144,13 +156,17 @@ impl AppState {
     ) -> (Events, KvReply) {
         let reply = KvReply::new(self.disagg.advert.clone(), request_id, prompt);
         let events = match std::mem::replace(&mut plan.directive, KvDirective::None) {
-            KvDirective::Consume(remotes) => consume(
-                self.disagg.clone(),
-                self.engine.clone(),
-                stream,
-                remotes,
-                prompt.to_vec(),
-            ),
+            KvDirective::Consume(remotes) | KvDirective::Produce { held: remotes, .. }
+                if !remotes.is_empty() =>
+            {
+                consume(
+                    self.disagg.clone(),
+                    self.engine.clone(),
+                    stream,
+                    remotes,
+                    prompt.to_vec(),
+                )
+            }
             _ => Events::Engine(stream),
         };
         (events, reply)
@@ -170,7 +186,11 @@ impl KvPlan {
     /// The engine's part.
     pub(crate) fn transfer(&self) -> KvTransfer {
         match self.directive {
-            KvDirective::Produce { consumers } => KvTransfer::Produce { consumers },
+            KvDirective::Produce {
+                consumers,
+                ref held,
+            } if held.is_empty() => KvTransfer::Produce { consumers },
+            KvDirective::Produce { consumers, .. } => KvTransfer::PullThenProduce { consumers },
             KvDirective::Consume(_) => KvTransfer::Consume,
             KvDirective::None | KvDirective::Incomplete { .. } => KvTransfer::Local,
         }
@@ -179,7 +199,9 @@ impl KvPlan {
     /// Checks the params against the tokenized prompt: a mismatch is the caller's error (400
     /// naming the field), found before anything is read.
     pub(crate) fn check_prompt(&self, prompt: &[u32], block_size: usize) -> Result<(), ApiError> {
-        if let KvDirective::Consume(remotes) = &self.directive {
+        if let KvDirective::Consume(remotes) | KvDirective::Produce { held: remotes, .. } =
+            &self.directive
+        {
             for r in remotes {
                 check_prompt(r, prompt, block_size).map_err(|(field, message)| {
                     ApiError::InvalidRequest {
@@ -195,7 +217,9 @@ impl KvPlan {
 
 impl Drop for KvPlan {
     fn drop(&mut self) {
-        if let KvDirective::Consume(remotes) = &self.directive {
+        if let KvDirective::Consume(remotes) | KvDirective::Produce { held: remotes, .. } =
+            &self.directive
+        {
             release_all(&self.disagg, remotes);
         }
     }

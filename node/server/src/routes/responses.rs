@@ -247,7 +247,8 @@ impl SseFormatter for ResponseStream {
         match event {
             RequestEvent::Started { .. }
             | RequestEvent::AwaitingKv { .. }
-            | RequestEvent::KvReady(_) => {}
+            | RequestEvent::KvReady(_)
+            | RequestEvent::Retained(_) => {}
             RequestEvent::Token { text, .. } => self.delta(out, text),
             RequestEvent::Finished { reason, text, .. } => {
                 self.delta(out, text);

@@ -1,0 +1,162 @@
+//! Multi-turn conversations across nodes (issue 10, node side): a node started with
+//! `--kv-retain-after-decode` keeps a finished turn's KV under a retained lease and describes it
+//! in the final response's `kv_transfer_params`; the next turn's node pulls that prefix
+//! (reverse pull), checks it against its own prompt, and computes only the new tokens. Every
+//! turn's greedy output equals one standalone node's on the same full prompt, token for token.
+
+use serde_json::{Value, json};
+
+use crate::pd::{
+    Api, Node, Seen, consumer_with, eventually, metric, model, post, prefill_body, producer,
+    recomputes, seen, start,
+};
+
+const RETAIN: &[&str] = &["--kv-retain-after-decode", "30"];
+
+/// A completions request on token ids (so each turn's prompt is exactly the previous prompt,
+/// the previous answer, and new tokens), greedy, `max_tokens` long.
+fn turn(prompt: &[u64], max_tokens: usize) -> Value {
+    json!({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+           "ignore_eos": true, "return_token_ids": true})
+}
+
+/// The next user message of turn `k`: a few tokens of its own.
+fn user(k: u64) -> Vec<u64> {
+    (0..5).map(|i| 40 + (k * 7 + i * 3) % 50).collect()
+}
+
+/// A retained turn's params as a request to pull them and decode here (`whole` on a node).
+fn as_pull(retained: &Value) -> Value {
+    let mut p = retained.clone();
+    p["do_remote_prefill"] = json!(true);
+    p["do_remote_decode"] = json!(false);
+    p
+}
+
+fn held(params: &Value) -> u64 {
+    params["remote_num_tokens"]
+        .as_u64()
+        .expect("remote_num_tokens")
+}
+
+async fn retained_leases(node: &Node) -> f64 {
+    metric(node, "pd_node_kv_retained_total").await
+}
+
+/// Five turns, each placed differently, each equal to one node's output on the full prompt:
+/// 1. P→D1; D1 retains the turn.
+/// 2. Reverse pull then P→D: P pulls turn 1 from D1, computes only the new tokens, hands the
+///    whole prompt to D2.
+/// 3. Pull and decode on another node: D1 pulls turn 2 from D2.
+/// 4. On the holder: D1 again, with its own params; the blocks are in its prefix cache, no pull.
+/// 5. Params naming a lease the holder does not hold → recomputed, counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_turn_of_a_conversation_equals_one_node_wherever_it_is_placed() {
+    let dir = model("multi-turn");
+    let solo = start(&dir, &[]);
+    // Threshold 0: pull even a block or two (the default computes short prefixes locally).
+    let p = producer(&dir, &["--kv-recompute-threshold", "0"]);
+    let d1 = consumer_with(
+        &dir,
+        "recompute",
+        &[&["--engine-id", "d1"], RETAIN].concat(),
+    );
+    let d2 = consumer_with(
+        &dir,
+        "recompute",
+        &[&["--engine-id", "d2"], RETAIN].concat(),
+    );
+    let api = Api::Completions;
+    let path = api.path();
+    let mut prompt: Vec<u64> = (1..=11).collect();
+    let want = |prompt: Vec<u64>| {
+        let solo = &solo;
+        async move { seen(api, post(&solo.http, path, &turn(&prompt, 6)).await).await }
+    };
+    let next = |prompt: &mut Vec<u64>, answer: &Seen, k: u64| {
+        prompt.extend(&answer.tokens[0]);
+        prompt.extend(user(k));
+    };
+
+    // Turn 1: P → D1, which keeps the turn.
+    let body = turn(&prompt, 6);
+    let mut db = body.clone();
+    db["kv_transfer_params"] = seen(api, post(&p.http, path, &prefill_body(api, &body)).await)
+        .await
+        .kv
+        .unwrap();
+    let got = seen(api, post(&d1.http, path, &db).await).await;
+    assert_eq!(got.tokens, want(prompt.clone()).await.tokens, "turn 1");
+    let kept = got.kv.clone().expect("D1 describes the retained turn");
+    assert_eq!(kept["do_remote_decode"], true, "{kept}");
+    assert_eq!(kept["remote_engine_id"], "d1");
+    // Prompt 11 + 6 generated, the last without KV: 16 tokens computed, 4 whole blocks of 4.
+    assert_eq!(held(&kept), 16, "{kept}");
+    assert_eq!(retained_leases(&d1).await, 1.0);
+    next(&mut prompt, &got, 1);
+
+    // Turn 2: P pulls turn 1 back from D1, computes only the new tokens, then hands off to D2.
+    let body = turn(&prompt, 6);
+    let mut pb = prefill_body(api, &body);
+    pb["kv_transfer_params"] = kept.clone();
+    let at_p = seen(api, post(&p.http, path, &pb).await).await;
+    // P's own prefix cache has turn 1's prompt blocks; the rest of what D1 held is pulled.
+    assert_eq!(at_p.cached, Some(held(&kept)), "{at_p:?}");
+    assert!(at_p.pulled.is_some_and(|n| n > 0), "{at_p:?}");
+    let mut db = body.clone();
+    db["kv_transfer_params"] = at_p.kv.expect("P hands off");
+    let got = seen(api, post(&d2.http, path, &db).await).await;
+    assert_eq!(got.tokens, want(prompt.clone()).await.tokens, "turn 2");
+    eventually("D1's retained lease released by P's pull", async || {
+        metric(&d1, "pd_kv_leases_total{event=\"released\"}").await >= 1.0
+    })
+    .await;
+    let kept = got.kv.clone().expect("D2 retains turn 2");
+    assert_eq!(kept["remote_engine_id"], "d2");
+    next(&mut prompt, &got, 2);
+
+    // Turn 3: D1 pulls turn 2 from D2 and decodes (a whole request on a non-holder).
+    let mut body = turn(&prompt, 6);
+    body["kv_transfer_params"] = as_pull(&kept);
+    let got = seen(api, post(&d1.http, path, &body).await).await;
+    assert_eq!(got.tokens, want(prompt.clone()).await.tokens, "turn 3");
+    assert!(
+        got.pulled.is_some_and(|n| n > 0),
+        "D1 pulled turn 2's new blocks from D2: {got:?}"
+    );
+    let kept = got.kv.clone().expect("D1 retains turn 3");
+    assert_eq!(kept["remote_engine_id"], "d1");
+    next(&mut prompt, &got, 3);
+
+    // Turn 4: back on the holder with its own params: its prefix cache has every held block.
+    let mut body = turn(&prompt, 6);
+    body["kv_transfer_params"] = as_pull(&kept);
+    let got = seen(api, post(&d1.http, path, &body).await).await;
+    assert_eq!(got.tokens, want(prompt.clone()).await.tokens, "turn 4");
+    assert_eq!(
+        got.pulled.unwrap_or(0),
+        0,
+        "nothing to pull on the holder: {got:?}"
+    );
+    assert!(got.cached.unwrap() >= held(&kept), "{got:?}");
+    next(&mut prompt, &got, 4);
+
+    // Turn 5 on D2 (whose cache stops at turn 2), with D1's turn-3 params under a lease id D1
+    // never granted (what a client resending stale params carries): D2 reads, the confirm is
+    // refused, the prompt is recomputed, counted, still exact.
+    let mut stale = kept.clone();
+    stale["remote_lease_id"] = json!("0123456789abcdef0123456789abcdef");
+    let mut body = turn(&prompt, 6);
+    body["kv_transfer_params"] = as_pull(&stale);
+    let before = recomputes(&d2, "lease_expired").await;
+    let got = seen(api, post(&d2.http, path, &body).await).await;
+    assert_eq!(got.tokens, want(prompt.clone()).await.tokens, "turn 5");
+    assert_eq!(got.pulled.unwrap_or(0), 0, "{got:?}");
+    assert_eq!(recomputes(&d2, "lease_expired").await, before + 1.0);
+
+    // P holds nothing once its handoff was pulled.
+    eventually("P's leases all ended", async || {
+        metric(&p, "pd_kv_leases_live").await == 0.0
+    })
+    .await;
+}
