@@ -193,7 +193,8 @@ fn peer_matches(entry: &str, host: &str, port: u16) -> bool {
 #[derive(Debug)]
 pub struct Disagg {
     pub(crate) role: KvRole,
-    /// Set when the node produces: how proxies reach its side channel.
+    /// Set when the node has a side channel: how proxies and peers reach it (a prefill's
+    /// handoff, a retained turn).
     pub(crate) advert: Option<Advert>,
     pub(crate) loader: Option<Loader>,
     pub(crate) metrics: Arc<TransferMetrics>,
@@ -214,8 +215,8 @@ impl Disagg {
     }
 
     /// A node playing `role`, in its incarnation `epoch` (new at every start). A producer needs
-    /// `side_channel` (the host and port peers reach it at); a consumer needs a `puller` over
-    /// the engine's pool and `pull`.
+    /// `side_channel` (the host and port peers reach it at); pulling — a consumer's, or any
+    /// node's reverse pull of an earlier turn — needs a `puller` over the engine's pool.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         role: KvRole,
@@ -704,7 +705,14 @@ async fn relay(
                 loader.forget(&remote.side_channel(), &remote.engine_id);
             }
             let reason = e.reason();
-            match loader.cfg.policy.apply(e) {
+            // An earlier turn's KV (a prefix) only saves compute: without it the prompt is
+            // computed here whatever the failure policy, which is for a prefill's handoff.
+            let policy = if held < prompt.len() {
+                FailurePolicy::Recompute
+            } else {
+                loader.cfg.policy
+            };
+            match policy.apply(e) {
                 Ok(Fallback::Recompute) => {
                     disagg.metrics.recomputes.with_label_values(&[reason]).inc();
                     engine.remote_kv_ready(id, RemoteKv::Recompute);

@@ -61,11 +61,8 @@ async fn every_turn_of_a_conversation_equals_one_node_wherever_it_is_placed() {
         "recompute",
         &[&["--engine-id", "d1"], RETAIN].concat(),
     );
-    let d2 = consumer_with(
-        &dir,
-        "recompute",
-        &[&["--engine-id", "d2"], RETAIN].concat(),
-    );
+    // D2 fails a prefill's handoff it cannot pull; an earlier turn's KV is recomputed anyway.
+    let d2 = consumer_with(&dir, "fail", &[&["--engine-id", "d2"], RETAIN].concat());
     let api = Api::Completions;
     let path = api.path();
     let mut prompt: Vec<u64> = (1..=11).collect();
@@ -143,7 +140,8 @@ async fn every_turn_of_a_conversation_equals_one_node_wherever_it_is_placed() {
 
     // Turn 5 on D2 (whose cache stops at turn 2), with D1's turn-3 params under a lease id D1
     // never granted (what a client resending stale params carries): D2 reads, the confirm is
-    // refused, the prompt is recomputed, counted, still exact.
+    // refused, the prompt is recomputed (under D2's `fail` policy too: a prefix only saves
+    // compute), counted, still exact.
     let mut stale = kept.clone();
     stale["remote_lease_id"] = json!("0123456789abcdef0123456789abcdef");
     let mut body = turn(&prompt, 6);
