@@ -8,7 +8,7 @@ use serde_json::{Value, json};
 
 use crate::pd::{
     Api, Node, Seen, consumer_with, eventually, metric, model, post, prefill_body, producer,
-    recomputes, seen, start,
+    recomputes, seen, start, streaming,
 };
 
 const RETAIN: &[&str] = &["--kv-retain-after-decode", "30"];
@@ -157,4 +157,34 @@ async fn every_turn_of_a_conversation_equals_one_node_wherever_it_is_placed() {
         metric(&p, "pd_kv_leases_live").await == 0.0
     })
     .await;
+}
+
+/// Every API, whole and streamed, describes the retained turn in its final
+/// `kv_transfer_params` (chat / completions: the chunk finishing the choice; responses: the
+/// `response.completed` object); a node without `--kv-retain-after-decode` describes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_api_returns_the_retained_turn_whole_or_streamed() {
+    let dir = model("retain-apis");
+    let d = consumer_with(&dir, "fail", &[&["--engine-id", "d1"], RETAIN].concat());
+    let plain = consumer_with(&dir, "fail", &["--engine-id", "d2"]);
+    let text = "a conversation long enough to fill a few blocks";
+    for api in [Api::Completions, Api::Chat, Api::Responses] {
+        for body in [api.body(text, 6), streaming(api, &api.body(text, 6))] {
+            let got = seen(api, post(&d.http, api.path(), &body).await).await;
+            let kv = got.kv.unwrap_or_else(|| panic!("{api:?}: no params"));
+            assert_eq!(kv["do_remote_decode"], true, "{api:?} {kv}");
+            assert_eq!(kv["remote_engine_id"], "d1");
+            let held = kv["remote_num_tokens"].as_u64().unwrap();
+            let prompt = got.prompt.unwrap();
+            // Whole blocks of prompt + 6 generated, the last one without KV.
+            assert_eq!(held, (prompt + 5) / 4 * 4, "{api:?} {kv}");
+            assert_eq!(
+                kv["remote_block_ids"].as_array().unwrap().len() as u64,
+                held / 4
+            );
+            let got = seen(api, post(&plain.http, api.path(), &body).await).await;
+            assert_eq!(got.kv, None, "{api:?}: nothing retained");
+        }
+    }
+    assert_eq!(retained_leases(&d).await, 6.0);
 }

@@ -330,7 +330,7 @@ async fn through_pd(p: &Node, d: &Node, api: Api, body: &Value) -> Seen {
     seen(api, post(&d.http, api.path(), &db).await).await
 }
 
-fn streaming(api: Api, body: &Value) -> Value {
+pub(crate) fn streaming(api: Api, body: &Value) -> Value {
     let mut b = body.clone();
     b["stream"] = json!(true);
     if api != Api::Responses {
