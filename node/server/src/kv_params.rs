@@ -227,6 +227,22 @@ fn parse_one(v: &Value) -> Result<KvDirective, ApiError> {
                 .and_then(|d| std::time::UNIX_EPOCH.checked_add(d))
         }
     };
+    // Where the KV is and how to claim it, or the first field missing.
+    let remote = (|| {
+        Ok(RemotePrefill {
+            block_ids: block_ids.ok_or("remote_block_ids")?,
+            engine_id: engine_id.ok_or("remote_engine_id")?,
+            request_id: request_id.ok_or("remote_request_id")?,
+            host: host.ok_or("remote_host")?,
+            port: port.ok_or("remote_port")?,
+            lease: lease.ok_or("remote_lease_id")?,
+            generation: generation.ok_or("remote_lease_generation")?,
+            num_tokens,
+            prompt_hash,
+            expiry,
+            epoch,
+        })
+    })();
     if decode && prefill {
         return Err(ApiError::InvalidRequest {
             message: format!("{FIELD} cannot ask for both do_remote_decode and do_remote_prefill"),
@@ -249,64 +265,16 @@ fn parse_one(v: &Value) -> Result<KvDirective, ApiError> {
             },
         };
         // A retained turn to pull first: all of its fields, or none of it.
-        let held = match (&block_ids, &engine_id, &host, port, lease, generation) {
-            (Some(ids), Some(e), Some(h), Some(port), Some(lease), Some(generation)) => {
-                vec![RemotePrefill {
-                    block_ids: ids.clone(),
-                    engine_id: e.clone(),
-                    request_id: request_id.clone().unwrap_or_default(),
-                    host: h.clone(),
-                    port,
-                    lease,
-                    generation,
-                    num_tokens,
-                    prompt_hash,
-                    expiry,
-                    epoch,
-                }]
-            }
-            _ => Vec::new(),
-        };
+        let held = remote.ok().into_iter().collect();
         return Ok(KvDirective::Produce { consumers, held });
     }
     if !prefill {
         return Ok(KvDirective::None);
     }
-    let missing = |f: &'static str| KvDirective::Incomplete { missing: f };
-    let Some(block_ids) = block_ids else {
-        return Ok(missing("remote_block_ids"));
-    };
-    let Some(engine_id) = engine_id else {
-        return Ok(missing("remote_engine_id"));
-    };
-    let Some(request_id) = request_id else {
-        return Ok(missing("remote_request_id"));
-    };
-    let Some(host) = host else {
-        return Ok(missing("remote_host"));
-    };
-    let Some(port) = port else {
-        return Ok(missing("remote_port"));
-    };
-    let Some(lease) = lease else {
-        return Ok(missing("remote_lease_id"));
-    };
-    let Some(generation) = generation else {
-        return Ok(missing("remote_lease_generation"));
-    };
-    Ok(KvDirective::Consume(vec![RemotePrefill {
-        block_ids,
-        engine_id,
-        request_id,
-        host,
-        port,
-        lease,
-        generation,
-        num_tokens,
-        prompt_hash,
-        expiry,
-        epoch,
-    }]))
+    Ok(match remote {
+        Ok(r) => KvDirective::Consume(vec![r]),
+        Err(missing) => KvDirective::Incomplete { missing },
+    })
 }
 
 /// Parses a request's `kv_transfer_params` (absent, `null`, an object, or a list of objects).
