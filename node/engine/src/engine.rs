@@ -376,7 +376,7 @@ impl Engine {
         for b in freed {
             self.scheduler.allocator.free(b);
         }
-        let leases = self.leases.clone();
+        let leases = &self.leases;
         let parked = self
             .scheduler
             .park_pending(&mut || leases.revoke_oldest_retained());
@@ -513,7 +513,7 @@ impl Engine {
 
     /// One scheduling step and forward pass; false when nothing could be scheduled.
     fn step(&mut self) -> bool {
-        let leases = self.leases.clone();
+        let leases = &self.leases;
         let plan = self
             .scheduler
             .schedule_with(&mut || leases.revoke_oldest_retained());

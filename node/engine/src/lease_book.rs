@@ -170,10 +170,13 @@ impl LeaseBook {
         }
         let mut out = std::mem::take(&mut book.to_free);
         out.extend(expired.into_iter().flat_map(|l| l.blocks));
-        let Book {
-            table, retained, ..
-        } = &mut *book;
-        retained.retain(|id| table.contains(*id));
+        if !out.is_empty() {
+            // Something ended: forget ended retained leases (not on every loop turn).
+            let Book {
+                table, retained, ..
+            } = &mut *book;
+            retained.retain(|id| table.contains(*id));
+        }
         out
     }
 
