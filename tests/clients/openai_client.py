@@ -8,13 +8,19 @@ BASE_URL is the API root (http://127.0.0.1:PORT/v1). stdin is a JSON list of req
     {"api": "chat" | "completions" | "responses",
      "stream": bool, "n": int, "max_tokens": int, "temperature": float, "seed": int | null,
      "messages": [...] (chat), "prompt": str (completions), "input": str (responses),
-     "extra_body": {...}}   # optional, e.g. {"ignore_eos": true, "return_token_ids": true}
+     "extra_body": {...},   # optional, e.g. {"ignore_eos": true, "return_token_ids": true}
+     "continue": bool}      # optional: the next turn of the previous spec's conversation
 
 stdout is a JSON list with one result per spec, in order:
 
     {"texts": [str per choice], "token_ids": [[int] per choice] | null, "finish_reasons": [...],
      "usage": {... as the SDK parsed it}, "prompt_tokens": int, "cached_tokens": int | null,
-     "kv_pulled_tokens": int | null}
+     "kv_pulled_tokens": int | null, "response_id": str | null}
+
+A spec with `"continue": true` goes on from the spec before it, as an application keeps a
+conversation: on chat, its messages are sent after the previous spec's messages and the previous
+answer (an `assistant` message: the client resends the history); on responses, with
+`previous_response_id` set to the previous answer's id (the server keeps the history).
 
 `kv_pulled_tokens` and the choices' `token_ids` (vLLM's `return_token_ids` extension) are not
 fields the SDK knows: they are read from the parsed objects' `model_extra` (pydantic keeps
@@ -136,11 +142,13 @@ def completions(client, spec):
 def responses(client, spec):
     kwargs = sampling(spec)
     kwargs.update(input=spec["input"], max_output_tokens=spec["max_tokens"])
+    if spec.get("previous_response_id"):
+        kwargs["previous_response_id"] = spec["previous_response_id"]
     if spec.get("n", 1) != 1:
         raise ValueError("the Responses API has no n")
     if not spec.get("stream"):
         r = client.responses.create(**kwargs)
-        out = {"texts": [r.output_text], "token_ids": None, "finish_reasons": [r.status]}
+        out = {"texts": [r.output_text], "token_ids": None, "finish_reasons": [r.status], "response_id": r.id}
         out.update(usage_fields(r.usage, "input_tokens", "input_tokens_details"))
         return out
     text, final = "", None
@@ -155,7 +163,7 @@ def responses(client, spec):
         raise RuntimeError("the stream ended without response.completed")
     if final.output_text != text:
         raise RuntimeError(f"deltas {text!r} differ from the final output_text {final.output_text!r}")
-    out = {"texts": [text], "token_ids": None, "finish_reasons": [final.status]}
+    out = {"texts": [text], "token_ids": None, "finish_reasons": [final.status], "response_id": final.id}
     out.update(usage_fields(final.usage, "input_tokens", "input_tokens_details"))
     return out
 
@@ -167,7 +175,17 @@ def main():
     specs = json.load(sys.stdin)
     calls = {"chat": chat, "completions": completions, "responses": responses}
     results = []
+    sent_messages = None
     for i, spec in enumerate(specs):
+        if spec.get("continue"):
+            prev = results[-1]
+            if spec["api"] == "chat":
+                history = sent_messages + [{"role": "assistant", "content": prev["texts"][0]}]
+                spec = dict(spec, messages=history + spec["messages"])
+            elif spec["api"] == "responses":
+                spec = dict(spec, previous_response_id=prev["response_id"])
+        if spec["api"] == "chat":
+            sent_messages = spec["messages"]
         try:
             results.append(calls[spec["api"]](client, spec))
         except Exception as e:  # noqa: BLE001 - reported with the spec, then fail

@@ -3,6 +3,7 @@
 //! subject with `cargo test -p pd-cluster-tests --test cluster node_killed::`.
 
 mod client_abort;
+mod multi_turn;
 mod node_killed;
 mod openai_token_exact;
 mod policy_contained;

@@ -5,7 +5,7 @@
 //!    P/D request the gateway itself sent, D pulled the KV from the real P, and no node ever
 //!    names 10.0.0.1. A trusted client (`--trusted-client-token`) drives P/D itself.
 //! 2. OpenAI error objects: unknown model (404 `model_not_found`), malformed JSON (400),
-//!    `previous_response_id` (400), a wrong type (400 naming the field), a node's own 400
+//!    an unknown `previous_response_id` (404), a wrong type (400 naming the field), a node's own 400
 //!    passed through; and once the model's only decode node is gone, 503 (while an unknown
 //!    model stays 404).
 
@@ -255,11 +255,13 @@ async fn errors_are_openai_error_objects(c: &TestCluster) -> f64 {
     assert_eq!(e["type"], "invalid_request_error", "{}", a.body);
     client_errors += 1.0;
 
+    // A response id the gateway never stored: 404, OpenAI's code.
     let mut body = Api::Responses.body("hello", 4);
     body["previous_response_id"] = json!("resp_0123");
     let a = openai::send(&c.client, gw, Api::Responses, &body, None).await;
-    let e = assert_error_object(&a, 400);
+    let e = assert_error_object(&a, 404);
     assert_eq!(e["param"], "previous_response_id", "{}", a.body);
+    assert_eq!(e["code"], "previous_response_not_found", "{}", a.body);
     client_errors += 1.0;
 
     let mut body = Api::Completions.body("hello", 4);

@@ -89,6 +89,8 @@ pub struct NodeRef {
     pub conn: ConnId,
     /// Engine id (for logs and `host.node-name`).
     pub engine_id: Arc<str>,
+    /// Its incarnation (new at every process start).
+    pub epoch: u64,
     /// `host:port` of its OpenAI API.
     pub http_addr: Arc<str>,
 }
@@ -360,6 +362,7 @@ impl Cluster {
             nodes.push(NodeRef {
                 conn: n.conn,
                 engine_id: n.engine_id.clone(),
+                epoch: n.epoch,
                 http_addr: n.http_addr.clone(),
             });
             let held = hashes.iter().take_while(|h| n.hashes.contains(h)).count();

@@ -34,6 +34,9 @@ pub enum GatewayError {
     /// No node ever registered this model (404).
     #[error("The model `{0}` does not exist.")]
     ModelNotFound(String),
+    /// `previous_response_id` names no stored response (404).
+    #[error("{0}")]
+    PreviousResponseNotFound(String),
     /// No route for this path (404).
     #[error("Unknown request URL: {method} {path}. Please check the URL for typos.")]
     UnknownRoute {
@@ -97,6 +100,7 @@ impl GatewayError {
         match self {
             Self::InvalidRequest { .. }
             | Self::ModelNotFound(_)
+            | Self::PreviousResponseNotFound(_)
             | Self::UnknownRoute { .. }
             | Self::PayloadTooLarge { .. } => ErrorSource::Downstream,
             Self::NoCapacity { .. } | Self::Node { .. } | Self::BadGateway(_) => {
@@ -111,7 +115,9 @@ impl GatewayError {
     pub fn status(&self) -> u16 {
         match self {
             Self::InvalidRequest { .. } => 400,
-            Self::ModelNotFound(_) | Self::UnknownRoute { .. } => 404,
+            Self::ModelNotFound(_)
+            | Self::PreviousResponseNotFound(_)
+            | Self::UnknownRoute { .. } => 404,
             Self::PayloadTooLarge { .. } => 413,
             Self::NoCapacity { .. } | Self::PolicyFailed(_) => 503,
             Self::Rejected { status, .. } | Self::Node { status, .. } => *status,
@@ -146,6 +152,9 @@ impl GatewayError {
                 ("invalid_request_error", None)
             }
             Self::ModelNotFound(_) => ("invalid_request_error", Some("model_not_found")),
+            Self::PreviousResponseNotFound(_) => {
+                ("invalid_request_error", Some("previous_response_not_found"))
+            }
             Self::UnknownRoute { .. } => ("invalid_request_error", Some("unknown_url")),
             Self::Rejected { .. } => ("invalid_request_error", Some("policy_rejected")),
             Self::NoCapacity { .. } | Self::PolicyFailed(_) => {
@@ -156,6 +165,7 @@ impl GatewayError {
         };
         let param = match self {
             Self::InvalidRequest { param, .. } => param.clone(),
+            Self::PreviousResponseNotFound(_) => Some("previous_response_id".to_owned()),
             _ => None,
         };
         let body = json!({"error": {

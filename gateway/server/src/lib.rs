@@ -13,6 +13,10 @@
 //! - [`route`]: the policy call with its fallback.
 //! - [`spread`]: n>1 over several decode nodes: placing children, merging their answers.
 //! - [`lease`]: releasing P's leases nobody will pull.
+//! - [`conversation`]: what is kept between a conversation's turns: which node holds which
+//!   finished turn's KV (reverse pull), and `/v1/responses` turns for `previous_response_id`.
+//! - [`answer`]: what is read from a node's answer on its way out (a retained turn's params,
+//!   the response object), and what is removed from it for an untrusted client.
 //! - [`decision_log`]: sampled decisions (inputs and outputs) for `GET /admin/decisions`.
 //! - [`admin`]: the operator's API (policy push, rollback, dry-run, decisions, nodes).
 //! - [`cases`], [`replay`], [`template`]: the policy author's tools (`pd-gateway policy test`,
@@ -25,8 +29,10 @@
 #![deny(unused_must_use)]
 
 pub mod admin;
+pub mod answer;
 pub mod cases;
 pub mod cluster;
+pub mod conversation;
 pub mod decision_log;
 pub mod error;
 pub mod lease;

@@ -21,6 +21,7 @@ use clap::{Args, Parser, Subcommand};
 use pd_gateway::admin::{self, Admin};
 use pd_gateway::cases;
 use pd_gateway::cluster::Cluster;
+use pd_gateway::conversation::{Holdings, ResponseStore};
 use pd_gateway::decision_log::{DecisionLog, DecisionLogConfig};
 use pd_gateway::lease::LeaseReleaser;
 use pd_gateway::metrics::Metrics;
@@ -134,6 +135,18 @@ struct ServeArgs {
     /// Worker threads of the HTTP server.
     #[arg(long, default_value_t = 2)]
     threads: usize,
+    /// Retained conversation turns (nodes' `--kv-retain-after-decode`) the gateway indexes at
+    /// most; the oldest go first (their leases then just expire on the node).
+    #[arg(long, default_value_t = 65_536)]
+    conversation_holdings: usize,
+    /// Bytes of `/v1/responses` turns kept for `previous_response_id` (least recently used go
+    /// first), MiB.
+    #[arg(long, default_value_t = 256)]
+    responses_store_mib: usize,
+    /// How long a `/v1/responses` turn is kept for `previous_response_id`, seconds. Keep it at
+    /// least as long as the nodes' `--kv-retain-after-decode`.
+    #[arg(long, default_value_t = 3600)]
+    responses_ttl_secs: u64,
 }
 
 #[derive(Args, Debug)]
@@ -441,6 +454,11 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         metrics: metrics.clone(),
         http,
         leases: LeaseReleaser::new(metrics.clone(), &cluster_token),
+        holdings: Arc::new(Holdings::new(args.conversation_holdings)),
+        responses: Arc::new(ResponseStore::new(
+            args.responses_store_mib << 20,
+            Duration::from_secs(args.responses_ttl_secs),
+        )),
         config: ProxyConfig {
             max_body: args.max_body,
             trusted_client_token: args.trusted_client_token.clone(),

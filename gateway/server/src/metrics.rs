@@ -2,8 +2,8 @@
 //! `GET /metrics`.
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 /// Every metric the gateway exports.
@@ -46,6 +46,26 @@ pub struct Metrics {
     pub leases_released: IntCounterVec,
     /// Requests whose `n` children were spread over this many decode requests, by `groups`.
     pub spread: IntCounterVec,
+    /// Requests whose prompt continues a retained turn, by `how` the turn's KV was used:
+    /// `prefill_pulls` (P pulled it, then P→D), `holder` (a whole request on the node holding
+    /// it), `decode_pulls` (a whole request on another node, which pulled it), `partial` (asked
+    /// for, but the prompt continues only the turn's prompt, not its answer as the model wrote
+    /// it: a lease is pulled whole, so the history is recomputed), `not_used` (the policy did not
+    /// ask for it: recomputed or served from a prefix cache).
+    pub reverse_pulls: IntCounterVec,
+    /// Finished turns a node kept under a retained lease, indexed for the next turn.
+    pub retained_turns: IntCounter,
+    /// Node answers whose retained-turn `kv_transfer_params` were removed before the client
+    /// (untrusted client).
+    pub retained_params_hidden: IntCounter,
+    /// Retained leases the gateway released because a later turn superseded them.
+    pub retained_released: IntCounter,
+    /// Retained turns indexed now.
+    pub conversation_holdings: IntGauge,
+    /// Bytes of `/v1/responses` turns kept for `previous_response_id`.
+    pub responses_stored_bytes: IntGauge,
+    /// `/v1/responses` turns dropped to stay within the store's bytes.
+    pub responses_evicted: IntCounter,
 }
 
 const LATENCY_BUCKETS: &[f64] = &[
@@ -178,6 +198,43 @@ impl Metrics {
                 "pd_gateway_decode_spread_total",
                 "Split requests whose children went to more than one decode request, by how many.",
                 &["groups"],
+            ),
+            reverse_pulls: counters(
+                "pd_gateway_reverse_pulls_total",
+                "Requests continuing a retained turn, by how its KV was used.",
+                &["how"],
+            ),
+            retained_turns: counter(
+                "pd_gateway_retained_turns_total",
+                "Finished turns a node kept under a retained lease, indexed for the next turn.",
+            ),
+            retained_params_hidden: counter(
+                "pd_gateway_retained_params_hidden_total",
+                "Node answers whose retained-turn kv_transfer_params were removed (untrusted client).",
+            ),
+            retained_released: counter(
+                "pd_gateway_retained_leases_released_total",
+                "Retained leases released because a later turn superseded them.",
+            ),
+            conversation_holdings: reg(
+                &registry,
+                IntGauge::with_opts(Opts::new(
+                    "pd_gateway_conversation_holdings",
+                    "Retained turns indexed now.",
+                ))
+                .expect("valid metric"),
+            ),
+            responses_stored_bytes: reg(
+                &registry,
+                IntGauge::with_opts(Opts::new(
+                    "pd_gateway_responses_stored_bytes",
+                    "Bytes of /v1/responses turns kept for previous_response_id.",
+                ))
+                .expect("valid metric"),
+            ),
+            responses_evicted: counter(
+                "pd_gateway_responses_evicted_total",
+                "/v1/responses turns dropped to stay within the store's bytes.",
             ),
             registry,
         }

@@ -55,7 +55,7 @@ pub struct Analyzed {
     pub max_tokens: Option<u32>,
     /// SSE asked for.
     pub stream: bool,
-    /// `user`, or the `x-session-id` header.
+    /// `previous_response_id`, else `user`, else the `x-session-id` header.
     pub conversation_key: Option<String>,
     /// The prompt, to render and tokenize.
     pub prompt: PromptKind,
@@ -87,8 +87,8 @@ fn opt_u32(body: &Map<String, Value>, key: &'static str) -> Result<Option<u32>, 
 /// pass through unchanged).
 ///
 /// # Errors
-/// A 400 naming the field: no `model`, a prompt of the wrong shape, `previous_response_id`
-/// (not served until the gateway keeps conversations).
+/// A 400 naming the field: no `model`, a prompt of the wrong shape. (`previous_response_id` is
+/// resolved before this, by the proxy: here it is only the conversation key.)
 pub fn analyze(
     api: Api,
     body: &Map<String, Value>,
@@ -119,17 +119,9 @@ pub fn analyze(
         Api::Completions => opt_u32(body, "max_tokens")?,
         Api::Responses => opt_u32(body, "max_output_tokens")?,
     };
-    if let Some(v) = body.get("previous_response_id").filter(|v| !v.is_null()) {
-        return Err(bad(
-            "previous_response_id",
-            format!(
-                "previous_response_id ({v}) is not supported yet: send the whole conversation in `input`"
-            ),
-        ));
-    }
-    let conversation_key = body
-        .get("user")
-        .and_then(Value::as_str)
+    let conversation_key = ["previous_response_id", "user"]
+        .iter()
+        .find_map(|k| body.get(*k).and_then(Value::as_str))
         .map(str::to_owned)
         .or_else(|| session_header.map(str::to_owned));
     let prompt = match api {
@@ -203,7 +195,7 @@ impl From<prompt::PromptError> for GatewayError {
 /// lease of its own; `num_consumers` is sent only when more than one, so a vLLM prefill node
 /// sees its own protocol).
 pub fn prefill_body(api: Api, body: &Map<String, Value>, consumers: u32) -> Map<String, Value> {
-    let (set, drop) = prefill_patch(api, consumers);
+    let (set, drop) = prefill_patch(api, consumers, None);
     let mut p = body.clone();
     for key in drop {
         p.remove(*key);
@@ -214,7 +206,9 @@ pub fn prefill_body(api: Api, body: &Map<String, Value>, consumers: u32) -> Map<
     p
 }
 
-/// [`prefill_body`], serialized straight from the client's body (no copy of its map).
+/// [`prefill_body`], serialized straight from the client's body (no copy of its map). With
+/// `held` (a retained turn's params, `Holding::for_prefill`), P is asked to pull that earlier
+/// turn's KV first (reverse pull), then hand the whole prompt off as usual.
 ///
 /// # Errors
 /// Serializing failed (a number serde_json cannot write).
@@ -222,8 +216,9 @@ pub fn prefill_bytes(
     api: Api,
     body: &Map<String, Value>,
     consumers: u32,
+    held: Option<Value>,
 ) -> Result<Vec<u8>, serde_json::Error> {
-    let (set, drop) = prefill_patch(api, consumers);
+    let (set, drop) = prefill_patch(api, consumers, held);
     serde_json::to_vec(&Patched {
         body,
         set: &set,
@@ -235,6 +230,7 @@ pub fn prefill_bytes(
 fn prefill_patch(
     api: Api,
     consumers: u32,
+    held: Option<Value>,
 ) -> (Vec<(&'static str, Value)>, &'static [&'static str]) {
     let mut set: Vec<(&'static str, Value)> = match api {
         Api::ChatCompletions => vec![
@@ -259,7 +255,7 @@ fn prefill_patch(
     {
         o.insert("num_consumers".into(), json!(consumers));
     }
-    set.push((KV_FIELD, kv));
+    set.push((KV_FIELD, held.unwrap_or(kv)));
     (set, &["stream_options"])
 }
 
@@ -397,11 +393,11 @@ mod tests {
         let body = obj(json!({"model": "m", "prompt": "x", "stream": "yes"}));
         let e = analyze(Api::Completions, &body, None).unwrap_err();
         assert_eq!(e.status(), 400);
-        let body = obj(json!({"model": "m", "input": "x", "previous_response_id": "r1"}));
-        let e = analyze(Api::Responses, &body, None).unwrap_err();
-        assert!(
-            matches!(e, GatewayError::InvalidRequest { param: Some(p), .. } if p == "previous_response_id")
-        );
+        // `previous_response_id` names the conversation before `user` and the header.
+        let body =
+            obj(json!({"model": "m", "input": "x", "previous_response_id": "r1", "user": "u"}));
+        let a = analyze(Api::Responses, &body, Some("s")).unwrap();
+        assert_eq!(a.conversation_key.as_deref(), Some("r1"));
         let e = analyze(Api::Completions, &obj(json!({"prompt": "x"})), None).unwrap_err();
         assert!(matches!(e, GatewayError::InvalidRequest { param: Some(p), .. } if p == "model"));
         // `cache_salt` is kept for hashing; anything but a non-empty string is a 400.
@@ -439,7 +435,7 @@ mod tests {
         );
         for api in [Api::ChatCompletions, Api::Completions, Api::Responses] {
             for consumers in [1, 2] {
-                let bytes = prefill_bytes(api, &body, consumers).unwrap();
+                let bytes = prefill_bytes(api, &body, consumers, None).unwrap();
                 let parsed: Map<String, Value> = serde_json::from_slice(&bytes).unwrap();
                 assert_eq!(
                     parsed,

@@ -16,18 +16,27 @@
 //!    n>1 spread over several decode nodes, [`Gateway::spread`] sends one request per group at
 //!    once, each with its own lease of P's ([`crate::spread`]).
 //! 5. [`Gateway::relay`]: D's status, headers and body, chunk by chunk, to the client (merged
-//!    from several, for spread children).
+//!    from several, for spread children). On the way out ([`crate::answer`]) a retained turn's
+//!    `kv_transfer_params` are taken into the conversation index (and removed for an untrusted
+//!    client), and a `/v1/responses` answer is kept for `previous_response_id`
+//!    ([`Gateway::remember`]).
+//!
+//! Multi-turn: [`Gateway::prepare`] rebuilds a `previous_response_id` request from the stored
+//! turns, looks the prompt's block hashes up in the conversation index, and shows the policy
+//! which node holds the earlier turn (`conversation-tokens`); a decision with `reverse-pull`
+//! from that node makes P pull it first (split), or the `whole` node pull it (or, on the holder
+//! itself, find it in its prefix cache).
 //!
 //! A client that leaves while P or D works is noticed (the downstream connection closes):
 //! D's connection is dropped (the node aborts the request) and P's lease is released at once
 //! over P's KV side channel, so nothing waits for the lease to expire.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use pd_policy::{Api, Request, Route, Split};
+use pd_policy::{Api, Request, ReversePull, Route, Split};
 use pd_tokenize::Tokenizer;
 use pd_tokenize::prompt::PromptKind;
 use pingora::http::ResponseHeader;
@@ -35,7 +44,9 @@ use pingora::prelude::{HttpPeer, ProxyHttp, Session};
 use serde_json::{Map, Value, json};
 use tracing::{debug, warn};
 
+use crate::answer::{Capture, Captured, SseCapture};
 use crate::cluster::{Cluster, Snapshot};
+use crate::conversation::{self, Holding, Holdings, ResponseStore};
 use crate::error::GatewayError;
 use crate::lease::LeaseReleaser;
 use crate::metrics::Metrics;
@@ -68,6 +79,10 @@ pub struct Shared {
     pub http: reqwest::Client,
     /// Releases P's leases nobody will pull.
     pub leases: LeaseReleaser,
+    /// Which node holds which finished turn's KV.
+    pub holdings: Arc<Holdings>,
+    /// `/v1/responses` turns, for `previous_response_id`.
+    pub responses: Arc<ResponseStore>,
     /// Settings.
     pub config: ProxyConfig,
 }
@@ -135,8 +150,41 @@ struct Prepared {
     analyzed: Analyzed,
     snapshot: Snapshot,
     route: Route,
+    /// The policy's ask to move an earlier turn's KV.
+    reverse_pull: Option<ReversePull>,
     /// A trusted client's own `kv_transfer_params`: forwarded untouched to one node.
     client_params: Option<Value>,
+    /// The client may see `kv_transfer_params` in answers.
+    trusted: bool,
+    /// The retained turn this prompt continues, when a live node holds one.
+    held: Option<Held>,
+    /// A `/v1/responses` request: what to store with its answer.
+    turn: Option<ResponsesTurn>,
+    /// The prompt's last whole block's chain hash and the tokens up to it: the partial key of
+    /// the turn a node may keep from this request.
+    prompt_key: Option<(u64, u32)>,
+}
+
+/// A retained turn a request's prompt continues.
+#[derive(Debug)]
+struct Held {
+    /// The holder's index in the view.
+    index: u32,
+    /// The prompt continues every block held: the turn can be pulled. Otherwise (a resent
+    /// history that re-encodes differently) only the holder's prefix cache serves it.
+    exact: bool,
+    holding: Holding,
+}
+
+/// A `/v1/responses` request, as it will be stored once answered.
+#[derive(Debug)]
+struct ResponsesTurn {
+    /// `previous_response_id`.
+    parent: Option<String>,
+    /// This turn's own input items.
+    input: Vec<Value>,
+    /// `store` (default true).
+    store: bool,
 }
 
 /// Why a node was not used.
@@ -329,18 +377,68 @@ impl Gateway {
             analyzed,
             snapshot,
             route,
+            reverse_pull,
             client_params,
+            trusted,
+            held,
+            turn,
+            prompt_key,
         } = p;
         let path = api_path(api);
-        match route {
+        // The earlier turn is moved only when the policy asks for it, from the node holding it,
+        // it is worth the policy's threshold, and the prompt continues all of it (a lease is
+        // pulled whole).
+        let asked = match (&held, &reverse_pull) {
+            (Some(h), Some(rp)) => rp.from == h.index && h.holding.tokens >= rp.min_tokens,
+            _ => false,
+        };
+        let pull = held
+            .as_ref()
+            .filter(|h| asked && h.exact)
+            .map(|h| &h.holding);
+        let capture = Capture {
+            api,
+            hide_params: !trusted,
+            want_response: turn.as_ref().is_some_and(|t| t.store),
+        };
+        let mut captured = Captured::default();
+        let outcome = match route {
             Route::Reject(r) => Err(GatewayError::Rejected {
                 status: r.status,
                 message: r.message,
             }),
             Route::Whole(candidates) => {
-                let bytes = Bytes::from(serde_json::to_vec(&body).map_err(internal)?);
-                self.whole(session, t, path, &snapshot, &candidates, bytes, "whole")
-                    .await
+                let bytes = match pull {
+                    // On the holder nothing moves (its prefix cache has the blocks, and it
+                    // releases its own lease); any other node pulls the turn, then decodes.
+                    Some(h) => openai::decode_bytes(&body, h.as_pull()),
+                    None => serde_json::to_vec(&body),
+                };
+                let bytes = Bytes::from(bytes.map_err(internal)?);
+                if let Some(h) = &held
+                    && asked
+                {
+                    let how = if candidates.first() == Some(&h.index) {
+                        // Pulled or not, the holder serves the history from its prefix cache.
+                        "holder"
+                    } else if pull.is_some() {
+                        "decode_pulls"
+                    } else {
+                        "partial"
+                    };
+                    self.count_reverse_pull(how);
+                }
+                self.whole(
+                    session,
+                    t,
+                    path,
+                    &snapshot,
+                    &candidates,
+                    bytes,
+                    "whole",
+                    (capture, &mut captured),
+                )
+                .await
             }
             Route::Split(split) => {
                 if let Some(params) = client_params {
@@ -353,13 +451,168 @@ impl Gateway {
                         };
                     let bytes = Bytes::from(serde_json::to_vec(&body).map_err(internal)?);
                     return self
-                        .whole(session, t, path, &snapshot, &candidates, bytes, "trusted")
+                        .whole(
+                            session,
+                            t,
+                            path,
+                            &snapshot,
+                            &candidates,
+                            bytes,
+                            "trusted",
+                            (capture, &mut captured),
+                        )
                         .await;
                 }
-                self.split(session, t, path, &body, &analyzed, &snapshot, &split)
-                    .await
+                if pull.is_some() {
+                    self.count_reverse_pull("prefill_pulls");
+                } else if asked {
+                    self.count_reverse_pull("partial");
+                }
+                self.split(
+                    session,
+                    t,
+                    path,
+                    &body,
+                    &analyzed,
+                    &snapshot,
+                    &split,
+                    pull,
+                    (capture, &mut captured),
+                )
+                .await
+            }
+        };
+        if held.is_some() && !asked {
+            self.count_reverse_pull("not_used");
+        }
+        let used = pull.is_some();
+        if matches!(outcome, Ok(Outcome::Ok)) {
+            self.remember(held, used, captured, turn, prompt_key);
+        } else if let Some(h) = held.filter(|_| used) {
+            // Pulled or not, that lease may be gone now: do not offer it again.
+            self.0.holdings.remove(h.holding.last_hash);
+        }
+        outcome
+    }
+
+    fn count_reverse_pull(&self, how: &'static str) {
+        self.0.metrics.reverse_pulls.with_label_values(&[how]).inc();
+    }
+
+    /// After a served turn: index the turn the node kept (if it did), retire the earlier turn
+    /// it continued, and store a `/v1/responses` answer for `previous_response_id`.
+    fn remember(
+        &self,
+        held: Option<Held>,
+        used: bool,
+        captured: Captured,
+        turn: Option<ResponsesTurn>,
+        prompt_key: Option<(u64, u32)>,
+    ) {
+        let s = self.shared();
+        let m = &s.metrics;
+        if captured.hidden {
+            m.retained_params_hidden.inc();
+        }
+        let kept = captured
+            .params
+            .as_ref()
+            .and_then(Holding::from_params)
+            .map(|mut k| {
+                k.prompt_key = prompt_key;
+                k
+            });
+        if let Some(h) = held
+            && (used || kept.is_some())
+        {
+            // The earlier turn was pulled (its lease ended there) or this turn supersedes it: its
+            // blocks are a prefix of the new holding's. Release a lease nobody pulled.
+            s.holdings.remove(h.holding.last_hash);
+            if !used {
+                self.release(Some(&h.holding.params), "superseded");
             }
         }
+        if let Some(k) = kept {
+            m.retained_turns.inc();
+            s.holdings.insert(k);
+        }
+        m.conversation_holdings.set(s.holdings.len() as i64);
+        if let (Some(turn), Some(response)) = (turn, captured.response)
+            && turn.store
+            && let Some(id) = response.get("id").and_then(Value::as_str)
+        {
+            let evicted = s.responses.put(
+                id,
+                turn.parent.as_deref(),
+                turn.input,
+                conversation::output_items(&response),
+            );
+            m.responses_evicted.inc_by(evicted);
+            m.responses_stored_bytes.set(s.responses.usage().0 as i64);
+        }
+    }
+
+    /// A `/v1/responses` request: what to store with its answer; with `previous_response_id`,
+    /// its `input` becomes the stored conversation followed by the new items (the field itself
+    /// is removed: the nodes keep no conversations).
+    fn responses_turn(&self, body: &mut Map<String, Value>) -> Result<ResponsesTurn, GatewayError> {
+        let store = !matches!(body.get("store"), Some(Value::Bool(false)));
+        let input = body
+            .get("input")
+            .map(conversation::input_items)
+            .unwrap_or_default();
+        let parent = match body.remove("previous_response_id") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(id)) => Some(id),
+            Some(v) => {
+                return Err(GatewayError::invalid(
+                    "previous_response_id",
+                    format!("previous_response_id must be a string, got {v}"),
+                ));
+            }
+        };
+        if let Some(id) = &parent {
+            let mut items = self
+                .0
+                .responses
+                .history(id)
+                .map_err(|e| GatewayError::PreviousResponseNotFound(e.to_string()))?;
+            items.extend(input.iter().cloned());
+            body.insert("input".into(), Value::Array(items));
+        }
+        Ok(ResponsesTurn {
+            parent,
+            input,
+            store,
+        })
+    }
+
+    /// The retained turn `hashes` (a prompt's block hashes) continues, if its holder is live and
+    /// has not restarted since; shown to the policy on the holder's node
+    /// (`conversation-tokens`, `conversation-expiry-ms`).
+    fn held(&self, hashes: &[u64], snapshot: &mut Snapshot) -> Option<Held> {
+        let now = SystemTime::now();
+        let found = self.0.holdings.longest(hashes, now)?;
+        debug!(holder = %found.holding.engine_id, tokens = found.tokens, exact = found.exact, "the prompt continues a retained turn");
+        let holding = found.holding;
+        // Not live now: it may come back (a reconnect); the lease expires on its own.
+        let index = snapshot
+            .nodes
+            .iter()
+            .position(|n| n.engine_id == holding.engine_id)?;
+        if holding.epoch != 0 && snapshot.nodes[index].epoch != holding.epoch {
+            // Restarted: whatever it held is gone.
+            self.0.holdings.remove(holding.last_hash);
+            return None;
+        }
+        let node = &mut snapshot.view.nodes[index];
+        node.conversation_tokens = found.tokens;
+        node.conversation_expiry_ms = holding.expiry_ms(now);
+        Some(Held {
+            index: u32::try_from(index).ok()?,
+            exact: found.exact,
+            holding,
+        })
     }
 
     /// Phase 1: everything before the first node is called.
@@ -383,8 +636,9 @@ impl Gateway {
                 });
             }
         };
+        let trusted = self.trusted(session);
         let mut client_params = body.get(KV_FIELD).filter(|v| !v.is_null()).cloned();
-        if client_params.is_some() && !self.trusted(session) {
+        if client_params.is_some() && !trusted {
             body.remove(KV_FIELD);
             client_params = None;
             s.metrics.kv_params_stripped.inc();
@@ -404,7 +658,14 @@ impl Gateway {
         {
             return Err(GatewayError::ModelNotFound(model.clone()));
         }
-        let analyzed = openai::analyze(api, &body, session_key.as_deref())?;
+        let turn = match api {
+            Api::Responses => Some(self.responses_turn(&mut body)?),
+            _ => None,
+        };
+        let mut analyzed = openai::analyze(api, &body, session_key.as_deref())?;
+        if let Some(parent) = turn.as_ref().and_then(|t| t.parent.clone()) {
+            analyzed.conversation_key = Some(parent);
+        }
         let (tokenizer, block_size) = s
             .cluster
             .model(&analyzed.model)
@@ -428,13 +689,21 @@ impl Gateway {
                 .map(|h| h.0)
                 .collect();
         clock.lap("tokenize");
-        let snapshot = s.cluster.snapshot(&analyzed.model, &hashes);
+        let prompt_key = hashes.last().map(|&h| {
+            let tokens = u32::try_from(hashes.len()).unwrap_or(u32::MAX);
+            (h, tokens.saturating_mul(block_size))
+        });
+        let mut snapshot = s.cluster.snapshot(&analyzed.model, &hashes);
         if snapshot.view.nodes.is_empty() {
             return Err(GatewayError::NoCapacity {
                 model: analyzed.model.clone(),
                 why: "no node of this model is live".into(),
             });
         }
+        let held = match client_params {
+            None => self.held(&hashes, &mut snapshot),
+            Some(_) => None,
+        };
         let request = Request {
             seq: s.router.next_seq(),
             api,
@@ -480,7 +749,12 @@ impl Gateway {
             analyzed,
             snapshot,
             route: decided.decision.route,
+            reverse_pull: decided.decision.reverse_pull,
             client_params,
+            trusted,
+            held,
+            turn,
+            prompt_key,
         })
     }
 
@@ -518,7 +792,8 @@ impl Gateway {
     }
 
     /// Phase 2 (and 4, for D): one node serves the request, the first of `candidates` that
-    /// answers; failover before any byte reaches the client. `stage` labels failovers.
+    /// answers; failover before any byte reaches the client. `stage` labels failovers; what
+    /// `capture` asks for is taken from the answer.
     #[allow(clippy::too_many_arguments)]
     async fn whole(
         &self,
@@ -529,6 +804,7 @@ impl Gateway {
         candidates: &[u32],
         body: Bytes,
         stage: &'static str,
+        capture: (Capture, &mut Captured),
     ) -> Result<Outcome, GatewayError> {
         let mut why = Vec::new();
         for &i in candidates {
@@ -539,7 +815,7 @@ impl Gateway {
                 .send(session, t, &node.http_addr, path, body.clone())
                 .await
             {
-                Ok(resp) => return self.relay(session, t, resp).await,
+                Ok(resp) => return self.relay(session, t, resp, capture).await,
                 Err(Failed::Gone) => return Ok(Outcome::Aborted),
                 Err(Failed::Next(e)) => {
                     warn!(node = %node.engine_id, stage, "failing over: {e}");
@@ -566,6 +842,8 @@ impl Gateway {
         analyzed: &Analyzed,
         snapshot: &Snapshot,
         split: &Split,
+        pull: Option<&Holding>,
+        capture: (Capture, &mut Captured),
     ) -> Result<Outcome, GatewayError> {
         let groups = spread::plan(&split.decode, analyzed.n);
         let consumers = match groups.len() {
@@ -582,6 +860,7 @@ impl Gateway {
                 snapshot,
                 &split.prefill,
                 consumers,
+                pull,
             )
             .await?
         else {
@@ -610,7 +889,16 @@ impl Gateway {
         let d_body = Bytes::from(openai::decode_bytes(body, first.clone()).map_err(internal)?);
         // Phase 4: D pulls and decodes; failover while nothing reached the client.
         let outcome = self
-            .whole(session, t, path, snapshot, &candidates, d_body, "decode")
+            .whole(
+                session,
+                t,
+                path,
+                snapshot,
+                &candidates,
+                d_body,
+                "decode",
+                capture,
+            )
             .await;
         match &outcome {
             Ok(Outcome::Ok) => {}
@@ -859,9 +1147,12 @@ impl Gateway {
         snapshot: &Snapshot,
         candidates: &[u32],
         consumers: u32,
+        pull: Option<&Holding>,
     ) -> Result<Option<Vec<Value>>, GatewayError> {
-        let p_body =
-            Bytes::from(openai::prefill_bytes(analyzed.api, body, consumers).map_err(internal)?);
+        let held = pull.map(|h| h.for_prefill(consumers));
+        let p_body = Bytes::from(
+            openai::prefill_bytes(analyzed.api, body, consumers, held).map_err(internal)?,
+        );
         let mut why = Vec::new();
         for &i in candidates {
             let Some(node) = snapshot.nodes.get(i as usize) else {
@@ -941,12 +1232,15 @@ impl Gateway {
         })
     }
 
-    /// Phase 5: the node's answer to the client as it arrives.
+    /// Phase 5: the node's answer to the client as it arrives. A whole (not streamed) answer is
+    /// read first when it succeeded, so that what `capture` takes out of it is gone from what
+    /// the client gets; a stream passes event by event.
     async fn relay(
         &self,
         session: &mut Session,
         t: &mut Timing,
         mut resp: reqwest::Response,
+        (capture, captured): (Capture, &mut Captured),
     ) -> Result<Outcome, GatewayError> {
         let status = resp.status().as_u16();
         let content_type = resp
@@ -955,6 +1249,21 @@ impl Gateway {
             .and_then(|v| v.to_str().ok())
             .unwrap_or("application/json")
             .to_owned();
+        let streamed = content_type.starts_with("text/event-stream");
+        if status == 200 && !streamed {
+            let body = match t.wait(resp.bytes()).await {
+                Ok(b) => b,
+                Err(e) => return Err(GatewayError::BadGateway(format!("node answer broke: {e}"))),
+            };
+            let body = match capture.json(&body, captured) {
+                Some(changed) => Bytes::from(changed),
+                None => body,
+            };
+            t.first_byte.get_or_insert_with(Instant::now);
+            respond(session, status, &content_type, body).await;
+            return Ok(Outcome::Ok);
+        }
+        let mut sse = (status == 200).then(|| SseCapture::new(capture));
         let len = resp.content_length().and_then(|l| usize::try_from(l).ok());
         if session
             .write_response_header(header(status, &content_type, len), false)
@@ -979,6 +1288,13 @@ impl Gateway {
             };
             match chunk {
                 Ok(Some(bytes)) => {
+                    let bytes = match &mut sse {
+                        Some(sse) => sse.feed(bytes),
+                        None => bytes,
+                    };
+                    if bytes.is_empty() {
+                        continue;
+                    }
                     t.first_byte.get_or_insert_with(Instant::now);
                     if session
                         .write_response_body(Some(bytes), false)
@@ -998,6 +1314,18 @@ impl Gateway {
             }
         }
         t.first_byte.get_or_insert_with(Instant::now);
+        if let Some(mut sse) = sse {
+            let tail = sse.finish();
+            if !tail.is_empty()
+                && session
+                    .write_response_body(Some(tail), false)
+                    .await
+                    .is_err()
+            {
+                return Ok(Outcome::Aborted);
+            }
+            *captured = sse.captured;
+        }
         let _ = session.write_response_body(None, true).await;
         Ok(Outcome::Ok)
     }

@@ -645,6 +645,7 @@ impl Engine {
                             deadline: to_system_time(lease.deadline),
                             block_ids: lease.blocks,
                             num_tokens,
+                            last_block_hash: None,
                         }));
                     }
                 }
@@ -840,6 +841,16 @@ impl Engine {
                 let blocks = seq.blocks[..full].to_vec();
                 let num_tokens = full * self.info.block_size;
                 let contents = pd_kv_pool::LeaseContents::of(&seq.tokens[..num_tokens]);
+                let last_block_hash = match seq.hashes.get(full - 1) {
+                    Some(h) => h.0,
+                    None => pd_kv_pool::hash_full_blocks_from(
+                        seq.root,
+                        &seq.tokens[..num_tokens],
+                        self.info.block_size,
+                    )
+                    .last()
+                    .map_or(0, |h| h.0),
+                };
                 for &b in &blocks {
                     self.scheduler.allocator.share(b);
                 }
@@ -853,6 +864,7 @@ impl Engine {
                     deadline: to_system_time(lease.deadline),
                     block_ids: lease.blocks,
                     num_tokens,
+                    last_block_hash: Some(last_block_hash),
                 }));
             }
         }

@@ -210,6 +210,10 @@ pub struct KvHandoff {
     pub block_ids: Vec<pd_kv_pool::BlockId>,
     /// Prompt tokens whose KV the blocks hold.
     pub num_tokens: usize,
+    /// The chained prefix hash of the last whole block held (`pd_kv_pool::block_hash` chain,
+    /// from the request's root): what a gateway keys a retained turn by, since the next turn's
+    /// prompt hashes to the same chain. Set for retained turns.
+    pub last_block_hash: Option<u64>,
 }
 
 /// How a wait for remote KV ended ([`crate::EngineHandle::remote_kv_ready`]).

@@ -343,6 +343,11 @@ pub(crate) fn retained(advert: &Advert, request_id: &str, h: &KvHandoff) -> Valu
     let mut v = held(advert, request_id, h);
     v["do_remote_prefill"] = json!(false);
     v["do_remote_decode"] = json!(true);
+    if let Some(hash) = h.last_block_hash {
+        // The gateway's conversation index keys the turn by it (the next turn's prompt, when
+        // it repeats this one and its answer, hashes to the same chain).
+        v["remote_last_block_hash"] = json!(format!("{hash:016x}"));
+    }
     v
 }
 
@@ -483,6 +488,7 @@ mod tests {
             deadline: std::time::SystemTime::now(),
             block_ids: vec![BlockId(1), BlockId(2)],
             num_tokens: 7,
+            last_block_hash: None,
         };
         let prompt = [1, 2, 3, 4, 5, 6, 7];
         let v = handoff(&advert, "cmpl-9", &h, prompt_hash(&prompt));

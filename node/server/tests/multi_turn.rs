@@ -89,6 +89,15 @@ async fn every_turn_of_a_conversation_equals_one_node_wherever_it_is_placed() {
     assert_eq!(kept["remote_engine_id"], "d1");
     // Prompt 11 + 6 generated, the last without KV: 16 tokens computed, 4 whole blocks of 4.
     assert_eq!(held(&kept), 16, "{kept}");
+    // Keyed by the chain hash of the last held block: the next turn's prompt hashes to it.
+    let mut held_tokens: Vec<u32> = prompt.iter().map(|&t| t as u32).collect();
+    held_tokens.extend(got.tokens[0].iter().map(|&t| t as u32));
+    let chain = pd_kv_pool::hash_full_blocks(&held_tokens[..16], 4);
+    assert_eq!(
+        kept["remote_last_block_hash"],
+        format!("{:016x}", chain[3].0),
+        "{kept}"
+    );
     assert_eq!(retained_leases(&d1).await, 1.0);
     next(&mut prompt, &got, 1);
 

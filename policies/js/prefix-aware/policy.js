@@ -18,12 +18,26 @@
 // One cached block counts as much as one queued or running request: a node holding 10 more
 // blocks of the prompt wins over a node with up to 9 more requests on it.
 //
+// Multi-turn. The holder is the node with the most `conversationTokens` (earlier-turn KV of
+// this conversation under a lease; ties to the lowest index), when any has some:
+// 1. Route to the holder: when it is a decode or standalone node, not draining, the turn adds at
+//    most `holder-max-new-tokens` prompt tokens beyond what it holds, and its load is at most the
+//    least-loaded candidate of its role's plus `holder-load-slack`: whole with the holder first,
+//    then the other candidates of its role in least-loaded order, reverse pull from the holder
+//    with min-tokens 0.
+// 2. Else, on a split, pull the turn back to P when it holds at least min-pull tokens, the
+//    fewest for which a pull (`pull-overhead-us` + tokens x `kv-bytes-per-token` at
+//    `pull-mb-per-s`) costs less than recomputing them at `prefill-tokens-per-s`.
+// 3. Else recompute. Parameters come from the policy config (defaults below).
+//
 // Build: `policies/js/build.sh policies/js/prefix-aware OUT.wasm` (componentize-js).
 //
 // How WIT values look here (componentize-js): records are objects with camelCase fields
 // (`freeBlocks`, `waitingRemoteKv`, `prefixBlocks`), enums are strings (`"prefill"`), a variant
 // is `{ tag, val }`, an absent option is `undefined`, u32 is a number and u64 a BigInt
 // (`request.seq`). Sums of u32 fields stay exact in a JS number (below 2^53).
+
+import { config } from "pd:policy/host@0.1.0";
 
 /** Message of the 503 when no node can serve the request. */
 const NO_NODES =
@@ -71,10 +85,53 @@ function byPrefix(nodes, prefix, indices) {
   );
 }
 
+/** A numeric config value (an integer), or `fallback` when unset or not a number. */
+function param(key, fallback) {
+  const v = config(key);
+  if (v === undefined || !/^\s*\d+\s*$/.test(v)) return fallback;
+  return Number(v.trim());
+}
+
+/** Fewest held tokens worth a pull (2^32 - 1: never). Integer nanoseconds, as the Rust guest. */
+function minPullTokens() {
+  const recomputeNs = Math.floor(1e9 / Math.max(param("prefill-tokens-per-s", 2000), 1));
+  const pullNs = Math.floor(
+    (param("kv-bytes-per-token", 23040) * 1000) / Math.max(param("pull-mb-per-s", 1000), 1),
+  );
+  const gain = recomputeNs - pullNs;
+  if (gain <= 0) return 0xffffffff;
+  const t = Math.ceil((param("pull-overhead-us", 2000) * 1000) / gain);
+  return Math.min(Math.max(t, 1), 0xffffffff);
+}
+
+/** Rule 1: the whole request on holder `h`, or `undefined` when it does not qualify. */
+function toHolder(request, nodes, h) {
+  const n = nodes[h];
+  if (n.draining || (n.role !== "decode" && n.role !== "standalone")) return undefined;
+  const fresh = Math.max(request.promptTokens - n.conversationTokens, 0);
+  if (fresh > param("holder-max-new-tokens", 256)) return undefined;
+  const others = candidates(nodes, n.role);
+  if (others.length === 0) return undefined;
+  const lightest = Math.min(...others.map((i) => load(nodes[i])));
+  if (load(n) > lightest + param("holder-load-slack", 2)) return undefined;
+  const list = [h, ...leastLoaded(nodes, others).filter((i) => i !== h)];
+  return { route: { tag: "whole", val: list }, reversePull: { from: h, minTokens: 0 } };
+}
+
 /** Decides where `request` goes, given `view` (the world's export `decide`). */
 export function decide(request, view) {
   const nodes = view.nodes;
   const prefix = request.prefixBlocks;
+  let holder;
+  nodes.forEach((n, i) => {
+    if (n.conversationTokens > 0 && (holder === undefined || n.conversationTokens > nodes[holder].conversationTokens)) {
+      holder = i;
+    }
+  });
+  if (holder !== undefined) {
+    const d = toHolder(request, nodes, holder);
+    if (d !== undefined) return d;
+  }
   const has = (role) => nodes.some((n) => n.role === role);
   let route;
   if (has("prefill") && has("decode")) {
@@ -94,5 +151,10 @@ export function decide(request, view) {
   } else {
     route = { tag: "reject", val: { status: 503, message: NO_NODES } };
   }
-  return { route, reversePull: undefined };
+  let reversePull;
+  if (holder !== undefined && route.tag === "split") {
+    const minTokens = minPullTokens();
+    if (nodes[holder].conversationTokens >= minTokens) reversePull = { from: holder, minTokens };
+  }
+  return { route, reversePull };
 }

@@ -14,6 +14,24 @@
 //!   index.
 //! - Decode ranking: least-loaded order (the decode node pulls the KV, so its cache does not
 //!   matter).
+//!
+//! Multi-turn. The *holder* is the node with the most `conversation-tokens` (earlier-turn KV of
+//! this conversation under a lease; ties to the lowest index), when any has some:
+//! 1. Route to the holder: when it is a decode or standalone node, not draining, the turn adds
+//!    at most `holder-max-new-tokens` prompt tokens beyond what it holds, and its load is at most
+//!    the least-loaded candidate of its role's plus `holder-load-slack`: `whole` with the holder
+//!    first, then the other candidates of its role in least-loaded order (they pull the turn from
+//!    the holder), `reverse-pull { from: holder, min-tokens: 0 }`.
+//! 2. Else, on a split, pull the turn back to P when it holds at least `min-pull` tokens, the
+//!    fewest for which a pull (`pull-overhead-us` + tokens × `kv-bytes-per-token` at
+//!    `pull-mb-per-s`) costs less than recomputing them at `prefill-tokens-per-s`:
+//!    `reverse-pull { from: holder, min-tokens: min-pull }`.
+//! 3. Else recompute.
+//!
+//! The six parameters are read from the policy config (`pd-gateway policy push --config
+//! KEY=VALUE`); defaults: prefill-tokens-per-s 2000, kv-bytes-per-token 23040 (SmolLM2-135M,
+//! f16 KV), pull-mb-per-s 1000, pull-overhead-us 2000, holder-max-new-tokens 256,
+//! holder-load-slack 2.
 
 #![no_std]
 
@@ -26,7 +44,8 @@ use guest_rt as _;
 wit_bindgen::generate!({ world: "policy", path: "../../wit" });
 
 use core::cmp::Reverse;
-use pd::policy::types::{DecodeTarget, Node, Rejection, Role, Route, Split};
+use pd::policy::host::config;
+use pd::policy::types::{DecodeTarget, Node, Rejection, ReversePull, Role, Route, Split};
 
 struct PrefixAware;
 
@@ -40,6 +59,16 @@ impl Guest for PrefixAware {
     fn decide(request: Request, view: View) -> Decision {
         let nodes = &view.nodes;
         let prefix = &request.prefix_blocks;
+        let holder = (0u32..)
+            .zip(nodes)
+            .filter(|(_, n)| n.conversation_tokens > 0)
+            .max_by_key(|(i, n)| (n.conversation_tokens, Reverse(*i)))
+            .map(|(i, _)| i);
+        if let Some(h) = holder
+            && let Some(d) = to_holder(&request, nodes, h)
+        {
+            return d;
+        }
         let has = |role: Role| nodes.iter().any(|n| n.role == role);
         let route = if has(Role::Prefill) && has(Role::Decode) {
             Route::Split(Split {
@@ -64,11 +93,71 @@ impl Guest for PrefixAware {
                 message: NO_NODES.to_string(),
             })
         };
+        let mut reverse_pull = None;
+        if let (Some(h), Route::Split(_)) = (holder, &route) {
+            let min_tokens = min_pull_tokens();
+            if nodes[h as usize].conversation_tokens >= min_tokens {
+                reverse_pull = Some(ReversePull {
+                    from: h,
+                    min_tokens,
+                });
+            }
+        }
         Decision {
             route,
-            reverse_pull: None,
+            reverse_pull,
         }
     }
+}
+
+/// A numeric config value, or `default` when unset or not a number.
+fn param(key: &str, default: u64) -> u64 {
+    config(key)
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(default)
+}
+
+/// Fewest held tokens worth a pull (`u32::MAX`: never, when a token moves slower than it
+/// computes).
+fn min_pull_tokens() -> u32 {
+    let recompute_ns = 1_000_000_000 / param("prefill-tokens-per-s", 2_000).max(1);
+    let pull_ns = param("kv-bytes-per-token", 23_040).saturating_mul(1_000)
+        / param("pull-mb-per-s", 1_000).max(1);
+    match recompute_ns.checked_sub(pull_ns) {
+        Some(gain) if gain > 0 => {
+            let t = param("pull-overhead-us", 2_000)
+                .saturating_mul(1_000)
+                .div_ceil(gain);
+            u32::try_from(t.max(1)).unwrap_or(u32::MAX)
+        }
+        _ => u32::MAX,
+    }
+}
+
+/// Rule 1: the whole request on holder `h`, when it qualifies.
+fn to_holder(request: &Request, nodes: &[Node], h: u32) -> Option<Decision> {
+    let n = &nodes[h as usize];
+    if n.draining || !matches!(n.role, Role::Decode | Role::Standalone) {
+        return None;
+    }
+    let new = request.prompt_tokens.saturating_sub(n.conversation_tokens);
+    if u64::from(new) > param("holder-max-new-tokens", 256) {
+        return None;
+    }
+    let others = candidates(nodes, n.role);
+    let lightest = others.iter().map(|&i| load(&nodes[i as usize])).min()?;
+    if load(n) > lightest.saturating_add(param("holder-load-slack", 2)) {
+        return None;
+    }
+    let mut list = alloc::vec![h];
+    list.extend(least_loaded(nodes, others).into_iter().filter(|&i| i != h));
+    Some(Decision {
+        route: Route::Whole(list),
+        reverse_pull: Some(ReversePull {
+            from: h,
+            min_tokens: 0,
+        }),
+    })
 }
 
 /// Requests on a node: queued, running, and parked waiting for KV.

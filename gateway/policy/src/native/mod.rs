@@ -15,7 +15,7 @@
 //!   one pull, children forked copy-on-write there; the others are failover). Otherwise, if it
 //!   has a standalone node, [`Route::Whole`] with the standalone candidates ranked. Otherwise
 //!   [`Route::Reject`] with status 503 and [`NO_NODES`].
-//! - `reverse-pull`: none.
+//! - `reverse-pull`: none (but for [`prefix_aware`]'s multi-turn rule).
 //! - **Load** of a node: `waiting + running + waiting_remote_kv` (in `u64`).
 //! - **Least-loaded order**: load ascending, then `free_blocks` descending, then index
 //!   ascending.
@@ -29,10 +29,13 @@
 //! - [`prefix_aware`]: prefill and whole lists by score
 //!   `prefix_blocks[i] - (waiting + running)` descending (`i64`; a node past the end of
 //!   `request.prefix_blocks` holds 0 blocks), ties in least-loaded order; decode list in
-//!   least-loaded order.
+//!   least-loaded order. Then its multi-turn rule, when a node holds an earlier turn of the
+//!   conversation (`conversation-tokens`): the turn goes `whole` to that node when it adds few
+//!   new tokens and the node is not overloaded, else P pulls the turn back when that is
+//!   cheaper than recomputing it ([`prefix_aware::Thresholds`]).
 
 mod least_loaded;
-mod prefix_aware;
+pub mod prefix_aware;
 pub mod round_robin;
 
 pub use least_loaded::least_loaded;

@@ -1,8 +1,66 @@
-//! Prefix-aware: cached prefix against load (see the [module docs](super)).
+//! Prefix-aware: cached prefix against load, and a conversation's earlier turn reused where it
+//! is cheaper than recomputing it (see the [module docs](super)).
 
-use super::{least_loaded_key, route};
-use crate::{Decision, Node, Request, Role, View};
+use super::{candidates, least_loaded_key, load, route};
+use crate::{Decision, Node, Request, ReversePull, Role, Route, View};
 use std::cmp::Reverse;
+
+/// The multi-turn rule's parameters (the guest reads each from its policy config, under the
+/// name in brackets; these are the defaults).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Thresholds {
+    /// Prompt tokens a prefill node computes per second (`prefill-tokens-per-s`).
+    pub prefill_tokens_per_s: u64,
+    /// Bytes of KV per token moved by a pull (`kv-bytes-per-token`; SmolLM2-135M with f16 KV:
+    /// 30 layers × K and V × 3 KV heads × 64 × 2 bytes = 23 040).
+    pub kv_bytes_per_token: u64,
+    /// Pull bandwidth, MB/s (`pull-mb-per-s`).
+    pub pull_mb_per_s: u64,
+    /// Fixed cost of a pull (handshake, lease confirm, a round trip or two), µs
+    /// (`pull-overhead-us`).
+    pub pull_overhead_us: u64,
+    /// Route a turn to the node holding its history (`whole`) when it adds at most this many
+    /// new prompt tokens (`holder-max-new-tokens`): the holder prefills them beside its decodes.
+    pub holder_max_new_tokens: u64,
+    /// ...and when the holder's load is at most the least-loaded node of its role's plus this
+    /// (`holder-load-slack`): an overloaded holder is passed over.
+    pub holder_load_slack: u64,
+}
+
+impl Default for Thresholds {
+    fn default() -> Self {
+        Self {
+            prefill_tokens_per_s: 2_000,
+            kv_bytes_per_token: 23_040,
+            pull_mb_per_s: 1_000,
+            pull_overhead_us: 2_000,
+            holder_max_new_tokens: 256,
+            holder_load_slack: 2,
+        }
+    }
+}
+
+impl Thresholds {
+    /// Fewest held tokens worth a pull: pulling `t` tokens costs `overhead + t × bytes / bandwidth`,
+    /// recomputing them `t / prefill rate`; pull from the first `t` where that is cheaper
+    /// (`u32::MAX`: never, when a token moves slower than it computes).
+    pub fn min_pull_tokens(&self) -> u32 {
+        let recompute_ns = 1_000_000_000 / self.prefill_tokens_per_s.max(1);
+        let pull_ns = self.kv_bytes_per_token.saturating_mul(1_000) / self.pull_mb_per_s.max(1);
+        match recompute_ns.checked_sub(pull_ns) {
+            Some(gain) if gain > 0 => {
+                let t = self.pull_overhead_us.saturating_mul(1_000).div_ceil(gain);
+                u32::try_from(t.max(1)).unwrap_or(u32::MAX)
+            }
+            _ => u32::MAX,
+        }
+    }
+}
+
+/// [`prefix_aware_with`] at the default [`Thresholds`].
+pub fn prefix_aware(request: &Request, view: &View) -> Decision {
+    prefix_aware_with(request, view, &Thresholds::default())
+}
 
 /// Prefill and whole lists by score `prefix_blocks[i] - (waiting + running)` descending
 /// (`i64`; a node past the end of `request.prefix_blocks` holds 0 blocks), ties in
@@ -11,9 +69,30 @@ use std::cmp::Reverse;
 ///
 /// One cached block counts as much as one queued or running request: a node holding 10 more
 /// blocks of the prompt wins over a node with up to 9 more requests on it.
-pub fn prefix_aware(request: &Request, view: &View) -> Decision {
+///
+/// Multi-turn (the *holder*: the node with the most `conversation_tokens`, ties to the lowest
+/// index, when any has some):
+/// 1. **Route to the holder** when it is a decode or standalone node, not draining, the turn
+///    adds at most `holder_max_new_tokens` prompt tokens beyond what it holds, and its load is
+///    at most the least-loaded of its role's candidates plus `holder_load_slack`: `whole` with
+///    the holder first, then the other candidates of its role in least-loaded order (they pull
+///    the turn from the holder), `reverse-pull { from: holder, min-tokens: 0 }`.
+/// 2. Otherwise, on a split, **pull the turn back** when it holds at least
+///    [`Thresholds::min_pull_tokens`]: `reverse-pull { from: holder, min-tokens: that }`.
+/// 3. Otherwise recompute (no reverse pull).
+pub fn prefix_aware_with(request: &Request, view: &View, t: &Thresholds) -> Decision {
     let nodes = &view.nodes;
-    route(request, view, |role, mut c| {
+    let holder = (0u32..)
+        .zip(nodes)
+        .filter(|(_, n)| n.conversation_tokens > 0)
+        .max_by_key(|(i, n)| (n.conversation_tokens, Reverse(*i)))
+        .map(|(i, _)| i);
+    if let Some(h) = holder
+        && let Some(d) = to_holder(request, nodes, h, t)
+    {
+        return d;
+    }
+    let mut d = route(request, view, |role, mut c| {
         if role == Role::Decode {
             c.sort_unstable_by_key(|&i| least_loaded_key(nodes, i));
         } else {
@@ -25,6 +104,44 @@ pub fn prefix_aware(request: &Request, view: &View) -> Decision {
             });
         }
         c
+    });
+    if let (Some(h), Route::Split(_)) = (holder, &d.route) {
+        let min_tokens = t.min_pull_tokens();
+        if nodes[h as usize].conversation_tokens >= min_tokens {
+            d.reverse_pull = Some(ReversePull {
+                from: h,
+                min_tokens,
+            });
+        }
+    }
+    d
+}
+
+/// Rule 1: the whole request on holder `h`, when it qualifies.
+fn to_holder(request: &Request, nodes: &[Node], h: u32, t: &Thresholds) -> Option<Decision> {
+    let n = &nodes[h as usize];
+    if n.draining || !matches!(n.role, Role::Decode | Role::Standalone) {
+        return None;
+    }
+    let new = request.prompt_tokens.saturating_sub(n.conversation_tokens);
+    if u64::from(new) > t.holder_max_new_tokens {
+        return None;
+    }
+    let mut others = candidates(nodes, n.role);
+    let lightest = others.iter().map(|&i| load(&nodes[i as usize])).min()?;
+    if load(n) > lightest.saturating_add(t.holder_load_slack) {
+        return None;
+    }
+    others.retain(|&i| i != h);
+    others.sort_unstable_by_key(|&i| least_loaded_key(nodes, i));
+    let mut list = vec![h];
+    list.extend(others);
+    Some(Decision {
+        route: Route::Whole(list),
+        reverse_pull: Some(ReversePull {
+            from: h,
+            min_tokens: 0,
+        }),
     })
 }
 
@@ -71,5 +188,92 @@ mod tests {
             panic!("expected split")
         };
         assert_eq!(s.prefill, vec![0, 1]);
+    }
+
+    fn holding(mut n: Node, tokens: u32) -> Node {
+        n.conversation_tokens = tokens;
+        n.conversation_expiry_ms = 30_000;
+        n
+    }
+
+    #[test]
+    fn the_default_threshold_pulls_all_but_a_few_tokens() {
+        // 500 µs to compute a token, 23 µs to move one, 2 ms fixed: from 5 tokens on.
+        assert_eq!(Thresholds::default().min_pull_tokens(), 5);
+        let slow_link = Thresholds {
+            pull_mb_per_s: 10,
+            ..Thresholds::default()
+        };
+        assert_eq!(
+            slow_link.min_pull_tokens(),
+            u32::MAX,
+            "a token moves slower than it computes"
+        );
+    }
+
+    #[test]
+    fn a_short_new_turn_goes_to_the_holder() {
+        let v = view(vec![
+            node(Role::Prefill, 0, 10, false),
+            node(Role::Decode, 0, 10, false),
+            holding(node(Role::Decode, 1, 10, false), 96),
+        ]);
+        // 100 prompt tokens, 96 held: 4 new.
+        let d = prefix_aware(&request(0, 1, vec![]), &v);
+        assert_eq!(d.route, Route::Whole(vec![2, 1]));
+        assert_eq!(
+            d.reverse_pull,
+            Some(ReversePull {
+                from: 2,
+                min_tokens: 0
+            })
+        );
+    }
+
+    #[test]
+    fn an_overloaded_or_draining_holder_is_pulled_from_instead() {
+        for holder in [
+            holding(node(Role::Decode, 5, 10, false), 96),
+            holding(node(Role::Decode, 0, 10, true), 96),
+        ] {
+            let v = view(vec![
+                node(Role::Prefill, 0, 10, false),
+                node(Role::Decode, 0, 10, false),
+                holder,
+            ]);
+            let d = prefix_aware(&request(0, 1, vec![]), &v);
+            assert!(matches!(d.route, Route::Split(_)), "{d:?}");
+            assert_eq!(
+                d.reverse_pull,
+                Some(ReversePull {
+                    from: 2,
+                    min_tokens: 5
+                })
+            );
+        }
+    }
+
+    #[test]
+    fn a_long_new_turn_is_prefilled_on_p_after_a_pull_and_a_tiny_history_is_recomputed() {
+        let mut r = request(0, 1, vec![]);
+        r.prompt_tokens = 1_000;
+        let v = view(vec![
+            node(Role::Prefill, 0, 10, false),
+            holding(node(Role::Decode, 0, 10, false), 96),
+        ]);
+        let d = prefix_aware(&r, &v);
+        assert!(matches!(d.route, Route::Split(_)), "{d:?}");
+        assert_eq!(
+            d.reverse_pull,
+            Some(ReversePull {
+                from: 1,
+                min_tokens: 5
+            })
+        );
+        let v = view(vec![
+            node(Role::Prefill, 0, 10, false),
+            holding(node(Role::Decode, 0, 10, false), 4),
+        ]);
+        assert_eq!(prefix_aware(&r, &v).reverse_pull, None);
     }
 }

@@ -166,6 +166,16 @@ pub fn random_case(rng: &mut Rng, case: u64) -> (Request, View) {
             conversation_expiry_ms: 0,
         })
         .collect::<Vec<_>>();
+    // Earlier-turn KV of the conversation: usually on no node, sometimes on one or two (ties
+    // included), few or many tokens against the 100-token prompt.
+    let mut nodes = nodes;
+    if len > 0 && rng.chance(40) {
+        for _ in 0..rng.pick(&[1, 1, 2]) {
+            let i = rng.below(len as u64) as usize;
+            nodes[i].conversation_tokens = rng.pick(&[2, 4, 64, 96, 96, 1000]);
+            nodes[i].conversation_expiry_ms = 30_000;
+        }
+    }
     let prefix_len = if rng.chance(20) {
         rng.below(len as u64 + 1) as usize
     } else {

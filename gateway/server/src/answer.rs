@@ -1,0 +1,298 @@
+//! What the gateway reads from a node's answer on its way to the client: a retained turn's
+//! `kv_transfer_params` (kept in the conversation index; removed from the answer unless the
+//! client is trusted, since they name a lease on a node) and, on `/v1/responses`, the response
+//! object (its id and output, kept for `previous_response_id`).
+//!
+//! A whole JSON answer is read at once ([`Capture::json`]). A stream goes through
+//! [`SseCapture`] event by event: an event that mentions neither is passed on as the node wrote
+//! it (a chunk of whole such events without a copy); only the final chunk or
+//! `response.completed` / `response.incomplete` event is parsed and, if needed, rewritten.
+
+use bytes::Bytes;
+use pd_policy::Api;
+use serde_json::Value;
+
+use crate::openai::KV_FIELD;
+
+const PARAMS_NEEDLE: &[u8] = b"\"kv_transfer_params\"";
+const FINAL_RESPONSE_NEEDLES: [&[u8]; 2] = [b"response.completed", b"response.incomplete"];
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    memchr::memmem::find(hay, needle).is_some()
+}
+
+/// What to take from an answer, and what to leave in it.
+#[derive(Debug, Clone, Copy)]
+pub struct Capture {
+    /// The API the answer is on.
+    pub api: Api,
+    /// Remove a retained turn's `kv_transfer_params` from what the client sees.
+    pub hide_params: bool,
+    /// Keep the `/v1/responses` response object.
+    pub want_response: bool,
+}
+
+/// What was taken.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Captured {
+    /// A retained turn's `kv_transfer_params` (an object with `do_remote_decode: true`).
+    pub params: Option<Value>,
+    /// The final response object (`/v1/responses`).
+    pub response: Option<Value>,
+    /// Params were removed from the answer.
+    pub hidden: bool,
+}
+
+impl Capture {
+    /// Whether anything in the answer could matter to this capture.
+    fn interested(&self, bytes: &[u8]) -> bool {
+        contains(bytes, PARAMS_NEEDLE)
+            || (self.want_response && FINAL_RESPONSE_NEEDLES.iter().any(|n| contains(bytes, n)))
+    }
+
+    /// Takes what it wants from `obj` (a whole answer, a stream chunk, or a response object);
+    /// `true` when `obj` changed.
+    fn take(&self, obj: &mut Value, out: &mut Captured) -> bool {
+        let retained = obj
+            .get(KV_FIELD)
+            .is_some_and(|p| p.get("do_remote_decode") == Some(&Value::Bool(true)));
+        let mut changed = false;
+        if retained {
+            let params = if self.hide_params {
+                changed = true;
+                out.hidden = true;
+                obj.as_object_mut().and_then(|o| o.remove(KV_FIELD))
+            } else {
+                obj.get(KV_FIELD).cloned()
+            };
+            out.params = params;
+        }
+        changed
+    }
+
+    /// A whole (not streamed) JSON answer: what it holds, and the bytes for the client when
+    /// they changed (`None`: pass the node's bytes on).
+    pub fn json(&self, body: &[u8], out: &mut Captured) -> Option<Vec<u8>> {
+        if !self.interested(body) && !(self.want_response && matches!(self.api, Api::Responses)) {
+            return None;
+        }
+        let mut v: Value = serde_json::from_slice(body).ok()?;
+        let changed = self.take(&mut v, out);
+        if self.want_response && v.get("object").and_then(Value::as_str) == Some("response") {
+            out.response = Some(v.clone());
+        }
+        changed.then(|| serde_json::to_vec(&v).ok()).flatten()
+    }
+
+    /// One SSE event's text (without the blank line that ends it): the event for the client
+    /// when it changed.
+    fn event(&self, event: &[u8], out: &mut Captured) -> Option<Vec<u8>> {
+        if !self.interested(event) {
+            return None;
+        }
+        let text = std::str::from_utf8(event).ok()?;
+        let mut lines: Vec<String> = Vec::new();
+        let mut changed = false;
+        for line in text.split('\n') {
+            let Some(data) = line.strip_prefix("data:") else {
+                lines.push(line.to_owned());
+                continue;
+            };
+            let data = data.strip_prefix(' ').unwrap_or(data);
+            let Ok(mut v) = serde_json::from_str::<Value>(data) else {
+                lines.push(line.to_owned());
+                continue;
+            };
+            let final_response = matches!(
+                v.get("type").and_then(Value::as_str),
+                Some("response.completed" | "response.incomplete")
+            );
+            let this = if final_response {
+                match v.get_mut("response") {
+                    Some(r) => {
+                        let c = self.take(r, out);
+                        if self.want_response {
+                            out.response = Some(r.clone());
+                        }
+                        c
+                    }
+                    None => false,
+                }
+            } else {
+                self.take(&mut v, out)
+            };
+            if this {
+                changed = true;
+                lines.push(format!("data: {v}"));
+            } else {
+                lines.push(line.to_owned());
+            }
+        }
+        changed.then(|| lines.join("\n").into_bytes())
+    }
+}
+
+/// A stream's capture: feed it the node's chunks, write what it returns.
+#[derive(Debug)]
+pub struct SseCapture {
+    capture: Capture,
+    /// Bytes of an event not yet ended by a blank line.
+    pending: Vec<u8>,
+    /// What was taken so far.
+    pub captured: Captured,
+}
+
+/// Where the last complete event of `buf` ends (just past its blank line).
+fn complete_upto(buf: &[u8]) -> Option<usize> {
+    memchr::memmem::rfind(buf, b"\n\n").map(|i| i + 2)
+}
+
+impl SseCapture {
+    /// A capture of one stream.
+    pub fn new(capture: Capture) -> Self {
+        Self {
+            capture,
+            pending: Vec::new(),
+            captured: Captured::default(),
+        }
+    }
+
+    /// The next chunk of the node's stream; returns the bytes to send the client now (events
+    /// are passed on whole: a partial one waits for its end).
+    pub fn feed(&mut self, chunk: Bytes) -> Bytes {
+        if self.pending.is_empty() && chunk.ends_with(b"\n\n") && !self.capture.interested(&chunk) {
+            return chunk;
+        }
+        self.pending.extend_from_slice(&chunk);
+        let Some(end) = complete_upto(&self.pending) else {
+            return Bytes::new();
+        };
+        let rest = self.pending.split_off(end);
+        let done = std::mem::replace(&mut self.pending, rest);
+        if !self.capture.interested(&done) {
+            return Bytes::from(done);
+        }
+        let mut out = Vec::with_capacity(done.len());
+        // `done` ends with "\n\n": every piece but the last (empty) one is an event.
+        let body = &done[..done.len() - 2];
+        let mut events = Vec::new();
+        let mut start = 0;
+        for i in memchr::memmem::find_iter(body, b"\n\n") {
+            if i >= start {
+                events.push(&body[start..i]);
+                start = i + 2;
+            }
+        }
+        events.push(&body[start..]);
+        for event in events {
+            match self.capture.event(event, &mut self.captured) {
+                Some(changed) => out.extend_from_slice(&changed),
+                None => out.extend_from_slice(event),
+            }
+            out.extend_from_slice(b"\n\n");
+        }
+        Bytes::from(out)
+    }
+
+    /// The end of the stream: anything left (an unterminated last event), as it came.
+    pub fn finish(&mut self) -> Bytes {
+        Bytes::from(std::mem::take(&mut self.pending))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn retained() -> Value {
+        json!({"do_remote_decode": true, "remote_engine_id": "d1", "remote_num_tokens": 16})
+    }
+
+    fn cap(api: Api, hide: bool) -> Capture {
+        Capture {
+            api,
+            hide_params: hide,
+            want_response: matches!(api, Api::Responses),
+        }
+    }
+
+    #[test]
+    fn a_whole_answer_loses_its_params_for_an_untrusted_client() {
+        let body =
+            json!({"id": "cmpl-1", "choices": [{"text": "x"}], "kv_transfer_params": retained()});
+        let bytes = serde_json::to_vec(&body).unwrap();
+        let mut got = Captured::default();
+        let out = cap(Api::Completions, true).json(&bytes, &mut got).unwrap();
+        let out: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(out.get(KV_FIELD), None);
+        assert_eq!(out["choices"], body["choices"]);
+        assert_eq!(got.params, Some(retained()));
+        assert!(got.hidden);
+        // A trusted client sees them; the index still gets them.
+        let mut got = Captured::default();
+        assert_eq!(cap(Api::Completions, false).json(&bytes, &mut got), None);
+        assert_eq!(got.params, Some(retained()));
+        // Nothing to take: the node's bytes pass untouched.
+        let plain = br#"{"id":"cmpl-2","choices":[]}"#;
+        let mut got = Captured::default();
+        assert_eq!(cap(Api::Completions, true).json(plain, &mut got), None);
+        assert_eq!(got, Captured::default());
+    }
+
+    #[test]
+    fn a_response_object_is_kept() {
+        let body = json!({"id": "resp_1", "object": "response", "output": [], "kv_transfer_params": retained()});
+        let mut got = Captured::default();
+        let out = cap(Api::Responses, true)
+            .json(&serde_json::to_vec(&body).unwrap(), &mut got)
+            .unwrap();
+        let out: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(out.get(KV_FIELD), None);
+        assert_eq!(got.response.as_ref().unwrap()["id"], "resp_1");
+        assert_eq!(got.response.unwrap().get(KV_FIELD), None);
+        assert_eq!(got.params, Some(retained()));
+    }
+
+    #[test]
+    fn streams_pass_untouched_but_for_the_final_chunk() {
+        let mut sse = SseCapture::new(cap(Api::ChatCompletions, true));
+        let a = Bytes::from_static(b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n");
+        let out = sse.feed(a.clone());
+        assert_eq!(out, a);
+        assert_eq!(out.as_ptr(), a.as_ptr(), "passed on without a copy");
+        let last = format!(
+            "data: {}\n\ndata: [DONE]\n\n",
+            json!({"choices": [], "kv_transfer_params": retained()})
+        );
+        // Split mid-event: nothing goes out until the event ends.
+        let (x, y) = last.split_at(20);
+        assert!(sse.feed(Bytes::from(x.to_owned())).is_empty());
+        let out = sse.feed(Bytes::from(y.to_owned()));
+        let text = String::from_utf8(out.to_vec()).unwrap();
+        assert!(!text.contains("kv_transfer_params"), "{text}");
+        assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+        assert!(text.starts_with("data: {\"choices\":[]}\n\n"), "{text}");
+        assert_eq!(sse.captured.params, Some(retained()));
+        assert!(sse.finish().is_empty());
+    }
+
+    #[test]
+    fn a_streamed_response_is_captured_from_its_completed_event() {
+        let mut sse = SseCapture::new(cap(Api::Responses, true));
+        let resp = json!({"id": "resp_9", "object": "response", "output": [], "kv_transfer_params": retained()});
+        let ev = format!(
+            "event: response.completed\ndata: {}\n\n",
+            json!({"type": "response.completed", "sequence_number": 7, "response": resp})
+        );
+        let out = sse.feed(Bytes::from(ev));
+        let text = String::from_utf8(out.to_vec()).unwrap();
+        assert!(
+            text.starts_with("event: response.completed\ndata: {"),
+            "{text}"
+        );
+        assert!(!text.contains("kv_transfer_params"), "{text}");
+        assert_eq!(sse.captured.response.as_ref().unwrap()["id"], "resp_9");
+        assert_eq!(sse.captured.params, Some(retained()));
+    }
+}

@@ -1,0 +1,716 @@
+//! What the gateway remembers between the turns of a conversation (multi-turn, reverse pull).
+//!
+//! - [`Holdings`]: which node keeps which finished turn's KV under a retained lease (a node
+//!   started with `--kv-retain-after-decode` answers a turn with `kv_transfer_params` describing
+//!   its blocks). A holding is keyed by the chain hash of the last block it holds
+//!   (`remote_last_block_hash`, the same `pd_kv_pool` chain the gateway computes for every
+//!   prompt): a next turn that repeats the history — a chat client resending its messages, or a
+//!   `/v1/responses` request rebuilt from `previous_response_id` — hashes to that chain, so the
+//!   longest match of its block hashes finds the turn, whatever the API or conversation key.
+//!   A holding is also found, partially, by the last whole block of the prompt it answered: a
+//!   client's resent history whose answer re-encodes to other token ids than the model produced
+//!   still meets the holder's prefix cache there (a lease covers its blocks as a whole, so only
+//!   an exact match is ever pulled).
+//! - [`ResponseStore`]: `/v1/responses` turns by response id (this turn's input items and the
+//!   answer's output items, and the response it continued), so a request naming
+//!   `previous_response_id` is rebuilt into the whole conversation. Bounded by bytes (least
+//!   recently used turns go first) and by age.
+//!
+//! Neither talks to nodes: the proxy reads holdings into the policy's view and acts on the
+//! policy's `reverse-pull`; leases are released through `lease.rs`.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde_json::{Value, json};
+
+/// A finished turn's KV that a node keeps under a retained lease.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Holding {
+    /// The node holding it (`remote_engine_id`).
+    pub engine_id: Arc<str>,
+    /// That node's incarnation (`remote_engine_epoch`; 0 when it did not say): a node restarted
+    /// since holds nothing of it.
+    pub epoch: u64,
+    /// Tokens the blocks hold (`remote_num_tokens`): whole blocks of prompt and answer.
+    pub tokens: u32,
+    /// Chain hash of the last block held (`remote_last_block_hash`): the key.
+    pub last_hash: u64,
+    /// When the lease ends (`remote_blocks_expiry_time`).
+    pub expires: SystemTime,
+    /// The object as the node answered it (`do_remote_decode: true`): what a prefill node is
+    /// sent to pull the turn first.
+    pub params: Value,
+    /// Chain hash of the last whole block of the prompt the turn answered, and the tokens up to
+    /// it (the partial key; set by the gateway, which hashed that prompt).
+    pub prompt_key: Option<(u64, u32)>,
+}
+
+/// A holding found for a prompt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Found {
+    /// Leading blocks of the prompt it covers.
+    pub blocks: usize,
+    /// Tokens of the prompt it covers.
+    pub tokens: u32,
+    /// The prompt continues every block held (pullable), not just the answered prompt's.
+    pub exact: bool,
+    /// The holding.
+    pub holding: Holding,
+}
+
+fn hex_u64(v: Option<&Value>) -> Option<u64> {
+    u64::from_str_radix(v?.as_str()?, 16).ok()
+}
+
+impl Holding {
+    /// Reads a retained turn's `kv_transfer_params`; `None` for anything else (a handoff to a
+    /// decode node, a list, a node too old to name its last block hash).
+    pub fn from_params(params: &Value) -> Option<Self> {
+        if params.get("do_remote_decode") != Some(&Value::Bool(true)) {
+            return None;
+        }
+        let engine_id: Arc<str> = Arc::from(params.get("remote_engine_id")?.as_str()?);
+        let tokens = u32::try_from(params.get("remote_num_tokens")?.as_u64()?).ok()?;
+        let last_hash = hex_u64(params.get("remote_last_block_hash"))?;
+        let expiry = params.get("remote_blocks_expiry_time")?.as_f64()?;
+        if tokens == 0 || !expiry.is_finite() || expiry <= 0.0 {
+            return None;
+        }
+        let expires = UNIX_EPOCH.checked_add(Duration::try_from_secs_f64(expiry).ok()?)?;
+        params.get("remote_lease_id")?.as_str()?;
+        Some(Self {
+            engine_id,
+            epoch: hex_u64(params.get("remote_engine_epoch")).unwrap_or(0),
+            tokens,
+            last_hash,
+            expires,
+            params: params.clone(),
+            prompt_key: None,
+        })
+    }
+
+    /// Milliseconds until the lease ends (0 once it has), saturated to `u32`.
+    pub fn expiry_ms(&self, now: SystemTime) -> u32 {
+        let left = self.expires.duration_since(now).unwrap_or(Duration::ZERO);
+        u32::try_from(left.as_millis()).unwrap_or(u32::MAX)
+    }
+
+    /// The params for a node that pulls this turn and decodes itself (a `whole` route): the
+    /// same object as a pull request (`do_remote_prefill: true`). On the holder itself nothing
+    /// moves: its prefix cache has the blocks, and it releases its own lease.
+    pub fn as_pull(&self) -> Value {
+        let mut p = self.params.clone();
+        p["do_remote_prefill"] = json!(true);
+        p["do_remote_decode"] = json!(false);
+        p
+    }
+
+    /// The params for a prefill node that pulls this turn first, then hands the whole prompt to
+    /// `consumers` decode nodes.
+    pub fn for_prefill(&self, consumers: u32) -> Value {
+        let mut p = self.params.clone();
+        p["do_remote_prefill"] = json!(false);
+        p["do_remote_decode"] = json!(true);
+        if consumers > 1 {
+            p["num_consumers"] = json!(consumers);
+        }
+        p
+    }
+}
+
+/// Retained turns by the chain hash of their last block, bounded by count (oldest first).
+#[derive(Debug)]
+pub struct Holdings {
+    inner: Mutex<HoldingsInner>,
+    cap: usize,
+}
+
+#[derive(Debug, Default)]
+struct HoldingsInner {
+    /// Under its last held block's hash (exact) and its prompt's last block's (partial).
+    by_hash: HashMap<u64, Entry>,
+    /// Insertion order, with the generation each entry was inserted at (a stale entry of a
+    /// removed or replaced hash is skipped).
+    order: VecDeque<(u64, u64)>,
+    generation: u64,
+    /// Holdings (exact keys) indexed.
+    holdings: usize,
+}
+
+impl Holdings {
+    /// An index of at most `cap` holdings.
+    pub fn new(cap: usize) -> Self {
+        Self {
+            inner: Mutex::default(),
+            cap: cap.max(1),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HoldingsInner> {
+        // Plain maps: no invariant a panic elsewhere could break.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Holdings indexed now.
+    pub fn len(&self) -> usize {
+        self.lock().holdings
+    }
+
+    /// Whether none is indexed.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Indexes `h` (under its last block's hash, and its prompt's last block's when it has
+    /// one); returns what it displaced: a holding under the same key, and those evicted to stay
+    /// within the bound.
+    pub fn insert(&self, h: Holding) -> Vec<Holding> {
+        let mut s = self.lock();
+        s.generation += 1;
+        let generation = s.generation;
+        let mut out = Vec::new();
+        let mut keys = vec![(h.last_hash, h.tokens, true)];
+        if let Some((k, tokens)) = h.prompt_key
+            && k != h.last_hash
+            && tokens > 0
+        {
+            keys.push((k, tokens, false));
+        }
+        for (key, tokens, exact) in keys {
+            let entry = Entry {
+                holding: h.clone(),
+                generation,
+                tokens,
+                exact,
+            };
+            s.holdings += usize::from(exact);
+            if let Some(old) = s.by_hash.insert(key, entry)
+                && old.exact
+            {
+                s.holdings -= 1;
+                s.unlink(&old.holding, key);
+                out.push(old.holding);
+            }
+            s.order.push_back((key, generation));
+        }
+        while s.holdings > self.cap {
+            let Some((k, g)) = s.order.pop_front() else {
+                break;
+            };
+            if s.by_hash
+                .get(&k)
+                .is_some_and(|e| e.generation == g && e.exact)
+                && let Some(old) = s.remove_holding(k)
+            {
+                out.push(old);
+            }
+        }
+        // Stale order entries (removed keys) are dropped once they outnumber the live ones.
+        if s.order.len() > 2 * s.by_hash.len() + 64 {
+            let HoldingsInner { by_hash, order, .. } = &mut *s;
+            order.retain(|(k, g)| by_hash.get(k).is_some_and(|e| e.generation == *g));
+        }
+        out
+    }
+
+    /// The holding covering the most leading blocks of `hashes` (a prompt's chained block
+    /// hashes). Expired holdings met on the way are dropped.
+    pub fn longest(&self, hashes: &[u64], now: SystemTime) -> Option<Found> {
+        let mut s = self.lock();
+        if s.by_hash.is_empty() {
+            return None;
+        }
+        for (i, h) in hashes.iter().enumerate().rev() {
+            let Some(e) = s.by_hash.get(h) else {
+                continue;
+            };
+            if e.holding.expires > now {
+                return Some(Found {
+                    blocks: i + 1,
+                    tokens: e.tokens,
+                    exact: e.exact,
+                    holding: e.holding.clone(),
+                });
+            }
+            let last = e.holding.last_hash;
+            s.remove_holding(last);
+            if s.by_hash.get(h).is_some_and(|e| e.holding.expires <= now) {
+                s.by_hash.remove(h);
+            }
+        }
+        None
+    }
+
+    /// Takes the holding keyed `last_hash` out of the index (its turn was used or superseded).
+    pub fn remove(&self, last_hash: u64) -> Option<Holding> {
+        self.lock().remove_holding(last_hash)
+    }
+
+    /// Every holding of node `engine_id`, oldest first.
+    pub fn of_node(&self, engine_id: &str) -> Vec<Holding> {
+        let s = self.lock();
+        let mut v: Vec<_> = s
+            .by_hash
+            .values()
+            .filter(|e| e.exact && &*e.holding.engine_id == engine_id)
+            .map(|e| (e.generation, e.holding.clone()))
+            .collect();
+        v.sort_by_key(|(g, _)| *g);
+        v.into_iter().map(|(_, h)| h).collect()
+    }
+}
+
+/// One key of a holding.
+#[derive(Debug)]
+struct Entry {
+    holding: Holding,
+    generation: u64,
+    /// Tokens of a prompt that reaches this key.
+    tokens: u32,
+    /// The holding's own last block (not its prompt's).
+    exact: bool,
+}
+
+impl HoldingsInner {
+    /// Removes the holding whose last block hash is `last_hash`, under both its keys.
+    fn remove_holding(&mut self, last_hash: u64) -> Option<Holding> {
+        let e = self.by_hash.remove(&last_hash)?;
+        if !e.exact {
+            // A partial key that is some other holding's: put it back.
+            self.by_hash.insert(last_hash, e);
+            return None;
+        }
+        self.holdings -= 1;
+        self.unlink(&e.holding, last_hash);
+        Some(e.holding)
+    }
+
+    /// Drops `h`'s partial key if it still names `h` (its exact key `exact_key` is gone).
+    fn unlink(&mut self, h: &Holding, exact_key: u64) {
+        if let Some((k, _)) = h.prompt_key
+            && k != exact_key
+            && self
+                .by_hash
+                .get(&k)
+                .is_some_and(|e| !e.exact && e.holding.last_hash == h.last_hash)
+        {
+            self.by_hash.remove(&k);
+        }
+    }
+}
+
+/// One `/v1/responses` turn.
+#[derive(Debug, Clone)]
+struct StoredTurn {
+    /// The response this one continued (`previous_response_id`).
+    parent: Option<Arc<str>>,
+    /// This turn's own input items, then the answer's output items.
+    items: Vec<Value>,
+    bytes: usize,
+    stored_at: Instant,
+    /// Least-recently-used stamp (key of `lru`).
+    stamp: u64,
+}
+
+/// Why a conversation cannot be rebuilt.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HistoryError {
+    /// The id was never stored, or was evicted or expired.
+    #[error("Previous response with id '{0}' not found.")]
+    NotFound(String),
+    /// The id is stored but an earlier turn it continues was evicted or expired.
+    #[error(
+        "Previous response with id '{id}' continues '{missing}', which is no longer stored: send the whole conversation in `input`."
+    )]
+    Broken {
+        /// The id asked for.
+        id: String,
+        /// The earliest turn missing.
+        missing: String,
+    },
+}
+
+/// `/v1/responses` turns by id, bounded by bytes (least recently used first) and age.
+#[derive(Debug)]
+pub struct ResponseStore {
+    inner: Mutex<StoreInner>,
+    max_bytes: usize,
+    ttl: Duration,
+}
+
+#[derive(Debug, Default)]
+struct StoreInner {
+    turns: HashMap<Arc<str>, StoredTurn>,
+    lru: BTreeMap<u64, Arc<str>>,
+    bytes: usize,
+    stamp: u64,
+    evicted: u64,
+}
+
+/// Turns walked back at most when rebuilding one conversation.
+const MAX_TURNS: usize = 10_000;
+
+impl ResponseStore {
+    /// A store of at most `max_bytes` (serialized items) whose turns live at most `ttl`.
+    pub fn new(max_bytes: usize, ttl: Duration) -> Self {
+        Self {
+            inner: Mutex::default(),
+            max_bytes,
+            ttl,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, StoreInner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Bytes stored and turns evicted so far (for metrics).
+    pub fn usage(&self) -> (usize, u64) {
+        let s = self.lock();
+        (s.bytes, s.evicted)
+    }
+
+    /// Stores response `id`: `input` (this turn's own items) and `output` (the answer's), after
+    /// `parent` when it continued one. A turn larger than the whole store is not kept. Returns
+    /// how many turns were evicted to make room.
+    pub fn put(
+        &self,
+        id: &str,
+        parent: Option<&str>,
+        input: Vec<Value>,
+        output: Vec<Value>,
+    ) -> u64 {
+        let mut items = input;
+        items.extend(output);
+        let bytes = items.iter().map(|v| v.to_string().len()).sum::<usize>() + id.len();
+        if bytes > self.max_bytes {
+            return 0;
+        }
+        let mut s = self.lock();
+        s.stamp += 1;
+        let stamp = s.stamp;
+        let key: Arc<str> = Arc::from(id);
+        let turn = StoredTurn {
+            parent: parent.map(Arc::from),
+            items,
+            bytes,
+            stored_at: Instant::now(),
+            stamp,
+        };
+        if let Some(old) = s.turns.insert(key.clone(), turn) {
+            s.lru.remove(&old.stamp);
+            s.bytes -= old.bytes;
+        }
+        s.lru.insert(stamp, key);
+        s.bytes += bytes;
+        let before = s.evicted;
+        while s.bytes > self.max_bytes {
+            let Some((_, victim)) = s.lru.pop_first() else {
+                break;
+            };
+            if let Some(t) = s.turns.remove(&victim) {
+                s.bytes -= t.bytes;
+                s.evicted += 1;
+            }
+        }
+        s.evicted - before
+    }
+
+    /// The whole conversation up to and including response `id`, oldest item first: every
+    /// turn's input items and output items. Each turn on the way counts as used (it moves to
+    /// the back of the eviction order).
+    ///
+    /// # Errors
+    /// [`HistoryError`] when `id` or a turn it continues is not stored (never was, evicted,
+    /// or older than the store's age limit).
+    pub fn history(&self, id: &str) -> Result<Vec<Value>, HistoryError> {
+        let mut s = self.lock();
+        let now = Instant::now();
+        let mut chain: Vec<Arc<str>> = Vec::new();
+        let mut at: Arc<str> = Arc::from(id);
+        loop {
+            let fresh = s
+                .turns
+                .get(&at)
+                .is_some_and(|t| now.duration_since(t.stored_at) <= self.ttl);
+            if !fresh {
+                if let Some(t) = s.turns.remove(&at) {
+                    s.lru.remove(&t.stamp);
+                    s.bytes -= t.bytes;
+                }
+                return Err(if chain.is_empty() {
+                    HistoryError::NotFound(id.to_owned())
+                } else {
+                    HistoryError::Broken {
+                        id: id.to_owned(),
+                        missing: at.to_string(),
+                    }
+                });
+            }
+            chain.push(at.clone());
+            match s.turns.get(&at).and_then(|t| t.parent.clone()) {
+                Some(parent) if chain.len() < MAX_TURNS => at = parent,
+                _ => break,
+            }
+        }
+        let mut items = Vec::new();
+        for key in chain.iter().rev() {
+            s.stamp += 1;
+            let stamp = s.stamp;
+            let StoreInner { turns, lru, .. } = &mut *s;
+            if let Some(t) = turns.get_mut(key) {
+                lru.remove(&t.stamp);
+                t.stamp = stamp;
+                lru.insert(stamp, key.clone());
+                items.extend(t.items.iter().cloned());
+            }
+        }
+        Ok(items)
+    }
+}
+
+/// A `/v1/responses` `input` as a list of items (a string is one user message).
+pub fn input_items(input: &Value) -> Vec<Value> {
+    match input {
+        Value::String(s) => vec![json!({"role": "user", "content": s})],
+        Value::Array(items) => items.clone(),
+        other => vec![other.clone()],
+    }
+}
+
+/// The output items of a response object, as input items of the next turn: each `message`
+/// item becomes `{"role": "assistant", "content": <its text>}`.
+pub fn output_items(response: &Value) -> Vec<Value> {
+    let Some(output) = response.get("output").and_then(Value::as_array) else {
+        return Vec::new();
+    };
+    output
+        .iter()
+        .filter(|item| item.get("type").and_then(Value::as_str) == Some("message"))
+        .map(|item| {
+            let text: String = item
+                .get("content")
+                .and_then(Value::as_array)
+                .map(|parts| {
+                    parts
+                        .iter()
+                        .filter_map(|p| p.get("text").and_then(Value::as_str))
+                        .collect()
+                })
+                .unwrap_or_default();
+            let role = item
+                .get("role")
+                .and_then(Value::as_str)
+                .unwrap_or("assistant");
+            json!({"role": role, "content": text})
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(engine: &str, tokens: u64, hash: u64, expiry: f64) -> Value {
+        json!({
+            "do_remote_decode": true, "do_remote_prefill": false,
+            "remote_engine_id": engine, "remote_engine_epoch": "00000000000000ab",
+            "remote_block_ids": [1, 2], "remote_request_id": "cmpl-1",
+            "remote_host": "127.0.0.1", "remote_port": 7000,
+            "remote_num_tokens": tokens, "remote_lease_id": "0123456789abcdef0123456789abcdef",
+            "remote_lease_generation": 1, "remote_blocks_expiry_time": expiry,
+            "remote_last_block_hash": format!("{hash:016x}"),
+        })
+    }
+
+    fn in_a_minute() -> f64 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64()
+            + 60.0
+    }
+
+    #[test]
+    fn reads_a_retained_turn_and_nothing_else() {
+        let h = Holding::from_params(&params("d1", 32, 0xfeed, in_a_minute())).unwrap();
+        assert_eq!(&*h.engine_id, "d1");
+        assert_eq!((h.tokens, h.last_hash, h.epoch), (32, 0xfeed, 0xab));
+        assert!(h.expiry_ms(SystemTime::now()) > 50_000);
+        let mut handoff = params("p1", 32, 1, in_a_minute());
+        handoff["do_remote_decode"] = json!(false);
+        handoff["do_remote_prefill"] = json!(true);
+        assert_eq!(Holding::from_params(&handoff), None);
+        let mut old_node = params("d1", 32, 1, in_a_minute());
+        old_node
+            .as_object_mut()
+            .unwrap()
+            .remove("remote_last_block_hash");
+        assert_eq!(Holding::from_params(&old_node), None);
+        // The pull forms keep every field and flip the direction.
+        assert_eq!(h.as_pull()["do_remote_prefill"], true);
+        assert_eq!(h.as_pull()["remote_lease_id"], h.params["remote_lease_id"]);
+        assert_eq!(h.for_prefill(3)["num_consumers"], 3);
+        assert_eq!(h.for_prefill(1).get("num_consumers"), None);
+    }
+
+    #[test]
+    fn the_longest_unexpired_holding_wins() {
+        let idx = Holdings::new(8);
+        let now = SystemTime::now();
+        idx.insert(Holding::from_params(&params("d1", 8, 20, in_a_minute())).unwrap());
+        idx.insert(Holding::from_params(&params("d2", 16, 40, in_a_minute())).unwrap());
+        // A prompt whose chain passes through 20 (block 2) and 40 (block 4).
+        let f = idx.longest(&[10, 20, 30, 40, 50], now).unwrap();
+        assert_eq!(
+            (f.blocks, f.tokens, f.exact, &*f.holding.engine_id),
+            (4, 16, true, "d2")
+        );
+        let f = idx.longest(&[10, 20, 31], now).unwrap();
+        assert_eq!((f.blocks, &*f.holding.engine_id), (2, "d1"));
+        assert_eq!(idx.longest(&[11, 21], now), None);
+        // Expired: dropped when met.
+        idx.insert(Holding::from_params(&params("d3", 8, 60, 1.0)).unwrap());
+        assert_eq!(idx.len(), 3);
+        assert_eq!(idx.longest(&[60], now), None);
+        assert_eq!(idx.len(), 2);
+        assert_eq!(idx.remove(40).map(|h| h.tokens), Some(16));
+        assert_eq!(idx.longest(&[10, 20, 30, 40], now).unwrap().blocks, 2);
+    }
+
+    #[test]
+    fn a_history_that_re_encodes_differently_meets_the_prompt_part() {
+        let idx = Holdings::new(8);
+        let now = SystemTime::now();
+        // The turn's prompt ended at block hash 20 (2 blocks, 32 tokens); its answer filled
+        // blocks up to hash 40 (64 tokens held).
+        let mut h = Holding::from_params(&params("d1", 64, 40, in_a_minute())).unwrap();
+        h.prompt_key = Some((20, 32));
+        idx.insert(h);
+        assert_eq!(idx.len(), 1);
+        // Resent exactly: all 64 tokens, pullable.
+        let f = idx.longest(&[10, 20, 30, 40, 50], now).unwrap();
+        assert_eq!((f.tokens, f.exact), (64, true));
+        // The answer re-encoded to other ids: only the prompt part matches, not pullable.
+        let f = idx.longest(&[10, 20, 33, 44, 55], now).unwrap();
+        assert_eq!((f.blocks, f.tokens, f.exact), (2, 32, false));
+        // Removing the holding removes both keys.
+        assert!(idx.remove(40).is_some());
+        assert_eq!(idx.longest(&[10, 20, 33], now), None);
+        // An expired holding met by its partial key is gone under both.
+        let mut old = Holding::from_params(&params("d1", 64, 41, 1.0)).unwrap();
+        old.prompt_key = Some((21, 32));
+        idx.insert(old);
+        assert_eq!(idx.longest(&[10, 21], now), None);
+        assert_eq!(idx.longest(&[10, 21, 30, 41], now), None);
+        assert!(idx.is_empty());
+    }
+
+    #[test]
+    fn the_index_keeps_the_newest_within_its_bound() {
+        let idx = Holdings::new(2);
+        for k in 0..5u64 {
+            let displaced =
+                idx.insert(Holding::from_params(&params("d1", 8, 100 + k, in_a_minute())).unwrap());
+            assert_eq!(displaced.len(), usize::from(k >= 2), "insert {k}");
+        }
+        assert_eq!(idx.len(), 2);
+        let now = SystemTime::now();
+        assert!(idx.longest(&[102], now).is_none());
+        assert!(idx.longest(&[103], now).is_some());
+        assert!(idx.longest(&[104], now).is_some());
+        // Re-keying the same hash displaces the old holding, and is not evicted by its stale
+        // order entry.
+        let again = idx.insert(Holding::from_params(&params("d2", 8, 104, in_a_minute())).unwrap());
+        assert_eq!(again.len(), 1);
+        assert_eq!(&*again[0].engine_id, "d1");
+        assert_eq!(idx.of_node("d2").len(), 1);
+    }
+
+    fn msg(role: &str, text: &str) -> Value {
+        json!({"role": role, "content": text})
+    }
+
+    #[test]
+    fn a_conversation_is_rebuilt_turn_by_turn() {
+        let store = ResponseStore::new(1 << 20, Duration::from_secs(60));
+        store.put(
+            "r1",
+            None,
+            vec![msg("user", "hi")],
+            vec![msg("assistant", "hello")],
+        );
+        store.put(
+            "r2",
+            Some("r1"),
+            vec![msg("user", "how?")],
+            vec![msg("assistant", "so")],
+        );
+        assert_eq!(
+            store.history("r2").unwrap(),
+            vec![
+                msg("user", "hi"),
+                msg("assistant", "hello"),
+                msg("user", "how?"),
+                msg("assistant", "so")
+            ]
+        );
+        assert_eq!(store.history("r1").unwrap().len(), 2);
+        assert_eq!(
+            store.history("nope"),
+            Err(HistoryError::NotFound("nope".into()))
+        );
+    }
+
+    #[test]
+    fn the_store_evicts_least_recently_used_turns_past_its_bytes() {
+        let one = {
+            let s = ResponseStore::new(1 << 20, Duration::from_secs(60));
+            s.put("rA", None, vec![msg("user", "aaaa")], vec![]);
+            s.usage().0
+        };
+        let store = ResponseStore::new(2 * one + one / 2, Duration::from_secs(60));
+        store.put("rA", None, vec![msg("user", "aaaa")], vec![]);
+        store.put("rB", None, vec![msg("user", "bbbb")], vec![]);
+        // rA used: rB is now the least recently used.
+        store.history("rA").unwrap();
+        store.put("rC", None, vec![msg("user", "cccc")], vec![]);
+        assert!(store.history("rA").is_ok());
+        assert!(store.history("rC").is_ok());
+        assert_eq!(
+            store.history("rB"),
+            Err(HistoryError::NotFound("rB".into()))
+        );
+        assert_eq!(store.usage().1, 1);
+        // A child whose parent went is refused by name.
+        store.put("rD", Some("rB"), vec![msg("user", "d")], vec![]);
+        assert!(
+            matches!(store.history("rD"), Err(HistoryError::Broken { missing, .. }) if missing == "rB")
+        );
+    }
+
+    #[test]
+    fn turns_older_than_the_age_limit_are_gone() {
+        let store = ResponseStore::new(1 << 20, Duration::ZERO);
+        store.put("r1", None, vec![msg("user", "hi")], vec![]);
+        std::thread::sleep(Duration::from_millis(2));
+        assert_eq!(
+            store.history("r1"),
+            Err(HistoryError::NotFound("r1".into()))
+        );
+        assert_eq!(store.usage().0, 0);
+    }
+
+    #[test]
+    fn output_items_become_assistant_messages() {
+        let resp = json!({"id": "r", "output": [
+            {"type": "message", "id": "m", "role": "assistant", "status": "completed",
+             "content": [{"type": "output_text", "text": "Par"}, {"type": "output_text", "text": "is"}]},
+            {"type": "reasoning", "summary": []}
+        ]});
+        assert_eq!(output_items(&resp), vec![msg("assistant", "Paris")]);
+        assert_eq!(input_items(&json!("q")), vec![msg("user", "q")]);
+    }
+}

@@ -1,0 +1,326 @@
+//! Multi-turn conversations through the gateway (reverse pull, gateway side), on gateway + 1P +
+//! 2D whose decode nodes keep each finished turn's KV (`--kv-retain-after-decode`), with the
+//! shipped `prefix-aware` WASM policy deciding:
+//!
+//! 1. A five-turn completions conversation on token ids (each prompt is exactly the previous
+//!    prompt, the previous answer and new tokens): turn 1 goes P→D and the decode node keeps it;
+//!    the gateway indexes the turn (its `kv_transfer_params` never reach the untrusted client);
+//!    a short next turn goes `whole` to the node holding the conversation (it prefills only the
+//!    new tokens from its own prefix cache); with the policy's `holder-max-new-tokens` set to 0
+//!    the next turn is pulled back by P (reverse pull), then handed to a decode node. Every turn
+//!    equals a standalone node's greedy output on the same full prompt, token for token; the
+//!    gateway's and the nodes' counters show which path ran, and every superseded lease is
+//!    released, so the decode nodes' pools hold only the last turn at the end.
+//! 2. The unmodified `openai` package: a chat conversation resending its history and a
+//!    `/v1/responses` conversation chained with `previous_response_id` (streamed and not), each
+//!    turn equal to the standalone node given the whole conversation; an unknown id is a 404.
+
+use std::path::Path;
+use std::time::Duration;
+
+use pd_cluster_tests::bins;
+use pd_cluster_tests::cluster::{ClusterSpec, Node, TestCluster, args};
+use pd_cluster_tests::eventually;
+use pd_cluster_tests::python;
+use serde_json::{Value, json};
+
+const RETAIN_SECS: &str = "60";
+
+/// Tokens per answer: more than a block (16), so every retained turn holds a block beyond its
+/// prompt's, which a prefill node that computed that prompt does not have yet.
+const ANSWER: u32 = 20;
+
+async fn cluster(name: &str) -> TestCluster {
+    let policy = bins::policy("prefix-aware");
+    TestCluster::start(
+        name,
+        ClusterSpec {
+            prefill: 1,
+            decode: 2,
+            gateway_args: args(&["--policy", policy.to_str().expect("utf-8 path")]),
+            // Pull even a block or two (the default computes short prefixes locally).
+            prefill_args: args(&["--kv-recompute-threshold", "0"]),
+            decode_args: args(&["--kv-retain-after-decode", RETAIN_SECS]),
+            ..ClusterSpec::default()
+        },
+    )
+    .await
+}
+
+async fn post(client: &reqwest::Client, base: &str, path: &str, body: &Value) -> Value {
+    let r = client
+        .post(format!("{base}{path}"))
+        .json(body)
+        .send()
+        .await
+        .expect("the request is sent");
+    let status = r.status();
+    let text = r.text().await.expect("the body");
+    assert!(status.is_success(), "{path}: {status}: {text}");
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}"))
+}
+
+/// A greedy completions request on token ids, `max_tokens` long.
+fn turn(prompt: &[u64], max_tokens: u32) -> Value {
+    json!({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+           "ignore_eos": true, "return_token_ids": true})
+}
+
+fn token_ids(answer: &Value) -> Vec<u64> {
+    answer["choices"][0]["token_ids"]
+        .as_array()
+        .expect("token_ids")
+        .iter()
+        .map(|t| t.as_u64().expect("a token id"))
+        .collect()
+}
+
+async fn gateway_count(c: &TestCluster, name: &str, filter: &[(&str, &str)]) -> f64 {
+    c.gateway_metrics().await.sum(name, filter)
+}
+
+async fn node_count(c: &TestCluster, id: &str, name: &str, filter: &[(&str, &str)]) -> f64 {
+    c.node_metrics(id).await.sum(name, filter)
+}
+
+async fn push_prefix_aware(c: &TestCluster, config: &[(&str, &str)]) {
+    let (status, body) = c
+        .push_policy(&bins::policy("prefix-aware"), "prefix-aware", config)
+        .await;
+    assert_eq!(status, 200, "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_turn_goes_where_the_conversation_is_and_equals_one_node() {
+    let c = cluster("multi-turn-completions").await;
+    let reference = Node::reference(c.dir(), &c.model);
+    let gw = c.gateway.http.clone();
+    let path = "/v1/completions";
+    let mut prompt: Vec<u64> = (1..=11).collect();
+    let next = |prompt: &mut Vec<u64>, answer: &[u64], k: u64| {
+        prompt.extend(answer);
+        prompt.extend((0..5).map(|i| 40 + (k * 7 + i * 3) % 50));
+    };
+
+    // Turn 1: P→D; the decode node keeps the turn, the gateway indexes it and hides its params.
+    let got = post(&c.client, &gw, path, &turn(&prompt, ANSWER)).await;
+    let want = post(&c.client, &reference.http, path, &turn(&prompt, ANSWER)).await;
+    assert_eq!(token_ids(&got), token_ids(&want), "turn 1");
+    assert_eq!(got.get("kv_transfer_params"), None, "{got}");
+    eventually("the turn is indexed", Duration::from_secs(5), async || {
+        gateway_count(&c, "pd_gateway_retained_turns_total", &[]).await == 1.0
+    })
+    .await;
+    assert_eq!(
+        gateway_count(&c, "pd_gateway_retained_params_hidden_total", &[]).await,
+        1.0
+    );
+    assert_eq!(
+        gateway_count(&c, "pd_gateway_conversation_holdings", &[]).await,
+        1.0
+    );
+    next(&mut prompt, &token_ids(&got), 1);
+
+    // Turn 2: a few new tokens beyond what the holder keeps: `whole` on the holder, which finds
+    // the history in its own prefix cache (nothing pulled), and keeps the new turn.
+    let pulled_before = node_count(&c, "p0", "pd_node_kv_pulled_tokens_total", &[]).await;
+    let got = post(&c.client, &gw, path, &turn(&prompt, ANSWER)).await;
+    let want = post(&c.client, &reference.http, path, &turn(&prompt, ANSWER)).await;
+    assert_eq!(token_ids(&got), token_ids(&want), "turn 2");
+    assert_eq!(
+        gateway_count(&c, "pd_gateway_reverse_pulls_total", &[("how", "holder")]).await,
+        1.0
+    );
+    let cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(
+        cached >= 16,
+        "the holder served the history from its cache: {got}"
+    );
+    assert_eq!(
+        node_count(&c, "p0", "pd_node_kv_pulled_tokens_total", &[]).await,
+        pulled_before,
+        "P took no part"
+    );
+    next(&mut prompt, &token_ids(&got), 2);
+
+    // Turns 3–5: the operator tells the policy never to route a turn to its holder: P pulls the
+    // history back from it, computes the new tokens, hands the whole prompt to a decode node.
+    push_prefix_aware(&c, &[("config.holder-max-new-tokens", "0")]).await;
+    for k in 3..=5u64 {
+        let before = node_count(&c, "p0", "pd_node_kv_pulled_tokens_total", &[]).await;
+        let mut body = turn(&prompt, ANSWER);
+        if k == 4 {
+            body["stream"] = json!(true);
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        let want = post(&c.client, &reference.http, path, &turn(&prompt, ANSWER)).await;
+        if k == 4 {
+            let r = c
+                .client
+                .post(format!("{gw}{path}"))
+                .json(&body)
+                .send()
+                .await
+                .expect("sent");
+            assert_eq!(r.status(), 200);
+            let text = r.text().await.expect("the stream");
+            assert!(!text.contains("kv_transfer_params"), "{text}");
+            let ids: Vec<u64> = text
+                .lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .filter(|d| *d != "[DONE]")
+                .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+                .flat_map(|v| {
+                    v["choices"][0]["token_ids"]
+                        .as_array()
+                        .cloned()
+                        .unwrap_or_default()
+                })
+                .filter_map(|t| t.as_u64())
+                .collect();
+            assert_eq!(ids, token_ids(&want), "turn {k} (streamed)");
+            next(&mut prompt, &ids, k);
+        } else {
+            let got = post(&c.client, &gw, path, &body).await;
+            assert_eq!(token_ids(&got), token_ids(&want), "turn {k}");
+            assert_eq!(got.get("kv_transfer_params"), None, "{got}");
+            next(&mut prompt, &token_ids(&got), k);
+        }
+        assert_eq!(
+            gateway_count(
+                &c,
+                "pd_gateway_reverse_pulls_total",
+                &[("how", "prefill_pulls")]
+            )
+            .await,
+            (k - 2) as f64,
+            "turn {k}"
+        );
+        let pulled = node_count(&c, "p0", "pd_node_kv_pulled_tokens_total", &[]).await - before;
+        assert!(pulled > 0.0, "turn {k}: P pulled the history back");
+    }
+    assert_eq!(
+        gateway_count(&c, "pd_gateway_reverse_pulls_total", &[("how", "not_used")]).await,
+        0.0
+    );
+    assert_eq!(
+        gateway_count(&c, "pd_gateway_retained_turns_total", &[]).await,
+        5.0
+    );
+    // Every earlier turn's lease ended (pulled by P, or released by the holder's own request):
+    // the decode nodes keep exactly one retained lease, the last turn's.
+    eventually(
+        "only the last turn stays leased",
+        Duration::from_secs(5),
+        async || {
+            let mut live = 0.0;
+            for d in ["d0", "d1"] {
+                live += node_count(&c, d, "pd_kv_leases_live", &[]).await;
+            }
+            live == 1.0
+        },
+    )
+    .await;
+    assert_eq!(
+        gateway_count(&c, "pd_gateway_conversation_holdings", &[]).await,
+        1.0
+    );
+}
+
+async fn run_client(python: &Path, base: &str, specs: &[Value]) -> Vec<Value> {
+    let python = python.to_path_buf();
+    let base = format!("{base}/v1");
+    let list = Value::Array(specs.to_vec());
+    let out = tokio::task::spawn_blocking(move || python::run_client(&python, &base, &list))
+        .await
+        .expect("the client thread");
+    out.as_array().cloned().expect("a JSON list of results")
+}
+
+/// The `openai` package, as an application uses it: chat resending the history, responses
+/// chained by `previous_response_id`; each turn equals the standalone node given the whole
+/// conversation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_conversations_through_the_gateway_equal_one_node() {
+    let python = python::interpreter();
+    let c = cluster("multi-turn-openai").await;
+    let reference = Node::reference(c.dir(), &c.model);
+    let users = [
+        "Name three rivers of Europe.",
+        "Which is the longest?",
+        "And the shortest?",
+    ];
+
+    // Chat: the client itself resends the history (the script's `continue`).
+    let chat: Vec<Value> = users
+        .iter()
+        .enumerate()
+        .map(|(i, u)| {
+            json!({"api": "chat", "stream": i == 1, "max_tokens": 8, "temperature": 0,
+                   "messages": [{"role": "user", "content": u}], "continue": i > 0,
+                   "extra_body": {"ignore_eos": true, "return_token_ids": true}})
+        })
+        .collect();
+    // Responses: the gateway keeps the history (`previous_response_id`).
+    let responses: Vec<Value> = users
+        .iter()
+        .enumerate()
+        .map(|(i, u)| {
+            json!({"api": "responses", "stream": i == 2, "max_tokens": 8, "temperature": 0,
+                   "input": u, "continue": i > 0})
+        })
+        .collect();
+    let got_chat = run_client(&python, &c.gateway.http, &chat).await;
+    let got_resp = run_client(&python, &c.gateway.http, &responses).await;
+
+    // The reference gets every turn's whole conversation.
+    let mut history: Vec<Value> = Vec::new();
+    let mut want_chat = Vec::new();
+    let mut want_resp = Vec::new();
+    for (i, u) in users.iter().enumerate() {
+        history.push(json!({"role": "user", "content": u}));
+        let spec = json!({"api": "chat", "max_tokens": 8, "temperature": 0, "messages": history,
+                          "extra_body": {"ignore_eos": true, "return_token_ids": true}});
+        let w = run_client(&python, &reference.http, &[spec])
+            .await
+            .remove(0);
+        history.push(json!({"role": "assistant", "content": got_chat[i]["texts"][0]}));
+        want_chat.push(w);
+    }
+    let mut items: Vec<Value> = Vec::new();
+    for (i, u) in users.iter().enumerate() {
+        items.push(json!({"role": "user", "content": u}));
+        let spec = json!({"api": "responses", "max_tokens": 8, "temperature": 0, "input": items});
+        let w = run_client(&python, &reference.http, &[spec])
+            .await
+            .remove(0);
+        items.push(json!({"role": "assistant", "content": got_resp[i]["texts"][0]}));
+        want_resp.push(w);
+    }
+    for (i, (g, w)) in got_chat.iter().zip(&want_chat).enumerate() {
+        assert_eq!(g["token_ids"], w["token_ids"], "chat turn {}", i + 1);
+        assert_eq!(g["texts"], w["texts"], "chat turn {}", i + 1);
+    }
+    for (i, (g, w)) in got_resp.iter().zip(&want_resp).enumerate() {
+        assert_eq!(g["texts"], w["texts"], "responses turn {}", i + 1);
+        assert!(g["response_id"].is_string(), "{g}");
+    }
+    // Every turn was kept by a decode node, and none of their params reached the client.
+    let g = c.gateway_metrics().await;
+    assert_eq!(g.sum("pd_gateway_retained_turns_total", &[]), 6.0);
+    assert_eq!(g.sum("pd_gateway_retained_params_hidden_total", &[]), 6.0);
+    assert!(g.sum("pd_gateway_responses_stored_bytes", &[]) > 0.0);
+    // Each later turn was found in the index (by its block hashes, whichever way the history
+    // came) and sent to the node holding it: short turns, an idle holder. (The generated model's
+    // answers are bytes that re-encode to other token ids, so a resent history often meets only
+    // the answered prompt's blocks: the holder's prefix cache serves those; see the first test
+    // for exact continuations, which are pulled.)
+    assert_eq!(
+        g.sum("pd_gateway_reverse_pulls_total", &[("how", "holder")]),
+        4.0,
+        "{}",
+        g.show("pd_gateway_reverse_pulls_total")
+    );
+}
