@@ -73,7 +73,8 @@ impl Capture {
     /// A whole (not streamed) JSON answer: what it holds, and the bytes for the client when
     /// they changed (`None`: pass the node's bytes on).
     pub fn json(&self, body: &[u8], out: &mut Captured) -> Option<Vec<u8>> {
-        if !self.interested(body) && !(self.want_response && matches!(self.api, Api::Responses)) {
+        let responses = self.want_response && matches!(self.api, Api::Responses);
+        if !(responses || self.interested(body)) {
             return None;
         }
         let mut v: Value = serde_json::from_slice(body).ok()?;
