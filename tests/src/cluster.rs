@@ -379,6 +379,28 @@ impl TestCluster {
         (status, resp.json().await.unwrap_or(Value::Null))
     }
 
+    /// Kills node `engine_id` and starts it again under the same id (a new process: a new epoch,
+    /// an empty pool) with `extra` flags; waits until the gateway lists the new process.
+    pub async fn restart(&mut self, engine_id: &str, extra: &[String]) {
+        let role = self.node(engine_id).role;
+        let model = self.model.clone();
+        let registry = self.gateway.registry.clone();
+        let _ = self.node_mut(engine_id).proc.kill_and_wait();
+        self.wait_unlisted(engine_id, READY_TIMEOUT).await;
+        let proc = Node::spawn(
+            self.dir.path(),
+            &model,
+            engine_id,
+            role,
+            Some(&registry),
+            extra,
+        );
+        let fresh = Node::listening(engine_id, role, proc);
+        *self.node_mut(engine_id) = fresh;
+        self.wait_listed(&[engine_id], READY_TIMEOUT).await;
+        self.wait_peers_known(READY_TIMEOUT).await;
+    }
+
     /// `GET /admin/nodes`' node list.
     pub async fn admin_nodes(&self) -> Vec<Value> {
         let (status, v) = self.admin_get("/admin/nodes").await;

@@ -324,3 +324,157 @@ async fn openai_conversations_through_the_gateway_equal_one_node() {
         g.show("pd_gateway_reverse_pulls_total")
     );
 }
+
+/// Runs one completions turn through the gateway and on the reference node; asserts they agree
+/// token for token and returns the answer's tokens.
+async fn exact_turn(c: &TestCluster, reference: &Node, prompt: &[u64], what: &str) -> Vec<u64> {
+    let got = post(
+        &c.client,
+        &c.gateway.http,
+        "/v1/completions",
+        &turn(prompt, ANSWER),
+    )
+    .await;
+    let want = post(
+        &c.client,
+        &reference.http,
+        "/v1/completions",
+        &turn(prompt, ANSWER),
+    )
+    .await;
+    assert_eq!(token_ids(&got), token_ids(&want), "{what}");
+    token_ids(&got)
+}
+
+/// The decode node whose `pd_node_kv_retained_total` is `before[i] + 1`.
+async fn new_holder(c: &TestCluster, before: &[f64; 2]) -> &'static str {
+    for (i, id) in ["d0", "d1"].into_iter().enumerate() {
+        if node_count(c, id, "pd_node_kv_retained_total", &[]).await > before[i] {
+            return id;
+        }
+    }
+    panic!("no decode node kept the turn")
+}
+
+async fn retained_counts(c: &TestCluster) -> [f64; 2] {
+    [
+        node_count(c, "d0", "pd_node_kv_retained_total", &[]).await,
+        node_count(c, "d1", "pd_node_kv_retained_total", &[]).await,
+    ]
+}
+
+/// When a conversation's history is gone before its next turn — the lease expired, the holder
+/// restarted, or the holder needed the blocks and revoked the lease — the turn is recomputed,
+/// token for token what one node gives, and counted by why; at the end every pool is idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_history_is_recomputed_and_counted() {
+    // Long enough to fill a pool under a loaded CI machine before it runs out (part 3).
+    const SHORT: &str = "8";
+    let policy = bins::policy("prefix-aware");
+    let mut c = TestCluster::start(
+        "multi-turn-lost",
+        ClusterSpec {
+            prefill: 1,
+            decode: 2,
+            // Never route a turn to its holder: every later turn asks P to pull.
+            gateway_args: args(&[
+                "--policy",
+                policy.to_str().expect("utf-8 path"),
+                "--policy-config",
+                "holder-max-new-tokens=0",
+            ]),
+            prefill_args: args(&["--kv-recompute-threshold", "0"]),
+            decode_args: args(&["--kv-retain-after-decode", SHORT]),
+            ..ClusterSpec::default()
+        },
+    )
+    .await;
+    let reference = Node::reference(c.dir(), &c.model);
+    let next = |prompt: &mut Vec<u64>, answer: &[u64]| {
+        prompt.extend(answer);
+        prompt.extend([41, 42, 43, 44, 45]);
+    };
+    let dropped = async |c: &TestCluster, why: &str| {
+        gateway_count(c, "pd_gateway_conversation_dropped_total", &[("why", why)]).await
+    };
+
+    // 1. The lease expired: the gateway drops the turn instead of sending P after it.
+    let mut prompt: Vec<u64> = (1..=11).collect();
+    let a = exact_turn(&c, &reference, &prompt, "expired: turn 1").await;
+    next(&mut prompt, &a);
+    tokio::time::sleep(Duration::from_millis(8_500)).await;
+    exact_turn(&c, &reference, &prompt, "expired: turn 2").await;
+    assert_eq!(dropped(&c, "expired").await, 1.0);
+    assert_eq!(
+        gateway_count(&c, "pd_gateway_reverse_pulls_total", &[]).await,
+        0.0
+    );
+
+    // 2. The holder restarted under the same id: a new epoch, an empty pool.
+    let mut prompt: Vec<u64> = (100..=111).collect();
+    let before = retained_counts(&c).await;
+    let a = exact_turn(&c, &reference, &prompt, "restarted: turn 1").await;
+    let holder = new_holder(&c, &before).await;
+    next(&mut prompt, &a);
+    c.restart(holder, &args(&["--kv-retain-after-decode", SHORT]))
+        .await;
+    exact_turn(&c, &reference, &prompt, "restarted: turn 2").await;
+    assert_eq!(dropped(&c, "holder_restarted").await, 1.0);
+    assert_eq!(
+        gateway_count(&c, "pd_gateway_reverse_pulls_total", &[]).await,
+        0.0
+    );
+
+    // 3. The holder needed the blocks: long requests sent to it directly fill its pool, so it
+    //    revokes the retained lease before anything is preempted; P's pull then fails at
+    //    confirm and P computes the history itself.
+    let mut prompt: Vec<u64> = (200..=211).collect();
+    let before = retained_counts(&c).await;
+    let a = exact_turn(&c, &reference, &prompt, "evicted: turn 1").await;
+    let holder = new_holder(&c, &before).await;
+    next(&mut prompt, &a);
+    let holder_http = c.node(holder).http.clone();
+    let fill = (0..5u64).map(|r| {
+        let long: Vec<u64> = (0..2000u64).map(|i| (r * 97 + i * 7) % 500 + 1).collect();
+        let client = c.client.clone();
+        let http = holder_http.clone();
+        async move { post(&client, &http, "/v1/completions", &turn(&long, 40)).await }
+    });
+    futures::future::join_all(fill).await;
+    assert!(
+        node_count(&c, holder, "pd_kv_leases_total", &[("event", "revoked")]).await >= 1.0,
+        "the holder revoked the retained turn"
+    );
+    let recomputed = node_count(&c, "p0", "pd_kv_recompute_total", &[]).await;
+    exact_turn(&c, &reference, &prompt, "evicted: turn 2").await;
+    assert_eq!(
+        gateway_count(
+            &c,
+            "pd_gateway_reverse_pulls_total",
+            &[("how", "prefill_pulls")]
+        )
+        .await,
+        1.0,
+        "the gateway did not know: it asked P to pull"
+    );
+    assert_eq!(
+        node_count(&c, "p0", "pd_kv_recompute_total", &[]).await,
+        recomputed + 1.0,
+        "P recomputed the history: {}",
+        c.node_metrics("p0").await.show("pd_kv_recompute_total")
+    );
+
+    // 4. Once the last turns' leases run out, every pool is idle.
+    eventually("every pool idle", Duration::from_secs(20), async || {
+        for id in ["p0", "d0", "d1"] {
+            let m = c.node_metrics(id).await;
+            if m.sum("pd_kv_leases_live", &[]) != 0.0
+                || m.sum("pd_node_kv_blocks_free", &[]) != m.sum("pd_node_kv_blocks_total", &[])
+            {
+                return false;
+            }
+        }
+        true
+    })
+    .await;
+}

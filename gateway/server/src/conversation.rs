@@ -216,31 +216,33 @@ impl Holdings {
     }
 
     /// The holding covering the most leading blocks of `hashes` (a prompt's chained block
-    /// hashes). Expired holdings met on the way are dropped.
-    pub fn longest(&self, hashes: &[u64], now: SystemTime) -> Option<Found> {
+    /// hashes), and how many expired holdings met on the way were dropped.
+    pub fn longest(&self, hashes: &[u64], now: SystemTime) -> (Option<Found>, u32) {
         let mut s = self.lock();
+        let mut expired = 0;
         if s.by_hash.is_empty() {
-            return None;
+            return (None, 0);
         }
         for (i, h) in hashes.iter().enumerate().rev() {
             let Some(e) = s.by_hash.get(h) else {
                 continue;
             };
             if e.holding.expires > now {
-                return Some(Found {
+                let found = Found {
                     blocks: i + 1,
                     tokens: e.tokens,
                     exact: e.exact,
                     holding: e.holding.clone(),
-                });
+                };
+                return (Some(found), expired);
             }
             let last = e.holding.last_hash;
-            s.remove_holding(last);
+            expired += u32::from(s.remove_holding(last).is_some());
             if s.by_hash.get(h).is_some_and(|e| e.holding.expires <= now) {
                 s.by_hash.remove(h);
             }
         }
-        None
+        (None, expired)
     }
 
     /// Takes the holding keyed `last_hash` out of the index (its turn was used or superseded).
@@ -563,21 +565,21 @@ mod tests {
         idx.insert(Holding::from_params(&params("d1", 8, 20, in_a_minute())).unwrap());
         idx.insert(Holding::from_params(&params("d2", 16, 40, in_a_minute())).unwrap());
         // A prompt whose chain passes through 20 (block 2) and 40 (block 4).
-        let f = idx.longest(&[10, 20, 30, 40, 50], now).unwrap();
+        let f = idx.longest(&[10, 20, 30, 40, 50], now).0.unwrap();
         assert_eq!(
             (f.blocks, f.tokens, f.exact, &*f.holding.engine_id),
             (4, 16, true, "d2")
         );
-        let f = idx.longest(&[10, 20, 31], now).unwrap();
+        let f = idx.longest(&[10, 20, 31], now).0.unwrap();
         assert_eq!((f.blocks, &*f.holding.engine_id), (2, "d1"));
-        assert_eq!(idx.longest(&[11, 21], now), None);
+        assert_eq!(idx.longest(&[11, 21], now), (None, 0));
         // Expired: dropped when met.
         idx.insert(Holding::from_params(&params("d3", 8, 60, 1.0)).unwrap());
         assert_eq!(idx.len(), 3);
-        assert_eq!(idx.longest(&[60], now), None);
+        assert_eq!(idx.longest(&[60], now), (None, 1));
         assert_eq!(idx.len(), 2);
         assert_eq!(idx.remove(40).map(|h| h.tokens), Some(16));
-        assert_eq!(idx.longest(&[10, 20, 30, 40], now).unwrap().blocks, 2);
+        assert_eq!(idx.longest(&[10, 20, 30, 40], now).0.unwrap().blocks, 2);
     }
 
     #[test]
@@ -591,20 +593,20 @@ mod tests {
         idx.insert(h);
         assert_eq!(idx.len(), 1);
         // Resent exactly: all 64 tokens, pullable.
-        let f = idx.longest(&[10, 20, 30, 40, 50], now).unwrap();
+        let f = idx.longest(&[10, 20, 30, 40, 50], now).0.unwrap();
         assert_eq!((f.tokens, f.exact), (64, true));
         // The answer re-encoded to other ids: only the prompt part matches, not pullable.
-        let f = idx.longest(&[10, 20, 33, 44, 55], now).unwrap();
+        let f = idx.longest(&[10, 20, 33, 44, 55], now).0.unwrap();
         assert_eq!((f.blocks, f.tokens, f.exact), (2, 32, false));
         // Removing the holding removes both keys.
         assert!(idx.remove(40).is_some());
-        assert_eq!(idx.longest(&[10, 20, 33], now), None);
+        assert_eq!(idx.longest(&[10, 20, 33], now), (None, 0));
         // An expired holding met by its partial key is gone under both.
         let mut old = Holding::from_params(&params("d1", 64, 41, 1.0)).unwrap();
         old.prompt_key = Some((21, 32));
         idx.insert(old);
-        assert_eq!(idx.longest(&[10, 21], now), None);
-        assert_eq!(idx.longest(&[10, 21, 30, 41], now), None);
+        assert_eq!(idx.longest(&[10, 21], now), (None, 1));
+        assert_eq!(idx.longest(&[10, 21, 30, 41], now), (None, 0));
         assert!(idx.is_empty());
     }
 
@@ -618,9 +620,9 @@ mod tests {
         }
         assert_eq!(idx.len(), 2);
         let now = SystemTime::now();
-        assert!(idx.longest(&[102], now).is_none());
-        assert!(idx.longest(&[103], now).is_some());
-        assert!(idx.longest(&[104], now).is_some());
+        assert!(idx.longest(&[102], now).0.is_none());
+        assert!(idx.longest(&[103], now).0.is_some());
+        assert!(idx.longest(&[104], now).0.is_some());
         // Re-keying the same hash displaces the old holding, and is not evicted by its stale
         // order entry.
         let again = idx.insert(Holding::from_params(&params("d2", 8, 104, in_a_minute())).unwrap());

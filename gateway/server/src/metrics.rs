@@ -60,6 +60,10 @@ pub struct Metrics {
     pub retained_params_hidden: IntCounter,
     /// Retained leases the gateway released because a later turn superseded them.
     pub retained_released: IntCounter,
+    /// Retained turns dropped from the index before a next turn could use them, by `why`
+    /// (`expired`: the lease ran out; `holder_restarted`: the node came back with another epoch,
+    /// its pool empty).
+    pub conversation_dropped: IntCounterVec,
     /// Retained turns indexed now.
     pub conversation_holdings: IntGauge,
     /// Bytes of `/v1/responses` turns kept for `previous_response_id`.
@@ -215,6 +219,11 @@ impl Metrics {
             retained_released: counter(
                 "pd_gateway_retained_leases_released_total",
                 "Retained leases released because a later turn superseded them.",
+            ),
+            conversation_dropped: counters(
+                "pd_gateway_conversation_dropped_total",
+                "Retained turns dropped from the index unused, by why.",
+                &["why"],
             ),
             conversation_holdings: reg(
                 &registry,

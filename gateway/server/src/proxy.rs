@@ -592,7 +592,15 @@ impl Gateway {
     /// (`conversation-tokens`, `conversation-expiry-ms`).
     fn held(&self, hashes: &[u64], snapshot: &mut Snapshot) -> Option<Held> {
         let now = SystemTime::now();
-        let found = self.0.holdings.longest(hashes, now)?;
+        let (found, expired) = self.0.holdings.longest(hashes, now);
+        if expired > 0 {
+            self.0
+                .metrics
+                .conversation_dropped
+                .with_label_values(&["expired"])
+                .inc_by(u64::from(expired));
+        }
+        let found = found?;
         debug!(holder = %found.holding.engine_id, tokens = found.tokens, exact = found.exact, "the prompt continues a retained turn");
         let holding = found.holding;
         // Not live now: it may come back (a reconnect); the lease expires on its own.
@@ -603,6 +611,11 @@ impl Gateway {
         if holding.epoch != 0 && snapshot.nodes[index].epoch != holding.epoch {
             // Restarted: whatever it held is gone.
             self.0.holdings.remove(holding.last_hash);
+            self.0
+                .metrics
+                .conversation_dropped
+                .with_label_values(&["holder_restarted"])
+                .inc();
             return None;
         }
         let node = &mut snapshot.view.nodes[index];

@@ -837,11 +837,22 @@ async fn d_renews_the_lease_while_it_waits_for_blocks() {
 }
 
 /// A free TCP port on loopback (bound, then released for the node to take).
+/// A free port below Linux's ephemeral range (32768..): a port a test binds again later (a
+/// restarted node keeps its address) must not be handed meanwhile to another process binding
+/// port 0, as a port from `bind(":0")` can be.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    use std::sync::atomic::{AtomicU32, Ordering};
+    // Each call starts past the last port handed out, from a per-process offset.
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let base = std::process::id() % 10_000;
+    loop {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        assert!(n < 10_000, "no free port in 20000..30000");
+        let port = u16::try_from(20_000 + (base + n * 7) % 10_000).expect("below 30000");
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// Issue 12's first wrong-KV hole: P restarts under the same engine id and side-channel port.
