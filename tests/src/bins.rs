@@ -4,14 +4,14 @@
 
 use std::path::{Path, PathBuf};
 
-/// The profile directory the test executable was built into (`.../target/debug`).
+/// The profile directory the test (or example) executable was built into (`.../target/debug`).
 pub fn profile_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("the test executable's path");
     let mut dir = exe
         .parent()
         .expect("the test executable lies in a directory")
         .to_path_buf();
-    if dir.ends_with("deps") {
+    if dir.ends_with("deps") || dir.ends_with("examples") {
         dir.pop();
     }
     dir
