@@ -230,8 +230,7 @@ async fn run_mode(
     for c in clients {
         c.await.expect("a client task");
     }
-    let out = results.lock().await.clone();
-    out
+    results.lock().await.clone()
 }
 
 fn pct(sorted: &[f64], p: f64) -> f64 {
@@ -258,12 +257,34 @@ fn summary(turns: &[TurnStats]) -> [f64; 5] {
     ]
 }
 
-fn spawn_node(dir: &WorkDir, id: &str, role: &str, registry: &str, model: &str, s: &Settings) -> Proc {
+fn spawn_node(
+    dir: &WorkDir,
+    id: &str,
+    role: &str,
+    registry: &str,
+    model: &str,
+    s: &Settings,
+) -> Proc {
     let mut cmd = Command::new(bins::pd_node());
-    cmd.args(["serve", "--model", model, "--served-model-name", MODEL, "--port", "0"])
-        .args(["--engine-id", id, "--num-gpu-blocks", &s.blocks.to_string()])
-        .args(["--kv-role", role, "--kv-port", "0", "--kv-recompute-threshold", "0"])
-        .args(["--gateway", registry, "--cluster-token", CLUSTER_TOKEN]);
+    cmd.args([
+        "serve",
+        "--model",
+        model,
+        "--served-model-name",
+        MODEL,
+        "--port",
+        "0",
+    ])
+    .args(["--engine-id", id, "--num-gpu-blocks", &s.blocks.to_string()])
+    .args([
+        "--kv-role",
+        role,
+        "--kv-port",
+        "0",
+        "--kv-recompute-threshold",
+        "0",
+    ])
+    .args(["--gateway", registry, "--cluster-token", CLUSTER_TOKEN]);
     if role == "kv_consumer" {
         cmd.args(["--kv-retain-after-decode", &s.retain_secs.to_string()]);
     }
@@ -319,25 +340,32 @@ async fn main() {
     let system = format!("You are a helpful assistant. {}.", words(7, s.system_words));
     eprintln!("settings: {s:?}");
     let mut rows = Vec::new();
-    for (mode, policy) in [('a', "round-robin"), ('b', "round-robin"), ('c', "prefix-aware")] {
+    for (mode, policy) in [
+        ('a', "round-robin"),
+        ('b', "round-robin"),
+        ('c', "prefix-aware"),
+    ] {
         push(&client, &gw.admin, policy).await;
         let before = scrape(&client, &gw.http).await;
         let started = Instant::now();
         let turns = run_mode(&client, &gw.http, mode, &system, &s).await;
         let after = scrape(&client, &gw.http).await;
-        let how: Vec<String> = ["holder", "prefill_pulls", "decode_pulls", "partial", "not_used"]
-            .iter()
-            .map(|h| {
-                let f = [("how", *h)];
-                let n = after.sum("pd_gateway_reverse_pulls_total", &f)
-                    - before.sum("pd_gateway_reverse_pulls_total", &f);
-                format!("{h}={n}")
-            })
-            .collect();
-        let last: Vec<f64> = turns
-            .iter()
-            .map(|t| t.prompt_tokens as f64)
-            .collect();
+        let how: Vec<String> = [
+            "holder",
+            "prefill_pulls",
+            "decode_pulls",
+            "partial",
+            "not_used",
+        ]
+        .iter()
+        .map(|h| {
+            let f = [("how", *h)];
+            let n = after.sum("pd_gateway_reverse_pulls_total", &f)
+                - before.sum("pd_gateway_reverse_pulls_total", &f);
+            format!("{h}={n}")
+        })
+        .collect();
+        let last: Vec<f64> = turns.iter().map(|t| t.prompt_tokens as f64).collect();
         let max_prompt = last.iter().copied().fold(0.0, f64::max);
         let sm = summary(&turns);
         eprintln!(
@@ -353,7 +381,9 @@ async fn main() {
         );
         rows.push((mode, sm, turns.len(), max_prompt, how.join(" ")));
     }
-    println!("| mode | turns | TTFT mean | TTFT p50 | TTFT p99 | TPOT mean | latency mean | longest prompt | placement |");
+    println!(
+        "| mode | turns | TTFT mean | TTFT p50 | TTFT p99 | TPOT mean | latency mean | longest prompt | placement |"
+    );
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---|");
     for (mode, sm, n, max_prompt, how) in &rows {
         println!(
