@@ -79,3 +79,17 @@ pub fn run_client(python: &Path, base_url: &str, specs: &Value) -> Value {
         )
     })
 }
+
+/// [`run_client`] against the node or gateway at `http` (`http://host:port`), on a blocking
+/// thread; checks there is one result per spec and returns them.
+pub async fn run_specs(python: &Path, http: &str, specs: &[Value]) -> Vec<Value> {
+    let python = python.to_path_buf();
+    let base = format!("{http}/v1");
+    let list = Value::Array(specs.to_vec());
+    let out = tokio::task::spawn_blocking(move || run_client(&python, &base, &list))
+        .await
+        .expect("the client thread");
+    let results = out.as_array().cloned().expect("a JSON list of results");
+    assert_eq!(results.len(), specs.len(), "one result per spec");
+    results
+}

@@ -15,7 +15,6 @@
 //!    `/v1/responses` conversation chained with `previous_response_id` (streamed and not), each
 //!    turn equal to the standalone node given the whole conversation; an unknown id is a 404.
 
-use std::path::Path;
 use std::time::Duration;
 
 use pd_cluster_tests::bins;
@@ -229,16 +228,6 @@ async fn each_turn_goes_where_the_conversation_is_and_equals_one_node() {
     );
 }
 
-async fn run_client(python: &Path, base: &str, specs: &[Value]) -> Vec<Value> {
-    let python = python.to_path_buf();
-    let base = format!("{base}/v1");
-    let list = Value::Array(specs.to_vec());
-    let out = tokio::task::spawn_blocking(move || python::run_client(&python, &base, &list))
-        .await
-        .expect("the client thread");
-    out.as_array().cloned().expect("a JSON list of results")
-}
-
 /// The `openai` package, as an application uses it: chat resending the history, responses
 /// chained by `previous_response_id`; each turn equals the standalone node given the whole
 /// conversation.
@@ -272,8 +261,8 @@ async fn openai_conversations_through_the_gateway_equal_one_node() {
                    "input": u, "continue": i > 0})
         })
         .collect();
-    let got_chat = run_client(&python, &c.gateway.http, &chat).await;
-    let got_resp = run_client(&python, &c.gateway.http, &responses).await;
+    let got_chat = python::run_specs(&python, &c.gateway.http, &chat).await;
+    let got_resp = python::run_specs(&python, &c.gateway.http, &responses).await;
 
     // The reference gets every turn's whole conversation.
     let mut history: Vec<Value> = Vec::new();
@@ -283,7 +272,7 @@ async fn openai_conversations_through_the_gateway_equal_one_node() {
         history.push(json!({"role": "user", "content": u}));
         let spec = json!({"api": "chat", "max_tokens": 8, "temperature": 0, "messages": history,
                           "extra_body": {"ignore_eos": true, "return_token_ids": true}});
-        let w = run_client(&python, &reference.http, &[spec])
+        let w = python::run_specs(&python, &reference.http, &[spec])
             .await
             .remove(0);
         history.push(json!({"role": "assistant", "content": got_chat[i]["texts"][0]}));
@@ -293,7 +282,7 @@ async fn openai_conversations_through_the_gateway_equal_one_node() {
     for (i, u) in users.iter().enumerate() {
         items.push(json!({"role": "user", "content": u}));
         let spec = json!({"api": "responses", "max_tokens": 8, "temperature": 0, "input": items});
-        let w = run_client(&python, &reference.http, &[spec])
+        let w = python::run_specs(&python, &reference.http, &[spec])
             .await
             .remove(0);
         items.push(json!({"role": "assistant", "content": got_resp[i]["texts"][0]}));

@@ -8,7 +8,6 @@
 //! decode nodes (2 + 1): P grants a lease per decode node, each pulls, and the gateway merges
 //! the two answers (choice indices, seeds, usage, one stream) into what one node gives.
 
-use std::path::Path;
 use std::time::Duration;
 
 use pd_cluster_tests::cluster::{ClusterSpec, Node, Role, TestCluster, args, tiny_model};
@@ -49,18 +48,6 @@ fn specs() -> Vec<Value> {
         }
     }
     specs
-}
-
-async fn run_client(python: &Path, http: &str, specs: &[Value]) -> Vec<Value> {
-    let python = python.to_path_buf();
-    let base = format!("{http}/v1");
-    let list = Value::Array(specs.to_vec());
-    let out = tokio::task::spawn_blocking(move || python::run_client(&python, &base, &list))
-        .await
-        .expect("the client thread");
-    let results = out.as_array().cloned().expect("a JSON list of results");
-    assert_eq!(results.len(), specs.len(), "one result per spec");
-    results
 }
 
 fn u64_of(v: &Value, key: &str) -> Option<u64> {
@@ -223,7 +210,7 @@ async fn the_openai_package_gets_identical_tokens_through_the_gateway_and_p_d() 
         let dir = WorkDir::new("openai-reference");
         let model = tiny_model(&dir);
         let reference = Node::reference(&dir, &model);
-        run_client(&python, &reference.http, &specs).await
+        python::run_specs(&python, &reference.http, &specs).await
     };
     for (spec, w) in specs.iter().zip(&want) {
         assert!(
@@ -284,7 +271,7 @@ async fn the_openai_package_gets_identical_tokens_through_the_gateway_and_p_d() 
     ];
     for (name, spread, spec) in clusters {
         let c = TestCluster::start(name, spec).await;
-        let got = run_client(&python, &c.gateway.http, &specs).await;
+        let got = python::run_specs(&python, &c.gateway.http, &specs).await;
         let pulled = compare(name, &specs, &want, &got);
         eprintln!(
             "{name}: {} answers token-identical to the reference; {} prompt tokens pulled P→D",
