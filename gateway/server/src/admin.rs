@@ -357,6 +357,8 @@ async fn nodes(State(a): State<Admin>, headers: HeaderMap) -> Response {
                 "waiting": s.waiting,
                 "running": s.running,
                 "waiting_remote_kv": s.waiting_remote_kv,
+                "prefill_tokens_per_s": s.prefill_tokens_per_s,
+                "pull_mb_per_s": s.pull_mb_per_s,
                 "draining": n.draining,
                 "routable": n.visible_from <= Instant::now(),
                 "cached_block_hashes": n.hashes.len(),

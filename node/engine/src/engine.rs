@@ -575,11 +575,31 @@ impl Engine {
                 sampled.push(s.index);
             }
         }
+        // Prompt tokens this step computes (decode rows are one token past the prompt).
+        let prefill_tokens: usize = plan
+            .scheduled
+            .iter()
+            .map(|s| {
+                let seq = &self.scheduler.running[s.index];
+                let start = seq.num_computed;
+                (start + s.num_tokens)
+                    .min(seq.prompt_len)
+                    .saturating_sub(start)
+            })
+            .sum();
+        let started = Instant::now();
         // (rows, vocab) copied out once for the whole step, then read row by row.
         let logits = self.model.forward(&batch, &mut self.pool).and_then(|l| {
             let vocab = l.dim(1)?;
             Ok((l.flatten_all()?.to_vec1::<f32>()?, vocab))
         });
+        if logits.is_ok() && prefill_tokens >= crate::metrics::PREFILL_RATE_MIN_TOKENS {
+            let secs = started.elapsed().as_secs_f64();
+            crate::metrics::ewma(
+                &self.metrics.prefill_tokens_per_second,
+                prefill_tokens as f64 / secs,
+            );
+        }
         let (logits, vocab) = match logits {
             Ok(l) => l,
             Err(e) => {

@@ -1,6 +1,6 @@
 //! Prometheus metrics of one engine: queue sizes, KV usage, prefix-cache hits, latencies, tokens.
 
-use prometheus::{Histogram, HistogramOpts, IntCounter, IntGauge, Opts, Registry};
+use prometheus::{Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, Opts, Registry};
 
 /// All metrics the engine exports, registered in their own [`Registry`] (no global state).
 #[derive(Debug, Clone)]
@@ -40,6 +40,30 @@ pub struct EngineMetrics {
     pub e2e_latency: Histogram,
     /// Prefill requests for decode nodes refused because leases held their cap of the pool.
     pub lease_capacity_refusals: IntCounter,
+    /// Prompt tokens computed per second: a moving average over steps that computed at least
+    /// [`PREFILL_RATE_MIN_TOKENS`] prompt tokens (0 until one did). Reported to the gateway, so
+    /// a policy can weigh recomputing a prefix against pulling it.
+    pub prefill_tokens_per_second: Gauge,
+}
+
+/// Steps computing fewer prompt tokens than this do not move the prefill-rate average (their
+/// time is mostly the decode rows beside them).
+pub(crate) const PREFILL_RATE_MIN_TOKENS: usize = 32;
+
+/// Weight of the newest sample in the moving averages of rates.
+pub(crate) const RATE_EWMA_WEIGHT: f64 = 0.2;
+
+/// Moves `gauge`, a moving average, towards `sample` (the first sample sets it).
+pub(crate) fn ewma(gauge: &Gauge, sample: f64) {
+    if !sample.is_finite() || sample <= 0.0 {
+        return;
+    }
+    let old = gauge.get();
+    gauge.set(if old > 0.0 {
+        old + RATE_EWMA_WEIGHT * (sample - old)
+    } else {
+        sample
+    });
 }
 
 const LATENCY_BUCKETS: &[f64] = &[
@@ -134,6 +158,17 @@ impl EngineMetrics {
                 "pd_node_kv_lease_capacity_refusals_total",
                 "Prefills for decode nodes refused: leases held --kv-max-leased-fraction of the pool",
             ),
+            prefill_tokens_per_second: {
+                let g = Gauge::with_opts(Opts::new(
+                    "pd_node_prefill_tokens_per_second",
+                    "Prompt tokens computed per second (moving average over prefill steps)",
+                ))
+                .expect("valid metric name");
+                registry
+                    .register(Box::new(g.clone()))
+                    .expect("unique metric name");
+                g
+            },
             registry,
         }
     }

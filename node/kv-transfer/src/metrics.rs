@@ -2,11 +2,19 @@
 
 use std::sync::Mutex;
 
-use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{
+    Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+};
 
 use crate::lease_authority::PoolStats;
 use crate::peer::TransferError;
 use crate::pull::PullStats;
+
+/// Pulls smaller than this do not move the bandwidth average (their time is mostly fixed cost).
+pub const PULL_RATE_MIN_BYTES: usize = 256 << 10;
+
+/// Weight of the newest pull in the bandwidth average.
+pub const PULL_RATE_EWMA_WEIGHT: f64 = 0.2;
 
 /// Transfer and lease metrics of one node.
 #[derive(Debug)]
@@ -37,6 +45,10 @@ pub struct TransferMetrics {
     /// Requests whose `kv_transfer_params` asked for a pull but lacked a field (served without a
     /// pull, as vLLM does), by the first missing field.
     pub incomplete_params: IntCounterVec,
+    /// Bytes per second of this node's pulls: a moving average over pulls of at least
+    /// [`PULL_RATE_MIN_BYTES`] (0 until one). Reported to the gateway, so a policy can weigh
+    /// pulling a prefix against recomputing it.
+    pub pull_bytes_per_second: Gauge,
     last_counts: Mutex<pd_kv_pool::LeaseCounts>,
 }
 
@@ -110,6 +122,11 @@ impl TransferMetrics {
         .expect("valid counter");
         let live_leases = IntGauge::new("pd_kv_leases_live", "Live leases on this node as owner")
             .expect("valid gauge");
+        let pull_bytes_per_second = Gauge::new(
+            "pd_kv_pull_bytes_per_second",
+            "Bytes per second of this node's pulls (moving average)",
+        )
+        .expect("valid gauge");
         for c in [
             Box::new(bytes.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(notification_failures.clone()),
@@ -119,6 +136,7 @@ impl TransferMetrics {
             Box::new(live_leases.clone()),
             Box::new(recomputes.clone()),
             Box::new(incomplete_params.clone()),
+            Box::new(pull_bytes_per_second.clone()),
         ] {
             registry.register(c).expect("unique metric");
         }
@@ -135,6 +153,7 @@ impl TransferMetrics {
             live_leases,
             recomputes,
             incomplete_params,
+            pull_bytes_per_second,
             last_counts: Mutex::new(Default::default()),
         }
     }
@@ -150,6 +169,16 @@ impl TransferMetrics {
         self.post_seconds.observe(s.post_time.as_secs_f64());
         self.bytes.inc_by(s.bytes as u64);
         self.descriptors.observe(s.descriptors as f64);
+        let secs = s.total_time.as_secs_f64();
+        if s.bytes >= PULL_RATE_MIN_BYTES && secs > 0.0 {
+            let sample = s.bytes as f64 / secs;
+            let old = self.pull_bytes_per_second.get();
+            self.pull_bytes_per_second.set(if old > 0.0 {
+                old + PULL_RATE_EWMA_WEIGHT * (sample - old)
+            } else {
+                sample
+            });
+        }
     }
 
     /// Records a failed pull by its reason.

@@ -363,7 +363,7 @@ impl Reporter {
                 },
                 _ = poll.tick() => {
                     let state = self.source.state();
-                    if live.last_state != Some(state) || live.last_sent.elapsed() >= live.state_interval {
+                    if !live.last_state.is_some_and(|l| l.same_load(&state)) || live.last_sent.elapsed() >= live.state_interval {
                         live.send_state(state).await?;
                     }
                 }
@@ -477,6 +477,8 @@ impl Live {
                 live: leases.live,
             }),
             leased_blocks: state.leased_blocks,
+            prefill_tokens_per_s: state.prefill_tokens_per_s,
+            pull_mb_per_s: state.pull_mb_per_s,
         };
         self.send(pb::node_message::Msg::State(msg)).await?;
         self.last_state = Some(state);

@@ -24,6 +24,24 @@ pub struct NodeStateSnapshot {
     pub leases: LeaseCounters,
     /// Blocks held by live leases (KV kept for another node to pull).
     pub leased_blocks: u64,
+    /// Prompt tokens computed per second, a moving average (0: not measured yet).
+    pub prefill_tokens_per_s: u32,
+    /// Megabytes per second of the node's KV pulls, a moving average (0: not measured yet).
+    pub pull_mb_per_s: u32,
+}
+
+impl NodeStateSnapshot {
+    /// Whether `other` differs from this in anything but the rates: the reporter sends a state
+    /// at once when its load changes, and the rates (which move at every prefill step) ride
+    /// along with that or with the periodic state.
+    pub fn same_load(&self, other: &Self) -> bool {
+        let strip = |s: &Self| Self {
+            prefill_tokens_per_s: 0,
+            pull_mb_per_s: 0,
+            ..*s
+        };
+        strip(self) == strip(other)
+    }
 }
 
 /// Lease counters, cumulative since process start except [`live`](Self::live).

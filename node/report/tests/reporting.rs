@@ -115,6 +115,8 @@ fn initial_state() -> NodeStateSnapshot {
             live: 1,
         },
         leased_blocks: 7,
+        prefill_tokens_per_s: 0,
+        pull_mb_per_s: 0,
     }
 }
 

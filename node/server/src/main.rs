@@ -179,7 +179,10 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                     tokenizer_files: engine.tokenizer().files().clone(),
                     tokenizer_fingerprint: engine.tokenizer().fingerprint(),
                 };
-                let source = Arc::new(pd_node::report::EngineSource::new(engine.clone()));
+                let source = Arc::new(pd_node::report::EngineSource::new(
+                    engine.clone(),
+                    transfer_metrics.pull_bytes_per_second.clone(),
+                ));
                 let handle = pd_report::Reporter::spawn(
                     gateway.clone(),
                     registration,

@@ -21,14 +21,21 @@ use crate::KvRole;
 pub struct EngineSource {
     engine: EngineHandle,
     stored: Arc<StoredBlocks>,
+    /// The moving average of this node's pull bandwidth (bytes/s), from its transfer metrics.
+    pull_rate: prometheus::Gauge,
 }
 
 impl EngineSource {
-    /// Reads `engine`; starts mirroring its prefix cache (needs a tokio runtime).
-    pub fn new(engine: EngineHandle) -> Self {
+    /// Reads `engine` (and the pull bandwidth average `pull_rate`, bytes/s); starts mirroring
+    /// its prefix cache (needs a tokio runtime).
+    pub fn new(engine: EngineHandle, pull_rate: prometheus::Gauge) -> Self {
         let stored = Arc::new(StoredBlocks::new());
         tokio::spawn(mirror_cache(engine.clone(), stored.clone()));
-        Self { engine, stored }
+        Self {
+            engine,
+            stored,
+            pull_rate,
+        }
     }
 }
 
@@ -51,6 +58,8 @@ impl StateSource for EngineSource {
                 live: leases.live as u64,
             },
             leased_blocks: leases.leased_blocks as u64,
+            prefill_tokens_per_s: m.prefill_tokens_per_second.get().round() as u32,
+            pull_mb_per_s: (self.pull_rate.get() / 1e6).round() as u32,
         }
     }
 

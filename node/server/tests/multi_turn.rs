@@ -197,3 +197,40 @@ async fn every_api_returns_the_retained_turn_whole_or_streamed() {
     }
     assert_eq!(retained_leases(&d).await, 6.0);
 }
+
+/// The rates a policy weighs a pull against a recompute with: P's prefill tokens per second
+/// (moving average over its prefill steps) and D's pull bandwidth (over pulls of 256 KiB and
+/// more), both measured on real work and exported (and streamed to a gateway in `NodeState`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_rate_and_pull_bandwidth_are_measured() {
+    let dir = model("rates");
+    let blocks = ["--num-gpu-blocks", "2048"];
+    let p = producer(
+        &dir,
+        &[&["--kv-recompute-threshold", "0"], &blocks[..]].concat(),
+    );
+    let d = consumer_with(&dir, "fail", &blocks);
+    assert_eq!(metric(&p, "pd_node_prefill_tokens_per_second").await, 0.0);
+    assert_eq!(metric(&d, "pd_kv_pull_bytes_per_second").await, 0.0);
+    // 1000 prompt tokens: P computes them in steps of at least 32; D pulls their KV at once.
+    let prompt: Vec<u64> = (0..1000).map(|i| 1 + (i * 7) % 400).collect();
+    let api = Api::Completions;
+    let body = turn(&prompt, 2);
+    let mut db = body.clone();
+    db["kv_transfer_params"] = seen(
+        api,
+        post(&p.http, api.path(), &prefill_body(api, &body)).await,
+    )
+    .await
+    .kv
+    .expect("P hands off");
+    let got = seen(api, post(&d.http, api.path(), &db).await).await;
+    assert!(got.pulled.is_some_and(|n| n > 0), "{got:?}");
+    let kv_bytes = metric(&d, "pd_kv_transfer_bytes_total").await;
+    assert!(
+        kv_bytes >= f64::from(256u32 << 10),
+        "pulled {kv_bytes} bytes"
+    );
+    assert!(metric(&p, "pd_node_prefill_tokens_per_second").await > 0.0);
+    assert!(metric(&d, "pd_kv_pull_bytes_per_second").await > 0.0);
+}

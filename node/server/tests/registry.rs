@@ -261,6 +261,17 @@ async fn node_registers_streams_state_and_survives_a_registry_restart() {
         .unwrap();
     let second = conns.last().unwrap();
     assert_eq!(second.register().unwrap().epoch, reg.epoch, "same process");
+    // The request served meanwhile computed 33 prompt tokens in one step: the node's prefill
+    // rate (a moving average, for policies weighing a recompute) rides along in its state.
+    log.wait_for(WAIT, |c| {
+        c.last().is_some_and(|c| {
+            c.states()
+                .last()
+                .is_some_and(|s| s.prefill_tokens_per_s > 0)
+        })
+    })
+    .await
+    .unwrap();
     drop(registry);
     drop(node);
 }
