@@ -82,6 +82,25 @@ async fn node_count(c: &TestCluster, id: &str, name: &str, filter: &[(&str, &str
     c.node_metrics(id).await.sum(name, filter)
 }
 
+/// The WASM `prefix-aware` made every decision: no policy failure, no fallback to the native one
+/// (whose least-loaded rule never routes to a holder nor asks for a pull).
+async fn only_the_wasm_policy_decided(c: &TestCluster) {
+    let g = c.gateway_metrics().await;
+    assert_eq!(g.sum("pd_gateway_policy_failures_total", &[]), 0.0);
+    assert_eq!(g.sum("pd_gateway_policy_fallbacks_total", &[]), 0.0);
+    let all = g.sum("pd_gateway_policy_decisions_total", &[]);
+    assert!(all > 0.0);
+    assert_eq!(
+        g.sum(
+            "pd_gateway_policy_decisions_total",
+            &[("policy", "prefix-aware")]
+        ),
+        all,
+        "{}",
+        g.show("pd_gateway_policy_decisions_total")
+    );
+}
+
 async fn push_prefix_aware(c: &TestCluster, config: &[(&str, &str)]) {
     let (status, body) = c
         .push_policy(&bins::policy("prefix-aware"), "prefix-aware", config)
@@ -226,6 +245,7 @@ async fn each_turn_goes_where_the_conversation_is_and_equals_one_node() {
         gateway_count(&c, "pd_gateway_conversation_holdings", &[]).await,
         1.0
     );
+    only_the_wasm_policy_decided(&c).await;
 }
 
 /// The `openai` package, as an application uses it: chat resending the history, responses
@@ -312,6 +332,7 @@ async fn openai_conversations_through_the_gateway_equal_one_node() {
         "{}",
         g.show("pd_gateway_reverse_pulls_total")
     );
+    only_the_wasm_policy_decided(&c).await;
 }
 
 /// Runs one completions turn through the gateway and on the reference node; asserts they agree
@@ -343,6 +364,23 @@ async fn new_holder(c: &TestCluster, before: &[f64; 2]) -> &'static str {
         }
     }
     panic!("no decode node kept the turn")
+}
+
+/// Turn 1 of a conversation starting with tokens `start..start + 11`: token-exact, kept by a
+/// decode node. Returns turn 2's prompt and the holder.
+async fn first_turn(
+    c: &TestCluster,
+    reference: &Node,
+    start: u64,
+    what: &str,
+) -> (Vec<u64>, &'static str) {
+    let mut prompt: Vec<u64> = (start..start + 11).collect();
+    let before = retained_counts(c).await;
+    let a = exact_turn(c, reference, &prompt, &format!("{what}: turn 1")).await;
+    let holder = new_holder(c, &before).await;
+    prompt.extend(a);
+    prompt.extend([41, 42, 43, 44, 45]);
+    (prompt, holder)
 }
 
 async fn retained_counts(c: &TestCluster) -> [f64; 2] {
@@ -379,18 +417,12 @@ async fn a_lost_history_is_recomputed_and_counted() {
     )
     .await;
     let reference = Node::reference(c.dir(), &c.model);
-    let next = |prompt: &mut Vec<u64>, answer: &[u64]| {
-        prompt.extend(answer);
-        prompt.extend([41, 42, 43, 44, 45]);
-    };
     let dropped = async |c: &TestCluster, why: &str| {
         gateway_count(c, "pd_gateway_conversation_dropped_total", &[("why", why)]).await
     };
 
     // 1. The lease expired: the gateway drops the turn instead of sending P after it.
-    let mut prompt: Vec<u64> = (1..=11).collect();
-    let a = exact_turn(&c, &reference, &prompt, "expired: turn 1").await;
-    next(&mut prompt, &a);
+    let (prompt, _) = first_turn(&c, &reference, 1, "expired").await;
     tokio::time::sleep(Duration::from_millis(8_500)).await;
     exact_turn(&c, &reference, &prompt, "expired: turn 2").await;
     assert_eq!(dropped(&c, "expired").await, 1.0);
@@ -400,11 +432,7 @@ async fn a_lost_history_is_recomputed_and_counted() {
     );
 
     // 2. The holder restarted under the same id: a new epoch, an empty pool.
-    let mut prompt: Vec<u64> = (100..=111).collect();
-    let before = retained_counts(&c).await;
-    let a = exact_turn(&c, &reference, &prompt, "restarted: turn 1").await;
-    let holder = new_holder(&c, &before).await;
-    next(&mut prompt, &a);
+    let (prompt, holder) = first_turn(&c, &reference, 100, "restarted").await;
     c.restart(holder, &args(&["--kv-retain-after-decode", SHORT]))
         .await;
     exact_turn(&c, &reference, &prompt, "restarted: turn 2").await;
@@ -417,11 +445,7 @@ async fn a_lost_history_is_recomputed_and_counted() {
     // 3. The holder needed the blocks: long requests sent to it directly fill its pool, so it
     //    revokes the retained lease before anything is preempted; P's pull then fails at
     //    confirm and P computes the history itself.
-    let mut prompt: Vec<u64> = (200..=211).collect();
-    let before = retained_counts(&c).await;
-    let a = exact_turn(&c, &reference, &prompt, "evicted: turn 1").await;
-    let holder = new_holder(&c, &before).await;
-    next(&mut prompt, &a);
+    let (prompt, holder) = first_turn(&c, &reference, 200, "evicted").await;
     let holder_http = c.node(holder).http.clone();
     let fill = (0..5u64).map(|r| {
         let long: Vec<u64> = (0..2000u64).map(|i| (r * 97 + i * 7) % 500 + 1).collect();
@@ -466,4 +490,5 @@ async fn a_lost_history_is_recomputed_and_counted() {
         true
     })
     .await;
+    only_the_wasm_policy_decided(&c).await;
 }

@@ -249,19 +249,6 @@ impl Holdings {
     pub fn remove(&self, last_hash: u64) -> Option<Holding> {
         self.lock().remove_holding(last_hash)
     }
-
-    /// Every holding of node `engine_id`, oldest first.
-    pub fn of_node(&self, engine_id: &str) -> Vec<Holding> {
-        let s = self.lock();
-        let mut v: Vec<_> = s
-            .by_hash
-            .values()
-            .filter(|e| e.exact && &*e.holding.engine_id == engine_id)
-            .map(|e| (e.generation, e.holding.clone()))
-            .collect();
-        v.sort_by_key(|(g, _)| *g);
-        v.into_iter().map(|(_, h)| h).collect()
-    }
 }
 
 /// One key of a holding.
@@ -348,7 +335,6 @@ struct StoreInner {
     lru: BTreeMap<u64, Arc<str>>,
     bytes: usize,
     stamp: u64,
-    evicted: u64,
 }
 
 /// Turns walked back at most when rebuilding one conversation.
@@ -368,10 +354,9 @@ impl ResponseStore {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Bytes stored and turns evicted so far (for metrics).
-    pub fn usage(&self) -> (usize, u64) {
-        let s = self.lock();
-        (s.bytes, s.evicted)
+    /// Bytes stored (for metrics).
+    pub fn bytes(&self) -> usize {
+        self.lock().bytes
     }
 
     /// Stores response `id`: `input` (this turn's own items) and `output` (the answer's), after
@@ -407,17 +392,17 @@ impl ResponseStore {
         }
         s.lru.insert(stamp, key);
         s.bytes += bytes;
-        let before = s.evicted;
+        let mut evicted = 0;
         while s.bytes > self.max_bytes {
             let Some((_, victim)) = s.lru.pop_first() else {
                 break;
             };
             if let Some(t) = s.turns.remove(&victim) {
                 s.bytes -= t.bytes;
-                s.evicted += 1;
+                evicted += 1;
             }
         }
-        s.evicted - before
+        evicted
     }
 
     /// The whole conversation up to and including response `id`, oldest item first: every
@@ -628,7 +613,16 @@ mod tests {
         let again = idx.insert(Holding::from_params(&params("d2", 8, 104, in_a_minute())).unwrap());
         assert_eq!(again.len(), 1);
         assert_eq!(&*again[0].engine_id, "d1");
-        assert_eq!(idx.of_node("d2").len(), 1);
+        assert_eq!(idx.len(), 2);
+        assert_eq!(
+            &*idx
+                .longest(&[104], SystemTime::now())
+                .0
+                .unwrap()
+                .holding
+                .engine_id,
+            "d2"
+        );
     }
 
     fn msg(role: &str, text: &str) -> Value {
@@ -671,21 +665,20 @@ mod tests {
         let one = {
             let s = ResponseStore::new(1 << 20, Duration::from_secs(60));
             s.put("rA", None, vec![msg("user", "aaaa")], vec![]);
-            s.usage().0
+            s.bytes()
         };
         let store = ResponseStore::new(2 * one + one / 2, Duration::from_secs(60));
         store.put("rA", None, vec![msg("user", "aaaa")], vec![]);
         store.put("rB", None, vec![msg("user", "bbbb")], vec![]);
         // rA used: rB is now the least recently used.
         store.history("rA").unwrap();
-        store.put("rC", None, vec![msg("user", "cccc")], vec![]);
+        assert_eq!(store.put("rC", None, vec![msg("user", "cccc")], vec![]), 1);
         assert!(store.history("rA").is_ok());
         assert!(store.history("rC").is_ok());
         assert_eq!(
             store.history("rB"),
             Err(HistoryError::NotFound("rB".into()))
         );
-        assert_eq!(store.usage().1, 1);
         // A child whose parent went is refused by name.
         store.put("rD", Some("rB"), vec![msg("user", "d")], vec![]);
         assert!(
@@ -702,7 +695,7 @@ mod tests {
             store.history("r1"),
             Err(HistoryError::NotFound("r1".into()))
         );
-        assert_eq!(store.usage().0, 0);
+        assert_eq!(store.bytes(), 0);
     }
 
     #[test]

@@ -58,8 +58,6 @@ pub struct Metrics {
     /// Node answers whose retained-turn `kv_transfer_params` were removed before the client
     /// (untrusted client).
     pub retained_params_hidden: IntCounter,
-    /// Retained leases the gateway released because a later turn superseded them.
-    pub retained_released: IntCounter,
     /// Retained turns dropped from the index before a next turn could use them, by `why`
     /// (`expired`: the lease ran out; `holder_restarted`: the node came back with another epoch,
     /// its pool empty).
@@ -215,10 +213,6 @@ impl Metrics {
             retained_params_hidden: counter(
                 "pd_gateway_retained_params_hidden_total",
                 "Node answers whose retained-turn kv_transfer_params were removed (untrusted client).",
-            ),
-            retained_released: counter(
-                "pd_gateway_retained_leases_released_total",
-                "Retained leases released because a later turn superseded them.",
             ),
             conversation_dropped: counters(
                 "pd_gateway_conversation_dropped_total",

@@ -548,7 +548,7 @@ impl Gateway {
                 conversation::output_items(&response),
             );
             m.responses_evicted.inc_by(evicted);
-            m.responses_stored_bytes.set(s.responses.usage().0 as i64);
+            m.responses_stored_bytes.set(s.responses.bytes() as i64);
         }
     }
 
