@@ -2,6 +2,9 @@
 //! whole host path (build the view from registry state, decide, validate). Calls run with a
 //! relaxed deadline so a descheduled call does not abort the run; limits cost the same.
 //!
+//! The shipped guests are on `pd:policy@0.2.0` (the view as columns); `least-loaded-v1` is the
+//! same least-loaded rules on 0.1.0 (the view as records), measured in the same run.
+//!
 //! Run: `scripts/build-policies.sh && cargo bench -p pd-policy --bench decide`
 //! (`PD_BENCH_CALLS=N` changes the number of timed calls, default 20000;
 //! `PD_BENCH_ONLY=text` runs only the cases whose name contains `text`).
@@ -14,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use common::{names, request, spec, wasm};
 use pd_policy::native;
-use pd_policy::{Decision, Node, PolicyEngine, Request, Role, View, validate};
+use pd_policy::{Decision, Node, PolicyEngine, Rates, Request, Role, View, validate};
 
 /// What a gateway registry holds per node, before it becomes a `View`.
 struct Registered {
@@ -23,6 +26,8 @@ struct Registered {
     waiting: u32,
     running: u32,
     draining: bool,
+    prefill_tokens_per_s: u32,
+    pull_mb_per_s: u32,
 }
 
 fn registry() -> Vec<Registered> {
@@ -33,6 +38,8 @@ fn registry() -> Vec<Registered> {
             waiting: (i * 7) % 5,
             running: (i * 3) % 4,
             draining: i % 17 == 5,
+            prefill_tokens_per_s: [0, 2_400, 3_100][i as usize % 3],
+            pull_mb_per_s: [0, 900][i as usize % 2],
         })
         .collect()
 }
@@ -55,6 +62,15 @@ fn to_view(reg: &[Registered]) -> View {
             })
             .collect(),
     }
+}
+
+fn to_rates(reg: &[Registered]) -> Vec<Rates> {
+    reg.iter()
+        .map(|r| Rates {
+            prefill_tokens_per_s: r.prefill_tokens_per_s,
+            pull_mb_per_s: r.pull_mb_per_s,
+        })
+        .collect()
 }
 
 fn req(seq: u64) -> Request {
@@ -103,28 +119,35 @@ fn main() {
     let engine = PolicyEngine::new().expect("engine");
     let reg = registry();
     let view = to_view(&reg);
+    let rates = to_rates(&reg);
     let node_names = names(&view);
     let mut rows = Vec::new();
 
-    type Native = fn(&Request, &View) -> Decision;
-    let natives: [(&str, Native); 3] = [
-        ("least-loaded", native::least_loaded),
-        ("round-robin", native::round_robin),
-        ("prefix-aware", native::prefix_aware),
+    type Native = fn(&Request, &View, &[Rates]) -> Decision;
+    let natives: [(&str, Native); 4] = [
+        ("least-loaded", |r, v, _| native::least_loaded(r, v)),
+        ("least-loaded-v1", |r, v, _| native::least_loaded(r, v)),
+        ("round-robin", |r, v, _| native::round_robin(r, v)),
+        ("prefix-aware", |r, v, rates| {
+            native::NativePolicy::PrefixAware.decide_measured(r, v, rates)
+        }),
     ];
     for (name, native) in natives {
         let policy = engine.load(&wasm(name), spec(name)).expect("load");
+        let name = &format!("{name} ({})", policy.contract());
         let r = req(0);
         assert_eq!(
-            policy.decide(&r, &view, &node_names).expect("decide"),
-            native(&r, &view)
+            policy
+                .decide_measured(&r, &view, &rates, &node_names)
+                .expect("decide"),
+            native(&r, &view, &rates)
         );
-        if name == "least-loaded" {
+        if name.starts_with("least-loaded") {
             // Fixed cost of a call: store, instantiation, a tiny view.
             let empty = View { nodes: vec![] };
             let r = request(0, 1, vec![]);
             let no_names: std::sync::Arc<[std::sync::Arc<str>]> = std::sync::Arc::from([]);
-            let (_, stats) = policy.decide_with_stats(&r, &empty, &no_names);
+            let (_, stats) = policy.decide_with_stats(&r, &empty, &[], &no_names);
             rows.extend(time(
                 &format!("wasm   {name}, empty view (fuel {})", stats.fuel_used),
                 calls,
@@ -140,7 +163,7 @@ fn main() {
         rows.extend(time(&format!("native {name}"), calls, |i| {
             let mut r = req(0);
             r.seq = i;
-            black_box(native(black_box(&r), black_box(&view)));
+            black_box(native(black_box(&r), black_box(&view), &rates));
         }));
         rows.extend(time(
             &format!("wasm   {name} (decide+validate)"),
@@ -150,12 +173,12 @@ fn main() {
                 r.seq = i;
                 black_box(
                     policy
-                        .decide(black_box(&r), black_box(&view), &node_names)
+                        .decide_measured(black_box(&r), black_box(&view), &rates, &node_names)
                         .expect("decide"),
                 );
             },
         ));
-        if name == "least-loaded" {
+        if name.starts_with("least-loaded") {
             // The gateway calls a policy once per request, between which the nodes' work
             // evicts the caches: the same call, with 8 MiB of other memory written between calls.
             let label = format!("wasm   {name}, caches cold between calls");
@@ -169,7 +192,11 @@ fn main() {
                     }
                     black_box(&other);
                     let t = Instant::now();
-                    black_box(policy.decide(&req(i), &view, &node_names).expect("decide"));
+                    black_box(
+                        policy
+                            .decide_measured(&req(i), &view, &rates, &node_names)
+                            .expect("decide"),
+                    );
                     samples.push(t.elapsed());
                 }
                 samples.sort_unstable();
@@ -183,16 +210,22 @@ fn main() {
                 });
             }
         }
-        if name != "round-robin" {
+        if !name.starts_with("round-robin") {
             rows.extend(time(&format!("host path, wasm   {name}"), calls, |i| {
                 let view = to_view(black_box(&reg));
+                let rates = to_rates(black_box(&reg));
                 let r = req(i);
-                black_box(policy.decide(&r, &view, &node_names).expect("decide"));
+                black_box(
+                    policy
+                        .decide_measured(&r, &view, &rates, &node_names)
+                        .expect("decide"),
+                );
             }));
             rows.extend(time(&format!("host path, native {name}"), calls, |i| {
                 let view = to_view(black_box(&reg));
+                let rates = to_rates(black_box(&reg));
                 let r = req(i);
-                let d = native(&r, &view);
+                let d = native(&r, &view, &rates);
                 validate(&d, &r, &view).expect("valid");
                 black_box(d);
             }));
@@ -201,13 +234,13 @@ fn main() {
     let (_, stats) = engine
         .load(&wasm("prefix-aware"), spec("prefix-aware"))
         .expect("load")
-        .decide_with_stats(&req(0), &view, &node_names);
+        .decide_with_stats(&req(0), &view, &rates, &node_names);
 
     println!("\n64-node view, {calls} timed calls each (one thread)\n");
-    println!("{:<44} {:>10} {:>10} {:>10}", "case", "p50", "p99", "mean");
+    println!("{:<56} {:>10} {:>10} {:>10}", "case", "p50", "p99", "mean");
     for r in &rows {
         println!(
-            "{:<44} {:>8.2}µs {:>8.2}µs {:>8.2}µs",
+            "{:<56} {:>8.2}µs {:>8.2}µs {:>8.2}µs",
             r.name,
             r.p50.as_secs_f64() * 1e6,
             r.p99.as_secs_f64() * 1e6,

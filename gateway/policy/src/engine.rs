@@ -42,8 +42,9 @@ use wasmtime_wasi::{
     Deterministic, HostMonotonicClock, HostWallClock, WasiCtx, WasiCtxView, WasiView,
 };
 
-use crate::bindings::pd::policy::host::Level;
-use crate::bindings::{Policy, PolicyPre};
+use crate::bindings::v1::pd::policy::host::Level;
+use crate::bindings::{v1, v2};
+use crate::columns::{Rates, columns};
 use crate::precompiled::DiskCache;
 use crate::{Api, Decision, Node, PolicyError, Request, Role, View, validate};
 
@@ -321,8 +322,15 @@ impl PolicyEngine {
 
         let mut linker = Linker::<HostState>::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(engine_err)?;
-        Policy::add_to_linker::<HostState, HasSelf<HostState>>(&mut linker, |s| s)
+        // 0.1.0's world (its types and host imports), and 0.2.0's one new interface: 0.2.0
+        // uses 0.1.0's types and host imports, so one linker serves both.
+        v1::Policy::add_to_linker::<HostState, HasSelf<HostState>>(&mut linker, |s| s)
             .map_err(engine_err)?;
+        v2::pd::policy0_2_0::cluster::add_to_linker::<HostState, HasSelf<HostState>>(
+            &mut linker,
+            |s| s,
+        )
+        .map_err(engine_err)?;
 
         let clock = Arc::new(EpochClock::default());
         let ticker = {
@@ -384,8 +392,20 @@ impl PolicyEngine {
             .linker
             .instantiate_pre(&component)
             .map_err(instantiate_err)?;
-        // Type-checks the `decide` export against the world, once.
-        let pre = PolicyPre::new(pre).map_err(instantiate_err)?;
+        // Type-checks the `decide` export against each world the gateway hosts, once: the
+        // newest that matches is the policy's contract.
+        let pre = match v2::PolicyPre::new(pre.clone()) {
+            Ok(p) => Pre::V2(p),
+            Err(e2) => match v1::PolicyPre::new(pre) {
+                Ok(p) => Pre::V1(p),
+                Err(e1) => {
+                    return Err(instantiate_err(e1.context(format!(
+                        "the component matches neither pd:policy@0.1.0 nor \
+                         pd:policy@0.2.0 (against 0.2.0: {e2:#})"
+                    ))));
+                }
+            },
+        };
         let deadline_ticks = deadline_ticks(spec.deadline);
         let guest = Arc::new(GuestMeta {
             name: spec.name.clone(),
@@ -404,12 +424,24 @@ impl PolicyEngine {
             compile_time,
         };
         policy.check_instantiate()?;
+        // Rates on some nodes, not all: a 0.2.0 policy must cope with both.
+        let smoke_rates = [
+            Rates {
+                prefill_tokens_per_s: 2_500,
+                pull_mb_per_s: 0,
+            },
+            Rates::default(),
+            Rates {
+                prefill_tokens_per_s: 0,
+                pull_mb_per_s: 1_800,
+            },
+        ];
         for (case, request, view, names) in smoke_cases() {
             // A timeout can be the machine's fault (the thread was descheduled, the pool slot
             // was cold): refuse only a policy that times out every time.
             let mut timeouts = 0;
             loop {
-                match policy.decide(&request, &view, &names) {
+                match policy.decide_measured(&request, &view, &smoke_rates, &names) {
                     Ok(_) => break,
                     Err(PolicyError::Timeout { .. }) if timeouts < SMOKE_TIMEOUT_RETRIES => {
                         timeouts += 1;
@@ -552,12 +584,19 @@ pub enum CompiledFrom {
     Disk,
 }
 
+/// A component pre-instantiated against the world it exports, `decide`'s type checked.
+enum Pre {
+    /// `pd:policy/policy@0.1.0`: the view as records.
+    V1(v1::PolicyPre<HostState>),
+    /// `pd:policy/policy@0.2.0`: the view as columns, with the nodes' rates.
+    V2(v2::PolicyPre<HostState>),
+}
+
 /// A loaded, smoke-tested policy component, ready to decide. Shared across threads; each
 /// call runs in its own store.
 pub struct WasmPolicy {
     engine: Arc<EngineInner>,
-    /// Pre-instantiated, with `decide`'s type checked against the world.
-    pre: PolicyPre<HostState>,
+    pre: Pre,
     guest: Arc<GuestMeta>,
     spec: PolicySpec,
     sha256: String,
@@ -599,9 +638,28 @@ impl WasmPolicy {
         (self.compiled_from, self.compile_time)
     }
 
+    /// The contract version the component exports: `"0.1.0"` or `"0.2.0"`.
+    pub fn contract(&self) -> &'static str {
+        match self.pre {
+            Pre::V1(_) => "0.1.0",
+            Pre::V2(_) => "0.2.0",
+        }
+    }
+
+    /// [`WasmPolicy::decide_measured`] with no rates measured.
+    pub fn decide(
+        &self,
+        request: &Request,
+        view: &View,
+        node_names: &Arc<[Arc<str>]>,
+    ) -> Result<Decision, PolicyError> {
+        self.decide_with_stats(request, view, &[], node_names).0
+    }
+
     /// Decides where `request` goes: a fresh store, the spec's limits, the guest's `decide`,
     /// then [`validate`]. `node_names[i]` names `view.nodes[i]` for the guest's
-    /// `host.node-name` (logs only).
+    /// `host.node-name` (logs only); `rates[i]` is what it measured (a 0.2.0 policy sees them;
+    /// missing entries read as not measured).
     ///
     /// # Errors
     ///
@@ -610,27 +668,26 @@ impl WasmPolicy {
     /// [`PolicyError::Instantiate`] when no pool slot is free; [`PolicyError::Call`] when the
     /// guest's answer cannot be read; [`PolicyError::Invalid`] for an invalid decision. The
     /// policy stays usable after any of these.
-    pub fn decide(
+    pub fn decide_measured(
         &self,
         request: &Request,
         view: &View,
+        rates: &[Rates],
         node_names: &Arc<[Arc<str>]>,
     ) -> Result<Decision, PolicyError> {
-        self.decide_with_stats(request, view, node_names).0
+        self.decide_with_stats(request, view, rates, node_names).0
     }
 
-    /// [`WasmPolicy::decide`], also returning what the call cost (for metrics).
+    /// [`WasmPolicy::decide_measured`], also returning what the call cost (for metrics).
     pub fn decide_with_stats(
         &self,
         request: &Request,
         view: &View,
+        rates: &[Rates],
         node_names: &Arc<[Arc<str>]>,
     ) -> (Result<Decision, PolicyError>, CallStats) {
         let (result, stats) = self.with_store(node_names.clone(), request.seq, |store| {
-            let result = match self.pre.instantiate(&mut *store) {
-                Ok(policy) => self.call(store, &policy, request, view),
-                Err(e) => Err(self.call_error(e, true)),
-            };
+            let result = self.call(store, request, view, rates);
             let fuel_used = self.spec.fuel.saturating_sub(store.get_fuel().unwrap_or(0));
             (result, CallStats { fuel_used })
         });
@@ -681,31 +738,40 @@ impl WasmPolicy {
     /// guest's initial memory, say, fails here).
     fn check_instantiate(&self) -> Result<(), PolicyError> {
         self.with_store(Arc::from([]), 0, |store| {
-            let result =
-                self.pre
-                    .instantiate(&mut *store)
-                    .map(drop)
-                    .map_err(|e| PolicyError::SmokeTest {
-                        name: self.spec.name.clone(),
-                        case: "instantiate",
-                        source: Box::new(self.call_error(e, true)),
-                    });
+            let instantiated = match &self.pre {
+                Pre::V1(pre) => pre.instantiate(&mut *store).map(drop),
+                Pre::V2(pre) => pre.instantiate(&mut *store).map(drop),
+            };
+            let result = instantiated.map_err(|e| PolicyError::SmokeTest {
+                name: self.spec.name.clone(),
+                case: "instantiate",
+                source: Box::new(self.call_error(e, true)),
+            });
             (result, CallStats::default())
         })
         .0
     }
 
-    /// Calls `decide` through the generated bindings.
+    /// Instantiates the component and calls `decide` through the generated bindings of its
+    /// world (a 0.2.0 policy gets the view as columns).
     fn call(
         &self,
         store: &mut Store<HostState>,
-        policy: &Policy,
         request: &Request,
         view: &View,
+        rates: &[Rates],
     ) -> Result<Decision, PolicyError> {
-        policy
-            .call_decide(&mut *store, request, view)
-            .map_err(|e| self.call_error(e, false))
+        let called = match &self.pre {
+            Pre::V1(pre) => match pre.instantiate(&mut *store) {
+                Ok(policy) => policy.call_decide(&mut *store, request, view),
+                Err(e) => return Err(self.call_error(e, true)),
+            },
+            Pre::V2(pre) => match pre.instantiate(&mut *store) {
+                Ok(policy) => policy.call_decide(&mut *store, request, &columns(view, rates)),
+                Err(e) => return Err(self.call_error(e, true)),
+            },
+        };
+        called.map_err(|e| self.call_error(e, false))
     }
 
     /// Maps a failed instantiation or call to its typed error.
@@ -833,9 +899,11 @@ fn seeded_random(seed: u64) -> Deterministic {
     Deterministic::new(bytes)
 }
 
-impl crate::bindings::pd::policy::types::Host for HostState {}
+impl v1::pd::policy::types::Host for HostState {}
 
-impl crate::bindings::pd::policy::host::Host for HostState {
+impl v2::pd::policy0_2_0::cluster::Host for HostState {}
+
+impl v1::pd::policy::host::Host for HostState {
     fn log(&mut self, level: Level, mut message: String) {
         self.log_lines += 1;
         if self.log_lines > MAX_LOG_LINES_PER_CALL {

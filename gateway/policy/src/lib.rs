@@ -18,6 +18,7 @@
 #![deny(unused_must_use)]
 
 mod bindings;
+mod columns;
 mod engine;
 mod error;
 pub mod native;
@@ -26,9 +27,10 @@ pub mod record;
 mod slot;
 mod validate;
 
-pub use bindings::pd::policy::types::{
+pub use bindings::v1::pd::policy::types::{
     Api, Decision, DecodeTarget, Node, Rejection, Request, ReversePull, Role, Route, Split, View,
 };
+pub use columns::Rates;
 pub use engine::{
     CallStats, CompiledFrom, DEFAULT_FUEL, EPOCH_TICK, MAX_CONCURRENT_CALLS, MAX_MEMORY_LIMIT,
     NodeNames, PolicyEngine, PolicySpec, WasmPolicy,

@@ -22,10 +22,17 @@
 //! indices. A test case is a record whose `decision` is the expected one; only `request`,
 //! `view` and `decision` are required, and a missing `u32`/`bool` field of a node or request
 //! reads as 0/false, so hand-written cases stay short.
+//!
+//! The view is 0.1.0's (a 0.2.0 policy's columns are built from it). What 0.2.0 adds, the
+//! rates the nodes measured, is an optional list beside it, one entry per node, in 0.2.0's
+//! names: `"rates": [{"prefill-tokens-per-s": 2400, "pull-mb-per-s": 0}, …]` (left out when
+//! no node has measured anything; a missing entry or field reads as 0, not measured).
 
 use serde_json::{Map, Value, json};
 
-use crate::{Api, Decision, DecodeTarget, Node, Rejection, Request, ReversePull, Role, Route};
+use crate::{
+    Api, Decision, DecodeTarget, Node, Rates, Rejection, Request, ReversePull, Role, Route,
+};
 use crate::{Split, View};
 
 /// The package version of the contract records are written against.
@@ -48,6 +55,8 @@ pub struct Record {
     pub request: Request,
     /// The view as the policy saw it.
     pub view: View,
+    /// What the view's nodes measured (`rates[i]` for `view.nodes[i]`; may be empty).
+    pub rates: Vec<Rates>,
     /// The decision (a case: the expected one).
     pub decision: Decision,
     /// Engine ids of the view's nodes (`node_names[i]` names `view.nodes[i]`); may be empty.
@@ -70,6 +79,7 @@ impl Record {
         Record {
             request,
             view,
+            rates: Vec::new(),
             decision,
             node_names: Vec::new(),
             policy: None,
@@ -82,7 +92,7 @@ impl Record {
 
     /// The record as a JSON object (see the module docs).
     pub fn to_json(&self) -> Value {
-        json!({
+        let mut v = json!({
             "wit": WIT_VERSION,
             "policy": self.policy,
             "policy-sha256": self.policy_sha256,
@@ -93,7 +103,11 @@ impl Record {
             "request": request_json(&self.request),
             "view": view_json(&self.view),
             "decision": decision_json(&self.decision),
-        })
+        });
+        if self.rates.iter().any(|r| *r != Rates::default()) {
+            v["rates"] = rates_json(&self.rates);
+        }
+        v
     }
 
     /// Reads a record.
@@ -138,6 +152,10 @@ impl Record {
         Ok(Record {
             request: request_from(field(o, "", "request")?)?,
             view: view_from(field(o, "", "view")?)?,
+            rates: match o.get("rates") {
+                None | Some(Value::Null) => Vec::new(),
+                Some(v) => rates_from(v)?,
+            },
             decision: decision_from(field(o, "", "decision")?, "decision")?,
             node_names,
             policy: opt_str("policy")?,
@@ -201,6 +219,35 @@ fn u32_list(v: &Value, path: &str) -> Result<Vec<u32>, RecordError> {
         .iter()
         .enumerate()
         .map(|(i, x)| as_u32(x, &format!("{path}[{i}]")))
+        .collect()
+}
+
+/// Rates as JSON, in 0.2.0's field names.
+pub fn rates_json(rates: &[Rates]) -> Value {
+    rates
+        .iter()
+        .map(|r| {
+            json!({
+                "prefill-tokens-per-s": r.prefill_tokens_per_s,
+                "pull-mb-per-s": r.pull_mb_per_s,
+            })
+        })
+        .collect()
+}
+
+fn rates_from(v: &Value) -> Result<Vec<Rates>, RecordError> {
+    v.as_array()
+        .ok_or_else(|| err("rates", "not a list"))?
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let at = format!("rates[{i}]");
+            let o = object(r, &at)?;
+            Ok(Rates {
+                prefill_tokens_per_s: u32_or_zero(o, &at, "prefill-tokens-per-s")?,
+                pull_mb_per_s: u32_or_zero(o, &at, "pull-mb-per-s")?,
+            })
+        })
         .collect()
 }
 
@@ -485,6 +532,17 @@ mod tests {
                     node(Role::Standalone, 1),
                 ],
             },
+            rates: vec![
+                Rates {
+                    prefill_tokens_per_s: 2400,
+                    pull_mb_per_s: 0,
+                },
+                Rates::default(),
+                Rates {
+                    prefill_tokens_per_s: 0,
+                    pull_mb_per_s: 900,
+                },
+            ],
             decision: Decision {
                 route: Route::Split(Split {
                     prefill: vec![0],
@@ -535,7 +593,13 @@ mod tests {
         assert_eq!(v["view"]["nodes"][0]["waiting-remote-kv"], 3);
         assert_eq!(v["decision"]["route"]["split"]["decode"][0]["children"], 3);
         assert_eq!(v["decision"]["reverse-pull"]["min-tokens"], 64);
+        assert_eq!(v["rates"][0]["prefill-tokens-per-s"], 2400);
+        assert_eq!(v["rates"][2]["pull-mb-per-s"], 900);
         assert_eq!(v["wit"], WIT_VERSION);
+        // No node measured anything: no `rates` key at all.
+        let mut r = sample();
+        r.rates = vec![Rates::default(); 3];
+        assert!(r.to_json().get("rates").is_none());
     }
 
     #[test]
@@ -561,6 +625,9 @@ mod tests {
         let mut v = case.clone();
         v["decision"]["route"] = json!({"whole": [0], "split": {}});
         assert_eq!(bad(v), "decision.route");
+        let mut v = case.clone();
+        v["rates"] = json!([{"pull-mb-per-s": 10}, {"prefill-tokens-per-s": "fast"}]);
+        assert_eq!(bad(v), "rates[1].prefill-tokens-per-s");
         let mut v = case.clone();
         v["wit"] = json!("pd:policy@9.0.0");
         assert_eq!(bad(v), "wit");

@@ -6,7 +6,7 @@ use std::time::SystemTime;
 use arc_swap::{ArcSwap, ArcSwapOption, Guard};
 
 use crate::native::NativePolicy;
-use crate::{Decision, PolicyError, Request, View, WasmPolicy};
+use crate::{Decision, PolicyError, Rates, Request, View, WasmPolicy, validate};
 
 /// When this process first asked for a native policy's load time: native policies are built
 /// in, so they count as loaded from (about) process start.
@@ -58,21 +58,28 @@ impl Installed {
         }
     }
 
-    /// Decides with this policy (a WASM decision is validated; see [`WasmPolicy::decide`]).
+    /// Decides with this policy, and validates the decision (see
+    /// [`WasmPolicy::decide_measured`]; `rates[i]` is what `view.nodes[i]` measured).
     ///
     /// # Errors
     ///
     /// [`PolicyError::UnknownNative`] for a native name that is not one of
-    /// [`NativePolicy::ALL`]; the errors of [`WasmPolicy::decide`].
+    /// [`NativePolicy::ALL`]; [`PolicyError::Invalid`] for an invalid native decision; the
+    /// errors of [`WasmPolicy::decide_measured`].
     pub fn decide(
         &self,
         request: &Request,
         view: &View,
+        rates: &[Rates],
         node_names: &Arc<[Arc<str>]>,
     ) -> Result<Decision, PolicyError> {
         match self {
-            Installed::Native { name } => Ok(NativePolicy::from_name(name)?.decide(request, view)),
-            Installed::Wasm(p) => p.decide(request, view, node_names),
+            Installed::Native { name } => {
+                let d = NativePolicy::from_name(name)?.decide_measured(request, view, rates);
+                validate(&d, request, view)?;
+                Ok(d)
+            }
+            Installed::Wasm(p) => p.decide_measured(request, view, rates, node_names),
         }
     }
 }

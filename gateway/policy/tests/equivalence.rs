@@ -1,18 +1,29 @@
 //! Each shipped guest policy (a real component under real wasmtime) decides exactly as its
 //! native copy: over a seeded random sweep, and on hand-written views with recorded answers.
 
-use crate::common::{Rng, load, names, node, random_case, request};
+use crate::common::{Rng, load, names, node, random_case, random_rates, request};
+use pd_policy::native::prefix_aware::{Thresholds, prefix_aware_with};
 use pd_policy::native::{self, NO_NODES};
 use pd_policy::{
-    Decision, DecodeTarget, PolicyEngine, Rejection, Request, Role, Route, Split, View, validate,
+    Decision, DecodeTarget, PolicyEngine, Rates, Rejection, Request, Role, Route, Split, View,
+    validate,
 };
 
-type Native = fn(&Request, &View) -> Decision;
+type Native = fn(&Request, &View, &[Rates]) -> Decision;
 
-const SHIPPED: [(&str, Native); 3] = [
-    ("least-loaded", native::least_loaded),
-    ("round-robin", native::round_robin),
-    ("prefix-aware", native::prefix_aware),
+/// The shipped Rust guests (on `pd:policy@0.2.0`, which carries the nodes' rates), least-loaded
+/// as it shipped on 0.1.0, and their native copies.
+const SHIPPED: [(&str, &str, Native); 4] = [
+    ("least-loaded", "0.2.0", |r, v, _| {
+        native::least_loaded(r, v)
+    }),
+    ("round-robin", "0.2.0", |r, v, _| native::round_robin(r, v)),
+    ("prefix-aware", "0.2.0", |r, v, rates| {
+        prefix_aware_with(r, v, rates, &Thresholds::default())
+    }),
+    ("least-loaded-v1", "0.1.0", |r, v, _| {
+        native::least_loaded(r, v)
+    }),
 ];
 
 const CASES: u64 = 200;
@@ -20,22 +31,27 @@ const CASES: u64 = 200;
 #[test]
 fn guests_match_native_on_random_views() {
     let engine = PolicyEngine::new().expect("engine");
-    for (name, native) in SHIPPED {
+    for (name, contract, native) in SHIPPED {
         let policy = load(&engine, name);
+        assert_eq!(policy.contract(), contract, "{name}");
         let mut rng = Rng::new(0x5eed_0000 + name.len() as u64);
-        let (mut splits, mut wholes, mut rejects) = (0, 0, 0);
+        let (mut splits, mut wholes, mut rejects, mut rated) = (0, 0, 0, 0);
         for case in 0..CASES {
             let (request, view) = random_case(&mut rng, case);
-            let want = native(&request, &view);
+            let rates = random_rates(&mut rng, view.nodes.len());
+            let want = native(&request, &view, &rates);
             validate(&want, &request, &view)
                 .unwrap_or_else(|e| panic!("{name} case {case}: native decision invalid: {e}"));
             let got = policy
-                .decide(&request, &view, &names(&view))
+                .decide_measured(&request, &view, &rates, &names(&view))
                 .unwrap_or_else(|e| panic!("{name} case {case}: {e:?}"));
             assert_eq!(
                 got, want,
-                "{name} case {case}: guest and native disagree on {request:?} {view:?}"
+                "{name} case {case}: guest and native disagree on {request:?} {view:?} {rates:?}"
             );
+            if want != native(&request, &view, &[]) {
+                rated += 1;
+            }
             match want.route {
                 Route::Split(_) => splits += 1,
                 Route::Whole(_) => wholes += 1,
@@ -47,6 +63,10 @@ fn guests_match_native_on_random_views() {
             splits > 20 && wholes > 20 && rejects > 5,
             "{name}: {splits}/{wholes}/{rejects}"
         );
+        // ...and the rates decide some of prefix-aware's pulls.
+        if name == "prefix-aware" {
+            assert!(rated > 3, "rates changed {rated} decisions");
+        }
     }
 }
 
@@ -156,15 +176,17 @@ fn recorded_views() {
         ),
     ];
     let engine = PolicyEngine::new().expect("engine");
-    for (name, native) in SHIPPED {
+    for (name, _, native) in SHIPPED {
         let policy = load(&engine, name);
-        for (i, (_, request, view, route)) in cases.iter().enumerate().filter(|(_, c)| c.0 == name)
+        // The 0.1.0 build answers least-loaded's cases.
+        let rules = name.trim_end_matches("-v1");
+        for (i, (_, request, view, route)) in cases.iter().enumerate().filter(|(_, c)| c.0 == rules)
         {
             let want = Decision {
                 route: route.clone(),
                 reverse_pull: None,
             };
-            assert_eq!(native(request, view), want, "{name} native, case {i}");
+            assert_eq!(native(request, view, &[]), want, "{name} native, case {i}");
             let got = policy.decide(request, view, &names(view)).expect("decide");
             assert_eq!(got, want, "{name} guest, case {i}");
         }
@@ -185,6 +207,6 @@ fn recorded_views() {
                 .expect("decide"),
             want
         );
-        assert_eq!(native(&request(0, 1, vec![]), &lonely), want);
+        assert_eq!(native(&request(0, 1, vec![]), &lonely, &[]), want);
     }
 }

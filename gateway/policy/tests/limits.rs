@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use crate::common::{load, names, node, request, spec, wasm};
 use pd_policy::{
     Api, DEFAULT_FUEL, InvalidDecision, MAX_MEMORY_LIMIT, Node, PolicyEngine, PolicyError,
-    PolicySpec, Request, Role, Route, Slot, View, WasmPolicy,
+    PolicySpec, Rates, Request, Role, Route, Slot, View, WasmPolicy,
 };
 use wasmtime::Trap;
 
@@ -145,7 +145,7 @@ fn fuel_stops_a_loop() {
         .load(&wasm("looping"), slow(spec("looping")))
         .expect("load");
     let (result, stats) =
-        policy.decide_with_stats(&request(0, 7, vec![]), &view(), &names(&view()));
+        policy.decide_with_stats(&request(0, 7, vec![]), &view(), &[], &names(&view()));
     assert!(
         matches!(result, Err(PolicyError::OutOfFuel { .. })),
         "{result:?}"
@@ -362,6 +362,76 @@ fn host_imports_and_every_field_reach_the_guest() {
     );
 }
 
+#[test]
+fn every_column_and_rate_reaches_a_0_2_0_guest() {
+    let engine = PolicyEngine::new().expect("engine");
+    let policy = engine
+        .load(&wasm("echo-columns"), spec("echo-columns"))
+        .expect("load");
+    assert_eq!(policy.contract(), "0.2.0");
+    let field_node = |role, base: u32, draining, conversation_tokens| Node {
+        role,
+        free_blocks: base + 1,
+        total_blocks: base + 2,
+        leased_blocks: base + 3,
+        waiting: base + 4,
+        running: base + 5,
+        waiting_remote_kv: base + 6,
+        draining,
+        conversation_tokens,
+        conversation_expiry_ms: u32::MAX - base,
+    };
+    let v = View {
+        nodes: vec![
+            field_node(Role::Standalone, 10, true, 0),
+            field_node(Role::Prefill, 20, false, 0),
+            field_node(Role::Decode, 30, true, 480),
+            field_node(Role::Decode, 40, false, 0),
+        ],
+    };
+    // Node 3 has not reported (a shorter rates list than the view).
+    let rates = [
+        Rates {
+            prefill_tokens_per_s: 1_111,
+            pull_mb_per_s: 0,
+        },
+        Rates {
+            prefill_tokens_per_s: 2_222,
+            pull_mb_per_s: 3_333,
+        },
+        Rates {
+            prefill_tokens_per_s: 0,
+            pull_mb_per_s: u32::MAX,
+        },
+    ];
+    let d = policy
+        .decide_measured(&request(77, 3, vec![5, 0, 9]), &v, &rates, &names(&v))
+        .expect("decide");
+    let Route::Reject(rejection) = d.route else {
+        panic!("echo-columns rejects: {d:?}")
+    };
+    assert_eq!(rejection.status, 403);
+    let want = "name0=node-0;seq=77;roles=[\"S\", \"P\", \"D\", \"D\"]\
+        ;free=[11, 21, 31, 41];total=[12, 22, 32, 42];leased=[13, 23, 33, 43]\
+        ;waiting=[14, 24, 34, 44];running=[15, 25, 35, 45];remote=[16, 26, 36, 46]\
+        ;draining=[0, 2];prefill_tps=[1111, 2222, 0, 0];pull_mbps=[0, 3333, 4294967295, 0]\
+        ;prefix=[5, 0, 9];conversation=2,480,4294967265";
+    assert_eq!(rejection.message, want);
+    // No rates at all, no conversation, no nodes.
+    let empty = View { nodes: vec![] };
+    let d = policy
+        .decide(&request(1, 1, vec![]), &empty, &std::sync::Arc::from([]))
+        .expect("decide");
+    let Route::Reject(rejection) = d.route else {
+        panic!("echo-columns rejects: {d:?}")
+    };
+    assert_eq!(
+        rejection.message,
+        "name0=-;seq=1;roles=[];free=[];total=[];leased=[];waiting=[];running=[];remote=[]\
+         ;draining=[];prefill_tps=[];pull_mbps=[];prefix=[];conversation=-"
+    );
+}
+
 /// Collects what a tracing subscriber writes.
 #[derive(Clone, Default)]
 struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
@@ -444,7 +514,7 @@ fn fuel_budget_headroom() {
     for name in ["prefix-aware", "least-loaded", "round-robin"] {
         let policy = load(&engine, name);
         let (result, stats) =
-            policy.decide_with_stats(&request(3, 2, prefix.clone()), &v, &names(&v));
+            policy.decide_with_stats(&request(3, 2, prefix.clone()), &v, &[], &names(&v));
         result.expect("decide");
         eprintln!(
             "{name}: 64-node decision used {} fuel of {DEFAULT_FUEL}",

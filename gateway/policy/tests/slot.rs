@@ -51,7 +51,7 @@ fn install_and_rollback() {
     };
     let e = slot
         .current()
-        .decide(&request(0, 1, vec![]), &v, &names(&v))
+        .decide(&request(0, 1, vec![]), &v, &[], &names(&v))
         .expect_err("unknown");
     assert!(matches!(e, PolicyError::UnknownNative { .. }), "{e:?}");
 }
@@ -81,7 +81,7 @@ fn readers_see_whole_policies_while_swapping() {
                 while !done.load(Ordering::Relaxed) || calls < 50 {
                     let policy = slot.current();
                     let d = policy
-                        .decide(&request(0, 1, vec![]), &v, &names(&v))
+                        .decide(&request(0, 1, vec![]), &v, &[], &names(&v))
                         .expect("decide");
                     // Name, sha and behaviour all come from the same policy.
                     assert_eq!(d.route, want(policy.name()));

@@ -64,6 +64,7 @@ pub fn describe(p: &Installed) -> Value {
         "kind": match p { Installed::Wasm(_) => "wasm", Installed::Native { .. } => "native" },
     });
     if let Installed::Wasm(w) = p {
+        v["contract"] = json!(format!("pd:policy@{}", w.contract()));
         v["deadline_ms"] = json!(w.spec().deadline.as_secs_f64() * 1000.0);
         v["memory_limit"] = json!(w.spec().memory_limit);
         v["fuel"] = json!(w.spec().fuel);
@@ -310,7 +311,13 @@ async fn dry_run(
         let mut last = None;
         for _ in 0..101 {
             let t = Instant::now();
-            last = Some(run_policy(&policy, &request, &snapshot.view, &names));
+            last = Some(run_policy(
+                &policy,
+                &request,
+                &snapshot.view,
+                &snapshot.rates,
+                &names,
+            ));
             took.push(t.elapsed());
         }
         took.sort();

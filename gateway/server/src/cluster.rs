@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Instant, SystemTime};
 
-use pd_policy::{Node, Role, View};
+use pd_policy::{Node, Rates, Role, View};
 use pd_rpc::registry as pb;
 use pd_tokenize::Tokenizer;
 use tokio::sync::{mpsc, watch};
@@ -107,6 +107,8 @@ pub struct Snapshot {
     pub prefix_blocks: Vec<u32>,
     /// Engine ids (same order), for the policy's `host.node-name`.
     pub names: Arc<[Arc<str>]>,
+    /// What each node measured (same order): a 0.2.0 policy's view carries them.
+    pub rates: Vec<Rates>,
 }
 
 /// The cluster, shared by the registry service, the proxy and the admin API.
@@ -345,6 +347,7 @@ impl Cluster {
         };
         let mut nodes = Vec::with_capacity(lower);
         let mut prefix_blocks = Vec::with_capacity(lower);
+        let mut rates = Vec::with_capacity(lower);
         for n in members {
             let s = &n.state;
             view.nodes.push(Node {
@@ -365,6 +368,10 @@ impl Cluster {
                 epoch: n.epoch,
                 http_addr: n.http_addr.clone(),
             });
+            rates.push(Rates {
+                prefill_tokens_per_s: s.prefill_tokens_per_s,
+                pull_mb_per_s: s.pull_mb_per_s,
+            });
             let held = hashes.iter().take_while(|h| n.hashes.contains(h)).count();
             prefix_blocks.push(sat(held as u64));
         }
@@ -374,6 +381,7 @@ impl Cluster {
             nodes,
             prefix_blocks,
             names,
+            rates,
         }
     }
 }

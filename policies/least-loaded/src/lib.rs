@@ -1,7 +1,9 @@
 //! Least-loaded routing policy, as a WebAssembly component for pd-gateway.
 //!
 //! The same rules as `pd_policy::native::least_loaded` (the gateway's built-in fallback); the
-//! gateway's tests check that both give the same decision on the same inputs.
+//! gateway's tests check that both give the same decision on the same inputs. Written against
+//! `pd:policy@0.2.0` (`wit/0.2.0/policy.wit`): the view comes as columns, node `i` at index `i`
+//! of each list.
 //!
 //! - Candidates for a role: its nodes that are not draining, or all its nodes when every one of
 //!   them is draining.
@@ -20,9 +22,13 @@ use alloc::string::ToString;
 use alloc::vec::Vec;
 use guest_rt as _;
 
-wit_bindgen::generate!({ world: "policy", path: "../../wit" });
+wit_bindgen::generate!({
+    world: "pd:policy/policy@0.2.0",
+    path: "../../wit/0.2.0",
+    generate_all,
+});
 
-use pd::policy::types::{DecodeTarget, Node, Rejection, Role, Route, Split};
+use pd::policy0_1_0::types::{DecodeTarget, Rejection, Role, Route, Split};
 
 struct LeastLoaded;
 
@@ -34,12 +40,11 @@ const NO_NODES: &str =
 
 impl Guest for LeastLoaded {
     fn decide(request: Request, view: View) -> Decision {
-        let nodes = &view.nodes;
-        let has = |role: Role| nodes.iter().any(|n| n.role == role);
+        let has = |role: Role| view.roles.contains(&role);
         let route = if has(Role::Prefill) && has(Role::Decode) {
             Route::Split(Split {
-                prefill: ranked(nodes, candidates(nodes, Role::Prefill)),
-                decode: ranked(nodes, candidates(nodes, Role::Decode))
+                prefill: ranked(&view, candidates(&view, Role::Prefill)),
+                decode: ranked(&view, candidates(&view, Role::Decode))
                     .into_iter()
                     .map(|node| DecodeTarget {
                         node,
@@ -48,7 +53,7 @@ impl Guest for LeastLoaded {
                     .collect(),
             })
         } else if has(Role::Standalone) {
-            Route::Whole(ranked(nodes, candidates(nodes, Role::Standalone)))
+            Route::Whole(ranked(&view, candidates(&view, Role::Standalone)))
         } else {
             Route::Reject(Rejection {
                 status: 503,
@@ -62,17 +67,18 @@ impl Guest for LeastLoaded {
     }
 }
 
-/// Requests on a node: queued, running, and parked waiting for KV.
-fn load(n: &Node) -> u64 {
-    u64::from(n.waiting) + u64::from(n.running) + u64::from(n.waiting_remote_kv)
+/// Requests on node `i`: queued, running, and parked waiting for KV.
+fn load(v: &View, i: u32) -> u64 {
+    let i = i as usize;
+    u64::from(v.waiting[i]) + u64::from(v.running[i]) + u64::from(v.waiting_remote_kv[i])
 }
 
 /// Indices of the nodes of `role`, not draining ones unless all of them drain.
-fn candidates(nodes: &[Node], role: Role) -> Vec<u32> {
+fn candidates(v: &View, role: Role) -> Vec<u32> {
     let pick = |draining_ok: bool| -> Vec<u32> {
         (0u32..)
-            .zip(nodes)
-            .filter(|(_, n)| n.role == role && (draining_ok || !n.draining))
+            .zip(&v.roles)
+            .filter(|&(i, r)| *r == role && (draining_ok || !v.draining.contains(&i)))
             .map(|(i, _)| i)
             .collect()
     };
@@ -82,10 +88,7 @@ fn candidates(nodes: &[Node], role: Role) -> Vec<u32> {
 
 /// Least load first, then most free blocks, then lowest index (keys are unique: the index
 /// is part of them, so an unstable sort is exact).
-fn ranked(nodes: &[Node], mut c: Vec<u32>) -> Vec<u32> {
-    c.sort_unstable_by_key(|&i| {
-        let n = &nodes[i as usize];
-        (load(n), core::cmp::Reverse(n.free_blocks), i)
-    });
+fn ranked(v: &View, mut c: Vec<u32>) -> Vec<u32> {
+    c.sort_unstable_by_key(|&i| (load(v, i), core::cmp::Reverse(v.free_blocks[i as usize]), i));
     c
 }

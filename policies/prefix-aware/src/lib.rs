@@ -1,7 +1,9 @@
 //! Prefix-aware routing policy, as a WebAssembly component for pd-gateway.
 //!
 //! The same rules as `pd_policy::native::prefix_aware`; the gateway's tests check that both
-//! give the same decision on the same inputs.
+//! give the same decision on the same inputs. Written against `pd:policy@0.2.0`
+//! (`wit/0.2.0/policy.wit`): the view comes as columns, node `i` at index `i` of each list,
+//! with the rates the nodes measure.
 //!
 //! - Candidates for a role: its nodes that are not draining, or all its nodes when every one of
 //!   them is draining.
@@ -15,8 +17,8 @@
 //! - Decode ranking: least-loaded order (the decode node pulls the KV, so its cache does not
 //!   matter).
 //!
-//! Multi-turn. The *holder* is the node with the most `conversation-tokens` (earlier-turn KV of
-//! this conversation under a lease; ties to the lowest index), when any has some:
+//! Multi-turn. The *holder* is `view.conversation`'s node (earlier-turn KV of this
+//! conversation under a lease), when there is one:
 //! 1. Route to the holder: when it is a decode or standalone node, not draining, the turn adds
 //!    at most `holder-max-new-tokens` prompt tokens beyond what it holds, and its load is at most
 //!    the least-loaded candidate of its role's plus `holder-load-slack`: `whole` with the holder
@@ -25,7 +27,9 @@
 //! 2. Else, on a split, pull the turn back to P when it holds at least `min-pull` tokens, the
 //!    fewest for which a pull (`pull-overhead-us` + tokens × `kv-bytes-per-token` at
 //!    `pull-mb-per-s`) costs less than recomputing them at `prefill-tokens-per-s`:
-//!    `reverse-pull { from: holder, min-tokens: min-pull }`.
+//!    `reverse-pull { from: holder, min-tokens: min-pull }`. The two rates are the ones the
+//!    first prefill candidate (the node that would pull and compute) measured, each where it
+//!    has measured one (non-zero), else the config's.
 //! 3. Else recompute.
 //!
 //! The six parameters are read from the policy config (`pd-gateway policy push --config
@@ -41,11 +45,16 @@ use alloc::string::ToString;
 use alloc::vec::Vec;
 use guest_rt as _;
 
-wit_bindgen::generate!({ world: "policy", path: "../../wit" });
+wit_bindgen::generate!({
+    world: "pd:policy/policy@0.2.0",
+    path: "../../wit/0.2.0",
+    generate_all,
+});
 
 use core::cmp::Reverse;
-use pd::policy::host::config;
-use pd::policy::types::{DecodeTarget, Node, Rejection, ReversePull, Role, Route, Split};
+use pd::policy0_1_0::host::config;
+use pd::policy0_1_0::types::{DecodeTarget, Rejection, ReversePull, Role, Route, Split};
+use pd::policy0_2_0::cluster::Holding;
 
 struct PrefixAware;
 
@@ -57,23 +66,21 @@ const NO_NODES: &str =
 
 impl Guest for PrefixAware {
     fn decide(request: Request, view: View) -> Decision {
-        let nodes = &view.nodes;
+        let v = &view;
         let prefix = &request.prefix_blocks;
-        let holder = (0u32..)
-            .zip(nodes)
-            .filter(|(_, n)| n.conversation_tokens > 0)
-            .max_by_key(|(i, n)| (n.conversation_tokens, Reverse(*i)))
-            .map(|(i, _)| i);
-        if let Some(h) = holder
-            && let Some(d) = to_holder(&request, nodes, h)
+        let holding = v
+            .conversation
+            .filter(|h| h.tokens > 0 && (h.node as usize) < v.roles.len());
+        if let Some(h) = holding
+            && let Some(d) = to_holder(&request, v, h)
         {
             return d;
         }
-        let has = |role: Role| nodes.iter().any(|n| n.role == role);
+        let has = |role: Role| v.roles.contains(&role);
         let route = if has(Role::Prefill) && has(Role::Decode) {
             Route::Split(Split {
-                prefill: by_prefix(nodes, prefix, candidates(nodes, Role::Prefill)),
-                decode: least_loaded(nodes, candidates(nodes, Role::Decode))
+                prefill: by_prefix(v, prefix, candidates(v, Role::Prefill)),
+                decode: least_loaded(v, candidates(v, Role::Decode))
                     .into_iter()
                     .map(|node| DecodeTarget {
                         node,
@@ -82,11 +89,7 @@ impl Guest for PrefixAware {
                     .collect(),
             })
         } else if has(Role::Standalone) {
-            Route::Whole(by_prefix(
-                nodes,
-                prefix,
-                candidates(nodes, Role::Standalone),
-            ))
+            Route::Whole(by_prefix(v, prefix, candidates(v, Role::Standalone)))
         } else {
             Route::Reject(Rejection {
                 status: 503,
@@ -94,11 +97,12 @@ impl Guest for PrefixAware {
             })
         };
         let mut reverse_pull = None;
-        if let (Some(h), Route::Split(_)) = (holder, &route) {
-            let min_tokens = min_pull_tokens();
-            if nodes[h as usize].conversation_tokens >= min_tokens {
+        if let (Some(h), Route::Split(split)) = (holding, &route) {
+            let p = split.prefill[0] as usize;
+            let min_tokens = min_pull_tokens(v.prefill_tokens_per_s[p], v.pull_mb_per_s[p]);
+            if h.tokens >= min_tokens {
                 reverse_pull = Some(ReversePull {
-                    from: h,
+                    from: h.node,
                     min_tokens,
                 });
             }
@@ -117,12 +121,23 @@ fn param(key: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-/// Fewest held tokens worth a pull (`u32::MAX`: never, when a token moves slower than it
-/// computes).
-fn min_pull_tokens() -> u32 {
-    let recompute_ns = 1_000_000_000 / param("prefill-tokens-per-s", 2_000).max(1);
+/// `measured` when the node has measured it (non-zero), else the config's `key`.
+fn rate(measured: u32, key: &str, default: u64) -> u64 {
+    if measured > 0 {
+        u64::from(measured)
+    } else {
+        param(key, default)
+    }
+}
+
+/// Fewest held tokens worth a pull for a node that prefills at `prefill_tokens_per_s` and
+/// pulls at `pull_mb_per_s` (each 0: not measured, the config's) (`u32::MAX`: never, when a
+/// token moves slower than it computes).
+fn min_pull_tokens(prefill_tokens_per_s: u32, pull_mb_per_s: u32) -> u32 {
+    let recompute_ns =
+        1_000_000_000 / rate(prefill_tokens_per_s, "prefill-tokens-per-s", 2_000).max(1);
     let pull_ns = param("kv-bytes-per-token", 23_040).saturating_mul(1_000)
-        / param("pull-mb-per-s", 1_000).max(1);
+        / rate(pull_mb_per_s, "pull-mb-per-s", 1_000).max(1);
     match recompute_ns.checked_sub(pull_ns) {
         Some(gain) if gain > 0 => {
             let t = param("pull-overhead-us", 2_000)
@@ -134,48 +149,50 @@ fn min_pull_tokens() -> u32 {
     }
 }
 
-/// Rule 1: the whole request on holder `h`, when it qualifies.
-fn to_holder(request: &Request, nodes: &[Node], h: u32) -> Option<Decision> {
-    let n = &nodes[h as usize];
-    if n.draining || !matches!(n.role, Role::Decode | Role::Standalone) {
+/// Rule 1: the whole request on the holder, when it qualifies.
+fn to_holder(request: &Request, v: &View, h: Holding) -> Option<Decision> {
+    let role = v.roles[h.node as usize];
+    if v.draining.contains(&h.node) || !matches!(role, Role::Decode | Role::Standalone) {
         return None;
     }
-    let new = request.prompt_tokens.saturating_sub(n.conversation_tokens);
+    let new = request.prompt_tokens.saturating_sub(h.tokens);
     if u64::from(new) > param("holder-max-new-tokens", 256) {
         return None;
     }
-    let others = candidates(nodes, n.role);
-    let lightest = others.iter().map(|&i| load(&nodes[i as usize])).min()?;
-    if load(n) > lightest.saturating_add(param("holder-load-slack", 2)) {
+    let others = candidates(v, role);
+    let lightest = others.iter().map(|&i| load(v, i)).min()?;
+    if load(v, h.node) > lightest.saturating_add(param("holder-load-slack", 2)) {
         return None;
     }
-    let mut list = alloc::vec![h];
-    list.extend(least_loaded(nodes, others).into_iter().filter(|&i| i != h));
+    let mut list = alloc::vec![h.node];
+    list.extend(least_loaded(v, others).into_iter().filter(|&i| i != h.node));
     Some(Decision {
         route: Route::Whole(list),
         reverse_pull: Some(ReversePull {
-            from: h,
+            from: h.node,
             min_tokens: 0,
         }),
     })
 }
 
-/// Requests on a node: queued, running, and parked waiting for KV.
-fn load(n: &Node) -> u64 {
-    u64::from(n.waiting) + u64::from(n.running) + u64::from(n.waiting_remote_kv)
+/// Requests on node `i`: queued, running, and parked waiting for KV.
+fn load(v: &View, i: u32) -> u64 {
+    let i = i as usize;
+    u64::from(v.waiting[i]) + u64::from(v.running[i]) + u64::from(v.waiting_remote_kv[i])
 }
 
 /// Cached prefix blocks minus queued and running requests.
-fn score(n: &Node, prefix_blocks: u32) -> i64 {
-    i64::from(prefix_blocks) - i64::from(n.waiting) - i64::from(n.running)
+fn score(v: &View, i: u32, prefix_blocks: u32) -> i64 {
+    let i = i as usize;
+    i64::from(prefix_blocks) - i64::from(v.waiting[i]) - i64::from(v.running[i])
 }
 
 /// Indices of the nodes of `role`, not draining ones unless all of them drain.
-fn candidates(nodes: &[Node], role: Role) -> Vec<u32> {
+fn candidates(v: &View, role: Role) -> Vec<u32> {
     let pick = |draining_ok: bool| -> Vec<u32> {
         (0u32..)
-            .zip(nodes)
-            .filter(|(_, n)| n.role == role && (draining_ok || !n.draining))
+            .zip(&v.roles)
+            .filter(|&(i, r)| *r == role && (draining_ok || !v.draining.contains(&i)))
             .map(|(i, _)| i)
             .collect()
     };
@@ -185,20 +202,21 @@ fn candidates(nodes: &[Node], role: Role) -> Vec<u32> {
 
 /// Least load first, then most free blocks, then lowest index (keys are unique: the index
 /// is part of them, so an unstable sort is exact).
-fn least_loaded(nodes: &[Node], mut c: Vec<u32>) -> Vec<u32> {
-    c.sort_unstable_by_key(|&i| {
-        let n = &nodes[i as usize];
-        (load(n), Reverse(n.free_blocks), i)
-    });
+fn least_loaded(v: &View, mut c: Vec<u32>) -> Vec<u32> {
+    c.sort_unstable_by_key(|&i| (load(v, i), Reverse(v.free_blocks[i as usize]), i));
     c
 }
 
 /// Highest score first, then least-loaded order.
-fn by_prefix(nodes: &[Node], prefix: &[u32], mut c: Vec<u32>) -> Vec<u32> {
+fn by_prefix(v: &View, prefix: &[u32], mut c: Vec<u32>) -> Vec<u32> {
     c.sort_unstable_by_key(|&i| {
-        let n = &nodes[i as usize];
         let p = prefix.get(i as usize).copied().unwrap_or(0);
-        (Reverse(score(n, p)), load(n), Reverse(n.free_blocks), i)
+        (
+            Reverse(score(v, i, p)),
+            load(v, i),
+            Reverse(v.free_blocks[i as usize]),
+            i,
+        )
     });
     c
 }

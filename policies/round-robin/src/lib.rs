@@ -2,7 +2,8 @@
 //!
 //! The same rules as `pd_policy::native::round_robin`; the gateway's tests check that both
 //! give the same decision on the same inputs. A policy keeps no state between calls, so it
-//! counts with `request.seq`.
+//! counts with `request.seq`. Written against `pd:policy@0.2.0` (`wit/0.2.0/policy.wit`): the
+//! view comes as columns, node `i` at index `i` of each list.
 //!
 //! - Candidates for a role: its nodes that are not draining, or all its nodes when every one of
 //!   them is draining, in index order.
@@ -22,9 +23,13 @@ use alloc::string::ToString;
 use alloc::vec::Vec;
 use guest_rt as _;
 
-wit_bindgen::generate!({ world: "policy", path: "../../wit" });
+wit_bindgen::generate!({
+    world: "pd:policy/policy@0.2.0",
+    path: "../../wit/0.2.0",
+    generate_all,
+});
 
-use pd::policy::types::{DecodeTarget, Node, Rejection, Role, Route, Split};
+use pd::policy0_1_0::types::{DecodeTarget, Rejection, Role, Route, Split};
 
 struct RoundRobin;
 
@@ -36,16 +41,15 @@ const NO_NODES: &str =
 
 impl Guest for RoundRobin {
     fn decide(request: Request, view: View) -> Decision {
-        let nodes = &view.nodes;
         let seq = request.seq;
-        let has = |role: Role| nodes.iter().any(|n| n.role == role);
+        let has = |role: Role| view.roles.contains(&role);
         let route = if has(Role::Prefill) && has(Role::Decode) {
             Route::Split(Split {
-                prefill: rotated(candidates(nodes, Role::Prefill), seq),
-                decode: dealt(rotated(candidates(nodes, Role::Decode), seq), request.n),
+                prefill: rotated(candidates(&view, Role::Prefill), seq),
+                decode: dealt(rotated(candidates(&view, Role::Decode), seq), request.n),
             })
         } else if has(Role::Standalone) {
-            Route::Whole(rotated(candidates(nodes, Role::Standalone), seq))
+            Route::Whole(rotated(candidates(&view, Role::Standalone), seq))
         } else {
             Route::Reject(Rejection {
                 status: 503,
@@ -60,11 +64,11 @@ impl Guest for RoundRobin {
 }
 
 /// Indices of the nodes of `role`, not draining ones unless all of them drain.
-fn candidates(nodes: &[Node], role: Role) -> Vec<u32> {
+fn candidates(v: &View, role: Role) -> Vec<u32> {
     let pick = |draining_ok: bool| -> Vec<u32> {
         (0u32..)
-            .zip(nodes)
-            .filter(|(_, n)| n.role == role && (draining_ok || !n.draining))
+            .zip(&v.roles)
+            .filter(|&(i, r)| *r == role && (draining_ok || !v.draining.contains(&i)))
             .map(|(i, _)| i)
             .collect()
     };

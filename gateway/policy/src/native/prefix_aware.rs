@@ -2,7 +2,7 @@
 //! is cheaper than recomputing it (see the [module docs](super)).
 
 use super::{candidates, least_loaded_key, load, route};
-use crate::{Decision, Node, Request, ReversePull, Role, Route, View};
+use crate::{Decision, Node, Rates, Request, ReversePull, Role, Route, View};
 use std::cmp::Reverse;
 
 /// The multi-turn rule's parameters (the guest reads each from its policy config, under the
@@ -41,6 +41,23 @@ impl Default for Thresholds {
 }
 
 impl Thresholds {
+    /// These thresholds with a node's measured rates in place of the configured ones, each
+    /// where the node has measured one (non-zero).
+    pub fn measured(&self, rates: Rates) -> Thresholds {
+        let or = |measured: u32, configured: u64| {
+            if measured > 0 {
+                u64::from(measured)
+            } else {
+                configured
+            }
+        };
+        Thresholds {
+            prefill_tokens_per_s: or(rates.prefill_tokens_per_s, self.prefill_tokens_per_s),
+            pull_mb_per_s: or(rates.pull_mb_per_s, self.pull_mb_per_s),
+            ..*self
+        }
+    }
+
     /// Fewest held tokens worth a pull: pulling `t` tokens costs `overhead + t × bytes / bandwidth`,
     /// recomputing them `t / prefill rate`; pull from the first `t` where that is cheaper
     /// (`u32::MAX`: never, when a token moves slower than it computes).
@@ -57,9 +74,9 @@ impl Thresholds {
     }
 }
 
-/// [`prefix_aware_with`] at the default [`Thresholds`].
+/// [`prefix_aware_with`] at the default [`Thresholds`], no rates measured.
 pub fn prefix_aware(request: &Request, view: &View) -> Decision {
-    prefix_aware_with(request, view, &Thresholds::default())
+    prefix_aware_with(request, view, &[], &Thresholds::default())
 }
 
 /// Prefill and whole lists by score `prefix_blocks[i] - (waiting + running)` descending
@@ -78,9 +95,17 @@ pub fn prefix_aware(request: &Request, view: &View) -> Decision {
 ///    the holder first, then the other candidates of its role in least-loaded order (they pull
 ///    the turn from the holder), `reverse-pull { from: holder, min-tokens: 0 }`.
 /// 2. Otherwise, on a split, **pull the turn back** when it holds at least
-///    [`Thresholds::min_pull_tokens`]: `reverse-pull { from: holder, min-tokens: that }`.
+///    [`Thresholds::min_pull_tokens`]: `reverse-pull { from: holder, min-tokens: that }`. The
+///    thresholds are `t` [measured](Thresholds::measured) with the first prefill candidate's
+///    `rates` (the node that would pull and compute; `rates[i]` for `view.nodes[i]`, missing
+///    entries not measured).
 /// 3. Otherwise recompute (no reverse pull).
-pub fn prefix_aware_with(request: &Request, view: &View, t: &Thresholds) -> Decision {
+pub fn prefix_aware_with(
+    request: &Request,
+    view: &View,
+    rates: &[Rates],
+    t: &Thresholds,
+) -> Decision {
     let nodes = &view.nodes;
     let holder = (0u32..)
         .zip(nodes)
@@ -105,8 +130,11 @@ pub fn prefix_aware_with(request: &Request, view: &View, t: &Thresholds) -> Deci
         }
         c
     });
-    if let (Some(h), Route::Split(_)) = (holder, &d.route) {
-        let min_tokens = t.min_pull_tokens();
+    if let (Some(h), Route::Split(split)) = (holder, &d.route) {
+        let p = split.prefill[0] as usize;
+        let min_tokens = t
+            .measured(rates.get(p).copied().unwrap_or_default())
+            .min_pull_tokens();
         if nodes[h as usize].conversation_tokens >= min_tokens {
             d.reverse_pull = Some(ReversePull {
                 from: h,
@@ -275,5 +303,33 @@ mod tests {
             holding(node(Role::Decode, 0, 10, false), 4),
         ]);
         assert_eq!(prefix_aware(&r, &v).reverse_pull, None);
+    }
+
+    #[test]
+    fn the_prefill_nodes_measured_rates_replace_the_configured_ones() {
+        let mut r = request(0, 1, vec![]);
+        r.prompt_tokens = 1_000;
+        let v = view(vec![
+            node(Role::Prefill, 0, 10, false),
+            node(Role::Prefill, 3, 10, false),
+            holding(node(Role::Decode, 0, 10, false), 96),
+        ]);
+        let pull = |rates: &[Rates]| {
+            prefix_aware_with(&r, &v, rates, &Thresholds::default())
+                .reverse_pull
+                .map(|p| p.min_tokens)
+        };
+        let rates = |prefill_tokens_per_s, pull_mb_per_s| Rates {
+            prefill_tokens_per_s,
+            pull_mb_per_s,
+        };
+        assert_eq!(pull(&[]), Some(5));
+        // P (node 0) computes 40 000 tokens/s: 25 µs a token against 23 µs to move one at
+        // 1000 MB/s, 2 ms fixed: a pull pays from 1021 tokens on, more than the 96 held.
+        assert_eq!(pull(&[rates(40_000, 0)]), None);
+        // ...but P pulls at 10 GB/s: 2.3 µs a token, from 89 tokens on.
+        assert_eq!(pull(&[rates(40_000, 10_000)]), Some(89));
+        // Only the first prefill candidate's rates count (node 1 is busier).
+        assert_eq!(pull(&[rates(0, 0), rates(40_000, 0)]), Some(5));
     }
 }
