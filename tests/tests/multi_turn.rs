@@ -18,7 +18,7 @@
 use std::time::Duration;
 
 use pd_cluster_tests::bins;
-use pd_cluster_tests::cluster::{ClusterSpec, Node, TestCluster, args};
+use pd_cluster_tests::cluster::{ADMIN_TOKEN, ClusterSpec, Node, TestCluster, args};
 use pd_cluster_tests::eventually;
 use pd_cluster_tests::python;
 use serde_json::{Value, json};
@@ -36,7 +36,12 @@ async fn cluster(name: &str) -> TestCluster {
         ClusterSpec {
             prefill: 1,
             decode: 2,
-            gateway_args: args(&["--policy", policy.to_str().expect("utf-8 path")]),
+            gateway_args: args(&[
+                "--policy",
+                policy.to_str().expect("utf-8 path"),
+                "--decision-log-every",
+                "1",
+            ]),
             // Pull even a block or two (the default computes short prefixes locally).
             prefill_args: args(&["--kv-recompute-threshold", "0"]),
             decode_args: args(&["--kv-retain-after-decode", RETAIN_SECS]),
@@ -165,7 +170,17 @@ async fn each_turn_goes_where_the_conversation_is_and_equals_one_node() {
 
     // Turns 3–5: the operator tells the policy never to route a turn to its holder: P pulls the
     // history back from it, computes the new tokens, hands the whole prompt to a decode node.
-    push_prefix_aware(&c, &[("config.holder-max-new-tokens", "0")]).await;
+    // The generated model prefills a token in microseconds: against a pull's default fixed cost
+    // (`pull-overhead-us`, 2 ms) no history here would be worth pulling, by the policy's own
+    // rule with the rates P measures. The operator says pulls cost nothing fixed.
+    push_prefix_aware(
+        &c,
+        &[
+            ("config.holder-max-new-tokens", "0"),
+            ("config.pull-overhead-us", "0"),
+        ],
+    )
+    .await;
     for k in 3..=5u64 {
         let before = node_count(&c, "p0", "pd_node_kv_pulled_tokens_total", &[]).await;
         let mut body = turn(&prompt, ANSWER);
@@ -333,6 +348,42 @@ async fn openai_conversations_through_the_gateway_equal_one_node() {
         g.show("pd_gateway_reverse_pulls_total")
     );
     only_the_wasm_policy_decided(&c).await;
+    policy_saw_what_the_nodes_measure(&c).await;
+}
+
+/// The last decision's record (`GET /admin/decisions`) carries what the policy's
+/// `pd:policy@0.2.0` view carried: the KV bytes per token the nodes registered with, and the
+/// prefill rate P measured (it has prefilled whole chat prompts of 32 tokens or more).
+async fn policy_saw_what_the_nodes_measure(c: &TestCluster) {
+    let text = c
+        .client
+        .get(format!("{}/admin/decisions?limit=1", c.gateway.admin))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .expect("GET /admin/decisions")
+        .text()
+        .await
+        .expect("the log");
+    let last: Value = serde_json::from_str(text.lines().last().expect("a record")).expect("json");
+    let nodes = c.admin_nodes().await;
+    let p0 = nodes
+        .iter()
+        .find(|n| n["engine_id"] == "p0")
+        .expect("p0 listed");
+    assert!(p0["kv_bytes_per_token"].as_u64() > Some(0), "{p0}");
+    assert_eq!(
+        last["kv-bytes-per-token"], p0["kv_bytes_per_token"],
+        "{last}"
+    );
+    let i = last["node-names"]
+        .as_array()
+        .and_then(|names| names.iter().position(|n| n == "p0"))
+        .expect("p0 in the view");
+    assert!(
+        last["rates"][i]["prefill-tokens-per-s"].as_u64() > Some(0),
+        "{last}"
+    );
 }
 
 /// Runs one completions turn through the gateway and on the reference node; asserts they agree
@@ -409,6 +460,10 @@ async fn a_lost_history_is_recomputed_and_counted() {
                 policy.to_str().expect("utf-8 path"),
                 "--policy-config",
                 "holder-max-new-tokens=0",
+                // A pull's fixed cost would outweigh recomputing this model's short histories
+                // (see the first test).
+                "--policy-config",
+                "pull-overhead-us=0",
             ]),
             prefill_args: args(&["--kv-recompute-threshold", "0"]),
             decode_args: args(&["--kv-retain-after-decode", SHORT]),

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use common::{names, request, spec, wasm};
 use pd_policy::native;
-use pd_policy::{Decision, Node, PolicyEngine, Rates, Request, Role, View, validate};
+use pd_policy::{Decision, Measured, Node, PolicyEngine, Rates, Request, Role, View, validate};
 
 /// What a gateway registry holds per node, before it becomes a `View`.
 struct Registered {
@@ -64,13 +64,17 @@ fn to_view(reg: &[Registered]) -> View {
     }
 }
 
-fn to_rates(reg: &[Registered]) -> Vec<Rates> {
-    reg.iter()
-        .map(|r| Rates {
-            prefill_tokens_per_s: r.prefill_tokens_per_s,
-            pull_mb_per_s: r.pull_mb_per_s,
-        })
-        .collect()
+fn to_measured(reg: &[Registered]) -> Measured {
+    Measured {
+        rates: reg
+            .iter()
+            .map(|r| Rates {
+                prefill_tokens_per_s: r.prefill_tokens_per_s,
+                pull_mb_per_s: r.pull_mb_per_s,
+            })
+            .collect(),
+        kv_bytes_per_token: 23_040,
+    }
 }
 
 fn req(seq: u64) -> Request {
@@ -119,17 +123,17 @@ fn main() {
     let engine = PolicyEngine::new().expect("engine");
     let reg = registry();
     let view = to_view(&reg);
-    let rates = to_rates(&reg);
+    let measured = to_measured(&reg);
     let node_names = names(&view);
     let mut rows = Vec::new();
 
-    type Native = fn(&Request, &View, &[Rates]) -> Decision;
+    type Native = fn(&Request, &View, &Measured) -> Decision;
     let natives: [(&str, Native); 4] = [
         ("least-loaded", |r, v, _| native::least_loaded(r, v)),
         ("least-loaded-v1", |r, v, _| native::least_loaded(r, v)),
         ("round-robin", |r, v, _| native::round_robin(r, v)),
-        ("prefix-aware", |r, v, rates| {
-            native::NativePolicy::PrefixAware.decide_measured(r, v, rates)
+        ("prefix-aware", |r, v, measured| {
+            native::NativePolicy::PrefixAware.decide_measured(r, v, measured)
         }),
     ];
     for (name, native) in natives {
@@ -138,16 +142,16 @@ fn main() {
         let r = req(0);
         assert_eq!(
             policy
-                .decide_measured(&r, &view, &rates, &node_names)
+                .decide_measured(&r, &view, &measured, &node_names)
                 .expect("decide"),
-            native(&r, &view, &rates)
+            native(&r, &view, &measured)
         );
         if name.starts_with("least-loaded") {
             // Fixed cost of a call: store, instantiation, a tiny view.
             let empty = View { nodes: vec![] };
             let r = request(0, 1, vec![]);
             let no_names: std::sync::Arc<[std::sync::Arc<str>]> = std::sync::Arc::from([]);
-            let (_, stats) = policy.decide_with_stats(&r, &empty, &[], &no_names);
+            let (_, stats) = policy.decide_with_stats(&r, &empty, &Measured::default(), &no_names);
             rows.extend(time(
                 &format!("wasm   {name}, empty view (fuel {})", stats.fuel_used),
                 calls,
@@ -163,7 +167,7 @@ fn main() {
         rows.extend(time(&format!("native {name}"), calls, |i| {
             let mut r = req(0);
             r.seq = i;
-            black_box(native(black_box(&r), black_box(&view), &rates));
+            black_box(native(black_box(&r), black_box(&view), &measured));
         }));
         rows.extend(time(
             &format!("wasm   {name} (decide+validate)"),
@@ -173,7 +177,7 @@ fn main() {
                 r.seq = i;
                 black_box(
                     policy
-                        .decide_measured(black_box(&r), black_box(&view), &rates, &node_names)
+                        .decide_measured(black_box(&r), black_box(&view), &measured, &node_names)
                         .expect("decide"),
                 );
             },
@@ -194,7 +198,7 @@ fn main() {
                     let t = Instant::now();
                     black_box(
                         policy
-                            .decide_measured(&req(i), &view, &rates, &node_names)
+                            .decide_measured(&req(i), &view, &measured, &node_names)
                             .expect("decide"),
                     );
                     samples.push(t.elapsed());
@@ -213,19 +217,19 @@ fn main() {
         if !name.starts_with("round-robin") {
             rows.extend(time(&format!("host path, wasm   {name}"), calls, |i| {
                 let view = to_view(black_box(&reg));
-                let rates = to_rates(black_box(&reg));
+                let measured = to_measured(black_box(&reg));
                 let r = req(i);
                 black_box(
                     policy
-                        .decide_measured(&r, &view, &rates, &node_names)
+                        .decide_measured(&r, &view, &measured, &node_names)
                         .expect("decide"),
                 );
             }));
             rows.extend(time(&format!("host path, native {name}"), calls, |i| {
                 let view = to_view(black_box(&reg));
-                let rates = to_rates(black_box(&reg));
+                let measured = to_measured(black_box(&reg));
                 let r = req(i);
-                let d = native(&r, &view, &rates);
+                let d = native(&r, &view, &measured);
                 validate(&d, &r, &view).expect("valid");
                 black_box(d);
             }));
@@ -234,7 +238,7 @@ fn main() {
     let (_, stats) = engine
         .load(&wasm("prefix-aware"), spec("prefix-aware"))
         .expect("load")
-        .decide_with_stats(&req(0), &view, &rates, &node_names);
+        .decide_with_stats(&req(0), &view, &measured, &node_names);
 
     println!("\n64-node view, {calls} timed calls each (one thread)\n");
     println!("{:<56} {:>10} {:>10} {:>10}", "case", "p50", "p99", "mean");

@@ -2,9 +2,9 @@
 //! measure.
 //!
 //! The gateway keeps one view shape, 0.1.0's [`View`] of records (its admin API, decision
-//! records and native policies read it), plus a [`Rates`] per node. A 0.2.0 policy's call
-//! builds the columns from both ([`columns`]): ten vectors, each lowered into the guest as
-//! one copy.
+//! records and native policies read it), plus what 0.2.0 adds to it ([`Measured`]: each node's
+//! [`Rates`], the model's KV bytes per token). A 0.2.0 policy's call builds the columns from
+//! both ([`columns`]): ten vectors, each lowered into the guest as one copy.
 
 use crate::View;
 use crate::bindings::v2::pd::policy0_2_0::cluster::{Holding, View as Columns};
@@ -19,10 +19,26 @@ pub struct Rates {
     pub pull_mb_per_s: u32,
 }
 
-/// `view` and `rates` (`rates[i]` for `view.nodes[i]`; missing entries read as 0) as the
-/// 0.2.0 view. The conversation is the node with the most `conversation_tokens` (ties to the
-/// lowest index), as 0.1.0 policies are told to find it.
-pub(crate) fn columns(view: &View, rates: &[Rates]) -> Columns {
+/// What the nodes report about themselves beyond 0.1.0's view: the facts 0.2.0's view adds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Measured {
+    /// `rates[i]` is what `view.nodes[i]` measured; missing entries read as not measured.
+    pub rates: Vec<Rates>,
+    /// Bytes of KV per token of the model's nodes (all layers, K and V, as stored): what a
+    /// pull moves per token (0: unknown).
+    pub kv_bytes_per_token: u32,
+}
+
+impl Measured {
+    /// Node `i`'s rates (not measured when missing).
+    pub fn rates_of(&self, i: usize) -> Rates {
+        self.rates.get(i).copied().unwrap_or_default()
+    }
+}
+
+/// `view` and `measured` as the 0.2.0 view. The conversation is the node with the most
+/// `conversation_tokens` (ties to the lowest index), as 0.1.0 policies are told to find it.
+pub(crate) fn columns(view: &View, measured: &Measured) -> Columns {
     let n = view.nodes.len();
     let mut c = Columns {
         roles: Vec::with_capacity(n),
@@ -36,6 +52,7 @@ pub(crate) fn columns(view: &View, rates: &[Rates]) -> Columns {
         prefill_tokens_per_s: Vec::with_capacity(n),
         pull_mb_per_s: Vec::with_capacity(n),
         conversation: None,
+        kv_bytes_per_token: measured.kv_bytes_per_token,
     };
     for (i, node) in (0u32..).zip(&view.nodes) {
         c.roles.push(node.role);
@@ -48,7 +65,7 @@ pub(crate) fn columns(view: &View, rates: &[Rates]) -> Columns {
         if node.draining {
             c.draining.push(i);
         }
-        let r = rates.get(i as usize).copied().unwrap_or_default();
+        let r = measured.rates_of(i as usize);
         c.prefill_tokens_per_s.push(r.prefill_tokens_per_s);
         c.pull_mb_per_s.push(r.pull_mb_per_s);
         if node.conversation_tokens > c.conversation.as_ref().map_or(0, |h| h.tokens) {
@@ -91,11 +108,14 @@ mod tests {
                 node(Role::Standalone, true, 64),
             ],
         };
-        let rates = [Rates {
-            prefill_tokens_per_s: 900,
-            pull_mb_per_s: 3000,
-        }];
-        let c = columns(&view, &rates);
+        let measured = Measured {
+            rates: vec![Rates {
+                prefill_tokens_per_s: 900,
+                pull_mb_per_s: 3000,
+            }],
+            kv_bytes_per_token: 1536,
+        };
+        let c = columns(&view, &measured);
         assert_eq!(c.roles, [Role::Prefill, Role::Decode, Role::Standalone]);
         assert_eq!(c.free_blocks, [10; 3]);
         assert_eq!(c.total_blocks, [20; 3]);
@@ -116,6 +136,8 @@ mod tests {
                 expiry_ms: 640
             })
         );
-        assert_eq!(columns(&View { nodes: vec![] }, &[]).conversation, None);
+        assert_eq!(c.kv_bytes_per_token, 1536);
+        let empty = columns(&View { nodes: vec![] }, &Measured::default());
+        assert_eq!((empty.conversation, empty.kv_bytes_per_token), (None, 0));
     }
 }

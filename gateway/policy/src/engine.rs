@@ -44,7 +44,7 @@ use wasmtime_wasi::{
 
 use crate::bindings::v1::pd::policy::host::Level;
 use crate::bindings::{v1, v2};
-use crate::columns::{Rates, columns};
+use crate::columns::{Measured, Rates, columns};
 use crate::precompiled::DiskCache;
 use crate::{Api, Decision, Node, PolicyError, Request, Role, View, validate};
 
@@ -425,23 +425,26 @@ impl PolicyEngine {
         };
         policy.check_instantiate()?;
         // Rates on some nodes, not all: a 0.2.0 policy must cope with both.
-        let smoke_rates = [
-            Rates {
-                prefill_tokens_per_s: 2_500,
-                pull_mb_per_s: 0,
-            },
-            Rates::default(),
-            Rates {
-                prefill_tokens_per_s: 0,
-                pull_mb_per_s: 1_800,
-            },
-        ];
+        let smoke_measured = Measured {
+            rates: vec![
+                Rates {
+                    prefill_tokens_per_s: 2_500,
+                    pull_mb_per_s: 0,
+                },
+                Rates::default(),
+                Rates {
+                    prefill_tokens_per_s: 0,
+                    pull_mb_per_s: 1_800,
+                },
+            ],
+            kv_bytes_per_token: 23_040,
+        };
         for (case, request, view, names) in smoke_cases() {
             // A timeout can be the machine's fault (the thread was descheduled, the pool slot
             // was cold): refuse only a policy that times out every time.
             let mut timeouts = 0;
             loop {
-                match policy.decide_measured(&request, &view, &smoke_rates, &names) {
+                match policy.decide_measured(&request, &view, &smoke_measured, &names) {
                     Ok(_) => break,
                     Err(PolicyError::Timeout { .. }) if timeouts < SMOKE_TIMEOUT_RETRIES => {
                         timeouts += 1;
@@ -653,13 +656,14 @@ impl WasmPolicy {
         view: &View,
         node_names: &Arc<[Arc<str>]>,
     ) -> Result<Decision, PolicyError> {
-        self.decide_with_stats(request, view, &[], node_names).0
+        self.decide_with_stats(request, view, &Measured::default(), node_names)
+            .0
     }
 
     /// Decides where `request` goes: a fresh store, the spec's limits, the guest's `decide`,
     /// then [`validate`]. `node_names[i]` names `view.nodes[i]` for the guest's
-    /// `host.node-name` (logs only); `rates[i]` is what it measured (a 0.2.0 policy sees them;
-    /// missing entries read as not measured).
+    /// `host.node-name` (logs only); `measured` is what the nodes report beyond the 0.1.0
+    /// view (a 0.2.0 policy sees it).
     ///
     /// # Errors
     ///
@@ -672,10 +676,11 @@ impl WasmPolicy {
         &self,
         request: &Request,
         view: &View,
-        rates: &[Rates],
+        measured: &Measured,
         node_names: &Arc<[Arc<str>]>,
     ) -> Result<Decision, PolicyError> {
-        self.decide_with_stats(request, view, rates, node_names).0
+        self.decide_with_stats(request, view, measured, node_names)
+            .0
     }
 
     /// [`WasmPolicy::decide_measured`], also returning what the call cost (for metrics).
@@ -683,11 +688,11 @@ impl WasmPolicy {
         &self,
         request: &Request,
         view: &View,
-        rates: &[Rates],
+        measured: &Measured,
         node_names: &Arc<[Arc<str>]>,
     ) -> (Result<Decision, PolicyError>, CallStats) {
         let (result, stats) = self.with_store(node_names.clone(), request.seq, |store| {
-            let result = self.call(store, request, view, rates);
+            let result = self.call(store, request, view, measured);
             let fuel_used = self.spec.fuel.saturating_sub(store.get_fuel().unwrap_or(0));
             (result, CallStats { fuel_used })
         });
@@ -759,7 +764,7 @@ impl WasmPolicy {
         store: &mut Store<HostState>,
         request: &Request,
         view: &View,
-        rates: &[Rates],
+        measured: &Measured,
     ) -> Result<Decision, PolicyError> {
         let called = match &self.pre {
             Pre::V1(pre) => match pre.instantiate(&mut *store) {
@@ -767,7 +772,7 @@ impl WasmPolicy {
                 Err(e) => return Err(self.call_error(e, true)),
             },
             Pre::V2(pre) => match pre.instantiate(&mut *store) {
-                Ok(policy) => policy.call_decide(&mut *store, request, &columns(view, rates)),
+                Ok(policy) => policy.call_decide(&mut *store, request, &columns(view, measured)),
                 Err(e) => return Err(self.call_error(e, true)),
             },
         };

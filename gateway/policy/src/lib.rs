@@ -30,7 +30,7 @@ mod validate;
 pub use bindings::v1::pd::policy::types::{
     Api, Decision, DecodeTarget, Node, Rejection, Request, ReversePull, Role, Route, Split, View,
 };
-pub use columns::Rates;
+pub use columns::{Measured, Rates};
 pub use engine::{
     CallStats, CompiledFrom, DEFAULT_FUEL, EPOCH_TICK, MAX_CONCURRENT_CALLS, MAX_MEMORY_LIMIT,
     NodeNames, PolicyEngine, PolicySpec, WasmPolicy,

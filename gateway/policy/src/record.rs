@@ -23,15 +23,17 @@
 //! `view` and `decision` are required, and a missing `u32`/`bool` field of a node or request
 //! reads as 0/false, so hand-written cases stay short.
 //!
-//! The view is 0.1.0's (a 0.2.0 policy's columns are built from it). What 0.2.0 adds, the
-//! rates the nodes measured, is an optional list beside it, one entry per node, in 0.2.0's
-//! names: `"rates": [{"prefill-tokens-per-s": 2400, "pull-mb-per-s": 0}, …]` (left out when
-//! no node has measured anything; a missing entry or field reads as 0, not measured).
+//! The view is 0.1.0's (a 0.2.0 policy's columns are built from it). What 0.2.0 adds sits
+//! beside it in 0.2.0's names, each left out when unknown (and read as 0, unknown, when
+//! missing): the rates the nodes measured, one entry per node,
+//! `"rates": [{"prefill-tokens-per-s": 2400, "pull-mb-per-s": 0}, …]`, and the model's
+//! `"kv-bytes-per-token": 23040`.
 
 use serde_json::{Map, Value, json};
 
 use crate::{
-    Api, Decision, DecodeTarget, Node, Rates, Rejection, Request, ReversePull, Role, Route,
+    Api, Decision, DecodeTarget, Measured, Node, Rates, Rejection, Request, ReversePull, Role,
+    Route,
 };
 use crate::{Split, View};
 
@@ -55,8 +57,8 @@ pub struct Record {
     pub request: Request,
     /// The view as the policy saw it.
     pub view: View,
-    /// What the view's nodes measured (`rates[i]` for `view.nodes[i]`; may be empty).
-    pub rates: Vec<Rates>,
+    /// What the nodes reported beyond the view (0.2.0's additions).
+    pub measured: Measured,
     /// The decision (a case: the expected one).
     pub decision: Decision,
     /// Engine ids of the view's nodes (`node_names[i]` names `view.nodes[i]`); may be empty.
@@ -79,7 +81,7 @@ impl Record {
         Record {
             request,
             view,
-            rates: Vec::new(),
+            measured: Measured::default(),
             decision,
             node_names: Vec::new(),
             policy: None,
@@ -104,8 +106,11 @@ impl Record {
             "view": view_json(&self.view),
             "decision": decision_json(&self.decision),
         });
-        if self.rates.iter().any(|r| *r != Rates::default()) {
-            v["rates"] = rates_json(&self.rates);
+        if self.measured.rates.iter().any(|r| *r != Rates::default()) {
+            v["rates"] = rates_json(&self.measured.rates);
+        }
+        if self.measured.kv_bytes_per_token > 0 {
+            v["kv-bytes-per-token"] = json!(self.measured.kv_bytes_per_token);
         }
         v
     }
@@ -152,9 +157,12 @@ impl Record {
         Ok(Record {
             request: request_from(field(o, "", "request")?)?,
             view: view_from(field(o, "", "view")?)?,
-            rates: match o.get("rates") {
-                None | Some(Value::Null) => Vec::new(),
-                Some(v) => rates_from(v)?,
+            measured: Measured {
+                rates: match o.get("rates") {
+                    None | Some(Value::Null) => Vec::new(),
+                    Some(v) => rates_from(v)?,
+                },
+                kv_bytes_per_token: u32_or_zero(o, "", "kv-bytes-per-token")?,
             },
             decision: decision_from(field(o, "", "decision")?, "decision")?,
             node_names,
@@ -532,17 +540,20 @@ mod tests {
                     node(Role::Standalone, 1),
                 ],
             },
-            rates: vec![
-                Rates {
-                    prefill_tokens_per_s: 2400,
-                    pull_mb_per_s: 0,
-                },
-                Rates::default(),
-                Rates {
-                    prefill_tokens_per_s: 0,
-                    pull_mb_per_s: 900,
-                },
-            ],
+            measured: Measured {
+                rates: vec![
+                    Rates {
+                        prefill_tokens_per_s: 2400,
+                        pull_mb_per_s: 0,
+                    },
+                    Rates::default(),
+                    Rates {
+                        prefill_tokens_per_s: 0,
+                        pull_mb_per_s: 900,
+                    },
+                ],
+                kv_bytes_per_token: 23_040,
+            },
             decision: Decision {
                 route: Route::Split(Split {
                     prefill: vec![0],
@@ -595,11 +606,16 @@ mod tests {
         assert_eq!(v["decision"]["reverse-pull"]["min-tokens"], 64);
         assert_eq!(v["rates"][0]["prefill-tokens-per-s"], 2400);
         assert_eq!(v["rates"][2]["pull-mb-per-s"], 900);
+        assert_eq!(v["kv-bytes-per-token"], 23_040);
         assert_eq!(v["wit"], WIT_VERSION);
-        // No node measured anything: no `rates` key at all.
+        // Nothing measured, nothing known: neither key at all.
         let mut r = sample();
-        r.rates = vec![Rates::default(); 3];
-        assert!(r.to_json().get("rates").is_none());
+        r.measured = Measured {
+            rates: vec![Rates::default(); 3],
+            kv_bytes_per_token: 0,
+        };
+        let v = r.to_json();
+        assert!(v.get("rates").is_none() && v.get("kv-bytes-per-token").is_none());
     }
 
     #[test]

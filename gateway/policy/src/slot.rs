@@ -6,7 +6,7 @@ use std::time::SystemTime;
 use arc_swap::{ArcSwap, ArcSwapOption, Guard};
 
 use crate::native::NativePolicy;
-use crate::{Decision, PolicyError, Rates, Request, View, WasmPolicy, validate};
+use crate::{Decision, Measured, PolicyError, Request, View, WasmPolicy, validate};
 
 /// When this process first asked for a native policy's load time: native policies are built
 /// in, so they count as loaded from (about) process start.
@@ -59,7 +59,7 @@ impl Installed {
     }
 
     /// Decides with this policy, and validates the decision (see
-    /// [`WasmPolicy::decide_measured`]; `rates[i]` is what `view.nodes[i]` measured).
+    /// [`WasmPolicy::decide_measured`]).
     ///
     /// # Errors
     ///
@@ -70,16 +70,16 @@ impl Installed {
         &self,
         request: &Request,
         view: &View,
-        rates: &[Rates],
+        measured: &Measured,
         node_names: &Arc<[Arc<str>]>,
     ) -> Result<Decision, PolicyError> {
         match self {
             Installed::Native { name } => {
-                let d = NativePolicy::from_name(name)?.decide_measured(request, view, rates);
+                let d = NativePolicy::from_name(name)?.decide_measured(request, view, measured);
                 validate(&d, request, view)?;
                 Ok(d)
             }
-            Installed::Wasm(p) => p.decide_measured(request, view, rates, node_names),
+            Installed::Wasm(p) => p.decide_measured(request, view, measured, node_names),
         }
     }
 }

@@ -1,15 +1,15 @@
 //! Each shipped guest policy (a real component under real wasmtime) decides exactly as its
 //! native copy: over a seeded random sweep, and on hand-written views with recorded answers.
 
-use crate::common::{Rng, load, names, node, random_case, random_rates, request};
+use crate::common::{Rng, load, names, node, random_case, random_measured, request};
 use pd_policy::native::prefix_aware::{Thresholds, prefix_aware_with};
 use pd_policy::native::{self, NO_NODES};
 use pd_policy::{
-    Decision, DecodeTarget, PolicyEngine, Rates, Rejection, Request, Role, Route, Split, View,
+    Decision, DecodeTarget, Measured, PolicyEngine, Rejection, Request, Role, Route, Split, View,
     validate,
 };
 
-type Native = fn(&Request, &View, &[Rates]) -> Decision;
+type Native = fn(&Request, &View, &Measured) -> Decision;
 
 /// The shipped Rust guests (on `pd:policy@0.2.0`, which carries the nodes' rates), least-loaded
 /// as it shipped on 0.1.0, and their native copies.
@@ -18,8 +18,8 @@ const SHIPPED: [(&str, &str, Native); 4] = [
         native::least_loaded(r, v)
     }),
     ("round-robin", "0.2.0", |r, v, _| native::round_robin(r, v)),
-    ("prefix-aware", "0.2.0", |r, v, rates| {
-        prefix_aware_with(r, v, rates, &Thresholds::default())
+    ("prefix-aware", "0.2.0", |r, v, m| {
+        prefix_aware_with(r, v, m, &Thresholds::default())
     }),
     ("least-loaded-v1", "0.1.0", |r, v, _| {
         native::least_loaded(r, v)
@@ -38,18 +38,18 @@ fn guests_match_native_on_random_views() {
         let (mut splits, mut wholes, mut rejects, mut rated) = (0, 0, 0, 0);
         for case in 0..CASES {
             let (request, view) = random_case(&mut rng, case);
-            let rates = random_rates(&mut rng, view.nodes.len());
-            let want = native(&request, &view, &rates);
+            let measured = random_measured(&mut rng, view.nodes.len());
+            let want = native(&request, &view, &measured);
             validate(&want, &request, &view)
                 .unwrap_or_else(|e| panic!("{name} case {case}: native decision invalid: {e}"));
             let got = policy
-                .decide_measured(&request, &view, &rates, &names(&view))
+                .decide_measured(&request, &view, &measured, &names(&view))
                 .unwrap_or_else(|e| panic!("{name} case {case}: {e:?}"));
             assert_eq!(
                 got, want,
-                "{name} case {case}: guest and native disagree on {request:?} {view:?} {rates:?}"
+                "{name} case {case}: guest and native disagree on {request:?} {view:?} {measured:?}"
             );
-            if want != native(&request, &view, &[]) {
+            if want != native(&request, &view, &Measured::default()) {
                 rated += 1;
             }
             match want.route {
@@ -63,9 +63,9 @@ fn guests_match_native_on_random_views() {
             splits > 20 && wholes > 20 && rejects > 5,
             "{name}: {splits}/{wholes}/{rejects}"
         );
-        // ...and the rates decide some of prefix-aware's pulls.
+        // ...and what the nodes measured decides some of prefix-aware's pulls.
         if name == "prefix-aware" {
-            assert!(rated > 3, "rates changed {rated} decisions");
+            assert!(rated > 3, "measurements changed {rated} decisions");
         }
     }
 }
@@ -186,7 +186,11 @@ fn recorded_views() {
                 route: route.clone(),
                 reverse_pull: None,
             };
-            assert_eq!(native(request, view, &[]), want, "{name} native, case {i}");
+            assert_eq!(
+                native(request, view, &Measured::default()),
+                want,
+                "{name} native, case {i}"
+            );
             let got = policy.decide(request, view, &names(view)).expect("decide");
             assert_eq!(got, want, "{name} guest, case {i}");
         }
@@ -207,6 +211,9 @@ fn recorded_views() {
                 .expect("decide"),
             want
         );
-        assert_eq!(native(&request(0, 1, vec![]), &lonely, &[]), want);
+        assert_eq!(
+            native(&request(0, 1, vec![]), &lonely, &Measured::default()),
+            want
+        );
     }
 }

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use crate::common::{load, names, node, request, spec, wasm};
 use pd_policy::{
-    Api, DEFAULT_FUEL, InvalidDecision, MAX_MEMORY_LIMIT, Node, PolicyEngine, PolicyError,
-    PolicySpec, Rates, Request, Role, Route, Slot, View, WasmPolicy,
+    Api, DEFAULT_FUEL, InvalidDecision, MAX_MEMORY_LIMIT, Measured, Node, PolicyEngine,
+    PolicyError, PolicySpec, Rates, Request, Role, Route, Slot, View, WasmPolicy,
 };
 use wasmtime::Trap;
 
@@ -144,8 +144,12 @@ fn fuel_stops_a_loop() {
     let policy = engine
         .load(&wasm("looping"), slow(spec("looping")))
         .expect("load");
-    let (result, stats) =
-        policy.decide_with_stats(&request(0, 7, vec![]), &view(), &[], &names(&view()));
+    let (result, stats) = policy.decide_with_stats(
+        &request(0, 7, vec![]),
+        &view(),
+        &Measured::default(),
+        &names(&view()),
+    );
     assert!(
         matches!(result, Err(PolicyError::OutOfFuel { .. })),
         "{result:?}"
@@ -390,7 +394,7 @@ fn every_column_and_rate_reaches_a_0_2_0_guest() {
         ],
     };
     // Node 3 has not reported (a shorter rates list than the view).
-    let rates = [
+    let rates = vec![
         Rates {
             prefill_tokens_per_s: 1_111,
             pull_mb_per_s: 0,
@@ -405,7 +409,15 @@ fn every_column_and_rate_reaches_a_0_2_0_guest() {
         },
     ];
     let d = policy
-        .decide_measured(&request(77, 3, vec![5, 0, 9]), &v, &rates, &names(&v))
+        .decide_measured(
+            &request(77, 3, vec![5, 0, 9]),
+            &v,
+            &Measured {
+                rates,
+                kv_bytes_per_token: 23_040,
+            },
+            &names(&v),
+        )
         .expect("decide");
     let Route::Reject(rejection) = d.route else {
         panic!("echo-columns rejects: {d:?}")
@@ -415,7 +427,7 @@ fn every_column_and_rate_reaches_a_0_2_0_guest() {
         ;free=[11, 21, 31, 41];total=[12, 22, 32, 42];leased=[13, 23, 33, 43]\
         ;waiting=[14, 24, 34, 44];running=[15, 25, 35, 45];remote=[16, 26, 36, 46]\
         ;draining=[0, 2];prefill_tps=[1111, 2222, 0, 0];pull_mbps=[0, 3333, 4294967295, 0]\
-        ;prefix=[5, 0, 9];conversation=2,480,4294967265";
+        ;prefix=[5, 0, 9];conversation=2,480,4294967265;kv_bytes_per_token=23040";
     assert_eq!(rejection.message, want);
     // No rates at all, no conversation, no nodes.
     let empty = View { nodes: vec![] };
@@ -428,7 +440,7 @@ fn every_column_and_rate_reaches_a_0_2_0_guest() {
     assert_eq!(
         rejection.message,
         "name0=-;seq=1;roles=[];free=[];total=[];leased=[];waiting=[];running=[];remote=[]\
-         ;draining=[];prefill_tps=[];pull_mbps=[];prefix=[];conversation=-"
+         ;draining=[];prefill_tps=[];pull_mbps=[];prefix=[];conversation=-;kv_bytes_per_token=0"
     );
 }
 
@@ -513,8 +525,12 @@ fn fuel_budget_headroom() {
     let prefix: Vec<u32> = (0..64).map(|i| i % 7).collect();
     for name in ["prefix-aware", "least-loaded", "round-robin"] {
         let policy = load(&engine, name);
-        let (result, stats) =
-            policy.decide_with_stats(&request(3, 2, prefix.clone()), &v, &[], &names(&v));
+        let (result, stats) = policy.decide_with_stats(
+            &request(3, 2, prefix.clone()),
+            &v,
+            &Measured::default(),
+            &names(&v),
+        );
         result.expect("decide");
         eprintln!(
             "{name}: 64-node decision used {} fuel of {DEFAULT_FUEL}",

@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::common::{load, names, node, request};
-use pd_policy::{Installed, PolicyEngine, PolicyError, PolicySlot, Role, Route, View};
+use pd_policy::{Installed, Measured, PolicyEngine, PolicyError, PolicySlot, Role, Route, View};
 
 fn native(name: &str) -> Installed {
     Installed::Native {
@@ -51,7 +51,7 @@ fn install_and_rollback() {
     };
     let e = slot
         .current()
-        .decide(&request(0, 1, vec![]), &v, &[], &names(&v))
+        .decide(&request(0, 1, vec![]), &v, &Measured::default(), &names(&v))
         .expect_err("unknown");
     assert!(matches!(e, PolicyError::UnknownNative { .. }), "{e:?}");
 }
@@ -81,7 +81,7 @@ fn readers_see_whole_policies_while_swapping() {
                 while !done.load(Ordering::Relaxed) || calls < 50 {
                     let policy = slot.current();
                     let d = policy
-                        .decide(&request(0, 1, vec![]), &v, &[], &names(&v))
+                        .decide(&request(0, 1, vec![]), &v, &Measured::default(), &names(&v))
                         .expect("decide");
                     // Name, sha and behaviour all come from the same policy.
                     assert_eq!(d.route, want(policy.name()));

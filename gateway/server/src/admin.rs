@@ -315,7 +315,7 @@ async fn dry_run(
                 &policy,
                 &request,
                 &snapshot.view,
-                &snapshot.rates,
+                &snapshot.measured,
                 &names,
             ));
             took.push(t.elapsed());
@@ -358,6 +358,7 @@ async fn nodes(State(a): State<Admin>, headers: HeaderMap) -> Response {
                 "kv_side_channel_addr": &*n.kv_addr,
                 "block_size": n.block_size,
                 "max_model_len": n.max_model_len,
+                "kv_bytes_per_token": n.kv_bytes_per_token,
                 "free_blocks": s.free_blocks,
                 "total_blocks": s.total_blocks,
                 "leased_blocks": s.leased_blocks,

@@ -234,7 +234,7 @@ pub fn run_cases(policy: &Installed, cases: &[Case], repeat: usize) -> Report {
         let mut outcome = None;
         for _ in 0..repeat.max(1) {
             let start = Instant::now();
-            let got = run_policy(policy, &r.request, &r.view, &r.rates, &names);
+            let got = run_policy(policy, &r.request, &r.view, &r.measured, &names);
             latencies.push(start.elapsed());
             outcome.get_or_insert(match got {
                 Ok(d) if d == r.decision => Outcome::Pass,

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Instant, SystemTime};
 
-use pd_policy::{Node, Rates, Role, View};
+use pd_policy::{Measured, Node, Rates, Role, View};
 use pd_rpc::registry as pb;
 use pd_tokenize::Tokenizer;
 use tokio::sync::{mpsc, watch};
@@ -42,6 +42,8 @@ pub struct NodeEntry {
     pub max_model_len: u32,
     /// The prefix-cache hash key it registered with (secret; 0: none).
     pub hash_key: u64,
+    /// Bytes of KV per token as it stores them (0: unknown).
+    pub kv_bytes_per_token: u32,
     /// The last state it sent.
     pub state: pb::NodeState,
     /// Block hashes it can serve from its prefix cache.
@@ -107,8 +109,8 @@ pub struct Snapshot {
     pub prefix_blocks: Vec<u32>,
     /// Engine ids (same order), for the policy's `host.node-name`.
     pub names: Arc<[Arc<str>]>,
-    /// What each node measured (same order): a 0.2.0 policy's view carries them.
-    pub rates: Vec<Rates>,
+    /// What the nodes measured (rates in the same order): a 0.2.0 policy's view carries it.
+    pub measured: Measured,
 }
 
 /// The cluster, shared by the registry service, the proxy and the admin API.
@@ -347,7 +349,10 @@ impl Cluster {
         };
         let mut nodes = Vec::with_capacity(lower);
         let mut prefix_blocks = Vec::with_capacity(lower);
-        let mut rates = Vec::with_capacity(lower);
+        let mut measured = Measured {
+            rates: Vec::with_capacity(lower),
+            kv_bytes_per_token: 0,
+        };
         for n in members {
             let s = &n.state;
             view.nodes.push(Node {
@@ -368,10 +373,13 @@ impl Cluster {
                 epoch: n.epoch,
                 http_addr: n.http_addr.clone(),
             });
-            rates.push(Rates {
+            measured.rates.push(Rates {
                 prefill_tokens_per_s: s.prefill_tokens_per_s,
                 pull_mb_per_s: s.pull_mb_per_s,
             });
+            if measured.kv_bytes_per_token == 0 {
+                measured.kv_bytes_per_token = n.kv_bytes_per_token;
+            }
             let held = hashes.iter().take_while(|h| n.hashes.contains(h)).count();
             prefix_blocks.push(sat(held as u64));
         }
@@ -381,7 +389,7 @@ impl Cluster {
             nodes,
             prefix_blocks,
             names,
-            rates,
+            measured,
         }
     }
 }

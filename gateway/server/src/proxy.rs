@@ -730,9 +730,12 @@ impl Gateway {
             conversation_key: analyzed.conversation_key.clone(),
         };
         clock.lap("view");
-        let decided =
-            s.router
-                .decide(&request, &snapshot.view, &snapshot.rates, &snapshot.names)?;
+        let decided = s.router.decide(
+            &request,
+            &snapshot.view,
+            &snapshot.measured,
+            &snapshot.names,
+        )?;
         clock.lap("policy");
         let first = match &decided.decision.route {
             Route::Split(sp) => sp.prefill.first().copied(),

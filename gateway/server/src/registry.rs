@@ -177,6 +177,7 @@ impl NodeRegistry for Registry {
             kv_addr: reg.kv_side_channel_addr.as_str().into(),
             max_model_len: reg.max_model_len,
             hash_key: reg.kv_hash_key,
+            kv_bytes_per_token: reg.kv_bytes_per_token,
             state: pb::NodeState {
                 total_blocks: reg.num_blocks,
                 free_blocks: reg.num_blocks,

@@ -157,7 +157,7 @@ pub fn replay(records: &[Record], after: &Installed, before: Option<&Installed>)
     for record in records {
         let names = names(record);
         let decide =
-            |p: &Installed| run_policy(p, &record.request, &record.view, &record.rates, &names);
+            |p: &Installed| run_policy(p, &record.request, &record.view, &record.measured, &names);
         let old = match before {
             Some(b) => decide(b),
             None => Ok(record.decision.clone()),

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use pd_policy::{Decision, Installed, PolicySlot, Rates, Record, Request, View, native};
+use pd_policy::{Decision, Installed, Measured, PolicySlot, Record, Request, View, native};
 use tracing::warn;
 
 use crate::decision_log::DecisionLog;
@@ -47,16 +47,15 @@ pub struct Decided {
     pub version: String,
 }
 
-/// Runs an installed policy; its decision validated (`rates[i]`: what `view.nodes[i]`
-/// measured).
+/// Runs an installed policy, with what the nodes measured; its decision validated.
 pub fn run_policy(
     installed: &Installed,
     request: &Request,
     view: &View,
-    rates: &[Rates],
+    measured: &Measured,
     names: &Arc<[Arc<str>]>,
 ) -> Result<Decision, pd_policy::PolicyError> {
-    installed.decide(request, view, rates, names)
+    installed.decide(request, view, measured, names)
 }
 
 impl Router {
@@ -112,19 +111,19 @@ impl Router {
         &self,
         request: &Request,
         view: &View,
-        rates: &[Rates],
+        measured: &Measured,
         names: &Arc<[Arc<str>]>,
     ) -> Result<Decided, GatewayError> {
         let installed = self.slot.current();
         let version = installed.version();
         let start = Instant::now();
-        let outcome = run_policy(&installed, request, view, rates, names);
+        let outcome = run_policy(&installed, request, view, measured, names);
         let elapsed = start.elapsed();
         let took = elapsed.as_secs_f64();
         let decided = self.settle(&installed, version, outcome, took, request, view)?;
         if self.log.sample() {
             let mut record = Record::new(request.clone(), view.clone(), decided.decision.clone());
-            record.rates = rates.to_vec();
+            record.measured = measured.clone();
             record.node_names = names.iter().map(|n| n.to_string()).collect();
             record.fallback = decided.policy == FALLBACK;
             record.policy = Some(installed.name().to_owned());

@@ -56,6 +56,8 @@ pub struct Registration {
     pub tokenizer_fingerprint: u64,
     /// The prefix-cache hash key (`pd_kv_pool::hash_key` of `--kv-hash-key`); 0: none.
     pub kv_hash_key: u64,
+    /// Bytes of KV per token as the node stores it (`KvLayout::block_bytes / block_size`).
+    pub kv_bytes_per_token: u32,
 }
 
 impl std::fmt::Debug for Registration {
@@ -93,6 +95,7 @@ impl std::fmt::Debug for Registration {
                     "(set)"
                 },
             )
+            .field("kv_bytes_per_token", &self.kv_bytes_per_token)
             .field("tokenizer_files", &files)
             .field(
                 "tokenizer_fingerprint",
@@ -130,6 +133,7 @@ impl From<&Registration> for pb::Register {
             max_model_len: r.max_model_len,
             cluster_token: r.cluster_token.clone(),
             kv_hash_key: r.kv_hash_key,
+            kv_bytes_per_token: r.kv_bytes_per_token,
             tokenizer: (!r.tokenizer_files.is_empty()).then(|| pb::TokenizerBundle {
                 files: r
                     .tokenizer_files

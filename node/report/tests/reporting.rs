@@ -97,6 +97,7 @@ fn registration() -> Registration {
         ]),
         tokenizer_fingerprint: 0x1234_5678,
         kv_hash_key: 0x00c0_ffee,
+        kv_bytes_per_token: 1_536,
     }
 }
 
@@ -208,6 +209,7 @@ async fn registers_then_sends_full_state_then_block_resync() -> TestResult {
             max_model_len: 2048,
             cluster_token: "s3cret".to_string(),
             kv_hash_key: 0x00c0_ffee,
+            kv_bytes_per_token: 1_536,
             tokenizer: Some(pb::TokenizerBundle {
                 files: vec![
                     pb::TokenizerFile {

@@ -176,6 +176,10 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                     max_model_len: info.max_model_len as u32,
                     cluster_token: args.cluster_token(),
                     kv_hash_key: args.hash_key(),
+                    kv_bytes_per_token: u32::try_from(
+                        info.kv_layout.block_bytes() / info.block_size.max(1),
+                    )
+                    .unwrap_or(u32::MAX),
                     tokenizer_files: engine.tokenizer().files().clone(),
                     tokenizer_fingerprint: engine.tokenizer().fingerprint(),
                 };

@@ -148,6 +148,15 @@ async fn node_registers_streams_state_and_survives_a_registry_restart() {
     for name in ["tokenizer.json", "tokenizer_config.json", "config.json"] {
         assert!(files.contains_key(name), "{name} sent: {:?}", files.keys());
     }
+    // KV bytes per token: all layers, K and V, every KV head's `head_dim` elements, as the pool
+    // stores them (f16 or f32).
+    let spec = TinySpec::default();
+    let elems = (spec.layers * 2 * spec.kv_heads * (spec.hidden / spec.heads)) as u32;
+    assert!(
+        [elems * 2, elems * 4].contains(&reg.kv_bytes_per_token),
+        "{} bytes per token for {elems} elements",
+        reg.kv_bytes_per_token
+    );
     let local = Tokenizer::from_dir(&dir).unwrap();
     assert_eq!(&files, local.files());
     assert_eq!(bundle.fingerprint, local.fingerprint());

@@ -28,8 +28,8 @@
 //!    fewest for which a pull (`pull-overhead-us` + tokens × `kv-bytes-per-token` at
 //!    `pull-mb-per-s`) costs less than recomputing them at `prefill-tokens-per-s`:
 //!    `reverse-pull { from: holder, min-tokens: min-pull }`. The two rates are the ones the
-//!    first prefill candidate (the node that would pull and compute) measured, each where it
-//!    has measured one (non-zero), else the config's.
+//!    first prefill candidate (the node that would pull and compute) measured, and the KV bytes
+//!    per token the view's: each where known (non-zero), else the config's.
 //! 3. Else recompute.
 //!
 //! The six parameters are read from the policy config (`pd-gateway policy push --config
@@ -99,7 +99,11 @@ impl Guest for PrefixAware {
         let mut reverse_pull = None;
         if let (Some(h), Route::Split(split)) = (holding, &route) {
             let p = split.prefill[0] as usize;
-            let min_tokens = min_pull_tokens(v.prefill_tokens_per_s[p], v.pull_mb_per_s[p]);
+            let min_tokens = min_pull_tokens(
+                v.prefill_tokens_per_s[p],
+                v.pull_mb_per_s[p],
+                v.kv_bytes_per_token,
+            );
             if h.tokens >= min_tokens {
                 reverse_pull = Some(ReversePull {
                     from: h.node,
@@ -121,8 +125,8 @@ fn param(key: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-/// `measured` when the node has measured it (non-zero), else the config's `key`.
-fn rate(measured: u32, key: &str, default: u64) -> u64 {
+/// `measured` when known (non-zero), else the config's `key`.
+fn known_or(measured: u32, key: &str, default: u64) -> u64 {
     if measured > 0 {
         u64::from(measured)
     } else {
@@ -131,13 +135,13 @@ fn rate(measured: u32, key: &str, default: u64) -> u64 {
 }
 
 /// Fewest held tokens worth a pull for a node that prefills at `prefill_tokens_per_s` and
-/// pulls at `pull_mb_per_s` (each 0: not measured, the config's) (`u32::MAX`: never, when a
-/// token moves slower than it computes).
-fn min_pull_tokens(prefill_tokens_per_s: u32, pull_mb_per_s: u32) -> u32 {
+/// pulls at `pull_mb_per_s`, `kv_bytes_per_token` moving per token (each 0: unknown, the
+/// config's) (`u32::MAX`: never, when a token moves slower than it computes).
+fn min_pull_tokens(prefill_tokens_per_s: u32, pull_mb_per_s: u32, kv_bytes_per_token: u32) -> u32 {
     let recompute_ns =
-        1_000_000_000 / rate(prefill_tokens_per_s, "prefill-tokens-per-s", 2_000).max(1);
-    let pull_ns = param("kv-bytes-per-token", 23_040).saturating_mul(1_000)
-        / rate(pull_mb_per_s, "pull-mb-per-s", 1_000).max(1);
+        1_000_000_000 / known_or(prefill_tokens_per_s, "prefill-tokens-per-s", 2_000).max(1);
+    let pull_ns = known_or(kv_bytes_per_token, "kv-bytes-per-token", 23_040).saturating_mul(1_000)
+        / known_or(pull_mb_per_s, "pull-mb-per-s", 1_000).max(1);
     match recompute_ns.checked_sub(pull_ns) {
         Some(gain) if gain > 0 => {
             let t = param("pull-overhead-us", 2_000)

@@ -43,7 +43,8 @@ pub use prefix_aware::prefix_aware;
 pub use round_robin::round_robin;
 
 use crate::{
-    Decision, DecodeTarget, Node, PolicyError, Rates, Rejection, Request, Role, Route, Split, View,
+    Decision, DecodeTarget, Measured, Node, PolicyError, Rejection, Request, Role, Route, Split,
+    View,
 };
 
 /// Message of the 503 a policy answers when no node can serve the request.
@@ -94,19 +95,19 @@ impl NativePolicy {
 
     /// Decides where `request` goes, no rates measured.
     pub fn decide(self, request: &Request, view: &View) -> Decision {
-        self.decide_measured(request, view, &[])
+        self.decide_measured(request, view, &Measured::default())
     }
 
-    /// Decides where `request` goes; `rates[i]` is what `view.nodes[i]` measured (only
-    /// [`prefix_aware`] reads them).
-    pub fn decide_measured(self, request: &Request, view: &View, rates: &[Rates]) -> Decision {
+    /// Decides where `request` goes, with what the nodes measured (only [`prefix_aware`]
+    /// reads it).
+    pub fn decide_measured(self, request: &Request, view: &View, measured: &Measured) -> Decision {
         match self {
             NativePolicy::LeastLoaded => least_loaded(request, view),
             NativePolicy::RoundRobin => round_robin(request, view),
             NativePolicy::PrefixAware => prefix_aware::prefix_aware_with(
                 request,
                 view,
-                rates,
+                measured,
                 &prefix_aware::Thresholds::default(),
             ),
         }

@@ -2,7 +2,7 @@
 //! is cheaper than recomputing it (see the [module docs](super)).
 
 use super::{candidates, least_loaded_key, load, route};
-use crate::{Decision, Node, Rates, Request, ReversePull, Role, Route, View};
+use crate::{Decision, Measured, Node, Rates, Request, ReversePull, Role, Route, View};
 use std::cmp::Reverse;
 
 /// The multi-turn rule's parameters (the guest reads each from its policy config, under the
@@ -41,9 +41,9 @@ impl Default for Thresholds {
 }
 
 impl Thresholds {
-    /// These thresholds with a node's measured rates in place of the configured ones, each
-    /// where the node has measured one (non-zero).
-    pub fn measured(&self, rates: Rates) -> Thresholds {
+    /// These thresholds with a node's measured rates and the model's KV bytes per token in
+    /// place of the configured ones, each where it is known (non-zero).
+    pub fn measured(&self, rates: Rates, kv_bytes_per_token: u32) -> Thresholds {
         let or = |measured: u32, configured: u64| {
             if measured > 0 {
                 u64::from(measured)
@@ -54,6 +54,7 @@ impl Thresholds {
         Thresholds {
             prefill_tokens_per_s: or(rates.prefill_tokens_per_s, self.prefill_tokens_per_s),
             pull_mb_per_s: or(rates.pull_mb_per_s, self.pull_mb_per_s),
+            kv_bytes_per_token: or(kv_bytes_per_token, self.kv_bytes_per_token),
             ..*self
         }
     }
@@ -76,7 +77,7 @@ impl Thresholds {
 
 /// [`prefix_aware_with`] at the default [`Thresholds`], no rates measured.
 pub fn prefix_aware(request: &Request, view: &View) -> Decision {
-    prefix_aware_with(request, view, &[], &Thresholds::default())
+    prefix_aware_with(request, view, &Measured::default(), &Thresholds::default())
 }
 
 /// Prefill and whole lists by score `prefix_blocks[i] - (waiting + running)` descending
@@ -97,13 +98,12 @@ pub fn prefix_aware(request: &Request, view: &View) -> Decision {
 /// 2. Otherwise, on a split, **pull the turn back** when it holds at least
 ///    [`Thresholds::min_pull_tokens`]: `reverse-pull { from: holder, min-tokens: that }`. The
 ///    thresholds are `t` [measured](Thresholds::measured) with the first prefill candidate's
-///    `rates` (the node that would pull and compute; `rates[i]` for `view.nodes[i]`, missing
-///    entries not measured).
+///    rates (the node that would pull and compute) and the model's KV bytes per token.
 /// 3. Otherwise recompute (no reverse pull).
 pub fn prefix_aware_with(
     request: &Request,
     view: &View,
-    rates: &[Rates],
+    measured: &Measured,
     t: &Thresholds,
 ) -> Decision {
     let nodes = &view.nodes;
@@ -133,7 +133,7 @@ pub fn prefix_aware_with(
     if let (Some(h), Route::Split(split)) = (holder, &d.route) {
         let p = split.prefill[0] as usize;
         let min_tokens = t
-            .measured(rates.get(p).copied().unwrap_or_default())
+            .measured(measured.rates_of(p), measured.kv_bytes_per_token)
             .min_pull_tokens();
         if nodes[h as usize].conversation_tokens >= min_tokens {
             d.reverse_pull = Some(ReversePull {
@@ -314,11 +314,16 @@ mod tests {
             node(Role::Prefill, 3, 10, false),
             holding(node(Role::Decode, 0, 10, false), 96),
         ]);
-        let pull = |rates: &[Rates]| {
-            prefix_aware_with(&r, &v, rates, &Thresholds::default())
+        let pull_at = |rates: &[Rates], kv_bytes_per_token| {
+            let m = Measured {
+                rates: rates.to_vec(),
+                kv_bytes_per_token,
+            };
+            prefix_aware_with(&r, &v, &m, &Thresholds::default())
                 .reverse_pull
                 .map(|p| p.min_tokens)
         };
+        let pull = |rates: &[Rates]| pull_at(rates, 0);
         let rates = |prefill_tokens_per_s, pull_mb_per_s| Rates {
             prefill_tokens_per_s,
             pull_mb_per_s,
@@ -331,5 +336,7 @@ mod tests {
         assert_eq!(pull(&[rates(40_000, 10_000)]), Some(89));
         // Only the first prefill candidate's rates count (node 1 is busier).
         assert_eq!(pull(&[rates(0, 0), rates(40_000, 0)]), Some(5));
+        // A model with 2 KiB of KV per token: 2 µs a token at 1000 MB/s, from 88 tokens on.
+        assert_eq!(pull_at(&[rates(40_000, 0)], 2_048), Some(88));
     }
 }

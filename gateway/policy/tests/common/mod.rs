@@ -6,7 +6,9 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use pd_policy::{Api, Node, PolicyEngine, PolicySpec, Rates, Request, Role, View, WasmPolicy};
+use pd_policy::{
+    Api, Measured, Node, PolicyEngine, PolicySpec, Rates, Request, Role, View, WasmPolicy,
+};
 
 /// The directory holding the built guest components: `$PD_POLICIES_DIR`, else
 /// `$CARGO_TARGET_DIR/policies`, else `<workspace>/target/policies`.
@@ -193,17 +195,22 @@ pub fn random_case(rng: &mut Rng, case: u64) -> (Request, View) {
     (request(seq, n, prefix_blocks), View { nodes })
 }
 
-/// Random measured rates for `len` nodes: often not measured (0), else from slow to fast, so
-/// the prefix-aware pull threshold lands below, within and above the held token counts of
-/// [`random_case`].
-pub fn random_rates(rng: &mut Rng, len: usize) -> Vec<Rates> {
-    if rng.chance(20) {
-        return Vec::new();
+/// Random measurements for `len` nodes: rates often not measured (0), else from slow to fast,
+/// and KV bytes per token unknown or of models small to large, so the prefix-aware pull
+/// threshold lands below, within and above the held token counts of [`random_case`].
+pub fn random_measured(rng: &mut Rng, len: usize) -> Measured {
+    let rates = if rng.chance(20) {
+        Vec::new()
+    } else {
+        (0..len)
+            .map(|_| Rates {
+                prefill_tokens_per_s: rng.pick(&[0, 0, 500, 2_000, 40_000, 100_000]),
+                pull_mb_per_s: rng.pick(&[0, 0, 10, 1_000, 10_000, 50_000]),
+            })
+            .collect()
+    };
+    Measured {
+        rates,
+        kv_bytes_per_token: rng.pick(&[0, 0, 1_024, 23_040, 131_072]),
     }
-    (0..len)
-        .map(|_| Rates {
-            prefill_tokens_per_s: rng.pick(&[0, 0, 500, 2_000, 40_000, 100_000]),
-            pull_mb_per_s: rng.pick(&[0, 0, 10, 1_000, 10_000, 50_000]),
-        })
-        .collect()
 }

@@ -5,7 +5,8 @@
 //! Answers `reject { status: 400 + n % 100, message }`, where `message` is
 //! `name0=<node-name(0)>;seq=<seq>` then one `;<column>=<values>` per list of the view, in
 //! the WIT's order (values in Rust's `{:?}` list form; roles as P/D/S), then
-//! `;conversation=<node>,<tokens>,<expiry-ms>` or `;conversation=-`.
+//! `;conversation=<node>,<tokens>,<expiry-ms>` or `;conversation=-`, then
+//! `;kv_bytes_per_token=<n>`.
 
 #![no_std]
 
@@ -64,6 +65,7 @@ impl Guest for EchoColumns {
             }
             None => m.push_str(";conversation=-"),
         }
+        let _ = write!(m, ";kv_bytes_per_token={}", view.kv_bytes_per_token);
         let status = 400 + (request.n % 100) as u16;
         Decision {
             route: Route::Reject(Rejection {
