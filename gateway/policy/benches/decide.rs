@@ -235,6 +235,46 @@ fn main() {
             }));
         }
     }
+    // The two contracts head to head: the same least-loaded rules on 0.2.0 and on 0.1.0, host
+    // path, calls interleaved one by one so both see the same machine (this VM's speed drifts
+    // by 2× between rows run minutes apart).
+    let label = "host path, least-loaded, interleaved";
+    if std::env::var("PD_BENCH_ONLY").is_ok_and(|only| !label.contains(&only)) {
+    } else {
+        let v2 = engine
+            .load(&wasm("least-loaded"), spec("least-loaded"))
+            .expect("load");
+        let v1 = engine
+            .load(&wasm("least-loaded-v1"), spec("least-loaded-v1"))
+            .expect("load");
+        let mut samples = [Vec::with_capacity(calls), Vec::with_capacity(calls)];
+        for i in 0..(calls + calls / 10) as u64 {
+            for (k, p) in [&v2, &v1].into_iter().enumerate() {
+                let t = Instant::now();
+                let view = to_view(black_box(&reg));
+                let measured = to_measured(black_box(&reg));
+                let r = req(i);
+                black_box(
+                    p.decide_measured(&r, &view, &measured, &node_names)
+                        .expect("decide"),
+                );
+                if i as usize >= calls / 10 {
+                    samples[k].push(t.elapsed());
+                }
+            }
+        }
+        for (k, contract) in ["0.2.0", "0.1.0"].into_iter().enumerate() {
+            let s = &mut samples[k];
+            s.sort_unstable();
+            let at = |q: f64| s[((s.len() - 1) as f64 * q) as usize];
+            rows.push(Row {
+                name: format!("{label} ({contract})"),
+                p50: at(0.5),
+                p99: at(0.99),
+                mean: s.iter().sum::<Duration>() / s.len() as u32,
+            });
+        }
+    }
     let (_, stats) = engine
         .load(&wasm("prefix-aware"), spec("prefix-aware"))
         .expect("load")
