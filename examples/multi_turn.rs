@@ -20,6 +20,10 @@
 //!   [--clients 3] [--turns 10] [--system-words 300] [--user-words 90] [--answer-tokens 24]
 //! ```
 //!
+//! `PD_BENCH_MODES=ac` runs only those modes (default `abc`; ratios need the modes they
+//! compare); `PD_BENCH_C_CONFIG=holder-load-slack=0,pull-overhead-us=500` pushes mode c's
+//! policy with that config (default: none, the policy's defaults).
+//!
 //! Prints per mode: TTFT (mean, p50, p99), TPOT (mean), latency (mean), the prompt length of
 //! the last turns, and how the gateway placed turns; then the ratios c/a and c/b. Not part of CI.
 
@@ -293,11 +297,12 @@ fn spawn_node(
     p
 }
 
-async fn push(client: &reqwest::Client, admin: &str, policy: &str) {
+async fn push(client: &reqwest::Client, admin: &str, policy: &str, config: &[(String, String)]) {
     let bytes = std::fs::read(bins::policy(policy)).expect("the policy file");
     let r = client
         .put(format!("{admin}/admin/policy"))
         .query(&[("name", policy)])
+        .query(config)
         .bearer_auth(ADMIN_TOKEN)
         .body(bytes)
         .send()
@@ -339,13 +344,27 @@ async fn main() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let system = format!("You are a helpful assistant. {}.", words(7, s.system_words));
     eprintln!("settings: {s:?}");
+    let modes = std::env::var("PD_BENCH_MODES").unwrap_or_else(|_| "abc".into());
+    let c_config: Vec<(String, String)> = std::env::var("PD_BENCH_C_CONFIG")
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (format!("config.{}", k.trim()), v.trim().to_owned()))
+        .collect();
+    if !c_config.is_empty() {
+        eprintln!("mode c config: {c_config:?}");
+    }
     let mut rows = Vec::new();
     for (mode, policy) in [
         ('a', "round-robin"),
         ('b', "round-robin"),
         ('c', "prefix-aware"),
     ] {
-        push(&client, &gw.admin, policy).await;
+        if !modes.contains(mode) {
+            continue;
+        }
+        let config: &[(String, String)] = if mode == 'c' { &c_config } else { &[] };
+        push(&client, &gw.admin, policy, config).await;
         let before = scrape(&client, &gw.http).await;
         let started = Instant::now();
         let turns = run_mode(&client, &gw.http, mode, &system, &s).await;
@@ -395,17 +414,15 @@ async fn main() {
             sm[4]
         );
     }
-    let (a, b, c) = (rows[0].1, rows[1].1, rows[2].1);
-    println!(
-        "c vs a: mean TTFT {:.2}x lower, p99 TTFT {:.2}x lower, TPOT {:+.1}%",
-        a[0] / c[0],
-        a[2] / c[2],
-        (c[3] / a[3] - 1.0) * 100.0
-    );
-    println!(
-        "c vs b: mean TTFT {:.2}x lower, p99 TTFT {:.2}x lower, TPOT {:+.1}%",
-        b[0] / c[0],
-        b[2] / c[2],
-        (c[3] / b[3] - 1.0) * 100.0
-    );
+    let row = |m: char| rows.iter().find(|r| r.0 == m).map(|r| r.1);
+    for (base, other) in [('a', row('a')), ('b', row('b'))] {
+        if let (Some(o), Some(c)) = (other, row('c')) {
+            println!(
+                "c vs {base}: mean TTFT {:.2}x lower, p99 TTFT {:.2}x lower, TPOT {:+.1}%",
+                o[0] / c[0],
+                o[2] / c[2],
+                (c[3] / o[3] - 1.0) * 100.0
+            );
+        }
+    }
 }

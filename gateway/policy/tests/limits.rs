@@ -291,6 +291,22 @@ fn bad_bytes_do_not_compile() {
     assert!(matches!(e, PolicyError::Compile { .. }), "{e:?}");
 }
 
+/// A node whose fields all differ (from `base`), so a field lowered at the wrong offset shows.
+fn field_node(role: Role, base: u32, draining: bool, conversation_tokens: u32) -> Node {
+    Node {
+        role,
+        free_blocks: base + 1,
+        total_blocks: base + 2,
+        leased_blocks: base + 3,
+        waiting: base + 4,
+        running: base + 5,
+        waiting_remote_kv: base + 6,
+        draining,
+        conversation_tokens,
+        conversation_expiry_ms: u32::MAX - base,
+    }
+}
+
 #[test]
 fn host_imports_and_every_field_reach_the_guest() {
     let engine = PolicyEngine::new().expect("engine");
@@ -306,18 +322,7 @@ fn host_imports_and_every_field_reach_the_guest() {
         )
         .expect("echo answers 4xx rejections, which are valid");
     // Every field distinct, so a field lowered at the wrong offset shows.
-    let field_node = |role, base: u32, draining| Node {
-        role,
-        free_blocks: base + 1,
-        total_blocks: base + 2,
-        leased_blocks: base + 3,
-        waiting: base + 4,
-        running: base + 5,
-        waiting_remote_kv: base + 6,
-        draining,
-        conversation_tokens: base + 7,
-        conversation_expiry_ms: u32::MAX - base,
-    };
+    let field_node = |role, base: u32, draining| field_node(role, base, draining, base + 7);
     let v = View {
         nodes: vec![
             field_node(Role::Standalone, 10, true),
@@ -373,18 +378,6 @@ fn every_column_and_rate_reaches_a_0_2_0_guest() {
         .load(&wasm("echo-columns"), spec("echo-columns"))
         .expect("load");
     assert_eq!(policy.contract(), "0.2.0");
-    let field_node = |role, base: u32, draining, conversation_tokens| Node {
-        role,
-        free_blocks: base + 1,
-        total_blocks: base + 2,
-        leased_blocks: base + 3,
-        waiting: base + 4,
-        running: base + 5,
-        waiting_remote_kv: base + 6,
-        draining,
-        conversation_tokens,
-        conversation_expiry_ms: u32::MAX - base,
-    };
     let v = View {
         nodes: vec![
             field_node(Role::Standalone, 10, true, 0),
