@@ -13,7 +13,6 @@
 extern crate alloc;
 
 use alloc::format;
-use alloc::string::String;
 use alloc::vec::Vec;
 use core::fmt::Write;
 use guest_rt as _;
@@ -70,7 +69,7 @@ impl Guest for EchoColumns {
         Decision {
             route: Route::Reject(Rejection {
                 status,
-                message: String::from(m),
+                message: m,
             }),
             reverse_pull: None,
         }
