@@ -289,6 +289,30 @@ fn bad_bytes_do_not_compile() {
     let core = b"\0asm\x01\0\0\0";
     let e = engine.load(core, spec("core")).expect_err("core module");
     assert!(matches!(e, PolicyError::Compile { .. }), "{e:?}");
+    // A valid component that exports no `decide`: it matches neither hosted world, and the
+    // refusal says so for both.
+    let empty_component = b"\0asm\x0d\0\x01\0";
+    let e = engine
+        .load(empty_component, spec("empty"))
+        .expect_err("no world");
+    assert!(matches!(e, PolicyError::Instantiate { .. }), "{e:?}");
+    let text = chain(&e);
+    assert!(
+        text.contains("pd:policy@0.1.0") && text.contains("pd:policy@0.2.0"),
+        "{text}"
+    );
+}
+
+/// An error and its sources, one line.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
 }
 
 /// A node whose fields all differ (from `base`), so a field lowered at the wrong offset shows.
