@@ -67,10 +67,7 @@ impl Guest for EchoColumns {
         let _ = write!(m, ";kv_bytes_per_token={}", view.kv_bytes_per_token);
         let status = 400 + (request.n % 100) as u16;
         Decision {
-            route: Route::Reject(Rejection {
-                status,
-                message: m,
-            }),
+            route: Route::Reject(Rejection { status, message: m }),
             reverse_pull: None,
         }
     }
