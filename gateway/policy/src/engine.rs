@@ -8,8 +8,9 @@
 //!
 //! At load ([`PolicyEngine::load`], off the request path): compile (cached in memory by the
 //! sha256 of the bytes, and on disk when the engine has a cache directory: see
-//! `precompiled.rs`), `instantiate_pre` (all import resolution and type checking), then a
-//! smoke test.
+//! `precompiled.rs`), `instantiate_pre` (all import resolution and type checking), `decide`'s
+//! type checked against the `pd:policy@0.2.0` world, else the `0.1.0` one (the one that
+//! matches is the policy's contract), then a smoke test.
 //!
 //! A guest that imports WASI (a Go guest always does) gets a context built on its first WASI
 //! call: no preopens, environment, arguments or network, stdin empty, stdout and stderr
@@ -21,7 +22,8 @@
 //! (shared, not copied), with a memory limiter, the fuel budget and the epoch deadline set
 //! before anything runs; instantiate from the pre-instantiated component (pooled,
 //! copy-on-write memory), call `decide` through the bindings `bindgen!` generated from the
-//! WIT (no hand-written lowering), drop the store, validate. A store that trapped is never
+//! WIT (no hand-written lowering; a 0.2.0 policy gets the view as columns, built by
+//! `columns.rs`), drop the store, validate. A store that trapped is never
 //! reused.
 
 use std::collections::BTreeMap;
