@@ -26,7 +26,7 @@ use serde_json::{Value, json};
 use tracing::{info, warn};
 
 use crate::cluster::{Cluster, role_label};
-use crate::route::{Router, run_policy};
+use crate::route::Router;
 
 /// What the admin handlers share.
 #[derive(Debug, Clone)]
@@ -311,13 +311,7 @@ async fn dry_run(
         let mut last = None;
         for _ in 0..101 {
             let t = Instant::now();
-            last = Some(run_policy(
-                &policy,
-                &request,
-                &snapshot.view,
-                &snapshot.measured,
-                &names,
-            ));
+            last = Some(policy.decide(&request, &snapshot.view, &snapshot.measured, &names));
             took.push(t.elapsed());
         }
         took.sort();

@@ -16,8 +16,6 @@ use pd_policy::native::NativePolicy;
 use pd_policy::record::decision_json;
 use pd_policy::{Decision, Installed, PolicyEngine, PolicyError, PolicySpec, Record};
 
-use crate::route::run_policy;
-
 /// Why cases or a policy could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum CaseError {
@@ -234,7 +232,7 @@ pub fn run_cases(policy: &Installed, cases: &[Case], repeat: usize) -> Report {
         let mut outcome = None;
         for _ in 0..repeat.max(1) {
             let start = Instant::now();
-            let got = run_policy(policy, &r.request, &r.view, &r.measured, &names);
+            let got = policy.decide(&r.request, &r.view, &r.measured, &names);
             latencies.push(start.elapsed());
             outcome.get_or_insert(match got {
                 Ok(d) if d == r.decision => Outcome::Pass,

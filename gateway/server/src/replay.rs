@@ -16,7 +16,6 @@ use pd_policy::{Decision, Installed, Record, Route};
 use serde_json::{Value, json};
 
 use crate::cases::names;
-use crate::route::run_policy;
 
 /// How one side (recorded, baseline or new) decided over the log.
 #[derive(Debug, Default, Clone)]
@@ -157,7 +156,7 @@ pub fn replay(records: &[Record], after: &Installed, before: Option<&Installed>)
     for record in records {
         let names = names(record);
         let decide =
-            |p: &Installed| run_policy(p, &record.request, &record.view, &record.measured, &names);
+            |p: &Installed| p.decide(&record.request, &record.view, &record.measured, &names);
         let old = match before {
             Some(b) => decide(b),
             None => Ok(record.decision.clone()),

@@ -47,17 +47,6 @@ pub struct Decided {
     pub version: String,
 }
 
-/// Runs an installed policy, with what the nodes measured; its decision validated.
-pub fn run_policy(
-    installed: &Installed,
-    request: &Request,
-    view: &View,
-    measured: &Measured,
-    names: &Arc<[Arc<str>]>,
-) -> Result<Decision, pd_policy::PolicyError> {
-    installed.decide(request, view, measured, names)
-}
-
 impl Router {
     /// A router over `slot`, sampling its decisions into `log`.
     pub fn new(
@@ -117,7 +106,7 @@ impl Router {
         let installed = self.slot.current();
         let version = installed.version();
         let start = Instant::now();
-        let outcome = run_policy(&installed, request, view, measured, names);
+        let outcome = installed.decide(request, view, measured, names);
         let elapsed = start.elapsed();
         let took = elapsed.as_secs_f64();
         let decided = self.settle(&installed, version, outcome, took, request, view)?;
