@@ -15,16 +15,21 @@
 //! A guest that imports WASI (a Go guest always does) gets a context built on its first WASI
 //! call: no preopens, environment, arguments or network, stdin empty, stdout and stderr
 //! discarded, a wall clock frozen at the Unix epoch, a monotonic clock that advances 1 µs per
-//! read from 0, and random bytes from a generator seeded with the request's `seq`: the same
-//! request and view give the same decision, so a recorded decision replays exactly.
+//! read from 0, and random bytes from a generator seeded with the request's `seq` (while the
+//! component is instantiated, before any request: with a fixed seed): the same request and view
+//! give the same decision, so a recorded decision replays exactly.
 //!
-//! Per call ([`WasmPolicy::decide`]): a new [`Store`] whose data holds the caller's node names
-//! (shared, not copied), with a memory limiter, the fuel budget and the epoch deadline set
-//! before anything runs; instantiate from the pre-instantiated component (pooled,
-//! copy-on-write memory), call `decide` through the bindings `bindgen!` generated from the
-//! WIT (no hand-written lowering; a 0.2.0 policy gets the view as columns, built by
-//! `columns.rs`), drop the store, validate. A store that trapped is never
-//! reused.
+//! Per call ([`WasmPolicy::decide`]): a store that has seen one instantiation and no call,
+//! either made ahead on the `pd-policy-spare` thread (`spare.rs`; [`PolicySpec::spares`] per
+//! policy, replaced as they are used) or, when none is ready, made now: the spec's memory
+//! limit and fuel set, the component instantiated from the pre-instantiated component (pooled,
+//! copy-on-write memory) under the epoch deadline, with WASI randomness seeded by a fixed seed
+//! during instantiation. The call then sets the caller's node names (shared, not copied), the
+//! request's seed and a new epoch deadline, and calls `decide` through the bindings `bindgen!`
+//! generated from the WIT (no hand-written lowering; a 0.2.0 policy gets the view as columns,
+//! built by `columns.rs`); the result is validated, and the store goes to the spare thread to
+//! be dropped (its pooled memory reset there). A store that trapped is never reused. Both ways
+//! give the same decision and use the same fuel (`tests/sandbox.rs`).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -48,6 +53,7 @@ use crate::bindings::v1::pd::policy::host::Level;
 use crate::bindings::{v1, v2};
 use crate::columns::{Measured, Rates, columns};
 use crate::precompiled::DiskCache;
+use crate::spare::{Refill, SpareWorker};
 use crate::{Api, Decision, Node, PolicyError, Request, Role, View, validate};
 
 /// Engine ids of a view's nodes (`names[i]` names `view.nodes[i]`), shared with the caller:
@@ -60,9 +66,16 @@ pub const EPOCH_TICK: Duration = Duration::from_micros(250);
 /// The largest [`PolicySpec::memory_limit`] the host accepts (the pool's per-memory size).
 pub const MAX_MEMORY_LIMIT: usize = 256 << 20;
 
-/// Calls that can run at once across all policies of one engine (pool slots); a call beyond
-/// that fails with [`PolicyError::Instantiate`].
+/// Calls that can run at once across all policies of one engine (pool slots, which spare
+/// instances also hold: [`PolicySpec::spares`]); a call beyond that fails with
+/// [`PolicyError::Instantiate`].
 pub const MAX_CONCURRENT_CALLS: u32 = 128;
+
+/// The default [`PolicySpec::spares`]: one per HTTP worker thread of a small gateway.
+pub const DEFAULT_SPARES: usize = 2;
+
+/// The largest [`PolicySpec::spares`] the host accepts.
+pub const MAX_SPARES: usize = 8;
 
 /// Log lines a guest may write per call; later ones are dropped (the last kept line says so).
 const MAX_LOG_LINES_PER_CALL: u32 = 32;
@@ -88,8 +101,8 @@ pub struct PolicySpec {
     pub name: String,
     /// What the guest reads with `host.config(key)`.
     pub config: BTreeMap<String, String>,
-    /// Wall-clock budget of one call, instantiation included (a backstop to `fuel`; enforced
-    /// with epochs, so a runaway call stops between `deadline` and `deadline + EPOCH_TICK`, or
+    /// Wall-clock budget of one call, and separately of the instantiation before it (which may
+    /// run ahead of the call: `spares`); a backstop to `fuel`, enforced with epochs, so a runaway call stops between `deadline` and `deadline + EPOCH_TICK`, or
     /// up to 1 ms later when it started while the ticker dozed between calls).
     /// Default: 1 ms.
     pub deadline: Duration,
@@ -97,8 +110,12 @@ pub struct PolicySpec {
     /// [`MAX_MEMORY_LIMIT`]. Default: 16 MiB.
     pub memory_limit: usize,
     /// Deterministic CPU budget of one call, in wasmtime fuel (about one unit per wasm
-    /// instruction). Default: [`DEFAULT_FUEL`].
+    /// instruction), instantiation included. Default: [`DEFAULT_FUEL`].
     pub fuel: u64,
+    /// Instances made ahead of calls, off the request path (`spare.rs`), at most
+    /// [`MAX_SPARES`]; each holds a pool slot and its memory. 0: every call instantiates on
+    /// the request path. Default: 2.
+    pub spares: usize,
 }
 
 impl Default for PolicySpec {
@@ -109,6 +126,7 @@ impl Default for PolicySpec {
             deadline: Duration::from_millis(1),
             memory_limit: 16 << 20,
             fuel: DEFAULT_FUEL,
+            spares: DEFAULT_SPARES,
         }
     }
 }
@@ -118,6 +136,9 @@ impl Default for PolicySpec {
 pub struct CallStats {
     /// Fuel consumed, instantiation included.
     pub fuel_used: u64,
+    /// The call ran in an instance made ahead of it, off the request path
+    /// ([`PolicySpec::spares`]); else it instantiated on the request path.
+    pub spare: bool,
 }
 
 /// The gateway's WASM policy host. Cheap to clone (shared inside).
@@ -140,6 +161,8 @@ struct EngineInner {
     disk: Option<DiskCache>,
     clock: Arc<EpochClock>,
     ticker: Option<JoinHandle<()>>,
+    /// Makes spare instances and drops used stores, off the request path (`spare.rs`).
+    spares: Arc<SpareWorker<Core, Store<HostState>>>,
 }
 
 /// Drives the epoch: every [`EPOCH_TICK`] while calls run, every [`EPOCH_DOZE`] in the gaps
@@ -170,14 +193,16 @@ const EPOCH_LINGER: Duration = Duration::from_millis(50);
 const EPOCH_DOZE: Duration = Duration::from_millis(1);
 
 impl EpochClock {
-    /// The ticker thread's loop.
-    fn run(&self, engine: &Engine) {
+    /// The ticker thread's loop. Each tick also passes a wake-up on to the spare thread when
+    /// calls queued work for it (`spare.rs`).
+    fn run(&self, engine: &Engine, spares: &SpareWorker<Core, Store<HostState>>) {
         let mut seen = self.started.load(Ordering::SeqCst);
         let mut idle = Duration::ZERO;
         let mut period = EPOCH_TICK;
         while !self.stop.load(Ordering::Relaxed) {
             std::thread::sleep(period);
             engine.increment_epoch();
+            spares.pass_wake();
             let started = self.started.load(Ordering::SeqCst);
             if started != seen || self.active.load(Ordering::SeqCst) != 0 {
                 seen = started;
@@ -241,6 +266,7 @@ impl Drop for ActiveCall<'_> {
 
 impl Drop for EngineInner {
     fn drop(&mut self) {
+        self.spares.stop();
         self.clock.stop();
         if let Some(t) = self.ticker.take() {
             // The ticker only sleeps and bumps the epoch; it cannot panic.
@@ -334,17 +360,24 @@ impl PolicyEngine {
         )
         .map_err(engine_err)?;
 
+        let spares = SpareWorker::start().map_err(|e| PolicyError::Engine {
+            source: Box::new(e),
+        })?;
         let clock = Arc::new(EpochClock::default());
         let ticker = {
             let engine = engine.clone();
             let clock = clock.clone();
+            let for_ticker = spares.clone();
             std::thread::Builder::new()
                 .name("pd-policy-epoch".to_string())
                 .spawn(move || {
-                    clock.run(&engine);
+                    clock.run(&engine, &for_ticker);
                 })
-                .map_err(|e| PolicyError::Engine {
-                    source: Box::new(e),
+                .map_err(|e| {
+                    spares.stop();
+                    PolicyError::Engine {
+                        source: Box::new(e),
+                    }
                 })?
         };
         Ok(PolicyEngine {
@@ -355,6 +388,7 @@ impl PolicyEngine {
                 disk,
                 clock,
                 ticker: Some(ticker),
+                spares,
             }),
         })
     }
@@ -378,6 +412,12 @@ impl PolicyEngine {
             return Err(PolicyError::MemoryLimitTooLarge {
                 requested: spec.memory_limit,
                 max: MAX_MEMORY_LIMIT,
+            });
+        }
+        if spec.spares > MAX_SPARES {
+            return Err(PolicyError::TooManySpares {
+                requested: spec.spares,
+                max: MAX_SPARES,
             });
         }
         let digest: [u8; 32] = Sha256::digest(wasm).into();
@@ -415,13 +455,16 @@ impl PolicyEngine {
             config: spec.config.clone(),
         });
         let policy = WasmPolicy {
-            engine: self.inner.clone(),
-            pre,
-            guest,
-            spec,
+            core: Arc::new(Core {
+                engine: self.inner.clone(),
+                pre,
+                guest,
+                spec,
+                deadline_ticks,
+                spares: Mutex::new(Vec::new()),
+            }),
             sha256,
             loaded_at: SystemTime::now(),
-            deadline_ticks,
             compiled_from,
             compile_time,
         };
@@ -453,7 +496,7 @@ impl PolicyEngine {
                     }
                     Err(e) => {
                         return Err(PolicyError::SmokeTest {
-                            name: policy.spec.name.clone(),
+                            name: policy.core.spec.name.clone(),
                             case,
                             source: Box::new(e),
                         });
@@ -462,12 +505,15 @@ impl PolicyEngine {
             }
         }
         tracing::info!(
-            policy = %policy.spec.name,
-            version = %policy.guest.version,
+            policy = %policy.core.spec.name,
+            version = %policy.core.guest.version,
             compiled_from = ?policy.compiled_from,
             compile_time = ?policy.compile_time,
             "policy loaded"
         );
+        if policy.core.spec.spares > 0 {
+            self.inner.spares.refill_now(&policy.core);
+        }
         Ok(policy)
     }
 
@@ -600,21 +646,48 @@ enum Pre {
 /// A loaded, smoke-tested policy component, ready to decide. Shared across threads; each
 /// call runs in its own store.
 pub struct WasmPolicy {
-    engine: Arc<EngineInner>,
-    pre: Pre,
-    guest: Arc<GuestMeta>,
-    spec: PolicySpec,
+    core: Arc<Core>,
     sha256: String,
     loaded_at: SystemTime,
-    deadline_ticks: u64,
     compiled_from: CompiledFrom,
     compile_time: Duration,
 }
 
+/// What a call needs to make a store and run the guest; shared with the spare thread, which
+/// keeps `spares` topped up (`spare.rs`).
+pub(crate) struct Core {
+    engine: Arc<EngineInner>,
+    pre: Pre,
+    guest: Arc<GuestMeta>,
+    spec: PolicySpec,
+    deadline_ticks: u64,
+    /// Stores instantiated ahead and never called, at most `spec.spares`.
+    spares: Mutex<Vec<Fresh>>,
+}
+
+/// A store with the component instantiated in it and nothing called yet: the spec's memory
+/// limit and fuel set (instantiation spent some of the fuel, as it would inline), the
+/// instantiation's WASI randomness seeded with [`INSTANTIATE_SEED`], no node names.
+struct Fresh {
+    store: Store<HostState>,
+    bound: Bound,
+}
+
+/// The instantiated component, through the bindings of the world it exports.
+enum Bound {
+    V1(v1::Policy),
+    V2(v2::Policy),
+}
+
+/// The seed of the WASI randomness a guest draws while it is instantiated (a runtime's start-up:
+/// Go's hash seeds). Fixed, so that an instance made ahead of a request starts exactly as one
+/// made inline; the call itself draws from the request's `seq`.
+const INSTANTIATE_SEED: u64 = 0;
+
 impl std::fmt::Debug for WasmPolicy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("WasmPolicy")
-            .field("spec", &self.spec)
+            .field("spec", &self.core.spec)
             .field("sha256", &self.sha256)
             .field("loaded_at", &self.loaded_at)
             .finish_non_exhaustive()
@@ -629,7 +702,7 @@ impl WasmPolicy {
 
     /// The spec it was loaded with.
     pub fn spec(&self) -> &PolicySpec {
-        &self.spec
+        &self.core.spec
     }
 
     /// When it was loaded.
@@ -645,10 +718,15 @@ impl WasmPolicy {
 
     /// The contract version the component exports: `"0.1.0"` or `"0.2.0"`.
     pub fn contract(&self) -> &'static str {
-        match self.pre {
+        match self.core.pre {
             Pre::V1(_) => "0.1.0",
             Pre::V2(_) => "0.2.0",
         }
+    }
+
+    /// Instances made ahead of calls and ready now (at most [`PolicySpec::spares`]).
+    pub fn spares_ready(&self) -> usize {
+        self.core.lock_spares().len()
     }
 
     /// [`WasmPolicy::decide_measured`] with no rates measured.
@@ -662,10 +740,11 @@ impl WasmPolicy {
             .0
     }
 
-    /// Decides where `request` goes: a fresh store, the spec's limits, the guest's `decide`,
-    /// then [`validate`]. `node_names[i]` names `view.nodes[i]` for the guest's
-    /// `host.node-name` (logs only); `measured` is what the nodes report beyond the 0.1.0
-    /// view (a 0.2.0 policy sees it).
+    /// Decides where `request` goes: a fresh store (one made ahead by the spare thread when
+    /// one is ready, else made now), the spec's limits, the guest's `decide`, then
+    /// [`validate`]. `node_names[i]` names `view.nodes[i]` for the guest's `host.node-name`
+    /// (logs only); `measured` is what the nodes report beyond the 0.1.0 view (a 0.2.0 policy
+    /// sees it).
     ///
     /// # Errors
     ///
@@ -693,92 +772,106 @@ impl WasmPolicy {
         measured: &Measured,
         node_names: &Arc<[Arc<str>]>,
     ) -> (Result<Decision, PolicyError>, CallStats) {
-        let (result, stats) = self.with_store(node_names.clone(), request.seq, |store| {
-            let result = self.call(store, request, view, measured);
-            let fuel_used = self.spec.fuel.saturating_sub(store.get_fuel().unwrap_or(0));
-            (result, CallStats { fuel_used })
-        });
+        let core = &self.core;
+        let spare = core.lock_spares().pop();
+        let from_spare = spare.is_some();
+        let fresh = match spare {
+            Some(f) => Ok(f),
+            None => core.instantiate(),
+        };
+        let (result, stats) = match fresh {
+            Err((e, stats)) => (Err(e), stats),
+            Ok(mut fresh) => {
+                fresh
+                    .store
+                    .data_mut()
+                    .begin_call(request.seq, node_names.clone());
+                fresh.store.set_epoch_deadline(core.deadline_ticks);
+                let active = core.engine.clock.enter();
+                let result = fresh.call(request, view, measured);
+                drop(active);
+                let result = result.map_err(|e| core.call_error(e, false));
+                let stats = CallStats {
+                    spare: from_spare,
+                    ..core.stats(&fresh.store)
+                };
+                // Dropping the store resets its pooled memory: the spare thread does it, and
+                // makes this policy a new spare.
+                if core.spec.spares > 0 {
+                    core.engine.spares.recycle(fresh.store, core);
+                }
+                (result, stats)
+            }
+        };
         let result = result.and_then(|d| {
             validate(&d, request, view)?;
             Ok(d)
         });
         if let Err(e) = &result {
-            tracing::debug!(policy = %self.spec.name, reason = e.reason(), error = %e, "policy call failed");
+            tracing::debug!(policy = %core.spec.name, reason = e.reason(), error = %e, "policy call failed");
         }
         (result, stats)
-    }
-
-    /// Runs `f` with a fresh store: the spec's memory limit, fuel and epoch deadline set, and
-    /// `node_names` for the host imports.
-    fn with_store<R>(
-        &self,
-        node_names: Arc<[Arc<str>]>,
-        seed: u64,
-        f: impl FnOnce(&mut Store<HostState>) -> (Result<R, PolicyError>, CallStats),
-    ) -> (Result<R, PolicyError>, CallStats) {
-        let state = HostState {
-            guest: self.guest.clone(),
-            names: node_names,
-            limiter: Limiter {
-                memory_limit: self.spec.memory_limit,
-                last_desired: 0,
-            },
-            log_lines: 0,
-            seed,
-            wasi: None,
-        };
-        let mut store = Store::new(&self.engine.engine, state);
-        store.limiter(|s| &mut s.limiter);
-        if let Err(e) = store.set_fuel(self.spec.fuel) {
-            return (Err(engine_err(e)), CallStats::default());
-        }
-        store.set_epoch_deadline(self.deadline_ticks);
-        store.epoch_deadline_trap();
-        let active = self.engine.clock.enter();
-        let out = f(&mut store);
-        drop(active);
-        drop(store);
-        out
     }
 
     /// The first smoke test: an instance can be created at all (a memory limit below the
     /// guest's initial memory, say, fails here).
     fn check_instantiate(&self) -> Result<(), PolicyError> {
-        self.with_store(Arc::from([]), 0, |store| {
-            let instantiated = match &self.pre {
-                Pre::V1(pre) => pre.instantiate(&mut *store).map(drop),
-                Pre::V2(pre) => pre.instantiate(&mut *store).map(drop),
-            };
-            let result = instantiated.map_err(|e| PolicyError::SmokeTest {
-                name: self.spec.name.clone(),
+        match self.core.instantiate() {
+            Ok(_) => Ok(()),
+            Err((e, _)) => Err(PolicyError::SmokeTest {
+                name: self.core.spec.name.clone(),
                 case: "instantiate",
-                source: Box::new(self.call_error(e, true)),
-            });
-            (result, CallStats::default())
-        })
-        .0
+                source: Box::new(e),
+            }),
+        }
+    }
+}
+
+impl Core {
+    fn lock_spares(&self) -> std::sync::MutexGuard<'_, Vec<Fresh>> {
+        // A list of stores holds no invariant a panic could break.
+        self.spares.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Instantiates the component and calls `decide` through the generated bindings of its
-    /// world (a 0.2.0 policy gets the view as columns).
-    fn call(
-        &self,
-        store: &mut Store<HostState>,
-        request: &Request,
-        view: &View,
-        measured: &Measured,
-    ) -> Result<Decision, PolicyError> {
-        let called = match &self.pre {
-            Pre::V1(pre) => match pre.instantiate(&mut *store) {
-                Ok(policy) => policy.call_decide(&mut *store, request, view),
-                Err(e) => return Err(self.call_error(e, true)),
+    /// A new store with the spec's memory limit, fuel and epoch deadline set, the component
+    /// instantiated in it (under the deadline: a guest whose start-up loops is stopped).
+    fn instantiate(&self) -> Result<Fresh, (PolicyError, CallStats)> {
+        let state = HostState {
+            guest: self.guest.clone(),
+            names: Arc::from([]),
+            limiter: Limiter {
+                memory_limit: self.spec.memory_limit,
+                last_desired: 0,
             },
-            Pre::V2(pre) => match pre.instantiate(&mut *store) {
-                Ok(policy) => policy.call_decide(&mut *store, request, &columns(view, measured)),
-                Err(e) => return Err(self.call_error(e, true)),
-            },
+            log_lines: 0,
+            seed: INSTANTIATE_SEED,
+            clock: Arc::default(),
+            wasi: None,
         };
-        called.map_err(|e| self.call_error(e, false))
+        let mut store = Store::new(&self.engine.engine, state);
+        store.limiter(|s| &mut s.limiter);
+        if let Err(e) = store.set_fuel(self.spec.fuel) {
+            return Err((engine_err(e), CallStats::default()));
+        }
+        store.set_epoch_deadline(self.deadline_ticks);
+        store.epoch_deadline_trap();
+        let active = self.engine.clock.enter();
+        let bound = match &self.pre {
+            Pre::V1(pre) => pre.instantiate(&mut store).map(Bound::V1),
+            Pre::V2(pre) => pre.instantiate(&mut store).map(Bound::V2),
+        };
+        drop(active);
+        match bound {
+            Ok(bound) => Ok(Fresh { store, bound }),
+            Err(e) => Err((self.call_error(e, true), self.stats(&store))),
+        }
+    }
+
+    fn stats(&self, store: &Store<HostState>) -> CallStats {
+        CallStats {
+            fuel_used: self.spec.fuel.saturating_sub(store.get_fuel().unwrap_or(0)),
+            spare: false,
+        }
     }
 
     /// Maps a failed instantiation or call to its typed error.
@@ -811,6 +904,38 @@ impl WasmPolicy {
     }
 }
 
+impl Refill for Core {
+    fn refill(&self) {
+        while self.lock_spares().len() < self.spec.spares {
+            match self.instantiate() {
+                Ok(fresh) => self.lock_spares().push(fresh),
+                Err((e, _)) => {
+                    tracing::debug!(policy = %self.spec.name, error = %e, "spare instance not made");
+                    return;
+                }
+            }
+        }
+    }
+}
+
+impl Fresh {
+    /// Calls `decide` through the generated bindings of the component's world (a 0.2.0 policy
+    /// gets the view as columns).
+    fn call(
+        &mut self,
+        request: &Request,
+        view: &View,
+        measured: &Measured,
+    ) -> wasmtime::Result<Decision> {
+        match &self.bound {
+            Bound::V1(policy) => policy.call_decide(&mut self.store, request, view),
+            Bound::V2(policy) => {
+                policy.call_decide(&mut self.store, request, &columns(view, measured))
+            }
+        }
+    }
+}
+
 /// What the guest's host imports read: shared by all calls of one policy.
 #[derive(Debug)]
 struct GuestMeta {
@@ -826,10 +951,28 @@ struct HostState {
     names: Arc<[Arc<str>]>,
     limiter: Limiter,
     log_lines: u32,
-    /// Seeds the WASI random generators: the request's `seq`.
+    /// Seeds the WASI random generators: [`INSTANTIATE_SEED`] while the component is
+    /// instantiated, then the request's `seq`.
     seed: u64,
+    /// The guest's WASI monotonic clock (ns): it runs on across [`HostState::begin_call`].
+    clock: Arc<AtomicU64>,
     /// Built on the guest's first WASI call: most policies never make one.
     wasi: Option<WasiState>,
+}
+
+impl HostState {
+    /// The instance is about to serve request `seq`, whose view's nodes `names` names. A WASI
+    /// context built while instantiating is rebuilt, its randomness seeded with `seq` (its
+    /// resources and its monotonic clock carry on), so a decision draws the same bytes whether
+    /// its instance was made ahead or just now.
+    fn begin_call(&mut self, seq: u64, names: Arc<[Arc<str>]>) {
+        self.names = names;
+        self.seed = seq;
+        self.log_lines = 0;
+        if let Some(w) = &mut self.wasi {
+            w.ctx = wasi_ctx(seq, self.clock.clone());
+        }
+    }
 }
 
 struct WasiState {
@@ -837,22 +980,26 @@ struct WasiState {
     table: ResourceTable,
 }
 
+/// A policy's WASI context: no preopens, environment, arguments or sockets; stdin empty,
+/// stdout and stderr discarded; clocks and randomness reproducible (see the module docs).
+fn wasi_ctx(seed: u64, clock: Arc<AtomicU64>) -> WasiCtx {
+    WasiCtx::builder()
+        .allow_tcp(false)
+        .allow_udp(false)
+        .allow_ip_name_lookup(false)
+        .wall_clock(FrozenWallClock)
+        .monotonic_clock(StepClock(clock))
+        .secure_random(seeded_random(seed))
+        .insecure_random(seeded_random(seed ^ 0x5851_f42d_4c95_7f2d))
+        .insecure_random_seed(u128::from(seed))
+        .build()
+}
+
 impl WasiView for HostState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
-        let seed = self.seed;
+        let (seed, clock) = (self.seed, &self.clock);
         let w = self.wasi.get_or_insert_with(|| WasiState {
-            // No preopens, environment, arguments or sockets; stdin empty, stdout and stderr
-            // discarded; clocks and randomness reproducible (see the module docs).
-            ctx: WasiCtx::builder()
-                .allow_tcp(false)
-                .allow_udp(false)
-                .allow_ip_name_lookup(false)
-                .wall_clock(FrozenWallClock)
-                .monotonic_clock(StepClock::default())
-                .secure_random(seeded_random(seed))
-                .insecure_random(seeded_random(seed ^ 0x5851_f42d_4c95_7f2d))
-                .insecure_random_seed(u128::from(seed))
-                .build(),
+            ctx: wasi_ctx(seed, clock.clone()),
             table: ResourceTable::new(),
         });
         WasiCtxView {
@@ -876,8 +1023,7 @@ impl HostWallClock for FrozenWallClock {
 
 /// `wasi:clocks/monotonic-clock` of a policy: 0, then 1 µs more at every read (time passes,
 /// so a guest that waits for it ends, but the same calls see the same times).
-#[derive(Default)]
-struct StepClock(AtomicU64);
+struct StepClock(Arc<AtomicU64>);
 
 impl HostMonotonicClock for StepClock {
     fn resolution(&self) -> u64 {

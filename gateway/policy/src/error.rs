@@ -24,6 +24,14 @@ pub enum PolicyError {
         /// [`crate::MAX_MEMORY_LIMIT`].
         max: usize,
     },
+    /// The spec asks for more spare instances than the host keeps per policy.
+    #[error("spares {requested} exceeds the host's maximum of {max}")]
+    TooManySpares {
+        /// The spec's `spares`.
+        requested: usize,
+        /// [`crate::MAX_SPARES`].
+        max: usize,
+    },
     /// The on-disk cache directory cannot be used.
     #[error(transparent)]
     CacheDir(#[from] crate::CacheDirError),
@@ -116,6 +124,7 @@ impl PolicyError {
             PolicyError::Engine { .. } => "engine",
             PolicyError::CacheDir(_) => "cache_dir",
             PolicyError::MemoryLimitTooLarge { .. } => "memory_limit_too_large",
+            PolicyError::TooManySpares { .. } => "too_many_spares",
             PolicyError::Compile { .. } => "compile",
             PolicyError::Instantiate { .. } => "instantiate",
             PolicyError::SmokeTest { .. } => "smoke_test",

@@ -27,6 +27,7 @@ pub mod native;
 mod precompiled;
 pub mod record;
 mod slot;
+mod spare;
 mod validate;
 
 pub use bindings::v1::pd::policy::types::{
@@ -34,8 +35,8 @@ pub use bindings::v1::pd::policy::types::{
 };
 pub use columns::{Measured, Rates};
 pub use engine::{
-    CallStats, CompiledFrom, DEFAULT_FUEL, EPOCH_TICK, MAX_CONCURRENT_CALLS, MAX_MEMORY_LIMIT,
-    NodeNames, PolicyEngine, PolicySpec, WasmPolicy,
+    CallStats, CompiledFrom, DEFAULT_FUEL, DEFAULT_SPARES, EPOCH_TICK, MAX_CONCURRENT_CALLS,
+    MAX_MEMORY_LIMIT, MAX_SPARES, NodeNames, PolicyEngine, PolicySpec, WasmPolicy,
 };
 pub use error::PolicyError;
 pub use precompiled::{CacheDirError, default_cache_dir};

@@ -109,6 +109,21 @@ fn every_language_decides_as_the_native_policy() {
             splits > 10 && wholes > 10 && rejects > 5 && big >= 10,
             "{name}: {splits}/{wholes}/{rejects}/{big}"
         );
+        // An instance made ahead (the Go runtime starts while instantiating, and reads WASI
+        // randomness and clocks then) decides as one made on the call.
+        let inline = engine
+            .load(
+                &bytes,
+                PolicySpec {
+                    spares: 0,
+                    ..generous(&name)
+                },
+            )
+            .unwrap_or_else(|e| panic!("{name}: {e:?}"));
+        for case in 0..4 {
+            let (request, view) = random_case(&mut rng, case);
+            crate::common::spare_matches_inline(&guest, &inline, &request, &view);
+        }
         checked += 1;
     }
     assert!(checked > 0, "PD_POLICY_LANGS={only:?} selects no build");

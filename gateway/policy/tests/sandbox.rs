@@ -57,6 +57,62 @@ fn wasi_is_locked_down_and_reproducible() {
     assert_eq!(get(&b, "mono"), get(&a, "mono"));
 }
 
+/// A policy's instances are made ahead of its calls, off the request path, and a call served
+/// by one sees exactly what a call that instantiates sees: the WASI probe's random bytes and
+/// clock readings, the same fuel. A used spare is replaced; `spares: 0` makes none.
+#[test]
+fn spare_instances_decide_as_instances_made_on_the_call() {
+    let engine = PolicyEngine::new().expect("engine");
+    for guest in ["wasi-probe", "least-loaded", "prefix-aware"] {
+        let ahead = load(&engine, guest);
+        let inline = engine
+            .load(
+                &wasm(guest),
+                pd_policy::PolicySpec {
+                    spares: 0,
+                    ..spec(guest)
+                },
+            )
+            .expect("load");
+        let v = View {
+            nodes: vec![
+                node(Role::Prefill, 1, 0, 10),
+                node(Role::Decode, 0, 2, 10),
+                node(Role::Standalone, 0, 0, 10),
+            ],
+        };
+        for seq in [7, 8, 7, 123_456] {
+            crate::common::spare_matches_inline(&ahead, &inline, &request(seq, 1, vec![]), &v);
+        }
+        // The used spares were replaced, up to the default count.
+        let started = std::time::Instant::now();
+        while ahead.spares_ready() < pd_policy::DEFAULT_SPARES {
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(20),
+                "{guest}: spares not replaced"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert_eq!(ahead.spares_ready(), pd_policy::DEFAULT_SPARES);
+    }
+    // More spares than the host keeps are refused at load.
+    match engine.load(
+        &wasm("least-loaded"),
+        pd_policy::PolicySpec {
+            spares: pd_policy::MAX_SPARES + 1,
+            ..spec("least-loaded")
+        },
+    ) {
+        Err(PolicyError::TooManySpares { requested, max }) => {
+            assert_eq!(
+                (requested, max),
+                (pd_policy::MAX_SPARES + 1, pd_policy::MAX_SPARES)
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
 #[test]
 fn compiled_policies_are_cached_on_disk_in_a_private_directory() {
     let root = std::env::temp_dir().join(format!("pd-policy-cache-{}", std::process::id()));

@@ -1,8 +1,9 @@
 //! The operator's API (its own port, bearer token on every call):
 //!
 //! - `GET /admin/policy`: the policy serving now and the one a rollback would restore.
-//! - `PUT /admin/policy?name=N&deadline_ms=D&memory_mib=M&config.KEY=VALUE`: body = a policy
-//!   component. Compiled and smoke-tested off the request path; swapped in only if it passes.
+//! - `PUT /admin/policy?name=N&deadline_ms=D&memory_mib=M&fuel=F&spares=S&config.KEY=VALUE`:
+//!   body = a policy component. Compiled and smoke-tested off the request path; swapped in only
+//!   if it passes.
 //!   `?native=least-loaded|round-robin|prefix-aware` installs a built-in policy instead.
 //! - `POST /admin/policy/rollback`: back to the previous policy.
 //! - `POST /admin/policy/dry-run?model=M&prompt_tokens=N&n=K`: body = a component; runs it on the
@@ -68,6 +69,8 @@ pub fn describe(p: &Installed) -> Value {
         v["deadline_ms"] = json!(w.spec().deadline.as_secs_f64() * 1000.0);
         v["memory_limit"] = json!(w.spec().memory_limit);
         v["fuel"] = json!(w.spec().fuel);
+        v["spares"] = json!(w.spec().spares);
+        v["spares_ready"] = json!(w.spares_ready());
         v["config"] = json!(w.spec().config);
         let (from, took) = w.compiled();
         v["compiled"] = json!({
@@ -131,6 +134,18 @@ impl Admin {
                 .ok()
                 .filter(|&f: &u64| f > 0)
                 .ok_or_else(|| format!("fuel: not a positive integer: {fuel}"))?;
+        }
+        if let Some(n) = q.get("spares") {
+            spec.spares = n
+                .parse()
+                .ok()
+                .filter(|&n: &usize| n <= pd_policy::MAX_SPARES)
+                .ok_or_else(|| {
+                    format!(
+                        "spares: not an integer in 0..={}: {n}",
+                        pd_policy::MAX_SPARES
+                    )
+                })?;
         }
         spec.config = q
             .iter()

@@ -88,6 +88,10 @@ struct ServeArgs {
     /// Fuel (about one unit per wasm instruction) one policy decision may use.
     #[arg(long, default_value_t = pd_policy::DEFAULT_FUEL)]
     policy_fuel: u64,
+    /// Policy instances made ahead of requests, off the request path (0 to 8; 0: each
+    /// decision instantiates its policy on the request path). Each holds its memory.
+    #[arg(long, default_value_t = pd_policy::DEFAULT_SPARES)]
+    policy_spares: usize,
     /// Where compiled policies are cached (a private directory, created 0700). Default:
     /// $PD_CACHE_DIR/policy-cache, else $XDG_CACHE_HOME/pd-serve/policy-cache, else
     /// ~/.cache/pd-serve/policy-cache.
@@ -183,6 +187,9 @@ enum PolicyCommand {
         /// Fuel one decision may use.
         #[arg(long)]
         fuel: Option<u64>,
+        /// Instances made ahead of requests (0 to 8; default: the gateway's --policy-spares).
+        #[arg(long)]
+        spares: Option<usize>,
         /// Configuration, KEY=VALUE (repeatable).
         #[arg(long)]
         config: Vec<String>,
@@ -370,6 +377,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         deadline: Duration::from_secs_f64(args.policy_deadline_ms / 1000.0),
         memory_limit: args.policy_memory_mib << 20,
         fuel: args.policy_fuel,
+        spares: args.policy_spares,
         ..PolicySpec::default()
     };
     let log = DecisionLog::new(DecisionLogConfig {
@@ -646,6 +654,7 @@ fn policy(cmd: PolicyCommand) -> anyhow::Result<()> {
                 deadline_ms,
                 memory_mib,
                 fuel,
+                spares,
                 config,
             } => {
                 let (c, base, token) = admin_client(admin)?;
@@ -665,6 +674,9 @@ fn policy(cmd: PolicyCommand) -> anyhow::Result<()> {
                 }
                 if let Some(f) = fuel {
                     q.insert("fuel".into(), f.to_string());
+                }
+                if let Some(n) = spares {
+                    q.insert("spares".into(), n.to_string());
                 }
                 let bytes =
                     std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;

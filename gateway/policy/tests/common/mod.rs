@@ -65,6 +65,45 @@ pub fn load(engine: &PolicyEngine, name: &str) -> WasmPolicy {
     }
 }
 
+/// Waits (up to 20 s: the machine may be busy) until `policy` has a spare instance ready.
+pub fn wait_for_spare(policy: &WasmPolicy) {
+    let started = std::time::Instant::now();
+    while policy.spares_ready() == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{}: no spare instance was made in 20 s",
+            policy.spec().name
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Checks that `ahead` (spares on) decides `request` on `view` from a spare instance exactly as
+/// `inline` (the same component with `spares: 0`) does from one made on the call: the same
+/// decision (for a guest that reads WASI, the same random bytes and clock readings) and the
+/// same fuel, instantiation included.
+pub fn spare_matches_inline(
+    ahead: &WasmPolicy,
+    inline: &WasmPolicy,
+    request: &pd_policy::Request,
+    view: &View,
+) {
+    wait_for_spare(ahead);
+    let names = names(view);
+    let (a, sa) = ahead.decide_with_stats(request, view, &Measured::default(), &names);
+    let (b, sb) = inline.decide_with_stats(request, view, &Measured::default(), &names);
+    let who = &ahead.spec().name;
+    assert!(sa.spare, "{who}: the call did not use the ready spare");
+    assert!(!sb.spare, "{who}: spares: 0 used a spare");
+    assert_eq!(
+        a.expect("decide (spare)"),
+        b.expect("decide (inline)"),
+        "{who}"
+    );
+    assert_eq!(sa.fuel_used, sb.fuel_used, "{who}: fuel differs");
+    assert_eq!(inline.spares_ready(), 0, "{who}: spares: 0 made spares");
+}
+
 /// Names `node-0`, `node-1`, … for a view.
 pub fn names(view: &View) -> std::sync::Arc<[std::sync::Arc<str>]> {
     (0..view.nodes.len())
