@@ -6,7 +6,8 @@
 //! same least-loaded rules on 0.1.0 (the view as records), measured in the same run.
 //!
 //! Run: `scripts/build-policies.sh && cargo bench -p pd-policy --bench decide`
-//! (`PD_BENCH_CALLS=N` changes the number of timed calls, default 20000;
+//! (`PD_BENCH_CALLS=N` changes the number of timed calls, default 20000; `PD_BENCH_PACED=N`
+//! the number of paced calls per variant, default 3000;
 //! `PD_BENCH_ONLY=text` runs only the cases whose name contains `text`).
 
 #[path = "../tests/common/mod.rs"]
@@ -275,16 +276,72 @@ fn main() {
             });
         }
     }
+    // Paced as the gateway calls: a request every ~1 ms (idle gaps the spare thread uses), a
+    // policy with spares (the default: instances made ahead, used stores dropped off the path)
+    // against the same policy with `spares: 0` (instantiate and drop on the path), one call
+    // each in turn. Host path as above.
+    let label = "host path, least-loaded, paced 1 ms";
+    if std::env::var("PD_BENCH_ONLY").is_ok_and(|only| !label.contains(&only)) {
+    } else {
+        let paced: usize = std::env::var("PD_BENCH_PACED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(3000);
+        let ahead = engine
+            .load(&wasm("least-loaded"), spec("least-loaded"))
+            .expect("load");
+        let inline = engine
+            .load(
+                &wasm("least-loaded"),
+                pd_policy::PolicySpec {
+                    spares: 0,
+                    ..spec("least-loaded")
+                },
+            )
+            .expect("load");
+        let mut samples = [Vec::with_capacity(paced), Vec::with_capacity(paced)];
+        let mut from_spare = 0;
+        for i in 0..paced as u64 {
+            for (k, p) in [&ahead, &inline].into_iter().enumerate() {
+                std::thread::sleep(Duration::from_millis(1));
+                let t = Instant::now();
+                let view = to_view(black_box(&reg));
+                let measured = to_measured(black_box(&reg));
+                let r = req(i);
+                let (d, stats) = p.decide_with_stats(&r, &view, &measured, &node_names);
+                black_box(d.expect("decide"));
+                samples[k].push(t.elapsed());
+                from_spare += usize::from(k == 0 && stats.spare);
+            }
+        }
+        for (k, what) in [
+            format!("spares 2, {from_spare}/{paced} from a spare"),
+            "spares 0".to_string(),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let s = &mut samples[k];
+            s.sort_unstable();
+            let at = |q: f64| s[((s.len() - 1) as f64 * q) as usize];
+            rows.push(Row {
+                name: format!("{label} ({what})"),
+                p50: at(0.5),
+                p99: at(0.99),
+                mean: s.iter().sum::<Duration>() / s.len() as u32,
+            });
+        }
+    }
     let (_, stats) = engine
         .load(&wasm("prefix-aware"), spec("prefix-aware"))
         .expect("load")
         .decide_with_stats(&req(0), &view, &measured, &node_names);
 
     println!("\n64-node view, {calls} timed calls each (one thread)\n");
-    println!("{:<56} {:>10} {:>10} {:>10}", "case", "p50", "p99", "mean");
+    println!("{:<64} {:>10} {:>10} {:>10}", "case", "p50", "p99", "mean");
     for r in &rows {
         println!(
-            "{:<56} {:>8.2}µs {:>8.2}µs {:>8.2}µs",
+            "{:<64} {:>8.2}µs {:>8.2}µs {:>8.2}µs",
             r.name,
             r.p50.as_secs_f64() * 1e6,
             r.p99.as_secs_f64() * 1e6,
