@@ -3,7 +3,9 @@
 //! (context 512–576), f32 KV. The model alone: no scheduler, sampler or HTTP.
 //!
 //! Run: `PD_MODEL_GGUF=$(bash scripts/fetch-model.sh) RAYON_NUM_THREADS=1 \
-//!   cargo bench -p pd-model --bench gguf_forward`. Results are in `BENCHMARKS.md`.
+//!   cargo bench -p pd-model --bench gguf_forward [-- --policies fast,candle-kernels]`
+//! (policies: `dense`, `fast`, `candle-kernels`, `as-stored`; all by default, interleaved per
+//! round). Results are in `BENCHMARKS.md`.
 
 use std::time::Instant;
 
@@ -26,6 +28,42 @@ fn main() {
             std::process::exit(1);
         }
     };
+    let mut policies = vec![
+        QuantPolicy::Dense,
+        QuantPolicy::Fast,
+        QuantPolicy::CandleKernels,
+        QuantPolicy::AsStored,
+    ];
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--bench" => {}
+            "--policies" => {
+                let v = args.next().unwrap_or_default();
+                let parsed: Result<Vec<_>, _> = v
+                    .split(',')
+                    .map(|p| match p {
+                        "dense" => Ok(QuantPolicy::Dense),
+                        "fast" => Ok(QuantPolicy::Fast),
+                        "candle-kernels" => Ok(QuantPolicy::CandleKernels),
+                        "as-stored" => Ok(QuantPolicy::AsStored),
+                        other => Err(other.to_owned()),
+                    })
+                    .collect();
+                match parsed {
+                    Ok(p) => policies = p,
+                    Err(other) => {
+                        eprintln!("unknown policy {other}");
+                        std::process::exit(2);
+                    }
+                }
+            }
+            other => {
+                eprintln!("unknown argument {other}");
+                std::process::exit(2);
+            }
+        }
+    }
     println!(
         "threads: RAYON_NUM_THREADS={}",
         std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "unset".into())
@@ -35,7 +73,7 @@ fn main() {
     println!("| round | policy | prefill 512 tok/s | decode batch 1 tok/s |");
     println!("|---:|---|---:|---:|");
     for round in 0..2 {
-        for policy in [QuantPolicy::Dense, QuantPolicy::Fast, QuantPolicy::AsStored] {
+        for &policy in &policies {
             let model = match source.load_model_with(&Device::Cpu, policy) {
                 Ok(m) => m,
                 Err(e) => {

@@ -1,7 +1,8 @@
 //! What to do with GGUF weight types that candle-core 0.11.1 has no SIMD dot product for (Q4_1):
-//! keep them, requantize them at load (Q8_0, Q4_0) or dequantize them (f32). Times one matmul of
-//! the real model's shapes per format and batch size, and measures each format's error against
-//! the exact Q4_1 weights.
+//! keep them (candle's scalar kernel, or ours: `pd_model::q4_1`, per SIMD kernel this CPU runs),
+//! requantize them at load (Q8_0, Q4_0) or dequantize them (f32). Times one matmul of the real
+//! model's shapes per format and batch size, and measures each format's error against the exact
+//! Q4_1 weights.
 //!
 //! Run: `PD_MODEL_GGUF=$(bash scripts/fetch-model.sh) RAYON_NUM_THREADS=2 \
 //!   cargo bench -p pd-model --bench gguf_matmul [-- --rows 1,4,16,64,512]`
@@ -11,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor, gguf_file};
 use candle_core::{Device, Module, Tensor};
+use pd_model::q4_1::{Q4_1Kernel, Q4_1Matrix};
 
 type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -19,6 +21,8 @@ enum Weight {
     Quantized(QMatMul),
     /// (in, out), contiguous: how `pd-model` keeps dense projections.
     Dense(Tensor),
+    /// Q4_1 through `pd_model::q4_1`.
+    Ours(Q4_1Matrix),
 }
 
 impl Weight {
@@ -26,6 +30,7 @@ impl Weight {
         match self {
             Weight::Quantized(q) => q.forward(x),
             Weight::Dense(wt) => x.matmul(wt),
+            Weight::Ours(w) => w.forward(x),
         }
     }
 }
@@ -75,7 +80,16 @@ fn main() -> BenchResult<()> {
         let (out, inp) = q.shape().dims2()?;
         // Exact weights: Q4_1 dequantized, (out, in).
         let exact = q.dequantize(&dev)?;
-        let formats: Vec<(String, Weight)> = vec![
+        let mut formats: Vec<(String, Weight)> = Vec::new();
+        if q.dtype() == GgmlDType::Q4_1 {
+            for kernel in [Q4_1Kernel::AvxVnni, Q4_1Kernel::Avx2] {
+                if kernel.is_available() {
+                    let w = Q4_1Matrix::from_qtensor(&q)?.with_kernel(kernel)?;
+                    formats.push((format!("Q4_1 (ours, {})", kernel.name()), Weight::Ours(w)));
+                }
+            }
+        }
+        formats.extend([
             (
                 format!("{:?} (as stored)", q.dtype()),
                 Weight::Quantized(QMatMul::from_qtensor(q)?),
@@ -98,7 +112,7 @@ fn main() -> BenchResult<()> {
                 "f32 (dequantized)".into(),
                 Weight::Dense(exact.t()?.contiguous()?),
             ),
-        ];
+        ]);
         for (label, w) in &formats {
             // Error on a fixed pseudo-random input of 16 rows, against the exact weights in f32.
             let x = pseudo_random(16, inp, &dev)?;

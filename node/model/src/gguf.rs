@@ -7,14 +7,22 @@
 //! see `BENCHMARKS.md`):
 //! - `F32`, `F16`, `BF16` (norms, biases): dense f32.
 //! - `Q4_0`, `Q8_0`, `Q2_K`…`Q6_K`: kept as they are; candle has SIMD dot products for them.
-//! - `Q4_1`, `Q5_0`, `Q5_1`: requantized to `Q8_0` at load. candle-core 0.11.1 has no SIMD
-//!   dot product for them; `Q8_0` keeps their values to within 1/254 of each block's range
-//!   (`Q4_0` would add a second 4-bit rounding).
+//! - `Q4_1`: kept, and multiplied by our own AVX2 / AVX-VNNI kernel ([`crate::q4_1`], llama.cpp's
+//!   Q4_1 × Q8_1 arithmetic; candle-core 0.11.1 has it in scalar form only), except where the
+//!   input width is a multiple of 256: there candle's tiled `Q8_0` kernel is faster, so the
+//!   weight is requantized to `Q8_0` as below.
+//! - `Q5_0`, `Q5_1`: requantized to `Q8_0` at load. candle-core 0.11.1 has no SIMD dot product
+//!   for them; `Q8_0` keeps their values to within 1/254 of each block's range (`Q4_0` would
+//!   add a second 4-bit rounding). [`QuantPolicy::CandleKernels`] does the same with `Q4_1`.
 //! - `Q8_1`, `Q8_K` (activation formats, never weights) and types candle does not know are
 //!   refused at start, naming the tensor or the type.
 //! - A quantized projection whose input width is not a multiple of 256 (candle's tiled batch
 //!   kernels need that) also keeps an f32 copy for steps of
-//!   [`crate::weights::DENSE_MIN_ROWS`] rows or more, where f32 gemm is several times faster.
+//!   [`crate::weights::DENSE_MIN_ROWS`] rows or more, where f32 gemm is several times faster
+//!   (than candle's untiled kernels and ours alike).
+//!
+//! The load log says what each stored type became, e.g. `Q4_1→Q4_1(avx-vnni)+f32 ×180,
+//! Q4_1→Q8_0 ×30` (the kernel in brackets is the one this CPU runs).
 //!
 //! The token embedding is dequantized to f32 for the lookup; a tied LM head multiplies by the
 //! embedding in its stored (quantized) form.
@@ -35,7 +43,17 @@ use pd_tokenize::GgufVocab;
 
 use crate::config::{Arch, HfConfig, ModelConfig};
 use crate::error::ModelError;
+use crate::q4_1::{Q4_1Kernel, Q4_1Matrix};
 use crate::weights::{Proj, WeightSource};
+
+/// Whether a Q4_1 projection reading `in_dim` features goes to our kernel ([`crate::q4_1`])
+/// under [`QuantPolicy::Fast`]; else it is requantized to `Q8_0`. Decided by measurement
+/// (`BENCHMARKS.md`): where the width is a multiple of 256, candle's tiled VNNI `Q8_0` kernel
+/// is about twice as fast as ours at 1–15 rows (SmolLM2's `ffn_down`, input 1536), and it also
+/// serves large batches, where ours has no f32 copy to fall back on.
+fn own_q4_1(in_dim: usize) -> bool {
+    !in_dim.is_multiple_of(256)
+}
 
 /// An open GGUF file: its parsed header (metadata and tensor directory, not the tensor data).
 #[derive(Debug)]
@@ -53,17 +71,24 @@ enum Plan {
     Keep,
     /// Requantized to this block format.
     Requantize(GgmlDType),
+    /// Kept in Q4_1 and multiplied by our own kernel ([`crate::q4_1`]).
+    OwnQ4_1,
 }
 
 /// How GGUF weights are held in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum QuantPolicy {
     /// Types with SIMD dot products in candle-core 0.11.1 (`Q4_0`, `Q8_0`, K-quants) are kept;
-    /// those without (`Q4_1`, `Q5_0`, `Q5_1`) are requantized to `Q8_0` at load, within
-    /// `Q8_0`'s rounding of the stored values. The default; the measurements behind it are in
-    /// `BENCHMARKS.md`.
+    /// `Q4_1` is kept and multiplied by our own kernel ([`crate::q4_1`]) unless its input width
+    /// is a multiple of 256 (candle's tiled `Q8_0` kernel wins there); the others without a
+    /// SIMD kernel (`Q5_0`, `Q5_1`, and `Q4_1` where ours does not run) are requantized to
+    /// `Q8_0` at load, within `Q8_0`'s rounding of the stored values. The default; the
+    /// measurements behind it are in `BENCHMARKS.md`.
     #[default]
     Fast,
+    /// [`QuantPolicy::Fast`] with candle's kernels only, the default before [`crate::q4_1`]:
+    /// `Q4_1` is requantized to `Q8_0` too. Kept to compare against.
+    CandleKernels,
     /// Every quantized type kept as stored: exactly the file's arithmetic (what
     /// candle-transformers' `quantized_llama` computes), slow for `Q4_1`/`Q5_*`.
     AsStored,
@@ -76,6 +101,10 @@ fn plan(dtype: GgmlDType, policy: QuantPolicy) -> Option<Plan> {
     use GgmlDType as T;
     let quantized = |fast: Plan| match policy {
         QuantPolicy::Fast => fast,
+        QuantPolicy::CandleKernels => match fast {
+            Plan::OwnQ4_1 => Plan::Requantize(T::Q8_0),
+            other => other,
+        },
         QuantPolicy::AsStored => Plan::Keep,
         QuantPolicy::Dense => Plan::Dense,
     };
@@ -84,7 +113,8 @@ fn plan(dtype: GgmlDType, policy: QuantPolicy) -> Option<Plan> {
         T::Q4_0 | T::Q8_0 | T::Q2K | T::Q3K | T::Q4K | T::Q5K | T::Q6K => {
             Some(quantized(Plan::Keep))
         }
-        T::Q4_1 | T::Q5_0 | T::Q5_1 => Some(quantized(Plan::Requantize(T::Q8_0))),
+        T::Q4_1 => Some(quantized(Plan::OwnQ4_1)),
+        T::Q5_0 | T::Q5_1 => Some(quantized(Plan::Requantize(T::Q8_0))),
         T::Q8_1 | T::Q8K => None,
     }
 }
@@ -456,7 +486,8 @@ pub struct GgufWeights<'a> {
 }
 
 impl GgufWeights<'_> {
-    /// What the stored weight types became, e.g. `Q4_1→Q8_0 ×210, F32→f32 ×61, ...`.
+    /// What the stored weight types became, e.g. `Q4_1→Q4_1(avx2)+f32 ×180, Q4_1→Q8_0 ×30,
+    /// F32→f32 ×61, ...`.
     pub fn summary(&self) -> String {
         self.formats
             .borrow()
@@ -571,11 +602,15 @@ impl WeightSource for GgufWeights<'_> {
         // else the common block format, else (a mix such as Q4_K with Q6_K) all in Q8_0.
         let plans: Vec<Plan> = weights
             .iter()
-            .map(|q| plan(q.dtype(), self.policy).unwrap_or(Plan::Dense))
+            .map(|q| match plan(q.dtype(), self.policy) {
+                Some(Plan::OwnQ4_1) if !own_q4_1(in_dim) => Plan::Requantize(GgmlDType::Q8_0),
+                Some(p) => p,
+                None => Plan::Dense,
+            })
             .collect();
         let target = |q: &QTensor, p: Plan| match p {
             Plan::Dense => None,
-            Plan::Keep => Some(q.dtype()),
+            Plan::Keep | Plan::OwnQ4_1 => Some(q.dtype()),
             Plan::Requantize(t) => Some(t),
         };
         let targets: Vec<Option<GgmlDType>> = weights
@@ -607,8 +642,18 @@ impl WeightSource for GgufWeights<'_> {
         // candle's fast x86 kernels for batches of rows (repacked Q8_0 / K-quant tiles) need
         // the input width to be a multiple of 256; below that, f32 gemm wins from
         // DENSE_MIN_ROWS rows (BENCHMARKS.md), so such projections also keep an f32 copy.
-        let keep_dense = self.policy == QuantPolicy::Fast && !in_dim.is_multiple_of(256);
-        let held = format!("{dtype:?}{}", if keep_dense { "+f32" } else { "" });
+        let keep_dense = matches!(self.policy, QuantPolicy::Fast | QuantPolicy::CandleKernels)
+            && !in_dim.is_multiple_of(256);
+        // All parts Q4_1 (a mix was requantized to Q8_0 above): our kernel.
+        let own = dtype == GgmlDType::Q4_1 && plans.iter().all(|p| *p == Plan::OwnQ4_1);
+        let held = format!(
+            "{}{}",
+            match own {
+                true => format!("Q4_1({})", Q4_1Kernel::detect().name()),
+                false => format!("{dtype:?}"),
+            },
+            if keep_dense { "+f32" } else { "" }
+        );
         for q in weights {
             self.note(q.dtype(), &held, 1);
             if keep_dense {
@@ -622,14 +667,19 @@ impl WeightSource for GgufWeights<'_> {
             rows += q.shape().dims2()?.0;
             bytes.extend_from_slice(&q.data()?);
         }
-        // (sum_out, in) in `dtype` blocks: rows of a fused projection are contiguous per part.
-        let storage = QStorage::from_data(std::borrow::Cow::Owned(bytes), &self.device, dtype)?;
-        let fused = QTensor::new(storage, (rows, in_dim))?;
         let dense = match dense_parts.is_empty() {
             true => None,
             // (sum_out, in)
             false => Some(Tensor::cat(&dense_parts, 0)?),
         };
+        if own {
+            // (sum_out, in) in Q4_1 blocks.
+            let w = Q4_1Matrix::new(&bytes, rows, in_dim)?;
+            return Proj::q4_1(w, dense.as_ref(), bias);
+        }
+        // (sum_out, in) in `dtype` blocks: rows of a fused projection are contiguous per part.
+        let storage = QStorage::from_data(std::borrow::Cow::Owned(bytes), &self.device, dtype)?;
+        let fused = QTensor::new(storage, (rows, in_dim))?;
         Proj::quantized(QMatMul::from_qtensor(fused)?, dtype, dense.as_ref(), bias)
     }
 
@@ -706,6 +756,14 @@ mod tests {
     fn plans() {
         assert_eq!(
             plan(GgmlDType::Q4_1, QuantPolicy::Fast),
+            Some(Plan::OwnQ4_1)
+        );
+        assert_eq!(
+            plan(GgmlDType::Q4_1, QuantPolicy::CandleKernels),
+            Some(Plan::Requantize(GgmlDType::Q8_0))
+        );
+        assert_eq!(
+            plan(GgmlDType::Q5_1, QuantPolicy::Fast),
             Some(Plan::Requantize(GgmlDType::Q8_0))
         );
         assert_eq!(

@@ -10,6 +10,8 @@
 //!   [`gguf`]), and [`weights::Proj`], a linear layer held dense or quantized.
 //! - [`gguf`]: GGUF files through candle's reader: config from the metadata, tokenizer
 //!   metadata as [`pd_tokenize::GgufVocab`], tensors kept quantized, requantized or dequantized.
+//! - [`q4_1`]: our own Q4_1 × Q8_1 matmul for small batches (AVX2 / AVX-VNNI, scalar
+//!   fallback), which candle-core 0.11.1 has only in scalar form.
 //! - [`llama`]: one struct per layer ([`llama::Attention`], [`llama::Mlp`],
 //!   [`llama::DecoderLayer`], [`Model`]); Qwen2 is the same graph with q/k/v biases.
 //! - [`paged_attention`]: the kernels that write a step's K/V into the pool and attend over
@@ -28,6 +30,7 @@ mod error;
 pub mod gguf;
 pub mod llama;
 pub mod paged_attention;
+pub mod q4_1;
 mod source;
 pub mod tiny;
 pub mod weights;

@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::error::ModelError;
+use crate::q4_1::Q4_1Matrix;
 
 /// A model's weights by Hugging Face name.
 pub trait WeightSource {
@@ -54,6 +55,12 @@ enum ProjWeight {
         dtype: GgmlDType,
         /// (in_dim, out_dim), contiguous f32: the same weights dequantized, used for batches of
         /// at least [`DENSE_MIN_ROWS`] rows where f32 gemm beats the quantized kernel.
+        dense: Option<Tensor>,
+    },
+    /// (out_dim, in_dim) in Q4_1 blocks, multiplied by our own kernel ([`crate::q4_1`]).
+    Q4_1 {
+        w: Q4_1Matrix,
+        /// (in_dim, out_dim), contiguous f32, for batches of at least [`DENSE_MIN_ROWS`] rows.
         dense: Option<Tensor>,
     },
 }
@@ -103,6 +110,23 @@ impl Proj {
         })
     }
 
+    /// A projection over a Q4_1 `(out, in)` weight multiplied by [`crate::q4_1`]; `dense`, its
+    /// `(out, in)` f32 values, serves batches of [`DENSE_MIN_ROWS`] rows or more.
+    pub(crate) fn q4_1(
+        w: Q4_1Matrix,
+        dense: Option<&Tensor>,
+        bias: Option<Tensor>,
+    ) -> Result<Self, ModelError> {
+        let dense = match dense {
+            Some(d) => Some(d.t()?.contiguous()?),
+            None => None,
+        };
+        Ok(Self {
+            weight: ProjWeight::Q4_1 { w, dense },
+            bias,
+        })
+    }
+
     /// `x`: (t, in) → (t, out).
     ///
     /// # Errors
@@ -115,6 +139,10 @@ impl Proj {
                 dense: Some(wt), ..
             } if rows >= DENSE_MIN_ROWS => x.matmul(wt)?,
             ProjWeight::Quantized { w, .. } => w.forward(&x.contiguous()?)?,
+            ProjWeight::Q4_1 {
+                dense: Some(wt), ..
+            } if rows >= DENSE_MIN_ROWS => x.matmul(wt)?,
+            ProjWeight::Q4_1 { w, .. } => w.forward(x)?,
         };
         match &self.bias {
             Some(b) => y.broadcast_add(b),
@@ -122,15 +150,18 @@ impl Proj {
         }
     }
 
-    /// How the weight is held: `f32`, the GGUF block type (`Q8_0`, ...), or both
-    /// (`Q8_0+f32`: the block type for small batches, f32 from [`DENSE_MIN_ROWS`] rows).
+    /// How the weight is held: `f32`, the GGUF block type (`Q8_0`, ...; `Q4_1(avx2)` names
+    /// the kernel of [`crate::q4_1`] that runs it), or both (`Q8_0+f32`: the block type for
+    /// small batches, f32 from [`DENSE_MIN_ROWS`] rows).
     pub fn weight_format(&self) -> String {
-        match &self.weight {
-            ProjWeight::Dense(_) => "f32".into(),
-            ProjWeight::Quantized { dtype, dense, .. } => match dense {
-                Some(_) => format!("{dtype:?}+f32"),
-                None => format!("{dtype:?}"),
-            },
+        let (held, dense) = match &self.weight {
+            ProjWeight::Dense(_) => return "f32".into(),
+            ProjWeight::Quantized { dtype, dense, .. } => (format!("{dtype:?}"), dense),
+            ProjWeight::Q4_1 { w, dense } => (format!("Q4_1({})", w.kernel().name()), dense),
+        };
+        match dense {
+            Some(_) => format!("{held}+f32"),
+            None => held,
         }
     }
 }

@@ -2,8 +2,9 @@
 //! tokenizer, so its paths are covered without the real model:
 //! - an F32 GGUF computes what its safetensors twin computes (names, permuted q/k rows, tied
 //!   embeddings, Qwen2 biases);
-//! - a Q4_1 GGUF (requantized at load) decodes greedily like candle-transformers'
-//!   `quantized_llama` on the same file;
+//! - a Q4_1 GGUF decodes greedily like candle-transformers' `quantized_llama` on the same file,
+//!   kept as stored (candle's kernel) and by default (our `q4_1` kernel); requantized to Q8_0
+//!   (`QuantPolicy::CandleKernels`) it stays close;
 //! - the tokenizer built from the metadata is the twin's tokenizer;
 //! - unsupported architectures, tokenizers and tensor types are refused, named.
 
@@ -78,7 +79,10 @@ fn f32_gguf_matches_candle_quantized_llama() {
 fn q4_1_requantized_to_q8_0_stays_close_to_the_stored_weights() {
     let file = tmp_path("q4_1-q8.gguf");
     generate_gguf(&spec(TinyArch::Llama), &file, GgmlDType::Q4_1).unwrap();
-    let model = Model::load(&file, &Device::Cpu).unwrap();
+    let model = ModelSource::open(&file)
+        .unwrap()
+        .load_model_with(&Device::Cpu, QuantPolicy::CandleKernels)
+        .unwrap();
     let mut ours = Ours::new(&model, 128);
     let mut reference = Reference::load(&file);
     // Q4_1 requantized to Q8_0 here, Q4_1 × Q8_1 there: close, not equal (a random model's
@@ -97,11 +101,22 @@ fn q4_1_requantized_to_q8_0_stays_close_to_the_stored_weights() {
 
 #[test]
 fn q4_1_kept_as_stored_decodes_like_candle_quantized_llama() {
-    let file = tmp_path("q4_1.gguf");
+    q4_1_decodes_like_candle_quantized_llama(QuantPolicy::AsStored, "q4_1.gguf");
+}
+
+/// The default policy multiplies Q4_1 with our kernel (`pd_model::q4_1`): candle's arithmetic
+/// (Q4_1 × Q8_1) with the float additions in another order.
+#[test]
+fn q4_1_by_default_decodes_like_candle_quantized_llama() {
+    q4_1_decodes_like_candle_quantized_llama(QuantPolicy::Fast, "q4_1-fast.gguf");
+}
+
+fn q4_1_decodes_like_candle_quantized_llama(policy: QuantPolicy, name: &str) {
+    let file = tmp_path(name);
     generate_gguf(&spec(TinyArch::Llama), &file, GgmlDType::Q4_1).unwrap();
     let model = ModelSource::open(&file)
         .unwrap()
-        .load_model_with(&Device::Cpu, QuantPolicy::AsStored)
+        .load_model_with(&Device::Cpu, policy)
         .unwrap();
     let mut ours = Ours::new(&model, 128);
     let mut reference = Reference::load(&file);

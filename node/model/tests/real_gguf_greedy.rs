@@ -70,9 +70,9 @@ fn greedy_equals_candle_quantized_llama_5_prompts_32_tokens() {
         let mut ours = Ours::new(&fast, ids.len() + 40);
         let fast_out = greedy(|t, p| ours.step(t, p), &ids, 32);
         match fast_out.iter().zip(&want).position(|(a, b)| a != b) {
-            None => println!("  Q4_1→Q8_0 (default): equal for 32 tokens"),
+            None => println!("  Fast (default, Q4_1 kernel): equal for 32 tokens"),
             Some(i) => println!(
-                "  Q4_1→Q8_0 (default): first differs at token {i}: {:?}",
+                "  Fast (default, Q4_1 kernel): first differs at token {i}: {:?}",
                 tok.decode(&fast_out, false).unwrap()
             ),
         }
