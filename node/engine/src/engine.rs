@@ -47,6 +47,9 @@ pub struct EngineConfig {
     /// The per-deployment prefix-cache hash key ([`pd_kv_pool::hash_key`] of the operator's
     /// secret; 0: none). The gateway must hash with the same key.
     pub kv_hash_key: u64,
+    /// How a GGUF model's quantized weights are held and multiplied (ignored for a Hugging
+    /// Face directory). Default: [`QuantPolicy::Fast`].
+    pub gguf_weights: QuantPolicy,
 }
 
 /// Allocates the KV pool for a layout (e.g. in UCX-allocated memory).
@@ -79,6 +82,7 @@ impl Default for EngineConfig {
             kv_max_leased_fraction: 0.9,
             kv_retain_after_decode: None,
             kv_hash_key: 0,
+            gguf_weights: QuantPolicy::Fast,
         }
     }
 }
@@ -90,6 +94,7 @@ use std::time::Instant;
 
 use candle_core::Device;
 use pd_kv_pool::{CacheEvent, KvDtype, KvLayout, KvPool};
+use pd_model::gguf::QuantPolicy;
 use pd_model::{BatchInput, Model, ModelSource};
 use pd_tokenize::Tokenizer;
 use rand::{Rng, SeedableRng};
@@ -161,7 +166,7 @@ impl Engine {
     pub fn load(cfg: &EngineConfig) -> Result<Self, EngineError> {
         let device = Device::Cpu;
         let source = ModelSource::open(&cfg.model_dir)?;
-        let model = source.load_model(&device)?;
+        let model = source.load_model_with(&device, cfg.gguf_weights)?;
         let tokenizer = Arc::new(source.tokenizer()?);
         let fingerprint = source.fingerprint()?;
         let mc = model.config().clone();

@@ -2,7 +2,9 @@
 //! both over their OpenAI HTTP APIs, in one run, 2 threads each (this machine's cores).
 //!
 //! Run (release): `PD_MODEL_GGUF=$(bash scripts/fetch-model.sh) LLAMA_BIN=$(bash
-//! scripts/llama-cpp.sh) cargo bench -p pd-node --bench llama_race [-- --repeat 3]`.
+//! scripts/llama-cpp.sh) cargo bench -p pd-node --bench llama_race [-- --repeat 3 --weights
+//! fast,candle-kernels]` (`--weights`: our node once per `--gguf-weights` setting, default
+//! `fast`).
 //!
 //! Three figures per server, each the median of `--repeat` runs, distinct prompts everywhere
 //! (`cache_prompt: false` for llama.cpp; our prefix cache never hits), greedy, EOS ignored:
@@ -44,12 +46,13 @@ fn free_port() -> BenchResult<u16> {
         .port())
 }
 
-fn pd_node(model: &Path) -> BenchResult<Server> {
+fn pd_node(model: &Path, weights: &str) -> BenchResult<Server> {
     let mut child = Command::new(env!("CARGO_BIN_EXE_pd-node"))
         .arg("serve")
         .arg("--model")
         .arg(model)
         .args(["--port", "0", "--served-model-name", "m"])
+        .args(["--gguf-weights", weights])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()?;
@@ -223,10 +226,20 @@ async fn prefill(server: &Server, words: usize, repeat: usize, salt: &mut u32) -
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> BenchResult<()> {
     let mut repeat = 3usize;
+    // Our node once per `--gguf-weights` setting (e.g. `--weights fast,candle-kernels`).
+    let mut weights = vec!["fast".to_string()];
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--repeat" => repeat = args.next().ok_or("--repeat N")?.parse()?,
+            "--weights" => {
+                weights = args
+                    .next()
+                    .ok_or("--weights W[,W...]")?
+                    .split(',')
+                    .map(str::to_string)
+                    .collect()
+            }
             "--bench" => {}
             other => return Err(format!("unknown argument {other}").into()),
         }
@@ -242,19 +255,22 @@ async fn main() -> BenchResult<()> {
     const MANY_TOKENS: usize = 64;
     const PREFILL_WORDS: usize = 900;
     let mut salt = 0u32;
-    let mut rows: Vec<(&str, f64, f64)> = Vec::new();
-
-    let ours = pd_node(&model)?;
-    let a = decode_one(&ours, repeat, &mut salt).await?;
-    let b = decode_many(&ours, CLIENTS, MANY_TOKENS, repeat, &mut salt).await?;
-    let c = prefill(&ours, PREFILL_WORDS, repeat, &mut salt).await?;
-    let prefill_tokens = {
-        let client = reqwest::Client::new();
-        complete(&client, &ours, &prompt(&mut salt, PREFILL_WORDS), 1)
-            .await?
-            .1
-    };
-    drop(ours);
+    let mut ours_rows: Vec<(String, [f64; 3])> = Vec::new();
+    let mut prefill_tokens = 0;
+    for w in &weights {
+        let ours = pd_node(&model, w)?;
+        let a = decode_one(&ours, repeat, &mut salt).await?;
+        let b = decode_many(&ours, CLIENTS, MANY_TOKENS, repeat, &mut salt).await?;
+        let c = prefill(&ours, PREFILL_WORDS, repeat, &mut salt).await?;
+        prefill_tokens = {
+            let client = reqwest::Client::new();
+            complete(&client, &ours, &prompt(&mut salt, PREFILL_WORDS), 1)
+                .await?
+                .1
+        };
+        drop(ours);
+        ours_rows.push((w.clone(), [a, b, c]));
+    }
 
     // llama.cpp: 16 slots for the decode figures, 1 for prefill; context for every slot.
     let many = llama_server(&llama, &model, CLIENTS, CLIENTS * 512).await?;
@@ -265,19 +281,24 @@ async fn main() -> BenchResult<()> {
     let lc = prefill(&one, PREFILL_WORDS, repeat, &mut salt).await?;
     drop(one);
 
-    rows.push(("decode tok/s, 1 client", a, la));
-    rows.push(("decode tok/s, 16 clients", b, lb));
-    rows.push(("prefill tok/s", c, lc));
     println!(
         "SmolLM2-135M-Instruct Q4_1, 2 threads each, median of {repeat}; prefill prompt {prefill_tokens} tokens"
     );
-    println!("| figure | pd-node | llama.cpp | ours / llama.cpp |");
-    println!("|---|---:|---:|---:|");
-    for (name, ours, theirs) in rows {
-        println!(
-            "| {name} | {ours:.1} | {theirs:.1} | {:.2}× |",
-            ours / theirs
-        );
+    println!("| figure | pd-node --gguf-weights | pd-node | llama.cpp | ours / llama.cpp |");
+    println!("|---|---|---:|---:|---:|");
+    let names = [
+        "decode tok/s, 1 client",
+        "decode tok/s, 16 clients",
+        "prefill tok/s",
+    ];
+    for (i, (name, theirs)) in names.into_iter().zip([la, lb, lc]).enumerate() {
+        for (w, ours) in &ours_rows {
+            println!(
+                "| {name} | {w} | {:.1} | {theirs:.1} | {:.2}× |",
+                ours[i],
+                ours[i] / theirs
+            );
+        }
     }
     Ok(())
 }

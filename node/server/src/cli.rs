@@ -64,6 +64,12 @@ pub struct ServeArgs {
     /// for a GGUF model, f32 for a Hugging Face directory. Peers must use the same.
     #[arg(long, value_parser = parse_kv_dtype)]
     pub kv_cache_dtype: Option<pd_kv_pool::KvDtype>,
+    /// How a GGUF model's quantized weights are held: `fast` (default: Q4_1 through our own
+    /// SIMD kernel, other types as measured in BENCHMARKS.md), `candle-kernels` (candle's
+    /// kernels only: Q4_1 requantized to Q8_0, the default before), `as-stored` (the file's
+    /// exact arithmetic, slow), `dense` (all f32).
+    #[arg(long, value_parser = parse_gguf_weights, default_value = "fast")]
+    pub gguf_weights: pd_model::gguf::QuantPolicy,
     /// Token budget of one engine step.
     #[arg(long, default_value_t = 2048)]
     pub max_num_batched_tokens: usize,
@@ -219,6 +225,7 @@ impl ServeArgs {
             kv_max_leased_fraction: self.max_leased_fraction()?,
             kv_retain_after_decode: self.retain_after_decode()?,
             kv_hash_key: self.hash_key(),
+            gguf_weights: self.gguf_weights,
         })
     }
 
@@ -448,6 +455,20 @@ impl GenTinyModelArgs {
             max_position_embeddings: self.max_position_embeddings,
             shards: self.shards,
         }
+    }
+}
+
+/// Parses `--gguf-weights`.
+fn parse_gguf_weights(s: &str) -> Result<pd_model::gguf::QuantPolicy, String> {
+    use pd_model::gguf::QuantPolicy;
+    match s {
+        "fast" => Ok(QuantPolicy::Fast),
+        "candle-kernels" => Ok(QuantPolicy::CandleKernels),
+        "as-stored" => Ok(QuantPolicy::AsStored),
+        "dense" => Ok(QuantPolicy::Dense),
+        _ => Err(format!(
+            "unknown --gguf-weights {s:?}: fast, candle-kernels, as-stored or dense"
+        )),
     }
 }
 
