@@ -91,6 +91,18 @@ struct Row {
     mean: Duration,
 }
 
+/// A row of percentiles and the mean over `samples` (sorted here).
+fn row(name: String, samples: &mut [Duration]) -> Row {
+    samples.sort_unstable();
+    let at = |q: f64| samples[((samples.len() - 1) as f64 * q) as usize];
+    Row {
+        p50: at(0.5),
+        p99: at(0.99),
+        mean: samples.iter().sum::<Duration>() / samples.len() as u32,
+        name,
+    }
+}
+
 fn time(name: &str, calls: usize, mut f: impl FnMut(u64)) -> Option<Row> {
     if std::env::var("PD_BENCH_ONLY").is_ok_and(|only| !name.contains(&only)) {
         return None;
@@ -204,15 +216,7 @@ fn main() {
                     );
                     samples.push(t.elapsed());
                 }
-                samples.sort_unstable();
-                let at = |q: f64| samples[((samples.len() - 1) as f64 * q) as usize];
-                let mean = samples.iter().sum::<Duration>() / samples.len() as u32;
-                rows.push(Row {
-                    name: label,
-                    p50: at(0.5),
-                    p99: at(0.99),
-                    mean,
-                });
+                rows.push(row(label, &mut samples));
             }
         }
         if !name.starts_with("round-robin") {
@@ -265,15 +269,7 @@ fn main() {
             }
         }
         for (k, contract) in ["0.2.0", "0.1.0"].into_iter().enumerate() {
-            let s = &mut samples[k];
-            s.sort_unstable();
-            let at = |q: f64| s[((s.len() - 1) as f64 * q) as usize];
-            rows.push(Row {
-                name: format!("{label} ({contract})"),
-                p50: at(0.5),
-                p99: at(0.99),
-                mean: s.iter().sum::<Duration>() / s.len() as u32,
-            });
+            rows.push(row(format!("{label} ({contract})"), &mut samples[k]));
         }
     }
     // Paced as the gateway calls: a request every ~1 ms (idle gaps the spare thread uses), a
@@ -321,15 +317,7 @@ fn main() {
         .into_iter()
         .enumerate()
         {
-            let s = &mut samples[k];
-            s.sort_unstable();
-            let at = |q: f64| s[((s.len() - 1) as f64 * q) as usize];
-            rows.push(Row {
-                name: format!("{label} ({what})"),
-                p50: at(0.5),
-                p99: at(0.99),
-                mean: s.iter().sum::<Duration>() / s.len() as u32,
-            });
+            rows.push(row(format!("{label} ({what})"), &mut samples[k]));
         }
     }
     let (_, stats) = engine

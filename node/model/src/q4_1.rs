@@ -731,30 +731,15 @@ mod tests {
             for m in [1, 3, 15] {
                 // (m, in)
                 let x = Tensor::from_vec(values(&mut rng, m * inp), (m, inp), &dev).unwrap();
-                let want: Vec<f32> = candle
-                    .forward(&x)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap();
-                let got: Vec<f32> = ours
-                    .forward(&x)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap();
+                let flat = |y: candle_core::Result<Tensor>| -> Vec<f32> {
+                    y.unwrap().flatten_all().unwrap().to_vec1().unwrap()
+                };
+                let want = flat(candle.forward(&x));
+                let got = flat(ours.forward(&x));
                 let what = format!("{} ({out}×{inp}) m={m}", ours.kernel().name());
                 assert_close(&got, &want, 1e-5, &what);
                 // The scalar kernel adds in candle's order: the same bits.
-                let got: Vec<f32> = scalar
-                    .forward(&x)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap();
+                let got = flat(scalar.forward(&x));
                 assert_eq!(got, want, "scalar ({out}×{inp}) m={m}");
             }
         }

@@ -65,6 +65,14 @@ enum ProjWeight {
     },
 }
 
+/// A dense copy `(out, in)` as the `(in, out)` contiguous weight its projection multiplies by.
+fn transposed(dense: Option<&Tensor>) -> Result<Option<Tensor>, ModelError> {
+    Ok(match dense {
+        Some(d) => Some(d.t()?.contiguous()?),
+        None => None,
+    })
+}
+
 /// Batches of at least this many rows use a quantized projection's dense copy, when it has
 /// one (measured in `BENCHMARKS.md`, "GGUF weight formats").
 pub const DENSE_MIN_ROWS: usize = 16;
@@ -100,12 +108,12 @@ impl Proj {
         dense: Option<&Tensor>,
         bias: Option<Tensor>,
     ) -> Result<Self, ModelError> {
-        let dense = match dense {
-            Some(d) => Some(d.t()?.contiguous()?),
-            None => None,
-        };
         Ok(Self {
-            weight: ProjWeight::Quantized { w, dtype, dense },
+            weight: ProjWeight::Quantized {
+                w,
+                dtype,
+                dense: transposed(dense)?,
+            },
             bias,
         })
     }
@@ -117,12 +125,11 @@ impl Proj {
         dense: Option<&Tensor>,
         bias: Option<Tensor>,
     ) -> Result<Self, ModelError> {
-        let dense = match dense {
-            Some(d) => Some(d.t()?.contiguous()?),
-            None => None,
-        };
         Ok(Self {
-            weight: ProjWeight::Q4_1 { w, dense },
+            weight: ProjWeight::Q4_1 {
+                w,
+                dense: transposed(dense)?,
+            },
             bias,
         })
     }
