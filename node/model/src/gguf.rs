@@ -55,6 +55,33 @@ fn own_q4_1(in_dim: usize) -> bool {
     !in_dim.is_multiple_of(256)
 }
 
+/// Whether this CPU has the VNNI instructions candle's tiled `Q8_0` kernel needs (it falls
+/// back to its untiled kernel on plain AVX2).
+fn cpu_has_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avxvnni") || is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `rows` rows of `Q8_0` blocks over `in_dim` columns, each widened with zero blocks (scale
+/// 0, values 0) to `width` columns: the product with an input widened by zeros is unchanged.
+fn pad_q8_0_rows(bytes: &[u8], rows: usize, in_dim: usize, width: usize) -> Vec<u8> {
+    // Q8_0: f16 scale + 32 i8 values.
+    const BLOCK: usize = 34;
+    let row = in_dim / 32 * BLOCK;
+    let padded = width / 32 * BLOCK;
+    let mut out = vec![0u8; rows * padded];
+    for (src, dst) in bytes.chunks_exact(row).zip(out.chunks_exact_mut(padded)) {
+        dst[..row].copy_from_slice(src);
+    }
+    out
+}
+
 /// An open GGUF file: its parsed header (metadata and tensor directory, not the tensor data).
 #[derive(Debug)]
 pub struct GgufFile {
@@ -646,11 +673,24 @@ impl WeightSource for GgufWeights<'_> {
             && !in_dim.is_multiple_of(256);
         // All parts Q4_1 (a mix was requantized to Q8_0 above): our kernel.
         let own = dtype == GgmlDType::Q4_1 && plans.iter().all(|p| *p == Plan::OwnQ4_1);
+        // Q8_0 whose input width candle's tiled VNNI kernel cannot take (a multiple of 256,
+        // and out rows a multiple of 16): widen every row with zero blocks, when this CPU runs
+        // that kernel (BENCHMARKS.md: the tied LM head of SmolLM2).
+        let total_rows: usize = parts.iter().map(|&(out, _)| out).sum();
+        let padded_in = (self.policy == QuantPolicy::Fast
+            && dtype == GgmlDType::Q8_0
+            && total_rows.is_multiple_of(16)
+            && !in_dim.is_multiple_of(256)
+            && cpu_has_vnni())
+        .then(|| in_dim.next_multiple_of(256));
+        // The tiled kernel beats f32 gemm at every batch size (as for `ffn_down`): no f32 copy.
+        let keep_dense = keep_dense && padded_in.is_none();
         let held = format!(
             "{}{}",
-            match own {
-                true => format!("Q4_1({})", Q4_1Kernel::detect().name()),
-                false => format!("{dtype:?}"),
+            match (own, padded_in) {
+                (true, _) => format!("Q4_1({})", Q4_1Kernel::detect().name()),
+                (false, Some(k)) => format!("{dtype:?}(padded to {k})"),
+                (false, None) => format!("{dtype:?}"),
             },
             if keep_dense { "+f32" } else { "" }
         );
@@ -677,10 +717,21 @@ impl WeightSource for GgufWeights<'_> {
             let w = Q4_1Matrix::new(&bytes, rows, in_dim)?;
             return Proj::q4_1(w, dense.as_ref(), bias);
         }
-        // (sum_out, in) in `dtype` blocks: rows of a fused projection are contiguous per part.
+        let (bytes, width) = match padded_in {
+            Some(k) => (pad_q8_0_rows(&bytes, rows, in_dim, k), k),
+            None => (bytes, in_dim),
+        };
+        // (sum_out, width) in `dtype` blocks: rows of a fused projection are contiguous per
+        // part.
         let storage = QStorage::from_data(std::borrow::Cow::Owned(bytes), &self.device, dtype)?;
-        let fused = QTensor::new(storage, (rows, in_dim))?;
-        Proj::quantized(QMatMul::from_qtensor(fused)?, dtype, dense.as_ref(), bias)
+        let fused = QTensor::new(storage, (rows, width))?;
+        Proj::quantized(
+            QMatMul::from_qtensor(fused)?,
+            dtype,
+            padded_in,
+            dense.as_ref(),
+            bias,
+        )
     }
 
     fn contains(&self, name: &str) -> bool {
@@ -750,6 +801,74 @@ mod tests {
             assert_eq!(gguf_name(hf).as_deref(), Some(gguf), "{hf}");
         }
         assert_eq!(gguf_name("model.layers.0.mlp.experts.weight"), None);
+    }
+
+    /// A Q8_0 weight widened with zero blocks, times an input widened with zeros, is as close
+    /// to the exact product as the weight as stored (candle's tiled kernel then runs it, and
+    /// quantizes the input its own way, so the two differ by rounding).
+    #[test]
+    fn q8_0_rows_padded_with_zero_blocks_multiply_the_same() {
+        use candle_core::Module;
+        let dev = Device::Cpu;
+        let (out, k) = (64, 576);
+        // (out, k), values spread over a few magnitudes.
+        let w: Vec<f32> = (0..out * k)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1 + i % 3) as f32)
+            .collect();
+        let w = Tensor::from_vec(w, (out, k), &dev).unwrap();
+        let q = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
+        let padded = pad_q8_0_rows(&q.data().unwrap(), out, k, 768);
+        assert_eq!(padded.len(), out * 768 / 32 * 34);
+        let storage =
+            QStorage::from_data(std::borrow::Cow::Owned(padded), &dev, GgmlDType::Q8_0).unwrap();
+        let wide = QMatMul::from_qtensor(QTensor::new(storage, (out, 768)).unwrap()).unwrap();
+        let narrow = QMatMul::from_qtensor(q).unwrap();
+        for m in [1, 5, 16] {
+            // (m, k)
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 31 % 97) as f32 - 48.0) / 17.0)
+                .collect();
+            let x = Tensor::from_vec(x, (m, k), &dev).unwrap();
+            let want: Vec<f32> = narrow
+                .forward(&x)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let xw = x
+                .pad_with_zeros(1, 0, 768 - k)
+                .unwrap()
+                .contiguous()
+                .unwrap();
+            let got: Vec<f32> = wide
+                .forward(&xw)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let exact: Vec<f32> = x
+                .matmul(&w.t().unwrap())
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let err = |a: &[f32]| {
+                let num: f32 = a.iter().zip(&exact).map(|(a, e)| (a - e) * (a - e)).sum();
+                let den: f32 = exact.iter().map(|e| e * e).sum();
+                (num / den).sqrt()
+            };
+            // The tiled kernel quantizes the input its own way, so the two differ by rounding,
+            // not by accuracy: both are as close to the exact product.
+            let (padded, stored) = (err(&got), err(&want));
+            assert!(
+                padded <= stored * 1.2 + 1e-4,
+                "m={m}: padded {padded:.3e}, stored {stored:.3e}"
+            );
+            assert!(padded < 2e-2, "m={m}: padded {padded:.3e}");
+        }
     }
 
     #[test]

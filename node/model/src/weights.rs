@@ -51,8 +51,12 @@ enum ProjWeight {
     /// (out_dim, in_dim) in GGUF blocks (rows of `in_dim / block_size` blocks), multiplied by
     /// candle's quantized kernels (the input is quantized per row on the fly).
     Quantized {
+        /// (out_dim, padded_in) when `padded_in` is set, else (out_dim, in_dim).
         w: QMatMul,
         dtype: GgmlDType,
+        /// The weight's rows were widened with zero blocks to this many columns (a multiple
+        /// of 256, so candle's tiled kernel runs it); the input is widened with zeros to match.
+        padded_in: Option<usize>,
         /// (in_dim, out_dim), contiguous f32: the same weights dequantized, used for batches of
         /// at least [`DENSE_MIN_ROWS`] rows where f32 gemm beats the quantized kernel.
         dense: Option<Tensor>,
@@ -102,9 +106,11 @@ impl Proj {
 
     /// A projection over a quantized `(out, in)` weight; `dense`, its `(out, in)` f32 values,
     /// serves batches of [`DENSE_MIN_ROWS`] rows or more.
+    /// `padded_in`: the weight's rows were widened with zero blocks to that many columns.
     pub(crate) fn quantized(
         w: QMatMul,
         dtype: GgmlDType,
+        padded_in: Option<usize>,
         dense: Option<&Tensor>,
         bias: Option<Tensor>,
     ) -> Result<Self, ModelError> {
@@ -112,6 +118,7 @@ impl Proj {
             weight: ProjWeight::Quantized {
                 w,
                 dtype,
+                padded_in,
                 dense: transposed(dense)?,
             },
             bias,
@@ -145,6 +152,18 @@ impl Proj {
             ProjWeight::Quantized {
                 dense: Some(wt), ..
             } if rows >= DENSE_MIN_ROWS => x.matmul(wt)?,
+            ProjWeight::Quantized {
+                w,
+                padded_in: Some(k),
+                ..
+            } => {
+                let (_, in_dim) = x.dims2()?;
+                // (t, in) → (t, k): zeros meet the weight's zero blocks.
+                w.forward(
+                    &x.pad_with_zeros(1, 0, k.saturating_sub(in_dim))?
+                        .contiguous()?,
+                )?
+            }
             ProjWeight::Quantized { w, .. } => w.forward(&x.contiguous()?)?,
             ProjWeight::Q4_1 {
                 dense: Some(wt), ..
@@ -163,7 +182,15 @@ impl Proj {
     pub fn weight_format(&self) -> String {
         let (held, dense) = match &self.weight {
             ProjWeight::Dense(_) => return "f32".into(),
-            ProjWeight::Quantized { dtype, dense, .. } => (format!("{dtype:?}"), dense),
+            ProjWeight::Quantized {
+                dtype,
+                dense,
+                padded_in,
+                ..
+            } => match padded_in {
+                Some(k) => (format!("{dtype:?}(padded to {k})"), dense),
+                None => (format!("{dtype:?}"), dense),
+            },
             ProjWeight::Q4_1 { w, dense } => (format!("Q4_1({})", w.kernel().name()), dense),
         };
         match dense {
