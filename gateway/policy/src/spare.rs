@@ -134,13 +134,12 @@ impl<P: Refill + 'static, S: Send + 'static> SpareWorker<P, S> {
                 if self.stop.load(Ordering::Acquire) {
                     return;
                 }
-                std::mem::replace(
-                    &mut *work,
-                    Work {
-                        refill: Vec::new(),
-                        used: Vec::new(),
-                    },
-                )
+                // Drained, not replaced: the queue keeps its capacity, so a call's push does
+                // not allocate on the request path.
+                Work {
+                    refill: work.refill.drain(..).collect(),
+                    used: work.used.drain(..).collect(),
+                }
             };
             drop(used);
             for policy in refill {
