@@ -410,13 +410,25 @@ impl Engine {
 
     /// A consumer's wait for remote KV ended: it joins the queue with what arrived.
     fn remote_kv_ready(&mut self, id: RequestId, outcome: RemoteKv) {
-        let (tokens, cacheable) = match outcome {
-            RemoteKv::Pulled(n) => (n, true),
-            RemoteKv::PulledUnattested(n) => (n, false),
-            RemoteKv::Recompute => (0, true),
+        let (tokens, cacheable, first) = match outcome {
+            RemoteKv::Pulled(n) => (n, true, None),
+            RemoteKv::PulledUnattested(n) => (n, false, None),
+            RemoteKv::PulledWithFirstToken {
+                tokens,
+                first_token,
+            } => (tokens, true, Some(first_token)),
+            RemoteKv::Recompute => (0, true, None),
         };
+        // The producer's greedy first token stands for ours only when we would sample greedily
+        // too, once (one child), with nothing else wanted from the logits.
+        let first = first.filter(|_| {
+            self.requests.get(&id).is_some_and(|s| {
+                sampler::is_greedy(&s.params) && s.params.n == 1 && s.params.logprobs.is_none()
+            })
+        });
         let Some((prompt_tokens, held, pulled)) =
-            self.scheduler.remote_kv_ready(id, tokens, cacheable)
+            self.scheduler
+                .remote_kv_ready(id, tokens, cacheable, first.is_some())
         else {
             tracing::debug!(request = %id, "remote KV for a request no longer waiting");
             return;
@@ -439,6 +451,38 @@ impl Engine {
                 pulled_tokens: pulled,
             });
         }
+        if let Some(token) = first
+            && held == prompt_tokens
+        {
+            self.emit_first_token(id, token);
+        }
+    }
+
+    /// Emits `token` as the first token of `request`'s single sequence, which waits at the
+    /// queue's front with its whole prompt held: no forward pass. The sequence then decodes from
+    /// the next step like any other (its first step computes this token's KV), or, when this
+    /// token finished it, ends here.
+    fn emit_first_token(&mut self, request: RequestId, token: u32) {
+        if self.scheduler.waiting.front().map(|s| s.request) != Some(request) {
+            return; // (`Scheduler::remote_kv_ready` just put it there)
+        }
+        let Some(seq) = self.scheduler.waiting.pop_front() else {
+            return;
+        };
+        // Emitting works on running sequences; this one is there only for the call.
+        self.scheduler.running.push(seq);
+        let index = self.scheduler.running.len() - 1;
+        let outcome = self.emit_token(index, Pick::Given(token));
+        let mut seq = self.scheduler.running.swap_remove(index);
+        match outcome {
+            Ok(false) => self.scheduler.waiting.push_front(seq),
+            Ok(true) => self.scheduler.release(&mut seq),
+            Err(()) => {
+                self.scheduler.release(&mut seq);
+                self.abort(request);
+            }
+        }
+        self.update_gauges();
     }
 
     fn add(
@@ -654,8 +698,12 @@ impl Engine {
                     let blocks =
                         seq.blocks[..seq.prompt_len.div_ceil(self.info.block_size)].to_vec();
                     let num_tokens = seq.prompt_len;
-                    // Bound to what the blocks hold: a reader checks it on confirm.
-                    let contents = pd_kv_pool::LeaseContents::of(&seq.tokens[..seq.prompt_len]);
+                    // Bound to what the blocks hold: a reader checks it on confirm. A greedy
+                    // request's first token goes with it (the argmax `emit_token` samples below),
+                    // so a greedy reader need not compute the last prompt position again.
+                    let first = sampler::is_greedy(&state.params).then(|| sampler::argmax(row));
+                    let contents = pd_kv_pool::LeaseContents::of(&seq.tokens[..seq.prompt_len])
+                        .with_next_token(first);
                     for _ in 0..consumers.max(1) {
                         for &b in &blocks {
                             self.scheduler.allocator.share(b);
@@ -706,7 +754,7 @@ impl Engine {
                 }
             }
             for i in children {
-                match self.emit_token(i, row) {
+                match self.emit_token(i, Pick::Sample(row)) {
                     Ok(true) => {
                         let s = &self.scheduler.running[i];
                         finished.insert((s.request, s.child));
@@ -758,18 +806,24 @@ impl Engine {
         true
     }
 
-    /// Samples a token for `running[index]` from `logits`, updates its text and sends the
+    /// Picks a token for `running[index]` (samples it, or takes the one given), updates its text and sends the
     /// events. `Ok(true)`: the child finished. `Err(())`: the client is gone.
-    fn emit_token(&mut self, index: usize, logits: &[f32]) -> Result<bool, ()> {
+    fn emit_token(&mut self, index: usize, pick: Pick<'_>) -> Result<bool, ()> {
         let seq = &mut self.scheduler.running[index];
         let Some(state) = self.requests.get_mut(&seq.request) else {
             return Err(());
         };
-        let token = sampler::sample(logits, &state.params, &mut seq.rng);
-        let logprob = state
-            .params
-            .logprobs
-            .map(|k| sampler::logprobs(logits, token, k));
+        let (token, logprob) = match pick {
+            Pick::Sample(logits) => {
+                let token = sampler::sample(logits, &state.params, &mut seq.rng);
+                let logprob = state
+                    .params
+                    .logprobs
+                    .map(|k| sampler::logprobs(logits, token, k));
+                (token, logprob)
+            }
+            Pick::Given(token) => (token, None),
+        };
         seq.tokens.push(token);
         let now = Instant::now();
         match (state.first_token_at, seq.last_token_at) {
@@ -925,6 +979,15 @@ impl Engine {
             .kv_blocks_free
             .set(self.scheduler.allocator.num_free() as i64);
     }
+}
+
+/// How [`Engine::emit_token`] gets its token.
+#[derive(Clone, Copy)]
+enum Pick<'a> {
+    /// Sampled from this row of logits (vocab,) with the request's parameters.
+    Sample(&'a [f32]),
+    /// Given: a greedy producer's first token, attested ([`RemoteKv::PulledWithFirstToken`]).
+    Given(u32),
 }
 
 /// A monotonic deadline as wall-clock time (for peers in other processes).

@@ -225,6 +225,18 @@ pub enum RemoteKv {
     /// peer without hash-bound leases): used for this request only, never entered in the
     /// prefix cache (nor anything computed on top of it).
     PulledUnattested(usize),
+    /// As [`RemoteKv::Pulled`] for the prompt's first `tokens`, with the token the producer
+    /// sampled greedily right after them, attested at confirm (a greedy prefill's first token).
+    /// When `tokens` is the whole prompt and the request is a greedy single completion without
+    /// logprobs, the engine emits that token at once, as its first, instead of computing the
+    /// last prompt position again: it is the token one node would have sampled from the same
+    /// prefill. Otherwise it is [`RemoteKv::Pulled`]`(tokens)`.
+    PulledWithFirstToken {
+        /// Prompt tokens whose KV is in the reserved blocks.
+        tokens: usize,
+        /// The producer's greedy token after them.
+        first_token: u32,
+    },
     /// Nothing usable arrived: compute the prompt here (the caller counted why).
     Recompute,
 }

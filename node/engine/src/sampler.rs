@@ -11,8 +11,7 @@ use crate::request::{SamplingParams, TokenLogprob};
 /// the candidates are sorted; top-p sorts a prefix of the most likely tokens, growing it until it
 /// holds the nucleus (usually a few dozen of 49 152 entries).
 pub(crate) fn sample(logits: &[f32], params: &SamplingParams, rng: &mut ChaCha8Rng) -> u32 {
-    // Below 1e-5 the scaled logits overflow: treat as greedy (as vLLM does).
-    if params.temperature < 1e-5 || params.top_k == 1 || logits.is_empty() {
+    if is_greedy(params) || logits.is_empty() {
         return argmax(logits);
     }
     let inv_t = 1.0 / params.temperature;
@@ -73,6 +72,12 @@ pub(crate) fn sample(logits: &[f32], params: &SamplingParams, rng: &mut ChaCha8R
 
 /// Tokens sorted first when looking for a top-p nucleus (grown ×8 while too small).
 const NUCLEUS_FIRST_GUESS: usize = 64;
+
+/// Whether `params` sample greedily: the token is the argmax of the logits and no random
+/// number is drawn. Below a temperature of 1e-5 the scaled logits overflow: greedy, as in vLLM.
+pub(crate) fn is_greedy(params: &SamplingParams) -> bool {
+    params.temperature < 1e-5 || params.top_k == 1
+}
 
 /// Index of the largest logit (lowest index on ties).
 pub(crate) fn argmax(logits: &[f32]) -> u32 {

@@ -316,7 +316,9 @@ impl Scheduler {
 
     /// The KV of the first `num_tokens` prompt tokens of `request` is in its blocks (or, with
     /// `num_tokens` at most what was cached, nothing arrived): it joins the queue at the front
-    /// and computes only what it still lacks — at least the last prompt token, for its logits.
+    /// and computes only what it still lacks — at least the last prompt token, for its logits,
+    /// unless `whole_prompt`: the caller has the first token from elsewhere (a greedy
+    /// prefill's, attested by its producer) and the whole prompt's KV may count as held.
     /// Returns (prompt length, tokens now held, of which pulled) or `None` for an unknown request.
     ///
     /// `cacheable: false` (KV nobody vouched for) keeps this sequence out of the prefix cache
@@ -326,11 +328,19 @@ impl Scheduler {
         request: RequestId,
         num_tokens: usize,
         cacheable: bool,
+        whole_prompt: bool,
     ) -> Option<(usize, usize, usize)> {
         let pos = self.remote.iter().position(|s| s.request == request)?;
         let mut seq = self.remote.swap_remove(pos);
         let cached = seq.num_computed;
-        seq.num_computed = num_tokens.min(seq.prompt_len.saturating_sub(1)).max(cached);
+        // The last prompt position is computed here for its logits, unless the caller has the
+        // first token already (`whole_prompt`).
+        let most = if whole_prompt {
+            seq.prompt_len
+        } else {
+            seq.prompt_len.saturating_sub(1)
+        };
+        seq.num_computed = num_tokens.min(most).max(cached);
         let pulled = seq.num_computed - cached;
         if pulled > 0 && !cacheable {
             seq.cacheable = false;
@@ -528,7 +538,10 @@ mod tests {
             }
         }
         // KV for all 10 prompt tokens arrived: it computes just the last one for its logits.
-        assert_eq!(s.remote_kv_ready(RequestId(1), 10, true), Some((10, 9, 9)));
+        assert_eq!(
+            s.remote_kv_ready(RequestId(1), 10, true, false),
+            Some((10, 9, 9))
+        );
         let plan = s.schedule();
         let mine: Vec<_> = plan
             .scheduled
@@ -548,7 +561,7 @@ mod tests {
             s.remote_pending.push_back(seq(1, 10, tok));
             assert_eq!(s.park_pending(&mut || None).len(), 1);
             assert_eq!(
-                s.remote_kv_ready(RequestId(1), 10, attested),
+                s.remote_kv_ready(RequestId(1), 10, attested, false),
                 Some((10, 9, 9))
             );
             // Compute the last prompt token and a few more: blocks 0..=2 fill up.

@@ -820,3 +820,121 @@ async fn retained_turns_are_revoked_oldest_first_before_anything_is_preempted() 
         h.leases().confirm(k.lease, k.generation, "").unwrap();
     }
 }
+
+/// A greedy prefill's lease names its first token; a sampled one's does not.
+#[tokio::test]
+async fn a_greedy_producer_attests_its_first_token_with_the_lease() {
+    let dir = model_dir("first-token-produce");
+    let h = engine(&dir, |_| {});
+    let p = prompt(10, 6);
+    let sampled = SamplingParams {
+        temperature: 0.8,
+        seed: Some(3),
+        ..greedy(1)
+    };
+    for (params, greedy_first) in [(greedy(1), true), (sampled, false)] {
+        let mut s = h
+            .submit(GenerateRequest {
+                prompt_tokens: p.clone(),
+                params,
+                kv: KvTransfer::Produce { consumers: 1 },
+                cache_salt: None,
+            })
+            .unwrap();
+        let (mut handoff, mut tokens) = (None, Vec::new());
+        while let Some(e) = s.recv().await {
+            match e {
+                RequestEvent::KvReady(k) => handoff = Some(k),
+                RequestEvent::Token { token_id, .. } => tokens.push(token_id),
+                _ => {}
+            }
+        }
+        let k = handoff.expect("a handoff");
+        let (_, contents) = h.leases().confirm(k.lease, k.generation, "d").unwrap();
+        assert!(contents.same_tokens(&pd_kv_pool::LeaseContents::of(&p)));
+        if greedy_first {
+            assert_eq!(tokens, reference_greedy(&dir, &p, 1));
+            assert_eq!(contents.next_token, Some(tokens[0]));
+        } else {
+            assert_eq!(
+                contents.next_token, None,
+                "a sampled first token is not handed off"
+            );
+        }
+        h.release_lease(k.lease, k.generation, "d").unwrap();
+    }
+    wait_all_free(&h).await;
+}
+
+/// A consumer given the producer's first token with the whole prompt's KV emits it at once
+/// when it samples greedily, once, without logprobs; otherwise it computes the last prompt
+/// position as before and the given token plays no part.
+#[tokio::test]
+async fn a_greedy_consumer_emits_the_producers_first_token_without_computing() {
+    let dir = model_dir("first-token-consume");
+    let h = engine(&dir, |_| {});
+    // One prompt per case (the pulled blocks of one enter the prefix cache), and for each a
+    // token the model would not pick: seeing it proves it was taken as given.
+    let prompts: Vec<Vec<u32>> = (0..5).map(|i| prompt(10, 8 + i)).collect();
+    let given: Vec<u32> = prompts
+        .iter()
+        .map(|p| (reference_greedy(&dir, p, 1)[0] + 1) % 256)
+        .collect();
+    let stop_on_it = SamplingParams {
+        stop_token_ids: vec![given[1]],
+        ignore_eos: false,
+        ..greedy(5)
+    };
+    let sampled = SamplingParams {
+        temperature: 0.8,
+        seed: Some(1),
+        ..greedy(1)
+    };
+    let with_logprobs = SamplingParams {
+        logprobs: Some(2),
+        ..greedy(1)
+    };
+    let two = SamplingParams { n: 2, ..greedy(1) };
+    // (params, pulled tokens reported, whether the given token is emitted, finish reason)
+    let cases = [
+        (greedy(1), 10, true, FinishReason::Length),
+        (stop_on_it, 10, true, FinishReason::Stop),
+        (sampled, 9, false, FinishReason::Length),
+        (with_logprobs, 9, false, FinishReason::Length),
+        (two, 9, false, FinishReason::Length),
+    ];
+    for (i, (params, want_pulled, emitted, want_reason)) in cases.into_iter().enumerate() {
+        let (p, given) = (&prompts[i], given[i]);
+        let what = format!("{params:?}");
+        let (mut s, blocks, first, cached) = consume(&h, p.clone(), params).await;
+        assert_eq!((blocks.len(), first, cached), (3, 0, 0));
+        h.remote_kv_ready(
+            s.id(),
+            RemoteKv::PulledWithFirstToken {
+                tokens: p.len(),
+                first_token: given,
+            },
+        );
+        let (mut pulled, mut firsts, mut reasons) = (None, Vec::new(), Vec::new());
+        while let Some(e) = s.recv().await {
+            match e {
+                RequestEvent::Started { pulled_tokens, .. } => pulled = Some(pulled_tokens),
+                RequestEvent::Token { token_id, .. } => firsts.push(token_id),
+                RequestEvent::Finished { reason, .. } => reasons.push(reason),
+                RequestEvent::Failed { message } => panic!("{what}: {message}"),
+                _ => {}
+            }
+        }
+        assert_eq!(pulled, Some(want_pulled), "{what}");
+        assert!(
+            reasons.iter().all(|r| *r == want_reason),
+            "{what}: {reasons:?}"
+        );
+        if emitted {
+            assert_eq!(firsts, vec![given], "{what}");
+        } else {
+            assert!(!firsts.is_empty(), "{what}");
+        }
+        wait_all_free(&h).await;
+    }
+}

@@ -73,12 +73,19 @@ pub enum LeaseError {
 /// [`crate::block_hash`]`(None, tokens)`. The owner tells a reader on confirm, so the reader can
 /// check the blocks hold its own prompt: request params are forgeable, the owner is not.
 /// All zero: the owner does not say (not attested).
+///
+/// A prefill's handoff of a greedy request also carries `next_token`: the token the owner
+/// sampled (argmax) right after those tokens, i.e. the completion's first token. A reader whose
+/// own request is greedy emits it instead of computing the last prompt position again.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LeaseContents {
     /// Tokens the blocks hold.
     pub num_tokens: u32,
     /// `block_hash(None, tokens).0`.
     pub tokens_hash: u64,
+    /// The greedy token after `num_tokens` (a greedy prefill's first token), when the owner
+    /// says.
+    pub next_token: Option<u32>,
 }
 
 impl LeaseContents {
@@ -87,12 +94,27 @@ impl LeaseContents {
         Self {
             num_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
             tokens_hash: crate::block_hash(None, tokens).0,
+            next_token: None,
+        }
+    }
+
+    /// The same, saying that `token` is the greedy token after them.
+    #[must_use]
+    pub fn with_next_token(self, token: Option<u32>) -> Self {
+        Self {
+            next_token: token,
+            ..self
         }
     }
 
     /// Whether the owner said what the blocks hold.
     pub fn attested(&self) -> bool {
-        *self != Self::default()
+        self.num_tokens != 0 || self.tokens_hash != 0
+    }
+
+    /// Whether `self` and `other` say the blocks hold the same tokens (`next_token` aside).
+    pub fn same_tokens(&self, other: &Self) -> bool {
+        self.num_tokens == other.num_tokens && self.tokens_hash == other.tokens_hash
     }
 }
 

@@ -3,7 +3,8 @@
 use std::sync::Mutex;
 
 use prometheus::{
-    Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
+    Registry,
 };
 
 use crate::lease_authority::PoolStats;
@@ -49,6 +50,12 @@ pub struct TransferMetrics {
     /// [`PULL_RATE_MIN_BYTES`] (0 until one). Reported to the gateway, so a policy can weigh
     /// pulling a prefix against recomputing it.
     pub pull_bytes_per_second: Gauge,
+    /// Seconds a consumer request spends in each stage of its handoff, by `stage`: `wait_blocks`
+    /// (arrival to blocks reserved), `prepare` (side-channel client and handshake, cached after
+    /// the first), `reads` (handing the pull to the puller to its reads' completion), `confirm`
+    /// (the owner's confirm RPC), `first_token` (engine told to decode to the first event
+    /// after it). Where D's added time to first token goes.
+    pub consume_stage_seconds: HistogramVec,
     last_counts: Mutex<pd_kv_pool::LeaseCounts>,
 }
 
@@ -127,8 +134,20 @@ impl TransferMetrics {
             "Bytes per second of this node's pulls (moving average)",
         )
         .expect("valid gauge");
+        let consume_stage_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "pd_kv_consume_stage_seconds",
+                "Seconds a consumer request spends in each stage of its KV handoff",
+            )
+            .buckets(vec![
+                2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.05, 0.1, 1.0, 10.0,
+            ]),
+            &["stage"],
+        )
+        .expect("valid histogram");
         for c in [
-            Box::new(bytes.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(consume_stage_seconds.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(bytes.clone()),
             Box::new(notification_failures.clone()),
             Box::new(side_channel_refused.clone()),
             Box::new(failures.clone()),
@@ -154,6 +173,7 @@ impl TransferMetrics {
             recomputes,
             incomplete_params,
             pull_bytes_per_second,
+            consume_stage_seconds,
             last_counts: Mutex::new(Default::default()),
         }
     }
@@ -161,6 +181,14 @@ impl TransferMetrics {
     /// The registry, for a `/metrics` endpoint.
     pub fn registry(&self) -> &Registry {
         &self.registry
+    }
+
+    /// Records that a consumer request spent `d` in `stage` (see
+    /// [`TransferMetrics::consume_stage_seconds`]).
+    pub fn record_stage(&self, stage: &str, d: std::time::Duration) {
+        self.consume_stage_seconds
+            .with_label_values(&[stage])
+            .observe(d.as_secs_f64());
     }
 
     /// Records a completed pull.

@@ -606,9 +606,12 @@ pub async fn pull_under_lease(
     metrics: &crate::metrics::TransferMetrics,
 ) -> Result<LeasePull, TransferError> {
     let result = async {
+        let handed = std::time::Instant::now();
         let stats = puller
             .pull(peer, blocks.remote, blocks.local, deadline)
             .await?;
+        let confirming = std::time::Instant::now();
+        metrics.record_stage("reads", confirming - handed);
         let confirm = client.confirm(blocks.lease, blocks.generation);
         let theirs = match tokio::time::timeout_at(deadline.into(), confirm).await {
             Ok(r) => r?,
@@ -620,9 +623,10 @@ pub async fn pull_under_lease(
                 )));
             }
         };
+        metrics.record_stage("confirm", confirming.elapsed());
         // An owner that attests its lease must hold exactly the reader's prompt: otherwise the
         // params were forged or mixed up, and the blocks are another prompt's KV.
-        if theirs.attested() && blocks.expect.attested() && theirs != blocks.expect {
+        if theirs.attested() && blocks.expect.attested() && !theirs.same_tokens(&blocks.expect) {
             return Err(TransferError::PromptMismatch {
                 lease: blocks.lease.to_string(),
                 theirs,
@@ -632,6 +636,10 @@ pub async fn pull_under_lease(
         Ok(LeasePull {
             stats,
             attested: theirs.attested(),
+            // Only when the owner vouched for exactly the reader's tokens.
+            next_token: theirs
+                .next_token
+                .filter(|_| theirs.attested() && blocks.expect.attested()),
         })
     }
     .await;
@@ -651,6 +659,9 @@ pub struct LeasePull {
     /// KV nobody vouched for may serve the request it was pulled for but must never enter a
     /// prefix cache.
     pub attested: bool,
+    /// The owner's greedy token after the blocks' tokens (a greedy prefill's first token), when
+    /// it said and its tokens are the reader's.
+    pub next_token: Option<u32>,
 }
 
 /// Renews a lease every `interval` (duration / 6) until dropped, so a pull that waits in a

@@ -172,6 +172,7 @@ fn reply_with(
             reason: String::new(),
             num_tokens: c.num_tokens,
             tokens_hash: c.tokens_hash,
+            next_token: c.next_token,
         },
         Err(e) => LeaseReply {
             live: false,

@@ -9,8 +9,12 @@
 //! prefix cache helps):
 //! - `solo`: one request with `max_tokens = 1` to the standalone node (prefill + first token).
 //! - `P`: the proxy's prefill request to the producer; `D`: the request with P's params to the
-//!   consumer, `max_tokens = 1` (wait, handshake (cached), pull, confirm, last prompt token, first
-//!   token). `P+D` is their sum: the time to first token a proxy adds up to, without the proxy.
+//!   consumer, `max_tokens = 1` (wait, handshake (cached), pull, confirm, first token). Greedy,
+//!   so D emits P's attested first token and computes nothing before it. `P+D` is their sum:
+//!   the time to first token a proxy adds up to, without the proxy.
+//! - `D (sampled)`: the same handoff for a seeded sampled request (temperature 0.8), where D
+//!   computes the last prompt position for its logits before the first token; and D's time per
+//!   stage (`pd_kv_consume_stage_seconds`).
 //! - `pull`: D's own `pd_kv_transfer_seconds` (posting the reads to their completion) and the
 //!   bytes it moved.
 //! - `perftest`: `ucx_perftest -t ucp_get` of the same number of bytes in one get, between two
@@ -104,6 +108,19 @@ async fn metric(client: &reqwest::Client, node: &Node, sample: &str) -> BenchRes
             (name == sample).then(|| value.parse().ok())?
         })
         .unwrap_or(0.0))
+}
+
+/// The stages of D's handoff, in order (`pd_kv_consume_stage_seconds{stage}`).
+const STAGES: [&str; 5] = ["wait_blocks", "prepare", "reads", "confirm", "first_token"];
+
+/// D's summed seconds per stage so far.
+async fn stage_sums(client: &reqwest::Client, node: &Node) -> BenchResult<Vec<f64>> {
+    let mut v = Vec::with_capacity(STAGES.len());
+    for stage in STAGES {
+        let sample = format!("pd_kv_consume_stage_seconds_sum{{stage=\"{stage}\"}}");
+        v.push(metric(client, node, &sample).await?);
+    }
+    Ok(v)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -213,8 +230,11 @@ async fn main() -> BenchResult<()> {
         "| prompt | solo | P | D | P+D | P+D / solo | pull (reads) | KV bytes | perftest | pull / perftest |"
     );
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let mut stage_rows = Vec::new();
     for &len in &lens {
         let (mut solo_ms, mut p_ms, mut d_ms, mut pull_ms) = (vec![], vec![], vec![], vec![]);
+        let mut stage_ms: Vec<Vec<f64>> = vec![Vec::new(); STAGES.len()];
+        let mut d_sampled_ms = Vec::new();
         let mut bytes = 0.0;
         for _ in 0..repeat {
             let t = prompt(len);
@@ -231,16 +251,22 @@ async fn main() -> BenchResult<()> {
                 metric(&client, &d, "pd_kv_transfer_seconds_count").await?,
                 metric(&client, &d, "pd_kv_transfer_bytes_total").await?,
             );
+            let stages0 = stage_sums(&client, &d).await?;
             let mut db = body(&t, 1);
             db["kv_transfer_params"] = params;
             let s = Instant::now();
             let r = post(&client, &d, &db).await?;
             d_ms.push(s.elapsed().as_secs_f64() * 1e3);
+            let stages1 = stage_sums(&client, &d).await?;
+            for (i, (a, b)) in stages0.iter().zip(&stages1).enumerate() {
+                stage_ms[i].push((b - a) * 1e3);
+            }
             let pulled = r["usage"]["prompt_tokens_details"]["kv_pulled_tokens"]
                 .as_u64()
                 .unwrap_or(0);
-            if pulled as usize != len - 1 {
-                return Err(format!("expected {} pulled tokens, got {pulled}", len - 1).into());
+            // Greedy: D takes P's first token and computes nothing before it.
+            if pulled as usize != len {
+                return Err(format!("expected {len} pulled tokens, got {pulled}").into());
             }
             let (sum1, n1, b1) = (
                 metric(&client, &d, "pd_kv_transfer_seconds_sum").await?,
@@ -252,8 +278,30 @@ async fn main() -> BenchResult<()> {
             }
             pull_ms.push((sum1 - sum0) * 1e3);
             bytes = b1 - b0;
+
+            // The same handoff for a sampled request: D computes the last prompt position
+            // for its logits before the first token.
+            let t = prompt(len);
+            let mut sb = body(&t, 1);
+            sb["temperature"] = json!(0.8);
+            sb["seed"] = json!(1);
+            let mut pb = sb.clone();
+            pb["kv_transfer_params"] = json!({"do_remote_decode": true});
+            let params = post(&client, &p, &pb).await?["kv_transfer_params"].clone();
+            sb["kv_transfer_params"] = params;
+            let s = Instant::now();
+            let r = post(&client, &d, &sb).await?;
+            d_sampled_ms.push(s.elapsed().as_secs_f64() * 1e3);
+            let pulled = r["usage"]["prompt_tokens_details"]["kv_pulled_tokens"]
+                .as_u64()
+                .unwrap_or(0);
+            if pulled as usize != len - 1 {
+                return Err(format!("sampled: expected {} pulled, got {pulled}", len - 1).into());
+            }
         }
         let (s, pm, dm) = (median(solo_ms), median(p_ms), median(d_ms));
+        let stages: Vec<f64> = stage_ms.into_iter().map(median).collect();
+        stage_rows.push((len, dm, median(d_sampled_ms), stages));
         let pull = median(pull_ms);
         let (reference, _) = run_perftest("ucx_perftest", bytes as usize, 200)?;
         let perftest_ms = reference.overall_lat_us / 1e3;
@@ -263,6 +311,23 @@ async fn main() -> BenchResult<()> {
             (pm + dm) / s,
             bytes / (1 << 20) as f64,
             perftest_ms / pull
+        );
+    }
+
+    println!();
+    println!("Where D's time goes (median ms per stage, D's `pd_kv_consume_stage_seconds`):");
+    println!();
+    println!(
+        "| prompt | D (sampled) | D (greedy) | {} | rest (HTTP, queueing) |",
+        STAGES.join(" | ")
+    );
+    println!("|---:|---:|---:|{}---:|", "---:|".repeat(STAGES.len()));
+    for (len, dm, sampled, stages) in &stage_rows {
+        let cells: Vec<String> = stages.iter().map(|v| format!("{v:.3}")).collect();
+        println!(
+            "| {len} | {sampled:.2} | {dm:.2} | {} | {:.3} |",
+            cells.join(" | "),
+            dm - stages.iter().sum::<f64>()
         );
     }
 

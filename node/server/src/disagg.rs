@@ -584,6 +584,7 @@ async fn relay(
         });
         return;
     };
+    let arrived = std::time::Instant::now();
     // Keep the producer's lease alive from now on: the request may wait a while for blocks here.
     let keeper = AbortOnDrop(tokio::spawn(keep_alive(disagg.clone(), remote.clone())));
     // 1. Blocks reserved? (bounded: a node with no room must not hold P's blocks forever)
@@ -615,6 +616,9 @@ async fn relay(
             return;
         }
     };
+    disagg
+        .metrics
+        .record_stage("wait_blocks", arrived.elapsed());
     let remote = &remote;
     // The KV the producer holds: the whole prompt (a prefill's handoff) or a prefix of it (an
     // earlier turn); what is not pulled is computed here.
@@ -646,6 +650,7 @@ async fn relay(
         None => {
             let bytes = (held_blocks - first_block) * engine.info().kv_layout.block_bytes();
             let deadline = loader.cfg.pull_deadline(bytes);
+            let preparing = std::time::Instant::now();
             let prepared = tokio::select! {
                 () = tx.closed() => {
                     release_all(&disagg, &remotes);
@@ -658,6 +663,7 @@ async fn relay(
                     ))))
                 }
             };
+            disagg.metrics.record_stage("prepare", preparing.elapsed());
             match prepared {
                 Err(e) => {
                     // (`pull_under_lease` records its own outcomes.)
@@ -683,7 +689,17 @@ async fn relay(
                     )
                     .await;
                     r.map(|p| {
-                        if p.attested {
+                        if let Some(first_token) = p.next_token
+                            && held == prompt.len()
+                        {
+                            // A greedy prefill's first token, vouched for with the blocks: a
+                            // greedy request here emits it without computing (the engine
+                            // decides; anything else computes the last position as usual).
+                            RemoteKv::PulledWithFirstToken {
+                                tokens: held,
+                                first_token,
+                            }
+                        } else if p.attested {
                             RemoteKv::Pulled(held)
                         } else {
                             // KV nobody vouched for: this request only, never the cache.
@@ -697,6 +713,7 @@ async fn relay(
     // 3. Release the producer's blocks and start decoding (or fail).
     drop(keeper);
     release_all(&disagg, &remotes);
+    let decoding = std::time::Instant::now();
     match outcome {
         Ok(kv) => engine.remote_kv_ready(id, kv),
         Err(e) => {
@@ -727,17 +744,35 @@ async fn relay(
         }
     }
     // 4. Relay.
-    relay_rest(stream, tx).await;
+    relay_rest(stream, tx, |e| {
+        if matches!(e, RequestEvent::Token { .. }) {
+            disagg
+                .metrics
+                .record_stage("first_token", decoding.elapsed());
+        }
+    })
+    .await;
 }
 
 /// Passes the request's events on until it ends or the client leaves (dropping `stream` then
-/// aborts the request).
-async fn relay_rest(mut stream: RequestStream, tx: mpsc::UnboundedSender<RequestEvent>) {
+/// aborts the request); `first_token` sees the first token event (or whatever ends the request
+/// instead).
+async fn relay_rest(
+    mut stream: RequestStream,
+    tx: mpsc::UnboundedSender<RequestEvent>,
+    first_token: impl FnOnce(&RequestEvent),
+) {
+    let mut first_token = Some(first_token);
     loop {
         tokio::select! {
             () = tx.closed() => return,
             e = stream.recv() => match e {
                 Some(e) => {
+                    if !matches!(e, RequestEvent::Started { .. })
+                        && let Some(f) = first_token.take()
+                    {
+                        f(&e);
+                    }
                     if tx.send(e).is_err() {
                         return;
                     }

@@ -387,15 +387,15 @@ async fn greedy_output_through_p_and_d_equals_one_node_on_every_api() {
                 let got = through_pd(&p, &d, api, &body).await;
                 assert_eq!(got.texts, want.texts, "{body}");
                 assert_eq!(got.tokens, want.tokens, "{body}");
-                // The prompt's KV came from P — all of it but the last token, which D computes
-                // for its logits — except blocks D had cached (the chat template's head).
-                // D never answers with params of its own.
+                // The prompt's KV came from P — all of it, with P's greedy first token, so D
+                // computes nothing before its first token — except blocks D had cached (the
+                // chat template's head). D never answers with params of its own.
                 let prompt = got.prompt.expect("usage");
                 let pulled = got.pulled.expect("D reports pulled tokens");
                 assert!(pulled > 0);
-                assert_eq!(got.cached, Some(prompt - 1), "{body}");
+                assert_eq!(got.cached, Some(prompt), "{body}");
                 if api == Api::Completions {
-                    assert_eq!(pulled, prompt - 1, "no shared prefix: all pulled");
+                    assert_eq!(pulled, prompt, "no shared prefix: all pulled");
                 }
                 assert!(got.kv.is_none());
             }
@@ -430,8 +430,44 @@ async fn greedy_output_through_p_and_d_equals_one_node_on_every_api() {
     assert!(metric(&d, "pd_node_kv_pulled_tokens_total").await > 0.0);
 }
 
+/// Only a greedy single completion takes P's first token: D then computes nothing before its
+/// first token and reports the whole prompt pulled. A seeded sampled request, one asking for
+/// logprobs and an `n = 2` request compute the last prompt position on D as before (pulled =
+/// prompt − 1). Each answers token for token as one node does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_greedy_single_completion_takes_the_producers_first_token() {
+    let dir = model("first-token");
+    let solo = start(&dir, &[]);
+    let p = producer(&dir, &[]);
+    let d = consumer(&dir, "fail");
+    let api = Api::Completions;
+    let base = |i: usize| api.body(&format!("{i}{LONG}"), 6);
+    let mut sampled = base(1);
+    sampled["temperature"] = json!(0.9);
+    sampled["seed"] = json!(7);
+    let mut logprobs = base(2);
+    logprobs["logprobs"] = json!(2);
+    let mut two = base(3);
+    two["n"] = json!(2);
+    for (body, takes_first) in [
+        (base(0), true),
+        (sampled, false),
+        (logprobs, false),
+        (two, false),
+    ] {
+        let want = seen(api, post(&solo.http, api.path(), &body).await).await;
+        let got = through_pd(&p, &d, api, &body).await;
+        assert_eq!(got.tokens, want.tokens, "{body}");
+        assert_eq!(got.texts, want.texts, "{body}");
+        let prompt = got.prompt.expect("usage");
+        let pulled = if takes_first { prompt } else { prompt - 1 };
+        assert_eq!(got.pulled, Some(pulled), "{body}");
+        assert_eq!(got.cached, Some(pulled), "{body}");
+    }
+}
+
 /// Half-precision KV end to end: P and D with `--kv-cache-dtype f16` answer token for token as
-/// one node with f16 KV, pull all of the prompt but its last token, and move exactly half the
+/// one node with f16 KV, pull all of the prompt, and move exactly half the
 /// bytes f32 nodes move for the same prompts; an f32 consumer refuses an f16 producer's KV,
 /// naming `kv_cache_dtype`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -466,9 +502,9 @@ async fn half_precision_kv_through_p_and_d_equals_one_node_and_moves_half_the_by
         assert_eq!(got.texts, want.texts, "{body}");
         assert_eq!(got.tokens, want.tokens, "{body}");
         let prompt = got.prompt.expect("usage");
-        assert_eq!(got.pulled, Some(prompt - 1), "{body}");
+        assert_eq!(got.pulled, Some(prompt), "{body}");
         let got32 = through_pd(&p32, &d32, api, &body).await;
-        assert_eq!(got32.pulled, Some(prompt - 1), "{body}");
+        assert_eq!(got32.pulled, Some(prompt), "{body}");
     }
     let bytes16 = metric(&d, "pd_kv_transfer_bytes_total").await;
     let bytes32 = metric(&d32, "pd_kv_transfer_bytes_total").await;
@@ -820,7 +856,7 @@ async fn d_renews_the_lease_while_it_waits_for_blocks() {
     assert_eq!(got.tokens, want.tokens);
     assert_eq!(
         got.pulled,
-        Some(19),
+        Some(20),
         "pulled, not recomputed, after waiting"
     );
     // D waited until its own leases expired (one or more) to get blocks.
