@@ -119,9 +119,10 @@ async fn untrusted_params_are_stripped(c: &TestCluster) {
             "{at}: {}",
             after.p.show("pd_node_kv_params_requests_total")
         );
-        // D pulled from the real P, under P's real lease, all of the prompt but the last token.
+        // D pulled from the real P, under P's real lease, all of the prompt (greedy: D emits
+        // P's first token, attested with the lease, and computes nothing before it).
         let prompt = a.prompt_tokens.expect("usage");
-        assert_eq!(a.pulled_tokens, Some(prompt - 1), "{at}: {}", a.body);
+        assert_eq!(a.pulled_tokens, Some(prompt), "{at}: {}", a.body);
         assert_eq!(
             delta(
                 &after.p,
@@ -189,7 +190,7 @@ async fn a_trusted_client_drives_p_and_d_itself(c: &TestCluster) {
         .await
         .ok();
     let prompt = a.prompt_tokens.expect("usage");
-    assert_eq!(a.pulled_tokens, Some(prompt - 1), "{}", a.body);
+    assert_eq!(a.pulled_tokens, Some(prompt), "{}", a.body);
     let after = counts(c).await;
     assert_eq!(
         delta(
