@@ -703,6 +703,7 @@ impl Engine {
                     // so a greedy reader need not compute the last prompt position again.
                     let first = sampler::is_greedy(&state.params).then(|| sampler::argmax(row));
                     let contents = pd_kv_pool::LeaseContents::of(&seq.tokens[..seq.prompt_len])
+                        .in_blocks(&blocks)
                         .with_next_token(first);
                     for _ in 0..consumers.max(1) {
                         for &b in &blocks {
@@ -919,7 +920,8 @@ impl Engine {
             if full > 0 {
                 let blocks = seq.blocks[..full].to_vec();
                 let num_tokens = full * self.info.block_size;
-                let contents = pd_kv_pool::LeaseContents::of(&seq.tokens[..num_tokens]);
+                let contents =
+                    pd_kv_pool::LeaseContents::of(&seq.tokens[..num_tokens]).in_blocks(&blocks);
                 let last_block_hash = match seq.hashes.get(full - 1) {
                     Some(h) => h.0,
                     None => pd_kv_pool::hash_full_blocks_from(

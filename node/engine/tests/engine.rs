@@ -795,7 +795,10 @@ async fn retained_turns_are_revoked_oldest_first_before_anything_is_preempted() 
         assert_eq!((k.num_tokens, k.block_ids.len()), (24, 6));
         let (_, contents) = h.leases().confirm(k.lease, k.generation, "").unwrap();
         let held: Vec<u32> = p.iter().chain(&tokens).copied().take(24).collect();
-        assert_eq!(contents, pd_kv_pool::LeaseContents::of(&held));
+        assert_eq!(
+            contents,
+            pd_kv_pool::LeaseContents::of(&held).in_blocks(&k.block_ids)
+        );
         kept.push(k);
     }
     let st = h.lease_stats();
@@ -851,7 +854,7 @@ async fn a_greedy_producer_attests_its_first_token_with_the_lease() {
         }
         let k = handoff.expect("a handoff");
         let (_, contents) = h.leases().confirm(k.lease, k.generation, "d").unwrap();
-        assert!(contents.same_tokens(&pd_kv_pool::LeaseContents::of(&p)));
+        assert!(contents.same_contents(&pd_kv_pool::LeaseContents::of(&p).in_blocks(&k.block_ids)));
         if greedy_first {
             assert_eq!(tokens, reference_greedy(&dir, &p, 1));
             assert_eq!(contents.next_token, Some(tokens[0]));

@@ -74,6 +74,10 @@ pub enum LeaseError {
 /// check the blocks hold its own prompt: request params are forgeable, the owner is not.
 /// All zero: the owner does not say (not attested).
 ///
+/// The owner also binds the lease to its block ids (`blocks_hash`): a reader checks that the
+/// blocks it read are the lease's, so params splicing one lease's id with another's blocks are
+/// caught.
+///
 /// A prefill's handoff of a greedy request also carries `next_token`: the token the owner
 /// sampled (argmax) right after those tokens, i.e. the completion's first token. A reader whose
 /// own request is greedy emits it instead of computing the last prompt position again.
@@ -83,6 +87,8 @@ pub struct LeaseContents {
     pub num_tokens: u32,
     /// `block_hash(None, tokens).0`.
     pub tokens_hash: u64,
+    /// [`blocks_hash`] of the lease's block ids, in order (0: the owner does not say).
+    pub blocks_hash: u64,
     /// The greedy token after `num_tokens` (a greedy prefill's first token), when the owner
     /// says.
     pub next_token: Option<u32>,
@@ -94,7 +100,17 @@ impl LeaseContents {
         Self {
             num_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
             tokens_hash: crate::block_hash(None, tokens).0,
+            blocks_hash: 0,
             next_token: None,
+        }
+    }
+
+    /// The same, held in `blocks` (in order).
+    #[must_use]
+    pub fn in_blocks(self, blocks: &[BlockId]) -> Self {
+        Self {
+            blocks_hash: blocks_hash(blocks),
+            ..self
         }
     }
 
@@ -112,10 +128,24 @@ impl LeaseContents {
         self.num_tokens != 0 || self.tokens_hash != 0
     }
 
-    /// Whether `self` and `other` say the blocks hold the same tokens (`next_token` aside).
-    pub fn same_tokens(&self, other: &Self) -> bool {
-        self.num_tokens == other.num_tokens && self.tokens_hash == other.tokens_hash
+    /// Whether `self` and `other` say the same tokens are held in the same blocks
+    /// (`next_token` aside; blocks are compared only when both say).
+    pub fn same_contents(&self, other: &Self) -> bool {
+        self.num_tokens == other.num_tokens
+            && self.tokens_hash == other.tokens_hash
+            && (self.blocks_hash == 0
+                || other.blocks_hash == 0
+                || self.blocks_hash == other.blocks_hash)
     }
+}
+
+/// A lease's block ids, hashed in order (xxh3 of their little-endian bytes; never 0).
+pub fn blocks_hash(blocks: &[BlockId]) -> u64 {
+    let mut bytes = Vec::with_capacity(blocks.len() * 4);
+    for b in blocks {
+        bytes.extend_from_slice(&b.0.to_le_bytes());
+    }
+    xxhash_rust::xxh3::xxh3_64(&bytes).max(1)
 }
 
 /// A live lease.

@@ -29,5 +29,5 @@ pub use hash::{
     root_hash,
 };
 pub use layout::{KvDtype, KvLayout};
-pub use lease::{Lease, LeaseContents, LeaseCounts, LeaseError, LeaseId, LeaseTable};
+pub use lease::{Lease, LeaseContents, LeaseCounts, LeaseError, LeaseId, LeaseTable, blocks_hash};
 pub use pool::{KvElem, KvPool};

@@ -341,6 +341,7 @@ impl PeerClient {
         let contents = LeaseContents {
             num_tokens: r.num_tokens,
             tokens_hash: r.tokens_hash,
+            blocks_hash: r.blocks_hash,
             next_token: r.next_token,
         };
         live_or_lost(id, r)?;

@@ -626,7 +626,7 @@ pub async fn pull_under_lease(
         metrics.record_stage("confirm", confirming.elapsed());
         // An owner that attests its lease must hold exactly the reader's prompt: otherwise the
         // params were forged or mixed up, and the blocks are another prompt's KV.
-        if theirs.attested() && blocks.expect.attested() && !theirs.same_tokens(&blocks.expect) {
+        if theirs.attested() && blocks.expect.attested() && !theirs.same_contents(&blocks.expect) {
             return Err(TransferError::PromptMismatch {
                 lease: blocks.lease.to_string(),
                 theirs,

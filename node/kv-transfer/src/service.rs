@@ -173,6 +173,7 @@ fn reply_with(
             num_tokens: c.num_tokens,
             tokens_hash: c.tokens_hash,
             next_token: c.next_token,
+            blocks_hash: c.blocks_hash,
         },
         Err(e) => LeaseReply {
             live: false,

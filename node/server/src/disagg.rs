@@ -676,7 +676,10 @@ async fn relay(
                         generation: remote.generation,
                         remote: remote.block_ids[first_block..held_blocks].to_vec(),
                         local: blocks[..held_blocks - first_block].to_vec(),
-                        expect: pd_kv_pool::LeaseContents::of(&prompt[..held]),
+                        // The lease's tokens (our prompt's) in the lease's blocks (the ids
+                        // the params name, which we read).
+                        expect: pd_kv_pool::LeaseContents::of(&prompt[..held])
+                            .in_blocks(&remote.block_ids),
                     };
                     // Not cancellable: the reads land in our reserved blocks.
                     let r = pull_under_lease(

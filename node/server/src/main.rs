@@ -140,7 +140,10 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
             side_channel = Some((args.advertised_kv_host(), kv_local.port()));
             println!("pd-node kv side channel on http://{kv_local}");
             tokio::spawn(async move {
-                let incoming = tonic::transport::server::TcpIncoming::from(kv_listener);
+                // No Nagle: a lease reply is small and on a decode node's path to its first
+                // token (tonic sets TCP_NODELAY only on listeners it binds itself).
+                let incoming = tonic::transport::server::TcpIncoming::from(kv_listener)
+                    .with_nodelay(Some(true));
                 let service = service.into_guarded_server(token_rx, refused);
                 if let Err(e) = tonic::transport::Server::builder()
                     .add_service(service)

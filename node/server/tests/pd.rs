@@ -1007,6 +1007,48 @@ async fn forged_params_naming_another_prompts_blocks_never_reach_the_answer_or_t
     .await;
 }
 
+/// Params whose lease is genuine for D's prompt but whose block ids are another live lease's
+/// (both obtained from P, spliced by a client that may send params): D would read the other
+/// prompt's KV and the lease it confirms would vouch for D's prompt. P binds each lease to its
+/// block ids too and says so at confirm; D compares them with the ids it read
+/// (`prompt_mismatch`), and never decodes on or caches the other prompt's KV.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spliced_params_with_another_leases_blocks_never_reach_the_answer_or_the_cache() {
+    let dir = model("spliced");
+    let solo = start(&dir, &[]);
+    let p = producer(&dir, &[]);
+    let d = consumer(&dir, "fail");
+    let api = Api::Completions;
+    // Two prompts of the same length, so the block lists fit either.
+    let a = api.body(LONG, 12);
+    let b = api.body(&LONG.chars().rev().collect::<String>(), 12);
+    let want_a = seen(api, post(&solo.http, api.path(), &a).await).await;
+    let params_a = prefill(&p, api, &a).await;
+    let params_b = prefill(&p, api, &b).await;
+    assert_ne!(params_a["remote_block_ids"], params_b["remote_block_ids"]);
+    let mut spliced = params_a.clone();
+    spliced["remote_block_ids"] = params_b["remote_block_ids"].clone();
+    let mut da = a.clone();
+    da["kv_transfer_params"] = spliced;
+    let r = post(&d.http, api.path(), &da).await;
+    assert_eq!(r.status(), 500, "B's KV under A's lease is refused");
+    let text = r.text().await.unwrap();
+    assert!(text.contains("prompt_mismatch"), "{text}");
+    // D's prefix cache holds nothing of B under A's hashes: A served by D alone is exact.
+    let got = seen(api, post(&d.http, api.path(), &a).await).await;
+    assert_eq!(got.tokens, want_a.tokens);
+    // B's own lease was never used; it ends by release (D's) or expiry all the same.
+    let mut db = b.clone();
+    db["kv_transfer_params"] = params_b;
+    let want_b = seen(api, post(&solo.http, api.path(), &b).await).await;
+    let got_b = seen(api, post(&d.http, api.path(), &db).await).await;
+    assert_eq!(got_b.tokens, want_b.tokens);
+    eventually("P's leases released", async || {
+        metric(&p, "pd_kv_leases_live").await == 0.0
+    })
+    .await;
+}
+
 /// Who may read a pool: a producer with a cluster token refuses side-channel calls without it
 /// (`UNAUTHENTICATED`, counted), so a decode node outside the cluster cannot handshake, read or
 /// touch leases; one with the token pulls as usual.

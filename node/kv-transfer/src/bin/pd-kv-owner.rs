@@ -201,5 +201,5 @@ fn main() -> BoxResult<()> {
 fn tokio_stream_incoming(
     listener: tokio::net::TcpListener,
 ) -> tonic::transport::server::TcpIncoming {
-    tonic::transport::server::TcpIncoming::from(listener)
+    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
 }
