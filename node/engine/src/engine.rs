@@ -720,6 +720,7 @@ impl Engine {
                             block_ids: lease.blocks,
                             num_tokens,
                             last_block_hash: None,
+                            board_slot: lease.slot,
                         }));
                     }
                 }
@@ -946,6 +947,7 @@ impl Engine {
                     block_ids: lease.blocks,
                     num_tokens,
                     last_block_hash: Some(last_block_hash),
+                    board_slot: lease.slot,
                 }));
             }
         }

@@ -69,6 +69,12 @@ impl LeaseBook {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Publishes every lease granted from now on on `board`, where peers confirm it with a
+    /// one-sided read (the side channel's pool registration owns the memory).
+    pub fn attach_board(&self, board: pd_kv_pool::LeaseBoard) {
+        self.lock().table.attach_board(board);
+    }
+
     /// How long a lease lasts unless renewed.
     pub fn duration(&self) -> Duration {
         self.lock().table.duration()

@@ -214,6 +214,9 @@ pub struct KvHandoff {
     /// from the request's root): what a gateway keys a retained turn by, since the next turn's
     /// prompt hashes to the same chain. Set for retained turns.
     pub last_block_hash: Option<u64>,
+    /// The lease's record on the node's lease board, where a reader confirms it one-sidedly
+    /// (`None`: no board, or it was full; confirm through the side channel).
+    pub board_slot: Option<u32>,
 }
 
 /// How a wait for remote KV ended ([`crate::EngineHandle::remote_kv_ready`]).

@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::time::{Duration, Instant};
 
+use crate::board::LeaseBoard;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 
@@ -165,6 +166,8 @@ pub struct Lease {
     pub deadline: Instant,
     /// How long it was granted for (a renewal extends by 2/3 of it).
     pub duration: Duration,
+    /// Its record on the table's [`LeaseBoard`], if it has one (readers confirm it there).
+    pub slot: Option<u32>,
 }
 
 /// Counters of what happened to leases.
@@ -190,6 +193,7 @@ pub struct LeaseTable {
     next_generation: u64,
     rng: ChaCha20Rng,
     counts: LeaseCounts,
+    board: Option<LeaseBoard>,
 }
 
 impl LeaseTable {
@@ -202,6 +206,20 @@ impl LeaseTable {
             next_generation: 1,
             rng: ChaCha20Rng::from_seed(seed),
             counts: LeaseCounts::default(),
+            board: None,
+        }
+    }
+
+    /// Publishes leases granted from now on on `board` (peers confirm them there), and clears
+    /// each one's record when it ends, before its blocks are handed back.
+    pub fn attach_board(&mut self, board: LeaseBoard) {
+        self.board = Some(board);
+    }
+
+    /// Ends `lease` on the board (if it is there).
+    fn unpublish(&mut self, lease: &Lease) {
+        if let (Some(board), Some(slot)) = (self.board.as_mut(), lease.slot) {
+            board.clear(slot);
         }
     }
 
@@ -257,14 +275,20 @@ impl LeaseTable {
         while self.leases.contains_key(&id) {
             id = LeaseId(self.rng.random());
         }
+        let generation = self.next_generation;
+        let slot = self
+            .board
+            .as_mut()
+            .and_then(|b| b.publish(generation, &contents));
         let lease = Lease {
             id,
-            generation: self.next_generation,
+            generation,
             peer: peer.to_string(),
             blocks,
             contents,
             deadline: now + duration,
             duration,
+            slot,
         };
         self.next_generation += 1;
         self.counts.granted += 1;
@@ -336,6 +360,7 @@ impl LeaseTable {
     ) -> Result<Lease, LeaseError> {
         self.check(id, generation, peer, now)?;
         let l = self.leases.remove(&id).ok_or(LeaseError::Unknown(id))?;
+        self.unpublish(&l);
         self.counts.released += 1;
         Ok(l)
     }
@@ -346,6 +371,7 @@ impl LeaseTable {
     #[must_use = "the returned lease's block references must be dropped"]
     pub fn revoke(&mut self, id: LeaseId) -> Option<Lease> {
         let l = self.leases.remove(&id)?;
+        self.unpublish(&l);
         self.counts.revoked += 1;
         Some(l)
     }
@@ -373,6 +399,7 @@ impl LeaseTable {
         let mut out = Vec::with_capacity(gone.len());
         for id in gone {
             if let Some(l) = self.leases.remove(&id) {
+                self.unpublish(&l);
                 self.counts.expired += 1;
                 out.push(l);
             }

@@ -10,7 +10,8 @@
 //! - [`BlockAllocator`] owns the bookkeeping: free list in LRU order, reference counts, the
 //!   hash → block map of the prefix cache.
 //! - [`block_hash`] / [`hash_full_blocks`] chain a block's tokens onto its parent's hash.
-//! - [`LeaseTable`] keeps blocks handed to a peer alive until released or expired.
+//! - [`LeaseTable`] keeps blocks handed to a peer alive until released or expired; its
+//!   [`LeaseBoard`] publishes each live lease's record where peers read it one-sidedly.
 //!
 //! This crate does not run models, know about requests or sequences, do I/O, or read the clock.
 //! It depends on neither candle nor tokio, so the gateway can use the hash functions cheaply.
@@ -18,12 +19,16 @@
 #![deny(unused_must_use)]
 
 mod allocator;
+mod board;
 mod hash;
 mod layout;
 mod lease;
 mod pool;
 
 pub use allocator::{AllocatorError, BlockAllocator, BlockId, CacheEvent};
+pub use board::{
+    BOARD_SLOT_BYTES, BOARD_SLOT_WORDS, BoardRecord, LeaseBoard, board_bytes, read_record,
+};
 pub use hash::{
     BlockHash, ROOT_HASH_SEED, block_hash, hash_full_blocks, hash_full_blocks_from, hash_key,
     root_hash,

@@ -31,6 +31,7 @@ pub use peer::{FailurePolicy, Fallback, HandshakeCache, PeerClient, PeerInfo, Tr
 pub use plan::{CopyRange, plan_ranges};
 pub use pull::{PostedPull, PullError, PullSource, PullStats, post_pull, pull_blocks};
 pub use puller::{
-    LeaseKeeper, LeasePull, LeasedBlocks, MAX_PEERS, MAX_PULLS_PER_PEER, Puller, pull_under_lease,
+    LeaseKeeper, LeasePull, LeasedBlocks, MAX_PEERS, MAX_PULLS_PER_PEER, Pulled, Puller,
+    pull_under_lease,
 };
 pub use service::{KvPeerService, OwnerIdentity};

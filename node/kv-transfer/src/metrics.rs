@@ -56,6 +56,10 @@ pub struct TransferMetrics {
     /// (the owner's confirm RPC), `first_token` (engine told to decode to the first event
     /// after it). Where D's added time to first token goes.
     pub consume_stage_seconds: HistogramVec,
+    /// Leases confirmed for a pull, by how: `board` (`ConfirmLease` alongside the reads, and the
+    /// lease's record on the owner's lease board, read one-sidedly right after them, still
+    /// showing it) or `rpc` (`ConfirmLease` after the reads).
+    pub confirms: IntCounterVec,
     last_counts: Mutex<pd_kv_pool::LeaseCounts>,
 }
 
@@ -145,8 +149,17 @@ impl TransferMetrics {
             &["stage"],
         )
         .expect("valid histogram");
+        let confirms = IntCounterVec::new(
+            Opts::new(
+                "pd_kv_lease_confirms_total",
+                "Leases confirmed for a pull, by how (board: confirmed alongside the reads + board record after them; rpc: confirmed after the reads)",
+            ),
+            &["via"],
+        )
+        .expect("valid counter");
         for c in [
             Box::new(consume_stage_seconds.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(confirms.clone()),
             Box::new(bytes.clone()),
             Box::new(notification_failures.clone()),
             Box::new(side_channel_refused.clone()),
@@ -174,6 +187,7 @@ impl TransferMetrics {
             incomplete_params,
             pull_bytes_per_second,
             consume_stage_seconds,
+            confirms,
             last_counts: Mutex::new(Default::default()),
         }
     }

@@ -291,6 +291,8 @@ impl PeerClient {
             region_len: r.region_len,
             rkey: r.rkey,
             transports: r.transports,
+            board_offset: r.board_offset,
+            board_slots: r.board_slots,
         })
     }
 

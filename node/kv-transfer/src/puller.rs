@@ -44,9 +44,22 @@ struct Job {
     peer: PeerInfo,
     remote: Vec<BlockId>,
     local: Vec<BlockId>,
+    /// The lease's record on the peer's lease board, read once the blocks are in.
+    board_slot: Option<u32>,
     deadline: Instant,
     timeout: Duration,
-    reply: oneshot::Sender<Result<PullStats, PullError>>,
+    reply: oneshot::Sender<Result<Pulled, PullError>>,
+}
+
+/// What a pull brought: its reads, and the lease's record on the peer's lease board as read
+/// right after them (`None`: no slot named, the peer's board is not mapped here, or the record
+/// kept changing — confirm with the owner instead).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pulled {
+    /// The reads.
+    pub stats: PullStats,
+    /// The record, read after the reads completed.
+    pub record: Option<pd_kv_pool::BoardRecord>,
 }
 
 enum Msg {
@@ -90,7 +103,9 @@ impl Puller {
 
     /// Reads `remote[i]` of `peer` into local block `local[i]`; resolves when the data is in
     /// place (the engine keeps stepping meanwhile), or when the reads were cancelled at
-    /// `deadline` — in both cases nothing writes the local blocks any more.
+    /// `deadline` — in both cases nothing writes the local blocks any more. With `board_slot`,
+    /// the lease's record on the peer's lease board is read right after the blocks, on this
+    /// thread, when the board is mapped here (shared memory).
     ///
     /// # Errors
     /// [`TransferError::Transfer`] (with [`PullError::Deadline`] at the deadline) or
@@ -100,8 +115,9 @@ impl Puller {
         peer: &PeerInfo,
         remote: Vec<BlockId>,
         local: Vec<BlockId>,
+        board_slot: Option<u32>,
         deadline: Instant,
-    ) -> Result<PullStats, TransferError> {
+    ) -> Result<Pulled, TransferError> {
         let (reply, rx) = oneshot::channel();
         let now = Instant::now();
         self.jobs
@@ -109,6 +125,7 @@ impl Puller {
                 peer: peer.clone(),
                 remote,
                 local,
+                board_slot,
                 deadline,
                 timeout: deadline.saturating_duration_since(now),
                 reply,
@@ -127,6 +144,8 @@ impl Puller {
 /// A connected peer. Field order matters: the key is destroyed before the endpoint closes.
 struct Peer<'w> {
     rkey: RemoteKey<'w>,
+    /// The peer's lease board as mapped here through `rkey` (shared memory), and its records.
+    board: Option<(*const u8, u32)>,
     ep: Endpoint<'w>,
     in_flight: usize,
     queued: VecDeque<Job>,
@@ -138,9 +157,10 @@ struct Flight<'w> {
     key: PeerKey,
     /// `None` for a job whose posting failed: it only waits for its endpoint's close.
     posted: Option<PostedPull<'w>>,
+    board_slot: Option<u32>,
     deadline: Instant,
     timeout: Duration,
-    reply: oneshot::Sender<Result<PullStats, PullError>>,
+    reply: oneshot::Sender<Result<Pulled, PullError>>,
     /// Set when its endpoint was force-closed: the error to answer with once the flush (or the
     /// close) completed.
     aborted: Option<PullError>,
@@ -284,10 +304,17 @@ impl<'w> State<'w> {
             self.make_room();
             match connect(self.worker, &job.peer) {
                 Ok((ep, rkey)) => {
+                    let board = (job.peer.board_slots > 0)
+                        .then(|| {
+                            rkey.local_ptr(job.peer.region_base + job.peer.board_offset)
+                                .map(|p| (p, job.peer.board_slots))
+                        })
+                        .flatten();
                     self.peers.insert(
                         key.clone(),
                         Peer {
                             rkey,
+                            board,
                             ep,
                             in_flight: 0,
                             queued: VecDeque::new(),
@@ -351,6 +378,7 @@ impl<'w> State<'w> {
                 self.flights.push(Flight {
                     key,
                     posted: Some(posted),
+                    board_slot: job.board_slot,
                     deadline: job.deadline,
                     timeout: job.timeout,
                     reply: job.reply,
@@ -372,14 +400,11 @@ impl<'w> State<'w> {
     }
 
     /// Answers `reply` with `err` once every close in progress completed.
-    fn closing_reply(
-        &mut self,
-        reply: oneshot::Sender<Result<PullStats, PullError>>,
-        err: PullError,
-    ) {
+    fn closing_reply(&mut self, reply: oneshot::Sender<Result<Pulled, PullError>>, err: PullError) {
         self.flights.push(Flight {
             key: (String::new(), 0),
             posted: None,
+            board_slot: None,
             deadline: Instant::now(),
             timeout: Duration::ZERO,
             reply,
@@ -481,6 +506,7 @@ impl<'w> State<'w> {
             let Flight {
                 key,
                 posted,
+                board_slot,
                 reply,
                 aborted,
                 ..
@@ -488,7 +514,17 @@ impl<'w> State<'w> {
             let was_flushed = flushed.is_some();
             let result = match (aborted, flushed, &posted) {
                 (Some(e), _, _) => Err(e),
-                (None, Some(Ok(())), Some(p)) => Ok(p.stats()),
+                (None, Some(Ok(())), Some(p)) => Ok(Pulled {
+                    stats: p.stats(),
+                    // After the reads, before anyone hears of them: see `read_record`.
+                    record: board_slot
+                        .zip(self.peers.get(&key).and_then(|p| p.board))
+                        .and_then(|(slot, (base, slots))| {
+                            // SAFETY: `base` is the peer's board mapped through its key, which
+                            // lives in `self.peers` (this thread) for the whole call.
+                            unsafe { pd_kv_pool::read_record(base, slots, slot) }
+                        }),
+                }),
                 (None, Some(Err(e)), _) => Err(PullError::Ucx(e)),
                 // Not done, or a flight without reads that was not aborted: neither exists.
                 (None, _, _) => Err(PullError::Closed("no reads")),
@@ -583,6 +619,8 @@ pub struct LeasedBlocks {
     /// What the blocks must hold (the reader's prompt), checked against what the owner says at
     /// confirm. Not attested (all zero): no check.
     pub expect: pd_kv_pool::LeaseContents,
+    /// The lease's record on the owner's lease board (`remote_lease_slot`), if it said.
+    pub board_slot: Option<u32>,
 }
 
 /// The whole pull of one lease: read the blocks, then confirm with the owner that the lease
@@ -607,20 +645,61 @@ pub async fn pull_under_lease(
 ) -> Result<LeasePull, TransferError> {
     let result = async {
         let handed = std::time::Instant::now();
-        let stats = puller
-            .pull(peer, blocks.remote, blocks.local, deadline)
-            .await?;
-        let confirming = std::time::Instant::now();
-        metrics.record_stage("reads", confirming - handed);
-        let confirm = client.confirm(blocks.lease, blocks.generation);
-        let theirs = match tokio::time::timeout_at(deadline.into(), confirm).await {
-            Ok(r) => r?,
-            Err(_) => {
-                puller.forget(&peer.engine_id);
-                return Err(TransferError::Deadline(format!(
-                    "the owner did not confirm lease {} in time",
-                    blocks.lease
-                )));
+        let late = || {
+            puller.forget(&peer.engine_id);
+            TransferError::Deadline(format!(
+                "the owner did not confirm lease {} in time",
+                blocks.lease
+            ))
+        };
+        // With a lease board mapped here, the owner's confirmation runs alongside the reads (the
+        // owner is alive and says what the lease holds) and the lease's record, read right after
+        // the reads, shows it had not ended by then: together what a confirmation after the
+        // reads says, in the time of the longer of the two. Otherwise the owner confirms after.
+        let overlap = blocks.board_slot.is_some() && peer.board_slots > 0;
+        let pull = async {
+            let r = puller
+                .pull(
+                    peer,
+                    blocks.remote,
+                    blocks.local,
+                    blocks.board_slot,
+                    deadline,
+                )
+                .await;
+            (r, std::time::Instant::now())
+        };
+        let ((pulled, read_at), early) = if overlap {
+            let confirm = tokio::time::timeout_at(
+                deadline.into(),
+                client.confirm(blocks.lease, blocks.generation),
+            );
+            let (p, c) = tokio::join!(pull, confirm);
+            (p, Some(c))
+        } else {
+            (pull.await, None)
+        };
+        // A failed pull first: it says what became of our blocks.
+        let Pulled { stats, record } = pulled?;
+        metrics.record_stage("reads", read_at - handed);
+        let confirming = read_at;
+        let on_board = record.is_some_and(|r| r.generation == blocks.generation);
+        let theirs = match early {
+            Some(Ok(Ok(theirs))) if on_board => {
+                metrics.confirms.with_label_values(&["board"]).inc();
+                theirs
+            }
+            Some(Ok(Err(e))) => return Err(e),
+            Some(Err(_)) => return Err(late()),
+            // No board record (not mapped here, or not this lease's any more): the owner says
+            // after the reads, and says why not.
+            _ => {
+                metrics.confirms.with_label_values(&["rpc"]).inc();
+                let confirm = client.confirm(blocks.lease, blocks.generation);
+                match tokio::time::timeout_at(deadline.into(), confirm).await {
+                    Ok(r) => r?,
+                    Err(_) => return Err(late()),
+                }
             }
         };
         metrics.record_stage("confirm", confirming.elapsed());

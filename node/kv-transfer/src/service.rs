@@ -34,6 +34,11 @@ pub struct OwnerIdentity {
     pub rkey: Vec<u8>,
     /// Transports offered, for the report.
     pub transports: Vec<String>,
+    /// The lease board's offset from `region_base` (in the same registered region, beyond
+    /// `region_len`) and its records (0: no board). See `pd_kv_pool::LeaseBoard`.
+    pub board_offset: u64,
+    /// Records on the lease board.
+    pub board_slots: u32,
 }
 
 /// Element order of [`KvLayout`], outermost first.
@@ -240,6 +245,8 @@ impl<A: LeaseAuthority> KvPeer for KvPeerService<A> {
             rkey: id.rkey.clone(),
             layout: Some(layout_to_proto(&id.layout)),
             transports: id.transports.clone(),
+            board_offset: id.board_offset,
+            board_slots: id.board_slots,
         }))
     }
 

@@ -83,8 +83,9 @@ impl Owner {
             generation: self.generation,
             remote: self.blocks.clone(),
             local,
-            // pd-kv-owner does not attest its leases: nothing to check.
+            // pd-kv-owner does not attest its leases (nor has a lease board): nothing to check.
             expect: pd_kv_pool::LeaseContents::default(),
+            board_slot: None,
         }
     }
 }
@@ -404,7 +405,7 @@ async fn more_concurrent_pulls_than_the_per_peer_bound_queue_and_all_arrive_byte
     for local in &locals {
         let (puller, peer) = (l.puller.clone(), peer.clone());
         let (remote, local) = (owner.blocks.clone(), local.clone());
-        all.spawn(async move { puller.pull(&peer, remote, local, deadline()).await });
+        all.spawn(async move { puller.pull(&peer, remote, local, None, deadline()).await });
     }
     while let Some(r) = all.join_next().await {
         r.unwrap().unwrap();
@@ -427,13 +428,20 @@ async fn more_concurrent_pulls_than_the_per_peer_bound_queue_and_all_arrive_byte
             &peer,
             owner.blocks.clone(),
             locals[0].clone(),
+            None,
             Instant::now(),
         )
         .await
         .unwrap_err();
     assert_eq!(err.reason(), "deadline", "{err}");
     l.puller
-        .pull(&peer, owner.blocks.clone(), locals[0].clone(), deadline())
+        .pull(
+            &peer,
+            owner.blocks.clone(),
+            locals[0].clone(),
+            None,
+            deadline(),
+        )
         .await
         .unwrap();
 }

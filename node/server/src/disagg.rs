@@ -680,6 +680,7 @@ async fn relay(
                         // the params name, which we read).
                         expect: pd_kv_pool::LeaseContents::of(&prompt[..held])
                             .in_blocks(&remote.block_ids),
+                        board_slot: remote.board_slot,
                     };
                     // Not cancellable: the reads land in our reserved blocks.
                     let r = pull_under_lease(

@@ -71,6 +71,9 @@ pub(crate) struct RemotePrefill {
     /// The producer's incarnation (`remote_engine_epoch`, 16 hex digits), when it said: a
     /// cached handshake with another epoch is redone before any read.
     pub(crate) epoch: Option<u64>,
+    /// The lease's record on the producer's lease board (`remote_lease_slot`), when it said:
+    /// the lease is confirmed by reading it right after the blocks, without a round trip.
+    pub(crate) board_slot: Option<u32>,
 }
 
 impl RemotePrefill {
@@ -192,6 +195,7 @@ fn parse_one(v: &Value) -> Result<KvDirective, ApiError> {
         })?),
     };
     let generation = unsigned(o, "remote_lease_generation", u64::MAX)?;
+    let board_slot = unsigned(o, "remote_lease_slot", u64::from(u32::MAX))?.map(|s| s as u32);
     let epoch = match string(o, "remote_engine_epoch")? {
         None => None,
         Some(s) => Some(u64::from_str_radix(&s, 16).map_err(|_| {
@@ -241,6 +245,7 @@ fn parse_one(v: &Value) -> Result<KvDirective, ApiError> {
             prompt_hash,
             expiry,
             epoch,
+            board_slot,
         })
     })();
     if decode && prefill {
@@ -356,7 +361,7 @@ fn held(advert: &Advert, request_id: &str, h: &KvHandoff) -> Value {
         .deadline
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
-    json!({
+    let mut v = json!({
         "remote_block_ids": h.block_ids.iter().map(|b| b.0).collect::<Vec<_>>(),
         "remote_engine_id": advert.engine_id,
         "remote_engine_epoch": format!("{:016x}", advert.epoch),
@@ -368,7 +373,11 @@ fn held(advert: &Advert, request_id: &str, h: &KvHandoff) -> Value {
         "remote_lease_id": h.lease.to_string(),
         "remote_lease_generation": h.generation,
         "remote_blocks_expiry_time": expiry,
-    })
+    });
+    if let Some(slot) = h.board_slot {
+        v["remote_lease_slot"] = json!(slot);
+    }
+    v
 }
 
 #[cfg(test)]
@@ -489,6 +498,7 @@ mod tests {
             block_ids: vec![BlockId(1), BlockId(2)],
             num_tokens: 7,
             last_block_hash: None,
+            board_slot: Some(3),
         };
         let prompt = [1, 2, 3, 4, 5, 6, 7];
         let v = handoff(&advert, "cmpl-9", &h, prompt_hash(&prompt));
@@ -500,6 +510,7 @@ mod tests {
         assert_eq!(r[0].num_tokens, Some(7));
         assert_eq!(r[0].prompt_hash, Some(prompt_hash(&prompt)));
         assert_eq!(r[0].epoch, Some(u64::MAX - 1));
+        assert_eq!(r[0].board_slot, Some(3));
     }
 }
 

@@ -26,11 +26,17 @@ pub enum KvSideChannelError {
     Thread(#[from] std::io::Error),
 }
 
-/// UCX memory for the engine's pool; hand [`UcxPool::pool_memory`] to the engine config.
+/// Records on a node's lease board ([`pd_kv_pool::LeaseBoard`]): leases beyond it are
+/// confirmed through the side channel instead (128 KiB).
+pub const LEASE_BOARD_SLOTS: usize = 4096;
+
+/// UCX memory for the engine's pool and its lease board (one registered region: the pool, then
+/// the board); hand [`UcxPool::pool_memory`] to the engine config.
 #[derive(Debug, Clone)]
 pub struct UcxPool {
     ctx: Context,
-    region: Arc<OnceLock<Arc<MemoryRegion>>>,
+    /// The region and where the board starts in it (the pool's bytes, rounded up to 64).
+    region: Arc<OnceLock<(Arc<MemoryRegion>, usize)>>,
 }
 
 impl UcxPool {
@@ -50,16 +56,17 @@ impl UcxPool {
         })
     }
 
-    /// The engine's pool allocator: one UCX allocation of the pool's size, kept here for the
-    /// handshake (base address, packed key).
+    /// The engine's pool allocator: one UCX allocation of the pool's size plus the lease
+    /// board, kept here for the handshake (base address, packed key).
     pub fn pool_memory(&self) -> PoolMemory {
         let ctx = self.ctx.clone();
         let slot = self.region.clone();
         PoolMemory(Arc::new(move |layout| {
+            let board_at = layout.pool_bytes().next_multiple_of(64);
             let region = Arc::new(
                 MemoryRegion::allocate_with(
                     &ctx,
-                    layout.pool_bytes(),
+                    board_at + pd_kv_pool::board_bytes(LEASE_BOARD_SLOTS),
                     // Asked for, not enforced by UCX 1.13's shared-memory transports (ARCHITECTURE.md).
                     pd_ucx::RemoteAccess::ReadOnly,
                 )
@@ -70,14 +77,9 @@ impl UcxPool {
             // SAFETY: UCX allocated `len` bytes, page aligned; the pool holds an Arc to the region
             // so the memory outlives it; only the engine thread writes it.
             let pool = unsafe {
-                KvPool::from_raw(
-                    layout,
-                    region.as_ptr(),
-                    region.len(),
-                    Box::new(region.clone()),
-                )?
+                KvPool::from_raw(layout, region.as_ptr(), board_at, Box::new(region.clone()))?
             };
-            let _ = slot.set(region);
+            let _ = slot.set((region, board_at));
             Ok(pool)
         }))
     }
@@ -87,7 +89,7 @@ impl UcxPool {
     /// # Errors
     /// [`KvSideChannelError::NoRegion`] when the engine did not use [`UcxPool::pool_memory`].
     pub fn puller(&self, block_bytes: usize) -> Result<pd_kv_transfer::Puller, KvSideChannelError> {
-        let region = self
+        let (region, _) = self
             .region
             .get()
             .ok_or(KvSideChannelError::NoRegion)?
@@ -111,11 +113,24 @@ impl UcxPool {
         engine_id: String,
         epoch: u64,
     ) -> Result<KvPeerService<EngineLeases>, KvSideChannelError> {
-        let region = self
+        let (region, board_at) = self
             .region
             .get()
             .ok_or(KvSideChannelError::NoRegion)?
             .clone();
+        let board_len = region.len().saturating_sub(board_at);
+        // SAFETY: the region's tail past the pool (`board_at..`, 64-byte aligned) is ours alone:
+        // the pool ends before it; the board keeps the region alive; only the lease table (under
+        // its lock) writes it, peers read it.
+        let board = unsafe {
+            pd_kv_pool::LeaseBoard::from_raw(
+                region.as_ptr().add(board_at),
+                board_len,
+                Box::new(region.clone()),
+            )
+        };
+        let board_slots = board.slots();
+        engine.leases().attach_board(board);
         let (tx, rx) = std::sync::mpsc::channel();
         let ctx = self.ctx.clone();
         std::thread::Builder::new()
@@ -147,9 +162,12 @@ impl UcxPool {
             layout: info.kv_layout,
             worker_address,
             region_base: region.base(),
-            region_len: region.len() as u64,
+            // Block reads stay within the pool; the board is read at its own offset.
+            region_len: board_at as u64,
             rkey: region.rkey_pack()?,
             transports: Vec::new(),
+            board_offset: board_at as u64,
+            board_slots,
         };
         tracing::info!(
             engine_id = %identity.engine_id,

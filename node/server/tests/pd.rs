@@ -428,6 +428,16 @@ async fn greedy_output_through_p_and_d_equals_one_node_on_every_api() {
     );
     assert!(metric(&d, "pd_kv_transfer_bytes_total").await > 0.0);
     assert!(metric(&d, "pd_node_kv_pulled_tokens_total").await > 0.0);
+    // Shared memory maps P's lease board into D: every lease was confirmed there, by a read
+    // right after its blocks, not by a round trip.
+    assert_eq!(
+        metric(&d, "pd_kv_lease_confirms_total{via=\"board\"}").await,
+        12.0
+    );
+    assert_eq!(
+        metric(&d, "pd_kv_lease_confirms_total{via=\"rpc\"}").await,
+        0.0
+    );
 }
 
 /// Only a greedy single completion takes P's first token: D then computes nothing before its

@@ -156,6 +156,8 @@ fn main() -> BoxResult<()> {
         region_len: region.len() as u64,
         rkey,
         transports: Vec::new(),
+        board_offset: 0,
+        board_slots: 0,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)

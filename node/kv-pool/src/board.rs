@@ -1,0 +1,239 @@
+//! The lease board: one record per live lease, in memory peers read one-sidedly, so a reader
+//! confirms its lease with a memory read instead of a round trip to the owner.
+//!
+//! A record is [`BOARD_SLOT_WORDS`] little-endian `u64` words:
+//! `[generation, num_tokens | (next_token + 1) << 32, tokens_hash, blocks_hash]` — the lease's
+//! generation (0: the slot is free) and its [`LeaseContents`]. The owner writes a record's
+//! contents, then its generation ([`LeaseBoard::publish`], at grant), and clears the generation
+//! when the lease ends ([`LeaseBoard::clear`]), *before* the lease's blocks go back to the
+//! allocator. Generations are never reused, so a reader that read the blocks and then finds its
+//! lease's generation in the record knows the blocks were not handed out meanwhile, and what
+//! they hold ([`read_record`]).
+//!
+//! Pure memory: no I/O, no clock. The board's memory belongs to whoever registered it for
+//! peers (UCX); this module only reads and writes it.
+
+use std::sync::atomic::{AtomicU64, Ordering, fence};
+
+use crate::lease::LeaseContents;
+
+/// Words per record.
+pub const BOARD_SLOT_WORDS: usize = 4;
+
+/// Bytes per record.
+pub const BOARD_SLOT_BYTES: usize = BOARD_SLOT_WORDS * 8;
+
+/// Bytes a board of `slots` records needs.
+pub fn board_bytes(slots: usize) -> usize {
+    slots * BOARD_SLOT_BYTES
+}
+
+/// The owner's side: records of live leases, with a free list of slots.
+pub struct LeaseBoard {
+    words: std::ptr::NonNull<AtomicU64>,
+    slots: u32,
+    free: Vec<u32>,
+    _owner: Box<dyn std::any::Any + Send>,
+}
+
+// SAFETY: the board's memory is only written through `&mut self` (the lease table's owner, under
+// its lock) with atomic stores; peers in other processes only read it.
+unsafe impl Send for LeaseBoard {}
+
+impl std::fmt::Debug for LeaseBoard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaseBoard")
+            .field("slots", &self.slots)
+            .field("free", &self.free.len())
+            .finish()
+    }
+}
+
+impl LeaseBoard {
+    /// A board over `bytes` bytes at `ptr` (as many whole records as fit, at most `u32::MAX`),
+    /// every slot cleared.
+    ///
+    /// # Safety
+    /// `ptr` must be 8-byte aligned and valid for reads and writes of `bytes` bytes for as long as
+    /// `owner` lives; nothing else in this process may write it while the board exists (peers may
+    /// read it).
+    pub unsafe fn from_raw(
+        ptr: *mut u8,
+        bytes: usize,
+        owner: Box<dyn std::any::Any + Send>,
+    ) -> Self {
+        let aligned = !ptr.is_null() && ptr.cast::<AtomicU64>().is_aligned();
+        let slots = if aligned {
+            u32::try_from(bytes / BOARD_SLOT_BYTES).unwrap_or(u32::MAX)
+        } else {
+            0
+        };
+        let words = std::ptr::NonNull::new(ptr.cast::<AtomicU64>())
+            .filter(|_| aligned)
+            .unwrap_or(std::ptr::NonNull::dangling());
+        let board = Self {
+            words,
+            slots,
+            // Lowest slots first (popped from the end).
+            free: (0..slots).rev().collect(),
+            _owner: owner,
+        };
+        for i in 0..slots as usize * BOARD_SLOT_WORDS {
+            board.word(i).store(0, Ordering::Relaxed);
+        }
+        fence(Ordering::SeqCst);
+        board
+    }
+
+    fn word(&self, i: usize) -> &AtomicU64 {
+        debug_assert!(i < self.slots as usize * BOARD_SLOT_WORDS);
+        // SAFETY: `i` is within the board (callers index slots < `self.slots`), the memory is
+        // valid and aligned (`from_raw`).
+        unsafe { &*self.words.as_ptr().add(i) }
+    }
+
+    /// Records in all.
+    pub fn slots(&self) -> u32 {
+        self.slots
+    }
+
+    /// Free records.
+    pub fn free_slots(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Publishes the lease `generation` (non-zero) holding `contents` in a free slot; `None` when
+    /// the board is full (the lease is then confirmed by asking the owner).
+    pub fn publish(&mut self, generation: u64, contents: &LeaseContents) -> Option<u32> {
+        if generation == 0 {
+            return None;
+        }
+        let slot = self.free.pop()?;
+        let at = slot as usize * BOARD_SLOT_WORDS;
+        let next = contents.next_token.map_or(0, |t| u64::from(t) + 1);
+        self.word(at + 1).store(
+            u64::from(contents.num_tokens) | next << 32,
+            Ordering::Relaxed,
+        );
+        self.word(at + 2)
+            .store(contents.tokens_hash, Ordering::Relaxed);
+        self.word(at + 3)
+            .store(contents.blocks_hash, Ordering::Relaxed);
+        // Contents before the generation that vouches for them.
+        self.word(at).store(generation, Ordering::Release);
+        Some(slot)
+    }
+
+    /// Clears `slot` (its lease ended) and frees it. Call before the lease's blocks go back to
+    /// the allocator: once this returns, a reader no longer finds the lease live.
+    pub fn clear(&mut self, slot: u32) {
+        if slot >= self.slots {
+            return;
+        }
+        self.word(slot as usize * BOARD_SLOT_WORDS)
+            .store(0, Ordering::SeqCst);
+        // The blocks' next writes (after the caller frees them) come after this store.
+        fence(Ordering::SeqCst);
+        self.free.push(slot);
+    }
+}
+
+/// A record as a reader found it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BoardRecord {
+    /// The generation of the lease in the slot (0: none).
+    pub generation: u64,
+    /// What its blocks hold.
+    pub contents: LeaseContents,
+}
+
+/// Reads record `slot` of a board whose memory is mapped at `base` (`slots` records), after
+/// the reads of the lease's blocks completed: a consistent record, or `None` when the slot is
+/// outside the board or kept changing under the read.
+///
+/// The generation is read before and after the contents; when both equal the same non-zero
+/// generation, the record is that lease's and the lease had not ended when the second read
+/// happened — so blocks read before this call were the lease's, untouched.
+///
+/// # Safety
+/// `base` must be 8-byte aligned and valid for reads of `slots` records for the duration of the
+/// call (a peer's board mapped into this process, e.g. through UCX's `rkey_ptr`).
+pub unsafe fn read_record(base: *const u8, slots: u32, slot: u32) -> Option<BoardRecord> {
+    if slot >= slots || !base.cast::<AtomicU64>().is_aligned() {
+        return None;
+    }
+    // SAFETY: within the board, aligned (checked above), valid per the caller.
+    let words = unsafe {
+        base.cast::<AtomicU64>()
+            .add(slot as usize * BOARD_SLOT_WORDS)
+    };
+    // SAFETY: as above, for each of the record's words.
+    let word = |i: usize| unsafe { &*words.add(i) };
+    // Order against the block reads that completed before this call.
+    fence(Ordering::SeqCst);
+    for _ in 0..4 {
+        let generation = word(0).load(Ordering::Acquire);
+        let w1 = word(1).load(Ordering::Relaxed);
+        let tokens_hash = word(2).load(Ordering::Relaxed);
+        let blocks_hash = word(3).load(Ordering::Relaxed);
+        fence(Ordering::Acquire);
+        if word(0).load(Ordering::Relaxed) != generation {
+            continue;
+        }
+        let next = w1 >> 32;
+        return Some(BoardRecord {
+            generation,
+            contents: LeaseContents {
+                num_tokens: w1 as u32,
+                tokens_hash,
+                blocks_hash,
+                next_token: (next != 0).then(|| (next - 1) as u32),
+            },
+        });
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn board(slots: usize) -> (LeaseBoard, *const u8) {
+        let mut mem = vec![0u64; slots * BOARD_SLOT_WORDS].into_boxed_slice();
+        let ptr = mem.as_mut_ptr().cast::<u8>();
+        // SAFETY: the boxed slice is aligned, sized and owned by the board.
+        let b = unsafe { LeaseBoard::from_raw(ptr, slots * BOARD_SLOT_BYTES, Box::new(mem)) };
+        (b, ptr)
+    }
+
+    #[test]
+    fn a_published_record_reads_back_until_cleared_and_slots_are_reused() {
+        let (mut b, base) = board(2);
+        let c = LeaseContents::of(&[1, 2, 3])
+            .in_blocks(&[crate::BlockId(4)])
+            .with_next_token(Some(0));
+        let s = b.publish(7, &c).unwrap();
+        let slots = b.slots();
+        // SAFETY: `base` is the board's memory, alive while `b` is.
+        let read = |slot| unsafe { read_record(base, slots, slot) };
+        assert_eq!(
+            read(s),
+            Some(BoardRecord {
+                generation: 7,
+                contents: c
+            })
+        );
+        let s2 = b.publish(8, &LeaseContents::of(&[9])).unwrap();
+        assert_ne!(s, s2);
+        assert_eq!(b.publish(9, &c), None, "full");
+        b.clear(s);
+        assert_eq!(read(s).map(|r| r.generation), Some(0));
+        // The slot comes back, under a new generation and contents.
+        let s3 = b.publish(10, &LeaseContents::of(&[5])).unwrap();
+        assert_eq!(s3, s);
+        let r = read(s3).unwrap();
+        assert_eq!(r.generation, 10);
+        assert_eq!(r.contents, LeaseContents::of(&[5]));
+        assert_eq!(read(5), None, "outside the board");
+    }
+}
