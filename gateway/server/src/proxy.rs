@@ -54,9 +54,6 @@ use crate::openai::{self, Analyzed, KV_FIELD, api_label, api_path};
 use crate::route::Router;
 use crate::spread;
 
-/// Prompts longer than this (bytes of text) are tokenized on the blocking pool.
-const INLINE_TOKENIZE_BYTES: usize = 4096;
-
 /// Settings of the front door.
 #[derive(Debug, Clone)]
 pub struct ProxyConfig {
@@ -254,14 +251,6 @@ async fn read_body(session: &mut Session, limit: usize) -> Result<Vec<u8>, Gatew
 
 fn tokenize_inline(tokenizer: &Tokenizer, prompt: PromptKind) -> Result<Vec<u32>, GatewayError> {
     Ok(pd_tokenize::prompt::prompt_tokens(tokenizer, prompt)?)
-}
-
-fn prompt_len(p: &PromptKind) -> usize {
-    match p {
-        PromptKind::Completion(pd_tokenize::prompt::PromptInput::Text(t)) => t.len(),
-        PromptKind::Completion(pd_tokenize::prompt::PromptInput::Tokens(t)) => t.len(),
-        PromptKind::Chat(m, _) => m.iter().map(|m| m.content.len()).sum(),
-    }
 }
 
 impl Gateway {
@@ -684,7 +673,7 @@ impl Gateway {
             .model(&analyzed.model)
             .ok_or_else(|| GatewayError::ModelNotFound(analyzed.model.clone()))?;
         let prompt = analyzed.prompt.clone();
-        let tokens = if prompt_len(&prompt) <= INLINE_TOKENIZE_BYTES {
+        let tokens = if pd_tokenize::prompt::tokenize_inline_ok(&prompt) {
             tokenize_inline(&tokenizer, prompt)?
         } else {
             tokio::task::spawn_blocking(move || tokenize_inline(&tokenizer, prompt))

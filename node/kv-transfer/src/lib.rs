@@ -31,7 +31,7 @@ pub use peer::{FailurePolicy, Fallback, HandshakeCache, PeerClient, PeerInfo, Tr
 pub use plan::{CopyRange, plan_ranges};
 pub use pull::{PostedPull, PullError, PullSource, PullStats, post_pull, pull_blocks};
 pub use puller::{
-    LeaseKeeper, LeasePull, LeasedBlocks, MAX_PEERS, MAX_PULLS_PER_PEER, Pulled, Puller,
-    pull_under_lease,
+    EarlyConfirm, LeaseKeeper, LeasePull, LeasedBlocks, MAX_PEERS, MAX_PULLS_PER_PEER, Pulled,
+    Puller, pull_under_lease, pull_under_lease_with,
 };
 pub use service::{KvPeerService, OwnerIdentity};

@@ -643,6 +643,30 @@ pub async fn pull_under_lease(
     deadline: Instant,
     metrics: &crate::metrics::TransferMetrics,
 ) -> Result<LeasePull, TransferError> {
+    pull_under_lease_with(puller, client, peer, blocks, None, deadline, metrics).await
+}
+
+/// The owner's confirmation of a lease, asked for before the pull started (e.g. as soon as the
+/// request arrived, while it waited for blocks): [`pull_under_lease_with`] uses it in place of
+/// the one it would send alongside its reads.
+pub type EarlyConfirm = tokio::task::JoinHandle<Result<pd_kv_pool::LeaseContents, TransferError>>;
+
+/// [`pull_under_lease`], with the owner's confirmation already on its way (`early`). It counts
+/// only where the owner has a lease board mapped here — the board's record, read after the
+/// reads, shows the lease had not ended by then; elsewhere it is dropped and the owner confirms
+/// after the reads as usual.
+///
+/// # Errors
+/// As [`pull_under_lease`].
+pub async fn pull_under_lease_with(
+    puller: &Puller,
+    client: &mut crate::peer::PeerClient,
+    peer: &PeerInfo,
+    blocks: LeasedBlocks,
+    early: Option<EarlyConfirm>,
+    deadline: Instant,
+    metrics: &crate::metrics::TransferMetrics,
+) -> Result<LeasePull, TransferError> {
     let result = async {
         let handed = std::time::Instant::now();
         let late = || {
@@ -670,13 +694,22 @@ pub async fn pull_under_lease(
             (r, std::time::Instant::now())
         };
         let ((pulled, read_at), early) = if overlap {
-            let confirm = tokio::time::timeout_at(
-                deadline.into(),
-                client.confirm(blocks.lease, blocks.generation),
-            );
+            let (lease, generation) = (blocks.lease, blocks.generation);
+            let asked = async {
+                match early {
+                    Some(h) => h.await.unwrap_or_else(|e| {
+                        Err(TransferError::Rpc(format!("confirming lease {lease}: {e}")))
+                    }),
+                    None => client.confirm(lease, generation).await,
+                }
+            };
+            let confirm = tokio::time::timeout_at(deadline.into(), asked);
             let (p, c) = tokio::join!(pull, confirm);
             (p, Some(c))
         } else {
+            if let Some(h) = early {
+                h.abort();
+            }
             (pull.await, None)
         };
         // A failed pull first: it says what became of our blocks.

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use pd_engine::{EngineHandle, RemoteKv, RequestEvent, RequestId, RequestStream};
 use pd_kv_transfer::{
     CompatInfo, FailurePolicy, Fallback, HandshakeCache, LeaseKeeper, LeasedBlocks, PeerClient,
-    PeerInfo, Puller, TransferError, TransferMetrics, pull_under_lease,
+    PeerInfo, Puller, TransferError, TransferMetrics, pull_under_lease_with,
 };
 use tokio::sync::{mpsc, watch};
 
@@ -533,6 +533,30 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// The producer's confirmation of `remote`'s lease, asked for as the request arrives (see
+/// [`pd_kv_transfer::pull_under_lease_with`]).
+async fn early_confirm(
+    disagg: Arc<Disagg>,
+    remote: RemotePrefill,
+) -> Result<pd_kv_pool::LeaseContents, TransferError> {
+    let Some(loader) = disagg.loader.as_ref() else {
+        return Err(TransferError::PullerStopped);
+    };
+    let (mut client, _) = loader.prepare(&remote).await?;
+    client.confirm(remote.lease, remote.generation).await
+}
+
+/// An early confirmation not handed to the pull: aborted when dropped.
+struct EarlyTask(Option<pd_kv_transfer::EarlyConfirm>);
+
+impl Drop for EarlyTask {
+    fn drop(&mut self) {
+        if let Some(h) = self.0.take() {
+            h.abort();
+        }
+    }
+}
+
 /// Renews `remote`'s lease until aborted: every duration / 6 of the producer's lease (read off
 /// its expiry time), at most the configured interval.
 async fn keep_alive(disagg: Arc<Disagg>, remote: RemotePrefill) {
@@ -587,6 +611,15 @@ async fn relay(
     let arrived = std::time::Instant::now();
     // Keep the producer's lease alive from now on: the request may wait a while for blocks here.
     let keeper = AbortOnDrop(tokio::spawn(keep_alive(disagg.clone(), remote.clone())));
+    // A producer with a lease board: ask it to confirm the lease now, while this request waits
+    // for blocks and reads them; the board's record, read after the reads, says the lease had
+    // not ended by then (`pull_under_lease_with`). Dropped unused when nothing is pulled.
+    let mut early = EarlyTask(
+        remote
+            .board_slot
+            .is_some()
+            .then(|| tokio::spawn(early_confirm(disagg.clone(), remote.clone()))),
+    );
     // 1. Blocks reserved? (bounded: a node with no room must not hold P's blocks forever)
     let wait = loader.cfg.wait_timeout;
     let first = tokio::select! {
@@ -683,11 +716,12 @@ async fn relay(
                         board_slot: remote.board_slot,
                     };
                     // Not cancellable: the reads land in our reserved blocks.
-                    let r = pull_under_lease(
+                    let r = pull_under_lease_with(
                         &loader.puller,
                         &mut client,
                         &peer,
                         leased,
+                        early.0.take(),
                         deadline,
                         &disagg.metrics,
                     )
@@ -714,12 +748,19 @@ async fn relay(
             }
         }
     };
-    // 3. Release the producer's blocks and start decoding (or fail).
+    drop(early); // (unused when nothing was pulled)
+    // 3. Start decoding (or fail), then release the producer's blocks: the engine hears first,
+    // so the release's round trip does not compete with the first token.
     drop(keeper);
-    release_all(&disagg, &remotes);
     let decoding = std::time::Instant::now();
+    if outcome.is_err() {
+        release_all(&disagg, &remotes);
+    }
     match outcome {
-        Ok(kv) => engine.remote_kv_ready(id, kv),
+        Ok(kv) => {
+            engine.remote_kv_ready(id, kv);
+            release_all(&disagg, &remotes);
+        }
         Err(e) => {
             if !matches!(e, TransferError::Mismatch(_)) {
                 // Reconnect and handshake afresh next time.

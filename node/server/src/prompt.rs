@@ -1,6 +1,7 @@
 //! From request inputs to prompt token ids. The prompt shapes, chat messages and the
 //! render-then-tokenize rule are `pd_tokenize::prompt`'s (shared with the gateway); this module
-//! runs them on the blocking pool, never on the reactor, and maps their errors to [`ApiError`].
+//! runs them — short ones in place, long ones on the blocking pool, never on the reactor — and
+//! maps their errors to [`ApiError`].
 
 use pd_engine::EngineHandle;
 use pd_tokenize::prompt::{PromptError, PromptKind, prompt_tokens_in_vocab};
@@ -44,11 +45,16 @@ pub(crate) fn responses_messages(
     )?)
 }
 
-/// [`pd_tokenize::prompt::prompt_tokens`] on the blocking pool, with given token ids checked
-/// against the model's vocabulary (its embedding size).
+/// [`pd_tokenize::prompt::prompt_tokens`], with given token ids checked against the model's
+/// vocabulary (its embedding size): in place for token ids and short texts
+/// ([`pd_tokenize::prompt::tokenize_inline_ok`]: a hop to the blocking pool costs more than
+/// they do), on the blocking pool otherwise.
 async fn tokens(engine: &EngineHandle, prompt: PromptKind) -> Result<Vec<u32>, ApiError> {
     let tokenizer = engine.tokenizer().clone();
     let vocab = engine.info().vocab_size;
+    if pd_tokenize::prompt::tokenize_inline_ok(&prompt) {
+        return Ok(prompt_tokens_in_vocab(&tokenizer, prompt, vocab)?);
+    }
     Ok(
         tokio::task::spawn_blocking(move || prompt_tokens_in_vocab(&tokenizer, prompt, vocab))
             .await??,

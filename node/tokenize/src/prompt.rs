@@ -67,6 +67,22 @@ pub enum PromptInput {
     Tokens(Vec<u32>),
 }
 
+/// Prompts of up to this many bytes of text are tokenized where they arrive (tens of µs);
+/// longer ones belong on a blocking pool, off an async reactor.
+pub const INLINE_TOKENIZE_BYTES: usize = 4096;
+
+/// Whether preparing `p` is cheap enough to run on an async task: token ids (only checked
+/// against the vocabulary) and text up to [`INLINE_TOKENIZE_BYTES`].
+pub fn tokenize_inline_ok(p: &PromptKind) -> bool {
+    match p {
+        PromptKind::Completion(PromptInput::Tokens(_)) => true,
+        PromptKind::Completion(PromptInput::Text(t)) => t.len() <= INLINE_TOKENIZE_BYTES,
+        PromptKind::Chat(m, _) => {
+            m.iter().map(|m| m.content.len()).sum::<usize>() <= INLINE_TOKENIZE_BYTES
+        }
+    }
+}
+
 /// What [`prompt_tokens`] tokenizes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PromptKind {
