@@ -29,9 +29,9 @@ pub use lease_authority::{LeaseAuthority, LocalBlocks, PoolStats};
 pub use metrics::TransferMetrics;
 pub use peer::{FailurePolicy, Fallback, HandshakeCache, PeerClient, PeerInfo, TransferError};
 pub use plan::{CopyRange, plan_ranges};
-pub use pull::{PostedPull, PullError, PullSource, PullStats, post_pull, pull_blocks};
+pub use pull::{PostedPull, PullError, PullSource, PullStats, copy_pull, post_pull, pull_blocks};
 pub use puller::{
-    EarlyConfirm, LeaseKeeper, LeasePull, LeasedBlocks, MAX_PEERS, MAX_PULLS_PER_PEER, Pulled,
-    Puller, pull_under_lease, pull_under_lease_with,
+    EarlyConfirm, LeaseKeeper, LeasePull, LeasedBlocks, MAX_PEERS, MAX_PULLS_PER_PEER, PullVia,
+    Pulled, Puller, pull_under_lease, pull_under_lease_with,
 };
 pub use service::{KvPeerService, OwnerIdentity};

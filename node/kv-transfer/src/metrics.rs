@@ -60,6 +60,9 @@ pub struct TransferMetrics {
     /// lease's record on the owner's lease board, read one-sidedly right after them, still
     /// showing it) or `rpc` (`ConfirmLease` after the reads).
     pub confirms: IntCounterVec,
+    /// Pulls by how the blocks were read: `mapped` (copied from the peer's pool mapped here) or
+    /// `get` (UCX gets).
+    pub pulls: IntCounterVec,
     last_counts: Mutex<pd_kv_pool::LeaseCounts>,
 }
 
@@ -157,8 +160,17 @@ impl TransferMetrics {
             &["via"],
         )
         .expect("valid counter");
+        let pulls = IntCounterVec::new(
+            Opts::new(
+                "pd_kv_pulls_total",
+                "KV pulls by how the blocks were read (mapped: copied from the peer's pool mapped here; get: UCX gets)",
+            ),
+            &["via"],
+        )
+        .expect("valid counter");
         for c in [
             Box::new(consume_stage_seconds.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(pulls.clone()),
             Box::new(confirms.clone()),
             Box::new(bytes.clone()),
             Box::new(notification_failures.clone()),
@@ -188,6 +200,7 @@ impl TransferMetrics {
             pull_bytes_per_second,
             consume_stage_seconds,
             confirms,
+            pulls,
             last_counts: Mutex::new(Default::default()),
         }
     }
@@ -208,6 +221,9 @@ impl TransferMetrics {
     /// Records a completed pull.
     pub fn record_pull(&self, s: &PullStats) {
         self.transfer_seconds.observe(s.total_time.as_secs_f64());
+        self.pulls
+            .with_label_values(&[if s.copied { "mapped" } else { "get" }])
+            .inc();
         self.post_seconds.observe(s.post_time.as_secs_f64());
         self.bytes.inc_by(s.bytes as u64);
         self.descriptors.observe(s.descriptors as f64);

@@ -31,6 +31,9 @@ pub struct PullStats {
     pub post_time: Duration,
     /// Time from the first post to completion of all reads.
     pub total_time: Duration,
+    /// Whether the blocks were copied from the peer's pool mapped here ([`copy_pull`]) rather
+    /// than read with UCX gets.
+    pub copied: bool,
 }
 
 /// Why a pull failed.
@@ -91,6 +94,62 @@ pub fn pull_blocks(
         descriptors,
         post_time,
         total_time: start.elapsed(),
+        copied: false,
+    })
+}
+
+/// Copies `remote[i]` of a peer's pool that UCX mapped into this process at `mapped` (its block
+/// 0; `remote_len` bytes — `RemoteKey::local_ptr`, shared memory on one host) into `local[i]` of
+/// `dst`, one `memcpy` per run of blocks consecutive on both sides. What a shared-memory get
+/// does, without a system call per read or pinning the peer's pages each time.
+///
+/// # Errors
+/// [`PullError::LengthMismatch`] / [`PullError::OutOfBounds`]; nothing is copied then.
+///
+/// # Safety
+/// `mapped` must be valid for reads of `remote_len` bytes for the whole call (the key that
+/// mapped it must outlive it), and nothing else may access `local`'s blocks in `dst` meanwhile.
+pub unsafe fn copy_pull(
+    mapped: *const u8,
+    remote_len: usize,
+    dst: &MemoryRegion,
+    remote: &[BlockId],
+    local: &[BlockId],
+    block_bytes: usize,
+) -> Result<PullStats, PullError> {
+    if remote.len() != local.len() {
+        return Err(PullError::LengthMismatch {
+            remote: remote.len(),
+            local: local.len(),
+        });
+    }
+    let ranges = plan_ranges(remote, local, block_bytes);
+    if ranges.iter().any(|r| r.remote_offset + r.len > remote_len) {
+        return Err(PullError::OutOfBounds { side: "remote" });
+    }
+    if ranges.iter().any(|r| r.local_offset + r.len > dst.len()) {
+        return Err(PullError::OutOfBounds { side: "local" });
+    }
+    let start = Instant::now();
+    for r in &ranges {
+        // SAFETY: both ranges were checked against their regions above; the regions are
+        // distinct allocations (a peer's pool, ours), so they do not overlap; validity and
+        // exclusive access per the caller.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                mapped.add(r.remote_offset),
+                dst.as_ptr().add(r.local_offset),
+                r.len,
+            );
+        }
+    }
+    let took = start.elapsed();
+    Ok(PullStats {
+        bytes: ranges.iter().map(|r| r.len).sum(),
+        descriptors: ranges.len(),
+        post_time: took,
+        total_time: took,
+        copied: true,
     })
 }
 
@@ -117,6 +176,7 @@ impl PostedPull<'_> {
             descriptors: self.descriptors,
             post_time: self.post_time,
             total_time: self.start.elapsed(),
+            copied: false,
         }
     }
 }

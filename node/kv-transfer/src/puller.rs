@@ -68,6 +68,18 @@ enum Msg {
     Forget(String),
 }
 
+/// How the puller reads a peer's pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PullVia {
+    /// Copy straight from the peer's pool where UCX maps it into this process (shared memory on
+    /// one host: `RemoteKey::local_ptr`), one `memcpy` per run of blocks, on the puller
+    /// thread; UCX gets everywhere else.
+    #[default]
+    Auto,
+    /// Always UCX gets (`ucp_get_nbx` + flush), whatever the transport.
+    Get,
+}
+
 /// Handle to the puller thread; dropping every clone stops the thread.
 #[derive(Debug, Clone)]
 pub struct Puller {
@@ -94,10 +106,24 @@ impl Puller {
         local: Arc<MemoryRegion>,
         block_bytes: usize,
     ) -> std::io::Result<Self> {
+        Self::spawn_via(ctx, local, block_bytes, PullVia::Auto)
+    }
+
+    /// [`Puller::spawn`], reading peers' pools as `via` says.
+    ///
+    /// # Errors
+    /// When the thread cannot be spawned.
+    pub fn spawn_via(
+        ctx: Context,
+        local: Arc<MemoryRegion>,
+        block_bytes: usize,
+        via: PullVia,
+    ) -> std::io::Result<Self> {
         let (jobs, rx) = mpsc::channel::<Msg>();
+        let copy_mapped = via == PullVia::Auto;
         std::thread::Builder::new()
             .name("pd-kv-puller".into())
-            .spawn(move || run(&ctx, &local, block_bytes, &rx))?;
+            .spawn(move || run(&ctx, &local, block_bytes, copy_mapped, &rx))?;
         Ok(Self { jobs })
     }
 
@@ -146,6 +172,8 @@ struct Peer<'w> {
     rkey: RemoteKey<'w>,
     /// The peer's lease board as mapped here through `rkey` (shared memory), and its records.
     board: Option<(*const u8, u32)>,
+    /// The peer's pool as mapped here through `rkey` (shared memory): pulls copy from it.
+    mapped: Option<*const u8>,
     ep: Endpoint<'w>,
     in_flight: usize,
     queued: VecDeque<Job>,
@@ -180,12 +208,20 @@ struct State<'w> {
     worker: &'w Worker,
     local: &'w MemoryRegion,
     block_bytes: usize,
+    /// Copy from a peer's pool mapped here instead of posting gets ([`PullVia::Auto`]).
+    copy_mapped: bool,
     peers: HashMap<PeerKey, Peer<'w>>,
     flights: Vec<Flight<'w>>,
     closing: Vec<Closing<'w>>,
 }
 
-fn run(ctx: &Context, local: &MemoryRegion, block_bytes: usize, jobs: &mpsc::Receiver<Msg>) {
+fn run(
+    ctx: &Context,
+    local: &MemoryRegion,
+    block_bytes: usize,
+    copy_mapped: bool,
+    jobs: &mpsc::Receiver<Msg>,
+) {
     let worker = match Worker::new(ctx) {
         Ok(w) => w,
         Err(e) => {
@@ -197,6 +233,7 @@ fn run(ctx: &Context, local: &MemoryRegion, block_bytes: usize, jobs: &mpsc::Rec
         worker: &worker,
         local,
         block_bytes,
+        copy_mapped,
         peers: HashMap::new(),
         flights: Vec::new(),
         closing: Vec::new(),
@@ -310,11 +347,17 @@ impl<'w> State<'w> {
                                 .map(|p| (p, job.peer.board_slots))
                         })
                         .flatten();
+                    let mapped = if self.copy_mapped {
+                        rkey.local_ptr(job.peer.region_base)
+                    } else {
+                        None
+                    };
                     self.peers.insert(
                         key.clone(),
                         Peer {
                             rkey,
                             board,
+                            mapped,
                             ep,
                             in_flight: 0,
                             queued: VecDeque::new(),
@@ -366,6 +409,28 @@ impl<'w> State<'w> {
             return;
         }
         peer.last_used = Instant::now();
+        if let Some(mapped) = peer.mapped {
+            // SAFETY: the mapping lives as long as `peer.rkey`, which this thread owns for the
+            // whole call; the job's local blocks are reserved for it by the engine.
+            let copied = unsafe {
+                crate::pull::copy_pull(
+                    mapped,
+                    job.peer.region_len as usize,
+                    self.local,
+                    &job.remote,
+                    &job.local,
+                    self.block_bytes,
+                )
+            };
+            let record = copied
+                .is_ok()
+                .then(|| self.board_record(&key, job.board_slot));
+            let _ = job.reply.send(copied.map(|stats| Pulled {
+                stats,
+                record: record.flatten(),
+            }));
+            return;
+        }
         let src = PullSource {
             endpoint: &peer.ep,
             rkey: &peer.rkey,
@@ -397,6 +462,14 @@ impl<'w> State<'w> {
                 self.closing_reply(job.reply, e);
             }
         }
+    }
+
+    /// The lease's record `slot` on `key`'s board, read now (after the pull's reads).
+    fn board_record(&self, key: &PeerKey, slot: Option<u32>) -> Option<pd_kv_pool::BoardRecord> {
+        let (base, slots) = self.peers.get(key)?.board?;
+        // SAFETY: `base` is the peer's board mapped through its key, which lives in
+        // `self.peers` (this thread) for the whole call.
+        unsafe { pd_kv_pool::read_record(base, slots, slot?) }
     }
 
     /// Answers `reply` with `err` once every close in progress completed.
@@ -517,13 +590,7 @@ impl<'w> State<'w> {
                 (None, Some(Ok(())), Some(p)) => Ok(Pulled {
                     stats: p.stats(),
                     // After the reads, before anyone hears of them: see `read_record`.
-                    record: board_slot
-                        .zip(self.peers.get(&key).and_then(|p| p.board))
-                        .and_then(|(slot, (base, slots))| {
-                            // SAFETY: `base` is the peer's board mapped through its key, which
-                            // lives in `self.peers` (this thread) for the whole call.
-                            unsafe { pd_kv_pool::read_record(base, slots, slot) }
-                        }),
+                    record: self.board_record(&key, board_slot),
                 }),
                 (None, Some(Err(e)), _) => Err(PullError::Ucx(e)),
                 // Not done, or a flight without reads that was not aborted: neither exists.

@@ -2,7 +2,8 @@
 //! standalone node, on the same generated model, in one run.
 //!
 //! Run: `cargo bench -p pd-node --bench pd [-- --repeat 5 --lens 64,512,1536 --kv-cache-dtype
-//! f32|f16|bf16]` (the dtype is given to all three nodes; default f32). Results are recorded in
+//! f32|f16|bf16 --pull-via auto|get]` (the dtype is given to all three nodes; default f32; D's
+//! `--kv-pull-via`, default auto). Results are recorded in
 //! `BENCHMARKS.md`.
 //!
 //! Per prompt length (token-id prompts through `/v1/completions`, greedy, distinct prompts so no
@@ -133,6 +134,7 @@ async fn main() -> BenchResult<()> {
     let mut repeat = 5usize;
     let mut lens = vec![64usize, 512, 1536];
     let mut dtype = "f32".to_string();
+    let mut via = "auto".to_string();
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -146,6 +148,7 @@ async fn main() -> BenchResult<()> {
                     .collect::<Result<_, _>>()?
             }
             "--kv-cache-dtype" => dtype = args.next().ok_or("--kv-cache-dtype f32|f16|bf16")?,
+            "--pull-via" => via = args.next().ok_or("--pull-via auto|get")?,
             "--bench" => {}
             other => return Err(format!("unknown argument {other}").into()),
         }
@@ -190,6 +193,8 @@ async fn main() -> BenchResult<()> {
             "d",
             "--kv-recompute-threshold",
             "0",
+            "--kv-pull-via",
+            via.as_str(),
             kv_dtype[0],
             kv_dtype[1],
         ],
@@ -220,7 +225,7 @@ async fn main() -> BenchResult<()> {
     post(&client, &solo, &body(&w, 1)).await?;
 
     println!(
-        "model: {} layers, hidden {}, {} KV heads × {} dim, {dtype} KV, block 16; median of {repeat} (ms)",
+        "model: {} layers, hidden {}, {} KV heads × {} dim, {dtype} KV, block 16; D pulls via {via}; median of {repeat} (ms)",
         spec.layers,
         spec.hidden,
         spec.kv_heads,

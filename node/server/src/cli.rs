@@ -126,6 +126,11 @@ pub struct ServeArgs {
     /// request at most this long.
     #[arg(long, default_value_t = 5.0)]
     pub kv_pull_timeout: f64,
+    /// How this node reads a peer's pool: `auto` copies straight from it where UCX maps it into
+    /// this process (shared memory on one host) and posts UCX gets elsewhere; `get` always posts
+    /// UCX gets (for comparison).
+    #[arg(long, value_enum, default_value_t = PullViaArg::Auto)]
+    pub kv_pull_via: PullViaArg,
     /// Seconds a decode node's request may wait for free blocks to pull into before it fails
     /// and releases the producer's lease.
     #[arg(long, default_value_t = 60.0)]
@@ -174,6 +179,24 @@ pub enum KvRoleArg {
     KvConsumer,
     /// Both (deprecated: run one node per role).
     KvBoth,
+}
+
+/// `--kv-pull-via` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PullViaArg {
+    /// Copy from the mapped pool where UCX maps it, UCX gets elsewhere.
+    Auto,
+    /// UCX gets only.
+    Get,
+}
+
+impl From<PullViaArg> for pd_kv_transfer::PullVia {
+    fn from(v: PullViaArg) -> Self {
+        match v {
+            PullViaArg::Auto => pd_kv_transfer::PullVia::Auto,
+            PullViaArg::Get => pd_kv_transfer::PullVia::Get,
+        }
+    }
 }
 
 /// `--kv-load-failure-policy` values.

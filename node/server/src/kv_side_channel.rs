@@ -88,16 +88,21 @@ impl UcxPool {
     ///
     /// # Errors
     /// [`KvSideChannelError::NoRegion`] when the engine did not use [`UcxPool::pool_memory`].
-    pub fn puller(&self, block_bytes: usize) -> Result<pd_kv_transfer::Puller, KvSideChannelError> {
+    pub fn puller(
+        &self,
+        block_bytes: usize,
+        via: pd_kv_transfer::PullVia,
+    ) -> Result<pd_kv_transfer::Puller, KvSideChannelError> {
         let (region, _) = self
             .region
             .get()
             .ok_or(KvSideChannelError::NoRegion)?
             .clone();
-        Ok(pd_kv_transfer::Puller::spawn(
+        Ok(pd_kv_transfer::Puller::spawn_via(
             self.ctx.clone(),
             region,
             block_bytes,
+            via,
         )?)
     }
 

@@ -90,7 +90,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     // node, any node an earlier turn's KV from the node that retained it (reverse pull).
     let puller = match &ucx {
         Some(ucx) => Some(
-            ucx.puller(info.kv_layout.block_bytes())
+            ucx.puller(info.kv_layout.block_bytes(), args.kv_pull_via.into())
                 .context("starting the KV puller")?,
         ),
         None => None,

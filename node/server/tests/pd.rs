@@ -476,6 +476,39 @@ async fn only_a_greedy_single_completion_takes_the_producers_first_token() {
     }
 }
 
+/// Both ways of reading a producer's pool on one host — copying from the mapping UCX gives
+/// (`--kv-pull-via auto`, the default) and UCX gets (`get`) — bring the same KV: token for
+/// token as one node, the whole prompt pulled, the lease confirmed on the board either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pulls_through_the_mapping_and_through_ucx_gets_bring_the_same_kv() {
+    let dir = model("via");
+    let solo = start(&dir, &[]);
+    let p = producer(&dir, &[]);
+    let mapped = consumer_with(&dir, "fail", &["--engine-id", "d1"]);
+    let gets = consumer_with(&dir, "fail", &["--engine-id", "d2", "--kv-pull-via", "get"]);
+    let api = Api::Completions;
+    for (i, (d, via)) in [(&mapped, "mapped"), (&gets, "get")]
+        .into_iter()
+        .enumerate()
+    {
+        let body = api.body(&format!("{i}{LONG}"), 8);
+        let want = seen(api, post(&solo.http, api.path(), &body).await).await;
+        let got = through_pd(&p, d, api, &body).await;
+        assert_eq!(got.tokens, want.tokens, "{body}");
+        assert_eq!(got.pulled, got.prompt, "{body}");
+        assert!(metric(d, "pd_kv_transfer_bytes_total").await > 0.0);
+        assert_eq!(
+            metric(d, &format!("pd_kv_pulls_total{{via=\"{via}\"}}")).await,
+            1.0,
+            "read via {via}"
+        );
+        assert_eq!(
+            metric(d, "pd_kv_lease_confirms_total{via=\"board\"}").await,
+            1.0
+        );
+    }
+}
+
 /// Half-precision KV end to end: P and D with `--kv-cache-dtype f16` answer token for token as
 /// one node with f16 KV, pull all of the prompt, and move exactly half the
 /// bytes f32 nodes move for the same prompts; an f32 consumer refuses an f16 producer's KV,
