@@ -452,6 +452,48 @@ mod tests {
         )
     }
 
+    /// Every way a lease ends clears its board record before the caller gets the blocks back,
+    /// and a live lease's record says what it holds.
+    #[test]
+    fn the_board_shows_exactly_the_live_leases() {
+        let (mut a, mut t, blocks, now) = setup();
+        let mut mem = vec![0u64; 4 * crate::BOARD_SLOT_WORDS].into_boxed_slice();
+        let base = mem.as_mut_ptr().cast::<u8>();
+        // SAFETY: the boxed slice is aligned and sized for 4 records and owned by the board.
+        let board =
+            unsafe { LeaseBoard::from_raw(base, 4 * crate::BOARD_SLOT_BYTES, Box::new(mem)) };
+        t.attach_board(board);
+        // SAFETY: the board's memory lives in `t` for the rest of the test.
+        let record = |slot| unsafe { crate::read_record(base, 4, slot) }.unwrap();
+        let contents = LeaseContents::of(&[1, 2, 3]).in_blocks(&blocks);
+        let mut live = Vec::new();
+        for _ in 0..3 {
+            for &b in &blocks {
+                a.share(b);
+            }
+            live.push(t.grant(blocks.clone(), contents, "", now));
+        }
+        for l in &live {
+            let r = record(l.slot.expect("a slot"));
+            assert_eq!((r.generation, r.contents), (l.generation, contents));
+        }
+        let released = t.release(live[0].id, live[0].generation, "", now).unwrap();
+        assert_eq!(record(live[0].slot.unwrap()).generation, 0);
+        let revoked = t.revoke(live[1].id).unwrap();
+        assert_eq!(record(live[1].slot.unwrap()).generation, 0);
+        let expired = t.expire(now + Duration::from_secs(31));
+        assert_eq!(record(live[2].slot.unwrap()).generation, 0);
+        free_all(&mut a, &[released, revoked]);
+        free_all(&mut a, &expired);
+        // A slot comes back under a new generation, never an old one.
+        for &b in &blocks {
+            a.share(b);
+        }
+        let again = t.grant(blocks.clone(), contents, "", now);
+        assert!(again.generation > live[2].generation);
+        assert_eq!(record(again.slot.unwrap()).generation, again.generation);
+    }
+
     #[test]
     fn leased_blocks_outlive_their_owner_until_release() {
         let (mut a, mut t, blocks, now) = setup();
