@@ -783,9 +783,12 @@ pub async fn pull_under_lease_with(
         let Pulled { stats, record } = pulled?;
         metrics.record_stage("reads", read_at - handed);
         let confirming = read_at;
-        let on_board = record.is_some_and(|r| r.generation == blocks.generation);
+        // The lease's own record, saying what the owner said (anything else: ask again after).
+        let on_board = |theirs: &pd_kv_pool::LeaseContents| {
+            record.is_some_and(|r| r.generation == blocks.generation && r.contents == *theirs)
+        };
         let theirs = match early {
-            Some(Ok(Ok(theirs))) if on_board => {
+            Some(Ok(Ok(theirs))) if on_board(&theirs) => {
                 metrics.confirms.with_label_values(&["board"]).inc();
                 theirs
             }
