@@ -9,9 +9,10 @@
 //!    lease while waiting ([`LeaseKeeper`]), pull, confirm the lease;
 //! 3. release the lease (in the background), tell the engine what arrived — or, when something
 //!    failed, apply the failure policy: fail the request, or recompute and count why;
-//! 4. relay events until the request ends. A client that goes away aborts the request and
-//!    releases the producer's lease at once; a pull already posted is waited for first, since
-//!    its writes land in blocks the engine would otherwise reuse.
+//! 4. hand the engine's stream over to the HTTP layer ([`Relay::Handover`]), which reads the
+//!    rest of the request's events itself. A client that goes away before that aborts the
+//!    request and releases the producer's lease at once; a pull already posted is waited for
+//!    first, since its writes land in blocks the engine would otherwise reuse.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -278,27 +279,64 @@ impl std::fmt::Debug for Loader {
     }
 }
 
-/// A request's events as the HTTP layer reads them: straight from the engine, or relayed by the
-/// consumer task. Dropping it aborts the request either way.
+/// A request's events as the HTTP layer reads them: straight from the engine, or from the
+/// consumer task while it pulls, then — once the engine has the KV — straight from the engine
+/// again (the task hands the stream over: no hop per token). Dropping it aborts the request
+/// either way.
 #[derive(Debug)]
 pub(crate) enum Events {
     Engine(RequestStream),
-    Relayed(RequestId, mpsc::UnboundedReceiver<RequestEvent>),
+    Relayed(RequestId, mpsc::UnboundedReceiver<Relay>),
+    /// Handed over by the consumer task; its first token (or whatever ends the request instead)
+    /// is timed as D's `first_token` stage.
+    Handed(RequestStream, Option<FirstToken>),
+}
+
+/// What the consumer task sends the HTTP layer.
+#[derive(Debug)]
+pub(crate) enum Relay {
+    /// An event (a failure before the engine took over).
+    Event(RequestEvent),
+    /// The engine has the KV: read the request's events from its stream from now on.
+    Handover(RequestStream, FirstToken),
+}
+
+/// When the engine was told to decode, to time the first token.
+#[derive(Debug)]
+pub(crate) struct FirstToken {
+    since: std::time::Instant,
+    metrics: Arc<TransferMetrics>,
 }
 
 impl Events {
     pub(crate) fn id(&self) -> RequestId {
         match self {
-            Events::Engine(s) => s.id(),
+            Events::Engine(s) | Events::Handed(s, _) => s.id(),
             Events::Relayed(id, _) => *id,
         }
     }
 
     /// Next event; `None` when the request ended.
     pub(crate) async fn recv(&mut self) -> Option<RequestEvent> {
-        match self {
-            Events::Engine(s) => s.recv().await,
-            Events::Relayed(_, rx) => rx.recv().await,
+        loop {
+            let handed = match self {
+                Events::Engine(s) => return s.recv().await,
+                Events::Handed(s, first) => {
+                    let e = s.recv().await;
+                    if !matches!(e, Some(RequestEvent::Started { .. }))
+                        && let Some(f) = first.take()
+                    {
+                        f.metrics.record_stage("first_token", f.since.elapsed());
+                    }
+                    return e;
+                }
+                Events::Relayed(_, rx) => match rx.recv().await {
+                    Some(Relay::Event(e)) => return Some(e),
+                    Some(Relay::Handover(stream, first)) => Events::Handed(stream, Some(first)),
+                    None => return None,
+                },
+            };
+            *self = handed;
         }
     }
 }
@@ -591,21 +629,21 @@ async fn relay(
     mut stream: RequestStream,
     remotes: Vec<RemotePrefill>,
     prompt: Vec<u32>,
-    tx: mpsc::UnboundedSender<RequestEvent>,
+    tx: mpsc::UnboundedSender<Relay>,
 ) {
     let Some(loader) = disagg.loader.as_ref() else {
         // `kv_directive` admits consumer requests only on a node with a loader.
-        let _ = tx.send(RequestEvent::Failed {
+        let _ = tx.send(Relay::Event(RequestEvent::Failed {
             message: "this node cannot pull KV (no puller)".into(),
-        });
+        }));
         return;
     };
     let id = stream.id();
     let Some(remote) = remotes.first().cloned() else {
         // `kv_params::parse` never yields an empty list.
-        let _ = tx.send(RequestEvent::Failed {
+        let _ = tx.send(Relay::Event(RequestEvent::Failed {
             message: "kv_transfer_params name no producer".into(),
-        });
+        }));
         return;
     };
     let arrived = std::time::Instant::now();
@@ -643,7 +681,7 @@ async fn relay(
         other => {
             // Client gone, engine gone, or a failure (passed on): nothing to pull.
             if let Some(Some(e)) = other {
-                let _ = tx.send(e);
+                let _ = tx.send(Relay::Event(e));
             }
             release_all(&disagg, &remotes);
             return;
@@ -780,52 +818,23 @@ async fn relay(
                     engine.remote_kv_ready(id, RemoteKv::Recompute);
                 }
                 Err(e) => {
-                    let _ = tx.send(RequestEvent::Failed {
+                    let _ = tx.send(Relay::Event(RequestEvent::Failed {
                         message: format!("KV transfer failed ({reason}): {e}"),
-                    });
+                    }));
                     return; // dropping `stream` aborts the request and frees its blocks
                 }
             }
         }
     }
-    // 4. Relay.
-    relay_rest(stream, tx, |e| {
-        if matches!(e, RequestEvent::Token { .. }) {
-            disagg
-                .metrics
-                .record_stage("first_token", decoding.elapsed());
-        }
-    })
-    .await;
-}
-
-/// Passes the request's events on until it ends or the client leaves (dropping `stream` then
-/// aborts the request); `first_token` sees the first token event (or whatever ends the request
-/// instead).
-async fn relay_rest(
-    mut stream: RequestStream,
-    tx: mpsc::UnboundedSender<RequestEvent>,
-    first_token: impl FnOnce(&RequestEvent),
-) {
-    let mut first_token = Some(first_token);
-    loop {
-        tokio::select! {
-            () = tx.closed() => return,
-            e = stream.recv() => match e {
-                Some(e) => {
-                    if !matches!(e, RequestEvent::Started { .. })
-                        && let Some(f) = first_token.take()
-                    {
-                        f(&e);
-                    }
-                    if tx.send(e).is_err() {
-                        return;
-                    }
-                }
-                None => return,
-            }
-        }
-    }
+    // 4. Hand the engine's stream to the HTTP layer: it reads the rest of the request's events
+    // itself (a client gone by now drops it with the channel, which aborts the request).
+    let _ = tx.send(Relay::Handover(
+        stream,
+        FirstToken {
+            since: decoding,
+            metrics: disagg.metrics.clone(),
+        },
+    ));
 }
 
 #[cfg(test)]
