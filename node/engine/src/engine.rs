@@ -808,8 +808,8 @@ impl Engine {
         true
     }
 
-    /// Picks a token for `running[index]` (samples it, or takes the one given), updates its text and sends the
-    /// events. `Ok(true)`: the child finished. `Err(())`: the client is gone.
+    /// Picks a token for `running[index]` (samples it, or takes the one given), updates its
+    /// text and sends the events. `Ok(true)`: the child finished. `Err(())`: the client is gone.
     fn emit_token(&mut self, index: usize, pick: Pick<'_>) -> Result<bool, ()> {
         let seq = &mut self.scheduler.running[index];
         let Some(state) = self.requests.get_mut(&seq.request) else {

@@ -98,6 +98,31 @@ pub fn pull_blocks(
     })
 }
 
+/// The runs of `remote[i]` → `local[i]` block pairs ([`plan_ranges`]), checked against both
+/// pools' sizes.
+fn checked_ranges(
+    remote: &[BlockId],
+    local: &[BlockId],
+    block_bytes: usize,
+    remote_len: usize,
+    local_len: usize,
+) -> Result<Vec<crate::plan::CopyRange>, PullError> {
+    if remote.len() != local.len() {
+        return Err(PullError::LengthMismatch {
+            remote: remote.len(),
+            local: local.len(),
+        });
+    }
+    let ranges = plan_ranges(remote, local, block_bytes);
+    if ranges.iter().any(|r| r.remote_offset + r.len > remote_len) {
+        return Err(PullError::OutOfBounds { side: "remote" });
+    }
+    if ranges.iter().any(|r| r.local_offset + r.len > local_len) {
+        return Err(PullError::OutOfBounds { side: "local" });
+    }
+    Ok(ranges)
+}
+
 /// Copies `remote[i]` of a peer's pool that UCX mapped into this process at `mapped` (its block
 /// 0; `remote_len` bytes — `RemoteKey::local_ptr`, shared memory on one host) into `local[i]` of
 /// `dst`, one `memcpy` per run of blocks consecutive on both sides. What a shared-memory get
@@ -117,19 +142,7 @@ pub unsafe fn copy_pull(
     local: &[BlockId],
     block_bytes: usize,
 ) -> Result<PullStats, PullError> {
-    if remote.len() != local.len() {
-        return Err(PullError::LengthMismatch {
-            remote: remote.len(),
-            local: local.len(),
-        });
-    }
-    let ranges = plan_ranges(remote, local, block_bytes);
-    if ranges.iter().any(|r| r.remote_offset + r.len > remote_len) {
-        return Err(PullError::OutOfBounds { side: "remote" });
-    }
-    if ranges.iter().any(|r| r.local_offset + r.len > dst.len()) {
-        return Err(PullError::OutOfBounds { side: "local" });
-    }
+    let ranges = checked_ranges(remote, local, block_bytes, remote_len, dst.len())?;
     let start = Instant::now();
     for r in &ranges {
         // SAFETY: both ranges were checked against their regions above; the regions are
@@ -194,22 +207,7 @@ pub fn post_pull<'w>(
     local: &[BlockId],
     block_bytes: usize,
 ) -> Result<PostedPull<'w>, PullError> {
-    if remote.len() != local.len() {
-        return Err(PullError::LengthMismatch {
-            remote: remote.len(),
-            local: local.len(),
-        });
-    }
-    let ranges = plan_ranges(remote, local, block_bytes);
-    if ranges
-        .iter()
-        .any(|r| r.remote_offset + r.len > src.remote_len)
-    {
-        return Err(PullError::OutOfBounds { side: "remote" });
-    }
-    if ranges.iter().any(|r| r.local_offset + r.len > dst.len()) {
-        return Err(PullError::OutOfBounds { side: "local" });
-    }
+    let ranges = checked_ranges(remote, local, block_bytes, src.remote_len, dst.len())?;
     let start = Instant::now();
     for r in &ranges {
         src.endpoint.post_get(

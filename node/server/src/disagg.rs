@@ -791,15 +791,13 @@ async fn relay(
     // so the release's round trip does not compete with the first token.
     drop(keeper);
     let decoding = std::time::Instant::now();
-    if outcome.is_err() {
-        release_all(&disagg, &remotes);
-    }
     match outcome {
         Ok(kv) => {
             engine.remote_kv_ready(id, kv);
             release_all(&disagg, &remotes);
         }
         Err(e) => {
+            release_all(&disagg, &remotes);
             if !matches!(e, TransferError::Mismatch(_)) {
                 // Reconnect and handshake afresh next time.
                 loader.forget(&remote.side_channel(), &remote.engine_id);
