@@ -149,6 +149,15 @@ impl Proc {
             self.name,
             std::io::Error::last_os_error()
         );
+        if signal == libc::SIGSTOP {
+            // `kill` only queues it: on a busy machine the other threads run on until the one
+            // that takes it has been scheduled and stopped them. Return once all have.
+            let until = Instant::now() + Duration::from_secs(20);
+            while !all_threads_stopped(pid) {
+                assert!(Instant::now() < until, "{} did not stop", self.name);
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
     }
 
     /// `SIGKILL`, then reap. Idempotent.
@@ -255,4 +264,17 @@ pub fn unread_tcp_bytes(port: u16) -> u64 {
         }
     }
     total
+}
+
+/// Whether every thread of `pid` is in the stopped state (`T` in `/proc/<pid>/task/*/stat`).
+fn all_threads_stopped(pid: libc::pid_t) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|t| {
+        std::fs::read_to_string(t.path().join("stat")).is_ok_and(|stat| {
+            // The state follows the parenthesised command name.
+            stat[stat.rfind(')').map_or(0, |i| i + 2)..].starts_with('T')
+        })
+    })
 }
