@@ -21,6 +21,10 @@ pub struct EngineConfig {
     /// (quantized weights gain nothing from f32 KV, which doubles the pool and every KV
     /// transfer), f32 for a Hugging Face directory. Attention accumulates in f32 either way.
     pub kv_cache_dtype: Option<KvDtype>,
+    /// Order inside a block of the KV pool: `hnd` (the CPU kernels') or `nhd` (the GPU
+    /// layout). Peers with the other order, or another block size, still exchange KV: the
+    /// consumer converts after the pull.
+    pub kv_layout: KvOrder,
     /// Token budget of one step (decode tokens + prefill chunks).
     pub max_num_batched_tokens: usize,
     /// Most sequences in one step.
@@ -73,6 +77,7 @@ impl Default for EngineConfig {
             num_blocks: None,
             kv_cache_memory: 256 << 20,
             kv_cache_dtype: None,
+            kv_layout: KvOrder::Hnd,
             max_num_batched_tokens: 2048,
             max_num_seqs: 256,
             max_model_len: None,
@@ -93,7 +98,7 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use candle_core::Device;
-use pd_kv_pool::{CacheEvent, KvDtype, KvLayout, KvPool};
+use pd_kv_pool::{CacheEvent, KvDtype, KvLayout, KvOrder, KvPool};
 use pd_model::gguf::QuantPolicy;
 use pd_model::{BatchInput, Model, ModelSource};
 use pd_tokenize::Tokenizer;
@@ -188,6 +193,7 @@ impl Engine {
                 ModelSource::Gguf(_) => KvDtype::F16,
                 ModelSource::HfDir(_) => KvDtype::F32,
             }),
+            order: cfg.kv_layout,
         };
         layout.num_blocks = cfg.num_blocks.unwrap_or_else(|| {
             KvLayout::blocks_for_bytes(cfg.kv_cache_memory, layout.block_bytes())
@@ -238,7 +244,7 @@ impl Engine {
         metrics.kv_blocks_free.set(layout.num_blocks as i64);
         tracing::info!(
             model = %model_name, blocks = layout.num_blocks, block_size = layout.block_size,
-            pool_bytes = layout.pool_bytes(), kv_cache_dtype = layout.dtype.as_str(), max_model_len,
+            pool_bytes = layout.pool_bytes(), kv_cache_dtype = layout.dtype.as_str(), kv_layout = layout.order.as_str(), max_model_len,
             "engine ready"
         );
         Ok(Self {

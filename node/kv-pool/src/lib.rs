@@ -5,6 +5,7 @@
 //!
 //! Brief overview:
 //! - [`KvLayout`] says how one block is laid out in memory. Peers read it to address blocks remotely.
+//! - [`rechunk`] copies a sequence's K/V between pools whose block size or [`KvOrder`] differ.
 //! - [`KvPool`] owns the memory: allocated once, never resized or moved, so it can be registered
 //!   with a NIC (UCX) and read by peers.
 //! - [`BlockAllocator`] owns the bookkeeping: free list in LRU order, reference counts, the
@@ -24,6 +25,7 @@ mod hash;
 mod layout;
 mod lease;
 mod pool;
+mod rechunk;
 
 pub use allocator::{AllocatorError, BlockAllocator, BlockId, CacheEvent};
 pub use board::{
@@ -33,6 +35,7 @@ pub use hash::{
     BlockHash, ROOT_HASH_SEED, block_hash, hash_full_blocks, hash_full_blocks_from, hash_key,
     root_hash,
 };
-pub use layout::{KvDtype, KvLayout};
+pub use layout::{KvDtype, KvLayout, KvOrder};
 pub use lease::{Lease, LeaseContents, LeaseCounts, LeaseError, LeaseId, LeaseTable, blocks_hash};
 pub use pool::{KvElem, KvPool};
+pub use rechunk::{RechunkError, rechunk};

@@ -230,44 +230,37 @@ impl KvPool {
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(r.start * size), r.len() * size) }
     }
 
-    /// The `(block_size, head_dim)` tile of (`block`, `layer`, `kv` 0=K/1=V, `head`).
+    /// The slab of (`block`, `layer`, `kv` 0=K/1=V): every head at every position of the block,
+    /// `(num_kv_heads · block_size · head_dim)` elements in the layout's order; the row of
+    /// (head, pos) starts at [`KvLayout::row`].
     ///
     /// # Panics
     /// When an index lies outside the layout, or the pool does not hold `T`.
     #[inline]
-    pub fn tile<T: KvElem>(&self, block: BlockId, layer: usize, kv: usize, head: usize) -> &[T] {
-        let (start, n) = self.tile_range(block, layer, kv, head);
+    pub fn slab<T: KvElem>(&self, block: BlockId, layer: usize, kv: usize) -> &[T] {
+        let (start, n) = self.slab_range(block, layer, kv);
         self.slice(start, n)
     }
 
-    /// The tile of [`KvPool::tile`], writable.
+    /// The slab of [`KvPool::slab`], writable.
     ///
     /// # Panics
     /// When an index lies outside the layout, or the pool does not hold `T`.
     #[inline]
-    pub fn tile_mut<T: KvElem>(
-        &mut self,
-        block: BlockId,
-        layer: usize,
-        kv: usize,
-        head: usize,
-    ) -> &mut [T] {
-        let (start, n) = self.tile_range(block, layer, kv, head);
+    pub fn slab_mut<T: KvElem>(&mut self, block: BlockId, layer: usize, kv: usize) -> &mut [T] {
+        let (start, n) = self.slab_range(block, layer, kv);
         self.slice_mut(start, n)
     }
 
     #[inline]
-    fn tile_range(&self, block: BlockId, layer: usize, kv: usize, head: usize) -> (usize, usize) {
+    fn slab_range(&self, block: BlockId, layer: usize, kv: usize) -> (usize, usize) {
         let l = &self.layout;
         assert!(
-            block.index() < l.num_blocks && layer < l.num_layers && kv < 2 && head < l.num_kv_heads,
-            "tile ({}, {layer}, {kv}, {head}) outside the pool's layout",
+            block.index() < l.num_blocks && layer < l.num_layers && kv < 2,
+            "slab ({}, {layer}, {kv}) outside the pool's layout",
             block.index()
         );
-        (
-            l.tile_offset(block.index(), layer, kv, head),
-            l.tile_elems(),
-        )
+        (l.slab_offset(block.index(), layer, kv), l.slab_elems())
     }
 
     /// Address of the first byte (stable for the pool's life).
@@ -335,6 +328,7 @@ impl KvPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layout::KvOrder;
 
     fn layout() -> KvLayout {
         KvLayout {
@@ -344,37 +338,38 @@ mod tests {
             num_kv_heads: 2,
             head_dim: 8,
             dtype: KvDtype::F32,
+            order: KvOrder::Hnd,
         }
     }
 
     #[test]
-    fn tiles_and_blocks_address_the_layout_and_nothing_else() {
-        let l = layout();
-        let mut pool = KvPool::new(l).unwrap();
-        // Each tile written through `tile_mut` lands where the layout says, in its block only.
-        for b in 0..l.num_blocks {
-            for layer in 0..l.num_layers {
-                for kv in 0..2 {
-                    for h in 0..l.num_kv_heads {
-                        let t = pool.tile_mut::<f32>(BlockId(b as u32), layer, kv, h);
-                        assert_eq!(t.len(), l.tile_elems());
-                        t.fill(l.tile_offset(b, layer, kv, h) as f32);
+    fn slabs_and_blocks_address_the_layout_and_nothing_else() {
+        for order in [KvOrder::Hnd, KvOrder::Nhd] {
+            let l = KvLayout { order, ..layout() };
+            let mut pool = KvPool::new(l).unwrap();
+            // Each slab written through `slab_mut` lands where the layout says, in its block only.
+            for b in 0..l.num_blocks {
+                for layer in 0..l.num_layers {
+                    for kv in 0..2 {
+                        let t = pool.slab_mut::<f32>(BlockId(b as u32), layer, kv);
+                        assert_eq!(t.len(), l.slab_elems());
+                        t.fill(l.slab_offset(b, layer, kv) as f32);
                     }
                 }
             }
-        }
-        for b in 0..l.num_blocks {
-            let block = pool.block::<f32>(BlockId(b as u32));
-            assert_eq!(block.len(), l.block_elems());
-            for (i, x) in block.iter().enumerate() {
-                let offset = b * l.block_elems() + i;
-                assert_eq!(*x as usize, offset - offset % l.tile_elems());
+            for b in 0..l.num_blocks {
+                let block = pool.block::<f32>(BlockId(b as u32));
+                assert_eq!(block.len(), l.block_elems());
+                for (i, x) in block.iter().enumerate() {
+                    let offset = b * l.block_elems() + i;
+                    assert_eq!(*x as usize, offset - offset % l.slab_elems());
+                }
             }
+            pool.copy_block(BlockId(2), BlockId(0));
+            assert_eq!(pool.block::<f32>(BlockId(0)), pool.block::<f32>(BlockId(2)));
+            pool.poison_block(BlockId(1));
+            assert!(pool.is_poisoned(BlockId(1)) && !pool.is_poisoned(BlockId(2)));
         }
-        pool.copy_block(BlockId(2), BlockId(0));
-        assert_eq!(pool.block::<f32>(BlockId(0)), pool.block::<f32>(BlockId(2)));
-        pool.poison_block(BlockId(1));
-        assert!(pool.is_poisoned(BlockId(1)) && !pool.is_poisoned(BlockId(2)));
     }
 
     #[test]
@@ -386,9 +381,9 @@ mod tests {
 
     #[test]
     #[should_panic(expected = "outside")]
-    fn a_tile_outside_the_layout_is_refused() {
+    fn a_slab_outside_the_layout_is_refused() {
         let pool = KvPool::new(layout()).unwrap();
-        let _ = pool.tile::<f32>(BlockId(0), 2, 0, 0);
+        let _ = pool.slab::<f32>(BlockId(0), 2, 0);
     }
 
     #[test]
@@ -400,19 +395,19 @@ mod tests {
                 pool.len_bytes(),
                 KvPool::new(layout()).unwrap().len_bytes() / 2
             );
-            let src: Vec<f32> = (0..l.tile_elems()).map(|i| i as f32 * 0.5 - 3.0).collect();
+            let src: Vec<f32> = (0..l.slab_elems()).map(|i| i as f32 * 0.5 - 3.0).collect();
             let mut back = vec![0f32; src.len()];
             match dtype {
                 KvDtype::F16 => {
-                    KvElem::store_f32(&src, pool.tile_mut::<half::f16>(BlockId(1), 1, 1, 1));
-                    let t = pool.tile::<half::f16>(BlockId(1), 1, 1, 1);
+                    KvElem::store_f32(&src, pool.slab_mut::<half::f16>(BlockId(1), 1, 1));
+                    let t = pool.slab::<half::f16>(BlockId(1), 1, 1);
                     // Small multiples of 0.5 are exact in both half types.
                     KvElem::load_f32(t, &mut back);
                     assert_eq!(back, src);
                 }
                 _ => {
-                    KvElem::store_f32(&src, pool.tile_mut::<half::bf16>(BlockId(1), 1, 1, 1));
-                    let t = pool.tile::<half::bf16>(BlockId(1), 1, 1, 1);
+                    KvElem::store_f32(&src, pool.slab_mut::<half::bf16>(BlockId(1), 1, 1));
+                    let t = pool.slab::<half::bf16>(BlockId(1), 1, 1);
                     KvElem::load_f32(t, &mut back);
                     assert_eq!(back, src);
                 }
@@ -432,6 +427,6 @@ mod tests {
             ..layout()
         })
         .unwrap();
-        let _ = pool.tile::<f32>(BlockId(0), 0, 0, 0);
+        let _ = pool.slab::<f32>(BlockId(0), 0, 0);
     }
 }

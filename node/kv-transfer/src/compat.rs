@@ -1,11 +1,19 @@
-//! What two nodes must agree on before one reads the other's blocks.
+//! What two nodes must agree on before one reads the other's blocks, and what they may differ
+//! in.
+//!
+//! Must match ([`CompatInfo`]): the project and protocol version, the model (name and weights'
+//! fingerprint), and the KV's element type and shape (layers, KV heads, head dim) — otherwise
+//! the bytes mean something else. May differ: the block size and the order inside a block
+//! (`KvLayout::block_size`, `KvLayout::order`, carried by the handshake's layout) — the consumer
+//! then converts what it pulls ([`needs_rechunk`], `pd_kv_pool::rechunk`).
 
 use pd_kv_pool::KvLayout;
 
 /// Version of the block-transfer protocol (layout of a block, meaning of the handshake fields).
-pub const TRANSFER_PROTOCOL_VERSION: u32 = 1;
+pub const TRANSFER_PROTOCOL_VERSION: u32 = 2;
 
-/// Identity of a node's KV cache. Two nodes may exchange blocks only if every field is equal.
+/// Identity of a node's KV cache. Two nodes may exchange blocks only if every field is equal
+/// (the block size and order are negotiated instead: [`needs_rechunk`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CompatInfo {
     /// Version of this project (`CARGO_PKG_VERSION`).
@@ -25,8 +33,13 @@ pub struct CompatInfo {
     pub num_layers: u32,
     /// Elements per head.
     pub head_dim: u32,
-    /// Tokens per block.
-    pub block_size: u32,
+}
+
+/// Whether blocks pulled from a pool laid out as `remote` must be converted to fit `local`:
+/// they differ in block size or order (what [`CompatInfo`] leaves free). Both must have passed
+/// [`CompatInfo::check`].
+pub fn needs_rechunk(local: &KvLayout, remote: &KvLayout) -> bool {
+    local.block_size != remote.block_size || local.order != remote.order
 }
 
 /// The first field two nodes disagree on.
@@ -54,7 +67,6 @@ impl CompatInfo {
             num_kv_heads: layout.num_kv_heads as u32,
             num_layers: layout.num_layers as u32,
             head_dim: layout.head_dim as u32,
-            block_size: layout.block_size as u32,
         }
     }
 
@@ -68,7 +80,7 @@ impl CompatInfo {
     /// xxh3-64 over every field, in order (sent in the handshake so a mismatch is cheap to see).
     pub fn hash(&self) -> u64 {
         let s = format!(
-            "{}\0{}\0{}\0{}\0{}\0{}\0{}\0{}\0{}",
+            "{}\0{}\0{}\0{}\0{}\0{}\0{}\0{}",
             self.project_version,
             self.protocol_version,
             self.model,
@@ -77,7 +89,6 @@ impl CompatInfo {
             self.num_kv_heads,
             self.num_layers,
             self.head_dim,
-            self.block_size
         );
         xxhash_rust::xxh3::xxh3_64(s.as_bytes())
     }
@@ -87,7 +98,7 @@ impl CompatInfo {
     /// # Errors
     /// [`CompatError`] with the field, our value and theirs.
     pub fn check(&self, remote: &CompatInfo) -> Result<(), CompatError> {
-        let fields: [(&'static str, String, String); 9] = [
+        let fields: [(&'static str, String, String); 8] = [
             (
                 "project_version",
                 self.project_version.clone(),
@@ -120,11 +131,6 @@ impl CompatInfo {
                 self.head_dim.to_string(),
                 remote.head_dim.to_string(),
             ),
-            (
-                "block_size",
-                self.block_size.to_string(),
-                remote.block_size.to_string(),
-            ),
         ];
         match fields.into_iter().find(|(_, l, r)| l != r) {
             Some((field, local, remote)) => Err(CompatError {
@@ -150,6 +156,7 @@ mod tests {
             num_kv_heads: 2,
             head_dim: 32,
             dtype: KvDtype::F32,
+            order: pd_kv_pool::KvOrder::Hnd,
         }
     }
 
@@ -164,10 +171,10 @@ mod tests {
     fn mismatch_names_the_field() {
         let a = CompatInfo::new("tiny", &layout());
         let mut b = a.clone();
-        b.block_size = 32;
+        b.num_kv_heads = 4;
         let e = a.check(&b).unwrap_err();
-        assert_eq!(e.field, "block_size");
-        assert_eq!((e.local.as_str(), e.remote.as_str()), ("16", "32"));
+        assert_eq!(e.field, "num_kv_heads");
+        assert_eq!((e.local.as_str(), e.remote.as_str()), ("2", "4"));
         assert_ne!(a.hash(), b.hash());
         let mut c = a.clone();
         c.model = "other".into();
@@ -178,5 +185,32 @@ mod tests {
         assert_eq!(d.check(&e).unwrap_err().field, "model_fingerprint");
         assert_eq!(a.check(&d).unwrap_err().field, "model_fingerprint");
         assert_ne!(d.hash(), e.hash());
+    }
+
+    #[test]
+    fn block_size_and_order_are_negotiated_not_matched() {
+        let l = layout();
+        for other in [
+            KvLayout {
+                block_size: 32,
+                ..l
+            },
+            KvLayout {
+                order: pd_kv_pool::KvOrder::Nhd,
+                ..l
+            },
+        ] {
+            let (a, b) = (CompatInfo::new("tiny", &l), CompatInfo::new("tiny", &other));
+            assert_eq!(a.check(&b), Ok(()));
+            assert_eq!(a.hash(), b.hash());
+            assert!(needs_rechunk(&l, &other));
+        }
+        assert!(!needs_rechunk(
+            &l,
+            &KvLayout {
+                num_blocks: 99,
+                ..l
+            }
+        ));
     }
 }

@@ -3,7 +3,8 @@
 //!
 //! - [`compat`]: what two nodes must agree on before one reads the other's blocks.
 //! - [`plan`]: a list of block ids becomes a short list of contiguous byte ranges.
-//! - [`pull`]: the one-sided UCX reads; [`puller`] runs them on a thread that owns the worker.
+//! - [`pull`]: the one-sided UCX reads (and, from a peer with another block size or order, the
+//!   conversion after them); [`puller`] runs them on a thread that owns the worker.
 //! - [`service`] (owner) and [`peer`] (puller): the `KvPeer` gRPC side channel — handshake,
 //!   lease renew / confirm / release, pool stats — and the failure policy.
 //! - [`metrics`]: transfer time, bytes, descriptors, failures by reason, lease events.
@@ -24,12 +25,15 @@ pub mod pull;
 pub mod puller;
 pub mod service;
 
-pub use compat::{CompatError, CompatInfo, TRANSFER_PROTOCOL_VERSION};
+pub use compat::{CompatError, CompatInfo, TRANSFER_PROTOCOL_VERSION, needs_rechunk};
 pub use lease_authority::{LeaseAuthority, LocalBlocks, PoolStats};
 pub use metrics::TransferMetrics;
 pub use peer::{FailurePolicy, Fallback, HandshakeCache, PeerClient, PeerInfo, TransferError};
 pub use plan::{CopyRange, plan_ranges};
-pub use pull::{PostedPull, PullError, PullSource, PullStats, copy_pull, post_pull, pull_blocks};
+pub use pull::{
+    PostedPull, PullError, PullSource, PullStats, Rechunk, copy_pull, post_pull, pull_blocks,
+    rechunk_pull,
+};
 pub use puller::{
     EarlyConfirm, LeaseKeeper, LeasePull, LeasedBlocks, MAX_PEERS, MAX_PULLS_PER_PEER, PullVia,
     Pulled, Puller, pull_under_lease, pull_under_lease_with,

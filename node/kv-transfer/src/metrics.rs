@@ -46,6 +46,9 @@ pub struct TransferMetrics {
     /// Requests whose `kv_transfer_params` asked for a pull but lacked a field (served without a
     /// pull, as vLLM does), by the first missing field.
     pub incomplete_params: IntCounterVec,
+    /// Pulls from a peer whose blocks differ from ours in size or order, converted after the
+    /// reads (`pd_kv_rechunked_pulls_total`).
+    pub rechunked_pulls: IntCounter,
     /// Bytes per second of this node's pulls: a moving average over pulls of at least
     /// [`PULL_RATE_MIN_BYTES`] (0 until one). Reported to the gateway, so a policy can weigh
     /// pulling a prefix against recomputing it.
@@ -134,6 +137,11 @@ impl TransferMetrics {
             &["field"],
         )
         .expect("valid counter");
+        let rechunked_pulls = IntCounter::new(
+            "pd_kv_rechunked_pulls_total",
+            "Pulls from a peer whose blocks differ in size or order, converted after the reads",
+        )
+        .expect("valid counter");
         let live_leases = IntGauge::new("pd_kv_leases_live", "Live leases on this node as owner")
             .expect("valid gauge");
         let pull_bytes_per_second = Gauge::new(
@@ -180,6 +188,7 @@ impl TransferMetrics {
             Box::new(live_leases.clone()),
             Box::new(recomputes.clone()),
             Box::new(incomplete_params.clone()),
+            Box::new(rechunked_pulls.clone()),
             Box::new(pull_bytes_per_second.clone()),
         ] {
             registry.register(c).expect("unique metric");
@@ -197,6 +206,7 @@ impl TransferMetrics {
             live_leases,
             recomputes,
             incomplete_params,
+            rechunked_pulls,
             pull_bytes_per_second,
             consume_stage_seconds,
             confirms,

@@ -260,12 +260,12 @@ impl PeerClient {
                 )));
             }
         };
-        if l.dim_order != crate::service::DIM_ORDER {
+        let Some(order) = pd_kv_pool::KvOrder::from_dim_order(&l.dim_order) else {
             return Err(TransferError::HandshakeRefused(format!(
                 "unsupported pool dimension order {:?}",
                 l.dim_order
             )));
-        }
+        };
         let layout = KvLayout {
             num_blocks: l.num_blocks as usize,
             block_size: l.block_size as usize,
@@ -273,6 +273,7 @@ impl PeerClient {
             num_kv_heads: l.num_kv_heads as usize,
             head_dim: l.head_dim as usize,
             dtype,
+            order,
         };
         if layout.block_bytes() as u64 != l.block_bytes || layout.pool_bytes() as u64 > r.region_len
         {

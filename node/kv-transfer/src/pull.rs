@@ -1,8 +1,9 @@
 //! One-sided reads of a peer's blocks into ours.
 
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use pd_kv_pool::BlockId;
+use pd_kv_pool::{BlockId, KvLayout};
 use pd_ucx::{Endpoint, MemoryRegion, RemoteKey};
 
 use crate::plan::plan_ranges;
@@ -64,6 +65,88 @@ pub enum PullError {
     /// force-closed) before this error was returned.
     #[error("pull did not complete within {0:?}; the peer's endpoint was closed")]
     Deadline(Duration),
+    /// The peer's blocks cannot be converted into ours (see [`Rechunk`]).
+    #[error("converting the peer's blocks: {0}")]
+    Rechunk(#[from] pd_kv_pool::RechunkError),
+    /// A local block named twice in one pull.
+    #[error("local block {0} named twice")]
+    RepeatedBlock(u32),
+}
+
+/// A pull from a peer whose blocks differ from ours in size or order
+/// (`pd_kv_transfer::needs_rechunk`): the peer's blocks are read whole, then the K/V of
+/// `tokens` are copied into ours where our layout puts them ([`pd_kv_pool::rechunk`]).
+///
+/// The remote ids of such a pull start at the peer's block holding token `tokens.start`, the
+/// local ids at ours holding it; each list covers the tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rechunk {
+    /// The peer's layout (from its handshake).
+    pub from: KvLayout,
+    /// Ours.
+    pub to: KvLayout,
+    /// The sequence's token positions to copy.
+    pub tokens: Range<usize>,
+}
+
+/// Converts `r.tokens` from the blocks `remote` of a pool laid out as `r.from` at `src`
+/// (`src_len` bytes: a peer's pool mapped here, or a staging buffer the blocks were read into)
+/// into our blocks `local` of `dst`.
+///
+/// # Errors
+/// [`PullError::OutOfBounds`], [`PullError::RepeatedBlock`], [`PullError::Rechunk`]; nothing is
+/// copied then.
+///
+/// # Safety
+/// `src` must be valid for reads of `src_len` bytes for the whole call, and nothing else may
+/// access `local`'s blocks in `dst` meanwhile.
+pub unsafe fn rechunk_pull(
+    src: *const u8,
+    src_len: usize,
+    remote: &[BlockId],
+    dst: &MemoryRegion,
+    local: &[BlockId],
+    r: &Rechunk,
+) -> Result<PullStats, PullError> {
+    let (sb, db) = (r.from.block_bytes(), r.to.block_bytes());
+    if remote.iter().any(|b| (b.index() + 1) * sb > src_len) {
+        return Err(PullError::OutOfBounds { side: "remote" });
+    }
+    if local.iter().any(|b| (b.index() + 1) * db > dst.len()) {
+        return Err(PullError::OutOfBounds { side: "local" });
+    }
+    let mut seen = local.to_vec();
+    seen.sort_unstable();
+    if let Some(w) = seen.windows(2).find(|w| w[0] == w[1]) {
+        return Err(PullError::RepeatedBlock(w[0].0));
+    }
+    let start = Instant::now();
+    // SAFETY: every block lies inside its region (checked above); the peer's blocks are only
+    // read (validity per the caller); our blocks are distinct (checked above), so the mutable
+    // views do not overlap each other, and nothing else accesses them (per the caller).
+    let src_blocks: Vec<&[u8]> = remote
+        .iter()
+        .map(|b| unsafe { std::slice::from_raw_parts(src.add(b.index() * sb), sb) })
+        .collect();
+    let mut dst_blocks: Vec<&mut [u8]> = local
+        .iter()
+        .map(|b| unsafe { std::slice::from_raw_parts_mut(dst.as_ptr().add(b.index() * db), db) })
+        .collect();
+    pd_kv_pool::rechunk(
+        &r.from,
+        &src_blocks,
+        &r.to,
+        &mut dst_blocks,
+        r.tokens.clone(),
+    )?;
+    let took = start.elapsed();
+    Ok(PullStats {
+        bytes: remote.len() * sb,
+        descriptors: remote.len(),
+        post_time: took,
+        total_time: took,
+        copied: true,
+    })
 }
 
 /// Reads `remote[i]` of the peer into `local[i]` of `dst` for every `i`, one descriptor per run of

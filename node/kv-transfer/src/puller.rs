@@ -24,7 +24,7 @@ use pd_ucx::{Context, Endpoint, MemoryRegion, RemoteKey, Request, Worker};
 use tokio::sync::oneshot;
 
 use crate::peer::{PeerInfo, TransferError};
-use crate::pull::{PostedPull, PullError, PullSource, PullStats, post_pull};
+use crate::pull::{PostedPull, PullError, PullSource, PullStats, Rechunk, post_pull};
 
 /// Pulls of one peer in flight at once; more wait in the puller's queue.
 pub const MAX_PULLS_PER_PEER: usize = 4;
@@ -46,6 +46,8 @@ struct Job {
     local: Vec<BlockId>,
     /// The lease's record on the peer's lease board, read once the blocks are in.
     board_slot: Option<u32>,
+    /// A peer with other blocks: convert after reading.
+    rechunk: Option<Rechunk>,
     deadline: Instant,
     timeout: Duration,
     reply: oneshot::Sender<Result<Pulled, PullError>>,
@@ -144,6 +146,26 @@ impl Puller {
         board_slot: Option<u32>,
         deadline: Instant,
     ) -> Result<Pulled, TransferError> {
+        self.pull_converting(peer, remote, local, None, board_slot, deadline)
+            .await
+    }
+
+    /// [`Puller::pull`] from a peer whose blocks differ from ours in size or order: with
+    /// `rechunk`, `remote` are the peer's blocks holding `rechunk.tokens` and `local` ours; the
+    /// peer's blocks are copied from its pool mapped here, or read whole into a staging buffer
+    /// with gets, and converted into ours ([`crate::pull::rechunk_pull`]) before the reply.
+    ///
+    /// # Errors
+    /// As [`Puller::pull`].
+    pub async fn pull_converting(
+        &self,
+        peer: &PeerInfo,
+        remote: Vec<BlockId>,
+        local: Vec<BlockId>,
+        rechunk: Option<Rechunk>,
+        board_slot: Option<u32>,
+        deadline: Instant,
+    ) -> Result<Pulled, TransferError> {
         let (reply, rx) = oneshot::channel();
         let now = Instant::now();
         self.jobs
@@ -152,6 +174,7 @@ impl Puller {
                 remote,
                 local,
                 board_slot,
+                rechunk,
                 deadline,
                 timeout: deadline.saturating_duration_since(now),
                 reply,
@@ -192,6 +215,20 @@ struct Flight<'w> {
     /// Set when its endpoint was force-closed: the error to answer with once the flush (or the
     /// close) completed.
     aborted: Option<PullError>,
+    /// A pull from a peer with other blocks: the buffer its reads land in, to convert into
+    /// these local blocks once they are in.
+    staged: Option<Staged>,
+}
+
+/// The reads of a converting pull ([`Rechunk`]), staged: the peer's blocks, whole and in order
+/// (the `i`-th at `i · from.block_bytes()`), land in `buffer` (registered here); once they are
+/// in, `rechunk` copies their tokens into `local`.
+struct Staged {
+    buffer: MemoryRegion,
+    /// The peer's blocks in `buffer`.
+    blocks: usize,
+    rechunk: Rechunk,
+    local: Vec<BlockId>,
 }
 
 /// A force-close in progress.
@@ -205,6 +242,7 @@ struct Closing<'w> {
 const CLOSE_GRACE: Duration = Duration::from_secs(1);
 
 struct State<'w> {
+    ctx: &'w Context,
     worker: &'w Worker,
     local: &'w MemoryRegion,
     block_bytes: usize,
@@ -230,6 +268,7 @@ fn run(
         }
     };
     let mut st = State {
+        ctx,
         worker: &worker,
         local,
         block_bytes,
@@ -413,14 +452,24 @@ impl<'w> State<'w> {
             // SAFETY: the mapping lives as long as `peer.rkey`, which this thread owns for the
             // whole call; the job's local blocks are reserved for it by the engine.
             let copied = unsafe {
-                crate::pull::copy_pull(
-                    mapped,
-                    job.peer.region_len as usize,
-                    self.local,
-                    &job.remote,
-                    &job.local,
-                    self.block_bytes,
-                )
+                match &job.rechunk {
+                    None => crate::pull::copy_pull(
+                        mapped,
+                        job.peer.region_len as usize,
+                        self.local,
+                        &job.remote,
+                        &job.local,
+                        self.block_bytes,
+                    ),
+                    Some(r) => crate::pull::rechunk_pull(
+                        mapped,
+                        job.peer.region_len as usize,
+                        &job.remote,
+                        self.local,
+                        &job.local,
+                        r,
+                    ),
+                }
             };
             let record = copied
                 .is_ok()
@@ -437,7 +486,34 @@ impl<'w> State<'w> {
             remote_base: job.peer.region_base,
             remote_len: job.peer.region_len as usize,
         };
-        match post_pull(&src, self.local, &job.remote, &job.local, self.block_bytes) {
+        // A converting pull reads the peer's blocks whole into a staging buffer first.
+        let staged = match job.rechunk {
+            None => None,
+            Some(rechunk) => {
+                let bytes = job.remote.len() * rechunk.from.block_bytes();
+                match MemoryRegion::allocate(self.ctx, bytes.max(1)) {
+                    Ok(buffer) => Some(Staged {
+                        buffer,
+                        blocks: job.remote.len(),
+                        rechunk,
+                        local: job.local.clone(),
+                    }),
+                    Err(e) => {
+                        let _ = job.reply.send(Err(PullError::Ucx(e)));
+                        return;
+                    }
+                }
+            }
+        };
+        let posted = match &staged {
+            None => post_pull(&src, self.local, &job.remote, &job.local, self.block_bytes),
+            Some(s) => {
+                let slots: Vec<BlockId> = (0..job.remote.len() as u32).map(BlockId).collect();
+                let bytes = s.rechunk.from.block_bytes();
+                post_pull(&src, &s.buffer, &job.remote, &slots, bytes)
+            }
+        };
+        match posted {
             Ok(posted) => {
                 peer.in_flight += 1;
                 self.flights.push(Flight {
@@ -448,6 +524,7 @@ impl<'w> State<'w> {
                     timeout: job.timeout,
                     reply: job.reply,
                     aborted: None,
+                    staged,
                 });
             }
             Err(e @ (PullError::LengthMismatch { .. } | PullError::OutOfBounds { .. })) => {
@@ -482,6 +559,7 @@ impl<'w> State<'w> {
             timeout: Duration::ZERO,
             reply,
             aborted: Some(err),
+            staged: None,
         });
     }
 
@@ -582,16 +660,36 @@ impl<'w> State<'w> {
                 board_slot,
                 reply,
                 aborted,
+                staged,
                 ..
             } = f;
             let was_flushed = flushed.is_some();
             let result = match (aborted, flushed, &posted) {
                 (Some(e), _, _) => Err(e),
-                (None, Some(Ok(())), Some(p)) => Ok(Pulled {
-                    stats: p.stats(),
-                    // After the reads, before anyone hears of them: see `read_record`.
-                    record: self.board_record(&key, board_slot),
-                }),
+                (None, Some(Ok(())), Some(p)) => {
+                    // Staged reads are in: convert them into our blocks.
+                    let converted = staged.as_ref().map_or(Ok(()), |s| {
+                        let slots: Vec<BlockId> = (0..s.blocks as u32).map(BlockId).collect();
+                        // SAFETY: the buffer is ours and its reads completed (flushed); the
+                        // local blocks are reserved for this pull by the engine.
+                        unsafe {
+                            crate::pull::rechunk_pull(
+                                s.buffer.as_ptr(),
+                                s.buffer.len(),
+                                &slots,
+                                self.local,
+                                &s.local,
+                                &s.rechunk,
+                            )
+                        }
+                        .map(|_| ())
+                    });
+                    converted.map(|()| Pulled {
+                        stats: p.stats(),
+                        // After the reads, before anyone hears of them: see `read_record`.
+                        record: self.board_record(&key, board_slot),
+                    })
+                }
                 (None, Some(Err(e)), _) => Err(PullError::Ucx(e)),
                 // Not done, or a flight without reads that was not aborted: neither exists.
                 (None, _, _) => Err(PullError::Closed("no reads")),
@@ -681,8 +779,10 @@ pub struct LeasedBlocks {
     pub generation: u64,
     /// The peer's block ids.
     pub remote: Vec<BlockId>,
-    /// Our block ids, one per remote block.
+    /// Our block ids, one per remote block (with `rechunk`: ours holding its tokens).
     pub local: Vec<BlockId>,
+    /// The peer's blocks differ from ours in size or order: convert these tokens.
+    pub rechunk: Option<Rechunk>,
     /// What the blocks must hold (the reader's prompt), checked against what the owner says at
     /// confirm. Not attested (all zero): no check.
     pub expect: pd_kv_pool::LeaseContents,
@@ -750,10 +850,11 @@ pub async fn pull_under_lease_with(
         let overlap = blocks.board_slot.is_some() && peer.board_slots > 0;
         let pull = async {
             let r = puller
-                .pull(
+                .pull_converting(
                     peer,
                     blocks.remote,
                     blocks.local,
+                    blocks.rechunk,
                     blocks.board_slot,
                     deadline,
                 )

@@ -41,9 +41,6 @@ pub struct OwnerIdentity {
     pub board_slots: u32,
 }
 
-/// Element order of [`KvLayout`], outermost first.
-pub const DIM_ORDER: &str = "block,layer,kv,head,slot,dim";
-
 /// The `KvPeer` service over a [`LeaseAuthority`].
 #[derive(Debug)]
 pub struct KvPeerService<A> {
@@ -113,7 +110,6 @@ pub fn compat_to_proto(c: &CompatInfo) -> Compat {
         num_kv_heads: c.num_kv_heads,
         num_layers: c.num_layers,
         head_dim: c.head_dim,
-        block_size: c.block_size,
         hash: c.hash(),
         fingerprint: c.fingerprint.clone(),
     }
@@ -130,7 +126,6 @@ pub fn compat_from_proto(c: &Compat) -> CompatInfo {
         num_kv_heads: c.num_kv_heads,
         num_layers: c.num_layers,
         head_dim: c.head_dim,
-        block_size: c.block_size,
     }
 }
 
@@ -142,7 +137,7 @@ fn layout_to_proto(l: &KvLayout) -> Layout {
         num_kv_heads: l.num_kv_heads as u32,
         head_dim: l.head_dim as u32,
         dtype: l.dtype.as_str().to_string(),
-        dim_order: DIM_ORDER.to_string(),
+        dim_order: l.order.dim_order().to_string(),
         block_bytes: l.block_bytes() as u64,
     }
 }

@@ -25,6 +25,7 @@ fn layout() -> KvLayout {
         num_kv_heads: 2,
         head_dim: 32,
         dtype: KvDtype::F32,
+        order: pd_kv_pool::KvOrder::Hnd,
     }
 }
 
@@ -83,6 +84,7 @@ impl Owner {
             generation: self.generation,
             remote: self.blocks.clone(),
             local,
+            rechunk: None,
             // pd-kv-owner does not attest its leases (nor has a lease board): nothing to check.
             expect: pd_kv_pool::LeaseContents::default(),
             board_slot: None,
@@ -217,10 +219,10 @@ async fn compatibility_mismatch_is_refused_naming_the_field() {
     let owner = Owner::start(30_000);
     let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
     let mut other = compat();
-    other.block_size = 32;
+    other.head_dim = 64;
     let err = client.handshake(&other, 1, false).await.unwrap_err();
     assert!(matches!(err, TransferError::HandshakeRefused(_)), "{err}");
-    assert!(err.to_string().contains("block_size"), "{err}");
+    assert!(err.to_string().contains("head_dim"), "{err}");
     let mut other = compat();
     other.model = "another-model".into();
     assert!(
@@ -233,7 +235,7 @@ async fn compatibility_mismatch_is_refused_naming_the_field() {
     );
     // The operator's escape hatch skips the check on both sides.
     let mut other = compat();
-    other.block_size = 32;
+    other.head_dim = 64;
     client.handshake(&other, 1, true).await.unwrap();
 }
 

@@ -31,16 +31,13 @@ fn write_kv_as<T: KvElem>(pool: &mut KvPool, layer: usize, k: &[f32], v: &[f32],
     let (hd, kvh, bs) = (layout.head_dim, layout.num_kv_heads, layout.block_size);
     for (t, &slot) in slots.iter().enumerate() {
         let (block, off) = (BlockId((slot / bs) as u32), slot % bs);
-        for h in 0..kvh {
-            let src = (t * kvh + h) * hd;
-            T::store_f32(
-                &k[src..src + hd],
-                &mut pool.tile_mut::<T>(block, layer, 0, h)[off * hd..(off + 1) * hd],
-            );
-            T::store_f32(
-                &v[src..src + hd],
-                &mut pool.tile_mut::<T>(block, layer, 1, h)[off * hd..(off + 1) * hd],
-            );
+        for (kv, src) in [(0, k), (1, v)] {
+            // (num_kv_heads · block_size · head_dim) in the layout's order.
+            let slab = pool.slab_mut::<T>(block, layer, kv);
+            for h in 0..kvh {
+                let (from, to) = ((t * kvh + h) * hd, layout.row(h, off));
+                T::store_f32(&src[from..from + hd], &mut slab[to..to + hd]);
+            }
         }
     }
 }
@@ -153,15 +150,21 @@ impl Scratch {
         k.resize(blocks * te, 0.0);
         v.resize(blocks * te, 0.0);
         for (b, &block) in row.table.iter().enumerate().take(blocks).skip(have) {
-            let dst = b * te..(b + 1) * te;
-            T::load_f32(
-                row.pool.tile::<T>(block, row.layer, 0, row.kvh),
-                &mut k[dst.clone()],
-            );
-            T::load_f32(
-                row.pool.tile::<T>(block, row.layer, 1, row.kvh),
-                &mut v[dst],
-            );
+            for (kv, out) in [(0, &mut *k), (1, &mut *v)] {
+                let slab = row.pool.slab::<T>(block, row.layer, kv);
+                // (block_size, head_dim) of this head, contiguous here.
+                let dst = &mut out[b * te..(b + 1) * te];
+                if l.pos_stride() == l.head_dim {
+                    // The head's rows are contiguous in the pool too (`hnd`).
+                    let first = l.row(row.kvh, 0);
+                    T::load_f32(&slab[first..first + te], dst);
+                } else {
+                    for (p, d) in dst.chunks_exact_mut(l.head_dim).enumerate() {
+                        let r = l.row(row.kvh, p);
+                        T::load_f32(&slab[r..r + l.head_dim], d);
+                    }
+                }
+            }
         }
     }
 }
@@ -211,24 +214,30 @@ fn attend_row<T: KvElem>(row: &Row<'_>, scratch: &mut Scratch, o: &mut [f32]) {
         scratch.widen::<T>(row, blocks);
     }
     let Scratch { scores, k, v, .. } = scratch;
-    // (block_size, head_dim) of K (`kv` 0) or V (1) of block `b` of the table, in f32.
-    let tile = |b: usize, kv: usize| -> &[f32] {
+    // Block `b` of the table's K (`kv` 0) or V (1) of this head, in f32, and the elements
+    // between its positions' rows: the widened (block_size, head_dim) copy, or the pool's slab
+    // read in place from the head's first row.
+    let (first, stride) = if half {
+        (0, hd)
+    } else {
+        (layout.row(kvh, 0), layout.pos_stride())
+    };
+    let rows = |b: usize, kv: usize| -> &[f32] {
         if half {
             let widened = if kv == 0 { &k[kvh] } else { &v[kvh] };
             &widened[b * te..(b + 1) * te]
         } else {
-            pool.tile::<f32>(table[b], layer, kv, kvh)
+            &pool.slab::<f32>(table[b], layer, kv)[first..]
         }
     };
     scores.clear();
     scores.reserve(n);
     let mut max = f32::NEG_INFINITY;
     for b in 0..blocks {
-        // (block_size, head_dim)
-        let keys = tile(b, 0);
+        let keys = rows(b, 0);
         let len = bs.min(n - b * bs);
         for j in 0..len {
-            let d = dot(q, &keys[j * hd..(j + 1) * hd]) * scale;
+            let d = dot(q, &keys[j * stride..j * stride + hd]) * scale;
             max = max.max(d);
             scores.push(d);
         }
@@ -241,12 +250,11 @@ fn attend_row<T: KvElem>(row: &Row<'_>, scratch: &mut Scratch, o: &mut [f32]) {
     let inv = 1.0 / denom;
     o.fill(0.0);
     for b in 0..blocks {
-        // (block_size, head_dim)
-        let values = tile(b, 1);
+        let values = rows(b, 1);
         let len = bs.min(n - b * bs);
         for j in 0..len {
             let p = scores[b * bs + j] * inv;
-            for (acc, x) in o.iter_mut().zip(&values[j * hd..(j + 1) * hd]) {
+            for (acc, x) in o.iter_mut().zip(&values[j * stride..j * stride + hd]) {
                 *acc += p * x;
             }
         }
@@ -272,7 +280,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pd_kv_pool::KvDtype;
+    use pd_kv_pool::{KvDtype, KvOrder};
 
     /// Naive attention over contiguous K/V: (seq, kvh, hd).
     fn reference(
@@ -315,8 +323,11 @@ mod tests {
     }
 
     #[test]
-    fn paged_equals_contiguous_with_scattered_blocks_in_every_dtype() {
-        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::BF16] {
+    fn paged_equals_contiguous_with_scattered_blocks_in_every_dtype_and_order() {
+        let cases = [KvDtype::F32, KvDtype::F16, KvDtype::BF16]
+            .into_iter()
+            .flat_map(|d| [(d, KvOrder::Hnd), (d, KvOrder::Nhd)]);
+        for (dtype, order) in cases {
             // 10 positions over blocks of 4 → 3 blocks, deliberately out of order in the pool.
             let layout = KvLayout {
                 num_blocks: 6,
@@ -325,6 +336,7 @@ mod tests {
                 num_kv_heads: 2,
                 head_dim: 8,
                 dtype,
+                order,
             };
             let (heads, kvh, hd, n) = (4, 2, 8, 10);
             let mut x = 0.37f32;
@@ -360,13 +372,13 @@ mod tests {
                 (k.iter().map(round).collect(), v.iter().map(round).collect());
             let want = reference(&q, &kr, &vr, heads, kvh, hd, 0.35);
             for (a, b) in got.iter().zip(&want) {
-                assert!((a - b).abs() < 1e-5, "{dtype:?}: {a} vs {b}");
+                assert!((a - b).abs() < 1e-5, "{dtype:?} {order:?}: {a} vs {b}");
             }
             // And within the type's precision of the f32 answer.
             let exact = reference(&q, &k, &v, heads, kvh, hd, 0.35);
             let tol = if dtype == KvDtype::BF16 { 2e-2 } else { 2e-3 };
             for (a, b) in got.iter().zip(&exact) {
-                assert!((a - b).abs() < tol, "{dtype:?}: {a} vs {b}");
+                assert!((a - b).abs() < tol, "{dtype:?} {order:?}: {a} vs {b}");
             }
         }
     }

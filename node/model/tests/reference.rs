@@ -108,6 +108,7 @@ fn compare(arch: TinyArch, prompt: &[u32], chunk: usize, decode: usize) {
         num_kv_heads: cfg.num_kv_heads,
         head_dim: cfg.head_dim,
         dtype: KvDtype::F32,
+        order: pd_kv_pool::KvOrder::Hnd,
     };
     let mut pool = KvPool::new(layout).unwrap();
     // Poison the whole pool: any read of an unwritten slot turns the logits into NaN.
@@ -208,6 +209,7 @@ fn batch_of_sequences_equals_each_alone() {
         num_kv_heads: cfg.num_kv_heads,
         head_dim: cfg.head_dim,
         dtype: KvDtype::F32,
+        order: pd_kv_pool::KvOrder::Hnd,
     };
     let (p1, p2) = (prompt(9, 4), prompt(14, 5));
     let t1: Vec<BlockId> = (0..4).map(BlockId).collect();

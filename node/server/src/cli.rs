@@ -64,6 +64,11 @@ pub struct ServeArgs {
     /// for a GGUF model, f32 for a Hugging Face directory. Peers must use the same.
     #[arg(long, value_parser = parse_kv_dtype)]
     pub kv_cache_dtype: Option<pd_kv_pool::KvDtype>,
+    /// Order inside a KV block: `hnd` (default: heads outer, the CPU kernels' order) or `nhd`
+    /// (positions outer: the GPU layout, as a FlashAttention/vLLM CUDA cache block). Peers may
+    /// differ in this and in --block-size: a decode node converts what it pulls.
+    #[arg(long, value_parser = parse_kv_layout, default_value = "hnd")]
+    pub kv_layout: pd_kv_pool::KvOrder,
     /// How a GGUF model's quantized weights are held: `fast` (default: Q4_1 through our own
     /// SIMD kernel, other types as measured in BENCHMARKS.md), `candle-kernels` (candle's
     /// kernels only: Q4_1 requantized to Q8_0, the default before), `as-stored` (the file's
@@ -239,6 +244,7 @@ impl ServeArgs {
             num_blocks: self.num_blocks,
             kv_cache_memory: self.kv_cache_memory.unwrap_or(defaults.kv_cache_memory),
             kv_cache_dtype: self.kv_cache_dtype,
+            kv_layout: self.kv_layout,
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,
             max_model_len: self.max_model_len,
@@ -505,6 +511,15 @@ pub fn parse_kv_dtype(input: &str) -> Result<pd_kv_pool::KvDtype, String> {
         .into_iter()
         .find(|d| d.as_str() == input)
         .ok_or_else(|| format!("`{input}` is not a KV dtype: use f32, f16 or bf16"))
+}
+
+/// Parses `--kv-layout`: `hnd` or `nhd`.
+///
+/// # Errors
+/// A message naming the accepted values.
+pub fn parse_kv_layout(input: &str) -> Result<pd_kv_pool::KvOrder, String> {
+    pd_kv_pool::KvOrder::parse(input)
+        .ok_or_else(|| format!("`{input}` is not a KV layout: use hnd or nhd"))
 }
 
 /// Parses a byte size: `1048576`, `256MiB`, `1GiB`, `512k`, `1.5G`, `500MB`.

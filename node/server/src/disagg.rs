@@ -18,9 +18,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use pd_engine::{EngineHandle, RemoteKv, RequestEvent, RequestId, RequestStream};
+use pd_kv_pool::BlockId;
 use pd_kv_transfer::{
     CompatInfo, FailurePolicy, Fallback, HandshakeCache, LeaseKeeper, LeasedBlocks, PeerClient,
-    PeerInfo, Puller, TransferError, TransferMetrics, pull_under_lease_with,
+    PeerInfo, Puller, Rechunk, TransferError, TransferMetrics, pull_under_lease_with,
 };
 use tokio::sync::{mpsc, watch};
 
@@ -235,6 +236,7 @@ impl Disagg {
             epoch,
             host,
             port,
+            block_size: info.block_size,
         });
         let loader = puller.map(|puller| Loader {
             puller,
@@ -468,6 +470,78 @@ fn held_tokens(remote: &RemotePrefill, prompt_len: usize, block_size: usize) -> 
         .min(prompt_len)
 }
 
+/// What [`plan_pull`] decided.
+struct PullPlan {
+    /// The producer's blocks to read.
+    remote: Vec<BlockId>,
+    /// Ours they land in (one per remote block, or, with `rechunk`, ours holding its tokens).
+    local: Vec<BlockId>,
+    /// The producer's blocks differ from ours in size or order: convert these tokens.
+    rechunk: Option<Rechunk>,
+}
+
+/// Which of the producer's blocks to read into which of ours: the KV of the tokens from our
+/// first block without KV (`first_block`, after our own prefix-cache hits) up to `held`.
+/// `local` are our blocks from `first_block` on. The producer's blocks are of the size its
+/// handshake says (`theirs`), which must be the size the params were checked with
+/// (`said_bs`). Where the producer's block size or order differ from ours, the tokens are
+/// converted after the reads ([`Rechunk`]).
+fn plan_pull(
+    ours: &pd_kv_pool::KvLayout,
+    theirs: &pd_kv_pool::KvLayout,
+    said_bs: usize,
+    remote_ids: &[BlockId],
+    local: &[BlockId],
+    first_block: usize,
+    held: usize,
+) -> Result<PullPlan, TransferError> {
+    if theirs.block_size != said_bs {
+        return Err(TransferError::Mismatch(format!(
+            "the params were checked as blocks of {said_bs} tokens, the producer's hold {}",
+            theirs.block_size
+        )));
+    }
+    let bs = ours.block_size;
+    let short = |what: &str| {
+        TransferError::Mismatch(format!(
+            "{what} do not cover tokens {}..{held}",
+            first_block * bs
+        ))
+    };
+    if !pd_kv_transfer::needs_rechunk(ours, theirs) {
+        // Block for block.
+        let held_blocks = remote_ids.len().min(held.div_ceil(bs));
+        let remote = remote_ids
+            .get(first_block..held_blocks)
+            .ok_or_else(|| short("the producer's blocks"))?;
+        let local = local
+            .get(..remote.len())
+            .ok_or_else(|| short("our reserved blocks"))?;
+        return Ok(PullPlan {
+            remote: remote.to_vec(),
+            local: local.to_vec(),
+            rechunk: None,
+        });
+    }
+    let tokens = first_block * bs..held;
+    let rbs = theirs.block_size;
+    let remote = remote_ids
+        .get(tokens.start / rbs..held.div_ceil(rbs))
+        .ok_or_else(|| short("the producer's blocks"))?;
+    let local = local
+        .get(..held.div_ceil(bs).saturating_sub(first_block))
+        .ok_or_else(|| short("our reserved blocks"))?;
+    Ok(PullPlan {
+        remote: remote.to_vec(),
+        local: local.to_vec(),
+        rechunk: Some(Rechunk {
+            from: *theirs,
+            to: *ours,
+            tokens,
+        }),
+    })
+}
+
 /// Whether `remote` describes this prompt's KV, or a prefix of it (a retained turn): no more
 /// blocks than the prompt has, `remote_num_tokens` within the prompt and filling exactly the
 /// blocks named, `remote_prompt_hash` equal to the hash of that prefix. The producer's own
@@ -477,6 +551,8 @@ pub(crate) fn check_prompt(
     prompt: &[u32],
     block_size: usize,
 ) -> Result<(), (&'static str, String)> {
+    // The producer's blocks: of the size it said (`remote_block_size`), else of ours.
+    let block_size = remote.block_size.unwrap_or(block_size);
     if remote.block_ids.len() > prompt.len().div_ceil(block_size) {
         return Err((
             "remote_block_ids",
@@ -692,10 +768,16 @@ async fn relay(
         .record_stage("wait_blocks", arrived.elapsed());
     let remote = &remote;
     // The KV the producer holds: the whole prompt (a prefill's handoff) or a prefix of it (an
-    // earlier turn); what is not pulled is computed here.
-    let bs = engine.info().block_size;
-    let held = held_tokens(remote, prompt.len(), bs);
-    let held_blocks = remote.block_ids.len().min(held.div_ceil(bs));
+    // earlier turn); what is not pulled is computed here. Block counts below are ours.
+    let ours = engine.info().kv_layout;
+    let bs = ours.block_size;
+    let said_bs = remote.block_size.unwrap_or(bs);
+    let held = held_tokens(remote, prompt.len(), said_bs);
+    let held_blocks = if said_bs == bs {
+        remote.block_ids.len().min(held.div_ceil(bs))
+    } else {
+        held.div_ceil(bs)
+    };
     let wanted = held
         .min(prompt.len().saturating_sub(1))
         .saturating_sub(cached);
@@ -741,48 +823,70 @@ async fn relay(
                     disagg.metrics.record_failure(&e);
                     Err(e)
                 }
-                Ok((mut client, peer)) => {
-                    let leased = LeasedBlocks {
-                        lease: remote.lease,
-                        generation: remote.generation,
-                        remote: remote.block_ids[first_block..held_blocks].to_vec(),
-                        local: blocks[..held_blocks - first_block].to_vec(),
-                        // The lease's tokens (our prompt's) in the lease's blocks (the ids
-                        // the params name, which we read).
-                        expect: pd_kv_pool::LeaseContents::of(&prompt[..held])
-                            .in_blocks(&remote.block_ids),
-                        board_slot: remote.board_slot,
-                    };
-                    // Not cancellable: the reads land in our reserved blocks.
-                    let r = pull_under_lease_with(
-                        &loader.puller,
-                        &mut client,
-                        &peer,
-                        leased,
-                        early.0.take(),
-                        deadline,
-                        &disagg.metrics,
-                    )
-                    .await;
-                    r.map(|p| {
-                        if let Some(first_token) = p.next_token
-                            && held == prompt.len()
-                        {
-                            // A greedy prefill's first token, vouched for with the blocks: a
-                            // greedy request here emits it without computing (the engine
-                            // decides; anything else computes the last position as usual).
-                            RemoteKv::PulledWithFirstToken {
-                                tokens: held,
-                                first_token,
-                            }
-                        } else if p.attested {
-                            RemoteKv::Pulled(held)
-                        } else {
-                            // KV nobody vouched for: this request only, never the cache.
-                            RemoteKv::PulledUnattested(held)
+                Ok((mut client, peer)) => match plan_pull(
+                    &ours,
+                    &peer.layout,
+                    said_bs,
+                    &remote.block_ids,
+                    &blocks,
+                    first_block,
+                    held,
+                ) {
+                    Err(e) => {
+                        disagg.metrics.record_failure(&e);
+                        Err(e)
+                    }
+                    Ok(PullPlan {
+                        remote: remote_ids,
+                        local: local_ids,
+                        rechunk,
+                    }) => {
+                        if rechunk.is_some() {
+                            disagg.metrics.rechunked_pulls.inc();
                         }
-                    })
-                }
+                        let leased = LeasedBlocks {
+                            lease: remote.lease,
+                            generation: remote.generation,
+                            remote: remote_ids,
+                            local: local_ids,
+                            rechunk,
+                            // The lease's tokens (our prompt's) in the lease's blocks (the ids
+                            // the params name, which we read).
+                            expect: pd_kv_pool::LeaseContents::of(&prompt[..held])
+                                .in_blocks(&remote.block_ids),
+                            board_slot: remote.board_slot,
+                        };
+                        // Not cancellable: the reads land in our reserved blocks.
+                        let r = pull_under_lease_with(
+                            &loader.puller,
+                            &mut client,
+                            &peer,
+                            leased,
+                            early.0.take(),
+                            deadline,
+                            &disagg.metrics,
+                        )
+                        .await;
+                        r.map(|p| {
+                            if let Some(first_token) = p.next_token
+                                && held == prompt.len()
+                            {
+                                // A greedy prefill's first token, vouched for with the blocks: a
+                                // greedy request here emits it without computing (the engine
+                                // decides; anything else computes the last position as usual).
+                                RemoteKv::PulledWithFirstToken {
+                                    tokens: held,
+                                    first_token,
+                                }
+                            } else if p.attested {
+                                RemoteKv::Pulled(held)
+                            } else {
+                                // KV nobody vouched for: this request only, never the cache.
+                                RemoteKv::PulledUnattested(held)
+                            }
+                        })
+                    }
+                },
             }
         }
     };

@@ -25,6 +25,9 @@ pub(crate) const FIELD: &str = "kv_transfer_params";
 /// the bound caps what one request can make a producer hold.
 pub(crate) const MAX_CONSUMERS: u64 = 16;
 
+/// Largest `remote_block_size` accepted (tokens per block).
+pub(crate) const MAX_BLOCK_SIZE: usize = 4096;
+
 /// What a request's `kv_transfer_params` asks of this node.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum KvDirective {
@@ -74,6 +77,10 @@ pub(crate) struct RemotePrefill {
     /// The lease's record on the producer's lease board (`remote_lease_slot`), when it said:
     /// the lease is confirmed by reading it right after the blocks, without a round trip.
     pub(crate) board_slot: Option<u32>,
+    /// Tokens per block of the producer's pool (`remote_block_size`), when it said; absent: the
+    /// same as ours. The handshake's word decides: a pull from a producer whose blocks are of
+    /// another size than this says fails as a mismatch.
+    pub(crate) block_size: Option<usize>,
 }
 
 impl RemotePrefill {
@@ -196,6 +203,15 @@ fn parse_one(v: &Value) -> Result<KvDirective, ApiError> {
     };
     let generation = unsigned(o, "remote_lease_generation", u64::MAX)?;
     let board_slot = unsigned(o, "remote_lease_slot", u64::from(u32::MAX))?.map(|s| s as u32);
+    let block_size = match unsigned(o, "remote_block_size", MAX_BLOCK_SIZE as u64)? {
+        Some(0) => {
+            return Err(bad(
+                "remote_block_size",
+                format!("{FIELD}.remote_block_size must be positive"),
+            ));
+        }
+        n => n.map(|n| n as usize),
+    };
     let epoch = match string(o, "remote_engine_epoch")? {
         None => None,
         Some(s) => Some(u64::from_str_radix(&s, 16).map_err(|_| {
@@ -246,6 +262,7 @@ fn parse_one(v: &Value) -> Result<KvDirective, ApiError> {
             expiry,
             epoch,
             board_slot,
+            block_size,
         })
     })();
     if decode && prefill {
@@ -329,6 +346,8 @@ pub(crate) struct Advert {
     pub(crate) host: String,
     /// KV side channel port.
     pub(crate) port: u16,
+    /// Tokens per block of this node's pool (`remote_block_size`).
+    pub(crate) block_size: usize,
 }
 
 /// The response's `kv_transfer_params` for a prefill whose KV was handed off.
@@ -368,6 +387,7 @@ fn held(advert: &Advert, request_id: &str, h: &KvHandoff) -> Value {
         "remote_request_id": request_id,
         "remote_host": advert.host,
         "remote_port": advert.port,
+        "remote_block_size": advert.block_size,
         "tp_size": 1,
         "remote_num_tokens": h.num_tokens,
         "remote_lease_id": h.lease.to_string(),
@@ -490,6 +510,7 @@ mod tests {
             epoch: u64::MAX - 1,
             host: "127.0.0.1".into(),
             port: 7000,
+            block_size: 16,
         };
         let h = KvHandoff {
             lease: LeaseId(0xabc),

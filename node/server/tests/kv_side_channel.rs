@@ -108,6 +108,7 @@ async fn node_publishes_its_ucx_pool_and_serves_from_it_token_exact() {
         num_kv_heads: 2,
         head_dim: 16,
         dtype: KvDtype::F32,
+        order: pd_kv_pool::KvOrder::Hnd,
     };
     let mut client = PeerClient::connect(with_kv.kv.as_deref().unwrap(), "node-b")
         .await

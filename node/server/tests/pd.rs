@@ -47,7 +47,8 @@ fn model_seeded(name: &str, seed: u64) -> PathBuf {
     dir
 }
 
-/// Starts `pd-node serve` on `model` with 4-token blocks plus `extra` flags.
+/// Starts `pd-node serve` on `model` with 4-token blocks (unless `extra` names a
+/// `--block-size`) plus `extra` flags.
 pub(crate) fn start(model: &Path, extra: &[&str]) -> Node {
     start_env(model, extra, &[])
 }
@@ -60,7 +61,10 @@ fn start_env(model: &Path, extra: &[&str], env: &[(&str, &str)]) -> Node {
     if !extra.contains(&"--port") {
         cmd.args(["--port", "0"]);
     }
-    cmd.args(["--block-size", "4", "--served-model-name", "tiny"]);
+    if !extra.contains(&"--block-size") {
+        cmd.args(["--block-size", "4"]);
+    }
+    cmd.args(["--served-model-name", "tiny"]);
     if !extra.contains(&"--num-gpu-blocks") {
         cmd.args(["--num-gpu-blocks", "256"]);
     }
@@ -506,6 +510,88 @@ async fn pulls_through_the_mapping_and_through_ucx_gets_bring_the_same_kv() {
             metric(d, "pd_kv_lease_confirms_total{via=\"board\"}").await,
             1.0
         );
+    }
+}
+
+/// Issue 13, heterogeneous peers on CPU: producers and consumers whose block sizes (16 ↔ 32)
+/// and block layouts (`hnd`, the CPU order, ↔ `nhd`, the GPU order) differ still hand KV over
+/// — the consumer converts what it pulls — through the mapped copy and through UCX gets into a
+/// staging buffer, in both directions. Every answer equals one node's, token for token, with KV
+/// pulled, counted as converted where the layouts differ. A second prompt extending the first
+/// makes the consumer pull from the middle of the producer's blocks (its own prefix cache holds
+/// the start).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_with_other_block_sizes_and_layouts_hand_over_kv_token_exact() {
+    let dir = model("hetero");
+    let solo = start(&dir, &["--block-size", "16"]);
+    let nhd = ["--kv-layout", "nhd"];
+    let prod = |id: &'static str, bs: &'static str, extra: &[&'static str]| {
+        let mut a = vec!["--kv-role", "kv_producer", "--kv-port", "0"];
+        a.extend_from_slice(&["--engine-id", id, "--block-size", bs]);
+        a.extend_from_slice(extra);
+        start(&dir, &a)
+    };
+    let cons = |id: &'static str, bs: &'static str, extra: &[&'static str]| {
+        let mut a = vec!["--engine-id", id, "--block-size", bs];
+        a.extend_from_slice(extra);
+        consumer_with(&dir, "fail", &a)
+    };
+    let p16 = prod("p16", "16", &[]);
+    let p32n = prod("p32n", "32", &nhd);
+    let d32 = cons("d32", "32", &[]);
+    let d16n = cons("d16n", "16", &nhd);
+    let d32n_get = cons(
+        "d32ng",
+        "32",
+        &["--kv-layout", "nhd", "--kv-pull-via", "get"],
+    );
+    let d16_get = cons("d16g", "16", &["--kv-pull-via", "get"]);
+    // (producer, consumer, whether the layouts differ)
+    let pairs = [
+        (&p16, &d32, "16 hnd → 32 hnd", true),
+        (&p32n, &d16n, "32 nhd → 16 nhd", true),
+        (&p16, &d16n, "16 hnd → 16 nhd", true),
+        (&p32n, &d32, "32 nhd → 32 hnd", true),
+        (&p16, &d32n_get, "16 hnd → 32 nhd, gets", true),
+        (&p32n, &d16_get, "32 nhd → 16 hnd, gets", true),
+        (&p32n, &d32n_get, "32 nhd → 32 nhd, gets", false),
+    ];
+    let body = |ids: &[u32]| {
+        json!({"model": "tiny", "prompt": ids, "max_tokens": 6, "temperature": 0,
+               "ignore_eos": true, "return_token_ids": true})
+    };
+    let api = Api::Completions;
+    for (i, (p, d, what, differ)) in pairs.into_iter().enumerate() {
+        let before = metric(d, "pd_kv_rechunked_pulls_total").await;
+        // 57 tokens: three and a half blocks of 16, one and three quarters of 32.
+        let first: Vec<u32> = (0..57)
+            .map(|j| 3 + ((i * 131 + j * 37) % 500) as u32)
+            .collect();
+        // The same 57 and 19 more: the consumer holds the first blocks of its own size (48 or
+        // 32 tokens) and pulls from there, in the middle of a producer's block of 32.
+        let mut second = first.clone();
+        second.extend((0..19).map(|j| 3 + ((i * 17 + j * 53) % 500) as u32));
+        for (k, ids) in [&first, &second].into_iter().enumerate() {
+            let b = body(ids);
+            let want = seen(api, post(&solo.http, api.path(), &b).await).await;
+            let got = through_pd(p, d, api, &b).await;
+            assert_eq!(got.tokens, want.tokens, "{what}, prompt {k}");
+            let pulled = got.pulled.unwrap_or(0);
+            assert!(pulled > 0, "{what}, prompt {k}: pulled {pulled}");
+            if k == 1 {
+                // Pulled only what the consumer's cache lacked.
+                assert!(
+                    got.cached.unwrap_or(0) > pulled,
+                    "{what}: cached {:?}, pulled {pulled}",
+                    got.cached
+                );
+            }
+        }
+        let converted = metric(d, "pd_kv_rechunked_pulls_total").await - before;
+        assert_eq!(converted, if differ { 2.0 } else { 0.0 }, "{what}");
+    }
+    for (d, via) in [(&d32, "mapped"), (&d32n_get, "get"), (&d16_get, "get")] {
+        assert!(metric(d, &format!("pd_kv_pulls_total{{via=\"{via}\"}}")).await >= 2.0);
     }
 }
 

@@ -82,6 +82,7 @@ fn main() -> BoxResult<()> {
         num_kv_heads: args.kv_heads,
         head_dim: args.head_dim,
         dtype: KvDtype::F32,
+        order: pd_kv_pool::KvOrder::Hnd,
     };
     let ctx = Context::new()?;
     let region = Arc::new(MemoryRegion::allocate(&ctx, layout.pool_bytes())?);

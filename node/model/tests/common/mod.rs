@@ -57,6 +57,7 @@ impl<'a> Ours<'a> {
             num_kv_heads: cfg.num_kv_heads,
             head_dim: cfg.head_dim,
             dtype,
+            order: pd_kv_pool::KvOrder::Hnd,
         };
         let mut pool = KvPool::new(layout).expect("pool");
         for b in 0..blocks {
