@@ -234,3 +234,82 @@ async fn prefill_rate_and_pull_bandwidth_are_measured() {
     assert!(metric(&p, "pd_node_prefill_tokens_per_second").await > 0.0);
     assert!(metric(&d, "pd_kv_pull_bytes_per_second").await > 0.0);
 }
+
+/// Issue 13 with issue 10: a conversation between nodes whose blocks differ (P: blocks of 16,
+/// `hnd`; D: blocks of 32, `nhd`, the GPU layout). Turn 1 goes P→D; D retains it in its own
+/// blocks of 32; for turn 2, P pulls the part its own cache lacks back from the middle of D's
+/// block (converting 32 `nhd` → 16 `hnd`), computes the rest, and hands off to D again
+/// (16 `hnd` → 32 `nhd`). Both turns equal one node's output token for token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_between_nodes_with_other_blocks_equals_one_node() {
+    let dir = model("multi-turn-hetero");
+    let solo = start(&dir, &["--block-size", "16"]);
+    let p = start(
+        &dir,
+        &[
+            "--kv-role",
+            "kv_producer",
+            "--kv-port",
+            "0",
+            "--engine-id",
+            "p16",
+            "--block-size",
+            "16",
+            "--kv-recompute-threshold",
+            "0",
+        ],
+    );
+    let d = consumer_with(
+        &dir,
+        "fail",
+        &[
+            &[
+                "--engine-id",
+                "d32n",
+                "--block-size",
+                "32",
+                "--kv-layout",
+                "nhd",
+            ],
+            RETAIN,
+        ]
+        .concat(),
+    );
+    let api = Api::Completions;
+    let path = api.path();
+    // 50 prompt tokens and 20 generated: D holds 64 (two blocks of 32), P's cache 48 (three
+    // of 16) of the next prompt, so P pulls tokens 48..64, the second half of D's block 1.
+    let mut prompt: Vec<u64> = (0..50).map(|i| 3 + (i * 29) % 400).collect();
+    let want = |prompt: Vec<u64>| {
+        let solo = &solo;
+        async move { seen(api, post(&solo.http, path, &turn(&prompt, 20)).await).await }
+    };
+    let body = turn(&prompt, 20);
+    let mut db = body.clone();
+    db["kv_transfer_params"] = seen(api, post(&p.http, path, &prefill_body(api, &body)).await)
+        .await
+        .kv
+        .unwrap();
+    let got = seen(api, post(&d.http, path, &db).await).await;
+    assert_eq!(got.tokens, want(prompt.clone()).await.tokens, "turn 1");
+    assert!(got.pulled.is_some_and(|n| n > 0), "{got:?}");
+    let kept = got.kv.clone().expect("D describes the retained turn");
+    assert_eq!(kept["remote_block_size"], 32, "{kept}");
+    assert_eq!(held(&kept), 64, "{kept}");
+    prompt.extend(&got.tokens[0]);
+    prompt.extend(user(1));
+
+    let body = turn(&prompt, 20);
+    let mut pb = prefill_body(api, &body);
+    pb["kv_transfer_params"] = kept;
+    let at_p = seen(api, post(&p.http, path, &pb).await).await;
+    assert_eq!(at_p.cached, Some(64), "{at_p:?}");
+    assert_eq!(at_p.pulled, Some(16), "{at_p:?}");
+    let mut db = body.clone();
+    db["kv_transfer_params"] = at_p.kv.expect("P hands off");
+    let got = seen(api, post(&d.http, path, &db).await).await;
+    assert_eq!(got.tokens, want(prompt.clone()).await.tokens, "turn 2");
+    assert!(got.pulled.is_some_and(|n| n > 0), "{got:?}");
+    assert_eq!(metric(&p, "pd_kv_rechunked_pulls_total").await, 1.0);
+    assert_eq!(metric(&d, "pd_kv_rechunked_pulls_total").await, 2.0);
+}
