@@ -21,6 +21,8 @@
 #![deny(unused_must_use)]
 
 pub mod block_copy;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod paged_attention;
 pub mod rechunk;
 pub mod reshape_and_cache;
