@@ -6,7 +6,10 @@
 //! nodes' counters show the split path ran for every request with no fallback, failover,
 //! recompute or leaked lease. Behind 2 + 2 the round-robin policy deals n=3's children over both
 //! decode nodes (2 + 1): P grants a lease per decode node, each pulls, and the gateway merges
-//! the two answers (choice indices, seeds, usage, one stream) into what one node gives.
+//! the two answers (choice indices, seeds, usage, one stream) into what one node gives. The 2 + 2
+//! cluster's prefill nodes keep their KV in the GPU block layout (`--kv-layout nhd`) and its
+//! decode nodes in the CPU one, so every pull there is converted (issue 13): still token for
+//! token.
 
 use std::time::Duration;
 
@@ -268,6 +271,8 @@ async fn the_openai_package_gets_identical_tokens_through_the_gateway_and_p_d() 
                     "--policy-deadline-ms",
                     "50",
                 ]),
+                // P in the GPU layout, D in the CPU layout: D converts every pull.
+                prefill_args: args(&["--kv-layout", "nhd"]),
                 ..ClusterSpec::default()
             },
         ),
@@ -282,5 +287,14 @@ async fn the_openai_package_gets_identical_tokens_through_the_gateway_and_p_d() 
             pulled.iter().sum::<u64>()
         );
         check_counters(&c, &specs, &pulled, spread).await;
+        // Converted pulls: every one in the 2 + 2 cluster (one per decode request), none in
+        // the 1 + 1 (same layouts).
+        let converted = c
+            .sum_over(Role::Decode, "pd_kv_rechunked_pulls_total", &[])
+            .await;
+        let pulls = c
+            .sum_over(Role::Prefill, "pd_kv_leases_total", &[("event", "granted")])
+            .await;
+        assert_eq!(converted, if spread { pulls } else { 0.0 }, "{name}");
     }
 }

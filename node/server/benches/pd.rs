@@ -2,9 +2,10 @@
 //! standalone node, on the same generated model, in one run.
 //!
 //! Run: `cargo bench -p pd-node --bench pd [-- --repeat 5 --lens 64,512,1536 --kv-cache-dtype
-//! f32|f16|bf16 --pull-via auto|get]` (the dtype is given to all three nodes; default f32; D's
-//! `--kv-pull-via`, default auto). Results are recorded in
-//! `BENCHMARKS.md`.
+//! f32|f16|bf16 --pull-via auto|get --d-args "FLAGS"]` (the dtype is given to all three nodes;
+//! default f32; D's `--kv-pull-via`, default auto; `--d-args` adds flags to D only, e.g.
+//! `"--block-size 32 --kv-layout nhd"` for a pull converted to another block size and order).
+//! Results are recorded in `BENCHMARKS.md`.
 //!
 //! Per prompt length (token-id prompts through `/v1/completions`, greedy, distinct prompts so no
 //! prefix cache helps):
@@ -135,6 +136,7 @@ async fn main() -> BenchResult<()> {
     let mut lens = vec![64usize, 512, 1536];
     let mut dtype = "f32".to_string();
     let mut via = "auto".to_string();
+    let mut d_args = String::new();
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -149,6 +151,8 @@ async fn main() -> BenchResult<()> {
             }
             "--kv-cache-dtype" => dtype = args.next().ok_or("--kv-cache-dtype f32|f16|bf16")?,
             "--pull-via" => via = args.next().ok_or("--pull-via auto|get")?,
+            // More flags for D only, e.g. "--block-size 32 --kv-layout nhd" (a converting pull).
+            "--d-args" => d_args = args.next().ok_or("--d-args \"FLAGS\"")?,
             "--bench" => {}
             other => return Err(format!("unknown argument {other}").into()),
         }
@@ -197,7 +201,10 @@ async fn main() -> BenchResult<()> {
             via.as_str(),
             kv_dtype[0],
             kv_dtype[1],
-        ],
+        ]
+        .into_iter()
+        .chain(d_args.split_whitespace())
+        .collect::<Vec<_>>(),
     )?;
     let client = reqwest::Client::new();
     let mut salt = 0u32;
