@@ -7,9 +7,9 @@
 //! recompute or leaked lease. Behind 2 + 2 the round-robin policy deals n=3's children over both
 //! decode nodes (2 + 1): P grants a lease per decode node, each pulls, and the gateway merges
 //! the two answers (choice indices, seeds, usage, one stream) into what one node gives. The 2 + 2
-//! cluster's prefill nodes keep their KV in the GPU block layout (`--kv-layout nhd`) and its
-//! decode nodes in the CPU one, so every pull there is converted (issue 13): still token for
-//! token.
+//! cluster's prefill nodes keep their KV in the GPU block layout (`--kv-layout nhd`, blocks of
+//! 16) and its decode nodes in the CPU one with blocks of 32, so every pull there is converted
+//! (issue 13): still token for token.
 
 use std::time::Duration;
 
@@ -271,8 +271,10 @@ async fn the_openai_package_gets_identical_tokens_through_the_gateway_and_p_d() 
                     "--policy-deadline-ms",
                     "50",
                 ]),
-                // P in the GPU layout, D in the CPU layout: D converts every pull.
+                // P in the GPU layout with blocks of 16, D in the CPU layout with blocks of 32:
+                // D converts every pull.
                 prefill_args: args(&["--kv-layout", "nhd"]),
+                decode_args: args(&["--block-size", "32"]),
                 ..ClusterSpec::default()
             },
         ),

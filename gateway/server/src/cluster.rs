@@ -167,8 +167,12 @@ impl Cluster {
         });
     }
 
-    /// Admits a registered node. The model's tokenizer is set by its first node; a node whose
-    /// tokenizer fingerprint or block size differs is refused with the reason.
+    /// Admits a registered node. The model's tokenizer and block size are set by its first node;
+    /// a node whose tokenizer fingerprint or hash key differs is refused with the reason. A node
+    /// with another block size is admitted — P and D convert KV between block sizes (issue 13)
+    /// — but the gateway hashes prompts in the model's block size, so that node's prefix-cache
+    /// hits and retained turns are invisible to routing (it is still routed to; a warning says
+    /// so once per registration).
     ///
     /// # Errors
     /// The refusal, for the node's `Status`.
@@ -194,10 +198,14 @@ impl Cluster {
                 ));
             }
             Some(m) if m.block_size != entry.block_size => {
-                return Err(format!(
-                    "block size {} of node `{}` differs from {}, the block size of model `{}`'s nodes",
-                    entry.block_size, entry.engine_id, m.block_size, entry.model
-                ));
+                tracing::warn!(
+                    node = %entry.engine_id,
+                    model = %entry.model,
+                    block_size = entry.block_size,
+                    model_block_size = m.block_size,
+                    "node's block size differs from the model's: admitted (KV is converted between \
+                     them), but its prefix-cache hits are invisible to routing"
+                );
             }
             Some(_) => {}
             None => {

@@ -590,6 +590,32 @@ async fn peers_with_other_block_sizes_and_layouts_hand_over_kv_token_exact() {
         let converted = metric(d, "pd_kv_rechunked_pulls_total").await - before;
         assert_eq!(converted, if differ { 2.0 } else { 0.0 }, "{what}");
     }
+    // Params that lie about the producer's block size (15 fits the 57 tokens in 4 blocks as
+    // well as 16 does, so the request is admitted): the handshake's word decides, the pull
+    // fails as a params mismatch (D's policy here is `fail`), nothing is read.
+    let ids: Vec<u32> = (0..57).map(|j| 5 + (j * 41) % 500).collect();
+    let b = body(&ids);
+    let mut params = prefill(&p16, api, &b).await;
+    assert_eq!(params["remote_block_size"], 16, "{params}");
+    params["remote_block_size"] = json!(15);
+    let mut db = b.clone();
+    db["kv_transfer_params"] = params;
+    let before = metric(
+        &d32,
+        "pd_kv_transfer_failures_total{reason=\"params_mismatch\"}",
+    )
+    .await;
+    let r = post(&d32.http, api.path(), &db).await;
+    assert_eq!(r.status(), 500);
+    assert!(r.text().await.unwrap().contains("blocks of 15"));
+    assert_eq!(
+        metric(
+            &d32,
+            "pd_kv_transfer_failures_total{reason=\"params_mismatch\"}"
+        )
+        .await,
+        before + 1.0
+    );
     for (d, via) in [(&d32, "mapped"), (&d32n_get, "get"), (&d16_get, "get")] {
         assert!(metric(d, &format!("pd_kv_pulls_total{{via=\"{via}\"}}")).await >= 2.0);
     }
