@@ -87,15 +87,13 @@ fn attention<T: PoolElem + KvElem + ValidAsZeroBits>(
             s.alloc_zeros(l.num_blocks * l.block_elems()).map_err(err)?;
         let mut cpu_pool: Vec<T> = s.clone_dtoh(&gpu_pool).map_err(err)?;
         reshape_and_cache::reference(&kk, &vv, &slots, &mut cpu_pool, 1, &l);
-        k.reshape_and_cache(
-            &s.clone_htod(&kk).map_err(err)?,
-            &s.clone_htod(&vv).map_err(err)?,
-            &s.clone_htod(&slots).map_err(err)?,
-            &mut gpu_pool,
-            1,
-            &l,
-        )
-        .map_err(err)?;
+        let (kd, vd, sd) = (
+            s.clone_htod(&kk).map_err(err)?,
+            s.clone_htod(&vv).map_err(err)?,
+            s.clone_htod(&slots).map_err(err)?,
+        );
+        // SAFETY: every slot was made from a block of the pool above.
+        unsafe { k.reshape_and_cache(&kd, &vd, &sd, &mut gpu_pool, 1, &l) }.map_err(err)?;
         let written = s.clone_dtoh(&gpu_pool).map_err(err)?;
         let cache_diff = max_diff(&widen(&written), &widen(&cpu_pool));
         // Rows: sequence 0 decodes position 69; sequence 1 a prefill chunk of 40..45.
@@ -109,20 +107,21 @@ fn attention<T: PoolElem + KvElem + ValidAsZeroBits>(
             &mut want, &q, &cpu_pool, &tables, max_blocks, &seq, &pos, heads, 1, 0.125, &l,
         );
         let mut out = s.alloc_zeros::<f32>(q.len()).map_err(err)?;
-        k.paged_attention(
-            &mut out,
-            &s.clone_htod(&q).map_err(err)?,
-            &gpu_pool,
-            &s.clone_htod(&tables).map_err(err)?,
-            max_blocks,
-            &s.clone_htod(&seq).map_err(err)?,
-            &s.clone_htod(&pos).map_err(err)?,
-            69,
-            heads,
-            1,
-            0.125,
-            &l,
-        )
+        let (qd, td) = (
+            s.clone_htod(&q).map_err(err)?,
+            s.clone_htod(&tables).map_err(err)?,
+        );
+        let (seqd, posd) = (
+            s.clone_htod(&seq).map_err(err)?,
+            s.clone_htod(&pos).map_err(err)?,
+        );
+        // SAFETY: sequences 0 and 1 have table rows, positions are at most 69, and the table
+        // entries up to them are blocks of the pool.
+        unsafe {
+            k.paged_attention(
+                &mut out, &qd, &gpu_pool, &td, max_blocks, &seqd, &posd, 69, heads, 1, 0.125, &l,
+            )
+        }
         .map_err(err)?;
         let got = s.clone_dtoh(&out).map_err(err)?;
         Ok([cache_diff, max_diff(&got, &want)])
@@ -144,14 +143,14 @@ fn copies(k: &Kernels, rng: &mut ChaCha8Rng) -> Result<f32, String> {
     let gpu_pool = s.clone_htod(&pool).map_err(err)?;
     let gpu_ids = s.clone_htod(&ids).map_err(err)?;
     let mut staging = s.alloc_zeros::<u32>(want.len()).map_err(err)?;
-    k.gather_blocks(&mut staging, &gpu_pool, &gpu_ids, words)
-        .map_err(err)?;
+    // SAFETY: the ids are blocks of the pool (and of the second, same-sized pool).
+    unsafe { k.gather_blocks(&mut staging, &gpu_pool, &gpu_ids, words) }.map_err(err)?;
     let gathered = s.clone_dtoh(&staging).map_err(err)?;
     let mut back = vec![0u32; pool.len()];
     block_copy::scatter_reference(&mut back, &want, &ids, words);
     let mut gpu_back = s.alloc_zeros::<u32>(pool.len()).map_err(err)?;
-    k.scatter_blocks(&mut gpu_back, &staging, &gpu_ids, words)
-        .map_err(err)?;
+    // SAFETY: as above.
+    unsafe { k.scatter_blocks(&mut gpu_back, &staging, &gpu_ids, words) }.map_err(err)?;
     let scattered = s.clone_dtoh(&gpu_back).map_err(err)?;
     Ok(if gathered == want && scattered == back {
         0.0
@@ -186,16 +185,13 @@ fn rechunks(
         &to,
     );
     let mut dst = s.alloc_zeros::<u16>(want.len()).map_err(err)?;
-    k.rechunk(
-        &mut dst,
-        &s.clone_htod(&src).map_err(err)?,
-        &s.clone_htod(&src_ids).map_err(err)?,
-        &s.clone_htod(&dst_ids).map_err(err)?,
-        tokens,
-        &from,
-        &to,
-    )
-    .map_err(err)?;
+    let (srcd, sid, did) = (
+        s.clone_htod(&src).map_err(err)?,
+        s.clone_htod(&src_ids).map_err(err)?,
+        s.clone_htod(&dst_ids).map_err(err)?,
+    );
+    // SAFETY: the lists name blocks 1, 3, 5… and 0, 2, 4… of pools of 40 blocks.
+    unsafe { k.rechunk(&mut dst, &srcd, &sid, &did, tokens, &from, &to) }.map_err(err)?;
     let got = s.clone_dtoh(&dst).map_err(err)?;
     Ok(if got == want { 0.0 } else { f32::INFINITY })
 }

@@ -85,6 +85,15 @@ const PTX: [(&str, &str); 4] = [
 /// Threads per block of every launch (a power of two: `paged_attention` reduces over it).
 const THREADS: u32 = 128;
 
+/// A launch of `grid` thread blocks of [`THREADS`] threads with `shared_mem_bytes`.
+fn launch(grid: (u32, u32), shared_mem_bytes: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid.0, grid.1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes,
+    }
+}
+
 fn shape(ok: bool, what: impl FnOnce() -> String) -> Result<(), KernelError> {
     if ok {
         Ok(())
@@ -152,8 +161,12 @@ impl Kernels {
     ///
     /// # Errors
     /// [`KernelError`].
+    ///
+    /// # Safety
+    /// Every non-negative slot must lie inside the pool (`< num_blocks · block_size`): slots are
+    /// device data, which this cannot check.
     #[allow(clippy::too_many_arguments)]
-    pub fn reshape_and_cache<T: PoolElem>(
+    pub unsafe fn reshape_and_cache<T: PoolElem>(
         &self,
         k: &CudaSlice<f32>,
         v: &CudaSlice<f32>,
@@ -183,8 +196,6 @@ impl Kernels {
         if tokens == 0 {
             return Ok(());
         }
-        // (Slots are device data: the kernel cannot check them against the pool; the caller's
-        // block tables are the node's own.)
         let f = self.function(&format!("reshape_and_cache_{}", T::SUFFIX))?;
         let dims = [l.num_layers, l.num_kv_heads, l.block_size, l.head_dim];
         let [nl, nkv, bs, hd] = dims.map(|x| x as i32);
@@ -192,11 +203,7 @@ impl Kernels {
         let mut b = self.stream.launch_builder(f);
         b.arg(k).arg(v).arg(slots).arg(pool).arg(&layer);
         b.arg(&nl).arg(&nkv).arg(&bs).arg(&hd).arg(&ord);
-        let cfg = LaunchConfig {
-            grid_dim: (tokens as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = launch((tokens as u32, 1), 0);
         // SAFETY: the arguments are the kernel's, in its order and types; sizes were checked.
         unsafe { b.launch(cfg) }?;
         Ok(())
@@ -207,9 +214,15 @@ impl Kernels {
     /// `block_tables` (`(num_seqs, max_blocks)`).
     ///
     /// # Errors
-    /// [`KernelError`].
+    /// [`KernelError`]; a `max_pos` whose scores do not fit the 48 KiB of shared memory a
+    /// launch gets without opting in (about 12 000 positions) is refused.
+    ///
+    /// # Safety
+    /// Device data this cannot check: every `token_seq[t]` names a row of `block_tables`,
+    /// every `token_pos[t]` is at most `max_pos`, and the table entries for positions
+    /// `0..=token_pos[t]` are blocks inside the pool.
     #[allow(clippy::too_many_arguments)]
-    pub fn paged_attention<T: PoolElem>(
+    pub unsafe fn paged_attention<T: PoolElem>(
         &self,
         out: &mut CudaSlice<f32>,
         q: &CudaSlice<f32>,
@@ -271,6 +284,12 @@ impl Kernels {
         }
         let f = self.function(&format!("paged_attention_{}", T::SUFFIX))?;
         let smem = (max_pos + 1 + 2 * THREADS as usize) * 4;
+        shape(smem <= 48 * 1024, || {
+            format!(
+                "{} positions do not fit the kernel's shared memory",
+                max_pos + 1
+            )
+        })?;
         let dims = [l.num_layers, l.num_kv_heads, l.block_size, l.head_dim];
         let [nl, nkv, bs, hd] = dims.map(|x| x as i32);
         let (mb, heads, layer, ord) = (
@@ -287,12 +306,9 @@ impl Kernels {
             .arg(&layer)
             .arg(&scale);
         b.arg(&nl).arg(&nkv).arg(&bs).arg(&hd).arg(&ord);
-        let cfg = LaunchConfig {
-            grid_dim: (tokens as u32, num_heads as u32, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: u32::try_from(smem)
-                .map_err(|_| KernelError::Shape(format!("{smem} bytes of shared memory")))?,
-        };
+        let smem = u32::try_from(smem)
+            .map_err(|_| KernelError::Shape(format!("{smem} bytes of shared memory")))?;
+        let cfg = launch((tokens as u32, num_heads as u32), smem);
         // SAFETY: as in `reshape_and_cache`; the shared memory covers max_pos + 1 scores.
         unsafe { b.launch(cfg) }?;
         Ok(())
@@ -302,13 +318,23 @@ impl Kernels {
     ///
     /// # Errors
     /// [`KernelError`].
-    pub fn gather_blocks(
+    ///
+    /// # Safety
+    /// Every id must name a block inside the pool (device data, which this cannot check).
+    pub unsafe fn gather_blocks(
         &self,
         staging: &mut CudaSlice<u32>,
         pool: &CudaSlice<u32>,
         ids: &CudaSlice<i32>,
         block_words: usize,
     ) -> Result<(), KernelError> {
+        shape(staging.len() >= ids.len() * block_words, || {
+            format!(
+                "staging of {} words for {} blocks",
+                staging.len(),
+                ids.len()
+            )
+        })?;
         self.block_copy("gather_blocks", staging, pool, ids, block_words, pool.len())
     }
 
@@ -316,7 +342,10 @@ impl Kernels {
     ///
     /// # Errors
     /// [`KernelError`].
-    pub fn scatter_blocks(
+    ///
+    /// # Safety
+    /// As [`Kernels::gather_blocks`].
+    pub unsafe fn scatter_blocks(
         &self,
         pool: &mut CudaSlice<u32>,
         staging: &CudaSlice<u32>,
@@ -347,22 +376,14 @@ impl Kernels {
             block_words > 0 && pool_len.is_multiple_of(block_words),
             || format!("a pool of {pool_len} words is not whole blocks of {block_words}"),
         )?;
-        shape(dst.len().max(src.len()) >= ids.len() * block_words, || {
-            format!("{} blocks of {block_words} words do not fit", ids.len())
-        })?;
         if ids.is_empty() {
             return Ok(());
         }
-        // (Block ids are device data: the caller's lists are the node's own, checked when built.)
         let f = self.function(name)?;
         let words = block_words as i64;
         let mut b = self.stream.launch_builder(f);
         b.arg(dst).arg(src).arg(ids).arg(&words);
-        let cfg = LaunchConfig {
-            grid_dim: (ids.len() as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = launch((ids.len() as u32, 1), 0);
         // SAFETY: the kernel's arguments in order; sizes checked above.
         unsafe { b.launch(cfg) }?;
         Ok(())
@@ -374,8 +395,12 @@ impl Kernels {
     ///
     /// # Errors
     /// [`KernelError`].
+    ///
+    /// # Safety
+    /// Every block id in the lists must name a block inside its pool (device data, which this
+    /// cannot check).
     #[allow(clippy::too_many_arguments)]
-    pub fn rechunk<E: Word>(
+    pub unsafe fn rechunk<E: Word>(
         &self,
         dst: &mut CudaSlice<E>,
         src: &CudaSlice<E>,
@@ -391,6 +416,20 @@ impl Kernels {
                 && from.dtype == to.dtype
                 && from.dtype.size() == std::mem::size_of::<E>(),
             || format!("cannot rechunk {from:?} into {to:?} as {}", E::SUFFIX),
+        )?;
+        shape(from.block_size > 0 && to.block_size > 0, || {
+            "a block size of 0".into()
+        })?;
+        shape(
+            src.len() == from.num_blocks * from.block_elems()
+                && dst.len() == to.num_blocks * to.block_elems(),
+            || {
+                format!(
+                    "pools of {} and {} elements for {from:?} and {to:?}",
+                    src.len(),
+                    dst.len()
+                )
+            },
         )?;
         let covers = |l: &KvLayout, n: usize| {
             tokens.is_empty()
@@ -428,11 +467,7 @@ impl Kernels {
             .arg(&tbs)
             .arg(&tord);
         let blocks = total.div_ceil(THREADS as usize).min(65_535) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = launch((blocks, 1), 0);
         // SAFETY: the kernel's arguments in order; it strides over `total` elements.
         unsafe { b.launch(cfg) }?;
         Ok(())

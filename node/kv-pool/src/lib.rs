@@ -38,4 +38,4 @@ pub use hash::{
 pub use layout::{KvDtype, KvLayout, KvOrder};
 pub use lease::{Lease, LeaseContents, LeaseCounts, LeaseError, LeaseId, LeaseTable, blocks_hash};
 pub use pool::{KvElem, KvPool};
-pub use rechunk::{RechunkError, rechunk};
+pub use rechunk::{RechunkError, check_rechunk, rechunk};

@@ -40,23 +40,61 @@ fn covers(
     tokens: &Range<usize>,
     side: &'static str,
 ) -> Result<(), RechunkError> {
-    let bs = layout.block_size;
-    let needed = if tokens.is_empty() {
-        0
-    } else {
-        tokens.end.div_ceil(bs) - tokens.start / bs
-    };
     let uncovered = RechunkError::Uncovered {
         side,
         start: tokens.start,
         end: tokens.end,
     };
-    if bs == 0 || blocks < needed {
+    let bs = layout.block_size;
+    if bs == 0 {
+        return Err(uncovered);
+    }
+    let needed = if tokens.is_empty() {
+        0
+    } else {
+        tokens.end.div_ceil(bs) - tokens.start / bs
+    };
+    if blocks < needed {
         return Err(uncovered);
     }
     let mut lens = lens;
     if lens.any(|n| n != layout.block_bytes()) {
         return Err(uncovered);
+    }
+    Ok(())
+}
+
+/// What [`rechunk`] checks before copying, for block lists of `src_blocks` and `dst_blocks`
+/// whole blocks: the layouts differ only in block size and order, and each list covers
+/// `tokens`. Lets a caller refuse a conversion before it reads anything.
+///
+/// # Errors
+/// [`RechunkError`].
+pub fn check_rechunk(
+    from: &KvLayout,
+    src_blocks: usize,
+    to: &KvLayout,
+    dst_blocks: usize,
+    tokens: &Range<usize>,
+) -> Result<(), RechunkError> {
+    compatible(from, to)?;
+    covers(from, src_blocks, std::iter::empty(), tokens, "source")?;
+    covers(to, dst_blocks, std::iter::empty(), tokens, "destination")
+}
+
+/// The layouts differ in nothing but block size and order.
+fn compatible(from: &KvLayout, to: &KvLayout) -> Result<(), RechunkError> {
+    for (what, a, b) in [
+        ("num_layers", from.num_layers, to.num_layers),
+        ("num_kv_heads", from.num_kv_heads, to.num_kv_heads),
+        ("head_dim", from.head_dim, to.head_dim),
+    ] {
+        if a != b {
+            return Err(RechunkError::Incompatible(what));
+        }
+    }
+    if from.dtype != to.dtype {
+        return Err(RechunkError::Incompatible("dtype"));
     }
     Ok(())
 }
@@ -76,18 +114,7 @@ pub fn rechunk(
     dst: &mut [&mut [u8]],
     tokens: Range<usize>,
 ) -> Result<(), RechunkError> {
-    for (what, a, b) in [
-        ("num_layers", from.num_layers, to.num_layers),
-        ("num_kv_heads", from.num_kv_heads, to.num_kv_heads),
-        ("head_dim", from.head_dim, to.head_dim),
-    ] {
-        if a != b {
-            return Err(RechunkError::Incompatible(what));
-        }
-    }
-    if from.dtype != to.dtype {
-        return Err(RechunkError::Incompatible("dtype"));
-    }
+    compatible(from, to)?;
     covers(
         from,
         src.len(),
@@ -278,5 +305,15 @@ mod tests {
             Err(RechunkError::Uncovered { .. })
         ));
         assert!(dst[0].iter().all(|&x| x == 7), "nothing copied");
+        // A block size of 0 is refused, not divided by.
+        let zero = KvLayout {
+            block_size: 0,
+            ..layout(16, KvOrder::Hnd, KvDtype::F16)
+        };
+        assert!(matches!(
+            check_rechunk(&zero, 1, &b, 1, &(0..4)),
+            Err(RechunkError::Uncovered { .. })
+        ));
+        assert_eq!(check_rechunk(&a, 3, &b, 2, &(0..33)), Ok(()));
     }
 }

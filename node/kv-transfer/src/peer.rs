@@ -135,6 +135,9 @@ impl FailurePolicy {
     }
 }
 
+/// The largest block size (tokens) a peer's handshake may state.
+pub const MAX_PEER_BLOCK_SIZE: usize = 4096;
+
 /// Deadline of every side-channel call.
 pub const RPC_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -275,7 +278,34 @@ impl PeerClient {
             dtype,
             order,
         };
-        if layout.block_bytes() as u64 != l.block_bytes || layout.pool_bytes() as u64 > r.region_len
+        // The layout is the peer's word: its shape must be the one its compatibility info
+        // states (which was checked against ours, unless told not to), its block size one a
+        // request may name, and its sizes must not overflow before they are compared.
+        let shape_said = (l.num_layers, l.num_kv_heads, l.head_dim, l.dtype.as_str())
+            == (
+                compat.num_layers,
+                compat.num_kv_heads,
+                compat.head_dim,
+                compat.dtype.as_str(),
+            );
+        if !shape_said || layout.block_size == 0 || layout.block_size > MAX_PEER_BLOCK_SIZE {
+            return Err(TransferError::HandshakeRefused(format!(
+                "pool layout {layout:?} does not fit the peer's compatibility info"
+            )));
+        }
+        let block_bytes = [
+            layout.num_layers,
+            2,
+            layout.num_kv_heads,
+            layout.block_size,
+            layout.head_dim,
+            layout.dtype.size(),
+        ]
+        .into_iter()
+        .try_fold(1usize, usize::checked_mul);
+        let pool_bytes = block_bytes.and_then(|b| b.checked_mul(layout.num_blocks));
+        if block_bytes.is_none_or(|b| b as u64 != l.block_bytes)
+            || pool_bytes.is_none_or(|p| p as u64 > r.region_len)
         {
             return Err(TransferError::HandshakeRefused(
                 "pool layout and registered region disagree".into(),

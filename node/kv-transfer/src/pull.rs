@@ -89,6 +89,53 @@ pub struct Rechunk {
     pub tokens: Range<usize>,
 }
 
+/// Everything [`rechunk_pull`] needs to hold before it touches a byte: the layouts differ only
+/// in block size and order, both lists cover the tokens, every remote block lies inside the
+/// `src_len` bytes it reads from and every local one inside our `dst_len` (without overflow,
+/// whatever a peer's handshake said), and no local block is named twice. A puller checks this
+/// before posting a converting pull's reads, too.
+///
+/// # Errors
+/// [`PullError::Rechunk`], [`PullError::OutOfBounds`], [`PullError::RepeatedBlock`].
+pub fn check_rechunk(
+    remote: &[BlockId],
+    src_len: usize,
+    local: &[BlockId],
+    dst_len: usize,
+    r: &Rechunk,
+) -> Result<(), PullError> {
+    pd_kv_pool::check_rechunk(&r.from, remote.len(), &r.to, local.len(), &r.tokens)?;
+    // A block's bytes and its end, refusing what overflows (a peer's layout is its word).
+    let end = |b: &BlockId, l: &KvLayout| {
+        let bytes = l
+            .num_layers
+            .checked_mul(2)?
+            .checked_mul(l.num_kv_heads)?
+            .checked_mul(l.block_size)?
+            .checked_mul(l.head_dim)?
+            .checked_mul(l.dtype.size())?;
+        (b.index() + 1).checked_mul(bytes)
+    };
+    if remote
+        .iter()
+        .any(|b| end(b, &r.from).is_none_or(|e| e > src_len))
+    {
+        return Err(PullError::OutOfBounds { side: "remote" });
+    }
+    if local
+        .iter()
+        .any(|b| end(b, &r.to).is_none_or(|e| e > dst_len))
+    {
+        return Err(PullError::OutOfBounds { side: "local" });
+    }
+    let mut seen = local.to_vec();
+    seen.sort_unstable();
+    if let Some(w) = seen.windows(2).find(|w| w[0] == w[1]) {
+        return Err(PullError::RepeatedBlock(w[0].0));
+    }
+    Ok(())
+}
+
 /// Converts `r.tokens` from the blocks `remote` of a pool laid out as `r.from` at `src`
 /// (`src_len` bytes: a peer's pool mapped here, or a staging buffer the blocks were read into)
 /// into our blocks `local` of `dst`.
@@ -108,18 +155,8 @@ pub unsafe fn rechunk_pull(
     local: &[BlockId],
     r: &Rechunk,
 ) -> Result<PullStats, PullError> {
+    check_rechunk(remote, src_len, local, dst.len(), r)?;
     let (sb, db) = (r.from.block_bytes(), r.to.block_bytes());
-    if remote.iter().any(|b| (b.index() + 1) * sb > src_len) {
-        return Err(PullError::OutOfBounds { side: "remote" });
-    }
-    if local.iter().any(|b| (b.index() + 1) * db > dst.len()) {
-        return Err(PullError::OutOfBounds { side: "local" });
-    }
-    let mut seen = local.to_vec();
-    seen.sort_unstable();
-    if let Some(w) = seen.windows(2).find(|w| w[0] == w[1]) {
-        return Err(PullError::RepeatedBlock(w[0].0));
-    }
     let start = Instant::now();
     // SAFETY: every block lies inside its region (checked above); the peer's blocks are only
     // read (validity per the caller); our blocks are distinct (checked above), so the mutable
@@ -310,4 +347,71 @@ pub fn post_pull<'w>(
         start,
         post_time,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pd_kv_pool::{KvDtype, KvOrder};
+
+    fn rechunk_of(from: KvLayout, to: KvLayout) -> Rechunk {
+        Rechunk {
+            from,
+            to,
+            tokens: 0..40,
+        }
+    }
+
+    fn layout(block_size: usize, head_dim: usize) -> KvLayout {
+        KvLayout {
+            num_blocks: 8,
+            block_size,
+            num_layers: 2,
+            num_kv_heads: 2,
+            head_dim,
+            dtype: KvDtype::F16,
+            order: KvOrder::Hnd,
+        }
+    }
+
+    fn ids(v: &[u32]) -> Vec<BlockId> {
+        v.iter().map(|&i| BlockId(i)).collect()
+    }
+
+    #[test]
+    fn a_converting_pull_is_checked_before_anything_is_read() {
+        let r = rechunk_of(layout(16, 8), layout(32, 8));
+        let (sb, db) = (r.from.block_bytes(), r.to.block_bytes());
+        // 40 tokens: 3 blocks of 16, 2 of 32.
+        let ok = check_rechunk(&ids(&[4, 0, 7]), 8 * sb, &ids(&[1, 0]), 8 * db, &r);
+        assert!(ok.is_ok(), "{ok:?}");
+        assert!(matches!(
+            check_rechunk(&ids(&[4, 0]), 8 * sb, &ids(&[1, 0]), 8 * db, &r),
+            Err(PullError::Rechunk(_))
+        ));
+        assert!(matches!(
+            check_rechunk(&ids(&[4, 0, 8]), 8 * sb, &ids(&[1, 0]), 8 * db, &r),
+            Err(PullError::OutOfBounds { side: "remote" })
+        ));
+        assert!(matches!(
+            check_rechunk(&ids(&[4, 0, 7]), 8 * sb, &ids(&[1, 8]), 8 * db, &r),
+            Err(PullError::OutOfBounds { side: "local" })
+        ));
+        assert!(matches!(
+            check_rechunk(&ids(&[4, 0, 7]), 8 * sb, &ids(&[1, 1]), 8 * db, &r),
+            Err(PullError::RepeatedBlock(1))
+        ));
+        // A peer's layout whose block bytes overflow is out of bounds, not a wrapped size.
+        let huge = rechunk_of(layout(16, usize::MAX / 8), layout(32, usize::MAX / 8));
+        assert!(matches!(
+            check_rechunk(
+                &ids(&[0, 1, 2]),
+                usize::MAX,
+                &ids(&[0, 1]),
+                usize::MAX,
+                &huge
+            ),
+            Err(PullError::OutOfBounds { side: "remote" })
+        ));
+    }
 }

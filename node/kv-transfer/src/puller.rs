@@ -35,6 +35,9 @@ pub const MAX_PEERS: usize = 64;
 /// The longest sleep between polls while pulls are in flight but nothing completes.
 pub const MAX_IDLE_SLEEP: Duration = Duration::from_millis(1);
 
+/// The largest staging buffer one converting pull may register (its peer's blocks, whole).
+pub const MAX_STAGING_BYTES: usize = 1 << 30;
+
 /// Polls without progress before the thread starts sleeping between polls.
 const SPIN_POLLS: u32 = 256;
 
@@ -486,11 +489,36 @@ impl<'w> State<'w> {
             remote_base: job.peer.region_base,
             remote_len: job.peer.region_len as usize,
         };
-        // A converting pull reads the peer's blocks whole into a staging buffer first.
+        // A converting pull reads the peer's blocks whole into a staging buffer first: checked
+        // before anything is posted (a bad list must not cost the reads, nor the endpoint).
         let staged = match job.rechunk {
             None => None,
             Some(rechunk) => {
-                let bytes = job.remote.len() * rechunk.from.block_bytes();
+                let slots: Vec<BlockId> = (0..job.remote.len() as u32).map(BlockId).collect();
+                let bytes = job
+                    .remote
+                    .len()
+                    .checked_mul(rechunk.from.block_bytes())
+                    .filter(|&b| b <= MAX_STAGING_BYTES);
+                let checked = bytes
+                    .ok_or(PullError::OutOfBounds { side: "remote" })
+                    .and_then(|b| {
+                        crate::pull::check_rechunk(
+                            &slots,
+                            b,
+                            &job.local,
+                            self.local.len(),
+                            &rechunk,
+                        )
+                        .map(|()| b)
+                    });
+                let bytes = match checked {
+                    Ok(b) => b,
+                    Err(e) => {
+                        let _ = job.reply.send(Err(e));
+                        return;
+                    }
+                };
                 match MemoryRegion::allocate(self.ctx, bytes.max(1)) {
                     Ok(buffer) => Some(Staged {
                         buffer,
@@ -664,6 +692,7 @@ impl<'w> State<'w> {
                 ..
             } = f;
             let was_flushed = flushed.is_some();
+            let flush_failed = matches!(flushed, Some(Err(_)));
             let result = match (aborted, flushed, &posted) {
                 (Some(e), _, _) => Err(e),
                 (None, Some(Ok(())), Some(p)) => {
@@ -699,14 +728,21 @@ impl<'w> State<'w> {
             {
                 // The force close cancelled its reads but UCX still holds the flush request:
                 // nothing writes the local blocks after a force close, so let the handle go
-                // (dropping it would wait for a completion that may never come).
+                // (dropping it would wait for a completion that may never come). A staging
+                // buffer stays mapped for good: a close that failed or was given up on
+                // (`CLOSE_GRACE`) does not prove its reads stopped, and unmapping memory a
+                // read may still land in would be a use after free.
                 std::mem::forget(p.flush);
+                if let Some(s) = staged {
+                    std::mem::forget(s);
+                }
             }
             if let Some(peer) = self.peers.get_mut(&key) {
                 peer.in_flight = peer.in_flight.saturating_sub(1);
             }
-            if result.is_err() && self.peers.contains_key(&key) {
-                // A failed flush: the endpoint is no good any more.
+            if flush_failed && self.peers.contains_key(&key) {
+                // A failed flush: the endpoint is no good any more. (A conversion refused
+                // after good reads says nothing about the endpoint.)
                 self.abort_peer(&key, || PullError::Closed("flush failed"));
             }
             let _ = reply.send(result);

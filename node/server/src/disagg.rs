@@ -495,6 +495,15 @@ fn plan_pull(
     first_block: usize,
     held: usize,
 ) -> Result<PullPlan, TransferError> {
+    let shape = |l: &pd_kv_pool::KvLayout| (l.num_layers, l.num_kv_heads, l.head_dim, l.dtype);
+    if shape(theirs) != shape(ours) {
+        // (Only a handshake told to skip the compatibility check gets here.)
+        return Err(TransferError::Mismatch(format!(
+            "the producer's KV is shaped {:?}, ours {:?}",
+            shape(theirs),
+            shape(ours)
+        )));
+    }
     if theirs.block_size != said_bs {
         return Err(TransferError::Mismatch(format!(
             "the params were checked as blocks of {said_bs} tokens, the producer's hold {}",
@@ -801,7 +810,16 @@ async fn relay(
             Ok(RemoteKv::Recompute)
         }
         None => {
-            let bytes = (held_blocks - first_block) * engine.info().kv_layout.block_bytes();
+            // What the reads move: whole blocks of the producer's size (the params' word until
+            // the handshake; a size other than that fails the pull).
+            let per_token = ours.block_bytes() / bs.max(1);
+            let bytes = if said_bs == bs {
+                (held_blocks - first_block) * ours.block_bytes()
+            } else {
+                (held.div_ceil(said_bs) - first_block * bs / said_bs)
+                    .saturating_mul(said_bs)
+                    .saturating_mul(per_token)
+            };
             let deadline = loader.cfg.pull_deadline(bytes);
             let preparing = std::time::Instant::now();
             let prepared = tokio::select! {
