@@ -425,12 +425,15 @@ impl Engine {
             } => (tokens, true, Some(first_token)),
             RemoteKv::Recompute => (0, true, None),
         };
-        // The producer's greedy first token stands for ours only when we would sample greedily
-        // too, once (one child), with nothing else wanted from the logits.
+        // The producer's first token stands for ours when we sample once (one child) with
+        // nothing else wanted from the logits. It was sampled under the parameters of the
+        // request the producer got — a proxy sends it the same ones — and from the same seed:
+        // our generator skips the draw it took (`Pick::Given`), so a seeded request stays the
+        // same token for token as on one node.
         let first = first.filter(|_| {
-            self.requests.get(&id).is_some_and(|s| {
-                sampler::is_greedy(&s.params) && s.params.n == 1 && s.params.logprobs.is_none()
-            })
+            self.requests
+                .get(&id)
+                .is_some_and(|s| s.params.n == 1 && s.params.logprobs.is_none())
         });
         let Some((prompt_tokens, held, pulled)) =
             self.scheduler
@@ -704,10 +707,13 @@ impl Engine {
                     let blocks =
                         seq.blocks[..seq.prompt_len.div_ceil(self.info.block_size)].to_vec();
                     let num_tokens = seq.prompt_len;
-                    // Bound to what the blocks hold: a reader checks it on confirm. A greedy
-                    // request's first token goes with it (the argmax `emit_token` samples below),
-                    // so a greedy reader need not compute the last prompt position again.
-                    let first = sampler::is_greedy(&state.params).then(|| sampler::argmax(row));
+                    // Bound to what the blocks hold: a reader checks it on confirm. A single
+                    // completion's first token goes with it — the token `emit_token` samples
+                    // below, drawn here from a copy of the sequence's generator in the same
+                    // state — so a reader that wants nothing else from the logits need not
+                    // compute the last prompt position again.
+                    let first = (state.params.n == 1 && state.params.logprobs.is_none())
+                        .then(|| sampler::sample(row, &state.params, &mut seq.rng.clone()));
                     let contents = pd_kv_pool::LeaseContents::of(&seq.tokens[..seq.prompt_len])
                         .in_blocks(&blocks)
                         .with_next_token(first);
@@ -830,7 +836,10 @@ impl Engine {
                     .map(|k| sampler::logprobs(logits, token, k));
                 (token, logprob)
             }
-            Pick::Given(token) => (token, None),
+            Pick::Given(token) => {
+                sampler::skip_draw(&state.params, &mut seq.rng);
+                (token, None)
+            }
         };
         seq.tokens.push(token);
         let now = Instant::now();
@@ -996,7 +1005,7 @@ impl Engine {
 enum Pick<'a> {
     /// Sampled from this row of logits (vocab,) with the request's parameters.
     Sample(&'a [f32]),
-    /// Given: a greedy producer's first token, attested ([`RemoteKv::PulledWithFirstToken`]).
+    /// Given: the producer's first token, attested ([`RemoteKv::PulledWithFirstToken`]).
     Given(u32),
 }
 

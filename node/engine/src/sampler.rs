@@ -79,6 +79,15 @@ pub(crate) fn is_greedy(params: &SamplingParams) -> bool {
     params.temperature < 1e-5 || params.top_k == 1
 }
 
+/// Advances `rng` past what [`sample`] draws for one token under `params` (one `f32` unless
+/// greedy), for a token taken as given instead of sampled here: the sequence's later draws
+/// then match a sequence that sampled it itself.
+pub(crate) fn skip_draw(params: &SamplingParams, rng: &mut ChaCha8Rng) {
+    if !is_greedy(params) {
+        let _: f32 = rng.random();
+    }
+}
+
 /// Index of the largest logit (lowest index on ties).
 pub(crate) fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;

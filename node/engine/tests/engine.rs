@@ -824,9 +824,10 @@ async fn retained_turns_are_revoked_oldest_first_before_anything_is_preempted() 
     }
 }
 
-/// A greedy prefill's lease names its first token; a sampled one's does not.
+/// A single completion's prefill lease names its first token — the one it emitted, greedy or
+/// sampled; one with logprobs or `n > 1` names none.
 #[tokio::test]
-async fn a_greedy_producer_attests_its_first_token_with_the_lease() {
+async fn a_producer_attests_its_first_token_with_the_lease() {
     let dir = model_dir("first-token-produce");
     let h = engine(&dir, |_| {});
     let p = prompt(10, 6);
@@ -835,7 +836,23 @@ async fn a_greedy_producer_attests_its_first_token_with_the_lease() {
         seed: Some(3),
         ..greedy(1)
     };
-    for (params, greedy_first) in [(greedy(1), true), (sampled, false)] {
+    let unseeded = SamplingParams {
+        temperature: 1.5,
+        ..greedy(1)
+    };
+    let with_logprobs = SamplingParams {
+        logprobs: Some(2),
+        ..greedy(1)
+    };
+    let two = SamplingParams { n: 2, ..greedy(1) };
+    for (params, attested) in [
+        (greedy(1), true),
+        (sampled, true),
+        (unseeded, true),
+        (with_logprobs, false),
+        (two, false),
+    ] {
+        let greedy_first = params.temperature == 0.0 && params.n == 1;
         let mut s = h
             .submit(GenerateRequest {
                 prompt_tokens: p.clone(),
@@ -857,11 +874,15 @@ async fn a_greedy_producer_attests_its_first_token_with_the_lease() {
         assert!(contents.same_contents(&pd_kv_pool::LeaseContents::of(&p).in_blocks(&k.block_ids)));
         if greedy_first {
             assert_eq!(tokens, reference_greedy(&dir, &p, 1));
+        }
+        if attested {
+            // The token the lease names is the one the prefill emitted.
+            assert_eq!(tokens.len(), 1);
             assert_eq!(contents.next_token, Some(tokens[0]));
         } else {
             assert_eq!(
                 contents.next_token, None,
-                "a sampled first token is not handed off"
+                "no single first token to hand off"
             );
         }
         h.release_lease(k.lease, k.generation, "d").unwrap();
@@ -870,10 +891,10 @@ async fn a_greedy_producer_attests_its_first_token_with_the_lease() {
 }
 
 /// A consumer given the producer's first token with the whole prompt's KV emits it at once
-/// when it samples greedily, once, without logprobs; otherwise it computes the last prompt
-/// position as before and the given token plays no part.
+/// when it samples once (greedy or not) without logprobs; otherwise it computes the last
+/// prompt position as before and the given token plays no part.
 #[tokio::test]
-async fn a_greedy_consumer_emits_the_producers_first_token_without_computing() {
+async fn a_consumer_emits_the_producers_first_token_without_computing() {
     let dir = model_dir("first-token-consume");
     let h = engine(&dir, |_| {});
     // One prompt per case (the pulled blocks of one enter the prefix cache), and for each a
@@ -902,7 +923,7 @@ async fn a_greedy_consumer_emits_the_producers_first_token_without_computing() {
     let cases = [
         (greedy(1), 10, true, FinishReason::Length),
         (stop_on_it, 10, true, FinishReason::Stop),
-        (sampled, 9, false, FinishReason::Length),
+        (sampled, 10, true, FinishReason::Length),
         (with_logprobs, 9, false, FinishReason::Length),
         (two, 9, false, FinishReason::Length),
     ];

@@ -444,12 +444,14 @@ async fn greedy_output_through_p_and_d_equals_one_node_on_every_api() {
     );
 }
 
-/// Only a greedy single completion takes P's first token: D then computes nothing before its
-/// first token and reports the whole prompt pulled. A seeded sampled request, one asking for
-/// logprobs and an `n = 2` request compute the last prompt position on D as before (pulled =
-/// prompt − 1). Each answers token for token as one node does.
+/// A single completion without logprobs — greedy or sampled — takes P's first token: D then
+/// computes nothing before its first token and reports the whole prompt pulled. A seeded
+/// sampled request still answers token for token as one node does: D's generator skips the
+/// draw P took for that token. A request asking for logprobs and an `n = 2` request compute
+/// the last prompt position on D as before (pulled = prompt − 1). An unseeded sampled request
+/// takes P's token too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn only_a_greedy_single_completion_takes_the_producers_first_token() {
+async fn only_a_single_completion_without_logprobs_takes_the_producers_first_token() {
     let dir = model("first-token");
     let solo = start(&dir, &[]);
     let p = producer(&dir, &[]);
@@ -465,7 +467,7 @@ async fn only_a_greedy_single_completion_takes_the_producers_first_token() {
     two["n"] = json!(2);
     for (body, takes_first) in [
         (base(0), true),
-        (sampled, false),
+        (sampled, true),
         (logprobs, false),
         (two, false),
     ] {
@@ -478,6 +480,11 @@ async fn only_a_greedy_single_completion_takes_the_producers_first_token() {
         assert_eq!(got.pulled, Some(pulled), "{body}");
         assert_eq!(got.cached, Some(pulled), "{body}");
     }
+    let mut unseeded = base(4);
+    unseeded["temperature"] = json!(1.2);
+    let got = through_pd(&p, &d, api, &unseeded).await;
+    assert_eq!(got.tokens[0].len(), 6);
+    assert_eq!(got.pulled, got.prompt, "{unseeded}");
 }
 
 /// Both ways of reading a producer's pool on one host — copying from the mapping UCX gives
