@@ -122,6 +122,9 @@ use crate::sequence::Sequence;
 #[derive(Debug)]
 struct RequestState {
     params: SamplingParams,
+    /// How this request picks its first token, from its parameters as asked (before a missing
+    /// seed was drawn): [`sampler::first_token_key`].
+    first_token_key: u64,
     events: tokio_mpsc::UnboundedSender<RequestEvent>,
     arrival: Instant,
     /// Children not yet finished.
@@ -422,7 +425,8 @@ impl Engine {
             RemoteKv::PulledWithFirstToken {
                 tokens,
                 first_token,
-            } => (tokens, true, Some(first_token)),
+                key,
+            } => (tokens, true, Some((first_token, key))),
             RemoteKv::Recompute => (0, true, None),
         };
         // The producer's first token stands for ours when we sample once (one child) with
@@ -430,11 +434,13 @@ impl Engine {
         // request the producer got — a proxy sends it the same ones — and from the same seed:
         // our generator skips the draw it took (`Pick::Given`), so a seeded request stays the
         // same token for token as on one node.
-        let first = first.filter(|_| {
-            self.requests
-                .get(&id)
-                .is_some_and(|s| s.params.n == 1 && s.params.logprobs.is_none())
-        });
+        let first = first
+            .filter(|&(_, key)| {
+                self.requests.get(&id).is_some_and(|s| {
+                    s.params.n == 1 && s.params.logprobs.is_none() && s.first_token_key == key
+                })
+            })
+            .map(|(token, _)| token);
         let Some((prompt_tokens, held, pulled)) =
             self.scheduler
                 .remote_kv_ready(id, tokens, cacheable, first.is_some())
@@ -537,6 +543,7 @@ impl Engine {
             id,
             RequestState {
                 open: params.n,
+                first_token_key: sampler::first_token_key(&params),
                 params: SamplingParams {
                     seed: Some(seed),
                     ..params
@@ -714,9 +721,10 @@ impl Engine {
                     // compute the last prompt position again.
                     let first = (state.params.n == 1 && state.params.logprobs.is_none())
                         .then(|| sampler::sample(row, &state.params, &mut seq.rng.clone()));
+                    let key = state.first_token_key;
                     let contents = pd_kv_pool::LeaseContents::of(&seq.tokens[..seq.prompt_len])
                         .in_blocks(&blocks)
-                        .with_next_token(first);
+                        .with_next_token(first, key);
                     for _ in 0..consumers.max(1) {
                         for &b in &blocks {
                             self.scheduler.allocator.share(b);

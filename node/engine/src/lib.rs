@@ -35,3 +35,4 @@ pub use request::{
     MAX_STOP, MAX_STOP_LEN, MAX_STOP_TOKEN_IDS, RemoteKv, RequestEvent, RequestId, SamplingParams,
     TokenLogprob,
 };
+pub use sampler::first_token_key;

@@ -229,16 +229,19 @@ pub enum RemoteKv {
     /// prefix cache (nor anything computed on top of it).
     PulledUnattested(usize),
     /// As [`RemoteKv::Pulled`] for the prompt's first `tokens`, with the token the producer
-    /// sampled greedily right after them, attested at confirm (a greedy prefill's first token).
-    /// When `tokens` is the whole prompt and the request is a greedy single completion without
-    /// logprobs, the engine emits that token at once, as its first, instead of computing the
-    /// last prompt position again: it is the token one node would have sampled from the same
-    /// prefill. Otherwise it is [`RemoteKv::Pulled`]`(tokens)`.
+    /// picked right after them, attested at confirm (a prefill's first token), and how it
+    /// picked it (`key`: 0 for the argmax, else its sampling parameters and seed). When
+    /// `tokens` is the whole prompt and the request is a single completion without logprobs
+    /// whose own parameters give the same key, the engine emits that token at once, as its
+    /// first, instead of computing the last prompt position again: it is the token one node
+    /// would have picked from the same prefill. Otherwise it is [`RemoteKv::Pulled`]`(tokens)`.
     PulledWithFirstToken {
         /// Prompt tokens whose KV is in the reserved blocks.
         tokens: usize,
-        /// The producer's greedy token after them.
+        /// The producer's token after them.
         first_token: u32,
+        /// How it was picked (`LeaseContents::next_token_key`).
+        key: u64,
     },
     /// Nothing usable arrived: compute the prompt here (the caller counted why).
     Recompute,

@@ -79,6 +79,29 @@ pub(crate) fn is_greedy(params: &SamplingParams) -> bool {
     params.temperature < 1e-5 || params.top_k == 1
 }
 
+/// How [`sample`] picks under `params`, as a key a producer attests its first token with and a
+/// consumer compares with its own: 0 for the argmax (greedy: any greedy request picks the same),
+/// else xxh3 of the temperature, top-k, top-p and seed (never 0). Requests whose keys are equal
+/// pick the same token from the same logits with the same generator state — without a seed
+/// they draw from fresh generators, which is the same distribution.
+pub fn first_token_key(params: &SamplingParams) -> u64 {
+    if is_greedy(params) {
+        return 0;
+    }
+    let mut bytes = Vec::with_capacity(32);
+    bytes.extend_from_slice(&params.temperature.to_bits().to_le_bytes());
+    bytes.extend_from_slice(&(params.top_k as u64).to_le_bytes());
+    bytes.extend_from_slice(&params.top_p.to_bits().to_le_bytes());
+    match params.seed {
+        Some(s) => {
+            bytes.push(1);
+            bytes.extend_from_slice(&s.to_le_bytes());
+        }
+        None => bytes.push(0),
+    }
+    xxhash_rust::xxh3::xxh3_64(&bytes).max(1)
+}
+
 /// Advances `rng` past what [`sample`] draws for one token under `params` (one `f32` unless
 /// greedy), for a token taken as given instead of sampled here: the sequence's later draws
 /// then match a sequence that sampled it itself.

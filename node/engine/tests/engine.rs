@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use pd_engine::{
     Engine, EngineConfig, EngineHandle, FinishReason, GenerateRequest, KvTransfer, RemoteKv,
-    RequestEvent, SamplingParams,
+    RequestEvent, SamplingParams, first_token_key,
 };
 use pd_model::tiny::{TinySpec, generate};
 
@@ -899,7 +899,7 @@ async fn a_consumer_emits_the_producers_first_token_without_computing() {
     let h = engine(&dir, |_| {});
     // One prompt per case (the pulled blocks of one enter the prefix cache), and for each a
     // token the model would not pick: seeing it proves it was taken as given.
-    let prompts: Vec<Vec<u32>> = (0..5).map(|i| prompt(10, 8 + i)).collect();
+    let prompts: Vec<Vec<u32>> = (0..7).map(|i| prompt(10, 8 + i)).collect();
     let given: Vec<u32> = prompts
         .iter()
         .map(|p| (reference_greedy(&dir, p, 1)[0] + 1) % 256)
@@ -919,17 +919,37 @@ async fn a_consumer_emits_the_producers_first_token_without_computing() {
         ..greedy(1)
     };
     let two = SamplingParams { n: 2, ..greedy(1) };
-    // (params, pulled tokens reported, whether the given token is emitted, finish reason)
+    // The producer's token was sampled with another seed (a child the proxy gave its own).
+    let other_seed = SamplingParams {
+        seed: Some(2),
+        ..sampled.clone()
+    };
+    // (params, the producer's key, pulled tokens reported, whether the given token is
+    // emitted, finish reason)
     let cases = [
-        (greedy(1), 10, true, FinishReason::Length),
-        (stop_on_it, 10, true, FinishReason::Stop),
-        (sampled, 10, true, FinishReason::Length),
-        (with_logprobs, 9, false, FinishReason::Length),
-        (two, 9, false, FinishReason::Length),
+        (greedy(1), 0, 10, true, FinishReason::Length),
+        (stop_on_it, 0, 10, true, FinishReason::Stop),
+        (
+            sampled.clone(),
+            first_token_key(&sampled),
+            10,
+            true,
+            FinishReason::Length,
+        ),
+        (
+            other_seed,
+            first_token_key(&sampled),
+            9,
+            false,
+            FinishReason::Length,
+        ),
+        (sampled.clone(), 0, 9, false, FinishReason::Length),
+        (with_logprobs, 0, 9, false, FinishReason::Length),
+        (two, 0, 9, false, FinishReason::Length),
     ];
-    for (i, (params, want_pulled, emitted, want_reason)) in cases.into_iter().enumerate() {
+    for (i, (params, key, want_pulled, emitted, want_reason)) in cases.into_iter().enumerate() {
         let (p, given) = (&prompts[i], given[i]);
-        let what = format!("{params:?}");
+        let what = format!("{params:?}, key {key}");
         let (mut s, blocks, first, cached) = consume(&h, p.clone(), params).await;
         assert_eq!((blocks.len(), first, cached), (3, 0, 0));
         h.remote_kv_ready(
@@ -937,6 +957,7 @@ async fn a_consumer_emits_the_producers_first_token_without_computing() {
             RemoteKv::PulledWithFirstToken {
                 tokens: p.len(),
                 first_token: given,
+                key,
             },
         );
         let (mut pulled, mut firsts, mut reasons) = (None, Vec::new(), Vec::new());

@@ -2,7 +2,8 @@
 //! confirms its lease with a memory read instead of a round trip to the owner.
 //!
 //! A record is [`BOARD_SLOT_WORDS`] little-endian `u64` words:
-//! `[generation, num_tokens | (next_token + 1) << 32, tokens_hash, blocks_hash]` — the lease's
+//! `[generation, num_tokens | (next_token + 1) << 32, tokens_hash, blocks_hash,
+//! next_token_key]` — the lease's
 //! generation (0: the slot is free) and its [`LeaseContents`]. The owner writes a record's
 //! contents, then its generation ([`LeaseBoard::publish`], at grant), and clears the generation
 //! when the lease ends ([`LeaseBoard::clear`]), *before* the lease's blocks go back to the
@@ -18,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering, fence};
 use crate::lease::LeaseContents;
 
 /// Words per record.
-pub const BOARD_SLOT_WORDS: usize = 4;
+pub const BOARD_SLOT_WORDS: usize = 5;
 
 /// Bytes per record.
 pub const BOARD_SLOT_BYTES: usize = BOARD_SLOT_WORDS * 8;
@@ -119,6 +120,8 @@ impl LeaseBoard {
             .store(contents.tokens_hash, Ordering::Relaxed);
         self.word(at + 3)
             .store(contents.blocks_hash, Ordering::Relaxed);
+        self.word(at + 4)
+            .store(contents.next_token_key, Ordering::Relaxed);
         // Contents before the generation that vouches for them.
         self.word(at).store(generation, Ordering::Release);
         Some(slot)
@@ -176,6 +179,7 @@ pub unsafe fn read_record(base: *const u8, slots: u32, slot: u32) -> Option<Boar
         let w1 = word(1).load(Ordering::Relaxed);
         let tokens_hash = word(2).load(Ordering::Relaxed);
         let blocks_hash = word(3).load(Ordering::Relaxed);
+        let next_token_key = word(4).load(Ordering::Relaxed);
         fence(Ordering::Acquire);
         if word(0).load(Ordering::Relaxed) != generation {
             continue;
@@ -188,6 +192,7 @@ pub unsafe fn read_record(base: *const u8, slots: u32, slot: u32) -> Option<Boar
                 tokens_hash,
                 blocks_hash,
                 next_token: (next != 0).then(|| (next - 1) as u32),
+                next_token_key,
             },
         });
     }
@@ -211,7 +216,7 @@ mod tests {
         let (mut b, base) = board(2);
         let c = LeaseContents::of(&[1, 2, 3])
             .in_blocks(&[crate::BlockId(4)])
-            .with_next_token(Some(0));
+            .with_next_token(Some(0), 0xfeed_beef);
         let s = b.publish(7, &c).unwrap();
         let slots = b.slots();
         // SAFETY: `base` is the board's memory, alive while `b` is.

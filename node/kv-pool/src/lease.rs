@@ -90,9 +90,12 @@ pub struct LeaseContents {
     pub tokens_hash: u64,
     /// [`blocks_hash`] of the lease's block ids, in order (0: the owner does not say).
     pub blocks_hash: u64,
-    /// The greedy token after `num_tokens` (a greedy prefill's first token), when the owner
-    /// says.
+    /// The token after `num_tokens` (a prefill's first token), when the owner says.
     pub next_token: Option<u32>,
+    /// How `next_token` was chosen: 0 for the argmax (good for any greedy reader), else a key
+    /// of the sampling parameters and seed it was drawn with (good only for a reader whose own
+    /// parameters give the same key). Opaque here; the engine computes it.
+    pub next_token_key: u64,
 }
 
 impl LeaseContents {
@@ -103,6 +106,7 @@ impl LeaseContents {
             tokens_hash: crate::block_hash(None, tokens).0,
             blocks_hash: 0,
             next_token: None,
+            next_token_key: 0,
         }
     }
 
@@ -115,11 +119,13 @@ impl LeaseContents {
         }
     }
 
-    /// The same, saying that `token` is the greedy token after them.
+    /// The same, saying that `token` is the token after them, chosen as `key` says (see
+    /// [`LeaseContents::next_token_key`]).
     #[must_use]
-    pub fn with_next_token(self, token: Option<u32>) -> Self {
+    pub fn with_next_token(self, token: Option<u32>, key: u64) -> Self {
         Self {
             next_token: token,
+            next_token_key: if token.is_some() { key } else { 0 },
             ..self
         }
     }

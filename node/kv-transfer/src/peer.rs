@@ -376,6 +376,7 @@ impl PeerClient {
             tokens_hash: r.tokens_hash,
             blocks_hash: r.blocks_hash,
             next_token: r.next_token,
+            next_token_key: r.next_token_key,
         };
         live_or_lost(id, r)?;
         Ok(contents)

@@ -958,7 +958,8 @@ pub async fn pull_under_lease_with(
             // Only when the owner vouched for exactly the reader's tokens.
             next_token: theirs
                 .next_token
-                .filter(|_| theirs.attested() && blocks.expect.attested()),
+                .filter(|_| theirs.attested() && blocks.expect.attested())
+                .map(|t| (t, theirs.next_token_key)),
         })
     }
     .await;
@@ -978,9 +979,9 @@ pub struct LeasePull {
     /// KV nobody vouched for may serve the request it was pulled for but must never enter a
     /// prefix cache.
     pub attested: bool,
-    /// The owner's greedy token after the blocks' tokens (a greedy prefill's first token), when
-    /// it said and its tokens are the reader's.
-    pub next_token: Option<u32>,
+    /// The owner's token after the blocks' tokens (a prefill's first token) and how it was
+    /// chosen (`LeaseContents::next_token_key`), when it said and its tokens are the reader's.
+    pub next_token: Option<(u32, u64)>,
 }
 
 /// Renews a lease every `interval` (duration / 6) until dropped, so a pull that waits in a

@@ -174,6 +174,7 @@ fn reply_with(
             tokens_hash: c.tokens_hash,
             next_token: c.next_token,
             blocks_hash: c.blocks_hash,
+            next_token_key: c.next_token_key,
         },
         Err(e) => LeaseReply {
             live: false,

@@ -886,15 +886,17 @@ async fn relay(
                         )
                         .await;
                         r.map(|p| {
-                            if let Some(first_token) = p.next_token
+                            if let Some((first_token, key)) = p.next_token
                                 && held == prompt.len()
                             {
-                                // A greedy prefill's first token, vouched for with the blocks: a
-                                // greedy request here emits it without computing (the engine
-                                // decides; anything else computes the last position as usual).
+                                // A prefill's first token, vouched for with the blocks: a
+                                // request here that would pick it the same way emits it
+                                // without computing (the engine decides; anything else
+                                // computes the last position as usual).
                                 RemoteKv::PulledWithFirstToken {
                                     tokens: held,
                                     first_token,
+                                    key,
                                 }
                             } else if p.attested {
                                 RemoteKv::Pulled(held)
