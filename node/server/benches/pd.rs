@@ -14,9 +14,9 @@
 //!   consumer, `max_tokens = 1` (wait, handshake (cached), pull, confirm, first token). Greedy,
 //!   so D emits P's attested first token and computes nothing before it. `P+D` is their sum:
 //!   the time to first token a proxy adds up to, without the proxy.
-//! - `D (sampled)`: the same handoff for a seeded sampled request (temperature 0.8), where D
-//!   computes the last prompt position for its logits before the first token; and D's time per
-//!   stage (`pd_kv_consume_stage_seconds`).
+//! - `D (sampled)`: the same handoff for a seeded sampled request (temperature 0.8), whose first
+//!   token D also takes from P (sampled there with the same parameters and seed); and D's time
+//!   per stage (`pd_kv_consume_stage_seconds`).
 //! - `pull`: D's own `pd_kv_transfer_seconds` (posting the reads to their completion) and the
 //!   bytes it moved.
 //! - `perftest`: `ucx_perftest -t ucp_get` of the same number of bytes in one get, between two
@@ -291,8 +291,8 @@ async fn main() -> BenchResult<()> {
             pull_ms.push((sum1 - sum0) * 1e3);
             bytes = b1 - b0;
 
-            // The same handoff for a sampled request: D computes the last prompt position
-            // for its logits before the first token.
+            // The same handoff for a seeded sampled request: P's first token was sampled with
+            // the same parameters and seed (the lease says so), so D takes it too.
             let t = prompt(len);
             let mut sb = body(&t, 1);
             sb["temperature"] = json!(0.8);
@@ -307,8 +307,8 @@ async fn main() -> BenchResult<()> {
             let pulled = r["usage"]["prompt_tokens_details"]["kv_pulled_tokens"]
                 .as_u64()
                 .unwrap_or(0);
-            if pulled as usize != len - 1 {
-                return Err(format!("sampled: expected {} pulled, got {pulled}", len - 1).into());
+            if pulled as usize != len {
+                return Err(format!("sampled: expected {len} pulled, got {pulled}").into());
             }
         }
         let (s, pm, dm) = (median(solo_ms), median(p_ms), median(d_ms));
