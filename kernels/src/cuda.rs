@@ -94,6 +94,26 @@ fn launch(grid: (u32, u32), shared_mem_bytes: u32) -> LaunchConfig {
     }
 }
 
+/// The pool's layout as the kernels take it, in `pool.cuh`'s order: num_layers, num_kv_heads,
+/// block_size, head_dim, order (0 = hnd, 1 = nhd).
+fn layout_args(l: &KvLayout) -> [i32; 5] {
+    [
+        l.num_layers as i32,
+        l.num_kv_heads as i32,
+        l.block_size as i32,
+        l.head_dim as i32,
+        order(l),
+    ]
+}
+
+/// A pool of `len` elements is the whole pool `l` describes, and `layer` one of its layers.
+fn pool_fits(len: usize, layer: usize, l: &KvLayout) -> Result<(), KernelError> {
+    shape(
+        len == l.num_blocks * l.block_elems() && layer < l.num_layers,
+        || format!("a pool of {len} elements or layer {layer} outside {l:?}"),
+    )
+}
+
 fn shape(ok: bool, what: impl FnOnce() -> String) -> Result<(), KernelError> {
     if ok {
         Ok(())
@@ -184,25 +204,18 @@ impl Kernels {
                 tokens * n
             )
         })?;
-        shape(
-            pool.len() == l.num_blocks * l.block_elems() && layer < l.num_layers,
-            || {
-                format!(
-                    "a pool of {} elements or layer {layer} outside {l:?}",
-                    pool.len()
-                )
-            },
-        )?;
+        pool_fits(pool.len(), layer, l)?;
         if tokens == 0 {
             return Ok(());
         }
         let f = self.function(&format!("reshape_and_cache_{}", T::SUFFIX))?;
-        let dims = [l.num_layers, l.num_kv_heads, l.block_size, l.head_dim];
-        let [nl, nkv, bs, hd] = dims.map(|x| x as i32);
-        let (layer, ord) = (int(layer, "layer")?, order(l));
+        let pool_args = layout_args(l);
+        let layer = int(layer, "layer")?;
         let mut b = self.stream.launch_builder(f);
         b.arg(k).arg(v).arg(slots).arg(pool).arg(&layer);
-        b.arg(&nl).arg(&nkv).arg(&bs).arg(&hd).arg(&ord);
+        for a in &pool_args {
+            b.arg(a);
+        }
         let cfg = launch((tokens as u32, 1), 0);
         // SAFETY: the arguments are the kernel's, in its order and types; sizes were checked.
         unsafe { b.launch(cfg) }?;
@@ -255,15 +268,7 @@ impl Kernels {
             num_heads > 0 && num_heads.is_multiple_of(l.num_kv_heads.max(1)),
             || format!("{num_heads} query heads over {} KV heads", l.num_kv_heads),
         )?;
-        shape(
-            pool.len() == l.num_blocks * l.block_elems() && layer < l.num_layers,
-            || {
-                format!(
-                    "a pool of {} elements or layer {layer} outside {l:?}",
-                    pool.len()
-                )
-            },
-        )?;
+        pool_fits(pool.len(), layer, l)?;
         shape(
             max_blocks > 0 && block_tables.len().is_multiple_of(max_blocks),
             || {
@@ -290,13 +295,11 @@ impl Kernels {
                 max_pos + 1
             )
         })?;
-        let dims = [l.num_layers, l.num_kv_heads, l.block_size, l.head_dim];
-        let [nl, nkv, bs, hd] = dims.map(|x| x as i32);
-        let (mb, heads, layer, ord) = (
+        let pool_args = layout_args(l);
+        let (mb, heads, layer) = (
             int(max_blocks, "max_blocks")?,
             int(num_heads, "num_heads")?,
             int(layer, "layer")?,
-            order(l),
         );
         let mut b = self.stream.launch_builder(f);
         b.arg(out).arg(q).arg(pool).arg(block_tables).arg(&mb);
@@ -305,7 +308,9 @@ impl Kernels {
             .arg(&heads)
             .arg(&layer)
             .arg(&scale);
-        b.arg(&nl).arg(&nkv).arg(&bs).arg(&hd).arg(&ord);
+        for a in &pool_args {
+            b.arg(a);
+        }
         let smem = u32::try_from(smem)
             .map_err(|_| KernelError::Shape(format!("{smem} bytes of shared memory")))?;
         let cfg = launch((tokens as u32, num_heads as u32), smem);

@@ -244,13 +244,9 @@ async fn prefill_rate_and_pull_bandwidth_are_measured() {
 async fn a_conversation_between_nodes_with_other_blocks_equals_one_node() {
     let dir = model("multi-turn-hetero");
     let solo = start(&dir, &["--block-size", "16"]);
-    let p = start(
+    let p = producer(
         &dir,
         &[
-            "--kv-role",
-            "kv_producer",
-            "--kv-port",
-            "0",
             "--engine-id",
             "p16",
             "--block-size",

@@ -91,15 +91,12 @@ fn start_env(model: &Path, extra: &[&str], env: &[(&str, &str)]) -> Node {
     }
 }
 
+/// A prefill node (`--engine-id p1` unless `extra` names one).
 pub(crate) fn producer(model: &Path, extra: &[&str]) -> Node {
-    let mut args = vec![
-        "--kv-role",
-        "kv_producer",
-        "--kv-port",
-        "0",
-        "--engine-id",
-        "p1",
-    ];
+    let mut args = vec!["--kv-role", "kv_producer", "--kv-port", "0"];
+    if !extra.contains(&"--engine-id") {
+        args.extend_from_slice(&["--engine-id", "p1"]);
+    }
     args.extend_from_slice(extra);
     start(model, &args)
 }
@@ -533,10 +530,9 @@ async fn peers_with_other_block_sizes_and_layouts_hand_over_kv_token_exact() {
     let solo = start(&dir, &["--block-size", "16"]);
     let nhd = ["--kv-layout", "nhd"];
     let prod = |id: &'static str, bs: &'static str, extra: &[&'static str]| {
-        let mut a = vec!["--kv-role", "kv_producer", "--kv-port", "0"];
-        a.extend_from_slice(&["--engine-id", id, "--block-size", bs]);
+        let mut a = vec!["--engine-id", id, "--block-size", bs];
         a.extend_from_slice(extra);
-        start(&dir, &a)
+        producer(&dir, &a)
     };
     let cons = |id: &'static str, bs: &'static str, extra: &[&'static str]| {
         let mut a = vec!["--engine-id", id, "--block-size", bs];
