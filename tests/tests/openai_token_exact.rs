@@ -194,6 +194,28 @@ async fn check_counters(c: &TestCluster, specs: &[Value], pulled_each: &[u64], s
     for metric in ["pd_kv_transfer_failures_total", "pd_kv_recompute_total"] {
         assert_eq!(c.sum_over(Role::Decode, metric, &[]).await, 0.0, "{metric}");
     }
+    // The gateway tokenized each prompt once for the cluster: every P and D request took the
+    // ids it sent (`prompt_token_ids`) and tokenized nothing itself. The answers above equal a
+    // standalone node's, which tokenized the same prompts itself: the ids were the node's own.
+    let given = [("tokens", "given")];
+    assert_eq!(
+        c.sum_over(Role::Prefill, "pd_node_prompts_total", &given)
+            .await,
+        requests
+    );
+    assert_eq!(
+        c.sum_over(Role::Decode, "pd_node_prompts_total", &given)
+            .await,
+        leases
+    );
+    for role in [Role::Prefill, Role::Decode] {
+        let computed = [("tokens", "computed")];
+        assert_eq!(
+            c.sum_over(role, "pd_node_prompts_total", &computed).await,
+            0.0,
+            "{role:?} computed a prompt"
+        );
+    }
     // Every node of each role took part (round-robin over 2 + 2).
     for n in &c.nodes {
         let m = n.metrics(&c.client).await;

@@ -44,6 +44,8 @@ pub struct NodeEntry {
     pub hash_key: u64,
     /// Bytes of KV per token as it stores them (0: unknown).
     pub kv_bytes_per_token: u32,
+    /// It takes the prompt as token ids (`prompt_token_ids`), so it need not tokenize again.
+    pub takes_prompt_token_ids: bool,
     /// The last state it sent.
     pub state: pb::NodeState,
     /// Block hashes it can serve from its prefix cache.
@@ -111,6 +113,9 @@ pub struct Snapshot {
     pub names: Arc<[Arc<str>]>,
     /// What the nodes measured (rates in the same order): a 0.2.0 policy's view carries it.
     pub measured: Measured,
+    /// Every node here takes the prompt as token ids (`prompt_token_ids`): the gateway sends
+    /// the ids it computed, whichever of them a request ends up on (failover included).
+    pub take_token_ids: bool,
 }
 
 /// The cluster, shared by the registry service, the proxy and the admin API.
@@ -361,7 +366,9 @@ impl Cluster {
             rates: Vec::with_capacity(lower),
             kv_bytes_per_token: 0,
         };
+        let mut take_token_ids = true;
         for n in members {
+            take_token_ids &= n.takes_prompt_token_ids;
             let s = &n.state;
             view.nodes.push(Node {
                 role: n.role,
@@ -393,6 +400,7 @@ impl Cluster {
         }
         let names = nodes.iter().map(|n| n.engine_id.clone()).collect();
         Snapshot {
+            take_token_ids: take_token_ids && !nodes.is_empty(),
             view,
             nodes,
             prefix_blocks,

@@ -38,7 +38,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use pd_policy::{Api, Request, ReversePull, Route, Split};
 use pd_tokenize::Tokenizer;
-use pd_tokenize::prompt::PromptKind;
+use pd_tokenize::prompt::{GIVEN_IDS_FIELD, PromptKind};
 use pingora::http::ResponseHeader;
 use pingora::prelude::{HttpPeer, ProxyHttp, Session};
 use serde_json::{Map, Value, json};
@@ -638,6 +638,9 @@ impl Gateway {
                 });
             }
         };
+        // The prompt's ids are the gateway's to send (below), computed from the prompt fields;
+        // a client's own never reach a node.
+        body.remove(GIVEN_IDS_FIELD);
         let trusted = self.trusted(session);
         let mut client_params = body.get(KV_FIELD).filter(|v| !v.is_null()).cloned();
         if client_params.is_some() && !trusted {
@@ -701,6 +704,13 @@ impl Gateway {
                 model: analyzed.model.clone(),
                 why: "no node of this model is live".into(),
             });
+        }
+        if snapshot.take_token_ids {
+            // Tokenized once for the cluster: P and D take these ids instead of rendering and
+            // tokenizing the prompt again (the same ids: the nodes' own tokenizer and template,
+            // from their registration, through the same `pd_tokenize::prompt` code).
+            let ids = tokens.iter().map(|&t| Value::from(t)).collect();
+            body.insert(GIVEN_IDS_FIELD.to_owned(), Value::Array(ids));
         }
         let held = match client_params {
             None => self.held(&hashes, &mut snapshot),

@@ -178,6 +178,7 @@ impl NodeRegistry for Registry {
             max_model_len: reg.max_model_len,
             hash_key: reg.kv_hash_key,
             kv_bytes_per_token: reg.kv_bytes_per_token,
+            takes_prompt_token_ids: reg.takes_prompt_token_ids,
             state: pb::NodeState {
                 total_blocks: reg.num_blocks,
                 free_blocks: reg.num_blocks,

@@ -58,6 +58,8 @@ pub struct Registration {
     pub kv_hash_key: u64,
     /// Bytes of KV per token as the node stores it (`KvLayout::block_bytes / block_size`).
     pub kv_bytes_per_token: u32,
+    /// The node takes `prompt_token_ids` (`pd_tokenize::prompt::GIVEN_IDS_FIELD`) as the prompt.
+    pub takes_prompt_token_ids: bool,
 }
 
 impl std::fmt::Debug for Registration {
@@ -96,6 +98,7 @@ impl std::fmt::Debug for Registration {
                 },
             )
             .field("kv_bytes_per_token", &self.kv_bytes_per_token)
+            .field("takes_prompt_token_ids", &self.takes_prompt_token_ids)
             .field("tokenizer_files", &files)
             .field(
                 "tokenizer_fingerprint",
@@ -134,6 +137,7 @@ impl From<&Registration> for pb::Register {
             cluster_token: r.cluster_token.clone(),
             kv_hash_key: r.kv_hash_key,
             kv_bytes_per_token: r.kv_bytes_per_token,
+            takes_prompt_token_ids: r.takes_prompt_token_ids,
             tokenizer: (!r.tokenizer_files.is_empty()).then(|| pb::TokenizerBundle {
                 files: r
                     .tokenizer_files

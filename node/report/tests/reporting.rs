@@ -98,6 +98,7 @@ fn registration() -> Registration {
         tokenizer_fingerprint: 0x1234_5678,
         kv_hash_key: 0x00c0_ffee,
         kv_bytes_per_token: 1_536,
+        takes_prompt_token_ids: true,
     }
 }
 
@@ -210,6 +211,7 @@ async fn registers_then_sends_full_state_then_block_resync() -> TestResult {
             cluster_token: "s3cret".to_string(),
             kv_hash_key: 0x00c0_ffee,
             kv_bytes_per_token: 1_536,
+            takes_prompt_token_ids: true,
             tokenizer: Some(pb::TokenizerBundle {
                 files: vec![
                     pb::TokenizerFile {

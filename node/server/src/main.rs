@@ -183,6 +183,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                         info.kv_layout.block_bytes() / info.block_size.max(1),
                     )
                     .unwrap_or(u32::MAX),
+                    takes_prompt_token_ids: true,
                     tokenizer_files: engine.tokenizer().files().clone(),
                     tokenizer_fingerprint: engine.tokenizer().fingerprint(),
                 };

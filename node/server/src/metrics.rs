@@ -6,6 +6,9 @@ use prometheus::{IntCounterVec, Opts, Registry};
 /// `directive` label values of [`NodeMetrics::kv_params_requests`].
 const DIRECTIVES: [&str; 3] = ["produce", "consume", "incomplete"];
 
+/// `tokens` label values of [`NodeMetrics::prompts`].
+const PROMPT_TOKENS: [&str; 2] = ["given", "computed"];
+
 /// Metrics of one node's request handling.
 #[derive(Debug)]
 pub(crate) struct NodeMetrics {
@@ -15,6 +18,10 @@ pub(crate) struct NodeMetrics {
     /// role, the allowed peers or the prompt are checked. Requests without params, or whose
     /// params ask for nothing, are not counted. `pd_node_kv_params_requests_total`.
     pub(crate) kv_params_requests: IntCounterVec,
+    /// Prompts by where their token ids came from: `given` in `prompt_token_ids` (a gateway
+    /// tokenized them), or `computed` here (rendered and tokenized, or a token-id `prompt`
+    /// checked). `pd_node_prompts_total`.
+    pub(crate) prompts: IntCounterVec,
 }
 
 impl NodeMetrics {
@@ -35,9 +42,24 @@ impl NodeMetrics {
         for d in DIRECTIVES {
             kv_params_requests.with_label_values(&[d]);
         }
+        let prompts = IntCounterVec::new(
+            Opts::new(
+                "pd_node_prompts_total",
+                "Prompts by where their token ids came from: given (prompt_token_ids) or computed here",
+            ),
+            &["tokens"],
+        )
+        .expect("valid counter");
+        registry
+            .register(Box::new(prompts.clone()))
+            .expect("unique metric");
+        for t in PROMPT_TOKENS {
+            prompts.with_label_values(&[t]);
+        }
         Self {
             registry,
             kv_params_requests,
+            prompts,
         }
     }
 

@@ -4,12 +4,13 @@
 //! maps their errors to [`ApiError`].
 
 use pd_engine::EngineHandle;
-use pd_tokenize::prompt::{PromptError, PromptKind, prompt_tokens_in_vocab};
+use pd_tokenize::prompt::{PromptError, PromptKind, given_ids, prompt_tokens_in_vocab};
 use pd_tokenize::{ChatMessage, Tokenizer};
 
 pub(crate) use pd_tokenize::prompt::PromptInput;
 
 use crate::error::ApiError;
+use crate::routes::AppState;
 
 impl From<PromptError> for ApiError {
     /// The request's fault is a 400 naming the field; a tokenizer failure stays a 500.
@@ -61,23 +62,49 @@ async fn tokens(engine: &EngineHandle, prompt: PromptKind) -> Result<Vec<u32>, A
     )
 }
 
-/// Tokenizes a completions prompt (with the tokenizer's special tokens, e.g. BOS) or checks
-/// given token ids against the vocabulary.
-pub(crate) async fn completion_tokens(
-    engine: &EngineHandle,
-    prompt: PromptInput,
+/// The prompt's token ids: those a gateway gave in `prompt_token_ids`
+/// ([`pd_tokenize::prompt::GIVEN_IDS_FIELD`]), checked against the model's vocabulary, or else
+/// `prompt` computed here. Counted by which (`pd_node_prompts_total`).
+async fn resolved(
+    state: &AppState,
+    given: Option<Vec<u32>>,
+    prompt: PromptKind,
 ) -> Result<Vec<u32>, ApiError> {
-    tokens(engine, PromptKind::Completion(prompt)).await
+    let prompts = &state.disagg.node_metrics.prompts;
+    match given {
+        Some(ids) => {
+            let ids = given_ids(ids, state.engine.info().vocab_size)?;
+            prompts.with_label_values(&["given"]).inc();
+            Ok(ids)
+        }
+        None => {
+            let ids = tokens(&state.engine, prompt).await?;
+            prompts.with_label_values(&["computed"]).inc();
+            Ok(ids)
+        }
+    }
 }
 
-/// Renders `messages` through the model's chat template (with the generation prompt) and
-/// tokenizes the result without adding special tokens: the template carries its own.
+/// A completions prompt's ids: `given`, else `prompt` tokenized (with the tokenizer's special
+/// tokens, e.g. BOS) or its token ids checked against the vocabulary.
+pub(crate) async fn completion_tokens(
+    state: &AppState,
+    given: Option<Vec<u32>>,
+    prompt: PromptInput,
+) -> Result<Vec<u32>, ApiError> {
+    resolved(state, given, PromptKind::Completion(prompt)).await
+}
+
+/// A chat prompt's ids: `given`, else `messages` rendered through the model's chat template
+/// (with the generation prompt) and tokenized without special tokens (the template carries
+/// its own).
 pub(crate) async fn chat_tokens(
-    engine: &EngineHandle,
+    state: &AppState,
+    given: Option<Vec<u32>>,
     messages: Vec<ChatMessage>,
     param: &'static str,
 ) -> Result<Vec<u32>, ApiError> {
-    tokens(engine, PromptKind::Chat(messages, param)).await
+    resolved(state, given, PromptKind::Chat(messages, param)).await
 }
 
 /// The text of one token, for logprobs.

@@ -602,6 +602,105 @@ async fn responses_stream_matches_non_stream() {
     server.stop().await;
 }
 
+/// `pd_node_prompts_total{tokens="given"}` and `{tokens="computed"}` now.
+async fn prompt_sources(server: &Server) -> (f64, f64) {
+    let (_, text) = server.get("/metrics").await;
+    let get = |label: &str| {
+        metric(&text, &format!("pd_node_prompts_total{{tokens=\"{label}\"}}")).unwrap_or(-1.0)
+    };
+    (get("given"), get("computed"))
+}
+
+/// A gateway sends the prompt's ids in `prompt_token_ids` (it tokenized the prompt to route
+/// it); the node takes them as the prompt on every API and tokenizes nothing. The other prompt
+/// fields here say something else on purpose: the answers equal those of the prompt the ids
+/// came from, so the ids, not the text, were the prompt.
+#[tokio::test]
+async fn given_prompt_token_ids_are_the_prompt_on_every_api() {
+    let server = Server::start().await;
+    let messages = json!([{"role": "user", "content": "Tell me about the sea"}]);
+    let chat = |messages: &Value| {
+        json!({"messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": true,
+               "return_token_ids": true})
+    };
+    let (status, first) = server.post("/v1/chat/completions", &chat(&messages)).await;
+    assert_eq!(status, 200, "{first}");
+    let ids = first["prompt_token_ids"].clone();
+    let (given0, computed0) = prompt_sources(&server).await;
+
+    let mut other = chat(&json!([{"role": "user", "content": "unrelated"}]));
+    other["prompt_token_ids"] = ids.clone();
+    let (status, again) = server.post("/v1/chat/completions", &other).await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["prompt_token_ids"], ids);
+    assert_eq!(again["choices"][0]["token_ids"], first["choices"][0]["token_ids"]);
+    assert_eq!(again["usage"]["prompt_tokens"], first["usage"]["prompt_tokens"]);
+
+    // Responses renders the same template: the same ids give the same answer.
+    let (status, resp) = server
+        .post(
+            "/v1/responses",
+            &json!({"input": "unrelated", "prompt_token_ids": ids, "max_output_tokens": 8,
+                    "temperature": 0}),
+        )
+        .await;
+    assert_eq!(status, 200, "{resp}");
+    assert_eq!(resp["usage"]["input_tokens"], first["usage"]["prompt_tokens"]);
+    assert_eq!(
+        resp["output"][0]["content"][0]["text"],
+        first["choices"][0]["message"]["content"]
+    );
+
+    // Completions: the ids win over `prompt`.
+    let completion = |prompt: Value, given: Option<Value>| {
+        let mut b = json!({"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                           "ignore_eos": true, "return_token_ids": true});
+        if let Some(g) = given {
+            b["prompt_token_ids"] = g;
+        }
+        b
+    };
+    let (status, plain) = server
+        .post("/v1/completions", &completion(json!("The sea is"), None))
+        .await;
+    assert_eq!(status, 200, "{plain}");
+    let plain_ids = plain["choices"][0]["prompt_token_ids"].clone();
+    let (status, given) = server
+        .post(
+            "/v1/completions",
+            &completion(json!("something else"), Some(plain_ids.clone())),
+        )
+        .await;
+    assert_eq!(status, 200, "{given}");
+    assert_eq!(given["choices"][0]["prompt_token_ids"], plain_ids);
+    assert_eq!(
+        given["choices"][0]["token_ids"],
+        plain["choices"][0]["token_ids"]
+    );
+
+    // Three prompts taken as given, none computed since (the plain completion was computed).
+    let (given1, computed1) = prompt_sources(&server).await;
+    assert_eq!((given1 - given0, computed1 - computed0), (3.0, 1.0));
+
+    // Bad ids are the request's fault, named; the other prompt fields are still checked.
+    let vocab = server.engine.info().vocab_size;
+    for bad in [json!([]), json!([1, vocab])] {
+        let r = server
+            .post("/v1/completions", &completion(json!("x"), Some(bad)))
+            .await;
+        assert_error(r, 400, "invalid_request_error", Some("prompt_token_ids"));
+    }
+    let r = server
+        .post("/v1/completions", &completion(json!("x"), Some(json!([-1]))))
+        .await;
+    assert_error(r, 400, "invalid_request_error", None);
+    let mut bad_messages = chat(&json!([]));
+    bad_messages["prompt_token_ids"] = ids;
+    let r = server.post("/v1/chat/completions", &bad_messages).await;
+    assert_error(r, 400, "invalid_request_error", Some("messages"));
+    server.stop().await;
+}
+
 /// Checks status, `error.type` and `error.param` of a failed request.
 #[track_caller]
 fn assert_error(result: (u16, Value), status: u16, kind: &str, param: Option<&str>) -> Value {

@@ -317,15 +317,7 @@ pub fn prompt_tokens_in_vocab(
     match prompt {
         PromptKind::Completion(input) => {
             let tokens = match input {
-                PromptInput::Tokens(ids) => {
-                    if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab_size) {
-                        return Err(PromptError::invalid(
-                            "prompt",
-                            format!("token id {bad} is out of vocabulary (size {vocab_size})"),
-                        ));
-                    }
-                    ids
-                }
+                PromptInput::Tokens(ids) => return checked_ids(ids, vocab_size, "prompt"),
                 PromptInput::Text(text) => tokenizer
                     .encode(&text, true)
                     .map_err(|e| PromptError::tokenizer("prompt", e))?,
@@ -350,6 +342,44 @@ pub fn prompt_tokens_in_vocab(
                 .map_err(|e| PromptError::tokenizer(param, e))
         }
     }
+}
+
+/// The request field in which a gateway sends the prompt's token ids, as it computed them with
+/// the node's own tokenizer and template (from the node's registration, through
+/// [`prompt_tokens`]): a node that finds it takes those ids as the prompt and renders and
+/// tokenizes nothing, on any of the three APIs. The other prompt fields (`prompt`, `messages`,
+/// `input`) still come along and are still checked for shape. The name is the one a node
+/// answers with under vLLM's `return_token_ids`, so a client can send back what it was told.
+///
+/// Nothing here needs trusting the sender: ids that do not match the text are that request's
+/// own prompt, as a token-id `prompt` on `/v1/completions` would be (checked against the
+/// vocabulary, cached under their own block hashes).
+pub const GIVEN_IDS_FIELD: &str = "prompt_token_ids";
+
+/// Checks token ids given as the prompt ([`GIVEN_IDS_FIELD`]): at least one, each below
+/// `vocab_size`.
+///
+/// # Errors
+/// A [`PromptError`] naming [`GIVEN_IDS_FIELD`].
+pub fn given_ids(ids: Vec<u32>, vocab_size: usize) -> Result<Vec<u32>, PromptError> {
+    checked_ids(ids, vocab_size, GIVEN_IDS_FIELD)
+}
+
+fn checked_ids(
+    ids: Vec<u32>,
+    vocab_size: usize,
+    param: &'static str,
+) -> Result<Vec<u32>, PromptError> {
+    if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab_size) {
+        return Err(PromptError::invalid(
+            param,
+            format!("token id {bad} is out of vocabulary (size {vocab_size})"),
+        ));
+    }
+    if ids.is_empty() {
+        return Err(PromptError::invalid(param, format!("{param} must not be empty")));
+    }
+    Ok(ids)
 }
 
 #[cfg(test)]
@@ -387,6 +417,16 @@ mod tests {
         ] {
             let e = completion_prompt(bad.clone()).unwrap_err();
             assert_eq!(e.param, "prompt", "{bad}");
+            assert!(e.source.is_none());
+        }
+    }
+
+    #[test]
+    fn given_ids_are_checked_against_the_vocabulary() {
+        assert_eq!(given_ids(vec![1, 9], 10).unwrap(), vec![1, 9]);
+        for bad in [vec![], vec![3, 10]] {
+            let e = given_ids(bad, 10).unwrap_err();
+            assert_eq!(e.param, GIVEN_IDS_FIELD);
             assert!(e.source.is_none());
         }
     }

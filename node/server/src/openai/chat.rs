@@ -21,6 +21,10 @@ pub(crate) struct ChatCompletionRequest {
     /// Alternatives per token (needs `logprobs: true`).
     #[serde(default)]
     pub(crate) top_logprobs: Option<i64>,
+    /// The prompt as token ids, computed by a gateway with this node's tokenizer
+    /// (`pd_tokenize::prompt::GIVEN_IDS_FIELD`): when present, nothing is rendered or tokenized.
+    #[serde(default)]
+    pub(crate) prompt_token_ids: Option<Vec<u32>>,
     /// P/D disaggregation (vLLM's field): checked in `kv_params`.
     #[serde(default)]
     pub(crate) kv_transfer_params: Option<serde_json::Value>,

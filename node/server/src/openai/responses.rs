@@ -23,6 +23,10 @@ pub(crate) struct ResponsesRequest {
     /// Server-side conversation state; not kept by this node.
     #[serde(default)]
     pub(crate) previous_response_id: Option<String>,
+    /// The prompt as token ids, computed by a gateway with this node's tokenizer
+    /// (`pd_tokenize::prompt::GIVEN_IDS_FIELD`): when present, nothing is rendered or tokenized.
+    #[serde(default)]
+    pub(crate) prompt_token_ids: Option<Vec<u32>>,
     /// P/D disaggregation (vLLM's field): checked in `kv_params`.
     #[serde(default)]
     pub(crate) kv_transfer_params: Option<serde_json::Value>,
