@@ -66,6 +66,8 @@ async fn untrusted_params_are_stripped(c: &TestCluster) {
             body = api.streaming(&body);
         }
         body["kv_transfer_params"] = forged_params(list);
+        // Forged prompt ids too: the gateway sends the ids of this request's own prompt.
+        body["prompt_token_ids"] = json!([1, 2, 3]);
         let before = counts(c).await;
         // A key, but not the trusted one.
         let a = openai::send(
@@ -122,6 +124,10 @@ async fn untrusted_params_are_stripped(c: &TestCluster) {
         // D pulled from the real P, under P's real lease, all of the prompt (greedy: D emits
         // P's first token, attested with the lease, and computes nothing before it).
         let prompt = a.prompt_tokens.expect("usage");
+        assert!(
+            prompt as usize >= text.len(),
+            "{at}: the forged ids were the prompt ({prompt} tokens)"
+        );
         assert_eq!(a.pulled_tokens, Some(prompt), "{at}: {}", a.body);
         assert_eq!(
             delta(
