@@ -8,9 +8,14 @@
 //!
 //! Real processes on loopback: a tiny generated model, one prefill node (P), one decode node
 //! (D), the gateway. Each request has a fresh prompt (no prefix-cache hits) and asks for 4
-//! tokens, greedy, not streamed. The direct client sends exactly what the gateway sends (the
-//! same `prefill_body`/`decode_body`, which the gateway writes with `prefill_bytes`/
-//! `decode_bytes`), over the same kind of pooled keep-alive client.
+//! tokens, greedy, not streamed. Two direct clients, over the same kind of pooled keep-alive
+//! client, interleaved with the gateway's requests:
+//! - **text** (the reference of the "added" columns): the client has the prompt as text and
+//!   drives P and D with it (`prefill_body`/`decode_body` of its request, as vLLM's example
+//!   proxy does), so P and D each tokenize it;
+//! - **ids**: the same bodies carrying the prompt's ids in `prompt_token_ids`, tokenized
+//!   outside the timed region, i.e. byte for byte what the gateway sends P and D (the
+//!   gateway tokenizes once, on its path). Against it, the gateway's cost alone.
 //!
 //! `BENCH_GATEWAY_BIN=PATH` runs another `pd-gateway` build against the same nodes (A/B).
 
@@ -21,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use pd_gateway::openai::{decode_body, prefill_body, prefill_params};
 use pd_policy::Api;
+use pd_tokenize::{Tokenizer, prompt};
 use serde_json::{Map, Value, json};
 
 struct Proc(Child);
@@ -101,6 +107,19 @@ fn body(i: usize, len: usize) -> Map<String, Value> {
     }
 }
 
+/// `b` with the prompt's ids as the gateway sends them (`prompt_token_ids`), computed with the
+/// model's tokenizer through the code the gateway and the nodes run.
+fn with_ids(tokenizer: &Tokenizer, mut b: Map<String, Value>) -> Map<String, Value> {
+    let text = b["prompt"].as_str().expect("a text prompt").to_owned();
+    let ids = prompt::prompt_tokens(
+        tokenizer,
+        prompt::PromptKind::Completion(prompt::PromptInput::Text(text)),
+    )
+    .expect("tokenized");
+    b.insert(prompt::GIVEN_IDS_FIELD.into(), json!(ids));
+    b
+}
+
 async fn direct(c: &reqwest::Client, p: &str, d: &str, b: &Map<String, Value>) {
     let pr = c
         .post(format!("{p}/v1/completions"))
@@ -133,25 +152,42 @@ async fn via_gateway(c: &reqwest::Client, gw: &str, b: &Map<String, Value>) {
     assert!(v["usage"]["prompt_tokens_details"]["kv_pulled_tokens"].as_u64() > Some(0));
 }
 
-async fn run(prompt_len: usize, n: usize, c: &reqwest::Client, gw: &str, p: &str, d: &str) {
+/// One row: `n` requests per path, the three paths interleaved request by request. Returns
+/// the row's line for the ids table.
+async fn run(
+    prompt_len: usize,
+    n: usize,
+    c: &reqwest::Client,
+    tokenizer: &Tokenizer,
+    (gw, p, d): (&str, &str, &str),
+) -> String {
     let mut ids = 0..;
     let mut next = || ids.next().expect("unbounded");
     for _ in 0..20 {
         direct(c, p, d, &body(next(), prompt_len)).await;
+        direct(c, p, d, &with_ids(tokenizer, body(next(), prompt_len))).await;
         via_gateway(c, gw, &body(next(), prompt_len)).await;
     }
-    let (mut dt, mut gt) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    let (mut dt, mut it, mut gt) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
     for _ in 0..n {
         let b = body(next(), prompt_len);
         let t = Instant::now();
         direct(c, p, d, &b).await;
         dt.push(t.elapsed().as_secs_f64() * 1e3);
+        let b = with_ids(tokenizer, body(next(), prompt_len));
+        let t = Instant::now();
+        direct(c, p, d, &b).await;
+        it.push(t.elapsed().as_secs_f64() * 1e3);
         let b = body(next(), prompt_len);
         let t = Instant::now();
         via_gateway(c, gw, &b).await;
         gt.push(t.elapsed().as_secs_f64() * 1e3);
     }
-    let (ds, gs) = (stats(dt), stats(gt));
+    let (ds, is, gs) = (stats(dt), stats(it), stats(gt));
     println!(
         "| {prompt_len:>5} | {n:>5} | {:>8.3} | {:>8.3} | {:>8.3} | {:>8.3} | {:>8.0} | {:>8.0} | {:>8.0} | {:>8.0} |",
         ds.p50,
@@ -163,6 +199,13 @@ async fn run(prompt_len: usize, n: usize, c: &reqwest::Client, gw: &str, p: &str
         1e3 / ds.mean,
         1e3 / gs.mean,
     );
+    format!(
+        "| {prompt_len:>5} | {:>8.3} | {:>8.3} | {:>8.0} | {:>8.0} |",
+        is.p50,
+        is.p99,
+        (gs.p50 - is.p50) * 1e3,
+        (gs.p99 - is.p99) * 1e3,
+    )
 }
 
 /// CPU time (user + system, in clock ticks) of each thread of process `pid`, summed by thread
@@ -257,6 +300,7 @@ fn main() {
         .status()
         .expect("gen-tiny-model");
     assert!(status.success());
+    let tokenizer = Tokenizer::from_dir(&model).expect("the model's tokenizer");
     let model = model.to_str().expect("utf-8 path").to_owned();
 
     // Extra gateway flags to compare settings, e.g. BENCH_GATEWAY_ARGS="--threads 1", and
@@ -356,15 +400,21 @@ fn main() {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         println!("pd-gateway added latency (ms for latencies, µs for added, req/s sequential), {n} requests per row per path");
+        println!("Against a client that drives P and D with the prompt's text (P and D each tokenize it):");
         println!("| prompt tokens | requests | direct p50 | direct p99 | gateway p50 | gateway p99 | added p50 µs | added p99 µs | direct req/s | gateway req/s |");
         println!("|---|---|---|---|---|---|---|---|---|---|");
         let before = scrape(&c, &gw).await;
         let cpu_before = thread_cpu(gw_proc.0.id());
-        run(64, n, &c, &gw, &p, &d).await;
+        let nodes = (gw.as_str(), p.as_str(), d.as_str());
+        let ids_64 = run(64, n, &c, &tokenizer, nodes).await;
         let cpu_after = thread_cpu(gw_proc.0.id());
         let mid = scrape(&c, &gw).await;
-        run(2000, (n / 4).max(20), &c, &gw, &p, &d).await;
+        let ids_2000 = run(2000, (n / 4).max(20), &c, &tokenizer, nodes).await;
         let after = scrape(&c, &gw).await;
+        println!("Against a client that sends what the gateway sends P and D (the prompt's ids, tokenized before the clock starts), same requests interleaved:");
+        println!("| prompt tokens | direct p50 | direct p99 | added p50 µs | added p99 µs |");
+        println!("|---|---|---|---|---|");
+        println!("{ids_64}\n{ids_2000}");
         // The gateway's CPU time over the 64-token row (its requests, and everything that ran
         // meanwhile: the nodes' registry streams, the epoch ticker), per gateway request; clock
         // ticks are 10 ms, so this needs a long row (BENCH_REQUESTS >= 1000).
