@@ -606,7 +606,11 @@ async fn responses_stream_matches_non_stream() {
 async fn prompt_sources(server: &Server) -> (f64, f64) {
     let (_, text) = server.get("/metrics").await;
     let get = |label: &str| {
-        metric(&text, &format!("pd_node_prompts_total{{tokens=\"{label}\"}}")).unwrap_or(-1.0)
+        metric(
+            &text,
+            &format!("pd_node_prompts_total{{tokens=\"{label}\"}}"),
+        )
+        .unwrap_or(-1.0)
     };
     (get("given"), get("computed"))
 }
@@ -633,8 +637,14 @@ async fn given_prompt_token_ids_are_the_prompt_on_every_api() {
     let (status, again) = server.post("/v1/chat/completions", &other).await;
     assert_eq!(status, 200, "{again}");
     assert_eq!(again["prompt_token_ids"], ids);
-    assert_eq!(again["choices"][0]["token_ids"], first["choices"][0]["token_ids"]);
-    assert_eq!(again["usage"]["prompt_tokens"], first["usage"]["prompt_tokens"]);
+    assert_eq!(
+        again["choices"][0]["token_ids"],
+        first["choices"][0]["token_ids"]
+    );
+    assert_eq!(
+        again["usage"]["prompt_tokens"],
+        first["usage"]["prompt_tokens"]
+    );
 
     // Responses renders the same template: the same ids give the same answer.
     let (status, resp) = server
@@ -645,7 +655,10 @@ async fn given_prompt_token_ids_are_the_prompt_on_every_api() {
         )
         .await;
     assert_eq!(status, 200, "{resp}");
-    assert_eq!(resp["usage"]["input_tokens"], first["usage"]["prompt_tokens"]);
+    assert_eq!(
+        resp["usage"]["input_tokens"],
+        first["usage"]["prompt_tokens"]
+    );
     assert_eq!(
         resp["output"][0]["content"][0]["text"],
         first["choices"][0]["message"]["content"]
@@ -691,7 +704,10 @@ async fn given_prompt_token_ids_are_the_prompt_on_every_api() {
         assert_error(r, 400, "invalid_request_error", Some("prompt_token_ids"));
     }
     let r = server
-        .post("/v1/completions", &completion(json!("x"), Some(json!([-1]))))
+        .post(
+            "/v1/completions",
+            &completion(json!("x"), Some(json!([-1]))),
+        )
         .await;
     assert_error(r, 400, "invalid_request_error", None);
     let mut bad_messages = chat(&json!([]));

@@ -377,7 +377,10 @@ fn checked_ids(
         ));
     }
     if ids.is_empty() {
-        return Err(PromptError::invalid(param, format!("{param} must not be empty")));
+        return Err(PromptError::invalid(
+            param,
+            format!("{param} must not be empty"),
+        ));
     }
     Ok(ids)
 }

@@ -36,7 +36,8 @@ pub(super) async fn create(
         .to_params((req.max_tokens, "max_tokens"), logprobs)?;
     params.validate().map_err(EngineError::from)?;
     let directive = state.kv_directive(req.kv_transfer_params.as_ref(), params.n)?;
-    let prompt_tokens = completion_tokens(&state, req.prompt_token_ids, completion_prompt(req.prompt)?).await?;
+    let prompt_tokens =
+        completion_tokens(&state, req.prompt_token_ids, completion_prompt(req.prompt)?).await?;
     directive.check_prompt(&prompt_tokens, state.engine.info().block_size)?;
 
     let n = params.n;
