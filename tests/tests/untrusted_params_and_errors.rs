@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use pd_cluster_tests::cluster::{ClusterSpec, TestCluster, args};
+use pd_cluster_tests::cluster::{ClusterSpec, Role, TestCluster, args};
 use pd_cluster_tests::metrics::Metrics;
 use pd_cluster_tests::openai::{self, Answer, Api};
 use serde_json::{Value, json};
@@ -276,6 +276,28 @@ async fn errors_are_openai_error_objects(c: &TestCluster) -> f64 {
     let a = openai::send(&c.client, gw, Api::Completions, &body, None).await;
     let e = assert_error_object(&a, 400);
     assert_eq!(e["param"], "stream", "{}", a.body);
+    client_errors += 1.0;
+
+    // A prompt longer than any node's context: the gateway's 400, naming the field, and no
+    // node is asked (none counts a prompt).
+    let prompts = async || {
+        c.sum_over(Role::Prefill, "pd_node_prompts_total", &[])
+            .await
+            + c.sum_over(Role::Decode, "pd_node_prompts_total", &[]).await
+    };
+    let prompts_before = prompts().await;
+    let long = "x".repeat(40_000);
+    let a = openai::send(&c.client, gw, Api::Chat, &Api::Chat.body(&long, 4), None).await;
+    let e = assert_error_object(&a, 400);
+    assert_eq!(e["param"], "messages", "{}", a.body);
+    assert!(
+        e["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("maximum context length")),
+        "{}",
+        a.body
+    );
+    assert_eq!(prompts().await, prompts_before);
     client_errors += 1.0;
 
     // The node's own validation, passed through unchanged (from P, before any lease).

@@ -113,6 +113,9 @@ pub struct Snapshot {
     pub names: Arc<[Arc<str>]>,
     /// What the nodes measured (rates in the same order): a 0.2.0 policy's view carries it.
     pub measured: Measured,
+    /// The longest sequence any node here accepts (0 when none is live): a longer prompt fits
+    /// none of them.
+    pub max_model_len: u32,
     /// Every node here takes the prompt as token ids (`prompt_token_ids`): the gateway sends
     /// the ids it computed, whichever of them a request ends up on (failover included).
     pub take_token_ids: bool,
@@ -367,8 +370,10 @@ impl Cluster {
             kv_bytes_per_token: 0,
         };
         let mut take_token_ids = true;
+        let mut max_model_len = 0;
         for n in members {
             take_token_ids &= n.takes_prompt_token_ids;
+            max_model_len = max_model_len.max(n.max_model_len);
             let s = &n.state;
             view.nodes.push(Node {
                 role: n.role,
@@ -400,6 +405,7 @@ impl Cluster {
         }
         let names = nodes.iter().map(|n| n.engine_id.clone()).collect();
         Snapshot {
+            max_model_len,
             take_token_ids: take_token_ids && !nodes.is_empty(),
             view,
             nodes,

@@ -42,6 +42,15 @@ pub fn api_path(api: Api) -> &'static str {
     }
 }
 
+/// The request field that holds an API's prompt, named in errors about it.
+pub fn prompt_param(api: Api) -> &'static str {
+    match api {
+        Api::ChatCompletions => "messages",
+        Api::Completions => "prompt",
+        Api::Responses => "input",
+    }
+}
+
 /// What routing needs from a request, read once.
 #[derive(Debug)]
 pub struct Analyzed {

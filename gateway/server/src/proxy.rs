@@ -705,6 +705,19 @@ impl Gateway {
                 why: "no node of this model is live".into(),
             });
         }
+        if tokens.len() >= snapshot.max_model_len as usize {
+            // No node could take it: the nodes' own 400, answered before any of them is asked
+            // (and before the ids make a body larger than a node accepts).
+            return Err(GatewayError::invalid(
+                openai::prompt_param(api),
+                format!(
+                    "This model's maximum context length is {} tokens. However, your prompt has {} tokens \
+                     (at least one token must be left for the completion).",
+                    snapshot.max_model_len,
+                    tokens.len()
+                ),
+            ));
+        }
         if snapshot.take_token_ids {
             // Tokenized once for the cluster: P and D take these ids instead of rendering and
             // tokenizing the prompt again (the same ids: the nodes' own tokenizer and template,
