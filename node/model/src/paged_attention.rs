@@ -1,15 +1,16 @@
 //! Attention over a paged KV pool: write one step's K/V into pool slots, then let every query
 //! token attend to its sequence's positions through the sequence's block table.
 //!
-//! These are the CPU reference kernels (rayon over query rows × heads). The pool holds f32, f16
+//! These are the CPU reference kernels (candle's barrier pool over query rows × heads). The pool holds f32, f16
 //! or bf16 ([`KvDtype`]); the kernels compute in f32 either way: each worker widens a
 //! half-precision sequence's K and V tiles once into its own f32 copy, which every query row and
 //! every head of the GQA group it then takes for that sequence reads (a prefill chunk's rows
 //! share it), and a step's K/V are rounded to the pool's type when written. A CUDA build implements the same two calls over device memory; the
 //! CPU versions stay as its reference.
 
+use std::sync::Mutex;
+
 use pd_kv_pool::{BlockId, KvDtype, KvElem, KvLayout, KvPool};
-use rayon::prelude::*;
 
 use crate::batch::SeqView;
 
@@ -86,31 +87,64 @@ fn attend_as<T: KvElem>(
     #[cfg(target_arch = "x86_64")]
     let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
     let mut out = vec![0f32; q.len()];
-    out.par_chunks_mut(hd).enumerate().for_each_init(
-        Scratch::default,
-        |scratch: &mut Scratch, (idx, o)| {
-            let (t, h) = (idx / num_heads, idx % num_heads);
-            let (s, pos) = rows[t];
-            let row = Row {
-                pool,
-                layout,
-                layer,
-                seq: s,
-                table: &seqs[s].block_table,
-                kvh: h / group,
-                q: &q[idx * hd..(idx + 1) * hd],
-                n: pos + 1,
-                scale,
-            };
-            #[cfg(target_arch = "x86_64")]
-            if avx2 {
-                // SAFETY: the CPU supports AVX2 and FMA (detected above).
-                unsafe { attend_row_avx2::<T>(&row, scratch, o) };
-                return;
+    // One (query token, head) pair, `idx = token · num_heads + head`, into `o` (head_dim,).
+    let one = |scratch: &mut Scratch, idx: usize, o: &mut [f32]| {
+        let (t, h) = (idx / num_heads, idx % num_heads);
+        let (s, pos) = rows[t];
+        let row = Row {
+            pool,
+            layout,
+            layer,
+            seq: s,
+            table: &seqs[s].block_table,
+            kvh: h / group,
+            q: &q[idx * hd..(idx + 1) * hd],
+            n: pos + 1,
+            scale,
+        };
+        #[cfg(target_arch = "x86_64")]
+        if avx2 {
+            // SAFETY: the CPU supports AVX2 and FMA (detected above).
+            unsafe { attend_row_avx2::<T>(&row, scratch, o) };
+            return;
+        }
+        attend_row::<T>(&row, scratch, o);
+    };
+    // Split over candle's barrier pool, the threads every matmul of the step runs on (still
+    // spinning from the op before), not over rayon's: a second pool's worker would compete
+    // with candle's spinning one for the same core (as the Q4_1 kernel found, `q4_1.rs`).
+    // Chunks of consecutive pairs keep a GQA group's heads together; each chunk takes one of
+    // the scratches (its widened tiles stay valid for the whole call: they are keyed by the
+    // step's sequence index and the pool only changes between calls).
+    let bp = candle_core::utils::barrier_pool();
+    let items = out.len() / hd.max(1);
+    let threads = bp.n_workers() + 1;
+    if threads == 1 || items == 1 {
+        let mut scratch = Scratch::default();
+        for (idx, o) in out.chunks_mut(hd).enumerate() {
+            one(&mut scratch, idx, o);
+        }
+        return out;
+    }
+    let per_chunk = items.div_ceil(threads * 4).max(1);
+    // Each chunk is taken by one thread; the locks are never contended.
+    let chunks: Vec<Mutex<&mut [f32]>> = out.chunks_mut(per_chunk * hd).map(Mutex::new).collect();
+    let scratches: Mutex<Vec<Scratch>> = Mutex::new(Vec::with_capacity(threads));
+    bp.execute_chunked(chunks.len(), |range| {
+        let taken = scratches.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let mut scratch = taken.unwrap_or_default();
+        for c in range {
+            let mut o = chunks[c].lock().unwrap_or_else(|e| e.into_inner());
+            for (i, o) in o.chunks_mut(hd).enumerate() {
+                one(&mut scratch, c * per_chunk + i, o);
             }
-            attend_row::<T>(&row, scratch, o);
-        },
-    );
+        }
+        scratches
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(scratch);
+    });
+    drop(chunks);
     out
 }
 
