@@ -297,6 +297,8 @@ async fn the_openai_package_gets_identical_tokens_through_the_gateway_and_p_d() 
                 // D converts every pull.
                 prefill_args: args(&["--kv-layout", "nhd"]),
                 decode_args: args(&["--block-size", "32"]),
+                // Four nodes on the test machine's cores: one compute thread each.
+                node_args: args(&["--threads", "1"]),
                 ..ClusterSpec::default()
             },
         ),
@@ -320,5 +322,16 @@ async fn the_openai_package_gets_identical_tokens_through_the_gateway_and_p_d() 
             .sum_over(Role::Prefill, "pd_kv_leases_total", &[("event", "granted")])
             .await;
         assert_eq!(converted, if spread { pulls } else { 0.0 }, "{name}");
+        // `--threads` reached candle's pool (the node logs what it computes with).
+        if spread {
+            for n in &c.nodes {
+                assert!(
+                    n.proc.log().contains("compute_threads=1"),
+                    "{}: {}",
+                    n.engine_id,
+                    n.proc.log_tail(20)
+                );
+            }
+        }
     }
 }

@@ -318,6 +318,8 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| "info,pingora_core=warn,pingora_proxy=warn".into()),
         )
         .with_writer(std::io::stderr)
+        // Colours only on a terminal: log files and collectors get plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
     let result = match cli.command {

@@ -51,6 +51,12 @@ pub struct ServeArgs {
     /// without `.gguf`).
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// Compute threads (candle's matmuls and attention). Default: `RAYON_NUM_THREADS` if set,
+    /// else every core the process may run on. Set it below the core count when other
+    /// processes share the cores (nodes side by side on one machine): compute threads wait for
+    /// each other at every op, and one descheduled thread stalls the rest.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    pub threads: Option<u16>,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,

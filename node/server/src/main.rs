@@ -11,9 +11,14 @@ use pd_node::cli::{Cli, Command, GenTinyModelArgs, ServeArgs};
 use pd_node::{AllowedPeers, Disagg, KvRole, PullConfig};
 
 fn main() -> ExitCode {
-    pin_compute_threads();
+    let cli = Cli::parse();
+    let threads = match &cli.command {
+        Command::Serve(args) => args.threads,
+        Command::GenTinyModel(_) => None,
+    };
+    pin_compute_threads(threads);
     keep_freed_memory();
-    match run() {
+    match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("pd-node: {e:#}");
@@ -22,15 +27,25 @@ fn main() -> ExitCode {
     }
 }
 
-/// candle asks for its thread count on every CPU matmul; without `RAYON_NUM_THREADS` that reads
-/// `/proc/cpuinfo` each time (~40 µs a call, ~16% of a decode step here). Setting the variable
-/// once, to the machine's parallelism, makes the lookup free and changes nothing else.
-fn pin_compute_threads() {
-    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
-        // SAFETY: called first thing in `main`, before any other thread exists, so nothing can
-        // read the environment concurrently.
-        unsafe { std::env::set_var("RAYON_NUM_THREADS", n.to_string()) };
+/// candle sizes its thread pool from `RAYON_NUM_THREADS` and asks for it on every CPU matmul;
+/// without the variable that reads `/proc/cpuinfo` each time (~40 µs a call, ~16% of a decode
+/// step here). Sets it once: to `--threads` when given, else (when unset) to the machine's
+/// parallelism.
+fn pin_compute_threads(threads: Option<u16>) {
+    // SAFETY (both blocks): called first thing in `main` (after parsing the arguments, which
+    // starts no thread), before any other thread exists, so nothing reads the environment
+    // concurrently.
+    match threads {
+        Some(n) => unsafe {
+            std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+            // candle's barrier pool reads this one first: the flag wins over it too.
+            std::env::remove_var("CANDLE_NUM_THREADS");
+        },
+        None if std::env::var_os("RAYON_NUM_THREADS").is_some() => {}
+        None => {
+            let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+            unsafe { std::env::set_var("RAYON_NUM_THREADS", n.to_string()) };
+        }
     }
 }
 
@@ -54,14 +69,15 @@ fn keep_freed_memory() {
     }
 }
 
-fn run() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+fn run(cli: Cli) -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        // Colours only on a terminal: log files and collectors get plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     match cli.command {
         Command::Serve(args) => serve(&args),
@@ -90,6 +106,9 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         max_model_len = info.max_model_len,
         num_blocks = info.num_blocks,
         block_size = info.block_size,
+        compute_threads = %std::env::var("CANDLE_NUM_THREADS")
+            .or_else(|_| std::env::var("RAYON_NUM_THREADS"))
+            .unwrap_or_default(),
         "engine ready"
     );
 
