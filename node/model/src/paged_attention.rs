@@ -1,12 +1,13 @@
 //! Attention over a paged KV pool: write one step's K/V into pool slots, then let every query
 //! token attend to its sequence's positions through the sequence's block table.
 //!
-//! These are the CPU reference kernels (candle's barrier pool over query rows × heads). The pool holds f32, f16
-//! or bf16 ([`KvDtype`]); the kernels compute in f32 either way: each worker widens a
-//! half-precision sequence's K and V tiles once into its own f32 copy, which every query row and
-//! every head of the GQA group it then takes for that sequence reads (a prefill chunk's rows
-//! share it), and a step's K/V are rounded to the pool's type when written. A CUDA build implements the same two calls over device memory; the
-//! CPU versions stay as its reference.
+//! These are the CPU reference kernels (query rows × heads split over candle's barrier pool).
+//! The pool holds f32, f16 or bf16 ([`KvDtype`]); the kernels compute in f32 either way: each
+//! chunk of rows widens a half-precision sequence's K and V tiles once into its scratch's f32
+//! copy, which every query row and every head of the GQA group it then takes for that sequence
+//! reads (a prefill chunk's rows share it), and a step's K/V are rounded to the pool's type when
+//! written. A CUDA build implements the same two calls over device memory; the CPU versions
+//! stay as its reference.
 
 use std::sync::Mutex;
 
