@@ -38,7 +38,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use pd_policy::{Api, Request, ReversePull, Route, Split};
 use pd_tokenize::Tokenizer;
-use pd_tokenize::prompt::{GIVEN_IDS_FIELD, PromptKind};
+use pd_tokenize::prompt::{GIVEN_IDS_FIELD, PromptInput, PromptKind};
 use pingora::http::ResponseHeader;
 use pingora::prelude::{HttpPeer, ProxyHttp, Session};
 use serde_json::{Map, Value, json};
@@ -705,9 +705,9 @@ impl Gateway {
                 why: "no node of this model is live".into(),
             });
         }
-        if tokens.len() >= snapshot.max_model_len as usize {
-            // No node could take it: the nodes' own 400, answered before any of them is asked
-            // (and before the ids make a body larger than a node accepts).
+        if snapshot.max_model_len > 0 && tokens.len() >= snapshot.max_model_len as usize {
+            // No node could take it: the nodes' own 400, answered before any of them is asked.
+            // (0: no node said; they answer for themselves.)
             return Err(GatewayError::invalid(
                 openai::prompt_param(api),
                 format!(
@@ -718,10 +718,15 @@ impl Gateway {
                 ),
             ));
         }
-        if snapshot.take_token_ids {
+        let given_as_ids = matches!(
+            analyzed.prompt,
+            PromptKind::Completion(PromptInput::Tokens(_))
+        );
+        if snapshot.take_token_ids && !given_as_ids {
             // Tokenized once for the cluster: P and D take these ids instead of rendering and
             // tokenizing the prompt again (the same ids: the nodes' own tokenizer and template,
-            // from their registration, through the same `pd_tokenize::prompt` code).
+            // from their registration, through the same `pd_tokenize::prompt` code). A
+            // completions prompt sent as ids already is one: nothing to add.
             let ids = tokens.iter().map(|&t| Value::from(t)).collect();
             body.insert(GIVEN_IDS_FIELD.to_owned(), Value::Array(ids));
         }

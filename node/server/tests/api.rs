@@ -659,9 +659,12 @@ async fn given_prompt_token_ids_are_the_prompt_on_every_api() {
         resp["usage"]["input_tokens"],
         first["usage"]["prompt_tokens"]
     );
-    assert_eq!(
-        resp["output"][0]["content"][0]["text"],
-        first["choices"][0]["message"]["content"]
+    // The chat reference ignores EOS; Responses stops at it: the same text up to there.
+    let text = resp["output"][0]["content"][0]["text"].as_str().unwrap();
+    let reference = first["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(
+        !text.is_empty() && reference.starts_with(text),
+        "{text:?} vs {reference:?}"
     );
 
     // Completions: the ids win over `prompt`.
