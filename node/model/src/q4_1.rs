@@ -714,7 +714,8 @@ mod tests {
                 .unwrap()
                 .with_kernel(Q4_1Kernel::Scalar)
                 .unwrap();
-            for m in [1, 2, 3, 5, 8, 15] {
+            // Up to 63 rows: batches below `weights::DENSE_MIN_ROWS` (64) run here.
+            for m in [1, 2, 3, 5, 8, 15, 16, 33, 63] {
                 let x = values(&mut rng, m * inp);
                 let mut want = vec![0f32; m * out];
                 reference.matmul(&x, &mut want).unwrap();
@@ -724,6 +725,12 @@ mod tests {
                     w.matmul(&x, &mut got).unwrap();
                     let what = format!("{} ({out}×{inp}) m={m}", kernel.name());
                     assert_close(&got, &want, 1e-5, &what);
+                    // A row's result does not depend on the batch it came in: the last row
+                    // alone gives the same bits (a P/D handoff computes rows in other
+                    // batches than one node does).
+                    let mut alone = vec![f32::NAN; out];
+                    w.matmul(&x[(m - 1) * inp..], &mut alone).unwrap();
+                    assert_eq!(alone, got[(m - 1) * out..], "{what}: last row alone");
                 }
             }
         }
@@ -743,7 +750,7 @@ mod tests {
             let ours = Q4_1Matrix::from_qtensor(&q).unwrap();
             let scalar = ours.clone().with_kernel(Q4_1Kernel::Scalar).unwrap();
             let candle = QMatMul::from_qtensor(q).unwrap();
-            for m in [1, 3, 15] {
+            for m in [1, 3, 15, 63] {
                 // (m, in)
                 let x = Tensor::from_vec(values(&mut rng, m * inp), (m, inp), &dev).unwrap();
                 let flat = |y: candle_core::Result<Tensor>| -> Vec<f32> {
