@@ -1,9 +1,11 @@
 //! The whole real model (SmolLM2-135M-Instruct Q4_1) through our paged forward pass, per
-//! weight policy: prefill of a 512-token prompt in one step, then 64 decode steps at batch 1
-//! (context 512–576), f32 KV. The model alone: no scheduler, sampler or HTTP.
+//! weight policy: prefill of a 512-token prompt in one step (`--prompt N` for another length),
+//! then 64 decode steps at batch 1 (context N to N + 64), f32 KV (`--kv-dtype f16|bf16` for
+//! another). The model alone: no scheduler, sampler or HTTP.
 //!
 //! Run: `PD_MODEL_GGUF=$(bash scripts/fetch-model.sh) RAYON_NUM_THREADS=1 \
-//!   cargo bench -p pd-model --bench gguf_forward [-- --policies fast,candle-kernels]`
+//!   cargo bench -p pd-model --bench gguf_forward [-- --policies fast,candle-kernels]
+//!   [--prompt 2000] [--kv-dtype f16]`
 //! (policies: `dense`, `fast`, `candle-kernels`, `as-stored`; all by default, interleaved per
 //! round). Results are in `BENCHMARKS.md`.
 
@@ -34,10 +36,30 @@ fn main() {
         QuantPolicy::CandleKernels,
         QuantPolicy::AsStored,
     ];
+    let mut prompt_len = 512usize;
+    let mut dtype = pd_kv_pool::KvDtype::F32;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--bench" => {}
+            "--prompt" => match args.next().and_then(|v| v.parse().ok()) {
+                Some(n) if n > 0 => prompt_len = n,
+                _ => {
+                    eprintln!("--prompt takes a positive token count");
+                    std::process::exit(2);
+                }
+            },
+            "--kv-dtype" => {
+                dtype = match args.next().as_deref() {
+                    Some("f32") => pd_kv_pool::KvDtype::F32,
+                    Some("f16") => pd_kv_pool::KvDtype::F16,
+                    Some("bf16") => pd_kv_pool::KvDtype::BF16,
+                    _ => {
+                        eprintln!("--kv-dtype takes f32, f16 or bf16");
+                        std::process::exit(2);
+                    }
+                }
+            }
             "--policies" => {
                 let v = args.next().unwrap_or_default();
                 let parsed: Result<Vec<_>, _> = v
@@ -69,8 +91,11 @@ fn main() {
         std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "unset".into())
     );
     // Distinct, ordinary token ids.
-    let prompt: Vec<u32> = (0..512u32).map(|i| 100 + (i * 37) % 20000).collect();
-    println!("| round | policy | prefill 512 tok/s | decode batch 1 tok/s |");
+    let prompt: Vec<u32> = (0..prompt_len as u32)
+        .map(|i| 100 + (i * 37) % 20000)
+        .collect();
+    println!("KV cache: {dtype:?}");
+    println!("| round | policy | prefill {prompt_len} tok/s | decode batch 1 tok/s |");
     println!("|---:|---|---:|---:|");
     for round in 0..2 {
         for &policy in &policies {
@@ -81,18 +106,18 @@ fn main() {
                     std::process::exit(1);
                 }
             };
-            let mut ours = common::Ours::new(&model, 700);
+            let mut ours = common::Ours::with_dtype(&model, prompt_len + 100, dtype);
             let t = Instant::now();
             ours.step(&prompt, 0);
             let prefill = t.elapsed();
             let t = Instant::now();
             for i in 0..64u32 {
-                ours.step(&[200 + i], 512 + i as usize);
+                ours.step(&[200 + i], prompt_len + i as usize);
             }
             let decode = t.elapsed();
             println!(
                 "| {round} | {policy:?} | {:.0} | {:.1} |",
-                512.0 / prefill.as_secs_f64(),
+                prompt_len as f64 / prefill.as_secs_f64(),
                 64.0 / decode.as_secs_f64()
             );
         }

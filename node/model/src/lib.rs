@@ -16,6 +16,8 @@
 //!   [`llama::DecoderLayer`], [`Model`]); Qwen2 is the same graph with q/k/v biases.
 //! - [`paged_attention`]: the kernels that write a step's K/V into the pool and attend over
 //!   block tables (CPU reference implementation; a CUDA version slots in behind the same calls).
+//! - `attention_math`: the one definition of a row's attention arithmetic (scores, `exp`, the
+//!   sums) and its AVX2 twin, bit for bit the same, so no step's grouping changes a token.
 //! - [`BatchInput`]: one step's flattened tokens, positions, slots and block tables.
 //! - [`tiny`]: writes a real, seeded, tiny HF model directory for tests and the demo.
 //!
@@ -24,6 +26,7 @@
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 #![deny(unused_must_use)]
 
+mod attention_math;
 mod batch;
 pub mod config;
 mod error;

@@ -1,18 +1,19 @@
 //! Attention over a paged KV pool: write one step's K/V into pool slots, then let every query
 //! token attend to its sequence's positions through the sequence's block table.
 //!
-//! These are the CPU reference kernels (query rows × heads split over candle's barrier pool).
-//! The pool holds f32, f16 or bf16 ([`KvDtype`]); the kernels compute in f32 either way: each
-//! chunk of rows widens a half-precision sequence's K and V tiles once into its scratch's f32
-//! copy, which every query row and every head of the GQA group it then takes for that sequence
-//! reads (a prefill chunk's rows share it), and a step's K/V are rounded to the pool's type when
-//! written. A CUDA build implements the same two calls over device memory; the CPU versions
-//! stay as its reference.
+//! These are the CPU reference kernels, split over candle's barrier pool in work items of up to
+//! 16 query tokens of one sequence times the heads of one GQA group. The pool holds f32, f16 or
+//! bf16 ([`KvDtype`]); the kernels compute in f32 either way: an item widens its KV head's K,
+//! then V, 64 positions at a time into an f32 tile that all its rows read while it is in L1,
+//! and a step's K/V are rounded to the pool's type when written. The per-row arithmetic lives
+//! in [`crate::attention_math`]. A CUDA build implements the same two calls over device memory;
+//! the CPU versions stay as its reference.
 
 use std::sync::Mutex;
 
 use pd_kv_pool::{BlockId, KvDtype, KvElem, KvLayout, KvPool};
 
+use crate::attention_math::{self, Isa};
 use crate::batch::SeqView;
 
 /// Writes K and V of `layer` for every token of the step into its slot.
@@ -44,6 +45,13 @@ fn write_kv_as<T: KvElem>(pool: &mut KvPool, layer: usize, k: &[f32], v: &[f32],
     }
 }
 
+/// Query tokens of one sequence that share each widened key tile (one work item's rows, times
+/// the GQA group).
+const TILE_TOKENS: usize = 16;
+/// Positions of one head's K or V widened to f32 at a time: 64 × head_dim stays in L1 while
+/// every row of the item reads it. A multiple of 8 ([`attention_math::dot8`] takes 8 keys).
+const TILE_KEYS: usize = 64;
+
 /// Causal attention of every query token over its own sequence's K/V in the pool.
 ///
 /// - `q`: `(num_tokens, num_heads, head_dim)`, already rotated.
@@ -51,7 +59,8 @@ fn write_kv_as<T: KvElem>(pool: &mut KvPool, layer: usize, k: &[f32], v: &[f32],
 ///
 /// Query token `i` of a sequence with `query_len` new tokens sits at position
 /// `context_len - query_len + i` and attends to positions `0..=that`. Only the blocks in the
-/// sequences' block tables are read.
+/// sequences' block tables are read. Each (token, head) gets the same bits however the step
+/// grouped its tokens, whatever the block size or layout ([`attention_math`]).
 pub fn attend(
     pool: &KvPool,
     layer: usize,
@@ -67,6 +76,49 @@ pub fn attend(
     }
 }
 
+/// One work item: up to [`TILE_TOKENS`] consecutive query tokens of one sequence, with the
+/// heads of one KV head's GQA group: `len · group` rows that read the same K/V.
+struct Item {
+    /// Index of the sequence in the step.
+    seq: usize,
+    /// The first token's row in the step.
+    token: usize,
+    /// Tokens in the item.
+    len: usize,
+    /// The first token's absolute position.
+    pos: usize,
+    kvh: usize,
+}
+
+/// What every item of one [`attend`] call reads.
+struct Step<'a> {
+    pool: &'a KvPool,
+    layout: &'a KvLayout,
+    layer: usize,
+    seqs: &'a [SeqView],
+    /// `(num_tokens, num_heads, head_dim)`
+    q: &'a [f32],
+    num_heads: usize,
+    scale: f32,
+    isa: Isa,
+}
+
+/// Per-thread buffers of [`attend_item`].
+#[derive(Default)]
+struct Scratch {
+    /// (rows, stride): scores by absolute position, then numerators.
+    scores: Vec<f32>,
+    /// (TILE_KEYS, head_dim): one head's K or V at consecutive positions, in f32.
+    tile: Vec<f32>,
+    /// (rows, head_dim): Σ numerator · V so far.
+    acc: Vec<f32>,
+    /// (rows,): 1 / denominator.
+    inv: Vec<f32>,
+    /// (rows,): positions attended to, all and within the current tile.
+    ends: Vec<usize>,
+    tile_ends: Vec<usize>,
+}
+
 /// [`attend`] over a pool of `T`.
 fn attend_as<T: KvElem>(
     pool: &KvPool,
@@ -77,239 +129,160 @@ fn attend_as<T: KvElem>(
     scale: f32,
 ) -> Vec<f32> {
     let layout = pool.layout();
-    let hd = layout.head_dim;
-    let group = num_heads / layout.num_kv_heads;
-    // (num_tokens,) → (sequence index, absolute position).
-    let mut rows: Vec<(usize, usize)> = Vec::with_capacity(q.len() / (num_heads * hd).max(1));
+    let (hd, kv_heads) = (layout.head_dim, layout.num_kv_heads);
+    let group = num_heads / kv_heads;
+    let mut items = Vec::new();
     for (s, seq) in seqs.iter().enumerate() {
         let first = seq.context_len - seq.query_len;
-        rows.extend((0..seq.query_len).map(|i| (s, first + i)));
-    }
-    #[cfg(target_arch = "x86_64")]
-    let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
-    let mut out = vec![0f32; q.len()];
-    // One (query token, head) pair, `idx = token · num_heads + head`, into `o` (head_dim,).
-    let one = |scratch: &mut Scratch, idx: usize, o: &mut [f32]| {
-        let (t, h) = (idx / num_heads, idx % num_heads);
-        let (s, pos) = rows[t];
-        let row = Row {
-            pool,
-            layout,
-            layer,
-            seq: s,
-            table: &seqs[s].block_table,
-            kvh: h / group,
-            q: &q[idx * hd..(idx + 1) * hd],
-            n: pos + 1,
-            scale,
-        };
-        #[cfg(target_arch = "x86_64")]
-        if avx2 {
-            // SAFETY: the CPU supports AVX2 and FMA (detected above).
-            unsafe { attend_row_avx2::<T>(&row, scratch, o) };
-            return;
-        }
-        attend_row::<T>(&row, scratch, o);
-    };
-    // Split over candle's barrier pool, the threads every matmul of the step runs on (still
-    // spinning from the op before), not over rayon's: a second pool's worker would compete
-    // with candle's spinning one for the same core (as the Q4_1 kernel found, `q4_1.rs`).
-    // Chunks of consecutive pairs keep a GQA group's heads together; each chunk takes one of
-    // the scratches (its widened tiles stay valid for the whole call: they are keyed by the
-    // step's sequence index and the pool only changes between calls).
-    let bp = candle_core::utils::barrier_pool();
-    let items = out.len() / hd.max(1);
-    let threads = bp.n_workers() + 1;
-    if threads == 1 || items == 1 {
-        let mut scratch = Scratch::default();
-        for (idx, o) in out.chunks_mut(hd).enumerate() {
-            one(&mut scratch, idx, o);
-        }
-        return out;
-    }
-    let per_chunk = items.div_ceil(threads * 4).max(1);
-    // Each chunk is taken by one thread; the locks are never contended.
-    let chunks: Vec<Mutex<&mut [f32]>> = out.chunks_mut(per_chunk * hd).map(Mutex::new).collect();
-    let scratches: Mutex<Vec<Scratch>> = Mutex::new(Vec::with_capacity(threads));
-    bp.execute_chunked(chunks.len(), |range| {
-        let taken = scratches.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        let mut scratch = taken.unwrap_or_default();
-        for c in range {
-            let mut o = chunks[c].lock().unwrap_or_else(|e| e.into_inner());
-            for (i, o) in o.chunks_mut(hd).enumerate() {
-                one(&mut scratch, c * per_chunk + i, o);
-            }
-        }
-        scratches
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(scratch);
-    });
-    drop(chunks);
-    out
-}
-
-/// Per-worker buffers of [`attend_row`].
-#[derive(Default)]
-struct Scratch {
-    /// (n,) scores, then probabilities.
-    scores: Vec<f32>,
-    /// Half-precision pools only: the sequence whose tiles `k` and `v` hold.
-    seq: Option<usize>,
-    /// Per KV head, (blocks widened so far, block_size, head_dim) of K, in table order.
-    k: Vec<Vec<f32>>,
-    /// The same for V.
-    v: Vec<Vec<f32>>,
-}
-
-impl Scratch {
-    /// Widens, for a half-precision pool, the row's sequence's K and V tiles of its KV head up
-    /// to block `blocks` (exclusive), keeping what earlier rows of that sequence widened.
-    fn widen<T: KvElem>(&mut self, row: &Row<'_>, blocks: usize) {
-        let l = row.layout;
-        if self.seq != Some(row.seq) {
-            self.seq = Some(row.seq);
-            self.k.resize_with(l.num_kv_heads, Vec::new);
-            self.v.resize_with(l.num_kv_heads, Vec::new);
-            self.k
-                .iter_mut()
-                .chain(self.v.iter_mut())
-                .for_each(Vec::clear);
-        }
-        let te = l.tile_elems();
-        let (k, v) = (&mut self.k[row.kvh], &mut self.v[row.kvh]);
-        let have = k.len() / te;
-        if have >= blocks {
-            return;
-        }
-        k.resize(blocks * te, 0.0);
-        v.resize(blocks * te, 0.0);
-        for (b, &block) in row.table.iter().enumerate().take(blocks).skip(have) {
-            for (kv, out) in [(0, &mut *k), (1, &mut *v)] {
-                let slab = row.pool.slab::<T>(block, row.layer, kv);
-                // (block_size, head_dim) of this head, contiguous here.
-                let dst = &mut out[b * te..(b + 1) * te];
-                if l.pos_stride() == l.head_dim {
-                    // The head's rows are contiguous in the pool too (`hnd`).
-                    let first = l.row(row.kvh, 0);
-                    T::load_f32(&slab[first..first + te], dst);
-                } else {
-                    for (p, d) in dst.chunks_exact_mut(l.head_dim).enumerate() {
-                        let r = l.row(row.kvh, p);
-                        T::load_f32(&slab[r..r + l.head_dim], d);
-                    }
-                }
-            }
+        for start in (0..seq.query_len).step_by(TILE_TOKENS) {
+            items.extend((0..kv_heads).map(|kvh| Item {
+                seq: s,
+                token: seq.query_start + start,
+                len: (seq.query_len - start).min(TILE_TOKENS),
+                pos: first + start,
+                kvh,
+            }));
         }
     }
-}
-
-/// One (query token, head) pair: what [`attend_row`] reads.
-struct Row<'a> {
-    pool: &'a KvPool,
-    layout: &'a KvLayout,
-    layer: usize,
-    /// Index of the row's sequence in the step.
-    seq: usize,
-    table: &'a [BlockId],
-    kvh: usize,
-    /// (head_dim,)
-    q: &'a [f32],
-    /// Positions attended to: `0..n`.
-    n: usize,
-    scale: f32,
-}
-
-/// [`attend_row`] compiled with AVX2 + FMA (8-wide vectors), chosen at run time.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn attend_row_avx2<T: KvElem>(row: &Row<'_>, scratch: &mut Scratch, o: &mut [f32]) {
-    attend_row::<T>(row, scratch, o)
-}
-
-/// `o` (head_dim,) = softmax(q · Kᵀ · scale) · V over positions `0..n` of the row's sequence.
-#[inline(always)]
-fn attend_row<T: KvElem>(row: &Row<'_>, scratch: &mut Scratch, o: &mut [f32]) {
-    let Row {
+    let step = Step {
         pool,
         layout,
         layer,
-        table,
-        kvh,
+        seqs,
         q,
-        n,
+        num_heads,
         scale,
-        ..
-    } = *row;
-    let (hd, bs) = (layout.head_dim, layout.block_size);
-    let te = layout.tile_elems();
-    let blocks = n.div_ceil(bs);
-    let half = T::DTYPE != KvDtype::F32;
-    if half {
-        scratch.widen::<T>(row, blocks);
-    }
-    let Scratch { scores, k, v, .. } = scratch;
-    // Block `b` of the table's K (`kv` 0) or V (1) of this head, in f32, and the elements
-    // between its positions' rows: the widened (block_size, head_dim) copy, or the pool's slab
-    // read in place from the head's first row.
-    let (first, stride) = if half {
-        (0, hd)
+        isa: Isa::detect(hd),
+    };
+    let mut out = vec![0f32; q.len()];
+    // Cell `token · kv_heads + kvh`: that token's rows of that group, (group, head_dim). Each is
+    // written by the one item holding the token and KV head; the locks are never contended.
+    let cells: Vec<Mutex<&mut [f32]>> = out.chunks_mut(group * hd).map(Mutex::new).collect();
+    // Split over candle's barrier pool, the threads every matmul of the step runs on (still
+    // spinning from the op before), not over rayon's: a second pool's worker would compete
+    // with candle's spinning one for the same core (as the Q4_1 kernel found, `q4_1.rs`).
+    let bp = candle_core::utils::barrier_pool();
+    if bp.n_workers() == 0 || items.len() == 1 {
+        let mut scratch = Scratch::default();
+        for item in &items {
+            attend_item::<T>(&step, &mut scratch, item, &cells);
+        }
     } else {
-        (layout.row(kvh, 0), layout.pos_stride())
-    };
-    let rows = |b: usize, kv: usize| -> &[f32] {
-        if half {
-            let widened = if kv == 0 { &k[kvh] } else { &v[kvh] };
-            &widened[b * te..(b + 1) * te]
-        } else {
-            &pool.slab::<f32>(table[b], layer, kv)[first..]
-        }
-    };
-    scores.clear();
-    scores.reserve(n);
-    let mut max = f32::NEG_INFINITY;
-    for b in 0..blocks {
-        let keys = rows(b, 0);
-        let len = bs.min(n - b * bs);
-        for j in 0..len {
-            let d = dot(q, &keys[j * stride..j * stride + hd]) * scale;
-            max = max.max(d);
-            scores.push(d);
+        let scratches: Mutex<Vec<Scratch>> = Mutex::new(Vec::new());
+        bp.execute_chunked(items.len(), |range| {
+            let taken = scratches.lock().unwrap_or_else(|e| e.into_inner()).pop();
+            let mut scratch = taken.unwrap_or_default();
+            for item in &items[range] {
+                attend_item::<T>(&step, &mut scratch, item, &cells);
+            }
+            scratches
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(scratch);
+        });
+    }
+    drop(cells);
+    out
+}
+
+/// The rows of one [`Item`]: scores tile by tile of K, the softmax per row, then the weighted
+/// sum of V tile by tile, written into the item's cells.
+fn attend_item<T: KvElem>(
+    step: &Step<'_>,
+    scratch: &mut Scratch,
+    item: &Item,
+    cells: &[Mutex<&mut [f32]>],
+) {
+    let Step { layout, isa, .. } = *step;
+    let (hd, kv_heads) = (layout.head_dim, layout.num_kv_heads);
+    let group = step.num_heads / kv_heads;
+    let rows = item.len * group;
+    // Row r = (token r / group, head kvh · group + r % group) attends to 0..ends[r].
+    let n_max = item.pos + item.len;
+    let stride = n_max.div_ceil(8) * 8;
+    let Scratch {
+        scores,
+        tile,
+        acc,
+        inv,
+        ends,
+        tile_ends,
+    } = scratch;
+    scores.resize(rows * stride, 0.0);
+    tile.resize(TILE_KEYS * hd, 0.0);
+    ends.clear();
+    ends.extend((0..rows).map(|r| item.pos + r / group + 1));
+    for j0 in (0..n_max).step_by(TILE_KEYS) {
+        let j1 = (j0 + TILE_KEYS).min(n_max);
+        widen::<T>(step, item, 0, j0..j1, tile);
+        for (r, &end) in ends.iter().enumerate().filter(|(_, e)| **e > j0) {
+            let (t, h) = (item.token + r / group, item.kvh * group + r % group);
+            let q = &step.q[(t * step.num_heads + h) * hd..][..hd];
+            for k in (j0..end.min(j1)).step_by(8) {
+                let out = &mut scores[r * stride + k..(r + 1) * stride];
+                attention_math::dot8(isa, q, &tile[(k - j0) * hd..], step.scale, out);
+            }
         }
     }
-    let mut denom = 0f32;
-    for x in scores.iter_mut() {
-        *x = (*x - max).exp();
-        denom += *x;
+    inv.clear();
+    for (r, &end) in ends.iter().enumerate() {
+        let s = &mut scores[r * stride..(r + 1) * stride];
+        let max = s[..end].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        inv.push(1.0 / attention_math::exp_sum(isa, s, end, max));
     }
-    let inv = 1.0 / denom;
-    o.fill(0.0);
-    for b in 0..blocks {
-        let values = rows(b, 1);
-        let len = bs.min(n - b * bs);
-        for j in 0..len {
-            let p = scores[b * bs + j] * inv;
-            for (acc, x) in o.iter_mut().zip(&values[j * stride..j * stride + hd]) {
-                *acc += p * x;
+    acc.clear();
+    acc.resize(rows * hd, 0.0);
+    for j0 in (0..n_max).step_by(TILE_KEYS) {
+        let j1 = (j0 + TILE_KEYS).min(n_max);
+        widen::<T>(step, item, 1, j0..j1, tile);
+        tile_ends.clear();
+        tile_ends.extend(ends.iter().map(|&e| e.min(j1)));
+        attention_math::accumulate(isa, acc, scores, stride, tile, j0, tile_ends);
+    }
+    for i in 0..item.len {
+        let mut cell = cells[(item.token + i) * kv_heads + item.kvh]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        for (h, o) in cell.chunks_mut(hd).enumerate() {
+            let r = i * group + h;
+            for (o, a) in o.iter_mut().zip(&acc[r * hd..(r + 1) * hd]) {
+                *o = a * inv[r];
             }
         }
     }
 }
 
-/// Dot product with 8 independent accumulators, so the compiler vectorises it (a plain
-/// `iter().sum()` is a serial chain of adds it may not reorder).
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
+/// Widens K (`kv` 0) or V (1) of the item's KV head at `positions` into `tile`, row `j −
+/// positions.start` holding position `j`: `(positions.len(), head_dim)` f32.
+fn widen<T: KvElem>(
+    step: &Step<'_>,
+    item: &Item,
+    kv: usize,
+    positions: std::ops::Range<usize>,
+    tile: &mut [f32],
+) {
+    let l = step.layout;
+    let (hd, bs) = (l.head_dim, l.block_size);
+    let table = &step.seqs[item.seq].block_table;
+    let mut j = positions.start;
+    while j < positions.end {
+        let (b, off) = (j / bs, j % bs);
+        let run = (bs - off).min(positions.end - j);
+        let slab = step.pool.slab::<T>(table[b], step.layer, kv);
+        let at = j - positions.start;
+        let dst = &mut tile[at * hd..(at + run) * hd];
+        if l.pos_stride() == hd {
+            // The head's rows are contiguous in the pool (`hnd`).
+            let first = l.row(item.kvh, off);
+            T::load_f32(&slab[first..first + run * hd], dst);
+        } else {
+            for (p, d) in dst.chunks_exact_mut(hd).enumerate() {
+                let r = l.row(item.kvh, off + p);
+                T::load_f32(&slab[r..r + hd], d);
+            }
         }
+        j += run;
     }
-    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
-    acc.iter().sum::<f32>() + tail
 }
 
 #[cfg(test)]
@@ -355,6 +328,108 @@ mod tests {
             }
         }
         out
+    }
+
+    /// The property P/D, prefix caching and heterogeneous peers rely on: a (token, head)'s
+    /// output bits do not depend on which tokens share its step (one prefill, chunks after a
+    /// cached prefix, one decode token at a time, beside another sequence), nor on the block
+    /// size or layout of the pool. 150 positions cross several key tiles and token tiles.
+    #[test]
+    fn a_rows_bits_do_not_depend_on_its_step_or_the_pools_block_size_and_order() {
+        let (heads, kvh, hd, n) = (9, 3, 64, 150usize);
+        let mut x = 0.11f32;
+        let mut rnd = || {
+            x = (x * 9301.0 + 0.49297).fract();
+            x - 0.5
+        };
+        let k: Vec<f32> = (0..n * kvh * hd).map(|_| rnd() * 4.0).collect();
+        let v: Vec<f32> = (0..n * kvh * hd).map(|_| rnd()).collect();
+        let q: Vec<f32> = (0..n * heads * hd).map(|_| rnd() * 4.0).collect();
+        let row = heads * hd;
+        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::BF16] {
+            let mut reference: Option<Vec<u32>> = None;
+            for (bs, order) in [(16, KvOrder::Hnd), (32, KvOrder::Nhd), (5, KvOrder::Hnd)] {
+                let blocks = n.div_ceil(bs);
+                let layout = KvLayout {
+                    num_blocks: 2 * blocks + 1,
+                    block_size: bs,
+                    num_layers: 1,
+                    num_kv_heads: kvh,
+                    head_dim: hd,
+                    dtype,
+                    order,
+                };
+                let mut pool = KvPool::new(layout).unwrap();
+                // The sequence in every other block, backwards; a second one in the rest.
+                let table: Vec<BlockId> = (0..blocks)
+                    .rev()
+                    .map(|b| BlockId((2 * b + 1) as u32))
+                    .collect();
+                let other: Vec<BlockId> = (0..blocks).map(|b| BlockId((2 * b) as u32)).collect();
+                for t in [&table, &other] {
+                    let slots: Vec<usize> =
+                        (0..n).map(|p| t[p / bs].index() * bs + p % bs).collect();
+                    write_kv(&mut pool, 0, &k, &v, &slots);
+                }
+                let seq =
+                    |start: usize, len: usize, table: &[BlockId], query_start: usize| SeqView {
+                        query_start,
+                        query_len: len,
+                        context_len: start + len,
+                        block_table: table[..(start + len).div_ceil(bs)].to_vec(),
+                    };
+                let bits = |o: &[f32]| o.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                // One prefill of all 150 tokens.
+                let whole = bits(&attend(&pool, 0, &q, heads, &[seq(0, n, &table, 0)], 0.125));
+                // Chunks, as after prefix-cache hits.
+                let mut chunked = Vec::new();
+                for (a, b) in [(0, 37), (37, 100), (100, n)] {
+                    let s = [seq(a, b - a, &table, 0)];
+                    chunked.extend(bits(&attend(
+                        &pool,
+                        0,
+                        &q[a * row..b * row],
+                        heads,
+                        &s,
+                        0.125,
+                    )));
+                }
+                assert_eq!(
+                    whole, chunked,
+                    "{dtype:?} bs {bs} {order:?}: chunked prefill"
+                );
+                // One token at a time (decode), and each token beside another sequence's chunk.
+                for p in [0, 15, 16, 63, 64, 65, 149] {
+                    let one = attend(
+                        &pool,
+                        0,
+                        &q[p * row..(p + 1) * row],
+                        heads,
+                        &[seq(p, 1, &table, 0)],
+                        0.125,
+                    );
+                    assert_eq!(bits(&one), whole[p * row..(p + 1) * row], "decode at {p}");
+                    let mut both = q[..20 * row].to_vec();
+                    both.extend_from_slice(&q[p * row..(p + 1) * row]);
+                    let s = [seq(0, 20, &other, 0), seq(p, 1, &table, 20)];
+                    let out = attend(&pool, 0, &both, heads, &s, 0.125);
+                    assert_eq!(
+                        bits(&out[20 * row..]),
+                        whole[p * row..(p + 1) * row],
+                        "batched at {p}"
+                    );
+                    assert_eq!(
+                        bits(&out[..20 * row]),
+                        whole[..20 * row],
+                        "the other sequence"
+                    );
+                }
+                match &reference {
+                    None => reference = Some(whole),
+                    Some(r) => assert_eq!(*r, whole, "{dtype:?}: block size {bs} {order:?}"),
+                }
+            }
+        }
     }
 
     #[test]
