@@ -31,7 +31,7 @@ impl Isa {
     /// The fastest implementation this CPU runs for rows of `head_dim`.
     pub(crate) fn detect(head_dim: usize) -> Isa {
         #[cfg(target_arch = "x86_64")]
-        if head_dim % 8 == 0
+        if head_dim.is_multiple_of(8)
             && std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma")
         {
