@@ -144,6 +144,9 @@ fn attend_as<T: KvElem>(
             }));
         }
     }
+    // Heaviest first (causal: an item's work grows with its positions), so the last items
+    // the threads grab are the light ones and neither waits long for the other.
+    items.sort_by_key(|i| std::cmp::Reverse(i.len * (i.pos + i.len)));
     let step = Step {
         pool,
         layout,
