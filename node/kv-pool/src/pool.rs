@@ -52,12 +52,21 @@ impl KvElem for f32 {
 }
 
 macro_rules! half_elem {
-    ($t:ty, $dtype:expr) => {
+    ($t:ty, $dtype:expr, $widen:ident) => {
         impl KvElem for $t {
             const DTYPE: KvDtype = $dtype;
 
             #[inline(always)]
             fn load_f32(src: &[$t], dst: &mut [f32]) {
+                assert_eq!(src.len(), dst.len(), "load_f32: lengths differ");
+                #[cfg(target_arch = "x86_64")]
+                if std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("f16c")
+                {
+                    // SAFETY: the CPU has AVX2 and F16C; the lengths are equal.
+                    unsafe { widen::$widen(src, dst) };
+                    return;
+                }
                 use half::slice::HalfFloatSliceExt;
                 src.convert_to_f32_slice(dst);
             }
@@ -71,8 +80,51 @@ macro_rules! half_elem {
     };
 }
 
-half_elem!(half::f16, KvDtype::F16);
-half_elem!(half::bf16, KvDtype::BF16);
+half_elem!(half::f16, KvDtype::F16, f16);
+half_elem!(half::bf16, KvDtype::BF16, bf16);
+
+/// Half-precision rows to f32, 8 at a time and inlined: attention widens every K/V tile it
+/// reads, and `half`'s slice conversion calls a function per 8 values. Both conversions are
+/// exact, so the bits equal `half`'s.
+#[cfg(target_arch = "x86_64")]
+mod widen {
+    use std::arch::x86_64::*;
+
+    /// f16 → f32 with F16C. Requires AVX2, F16C and `src.len() == dst.len()`.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn f16(src: &[half::f16], dst: &mut [f32]) {
+        let n = src.len() / 8 * 8;
+        let (s, d) = (src.as_ptr().cast::<__m128i>(), dst.as_mut_ptr());
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 ≤ n ≤ both lengths; unaligned loads and stores.
+            unsafe {
+                let h = _mm_loadu_si128(s.byte_add(i * 2));
+                _mm256_storeu_ps(d.add(i), _mm256_cvtph_ps(h));
+            }
+        }
+        for (x, y) in src[n..].iter().zip(&mut dst[n..]) {
+            *y = x.to_f32();
+        }
+    }
+
+    /// bf16 → f32: the 16 bits become the high half of the f32. Requires AVX2 and
+    /// `src.len() == dst.len()`.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn bf16(src: &[half::bf16], dst: &mut [f32]) {
+        let n = src.len() / 8 * 8;
+        let (s, d) = (src.as_ptr().cast::<__m128i>(), dst.as_mut_ptr());
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 ≤ n ≤ both lengths; unaligned loads and stores.
+            unsafe {
+                let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(s.byte_add(i * 2)));
+                _mm256_storeu_ps(d.add(i), _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h)));
+            }
+        }
+        for (x, y) in src[n..].iter().zip(&mut dst[n..]) {
+            *y = x.to_f32();
+        }
+    }
+}
 
 /// The byte a poisoned block is filled with: all-ones is a NaN in f32, f16 and bf16 alike.
 const POISON: u8 = 0xff;
@@ -329,6 +381,32 @@ impl KvPool {
 mod tests {
     use super::*;
     use crate::layout::KvOrder;
+
+    /// The inlined widening gives `half`'s bits for every f16 and bf16 value (NaNs stay NaN),
+    /// at every length (the 8-wide loop and the tail).
+    #[test]
+    fn widening_equals_half_for_every_value() {
+        fn check<T: KvElem>(all: Vec<T>, reference: impl Fn(&T) -> f32) {
+            for len in [all.len(), 13, 7, 0] {
+                let src = &all[all.len() - len..];
+                let mut dst = vec![0f32; len];
+                T::load_f32(src, &mut dst);
+                for (x, y) in src.iter().zip(&dst) {
+                    let want = reference(x);
+                    assert!(
+                        y.to_bits() == want.to_bits() || (y.is_nan() && want.is_nan()),
+                        "{y} vs {want}"
+                    );
+                }
+            }
+        }
+        check((0..=u16::MAX).map(half::f16::from_bits).collect(), |x| {
+            x.to_f32()
+        });
+        check((0..=u16::MAX).map(half::bf16::from_bits).collect(), |x| {
+            x.to_f32()
+        });
+    }
 
     fn layout() -> KvLayout {
         KvLayout {

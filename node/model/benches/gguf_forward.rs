@@ -1,7 +1,7 @@
 //! The whole real model (SmolLM2-135M-Instruct Q4_1) through our paged forward pass, per
 //! weight policy: prefill of a 512-token prompt in one step (`--prompt N` for another length),
-//! then 64 decode steps at batch 1 (context N to N + 64), f32 KV (`--kv-dtype f16|bf16` for
-//! another). The model alone: no scheduler, sampler or HTTP.
+//! then 64 decode steps at batch 1 (`--tokens M` for another count; context N to N + M), f32
+//! KV (`--kv-dtype f16|bf16` for another). The model alone: no scheduler, sampler or HTTP.
 //!
 //! Run: `PD_MODEL_GGUF=$(bash scripts/fetch-model.sh) RAYON_NUM_THREADS=1 \
 //!   cargo bench -p pd-model --bench gguf_forward [-- --policies fast,candle-kernels]
@@ -37,6 +37,7 @@ fn main() {
         QuantPolicy::AsStored,
     ];
     let mut prompt_len = 512usize;
+    let mut tokens = 64usize;
     let mut dtype = pd_kv_pool::KvDtype::F32;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -46,6 +47,13 @@ fn main() {
                 Some(n) if n > 0 => prompt_len = n,
                 _ => {
                     eprintln!("--prompt takes a positive token count");
+                    std::process::exit(2);
+                }
+            },
+            "--tokens" => match args.next().and_then(|v| v.parse().ok()) {
+                Some(n) if n > 0 => tokens = n,
+                _ => {
+                    eprintln!("--tokens takes a positive count");
                     std::process::exit(2);
                 }
             },
@@ -106,19 +114,19 @@ fn main() {
                     std::process::exit(1);
                 }
             };
-            let mut ours = common::Ours::with_dtype(&model, prompt_len + 100, dtype);
+            let mut ours = common::Ours::with_dtype(&model, prompt_len + tokens + 1, dtype);
             let t = Instant::now();
             ours.step(&prompt, 0);
             let prefill = t.elapsed();
             let t = Instant::now();
-            for i in 0..64u32 {
-                ours.step(&[200 + i], prompt_len + i as usize);
+            for i in 0..tokens {
+                ours.step(&[200 + (i % 1000) as u32], prompt_len + i);
             }
             let decode = t.elapsed();
             println!(
                 "| {round} | {policy:?} | {:.0} | {:.1} |",
                 prompt_len as f64 / prefill.as_secs_f64(),
-                64.0 / decode.as_secs_f64()
+                tokens as f64 / decode.as_secs_f64()
             );
         }
     }
