@@ -115,7 +115,7 @@ use crate::request::{
     RequestId, SamplingParams,
 };
 use crate::sampler;
-use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::scheduler::{Scheduler, SchedulerConfig, StepPlan};
 use crate::sequence::Sequence;
 
 /// Per-request state kept while any child is alive.
@@ -374,7 +374,7 @@ impl Engine {
             Command::Wake => {}
             Command::SubscribeCache(reply) => {
                 let _ = reply.send(CacheSubscription {
-                    cached: self.scheduler.allocator.cached_hashes(),
+                    cached: self.scheduler.cached_hashes(),
                     events: self.cache_events.subscribe(),
                 });
             }
@@ -386,10 +386,8 @@ impl Engine {
     /// Work between steps: drop the references of ended leases, park requests waiting for
     /// remote KV (telling their callers where to write), publish prefix-cache changes.
     fn housekeeping(&mut self) {
-        let freed = self.leases.collect(Instant::now());
-        for b in freed {
-            self.scheduler.allocator.free(b);
-        }
+        let ended = self.leases.collect(Instant::now());
+        self.scheduler.release_lease_refs(ended);
         let leases = &self.leases;
         let parked = self
             .scheduler
@@ -397,7 +395,7 @@ impl Engine {
         if !parked.is_empty() {
             // Blocks taken from the cache are invalid from now on: poison them *before* the
             // caller starts writing pulled KV into them, not at the next step.
-            for b in self.scheduler.allocator.take_poison_list() {
+            for b in self.scheduler.take_freed() {
                 self.pool.poison_block(b);
             }
         }
@@ -410,7 +408,7 @@ impl Engine {
                 });
             }
         }
-        for e in self.scheduler.allocator.take_cache_events() {
+        for e in self.scheduler.take_cache_events() {
             // No subscriber is fine: the event is dropped.
             let _ = self.cache_events.send(e);
         }
@@ -478,24 +476,14 @@ impl Engine {
     /// the next step like any other (its first step computes this token's KV), or, when this
     /// token finished it, ends here.
     fn emit_first_token(&mut self, request: RequestId, token: u32) {
-        if self.scheduler.waiting.front().map(|s| s.request) != Some(request) {
-            return; // (`Scheduler::remote_kv_ready` just put it there)
-        }
-        let Some(seq) = self.scheduler.waiting.pop_front() else {
+        // Emitting works on running sequences; this one is there only for the call.
+        let Some(index) = self.scheduler.emit_from_front(request) else {
             return;
         };
-        // Emitting works on running sequences; this one is there only for the call.
-        self.scheduler.running.push(seq);
-        let index = self.scheduler.running.len() - 1;
         let outcome = self.emit_token(index, Pick::Given(token));
-        let mut seq = self.scheduler.running.swap_remove(index);
-        match outcome {
-            Ok(false) => self.scheduler.waiting.push_front(seq),
-            Ok(true) => self.scheduler.release(&mut seq),
-            Err(()) => {
-                self.scheduler.release(&mut seq);
-                self.abort(request);
-            }
+        self.scheduler.end_emit(index, outcome != Ok(false));
+        if outcome.is_err() {
+            self.abort(request);
         }
         self.update_gauges();
     }
@@ -558,12 +546,11 @@ impl Engine {
                 kv,
             },
         );
-        match kv {
-            KvTransfer::Consume | KvTransfer::PullThenProduce { .. } => {
-                self.scheduler.remote_pending.push_back(seq)
-            }
-            _ => self.scheduler.waiting.push_back(seq),
-        }
+        let remote_kv = matches!(
+            kv,
+            KvTransfer::Consume | KvTransfer::PullThenProduce { .. }
+        );
+        self.scheduler.enqueue(seq, remote_kv);
         self.update_gauges();
     }
 
@@ -576,8 +563,35 @@ impl Engine {
         }
     }
 
-    /// One scheduling step and forward pass; false when nothing could be scheduled.
+    /// One step, in its phases: [`Engine::plan`] (what runs, pool work before it),
+    /// [`Engine::batch`], [`Engine::forward`], the scheduler's `commit`, [`Engine::sample`]
+    /// (handoffs, forks, tokens out), then the scheduler's `retire`. False when nothing could
+    /// be scheduled.
     fn step(&mut self) -> bool {
+        let plan = self.plan();
+        if plan.scheduled.is_empty() {
+            self.update_gauges();
+            return false;
+        }
+        let (batch, sampled, prefill_tokens) = self.batch(&plan);
+        let Some((logits, vocab)) = self.forward(&plan, &batch, prefill_tokens) else {
+            return true;
+        };
+        for s in &plan.scheduled {
+            self.scheduler.commit(*s);
+        }
+        let out = self.sample(&logits, vocab, &sampled);
+        self.scheduler.retire(&out.finished, &out.parked, &out.gone);
+        for id in out.gone {
+            self.abort(id);
+        }
+        self.update_gauges();
+        true
+    }
+
+    /// Plans the step (reclaiming retained turns before preempting), tells newly admitted
+    /// requests they started, poisons freed blocks and makes the copy-on-write copies.
+    fn plan(&mut self) -> StepPlan {
         let leases = &self.leases;
         let plan = self
             .scheduler
@@ -590,7 +604,7 @@ impl Engine {
                 state.started = true;
                 let prompt_tokens = self
                     .scheduler
-                    .running
+                    .running()
                     .iter()
                     .find(|s| s.request == id)
                     .map_or(0, |s| s.prompt_len);
@@ -606,7 +620,7 @@ impl Engine {
                 });
             }
         }
-        for b in self.scheduler.allocator.take_poison_list() {
+        for b in self.scheduler.take_freed() {
             self.pool.poison_block(b);
         }
         for &(src, dst) in &plan.copies {
@@ -615,16 +629,18 @@ impl Engine {
         self.scheduler.finish_copies(&plan.copies);
         // Gauges show this step's allocations before any of its events goes out.
         self.update_gauges();
-        if plan.scheduled.is_empty() {
-            self.update_gauges();
-            return false;
-        }
+        plan
+    }
 
+    /// The step's input; the running indices whose logits are sampled, in row order; and the
+    /// prompt tokens it computes (decode rows are one token past the prompt).
+    fn batch(&self, plan: &StepPlan) -> (BatchInput, Vec<usize>, usize) {
         let bs = self.info.block_size;
         let mut batch = BatchInput::default();
         let mut sampled = Vec::new();
+        let mut prefill_tokens = 0;
         for s in &plan.scheduled {
-            let seq = &self.scheduler.running[s.index];
+            let seq = self.scheduler.seq(s.index);
             let start = seq.num_computed;
             let want_logits = start + s.num_tokens == seq.tokens.len();
             if let Err(e) = batch.push_seq(
@@ -639,40 +655,43 @@ impl Engine {
             if want_logits {
                 sampled.push(s.index);
             }
+            prefill_tokens += (start + s.num_tokens)
+                .min(seq.prompt_len)
+                .saturating_sub(start);
         }
-        // Prompt tokens this step computes (decode rows are one token past the prompt).
-        let prefill_tokens: usize = plan
-            .scheduled
-            .iter()
-            .map(|s| {
-                let seq = &self.scheduler.running[s.index];
-                let start = seq.num_computed;
-                (start + s.num_tokens)
-                    .min(seq.prompt_len)
-                    .saturating_sub(start)
-            })
-            .sum();
+        (batch, sampled, prefill_tokens)
+    }
+
+    /// Runs the model: `(rows, vocab)` logits copied out once for the whole step, read row by
+    /// row. On a model error every request in the step fails and leaves (`None`).
+    fn forward(
+        &mut self,
+        plan: &StepPlan,
+        batch: &BatchInput,
+        prefill_tokens: usize,
+    ) -> Option<(Vec<f32>, usize)> {
         let started = Instant::now();
-        // (rows, vocab) copied out once for the whole step, then read row by row.
-        let logits = self.model.forward(&batch, &mut self.pool).and_then(|l| {
+        let logits = self.model.forward(batch, &mut self.pool).and_then(|l| {
             let vocab = l.dim(1)?;
             Ok((l.flatten_all()?.to_vec1::<f32>()?, vocab))
         });
-        if logits.is_ok() && prefill_tokens >= crate::metrics::PREFILL_RATE_MIN_TOKENS {
-            let secs = started.elapsed().as_secs_f64();
-            crate::metrics::ewma(
-                &self.metrics.prefill_tokens_per_second,
-                prefill_tokens as f64 / secs,
-            );
-        }
-        let (logits, vocab) = match logits {
-            Ok(l) => l,
+        match logits {
+            Ok(l) => {
+                if prefill_tokens >= crate::metrics::PREFILL_RATE_MIN_TOKENS {
+                    let secs = started.elapsed().as_secs_f64();
+                    crate::metrics::ewma(
+                        &self.metrics.prefill_tokens_per_second,
+                        prefill_tokens as f64 / secs,
+                    );
+                }
+                Some(l)
+            }
             Err(e) => {
                 tracing::error!(error = %e, "forward pass failed");
                 let ids: HashSet<RequestId> = plan
                     .scheduled
                     .iter()
-                    .map(|s| self.scheduler.running[s.index].request)
+                    .map(|s| self.scheduler.seq(s.index).request)
                     .collect();
                 for id in ids {
                     if let Some(state) = self.requests.remove(&id) {
@@ -683,155 +702,97 @@ impl Engine {
                     self.scheduler.remove_request(id);
                 }
                 self.update_gauges();
-                return true;
+                None
             }
-        };
-        for s in &plan.scheduled {
-            self.scheduler.commit(*s);
         }
-        let mut finished: HashSet<(RequestId, usize)> = HashSet::new();
-        let mut gone: HashSet<RequestId> = HashSet::new();
-        // Forked children with no room to run yet: (request, child), moved to the queue below.
-        let mut parked: Vec<(RequestId, usize)> = Vec::new();
-        for (row, &index) in logits.chunks_exact(vocab.max(1)).zip(&sampled) {
-            let id = self.scheduler.running[index].request;
+    }
+
+    /// Turns each sampled row into tokens. A request's first sample also hands its prompt's KV
+    /// off ([`Engine::hand_off`]) and forks its `n` children, who all take a token from the
+    /// same row.
+    fn sample(&mut self, logits: &[f32], vocab: usize, sampled: &[usize]) -> StepOutcome {
+        let mut out = StepOutcome::default();
+        for (row, &index) in logits.chunks_exact(vocab.max(1)).zip(sampled) {
+            let id = self.scheduler.seq(index).request;
             let Some(state) = self.requests.get_mut(&id) else {
                 continue;
             };
             let mut children = vec![index];
             if !state.forked {
                 state.forked = true;
-                // (A client already gone gets no lease: nobody could hand it to a decode node.)
-                if let KvTransfer::Produce { consumers } | KvTransfer::PullThenProduce { consumers } =
-                    state.kv
-                    && !state.events.is_closed()
-                {
-                    // The prompt is computed: lease its blocks to each decode node that will
-                    // pull them, once for all `n` children (they would share them anyway). Each
-                    // lease holds its own reference per block, so one consumer's release never
-                    // frees blocks another still reads.
-                    let seq = &self.scheduler.running[index];
-                    let blocks =
-                        seq.blocks[..seq.prompt_len.div_ceil(self.info.block_size)].to_vec();
-                    let num_tokens = seq.prompt_len;
-                    // Bound to what the blocks hold: a reader checks it on confirm. A single
-                    // completion's first token goes with it — the token `emit_token` samples
-                    // below, drawn here from a copy of the sequence's generator in the same
-                    // state — so a reader that wants nothing else from the logits need not
-                    // compute the last prompt position again.
-                    let first = (state.params.n == 1 && state.params.logprobs.is_none())
-                        .then(|| sampler::sample(row, &state.params, &mut seq.rng.clone()));
-                    let key = state.first_token_key;
-                    let contents = pd_kv_pool::LeaseContents::of(&seq.tokens[..seq.prompt_len])
-                        .in_blocks(&blocks)
-                        .with_next_token(first, key);
-                    for _ in 0..consumers.max(1) {
-                        for &b in &blocks {
-                            self.scheduler.allocator.share(b);
-                        }
-                        let lease = self
-                            .leases
-                            .grant(blocks.clone(), contents, "", Instant::now());
-                        tracing::debug!(request = %id, lease = %lease.id, blocks = lease.blocks.len(), "prompt KV leased");
-                        let _ = state.events.send(RequestEvent::KvReady(KvHandoff {
-                            lease: lease.id,
-                            generation: lease.generation,
-                            deadline: to_system_time(lease.deadline),
-                            block_ids: lease.blocks,
-                            num_tokens,
-                            last_block_hash: None,
-                            board_slot: lease.slot,
-                        }));
-                    }
-                }
-                let seed = state.params.seed.unwrap_or(0);
-                // Children that can run from the next step: a sequence slot each, and a block
-                // each for their first write (a copy of the shared partial block, or a fresh
-                // block) — but for one sharer of a partial block, which writes it in place. The
-                // rest wait at the queue's front holding only the shared blocks (no recompute).
-                let parent = &self.scheduler.running[index];
-                let partial = !parent.num_computed.is_multiple_of(self.info.block_size);
-                let slots = self
-                    .scheduler
-                    .cfg
-                    .max_num_seqs
-                    .saturating_sub(self.scheduler.running.len());
-                let blocks =
-                    (self.scheduler.allocator.num_free() + usize::from(partial)).saturating_sub(1); // the parent's own
-                let mut may_run = slots.min(blocks);
-                for c in 1..state.params.n {
-                    let parent = &self.scheduler.running[index];
-                    for &b in &parent.blocks {
-                        self.scheduler.allocator.share(b);
-                    }
-                    let child =
-                        parent.fork(c, ChaCha8Rng::seed_from_u64(seed.wrapping_add(c as u64)));
-                    if may_run == 0 {
-                        parked.push((id, c));
-                    } else {
-                        may_run -= 1;
-                    }
-                    self.scheduler.running.push(child);
-                    children.push(self.scheduler.running.len() - 1);
-                }
+                let (n, seed) = (state.params.n, state.params.seed.unwrap_or(0));
+                self.hand_off(id, index, row);
+                let (all, parked) = self.scheduler.fork(index, n, seed);
+                children = all;
+                out.parked.extend(parked);
             }
             for i in children {
                 match self.emit_token(i, Pick::Sample(row)) {
                     Ok(true) => {
-                        let s = &self.scheduler.running[i];
-                        finished.insert((s.request, s.child));
+                        let s = self.scheduler.seq(i);
+                        out.finished.insert((s.request, s.child));
                     }
                     Ok(false) => {}
                     Err(()) => {
-                        gone.insert(id);
+                        out.gone.insert(id);
                     }
                 }
             }
         }
-        if !parked.is_empty() {
-            // After their first token (sampled above, with their siblings): to the queue's
-            // front, in child order, keeping their shared blocks.
-            let mut waiting = Vec::new();
-            let mut i = 0;
-            while i < self.scheduler.running.len() {
-                let s = &self.scheduler.running[i];
-                let key = (s.request, s.child);
-                if parked.contains(&key) && !finished.contains(&key) && !gone.contains(&s.request) {
-                    waiting.push(self.scheduler.running.remove(i));
-                } else {
-                    i += 1;
-                }
-            }
-            for s in waiting.into_iter().rev() {
-                self.scheduler.waiting.push_front(s);
-            }
+        out
+    }
+
+    /// A prefill's computed prompt: leases its blocks to each decode node that will pull them,
+    /// once for all `n` children (they would share them anyway). Each lease holds its own
+    /// reference per block, so one consumer's release never frees blocks another still reads.
+    /// Nothing for other requests, or for a client already gone (nobody could hand a lease to
+    /// a decode node).
+    fn hand_off(&mut self, id: RequestId, index: usize, row: &[f32]) {
+        let Some(state) = self.requests.get(&id) else {
+            return;
+        };
+        let (KvTransfer::Produce { consumers } | KvTransfer::PullThenProduce { consumers }) =
+            state.kv
+        else {
+            return;
+        };
+        if state.events.is_closed() {
+            return;
         }
-        if !finished.is_empty() {
-            let mut done = Vec::new();
-            let mut i = 0;
-            while i < self.scheduler.running.len() {
-                let s = &self.scheduler.running[i];
-                if finished.contains(&(s.request, s.child)) {
-                    done.push(self.scheduler.running.remove(i));
-                } else {
-                    i += 1;
-                }
-            }
-            for mut s in done {
-                self.scheduler.release(&mut s);
-            }
+        let seq = self.scheduler.seq(index);
+        let blocks = seq.blocks[..seq.prompt_len.div_ceil(self.info.block_size)].to_vec();
+        let num_tokens = seq.prompt_len;
+        // Bound to what the blocks hold: a reader checks it on confirm. A single completion's
+        // first token goes with it — the token `emit_token` samples next, drawn here from a
+        // copy of the sequence's generator in the same state — so a reader that wants nothing
+        // else from the logits need not compute the last prompt position again.
+        let first = (state.params.n == 1 && state.params.logprobs.is_none())
+            .then(|| sampler::sample(row, &state.params, &mut seq.rng.clone()));
+        let contents = pd_kv_pool::LeaseContents::of(&seq.tokens[..seq.prompt_len])
+            .in_blocks(&blocks)
+            .with_next_token(first, state.first_token_key);
+        for _ in 0..consumers.max(1) {
+            self.scheduler.hold_for_lease(&blocks);
+            let lease = self
+                .leases
+                .grant(blocks.clone(), contents, "", Instant::now());
+            tracing::debug!(request = %id, lease = %lease.id, blocks = lease.blocks.len(), "prompt KV leased");
+            let _ = state.events.send(RequestEvent::KvReady(KvHandoff {
+                lease: lease.id,
+                generation: lease.generation,
+                deadline: to_system_time(lease.deadline),
+                block_ids: lease.blocks,
+                num_tokens,
+                last_block_hash: None,
+                board_slot: lease.slot,
+            }));
         }
-        for id in gone {
-            self.abort(id);
-        }
-        self.update_gauges();
-        true
     }
 
     /// Picks a token for `running[index]` (samples it, or takes the one given), updates its
     /// text and sends the events. `Ok(true)`: the child finished. `Err(())`: the client is gone.
     fn emit_token(&mut self, index: usize, pick: Pick<'_>) -> Result<bool, ()> {
-        let seq = &mut self.scheduler.running[index];
+        let seq = self.scheduler.seq_mut(index);
         let Some(state) = self.requests.get_mut(&seq.request) else {
             return Err(());
         };
@@ -928,6 +889,7 @@ impl Engine {
             return Ok(false);
         };
         let completion_tokens = seq.num_generated();
+        let id = seq.request;
         // A finished single completion may be kept for the conversation's next turn: its full,
         // computed blocks (the last sampled token has no KV yet) under a retained lease, bound
         // to the tokens they hold. Not for KV nobody vouched for, nor for a prefill's handoff.
@@ -956,9 +918,7 @@ impl Engine {
                     .last()
                     .map_or(0, |h| h.0),
                 };
-                for &b in &blocks {
-                    self.scheduler.allocator.share(b);
-                }
+                self.scheduler.hold_for_lease(&blocks);
                 let lease = self
                     .leases
                     .grant_retained(blocks, contents, Instant::now(), ttl);
@@ -986,26 +946,29 @@ impl Engine {
                 .e2e_latency
                 .observe(state.arrival.elapsed().as_secs_f64());
             self.metrics.requests_finished.inc();
-            let id = seq.request;
             self.requests.remove(&id);
         }
         Ok(true)
     }
 
     fn update_gauges(&self) {
-        self.metrics
-            .running
-            .set(self.scheduler.running.len() as i64);
-        self.metrics
-            .waiting
-            .set(self.scheduler.waiting.len() as i64);
-        self.metrics
-            .waiting_remote_kv
-            .set((self.scheduler.remote.len() + self.scheduler.remote_pending.len()) as i64);
-        self.metrics
-            .kv_blocks_free
-            .set(self.scheduler.allocator.num_free() as i64);
+        let n = self.scheduler.lengths();
+        self.metrics.running.set(n.running as i64);
+        self.metrics.waiting.set(n.waiting as i64);
+        self.metrics.waiting_remote_kv.set(n.remote as i64);
+        self.metrics.kv_blocks_free.set(n.free_blocks as i64);
     }
+}
+
+/// What [`Engine::sample`] leaves for the scheduler's `retire`.
+#[derive(Default)]
+struct StepOutcome {
+    /// Children that finished this step: (request, child).
+    finished: HashSet<(RequestId, usize)>,
+    /// Children forked with no room to run yet ([`Scheduler::fork`]).
+    parked: Vec<(RequestId, usize)>,
+    /// Requests whose client went away.
+    gone: HashSet<RequestId>,
 }
 
 /// How [`Engine::emit_token`] gets its token.

@@ -13,9 +13,11 @@
 //! Sequences waiting for KV from another node sit apart ([`Scheduler::park_for_remote_kv`]) and
 //! hold their blocks without taking part in steps until [`Scheduler::remote_kv_ready`].
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 
 use pd_kv_pool::{AllocatorError, BlockAllocator, BlockId, block_hash, hash_full_blocks_from};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
 
 use crate::request::RequestId;
 use crate::sequence::Sequence;
@@ -53,17 +55,30 @@ pub(crate) struct StepPlan {
     pub(crate) preempted: usize,
 }
 
-/// Queues and block bookkeeping of one engine.
+/// Queues and block bookkeeping of one engine: the one owner of block references. Every
+/// reference a sequence, a fork, a lease or the prefix cache holds is taken and dropped by a
+/// method of this type; the engine reads sequences and edits their own state (tokens, text,
+/// generator) but moves no sequence between queues and touches no allocator.
 #[derive(Debug)]
 pub(crate) struct Scheduler {
-    pub(crate) cfg: SchedulerConfig,
-    pub(crate) allocator: BlockAllocator,
-    pub(crate) waiting: VecDeque<Sequence>,
-    pub(crate) running: Vec<Sequence>,
+    cfg: SchedulerConfig,
+    allocator: BlockAllocator,
+    waiting: VecDeque<Sequence>,
+    running: Vec<Sequence>,
     /// Parked: blocks reserved, waiting for a peer's KV.
-    pub(crate) remote: Vec<Sequence>,
+    remote: Vec<Sequence>,
     /// Waiting for remote KV but not parked yet (no free blocks for the prompt).
-    pub(crate) remote_pending: VecDeque<Sequence>,
+    remote_pending: VecDeque<Sequence>,
+}
+
+/// Sequence counts for the gauges.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct QueueLengths {
+    pub(crate) running: usize,
+    pub(crate) waiting: usize,
+    /// Parked for a peer's KV, or waiting to be.
+    pub(crate) remote: usize,
+    pub(crate) free_blocks: usize,
 }
 
 impl Scheduler {
@@ -82,6 +97,166 @@ impl Scheduler {
     pub(crate) fn recording_cache_events(mut self) -> Self {
         self.allocator.record_cache_events();
         self
+    }
+
+    /// The running sequences, in step order.
+    pub(crate) fn running(&self) -> &[Sequence] {
+        &self.running
+    }
+
+    /// `running[index]`: a sequence of the current step.
+    pub(crate) fn seq(&self, index: usize) -> &Sequence {
+        &self.running[index]
+    }
+
+    /// `running[index]`, to record what it generated (its blocks stay the scheduler's).
+    pub(crate) fn seq_mut(&mut self, index: usize) -> &mut Sequence {
+        &mut self.running[index]
+    }
+
+    /// Sequence counts and free blocks, for the gauges.
+    pub(crate) fn lengths(&self) -> QueueLengths {
+        QueueLengths {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            remote: self.remote.len() + self.remote_pending.len(),
+            free_blocks: self.allocator.num_free(),
+        }
+    }
+
+    /// Hashes of every block in the prefix cache (a subscriber's starting point).
+    pub(crate) fn cached_hashes(&self) -> Vec<pd_kv_pool::BlockHash> {
+        self.allocator.cached_hashes()
+    }
+
+    /// Prefix-cache changes since the last call.
+    pub(crate) fn take_cache_events(&mut self) -> Vec<pd_kv_pool::CacheEvent> {
+        self.allocator.take_cache_events()
+    }
+
+    /// Blocks freed since the last call, for the pool to poison before anyone writes them.
+    pub(crate) fn take_freed(&mut self) -> Vec<BlockId> {
+        self.allocator.take_poison_list()
+    }
+
+    /// Queues a new request's sequence: for admission, or, when its prompt's KV comes from a
+    /// peer, to be parked for it ([`Scheduler::park_pending`]).
+    pub(crate) fn enqueue(&mut self, seq: Sequence, remote_kv: bool) {
+        if remote_kv {
+            self.remote_pending.push_back(seq);
+        } else {
+            self.waiting.push_back(seq);
+        }
+    }
+
+    /// One more reference on each of `blocks`, held by a lease (a prefill's handoff, a retained
+    /// turn) until [`Scheduler::release_lease_refs`].
+    pub(crate) fn hold_for_lease(&mut self, blocks: &[BlockId]) {
+        for &b in blocks {
+            self.allocator.share(b);
+        }
+    }
+
+    /// Drops the references of ended leases ([`Scheduler::hold_for_lease`]).
+    pub(crate) fn release_lease_refs(&mut self, blocks: impl IntoIterator<Item = BlockId>) {
+        for b in blocks {
+            self.allocator.free(b);
+        }
+    }
+
+    /// Forks `running[index]`, whose first token is about to be sampled, into children `1..n`
+    /// sharing every block (copy-on-write for the partial last one); child `c` draws from
+    /// `seed + c`. Returns the running indices of all `n` (the parent first) and the children
+    /// with no room to run yet: they take their first token with their siblings, then wait at
+    /// the queue's front holding only the shared blocks ([`Scheduler::retire`]).
+    ///
+    /// Room: a sequence slot each, and a block each for their first write (a copy of the shared
+    /// partial block, or a fresh block), but for one sharer of a partial block, which writes it
+    /// in place.
+    pub(crate) fn fork(
+        &mut self,
+        index: usize,
+        n: usize,
+        seed: u64,
+    ) -> (Vec<usize>, Vec<(RequestId, usize)>) {
+        let parent = &self.running[index];
+        let id = parent.request;
+        let partial = !parent.num_computed.is_multiple_of(self.cfg.block_size);
+        let slots = self.cfg.max_num_seqs.saturating_sub(self.running.len());
+        // Less the parent's own.
+        let blocks = (self.allocator.num_free() + usize::from(partial)).saturating_sub(1);
+        let mut may_run = slots.min(blocks);
+        let mut children = vec![index];
+        let mut parked = Vec::new();
+        for c in 1..n {
+            let parent = &self.running[index];
+            for &b in &parent.blocks {
+                self.allocator.share(b);
+            }
+            let child = parent.fork(c, ChaCha8Rng::seed_from_u64(seed.wrapping_add(c as u64)));
+            if may_run == 0 {
+                parked.push((id, c));
+            } else {
+                may_run -= 1;
+            }
+            self.running.push(child);
+            children.push(self.running.len() - 1);
+        }
+        (children, parked)
+    }
+
+    /// After a step's tokens are out: forked children parked by [`Scheduler::fork`] go to the
+    /// queue's front, in child order, keeping their shared blocks (unless they finished or
+    /// their request is gone); finished sequences leave and free their blocks.
+    pub(crate) fn retire(
+        &mut self,
+        finished: &HashSet<(RequestId, usize)>,
+        parked: &[(RequestId, usize)],
+        gone: &HashSet<RequestId>,
+    ) {
+        let mut waiting = Vec::new();
+        let mut done = Vec::new();
+        let mut i = 0;
+        while i < self.running.len() {
+            let s = &self.running[i];
+            let key = (s.request, s.child);
+            if finished.contains(&key) {
+                done.push(self.running.remove(i));
+            } else if parked.contains(&key) && !gone.contains(&s.request) {
+                waiting.push(self.running.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        for s in waiting.into_iter().rev() {
+            self.waiting.push_front(s);
+        }
+        for mut s in done {
+            self.release(&mut s);
+        }
+    }
+
+    /// Takes `request`'s sequence from the queue's front (where
+    /// [`Scheduler::remote_kv_ready`] put it) into the running list, for one token emitted
+    /// without a forward pass; its running index. Undone by [`Scheduler::end_emit`].
+    pub(crate) fn emit_from_front(&mut self, request: RequestId) -> Option<usize> {
+        if self.waiting.front().map(|s| s.request) != Some(request) {
+            return None;
+        }
+        let seq = self.waiting.pop_front()?;
+        self.running.push(seq);
+        Some(self.running.len() - 1)
+    }
+
+    /// Ends [`Scheduler::emit_from_front`]: the sequence goes back to the queue's front, or,
+    /// when `done` (finished, or its client gone), leaves and frees its blocks.
+    pub(crate) fn end_emit(&mut self, index: usize, done: bool) {
+        let mut seq = self.running.swap_remove(index);
+        if done {
+            self.release(&mut seq);
+        } else {
+            self.waiting.push_front(seq);
+        }
     }
 
     pub(crate) fn has_work(&self) -> bool {
