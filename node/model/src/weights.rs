@@ -269,43 +269,55 @@ impl WeightSource for SafetensorsWeights<'_> {
     }
 }
 
-/// Rejects weight files whose tensors are not float32/float16/bfloat16, naming the dtype.
-/// Reads only each file's JSON header (8-byte little-endian length, then the header).
+/// Rejects weight files whose tensors are not float32/float16/bfloat16, naming the dtype, the
+/// tensor and the file. Reads the headers through candle's safetensors reader (the files are
+/// mapped, not read).
 pub(crate) fn check_weight_dtypes(files: &[std::path::PathBuf]) -> Result<(), ModelError> {
-    use std::io::Read;
     for f in files {
-        let io = |source| ModelError::Io {
-            path: f.clone(),
-            source,
-        };
-        let mut file = std::fs::File::open(f).map_err(io)?;
-        let mut len = [0u8; 8];
-        file.read_exact(&mut len).map_err(io)?;
-        let len = u64::from_le_bytes(len);
-        if len > 100 << 20 {
-            return Err(ModelError::InvalidConfig(format!(
-                "{}: safetensors header of {len} bytes",
-                f.display()
-            )));
-        }
-        let mut header = vec![0u8; len as usize];
-        file.read_exact(&mut header).map_err(io)?;
-        let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
-            .map_err(|source| ModelError::Json {
-                path: f.clone(),
-                source,
-            })?;
-        for (name, info) in &header {
-            let Some(dtype) = info.get("dtype").and_then(|d| d.as_str()) else {
-                continue;
-            };
-            if !matches!(dtype, "F32" | "F16" | "BF16") {
+        // SAFETY: mapped read-only for this check; a model directory changing under a starting
+        // server is outside our contract (as for every HF loader).
+        let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(f)? };
+        for (name, view) in st.tensors() {
+            let supported = DType::try_from(view.dtype())
+                .is_ok_and(|d| matches!(d, DType::F32 | DType::F16 | DType::BF16));
+            if !supported {
                 return Err(ModelError::UnsupportedDtype(format!(
-                    "{dtype} (tensor {name} in {})",
+                    "{:?} (tensor {name} in {})",
+                    view.dtype(),
                     f.display()
                 )));
             }
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    /// A weight file holding an integer tensor is refused at load, naming the dtype, the tensor
+    /// and the file; float files pass.
+    #[test]
+    fn weight_files_with_integer_tensors_are_refused_by_name() {
+        let dir = std::env::temp_dir().join(format!("pd-weight-dtypes-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (good, bad) = (dir.join("good.safetensors"), dir.join("bad.safetensors"));
+        let f = Tensor::zeros((2, 3), DType::F16, &Device::Cpu).unwrap();
+        let ids = Tensor::zeros(4, DType::I64, &Device::Cpu).unwrap();
+        candle_core::safetensors::save(&HashMap::from([("w", f.clone())]), &good).unwrap();
+        candle_core::safetensors::save(&HashMap::from([("w", f), ("model.ids", ids)]), &bad)
+            .unwrap();
+        assert!(check_weight_dtypes(std::slice::from_ref(&good)).is_ok());
+        match check_weight_dtypes(&[good, bad]) {
+            Err(ModelError::UnsupportedDtype(m)) => assert!(
+                m.contains("I64") && m.contains("model.ids") && m.contains("bad.safetensors"),
+                "{m}"
+            ),
+            other => panic!("expected the I64 tensor refused, got {other:?}"),
+        }
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }
