@@ -546,10 +546,7 @@ impl Engine {
                 kv,
             },
         );
-        let remote_kv = matches!(
-            kv,
-            KvTransfer::Consume | KvTransfer::PullThenProduce { .. }
-        );
+        let remote_kv = matches!(kv, KvTransfer::Consume | KvTransfer::PullThenProduce { .. });
         self.scheduler.enqueue(seq, remote_kv);
         self.update_gauges();
     }

@@ -137,6 +137,10 @@ pub struct ServeArgs {
     /// request at most this long.
     #[arg(long, default_value_t = 5.0)]
     pub kv_pull_timeout: f64,
+    /// Seconds a streamed response may stay silent (queued, or waiting for a peer's KV) before
+    /// the node sends an SSE comment, so proxies and clients with idle timeouts keep it open.
+    #[arg(long, default_value_t = 15.0)]
+    pub sse_keep_alive: f64,
     /// How this node reads a peer's pool: `auto` copies straight from it where UCX maps it into
     /// this process (shared memory on one host) and posts UCX gets elsewhere; `get` always posts
     /// UCX gets (for comparison).
@@ -231,6 +235,9 @@ pub enum CliError {
     /// A KV flag is inconsistent.
     #[error("{0}")]
     Kv(String),
+    /// An HTTP flag is out of range.
+    #[error("{0}")]
+    Http(String),
 }
 
 impl ServeArgs {
@@ -277,6 +284,20 @@ impl ServeArgs {
                     self.kv_retain_after_decode
                 ))
             })
+    }
+
+    /// `--sse-keep-alive` as a duration.
+    ///
+    /// # Errors
+    /// [`CliError::Http`] when it is not a positive number of seconds.
+    pub fn sse_keep_alive(&self) -> Result<std::time::Duration, CliError> {
+        match std::time::Duration::try_from_secs_f64(self.sse_keep_alive) {
+            Ok(d) if !d.is_zero() => Ok(d),
+            _ => Err(CliError::Http(format!(
+                "--sse-keep-alive must be a positive number of seconds, got {}",
+                self.sse_keep_alive
+            ))),
+        }
     }
 
     /// `--kv-lease-duration` as a duration.

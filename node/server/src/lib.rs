@@ -44,10 +44,15 @@ use pd_engine::EngineHandle;
 pub use disagg::{AllowedPeers, Disagg, KvRole, PullConfig};
 pub use error::ApiError;
 pub use routes::MAX_BODY_BYTES;
+pub use sse::KEEP_ALIVE as SSE_KEEP_ALIVE;
 
 /// Builds the HTTP app serving `engine` as a standalone node.
 pub fn router(engine: EngineHandle) -> axum::Router {
-    routes::router(engine, std::sync::Arc::new(Disagg::standalone()))
+    routes::router(
+        engine,
+        std::sync::Arc::new(Disagg::standalone()),
+        SSE_KEEP_ALIVE,
+    )
 }
 
 /// Serves [`router`]`(engine)` on `listener` until `shutdown` resolves, then stops accepting
@@ -60,10 +65,12 @@ pub async fn serve(
     engine: EngineHandle,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    serve_with(listener, engine, Arc::new(Disagg::standalone()), shutdown).await
+    let disagg = Arc::new(Disagg::standalone());
+    serve_with(listener, engine, disagg, SSE_KEEP_ALIVE, shutdown).await
 }
 
-/// [`serve`] for a node with a P/D role.
+/// [`serve`] for a node with a P/D role; streams send a keep-alive comment after
+/// `sse_keep_alive` of silence.
 ///
 /// # Errors
 /// Only when accepting on `listener` fails fatally.
@@ -71,9 +78,10 @@ pub async fn serve_with(
     listener: tokio::net::TcpListener,
     engine: EngineHandle,
     disagg: Arc<Disagg>,
+    sse_keep_alive: std::time::Duration,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, routes::router(engine, disagg))
+    axum::serve(listener, routes::router(engine, disagg, sse_keep_alive))
         .with_graceful_shutdown(shutdown)
         .await
 }

@@ -136,6 +136,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         None => None,
     };
     let lease_duration = args.lease_duration()?;
+    let sse_keep_alive = args.sse_keep_alive()?;
     // The cluster token the side channel requires and sends: the configured one, replaced by
     // the one the gateway hands out at registration (see below).
     let (cluster_token, token_rx) =
@@ -269,9 +270,10 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
             pull,
             transfer_metrics,
         ));
-        let served = pd_node::serve_with(listener, engine, disagg, shutdown_signal())
-            .await
-            .context("serving HTTP");
+        let served =
+            pd_node::serve_with(listener, engine, disagg, sse_keep_alive, shutdown_signal())
+                .await
+                .context("serving HTTP");
         if let Some(r) = reporter {
             r.shutdown().await;
         }

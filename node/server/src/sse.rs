@@ -1,60 +1,62 @@
-//! Server-sent-event bodies built over a request's [`Events`].
+//! Server-sent-event bodies built over a request's [`Events`], framed by axum's [`Sse`].
 //!
 //! The body stream owns the [`Events`]: when hyper drops the body (client gone, connection
 //! reset), the events drop with them and the engine aborts the request and frees its KV
-//! blocks. Each endpoint supplies a [`SseFormatter`] that turns engine events into frames.
+//! blocks. Each endpoint supplies a [`SseFormatter`] that turns engine events into SSE events.
+//! A stream with nothing to say for [`KEEP_ALIVE`] (queued, or waiting for a peer's KV) sends a
+//! comment, so proxies and clients with idle timeouts keep the connection.
 
 use std::convert::Infallible;
+use std::time::Duration;
 
-use axum::body::Body;
-use axum::http::header;
+use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use bytes::Bytes;
 use pd_engine::RequestEvent;
 use serde::Serialize;
 
 use crate::disagg::Events;
 use crate::error::ApiError;
 
-/// The terminator of OpenAI chat and completion streams.
-pub(crate) const DONE: &[u8] = b"data: [DONE]\n\n";
+/// Default silence before a keep-alive comment (`pd-node serve --sse-keep-alive`).
+pub const KEEP_ALIVE: Duration = Duration::from_secs(15);
 
-/// Turns one request's events into SSE frames, appended to `out`.
+/// The terminator of OpenAI chat and completion streams, `data: [DONE]`.
+pub(crate) fn done() -> Event {
+    Event::default().data("[DONE]")
+}
+
+/// Turns one request's events into SSE events, appended to `out`.
 pub(crate) trait SseFormatter: Send + 'static {
-    /// Frames sent before the first engine event (e.g. the chat role chunk).
-    fn prelude(&mut self, out: &mut Vec<u8>);
-    /// Frames for one engine event. A [`RequestEvent::Failed`] is the last event delivered.
-    fn event(&mut self, event: RequestEvent, out: &mut Vec<u8>);
-    /// Frames after the last event: the usage chunk, `[DONE]`, or an error when the stream ended
+    /// Events sent before the first engine event (e.g. the chat role chunk).
+    fn prelude(&mut self, out: &mut Vec<Event>);
+    /// Events for one engine event. A [`RequestEvent::Failed`] is the last event delivered.
+    fn event(&mut self, event: RequestEvent, out: &mut Vec<Event>);
+    /// Events after the last one: the usage chunk, `[DONE]`, or an error when the stream ended
     /// before every child finished.
-    fn finish(&mut self, out: &mut Vec<u8>);
+    fn finish(&mut self, out: &mut Vec<Event>);
 }
 
-/// Appends `data: <json>\n\n`.
-pub(crate) fn data_frame(out: &mut Vec<u8>, value: &impl Serialize) {
-    out.extend_from_slice(b"data: ");
-    write_json(out, value);
-    out.extend_from_slice(b"\n\n");
+/// Appends `data: <json>`.
+pub(crate) fn data_frame(out: &mut Vec<Event>, value: &impl Serialize) {
+    out.push(json(Event::default(), value));
 }
 
-/// Appends `event: <name>\ndata: <json>\n\n`.
-pub(crate) fn event_frame(out: &mut Vec<u8>, name: &str, value: &impl Serialize) {
-    out.extend_from_slice(b"event: ");
-    out.extend_from_slice(name.as_bytes());
-    out.push(b'\n');
-    data_frame(out, value);
+/// Appends `event: <name>` with `data: <json>`.
+pub(crate) fn event_frame(out: &mut Vec<Event>, name: &str, value: &impl Serialize) {
+    out.push(json(Event::default().event(name), value));
 }
 
 /// Appends the OpenAI error object as a data frame (how vLLM reports mid-stream failures).
-pub(crate) fn error_frame(out: &mut Vec<u8>, error: &ApiError) {
+pub(crate) fn error_frame(out: &mut Vec<Event>, error: &ApiError) {
     data_frame(out, &error.to_body());
 }
 
-fn write_json(out: &mut Vec<u8>, value: &impl Serialize) {
+fn json(event: Event, value: &impl Serialize) -> Event {
     // Our wire types contain no maps with non-string keys, so this cannot fail; if it ever did,
     // an empty object keeps the frame well formed.
-    if serde_json::to_writer(&mut *out, value).is_err() {
-        out.extend_from_slice(b"{}");
+    match serde_json::to_string(value) {
+        Ok(text) => event.data(text),
+        Err(_) => event.data("{}"),
     }
 }
 
@@ -64,9 +66,14 @@ enum State<F> {
     Done,
 }
 
-/// A `text/event-stream` response that drives `stream` through `formatter`.
-pub(crate) fn sse_response<F: SseFormatter>(stream: Events, formatter: F) -> Response {
-    let body = futures::stream::unfold(State::Start(stream, formatter), |state| async move {
+/// A `text/event-stream` response that drives `stream` through `formatter`, with a comment
+/// after every `keep_alive` of silence.
+pub(crate) fn sse_response<F: SseFormatter>(
+    stream: Events,
+    formatter: F,
+    keep_alive: Duration,
+) -> Response {
+    let batches = futures::stream::unfold(State::Start(stream, formatter), |state| async move {
         let mut out = Vec::new();
         let (mut stream, mut formatter) = match state {
             State::Done => return None,
@@ -76,26 +83,23 @@ pub(crate) fn sse_response<F: SseFormatter>(stream: Events, formatter: F) -> Res
             }
             State::Running(stream, formatter) => (stream, formatter),
         };
-        // Skip events that produce no frame: an empty chunk would look like the end of the body.
+        // Wait until an engine event produces at least one SSE event.
         while out.is_empty() {
             match stream.recv().await {
                 Some(event) => formatter.event(event, &mut out),
                 None => {
                     formatter.finish(&mut out);
                     drop(stream);
-                    return (!out.is_empty())
-                        .then(|| (Ok::<_, Infallible>(Bytes::from(out)), State::Done));
+                    return (!out.is_empty()).then_some((out, State::Done));
                 }
             }
         }
-        Some((Ok(Bytes::from(out)), State::Running(stream, formatter)))
+        Some((out, State::Running(stream, formatter)))
     });
-    (
-        [
-            (header::CONTENT_TYPE, "text/event-stream"),
-            (header::CACHE_CONTROL, "no-cache"),
-        ],
-        Body::from_stream(body),
-    )
+    let events = futures::StreamExt::flat_map(batches, |batch| {
+        futures::stream::iter(batch.into_iter().map(Ok::<_, Infallible>))
+    });
+    Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(keep_alive))
         .into_response()
 }

@@ -242,7 +242,12 @@ pub(crate) async fn seen(api: Api, r: reqwest::Response) -> Seen {
         }
         return s;
     }
-    let body = r.text().await.unwrap();
+    seen_sse(api, &r.text().await.unwrap())
+}
+
+/// [`seen`] of a streamed body's text.
+fn seen_sse(api: Api, body: &str) -> Seen {
+    let mut s = Seen::default();
     for line in body.lines() {
         let Some(data) = line.strip_prefix("data: ") else {
             continue;
@@ -1241,6 +1246,64 @@ async fn the_side_channel_requires_the_cluster_token() {
     let got = through_pd(&p, &member, api, &body).await;
     assert_eq!(got.tokens, want.tokens);
     assert!(got.pulled.is_some_and(|n| n > 0));
+}
+
+/// A stream with nothing to say (here: D waiting for a frozen producer's KV) sends SSE
+/// comments every `--sse-keep-alive`, so proxies and clients with idle timeouts keep it open;
+/// once the producer thaws, the same stream carries the answer, equal to one node's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_stream_sends_keep_alive_comments_until_its_answer() {
+    let dir = model("keep-alive");
+    let solo = start(&dir, &[]);
+    let p = producer(&dir, &[]);
+    let d = consumer_with(
+        &dir,
+        "fail",
+        &[
+            "--engine-id",
+            "d1",
+            "--kv-pull-timeout",
+            "60",
+            "--sse-keep-alive",
+            "0.2",
+        ],
+    );
+    let api = Api::Completions;
+    // Warm: D has handshaken with P.
+    let warm = api.body("a warm-up prompt of a few blocks.", 2);
+    assert!(through_pd(&p, &d, api, &warm).await.pulled.unwrap_or(0) > 0);
+
+    let body = api.body("a prompt whose producer freezes while D waits.", 8);
+    let want = seen(api, post(&solo.http, api.path(), &body).await).await;
+    let params = prefill(&p, api, &body).await;
+    let frozen = Frozen::new(&p);
+    let mut db = body.clone();
+    db["stream"] = json!(true);
+    db["stream_options"] = json!({"include_usage": true});
+    db["kv_transfer_params"] = params;
+    let mut resp = post(&d.http, api.path(), &db).await;
+    assert_eq!(resp.status(), 200);
+    // 1.5 s of a frozen producer: comments only (several), no data.
+    let mut text = String::new();
+    let _ = tokio::time::timeout(Duration::from_millis(1500), async {
+        while let Some(chunk) = resp.chunk().await.unwrap() {
+            text.push_str(std::str::from_utf8(&chunk).unwrap());
+        }
+    })
+    .await;
+    let comments = text.lines().filter(|l| l.starts_with(':')).count();
+    assert!(comments >= 2, "keep-alive comments while frozen: {text:?}");
+    assert!(
+        !text.contains("data:"),
+        "data while the producer is frozen: {text:?}"
+    );
+    drop(frozen);
+    while let Some(chunk) = resp.chunk().await.unwrap() {
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    let got = seen_sse(api, &text);
+    assert_eq!(got.texts, want.texts);
+    assert!(got.pulled.unwrap_or(0) > 0, "the answer came from P's KV");
 }
 
 /// `SIGSTOP`s a process; `SIGCONT`s it when dropped, whatever happens in between.

@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use axum::Json;
 use axum::extract::State;
+use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use pd_engine::{EngineError, GenerateRequest, RequestEvent, TokenLogprob};
 use pd_tokenize::Tokenizer;
@@ -18,7 +19,7 @@ use crate::openai::chat::{
 };
 use crate::openai::{Usage, non_negative};
 use crate::prompt::{chat_messages, chat_tokens, token_text};
-use crate::sse::{DONE, SseFormatter, data_frame, error_frame, sse_response};
+use crate::sse::{SseFormatter, data_frame, done, error_frame, sse_response};
 
 const ROLE: &str = "assistant";
 
@@ -92,7 +93,7 @@ pub(super) async fn create(
             out,
             kv,
         };
-        return Ok(sse_response(stream, formatter));
+        return Ok(sse_response(stream, formatter, state.sse_keep_alive));
     }
 
     let generation = collect(stream, n, prompt_len, kv).await?;
@@ -216,7 +217,7 @@ impl ChatStream {
 }
 
 impl SseFormatter for ChatStream {
-    fn prelude(&mut self, out: &mut Vec<u8>) {
+    fn prelude(&mut self, out: &mut Vec<Event>) {
         for index in 0..self.finished.len() {
             let delta = ChatDelta {
                 role: Some(ROLE),
@@ -228,7 +229,7 @@ impl SseFormatter for ChatStream {
         }
     }
 
-    fn event(&mut self, event: RequestEvent, out: &mut Vec<u8>) {
+    fn event(&mut self, event: RequestEvent, out: &mut Vec<Event>) {
         self.counts.observe(&event);
         self.kv.observe(&event);
         let choice = match event {
@@ -283,7 +284,7 @@ impl SseFormatter for ChatStream {
         }
     }
 
-    fn finish(&mut self, out: &mut Vec<u8>) {
+    fn finish(&mut self, out: &mut Vec<Event>) {
         if !self.failed && self.finished.iter().any(|f| !f) {
             self.failed = true;
             error_frame(out, &ApiError::EngineStopped);
@@ -292,6 +293,6 @@ impl SseFormatter for ChatStream {
             let chunk = self.chunk(Vec::new(), Some(self.counts.usage()));
             data_frame(out, &chunk);
         }
-        out.extend_from_slice(DONE);
+        out.push(done());
     }
 }

@@ -2,6 +2,7 @@
 
 use axum::Json;
 use axum::extract::State;
+use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use pd_engine::{EngineError, GenerateRequest, RequestEvent, TokenLogprob};
 use pd_tokenize::Tokenizer;
@@ -15,7 +16,7 @@ use crate::openai::completions::{
 };
 use crate::openai::non_negative;
 use crate::prompt::{completion_prompt, completion_tokens, token_text};
-use crate::sse::{DONE, SseFormatter, data_frame, error_frame, sse_response};
+use crate::sse::{SseFormatter, data_frame, done, error_frame, sse_response};
 
 const OBJECT: &str = "text_completion";
 
@@ -71,7 +72,7 @@ pub(super) async fn create(
             out,
             kv,
         };
-        return Ok(sse_response(stream, formatter));
+        return Ok(sse_response(stream, formatter, state.sse_keep_alive));
     }
 
     let generation = collect(stream, n, prompt_len, kv).await?;
@@ -201,9 +202,9 @@ impl CompletionStream {
 }
 
 impl SseFormatter for CompletionStream {
-    fn prelude(&mut self, _out: &mut Vec<u8>) {}
+    fn prelude(&mut self, _out: &mut Vec<Event>) {}
 
-    fn event(&mut self, event: RequestEvent, out: &mut Vec<u8>) {
+    fn event(&mut self, event: RequestEvent, out: &mut Vec<Event>) {
         self.counts.observe(&event);
         self.kv.observe(&event);
         let chunk = match event {
@@ -252,7 +253,7 @@ impl SseFormatter for CompletionStream {
         }
     }
 
-    fn finish(&mut self, out: &mut Vec<u8>) {
+    fn finish(&mut self, out: &mut Vec<Event>) {
         if !self.failed && self.children.iter().any(|c| !c.finished) {
             self.failed = true;
             error_frame(out, &ApiError::EngineStopped);
@@ -263,6 +264,6 @@ impl SseFormatter for CompletionStream {
                 &self.out.response(Vec::new(), Some(self.counts.usage())),
             );
         }
-        out.extend_from_slice(DONE);
+        out.push(done());
     }
 }

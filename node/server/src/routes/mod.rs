@@ -34,6 +34,8 @@ pub(crate) struct AppState {
     pub(crate) started: u64,
     /// The node's P/D role and transfer machinery.
     pub(crate) disagg: Arc<Disagg>,
+    /// Silence after which a stream sends a keep-alive comment.
+    pub(crate) sse_keep_alive: std::time::Duration,
 }
 
 impl AppState {
@@ -225,11 +227,16 @@ impl Drop for KvPlan {
     }
 }
 
-pub(crate) fn router(engine: EngineHandle, disagg: Arc<Disagg>) -> Router {
+pub(crate) fn router(
+    engine: EngineHandle,
+    disagg: Arc<Disagg>,
+    sse_keep_alive: std::time::Duration,
+) -> Router {
     let state = AppState {
         engine,
         started: unix_now(),
         disagg,
+        sse_keep_alive,
     };
     Router::new()
         .route("/health", get(health))

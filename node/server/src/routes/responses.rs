@@ -2,6 +2,7 @@
 
 use axum::Json;
 use axum::extract::State;
+use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use pd_engine::{EngineError, FinishReason, GenerateRequest, RequestEvent, SamplingParams};
 
@@ -92,7 +93,7 @@ pub(super) async fn create(
             done: false,
             kv,
         };
-        return Ok(sse_response(stream, formatter));
+        return Ok(sse_response(stream, formatter, state.sse_keep_alive));
     }
 
     let generation = collect(stream, 1, prompt_len, kv).await?;
@@ -171,12 +172,12 @@ impl ResponseStream {
         n
     }
 
-    fn emit(&mut self, out: &mut Vec<u8>, make: impl FnOnce(u64) -> ResponseStreamEvent) {
+    fn emit(&mut self, out: &mut Vec<Event>, make: impl FnOnce(u64) -> ResponseStreamEvent) {
         let event = make(self.next_seq());
         event_frame(out, event.name(), &event);
     }
 
-    fn delta(&mut self, out: &mut Vec<u8>, delta: String) {
+    fn delta(&mut self, out: &mut Vec<Event>, delta: String) {
         if delta.is_empty() {
             return;
         }
@@ -194,7 +195,7 @@ impl ResponseStream {
         });
     }
 
-    fn fail(&mut self, out: &mut Vec<u8>, error: &ApiError) {
+    fn fail(&mut self, out: &mut Vec<Event>, error: &ApiError) {
         let mut response = self.response.clone();
         response.status = "failed";
         response.error = Some(ResponseError {
@@ -210,7 +211,7 @@ impl ResponseStream {
 }
 
 impl SseFormatter for ResponseStream {
-    fn prelude(&mut self, out: &mut Vec<u8>) {
+    fn prelude(&mut self, out: &mut Vec<Event>) {
         let response = self.response.clone();
         self.emit(out, |sequence_number| ResponseStreamEvent::Created {
             sequence_number,
@@ -241,7 +242,7 @@ impl SseFormatter for ResponseStream {
         });
     }
 
-    fn event(&mut self, event: RequestEvent, out: &mut Vec<u8>) {
+    fn event(&mut self, event: RequestEvent, out: &mut Vec<Event>) {
         self.counts.observe(&event);
         self.kv.observe(&event);
         match event {
@@ -307,7 +308,7 @@ impl SseFormatter for ResponseStream {
         }
     }
 
-    fn finish(&mut self, out: &mut Vec<u8>) {
+    fn finish(&mut self, out: &mut Vec<Event>) {
         if !self.done {
             self.fail(out, &ApiError::EngineStopped);
         }
