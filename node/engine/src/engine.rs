@@ -977,15 +977,10 @@ enum Pick<'a> {
     Given(u32),
 }
 
-/// A monotonic deadline as wall-clock time (for peers in other processes).
+/// A monotonic deadline as wall-clock time (for peers in other processes), reading both clocks
+/// now.
 fn to_system_time(deadline: Instant) -> std::time::SystemTime {
-    let now = Instant::now();
-    let wall = std::time::SystemTime::now();
-    if deadline >= now {
-        wall + (deadline - now)
-    } else {
-        wall - (now - deadline)
-    }
+    pd_kv_pool::deadline_on_wall_clock(deadline, Instant::now(), std::time::SystemTime::now())
 }
 
 /// Byte index of the first stop string found in `text[from..]` (earliest match wins).

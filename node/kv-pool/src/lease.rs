@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::board::LeaseBoard;
 use rand::{Rng, SeedableRng};
@@ -419,11 +419,39 @@ impl LeaseTable {
     }
 }
 
+/// A monotonic `deadline` as wall-clock time, for peers in other processes: `now` and `wall`
+/// are the two clocks read at the same moment by the caller (this crate reads no clock).
+pub fn deadline_on_wall_clock(deadline: Instant, now: Instant, wall: SystemTime) -> SystemTime {
+    if deadline >= now {
+        wall + (deadline - now)
+    } else {
+        wall - (now - deadline)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     use crate::allocator::BlockAllocator;
+
+    #[test]
+    fn deadlines_move_to_the_wall_clock_by_their_distance_from_now() {
+        let (now, wall) = (
+            Instant::now(),
+            SystemTime::UNIX_EPOCH + Duration::from_secs(1000),
+        );
+        let ahead = now + Duration::from_millis(2500);
+        assert_eq!(
+            deadline_on_wall_clock(ahead, now, wall),
+            wall + Duration::from_millis(2500)
+        );
+        let later = now + Duration::from_secs(3);
+        assert_eq!(
+            deadline_on_wall_clock(now, later, wall),
+            wall - Duration::from_secs(3)
+        );
+    }
 
     /// Grants like a node does: one reference handed over per block.
     fn grant(

@@ -36,6 +36,9 @@ pub use hash::{
     root_hash,
 };
 pub use layout::{KvDtype, KvLayout, KvOrder};
-pub use lease::{Lease, LeaseContents, LeaseCounts, LeaseError, LeaseId, LeaseTable, blocks_hash};
+pub use lease::{
+    Lease, LeaseContents, LeaseCounts, LeaseError, LeaseId, LeaseTable, blocks_hash,
+    deadline_on_wall_clock,
+};
 pub use pool::{KvElem, KvPool};
 pub use rechunk::{RechunkError, check_rechunk, rechunk};

@@ -48,14 +48,10 @@ pub trait LeaseAuthority: Send + Sync + 'static {
     fn stats(&self) -> PoolStats;
 }
 
-/// Converts a monotonic deadline to wall-clock time (for peers in other processes).
+/// Converts a monotonic deadline to wall-clock time (for peers in other processes), reading
+/// both clocks now.
 pub fn to_system_time(deadline: Instant) -> SystemTime {
-    let now = Instant::now();
-    if deadline >= now {
-        SystemTime::now() + (deadline - now)
-    } else {
-        SystemTime::now() - (now - deadline)
-    }
+    pd_kv_pool::deadline_on_wall_clock(deadline, Instant::now(), SystemTime::now())
 }
 
 /// Milliseconds since the Unix epoch.
