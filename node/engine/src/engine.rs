@@ -567,8 +567,7 @@ impl Engine {
     fn step(&mut self) -> bool {
         let plan = self.plan();
         if plan.scheduled.is_empty() {
-            self.update_gauges();
-            return false;
+            return false; // (`plan` updated the gauges)
         }
         let (batch, sampled, prefill_tokens) = self.batch(&plan);
         let Some((logits, vocab)) = self.forward(&plan, &batch, prefill_tokens) else {

@@ -214,6 +214,9 @@ impl Scheduler {
         parked: &[(RequestId, usize)],
         gone: &HashSet<RequestId>,
     ) {
+        if finished.is_empty() && parked.is_empty() {
+            return; // most decode steps: nothing leaves the running list
+        }
         let mut waiting = Vec::new();
         let mut done = Vec::new();
         let mut i = 0;
