@@ -3,6 +3,7 @@
 //!
 //! - [`compat`]: what two nodes must agree on before one reads the other's blocks.
 //! - [`plan`]: a list of block ids becomes a short list of contiguous byte ranges.
+//! - [`copier`]: a helper thread that shares large copies from a peer's pool mapped here.
 //! - [`pull`]: the one-sided UCX reads (and, from a peer with another block size or order, the
 //!   conversion after them); [`puller`] runs them on a thread that owns the worker.
 //! - [`service`] (owner) and [`peer`] (puller): the `KvPeer` gRPC side channel — handshake,
@@ -17,6 +18,7 @@
 #![deny(unused_must_use)]
 
 pub mod compat;
+pub mod copier;
 pub mod lease_authority;
 pub mod metrics;
 pub mod peer;
@@ -26,6 +28,7 @@ pub mod puller;
 pub mod service;
 
 pub use compat::{CompatError, CompatInfo, TRANSFER_PROTOCOL_VERSION, needs_rechunk};
+pub use copier::Copier;
 pub use lease_authority::{LeaseAuthority, LocalBlocks, PoolStats};
 pub use metrics::TransferMetrics;
 pub use peer::{FailurePolicy, Fallback, HandshakeCache, PeerClient, PeerInfo, TransferError};

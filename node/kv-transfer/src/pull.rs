@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use pd_kv_pool::{BlockId, KvLayout};
 use pd_ucx::{Endpoint, MemoryRegion, RemoteKey};
 
+use crate::copier::{Copier, Span};
 use crate::plan::plan_ranges;
 
 /// A peer's pool as reachable from this worker.
@@ -219,7 +220,7 @@ pub fn pull_blocks(
 }
 
 /// The runs of `remote[i]` → `local[i]` block pairs ([`plan_ranges`]), checked against both
-/// pools' sizes.
+/// pools' sizes; no local block may be named twice (two writers of one block).
 fn checked_ranges(
     remote: &[BlockId],
     local: &[BlockId],
@@ -233,6 +234,11 @@ fn checked_ranges(
             local: local.len(),
         });
     }
+    let mut seen = local.to_vec();
+    seen.sort_unstable();
+    if let Some(w) = seen.windows(2).find(|w| w[0] == w[1]) {
+        return Err(PullError::RepeatedBlock(w[0].0));
+    }
     let ranges = plan_ranges(remote, local, block_bytes);
     if ranges.iter().any(|r| r.remote_offset + r.len > remote_len) {
         return Err(PullError::OutOfBounds { side: "remote" });
@@ -245,8 +251,9 @@ fn checked_ranges(
 
 /// Copies `remote[i]` of a peer's pool that UCX mapped into this process at `mapped` (its block
 /// 0; `remote_len` bytes — `RemoteKey::local_ptr`, shared memory on one host) into `local[i]` of
-/// `dst`, one `memcpy` per run of blocks consecutive on both sides. What a shared-memory get
-/// does, without a system call per read or pinning the peer's pages each time.
+/// `dst`, one span per run of blocks consecutive on both sides, on this thread and `copier`'s
+/// helper. What a shared-memory get does, without a system call per read or pinning the peer's
+/// pages each time.
 ///
 /// # Errors
 /// [`PullError::LengthMismatch`] / [`PullError::OutOfBounds`]; nothing is copied then.
@@ -261,21 +268,23 @@ pub unsafe fn copy_pull(
     remote: &[BlockId],
     local: &[BlockId],
     block_bytes: usize,
+    copier: &Copier,
 ) -> Result<PullStats, PullError> {
     let ranges = checked_ranges(remote, local, block_bytes, remote_len, dst.len())?;
     let start = Instant::now();
-    for r in &ranges {
-        // SAFETY: both ranges were checked against their regions above; the regions are
-        // distinct allocations (a peer's pool, ours), so they do not overlap; validity and
-        // exclusive access per the caller.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                mapped.add(r.remote_offset),
-                dst.as_ptr().add(r.local_offset),
-                r.len,
-            );
-        }
-    }
+    let spans: Vec<Span> = ranges
+        .iter()
+        .map(|r| Span {
+            src: mapped.wrapping_add(r.remote_offset),
+            dst: dst.as_ptr().wrapping_add(r.local_offset),
+            len: r.len,
+        })
+        .collect();
+    // SAFETY: both ranges of each span were checked against their regions above; the regions
+    // are distinct allocations (a peer's pool, ours), and `plan_ranges` gives disjoint local
+    // ranges for distinct local blocks, so no destination overlaps another span; validity and
+    // exclusive access per the caller.
+    unsafe { copier.copy(&spans) };
     let took = start.elapsed();
     Ok(PullStats {
         bytes: ranges.iter().map(|r| r.len).sum(),

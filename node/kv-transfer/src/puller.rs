@@ -23,6 +23,7 @@ use pd_kv_pool::BlockId;
 use pd_ucx::{Context, Endpoint, MemoryRegion, RemoteKey, Request, Worker};
 use tokio::sync::oneshot;
 
+use crate::copier::Copier;
 use crate::peer::{PeerInfo, TransferError};
 use crate::pull::{PostedPull, PullError, PullSource, PullStats, Rechunk, post_pull};
 
@@ -78,9 +79,12 @@ enum Msg {
 pub enum PullVia {
     /// Copy straight from the peer's pool where UCX maps it into this process (shared memory on
     /// one host: `RemoteKey::local_ptr`), one `memcpy` per run of blocks, on the puller
-    /// thread; UCX gets everywhere else.
+    /// thread and a helper ([`Copier`]); UCX gets everywhere else.
     #[default]
     Auto,
+    /// As [`PullVia::Auto`], but the copies run on the puller thread alone (for comparison, or
+    /// for a node whose cores are all busy computing).
+    AutoOneThread,
     /// Always UCX gets (`ucp_get_nbx` + flush), whatever the transport.
     Get,
 }
@@ -124,11 +128,15 @@ impl Puller {
         block_bytes: usize,
         via: PullVia,
     ) -> std::io::Result<Self> {
+        let copier = match via {
+            PullVia::Auto => Some(Copier::spawn()?),
+            PullVia::AutoOneThread => Some(Copier::alone()),
+            PullVia::Get => None,
+        };
         let (jobs, rx) = mpsc::channel::<Msg>();
-        let copy_mapped = via == PullVia::Auto;
         std::thread::Builder::new()
             .name("pd-kv-puller".into())
-            .spawn(move || run(&ctx, &local, block_bytes, copy_mapped, &rx))?;
+            .spawn(move || run(&ctx, &local, block_bytes, copier, &rx))?;
         Ok(Self { jobs })
     }
 
@@ -249,8 +257,8 @@ struct State<'w> {
     worker: &'w Worker,
     local: &'w MemoryRegion,
     block_bytes: usize,
-    /// Copy from a peer's pool mapped here instead of posting gets ([`PullVia::Auto`]).
-    copy_mapped: bool,
+    /// Copies from a peer's pool mapped here instead of posting gets ([`PullVia::Auto`]).
+    copier: Option<Copier>,
     peers: HashMap<PeerKey, Peer<'w>>,
     flights: Vec<Flight<'w>>,
     closing: Vec<Closing<'w>>,
@@ -260,7 +268,7 @@ fn run(
     ctx: &Context,
     local: &MemoryRegion,
     block_bytes: usize,
-    copy_mapped: bool,
+    copier: Option<Copier>,
     jobs: &mpsc::Receiver<Msg>,
 ) {
     let worker = match Worker::new(ctx) {
@@ -275,7 +283,7 @@ fn run(
         worker: &worker,
         local,
         block_bytes,
-        copy_mapped,
+        copier,
         peers: HashMap::new(),
         flights: Vec::new(),
         closing: Vec::new(),
@@ -389,7 +397,7 @@ impl<'w> State<'w> {
                                 .map(|p| (p, job.peer.board_slots))
                         })
                         .flatten();
-                    let mapped = if self.copy_mapped {
+                    let mapped = if self.copier.is_some() {
                         rkey.local_ptr(job.peer.region_base)
                     } else {
                         None
@@ -451,7 +459,7 @@ impl<'w> State<'w> {
             return;
         }
         peer.last_used = Instant::now();
-        if let Some(mapped) = peer.mapped {
+        if let (Some(mapped), Some(copier)) = (peer.mapped, &self.copier) {
             // SAFETY: the mapping lives as long as `peer.rkey`, which this thread owns for the
             // whole call; the job's local blocks are reserved for it by the engine.
             let copied = unsafe {
@@ -463,6 +471,7 @@ impl<'w> State<'w> {
                         &job.remote,
                         &job.local,
                         self.block_bytes,
+                        copier,
                     ),
                     Some(r) => crate::pull::rechunk_pull(
                         mapped,

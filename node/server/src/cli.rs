@@ -142,8 +142,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 15.0)]
     pub sse_keep_alive: f64,
     /// How this node reads a peer's pool: `auto` copies straight from it where UCX maps it into
-    /// this process (shared memory on one host) and posts UCX gets elsewhere; `get` always posts
-    /// UCX gets (for comparison).
+    /// this process (shared memory on one host), on two threads, and posts UCX gets elsewhere;
+    /// `auto-one-thread` the same on one thread; `get` always posts UCX gets (for comparison).
     #[arg(long, value_enum, default_value_t = PullViaArg::Auto)]
     pub kv_pull_via: PullViaArg,
     /// Seconds a decode node's request may wait for free blocks to pull into before it fails
@@ -199,8 +199,10 @@ pub enum KvRoleArg {
 /// `--kv-pull-via` values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum PullViaArg {
-    /// Copy from the mapped pool where UCX maps it, UCX gets elsewhere.
+    /// Copy from the mapped pool where UCX maps it (two threads), UCX gets elsewhere.
     Auto,
+    /// As `auto`, copying on one thread.
+    AutoOneThread,
     /// UCX gets only.
     Get,
 }
@@ -209,6 +211,7 @@ impl From<PullViaArg> for pd_kv_transfer::PullVia {
     fn from(v: PullViaArg) -> Self {
         match v {
             PullViaArg::Auto => pd_kv_transfer::PullVia::Auto,
+            PullViaArg::AutoOneThread => pd_kv_transfer::PullVia::AutoOneThread,
             PullViaArg::Get => pd_kv_transfer::PullVia::Get,
         }
     }
