@@ -49,6 +49,9 @@ pub struct TransferMetrics {
     /// Pulls from a peer whose blocks differ from ours in size or order, converted after the
     /// reads (`pd_kv_rechunked_pulls_total`).
     pub rechunked_pulls: IntCounter,
+    /// Bytes of mapped-pool copies that the copy helper thread moved
+    /// (`pd_kv_copy_helper_bytes_total`; the rest moved on the puller thread).
+    pub copy_helper_bytes: IntCounter,
     /// Bytes per second of this node's pulls: a moving average over pulls of at least
     /// [`PULL_RATE_MIN_BYTES`] (0 until one). Reported to the gateway, so a policy can weigh
     /// pulling a prefix against recomputing it.
@@ -142,6 +145,11 @@ impl TransferMetrics {
             "Pulls from a peer whose blocks differ in size or order, converted after the reads",
         )
         .expect("valid counter");
+        let copy_helper_bytes = IntCounter::new(
+            "pd_kv_copy_helper_bytes_total",
+            "Bytes of pulls copied from a peer's mapped pool by the copy helper thread",
+        )
+        .expect("valid counter");
         let live_leases = IntGauge::new("pd_kv_leases_live", "Live leases on this node as owner")
             .expect("valid gauge");
         let pull_bytes_per_second = Gauge::new(
@@ -189,6 +197,7 @@ impl TransferMetrics {
             Box::new(recomputes.clone()),
             Box::new(incomplete_params.clone()),
             Box::new(rechunked_pulls.clone()),
+            Box::new(copy_helper_bytes.clone()),
             Box::new(pull_bytes_per_second.clone()),
         ] {
             registry.register(c).expect("unique metric");
@@ -207,6 +216,7 @@ impl TransferMetrics {
             recomputes,
             incomplete_params,
             rechunked_pulls,
+            copy_helper_bytes,
             pull_bytes_per_second,
             consume_stage_seconds,
             confirms,
@@ -236,6 +246,7 @@ impl TransferMetrics {
             .inc();
         self.post_seconds.observe(s.post_time.as_secs_f64());
         self.bytes.inc_by(s.bytes as u64);
+        self.copy_helper_bytes.inc_by(s.helper_bytes as u64);
         self.descriptors.observe(s.descriptors as f64);
         let secs = s.total_time.as_secs_f64();
         if s.bytes >= PULL_RATE_MIN_BYTES && secs > 0.0 {

@@ -36,6 +36,8 @@ pub struct PullStats {
     /// Whether the blocks were copied from the peer's pool mapped here ([`copy_pull`]) rather
     /// than read with UCX gets.
     pub copied: bool,
+    /// Of `bytes`, those the copy helper thread moved ([`Copier`]; 0 for gets).
+    pub helper_bytes: usize,
 }
 
 /// Why a pull failed.
@@ -184,6 +186,7 @@ pub unsafe fn rechunk_pull(
         post_time: took,
         total_time: took,
         copied: true,
+        helper_bytes: 0,
     })
 }
 
@@ -216,6 +219,7 @@ pub fn pull_blocks(
         post_time,
         total_time: start.elapsed(),
         copied: false,
+        helper_bytes: 0,
     })
 }
 
@@ -284,7 +288,7 @@ pub unsafe fn copy_pull(
     // are distinct allocations (a peer's pool, ours), and `plan_ranges` gives disjoint local
     // ranges for distinct local blocks, so no destination overlaps another span; validity and
     // exclusive access per the caller.
-    unsafe { copier.copy(&spans) };
+    let helper_bytes = unsafe { copier.copy(&spans) };
     let took = start.elapsed();
     Ok(PullStats {
         bytes: ranges.iter().map(|r| r.len).sum(),
@@ -292,6 +296,7 @@ pub unsafe fn copy_pull(
         post_time: took,
         total_time: took,
         copied: true,
+        helper_bytes,
     })
 }
 
@@ -319,6 +324,7 @@ impl PostedPull<'_> {
             post_time: self.post_time,
             total_time: self.start.elapsed(),
             copied: false,
+            helper_bytes: 0,
         }
     }
 }

@@ -2,7 +2,7 @@
 //! standalone node, on the same generated model, in one run.
 //!
 //! Run: `cargo bench -p pd-node --bench pd [-- --repeat 5 --lens 64,512,1536 --kv-cache-dtype
-//! f32|f16|bf16 --pull-via auto|get --d-args "FLAGS"]` (the dtype is given to all three nodes;
+//! f32|f16|bf16 --pull-via auto|auto-one-thread|get --d-args "FLAGS"]` (the dtype is given to all three nodes;
 //! default f32; D's `--kv-pull-via`, default auto; `--d-args` adds flags to D only, e.g.
 //! `"--block-size 32 --kv-layout nhd"` for a pull converted to another block size and order).
 //! Results are recorded in `BENCHMARKS.md`.
@@ -18,7 +18,8 @@
 //!   token D also takes from P (sampled there with the same parameters and seed); and D's time
 //!   per stage (`pd_kv_consume_stage_seconds`).
 //! - `pull`: D's own `pd_kv_transfer_seconds` (posting the reads to their completion) and the
-//!   bytes it moved.
+//!   bytes it moved; `copied by the helper`: the share of those bytes D's copy helper thread
+//!   moved (`pd_kv_copy_helper_bytes_total`; 0 with `--pull-via auto-one-thread` or `get`).
 //! - `perftest`: `ucx_perftest -t ucp_get` of the same number of bytes in one get, between two
 //!   processes, right after the row's pulls (the transfer layer's reference, in the same run);
 //!   `pull / perftest` is the pull's bandwidth as a share of perftest's (goal ≥ 0.8).
@@ -239,15 +240,16 @@ async fn main() -> BenchResult<()> {
         spec.hidden / spec.heads
     );
     println!(
-        "| prompt | solo | P | D | P+D | P+D / solo | pull (reads) | KV bytes | perftest | pull / perftest |"
+        "| prompt | solo | P | D | P+D | P+D / solo | pull (reads) | KV bytes | copied by the helper | perftest | pull / perftest |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut stage_rows = Vec::new();
     for &len in &lens {
         let (mut solo_ms, mut p_ms, mut d_ms, mut pull_ms) = (vec![], vec![], vec![], vec![]);
         let mut stage_ms: Vec<Vec<f64>> = vec![Vec::new(); STAGES.len()];
         let mut d_sampled_ms = Vec::new();
         let mut bytes = 0.0;
+        let (mut all_bytes, mut helper_bytes) = (0.0, 0.0);
         for _ in 0..repeat {
             let t = prompt(len);
             let s = Instant::now();
@@ -263,6 +265,7 @@ async fn main() -> BenchResult<()> {
                 metric(&client, &d, "pd_kv_transfer_seconds_count").await?,
                 metric(&client, &d, "pd_kv_transfer_bytes_total").await?,
             );
+            let h0 = metric(&client, &d, "pd_kv_copy_helper_bytes_total").await?;
             let stages0 = stage_sums(&client, &d).await?;
             let mut db = body(&t, 1);
             db["kv_transfer_params"] = params;
@@ -285,6 +288,8 @@ async fn main() -> BenchResult<()> {
                 metric(&client, &d, "pd_kv_transfer_seconds_count").await?,
                 metric(&client, &d, "pd_kv_transfer_bytes_total").await?,
             );
+            helper_bytes += metric(&client, &d, "pd_kv_copy_helper_bytes_total").await? - h0;
+            all_bytes += b1 - b0;
             if n1 - n0 != 1.0 {
                 return Err("expected exactly one pull".into());
             }
@@ -318,10 +323,11 @@ async fn main() -> BenchResult<()> {
         let (reference, _) = run_perftest("ucx_perftest", bytes as usize, 200)?;
         let perftest_ms = reference.overall_lat_us / 1e3;
         println!(
-            "| {len} | {s:.2} | {pm:.2} | {dm:.2} | {:.2} | {:.2}× | {pull:.3} | {:.2} MiB | {perftest_ms:.3} | {:.2}× |",
+            "| {len} | {s:.2} | {pm:.2} | {dm:.2} | {:.2} | {:.2}× | {pull:.3} | {:.2} MiB | {:.0}% | {perftest_ms:.3} | {:.2}× |",
             pm + dm,
             (pm + dm) / s,
             bytes / (1 << 20) as f64,
+            100.0 * helper_bytes / all_bytes.max(1.0),
             perftest_ms / pull
         );
     }
