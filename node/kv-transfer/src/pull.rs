@@ -369,6 +369,25 @@ mod tests {
     use super::*;
     use pd_kv_pool::{KvDtype, KvOrder};
 
+    /// Copies and gets check their block lists the same way: two writers of one local block
+    /// (possible once a copy is shared by two threads) are refused before anything moves.
+    #[test]
+    fn a_pull_naming_a_local_block_twice_is_refused() {
+        let ids = |v: &[u32]| v.iter().copied().map(BlockId).collect::<Vec<_>>();
+        let bb = 64;
+        assert!(matches!(
+            checked_ranges(&ids(&[0, 1, 2]), &ids(&[5, 3, 5]), bb, 8 * bb, 8 * bb),
+            Err(PullError::RepeatedBlock(5))
+        ));
+        let ranges =
+            checked_ranges(&ids(&[0, 1, 2]), &ids(&[5, 6, 3]), bb, 8 * bb, 8 * bb).unwrap();
+        assert_eq!(ranges.iter().map(|r| r.len).sum::<usize>(), 3 * bb);
+        assert!(matches!(
+            checked_ranges(&ids(&[0, 1]), &ids(&[5, 8]), bb, 8 * bb, 8 * bb),
+            Err(PullError::OutOfBounds { side: "local" })
+        ));
+    }
+
     fn rechunk_of(from: KvLayout, to: KvLayout) -> Rechunk {
         Rechunk {
             from,
