@@ -85,7 +85,9 @@ struct Shared {
     tid: AtomicI32,
 }
 
-/// A helper thread that takes part in large copies; dropping it stops the thread.
+/// A helper thread that takes part in large copies; dropping it stops the thread. Several
+/// threads may copy through one copier at once: the helper takes part in one copy at a time,
+/// and the others run on their callers alone.
 #[derive(Debug)]
 pub struct Copier {
     shared: Arc<Shared>,
@@ -176,8 +178,20 @@ impl Copier {
             done: AtomicUsize::new(0),
             by_helper: AtomicUsize::new(0),
         });
-        self.keep_helper_off_this_cpu();
-        *lock(&self.shared.task) = Some(Arc::clone(&task));
+        {
+            let mut slot = lock(&self.shared.task);
+            if slot.is_some() {
+                // Another thread's copy has the helper: copy alone.
+                drop(slot);
+                for s in spans {
+                    // SAFETY: per this function's contract.
+                    unsafe { std::ptr::copy_nonoverlapping(s.src, s.dst, s.len) };
+                }
+                return 0;
+            }
+            self.keep_helper_off_this_cpu();
+            *slot = Some(Arc::clone(&task));
+        }
         self.shared.wake.notify_one();
         // SAFETY: per this function's contract.
         unsafe { task.work(false) };
@@ -192,7 +206,11 @@ impl Copier {
             }
         }
         // A helper that has not looked yet finds nothing to take.
-        lock(&self.shared.task).take();
+        let mut slot = lock(&self.shared.task);
+        if slot.as_ref().is_some_and(|t| Arc::ptr_eq(t, &task)) {
+            slot.take();
+        }
+        drop(slot);
         task.by_helper.load(Ordering::Relaxed)
     }
 }

@@ -10,13 +10,19 @@
 //! moves, the thread backs off to sleeping (up to [`MAX_IDLE_SLEEP`] between polls), so a
 //! stalled peer costs almost no CPU.
 //!
+//! A peer's pool that UCX maps into this process (shared memory) is copied, not read with gets.
+//! Once the thread has connected to such a peer, a pull of up to [`DIRECT_COPY_MAX_BYTES`] is
+//! copied on the caller's own thread instead ([`Puller::pull`] returns with the data in place):
+//! two thread hand-offs fewer. The thread still owns the key that keeps the mapping, and ends
+//! the shared [`Mapping`] (waiting out copies in progress) before it destroys that key.
+//!
 //! Bounds: at most [`MAX_PULLS_PER_PEER`] pulls of one peer in flight (the rest queue, their
 //! deadlines running), and at most [`MAX_PEERS`] connected peers (the least recently used idle
 //! one is closed to make room).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
 use std::sync::mpsc;
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use pd_kv_pool::BlockId;
@@ -66,6 +72,9 @@ pub struct Pulled {
     pub stats: PullStats,
     /// The record, read after the reads completed.
     pub record: Option<pd_kv_pool::BoardRecord>,
+    /// Copied on the caller's thread from the peer's pool mapped here, without the puller
+    /// thread ([`DIRECT_COPY_MAX_BYTES`]).
+    pub on_caller: bool,
 }
 
 enum Msg {
@@ -93,6 +102,52 @@ pub enum PullVia {
 #[derive(Debug, Clone)]
 pub struct Puller {
     jobs: mpsc::Sender<Msg>,
+    /// Peers' pools mapped here, for copies on the caller's thread (`None` with
+    /// [`PullVia::Get`]).
+    direct: Option<Arc<Direct>>,
+}
+
+/// The largest pull copied on the caller's thread; larger ones go to the puller thread, so an
+/// async task never blocks its worker for more than about a millisecond.
+pub const DIRECT_COPY_MAX_BYTES: usize = 8 << 20;
+
+/// What a caller needs to copy a pull itself: the peers' pools mapped here, our pool, and the
+/// copier. The puller thread adds a peer's [`Mapping`] when it connects and removes it before it
+/// destroys the key that keeps the mapping.
+struct Direct {
+    mappings: Mutex<HashMap<PeerKey, Arc<Mapping>>>,
+    local: Arc<MemoryRegion>,
+    block_bytes: usize,
+    copier: Arc<Copier>,
+}
+
+impl std::fmt::Debug for Direct {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Direct")
+            .field("block_bytes", &self.block_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A peer's pool (and lease board) as UCX maps it into this process through a remote key the
+/// puller thread owns. A copy holds `alive` for reading while it reads the pool; the puller
+/// thread takes it for writing and sets it false before it destroys the key, so no copy reads
+/// an unmapped pool, and a caller that finds it false hands its pull to the puller thread.
+struct Mapping {
+    pool: *const u8,
+    pool_len: usize,
+    board: Option<(*const u8, u32)>,
+    alive: RwLock<bool>,
+}
+
+// SAFETY: the pointers are only dereferenced while `alive` is held for reading and true, i.e.
+// while the key that maps them is alive (see `Mapping`); the mapped memory is plain bytes.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl std::fmt::Debug for Job {
@@ -133,11 +188,20 @@ impl Puller {
             PullVia::AutoOneThread => Some(Copier::alone()),
             PullVia::Get => None,
         };
+        let direct = copier.map(|c| {
+            Arc::new(Direct {
+                mappings: Mutex::new(HashMap::new()),
+                local: local.clone(),
+                block_bytes,
+                copier: Arc::new(c),
+            })
+        });
         let (jobs, rx) = mpsc::channel::<Msg>();
+        let thread_direct = direct.clone();
         std::thread::Builder::new()
             .name("pd-kv-puller".into())
-            .spawn(move || run(&ctx, &local, block_bytes, copier, &rx))?;
-        Ok(Self { jobs })
+            .spawn(move || run(&ctx, &local, block_bytes, thread_direct, &rx))?;
+        Ok(Self { jobs, direct })
     }
 
     /// Reads `remote[i]` of `peer` into local block `local[i]`; resolves when the data is in
@@ -177,6 +241,11 @@ impl Puller {
         board_slot: Option<u32>,
         deadline: Instant,
     ) -> Result<Pulled, TransferError> {
+        if rechunk.is_none()
+            && let Some(pulled) = self.copy_here(peer, &remote, &local, board_slot, deadline)
+        {
+            return Ok(pulled?);
+        }
         let (reply, rx) = oneshot::channel();
         let now = Instant::now();
         self.jobs
@@ -194,9 +263,66 @@ impl Puller {
         Ok(rx.await.map_err(|_| TransferError::PullerStopped)??)
     }
 
+    /// A pull copied on this thread from `peer`'s pool, when the puller thread has it mapped
+    /// here and the pull is at most [`DIRECT_COPY_MAX_BYTES`]: no hand-off to the puller thread
+    /// and back (two thread wake-ups). `None`: not possible here, hand it to the puller thread.
+    fn copy_here(
+        &self,
+        peer: &PeerInfo,
+        remote: &[BlockId],
+        local: &[BlockId],
+        board_slot: Option<u32>,
+        deadline: Instant,
+    ) -> Option<Result<Pulled, PullError>> {
+        let direct = self.direct.as_ref()?;
+        if remote.len().saturating_mul(direct.block_bytes) > DIRECT_COPY_MAX_BYTES {
+            return None;
+        }
+        let mapping = lock(&direct.mappings)
+            .get(&(peer.engine_id.clone(), peer.epoch))
+            .cloned()?;
+        if Instant::now() >= deadline {
+            return Some(Err(PullError::Deadline(Duration::ZERO)));
+        }
+        let alive = mapping.alive.read().unwrap_or_else(|e| e.into_inner());
+        if !*alive {
+            return None;
+        }
+        // SAFETY: the pool stays mapped while `alive` is held and true (see `Mapping`); the
+        // local blocks are reserved for this pull by the engine, as for the puller thread.
+        let copied = unsafe {
+            crate::pull::copy_pull(
+                mapping.pool,
+                mapping.pool_len,
+                &direct.local,
+                remote,
+                local,
+                direct.block_bytes,
+                &direct.copier,
+            )
+        };
+        let record = match (copied.is_ok(), mapping.board, board_slot) {
+            // SAFETY: the board is mapped through the same key, alive as above.
+            (true, Some((base, slots)), Some(slot)) => unsafe {
+                pd_kv_pool::read_record(base, slots, slot)
+            },
+            _ => None,
+        };
+        drop(alive);
+        Some(copied.map(|stats| Pulled {
+            stats,
+            record,
+            on_caller: true,
+        }))
+    }
+
     /// Closes the endpoints to `engine_id` that no pull uses (after a failure or a stall on
-    /// the side channel), so the next pull connects afresh.
+    /// the side channel), so the next pull connects afresh. From now on no pull of this engine
+    /// is copied on its caller's thread until the puller thread has seen to it.
     pub fn forget(&self, engine_id: &str) {
+        if let Some(d) = &self.direct {
+            lock(&d.mappings).retain(|(id, _), _| id != engine_id);
+        }
         let _ = self.jobs.send(Msg::Forget(engine_id.to_string()));
     }
 }
@@ -208,6 +334,8 @@ struct Peer<'w> {
     board: Option<(*const u8, u32)>,
     /// The peer's pool as mapped here through `rkey` (shared memory): pulls copy from it.
     mapped: Option<*const u8>,
+    /// The same mapping, shared with callers ([`Direct`]): ended before `rkey` is destroyed.
+    mapping: Option<Arc<Mapping>>,
     ep: Endpoint<'w>,
     in_flight: usize,
     queued: VecDeque<Job>,
@@ -257,8 +385,9 @@ struct State<'w> {
     worker: &'w Worker,
     local: &'w MemoryRegion,
     block_bytes: usize,
-    /// Copies from a peer's pool mapped here instead of posting gets ([`PullVia::Auto`]).
-    copier: Option<Copier>,
+    /// Copies from a peer's pool mapped here instead of posting gets ([`PullVia::Auto`]), and
+    /// shares those mappings with callers.
+    direct: Option<Arc<Direct>>,
     peers: HashMap<PeerKey, Peer<'w>>,
     flights: Vec<Flight<'w>>,
     closing: Vec<Closing<'w>>,
@@ -268,7 +397,7 @@ fn run(
     ctx: &Context,
     local: &MemoryRegion,
     block_bytes: usize,
-    copier: Option<Copier>,
+    direct: Option<Arc<Direct>>,
     jobs: &mpsc::Receiver<Msg>,
 ) {
     let worker = match Worker::new(ctx) {
@@ -283,7 +412,7 @@ fn run(
         worker: &worker,
         local,
         block_bytes,
-        copier,
+        direct,
         peers: HashMap::new(),
         flights: Vec::new(),
         closing: Vec::new(),
@@ -397,10 +526,23 @@ impl<'w> State<'w> {
                                 .map(|p| (p, job.peer.board_slots))
                         })
                         .flatten();
-                    let mapped = if self.copier.is_some() {
+                    let mapped = if self.direct.is_some() {
                         rkey.local_ptr(job.peer.region_base)
                     } else {
                         None
+                    };
+                    let mapping = match (&self.direct, mapped) {
+                        (Some(direct), Some(pool)) => {
+                            let m = Arc::new(Mapping {
+                                pool,
+                                pool_len: job.peer.region_len as usize,
+                                board,
+                                alive: RwLock::new(true),
+                            });
+                            lock(&direct.mappings).insert(key.clone(), m.clone());
+                            Some(m)
+                        }
+                        _ => None,
                     };
                     self.peers.insert(
                         key.clone(),
@@ -408,6 +550,7 @@ impl<'w> State<'w> {
                             rkey,
                             board,
                             mapped,
+                            mapping,
                             ep,
                             in_flight: 0,
                             queued: VecDeque::new(),
@@ -459,7 +602,13 @@ impl<'w> State<'w> {
             return;
         }
         peer.last_used = Instant::now();
-        if let (Some(mapped), Some(copier)) = (peer.mapped, &self.copier) {
+        if let (Some(mapped), Some(direct)) = (peer.mapped, &self.direct) {
+            // A peer `forget` left connected (it had pulls in flight): callers may copy again.
+            if let Some(m) = &peer.mapping {
+                lock(&direct.mappings)
+                    .entry(key.clone())
+                    .or_insert_with(|| m.clone());
+            }
             // SAFETY: the mapping lives as long as `peer.rkey`, which this thread owns for the
             // whole call; the job's local blocks are reserved for it by the engine.
             let copied = unsafe {
@@ -471,7 +620,7 @@ impl<'w> State<'w> {
                         &job.remote,
                         &job.local,
                         self.block_bytes,
-                        copier,
+                        &direct.copier,
                     ),
                     Some(r) => crate::pull::rechunk_pull(
                         mapped,
@@ -489,6 +638,7 @@ impl<'w> State<'w> {
             let _ = job.reply.send(copied.map(|stats| Pulled {
                 stats,
                 record: record.flatten(),
+                on_caller: false,
             }));
             return;
         }
@@ -612,8 +762,19 @@ impl<'w> State<'w> {
             }
         }
         let Peer {
-            rkey, ep, queued, ..
+            rkey,
+            ep,
+            queued,
+            mapping,
+            ..
         } = peer;
+        if let Some(m) = mapping {
+            // No caller copies from the mapping once this returns, nor starts to.
+            if let Some(direct) = &self.direct {
+                lock(&direct.mappings).remove(key);
+            }
+            *m.alive.write().unwrap_or_else(|e| e.into_inner()) = false;
+        }
         drop(rkey);
         match ep.close_force() {
             Ok(close) => self.closing.push(Closing {
@@ -726,6 +887,7 @@ impl<'w> State<'w> {
                         stats: p.stats(),
                         // After the reads, before anyone hears of them: see `read_record`.
                         record: self.board_record(&key, board_slot),
+                        on_caller: false,
                     })
                 }
                 (None, Some(Err(e)), _) => Err(PullError::Ucx(e)),
@@ -926,7 +1088,7 @@ pub async fn pull_under_lease_with(
             (pull.await, None)
         };
         // A failed pull first: it says what became of our blocks.
-        let Pulled { stats, record } = pulled?;
+        let Pulled { stats, record, .. } = pulled?;
         metrics.record_stage("reads", read_at - handed);
         let confirming = read_at;
         // The lease's own record, saying what the owner said (anything else: ask again after).

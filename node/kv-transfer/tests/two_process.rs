@@ -447,3 +447,46 @@ async fn more_concurrent_pulls_than_the_per_peer_bound_queue_and_all_arrive_byte
         .await
         .unwrap();
 }
+
+/// Once the puller thread has connected to a peer whose pool UCX maps here (shared memory on
+/// one host), later pulls are copied on the caller's thread, byte-exact; after `forget` the
+/// mapping is gone and the next pull goes through the thread again (reconnecting), byte-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mapped_pulls_after_the_first_copy_on_the_callers_thread_until_forgotten() {
+    let owner = Owner::start(30_000);
+    let l = local();
+    let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
+    let peer = client.handshake(&compat(), 1, false).await.unwrap();
+    let n = owner.blocks.len() as u32;
+    let mut on_caller = Vec::new();
+    for round in 0..4u32 {
+        if round == 2 {
+            l.puller.forget(&peer.engine_id);
+        }
+        // Distinct local blocks each round, poisoned first, so every round must write its own.
+        let local_ids: Vec<BlockId> = (0..n).map(|i| BlockId(round * n + i)).collect();
+        let pulled = l
+            .puller
+            .pull(
+                &peer,
+                owner.blocks.clone(),
+                local_ids.clone(),
+                None,
+                deadline(),
+            )
+            .await
+            .unwrap();
+        assert!(pulled.stats.copied, "loopback maps the peer's pool here");
+        on_caller.push(pulled.on_caller);
+        for (r, lb) in owner.blocks.iter().zip(&local_ids) {
+            let got = local_block(&l, *lb);
+            let want: Vec<f32> = (0..got.len()).map(|i| pattern(r.index(), i)).collect();
+            assert!(
+                got == want.as_slice(),
+                "round {round}: block {r:?} -> {lb:?} differs"
+            );
+        }
+    }
+    assert_eq!(on_caller, [false, true, false, true]);
+    client.release(owner.lease, owner.generation).await.unwrap();
+}
