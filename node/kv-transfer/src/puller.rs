@@ -87,12 +87,14 @@ enum Msg {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PullVia {
     /// Copy straight from the peer's pool where UCX maps it into this process (shared memory on
-    /// one host: `RemoteKey::local_ptr`), one `memcpy` per run of blocks, on the puller
-    /// thread and a helper ([`Copier`]); UCX gets everywhere else.
+    /// one host: `RemoteKey::local_ptr`), one `memcpy` per run of blocks, shared with a helper
+    /// thread ([`Copier`]): on the caller's thread once the puller thread has connected to the
+    /// peer (pulls up to [`DIRECT_COPY_MAX_BYTES`]), on the puller thread otherwise. UCX gets
+    /// everywhere else.
     #[default]
     Auto,
-    /// As [`PullVia::Auto`], but the copies run on the puller thread alone (for comparison, or
-    /// for a node whose cores are all busy computing).
+    /// As [`PullVia::Auto`], without the helper: each copy runs on one thread (for comparison,
+    /// or for a node whose cores are all busy computing).
     AutoOneThread,
     /// Always UCX gets (`ucp_get_nbx` + flush), whatever the transport.
     Get,

@@ -142,8 +142,9 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 15.0)]
     pub sse_keep_alive: f64,
     /// How this node reads a peer's pool: `auto` copies straight from it where UCX maps it into
-    /// this process (shared memory on one host), on two threads, and posts UCX gets elsewhere;
-    /// `auto-one-thread` the same on one thread; `get` always posts UCX gets (for comparison).
+    /// this process (shared memory on one host), the copy shared with a helper thread, and posts
+    /// UCX gets elsewhere; `auto-one-thread` copies without the helper; `get` always posts UCX
+    /// gets (for comparison).
     #[arg(long, value_enum, default_value_t = PullViaArg::Auto)]
     pub kv_pull_via: PullViaArg,
     /// Seconds a decode node's request may wait for free blocks to pull into before it fails
