@@ -131,11 +131,7 @@ pub fn check_rechunk(
     {
         return Err(PullError::OutOfBounds { side: "local" });
     }
-    let mut seen = local.to_vec();
-    seen.sort_unstable();
-    if let Some(w) = seen.windows(2).find(|w| w[0] == w[1]) {
-        return Err(PullError::RepeatedBlock(w[0].0));
-    }
+    no_repeats(local)?;
     Ok(())
 }
 
@@ -223,6 +219,16 @@ pub fn pull_blocks(
     })
 }
 
+/// [`PullError::RepeatedBlock`] when a local block is named twice (two writes into one block).
+fn no_repeats(local: &[BlockId]) -> Result<(), PullError> {
+    let mut seen = local.to_vec();
+    seen.sort_unstable();
+    match seen.windows(2).find(|w| w[0] == w[1]) {
+        Some(w) => Err(PullError::RepeatedBlock(w[0].0)),
+        None => Ok(()),
+    }
+}
+
 /// The runs of `remote[i]` → `local[i]` block pairs ([`plan_ranges`]), checked against both
 /// pools' sizes; no local block may be named twice (two writers of one block).
 fn checked_ranges(
@@ -238,11 +244,7 @@ fn checked_ranges(
             local: local.len(),
         });
     }
-    let mut seen = local.to_vec();
-    seen.sort_unstable();
-    if let Some(w) = seen.windows(2).find(|w| w[0] == w[1]) {
-        return Err(PullError::RepeatedBlock(w[0].0));
-    }
+    no_repeats(local)?;
     let ranges = plan_ranges(remote, local, block_bytes);
     if ranges.iter().any(|r| r.remote_offset + r.len > remote_len) {
         return Err(PullError::OutOfBounds { side: "remote" });

@@ -29,7 +29,7 @@ use pd_kv_pool::BlockId;
 use pd_ucx::{Context, Endpoint, MemoryRegion, RemoteKey, Request, Worker};
 use tokio::sync::oneshot;
 
-use crate::copier::Copier;
+use crate::copier::{Copier, lock};
 use crate::peer::{PeerInfo, TransferError};
 use crate::pull::{PostedPull, PullError, PullSource, PullStats, Rechunk, post_pull};
 
@@ -147,10 +147,6 @@ struct Mapping {
 unsafe impl Send for Mapping {}
 // SAFETY: as above.
 unsafe impl Sync for Mapping {}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 impl std::fmt::Debug for Job {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
