@@ -1,38 +1,76 @@
 //! The lease board: one record per live lease, in memory peers read one-sidedly, so a reader
 //! confirms its lease with a memory read instead of a round trip to the owner.
 //!
-//! A record is [`BOARD_SLOT_WORDS`] little-endian `u64` words:
+//! The board starts with a header of [`BOARD_HEADER_BYTES`], whose first word is the owner's
+//! **beat**: its monotonic clock (nanoseconds, the clock the owner states in its handshake) at
+//! its latest grant. A reader that finds a recent beat knows the owner was alive a moment ago
+//! without asking it (see [`read_record`]).
+//!
+//! The records follow the header. A record is [`BOARD_SLOT_WORDS`] little-endian `u64` words:
 //! `[generation, num_tokens | (next_token + 1) << 32, tokens_hash, blocks_hash,
-//! next_token_key]` — the lease's
-//! generation (0: the slot is free) and its [`LeaseContents`]. The owner writes a record's
+//! next_token_key, lease_tag]` — the lease's generation (0: the slot is free), its
+//! [`LeaseContents`], and its id folded to 64 bits ([`LeaseId::tag`]). The owner writes a record's
 //! contents, then its generation ([`LeaseBoard::publish`], at grant), and clears the generation
 //! when the lease ends ([`LeaseBoard::clear`]), *before* the lease's blocks go back to the
 //! allocator. Generations are never reused, so a reader that read the blocks and then finds its
 //! lease's generation in the record knows the blocks were not handed out meanwhile, and what
 //! they hold ([`read_record`]).
 //!
-//! Pure memory: no I/O, no clock. The board's memory belongs to whoever registered it for
-//! peers (UCX); this module only reads and writes it.
+//! Pure memory: no I/O, no clock (the owner's clock reaches it as a [`BeatClock`], an anchor
+//! the caller read). The board's memory belongs to whoever registered it for peers (UCX); this
+//! module only reads and writes it.
 
 use std::sync::atomic::{AtomicU64, Ordering, fence};
+use std::time::Instant;
 
-use crate::lease::LeaseContents;
+use crate::lease::{LeaseContents, LeaseId};
 
 /// Words per record.
-pub const BOARD_SLOT_WORDS: usize = 5;
+pub const BOARD_SLOT_WORDS: usize = 6;
 
 /// Bytes per record.
 pub const BOARD_SLOT_BYTES: usize = BOARD_SLOT_WORDS * 8;
 
-/// Bytes a board of `slots` records needs.
+/// Bytes before the first record: the beat, alone on its cache line.
+pub const BOARD_HEADER_BYTES: usize = 64;
+
+const HEADER_WORDS: usize = BOARD_HEADER_BYTES / 8;
+
+/// Bytes a board of `slots` records needs (header included).
 pub fn board_bytes(slots: usize) -> usize {
-    slots * BOARD_SLOT_BYTES
+    BOARD_HEADER_BYTES + slots * BOARD_SLOT_BYTES
+}
+
+/// The owner's monotonic clock, as nanoseconds, anchored to an [`Instant`]: `ns` is the clock's
+/// reading at `at` (read together by the caller). Converts the instants the lease table is
+/// given into the beats peers compare with the clock the owner's handshake states.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BeatClock {
+    /// When the clock was read.
+    pub at: Instant,
+    /// What it read, nanoseconds.
+    pub ns: u64,
+}
+
+impl BeatClock {
+    /// The clock's reading at `t`.
+    pub fn ns_at(&self, t: Instant) -> u64 {
+        if t >= self.at {
+            let ahead = u64::try_from(t.duration_since(self.at).as_nanos()).unwrap_or(u64::MAX);
+            self.ns.saturating_add(ahead)
+        } else {
+            let behind = u64::try_from(self.at.duration_since(t).as_nanos()).unwrap_or(u64::MAX);
+            self.ns.saturating_sub(behind)
+        }
+    }
 }
 
 /// The owner's side: records of live leases, with a free list of slots.
 pub struct LeaseBoard {
+    /// The header's first word; the records follow the header.
     words: std::ptr::NonNull<AtomicU64>,
     slots: u32,
+    clock: Option<BeatClock>,
     free: Vec<u32>,
     _owner: Box<dyn std::any::Any + Send>,
 }
@@ -51,8 +89,9 @@ impl std::fmt::Debug for LeaseBoard {
 }
 
 impl LeaseBoard {
-    /// A board over `bytes` bytes at `ptr` (as many whole records as fit, at most `u32::MAX`),
-    /// every slot cleared.
+    /// A board over `bytes` bytes at `ptr` (the header, then as many whole records as fit, at
+    /// most `u32::MAX`), every slot cleared, beating on `clock` at every grant (`None`: the
+    /// beat stays 0, and readers always ask the owner).
     ///
     /// # Safety
     /// `ptr` must be 8-byte aligned and valid for reads and writes of `bytes` bytes for as long as
@@ -62,10 +101,11 @@ impl LeaseBoard {
         ptr: *mut u8,
         bytes: usize,
         owner: Box<dyn std::any::Any + Send>,
+        clock: Option<BeatClock>,
     ) -> Self {
         let aligned = !ptr.is_null() && ptr.cast::<AtomicU64>().is_aligned();
-        let slots = if aligned {
-            u32::try_from(bytes / BOARD_SLOT_BYTES).unwrap_or(u32::MAX)
+        let slots = if aligned && bytes >= BOARD_HEADER_BYTES {
+            u32::try_from((bytes - BOARD_HEADER_BYTES) / BOARD_SLOT_BYTES).unwrap_or(u32::MAX)
         } else {
             0
         };
@@ -75,10 +115,14 @@ impl LeaseBoard {
         let board = Self {
             words,
             slots,
+            clock,
             // Lowest slots first (popped from the end).
             free: (0..slots).rev().collect(),
             _owner: owner,
         };
+        if slots > 0 {
+            board.header(0).store(0, Ordering::Relaxed);
+        }
         for i in 0..slots as usize * BOARD_SLOT_WORDS {
             board.word(i).store(0, Ordering::Relaxed);
         }
@@ -86,10 +130,18 @@ impl LeaseBoard {
         board
     }
 
+    /// Word `i` of the records (past the header).
     fn word(&self, i: usize) -> &AtomicU64 {
         debug_assert!(i < self.slots as usize * BOARD_SLOT_WORDS);
         // SAFETY: `i` is within the board (callers index slots < `self.slots`), the memory is
         // valid and aligned (`from_raw`).
+        unsafe { &*self.words.as_ptr().add(HEADER_WORDS + i) }
+    }
+
+    /// Word `i` of the header (only called on a board with records, so the header is there).
+    fn header(&self, i: usize) -> &AtomicU64 {
+        debug_assert!(i < HEADER_WORDS && self.slots > 0);
+        // SAFETY: a board with records has its whole header (`from_raw`).
         unsafe { &*self.words.as_ptr().add(i) }
     }
 
@@ -103,9 +155,16 @@ impl LeaseBoard {
         self.free.len()
     }
 
-    /// Publishes the lease `generation` (non-zero) holding `contents` in a free slot; `None` when
-    /// the board is full (the lease is then confirmed by asking the owner).
-    pub fn publish(&mut self, generation: u64, contents: &LeaseContents) -> Option<u32> {
+    /// Publishes lease `id` of `generation` (non-zero) holding `contents` in a free slot,
+    /// granted at `now` (the beat); `None` when the board is full (the lease is then confirmed
+    /// by asking the owner).
+    pub fn publish(
+        &mut self,
+        generation: u64,
+        id: LeaseId,
+        contents: &LeaseContents,
+        now: Instant,
+    ) -> Option<u32> {
         if generation == 0 {
             return None;
         }
@@ -122,8 +181,14 @@ impl LeaseBoard {
             .store(contents.blocks_hash, Ordering::Relaxed);
         self.word(at + 4)
             .store(contents.next_token_key, Ordering::Relaxed);
+        self.word(at + 5).store(id.tag(), Ordering::Relaxed);
         // Contents before the generation that vouches for them.
         self.word(at).store(generation, Ordering::Release);
+        if let Some(clock) = self.clock {
+            // Never backwards (grants may come with instants a little out of order).
+            self.header(0)
+                .fetch_max(clock.ns_at(now), Ordering::Release);
+        }
         Some(slot)
     }
 
@@ -148,11 +213,30 @@ pub struct BoardRecord {
     pub generation: u64,
     /// What its blocks hold.
     pub contents: LeaseContents,
+    /// Its id folded to 64 bits ([`LeaseId::tag`]).
+    pub lease_tag: u64,
+    /// The board's beat, read after the record: the owner's clock (nanoseconds) at its latest
+    /// grant, 0 when it never beat. Not part of the record: it says when the owner was last
+    /// seen alive, whichever lease it granted then.
+    pub beat: u64,
 }
 
-/// Reads record `slot` of a board whose memory is mapped at `base` (`slots` records), after
-/// the reads of the lease's blocks completed: a consistent record, or `None` when the slot is
-/// outside the board or kept changing under the read.
+/// The beat of a board whose memory (header included) is mapped at `base`: the owner's clock at
+/// its latest grant, 0 when it never beat (or `base` is not aligned).
+///
+/// # Safety
+/// As [`read_record`], for the header.
+pub unsafe fn read_beat(base: *const u8) -> u64 {
+    if !base.cast::<AtomicU64>().is_aligned() {
+        return 0;
+    }
+    // SAFETY: aligned (checked above), valid per the caller.
+    unsafe { &*base.cast::<AtomicU64>() }.load(Ordering::Acquire)
+}
+
+/// Reads record `slot` of a board whose memory (header included) is mapped at `base` (`slots`
+/// records), after the reads of the lease's blocks completed: a consistent record with the
+/// board's beat, or `None` when the slot is outside the board or kept changing under the read.
 ///
 /// The generation is read before and after the contents; when both equal the same non-zero
 /// generation, the record is that lease's and the lease had not ended when the second read
@@ -166,9 +250,11 @@ pub unsafe fn read_record(base: *const u8, slots: u32, slot: u32) -> Option<Boar
         return None;
     }
     // SAFETY: within the board, aligned (checked above), valid per the caller.
+    let beat = unsafe { &*base.cast::<AtomicU64>() };
+    // SAFETY: as above.
     let words = unsafe {
         base.cast::<AtomicU64>()
-            .add(slot as usize * BOARD_SLOT_WORDS)
+            .add(HEADER_WORDS + slot as usize * BOARD_SLOT_WORDS)
     };
     // SAFETY: as above, for each of the record's words.
     let word = |i: usize| unsafe { &*words.add(i) };
@@ -180,6 +266,7 @@ pub unsafe fn read_record(base: *const u8, slots: u32, slot: u32) -> Option<Boar
         let tokens_hash = word(2).load(Ordering::Relaxed);
         let blocks_hash = word(3).load(Ordering::Relaxed);
         let next_token_key = word(4).load(Ordering::Relaxed);
+        let lease_tag = word(5).load(Ordering::Relaxed);
         fence(Ordering::Acquire);
         if word(0).load(Ordering::Relaxed) != generation {
             continue;
@@ -194,6 +281,8 @@ pub unsafe fn read_record(base: *const u8, slots: u32, slot: u32) -> Option<Boar
                 next_token: (next != 0).then(|| (next - 1) as u32),
                 next_token_key,
             },
+            lease_tag,
+            beat: beat.load(Ordering::Acquire),
         });
     }
     None
@@ -203,21 +292,23 @@ pub unsafe fn read_record(base: *const u8, slots: u32, slot: u32) -> Option<Boar
 mod tests {
     use super::*;
 
-    fn board(slots: usize) -> (LeaseBoard, *const u8) {
-        let mut mem = vec![0u64; slots * BOARD_SLOT_WORDS].into_boxed_slice();
+    fn board(slots: usize, clock: Option<BeatClock>) -> (LeaseBoard, *const u8) {
+        let mut mem = vec![0u64; board_bytes(slots) / 8].into_boxed_slice();
         let ptr = mem.as_mut_ptr().cast::<u8>();
         // SAFETY: the boxed slice is aligned, sized and owned by the board.
-        let b = unsafe { LeaseBoard::from_raw(ptr, slots * BOARD_SLOT_BYTES, Box::new(mem)) };
+        let b = unsafe { LeaseBoard::from_raw(ptr, board_bytes(slots), Box::new(mem), clock) };
         (b, ptr)
     }
 
     #[test]
     fn a_published_record_reads_back_until_cleared_and_slots_are_reused() {
-        let (mut b, base) = board(2);
+        let (mut b, base) = board(2, None);
+        let now = Instant::now();
         let c = LeaseContents::of(&[1, 2, 3])
             .in_blocks(&[crate::BlockId(4)])
             .with_next_token(Some(0), 0xfeed_beef);
-        let s = b.publish(7, &c).unwrap();
+        let id = LeaseId(0x1234_0000_0000_0000_0000_0000_0000_5678);
+        let s = b.publish(7, id, &c, now).unwrap();
         let slots = b.slots();
         // SAFETY: `base` is the board's memory, alive while `b` is.
         let read = |slot| unsafe { read_record(base, slots, slot) };
@@ -225,20 +316,59 @@ mod tests {
             read(s),
             Some(BoardRecord {
                 generation: 7,
-                contents: c
+                contents: c,
+                lease_tag: 0x1234_0000_0000_5678,
+                beat: 0,
             })
         );
-        let s2 = b.publish(8, &LeaseContents::of(&[9])).unwrap();
+        let s2 = b.publish(8, id, &LeaseContents::of(&[9]), now).unwrap();
         assert_ne!(s, s2);
-        assert_eq!(b.publish(9, &c), None, "full");
+        assert_eq!(b.publish(9, id, &c, now), None, "full");
         b.clear(s);
         assert_eq!(read(s).map(|r| r.generation), Some(0));
         // The slot comes back, under a new generation and contents.
-        let s3 = b.publish(10, &LeaseContents::of(&[5])).unwrap();
+        let s3 = b
+            .publish(10, LeaseId(3), &LeaseContents::of(&[5]), now)
+            .unwrap();
         assert_eq!(s3, s);
         let r = read(s3).unwrap();
         assert_eq!(r.generation, 10);
         assert_eq!(r.contents, LeaseContents::of(&[5]));
+        assert_eq!(r.lease_tag, 3);
         assert_eq!(read(5), None, "outside the board");
+    }
+
+    /// The beat is the owner's clock at its latest grant, on the clock the caller anchored; it
+    /// never goes back, and clearing a record leaves it.
+    #[test]
+    fn the_beat_is_the_owners_clock_at_its_latest_grant() {
+        let t0 = Instant::now();
+        let clock = BeatClock {
+            at: t0,
+            ns: 5_000_000_000,
+        };
+        let (mut b, base) = board(4, Some(clock));
+        let slots = b.slots();
+        assert_eq!(slots, 4);
+        // SAFETY: `base` is the board's memory, alive while `b` is.
+        let read = |slot| unsafe { read_record(base, slots, slot) }.unwrap();
+        let c = LeaseContents::of(&[1]);
+        let later = t0 + std::time::Duration::from_millis(7);
+        let s = b.publish(1, LeaseId(1), &c, later).unwrap();
+        assert_eq!(read(s).beat, 5_007_000_000);
+        // SAFETY: as above.
+        assert_eq!(unsafe { read_beat(base) }, 5_007_000_000);
+        // An earlier instant (a grant racing another) does not move it back.
+        let s2 = b.publish(2, LeaseId(2), &c, t0).unwrap();
+        assert_eq!(read(s2).beat, 5_007_000_000);
+        b.clear(s);
+        assert_eq!(read(s).beat, 5_007_000_000, "a record's end is no beat");
+        assert_eq!(read(s).generation, 0);
+        // The beat sits in the header: it never overlaps the first record.
+        assert_eq!(read(s2).contents, c);
+        assert_eq!(
+            clock.ns_at(t0 - std::time::Duration::from_nanos(10)),
+            4_999_999_990
+        );
     }
 }

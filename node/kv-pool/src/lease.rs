@@ -28,6 +28,15 @@ use crate::allocator::BlockId;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct LeaseId(pub u128);
 
+impl LeaseId {
+    /// The id folded to 64 bits, as the lease board records it: a reader that confirms a lease
+    /// on the board checks the lease it names is the one in the record, without the board
+    /// showing the ids themselves.
+    pub fn tag(&self) -> u64 {
+        (self.0 as u64) ^ ((self.0 >> 64) as u64)
+    }
+}
+
 impl fmt::Display for LeaseId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{:032x}", self.0)
@@ -285,7 +294,7 @@ impl LeaseTable {
         let slot = self
             .board
             .as_mut()
-            .and_then(|b| b.publish(generation, &contents));
+            .and_then(|b| b.publish(generation, id, &contents, now));
         let lease = Lease {
             id,
             generation,
@@ -491,11 +500,11 @@ mod tests {
     #[test]
     fn the_board_shows_exactly_the_live_leases() {
         let (mut a, mut t, blocks, now) = setup();
-        let mut mem = vec![0u64; 4 * crate::BOARD_SLOT_WORDS].into_boxed_slice();
+        let mut mem = vec![0u64; crate::board_bytes(4) / 8].into_boxed_slice();
         let base = mem.as_mut_ptr().cast::<u8>();
         // SAFETY: the boxed slice is aligned and sized for 4 records and owned by the board.
         let board =
-            unsafe { LeaseBoard::from_raw(base, 4 * crate::BOARD_SLOT_BYTES, Box::new(mem)) };
+            unsafe { LeaseBoard::from_raw(base, crate::board_bytes(4), Box::new(mem), None) };
         t.attach_board(board);
         // SAFETY: the board's memory lives in `t` for the rest of the test.
         let record = |slot| unsafe { crate::read_record(base, 4, slot) }.unwrap();
@@ -510,6 +519,7 @@ mod tests {
         for l in &live {
             let r = record(l.slot.expect("a slot"));
             assert_eq!((r.generation, r.contents), (l.generation, contents));
+            assert_eq!(r.lease_tag, l.id.tag());
         }
         let released = t.release(live[0].id, live[0].generation, "", now).unwrap();
         assert_eq!(record(live[0].slot.unwrap()).generation, 0);

@@ -29,7 +29,8 @@ mod rechunk;
 
 pub use allocator::{AllocatorError, BlockAllocator, BlockId, CacheEvent};
 pub use board::{
-    BOARD_SLOT_BYTES, BOARD_SLOT_WORDS, BoardRecord, LeaseBoard, board_bytes, read_record,
+    BOARD_HEADER_BYTES, BOARD_SLOT_BYTES, BOARD_SLOT_WORDS, BeatClock, BoardRecord, LeaseBoard,
+    board_bytes, read_beat, read_record,
 };
 pub use hash::{
     BlockHash, ROOT_HASH_SEED, block_hash, hash_full_blocks, hash_full_blocks_from, hash_key,

@@ -11,6 +11,8 @@
 //! - [`metrics`]: transfer time, bytes, descriptors, failures by reason, lease events.
 //! - [`lease_authority`]: the owner-side decisions about leases, behind a trait the engine
 //!   implements; [`LocalBlocks`] is the standalone implementation.
+//! - [`owner_clock`]: the owner's clock as the handshake states it, against which a consumer
+//!   judges the beat on the owner's lease board.
 //!
 //! This crate does not schedule requests or run models, and never decides *whether* to pull,
 //! only how; blocks and leases are `pd_kv_pool`'s.
@@ -21,6 +23,7 @@ pub mod compat;
 pub mod copier;
 pub mod lease_authority;
 pub mod metrics;
+pub mod owner_clock;
 pub mod peer;
 pub mod plan;
 pub mod pull;
@@ -31,6 +34,7 @@ pub use compat::{CompatError, CompatInfo, TRANSFER_PROTOCOL_VERSION, needs_rechu
 pub use copier::Copier;
 pub use lease_authority::{LeaseAuthority, LocalBlocks, PoolStats};
 pub use metrics::TransferMetrics;
+pub use owner_clock::{OwnerClock, monotonic_ns};
 pub use peer::{FailurePolicy, Fallback, HandshakeCache, PeerClient, PeerInfo, TransferError};
 pub use plan::{CopyRange, plan_ranges};
 pub use pull::{

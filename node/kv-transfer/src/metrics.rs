@@ -62,10 +62,14 @@ pub struct TransferMetrics {
     /// (the owner's confirm RPC), `first_token` (engine told to decode to the first event
     /// after it). Where D's added time to first token goes.
     pub consume_stage_seconds: HistogramVec,
-    /// Leases confirmed for a pull, by how: `board` (`ConfirmLease` alongside the reads, and the
-    /// lease's record on the owner's lease board, read one-sidedly right after them, still
-    /// showing it) or `rpc` (`ConfirmLease` after the reads).
+    /// Leases confirmed for a pull, by how: `board` (the lease's record on the owner's lease
+    /// board, read one-sidedly right after the reads, still showing it — with the owner's
+    /// `ConfirmLease` alongside the reads, or without it, see `board_alone`) or `rpc`
+    /// (`ConfirmLease` after the reads).
     pub confirms: IntCounterVec,
+    /// Of the `board` confirmations, those that did not wait for the owner's answer: the
+    /// board's beat showed the owner alive a moment before.
+    pub board_alone: IntCounter,
     /// Pulls by how the blocks were read: `mapped` (copied from the peer's pool mapped here) or
     /// `get` (UCX gets).
     pub pulls: IntCounterVec,
@@ -171,9 +175,14 @@ impl TransferMetrics {
         let confirms = IntCounterVec::new(
             Opts::new(
                 "pd_kv_lease_confirms_total",
-                "Leases confirmed for a pull, by how (board: confirmed alongside the reads + board record after them; rpc: confirmed after the reads)",
+                "Leases confirmed for a pull, by how (board: the board record after the reads, with the owner's answer alongside them or a recent beat; rpc: confirmed after the reads)",
             ),
             &["via"],
+        )
+        .expect("valid counter");
+        let board_alone = IntCounter::new(
+            "pd_kv_lease_board_alone_confirms_total",
+            "Leases confirmed on the owner's lease board without waiting for its answer (its board beat a moment before)",
         )
         .expect("valid counter");
         let pulls = IntCounterVec::new(
@@ -188,6 +197,7 @@ impl TransferMetrics {
             Box::new(consume_stage_seconds.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(pulls.clone()),
             Box::new(confirms.clone()),
+            Box::new(board_alone.clone()),
             Box::new(bytes.clone()),
             Box::new(notification_failures.clone()),
             Box::new(side_channel_refused.clone()),
@@ -220,6 +230,7 @@ impl TransferMetrics {
             pull_bytes_per_second,
             consume_stage_seconds,
             confirms,
+            board_alone,
             pulls,
             last_counts: Mutex::new(Default::default()),
         }

@@ -238,6 +238,7 @@ impl PeerClient {
             compat: Some(compat_to_proto(local)),
             skip_compat_check: skip_check,
         };
+        let sent_ns = crate::monotonic_ns();
         let r = self
             .client
             .handshake(self.request(req))
@@ -324,6 +325,7 @@ impl PeerClient {
             transports: r.transports,
             board_offset: r.board_offset,
             board_slots: r.board_slots,
+            owner_clock: crate::OwnerClock::from_handshake(r.owner_clock_ns, sent_ns),
         })
     }
 
@@ -452,6 +454,11 @@ impl HandshakeCache {
     /// The cached handshake of `addr`, if any (to handshake without holding a lock across it).
     pub fn lookup(&self, addr: &str) -> Option<PeerInfo> {
         self.peers.get(addr).cloned()
+    }
+
+    /// [`HandshakeCache::lookup`] without the copy.
+    pub fn cached(&self, addr: &str) -> Option<&PeerInfo> {
+        self.peers.get(addr)
     }
 
     /// Forgets `addr` (after a transfer failure or a changed engine id / epoch).

@@ -314,6 +314,27 @@ impl Puller {
         }))
     }
 
+    /// The beat on the lease board of `engine_id` in incarnation `epoch`, where its pool and
+    /// board are mapped here (`None` otherwise, or before the puller thread connected): the
+    /// owner's clock at its latest grant (0: it never beat). See `pd_kv_pool::LeaseBoard`.
+    pub fn board_beat(&self, engine_id: &str, epoch: u64) -> Option<u64> {
+        let direct = self.direct.as_ref()?;
+        let mapping = lock(&direct.mappings)
+            .get(&(engine_id.to_string(), epoch))
+            .cloned()?;
+        let alive = mapping.alive.read().unwrap_or_else(|e| e.into_inner());
+        if !*alive {
+            return None;
+        }
+        let (base, _) = mapping.board?;
+        // SAFETY: the board is mapped through the key `alive` vouches for (see `Mapping`); its
+        // header's first word is the beat, 8-byte aligned (the board's offset is a multiple
+        // of 64).
+        let beat = unsafe { pd_kv_pool::read_beat(base) };
+        drop(alive);
+        Some(beat)
+    }
+
     /// Closes the endpoints to `engine_id` that no pull uses (after a failure or a stall on
     /// the side channel), so the next pull connects afresh. From now on no pull of this engine
     /// is copied on its caller's thread until the puller thread has seen to it.
@@ -993,6 +1014,10 @@ pub struct LeasedBlocks {
     pub expect: pd_kv_pool::LeaseContents,
     /// The lease's record on the owner's lease board (`remote_lease_slot`), if it said.
     pub board_slot: Option<u32>,
+    /// Confirm on the board alone — without waiting for the owner's answer — when the board's
+    /// beat shows the owner alive at most this long before the record was read (`None`:
+    /// always hear the owner). See [`pull_under_lease_with`].
+    pub board_freshness: Option<Duration>,
 }
 
 /// The whole pull of one lease: read the blocks, then confirm with the owner that the lease
@@ -1028,6 +1053,16 @@ pub type EarlyConfirm = tokio::task::JoinHandle<Result<pd_kv_pool::LeaseContents
 /// reads, shows the lease had not ended by then; elsewhere it is dropped and the owner confirms
 /// after the reads as usual.
 ///
+/// Where the board also beats recently enough (`blocks.board_freshness`: the owner granted a
+/// lease that long ago at most, by the clock its handshake stated), the record alone confirms
+/// the lease and the owner's answer is not waited for (nor asked for alongside the reads, when
+/// no `early` one was: with `board_freshness` the caller counts on the board, and the owner is
+/// asked after the reads only if the board does not do). What the owner's answer adds is that it
+/// is alive; a recent beat says it was a moment ago. An owner that died (or froze) since then
+/// left its leased blocks as they were — a dead or stopped process writes nothing, and the
+/// record's generation shows the blocks were not handed out before it stopped — so what was
+/// read is the lease's KV either way, and its hashes are checked against the prompt below.
+///
 /// # Errors
 /// As [`pull_under_lease`].
 pub async fn pull_under_lease_with(
@@ -1053,58 +1088,87 @@ pub async fn pull_under_lease_with(
         // the reads, shows it had not ended by then: together what a confirmation after the
         // reads says, in the time of the longer of the two. Otherwise the owner confirms after.
         let overlap = blocks.board_slot.is_some() && peer.board_slots > 0;
-        let pull = async {
-            let r = puller
-                .pull_converting(
-                    peer,
-                    blocks.remote,
-                    blocks.local,
-                    blocks.rechunk,
-                    blocks.board_slot,
-                    deadline,
-                )
-                .await;
-            (r, std::time::Instant::now())
+        let (lease, generation) = (blocks.lease, blocks.generation);
+        let mut early = match early {
+            Some(h) if overlap => Some(h),
+            Some(h) => {
+                h.abort();
+                None
+            }
+            None => None,
         };
-        let ((pulled, read_at), early) = if overlap {
-            let (lease, generation) = (blocks.lease, blocks.generation);
-            let asked = async {
-                match early {
-                    Some(h) => h.await.unwrap_or_else(|e| {
-                        Err(TransferError::Rpc(format!("confirming lease {lease}: {e}")))
-                    }),
-                    None => client.confirm(lease, generation).await,
-                }
-            };
-            let confirm = tokio::time::timeout_at(deadline.into(), asked);
+        let pull = puller.pull_converting(
+            peer,
+            blocks.remote,
+            blocks.local,
+            blocks.rechunk,
+            blocks.board_slot,
+            deadline,
+        );
+        // Without an early confirmation, one goes out alongside the reads — unless the caller
+        // counts on a fresh board (then the owner is asked after the reads if it is not).
+        let (pulled, mut asked) = if overlap && early.is_none() && blocks.board_freshness.is_none()
+        {
+            let confirm =
+                tokio::time::timeout_at(deadline.into(), client.confirm(lease, generation));
             let (p, c) = tokio::join!(pull, confirm);
             (p, Some(c))
         } else {
-            if let Some(h) = early {
-                h.abort();
-            }
             (pull.await, None)
         };
+        let read_at = std::time::Instant::now();
         // A failed pull first: it says what became of our blocks.
         let Pulled { stats, record, .. } = pulled?;
         metrics.record_stage("reads", read_at - handed);
         let confirming = read_at;
+        // This lease's record (its generation and id), on a board that beat recently: no need
+        // to hear the owner.
+        let fresh = record.filter(|r| {
+            r.generation == generation
+                && r.lease_tag == lease.tag()
+                && blocks
+                    .board_freshness
+                    .zip(peer.owner_clock)
+                    .is_some_and(|(within, clock)| clock.beat_within(r.beat, within))
+        });
+        if fresh.is_some() {
+            if let Some(h) = early.take() {
+                h.abort();
+            }
+            metrics.board_alone.inc();
+        } else if asked.is_none()
+            && let Some(h) = early.take()
+        {
+            asked = Some(
+                tokio::time::timeout_at(deadline.into(), h)
+                    .await
+                    .map(|joined| {
+                        joined.unwrap_or_else(|e| {
+                            Err(TransferError::Rpc(format!("confirming lease {lease}: {e}")))
+                        })
+                    }),
+            );
+        }
         // The lease's own record, saying what the owner said (anything else: ask again after).
         let on_board = |theirs: &pd_kv_pool::LeaseContents| {
-            record.is_some_and(|r| r.generation == blocks.generation && r.contents == *theirs)
+            record.is_some_and(|r| r.generation == generation && r.contents == *theirs)
         };
-        let theirs = match early {
-            Some(Ok(Ok(theirs))) if on_board(&theirs) => {
+        let theirs = match (fresh, asked) {
+            (Some(r), _) => {
+                metrics.confirms.with_label_values(&["board"]).inc();
+                r.contents
+            }
+            (None, Some(Ok(Ok(theirs)))) if on_board(&theirs) => {
                 metrics.confirms.with_label_values(&["board"]).inc();
                 theirs
             }
-            Some(Ok(Err(e))) => return Err(e),
-            Some(Err(_)) => return Err(late()),
+            (None, Some(Ok(Err(e)))) => return Err(e),
+            (None, Some(Err(_))) => return Err(late()),
             // No board record (not mapped here, or not this lease's any more): the owner says
             // after the reads, and says why not.
-            _ => {
+            (None, _) => {
                 metrics.confirms.with_label_values(&["rpc"]).inc();
-                let confirm = client.confirm(blocks.lease, blocks.generation);
+                let confirm = client.confirm(lease, generation);
                 match tokio::time::timeout_at(deadline.into(), confirm).await {
                     Ok(r) => r?,
                     Err(_) => return Err(late()),
@@ -1116,7 +1180,7 @@ pub async fn pull_under_lease_with(
         // params were forged or mixed up, and the blocks are another prompt's KV.
         if theirs.attested() && blocks.expect.attested() && !theirs.same_contents(&blocks.expect) {
             return Err(TransferError::PromptMismatch {
-                lease: blocks.lease.to_string(),
+                lease: lease.to_string(),
                 theirs,
                 ours: blocks.expect,
             });

@@ -39,6 +39,11 @@ pub struct OwnerIdentity {
     pub board_offset: u64,
     /// Records on the lease board.
     pub board_slots: u32,
+    /// The clock the lease board's beat reads, `None` when it does not beat. An owner sets
+    /// [`crate::OwnerClock::local`] (its board's `pd_kv_pool::BeatClock` anchored on
+    /// [`crate::monotonic_ns`]) and its handshake states that clock; a consumer gets the
+    /// owner's clock as measured at the handshake.
+    pub owner_clock: Option<crate::OwnerClock>,
 }
 
 /// The `KvPeer` service over a [`LeaseAuthority`].
@@ -243,6 +248,11 @@ impl<A: LeaseAuthority> KvPeer for KvPeerService<A> {
             transports: id.transports.clone(),
             board_offset: id.board_offset,
             board_slots: id.board_slots,
+            owner_clock_ns: if id.owner_clock.is_some() && id.board_slots > 0 {
+                crate::monotonic_ns()
+            } else {
+                0
+            },
         }))
     }
 

@@ -88,6 +88,7 @@ impl Owner {
             // pd-kv-owner does not attest its leases (nor has a lease board): nothing to check.
             expect: pd_kv_pool::LeaseContents::default(),
             board_slot: None,
+            board_freshness: None,
         }
     }
 }

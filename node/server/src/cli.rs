@@ -137,6 +137,12 @@ pub struct ServeArgs {
     /// request at most this long.
     #[arg(long, default_value_t = 5.0)]
     pub kv_pull_timeout: f64,
+    /// Milliseconds within which a producer's lease board must have beaten (the producer's
+    /// latest grant) for a decode node to confirm a lease on the board alone, without waiting
+    /// for the producer's answer (shared memory only; the answer is still asked for). 0: always
+    /// wait for the producer's answer.
+    #[arg(long, default_value_t = 50)]
+    pub kv_board_freshness_ms: u64,
     /// Seconds a streamed response may stay silent (queued, or waiting for a peer's KV) before
     /// the node sends an SSE comment, so proxies and clients with idle timeouts keep it open.
     #[arg(long, default_value_t = 15.0)]
@@ -333,6 +339,12 @@ impl ServeArgs {
                 "--kv-max-leased-fraction must be in (0, 1], got {f}"
             )))
         }
+    }
+
+    /// `--kv-board-freshness-ms` as a duration; `None` for 0 (always hear the producer).
+    pub fn board_freshness(&self) -> Option<std::time::Duration> {
+        (self.kv_board_freshness_ms > 0)
+            .then(|| std::time::Duration::from_millis(self.kv_board_freshness_ms))
     }
 
     /// `--kv-pull-timeout` and `--kv-wait-timeout` as durations.

@@ -84,6 +84,9 @@ pub struct PullConfig {
     /// How long a request may wait for free local blocks before it fails and releases the
     /// producer's lease.
     pub wait_timeout: std::time::Duration,
+    /// A lease is confirmed on the producer's mapped lease board alone when the board beat at
+    /// most this long before (`--kv-board-freshness-ms`; `None`: always hear the producer).
+    pub board_freshness: Option<std::time::Duration>,
     /// Producers this node may contact. `remote_host` comes from the request, so a node
     /// reachable by untrusted clients must restrict them (vLLM #47843 was an SSRF through it).
     pub allowed_peers: AllowedPeers,
@@ -425,6 +428,28 @@ impl Loader {
         Ok(p)
     }
 
+    /// Whether the lease board of `remote`'s producer, mapped here through the cached
+    /// handshake of the incarnation the params name, beat (granted a lease) within `within`:
+    /// then the board alone is likely to confirm the lease after the reads, and the producer's
+    /// answer need not be asked for first.
+    fn board_beat_within(&self, remote: &RemotePrefill, within: std::time::Duration) -> bool {
+        let Some(epoch) = remote.epoch else {
+            return false;
+        };
+        let (engine_id, clock) = {
+            let cache = self.handshakes.lock().unwrap_or_else(|p| p.into_inner());
+            match cache.cached(&remote.side_channel()) {
+                Some(peer) if peer.engine_id == remote.engine_id && peer.epoch == epoch => {
+                    (peer.engine_id.clone(), peer.owner_clock)
+                }
+                _ => return false,
+            }
+        };
+        clock
+            .zip(self.puller.board_beat(&engine_id, epoch))
+            .is_some_and(|(clock, beat)| clock.beat_within(beat, within))
+    }
+
     /// Reaches the producer of `remote` and checks it is the engine the params name
     /// (cancellable: nothing is written locally yet).
     async fn prepare(
@@ -736,11 +761,16 @@ async fn relay(
     let keeper = AbortOnDrop(tokio::spawn(keep_alive(disagg.clone(), remote.clone())));
     // A producer with a lease board: ask it to confirm the lease now, while this request waits
     // for blocks and reads them; the board's record, read after the reads, says the lease had
-    // not ended by then (`pull_under_lease_with`). Dropped unused when nothing is pulled.
+    // not ended by then (`pull_under_lease_with`). Dropped unused when nothing is pulled. Not
+    // asked when its board, mapped here, beat so recently that the record alone will very
+    // likely confirm the lease (half the window, to leave room for the wait and the reads;
+    // otherwise the producer is asked after the reads).
+    let board_will_do = loader
+        .cfg
+        .board_freshness
+        .is_some_and(|w| loader.board_beat_within(&remote, w / 2));
     let mut early = EarlyTask(
-        remote
-            .board_slot
-            .is_some()
+        (remote.board_slot.is_some() && !board_will_do)
             .then(|| tokio::spawn(early_confirm(disagg.clone(), remote.clone()))),
     );
     // 1. Blocks reserved? (bounded: a node with no room must not hold P's blocks forever)
@@ -873,6 +903,7 @@ async fn relay(
                             expect: pd_kv_pool::LeaseContents::of(&prompt[..held])
                                 .in_blocks(&remote.block_ids),
                             board_slot: remote.board_slot,
+                            board_freshness: loader.cfg.board_freshness,
                         };
                         // Not cancellable: the reads land in our reserved blocks.
                         let r = pull_under_lease_with(
@@ -972,6 +1003,7 @@ mod tests {
             renew_interval: std::time::Duration::from_secs(5),
             pull_timeout: std::time::Duration::from_secs(5),
             wait_timeout: std::time::Duration::from_secs(60),
+            board_freshness: None,
             allowed_peers: AllowedPeers::fixed(allowed.iter().map(|s| s.to_string()).collect()),
             cluster_token: tokio::sync::watch::channel(None).1,
         }

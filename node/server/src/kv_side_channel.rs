@@ -124,6 +124,12 @@ impl UcxPool {
             .ok_or(KvSideChannelError::NoRegion)?
             .clone();
         let board_len = region.len().saturating_sub(board_at);
+        // The beat's clock: `Instant` and `CLOCK_MONOTONIC` read together, so the lease table's
+        // instants become readings of the clock the handshake states.
+        let clock = pd_kv_pool::BeatClock {
+            at: std::time::Instant::now(),
+            ns: pd_kv_transfer::monotonic_ns(),
+        };
         // SAFETY: the region's tail past the pool (`board_at..`, 64-byte aligned) is ours alone:
         // the pool ends before it; the board keeps the region alive; only the lease table (under
         // its lock) writes it, peers read it.
@@ -132,6 +138,7 @@ impl UcxPool {
                 region.as_ptr().add(board_at),
                 board_len,
                 Box::new(region.clone()),
+                Some(clock),
             )
         };
         let board_slots = board.slots();
@@ -173,6 +180,7 @@ impl UcxPool {
             transports: Vec::new(),
             board_offset: board_at as u64,
             board_slots,
+            owner_clock: Some(pd_kv_transfer::OwnerClock::local()),
         };
         tracing::info!(
             engine_id = %identity.engine_id,

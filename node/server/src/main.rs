@@ -151,6 +151,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         renew_interval: lease_duration / 6,
         pull_timeout,
         wait_timeout,
+        board_freshness: args.board_freshness(),
         allowed_peers: AllowedPeers::fixed(args.kv_allowed_peers.clone()),
         cluster_token: token_rx.clone(),
     };

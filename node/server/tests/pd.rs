@@ -895,9 +895,12 @@ async fn failures_follow_the_policy_and_are_counted() {
     let e: Value = r.json().await.unwrap();
     assert_eq!(e["error"]["param"], "kv_transfer_params");
 
-    // P killed after its prefill.
+    // P killed after its prefill, and dead for longer than D trusts its lease board alone (a
+    // moment after its last grant D would read the dead process's leased blocks, intact, from
+    // the mapping: `a_lease_board_that_beat_a_moment_ago_confirms_without_the_owner`).
     let params = prefill(&p, api, &body).await;
     drop(p);
+    tokio::time::sleep(BOARD_FRESHNESS * 5).await;
     db["kv_transfer_params"] = params;
     let r = post(&d_fail.http, api.path(), &db).await;
     assert_eq!(r.status(), 500);
@@ -1276,7 +1279,7 @@ async fn a_silent_stream_sends_keep_alive_comments_until_its_answer() {
     let body = api.body("a prompt whose producer freezes while D waits.", 8);
     let want = seen(api, post(&solo.http, api.path(), &body).await).await;
     let params = prefill(&p, api, &body).await;
-    let frozen = Frozen::new(&p);
+    let frozen = Frozen::past_the_board(&p);
     let mut db = body.clone();
     db["stream"] = json!(true);
     db["stream_options"] = json!({"include_usage": true});
@@ -1324,7 +1327,20 @@ impl Frozen {
         }
         frozen
     }
+
+    /// [`Frozen::new`], and silent for longer than a decode node trusts the producer's lease
+    /// board alone ([`BOARD_FRESHNESS`] since its latest grant): a pull from it now waits for
+    /// the producer's answer, which does not come. (Within that window a mapped board confirms
+    /// the lease without it: `a_lease_board_that_beat_a_moment_ago_confirms_without_the_owner`.)
+    fn past_the_board(node: &Node) -> Self {
+        let frozen = Self::new(node);
+        std::thread::sleep(BOARD_FRESHNESS * 5);
+        frozen
+    }
 }
+
+/// `pd-node --kv-board-freshness-ms`'s default.
+const BOARD_FRESHNESS: Duration = Duration::from_millis(50);
 
 /// Whether every thread of `pid` is in the stopped state (`T` in `/proc/<pid>/task/*/stat`).
 fn all_threads_stopped(pid: u32) -> bool {
@@ -1416,7 +1432,7 @@ async fn frozen_producer(tls: Option<&str>) {
     let body_a = api.body(&format!("{name}: a prompt whose producer freezes."), 8);
     let want_a = seen(api, post(&solo.http, api.path(), &body_a).await).await;
     let params_a = prefill(&p1, api, &body_a).await;
-    let frozen = Frozen::new(&p1);
+    let frozen = Frozen::past_the_board(&p1);
     let mut db = body_a.clone();
     db["kv_transfer_params"] = params_a;
     let started = Instant::now();
@@ -1495,6 +1511,78 @@ async fn frozen_producer(tls: Option<&str>) {
     let got = through_pd(&p1, &d, api, &body).await;
     assert_eq!(got.tokens, want.tokens, "{name}");
     assert!(got.pulled.unwrap_or(0) > 0, "{name}: pulled from P1 again");
+}
+
+/// A producer's lease board that beat a moment ago (its latest grant) confirms a lease on its
+/// own: D reads the lease's record right after its reads and does not wait for the producer's
+/// answer. Shown with a producer frozen right after its prefill, so its answer never comes
+/// while the request runs: D still answers at once, token for token as one node, the whole
+/// prompt pulled, counted as a board-alone confirmation. A frozen (or dead) process writes
+/// nothing, and the record shows the lease's blocks were not handed out before it stopped, so
+/// they are the lease's KV. The window is generous here (10 s) so that a slow machine cannot
+/// turn the test into a wait; the default is 50 ms, and a producer silent for longer is heard
+/// (`a_frozen_producer_costs_only_its_own_pulls_and_only_until_the_deadline`). After the
+/// thaw, the lease is released and both pools are idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_board_that_beat_a_moment_ago_confirms_without_the_owner() {
+    let dir = model("board-alone");
+    let solo = start(&dir, &[]);
+    let p = producer(&dir, &[]);
+    let d = consumer_with(
+        &dir,
+        "fail",
+        &[
+            "--engine-id",
+            "d1",
+            "--kv-board-freshness-ms",
+            "10000",
+            "--kv-pull-timeout",
+            "60",
+        ],
+    );
+    let api = Api::Completions;
+    // Warm: D has handshaken with P and maps its pool.
+    let warm = api.body("a warm-up prompt of a few blocks.", 2);
+    assert!(through_pd(&p, &d, api, &warm).await.pulled.unwrap_or(0) > 0);
+    let alone = "pd_kv_lease_board_alone_confirms_total";
+    let before = metric(&d, alone).await;
+
+    let body = api.body(LONG, 8);
+    let want = seen(api, post(&solo.http, api.path(), &body).await).await;
+    let params = prefill(&p, api, &body).await;
+    let frozen = Frozen::new(&p);
+    let mut db = body.clone();
+    db["kv_transfer_params"] = params;
+    let got = tokio::time::timeout(Duration::from_secs(30), async {
+        seen(api, post(&d.http, api.path(), &db).await).await
+    })
+    .await
+    .expect("D waited for its frozen producer's answer");
+    assert_eq!(got.tokens, want.tokens);
+    assert_eq!(got.texts, want.texts);
+    assert_eq!(got.pulled, got.prompt, "the whole prompt pulled");
+    assert_eq!(
+        metric(&d, alone).await,
+        before + 1.0,
+        "confirmed on the board alone"
+    );
+    assert_eq!(
+        metric(&d, "pd_kv_lease_confirms_total{via=\"rpc\"}").await,
+        0.0
+    );
+
+    drop(frozen);
+    eventually("P's lease released after the thaw", async || {
+        metric(&p, "pd_kv_leases_live").await == 0.0
+    })
+    .await;
+    for m in [
+        "pd_node_requests_running",
+        "pd_node_requests_waiting",
+        "pd_node_requests_waiting_remote_kv",
+    ] {
+        assert_eq!(metric(&d, m).await, 0.0, "{m}");
+    }
 }
 
 /// Issue 12: a consumer that cannot get blocks to pull into gives up after `--kv-wait-timeout`

@@ -159,6 +159,7 @@ fn main() -> BoxResult<()> {
         transports: Vec::new(),
         board_offset: 0,
         board_slots: 0,
+        owner_clock: None,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
