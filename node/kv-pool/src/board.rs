@@ -8,8 +8,9 @@
 //!
 //! The records follow the header. A record is [`BOARD_SLOT_WORDS`] little-endian `u64` words:
 //! `[generation, num_tokens | (next_token + 1) << 32, tokens_hash, blocks_hash,
-//! next_token_key, lease_tag]` — the lease's generation (0: the slot is free), its
-//! [`LeaseContents`], and its id folded to 64 bits ([`LeaseId::tag`]). The owner writes a record's
+//! next_token_key, lease_tag, deadline]` — the lease's generation (0: the slot is free), its
+//! [`LeaseContents`], its id folded to 64 bits ([`LeaseId::tag`]), and its deadline on the
+//! owner's clock (moved by renewals; `u64::MAX` on a board without a clock). The owner writes a record's
 //! contents, then its generation ([`LeaseBoard::publish`], at grant), and clears the generation
 //! when the lease ends ([`LeaseBoard::clear`]), *before* the lease's blocks go back to the
 //! allocator. Generations are never reused, so a reader that read the blocks and then finds its
@@ -26,7 +27,7 @@ use std::time::Instant;
 use crate::lease::{LeaseContents, LeaseId};
 
 /// Words per record.
-pub const BOARD_SLOT_WORDS: usize = 6;
+pub const BOARD_SLOT_WORDS: usize = 7;
 
 /// Bytes per record.
 pub const BOARD_SLOT_BYTES: usize = BOARD_SLOT_WORDS * 8;
@@ -156,14 +157,15 @@ impl LeaseBoard {
     }
 
     /// Publishes lease `id` of `generation` (non-zero) holding `contents` in a free slot,
-    /// granted at `now` (the beat); `None` when the board is full (the lease is then confirmed
-    /// by asking the owner).
+    /// granted at `now` (the beat) until `deadline`; `None` when the board is full (the lease is
+    /// then confirmed by asking the owner).
     pub fn publish(
         &mut self,
         generation: u64,
         id: LeaseId,
         contents: &LeaseContents,
         now: Instant,
+        deadline: Instant,
     ) -> Option<u32> {
         if generation == 0 {
             return None;
@@ -182,6 +184,8 @@ impl LeaseBoard {
         self.word(at + 4)
             .store(contents.next_token_key, Ordering::Relaxed);
         self.word(at + 5).store(id.tag(), Ordering::Relaxed);
+        self.word(at + 6)
+            .store(self.clock_ns(deadline), Ordering::Relaxed);
         // Contents before the generation that vouches for them.
         self.word(at).store(generation, Ordering::Release);
         if let Some(clock) = self.clock {
@@ -190,6 +194,21 @@ impl LeaseBoard {
                 .fetch_max(clock.ns_at(now), Ordering::Release);
         }
         Some(slot)
+    }
+
+    /// The lease in `slot` was renewed: it now lasts until `deadline`.
+    pub fn extend(&mut self, slot: u32, deadline: Instant) {
+        if slot >= self.slots {
+            return;
+        }
+        let ns = self.clock_ns(deadline);
+        self.word(slot as usize * BOARD_SLOT_WORDS + 6)
+            .store(ns, Ordering::Release);
+    }
+
+    /// `t` on the owner's clock; `u64::MAX` without one (readers then never judge by it).
+    fn clock_ns(&self, t: Instant) -> u64 {
+        self.clock.map_or(u64::MAX, |c| c.ns_at(t))
     }
 
     /// Clears `slot` (its lease ended) and frees it. Call before the lease's blocks go back to
@@ -215,6 +234,10 @@ pub struct BoardRecord {
     pub contents: LeaseContents,
     /// Its id folded to 64 bits ([`LeaseId::tag`]).
     pub lease_tag: u64,
+    /// Its deadline on the owner's clock (nanoseconds; `u64::MAX` on a board without a clock).
+    /// The owner ends a lease some time after its deadline passed (its next housekeeping), so
+    /// a reader that confirms on the board checks the deadline itself.
+    pub deadline: u64,
     /// The board's beat, read after the record: the owner's clock (nanoseconds) at its latest
     /// grant, 0 when it never beat. Not part of the record: it says when the owner was last
     /// seen alive, whichever lease it granted then.
@@ -267,6 +290,7 @@ pub unsafe fn read_record(base: *const u8, slots: u32, slot: u32) -> Option<Boar
         let blocks_hash = word(3).load(Ordering::Relaxed);
         let next_token_key = word(4).load(Ordering::Relaxed);
         let lease_tag = word(5).load(Ordering::Relaxed);
+        let deadline = word(6).load(Ordering::Relaxed);
         fence(Ordering::Acquire);
         if word(0).load(Ordering::Relaxed) != generation {
             continue;
@@ -282,6 +306,7 @@ pub unsafe fn read_record(base: *const u8, slots: u32, slot: u32) -> Option<Boar
                 next_token_key,
             },
             lease_tag,
+            deadline,
             beat: beat.load(Ordering::Acquire),
         });
     }
@@ -308,7 +333,7 @@ mod tests {
             .in_blocks(&[crate::BlockId(4)])
             .with_next_token(Some(0), 0xfeed_beef);
         let id = LeaseId(0x1234_0000_0000_0000_0000_0000_0000_5678);
-        let s = b.publish(7, id, &c, now).unwrap();
+        let s = b.publish(7, id, &c, now, now).unwrap();
         let slots = b.slots();
         // SAFETY: `base` is the board's memory, alive while `b` is.
         let read = |slot| unsafe { read_record(base, slots, slot) };
@@ -318,17 +343,20 @@ mod tests {
                 generation: 7,
                 contents: c,
                 lease_tag: 0x1234_0000_0000_5678,
+                deadline: u64::MAX,
                 beat: 0,
             })
         );
-        let s2 = b.publish(8, id, &LeaseContents::of(&[9]), now).unwrap();
+        let s2 = b
+            .publish(8, id, &LeaseContents::of(&[9]), now, now)
+            .unwrap();
         assert_ne!(s, s2);
-        assert_eq!(b.publish(9, id, &c, now), None, "full");
+        assert_eq!(b.publish(9, id, &c, now, now), None, "full");
         b.clear(s);
         assert_eq!(read(s).map(|r| r.generation), Some(0));
         // The slot comes back, under a new generation and contents.
         let s3 = b
-            .publish(10, LeaseId(3), &LeaseContents::of(&[5]), now)
+            .publish(10, LeaseId(3), &LeaseContents::of(&[5]), now, now)
             .unwrap();
         assert_eq!(s3, s);
         let r = read(s3).unwrap();
@@ -339,7 +367,8 @@ mod tests {
     }
 
     /// The beat is the owner's clock at its latest grant, on the clock the caller anchored; it
-    /// never goes back, and clearing a record leaves it.
+    /// never goes back, and clearing a record leaves it. A record's deadline is on that clock
+    /// too, and renewals move it.
     #[test]
     fn the_beat_is_the_owners_clock_at_its_latest_grant() {
         let t0 = Instant::now();
@@ -354,12 +383,27 @@ mod tests {
         let read = |slot| unsafe { read_record(base, slots, slot) }.unwrap();
         let c = LeaseContents::of(&[1]);
         let later = t0 + std::time::Duration::from_millis(7);
-        let s = b.publish(1, LeaseId(1), &c, later).unwrap();
+        let s = b
+            .publish(
+                1,
+                LeaseId(1),
+                &c,
+                later,
+                later + std::time::Duration::from_secs(2),
+            )
+            .unwrap();
         assert_eq!(read(s).beat, 5_007_000_000);
+        assert_eq!(
+            read(s).deadline,
+            7_007_000_000,
+            "the deadline on the same clock"
+        );
+        b.extend(s, t0 + std::time::Duration::from_secs(9));
+        assert_eq!(read(s).deadline, 14_000_000_000, "renewed");
         // SAFETY: as above.
         assert_eq!(unsafe { read_beat(base) }, 5_007_000_000);
         // An earlier instant (a grant racing another) does not move it back.
-        let s2 = b.publish(2, LeaseId(2), &c, t0).unwrap();
+        let s2 = b.publish(2, LeaseId(2), &c, t0, t0).unwrap();
         assert_eq!(read(s2).beat, 5_007_000_000);
         b.clear(s);
         assert_eq!(read(s).beat, 5_007_000_000, "a record's end is no beat");

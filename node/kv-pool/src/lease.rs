@@ -291,10 +291,12 @@ impl LeaseTable {
             id = LeaseId(self.rng.random());
         }
         let generation = self.next_generation;
+        // A lease bound to one peer is not put on the board: only the owner checks who asks.
         let slot = self
             .board
             .as_mut()
-            .and_then(|b| b.publish(generation, id, &contents, now));
+            .filter(|_| peer.is_empty())
+            .and_then(|b| b.publish(generation, id, &contents, now, now + duration));
         let lease = Lease {
             id,
             generation,
@@ -356,6 +358,9 @@ impl LeaseTable {
         self.check(id, generation, peer, now)?;
         let l = self.leases.get_mut(&id).ok_or(LeaseError::Unknown(id))?;
         l.deadline = l.deadline.max(now + l.duration * 2 / 3);
+        if let (Some(board), Some(slot)) = (self.board.as_mut(), l.slot) {
+            board.extend(slot, l.deadline);
+        }
         self.counts.renewed += 1;
         Ok(l.deadline)
     }
@@ -536,6 +541,17 @@ mod tests {
         let again = t.grant(blocks.clone(), contents, "", now);
         assert!(again.generation > live[2].generation);
         assert_eq!(record(again.slot.unwrap()).generation, again.generation);
+        // The record names the lease; renewing keeps it (and would move its deadline: `u64::MAX`
+        // on this board without a clock; `board.rs` checks the clocked case).
+        t.renew(again.id, again.generation, "", now).unwrap();
+        let r = record(again.slot.unwrap());
+        assert_eq!((r.lease_tag, r.deadline), (again.id.tag(), u64::MAX));
+        // A lease bound to one peer stays off the board: only the owner checks who asks.
+        for &b in &blocks {
+            a.share(b);
+        }
+        let bound = t.grant(blocks.clone(), contents, "d1", now);
+        assert_eq!(bound.slot, None);
     }
 
     #[test]

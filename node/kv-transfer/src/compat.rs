@@ -10,7 +10,7 @@
 use pd_kv_pool::KvLayout;
 
 /// Version of the block-transfer protocol (layout of a block, meaning of the handshake fields).
-pub const TRANSFER_PROTOCOL_VERSION: u32 = 2;
+pub const TRANSFER_PROTOCOL_VERSION: u32 = 3;
 
 /// Identity of a node's KV cache. Two nodes may exchange blocks only if every field is equal
 /// (the block size and order are negotiated instead: [`needs_rechunk`]).

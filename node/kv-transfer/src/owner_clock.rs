@@ -59,6 +59,12 @@ impl OwnerClock {
         u64::try_from(age).ok().map(Duration::from_nanos)
     }
 
+    /// Whether the owner's clock has not yet reached `deadline_ns` (by our estimate, which may
+    /// run ahead: a deadline never looks further away than it is).
+    pub fn before(&self, deadline_ns: u64) -> bool {
+        i128::from(monotonic_ns()) + self.offset_ns < i128::from(deadline_ns)
+    }
+
     /// Whether the owner beat at most `within` before now.
     pub fn beat_within(&self, beat_ns: u64, within: Duration) -> bool {
         self.age(beat_ns, monotonic_ns())
@@ -86,5 +92,7 @@ mod tests {
         let here = OwnerClock::local();
         assert!(here.beat_within(monotonic_ns(), Duration::from_secs(1)));
         assert!(!here.beat_within(1, Duration::from_secs(1)));
+        assert!(here.before(u64::MAX));
+        assert!(!here.before(monotonic_ns()));
     }
 }

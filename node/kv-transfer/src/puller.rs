@@ -1089,14 +1089,8 @@ pub async fn pull_under_lease_with(
         // reads says, in the time of the longer of the two. Otherwise the owner confirms after.
         let overlap = blocks.board_slot.is_some() && peer.board_slots > 0;
         let (lease, generation) = (blocks.lease, blocks.generation);
-        let mut early = match early {
-            Some(h) if overlap => Some(h),
-            Some(h) => {
-                h.abort();
-                None
-            }
-            None => None,
-        };
+        // Aborted on every way out that does not await it (a failed pull, a fresh board).
+        let mut early = Unawaited(early.filter(|_| overlap));
         let pull = puller.pull_converting(
             peer,
             blocks.remote,
@@ -1107,37 +1101,37 @@ pub async fn pull_under_lease_with(
         );
         // Without an early confirmation, one goes out alongside the reads — unless the caller
         // counts on a fresh board (then the owner is asked after the reads if it is not).
-        let (pulled, mut asked) = if overlap && early.is_none() && blocks.board_freshness.is_none()
-        {
-            let confirm =
-                tokio::time::timeout_at(deadline.into(), client.confirm(lease, generation));
-            let (p, c) = tokio::join!(pull, confirm);
-            (p, Some(c))
-        } else {
-            (pull.await, None)
-        };
+        let (pulled, mut asked) =
+            if overlap && early.0.is_none() && blocks.board_freshness.is_none() {
+                let confirm =
+                    tokio::time::timeout_at(deadline.into(), client.confirm(lease, generation));
+                let (p, c) = tokio::join!(pull, confirm);
+                (p, Some(c))
+            } else {
+                (pull.await, None)
+            };
         let read_at = std::time::Instant::now();
         // A failed pull first: it says what became of our blocks.
         let Pulled { stats, record, .. } = pulled?;
         metrics.record_stage("reads", read_at - handed);
         let confirming = read_at;
-        // This lease's record (its generation and id), on a board that beat recently: no need
-        // to hear the owner.
+        // This lease's record (its generation and id), before its deadline, on a board that
+        // beat recently: no need to hear the owner.
         let fresh = record.filter(|r| {
             r.generation == generation
                 && r.lease_tag == lease.tag()
                 && blocks
                     .board_freshness
                     .zip(peer.owner_clock)
-                    .is_some_and(|(within, clock)| clock.beat_within(r.beat, within))
+                    .is_some_and(|(within, clock)| {
+                        clock.beat_within(r.beat, within) && clock.before(r.deadline)
+                    })
         });
         if fresh.is_some() {
-            if let Some(h) = early.take() {
-                h.abort();
-            }
+            drop(early);
             metrics.board_alone.inc();
         } else if asked.is_none()
-            && let Some(h) = early.take()
+            && let Some(h) = early.0.take()
         {
             asked = Some(
                 tokio::time::timeout_at(deadline.into(), h)
@@ -1201,6 +1195,18 @@ pub async fn pull_under_lease_with(
         Err(e) => metrics.record_failure(e),
     }
     result
+}
+
+/// An early confirmation not (yet) awaited: aborted when dropped, so a pull that ends without
+/// it leaves no RPC running.
+struct Unawaited(Option<EarlyConfirm>);
+
+impl Drop for Unawaited {
+    fn drop(&mut self) {
+        if let Some(h) = self.0.take() {
+            h.abort();
+        }
+    }
 }
 
 /// What [`pull_under_lease`] brought.

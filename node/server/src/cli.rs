@@ -138,9 +138,9 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 5.0)]
     pub kv_pull_timeout: f64,
     /// Milliseconds within which a producer's lease board must have beaten (the producer's
-    /// latest grant) for a decode node to confirm a lease on the board alone, without waiting
-    /// for the producer's answer (shared memory only; the answer is still asked for). 0: always
-    /// wait for the producer's answer.
+    /// latest grant) for a decode node to confirm a lease on the board alone, without asking
+    /// the producer or waiting for its answer (shared memory only: the board must be mapped
+    /// here). A producer silent for longer is asked. 0: always wait for the producer's answer.
     #[arg(long, default_value_t = 50)]
     pub kv_board_freshness_ms: u64,
     /// Seconds a streamed response may stay silent (queued, or waiting for a peer's KV) before

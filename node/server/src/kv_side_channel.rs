@@ -124,11 +124,13 @@ impl UcxPool {
             .ok_or(KvSideChannelError::NoRegion)?
             .clone();
         let board_len = region.len().saturating_sub(board_at);
-        // The beat's clock: `Instant` and `CLOCK_MONOTONIC` read together, so the lease table's
-        // instants become readings of the clock the handshake states.
+        // The beat's clock: `CLOCK_MONOTONIC`, then `Instant`, read together, so the lease
+        // table's instants become readings of the clock the handshake states. In this order the
+        // anchor's reading is early, if anything: beats look older than they are, never younger.
+        let ns = pd_kv_transfer::monotonic_ns();
         let clock = pd_kv_pool::BeatClock {
             at: std::time::Instant::now(),
-            ns: pd_kv_transfer::monotonic_ns(),
+            ns,
         };
         // SAFETY: the region's tail past the pool (`board_at..`, 64-byte aligned) is ours alone:
         // the pool ends before it; the board keeps the region alive; only the lease table (under
