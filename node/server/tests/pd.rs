@@ -1251,30 +1251,29 @@ async fn the_side_channel_requires_the_cluster_token() {
     assert!(got.pulled.is_some_and(|n| n > 0));
 }
 
+/// One node, a producer and a decode node (`fail` policy, a 60 s pull timeout, plus
+/// `d_extra`) that has already handshaken with the producer and maps its pool: one P/D request
+/// went through.
+async fn warm_pair(dir: &Path, d_extra: &[&str]) -> (Node, Node, Node) {
+    let solo = start(dir, &[]);
+    let p = producer(dir, &[]);
+    let mut args = vec!["--engine-id", "d1", "--kv-pull-timeout", "60"];
+    args.extend_from_slice(d_extra);
+    let d = consumer_with(dir, "fail", &args);
+    let api = Api::Completions;
+    let warm = api.body("a warm-up prompt of a few blocks.", 2);
+    assert!(through_pd(&p, &d, api, &warm).await.pulled.unwrap_or(0) > 0);
+    (solo, p, d)
+}
+
 /// A stream with nothing to say (here: D waiting for a frozen producer's KV) sends SSE
 /// comments every `--sse-keep-alive`, so proxies and clients with idle timeouts keep it open;
 /// once the producer thaws, the same stream carries the answer, equal to one node's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_stream_sends_keep_alive_comments_until_its_answer() {
     let dir = model("keep-alive");
-    let solo = start(&dir, &[]);
-    let p = producer(&dir, &[]);
-    let d = consumer_with(
-        &dir,
-        "fail",
-        &[
-            "--engine-id",
-            "d1",
-            "--kv-pull-timeout",
-            "60",
-            "--sse-keep-alive",
-            "0.2",
-        ],
-    );
+    let (solo, p, d) = warm_pair(&dir, &["--sse-keep-alive", "0.2"]).await;
     let api = Api::Completions;
-    // Warm: D has handshaken with P.
-    let warm = api.body("a warm-up prompt of a few blocks.", 2);
-    assert!(through_pd(&p, &d, api, &warm).await.pulled.unwrap_or(0) > 0);
 
     let body = api.body("a prompt whose producer freezes while D waits.", 8);
     let want = seen(api, post(&solo.http, api.path(), &body).await).await;
@@ -1526,24 +1525,8 @@ async fn frozen_producer(tls: Option<&str>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_board_that_beat_a_moment_ago_confirms_without_the_owner() {
     let dir = model("board-alone");
-    let solo = start(&dir, &[]);
-    let p = producer(&dir, &[]);
-    let d = consumer_with(
-        &dir,
-        "fail",
-        &[
-            "--engine-id",
-            "d1",
-            "--kv-board-freshness-ms",
-            "10000",
-            "--kv-pull-timeout",
-            "60",
-        ],
-    );
+    let (solo, p, d) = warm_pair(&dir, &["--kv-board-freshness-ms", "10000"]).await;
     let api = Api::Completions;
-    // Warm: D has handshaken with P and maps its pool.
-    let warm = api.body("a warm-up prompt of a few blocks.", 2);
-    assert!(through_pd(&p, &d, api, &warm).await.pulled.unwrap_or(0) > 0);
     let alone = "pd_kv_lease_board_alone_confirms_total";
     let before = metric(&d, alone).await;
 
