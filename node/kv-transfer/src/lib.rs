@@ -43,6 +43,6 @@ pub use pull::{
 };
 pub use puller::{
     EarlyConfirm, LeaseKeeper, LeasePull, LeasedBlocks, MAX_PEERS, MAX_PULLS_PER_PEER, PullVia,
-    Pulled, Puller, pull_under_lease, pull_under_lease_with,
+    Pulled, Puller, Unawaited, pull_under_lease, pull_under_lease_with,
 };
 pub use service::{KvPeerService, OwnerIdentity};

@@ -1197,9 +1197,10 @@ pub async fn pull_under_lease_with(
     result
 }
 
-/// An early confirmation not (yet) awaited: aborted when dropped, so a pull that ends without
-/// it leaves no RPC running.
-struct Unawaited(Option<EarlyConfirm>);
+/// An early confirmation not (yet) awaited: aborted when dropped, so a request or a pull that
+/// ends without it leaves no RPC running. Take it out (`.0.take()`) to await or hand it on.
+#[derive(Debug)]
+pub struct Unawaited(pub Option<EarlyConfirm>);
 
 impl Drop for Unawaited {
     fn drop(&mut self) {

@@ -436,17 +436,12 @@ impl Loader {
         let Some(epoch) = remote.epoch else {
             return false;
         };
-        let (engine_id, clock) = {
-            let cache = self.handshakes.lock().unwrap_or_else(|p| p.into_inner());
-            match cache.cached(&remote.side_channel()) {
-                Some(peer) if peer.engine_id == remote.engine_id && peer.epoch == epoch => {
-                    (peer.engine_id.clone(), peer.owner_clock)
-                }
-                _ => return false,
-            }
-        };
-        clock
-            .zip(self.puller.board_beat(&engine_id, epoch))
+        let cache = self.handshakes.lock().unwrap_or_else(|p| p.into_inner());
+        cache
+            .cached(&remote.side_channel())
+            .filter(|peer| peer.engine_id == remote.engine_id && peer.epoch == epoch)
+            .and_then(|peer| peer.owner_clock)
+            .zip(self.puller.board_beat(&remote.engine_id, epoch))
             .is_some_and(|(clock, beat)| clock.beat_within(beat, within))
     }
 
@@ -694,17 +689,6 @@ async fn early_confirm(
     client.confirm(remote.lease, remote.generation).await
 }
 
-/// An early confirmation not handed to the pull: aborted when dropped.
-struct EarlyTask(Option<pd_kv_transfer::EarlyConfirm>);
-
-impl Drop for EarlyTask {
-    fn drop(&mut self) {
-        if let Some(h) = self.0.take() {
-            h.abort();
-        }
-    }
-}
-
 /// Renews `remote`'s lease until aborted: every duration / 6 of the producer's lease (read off
 /// its expiry time), at most the configured interval.
 async fn keep_alive(disagg: Arc<Disagg>, remote: RemotePrefill) {
@@ -769,7 +753,7 @@ async fn relay(
         .cfg
         .board_freshness
         .is_some_and(|w| loader.board_beat_within(&remote, w / 2));
-    let mut early = EarlyTask(
+    let mut early = pd_kv_transfer::Unawaited(
         (remote.board_slot.is_some() && !board_will_do)
             .then(|| tokio::spawn(early_confirm(disagg.clone(), remote.clone()))),
     );
