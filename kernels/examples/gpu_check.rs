@@ -93,7 +93,8 @@ fn attention<T: PoolElem + KvElem + ValidAsZeroBits>(
             s.clone_htod(&slots).map_err(err)?,
         );
         // SAFETY: every slot was made from a block of the pool above.
-        unsafe { k.reshape_and_cache(&kd, &vd, &sd, &mut gpu_pool, 1, &l) }.map_err(err)?;
+        unsafe { k.reshape_and_cache(&kd.as_view(), &vd.as_view(), &sd, &mut gpu_pool, 1, &l) }
+            .map_err(err)?;
         let written = s.clone_dtoh(&gpu_pool).map_err(err)?;
         let cache_diff = max_diff(&widen(&written), &widen(&cpu_pool));
         // Rows: sequence 0 decodes position 69; sequence 1 a prefill chunk of 40..45.
@@ -119,7 +120,18 @@ fn attention<T: PoolElem + KvElem + ValidAsZeroBits>(
         // entries up to them are blocks of the pool.
         unsafe {
             k.paged_attention(
-                &mut out, &qd, &gpu_pool, &td, max_blocks, &seqd, &posd, 69, heads, 1, 0.125, &l,
+                &mut out,
+                &qd.as_view(),
+                &gpu_pool,
+                &td,
+                max_blocks,
+                &seqd,
+                &posd,
+                69,
+                heads,
+                1,
+                0.125,
+                &l,
             )
         }
         .map_err(err)?;

@@ -9,8 +9,8 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, DriverError, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DeviceRepr, DriverError,
+    LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use pd_kv_pool::{KvLayout, KvOrder};
@@ -139,13 +139,25 @@ impl Kernels {
     /// # Errors
     /// No driver library, no such device, or PTX the driver does not accept.
     pub fn load(ordinal: usize) -> Result<Self, KernelError> {
+        // Loaded at run time (this crate built alone): say so rather than panic inside cudarc.
+        // A build that links the driver (`linked`, the node's candle build) fails at start instead.
+        #[cfg(not(feature = "linked"))]
         // SAFETY: loads (and unloads) the driver library by name; no symbol is called.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err(KernelError::Shape(
                 "no CUDA driver library (libcuda) on this machine".into(),
             ));
         }
-        let ctx = CudaContext::new(ordinal)?;
+        Self::on_stream(CudaContext::new(ordinal)?.default_stream())
+    }
+
+    /// Loads every kernel in `stream`'s context; launches go to `stream` (the node passes
+    /// candle's, so its kernels and candle's run in one order).
+    ///
+    /// # Errors
+    /// PTX the driver does not accept.
+    pub fn on_stream(stream: Arc<CudaStream>) -> Result<Self, KernelError> {
+        let ctx = stream.context().clone();
         let mut functions = Vec::new();
         for (file, ptx) in PTX {
             let module = ctx.load_module(Ptx::from_src(ptx))?;
@@ -157,10 +169,7 @@ impl Kernels {
                 functions.push((name, module.load_function(name)?));
             }
         }
-        Ok(Self {
-            stream: ctx.default_stream(),
-            functions,
-        })
+        Ok(Self { stream, functions })
     }
 
     /// The stream every launch goes to.
@@ -188,8 +197,8 @@ impl Kernels {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn reshape_and_cache<T: PoolElem>(
         &self,
-        k: &CudaSlice<f32>,
-        v: &CudaSlice<f32>,
+        k: &CudaView<'_, f32>,
+        v: &CudaView<'_, f32>,
         slots: &CudaSlice<i64>,
         pool: &mut CudaSlice<T>,
         layer: usize,
@@ -238,7 +247,7 @@ impl Kernels {
     pub unsafe fn paged_attention<T: PoolElem>(
         &self,
         out: &mut CudaSlice<f32>,
-        q: &CudaSlice<f32>,
+        q: &CudaView<'_, f32>,
         pool: &CudaSlice<T>,
         block_tables: &CudaSlice<i32>,
         max_blocks: usize,

@@ -54,6 +54,25 @@ pub struct EngineConfig {
     /// How a GGUF model's quantized weights are held and multiplied (ignored for a Hugging
     /// Face directory). Default: [`QuantPolicy::Fast`].
     pub gguf_weights: QuantPolicy,
+    /// Where the model computes on its KV: on the transfer pool itself, or on a compute pool
+    /// blocks are staged through ([`pd_model::kv_store`]).
+    pub kv_compute: KvCompute,
+}
+
+/// Where the model runs and keeps the KV it computes on ([`pd_model::kv_store`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KvCompute {
+    /// On the CPU, over the transfer pool itself (no copies).
+    #[default]
+    InPlace,
+    /// On the CPU, over a second host pool; blocks are copied to the transfer pool before a
+    /// lease is granted on them and from it after a pull, exactly as on a GPU. This is the GPU
+    /// path's staging, testable without a GPU (`pd-node --kv-staged`).
+    HostStaged,
+    /// On CUDA device `ordinal`: weights, activations and the compute pool in device memory,
+    /// staged to and from the host transfer pool (`cuda` feature; **never run on a GPU so
+    /// far**: ARCHITECTURE.md, "The GPU path").
+    Cuda(usize),
 }
 
 /// Allocates the KV pool for a layout (e.g. in UCX-allocated memory).
@@ -88,6 +107,7 @@ impl Default for EngineConfig {
             kv_retain_after_decode: None,
             kv_hash_key: 0,
             gguf_weights: QuantPolicy::Fast,
+            kv_compute: KvCompute::InPlace,
         }
     }
 }
@@ -101,6 +121,7 @@ use candle_core::Device;
 use pd_kv_pool::{CacheEvent, KvDtype, KvLayout, KvOrder, KvPool};
 use pd_model::gguf::QuantPolicy;
 use pd_model::{BatchInput, Model, ModelSource};
+use pd_model::{PagedKv, StagedKv};
 use pd_tokenize::Tokenizer;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -146,7 +167,10 @@ struct RequestState {
 #[derive(Debug)]
 pub struct Engine {
     model: Model,
+    /// The transfer pool: what peers read and pulls write.
     pool: KvPool,
+    /// The compute pool, when the model does not compute on `pool` ([`KvCompute`]).
+    staged: Option<Box<dyn StagedKv>>,
     scheduler: Scheduler,
     tokenizer: Arc<Tokenizer>,
     info: EngineInfo,
@@ -172,8 +196,15 @@ impl Engine {
     /// [`EngineError::Model`] naming an unsupported architecture/dtype or a missing file,
     /// [`EngineError::Tokenize`] for tokenizer files, [`EngineError::Invalid`] for a pool too small.
     pub fn load(cfg: &EngineConfig) -> Result<Self, EngineError> {
-        let device = Device::Cpu;
+        let device = compute_device(cfg.kv_compute)?;
         let source = ModelSource::open(&cfg.model_dir)?;
+        if matches!(cfg.kv_compute, KvCompute::Cuda(_)) && matches!(source, ModelSource::Gguf(_)) {
+            // Quantized projections run on CPU kernels (ours for Q4_1); not built for CUDA.
+            return Err(EngineError::Invalid(InvalidRequest::new(
+                "device",
+                "GGUF weights on CUDA are not built yet: serve a Hugging Face directory",
+            )));
+        }
         let model = source.load_model_with(&device, cfg.gguf_weights)?;
         let tokenizer = Arc::new(source.tokenizer()?);
         let fingerprint = source.fingerprint()?;
@@ -221,6 +252,13 @@ impl Engine {
                 format!("cannot allocate the KV pool: {e}"),
             )
         })?;
+        let staged = compute_pool(cfg.kv_compute, layout, &device)?;
+        if let Some(s) = &staged {
+            tracing::info!(
+                path = s.describe(),
+                "the model computes on a staged KV pool"
+            );
+        }
         let capacity = layout.num_blocks * layout.block_size;
         let mut max_model_len = cfg
             .max_model_len
@@ -273,6 +311,7 @@ impl Engine {
             .recording_cache_events(),
             model,
             pool,
+            staged,
             tokenizer,
             metrics,
             requests: HashMap::new(),
@@ -446,6 +485,24 @@ impl Engine {
             tracing::debug!(request = %id, "remote KV for a request no longer waiting");
             return;
         };
+        // The pull wrote the transfer pool; the model reads the compute pool.
+        if let Some(s) = &mut self.staged
+            && pulled > 0
+        {
+            let blocks = self.scheduler.waiting_blocks(id, held - pulled, held);
+            if let Err(e) = s.upload(&self.pool, &blocks) {
+                tracing::error!(request = %id, error = %e, "staging pulled KV into the compute pool failed");
+                if let Some(state) = self.requests.remove(&id) {
+                    let _ = state.events.send(RequestEvent::Failed {
+                        message: format!("staging pulled KV failed: {e}"),
+                    });
+                }
+                self.scheduler.remove_request(id);
+                self.update_gauges();
+                return;
+            }
+            self.metrics.kv_staged_up.inc_by(blocks.len() as u64);
+        }
         self.metrics.kv_pulled_tokens.inc_by(pulled as u64);
         if let Some(state) = self.requests.get_mut(&id)
             && !state.started
@@ -620,7 +677,15 @@ impl Engine {
             self.pool.poison_block(b);
         }
         for &(src, dst) in &plan.copies {
-            self.pool.copy_block(src, dst);
+            match &mut self.staged {
+                None => self.pool.copy_block(src, dst),
+                Some(s) => {
+                    if let Err(e) = s.copy_block(src, dst) {
+                        // Blocks come from the scheduler, inside the pool: a device failure.
+                        tracing::error!(error = %e, "copy-on-write on the compute pool failed");
+                    }
+                }
+            }
         }
         self.scheduler.finish_copies(&plan.copies);
         // Gauges show this step's allocations before any of its events goes out.
@@ -667,7 +732,11 @@ impl Engine {
         prefill_tokens: usize,
     ) -> Option<(Vec<f32>, usize)> {
         let started = Instant::now();
-        let logits = self.model.forward(batch, &mut self.pool).and_then(|l| {
+        let kv: &mut dyn PagedKv = match &mut self.staged {
+            Some(s) => s.as_mut(),
+            None => &mut self.pool,
+        };
+        let logits = self.model.forward(batch, kv).and_then(|l| {
             let vocab = l.dim(1)?;
             Ok((l.flatten_all()?.to_vec1::<f32>()?, vocab))
         });
@@ -767,6 +836,14 @@ impl Engine {
         let contents = pd_kv_pool::LeaseContents::of(&seq.tokens[..seq.prompt_len])
             .in_blocks(&blocks)
             .with_next_token(first, state.first_token_key);
+        // A peer reads the transfer pool: the computed KV goes there before any lease names it.
+        if let Some(s) = &mut self.staged {
+            if let Err(e) = s.download(&mut self.pool, &blocks) {
+                tracing::error!(request = %id, error = %e, "staging the prompt's KV for its lease failed; no lease");
+                return;
+            }
+            self.metrics.kv_staged_down.inc_by(blocks.len() as u64);
+        }
         for _ in 0..consumers.max(1) {
             self.scheduler.hold_for_lease(&blocks);
             let lease = self
@@ -914,20 +991,30 @@ impl Engine {
                     .last()
                     .map_or(0, |h| h.0),
                 };
-                self.scheduler.hold_for_lease(&blocks);
-                let lease = self
-                    .leases
-                    .grant_retained(blocks, contents, Instant::now(), ttl);
-                self.metrics.kv_retained.inc();
-                let _ = state.events.send(RequestEvent::Retained(KvHandoff {
-                    lease: lease.id,
-                    generation: lease.generation,
-                    deadline: to_system_time(lease.deadline),
-                    block_ids: lease.blocks,
-                    num_tokens,
-                    last_block_hash: Some(last_block_hash),
-                    board_slot: lease.slot,
-                }));
+                let staged = match &mut self.staged {
+                    None => Ok(()),
+                    Some(s) => s.download(&mut self.pool, &blocks).inspect(|()| {
+                        self.metrics.kv_staged_down.inc_by(blocks.len() as u64);
+                    }),
+                };
+                if let Err(e) = staged {
+                    tracing::error!(request = %id, error = %e, "staging a finished turn's KV failed; not retained");
+                } else {
+                    self.scheduler.hold_for_lease(&blocks);
+                    let lease = self
+                        .leases
+                        .grant_retained(blocks, contents, Instant::now(), ttl);
+                    self.metrics.kv_retained.inc();
+                    let _ = state.events.send(RequestEvent::Retained(KvHandoff {
+                        lease: lease.id,
+                        generation: lease.generation,
+                        deadline: to_system_time(lease.deadline),
+                        block_ids: lease.blocks,
+                        num_tokens,
+                        last_block_hash: Some(last_block_hash),
+                        board_slot: lease.slot,
+                    }));
+                }
             }
         }
         let _ = state.events.send(RequestEvent::Finished {
@@ -991,6 +1078,50 @@ fn find_stop(text: &str, mut from: usize, stops: &[String]) -> Option<usize> {
         .iter()
         .filter_map(|s| text[from..].find(s.as_str()).map(|i| i + from))
         .min()
+}
+
+/// The device the model's weights and activations live on.
+fn compute_device(c: KvCompute) -> Result<Device, EngineError> {
+    match c {
+        KvCompute::InPlace | KvCompute::HostStaged => Ok(Device::Cpu),
+        #[cfg(feature = "cuda")]
+        KvCompute::Cuda(ordinal) => Device::new_cuda(ordinal).map_err(|e| {
+            EngineError::Invalid(InvalidRequest::new(
+                "device",
+                format!("cannot open CUDA device {ordinal}: {e}"),
+            ))
+        }),
+        #[cfg(not(feature = "cuda"))]
+        KvCompute::Cuda(_) => Err(EngineError::Invalid(InvalidRequest::new(
+            "device",
+            "this build has no CUDA support (build with --features cuda)",
+        ))),
+    }
+}
+
+/// The compute pool [`KvCompute`] asks for (`None`: the model computes on the transfer pool).
+fn compute_pool(
+    c: KvCompute,
+    layout: KvLayout,
+    device: &Device,
+) -> Result<Option<Box<dyn StagedKv>>, EngineError> {
+    let bad = |e: pd_model::ModelError| {
+        EngineError::Invalid(InvalidRequest::new(
+            "kv_cache_memory",
+            format!("cannot allocate the compute pool: {e}"),
+        ))
+    };
+    let _ = device;
+    Ok(match c {
+        KvCompute::InPlace => None,
+        KvCompute::HostStaged => Some(Box::new(pd_model::HostStaged::new(layout).map_err(bad)?)),
+        #[cfg(feature = "cuda")]
+        KvCompute::Cuda(_) => Some(Box::new(
+            pd_model::device_pool::DevicePool::new(layout, device).map_err(bad)?,
+        )),
+        #[cfg(not(feature = "cuda"))]
+        KvCompute::Cuda(_) => None,
+    })
 }
 
 /// Checks `request` against the model and pool before it is queued.

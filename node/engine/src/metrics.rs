@@ -26,6 +26,11 @@ pub struct EngineMetrics {
     pub kv_pulled_tokens: IntCounter,
     /// Finished completions whose blocks were kept for the next turn (`kv_retain_after_decode`).
     pub kv_retained: IntCounter,
+    /// Blocks copied from the compute pool to the transfer pool before a lease (staged KV:
+    /// a GPU node, or `--kv-staged`).
+    pub kv_staged_down: IntCounter,
+    /// Blocks copied from the transfer pool to the compute pool after a pull (staged KV).
+    pub kv_staged_up: IntCounter,
     /// Prompt tokens of admitted requests.
     pub prompt_tokens: IntCounter,
     /// Generated tokens.
@@ -135,6 +140,14 @@ impl EngineMetrics {
             kv_retained: counter(
                 "pd_node_kv_retained_total",
                 "Finished completions whose KV was kept under a lease for the next turn",
+            ),
+            kv_staged_down: counter(
+                "pd_node_kv_staged_blocks_down_total",
+                "Blocks copied from the compute pool (GPU) to the transfer pool before a lease",
+            ),
+            kv_staged_up: counter(
+                "pd_node_kv_staged_blocks_up_total",
+                "Blocks copied from the transfer pool to the compute pool (GPU) after a pull",
             ),
             prompt_tokens: counter(
                 "pd_node_prompt_tokens_total",

@@ -539,6 +539,25 @@ impl Scheduler {
         Some(out)
     }
 
+    /// The blocks of `request`'s waiting sequence that hold its tokens `from..to` (what a pull
+    /// just wrote), in order; empty when it is not waiting.
+    pub(crate) fn waiting_blocks(
+        &self,
+        request: RequestId,
+        from: usize,
+        to: usize,
+    ) -> Vec<BlockId> {
+        let bs = self.cfg.block_size.max(1);
+        self.waiting
+            .iter()
+            .find(|s| s.request == request)
+            .map(|s| {
+                let end = to.div_ceil(bs).min(s.blocks.len());
+                s.blocks[(from / bs).min(end)..end].to_vec()
+            })
+            .unwrap_or_default()
+    }
+
     /// Blocks referenced by sequences of `request` (for tests and the transfer layer).
     #[allow(dead_code)]
     pub(crate) fn blocks_of(&self, request: RequestId) -> Vec<BlockId> {

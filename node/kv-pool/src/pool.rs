@@ -264,7 +264,10 @@ impl KvPool {
     }
 
     /// One block's bytes, writable.
-    fn block_bytes_mut(&mut self, block: BlockId) -> &mut [u8] {
+    ///
+    /// # Panics
+    /// When `block` lies outside the pool.
+    pub fn block_bytes_mut(&mut self, block: BlockId) -> &mut [u8] {
         let r = self.block_range(block);
         let size = self.layout.dtype.size();
         // SAFETY: the block's byte range lies inside the pool (`block_range`); `&mut self`
@@ -275,7 +278,10 @@ impl KvPool {
     }
 
     /// One block's bytes.
-    fn block_bytes(&self, block: BlockId) -> &[u8] {
+    ///
+    /// # Panics
+    /// When `block` lies outside the pool.
+    pub fn block_bytes(&self, block: BlockId) -> &[u8] {
         let r = self.block_range(block);
         let size = self.layout.dtype.size();
         // SAFETY: as in `block_bytes_mut`, shared (see `slice`).

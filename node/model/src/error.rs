@@ -70,6 +70,9 @@ pub enum ModelError {
     /// The batch does not fit the pool or the model.
     #[error("invalid batch: {0}")]
     InvalidBatch(String),
+    /// The GPU path failed (allocation, copy, launch): `device_pool`, `cuda` feature.
+    #[error("GPU: {0}")]
+    Device(String),
     /// The tokenizer files could not be written.
     #[error(transparent)]
     Tokenizer(#[from] pd_tokenize::TokenizeError),

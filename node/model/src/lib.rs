@@ -18,6 +18,9 @@
 //!   block tables (CPU reference implementation; a CUDA version slots in behind the same calls).
 //! - `attention_math`: the one definition of a row's attention arithmetic (scores, `exp`, the
 //!   sums) and its AVX2 twin, bit for bit the same, so no step's grouping changes a token.
+//! - [`kv_store`]: where K/V live while the model computes — the transfer pool itself
+//!   ([`PagedKv`] for `KvPool`), or a compute pool the engine stages blocks through
+//!   ([`StagedKv`]: [`HostStaged`] on CPU, `device_pool::DevicePool` on a GPU).
 //! - [`BatchInput`]: one step's flattened tokens, positions, slots and block tables.
 //! - [`tiny`]: writes a real, seeded, tiny HF model directory for tests and the demo.
 //!
@@ -29,8 +32,11 @@
 mod attention_math;
 mod batch;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod device_pool;
 mod error;
 pub mod gguf;
+pub mod kv_store;
 pub mod llama;
 pub mod paged_attention;
 pub mod q4_1;
@@ -42,6 +48,7 @@ pub use batch::{BatchInput, SeqView};
 pub use config::{Arch, HfConfig, ModelConfig};
 pub use error::ModelError;
 pub use gguf::GgufFile;
+pub use kv_store::{HostStaged, PagedKv, StagedKv};
 pub use llama::Model;
 pub use source::{FINGERPRINT_FULL_BYTES, ModelSource};
 pub use weights::WeightSource;

@@ -12,12 +12,12 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, RmsNorm};
-use pd_kv_pool::KvPool;
+use pd_kv_pool::KvLayout;
 
 use crate::batch::BatchInput;
 use crate::config::ModelConfig;
 use crate::error::ModelError;
-use crate::paged_attention;
+use crate::kv_store::PagedKv;
 use crate::source::ModelSource;
 use crate::weights::{Proj, WeightSource};
 
@@ -64,13 +64,13 @@ impl Attention {
         })
     }
 
-    /// `x`: (num_tokens, hidden) → (num_tokens, hidden). Writes this step's K/V into `pool`.
+    /// `x`: (num_tokens, hidden) → (num_tokens, hidden). Writes this step's K/V into `kv`.
     fn forward(
         &self,
         x: &Tensor,
         rope: &Rope,
         batch: &BatchInput,
-        pool: &mut KvPool,
+        kv: &mut dyn PagedKv,
     ) -> Result<Tensor, ModelError> {
         let (t, _hidden) = x.dims2()?;
         let (hd, nh, nkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
@@ -84,15 +84,9 @@ impl Attention {
             .reshape((t * nkv * hd,))?;
         let q = candle_nn::rotary_emb::rope_thd(&q, &rope.cos, &rope.sin)?;
         let k = candle_nn::rotary_emb::rope_thd(&k, &rope.cos, &rope.sin)?;
-        // Host copies, (t, heads, hd) row-major, for the paged kernels.
-        let q = q.flatten_all()?.to_vec1::<f32>()?;
-        let k = k.flatten_all()?.to_vec1::<f32>()?;
-        let v = v.to_vec1::<f32>()?;
-        paged_attention::write_kv(pool, self.layer, &k, &v, &batch.slots);
         let scale = 1.0 / (hd as f32).sqrt();
-        let out = paged_attention::attend(pool, self.layer, &q, nh, &batch.seqs, scale);
-        // (t, nh*hd) → o_proj → (t, hidden)
-        let out = Tensor::from_vec(out, (t, nh * hd), x.device())?;
+        // (t, nh·hd) → o_proj → (t, hidden)
+        let out = kv.attention(self.layer, &q, &k, &v, nh, batch, scale)?;
         Ok(self.o_proj.forward(&out)?)
     }
 }
@@ -157,11 +151,11 @@ impl DecoderLayer {
         x: &Tensor,
         rope: &Rope,
         batch: &BatchInput,
-        pool: &mut KvPool,
+        kv: &mut dyn PagedKv,
     ) -> Result<Tensor, ModelError> {
         let h = self
             .self_attn
-            .forward(&self.input_layernorm.forward(x)?, rope, batch, pool)?;
+            .forward(&self.input_layernorm.forward(x)?, rope, batch, kv)?;
         let x = (x + h)?;
         let h = self
             .mlp
@@ -319,14 +313,16 @@ impl Model {
         &self.device
     }
 
-    /// Runs one step: writes K/V of every token in `batch` into `pool` and returns the logits of
-    /// the rows in `batch.logits_rows`, `(logits_rows.len(), vocab_size)`, f32.
+    /// Runs one step: writes K/V of every token in `batch` into `kv` (the transfer pool itself
+    /// on a CPU node, or a compute pool: [`crate::kv_store`]) and returns the logits of the rows
+    /// in `batch.logits_rows`, `(logits_rows.len(), vocab_size)`, f32.
     ///
     /// # Errors
     /// [`ModelError::InvalidBatch`] when the batch is inconsistent with the pool or the model;
     /// candle errors otherwise.
-    pub fn forward(&self, batch: &BatchInput, pool: &mut KvPool) -> Result<Tensor, ModelError> {
-        self.check_batch(batch, pool)?;
+    pub fn forward(&self, batch: &BatchInput, kv: &mut dyn PagedKv) -> Result<Tensor, ModelError> {
+        self.check_batch(batch, kv.layout())?;
+        kv.begin_step(batch)?;
         let t = batch.num_tokens();
         let ids = Tensor::from_slice(&batch.tokens, (t,), &self.device)?;
         let positions = Tensor::from_slice(&batch.positions, (t,), &self.device)?;
@@ -338,7 +334,7 @@ impl Model {
         // (t,) → (t, hidden)
         let mut x = self.embed_tokens.forward(&ids)?;
         for layer in &self.layers {
-            x = layer.forward(&x, &rope, batch, pool)?;
+            x = layer.forward(&x, &rope, batch, kv)?;
         }
         // (t, hidden) → (n_logits, hidden) → (n_logits, vocab)
         let rows =
@@ -347,8 +343,7 @@ impl Model {
         Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
     }
 
-    fn check_batch(&self, batch: &BatchInput, pool: &KvPool) -> Result<(), ModelError> {
-        let l = pool.layout();
+    fn check_batch(&self, batch: &BatchInput, l: &KvLayout) -> Result<(), ModelError> {
         let bad = |m: String| Err(ModelError::InvalidBatch(m));
         if l.num_layers != self.cfg.num_layers
             || l.num_kv_heads != self.cfg.num_kv_heads

@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use pd_engine::EngineConfig;
+use pd_engine::{EngineConfig, KvCompute};
 use pd_model::tiny::{TinyArch, TinySpec};
 
 /// Engine node of the P/D-disaggregated serving system.
@@ -96,6 +96,14 @@ pub struct ServeArgs {
     /// Where the model runs.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     pub device: Device,
+    /// CUDA device ordinal for `--device cuda`.
+    #[arg(long, default_value_t = 0)]
+    pub cuda_device: usize,
+    /// On CPU, compute on a second KV pool and copy blocks to and from the transfer pool as a
+    /// GPU node does (before a lease is granted, after a pull). Slower; it exists to test the
+    /// GPU path's staging without a GPU.
+    #[arg(long)]
+    pub kv_staged: bool,
     /// Serve the KV pool to peers: allocate it through UCX and answer the `KvPeer` side channel
     /// (handshake, leases, pool stats) on this port of `--host` (0 picks one; printed on stdout).
     #[arg(long)]
@@ -256,9 +264,14 @@ impl ServeArgs {
     /// # Errors
     /// [`CliError::NoCuda`] for `--device cuda`.
     pub fn engine_config(&self) -> Result<EngineConfig, CliError> {
-        if self.device == Device::Cuda {
-            return Err(CliError::NoCuda);
-        }
+        let kv_compute = match self.device {
+            Device::Cpu if self.kv_staged => KvCompute::HostStaged,
+            Device::Cpu => KvCompute::InPlace,
+            #[cfg(feature = "cuda")]
+            Device::Cuda => KvCompute::Cuda(self.cuda_device),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda => return Err(CliError::NoCuda),
+        };
         let defaults = EngineConfig::default();
         Ok(EngineConfig {
             model_dir: self.model.clone(),
@@ -278,6 +291,7 @@ impl ServeArgs {
             kv_retain_after_decode: self.retain_after_decode()?,
             kv_hash_key: self.hash_key(),
             gguf_weights: self.gguf_weights,
+            kv_compute,
         })
     }
 
@@ -675,6 +689,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(not(feature = "cuda"))]
     fn cuda_is_refused() {
         let cli =
             Cli::try_parse_from(["pd-node", "serve", "--model", "/m", "--device", "cuda"]).unwrap();

@@ -766,6 +766,86 @@ async fn n_children_share_one_handoff_and_one_pull() {
     .await;
 }
 
+/// The GPU path's staging (`pd_model::kv_store`), run on CPU with `--kv-staged`: the model
+/// computes on a second pool; P copies a prompt's blocks into its transfer pool before it
+/// leases them, D copies pulled blocks into its compute pool before it reads them. Every
+/// pairing of staged and in-place nodes answers token for token as one in-place node: greedy
+/// on the chat API (D's cache holds the template's head, computed on its compute pool), a
+/// prompt extending an earlier one (D's cached blocks plus pulled ones; P's cached ones
+/// leased again), and seeded `n = 3` children (their forks copy partial blocks on the compute
+/// pool). Without the copies a staged node would hand over or read zeros. The counters show
+/// the copies ran on staged nodes only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn staged_kv_as_on_a_gpu_hands_over_kv_token_exact_on_cpu() {
+    let dir = model("staged");
+    let solo = start(&dir, &[]);
+    let p_staged = producer(&dir, &["--engine-id", "ps", "--kv-staged"]);
+    let p_plain = producer(&dir, &["--engine-id", "pp"]);
+    let d_staged = consumer_with(&dir, "fail", &["--engine-id", "ds", "--kv-staged"]);
+    let d_plain = consumer_with(&dir, "fail", &["--engine-id", "dp"]);
+    let pairs = [
+        (&p_staged, &d_staged, "staged → staged"),
+        (&p_staged, &d_plain, "staged → in place"),
+        (&p_plain, &d_staged, "in place → staged"),
+    ];
+    for (i, (p, d, what)) in pairs.into_iter().enumerate() {
+        let body = Api::Chat.body(&format!("{i}{LONG}"), 10);
+        let want = seen(Api::Chat, post(&solo.http, Api::Chat.path(), &body).await).await;
+        let got = through_pd(p, d, Api::Chat, &body).await;
+        assert_eq!(got.tokens, want.tokens, "{what}, chat");
+        assert!(got.pulled.unwrap_or(0) > 0, "{what}, chat");
+
+        let first = format!("{i} {LONG}");
+        let second = format!("{first} Then a few more words, for blocks nobody holds yet.");
+        for (k, text) in [first, second].iter().enumerate() {
+            let body = Api::Completions.body(text, 10);
+            let want = seen(
+                Api::Completions,
+                post(&solo.http, Api::Completions.path(), &body).await,
+            )
+            .await;
+            let got = through_pd(p, d, Api::Completions, &body).await;
+            assert_eq!(got.tokens, want.tokens, "{what}, prompt {k}");
+            let pulled = got.pulled.unwrap_or(0);
+            assert!(pulled > 0, "{what}, prompt {k}");
+            if k == 1 {
+                assert!(
+                    got.cached.unwrap_or(0) > pulled,
+                    "{what}: D's cache held the first prompt ({:?} cached, {pulled} pulled)",
+                    got.cached
+                );
+            }
+        }
+
+        let body = json!({"model": "tiny", "prompt": format!("{i}{SHORT} {LONG}"),
+            "max_tokens": 9, "n": 3, "seed": 7, "temperature": 0.9, "ignore_eos": true,
+            "return_token_ids": true});
+        let want = seen(
+            Api::Completions,
+            post(&solo.http, Api::Completions.path(), &body).await,
+        )
+        .await;
+        assert_ne!(want.tokens[0], want.tokens[1], "seeded children differ");
+        let got = through_pd(p, d, Api::Completions, &body).await;
+        assert_eq!(got.tokens, want.tokens, "{what}, n = 3");
+    }
+    let down = "pd_node_kv_staged_blocks_down_total";
+    let up = "pd_node_kv_staged_blocks_up_total";
+    assert!(metric(&p_staged, down).await > 0.0);
+    assert!(metric(&d_staged, up).await > 0.0);
+    for plain in [&p_plain, &d_plain] {
+        assert_eq!(metric(plain, down).await, 0.0);
+        assert_eq!(metric(plain, up).await, 0.0);
+    }
+    assert_eq!(metric(&d_staged, down).await, 0.0, "D leases nothing");
+    for p in [&p_staged, &p_plain] {
+        eventually("P's leases released", async || {
+            metric(p, "pd_kv_leases_live").await == 0.0
+        })
+        .await;
+    }
+}
+
 /// D's recompute counter for `reason`.
 pub(crate) async fn recomputes(d: &Node, reason: &str) -> f64 {
     metric(d, &format!("pd_kv_recompute_total{{reason=\"{reason}\"}}")).await

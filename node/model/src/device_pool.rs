@@ -1,0 +1,335 @@
+//! The compute pool in GPU memory (`cuda` feature): the KV the model computes on, laid out
+//! exactly as the transfer pool ([`KvLayout`], `kernels/cuda/pool.cuh`) with the same block
+//! ids, allocated once on candle's CUDA device; our kernels (`pd-kernels`) write each step's
+//! K/V into it and attend over it on candle's stream, so they run in order with candle's ops.
+//!
+//! **Never run on a GPU so far.** It type-checks (`scripts/cuda-check.sh`), and the staging it
+//! plugs into is tested on CPU through [`crate::HostStaged`] (`pd-node --kv-staged`), but no
+//! GPU was lent to the sessions that wrote it: ARCHITECTURE.md, "The GPU path", lists what is
+//! unverified.
+//!
+//! Blocks move between this pool and the host transfer pool one block per copy (`memcpy` on
+//! the stream from and to pageable memory): correct, not fast. Gathering a lease's blocks into
+//! a pinned staging buffer with `gather_blocks`, one copy, and overlapping it with the pull is
+//! the next step (ARCHITECTURE.md).
+
+use std::sync::Arc;
+
+use candle_core::backprop::BackpropOp;
+use candle_core::{CudaDevice, CudaStorage, Device, Storage, Tensor};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, DeviceRepr, ValidAsZeroBits};
+use pd_kernels::cuda::{Kernels, PoolElem};
+use pd_kv_pool::{BlockId, KvDtype, KvElem, KvLayout, KvPool};
+
+use crate::batch::BatchInput;
+use crate::error::ModelError;
+use crate::kv_store::{PagedKv, StagedKv, blocks_inside, same_layout};
+
+/// The pool's memory, typed by its dtype.
+enum Slab {
+    F32(CudaSlice<f32>),
+    F16(CudaSlice<half::f16>),
+    Bf16(CudaSlice<half::bf16>),
+}
+
+/// Runs `$body` with `$s` bound to the slab's typed `CudaSlice` (`$t` its element type).
+macro_rules! with_slab {
+    ($slab:expr, $s:ident, $t:ident => $body:expr) => {
+        match $slab {
+            Slab::F32($s) => {
+                type $t = f32;
+                $body
+            }
+            Slab::F16($s) => {
+                type $t = half::f16;
+                $body
+            }
+            Slab::Bf16($s) => {
+                type $t = half::bf16;
+                $body
+            }
+        }
+    };
+}
+
+/// One step's addressing on the device, uploaded once for all layers.
+struct Step {
+    /// (t,) pool slot of each token.
+    slots: CudaSlice<i64>,
+    /// (num_seqs, max_blocks) block tables, rows padded with block 0.
+    tables: CudaSlice<i32>,
+    max_blocks: usize,
+    /// (t,) the sequence (row of `tables`) of each query token.
+    token_seq: CudaSlice<i32>,
+    /// (t,) the position of each query token.
+    token_pos: CudaSlice<i32>,
+    /// The largest position in `token_pos`.
+    max_pos: usize,
+}
+
+/// The KV pool in device memory (see the module's doc).
+pub struct DevicePool {
+    layout: KvLayout,
+    device: CudaDevice,
+    stream: Arc<CudaStream>,
+    kernels: Kernels,
+    slab: Slab,
+    step: Option<Step>,
+}
+
+impl std::fmt::Debug for DevicePool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DevicePool")
+            .field("layout", &self.layout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A device error as a [`ModelError`].
+fn gpu(e: impl std::fmt::Display) -> ModelError {
+    ModelError::Device(e.to_string())
+}
+
+impl DevicePool {
+    /// Allocates a zeroed pool of `layout` on `device` (a CUDA device) and loads the kernels on
+    /// its stream.
+    ///
+    /// # Errors
+    /// [`ModelError::Device`]: not a CUDA device, out of device memory, PTX refused.
+    pub fn new(layout: KvLayout, device: &Device) -> Result<Self, ModelError> {
+        let device = device.as_cuda_device()?.clone();
+        let stream = device.cuda_stream();
+        let kernels = Kernels::on_stream(stream.clone()).map_err(gpu)?;
+        let elems = layout.num_blocks * layout.block_elems();
+        let slab = match layout.dtype {
+            KvDtype::F32 => Slab::F32(stream.alloc_zeros(elems).map_err(gpu)?),
+            KvDtype::F16 => Slab::F16(stream.alloc_zeros(elems).map_err(gpu)?),
+            KvDtype::BF16 => Slab::Bf16(stream.alloc_zeros(elems).map_err(gpu)?),
+        };
+        Ok(Self {
+            layout,
+            device,
+            stream,
+            kernels,
+            slab,
+            step: None,
+        })
+    }
+
+    /// Element range of `block`.
+    fn range(&self, block: BlockId) -> std::ops::Range<usize> {
+        let n = self.layout.block_elems();
+        block.index() * n..(block.index() + 1) * n
+    }
+}
+
+/// The contiguous f32 elements of `t` on the device, as a view (the read guard must outlive
+/// it; the caller holds it).
+fn f32_view<'a>(
+    storage: &'a Storage,
+    layout: &candle_core::Layout,
+    elems: usize,
+) -> Result<CudaView<'a, f32>, ModelError> {
+    let Storage::Cuda(cs) = storage else {
+        return Err(gpu("a tensor of the GPU path is not on the GPU"));
+    };
+    if !layout.is_contiguous() {
+        return Err(gpu("a tensor of the GPU path is not contiguous"));
+    }
+    let start = layout.start_offset();
+    Ok(cs.as_cuda_slice::<f32>()?.slice(start..start + elems))
+}
+
+impl PagedKv for DevicePool {
+    fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    fn begin_step(&mut self, batch: &BatchInput) -> Result<(), ModelError> {
+        let slots: Vec<i64> = batch.slots.iter().map(|&s| s as i64).collect();
+        let max_blocks = batch
+            .seqs
+            .iter()
+            .map(|s| s.block_table.len())
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let mut tables = vec![0i32; batch.seqs.len() * max_blocks];
+        let (mut token_seq, mut token_pos) = (Vec::new(), Vec::new());
+        for (i, s) in batch.seqs.iter().enumerate() {
+            for (j, b) in s.block_table.iter().enumerate() {
+                tables[i * max_blocks + j] = b.0 as i32;
+            }
+            for r in 0..s.query_len {
+                token_seq.push(i as i32);
+                token_pos.push((s.context_len - s.query_len + r) as i32);
+            }
+        }
+        let max_pos = token_pos.iter().copied().max().unwrap_or(0) as usize;
+        let s = &self.stream;
+        self.step = Some(Step {
+            slots: s.clone_htod(&slots).map_err(gpu)?,
+            tables: s.clone_htod(&tables).map_err(gpu)?,
+            max_blocks,
+            token_seq: s.clone_htod(&token_seq).map_err(gpu)?,
+            token_pos: s.clone_htod(&token_pos).map_err(gpu)?,
+            max_pos,
+        });
+        Ok(())
+    }
+
+    fn attention(
+        &mut self,
+        layer: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        num_heads: usize,
+        batch: &BatchInput,
+        scale: f32,
+    ) -> Result<Tensor, ModelError> {
+        let step = self
+            .step
+            .as_ref()
+            .ok_or_else(|| gpu("attention before the step's addressing was uploaded"))?;
+        let l = self.layout;
+        let t = batch.num_tokens();
+        let kv_elems = t * l.num_kv_heads * l.head_dim;
+        let q_elems = t * num_heads * l.head_dim;
+        // (1, t, nh, hd), (1, t, nkv, hd), (t·nkv·hd,): contiguous f32 on the device.
+        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+        let (qs, ql) = q.storage_and_layout();
+        let (ks, kl) = k.storage_and_layout();
+        let (vs, vl) = v.storage_and_layout();
+        let qv = f32_view(&qs, ql, q_elems)?;
+        let kv = f32_view(&ks, kl, kv_elems)?;
+        let vv = f32_view(&vs, vl, kv_elems)?;
+        let mut out = self.stream.alloc_zeros::<f32>(q_elems).map_err(gpu)?;
+        let kern = &self.kernels;
+        with_slab!(&mut self.slab, slab, T => {
+            // SAFETY: the slots and tables come from a batch `Model::forward` checked against
+            // this layout (every slot and block inside the pool); positions are at most
+            // `max_pos` and covered by their tables (`SeqView`'s invariant).
+            unsafe {
+                kern.reshape_and_cache::<T>(&kv, &vv, &step.slots, slab, layer, &l)
+                    .map_err(gpu)?;
+                kern.paged_attention::<T>(
+                    &mut out,
+                    &qv,
+                    slab,
+                    &step.tables,
+                    step.max_blocks,
+                    &step.token_seq,
+                    &step.token_pos,
+                    step.max_pos,
+                    num_heads,
+                    layer,
+                    scale,
+                    &l,
+                )
+                .map_err(gpu)?;
+            }
+        });
+        let storage = CudaStorage::wrap_cuda_slice(out, self.device.clone());
+        // (t, nh·hd)
+        Ok(Tensor::from_storage(
+            Storage::Cuda(storage),
+            (t, num_heads * l.head_dim),
+            BackpropOp::none(),
+            false,
+        ))
+    }
+}
+
+/// Copies `blocks` of `host` into `slab` (element ranges of `n` per block).
+fn upload_as<T: KvElem + DeviceRepr>(
+    stream: &CudaStream,
+    slab: &mut CudaSlice<T>,
+    host: &KvPool,
+    blocks: &[BlockId],
+    n: usize,
+) -> Result<(), ModelError> {
+    for &b in blocks {
+        let r = b.index() * n..(b.index() + 1) * n;
+        stream
+            .memcpy_htod(host.block::<T>(b), &mut slab.slice_mut(r))
+            .map_err(gpu)?;
+    }
+    Ok(())
+}
+
+/// Copies `blocks` of `slab` into `host`.
+fn download_as<T: KvElem + DeviceRepr>(
+    stream: &CudaStream,
+    slab: &CudaSlice<T>,
+    host: &mut KvPool,
+    blocks: &[BlockId],
+    n: usize,
+) -> Result<(), ModelError> {
+    for &b in blocks {
+        let r = b.index() * n..(b.index() + 1) * n;
+        stream
+            .memcpy_dtoh(&slab.slice(r), host.block_mut::<T>(b))
+            .map_err(gpu)?;
+    }
+    Ok(())
+}
+
+/// Copies block range `src` over `dst` inside `slab`, through a one-block device buffer.
+fn copy_as<T: DeviceRepr + ValidAsZeroBits>(
+    stream: &CudaStream,
+    slab: &mut CudaSlice<T>,
+    src: std::ops::Range<usize>,
+    dst: std::ops::Range<usize>,
+) -> Result<(), ModelError> {
+    let mut tmp = stream.alloc_zeros::<T>(src.len()).map_err(gpu)?;
+    stream
+        .memcpy_dtod(&slab.slice(src), &mut tmp)
+        .map_err(gpu)?;
+    stream
+        .memcpy_dtod(&tmp, &mut slab.slice_mut(dst))
+        .map_err(gpu)?;
+    Ok(())
+}
+
+impl StagedKv for DevicePool {
+    fn upload(&mut self, from: &KvPool, blocks: &[BlockId]) -> Result<(), ModelError> {
+        same_layout(&self.layout, from.layout())?;
+        blocks_inside(&self.layout, blocks)?;
+        let n = self.layout.block_elems();
+        let stream = &self.stream;
+        with_slab!(&mut self.slab, slab, T => upload_as::<T>(stream, slab, from, blocks, n))
+    }
+
+    fn download(&mut self, to: &mut KvPool, blocks: &[BlockId]) -> Result<(), ModelError> {
+        same_layout(&self.layout, to.layout())?;
+        blocks_inside(&self.layout, blocks)?;
+        let n = self.layout.block_elems();
+        let stream = &self.stream;
+        with_slab!(&self.slab, slab, T => download_as::<T>(stream, slab, to, blocks, n))?;
+        // The bytes must be in host memory before a peer may read them.
+        self.stream.synchronize().map_err(gpu)
+    }
+
+    fn copy_block(&mut self, src: BlockId, dst: BlockId) -> Result<(), ModelError> {
+        blocks_inside(&self.layout, &[src, dst])?;
+        if src == dst {
+            return Ok(());
+        }
+        let (rs, rd) = (self.range(src), self.range(dst));
+        let stream = &self.stream;
+        with_slab!(&mut self.slab, slab, T => copy_as::<T>(stream, slab, rs, rd))
+    }
+
+    fn describe(&self) -> &'static str {
+        "cuda, staged through host memory (UNVERIFIED on hardware)"
+    }
+}
+
+// A `PoolElem` is what the kernels are instantiated for; every pool dtype has one.
+const _: fn() = || {
+    fn is_pool_elem<T: PoolElem + KvElem>() {}
+    is_pool_elem::<f32>();
+    is_pool_elem::<half::f16>();
+    is_pool_elem::<half::bf16>();
+};
