@@ -52,17 +52,36 @@ async fn retained_leases(node: &Node) -> f64 {
 /// 5. Params naming a lease the holder does not hold → recomputed, counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_turn_of_a_conversation_equals_one_node_wherever_it_is_placed() {
-    let dir = model("multi-turn");
+    conversation("multi-turn", &[]).await;
+}
+
+/// The same five turns with every node computing on staged KV (`--kv-staged`, the GPU path's
+/// copies on CPU): a retained turn's blocks go down to the transfer pool before its lease, a
+/// reverse pull's blocks go up before P computes the new tokens. The standalone node computes
+/// in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_on_staged_kv_equals_one_node_wherever_it_is_placed() {
+    conversation("multi-turn-staged", &["--kv-staged"]).await;
+}
+
+/// [`every_turn_of_a_conversation_equals_one_node_wherever_it_is_placed`], with `extra` flags
+/// on P, D1 and D2.
+async fn conversation(name: &str, extra: &[&str]) {
+    let dir = model(name);
     let solo = start(&dir, &[]);
     // Threshold 0: pull even a block or two (the default computes short prefixes locally).
-    let p = producer(&dir, &["--kv-recompute-threshold", "0"]);
+    let p = producer(&dir, &[&["--kv-recompute-threshold", "0"], extra].concat());
     let d1 = consumer_with(
         &dir,
         "recompute",
-        &[&["--engine-id", "d1"], RETAIN].concat(),
+        &[&["--engine-id", "d1"], RETAIN, extra].concat(),
     );
     // D2 fails a prefill's handoff it cannot pull; an earlier turn's KV is recomputed anyway.
-    let d2 = consumer_with(&dir, "fail", &[&["--engine-id", "d2"], RETAIN].concat());
+    let d2 = consumer_with(
+        &dir,
+        "fail",
+        &[&["--engine-id", "d2"], RETAIN, extra].concat(),
+    );
     let api = Api::Completions;
     let path = api.path();
     let mut prompt: Vec<u64> = (1..=11).collect();
@@ -166,6 +185,15 @@ async fn every_turn_of_a_conversation_equals_one_node_wherever_it_is_placed() {
         metric(&p, "pd_kv_leases_live").await == 0.0
     })
     .await;
+    // Staged nodes copied: D1 and D2 down for their retained turns, P up for its reverse pull.
+    let staged = !extra.is_empty();
+    for (node, name) in [
+        (&d1, "pd_node_kv_staged_blocks_down_total"),
+        (&d2, "pd_node_kv_staged_blocks_down_total"),
+        (&p, "pd_node_kv_staged_blocks_up_total"),
+    ] {
+        assert_eq!(metric(node, name).await > 0.0, staged, "{name}");
+    }
 }
 
 /// Every API, whole and streamed, describes the retained turn in its final
