@@ -23,7 +23,7 @@ use pd_kv_pool::{BlockId, KvDtype, KvElem, KvLayout, KvPool};
 
 use crate::batch::BatchInput;
 use crate::error::ModelError;
-use crate::kv_store::{PagedKv, StagedKv, blocks_inside, same_layout};
+use crate::kv_store::{LayerQkv, PagedKv, StagedKv, blocks_inside, same_layout};
 
 /// The pool's memory, typed by its dtype.
 enum Slab {
@@ -181,13 +181,16 @@ impl PagedKv for DevicePool {
     fn attention(
         &mut self,
         layer: usize,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        num_heads: usize,
+        qkv: LayerQkv<'_>,
         batch: &BatchInput,
-        scale: f32,
     ) -> Result<Tensor, ModelError> {
+        let LayerQkv {
+            q,
+            k,
+            v,
+            num_heads,
+            scale,
+        } = qkv;
         let step = self
             .step
             .as_ref()

@@ -22,29 +22,37 @@ use crate::batch::BatchInput;
 use crate::error::ModelError;
 use crate::paged_attention;
 
+/// One layer's projected, rotated queries, keys and values for a step, all f32 on the model's
+/// device.
+#[derive(Debug, Clone, Copy)]
+pub struct LayerQkv<'a> {
+    /// (1, t, num_heads, head_dim)
+    pub q: &'a Tensor,
+    /// (1, t, num_kv_heads, head_dim)
+    pub k: &'a Tensor,
+    /// (t · num_kv_heads · head_dim,)
+    pub v: &'a Tensor,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Softmax scale, 1/√head_dim.
+    pub scale: f32,
+}
+
 /// A pool the model writes a step's K/V into and attends over, through block tables.
 pub trait PagedKv {
     /// The pool's layout (its block size, order and dtype are the kernels').
     fn layout(&self) -> &KvLayout;
 
-    /// Writes this step's `k` and `v` of `layer` at `batch.slots`, then attends every query row
-    /// over its sequence's blocks.
-    ///
-    /// Shapes: `q` (1, t, num_heads, head_dim), `k` (1, t, num_kv_heads, head_dim), `v`
-    /// (t · num_kv_heads · head_dim,), all f32 on the model's device; returns (t, num_heads ·
-    /// head_dim) f32 on the same device.
+    /// Writes this step's K and V of `layer` at `batch.slots`, then attends every query row
+    /// over its sequence's blocks: (t, num_heads · head_dim) f32 on the model's device.
     ///
     /// # Errors
     /// Candle or device errors.
     fn attention(
         &mut self,
         layer: usize,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        num_heads: usize,
+        qkv: LayerQkv<'_>,
         batch: &BatchInput,
-        scale: f32,
     ) -> Result<Tensor, ModelError>;
 
     /// Called once per step before the first layer (a device pool uploads the step's slots and
@@ -65,13 +73,16 @@ impl PagedKv for KvPool {
     fn attention(
         &mut self,
         layer: usize,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        num_heads: usize,
+        qkv: LayerQkv<'_>,
         batch: &BatchInput,
-        scale: f32,
     ) -> Result<Tensor, ModelError> {
+        let LayerQkv {
+            q,
+            k,
+            v,
+            num_heads,
+            scale,
+        } = qkv;
         let t = batch.num_tokens();
         let hd = KvPool::layout(self).head_dim;
         // Host copies, (t, heads, hd) row-major, for the paged kernels.
@@ -166,14 +177,10 @@ impl PagedKv for HostStaged {
     fn attention(
         &mut self,
         layer: usize,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        num_heads: usize,
+        qkv: LayerQkv<'_>,
         batch: &BatchInput,
-        scale: f32,
     ) -> Result<Tensor, ModelError> {
-        self.pool.attention(layer, q, k, v, num_heads, batch, scale)
+        self.pool.attention(layer, qkv, batch)
     }
 }
 

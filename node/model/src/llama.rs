@@ -17,7 +17,7 @@ use pd_kv_pool::KvLayout;
 use crate::batch::BatchInput;
 use crate::config::ModelConfig;
 use crate::error::ModelError;
-use crate::kv_store::PagedKv;
+use crate::kv_store::{LayerQkv, PagedKv};
 use crate::source::ModelSource;
 use crate::weights::{Proj, WeightSource};
 
@@ -86,7 +86,14 @@ impl Attention {
         let k = candle_nn::rotary_emb::rope_thd(&k, &rope.cos, &rope.sin)?;
         let scale = 1.0 / (hd as f32).sqrt();
         // (t, nh·hd) → o_proj → (t, hidden)
-        let out = kv.attention(self.layer, &q, &k, &v, nh, batch, scale)?;
+        let qkv = LayerQkv {
+            q: &q,
+            k: &k,
+            v: &v,
+            num_heads: nh,
+            scale,
+        };
+        let out = kv.attention(self.layer, qkv, batch)?;
         Ok(self.o_proj.forward(&out)?)
     }
 }
