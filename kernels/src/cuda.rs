@@ -85,6 +85,10 @@ const PTX: [(&str, &str); 4] = [
 /// Threads per block of every launch (a power of two: `paged_attention` reduces over it).
 const THREADS: u32 = 128;
 
+/// The most positions one `paged_attention` launch attends over: its scores live in the 48 KiB
+/// of shared memory a launch gets without opting in, beside two reduction arrays.
+pub const MAX_ATTENTION_POSITIONS: usize = 48 * 1024 / 4 - 2 * THREADS as usize;
+
 /// A launch of `grid` thread blocks of [`THREADS`] threads with `shared_mem_bytes`.
 fn launch(grid: (u32, u32), shared_mem_bytes: u32) -> LaunchConfig {
     LaunchConfig {

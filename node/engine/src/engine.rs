@@ -264,6 +264,17 @@ impl Engine {
             .max_model_len
             .unwrap_or(mc.max_position_embeddings)
             .min(mc.max_position_embeddings);
+        #[cfg(feature = "cuda")]
+        if matches!(cfg.kv_compute, KvCompute::Cuda(_))
+            && max_model_len > pd_kernels::cuda::MAX_ATTENTION_POSITIONS
+        {
+            tracing::warn!(
+                max_model_len,
+                limit = pd_kernels::cuda::MAX_ATTENTION_POSITIONS,
+                "the CUDA attention kernel attends over at most this many positions; capping max_model_len"
+            );
+            max_model_len = pd_kernels::cuda::MAX_ATTENTION_POSITIONS;
+        }
         if max_model_len > capacity {
             tracing::warn!(
                 max_model_len,

@@ -15,7 +15,7 @@
 
 use std::sync::Arc;
 
-use candle_core::backprop::BackpropOp;
+use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, Device, Storage, Tensor};
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DeviceRepr, ValidAsZeroBits};
 use pd_kernels::cuda::{Kernels, PoolElem};
@@ -246,7 +246,7 @@ impl PagedKv for DevicePool {
 
 /// Copies `blocks` of `host` into `slab` (element ranges of `n` per block).
 fn upload_as<T: KvElem + DeviceRepr>(
-    stream: &CudaStream,
+    stream: &Arc<CudaStream>,
     slab: &mut CudaSlice<T>,
     host: &KvPool,
     blocks: &[BlockId],
@@ -263,7 +263,7 @@ fn upload_as<T: KvElem + DeviceRepr>(
 
 /// Copies `blocks` of `slab` into `host`.
 fn download_as<T: KvElem + DeviceRepr>(
-    stream: &CudaStream,
+    stream: &Arc<CudaStream>,
     slab: &CudaSlice<T>,
     host: &mut KvPool,
     blocks: &[BlockId],
@@ -280,7 +280,7 @@ fn download_as<T: KvElem + DeviceRepr>(
 
 /// Copies block range `src` over `dst` inside `slab`, through a one-block device buffer.
 fn copy_as<T: DeviceRepr + ValidAsZeroBits>(
-    stream: &CudaStream,
+    stream: &Arc<CudaStream>,
     slab: &mut CudaSlice<T>,
     src: std::ops::Range<usize>,
     dst: std::ops::Range<usize>,
