@@ -254,10 +254,7 @@ impl Engine {
         })?;
         let staged = compute_pool(cfg.kv_compute, layout, &device)?;
         if let Some(s) = &staged {
-            tracing::info!(
-                path = s.describe(),
-                "the model computes on a staged KV pool"
-            );
+            tracing::info!(kv_path = s.path(), "the model computes on a staged KV pool");
         }
         let capacity = layout.num_blocks * layout.block_size;
         let mut max_model_len = cfg
@@ -309,6 +306,7 @@ impl Engine {
                 kv_layout: layout,
                 fingerprint,
                 max_leased_blocks: max_leased_blocks(cfg.kv_max_leased_fraction, layout.num_blocks),
+                kv_path: staged.as_ref().map_or("in-place", |s| s.path()),
             },
             scheduler: Scheduler::new(
                 SchedulerConfig {

@@ -73,6 +73,9 @@ pub struct EngineInfo {
     /// Blocks that leases for decode nodes may hold at once
     /// ([`crate::EngineConfig::kv_max_leased_fraction`] of the pool).
     pub max_leased_blocks: usize,
+    /// How computed KV reaches the transfer pool: `in-place`, or the compute pool's
+    /// [`pd_model::StagedKv::path`] (`host-staged`, `cuda-host-staged`).
+    pub kv_path: &'static str,
 }
 
 /// Cheap, cloneable handle to a running engine thread.

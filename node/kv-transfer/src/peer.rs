@@ -326,6 +326,7 @@ impl PeerClient {
             board_offset: r.board_offset,
             board_slots: r.board_slots,
             owner_clock: crate::OwnerClock::from_handshake(r.owner_clock_ns, sent_ns),
+            kv_path: r.kv_path,
         })
     }
 

@@ -988,7 +988,7 @@ fn connect<'w>(
                     "KV pulls from this peer run over TCP-emulated RMA: expect ~50x lower bandwidth than shared memory"
                 );
             } else {
-                tracing::info!(peer = %peer.engine_id, ?transports, "KV transfer endpoint connected");
+                tracing::info!(peer = %peer.engine_id, ?transports, kv_path = %peer.kv_path, "KV transfer endpoint connected");
             }
         }
         Err(e) => tracing::warn!(error = %e, "cannot read the endpoint's transports"),

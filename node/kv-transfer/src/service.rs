@@ -44,6 +44,9 @@ pub struct OwnerIdentity {
     /// [`crate::monotonic_ns`]) and its handshake states that clock; a consumer gets the
     /// owner's clock as measured at the handshake.
     pub owner_clock: Option<crate::OwnerClock>,
+    /// How blocks reach the registered region (`in-place`, `host-staged`, `cuda-host-staged`;
+    /// the handshake's `kv_path`).
+    pub kv_path: String,
 }
 
 /// The `KvPeer` service over a [`LeaseAuthority`].
@@ -253,6 +256,7 @@ impl<A: LeaseAuthority> KvPeer for KvPeerService<A> {
             } else {
                 0
             },
+            kv_path: id.kv_path.clone(),
         }))
     }
 

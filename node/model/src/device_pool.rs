@@ -324,8 +324,8 @@ impl StagedKv for DevicePool {
         with_slab!(&mut self.slab, slab, T => copy_as::<T>(stream, slab, rs, rd))
     }
 
-    fn describe(&self) -> &'static str {
-        "cuda, staged through host memory (UNVERIFIED on hardware)"
+    fn path(&self) -> &'static str {
+        "cuda-host-staged"
     }
 }
 

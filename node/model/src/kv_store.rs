@@ -118,8 +118,9 @@ pub trait StagedKv: PagedKv + Send + std::fmt::Debug {
     /// A block outside the pool, or a device error.
     fn copy_block(&mut self, src: BlockId, dst: BlockId) -> Result<(), ModelError>;
 
-    /// Where the path's copies run, for the log and the handshake (e.g. `host-staged`).
-    fn describe(&self) -> &'static str;
+    /// The path's name, for the log and the handshake: `host-staged` (CPU) or
+    /// `cuda-host-staged`.
+    fn path(&self) -> &'static str;
 }
 
 /// Checks that `a` and `b` hold the same blocks in the same bytes.
@@ -212,8 +213,8 @@ impl StagedKv for HostStaged {
         Ok(())
     }
 
-    fn describe(&self) -> &'static str {
-        "host-staged (CPU)"
+    fn path(&self) -> &'static str {
+        "host-staged"
     }
 }
 

@@ -183,6 +183,7 @@ impl UcxPool {
             board_offset: board_at as u64,
             board_slots,
             owner_clock: Some(pd_kv_transfer::OwnerClock::local()),
+            kv_path: info.kv_path.to_string(),
         };
         tracing::info!(
             engine_id = %identity.engine_id,

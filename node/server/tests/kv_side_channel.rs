@@ -22,6 +22,11 @@ impl Drop for Node {
 }
 
 fn start(model: &std::path::Path, kv: bool) -> Node {
+    start_with(model, kv, &[])
+}
+
+/// [`start`] with `extra` flags.
+fn start_with(model: &std::path::Path, kv: bool, extra: &[&str]) -> Node {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_pd-node"));
     cmd.arg("serve").arg("--model").arg(model);
     cmd.args([
@@ -35,6 +40,7 @@ fn start(model: &std::path::Path, kv: bool) -> Node {
     if kv {
         cmd.args(["--kv-port", "0", "--engine-id", "node-a"]);
     }
+    cmd.args(extra);
     let mut child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -124,6 +130,10 @@ async fn node_publishes_its_ucx_pool_and_serves_from_it_token_exact() {
     assert_eq!(peer.layout, layout);
     assert!(peer.region_len >= layout.pool_bytes() as u64);
     assert!(!peer.rkey.is_empty() && !peer.worker_address.is_empty());
+    assert_eq!(
+        peer.kv_path, "in-place",
+        "the model computes on the registered pool"
+    );
     let stats = client.stats().await.unwrap();
     assert_eq!(stats.total_blocks, 64);
     // A node of another model is refused, naming the field.
@@ -138,5 +148,16 @@ async fn node_publishes_its_ucx_pool_and_serves_from_it_token_exact() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("model_fingerprint"), "{err}");
+    // A node computing on a staged pool (as a GPU node does) says so, and answers the same.
+    let staged = start_with(&dir, true, &["--kv-staged"]);
+    assert_eq!(
+        complete(&staged.http).await["choices"][0]["token_ids"],
+        a["choices"][0]["token_ids"]
+    );
+    let mut client = PeerClient::connect(staged.kv.as_deref().unwrap(), "node-b")
+        .await
+        .unwrap();
+    let peer = client.handshake(&ours, 1, false).await.unwrap();
+    assert_eq!(peer.kv_path, "host-staged");
     let _ = std::fs::remove_dir_all(&dir);
 }

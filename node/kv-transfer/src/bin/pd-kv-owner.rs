@@ -160,6 +160,7 @@ fn main() -> BoxResult<()> {
         board_offset: 0,
         board_slots: 0,
         owner_clock: None,
+        kv_path: "in-place".into(),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
