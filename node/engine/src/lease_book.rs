@@ -142,7 +142,7 @@ impl LeaseBook {
     ) -> Result<(Instant, LeaseContents), LeaseError> {
         self.lock()
             .table
-            .check(id, generation, peer, Instant::now())
+            .confirm(id, generation, peer, Instant::now())
             .map(|l| (l.deadline, l.contents))
     }
 

@@ -192,6 +192,9 @@ pub struct LeaseCounts {
     pub granted: u64,
     /// Successful renewals.
     pub renewed: u64,
+    /// Successful confirmations asked of the owner ([`LeaseTable::confirm`]; a reader that
+    /// confirmed on the lease board alone asked nothing).
+    pub confirmed: u64,
     /// Leases released by their peer.
     pub released: u64,
     /// Leases that reached their deadline.
@@ -342,6 +345,23 @@ impl LeaseTable {
             });
         }
         Ok(l)
+    }
+
+    /// [`LeaseTable::check`] for a reader that asks the owner to confirm the lease, counted
+    /// when it is live.
+    ///
+    /// # Errors
+    /// As [`LeaseTable::check`].
+    pub fn confirm(
+        &mut self,
+        id: LeaseId,
+        generation: u64,
+        peer: &str,
+        now: Instant,
+    ) -> Result<&Lease, LeaseError> {
+        self.check(id, generation, peer, now)?;
+        self.counts.confirmed += 1;
+        self.leases.get(&id).ok_or(LeaseError::Unknown(id))
     }
 
     /// Extends a live lease to at least `now + 2/3 ×` its duration; returns the new deadline.
@@ -600,6 +620,18 @@ mod tests {
             t.renew(l.id, l.generation, "d1", now + Duration::from_secs(46)),
             Err(LeaseError::Unknown(l.id))
         );
+    }
+
+    /// Only a confirmation of a live lease counts; a refused one does not.
+    #[test]
+    fn confirmations_count_only_live_leases() {
+        let (mut a, mut t, blocks, now) = setup();
+        let l = grant(&mut a, &mut t, &blocks, "d1", now);
+        assert!(t.confirm(l.id, l.generation, "d1", now).is_ok());
+        assert!(t.confirm(l.id, l.generation + 1, "d1", now).is_err());
+        assert!(t.confirm(l.id, l.generation, "d2", now).is_err());
+        assert!(t.check(l.id, l.generation, "d1", now).is_ok());
+        assert_eq!(t.counts().confirmed, 1);
     }
 
     #[test]

@@ -283,6 +283,7 @@ impl TransferMetrics {
         for (event, now, before) in [
             ("granted", c.granted, last.granted),
             ("renewed", c.renewed, last.renewed),
+            ("confirmed", c.confirmed, last.confirmed),
             ("released", c.released, last.released),
             ("expired", c.expired, last.expired),
             ("revoked", c.revoked, last.revoked),

@@ -1602,6 +1602,56 @@ async fn frozen_producer(tls: Option<&str>) {
 /// turn the test into a wait; the default is 50 ms, and a producer silent for longer is heard
 /// (`a_frozen_producer_costs_only_its_own_pulls_and_only_until_the_deadline`). After the
 /// thaw, the lease is released and both pools are idle.
+/// On one host (the board mapped), D asks P nothing once P's board beats: no confirmation
+/// alongside its reads (skipped at arrival: `Loader::board_beat_within`) and none after them
+/// (the record alone confirms). With `--kv-board-freshness-ms 0` D asks once per request.
+/// P counts the confirmations it answered (`pd_kv_leases_total{event="confirmed"}`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_lease_board_spares_the_owner_every_confirmation() {
+    let dir = model("asks");
+    let solo = start(&dir, &[]);
+    let p = producer(&dir, &[]);
+    // A 10 s window: a slow machine cannot make the beat look stale at arrival (half of it).
+    let board = consumer_with(
+        &dir,
+        "fail",
+        &["--engine-id", "db", "--kv-board-freshness-ms", "10000"],
+    );
+    let asks = consumer_with(
+        &dir,
+        "fail",
+        &["--engine-id", "da", "--kv-board-freshness-ms", "0"],
+    );
+    let confirmed = "pd_kv_leases_total{event=\"confirmed\"}";
+    let api = Api::Completions;
+    for (d, name, per_request) in [(&board, "board", 0.0), (&asks, "asks", 1.0)] {
+        // The first request hands D the handshake and maps the board.
+        let body = api.body(&format!("{name}: warm-up."), 4);
+        through_pd(&p, d, api, &body).await;
+        let before = metric(&p, confirmed).await;
+        for i in 0..3 {
+            let body = api.body(&format!("{i} {name}: {LONG}"), 6);
+            let want = seen(api, post(&solo.http, api.path(), &body).await).await;
+            let got = through_pd(&p, d, api, &body).await;
+            assert_eq!(got.tokens, want.tokens, "{name}");
+            assert!(got.pulled.unwrap_or(0) > 0, "{name}");
+        }
+        assert_eq!(
+            metric(&p, confirmed).await - before,
+            3.0 * per_request,
+            "{name}: confirmations P answered for three requests"
+        );
+    }
+    assert_eq!(
+        metric(&board, "pd_kv_lease_board_alone_confirms_total").await,
+        4.0
+    );
+    assert_eq!(
+        metric(&asks, "pd_kv_lease_board_alone_confirms_total").await,
+        0.0
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_board_that_beat_a_moment_ago_confirms_without_the_owner() {
     let dir = model("board-alone");
