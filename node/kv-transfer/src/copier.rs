@@ -15,6 +15,12 @@
 //! here: the helper copied half the bytes and the copy took as long as on one thread). So on
 //! Linux the helper's affinity excludes the CPU the copying thread is on (set again only when
 //! that thread has moved; skipped when the process may use one CPU only).
+//!
+//! Waking the helper at the copy costs its wake-up (tens of µs on a VM) out of a copy of a
+//! few hundred. A caller that knows a large copy is coming calls [`Copier::prepare`] first
+//! (D does when a request with params arrives, before it waits for blocks): the helper wakes
+//! then and waits for the copy on the CPU, yielding to any other thread that wants it, for at
+//! most [`READY_SPIN`]; then it sleeps again.
 
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -26,6 +32,10 @@ pub const SHARED_COPY_MIN_BYTES: usize = 512 * 1024;
 /// Bytes per claimed chunk: small enough to balance two threads, large enough that claiming is
 /// free.
 pub const CHUNK_BYTES: usize = 128 * 1024;
+
+/// How long a helper woken by [`Copier::prepare`] waits on the CPU for the copy before it
+/// sleeps again.
+pub const READY_SPIN: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// One contiguous copy: `len` bytes from `src` to `dst`.
 #[derive(Debug, Clone, Copy)]
@@ -79,6 +89,10 @@ impl Task {
 #[derive(Debug, Default)]
 struct Shared {
     task: Mutex<Option<Arc<Task>>>,
+    /// Set with `task` (under its lock) for a helper waiting on the CPU, cleared when taken.
+    posted: AtomicBool,
+    /// A copy is coming ([`Copier::prepare`]): the sleeping helper wakes and waits on the CPU.
+    prepared: AtomicBool,
     wake: Condvar,
     stop: AtomicBool,
     /// The helper's kernel thread id (0 until it has started).
@@ -155,6 +169,19 @@ impl Copier {
     #[cfg(not(target_os = "linux"))]
     fn keep_helper_off_this_cpu(&self) {}
 
+    /// Says a copy of `bytes` is coming: when it will be shared, the helper wakes now and
+    /// waits for it on the CPU for at most [`READY_SPIN`] (see the module's doc). Cheap when
+    /// the helper is already up.
+    pub fn prepare(&self, bytes: usize) {
+        if bytes < SHARED_COPY_MIN_BYTES || self.thread.is_none() {
+            return;
+        }
+        if !self.shared.prepared.swap(true, Ordering::AcqRel) {
+            let _guard = lock(&self.shared.task);
+            self.shared.wake.notify_one();
+        }
+    }
+
     /// Copies every span; returns once all bytes are in place, with the bytes the helper copied.
     /// Spans totalling at least [`SHARED_COPY_MIN_BYTES`] are shared with the helper in chunks
     /// of [`CHUNK_BYTES`].
@@ -191,6 +218,7 @@ impl Copier {
             }
             self.keep_helper_off_this_cpu();
             *slot = Some(Arc::clone(&task));
+            self.shared.posted.store(true, Ordering::Release);
         }
         self.shared.wake.notify_one();
         // SAFETY: per this function's contract.
@@ -209,6 +237,7 @@ impl Copier {
         let mut slot = lock(&self.shared.task);
         if slot.as_ref().is_some_and(|t| Arc::ptr_eq(t, &task)) {
             slot.take();
+            self.shared.posted.store(false, Ordering::Release);
         }
         drop(slot);
         task.by_helper.load(Ordering::Relaxed)
@@ -247,7 +276,15 @@ fn helper(shared: &Shared) {
                     return;
                 }
                 if let Some(t) = slot.take() {
+                    shared.posted.store(false, Ordering::Release);
                     break t;
+                }
+                if shared.prepared.load(Ordering::Acquire) {
+                    drop(slot);
+                    ready(shared);
+                    shared.prepared.store(false, Ordering::Release);
+                    slot = lock(&shared.task);
+                    continue;
                 }
                 slot = shared
                     .wake
@@ -259,6 +296,24 @@ fn helper(shared: &Shared) {
         // of them, and a chunk is only touched after claiming it; once all are claimed this
         // touches nothing.
         unsafe { task.work(true) };
+    }
+}
+
+/// A prepared helper's wait on the CPU: until a copy is posted, the copier stops, or
+/// [`READY_SPIN`] has passed. It yields between looks, so a thread that wants this CPU gets it.
+fn ready(shared: &Shared) {
+    let until = std::time::Instant::now() + READY_SPIN;
+    let mut looks = 0u32;
+    while !shared.posted.load(Ordering::Acquire) && !shared.stop.load(Ordering::Acquire) {
+        looks += 1;
+        if looks.is_multiple_of(64) {
+            if std::time::Instant::now() >= until {
+                return;
+            }
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
     }
 }
 
@@ -378,6 +433,38 @@ mod tests {
         // over many copies, not one).
         assert!(helped > 0, "the helper copied nothing in 200 copies");
         assert!(helped < 200 * n, "the caller copied nothing");
+        drop(copier);
+    }
+
+    /// Copies announced with `prepare` — some right away, some after the helper gave up
+    /// waiting, some after a too-small announcement — are each complete on return, and a
+    /// prepared helper does not keep the copier from stopping.
+    #[test]
+    fn prepared_copies_are_complete_and_a_prepared_helper_stops() {
+        let copier = Copier::spawn().unwrap();
+        let n = SHARED_COPY_MIN_BYTES * 3;
+        let mut dst = vec![0u8; n];
+        for round in 0..60u32 {
+            copier.prepare(if round % 5 == 0 { 10 } else { n });
+            match round % 3 {
+                0 => {}
+                1 => std::thread::sleep(std::time::Duration::from_micros(300)),
+                _ => std::thread::sleep(READY_SPIN + std::time::Duration::from_millis(1)),
+            }
+            let src = vec![(round % 200) as u8 + 3; n];
+            let span = Span {
+                src: src.as_ptr(),
+                dst: dst.as_mut_ptr(),
+                len: n,
+            };
+            // SAFETY: both buffers are `n` bytes and distinct.
+            unsafe { copier.copy(&[span]) };
+            assert!(
+                dst.iter().all(|&b| b == (round % 200) as u8 + 3),
+                "round {round}"
+            );
+        }
+        copier.prepare(n);
         drop(copier);
     }
 }

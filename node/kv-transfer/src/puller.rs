@@ -314,6 +314,18 @@ impl Puller {
         }))
     }
 
+    /// Says a pull of `bytes` from `engine_id` in incarnation `epoch` is coming: when its pool
+    /// is mapped here, the copier's helper wakes now rather than at the copy
+    /// ([`Copier::prepare`]).
+    pub fn prepare_copy(&self, engine_id: &str, epoch: u64, bytes: usize) {
+        let Some(direct) = self.direct.as_ref() else {
+            return;
+        };
+        if lock(&direct.mappings).contains_key(&(engine_id.to_string(), epoch)) {
+            direct.copier.prepare(bytes);
+        }
+    }
+
     /// The beat on the lease board of `engine_id` in incarnation `epoch`, where its pool and
     /// board are mapped here (`None` otherwise, or before the puller thread connected): the
     /// owner's clock at its latest grant (0: it never beat). See `pd_kv_pool::LeaseBoard`.

@@ -741,6 +741,14 @@ async fn relay(
         return;
     };
     let arrived = std::time::Instant::now();
+    // The copy comes once blocks are reserved: its helper thread may wake now.
+    if let Some(epoch) = remote.epoch {
+        loader.puller.prepare_copy(
+            &remote.engine_id,
+            epoch,
+            remote.block_ids.len() * engine.info().kv_layout.block_bytes(),
+        );
+    }
     // Keep the producer's lease alive from now on: the request may wait a while for blocks here.
     let keeper = AbortOnDrop(tokio::spawn(keep_alive(disagg.clone(), remote.clone())));
     // A producer with a lease board: ask it to confirm the lease now, while this request waits
