@@ -5,6 +5,7 @@
 //! f32|f16|bf16 --pull-via auto|auto-one-thread|get --d-args "FLAGS"]` (the dtype is given to all three nodes;
 //! default f32; D's `--kv-pull-via`, default auto; `--d-args` adds flags to D only, e.g.
 //! `"--block-size 32 --kv-layout nhd"` for a pull converted to another block size and order).
+//! `PD_BENCH_NODE_BIN=PATH` runs another pd-node build (all three nodes) for an A/B.
 //! Results are recorded in `BENCHMARKS.md`.
 //!
 //! Per prompt length (token-id prompts through `/v1/completions`, greedy, distinct prompts so no
@@ -53,22 +54,26 @@ impl Drop for Node {
 
 fn start(model: &Path, extra: &[&str]) -> BenchResult<Node> {
     let mut node = Node {
-        child: Command::new(env!("CARGO_BIN_EXE_pd-node"))
-            .arg("serve")
-            .arg("--model")
-            .arg(model)
-            .args([
-                "--port",
-                "0",
-                "--served-model-name",
-                "tiny",
-                "--num-gpu-blocks",
-                "2048",
-            ])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()?,
+        // `PD_BENCH_NODE_BIN`: another build of pd-node (an A/B in one run of this bench).
+        child: Command::new(
+            std::env::var_os("PD_BENCH_NODE_BIN")
+                .unwrap_or_else(|| env!("CARGO_BIN_EXE_pd-node").into()),
+        )
+        .arg("serve")
+        .arg("--model")
+        .arg(model)
+        .args([
+            "--port",
+            "0",
+            "--served-model-name",
+            "tiny",
+            "--num-gpu-blocks",
+            "2048",
+        ])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?,
         http: String::new(),
     };
     let mut out = BufReader::new(node.child.stdout.take().ok_or("no stdout")?);
