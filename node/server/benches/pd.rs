@@ -4,7 +4,8 @@
 //! Run: `cargo bench -p pd-node --bench pd [-- --repeat 5 --lens 64,512,1536 --kv-cache-dtype
 //! f32|f16|bf16 --pull-via auto|auto-one-thread|get --d-args "FLAGS"]` (the dtype is given to all three nodes;
 //! default f32; D's `--kv-pull-via`, default auto; `--d-args` adds flags to D only, e.g.
-//! `"--block-size 32 --kv-layout nhd"` for a pull converted to another block size and order).
+//! `"--block-size 32 --kv-layout nhd"` for a pull converted to another block size and order;
+//! `--p-args` the same for P, e.g. `"--kv-staged"` on both for the GPU path's copies on CPU).
 //! `PD_BENCH_NODE_BIN=PATH` runs another pd-node build (all three nodes) for an A/B.
 //! Results are recorded in `BENCHMARKS.md`.
 //!
@@ -143,6 +144,7 @@ async fn main() -> BenchResult<()> {
     let mut dtype = "f32".to_string();
     let mut via = "auto".to_string();
     let mut d_args = String::new();
+    let mut p_args = String::new();
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -159,6 +161,8 @@ async fn main() -> BenchResult<()> {
             "--pull-via" => via = args.next().ok_or("--pull-via auto|get")?,
             // More flags for D only, e.g. "--block-size 32 --kv-layout nhd" (a converting pull).
             "--d-args" => d_args = args.next().ok_or("--d-args \"FLAGS\"")?,
+            // More flags for P only, e.g. "--kv-staged" (its prompt copied down before a lease).
+            "--p-args" => p_args = args.next().ok_or("--p-args \"FLAGS\"")?,
             "--bench" => {}
             other => return Err(format!("unknown argument {other}").into()),
         }
@@ -190,7 +194,10 @@ async fn main() -> BenchResult<()> {
             "p",
             kv_dtype[0],
             kv_dtype[1],
-        ],
+        ]
+        .into_iter()
+        .chain(p_args.split_whitespace())
+        .collect::<Vec<_>>(),
     )?;
     let d = start(
         &dir,
