@@ -499,6 +499,7 @@ impl Engine {
             && pulled > 0
         {
             let blocks = self.scheduler.waiting_blocks(id, held - pulled, held);
+            let t = Instant::now();
             if let Err(e) = s.upload(&self.pool, &blocks) {
                 tracing::error!(request = %id, error = %e, "staging pulled KV into the compute pool failed");
                 if let Some(state) = self.requests.remove(&id) {
@@ -511,6 +512,9 @@ impl Engine {
                 return;
             }
             self.metrics.kv_staged_up.inc_by(blocks.len() as u64);
+            self.metrics
+                .kv_staging_up_seconds
+                .observe(t.elapsed().as_secs_f64());
         }
         self.metrics.kv_pulled_tokens.inc_by(pulled as u64);
         if let Some(state) = self.requests.get_mut(&id)
@@ -847,11 +851,15 @@ impl Engine {
             .with_next_token(first, state.first_token_key);
         // A peer reads the transfer pool: the computed KV goes there before any lease names it.
         if let Some(s) = &mut self.staged {
+            let t = Instant::now();
             if let Err(e) = s.download(&mut self.pool, &blocks) {
                 tracing::error!(request = %id, error = %e, "staging the prompt's KV for its lease failed; no lease");
                 return;
             }
             self.metrics.kv_staged_down.inc_by(blocks.len() as u64);
+            self.metrics
+                .kv_staging_down_seconds
+                .observe(t.elapsed().as_secs_f64());
         }
         for _ in 0..consumers.max(1) {
             self.scheduler.hold_for_lease(&blocks);
@@ -1000,10 +1008,14 @@ impl Engine {
                     .last()
                     .map_or(0, |h| h.0),
                 };
+                let t = Instant::now();
                 let staged = match &mut self.staged {
                     None => Ok(()),
                     Some(s) => s.download(&mut self.pool, &blocks).inspect(|()| {
                         self.metrics.kv_staged_down.inc_by(blocks.len() as u64);
+                        self.metrics
+                            .kv_staging_down_seconds
+                            .observe(t.elapsed().as_secs_f64());
                     }),
                 };
                 if let Err(e) = staged {

@@ -31,6 +31,10 @@ pub struct EngineMetrics {
     pub kv_staged_down: IntCounter,
     /// Blocks copied from the transfer pool to the compute pool after a pull (staged KV).
     pub kv_staged_up: IntCounter,
+    /// Time of one staging copy to the transfer pool (all of a lease's blocks).
+    pub kv_staging_down_seconds: Histogram,
+    /// Time of one staging copy from the transfer pool (all of a pull's blocks).
+    pub kv_staging_up_seconds: Histogram,
     /// Prompt tokens of admitted requests.
     pub prompt_tokens: IntCounter,
     /// Generated tokens.
@@ -148,6 +152,14 @@ impl EngineMetrics {
             kv_staged_up: counter(
                 "pd_node_kv_staged_blocks_up_total",
                 "Blocks copied from the transfer pool to the compute pool (GPU) after a pull",
+            ),
+            kv_staging_down_seconds: histogram(
+                "pd_node_kv_staging_down_seconds",
+                "One copy of a lease's blocks from the compute pool (GPU) to the transfer pool",
+            ),
+            kv_staging_up_seconds: histogram(
+                "pd_node_kv_staging_up_seconds",
+                "One copy of a pull's blocks from the transfer pool to the compute pool (GPU)",
             ),
             prompt_tokens: counter(
                 "pd_node_prompt_tokens_total",

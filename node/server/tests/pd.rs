@@ -833,6 +833,12 @@ async fn staged_kv_as_on_a_gpu_hands_over_kv_token_exact_on_cpu() {
     let up = "pd_node_kv_staged_blocks_up_total";
     assert!(metric(&p_staged, down).await > 0.0);
     assert!(metric(&d_staged, up).await > 0.0);
+    // Each copy is timed: one per lease on P, one per pull on D.
+    assert_eq!(
+        metric(&p_staged, "pd_node_kv_staging_down_seconds_count").await,
+        metric(&p_staged, "pd_kv_leases_total{event=\"granted\"}").await
+    );
+    assert!(metric(&d_staged, "pd_node_kv_staging_up_seconds_count").await > 0.0);
     for plain in [&p_plain, &d_plain] {
         assert_eq!(metric(plain, down).await, 0.0);
         assert_eq!(metric(plain, up).await, 0.0);
