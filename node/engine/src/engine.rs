@@ -171,6 +171,8 @@ pub struct Engine {
     pool: KvPool,
     /// The compute pool, when the model does not compute on `pool` ([`KvCompute`]).
     staged: Option<Box<dyn StagedKv>>,
+    /// A staging copy of this step failed: the step fails instead of reading the block.
+    compute_fault: Option<String>,
     scheduler: Scheduler,
     tokenizer: Arc<Tokenizer>,
     info: EngineInfo,
@@ -321,6 +323,7 @@ impl Engine {
             model,
             pool,
             staged,
+            compute_fault: None,
             tokenizer,
             metrics,
             requests: HashMap::new(),
@@ -695,7 +698,9 @@ impl Engine {
                 Some(s) => {
                     if let Err(e) = s.copy_block(src, dst) {
                         // Blocks come from the scheduler, inside the pool: a device failure.
+                        // The step must not read the block it did not fill: it fails.
                         tracing::error!(error = %e, "copy-on-write on the compute pool failed");
+                        self.compute_fault = Some(e.to_string());
                     }
                 }
             }
@@ -749,10 +754,13 @@ impl Engine {
             Some(s) => s.as_mut(),
             None => &mut self.pool,
         };
-        let logits = self.model.forward(batch, kv).and_then(|l| {
-            let vocab = l.dim(1)?;
-            Ok((l.flatten_all()?.to_vec1::<f32>()?, vocab))
-        });
+        let logits = match self.compute_fault.take() {
+            Some(e) => Err(pd_model::ModelError::Device(e)),
+            None => self.model.forward(batch, kv).and_then(|l| {
+                let vocab = l.dim(1)?;
+                Ok((l.flatten_all()?.to_vec1::<f32>()?, vocab))
+            }),
+        };
         match logits {
             Ok(l) => {
                 if prefill_tokens >= crate::metrics::PREFILL_RATE_MIN_TOKENS {
@@ -850,16 +858,9 @@ impl Engine {
             .in_blocks(&blocks)
             .with_next_token(first, state.first_token_key);
         // A peer reads the transfer pool: the computed KV goes there before any lease names it.
-        if let Some(s) = &mut self.staged {
-            let t = Instant::now();
-            if let Err(e) = s.download(&mut self.pool, &blocks) {
-                tracing::error!(request = %id, error = %e, "staging the prompt's KV for its lease failed; no lease");
-                return;
-            }
-            self.metrics.kv_staged_down.inc_by(blocks.len() as u64);
-            self.metrics
-                .kv_staging_down_seconds
-                .observe(t.elapsed().as_secs_f64());
+        if let Err(e) = stage_down(&mut self.staged, &mut self.pool, &self.metrics, &blocks) {
+            tracing::error!(request = %id, error = %e, "staging the prompt's KV for its lease failed; no lease");
+            return;
         }
         for _ in 0..consumers.max(1) {
             self.scheduler.hold_for_lease(&blocks);
@@ -1008,17 +1009,8 @@ impl Engine {
                     .last()
                     .map_or(0, |h| h.0),
                 };
-                let t = Instant::now();
-                let staged = match &mut self.staged {
-                    None => Ok(()),
-                    Some(s) => s.download(&mut self.pool, &blocks).inspect(|()| {
-                        self.metrics.kv_staged_down.inc_by(blocks.len() as u64);
-                        self.metrics
-                            .kv_staging_down_seconds
-                            .observe(t.elapsed().as_secs_f64());
-                    }),
-                };
-                if let Err(e) = staged {
+                if let Err(e) = stage_down(&mut self.staged, &mut self.pool, &self.metrics, &blocks)
+                {
                     tracing::error!(request = %id, error = %e, "staging a finished turn's KV failed; not retained");
                 } else {
                     self.scheduler.hold_for_lease(&blocks);
@@ -1099,6 +1091,26 @@ fn find_stop(text: &str, mut from: usize, stops: &[String]) -> Option<usize> {
         .iter()
         .filter_map(|s| text[from..].find(s.as_str()).map(|i| i + from))
         .min()
+}
+
+/// Copies `blocks` from the compute pool, when the model computes on one, to the transfer
+/// pool, before a lease names them; counted and timed.
+fn stage_down(
+    staged: &mut Option<Box<dyn StagedKv>>,
+    pool: &mut KvPool,
+    metrics: &EngineMetrics,
+    blocks: &[pd_kv_pool::BlockId],
+) -> Result<(), pd_model::ModelError> {
+    let Some(s) = staged else {
+        return Ok(());
+    };
+    let t = Instant::now();
+    s.download(pool, blocks)?;
+    metrics.kv_staged_down.inc_by(blocks.len() as u64);
+    metrics
+        .kv_staging_down_seconds
+        .observe(t.elapsed().as_secs_f64());
+    Ok(())
 }
 
 /// The device the model's weights and activations live on.
