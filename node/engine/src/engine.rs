@@ -57,6 +57,54 @@ pub struct EngineConfig {
     /// Where the model computes on its KV: on the transfer pool itself, or on a compute pool
     /// blocks are staged through ([`pd_model::kv_store`]).
     pub kv_compute: KvCompute,
+    /// What the model's weights and activations are held in (`pd-node --dtype`).
+    pub dtype: ModelDtype,
+}
+
+/// What a model's weights and activations are held in. Attention reads f32 queries and
+/// accumulates in f32 whatever this is; logits are f32; the KV pool's own element type is
+/// [`EngineConfig::kv_cache_dtype`] (by default it follows this one).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ModelDtype {
+    /// f32 on the CPU (exact and fastest there for dense weights); on CUDA the checkpoint's
+    /// own f16 or bf16 (`torch_dtype`), else bf16, as vLLM's `--dtype auto` picks. GGUF: f32.
+    #[default]
+    Auto,
+    /// 32-bit float.
+    F32,
+    /// 16-bit float (Hugging Face directories only).
+    F16,
+    /// bfloat16 (Hugging Face directories only).
+    Bf16,
+}
+
+impl ModelDtype {
+    /// Parses `auto`, `f32`/`float32`, `f16`/`float16`/`half`, `bf16`/`bfloat16`.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "auto" => Self::Auto,
+            "f32" | "float32" | "float" => Self::F32,
+            "f16" | "float16" | "half" => Self::F16,
+            "bf16" | "bfloat16" => Self::Bf16,
+            _ => return None,
+        })
+    }
+
+    /// The dtype to compute in for `source` on `compute`.
+    fn resolve(self, compute: KvCompute, source: &ModelSource) -> Result<DType, EngineError> {
+        Ok(match self {
+            Self::F32 => DType::F32,
+            Self::F16 => DType::F16,
+            Self::Bf16 => DType::BF16,
+            Self::Auto => match (compute, source) {
+                (KvCompute::Cuda(_), ModelSource::HfDir(_)) => match source.stored_dtype()? {
+                    Some(DType::F16) => DType::F16,
+                    _ => DType::BF16,
+                },
+                _ => DType::F32,
+            },
+        })
+    }
 }
 
 /// Where the model runs and keeps the KV it computes on ([`pd_model::kv_store`]).
@@ -108,6 +156,7 @@ impl Default for EngineConfig {
             kv_hash_key: 0,
             gguf_weights: QuantPolicy::Fast,
             kv_compute: KvCompute::InPlace,
+            dtype: ModelDtype::Auto,
         }
     }
 }
@@ -117,7 +166,7 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Instant;
 
-use candle_core::Device;
+use candle_core::{DType, Device};
 use pd_kv_pool::{CacheEvent, KvDtype, KvLayout, KvOrder, KvPool};
 use pd_model::gguf::QuantPolicy;
 use pd_model::{BatchInput, Model, ModelSource};
@@ -207,7 +256,8 @@ impl Engine {
                 "GGUF weights on CUDA are not built yet: serve a Hugging Face directory",
             )));
         }
-        let model = source.load_model_with(&device, cfg.gguf_weights)?;
+        let dtype = cfg.dtype.resolve(cfg.kv_compute, &source)?;
+        let model = source.load_model_as(&device, cfg.gguf_weights, dtype)?;
         let tokenizer = Arc::new(source.tokenizer()?);
         let fingerprint = source.fingerprint()?;
         let mc = model.config().clone();
@@ -225,9 +275,11 @@ impl Engine {
             num_layers: mc.num_layers,
             num_kv_heads: mc.num_kv_heads,
             head_dim: mc.head_dim,
-            dtype: cfg.kv_cache_dtype.unwrap_or(match source {
-                ModelSource::Gguf(_) => KvDtype::F16,
-                ModelSource::HfDir(_) => KvDtype::F32,
+            dtype: cfg.kv_cache_dtype.unwrap_or(match (&source, dtype) {
+                (ModelSource::Gguf(_), _) => KvDtype::F16,
+                (ModelSource::HfDir(_), DType::F16) => KvDtype::F16,
+                (ModelSource::HfDir(_), DType::BF16) => KvDtype::BF16,
+                (ModelSource::HfDir(_), _) => KvDtype::F32,
             }),
             order: cfg.kv_layout,
         };
@@ -295,7 +347,7 @@ impl Engine {
         metrics.kv_blocks_free.set(layout.num_blocks as i64);
         tracing::info!(
             model = %model_name, blocks = layout.num_blocks, block_size = layout.block_size,
-            pool_bytes = layout.pool_bytes(), kv_cache_dtype = layout.dtype.as_str(), kv_layout = layout.order.as_str(), max_model_len,
+            pool_bytes = layout.pool_bytes(), dtype = dtype.as_str(), kv_cache_dtype = layout.dtype.as_str(), kv_layout = layout.order.as_str(), max_model_len,
             "engine ready"
         );
         Ok(Self {

@@ -25,7 +25,7 @@ mod sampler;
 mod scheduler;
 mod sequence;
 
-pub use engine::{Engine, EngineConfig, KvCompute, PoolMemory};
+pub use engine::{Engine, EngineConfig, KvCompute, ModelDtype, PoolMemory};
 pub use error::EngineError;
 pub use handle::{CacheSubscription, EngineHandle, EngineInfo, RequestStream};
 pub use lease_book::{LeaseBook, LeaseStats};

@@ -85,7 +85,14 @@ impl Attention {
         let q = candle_nn::rotary_emb::rope_thd(&q, &rope.cos, &rope.sin)?;
         let k = candle_nn::rotary_emb::rope_thd(&k, &rope.cos, &rope.sin)?;
         let scale = 1.0 / (hd as f32).sqrt();
-        // (t, nh·hd) → o_proj → (t, hidden)
+        // The pool's kernels read f32 queries, keys and values whatever the model computes in
+        // (the pool's own dtype is the KV's); a no-op for an f32 model.
+        let dtype = x.dtype();
+        let (q, k, v) = (
+            q.to_dtype(DType::F32)?,
+            k.to_dtype(DType::F32)?,
+            v.to_dtype(DType::F32)?,
+        );
         let qkv = LayerQkv {
             q: &q,
             k: &k,
@@ -93,7 +100,8 @@ impl Attention {
             num_heads: nh,
             scale,
         };
-        let out = kv.attention(self.layer, qkv, batch)?;
+        // (t, nh·hd) f32 → the model's dtype → o_proj → (t, hidden)
+        let out = kv.attention(self.layer, qkv, batch)?.to_dtype(dtype)?;
         Ok(self.o_proj.forward(&out)?)
     }
 }
@@ -177,7 +185,7 @@ fn rms_norm(w: &dyn WeightSource, prefix: &str, cfg: &ModelConfig) -> Result<Rms
     Ok(RmsNorm::new(weight, cfg.rms_norm_eps))
 }
 
-/// cos/sin of this step's positions.
+/// cos/sin of this step's positions, in the model's dtype.
 struct Rope {
     /// (num_tokens, head_dim / 2)
     cos: Tensor,
@@ -198,6 +206,8 @@ pub struct Model {
     /// (max_position_embeddings, head_dim / 2)
     sin: Tensor,
     device: Device,
+    /// What the weights and activations are held in ([`Model::dtype`]).
+    dtype: DType,
 }
 
 /// Every `*.safetensors` file of a model directory: the shards listed in
@@ -268,7 +278,8 @@ impl Model {
     }
 
     /// Builds the model from an already-open weight source, whose tensors have the Hugging
-    /// Face names of `cfg`'s architecture.
+    /// Face names of `cfg`'s architecture. The model computes in the dtype of the source's
+    /// embeddings (f32, or f16/bf16 from [`crate::weights::SafetensorsWeights::open`]).
     ///
     /// # Errors
     /// A missing tensor or a shape mismatch, naming the tensor.
@@ -280,6 +291,7 @@ impl Model {
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         // (vocab, hidden)
         let embeddings = w.tensor("model.embed_tokens.weight", &[v, h])?;
+        let dtype = embeddings.dtype();
         let embed_tokens = Embedding::new(embeddings, h);
         let layers = (0..cfg.num_layers)
             .map(|i| DecoderLayer::load(w, &cfg, i))
@@ -297,16 +309,18 @@ impl Model {
         let pos = Tensor::arange(0u32, cfg.max_position_embeddings as u32, device)?
             .to_dtype(DType::F32)?
             .reshape((cfg.max_position_embeddings, 1))?;
+        // Angles in f32, rounded to the model's dtype once (rope_thd wants its input's dtype).
         let angles = pos.matmul(&inv_freq)?;
         Ok(Self {
-            cos: angles.cos()?,
-            sin: angles.sin()?,
+            cos: angles.cos()?.to_dtype(dtype)?,
+            sin: angles.sin()?.to_dtype(dtype)?,
             cfg,
             embed_tokens,
             layers,
             norm,
             lm_head,
             device: device.clone(),
+            dtype,
         })
     }
 
@@ -318,6 +332,12 @@ impl Model {
     /// The device the weights live on.
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// What the weights and activations are held in: f32, or f16/bf16 (a GPU's usual choice;
+    /// attention still reads f32 queries and accumulates in f32, and logits are f32).
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// Runs one step: writes K/V of every token in `batch` into `kv` (the transfer pool itself

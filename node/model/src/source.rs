@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use candle_core::Device;
+use candle_core::{DType, Device};
 use pd_tokenize::Tokenizer;
 
 use crate::config::HfConfig;
@@ -181,14 +181,35 @@ impl ModelSource {
         device: &Device,
         policy: QuantPolicy,
     ) -> Result<Model, ModelError> {
+        self.load_model_as(device, policy, DType::F32)
+    }
+
+    /// [`ModelSource::load_model_with`], computing in `dtype`: f32, or f16/bf16 for a Hugging
+    /// Face directory (weights converted at load, activations in that dtype; attention reads
+    /// f32 and logits are f32).
+    ///
+    /// # Errors
+    /// As [`ModelSource::load_model`]; [`ModelError::UnsupportedDtype`] for a GGUF file with a
+    /// dtype other than f32 (its projections run on f32 kernels).
+    pub fn load_model_as(
+        &self,
+        device: &Device,
+        policy: QuantPolicy,
+        dtype: DType,
+    ) -> Result<Model, ModelError> {
         match self {
             Self::HfDir(dir) => {
                 let cfg = HfConfig::from_dir(dir)?.resolve()?;
                 let files = safetensors_files(dir)?;
                 check_weight_dtypes(&files)?;
-                let weights = SafetensorsWeights::open(&files, device)?;
+                let weights = SafetensorsWeights::open(&files, device, dtype)?;
                 Model::from_weights(cfg, &weights, device)
             }
+            Self::Gguf(_) if dtype != DType::F32 => Err(ModelError::UnsupportedDtype(format!(
+                "{} as the compute dtype of a GGUF model: its weights compute in f32 \
+                 (serve a Hugging Face directory to compute in f16 or bf16)",
+                dtype.as_str()
+            ))),
             Self::Gguf(g) => {
                 let cfg = g.config()?;
                 let weights = g.weights(&cfg, device, policy)?;
@@ -201,6 +222,23 @@ impl ModelSource {
                 Ok(model)
             }
         }
+    }
+
+    /// The dtype the checkpoint stores its weights in (`torch_dtype` in config.json: `f32`,
+    /// `f16` or `bf16`); `None` for GGUF or when config.json does not say.
+    ///
+    /// # Errors
+    /// An unreadable config.json.
+    pub fn stored_dtype(&self) -> Result<Option<DType>, ModelError> {
+        let Self::HfDir(dir) = self else {
+            return Ok(None);
+        };
+        Ok(match HfConfig::from_dir(dir)?.torch_dtype.as_deref() {
+            Some("float32") => Some(DType::F32),
+            Some("float16") => Some(DType::F16),
+            Some("bfloat16") => Some(DType::BF16),
+            _ => None,
+        })
     }
 
     /// The model's tokenizer and chat template: the directory's tokenizer files, or the one

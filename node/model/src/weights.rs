@@ -95,7 +95,7 @@ pub struct Proj {
 }
 
 impl Proj {
-    /// A dense projection from its `(out, in)` f32 weight.
+    /// A dense projection from its `(out, in)` weight (f32, or the model's f16/bf16).
     ///
     /// # Errors
     /// A candle error (not 2-D).
@@ -179,12 +179,12 @@ impl Proj {
         }
     }
 
-    /// How the weight is held: `f32`, the GGUF block type (`Q8_0`, ...; `Q4_1(avx2)` names
+    /// How the weight is held: `f32` (`f16`, `bf16`), the GGUF block type (`Q8_0`, ...; `Q4_1(avx2)` names
     /// the kernel of [`crate::q4_1`] that runs it), or both (`Q8_0+f32`: the block type for
     /// small batches, f32 from [`DENSE_MIN_ROWS`] rows).
     pub fn weight_format(&self) -> String {
         let (held, dense) = match &self.weight {
-            ProjWeight::Dense(_) => return "f32".into(),
+            ProjWeight::Dense(w) => return w.dtype().as_str().into(),
             ProjWeight::Quantized {
                 dtype,
                 dense,
@@ -203,8 +203,8 @@ impl Proj {
     }
 }
 
-/// Weights from a Hugging Face directory's safetensors files, computed in f32 (f16 and bf16
-/// are converted at load).
+/// Weights from a Hugging Face directory's safetensors files, converted at load to the dtype
+/// the model computes in (f32 by default; f16 or bf16 on request).
 pub struct SafetensorsWeights<'a> {
     vb: VarBuilder<'a>,
 }
@@ -216,15 +216,26 @@ impl std::fmt::Debug for SafetensorsWeights<'_> {
 }
 
 impl SafetensorsWeights<'static> {
-    /// Memory-maps `files` (all of a checkpoint's shards).
+    /// Memory-maps `files` (all of a checkpoint's shards); every tensor is read as `dtype`
+    /// (f32, f16 or bf16), whatever the file stores.
     ///
     /// # Errors
-    /// A file that cannot be mapped or parsed.
-    pub fn open(files: &[std::path::PathBuf], device: &Device) -> Result<Self, ModelError> {
+    /// A file that cannot be mapped or parsed; [`ModelError::UnsupportedDtype`] for a `dtype`
+    /// other than those three.
+    pub fn open(
+        files: &[std::path::PathBuf],
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Self, ModelError> {
+        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+            return Err(ModelError::UnsupportedDtype(format!(
+                "{dtype:?} as the compute dtype (f32, f16 or bf16)"
+            )));
+        }
         // SAFETY: the files are memory-mapped read-only; the engine does not modify them, and
         // a model directory changing under a running server is outside our contract (as for
         // every HF loader).
-        let vb = unsafe { VarBuilder::from_mmaped_safetensors(files, DType::F32, device)? };
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(files, dtype, device)? };
         Ok(Self { vb })
     }
 }

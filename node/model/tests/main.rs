@@ -3,6 +3,7 @@
 //! sets a process-wide environment variable.
 
 mod common;
+mod dtype;
 mod gguf;
 mod real_gguf;
 mod reference;

@@ -66,8 +66,15 @@ pub struct ServeArgs {
     /// KV pool size: bytes, or with a unit (256MiB, 1GiB, 500MB).
     #[arg(long, value_parser = parse_size)]
     pub kv_cache_memory: Option<usize>,
+    /// What the model's weights and activations are held in: `auto` (default: f32 on the CPU;
+    /// on CUDA the checkpoint's f16/bf16, else bf16), `f32`, `f16` or `bf16` (Hugging Face
+    /// directories only; a GGUF model computes in f32). Greedy output is exact between nodes
+    /// of one dtype, not across dtypes.
+    #[arg(long, value_parser = parse_model_dtype, default_value = "auto")]
+    pub dtype: pd_engine::ModelDtype,
     /// Element type of the KV pool (and of every KV transfer): f32, f16 or bf16. Default: f16
-    /// for a GGUF model, f32 for a Hugging Face directory. Peers must use the same.
+    /// for a GGUF model; for a Hugging Face directory the model's --dtype. Peers must use the
+    /// same.
     #[arg(long, value_parser = parse_kv_dtype)]
     pub kv_cache_dtype: Option<pd_kv_pool::KvDtype>,
     /// Order inside a KV block: `hnd` (default: heads outer, the CPU kernels' order) or `nhd`
@@ -292,6 +299,7 @@ impl ServeArgs {
             kv_hash_key: self.hash_key(),
             gguf_weights: self.gguf_weights,
             kv_compute,
+            dtype: self.dtype,
         })
     }
 
@@ -568,6 +576,15 @@ pub fn parse_kv_dtype(input: &str) -> Result<pd_kv_pool::KvDtype, String> {
         .into_iter()
         .find(|d| d.as_str() == input)
         .ok_or_else(|| format!("`{input}` is not a KV dtype: use f32, f16 or bf16"))
+}
+
+/// Parses `--dtype`: `auto`, `f32`, `f16` or `bf16` (and their long names).
+///
+/// # Errors
+/// A message naming the accepted values.
+pub fn parse_model_dtype(input: &str) -> Result<pd_engine::ModelDtype, String> {
+    pd_engine::ModelDtype::parse(input)
+        .ok_or_else(|| format!("`{input}` is not a model dtype: use auto, f32, f16 or bf16"))
 }
 
 /// Parses `--kv-layout`: `hnd` or `nhd`.

@@ -852,6 +852,66 @@ async fn staged_kv_as_on_a_gpu_hands_over_kv_token_exact_on_cpu() {
     }
 }
 
+/// A cluster computing in bf16 (`--dtype bf16`, a GPU node's usual choice; here on CPU), with
+/// P staging its KV as a GPU node does: greedy chat and completions and seeded `n = 3` through
+/// P and D equal one bf16 node token for token, every prompt token pulled. The KV follows the
+/// model's dtype by default: a bf16 pull moves half the bytes of the same prompt's f32 pull,
+/// and an f32 consumer is refused by the handshake's `kv_cache_dtype` check, by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bf16_cluster_hands_over_kv_token_exact_against_one_bf16_node() {
+    let dir = model("bf16");
+    let bf16 = ["--dtype", "bf16"];
+    let solo = start(&dir, &bf16);
+    let p = producer(&dir, &["--dtype", "bf16", "--kv-staged"]);
+    let d = consumer_with(&dir, "fail", &["--engine-id", "d1", "--dtype", "bf16"]);
+    let d32 = consumer_with(&dir, "fail", &["--engine-id", "d2"]);
+    let p32 = producer(&dir, &["--engine-id", "p2"]);
+    for (i, api) in [Api::Chat, Api::Completions].into_iter().enumerate() {
+        let body = api.body(&format!("{i}{LONG}"), 12);
+        let want = seen(api, post(&solo.http, api.path(), &body).await).await;
+        let got = through_pd(&p, &d, api, &body).await;
+        assert_eq!(got.tokens, want.tokens, "{api:?}");
+        assert_eq!(got.pulled, got.prompt, "{api:?}: every prompt token pulled");
+        assert!(got.pulled.unwrap_or(0) > 0, "{api:?}");
+    }
+    let body = json!({"model": "tiny", "prompt": format!("n{SHORT} {LONG}"),
+        "max_tokens": 9, "n": 3, "seed": 7, "temperature": 0.9, "ignore_eos": true,
+        "return_token_ids": true});
+    let want = seen(
+        Api::Completions,
+        post(&solo.http, Api::Completions.path(), &body).await,
+    )
+    .await;
+    assert_ne!(want.tokens[0], want.tokens[1], "seeded children differ");
+    let got = through_pd(&p, &d, Api::Completions, &body).await;
+    assert_eq!(got.tokens, want.tokens, "n = 3");
+
+    // The same prompt through an f32 pair: twice the bytes.
+    let api = Api::Completions;
+    let body = api.body(&format!("bytes{LONG}"), 4);
+    let (b16, b32) = (
+        metric(&d, "pd_kv_transfer_bytes_total").await,
+        metric(&d32, "pd_kv_transfer_bytes_total").await,
+    );
+    let got16 = through_pd(&p, &d, api, &body).await;
+    let got32 = through_pd(&p32, &d32, api, &body).await;
+    assert_eq!(got16.pulled, got32.pulled);
+    let moved16 = metric(&d, "pd_kv_transfer_bytes_total").await - b16;
+    let moved32 = metric(&d32, "pd_kv_transfer_bytes_total").await - b32;
+    assert!(moved16 > 0.0);
+    assert_eq!(moved16 * 2.0, moved32, "bf16 KV moves half the bytes");
+
+    // A bf16 producer and an f32 consumer: refused, naming the field.
+    let mixed = api.body(&format!("mixed{LONG}"), 4);
+    let mut db = mixed.clone();
+    db["kv_transfer_params"] = prefill(&p, api, &mixed).await;
+    let r = post(&d32.http, api.path(), &db).await;
+    let status = r.status();
+    let text = r.text().await.unwrap();
+    assert_eq!(status, 500, "{text}");
+    assert!(text.contains("kv_cache_dtype"), "{text}");
+}
+
 /// D's recompute counter for `reason`.
 pub(crate) async fn recomputes(d: &Node, reason: &str) -> f64 {
     metric(d, &format!("pd_kv_recompute_total{{reason=\"{reason}\"}}")).await
