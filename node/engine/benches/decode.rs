@@ -24,7 +24,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::llama::{Cache, Llama, LlamaConfig};
 use pd_engine::{
-    Engine, EngineConfig, EngineHandle, GenerateRequest, RequestEvent, SamplingParams,
+    Engine, EngineConfig, EngineHandle, GenerateRequest, ModelDtype, RequestEvent, SamplingParams,
 };
 use pd_model::tiny::{TinyArch, TinySpec, generate};
 
@@ -40,11 +40,13 @@ struct Options {
     batches: Vec<usize>,
     repeat: usize,
     block_size: usize,
+    /// What both sides compute in (`--dtype f32|f16|bf16`).
+    dtype: DType,
 }
 
 const USAGE: &str = "usage: cargo bench -p pd-engine --bench decode -- [--quick] [--layers N] \
 [--hidden N] [--heads N] [--kv-heads N] [--vocab N] [--intermediate N] [--prompt N] \
-[--tokens N] [--batches 1,4,16] [--repeat N] [--block-size N]";
+[--tokens N] [--batches 1,4,16] [--repeat N] [--block-size N] [--dtype f32|f16|bf16]";
 
 impl Options {
     fn parse() -> BenchResult<Self> {
@@ -66,6 +68,7 @@ impl Options {
             batches: vec![1, 4, 16],
             repeat: 3,
             block_size: 16,
+            dtype: DType::F32,
         };
         let mut args = std::env::args().skip(1);
         while let Some(arg) = args.next() {
@@ -90,6 +93,15 @@ impl Options {
                 "--tokens" => o.tokens = value("--tokens")?,
                 "--repeat" => o.repeat = value("--repeat")?,
                 "--block-size" => o.block_size = value("--block-size")?,
+                "--dtype" => {
+                    let v = args.next().ok_or("--dtype needs a value")?;
+                    o.dtype = match v.as_str() {
+                        "f32" => DType::F32,
+                        "f16" => DType::F16,
+                        "bf16" => DType::BF16,
+                        _ => return Err(format!("--dtype {v}: f32, f16 or bf16").into()),
+                    };
+                }
                 "--batches" => {
                     let v = args.next().ok_or("--batches needs a value")?;
                     o.batches = v
@@ -118,7 +130,7 @@ impl Options {
         let s = &self.spec;
         format!(
             "Llama, {} layers, hidden {}, {} heads / {} kv heads (head_dim {}), intermediate {}, \
-             vocab {}, f32; prompt {} tokens, {} timed decode tokens per sequence, block size {}",
+             vocab {}, {}; prompt {} tokens, {} timed decode tokens per sequence, block size {}",
             s.layers,
             s.hidden,
             s.heads,
@@ -126,6 +138,7 @@ impl Options {
             s.hidden / s.heads.max(1),
             s.intermediate,
             s.vocab,
+            self.dtype.as_str(),
             self.prompt_len,
             self.tokens,
             self.block_size
@@ -182,34 +195,46 @@ fn argmax(v: &[f32]) -> u32 {
 struct Reference {
     model: Llama,
     cfg: candle_transformers::models::llama::Config,
+    dtype: DType,
 }
 
 impl Reference {
-    fn load(dir: &Path) -> BenchResult<Self> {
+    fn load(dir: &Path, dtype: DType) -> BenchResult<Self> {
         let files = pd_model::llama::safetensors_files(dir)?;
         // SAFETY: the files are ours, in a private temp dir, and not modified while mapped.
-        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, &Device::Cpu)? };
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, &Device::Cpu)? };
         let text = std::fs::read_to_string(dir.join("config.json"))?;
         let cfg = serde_json::from_str::<LlamaConfig>(&text)?.into_config(false);
         Ok(Self {
             model: Llama::load(vb, &cfg)?,
             cfg,
+            dtype,
         })
     }
 
     /// Prefills `prompt`, then times `tokens` greedy decode steps. Returns the decode time.
     fn decode(&self, prompt: &[u32], tokens: usize) -> BenchResult<Duration> {
         let dev = Device::Cpu;
-        let mut cache = Cache::new(true, DType::F32, &self.cfg, &dev)?;
+        let mut cache = Cache::new(true, self.dtype, &self.cfg, &dev)?;
         // (1, prompt_len) → logits of the last position, (1, vocab).
         let input = Tensor::new(prompt, &dev)?.unsqueeze(0)?;
         let logits = self.model.forward(&input, 0, &mut cache)?;
-        let mut next = argmax(&logits.flatten_all()?.to_vec1::<f32>()?);
+        let mut next = argmax(
+            &logits
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?,
+        );
         let start = Instant::now();
         for pos in prompt.len()..prompt.len() + tokens {
             let input = Tensor::new(&[next], &dev)?.unsqueeze(0)?;
             let logits = self.model.forward(&input, pos, &mut cache)?;
-            next = argmax(&logits.flatten_all()?.to_vec1::<f32>()?);
+            next = argmax(
+                &logits
+                    .to_dtype(DType::F32)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?,
+            );
         }
         Ok(start.elapsed())
     }
@@ -331,7 +356,7 @@ fn main() -> BenchResult<()> {
     let dir = TempDir::new();
     generate(&o.spec, &dir.0)?;
 
-    let reference = Reference::load(&dir.0)?;
+    let reference = Reference::load(&dir.0, o.dtype)?;
     let max_batch = o.batches.iter().copied().max().unwrap_or(1);
     // Room for every sequence of the largest batch (prompt + tokens + 1), plus slack.
     let blocks_per_seq = (o.prompt_len + o.tokens + 2).div_ceil(o.block_size);
@@ -341,6 +366,11 @@ fn main() -> BenchResult<()> {
         num_blocks: Some(max_batch * blocks_per_seq + 16),
         max_num_batched_tokens: 4096.max(max_batch * o.prompt_len),
         max_num_seqs: 256.max(max_batch),
+        dtype: match o.dtype {
+            DType::F16 => ModelDtype::F16,
+            DType::BF16 => ModelDtype::Bf16,
+            _ => ModelDtype::F32,
+        },
         ..EngineConfig::default()
     })?;
     let handle = EngineHandle::spawn(engine)?;

@@ -216,10 +216,12 @@ struct RequestState {
 #[derive(Debug)]
 pub struct Engine {
     model: Model,
+    /// The compute pool, when the model does not compute on `pool` ([`KvCompute`]). Declared
+    /// before `pool` so it drops first: a device pool page-locks the transfer pool's memory
+    /// and must unregister it before that memory is freed.
+    staged: Option<Box<dyn StagedKv>>,
     /// The transfer pool: what peers read and pulls write.
     pool: KvPool,
-    /// The compute pool, when the model does not compute on `pool` ([`KvCompute`]).
-    staged: Option<Box<dyn StagedKv>>,
     /// A staging copy of this step failed: the step fails instead of reading the block.
     compute_fault: Option<String>,
     scheduler: Scheduler,
@@ -257,6 +259,13 @@ impl Engine {
             )));
         }
         let dtype = cfg.dtype.resolve(cfg.kv_compute, &source)?;
+        if dtype == DType::BF16 && device.is_cpu() {
+            // candle-core 0.11 multiplies bf16 on the CPU by converting to f32 on every call.
+            tracing::warn!(
+                "bf16 on the CPU decodes ~4x slower than f32 (BENCHMARKS.md, \"The model's dtype\"); \
+                 it is meant for CUDA, or for testing what a GPU node computes"
+            );
+        }
         let model = source.load_model_as(&device, cfg.gguf_weights, dtype)?;
         let tokenizer = Arc::new(source.tokenizer()?);
         let fingerprint = source.fingerprint()?;

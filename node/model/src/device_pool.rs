@@ -8,10 +8,13 @@
 //! GPU was lent to the sessions that wrote it: ARCHITECTURE.md, "The GPU path", lists what is
 //! unverified.
 //!
-//! Blocks move between this pool and the host transfer pool one block per copy (`memcpy` on
-//! the stream from and to pageable memory): correct, not fast. Gathering a lease's blocks into
-//! a pinned staging buffer with `gather_blocks`, one copy, and overlapping it with the pull is
-//! the next step (ARCHITECTURE.md).
+//! Blocks move between this pool and the host transfer pool one block per copy, all enqueued
+//! on the stream and then waited for once. The transfer pool is page-locked for the driver at
+//! the first copy (`cuMemHostRegister`, [`Pinned`]), so each copy is a DMA straight from or to
+//! the memory UCX serves; if the driver refuses (the log says so) the copies still work,
+//! through the driver's own bounce buffer. A block is a contiguous range of both pools (every
+//! layer's K and V), so no gather is needed; overlapping the uploads with the pull itself is
+//! not built (ARCHITECTURE.md, "The GPU path").
 
 use std::sync::Arc;
 
@@ -67,6 +70,69 @@ struct Step {
     max_pos: usize,
 }
 
+/// The host transfer pool's memory, page-locked for the driver while this pool lives (the
+/// engine drops its compute pool before its transfer pool: `Engine`'s field order).
+struct Pinned {
+    /// The transfer pool's first byte and length.
+    base: usize,
+    len: usize,
+    /// Whether `cuMemHostRegister` took it (else copies go through the driver's bounce buffer).
+    registered: bool,
+    /// The context that registered it, kept to unregister on drop.
+    stream: Arc<CudaStream>,
+}
+
+impl Pinned {
+    /// Page-locks `pool`'s memory for the driver; a refusal is logged and copies stay correct.
+    fn new(stream: &Arc<CudaStream>, pool: &KvPool) -> Self {
+        let (base, len) = (pool.base_ptr() as usize, pool.len_bytes());
+        let registered = stream.context().bind_to_thread().is_ok()
+            && {
+                // SAFETY: the range is the transfer pool's live allocation, which outlives this
+                // registration (unregistered in `drop`, before the pool is freed).
+                let r = unsafe {
+                    cudarc::driver::sys::cuMemHostRegister_v2(
+                        base as *mut std::ffi::c_void,
+                        len,
+                        cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE,
+                    )
+                };
+                match r.result() {
+                    Ok(()) => true,
+                    Err(e) => {
+                        tracing::warn!(error = %e, bytes = len, "cannot page-lock the KV transfer pool: block copies go through the driver's bounce buffer (slower)");
+                        false
+                    }
+                }
+            };
+        if registered {
+            tracing::info!(
+                bytes = len,
+                "KV transfer pool page-locked for device copies"
+            );
+        }
+        Self {
+            base,
+            len,
+            registered,
+            stream: stream.clone(),
+        }
+    }
+
+    fn covers(&self, pool: &KvPool) -> bool {
+        self.base == pool.base_ptr() as usize && self.len == pool.len_bytes()
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if self.registered && self.stream.context().bind_to_thread().is_ok() {
+            // SAFETY: registered by `Pinned::new` on this range, which is still allocated.
+            let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(self.base as *mut _) };
+        }
+    }
+}
+
 /// The KV pool in device memory (see the module's doc).
 pub struct DevicePool {
     layout: KvLayout,
@@ -75,6 +141,8 @@ pub struct DevicePool {
     kernels: Kernels,
     slab: Slab,
     step: Option<Step>,
+    /// The transfer pool, page-locked at the first copy.
+    pinned: Option<Pinned>,
 }
 
 impl std::fmt::Debug for DevicePool {
@@ -113,7 +181,16 @@ impl DevicePool {
             kernels,
             slab,
             step: None,
+            pinned: None,
         })
+    }
+
+    /// Page-locks the transfer pool `host` at the first copy from or to it.
+    fn pin(&mut self, host: &KvPool) {
+        if !self.pinned.as_ref().is_some_and(|p| p.covers(host)) {
+            self.pinned = None;
+            self.pinned = Some(Pinned::new(&self.stream, host));
+        }
     }
 
     /// Element range of `block`.
@@ -299,14 +376,19 @@ impl StagedKv for DevicePool {
     fn upload(&mut self, from: &KvPool, blocks: &[BlockId]) -> Result<(), ModelError> {
         same_layout(&self.layout, from.layout())?;
         blocks_inside(&self.layout, blocks)?;
+        self.pin(from);
         let n = self.layout.block_elems();
         let stream = &self.stream;
-        with_slab!(&mut self.slab, slab, T => upload_as::<T>(stream, slab, from, blocks, n))
+        with_slab!(&mut self.slab, slab, T => upload_as::<T>(stream, slab, from, blocks, n))?;
+        // From page-locked memory the copies are asynchronous: the pulled blocks must stay as
+        // they are until they are read, so wait (the step after this one reads them anyway).
+        self.stream.synchronize().map_err(gpu)
     }
 
     fn download(&mut self, to: &mut KvPool, blocks: &[BlockId]) -> Result<(), ModelError> {
         same_layout(&self.layout, to.layout())?;
         blocks_inside(&self.layout, blocks)?;
+        self.pin(to);
         let n = self.layout.block_elems();
         let stream = &self.stream;
         with_slab!(&self.slab, slab, T => download_as::<T>(stream, slab, to, blocks, n))?;
