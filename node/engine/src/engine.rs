@@ -251,13 +251,6 @@ impl Engine {
     pub fn load(cfg: &EngineConfig) -> Result<Self, EngineError> {
         let device = compute_device(cfg.kv_compute)?;
         let source = ModelSource::open(&cfg.model_dir)?;
-        if matches!(cfg.kv_compute, KvCompute::Cuda(_)) && matches!(source, ModelSource::Gguf(_)) {
-            // Quantized projections run on CPU kernels (ours for Q4_1); not built for CUDA.
-            return Err(EngineError::Invalid(InvalidRequest::new(
-                "device",
-                "GGUF weights on CUDA are not built yet: serve a Hugging Face directory",
-            )));
-        }
         let dtype = cfg.dtype.resolve(cfg.kv_compute, &source)?;
         if dtype == DType::BF16 && device.is_cpu() {
             // candle-core 0.11 multiplies bf16 on the CPU by converting to f32 on every call.

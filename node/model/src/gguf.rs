@@ -102,7 +102,8 @@ enum Plan {
     OwnQ4_1,
 }
 
-/// How GGUF weights are held in memory.
+/// How GGUF weights are held in memory. On a CUDA device every policy but
+/// [`QuantPolicy::Dense`] holds the weights as stored, for candle's CUDA kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum QuantPolicy {
     /// Types with SIMD dot products in candle-core 0.11.1 (`Q4_0`, `Q8_0`, K-quants) are kept;
@@ -432,6 +433,14 @@ impl GgufFile {
             path: self.path.clone(),
             source,
         })?;
+        // On a GPU only candle's own CUDA kernels multiply quantized weights (ours for Q4_1
+        // and the CPU tiling tricks are CPU code): every stored type is kept as stored, and
+        // candle's CUDA matmul handles batches (dequantizing for large ones) itself.
+        let policy = match policy {
+            QuantPolicy::Dense => QuantPolicy::Dense,
+            _ if !device.is_cpu() => QuantPolicy::AsStored,
+            p => p,
+        };
         Ok(GgufWeights {
             gguf: self,
             file: RefCell::new(file),
@@ -532,7 +541,8 @@ impl GgufWeights<'_> {
             .or_default() += n;
     }
 
-    /// The stored tensor of the Hugging Face name `hf`, with its GGUF name.
+    /// The stored tensor of the Hugging Face name `hf`, with its GGUF name, in host memory (it
+    /// is reordered, requantized or fused there, then placed on the model's device).
     fn read(&self, hf: &str) -> Result<(QTensor, String), ModelError> {
         let name = gguf_name(hf).ok_or_else(|| {
             ModelError::InvalidConfig(format!("no GGUF name for the tensor {hf}"))
@@ -547,7 +557,7 @@ impl GgufWeights<'_> {
         let t = self
             .gguf
             .content
-            .tensor(&mut *file, &name, &self.device)
+            .tensor(&mut *file, &name, &Device::Cpu)
             .map_err(|source| ModelError::Gguf {
                 path: self.gguf.path.clone(),
                 source,
@@ -574,7 +584,7 @@ impl GgufWeights<'_> {
                 }
             }
         }
-        let storage = QStorage::from_data(std::borrow::Cow::Owned(dst), &self.device, q.dtype())?;
+        let storage = QStorage::from_data(std::borrow::Cow::Owned(dst), &Device::Cpu, q.dtype())?;
         Ok(QTensor::new(storage, (out, inp))?)
     }
 }
@@ -702,7 +712,7 @@ impl WeightSource for GgufWeights<'_> {
             let q = if q.dtype() == dtype {
                 q
             } else {
-                QTensor::quantize(&q.dequantize(&self.device)?, dtype)?
+                QTensor::quantize(&q.dequantize(&Device::Cpu)?, dtype)?
             };
             rows += q.shape().dims2()?.0;
             bytes.extend_from_slice(&q.data()?);
