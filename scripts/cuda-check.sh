@@ -9,4 +9,5 @@ cd "$(dirname "$0")/.."
 NVCC="$(bash scripts/cuda-toolchain.sh)"
 export PATH="$(dirname "$NVCC"):$PATH"
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-80}"
-cargo clippy -p pd-node --features cuda --all-targets --locked -- -D warnings
+cargo clippy -p pd-node -p pd-engine -p pd-kernels --features pd-node/cuda,pd-engine/cuda,pd-kernels/cuda \
+    --all-targets --locked -- -D warnings

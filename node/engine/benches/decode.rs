@@ -14,6 +14,11 @@
 //!   The time includes everything a server pays per step: scheduling, the forward pass,
 //!   sampling, detokenization and the event channel.
 //!
+//! On a GPU (`cargo bench -p pd-engine --features cuda --bench decode -- --device cuda`) both
+//! run on CUDA device 0: the engine on its device pool and our kernels, the reference on
+//! candle's CUDA backend; the reference's argmax reads its logits back each step, as the
+//! engine's sampler does.
+//!
 //! Each configuration runs `--repeat` times, interleaved (reference, batch 1, 4, 16, then again)
 //! so that background load hits all of them alike; the table shows the median and the range.
 
@@ -24,7 +29,8 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::llama::{Cache, Llama, LlamaConfig};
 use pd_engine::{
-    Engine, EngineConfig, EngineHandle, GenerateRequest, ModelDtype, RequestEvent, SamplingParams,
+    Engine, EngineConfig, EngineHandle, GenerateRequest, KvCompute, ModelDtype, RequestEvent,
+    SamplingParams,
 };
 use pd_model::tiny::{TinyArch, TinySpec, generate};
 
@@ -42,11 +48,15 @@ struct Options {
     block_size: usize,
     /// What both sides compute in (`--dtype f32|f16|bf16`).
     dtype: DType,
+    /// Where both sides run: `--device cpu` or `--device cuda` (CUDA device 0; a build with
+    /// `--features cuda`).
+    cuda: bool,
 }
 
 const USAGE: &str = "usage: cargo bench -p pd-engine --bench decode -- [--quick] [--layers N] \
 [--hidden N] [--heads N] [--kv-heads N] [--vocab N] [--intermediate N] [--prompt N] \
-[--tokens N] [--batches 1,4,16] [--repeat N] [--block-size N] [--dtype f32|f16|bf16]";
+[--tokens N] [--batches 1,4,16] [--repeat N] [--block-size N] [--dtype f32|f16|bf16] \
+[--device cpu|cuda]";
 
 impl Options {
     fn parse() -> BenchResult<Self> {
@@ -69,6 +79,7 @@ impl Options {
             repeat: 3,
             block_size: 16,
             dtype: DType::F32,
+            cuda: false,
         };
         let mut args = std::env::args().skip(1);
         while let Some(arg) = args.next() {
@@ -93,6 +104,14 @@ impl Options {
                 "--tokens" => o.tokens = value("--tokens")?,
                 "--repeat" => o.repeat = value("--repeat")?,
                 "--block-size" => o.block_size = value("--block-size")?,
+                "--device" => {
+                    let v = args.next().ok_or("--device needs a value")?;
+                    o.cuda = match v.as_str() {
+                        "cpu" => false,
+                        "cuda" => true,
+                        _ => return Err(format!("--device {v}: cpu or cuda").into()),
+                    };
+                }
                 "--dtype" => {
                     let v = args.next().ok_or("--dtype needs a value")?;
                     o.dtype = match v.as_str() {
@@ -130,7 +149,7 @@ impl Options {
         let s = &self.spec;
         format!(
             "Llama, {} layers, hidden {}, {} heads / {} kv heads (head_dim {}), intermediate {}, \
-             vocab {}, {}; prompt {} tokens, {} timed decode tokens per sequence, block size {}",
+             vocab {}, {} on {}; prompt {} tokens, {} timed decode tokens per sequence, block size {}",
             s.layers,
             s.hidden,
             s.heads,
@@ -139,6 +158,11 @@ impl Options {
             s.intermediate,
             s.vocab,
             self.dtype.as_str(),
+            if self.cuda {
+                "CUDA device 0"
+            } else {
+                "the CPU"
+            },
             self.prompt_len,
             self.tokens,
             self.block_size
@@ -196,25 +220,27 @@ struct Reference {
     model: Llama,
     cfg: candle_transformers::models::llama::Config,
     dtype: DType,
+    device: Device,
 }
 
 impl Reference {
-    fn load(dir: &Path, dtype: DType) -> BenchResult<Self> {
+    fn load(dir: &Path, dtype: DType, device: &Device) -> BenchResult<Self> {
         let files = pd_model::llama::safetensors_files(dir)?;
         // SAFETY: the files are ours, in a private temp dir, and not modified while mapped.
-        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, &Device::Cpu)? };
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, device)? };
         let text = std::fs::read_to_string(dir.join("config.json"))?;
         let cfg = serde_json::from_str::<LlamaConfig>(&text)?.into_config(false);
         Ok(Self {
             model: Llama::load(vb, &cfg)?,
             cfg,
             dtype,
+            device: device.clone(),
         })
     }
 
     /// Prefills `prompt`, then times `tokens` greedy decode steps. Returns the decode time.
     fn decode(&self, prompt: &[u32], tokens: usize) -> BenchResult<Duration> {
-        let dev = Device::Cpu;
+        let dev = self.device.clone();
         let mut cache = Cache::new(true, self.dtype, &self.cfg, &dev)?;
         // (1, prompt_len) → logits of the last position, (1, vocab).
         let input = Tensor::new(prompt, &dev)?.unsqueeze(0)?;
@@ -356,7 +382,12 @@ fn main() -> BenchResult<()> {
     let dir = TempDir::new();
     generate(&o.spec, &dir.0)?;
 
-    let reference = Reference::load(&dir.0, o.dtype)?;
+    let device = if o.cuda {
+        Device::new_cuda(0)?
+    } else {
+        Device::Cpu
+    };
+    let reference = Reference::load(&dir.0, o.dtype, &device)?;
     let max_batch = o.batches.iter().copied().max().unwrap_or(1);
     // Room for every sequence of the largest batch (prompt + tokens + 1), plus slack.
     let blocks_per_seq = (o.prompt_len + o.tokens + 2).div_ceil(o.block_size);
@@ -366,6 +397,11 @@ fn main() -> BenchResult<()> {
         num_blocks: Some(max_batch * blocks_per_seq + 16),
         max_num_batched_tokens: 4096.max(max_batch * o.prompt_len),
         max_num_seqs: 256.max(max_batch),
+        kv_compute: if o.cuda {
+            KvCompute::Cuda(0)
+        } else {
+            KvCompute::InPlace
+        },
         dtype: match o.dtype {
             DType::F16 => ModelDtype::F16,
             DType::BF16 => ModelDtype::Bf16,
