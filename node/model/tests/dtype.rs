@@ -3,20 +3,14 @@
 //! model, at every step of prefill and decode. Both references are fed the same tokens (the
 //! f32 model's greedy choices), so one rounding flip cannot derail the comparison.
 
-use std::path::PathBuf;
-
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use pd_kv_pool::{BlockId, KvDtype, KvLayout, KvOrder, KvPool};
+use pd_kv_pool::KvDtype;
 use pd_model::gguf::QuantPolicy;
 use pd_model::tiny::{TinySpec, generate};
-use pd_model::{BatchInput, Model, ModelSource};
+use pd_model::{Model, ModelSource};
 
-fn tmp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("pd-model-dtype-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
+use crate::common::{Ours, argmax, max_diff, tmp_path};
 
 /// candle-transformers' Llama in `dtype`, one sequence.
 struct Stock {
@@ -57,81 +51,19 @@ impl Stock {
     }
 }
 
-/// Our model over its own pool, one sequence.
-struct Ours {
-    model: Model,
-    pool: KvPool,
-    table: Vec<BlockId>,
-}
-
-impl Ours {
-    fn load(dir: &std::path::Path, dtype: DType, kv: KvDtype) -> Self {
-        let model = ModelSource::open(dir)
-            .unwrap()
-            .load_model_as(&Device::Cpu, QuantPolicy::default(), dtype)
-            .unwrap();
-        let cfg = model.config().clone();
-        let layout = KvLayout {
-            num_blocks: 32,
-            block_size: 4,
-            num_layers: cfg.num_layers,
-            num_kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
-            dtype: kv,
-            order: KvOrder::Hnd,
-        };
-        let mut pool = KvPool::new(layout).unwrap();
-        // Any read of an unwritten slot turns the logits into NaN.
-        for b in 0..layout.num_blocks {
-            pool.poison_block(BlockId(b as u32));
-        }
-        Self {
-            model,
-            pool,
-            table: (0..16).map(|i| BlockId(31 - 2 * i)).collect(),
-        }
-    }
-
-    fn step(&mut self, tokens: &[u32], pos: usize) -> Vec<f32> {
-        let mut b = BatchInput::default();
-        b.push_seq(tokens, pos, &self.table, 4, true).unwrap();
-        self.model
-            .forward(&b, &mut self.pool)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
-    }
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    v.iter()
-        .enumerate()
-        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &x)| {
-            if x > bv { (i, x) } else { (bi, bv) }
-        })
-        .0 as u32
-}
-
-/// The largest absolute difference, after checking both are finite.
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    assert!(
-        a.iter().chain(b).all(|x| x.is_finite()),
-        "non-finite logits"
-    );
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max)
+/// Our model of `dir`, computing in `dtype`.
+fn load(dir: &std::path::Path, dtype: DType) -> Model {
+    ModelSource::open(dir)
+        .unwrap()
+        .load_model_as(&Device::Cpu, QuantPolicy::default(), dtype)
+        .unwrap()
 }
 
 /// Runs a prompt and `decode` steps through the f32 model, our `dtype` model and the stock
 /// model in `dtype`; returns the worst logit difference of ours against each reference and the
 /// f32 logits' largest magnitude.
 fn run(dtype: DType, kv: KvDtype) -> (f32, f32, f32) {
-    let dir = tmp_dir(dtype.as_str());
+    let dir = tmp_path(&format!("dtype-{}", dtype.as_str()));
     generate(
         &TinySpec {
             seed: 11,
@@ -140,13 +72,10 @@ fn run(dtype: DType, kv: KvDtype) -> (f32, f32, f32) {
         &dir,
     )
     .unwrap();
-    let mut exact = Ours::load(&dir, DType::F32, KvDtype::F32);
-    let mut ours = Ours::load(&dir, dtype, kv);
-    assert_eq!(
-        ours.model.dtype(),
-        dtype,
-        "the model holds its weights as asked"
-    );
+    let (f32_model, model) = (load(&dir, DType::F32), load(&dir, dtype));
+    assert_eq!(model.dtype(), dtype, "the model holds its weights as asked");
+    let mut exact = Ours::new(&f32_model, 64);
+    let mut ours = Ours::with_dtype(&model, 64, kv);
     let mut stock = Stock::load(&dir, dtype);
     let prompt: Vec<u32> = (0..21u32).map(|i| (i * 29 + 7) % 256).collect();
     let (mut vs_stock, mut vs_f32, mut scale) = (0f32, 0f32, 0f32);
@@ -200,7 +129,7 @@ fn an_f16_model_follows_the_stock_f16_llama_and_stays_near_f32() {
 
 #[test]
 fn a_gguf_model_refuses_a_half_dtype_by_name() {
-    let dir = tmp_dir("gguf");
+    let dir = tmp_path("dtype-gguf");
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("tiny.gguf");
     pd_model::tiny::generate_gguf(

@@ -675,10 +675,17 @@ async fn half_precision_kv_through_p_and_d_equals_one_node_and_moves_half_the_by
     assert_eq!(bytes16 * 2.0, bytes32, "f16 KV moves half the bytes");
 
     // An f32 consumer and an f16 producer: refused by the handshake's compatibility check.
+    refused_for_kv_dtype(&p, &d32).await;
+}
+
+/// A prompt prefilled on `p` and sent to `d`, whose KV dtype differs: D answers 500, naming
+/// `kv_cache_dtype` (the handshake's compatibility check).
+async fn refused_for_kv_dtype(p: &Node, d: &Node) {
+    let api = Api::Completions;
     let body = api.body(&format!("mixed{LONG}"), 4);
     let mut db = body.clone();
-    db["kv_transfer_params"] = prefill(&p, api, &body).await;
-    let r = post(&d32.http, api.path(), &db).await;
+    db["kv_transfer_params"] = prefill(p, api, &body).await;
+    let r = post(&d.http, api.path(), &db).await;
     let status = r.status();
     let text = r.text().await.unwrap();
     assert_eq!(status, 500, "{text}");
@@ -902,14 +909,7 @@ async fn a_bf16_cluster_hands_over_kv_token_exact_against_one_bf16_node() {
     assert_eq!(moved16 * 2.0, moved32, "bf16 KV moves half the bytes");
 
     // A bf16 producer and an f32 consumer: refused, naming the field.
-    let mixed = api.body(&format!("mixed{LONG}"), 4);
-    let mut db = mixed.clone();
-    db["kv_transfer_params"] = prefill(&p, api, &mixed).await;
-    let r = post(&d32.http, api.path(), &db).await;
-    let status = r.status();
-    let text = r.text().await.unwrap();
-    assert_eq!(status, 500, "{text}");
-    assert!(text.contains("kv_cache_dtype"), "{text}");
+    refused_for_kv_dtype(&p, &d32).await;
 }
 
 /// D's recompute counter for `reason`.
