@@ -45,11 +45,18 @@ done
 export LD_LIBRARY_PATH="$work/lib$cuda_dirs:${LD_LIBRARY_PATH:-}"
 export UCX_MODULE_DIR="$work/lib/ucx"
 
+# Libraries the loader cannot find yet (cuBLAS, cuRAND: part of a CUDA toolkit or of NVIDIA's
+# wheels, wherever this machine keeps them): look for each once and add its directory.
+for lib in $(ldd "$B/pd-node" "$B/decode" 2>/dev/null | awk '/=> not found/ {print $1}' | sort -u); do
+    found="$(find /usr /opt /root /home /lib -xdev -name "$lib" 2>/dev/null | head -1)"
+    if [ -n "$found" ]; then
+        export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$(dirname "$found")"
+        note "found $lib in $(dirname "$found")"
+    fi
+done
 step machine 30 bash -c 'nvidia-smi; echo; ldd '"$B"'/pd-node; ldd '"$B"'/decode; ldd '"$B"'/gpu_check'
 if grep -q "=> not found" "$OUT/machine.txt"; then
     note "missing libraries: $(grep '=> not found' "$OUT/machine.txt" | awk '{print $1}' | sort -u | tr '\n' ' ')"
-    find / -xdev \( -name 'libcublas.so*' -o -name 'libnvrtc.so*' -o -name 'libcurand.so*' \) \
-        2>/dev/null | head -20 >>"$OUT/machine.txt"
 fi
 
 if [ -x "$B/gpu_check" ]; then step gpu_check 90 "$B/gpu_check"; else note "gpu_check: not in the bundle"; fi
@@ -60,19 +67,22 @@ step model 60 "$B/pd-node" gen-tiny-model --out "$model" --seed 1 "${SHAPE[@]}" 
 
 # Nodes: serve on fixed ports (the machine is ours alone); wait for /health.
 pids=()
+declare -A pid_of
 serve() { # port, log name, args...
     local port="$1" name="$2"
     shift 2
     "$B/pd-node" serve --model "$model" --served-model-name m --port "$port" "$@" \
         >"$OUT/node-$name.log" 2>&1 &
     pids+=($!)
+    pid_of[$port]=$!
 }
-wait_up() {
+wait_up() { # port: until /health answers, the node exits, or 90 s pass
     for _ in $(seq 1 180); do
         curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0
+        kill -0 "${pid_of[$1]}" 2>/dev/null || break
         sleep 0.5
     done
-    note "node on port $1 did not come up"
+    note "node on port $1 did not come up (its log: node-*.log)"
     return 1
 }
 stop_all() {
