@@ -36,8 +36,10 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
+/// The GGUF tensor types (candle's), as the tiny-model generator takes them.
+pub use candle_core::quantized::GgmlDType;
 use candle_core::quantized::gguf_file::{self, Value};
-use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
+use candle_core::quantized::{QMatMul, QStorage, QTensor};
 use candle_core::{Device, Tensor};
 use pd_tokenize::GgufVocab;
 

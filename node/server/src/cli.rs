@@ -532,6 +532,35 @@ pub struct GenTinyModelArgs {
     /// Safetensors files to split the weights over.
     #[arg(long, default_value_t = 1)]
     pub shards: usize,
+    /// Write the same weights as one GGUF file instead, in this tensor type (`f32`, `f16`,
+    /// `q8_0`, `q4_0`, `q4_1`, `q4_k`, `q6_k`, ...); `--out` then names the file.
+    #[arg(long, value_parser = parse_ggml_type)]
+    pub gguf: Option<pd_model::gguf::GgmlDType>,
+}
+
+/// Parses `--gguf`: a GGUF tensor type by its lower-case name.
+fn parse_ggml_type(s: &str) -> Result<pd_model::gguf::GgmlDType, String> {
+    use pd_model::gguf::GgmlDType as T;
+    Ok(match s {
+        "f32" => T::F32,
+        "f16" => T::F16,
+        "bf16" => T::BF16,
+        "q4_0" => T::Q4_0,
+        "q4_1" => T::Q4_1,
+        "q5_0" => T::Q5_0,
+        "q5_1" => T::Q5_1,
+        "q8_0" => T::Q8_0,
+        "q2_k" => T::Q2K,
+        "q3_k" => T::Q3K,
+        "q4_k" => T::Q4K,
+        "q5_k" => T::Q5K,
+        "q6_k" => T::Q6K,
+        _ => {
+            return Err(format!(
+                "unknown --gguf {s:?}: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k..q6_k"
+            ));
+        }
+    })
 }
 
 impl GenTinyModelArgs {

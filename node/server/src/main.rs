@@ -315,8 +315,11 @@ async fn shutdown_signal() {
 
 fn gen_tiny_model(args: &GenTinyModelArgs) -> anyhow::Result<()> {
     let spec = args.spec();
-    pd_model::tiny::generate(&spec, &args.out)
-        .with_context(|| format!("writing a tiny model to {}", args.out.display()))?;
+    match args.gguf {
+        None => pd_model::tiny::generate(&spec, &args.out),
+        Some(t) => pd_model::tiny::generate_gguf(&spec, &args.out, t),
+    }
+    .with_context(|| format!("writing a tiny model to {}", args.out.display()))?;
     println!("wrote tiny {:?} model to {}", args.arch, args.out.display());
     Ok(())
 }

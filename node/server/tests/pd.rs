@@ -912,6 +912,34 @@ async fn a_bf16_cluster_hands_over_kv_token_exact_against_one_bf16_node() {
     refused_for_kv_dtype(&p, &d32).await;
 }
 
+/// `pd-node gen-tiny-model --gguf q8_0` writes one GGUF file (what a GPU session serves to try
+/// candle's quantized CUDA kernels); served by P, D and one node, its greedy output through P
+/// and D equals the one node's, every prompt token pulled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_generated_gguf_file_hands_over_kv_token_exact() {
+    let file = std::env::temp_dir().join(format!("pd-pd-gguf-{}.gguf", std::process::id()));
+    let status = Command::new(env!("CARGO_BIN_EXE_pd-node"))
+        .args(["gen-tiny-model", "--seed", "5", "--gguf", "q8_0", "--out"])
+        .arg(&file)
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let magic = std::fs::read(&file).unwrap();
+    assert_eq!(&magic[..4], b"GGUF", "a GGUF file, not a directory");
+    let solo = start(&file, &[]);
+    let p = producer(&file, &[]);
+    let d = consumer(&file, "fail");
+    let api = Api::Completions;
+    let body = api.body(&format!("gguf{LONG}"), 12);
+    let want = seen(api, post(&solo.http, api.path(), &body).await).await;
+    let got = through_pd(&p, &d, api, &body).await;
+    assert_eq!(got.tokens, want.tokens);
+    assert!(got.pulled.unwrap_or(0) > 0);
+    assert_eq!(got.pulled, got.prompt);
+    let _ = std::fs::remove_file(&file);
+}
+
 /// D's recompute counter for `reason`.
 pub(crate) async fn recomputes(d: &Node, reason: &str) -> f64 {
     metric(d, &format!("pd_kv_recompute_total{{reason=\"{reason}\"}}")).await
