@@ -22,7 +22,10 @@ read -r -a SHAPE <<<"${GPU_RUN_SHAPE:---layers 30 --hidden 576 --heads 9 --kv-he
 OUT="${OUT:-/tmp/gpu-out}"
 mkdir -p "$OUT"
 work="$(mktemp -d)"
-tar -C "$work" -xJf bundle.tar.xz
+# (python3's tarfile where the machine has no xz)
+tar -C "$work" -xJf bundle.tar.xz 2>/dev/null ||
+    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+        bundle.tar.xz "$work"
 B="$work/bin"
 summary="$OUT/summary.txt"
 : >"$summary"
@@ -70,6 +73,20 @@ step model-gguf 45 "$B/pd-node" gen-tiny-model --out "$work/model.gguf" --seed 1
     --max-position-embeddings 8192 --gguf q8_0
 
 # Nodes: serve on fixed ports (the machine is ours alone); wait for /health.
+# GET a path of a local port (curl, or bash's /dev/tcp where the machine has no curl).
+http_get() {
+    if command -v curl >/dev/null; then
+        curl -sf "http://127.0.0.1:$1$2"
+    else
+        { exec 3<>"/dev/tcp/127.0.0.1/$1"; } 2>/dev/null || return 1
+        printf 'GET %s HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' "$2" >&3
+        local status
+        read -r _ status _ <&3
+        cat <&3
+        exec 3<&-
+        [ "$status" = 200 ]
+    fi
+}
 pids=()
 declare -A pid_of
 serve() { # port, log name, args...
@@ -82,7 +99,7 @@ serve() { # port, log name, args...
 }
 wait_up() { # port: until /health answers, the node exits, or 90 s pass
     for _ in $(seq 1 180); do
-        curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0
+        http_get "$1" /health >/dev/null && return 0
         kill -0 "${pid_of[$1]}" 2>/dev/null || break
         sleep 0.5
     done
@@ -165,7 +182,7 @@ EOF
 step greedy 90 python3 "$work/compare.py" greedy
 step gguf 45 python3 "$work/compare.py" gguf
 step pd 90 python3 "$work/compare.py" pd
-for port in 18004 18005; do curl -s "http://127.0.0.1:$port/metrics" >"$OUT/metrics-$port.txt"; done
+for port in 18004 18005; do http_get "$port" /metrics >"$OUT/metrics-$port.txt"; done
 stop_all
 
 shape=("${SHAPE[@]}" --prompt 32 --tokens 64 --batches 1,16,64 --repeat 3 --device "$DEV")
