@@ -4,11 +4,15 @@
 # build's pd-node, the nodes on `--device cpu`, a small model. Fails unless generating the
 # model (safetensors and GGUF), the greedy comparison, the GGUF comparison and P→D (token-exact
 # against one node, prompt tokens pulled) pass. The kernels' check and the decode bench are
-# not in this bundle. Run by scripts/test.sh after the cargo tests.
+# not in this bundle. Run by scripts/test.sh after the cargo tests, with PD_NODE_BIN naming the
+# pd-node they built (building it alone here would rebuild its dependencies with other features).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bin="${CARGO_TARGET_DIR:-target}/debug/pd-node"
-cargo build --locked -p pd-node --bin pd-node
+bin="${PD_NODE_BIN:-}"
+if [ -z "$bin" ]; then
+    bin="${CARGO_TARGET_DIR:-target}/debug/pd-node"
+    cargo build --locked -p pd-node --bin pd-node
+fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/stage/bin" "$work/stage/lib" "$work/bundle"

@@ -23,4 +23,4 @@ cargo clippy -p pd-kernels --features cuda --all-targets --locked -- -D warnings
 cargo test --workspace --locked
 # The script a session with a GPU runs in one call (scripts/gpu-run.sh), rehearsed on CPU so it
 # does not rot while no GPU is lent.
-bash scripts/gpu-rehearse.sh
+PD_NODE_BIN="${CARGO_TARGET_DIR:-target}/debug/pd-node" bash scripts/gpu-rehearse.sh
