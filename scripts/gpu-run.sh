@@ -3,8 +3,9 @@
 # scripts/gpu-bundle.sh, which copies this file to target/gpu-bundle/run.sh):
 #   run(command="bash target/gpu-bundle/run.sh", carry=["target/gpu-bundle"])
 # Every step writes under $OUT (the device tool brings it back) and goes on when one fails;
-# summary.txt says what passed. Steps, each under its own time limit (together under the
-# tool's 600 s per command):
+# summary.txt says what passed. Steps, each under its own time limit (their limits add up to
+# more than the tool's 600 s per command, their expected times to a few minutes; a call cut
+# at 600 s loses the last steps, and still returns what is under $OUT):
 #   1. the machine: nvidia-smi, which libraries the binaries resolve (ldd)
 #   2. gpu_check: every kernel against its CPU reference on fresh random inputs
 #   3. a real-shaped model (SmolLM2-135M's shape, generated weights: the real file does not fit)
