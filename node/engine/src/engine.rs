@@ -220,6 +220,8 @@ pub struct Engine {
     /// before `pool` so it drops first: a device pool page-locks the transfer pool's memory
     /// and must unregister it before that memory is freed.
     staged: Option<Box<dyn StagedKv>>,
+    /// `staged`'s uploader, for pulls that upload their blocks as they land.
+    uploader: Option<Arc<dyn pd_model::BlockUpload>>,
     /// The transfer pool: what peers read and pulls write.
     pool: KvPool,
     /// A staging copy of this step failed: the step fails instead of reading the block.
@@ -308,10 +310,15 @@ impl Engine {
                 format!("cannot allocate the KV pool: {e}"),
             )
         })?;
-        let staged = compute_pool(cfg.kv_compute, layout, &device)?;
-        if let Some(s) = &staged {
-            tracing::info!(kv_path = s.path(), "the model computes on a staged KV pool");
-        }
+        let mut staged = compute_pool(cfg.kv_compute, layout, &device)?;
+        let uploader = match &mut staged {
+            Some(s) => {
+                tracing::info!(kv_path = s.path(), "the model computes on a staged KV pool");
+                s.uploader(&pool)
+                    .map_err(|e| bad("kv_compute", format!("cannot upload pulled blocks: {e}")))?
+            }
+            None => None,
+        };
         let capacity = layout.num_blocks * layout.block_size;
         let mut max_model_len = cfg
             .max_model_len
@@ -377,6 +384,7 @@ impl Engine {
             model,
             pool,
             staged,
+            uploader,
             compute_fault: None,
             tokenizer,
             metrics,
@@ -387,6 +395,11 @@ impl Engine {
             retain_after_decode: cfg.kv_retain_after_decode.filter(|d| !d.is_zero()),
             cache_events: broadcast::channel(CACHE_EVENT_CAPACITY).0,
         })
+    }
+
+    /// The staged pool's uploader for pulls ([`crate::EngineHandle::uploader`]).
+    pub(crate) fn uploader(&self) -> Option<Arc<dyn pd_model::BlockUpload>> {
+        self.uploader.clone()
     }
 
     pub(crate) fn leases(&self) -> &Arc<LeaseBook> {
@@ -475,7 +488,7 @@ impl Engine {
                 events,
             } => self.add(id, request, arrival, events),
             Command::Abort(id) => self.abort(id),
-            Command::RemoteKv(id, outcome) => self.remote_kv_ready(id, outcome),
+            Command::RemoteKv(id, outcome, landed) => self.remote_kv_ready(id, outcome, landed),
             Command::Wake => {}
             Command::SubscribeCache(reply) => {
                 let _ = reply.send(CacheSubscription {
@@ -521,7 +534,7 @@ impl Engine {
     }
 
     /// A consumer's wait for remote KV ended: it joins the queue with what arrived.
-    fn remote_kv_ready(&mut self, id: RequestId, outcome: RemoteKv) {
+    fn remote_kv_ready(&mut self, id: RequestId, outcome: RemoteKv, landed: bool) {
         let (tokens, cacheable, first) = match outcome {
             RemoteKv::Pulled(n) => (n, true, None),
             RemoteKv::PulledUnattested(n) => (n, false, None),
@@ -551,9 +564,11 @@ impl Engine {
             tracing::debug!(request = %id, "remote KV for a request no longer waiting");
             return;
         };
-        // The pull wrote the transfer pool; the model reads the compute pool.
+        // The pull wrote the transfer pool; the model reads the compute pool (unless the pull
+        // uploaded the blocks as they landed).
         if let Some(s) = &mut self.staged
             && pulled > 0
+            && !landed
         {
             let blocks = self.scheduler.waiting_blocks(id, held - pulled, held);
             let t = Instant::now();

@@ -41,8 +41,9 @@ pub(crate) enum Command {
     },
     /// Drop a request and free its blocks (client gone).
     Abort(RequestId),
-    /// The wait of a [`crate::KvTransfer::Consume`] request for remote KV ended.
-    RemoteKv(RequestId, RemoteKv),
+    /// The wait of a [`crate::KvTransfer::Consume`] request for remote KV ended; with `true`,
+    /// the pull already put the pulled blocks in the compute pool ([`EngineHandle::uploader`]).
+    RemoteKv(RequestId, RemoteKv, bool),
     /// Something changed outside the engine (a lease was released): run a loop turn.
     Wake,
     /// Start receiving prefix-cache events; the reply carries every hash cached now, taken on
@@ -91,6 +92,7 @@ struct Inner {
     tokenizer: Arc<pd_tokenize::Tokenizer>,
     metrics: EngineMetrics,
     leases: Arc<LeaseBook>,
+    uploader: Option<Arc<dyn pd_model::BlockUpload>>,
     next_id: AtomicU64,
     thread: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
@@ -112,6 +114,7 @@ impl EngineHandle {
         let tokenizer = engine.tokenizer().clone();
         let metrics = engine.metrics().clone();
         let leases = engine.leases().clone();
+        let uploader = engine.uploader();
         let thread = std::thread::Builder::new()
             .name("pd-engine".into())
             .spawn(move || engine.run(rx))?;
@@ -122,6 +125,7 @@ impl EngineHandle {
                 tokenizer,
                 metrics,
                 leases,
+                uploader,
                 next_id: AtomicU64::new(1),
                 thread: std::sync::Mutex::new(Some(thread)),
             }),
@@ -176,7 +180,28 @@ impl EngineHandle {
     /// Ends the wait of request `id` (submitted with [`crate::KvTransfer::Consume`]) for its
     /// prompt's KV: what arrived, or that it must be computed here.
     pub fn remote_kv_ready(&self, id: RequestId, outcome: RemoteKv) {
-        let _ = self.inner.commands.send(Command::RemoteKv(id, outcome));
+        let _ = self
+            .inner
+            .commands
+            .send(Command::RemoteKv(id, outcome, false));
+    }
+
+    /// [`EngineHandle::remote_kv_ready`] after a pull that uploaded every block it pulled into
+    /// the compute pool itself, through [`EngineHandle::uploader`] (settled): the engine copies
+    /// nothing more.
+    pub fn remote_kv_landed(&self, id: RequestId, outcome: RemoteKv) {
+        let _ = self
+            .inner
+            .commands
+            .send(Command::RemoteKv(id, outcome, true));
+    }
+
+    /// Where the model computes on a staged pool ([`EngineInfo::kv_path`] not `in-place`): the
+    /// handle a pull uploads its blocks with as they land, from its own thread, instead of the
+    /// engine copying them after the pull ([`pd_model::BlockUpload`]; then
+    /// [`EngineHandle::remote_kv_landed`]). `None` on a node that computes in place.
+    pub fn uploader(&self) -> Option<&Arc<dyn pd_model::BlockUpload>> {
+        self.inner.uploader.as_ref()
     }
 
     /// The prefix cache's hashes now, and its changes from then on.

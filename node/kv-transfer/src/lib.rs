@@ -4,6 +4,7 @@
 //! - [`compat`]: what two nodes must agree on before one reads the other's blocks.
 //! - [`plan`]: a list of block ids becomes a short list of contiguous byte ranges.
 //! - [`copier`]: a helper thread that shares large copies from a peer's pool mapped here.
+//! - [`landing`]: where pulled blocks go as they land (a staged node's compute pool).
 //! - [`pull`]: the one-sided UCX reads (and, from a peer with another block size or order, the
 //!   conversion after them); [`puller`] runs them on a thread that owns the worker.
 //! - [`service`] (owner) and [`peer`] (puller): the `KvPeer` gRPC side channel — handshake,
@@ -21,6 +22,7 @@
 
 pub mod compat;
 pub mod copier;
+pub mod landing;
 pub mod lease_authority;
 pub mod metrics;
 pub mod owner_clock;
@@ -32,14 +34,15 @@ pub mod service;
 
 pub use compat::{CompatError, CompatInfo, TRANSFER_PROTOCOL_VERSION, needs_rechunk};
 pub use copier::Copier;
+pub use landing::Landing;
 pub use lease_authority::{LeaseAuthority, LocalBlocks, PoolStats};
 pub use metrics::TransferMetrics;
 pub use owner_clock::{OwnerClock, monotonic_ns};
 pub use peer::{FailurePolicy, Fallback, HandshakeCache, PeerClient, PeerInfo, TransferError};
 pub use plan::{CopyRange, plan_ranges};
 pub use pull::{
-    PostedPull, PullError, PullSource, PullStats, Rechunk, copy_pull, post_pull, pull_blocks,
-    rechunk_pull,
+    LANDING_PART_BYTES, PostedPull, PullError, PullSource, PullStats, Rechunk, copy_pull,
+    copy_pull_landing, post_pull, pull_blocks, rechunk_pull,
 };
 pub use puller::{
     EarlyConfirm, LeaseKeeper, LeasePull, LeasedBlocks, MAX_PEERS, MAX_PULLS_PER_PEER, PullVia,

@@ -52,6 +52,9 @@ pub struct TransferMetrics {
     /// Bytes of mapped-pool copies that the copy helper thread moved
     /// (`pd_kv_copy_helper_bytes_total`; the rest moved on the puller thread).
     pub copy_helper_bytes: IntCounter,
+    /// Pulled blocks uploaded into a staged compute pool by the pull as they landed
+    /// (`pd_kv_landed_blocks_total`; [`crate::Landing`]).
+    pub landed_blocks: IntCounter,
     /// Bytes per second of this node's pulls: a moving average over pulls of at least
     /// [`PULL_RATE_MIN_BYTES`] (0 until one). Reported to the gateway, so a policy can weigh
     /// pulling a prefix against recomputing it.
@@ -154,6 +157,11 @@ impl TransferMetrics {
             "Bytes of pulls copied from a peer's mapped pool by the copy helper thread",
         )
         .expect("valid counter");
+        let landed_blocks = IntCounter::new(
+            "pd_kv_landed_blocks_total",
+            "Pulled blocks uploaded into the compute pool by the pull as they landed (staged KV)",
+        )
+        .expect("valid counter");
         let live_leases = IntGauge::new("pd_kv_leases_live", "Live leases on this node as owner")
             .expect("valid gauge");
         let pull_bytes_per_second = Gauge::new(
@@ -208,6 +216,7 @@ impl TransferMetrics {
             Box::new(incomplete_params.clone()),
             Box::new(rechunked_pulls.clone()),
             Box::new(copy_helper_bytes.clone()),
+            Box::new(landed_blocks.clone()),
             Box::new(pull_bytes_per_second.clone()),
         ] {
             registry.register(c).expect("unique metric");
@@ -227,6 +236,7 @@ impl TransferMetrics {
             incomplete_params,
             rechunked_pulls,
             copy_helper_bytes,
+            landed_blocks,
             pull_bytes_per_second,
             consume_stage_seconds,
             confirms,
@@ -258,6 +268,7 @@ impl TransferMetrics {
         self.post_seconds.observe(s.post_time.as_secs_f64());
         self.bytes.inc_by(s.bytes as u64);
         self.copy_helper_bytes.inc_by(s.helper_bytes as u64);
+        self.landed_blocks.inc_by(s.landed_blocks as u64);
         self.descriptors.observe(s.descriptors as f64);
         let secs = s.total_time.as_secs_f64();
         if s.bytes >= PULL_RATE_MIN_BYTES && secs > 0.0 {

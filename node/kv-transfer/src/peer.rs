@@ -87,6 +87,7 @@ impl TransferError {
             TransferError::Deadline(_) | TransferError::Transfer(PullError::Deadline(_)) => {
                 "deadline"
             }
+            TransferError::Transfer(PullError::Landing(_)) => "staging",
             TransferError::Transfer(_) => "transfer_error",
             TransferError::LeaseLost { reason, .. } if reason == "stale_epoch" => "stale_epoch",
             TransferError::LeaseLost { .. } => "lease_expired",

@@ -38,6 +38,8 @@ pub struct PullStats {
     pub copied: bool,
     /// Of `bytes`, those the copy helper thread moved ([`Copier`]; 0 for gets).
     pub helper_bytes: usize,
+    /// Blocks handed on as they landed ([`crate::landing::Landing`]; 0 without one).
+    pub landed_blocks: usize,
 }
 
 /// Why a pull failed.
@@ -74,6 +76,10 @@ pub enum PullError {
     /// A local block named twice in one pull.
     #[error("local block {0} named twice")]
     RepeatedBlock(u32),
+    /// The blocks could not be handed on as they landed ([`crate::landing::Landing`]: a staged
+    /// node's upload into its compute pool).
+    #[error("uploading pulled blocks into the compute pool: {0}")]
+    Landing(String),
 }
 
 /// A pull from a peer whose blocks differ from ours in size or order
@@ -183,6 +189,7 @@ pub unsafe fn rechunk_pull(
         total_time: took,
         copied: true,
         helper_bytes: 0,
+        landed_blocks: 0,
     })
 }
 
@@ -216,6 +223,7 @@ pub fn pull_blocks(
         total_time: start.elapsed(),
         copied: false,
         helper_bytes: 0,
+        landed_blocks: 0,
     })
 }
 
@@ -299,7 +307,70 @@ pub unsafe fn copy_pull(
         total_time: took,
         copied: true,
         helper_bytes,
+        landed_blocks: 0,
     })
+}
+
+/// Bytes copied per part of a [`copy_pull_landing`]: each part is handed on as soon as it is
+/// in, so a GPU's upload of one part overlaps the copy of the next.
+pub const LANDING_PART_BYTES: usize = 1 << 20;
+
+/// [`copy_pull`] in parts of about [`LANDING_PART_BYTES`] (whole blocks), handing each part's
+/// blocks to `landing` as soon as the part is in, and settling it before returning.
+///
+/// # Errors
+/// As [`copy_pull`] (nothing is copied then), and [`PullError::Landing`] (the copy stops; what
+/// was handed on has settled).
+///
+/// # Safety
+/// As [`copy_pull`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn copy_pull_landing(
+    mapped: *const u8,
+    remote_len: usize,
+    dst: &MemoryRegion,
+    remote: &[BlockId],
+    local: &[BlockId],
+    block_bytes: usize,
+    copier: &Copier,
+    landing: &dyn crate::landing::Landing,
+) -> Result<PullStats, PullError> {
+    // The whole pull is checked before anything moves (each part checks only itself).
+    checked_ranges(remote, local, block_bytes, remote_len, dst.len())?;
+    let start = Instant::now();
+    let per_part = (LANDING_PART_BYTES / block_bytes.max(1)).max(1);
+    landing.begin().map_err(PullError::Landing)?;
+    let mut total = PullStats {
+        bytes: 0,
+        descriptors: 0,
+        post_time: Duration::ZERO,
+        total_time: Duration::ZERO,
+        copied: true,
+        helper_bytes: 0,
+        landed_blocks: 0,
+    };
+    let mut handed = Ok(());
+    for (r, l) in remote.chunks(per_part).zip(local.chunks(per_part)) {
+        // SAFETY: per the caller; a part of a checked pull.
+        let part = unsafe { copy_pull(mapped, remote_len, dst, r, l, block_bytes, copier) };
+        handed = part.and_then(|p| {
+            total.bytes += p.bytes;
+            total.descriptors += p.descriptors;
+            total.helper_bytes += p.helper_bytes;
+            // SAFETY: the part's blocks are in, owned by this pull (per the caller).
+            unsafe { crate::landing::land(landing, dst, l, block_bytes) }?;
+            total.landed_blocks += l.len();
+            Ok(())
+        });
+        if handed.is_err() {
+            break;
+        }
+    }
+    let settled = landing.settle().map_err(PullError::Landing);
+    handed.and(settled)?;
+    total.total_time = start.elapsed();
+    total.post_time = total.total_time;
+    Ok(total)
 }
 
 /// Reads posted by [`post_pull`], completed by one flush of their endpoint.
@@ -327,6 +398,7 @@ impl PostedPull<'_> {
             total_time: self.start.elapsed(),
             copied: false,
             helper_bytes: 0,
+            landed_blocks: 0,
         }
     }
 }

@@ -30,6 +30,7 @@ use pd_ucx::{Context, Endpoint, MemoryRegion, RemoteKey, Request, Worker};
 use tokio::sync::oneshot;
 
 use crate::copier::{Copier, lock};
+use crate::landing::Landing;
 use crate::peer::{PeerInfo, TransferError};
 use crate::pull::{PostedPull, PullError, PullSource, PullStats, Rechunk, post_pull};
 
@@ -104,6 +105,9 @@ pub enum PullVia {
 #[derive(Debug, Clone)]
 pub struct Puller {
     jobs: mpsc::Sender<Msg>,
+    /// Our pool's registered memory (what pulls write), and its block size.
+    local: Arc<MemoryRegion>,
+    block_bytes: usize,
     /// Peers' pools mapped here, for copies on the caller's thread (`None` with
     /// [`PullVia::Get`]).
     direct: Option<Arc<Direct>>,
@@ -196,10 +200,16 @@ impl Puller {
         });
         let (jobs, rx) = mpsc::channel::<Msg>();
         let thread_direct = direct.clone();
+        let thread_local = local.clone();
         std::thread::Builder::new()
             .name("pd-kv-puller".into())
-            .spawn(move || run(&ctx, &local, block_bytes, thread_direct, &rx))?;
-        Ok(Self { jobs, direct })
+            .spawn(move || run(&ctx, &thread_local, block_bytes, thread_direct, &rx))?;
+        Ok(Self {
+            jobs,
+            local,
+            block_bytes,
+            direct,
+        })
     }
 
     /// Reads `remote[i]` of `peer` into local block `local[i]`; resolves when the data is in
@@ -219,7 +229,7 @@ impl Puller {
         board_slot: Option<u32>,
         deadline: Instant,
     ) -> Result<Pulled, TransferError> {
-        self.pull_converting(peer, remote, local, None, board_slot, deadline)
+        self.pull_converting(peer, remote, local, None, board_slot, None, deadline)
             .await
     }
 
@@ -228,8 +238,13 @@ impl Puller {
     /// peer's blocks are copied from its pool mapped here, or read whole into a staging buffer
     /// with gets, and converted into ours ([`crate::pull::rechunk_pull`]) before the reply.
     ///
+    /// With `landing`, every local block is handed to it ([`Landing`]) before this returns Ok:
+    /// part by part as the copy goes where the pull is copied on this thread, else all of them
+    /// once the reads are in (on a blocking thread, not this task's worker).
+    ///
     /// # Errors
-    /// As [`Puller::pull`].
+    /// As [`Puller::pull`]; [`PullError::Landing`] when the landing failed.
+    #[allow(clippy::too_many_arguments)]
     pub async fn pull_converting(
         &self,
         peer: &PeerInfo,
@@ -237,13 +252,22 @@ impl Puller {
         local: Vec<BlockId>,
         rechunk: Option<Rechunk>,
         board_slot: Option<u32>,
+        landing: Option<Arc<dyn Landing>>,
         deadline: Instant,
     ) -> Result<Pulled, TransferError> {
         if rechunk.is_none()
-            && let Some(pulled) = self.copy_here(peer, &remote, &local, board_slot, deadline)
+            && let Some(pulled) = self.copy_here(
+                peer,
+                &remote,
+                &local,
+                board_slot,
+                landing.as_deref(),
+                deadline,
+            )
         {
             return Ok(pulled?);
         }
+        let landed = landing.map(|l| (l, local.clone()));
         let (reply, rx) = oneshot::channel();
         let now = Instant::now();
         self.jobs
@@ -258,7 +282,20 @@ impl Puller {
                 reply,
             })))
             .map_err(|_| TransferError::PullerStopped)?;
-        Ok(rx.await.map_err(|_| TransferError::PullerStopped)??)
+        let mut pulled = rx.await.map_err(|_| TransferError::PullerStopped)??;
+        if let Some((landing, local)) = landed {
+            let (region, block_bytes) = (self.local.clone(), self.block_bytes);
+            let n = local.len();
+            tokio::task::spawn_blocking(move || {
+                // SAFETY: the reads are in and nothing writes these blocks any more (the
+                // puller's reply); they stay this pull's until it returns, after this.
+                unsafe { crate::landing::land_all(&*landing, &region, &local, block_bytes) }
+            })
+            .await
+            .map_err(|e| PullError::Landing(format!("the upload task failed: {e}")))??;
+            pulled.stats.landed_blocks = n;
+        }
+        Ok(pulled)
     }
 
     /// A pull copied on this thread from `peer`'s pool, when the puller thread has it mapped
@@ -270,6 +307,7 @@ impl Puller {
         remote: &[BlockId],
         local: &[BlockId],
         board_slot: Option<u32>,
+        landing: Option<&dyn Landing>,
         deadline: Instant,
     ) -> Option<Result<Pulled, PullError>> {
         let direct = self.direct.as_ref()?;
@@ -289,15 +327,27 @@ impl Puller {
         // SAFETY: the pool stays mapped while `alive` is held and true (see `Mapping`); the
         // local blocks are reserved for this pull by the engine, as for the puller thread.
         let copied = unsafe {
-            crate::pull::copy_pull(
-                mapping.pool,
-                mapping.pool_len,
-                &direct.local,
-                remote,
-                local,
-                direct.block_bytes,
-                &direct.copier,
-            )
+            match landing {
+                None => crate::pull::copy_pull(
+                    mapping.pool,
+                    mapping.pool_len,
+                    &direct.local,
+                    remote,
+                    local,
+                    direct.block_bytes,
+                    &direct.copier,
+                ),
+                Some(l) => crate::pull::copy_pull_landing(
+                    mapping.pool,
+                    mapping.pool_len,
+                    &direct.local,
+                    remote,
+                    local,
+                    direct.block_bytes,
+                    &direct.copier,
+                    l,
+                ),
+            }
         };
         let record = match (copied.is_ok(), mapping.board, board_slot) {
             // SAFETY: the board is mapped through the same key, alive as above.
@@ -1030,6 +1080,8 @@ pub struct LeasedBlocks {
     /// beat shows the owner alive at most this long before the record was read (`None`:
     /// always hear the owner). See [`pull_under_lease_with`].
     pub board_freshness: Option<Duration>,
+    /// Where the blocks go as they land (a staged node's compute pool), if anywhere.
+    pub landing: Option<Arc<dyn Landing>>,
 }
 
 /// The whole pull of one lease: read the blocks, then confirm with the owner that the lease
@@ -1109,6 +1161,7 @@ pub async fn pull_under_lease_with(
             blocks.local,
             blocks.rechunk,
             blocks.board_slot,
+            blocks.landing,
             deadline,
         );
         // Without an early confirmation, one goes out alongside the reads — unless the caller

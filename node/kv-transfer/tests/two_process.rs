@@ -89,6 +89,7 @@ impl Owner {
             expect: pd_kv_pool::LeaseContents::default(),
             board_slot: None,
             board_freshness: None,
+            landing: None,
         }
     }
 }
@@ -489,5 +490,103 @@ async fn mapped_pulls_after_the_first_copy_on_the_callers_thread_until_forgotten
         }
     }
     assert_eq!(on_caller, [false, true, false, true]);
+    client.release(owner.lease, owner.generation).await.unwrap();
+}
+
+/// What a pull handed on as its blocks landed ([`pd_kv_transfer::Landing`]).
+#[derive(Debug, Default)]
+struct Landed {
+    begun: std::sync::atomic::AtomicUsize,
+    settled: std::sync::atomic::AtomicUsize,
+    blocks: std::sync::Mutex<Vec<(BlockId, Vec<f32>)>>,
+}
+
+impl pd_kv_transfer::Landing for Landed {
+    fn begin(&self) -> Result<(), String> {
+        self.begun.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+
+    unsafe fn landed(&self, block: BlockId, bytes: &[u8]) -> Result<(), String> {
+        let floats = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
+            .collect();
+        self.blocks.lock().unwrap().push((block, floats));
+        Ok(())
+    }
+
+    fn settle(&self) -> Result<(), String> {
+        self.settled
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// A pull with a landing (a staged node uploading as blocks land) hands every local block on
+/// exactly once, in order, holding the peer's bytes, between one begin and one settle —
+/// whichever way the pull went: through the puller thread's copy, copied on the caller's
+/// thread, or read with UCX gets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_hands_each_block_on_as_it_lands_whichever_way_it_reads() {
+    let owner = Owner::start(30_000);
+    let mapped = local();
+    let gets = {
+        let ctx = Context::new().unwrap();
+        let region = Arc::new(MemoryRegion::allocate(&ctx, layout().pool_bytes()).unwrap());
+        let puller = Puller::spawn_via(
+            ctx,
+            region.clone(),
+            layout().block_bytes(),
+            pd_kv_transfer::PullVia::Get,
+        )
+        .unwrap();
+        Local { region, puller }
+    };
+    let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
+    let peer = client.handshake(&compat(), 1, false).await.unwrap();
+    let n = owner.blocks.len() as u32;
+    let mut ways = Vec::new();
+    for (round, l) in [&mapped, &mapped, &gets].into_iter().enumerate() {
+        let local_ids: Vec<BlockId> = (0..n).map(|i| BlockId(round as u32 * n + i)).collect();
+        let landed = Arc::new(Landed::default());
+        let pulled = l
+            .puller
+            .pull_converting(
+                &peer,
+                owner.blocks.clone(),
+                local_ids.clone(),
+                None,
+                None,
+                Some(landed.clone()),
+                deadline(),
+            )
+            .await
+            .unwrap();
+        ways.push((pulled.stats.copied, pulled.on_caller));
+        assert_eq!(pulled.stats.landed_blocks, n as usize, "round {round}");
+        assert_eq!(landed.begun.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(landed.settled.load(std::sync::atomic::Ordering::SeqCst), 1);
+        let blocks = landed.blocks.lock().unwrap();
+        let order: Vec<BlockId> = blocks.iter().map(|(b, _)| *b).collect();
+        assert_eq!(order, local_ids, "round {round}: each block once, in order");
+        for ((b, got), r) in blocks.iter().zip(&owner.blocks) {
+            let want: Vec<f32> = (0..got.len()).map(|i| pattern(r.index(), i)).collect();
+            assert!(
+                *got == want,
+                "round {round}: {r:?} -> {b:?} handed on wrong"
+            );
+            assert_eq!(
+                local_block(l, *b),
+                &want[..],
+                "round {round}: and in the pool"
+            );
+        }
+    }
+    assert_eq!(
+        ways,
+        [(true, false), (true, true), (false, false)],
+        "thread copy, caller copy, gets"
+    );
     client.release(owner.lease, owner.generation).await.unwrap();
 }

@@ -13,20 +13,23 @@
 //! the first copy (`cuMemHostRegister`, [`Pinned`]), so each copy is a DMA straight from or to
 //! the memory UCX serves; if the driver refuses (the log says so) the copies still work,
 //! through the driver's own bounce buffer. A block is a contiguous range of both pools (every
-//! layer's K and V), so no gather is needed; overlapping the uploads with the pull itself is
-//! not built (ARCHITECTURE.md, "The GPU path").
+//! layer's K and V), so no gather is needed. A pull uploads its blocks as they land, from its
+//! own thread, on a copy stream of their own ([`DeviceUpload`]): the DMA of one part overlaps
+//! the host's copy of the next, and the engine's stream is not held up.
 
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, Device, Storage, Tensor};
-use cudarc::driver::{CudaSlice, CudaStream, CudaView, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, ValidAsZeroBits, result, sys,
+};
 use pd_kernels::cuda::{Kernels, PoolElem};
 use pd_kv_pool::{BlockId, KvDtype, KvElem, KvLayout, KvPool};
 
 use crate::batch::BatchInput;
 use crate::error::ModelError;
-use crate::kv_store::{LayerQkv, PagedKv, StagedKv, blocks_inside, same_layout};
+use crate::kv_store::{BlockUpload, LayerQkv, PagedKv, StagedKv, blocks_inside, same_layout};
 
 /// The pool's memory, typed by its dtype.
 enum Slab {
@@ -143,6 +146,112 @@ pub struct DevicePool {
     step: Option<Step>,
     /// The transfer pool, page-locked at the first copy.
     pinned: Option<Pinned>,
+    /// The pulls' uploader, once asked for; stopped and drained before the slab is freed.
+    uploader: Option<Arc<DeviceUpload>>,
+}
+
+impl Drop for DevicePool {
+    fn drop(&mut self) {
+        if let Some(u) = &self.uploader {
+            // No upload starts once this is taken; those under way finish before the slab goes.
+            *u.alive.write().unwrap_or_else(|e| e.into_inner()) = false;
+            if let Err(e) = u.settle() {
+                tracing::error!(error = %e, "waiting for the pulls' uploads before freeing the compute pool");
+            }
+        }
+    }
+}
+
+/// [`BlockUpload`] into a [`DevicePool`]: asynchronous copies from the page-locked transfer
+/// pool, on a stream of their own that each pull first orders after the compute stream's work.
+/// The stream is made with the driver's API, not `CudaContext::new_stream`, so candle's context
+/// does not switch to cudarc's multi-stream event tracking (an event per slice per use).
+struct DeviceUpload {
+    /// False once the pool is being dropped; copies start only while it is held true.
+    alive: RwLock<bool>,
+    /// The slab's first byte on the device.
+    base: sys::CUdeviceptr,
+    block_bytes: usize,
+    num_blocks: usize,
+    /// Candle's stream, which the model's kernels run on.
+    compute: Arc<CudaStream>,
+    /// The copies' stream (ours: destroyed on drop).
+    copies: sys::CUstream,
+}
+
+// SAFETY: CUDA streams and device addresses may be used from any thread once the context is
+// bound there (each method binds it); the driver serialises work queued on one stream.
+unsafe impl Send for DeviceUpload {}
+// SAFETY: as for `Send`: every method takes `&self` and only queues work or waits.
+unsafe impl Sync for DeviceUpload {}
+
+impl std::fmt::Debug for DeviceUpload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceUpload")
+            .field("block_bytes", &self.block_bytes)
+            .field("num_blocks", &self.num_blocks)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for DeviceUpload {
+    fn drop(&mut self) {
+        if self.compute.context().bind_to_thread().is_ok() {
+            // SAFETY: our stream, created in `DevicePool::uploader`, destroyed once.
+            unsafe {
+                let _ = result::stream::synchronize(self.copies);
+                let _ = result::stream::destroy(self.copies);
+            }
+        }
+    }
+}
+
+impl BlockUpload for DeviceUpload {
+    fn begin(&self) -> Result<(), ModelError> {
+        self.compute.context().bind_to_thread().map_err(gpu)?;
+        let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(gpu)?;
+        // SAFETY: a fresh event, recorded on candle's live stream, waited on by ours, then
+        // destroyed (the driver releases it once complete).
+        unsafe {
+            let r = result::event::record(ev, self.compute.cu_stream()).and_then(|()| {
+                result::stream::wait_event(
+                    self.copies,
+                    ev,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            });
+            let _ = result::event::destroy(ev);
+            r.map_err(gpu)
+        }
+    }
+
+    unsafe fn upload(&self, block: BlockId, bytes: &[u8]) -> Result<(), ModelError> {
+        let alive = self.alive.read().unwrap_or_else(|e| e.into_inner());
+        if !*alive {
+            return Err(gpu("the compute pool is gone"));
+        }
+        if block.index() >= self.num_blocks || bytes.len() != self.block_bytes {
+            return Err(ModelError::InvalidBatch(format!(
+                "upload of {} bytes into block {} of a pool of {} blocks of {} bytes",
+                bytes.len(),
+                block.index(),
+                self.num_blocks,
+                self.block_bytes
+            )));
+        }
+        self.compute.context().bind_to_thread().map_err(gpu)?;
+        let dst = self.base + (block.index() * self.block_bytes) as sys::CUdeviceptr;
+        // SAFETY: the block lies inside the slab, alive while `alive` is held true (the pool's
+        // drop waits for these copies); the caller owns the block and keeps `bytes` as it is
+        // until `settle`.
+        unsafe { result::memcpy_htod_async(dst, bytes, self.copies) }.map_err(gpu)
+    }
+
+    fn settle(&self) -> Result<(), ModelError> {
+        self.compute.context().bind_to_thread().map_err(gpu)?;
+        // SAFETY: our live stream.
+        unsafe { result::stream::synchronize(self.copies) }.map_err(gpu)
+    }
 }
 
 impl std::fmt::Debug for DevicePool {
@@ -182,6 +291,7 @@ impl DevicePool {
             slab,
             step: None,
             pinned: None,
+            uploader: None,
         })
     }
 
@@ -408,6 +518,28 @@ impl StagedKv for DevicePool {
 
     fn path(&self) -> &'static str {
         "cuda-host-staged"
+    }
+
+    fn uploader(&mut self, transfer: &KvPool) -> Result<Option<Arc<dyn BlockUpload>>, ModelError> {
+        same_layout(&self.layout, transfer.layout())?;
+        if self.uploader.is_none() {
+            // The copies are asynchronous only from page-locked memory.
+            self.pin(transfer);
+            self.stream.context().bind_to_thread().map_err(gpu)?;
+            let copies =
+                result::stream::create(result::stream::StreamKind::NonBlocking).map_err(gpu)?;
+            let stream = self.stream.clone();
+            let base = with_slab!(&self.slab, slab, _T => slab.device_ptr(&stream).0);
+            self.uploader = Some(Arc::new(DeviceUpload {
+                alive: RwLock::new(true),
+                base,
+                block_bytes: self.layout.block_bytes(),
+                num_blocks: self.layout.num_blocks,
+                compute: stream,
+                copies,
+            }));
+        }
+        Ok(self.uploader.clone().map(|u| u as Arc<dyn BlockUpload>))
     }
 }
 

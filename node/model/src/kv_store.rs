@@ -8,12 +8,15 @@
 //! - **download** (compute pool → transfer pool) right before a lease is granted on blocks, so
 //!   a peer that reads them finds the KV the model computed;
 //! - **upload** (transfer pool → compute pool) right after a pull wrote blocks, before any step
-//!   reads them;
+//!   reads them — by the engine, or block by block as they land by the thread that pulled them
+//!   ([`BlockUpload`]), so the copies overlap the rest of the pull and the engine keeps stepping;
 //! - copy-on-write copies run on the compute pool.
 //!
 //! [`HostStaged`] is that path on the CPU: a second host pool and block copies, so the engine's
 //! staging (`pd-node --kv-staged`) is tested token for token between real processes without a
 //! GPU. The GPU's pool is `device_pool::DevicePool` (`cuda` feature).
+
+use std::sync::{Arc, RwLock};
 
 use candle_core::Tensor;
 use pd_kv_pool::{BlockId, KvLayout, KvPool};
@@ -121,6 +124,53 @@ pub trait StagedKv: PagedKv + Send + std::fmt::Debug {
     /// The path's name, for the log and the handshake: `host-staged` (CPU) or
     /// `cuda-host-staged`.
     fn path(&self) -> &'static str;
+
+    /// A handle that uploads blocks from the transfer pool `transfer` into this pool from
+    /// another thread while the engine steps ([`BlockUpload`]); `None` where this pool has none.
+    /// Copies through it stop (with an error) once this pool is dropped.
+    ///
+    /// # Errors
+    /// A layout mismatch, or a device error.
+    fn uploader(&mut self, transfer: &KvPool) -> Result<Option<Arc<dyn BlockUpload>>, ModelError> {
+        let _ = transfer;
+        Ok(None)
+    }
+}
+
+/// Uploads pulled blocks into a staged compute pool from the thread that pulled them, as they
+/// land: the copies overlap the rest of the pull (a GPU's copies run on their own stream while
+/// the host copies the next blocks) and never hold up the engine's steps.
+///
+/// One pull: [`BlockUpload::begin`], then [`BlockUpload::upload`] for each landed block, then
+/// [`BlockUpload::settle`] on every way out — before the engine hears of the blocks, and before
+/// they are freed after a failure.
+pub trait BlockUpload: Send + Sync + std::fmt::Debug {
+    /// Orders the copies that follow after everything the engine has asked of the compute pool
+    /// so far (on a GPU: after the work queued on the compute stream, which may still write a
+    /// block freed since). Once per pull, before its first upload.
+    ///
+    /// # Errors
+    /// The pool is gone, or a device error.
+    fn begin(&self) -> Result<(), ModelError>;
+
+    /// Starts copying `bytes`, block `block` of the transfer pool, into the same block of the
+    /// compute pool; may return before the copy is done (a GPU's copy stream).
+    ///
+    /// # Errors
+    /// The pool is gone, `block` lies outside it or `bytes` is not one block, or a device error.
+    ///
+    /// # Safety
+    /// `block` is reserved for the caller's pull: the engine neither reads nor writes it, in
+    /// either pool, until this pull's [`BlockUpload::settle`] has returned; and `bytes` stays
+    /// valid and unchanged until then.
+    unsafe fn upload(&self, block: BlockId, bytes: &[u8]) -> Result<(), ModelError>;
+
+    /// Returns once every copy started through this handle has finished (including other
+    /// pulls' copies started meanwhile).
+    ///
+    /// # Errors
+    /// A device error.
+    fn settle(&self) -> Result<(), ModelError>;
 }
 
 /// Checks that `a` and `b` hold the same blocks in the same bytes.
@@ -150,7 +200,65 @@ pub(crate) fn blocks_inside(l: &KvLayout, blocks: &[BlockId]) -> Result<(), Mode
 /// copied to and from the transfer pool as a GPU node copies them to and from device memory.
 #[derive(Debug)]
 pub struct HostStaged {
+    /// False once this pool is being dropped: [`HostUpload`]s copy only while they hold it
+    /// true, for reading.
+    alive: Arc<RwLock<bool>>,
     pool: KvPool,
+}
+
+impl Drop for HostStaged {
+    fn drop(&mut self) {
+        // No upload is copying once this is taken, and none starts after.
+        *self.alive.write().unwrap_or_else(|e| e.into_inner()) = false;
+    }
+}
+
+/// [`BlockUpload`] into a [`HostStaged`] pool: a plain copy on the caller's thread.
+#[derive(Debug)]
+struct HostUpload {
+    alive: Arc<RwLock<bool>>,
+    /// The compute pool's first byte (an address: the pool is written only through it, block
+    /// by block, by callers that own those blocks).
+    base: usize,
+    block_bytes: usize,
+    num_blocks: usize,
+}
+
+impl BlockUpload for HostUpload {
+    fn begin(&self) -> Result<(), ModelError> {
+        Ok(())
+    }
+
+    unsafe fn upload(&self, block: BlockId, bytes: &[u8]) -> Result<(), ModelError> {
+        let alive = self.alive.read().unwrap_or_else(|e| e.into_inner());
+        if !*alive {
+            return Err(ModelError::Device("the compute pool is gone".into()));
+        }
+        if block.index() >= self.num_blocks || bytes.len() != self.block_bytes {
+            return Err(ModelError::InvalidBatch(format!(
+                "upload of {} bytes into block {} of a pool of {} blocks of {} bytes",
+                bytes.len(),
+                block.index(),
+                self.num_blocks,
+                self.block_bytes
+            )));
+        }
+        // SAFETY: the block lies inside the pool (checked; blocks are contiguous, block-major:
+        // `KvPool::block_bytes`), which stays allocated while `alive` is held true; the caller
+        // owns the block (nothing else touches it) and `bytes` is another pool's memory.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                (self.base as *mut u8).add(block.index() * self.block_bytes),
+                self.block_bytes,
+            );
+        }
+        Ok(())
+    }
+
+    fn settle(&self) -> Result<(), ModelError> {
+        Ok(())
+    }
 }
 
 impl HostStaged {
@@ -161,7 +269,10 @@ impl HostStaged {
     pub fn new(layout: KvLayout) -> Result<Self, ModelError> {
         let pool = KvPool::new(layout)
             .map_err(|e| ModelError::InvalidBatch(format!("compute pool: {e}")))?;
-        Ok(Self { pool })
+        Ok(Self {
+            alive: Arc::new(RwLock::new(true)),
+            pool,
+        })
     }
 
     /// The compute pool (for tests).
@@ -216,6 +327,17 @@ impl StagedKv for HostStaged {
     fn path(&self) -> &'static str {
         "host-staged"
     }
+
+    fn uploader(&mut self, transfer: &KvPool) -> Result<Option<Arc<dyn BlockUpload>>, ModelError> {
+        same_layout(self.pool.layout(), transfer.layout())?;
+        let l = self.pool.layout();
+        Ok(Some(Arc::new(HostUpload {
+            alive: self.alive.clone(),
+            base: self.pool.base_ptr() as usize,
+            block_bytes: l.block_bytes(),
+            num_blocks: l.num_blocks,
+        })))
+    }
 }
 
 #[cfg(test)]
@@ -258,5 +380,56 @@ mod tests {
         assert!(staged.upload(&transfer, &[BlockId(4)]).is_err());
         let other = KvPool::new(KvLayout { num_blocks: 5, ..l }).unwrap();
         assert!(staged.upload(&other, &[BlockId(0)]).is_err());
+    }
+
+    /// The uploader writes the named block, byte for byte, from another thread, refuses what is
+    /// not one block inside the pool, and stops once the pool is dropped.
+    #[test]
+    fn the_uploader_writes_one_block_from_another_thread_until_the_pool_is_gone() {
+        let l = layout();
+        let mut transfer = KvPool::new(l).unwrap();
+        let mut staged = HostStaged::new(l).unwrap();
+        let up = staged.uploader(&transfer).unwrap().unwrap();
+        for b in 0..4 {
+            transfer
+                .block_mut::<f32>(BlockId(b as u32))
+                .fill(b as f32 + 1.0);
+        }
+        let (two, three) = (
+            transfer.block_bytes(BlockId(2)).to_vec(),
+            transfer.block_bytes(BlockId(3)).to_vec(),
+        );
+        let u = up.clone();
+        std::thread::spawn(move || {
+            u.begin().unwrap();
+            // SAFETY: nothing else touches blocks 2 and 3 of the compute pool here.
+            unsafe {
+                u.upload(BlockId(2), &two).unwrap();
+                u.upload(BlockId(3), &three).unwrap();
+            }
+            u.settle().unwrap();
+        })
+        .join()
+        .unwrap();
+        let got: Vec<f32> = (0..4)
+            .map(|b| staged.pool().block::<f32>(BlockId(b as u32))[7])
+            .collect();
+        assert_eq!(got, [0.0, 0.0, 3.0, 4.0]);
+        let one = transfer.block_bytes(BlockId(1)).to_vec();
+        // SAFETY: as above; these fail before writing.
+        unsafe {
+            assert!(up.upload(BlockId(4), &one).is_err());
+            assert!(up.upload(BlockId(1), &one[..4]).is_err());
+        }
+        drop(staged);
+        // SAFETY: the pool is gone: the upload refuses without writing.
+        let gone = unsafe { up.upload(BlockId(1), &one) };
+        assert!(gone.unwrap_err().to_string().contains("gone"));
+        assert!(
+            HostStaged::new(l)
+                .unwrap()
+                .uploader(&KvPool::new(KvLayout { num_blocks: 5, ..l }).unwrap())
+                .is_err()
+        );
     }
 }

@@ -48,7 +48,7 @@ pub use batch::{BatchInput, SeqView};
 pub use config::{Arch, HfConfig, ModelConfig};
 pub use error::ModelError;
 pub use gguf::GgufFile;
-pub use kv_store::{HostStaged, LayerQkv, PagedKv, StagedKv};
+pub use kv_store::{BlockUpload, HostStaged, LayerQkv, PagedKv, StagedKv};
 pub use llama::Model;
 pub use source::{FINGERPRINT_FULL_BYTES, ModelSource};
 pub use weights::WeightSource;

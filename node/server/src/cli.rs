@@ -111,6 +111,13 @@ pub struct ServeArgs {
     /// GPU path's staging without a GPU.
     #[arg(long)]
     pub kv_staged: bool,
+    /// Where the model computes on a staged pool (a GPU, or `--kv-staged`): a decode node's
+    /// pull uploads each block into it as the block lands, from the pull's thread, so the
+    /// uploads overlap the rest of the pull and the engine keeps stepping (`true`); `false`:
+    /// the engine uploads every pulled block after the pull, between its steps (for
+    /// comparison).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub kv_upload_while_pulling: bool,
     /// Serve the KV pool to peers: allocate it through UCX and answer the `KvPeer` side channel
     /// (handshake, leases, pool stats) on this port of `--host` (0 picks one; printed on stdout).
     #[arg(long)]

@@ -28,6 +28,29 @@ use tokio::sync::{mpsc, watch};
 use crate::kv_params::{Advert, RemotePrefill, prompt_hash};
 use crate::metrics::NodeMetrics;
 
+/// A pull's blocks, uploaded into the engine's staged compute pool as they land
+/// ([`pd_model::BlockUpload`] through [`pd_kv_transfer::Landing`]): on a GPU node each part's
+/// copy to the device runs while the next part is read, and the engine copies nothing after
+/// the pull (it hears [`EngineHandle::remote_kv_landed`]).
+#[derive(Debug)]
+struct StagedLanding(Arc<dyn pd_model::BlockUpload>);
+
+impl pd_kv_transfer::Landing for StagedLanding {
+    fn begin(&self) -> Result<(), String> {
+        self.0.begin().map_err(|e| e.to_string())
+    }
+
+    unsafe fn landed(&self, block: BlockId, bytes: &[u8]) -> Result<(), String> {
+        // SAFETY: the same contract (`Landing::landed`): the pull owns `block` in both pools
+        // and keeps `bytes` until it settles.
+        unsafe { self.0.upload(block, bytes) }.map_err(|e| e.to_string())
+    }
+
+    fn settle(&self) -> Result<(), String> {
+        self.0.settle().map_err(|e| e.to_string())
+    }
+}
+
 /// A node's part in P/D disaggregation (vLLM's `kv_role`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum KvRole {
@@ -87,6 +110,9 @@ pub struct PullConfig {
     /// A lease is confirmed on the producer's mapped lease board alone when the board beat at
     /// most this long before (`--kv-board-freshness-ms`; `None`: always hear the producer).
     pub board_freshness: Option<std::time::Duration>,
+    /// Pulls upload their blocks into a staged compute pool as they land
+    /// (`--kv-upload-while-pulling`; see [`StagedLanding`]).
+    pub upload_while_pulling: bool,
     /// Producers this node may contact. `remote_host` comes from the request, so a node
     /// reachable by untrusted clients must restrict them (vLLM #47843 was an SSRF through it).
     pub allowed_peers: AllowedPeers,
@@ -819,7 +845,12 @@ async fn relay(
     } else {
         None
     };
-    // 2. Pull.
+    // 2. Pull (into the compute pool too, as the blocks land, on a staged node).
+    let landing = engine
+        .uploader()
+        .filter(|_| loader.cfg.upload_while_pulling)
+        .map(|u| Arc::new(StagedLanding(u.clone())) as Arc<dyn pd_kv_transfer::Landing>);
+    let mut landed = false;
     let outcome: Result<RemoteKv, TransferError> = match skip {
         Some(Skip::Nothing) => Ok(RemoteKv::Pulled(cached)),
         Some(Skip::BelowThreshold) => {
@@ -896,6 +927,7 @@ async fn relay(
                                 .in_blocks(&remote.block_ids),
                             board_slot: remote.board_slot,
                             board_freshness: loader.cfg.board_freshness,
+                            landing: landing.clone(),
                         };
                         // Not cancellable: the reads land in our reserved blocks.
                         let r = pull_under_lease_with(
@@ -909,6 +941,7 @@ async fn relay(
                         )
                         .await;
                         r.map(|p| {
+                            landed = landing.is_some();
                             if let Some((first_token, key)) = p.next_token
                                 && held == prompt.len()
                             {
@@ -940,7 +973,11 @@ async fn relay(
     let decoding = std::time::Instant::now();
     match outcome {
         Ok(kv) => {
-            engine.remote_kv_ready(id, kv);
+            if landed {
+                engine.remote_kv_landed(id, kv);
+            } else {
+                engine.remote_kv_ready(id, kv);
+            }
             release_all(&disagg, &remotes);
         }
         Err(e) => {
@@ -996,6 +1033,7 @@ mod tests {
             pull_timeout: std::time::Duration::from_secs(5),
             wait_timeout: std::time::Duration::from_secs(60),
             board_freshness: None,
+            upload_while_pulling: true,
             allowed_peers: AllowedPeers::fixed(allowed.iter().map(|s| s.to_string()).collect()),
             cluster_token: tokio::sync::watch::channel(None).1,
         }

@@ -152,6 +152,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         pull_timeout,
         wait_timeout,
         board_freshness: args.board_freshness(),
+        upload_while_pulling: args.kv_upload_while_pulling,
         allowed_peers: AllowedPeers::fixed(args.kv_allowed_peers.clone()),
         cluster_token: token_rx.clone(),
     };

@@ -185,12 +185,13 @@ async fn conversation(name: &str, extra: &[&str]) {
         metric(&p, "pd_kv_leases_live").await == 0.0
     })
     .await;
-    // Staged nodes copied: D1 and D2 down for their retained turns, P up for its reverse pull.
+    // Staged nodes copied: D1 and D2 down for their retained turns, P up for its reverse pull
+    // (as the blocks landed, from the pull).
     let staged = !extra.is_empty();
     for (node, name) in [
         (&d1, "pd_node_kv_staged_blocks_down_total"),
         (&d2, "pd_node_kv_staged_blocks_down_total"),
-        (&p, "pd_node_kv_staged_blocks_up_total"),
+        (&p, "pd_kv_landed_blocks_total"),
     ] {
         assert_eq!(metric(node, name).await > 0.0, staged, "{name}");
     }

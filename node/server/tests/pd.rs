@@ -780,8 +780,10 @@ async fn n_children_share_one_handoff_and_one_pull() {
 /// on the chat API (D's cache holds the template's head, computed on its compute pool), a
 /// prompt extending an earlier one (D's cached blocks plus pulled ones; P's cached ones
 /// leased again), and seeded `n = 3` children (their forks copy partial blocks on the compute
-/// pool). Without the copies a staged node would hand over or read zeros. The counters show
-/// the copies ran on staged nodes only.
+/// pool). Without the copies a staged node would hand over or read zeros. D uploads each pulled
+/// block as it lands, from the pull (`--kv-upload-while-pulling`, the default), so its engine
+/// copies nothing after a pull; a D started with it off has the engine upload instead, as
+/// exactly. The counters show which copies ran where, and on staged nodes only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn staged_kv_as_on_a_gpu_hands_over_kv_token_exact_on_cpu() {
     let dir = model("staged");
@@ -790,10 +792,26 @@ async fn staged_kv_as_on_a_gpu_hands_over_kv_token_exact_on_cpu() {
     let p_plain = producer(&dir, &["--engine-id", "pp"]);
     let d_staged = consumer_with(&dir, "fail", &["--engine-id", "ds", "--kv-staged"]);
     let d_plain = consumer_with(&dir, "fail", &["--engine-id", "dp"]);
+    let d_after = consumer_with(
+        &dir,
+        "fail",
+        &[
+            "--engine-id",
+            "de",
+            "--kv-staged",
+            "--kv-upload-while-pulling",
+            "false",
+        ],
+    );
     let pairs = [
         (&p_staged, &d_staged, "staged → staged"),
         (&p_staged, &d_plain, "staged → in place"),
         (&p_plain, &d_staged, "in place → staged"),
+        (
+            &p_plain,
+            &d_after,
+            "in place → staged, the engine uploading",
+        ),
     ];
     for (i, (p, d, what)) in pairs.into_iter().enumerate() {
         let body = Api::Chat.body(&format!("{i}{LONG}"), 10);
@@ -828,17 +846,32 @@ async fn staged_kv_as_on_a_gpu_hands_over_kv_token_exact_on_cpu() {
     }
     let down = "pd_node_kv_staged_blocks_down_total";
     let up = "pd_node_kv_staged_blocks_up_total";
+    let landed = "pd_kv_landed_blocks_total";
     assert!(metric(&p_staged, down).await > 0.0);
-    assert!(metric(&d_staged, up).await > 0.0);
-    // Each copy is timed: one per lease on P, one per pull on D.
+    // Each copy is timed: one per lease on P; on D one per pull, where the engine uploads.
     assert_eq!(
         metric(&p_staged, "pd_node_kv_staging_down_seconds_count").await,
         metric(&p_staged, "pd_kv_leases_total{event=\"granted\"}").await
     );
-    assert!(metric(&d_staged, "pd_node_kv_staging_up_seconds_count").await > 0.0);
+    // D's pulls uploaded every block they pulled (token-exact above, with nothing uploaded
+    // after them); with the flag off, the engine did.
+    assert!(metric(&d_staged, landed).await > 0.0);
+    assert_eq!(
+        metric(&d_staged, up).await,
+        0.0,
+        "the engine uploaded nothing"
+    );
+    assert_eq!(
+        metric(&d_staged, "pd_node_kv_staging_up_seconds_count").await,
+        0.0
+    );
+    assert!(metric(&d_after, up).await > 0.0);
+    assert!(metric(&d_after, "pd_node_kv_staging_up_seconds_count").await > 0.0);
+    assert_eq!(metric(&d_after, landed).await, 0.0);
     for plain in [&p_plain, &d_plain] {
         assert_eq!(metric(plain, down).await, 0.0);
         assert_eq!(metric(plain, up).await, 0.0);
+        assert_eq!(metric(plain, landed).await, 0.0);
     }
     assert_eq!(metric(&d_staged, down).await, 0.0, "D leases nothing");
     for p in [&p_staged, &p_plain] {

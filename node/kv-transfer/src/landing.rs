@@ -1,0 +1,224 @@
+//! Where pulled blocks go once they are in: a node that computes on a staged pool (a GPU's
+//! device memory; `pd-node --kv-staged` on the CPU) uploads each block into it as it lands,
+//! from the pull's own thread, so the uploads overlap the rest of the pull and the engine does
+//! not copy after it. The node implements [`Landing`] over its engine's uploader; this crate
+//! only calls it, in order, for the blocks it wrote.
+
+use pd_kv_pool::BlockId;
+use pd_ucx::MemoryRegion;
+
+use crate::pull::PullError;
+
+/// The next stop of pulled blocks (see the module's doc). One pull calls
+/// [`Landing::begin`] once, then [`Landing::landed`] for each block it wrote, each exactly once,
+/// in the pull's order, then [`Landing::settle`] — on every way out once it began, so no copy
+/// is under way when the pull returns.
+pub trait Landing: Send + Sync + std::fmt::Debug {
+    /// A pull is about to hand over blocks.
+    ///
+    /// # Errors
+    /// Why the blocks cannot be taken (the pull fails).
+    fn begin(&self) -> Result<(), String>;
+
+    /// Local block `block`, whose bytes are `bytes`, is in: nothing writes it any more.
+    ///
+    /// # Errors
+    /// As [`Landing::begin`].
+    ///
+    /// # Safety
+    /// The caller's pull owns `block` (the engine touches it in neither pool until the pull
+    /// returns), and `bytes` stays valid and unchanged until [`Landing::settle`] returned.
+    unsafe fn landed(&self, block: BlockId, bytes: &[u8]) -> Result<(), String>;
+
+    /// Returns once everything [`Landing::landed`] started has finished.
+    ///
+    /// # Errors
+    /// As [`Landing::begin`].
+    fn settle(&self) -> Result<(), String>;
+}
+
+/// Hands `local` blocks of `region` (blocks of `block_bytes`) to `landing`: begin, each block,
+/// settle. A failure still settles what was started.
+///
+/// # Errors
+/// [`PullError::Landing`].
+///
+/// # Safety
+/// The caller's pull owns every block of `local`, all inside `region`, and written.
+pub(crate) unsafe fn land_all(
+    landing: &dyn Landing,
+    region: &MemoryRegion,
+    local: &[BlockId],
+    block_bytes: usize,
+) -> Result<(), PullError> {
+    landing.begin().map_err(PullError::Landing)?;
+    // SAFETY: per the caller.
+    let handed = unsafe { land(landing, region, local, block_bytes) };
+    let settled = landing.settle().map_err(PullError::Landing);
+    handed.and(settled)
+}
+
+/// [`Landing::landed`] for each of `local` (after `begin`, before `settle`).
+///
+/// # Errors
+/// [`PullError::Landing`], [`PullError::OutOfBounds`].
+///
+/// # Safety
+/// As [`land_all`].
+pub(crate) unsafe fn land(
+    landing: &dyn Landing,
+    region: &MemoryRegion,
+    local: &[BlockId],
+    block_bytes: usize,
+) -> Result<(), PullError> {
+    for &b in local {
+        let off = b.index() * block_bytes;
+        if off + block_bytes > region.len() {
+            return Err(PullError::OutOfBounds { side: "local" });
+        }
+        // SAFETY: inside the region (checked); the pull owns the block and is done writing it,
+        // and keeps it so until the landing settles (per the caller).
+        let bytes = unsafe { std::slice::from_raw_parts(region.as_ptr().add(off), block_bytes) };
+        // SAFETY: as above.
+        unsafe { landing.landed(b, bytes) }.map_err(PullError::Landing)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::copier::Copier;
+    use crate::pull::{LANDING_PART_BYTES, copy_pull_landing};
+
+    /// Records what a pull hands on; fails at the `fail_at`-th block if set.
+    #[derive(Debug, Default)]
+    struct Recorder {
+        log: Mutex<Vec<String>>,
+        blocks: Mutex<Vec<(BlockId, Vec<u8>)>>,
+        fail_at: Option<usize>,
+        /// The first byte of the pull's last local block (an address), and what that byte
+        /// was when the first block was handed on.
+        last_block: usize,
+        last_at_first: Mutex<Option<u8>>,
+    }
+
+    impl Landing for Recorder {
+        fn begin(&self) -> Result<(), String> {
+            self.log.lock().unwrap().push("begin".into());
+            Ok(())
+        }
+
+        unsafe fn landed(&self, block: BlockId, bytes: &[u8]) -> Result<(), String> {
+            let mut blocks = self.blocks.lock().unwrap();
+            if Some(blocks.len()) == self.fail_at {
+                return Err("the device is on fire".into());
+            }
+            if blocks.is_empty() && self.last_block != 0 {
+                // SAFETY: a byte of the test's region; nothing writes it now (the copy of the
+                // last part has not begun, or the copy has ended).
+                let b = unsafe { *(self.last_block as *const u8) };
+                *self.last_at_first.lock().unwrap() = Some(b);
+            }
+            blocks.push((block, bytes.to_vec()));
+            self.log.lock().unwrap().push(format!("landed {}", block.0));
+            Ok(())
+        }
+
+        fn settle(&self) -> Result<(), String> {
+            self.log.lock().unwrap().push("settle".into());
+            Ok(())
+        }
+    }
+
+    /// A mapped copy with a landing hands every local block on exactly once, in the pull's
+    /// order, holding the peer's bytes (so only once it is in), in parts of about
+    /// `LANDING_PART_BYTES`, between one begin and one settle; a landing that fails stops the
+    /// copy, still settles, and fails the pull as `Landing`.
+    #[test]
+    fn a_copy_hands_on_each_block_once_in_order_as_its_part_lands() {
+        let block_bytes = LANDING_PART_BYTES / 4;
+        let ctx = pd_ucx::Context::new().unwrap();
+        let region = MemoryRegion::allocate(&ctx, 16 * block_bytes).unwrap();
+        // SAFETY: the region is ours, 16 blocks long.
+        unsafe { std::ptr::write_bytes(region.as_ptr(), 0xee, region.len()) };
+        // The peer's pool: block b filled with byte b + 1.
+        let peer: Vec<u8> = (0..10)
+            .flat_map(|b| std::iter::repeat_n(b as u8 + 1, block_bytes))
+            .collect();
+        let remote: Vec<BlockId> = [3, 4, 5, 6, 0, 1, 9, 8, 7, 2].map(BlockId).to_vec();
+        let local: Vec<BlockId> = [10, 11, 12, 13, 14, 15, 0, 1, 2, 3].map(BlockId).to_vec();
+        let copier = Copier::spawn().unwrap();
+        let rec = Recorder {
+            // Local block 3, the last one pulled.
+            last_block: region.as_ptr() as usize + 3 * block_bytes,
+            ..Default::default()
+        };
+        // SAFETY: `peer` outlives the call; nothing else touches the region.
+        let stats = unsafe {
+            copy_pull_landing(
+                peer.as_ptr(),
+                peer.len(),
+                &region,
+                &remote,
+                &local,
+                block_bytes,
+                &copier,
+                &rec,
+            )
+        }
+        .unwrap();
+        assert_eq!(stats.landed_blocks, 10);
+        assert_eq!(stats.bytes, 10 * block_bytes);
+        let log = rec.log.lock().unwrap().clone();
+        let mut want = vec!["begin".to_string()];
+        want.extend(local.iter().map(|b| format!("landed {}", b.0)));
+        want.push("settle".into());
+        assert_eq!(log, want);
+        assert_eq!(
+            *rec.last_at_first.lock().unwrap(),
+            Some(0xee),
+            "the first part was handed on before the last one was copied"
+        );
+        for ((b, bytes), r) in rec.blocks.lock().unwrap().iter().zip(&remote) {
+            assert!(
+                bytes.iter().all(|&x| x == r.0 as u8 + 1),
+                "block {b:?} handed on before its bytes were in"
+            );
+        }
+
+        let failing = Recorder {
+            fail_at: Some(5),
+            ..Default::default()
+        };
+        // SAFETY: as above.
+        let err = unsafe {
+            copy_pull_landing(
+                peer.as_ptr(),
+                peer.len(),
+                &region,
+                &remote,
+                &local,
+                block_bytes,
+                &copier,
+                &failing,
+            )
+        }
+        .unwrap_err();
+        assert!(
+            matches!(err, PullError::Landing(ref m) if m.contains("on fire")),
+            "{err}"
+        );
+        let log = failing.log.lock().unwrap().clone();
+        assert_eq!(log.first().map(String::as_str), Some("begin"));
+        assert_eq!(log.last().map(String::as_str), Some("settle"));
+        assert_eq!(log.len(), 2 + 5, "stopped at the failing block: {log:?}");
+        assert_eq!(
+            crate::TransferError::Transfer(err).reason(),
+            "staging",
+            "counted as its own reason"
+        );
+    }
+}
