@@ -41,5 +41,5 @@ pub use lease::{
     Lease, LeaseContents, LeaseCounts, LeaseError, LeaseId, LeaseTable, blocks_hash,
     deadline_on_wall_clock,
 };
-pub use pool::{KvElem, KvPool};
+pub use pool::{KvElem, KvPool, POOL_ALIGN};
 pub use rechunk::{RechunkError, check_rechunk, rechunk};
