@@ -37,34 +37,13 @@ pub trait Landing: Send + Sync + std::fmt::Debug {
     fn settle(&self) -> Result<(), String>;
 }
 
-/// Hands `local` blocks of `region` (blocks of `block_bytes`) to `landing`: begin, each block,
-/// settle. A failure still settles what was started.
-///
-/// # Errors
-/// [`PullError::Landing`].
-///
-/// # Safety
-/// The caller's pull owns every block of `local`, all inside `region`, and written.
-pub(crate) unsafe fn land_all(
-    landing: &dyn Landing,
-    region: &MemoryRegion,
-    local: &[BlockId],
-    block_bytes: usize,
-) -> Result<(), PullError> {
-    landing.begin().map_err(PullError::Landing)?;
-    // SAFETY: per the caller.
-    let handed = unsafe { land(landing, region, local, block_bytes) };
-    let settled = landing.settle().map_err(PullError::Landing);
-    handed.and(settled)
-}
-
 /// [`Landing::landed`] for each of `local` (after `begin`, before `settle`).
 ///
 /// # Errors
 /// [`PullError::Landing`], [`PullError::OutOfBounds`].
 ///
 /// # Safety
-/// As [`land_all`].
+/// The caller's pull owns every block of `local`, all inside `region`, and written.
 pub(crate) unsafe fn land(
     landing: &dyn Landing,
     region: &MemoryRegion,
@@ -91,7 +70,7 @@ mod tests {
 
     use super::*;
     use crate::copier::Copier;
-    use crate::pull::{LANDING_PART_BYTES, copy_pull_landing};
+    use crate::pull::copy_pull_landing;
 
     /// Records what a pull hands on; fails at the `fail_at`-th block if set.
     #[derive(Debug, Default)]
@@ -134,12 +113,12 @@ mod tests {
     }
 
     /// A mapped copy with a landing hands every local block on exactly once, in the pull's
-    /// order, holding the peer's bytes (so only once it is in), in parts of about
-    /// `LANDING_PART_BYTES`, between one begin and one settle; a landing that fails stops the
+    /// order, holding the peer's bytes (so only once it is in), part by part, between one begin
+    /// and one settle; a landing that fails stops the
     /// copy, still settles, and fails the pull as `Landing`.
     #[test]
     fn a_copy_hands_on_each_block_once_in_order_as_its_part_lands() {
-        let block_bytes = LANDING_PART_BYTES / 4;
+        let block_bytes = 256 << 10;
         let ctx = pd_ucx::Context::new().unwrap();
         let region = MemoryRegion::allocate(&ctx, 16 * block_bytes).unwrap();
         // SAFETY: the region is ours, 16 blocks long.
@@ -167,10 +146,15 @@ mod tests {
                 block_bytes,
                 &copier,
                 &rec,
+                4,
             )
         }
         .unwrap();
         assert_eq!(stats.landed_blocks, 10);
+        assert_eq!(
+            stats.landed_early, 8,
+            "parts of 4, 4 and 2: all but the last early"
+        );
         assert_eq!(stats.bytes, 10 * block_bytes);
         let log = rec.log.lock().unwrap().clone();
         let mut want = vec!["begin".to_string()];
@@ -204,6 +188,7 @@ mod tests {
                 block_bytes,
                 &copier,
                 &failing,
+                4,
             )
         }
         .unwrap_err();

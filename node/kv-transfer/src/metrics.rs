@@ -55,6 +55,9 @@ pub struct TransferMetrics {
     /// Pulled blocks uploaded into a staged compute pool by the pull as they landed
     /// (`pd_kv_landed_blocks_total`; [`crate::Landing`]).
     pub landed_blocks: IntCounter,
+    /// Of those, blocks handed on before their pull's last block was in: the uploads that
+    /// overlapped the pull (`pd_kv_landed_early_blocks_total`).
+    pub landed_early_blocks: IntCounter,
     /// Bytes per second of this node's pulls: a moving average over pulls of at least
     /// [`PULL_RATE_MIN_BYTES`] (0 until one). Reported to the gateway, so a policy can weigh
     /// pulling a prefix against recomputing it.
@@ -162,6 +165,11 @@ impl TransferMetrics {
             "Pulled blocks uploaded into the compute pool by the pull as they landed (staged KV)",
         )
         .expect("valid counter");
+        let landed_early_blocks = IntCounter::new(
+            "pd_kv_landed_early_blocks_total",
+            "Pulled blocks uploaded into the compute pool before their pull's last block was in",
+        )
+        .expect("valid counter");
         let live_leases = IntGauge::new("pd_kv_leases_live", "Live leases on this node as owner")
             .expect("valid gauge");
         let pull_bytes_per_second = Gauge::new(
@@ -217,6 +225,7 @@ impl TransferMetrics {
             Box::new(rechunked_pulls.clone()),
             Box::new(copy_helper_bytes.clone()),
             Box::new(landed_blocks.clone()),
+            Box::new(landed_early_blocks.clone()),
             Box::new(pull_bytes_per_second.clone()),
         ] {
             registry.register(c).expect("unique metric");
@@ -237,6 +246,7 @@ impl TransferMetrics {
             rechunked_pulls,
             copy_helper_bytes,
             landed_blocks,
+            landed_early_blocks,
             pull_bytes_per_second,
             consume_stage_seconds,
             confirms,
@@ -269,6 +279,7 @@ impl TransferMetrics {
         self.bytes.inc_by(s.bytes as u64);
         self.copy_helper_bytes.inc_by(s.helper_bytes as u64);
         self.landed_blocks.inc_by(s.landed_blocks as u64);
+        self.landed_early_blocks.inc_by(s.landed_early as u64);
         self.descriptors.observe(s.descriptors as f64);
         let secs = s.total_time.as_secs_f64();
         if s.bytes >= PULL_RATE_MIN_BYTES && secs > 0.0 {

@@ -40,6 +40,9 @@ pub struct PullStats {
     pub helper_bytes: usize,
     /// Blocks handed on as they landed ([`crate::landing::Landing`]; 0 without one).
     pub landed_blocks: usize,
+    /// Of `landed_blocks`, those handed on before the pull's last block was in: the part of
+    /// the landing's work that overlapped the pull.
+    pub landed_early: usize,
 }
 
 /// Why a pull failed.
@@ -190,6 +193,7 @@ pub unsafe fn rechunk_pull(
         copied: true,
         helper_bytes: 0,
         landed_blocks: 0,
+        landed_early: 0,
     })
 }
 
@@ -210,11 +214,13 @@ pub fn pull_blocks(
 ) -> Result<PullStats, PullError> {
     let PostedPull {
         flush,
+        parts,
         bytes,
         descriptors,
         start,
         post_time,
     } = post_pull(src, dst, remote, local, block_bytes)?;
+    drop(parts); // (none: one part)
     flush.wait()?;
     Ok(PullStats {
         bytes,
@@ -224,6 +230,7 @@ pub fn pull_blocks(
         copied: false,
         helper_bytes: 0,
         landed_blocks: 0,
+        landed_early: 0,
     })
 }
 
@@ -308,6 +315,7 @@ pub unsafe fn copy_pull(
         copied: true,
         helper_bytes,
         landed_blocks: 0,
+        landed_early: 0,
     })
 }
 
@@ -315,8 +323,9 @@ pub unsafe fn copy_pull(
 /// in, so a GPU's upload of one part overlaps the copy of the next.
 pub const LANDING_PART_BYTES: usize = 1 << 20;
 
-/// [`copy_pull`] in parts of about [`LANDING_PART_BYTES`] (whole blocks), handing each part's
-/// blocks to `landing` as soon as the part is in, and settling it before returning.
+/// [`copy_pull`] in parts of `per_part` blocks (about [`LANDING_PART_BYTES`] by default),
+/// handing each part's blocks to `landing` as soon as the part is in, and settling it before
+/// returning.
 ///
 /// # Errors
 /// As [`copy_pull`] (nothing is copied then), and [`PullError::Landing`] (the copy stops; what
@@ -334,12 +343,64 @@ pub unsafe fn copy_pull_landing(
     block_bytes: usize,
     copier: &Copier,
     landing: &dyn crate::landing::Landing,
+    per_part: usize,
+) -> Result<PullStats, PullError> {
+    // The whole pull is checked before anything moves (each part checks only itself).
+    checked_ranges(remote, local, block_bytes, remote_len, dst.len())?;
+    landing.begin().map_err(PullError::Landing)?;
+    let mut early = 0;
+    let on_part = |part: &[BlockId], upto: usize| {
+        // SAFETY: the part's blocks are in, owned by this pull (per the caller).
+        unsafe { crate::landing::land(landing, dst, part, block_bytes) }?;
+        if upto < local.len() {
+            early = upto;
+        }
+        Ok(())
+    };
+    // SAFETY: per the caller.
+    let copied = unsafe {
+        copy_pull_in_parts(
+            mapped,
+            remote_len,
+            dst,
+            remote,
+            local,
+            block_bytes,
+            copier,
+            per_part,
+            on_part,
+        )
+    };
+    let settled = landing.settle().map_err(PullError::Landing);
+    let mut total = copied.and_then(|t| settled.map(|()| t))?;
+    total.landed_blocks = local.len();
+    total.landed_early = early;
+    Ok(total)
+}
+
+/// [`copy_pull`] in parts of `per_part` blocks, calling `on_part(part's local blocks, blocks in
+/// so far)` after each part; an error from it stops the copy.
+///
+/// # Errors
+/// As [`copy_pull`], and `on_part`'s.
+///
+/// # Safety
+/// As [`copy_pull`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn copy_pull_in_parts(
+    mapped: *const u8,
+    remote_len: usize,
+    dst: &MemoryRegion,
+    remote: &[BlockId],
+    local: &[BlockId],
+    block_bytes: usize,
+    copier: &Copier,
+    per_part: usize,
+    mut on_part: impl FnMut(&[BlockId], usize) -> Result<(), PullError>,
 ) -> Result<PullStats, PullError> {
     // The whole pull is checked before anything moves (each part checks only itself).
     checked_ranges(remote, local, block_bytes, remote_len, dst.len())?;
     let start = Instant::now();
-    let per_part = (LANDING_PART_BYTES / block_bytes.max(1)).max(1);
-    landing.begin().map_err(PullError::Landing)?;
     let mut total = PullStats {
         bytes: 0,
         descriptors: 0,
@@ -348,26 +409,21 @@ pub unsafe fn copy_pull_landing(
         copied: true,
         helper_bytes: 0,
         landed_blocks: 0,
+        landed_early: 0,
     };
-    let mut handed = Ok(());
-    for (r, l) in remote.chunks(per_part).zip(local.chunks(per_part)) {
+    let mut upto = 0;
+    for (r, l) in remote
+        .chunks(per_part.max(1))
+        .zip(local.chunks(per_part.max(1)))
+    {
         // SAFETY: per the caller; a part of a checked pull.
-        let part = unsafe { copy_pull(mapped, remote_len, dst, r, l, block_bytes, copier) };
-        handed = part.and_then(|p| {
-            total.bytes += p.bytes;
-            total.descriptors += p.descriptors;
-            total.helper_bytes += p.helper_bytes;
-            // SAFETY: the part's blocks are in, owned by this pull (per the caller).
-            unsafe { crate::landing::land(landing, dst, l, block_bytes) }?;
-            total.landed_blocks += l.len();
-            Ok(())
-        });
-        if handed.is_err() {
-            break;
-        }
+        let p = unsafe { copy_pull(mapped, remote_len, dst, r, l, block_bytes, copier) }?;
+        total.bytes += p.bytes;
+        total.descriptors += p.descriptors;
+        total.helper_bytes += p.helper_bytes;
+        upto += l.len();
+        on_part(l, upto)?;
     }
-    let settled = landing.settle().map_err(PullError::Landing);
-    handed.and(settled)?;
     total.total_time = start.elapsed();
     total.post_time = total.total_time;
     Ok(total)
@@ -378,6 +434,9 @@ pub unsafe fn copy_pull_landing(
 pub struct PostedPull<'w> {
     /// Completes after every read (progress its worker, or poll it).
     pub flush: pd_ucx::Request<'w>,
+    /// Flushes posted between parts ([`post_pull_in_parts`]), in order, each with the count of
+    /// leading local blocks that are in once it completes. Empty for one part.
+    pub parts: Vec<(pd_ucx::Request<'w>, usize)>,
     /// Bytes being read.
     pub bytes: usize,
     /// Contiguous reads posted.
@@ -399,6 +458,7 @@ impl PostedPull<'_> {
             copied: false,
             helper_bytes: 0,
             landed_blocks: 0,
+            landed_early: 0,
         }
     }
 }
@@ -416,23 +476,79 @@ pub fn post_pull<'w>(
     local: &[BlockId],
     block_bytes: usize,
 ) -> Result<PostedPull<'w>, PullError> {
-    let ranges = checked_ranges(remote, local, block_bytes, src.remote_len, dst.len())?;
+    post_pull_in_parts(src, dst, remote, local, block_bytes, usize::MAX)
+}
+
+/// [`post_pull`] in parts of `per_part` blocks, each part but the last followed by a flush of
+/// its own ([`PostedPull::parts`]): a flush completes once every read posted before it has, so
+/// the parts' flushes say, in order, which leading blocks are in while later ones still move.
+///
+/// # Errors
+/// As [`post_pull`] (a failed post leaves the earlier parts' flushes to the endpoint's close).
+pub fn post_pull_in_parts<'w>(
+    src: &PullSource<'_, 'w>,
+    dst: &MemoryRegion,
+    remote: &[BlockId],
+    local: &[BlockId],
+    block_bytes: usize,
+    per_part: usize,
+) -> Result<PostedPull<'w>, PullError> {
+    let all = checked_ranges(remote, local, block_bytes, src.remote_len, dst.len())?;
     let start = Instant::now();
-    for r in &ranges {
-        src.endpoint.post_get(
-            dst,
-            r.local_offset,
-            r.len,
-            src.remote_base + r.remote_offset as u64,
-            src.rkey,
-        )?;
+    let per_part = per_part.max(1);
+    let mut parts = Vec::new();
+    let mut descriptors = 0;
+    let chunks = remote.len().div_ceil(per_part);
+    for (k, (r, l)) in remote
+        .chunks(per_part)
+        .zip(local.chunks(per_part))
+        .enumerate()
+    {
+        // (A part of a checked pull: its ranges lie inside both regions.)
+        let part_ranges;
+        let ranges: &[crate::plan::CopyRange] = if chunks == 1 {
+            &all
+        } else {
+            part_ranges = plan_ranges(r, l, block_bytes);
+            &part_ranges
+        };
+        for c in ranges {
+            let posted = src.endpoint.post_get(
+                dst,
+                c.local_offset,
+                c.len,
+                src.remote_base + c.remote_offset as u64,
+                src.rkey,
+            );
+            if let Err(e) = posted {
+                parts.into_iter().for_each(|(f, _)| std::mem::forget(f));
+                return Err(e.into());
+            }
+        }
+        descriptors += ranges.len();
+        if k + 1 < chunks {
+            match src.endpoint.flush() {
+                Ok(f) => parts.push((f, (k + 1) * per_part)),
+                Err(e) => {
+                    parts.into_iter().for_each(|(f, _)| std::mem::forget(f));
+                    return Err(e.into());
+                }
+            }
+        }
     }
     let post_time = start.elapsed();
-    let flush = src.endpoint.flush()?;
+    let flush = match src.endpoint.flush() {
+        Ok(f) => f,
+        Err(e) => {
+            parts.into_iter().for_each(|(f, _)| std::mem::forget(f));
+            return Err(e.into());
+        }
+    };
     Ok(PostedPull {
         flush,
-        bytes: ranges.iter().map(|r| r.len).sum(),
-        descriptors: ranges.len(),
+        parts,
+        bytes: all.iter().map(|r| r.len).sum(),
+        descriptors,
         start,
         post_time,
     })

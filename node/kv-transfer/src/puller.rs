@@ -61,6 +61,10 @@ struct Job {
     rechunk: Option<Rechunk>,
     deadline: Instant,
     timeout: Duration,
+    /// Told, in order, how many leading local blocks are in as parts of a pull land (gets in
+    /// parts of this many blocks, each with its own flush), so the caller hands them on
+    /// ([`Landing`]) meanwhile.
+    landed: Option<(tokio::sync::mpsc::UnboundedSender<usize>, usize)>,
     reply: oneshot::Sender<Result<Pulled, PullError>>,
 }
 
@@ -76,6 +80,87 @@ pub struct Pulled {
     /// Copied on the caller's thread from the peer's pool mapped here, without the puller
     /// thread ([`DIRECT_COPY_MAX_BYTES`]).
     pub on_caller: bool,
+}
+
+/// The blocks of one pull handed to a [`Landing`] as they come in, in order, on the pull's task
+/// (a part at a time, yielding between parts); the first failure stops the handing and is
+/// returned by [`Handing::finish`], which settles once it began.
+struct Handing<'a> {
+    landing: &'a dyn Landing,
+    region: &'a MemoryRegion,
+    local: &'a [BlockId],
+    block_bytes: usize,
+    per_part: usize,
+    begun: bool,
+    handed: usize,
+    failed: Option<PullError>,
+}
+
+impl<'a> Handing<'a> {
+    fn new(
+        landing: &'a dyn Landing,
+        region: &'a MemoryRegion,
+        local: &'a [BlockId],
+        block_bytes: usize,
+        per_part: usize,
+    ) -> Self {
+        Self {
+            landing,
+            region,
+            local,
+            block_bytes,
+            per_part,
+            begun: false,
+            handed: 0,
+            failed: None,
+        }
+    }
+
+    /// The first `upto` local blocks are in: hand on those not handed yet.
+    async fn upto(&mut self, upto: usize) {
+        let per_part = self.per_part;
+        let upto = upto.min(self.local.len());
+        while self.failed.is_none() && self.handed < upto {
+            if !self.begun {
+                self.begun = true;
+                if let Err(e) = self.landing.begin() {
+                    self.failed = Some(PullError::Landing(e));
+                    return;
+                }
+            }
+            let end = upto.min(self.handed + per_part);
+            // SAFETY: the puller said these blocks are in (or replied): nothing writes them any
+            // more, and they stay this pull's until it returns, after `finish`.
+            let r = unsafe {
+                crate::landing::land(
+                    self.landing,
+                    self.region,
+                    &self.local[self.handed..end],
+                    self.block_bytes,
+                )
+            };
+            match r {
+                Ok(()) => self.handed = end,
+                Err(e) => self.failed = Some(e),
+            }
+            if self.handed < upto {
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+
+    /// Settles what was handed on; the first failure, if any.
+    fn finish(self) -> Result<(), PullError> {
+        let settled = if self.begun {
+            self.landing.settle().map_err(PullError::Landing)
+        } else {
+            Ok(())
+        };
+        match self.failed {
+            Some(e) => Err(e),
+            None => settled,
+        }
+    }
 }
 
 enum Msg {
@@ -108,9 +193,16 @@ pub struct Puller {
     /// Our pool's registered memory (what pulls write), and its block size.
     local: Arc<MemoryRegion>,
     block_bytes: usize,
+    /// Blocks per part handed to a [`Landing`] ([`Puller::with_landing_part_bytes`]).
+    per_part: usize,
     /// Peers' pools mapped here, for copies on the caller's thread (`None` with
     /// [`PullVia::Get`]).
     direct: Option<Arc<Direct>>,
+}
+
+/// Whole blocks of `block_bytes` in a part of about `bytes` (at least one).
+fn parts_of(bytes: usize, block_bytes: usize) -> usize {
+    (bytes / block_bytes.max(1)).max(1)
 }
 
 /// The largest pull copied on the caller's thread; larger ones go to the puller thread, so an
@@ -208,8 +300,18 @@ impl Puller {
             jobs,
             local,
             block_bytes,
+            per_part: parts_of(crate::pull::LANDING_PART_BYTES, block_bytes),
             direct,
         })
+    }
+
+    /// Pulls with a [`Landing`] hand their blocks on in parts of about `bytes` (whole blocks,
+    /// at least one; default [`crate::pull::LANDING_PART_BYTES`]): smaller parts start the
+    /// landing's copies sooner, at the cost of a flush (gets) or a copier hand-off (mapped
+    /// copies) per part.
+    pub fn with_landing_part_bytes(mut self, bytes: usize) -> Self {
+        self.per_part = parts_of(bytes, self.block_bytes);
+        self
     }
 
     /// Reads `remote[i]` of `peer` into local block `local[i]`; resolves when the data is in
@@ -267,8 +369,14 @@ impl Puller {
         {
             return Ok(pulled?);
         }
-        let landed = landing.map(|l| (l, local.clone()));
-        let (reply, rx) = oneshot::channel();
+        let (landed_tx, landed_rx) = match &landing {
+            Some(_) => {
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                (Some((tx, self.per_part)), Some((rx, local.clone())))
+            }
+            None => (None, None),
+        };
+        let (reply, mut rx) = oneshot::channel();
         let now = Instant::now();
         self.jobs
             .send(Msg::Pull(Box::new(Job {
@@ -279,23 +387,52 @@ impl Puller {
                 rechunk,
                 deadline,
                 timeout: deadline.saturating_duration_since(now),
+                landed: landed_tx,
                 reply,
             })))
             .map_err(|_| TransferError::PullerStopped)?;
-        let mut pulled = rx.await.map_err(|_| TransferError::PullerStopped)??;
-        if let Some((landing, local)) = landed {
-            let (region, block_bytes) = (self.local.clone(), self.block_bytes);
-            let n = local.len();
-            tokio::task::spawn_blocking(move || {
-                // SAFETY: the reads are in and nothing writes these blocks any more (the
-                // puller's reply); they stay this pull's until it returns, after this.
-                unsafe { crate::landing::land_all(&*landing, &region, &local, block_bytes) }
-            })
-            .await
-            .map_err(|e| PullError::Landing(format!("the upload task failed: {e}")))??;
-            pulled.stats.landed_blocks = n;
+        let (Some(landing), Some((mut parts, local))) = (landing, landed_rx) else {
+            return Ok(rx.await.map_err(|_| TransferError::PullerStopped)??);
+        };
+        // Hand the parts on as the puller says they are in; whatever it did not say (a pull
+        // copied or converted on its thread, or one part) once the reply came.
+        let mut hand = Handing::new(
+            &*landing,
+            &self.local,
+            &local,
+            self.block_bytes,
+            self.per_part,
+        );
+        let reply = loop {
+            tokio::select! {
+                // (The puller sends a flight's parts before its reply: those first.)
+                biased;
+                Some(upto) = parts.recv() => hand.upto(upto).await,
+                r = &mut rx => break r,
+            }
+        };
+        while let Ok(upto) = parts.try_recv() {
+            hand.upto(upto).await;
         }
-        Ok(pulled)
+        let early = hand.handed;
+        match reply.map_err(|_| TransferError::PullerStopped) {
+            Ok(Ok(mut pulled)) => {
+                hand.upto(local.len()).await;
+                hand.finish()?;
+                pulled.stats.landed_blocks = local.len();
+                pulled.stats.landed_early = early;
+                Ok(pulled)
+            }
+            Ok(Err(e)) => {
+                let _ = hand.finish();
+                Err(e.into())
+            }
+            Err(e) => {
+                // The puller is gone: nothing writes our blocks any more.
+                let _ = hand.finish();
+                Err(e)
+            }
+        }
     }
 
     /// A pull copied on this thread from `peer`'s pool, when the puller thread has it mapped
@@ -346,6 +483,7 @@ impl Puller {
                     direct.block_bytes,
                     &direct.copier,
                     l,
+                    self.per_part,
                 ),
             }
         };
@@ -438,6 +576,8 @@ struct Flight<'w> {
     /// A pull from a peer with other blocks: the buffer its reads land in, to convert into
     /// these local blocks once they are in.
     staged: Option<Staged>,
+    /// [`Job::landed`].
+    landed: Option<tokio::sync::mpsc::UnboundedSender<usize>>,
 }
 
 /// The reads of a converting pull ([`Rechunk`]), staged: the peer's blocks, whole and in order
@@ -693,8 +833,8 @@ impl<'w> State<'w> {
             // SAFETY: the mapping lives as long as `peer.rkey`, which this thread owns for the
             // whole call; the job's local blocks are reserved for it by the engine.
             let copied = unsafe {
-                match &job.rechunk {
-                    None => crate::pull::copy_pull(
+                match (&job.rechunk, &job.landed) {
+                    (None, None) => crate::pull::copy_pull(
                         mapped,
                         job.peer.region_len as usize,
                         self.local,
@@ -703,7 +843,25 @@ impl<'w> State<'w> {
                         self.block_bytes,
                         &direct.copier,
                     ),
-                    Some(r) => crate::pull::rechunk_pull(
+                    // In parts, each said to the caller as it is in.
+                    (None, Some((tx, per_part))) => crate::pull::copy_pull_in_parts(
+                        mapped,
+                        job.peer.region_len as usize,
+                        self.local,
+                        &job.remote,
+                        &job.local,
+                        self.block_bytes,
+                        &direct.copier,
+                        *per_part,
+                        // (The last part is said by the reply.)
+                        |_, upto| {
+                            if upto < job.local.len() {
+                                let _ = tx.send(upto);
+                            }
+                            Ok(())
+                        },
+                    ),
+                    (Some(r), _) => crate::pull::rechunk_pull(
                         mapped,
                         job.peer.region_len as usize,
                         &job.remote,
@@ -774,6 +932,15 @@ impl<'w> State<'w> {
             }
         };
         let posted = match &staged {
+            // Parts with flushes of their own only where someone hands the parts on.
+            None if let Some((_, per_part)) = &job.landed => crate::pull::post_pull_in_parts(
+                &src,
+                self.local,
+                &job.remote,
+                &job.local,
+                self.block_bytes,
+                *per_part,
+            ),
             None => post_pull(&src, self.local, &job.remote, &job.local, self.block_bytes),
             Some(s) => {
                 let slots: Vec<BlockId> = (0..job.remote.len() as u32).map(BlockId).collect();
@@ -793,6 +960,7 @@ impl<'w> State<'w> {
                     reply: job.reply,
                     aborted: None,
                     staged,
+                    landed: job.landed.map(|(tx, _)| tx),
                 });
             }
             Err(e @ (PullError::LengthMismatch { .. } | PullError::OutOfBounds { .. })) => {
@@ -828,6 +996,7 @@ impl<'w> State<'w> {
             reply,
             aborted: Some(err),
             staged: None,
+            landed: None,
         });
     }
 
@@ -921,6 +1090,25 @@ impl<'w> State<'w> {
         while i < self.flights.len() {
             let closes_done = self.closing.is_empty();
             let f = &mut self.flights[i];
+            // Parts in, in order: say so (a failed part's flush leaves it to the last one's).
+            if f.aborted.is_none()
+                && let Some(p) = f.posted.as_mut()
+            {
+                while let Some((req, _)) = p.parts.first_mut() {
+                    match req.poll() {
+                        None => break,
+                        Some(r) => {
+                            let (_, blocks) = p.parts.remove(0);
+                            if r.is_ok()
+                                && let Some(tx) = &f.landed
+                            {
+                                let _ = tx.send(blocks);
+                            }
+                            moved = true;
+                        }
+                    }
+                }
+            }
             let flushed = f.posted.as_mut().and_then(|p| p.flush.poll());
             let done = match (&flushed, &f.aborted) {
                 (Some(_), _) => true,
@@ -985,6 +1173,7 @@ impl<'w> State<'w> {
                 // (`CLOSE_GRACE`) does not prove its reads stopped, and unmapping memory a
                 // read may still land in would be a use after free.
                 std::mem::forget(p.flush);
+                p.parts.into_iter().for_each(|(f, _)| std::mem::forget(f));
                 if let Some(s) = staged {
                     std::mem::forget(s);
                 }

@@ -526,7 +526,8 @@ impl pd_kv_transfer::Landing for Landed {
 /// A pull with a landing (a staged node uploading as blocks land) hands every local block on
 /// exactly once, in order, holding the peer's bytes, between one begin and one settle —
 /// whichever way the pull went: through the puller thread's copy, copied on the caller's
-/// thread, or read with UCX gets.
+/// thread, or read with UCX gets (in parts, each with its own flush). In parts of two blocks,
+/// the first two parts (four of the six blocks) are handed on before the last is in.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pull_hands_each_block_on_as_it_lands_whichever_way_it_reads() {
     let owner = Owner::start(30_000);
@@ -540,8 +541,15 @@ async fn a_pull_hands_each_block_on_as_it_lands_whichever_way_it_reads() {
             layout().block_bytes(),
             pd_kv_transfer::PullVia::Get,
         )
-        .unwrap();
+        .unwrap()
+        .with_landing_part_bytes(2 * layout().block_bytes());
         Local { region, puller }
+    };
+    let mapped = Local {
+        puller: mapped
+            .puller
+            .with_landing_part_bytes(2 * layout().block_bytes()),
+        ..mapped
     };
     let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
     let peer = client.handshake(&compat(), 1, false).await.unwrap();
@@ -565,6 +573,10 @@ async fn a_pull_hands_each_block_on_as_it_lands_whichever_way_it_reads() {
             .unwrap();
         ways.push((pulled.stats.copied, pulled.on_caller));
         assert_eq!(pulled.stats.landed_blocks, n as usize, "round {round}");
+        assert_eq!(
+            pulled.stats.landed_early, 4,
+            "round {round}: handed on part by part"
+        );
         assert_eq!(landed.begun.load(std::sync::atomic::Ordering::SeqCst), 1);
         assert_eq!(landed.settled.load(std::sync::atomic::Ordering::SeqCst), 1);
         let blocks = landed.blocks.lock().unwrap();

@@ -783,7 +783,8 @@ async fn n_children_share_one_handoff_and_one_pull() {
 /// pool). Without the copies a staged node would hand over or read zeros. D uploads each pulled
 /// block as it lands, from the pull (`--kv-upload-while-pulling`, the default), so its engine
 /// copies nothing after a pull; a D started with it off has the engine upload instead, as
-/// exactly. The counters show which copies ran where, and on staged nodes only.
+/// exactly; so does a D reading with UCX gets (its uploads follow each part's flush). The
+/// counters show which copies ran where, and on staged nodes only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn staged_kv_as_on_a_gpu_hands_over_kv_token_exact_on_cpu() {
     let dir = model("staged");
