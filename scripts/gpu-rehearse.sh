@@ -22,7 +22,7 @@ cp scripts/gpu-run.sh "$work/bundle/run.sh"
 GPU_RUN_DEVICE=cpu \
     GPU_RUN_SHAPE="--layers 2 --hidden 64 --heads 4 --kv-heads 2 --vocab 512 --intermediate 128" \
     OUT="$work/out" bash "$work/bundle/run.sh" >/dev/null 2>&1 || true
-for step in model model-gguf greedy gguf pd; do
+for step in model model-gguf greedy gguf pd upload; do
     if ! grep -q "^$step: rc 0 " "$work/out/summary.txt"; then
         echo "gpu-rehearse: step $step of scripts/gpu-run.sh failed on CPU" >&2
         cat "$work/out/summary.txt" "$work/out/$step.txt" >&2 || true

@@ -11,11 +11,15 @@
 #   3. a real-shaped model (SmolLM2-135M's shape, generated weights: the real file does not fit)
 #   4. greedy decode, GPU vs the CPU engine on that model (f32 both), and the GPU in bf16;
 #      the same weights as a Q8_0 GGUF file on the GPU (candle's quantized CUDA kernels) vs CPU
-#   5. P→D between two processes on the GPU (bf16, P and D on one device) against one GPU node
+#   5. P→D between two processes on the GPU (bf16, P and D on one device) against one GPU node,
+#      through a D that uploads pulled blocks as they land and one whose engine uploads after
+#      the pull (--kv-upload-while-pulling false); then D's time for 256- and 1024-token prompts
+#      through each (the overlap of the uploads with the pull)
 #   6. decode tokens/s at batch 1/16/64, ours against candle-transformers' CUDA Llama
 #
 # GPU_RUN_DEVICE=cpu and a smaller GPU_RUN_SHAPE rehearse the script itself on a CPU machine,
-# with a bundle of CPU binaries (the kernels' check is then skipped).
+# with a bundle of CPU binaries (the kernels' check is then skipped; P and D then stage their KV
+# with --kv-staged, as a GPU node does).
 set -uo pipefail
 cd "$(dirname "$0")"
 DEV="${GPU_RUN_DEVICE:-cuda}"
@@ -116,16 +120,21 @@ stop_all() {
 serve 18001 cpu-f32 --dtype f32
 serve 18002 gpu-f32 --device "$DEV" --dtype f32
 serve 18003 gpu-bf16 --device "$DEV" --dtype bf16
-serve 18004 p-gpu --device "$DEV" --dtype bf16 --kv-role kv_producer --kv-port 19004 --engine-id p0
+stage=()
+[ "$DEV" = cpu ] && stage=(--kv-staged)
+serve 18004 p-gpu --device "$DEV" --dtype bf16 --kv-role kv_producer --kv-port 19004 --engine-id p0 \
+    "${stage[@]}"
 serve 18005 d-gpu --device "$DEV" --dtype bf16 --kv-role kv_consumer --kv-port 19005 --engine-id d0 \
-    --kv-load-failure-policy fail
+    --kv-load-failure-policy fail "${stage[@]}"
+serve 18008 d-gpu-after --device "$DEV" --dtype bf16 --kv-role kv_consumer --kv-port 19008 \
+    --engine-id d1 --kv-load-failure-policy fail --kv-upload-while-pulling false "${stage[@]}"
 MODEL="$work/model.gguf" serve 18006 gguf-cpu
 MODEL="$work/model.gguf" serve 18007 gguf-gpu --device "$DEV"
-for port in 18001 18002 18003 18004 18005 18006 18007; do wait_up "$port"; done
+for port in 18001 18002 18003 18004 18005 18006 18007 18008; do wait_up "$port"; done
 
 cat >"$work/compare.py" <<'EOF'
 """Greedy tokens of the same prompts on several nodes, and through P then D."""
-import json, sys, urllib.request
+import json, sys, time, urllib.request
 
 def post(port, body):
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
@@ -140,6 +149,17 @@ def body(prompt, n):
 
 def tokens(resp):
     return resp["choices"][0]["token_ids"]
+
+def through_pd(d, dec, took=None):
+    """Prefill on P, then decode on D (port d) with P's params; D's time into took[0]."""
+    pre = dict(dec, max_tokens=1)
+    pre["kv_transfer_params"] = {"do_remote_decode": True}
+    dec = dict(dec, kv_transfer_params=post(18004, pre)["kv_transfer_params"])
+    t0 = time.monotonic()
+    r = post(d, dec)
+    if took is not None:
+        took[0] = time.monotonic() - t0
+    return r
 
 def same_prefix(a, b):
     n = 0
@@ -163,27 +183,38 @@ for i, p in enumerate(prompts):
         # Not asserted: candle's CUDA kernels round activations to Q8_1, its CPU ones to Q8_0.
         print(f"prompt {i}: Q8_0 GGUF, gpu = cpu for {same_prefix(cpu, gpu)}/32 tokens\n"
               f"  cpu {cpu}\n  gpu {gpu}")
-    else:
+    elif what == "pd":
         p = f"{i}: " + p * 8  # past D's recompute threshold (64 tokens), so D pulls
         solo = tokens(post(18003, body(p, 32)))
-        pre = body(p, 1)
-        pre["kv_transfer_params"] = {"do_remote_decode": True}
-        params = post(18004, pre)["kv_transfer_params"]
-        dec = body(p, 32)
-        dec["kv_transfer_params"] = params
-        r = post(18005, dec)
-        got = tokens(r)
-        details = r["usage"].get("prompt_tokens_details") or {}
-        pulled = details.get("kv_pulled_tokens")
-        print(f"prompt {i}: P->D = one GPU node for {same_prefix(solo, got)}/32 tokens; "
-              f"pulled {pulled} of {r['usage']['prompt_tokens']} prompt tokens")
-        ok &= solo == got and (pulled or 0) > 0
+        for d, how in ((18005, "uploads as blocks land"), (18008, "engine uploads after")):
+            r = through_pd(d, body(p, 32))
+            got = tokens(r)
+            details = r["usage"].get("prompt_tokens_details") or {}
+            pulled = details.get("kv_pulled_tokens")
+            print(f"prompt {i}, D {how}: P->D = one GPU node for {same_prefix(solo, got)}/32 "
+                  f"tokens; pulled {pulled} of {r['usage']['prompt_tokens']} prompt tokens")
+            ok &= solo == got and (pulled or 0) > 0
+if what == "upload":
+    # D's time (client side, max_tokens 1: the pull, the upload, the first token) for token-id
+    # prompts, the two Ds alternating; medians of 7. Reported, not asserted.
+    for n in (256, 1024):
+        times = {18005: [], 18008: []}
+        for rep in range(7):
+            for d in (18005, 18008):
+                prompt = [(7 * rep + 13 * k + d) % 400 + 20 for k in range(n)]
+                t = [0.0]
+                through_pd(d, body(prompt, 1), t)
+                times[d].append(t[0])
+        med = {d: sorted(v)[len(v) // 2] * 1e3 for d, v in times.items()}
+        print(f"{n} prompt tokens: D {med[18005]:.2f} ms uploading as blocks land, "
+              f"{med[18008]:.2f} ms with the engine uploading after the pull")
 sys.exit(0 if ok else 1)
 EOF
 step greedy 90 python3 "$work/compare.py" greedy
 step gguf 45 python3 "$work/compare.py" gguf
 step pd 90 python3 "$work/compare.py" pd
-for port in 18004 18005; do http_get "$port" /metrics >"$OUT/metrics-$port.txt"; done
+step upload 120 python3 "$work/compare.py" upload
+for port in 18004 18005 18008; do http_get "$port" /metrics >"$OUT/metrics-$port.txt"; done
 stop_all
 
 shape=("${SHAPE[@]}" --prompt 32 --tokens 64 --batches 1,16,64 --repeat 3 --device "$DEV")
