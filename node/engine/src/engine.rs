@@ -319,6 +319,15 @@ impl Engine {
             }
             None => None,
         };
+        // Candle's CUDA device queues on the per-thread default stream: the weights' copies and
+        // the compute pool's zeroing were queued on this thread's, while the engine computes on
+        // its own thread's. Let them finish before the engine thread starts.
+        device.synchronize().map_err(|e| {
+            EngineError::Invalid(InvalidRequest::new(
+                "device",
+                format!("the device did not finish loading: {e}"),
+            ))
+        })?;
         let capacity = layout.num_blocks * layout.block_size;
         let mut max_model_len = cfg
             .max_model_len
@@ -515,6 +524,12 @@ impl Engine {
             // caller starts writing pulled KV into them, not at the next step.
             for b in self.scheduler.take_freed() {
                 self.pool.poison_block(b);
+            }
+            // Pulls may upload into these blocks from now on: after what this thread has asked
+            // of the compute pool so far (a GPU's stream may still be writing a block freed
+            // since).
+            if let Some(u) = &self.uploader {
+                u.mark();
             }
         }
         for (id, blocks, first_block, cached_tokens) in parked {

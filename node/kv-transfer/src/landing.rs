@@ -30,7 +30,8 @@ pub trait Landing: Send + Sync + std::fmt::Debug {
     /// returns), and `bytes` stays valid and unchanged until [`Landing::settle`] returned.
     unsafe fn landed(&self, block: BlockId, bytes: &[u8]) -> Result<(), String>;
 
-    /// Returns once everything [`Landing::landed`] started has finished.
+    /// Returns once everything [`Landing::landed`] started has finished (at once when nothing
+    /// began). It may wait for a device: call it outside locks.
     ///
     /// # Errors
     /// As [`Landing::begin`].
@@ -150,6 +151,7 @@ mod tests {
             )
         }
         .unwrap();
+        rec.settle().unwrap();
         assert_eq!(stats.landed_blocks, 10);
         assert_eq!(
             stats.landed_early, 8,
@@ -192,6 +194,7 @@ mod tests {
             )
         }
         .unwrap_err();
+        failing.settle().unwrap();
         assert!(
             matches!(err, PullError::Landing(ref m) if m.contains("on fire")),
             "{err}"

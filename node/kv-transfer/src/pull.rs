@@ -324,12 +324,12 @@ pub unsafe fn copy_pull(
 pub const LANDING_PART_BYTES: usize = 1 << 20;
 
 /// [`copy_pull`] in parts of `per_part` blocks (about [`LANDING_PART_BYTES`] by default),
-/// handing each part's blocks to `landing` as soon as the part is in, and settling it before
-/// returning.
+/// handing each part's blocks to `landing` as soon as the part is in. It does **not** settle the
+/// landing: the caller calls [`crate::Landing::settle`] after it, whatever it returned (outside
+/// any lock it holds for the copy: settling may wait for a device).
 ///
 /// # Errors
-/// As [`copy_pull`] (nothing is copied then), and [`PullError::Landing`] (the copy stops; what
-/// was handed on has settled).
+/// As [`copy_pull`] (nothing is copied then), and [`PullError::Landing`] (the copy stops).
 ///
 /// # Safety
 /// As [`copy_pull`].
@@ -371,8 +371,7 @@ pub unsafe fn copy_pull_landing(
             on_part,
         )
     };
-    let settled = landing.settle().map_err(PullError::Landing);
-    let mut total = copied.and_then(|t| settled.map(|()| t))?;
+    let mut total = copied?;
     total.landed_blocks = local.len();
     total.landed_early = early;
     Ok(total)

@@ -150,15 +150,26 @@ impl<'a> Handing<'a> {
     }
 
     /// Settles what was handed on; the first failure, if any.
-    fn finish(self) -> Result<(), PullError> {
+    fn finish(mut self) -> Result<(), PullError> {
         let settled = if self.begun {
+            self.begun = false;
             self.landing.settle().map_err(PullError::Landing)
         } else {
             Ok(())
         };
-        match self.failed {
+        match self.failed.take() {
             Some(e) => Err(e),
             None => settled,
+        }
+    }
+}
+
+impl Drop for Handing<'_> {
+    /// A pull dropped midway (its task cancelled) still waits for the copies it started, so
+    /// none runs once its blocks are freed. (A settle failure has nothing left to tell.)
+    fn drop(&mut self) {
+        if self.begun {
+            let _ = self.landing.settle();
         }
     }
 }
@@ -340,9 +351,11 @@ impl Puller {
     /// peer's blocks are copied from its pool mapped here, or read whole into a staging buffer
     /// with gets, and converted into ours ([`crate::pull::rechunk_pull`]) before the reply.
     ///
-    /// With `landing`, every local block is handed to it ([`Landing`]) before this returns Ok:
-    /// part by part as the copy goes where the pull is copied on this thread, else all of them
-    /// once the reads are in (on a blocking thread, not this task's worker).
+    /// With `landing`, every local block is handed to it ([`Landing`]) before this returns Ok,
+    /// part by part as the parts are in (see [`Puller::with_landing_part_bytes`]), on this
+    /// task, which yields between parts; it settles before returning, whatever the outcome. On
+    /// a CPU a part is a copy of ~1 MiB; on a GPU it is queued, and settling waits for the DMA
+    /// of the last parts — this task's worker blocks that long, as for a copy on this thread.
     ///
     /// # Errors
     /// As [`Puller::pull`]; [`PullError::Landing`] when the landing failed.
@@ -495,6 +508,15 @@ impl Puller {
             _ => None,
         };
         drop(alive);
+        // The landing's copies touch only our blocks: wait for them outside the mapping's lock
+        // (the puller thread takes it to close the peer), after a failed copy too.
+        let copied = match landing {
+            None => copied,
+            Some(l) => {
+                let settled = l.settle().map_err(PullError::Landing);
+                copied.and_then(|stats| settled.map(|()| stats))
+            }
+        };
         Some(copied.map(|stats| Pulled {
             stats,
             record,
@@ -1163,19 +1185,25 @@ impl<'w> State<'w> {
                 // Not done, or a flight without reads that was not aborted: neither exists.
                 (None, _, _) => Err(PullError::Closed("no reads")),
             };
-            if let Some(p) = posted
-                && !was_flushed
-            {
-                // The force close cancelled its reads but UCX still holds the flush request:
-                // nothing writes the local blocks after a force close, so let the handle go
-                // (dropping it would wait for a completion that may never come). A staging
-                // buffer stays mapped for good: a close that failed or was given up on
-                // (`CLOSE_GRACE`) does not prove its reads stopped, and unmapping memory a
-                // read may still land in would be a use after free.
-                std::mem::forget(p.flush);
-                p.parts.into_iter().for_each(|(f, _)| std::mem::forget(f));
-                if let Some(s) = staged {
-                    std::mem::forget(s);
+            if let Some(mut p) = posted {
+                // Parts' flushes still pending guard nothing the last flush or the close does
+                // not: let go of those (dropping one would wait for a completion that may
+                // never come on a failed endpoint).
+                for (mut f, _) in p.parts.drain(..) {
+                    if f.poll().is_none() {
+                        std::mem::forget(f);
+                    }
+                }
+                if !was_flushed {
+                    // The force close cancelled its reads but UCX still holds the flush
+                    // request: nothing writes the local blocks after a force close, so let the
+                    // handle go. A staging buffer stays mapped for good: a close that failed or
+                    // was given up on (`CLOSE_GRACE`) does not prove its reads stopped, and
+                    // unmapping memory a read may still land in would be a use after free.
+                    std::mem::forget(p.flush);
+                    if let Some(s) = staged {
+                        std::mem::forget(s);
+                    }
                 }
             }
             if let Some(peer) = self.peers.get_mut(&key) {
@@ -1520,5 +1548,65 @@ impl LeaseKeeper {
 impl Drop for LeaseKeeper {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    /// Logs what it is asked to do.
+    #[derive(Debug, Default)]
+    struct Log(Mutex<Vec<String>>);
+
+    impl Landing for Log {
+        fn begin(&self) -> Result<(), String> {
+            self.0.lock().unwrap().push("begin".into());
+            Ok(())
+        }
+
+        unsafe fn landed(&self, block: BlockId, _bytes: &[u8]) -> Result<(), String> {
+            self.0.lock().unwrap().push(format!("landed {}", block.0));
+            Ok(())
+        }
+
+        fn settle(&self) -> Result<(), String> {
+            self.0.lock().unwrap().push("settle".into());
+            Ok(())
+        }
+    }
+
+    /// Handing hands blocks on in parts, each once, up to what it is told is in; finishing
+    /// settles once; a handing dropped midway (its pull's task cancelled) settles too, and one
+    /// that never began does not.
+    #[tokio::test(flavor = "current_thread")]
+    async fn handing_settles_once_whether_finished_or_dropped() {
+        let ctx = pd_ucx::Context::new().unwrap();
+        let region = MemoryRegion::allocate(&ctx, 8 * 64).unwrap();
+        let local: Vec<BlockId> = (0..5).map(BlockId).collect();
+        let log = Log::default();
+        let mut h = Handing::new(&log, &region, &local, 64, 2);
+        h.upto(3).await;
+        h.upto(3).await;
+        h.upto(5).await;
+        h.finish().unwrap();
+        let want: Vec<String> = ["begin", "landed 0", "landed 1", "landed 2", "landed 3"]
+            .into_iter()
+            .map(String::from)
+            .chain(["landed 4".to_string(), "settle".to_string()])
+            .collect();
+        assert_eq!(*log.0.lock().unwrap(), want);
+
+        let dropped = Log::default();
+        let mut h = Handing::new(&dropped, &region, &local, 64, 2);
+        h.upto(1).await;
+        drop(h);
+        assert_eq!(*dropped.0.lock().unwrap(), ["begin", "landed 0", "settle"]);
+
+        let idle = Log::default();
+        drop(Handing::new(&idle, &region, &local, 64, 2));
+        assert!(idle.0.lock().unwrap().is_empty());
     }
 }

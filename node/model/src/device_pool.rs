@@ -163,7 +163,8 @@ impl Drop for DevicePool {
 }
 
 /// [`BlockUpload`] into a [`DevicePool`]: asynchronous copies from the page-locked transfer
-/// pool, on a stream of their own that each pull first orders after the compute stream's work.
+/// pool, on a stream of their own that each pull first orders after the engine's work queued
+/// before it reserved the pull's blocks (an event the engine records at `mark`, on its thread).
 /// The stream is made with the driver's API, not `CudaContext::new_stream`, so candle's context
 /// does not switch to cudarc's multi-stream event tracking (an event per slice per use).
 struct DeviceUpload {
@@ -173,10 +174,15 @@ struct DeviceUpload {
     base: sys::CUdeviceptr,
     block_bytes: usize,
     num_blocks: usize,
-    /// Candle's stream, which the model's kernels run on.
+    /// Candle's stream, which the model's kernels run on. Candle's device uses the per-thread
+    /// default stream (`CU_STREAM_PER_THREAD`): this handle means the engine thread's stream
+    /// only on the engine thread, so only `mark` (called there) records on it.
     compute: Arc<CudaStream>,
     /// The copies' stream (ours: destroyed on drop).
     copies: sys::CUstream,
+    /// The engine's stream as of its latest `mark`, which each pull's copies wait for; an
+    /// error once a mark failed.
+    fence: std::sync::Mutex<Result<Option<sys::CUevent>, String>>,
 }
 
 // SAFETY: CUDA streams and device addresses may be used from any thread once the context is
@@ -197,31 +203,66 @@ impl std::fmt::Debug for DeviceUpload {
 impl Drop for DeviceUpload {
     fn drop(&mut self) {
         if self.compute.context().bind_to_thread().is_ok() {
-            // SAFETY: our stream, created in `DevicePool::uploader`, destroyed once.
+            // SAFETY: our stream, created in `DevicePool::uploader`, destroyed once; the
+            // fence's event is ours too, and nothing waits on it once the stream is synced.
             unsafe {
                 let _ = result::stream::synchronize(self.copies);
                 let _ = result::stream::destroy(self.copies);
+                if let Ok(Some(ev)) = *self.fence.lock().unwrap_or_else(|e| e.into_inner()) {
+                    let _ = result::event::destroy(ev);
+                }
+            }
+        }
+    }
+}
+
+impl DeviceUpload {
+    /// An event recorded on the calling thread's stream of candle's device.
+    fn record_compute(&self) -> Result<sys::CUevent, ModelError> {
+        self.compute.context().bind_to_thread().map_err(gpu)?;
+        let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(gpu)?;
+        // SAFETY: a fresh event, recorded on candle's live stream.
+        match unsafe { result::event::record(ev, self.compute.cu_stream()) } {
+            Ok(()) => Ok(ev),
+            Err(e) => {
+                // SAFETY: ours, never recorded.
+                let _ = unsafe { result::event::destroy(ev) };
+                Err(gpu(e))
             }
         }
     }
 }
 
 impl BlockUpload for DeviceUpload {
+    fn mark(&self) {
+        let recorded = self.record_compute().map_err(|e| e.to_string());
+        let mut fence = self.fence.lock().unwrap_or_else(|e| e.into_inner());
+        if let Ok(Some(old)) = *fence {
+            // SAFETY: ours; a pull's wait on it was enqueued under this lock, and an event may
+            // be destroyed while waited on (the driver releases it once complete).
+            let _ = unsafe { result::event::destroy(old) };
+        }
+        if let Err(e) = &recorded {
+            tracing::error!(error = %e, "cannot mark the engine's stream: pulls into the compute pool fail from now on");
+        }
+        *fence = recorded.map(Some);
+    }
+
     fn begin(&self) -> Result<(), ModelError> {
         self.compute.context().bind_to_thread().map_err(gpu)?;
-        let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(gpu)?;
-        // SAFETY: a fresh event, recorded on candle's live stream, waited on by ours, then
-        // destroyed (the driver releases it once complete).
-        unsafe {
-            let r = result::event::record(ev, self.compute.cu_stream()).and_then(|()| {
+        let fence = self.fence.lock().unwrap_or_else(|e| e.into_inner());
+        match &*fence {
+            // SAFETY: the event is live while the lock is held; our live stream waits on it.
+            Ok(Some(ev)) => unsafe {
                 result::stream::wait_event(
                     self.copies,
-                    ev,
+                    *ev,
                     sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
                 )
-            });
-            let _ = result::event::destroy(ev);
-            r.map_err(gpu)
+            }
+            .map_err(gpu),
+            Ok(None) => Err(gpu("the engine never marked its stream before a pull")),
+            Err(e) => Err(gpu(format!("the engine's stream could not be marked: {e}"))),
         }
     }
 
@@ -537,6 +578,7 @@ impl StagedKv for DevicePool {
                 num_blocks: self.layout.num_blocks,
                 compute: stream,
                 copies,
+                fence: std::sync::Mutex::new(Ok(None)),
             }));
         }
         Ok(self.uploader.clone().map(|u| u as Arc<dyn BlockUpload>))

@@ -141,16 +141,22 @@ pub trait StagedKv: PagedKv + Send + std::fmt::Debug {
 /// land: the copies overlap the rest of the pull (a GPU's copies run on their own stream while
 /// the host copies the next blocks) and never hold up the engine's steps.
 ///
-/// One pull: [`BlockUpload::begin`], then [`BlockUpload::upload`] for each landed block, then
-/// [`BlockUpload::settle`] on every way out — before the engine hears of the blocks, and before
-/// they are freed after a failure.
+/// The engine calls [`BlockUpload::mark`] on its own thread each time it has reserved blocks
+/// for pulls, before it tells them. One pull: [`BlockUpload::begin`], then
+/// [`BlockUpload::upload`] for each landed block, then [`BlockUpload::settle`] on every way out
+/// — before the engine hears of the blocks, and before they are freed after a failure.
 pub trait BlockUpload: Send + Sync + std::fmt::Debug {
-    /// Orders the copies that follow after everything the engine has asked of the compute pool
-    /// so far (on a GPU: after the work queued on the compute stream, which may still write a
-    /// block freed since). Once per pull, before its first upload.
+    /// On the engine's thread, after it reserved blocks for pulls and before it tells them:
+    /// notes how far the engine's work on the compute pool has been asked for (on a GPU: an
+    /// event on the engine's stream, which may still be writing a block freed since), for the
+    /// next pulls' [`BlockUpload::begin`]. A failure here makes later `begin`s fail.
+    fn mark(&self) {}
+
+    /// Orders the copies that follow after the engine's work asked for before its latest
+    /// [`BlockUpload::mark`]. Once per pull, before its first upload.
     ///
     /// # Errors
-    /// The pool is gone, or a device error.
+    /// The pool is gone, the mark failed, or a device error.
     fn begin(&self) -> Result<(), ModelError>;
 
     /// Starts copying `bytes`, block `block` of the transfer pool, into the same block of the
@@ -166,7 +172,8 @@ pub trait BlockUpload: Send + Sync + std::fmt::Debug {
     unsafe fn upload(&self, block: BlockId, bytes: &[u8]) -> Result<(), ModelError>;
 
     /// Returns once every copy started through this handle has finished (including other
-    /// pulls' copies started meanwhile).
+    /// pulls' copies started meanwhile). On a GPU this waits for the copy stream (the DMA of
+    /// the last parts: well under a millisecond for a pull's last MiB).
     ///
     /// # Errors
     /// A device error.
