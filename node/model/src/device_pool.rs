@@ -29,7 +29,9 @@ use pd_kv_pool::{BlockId, KvDtype, KvElem, KvLayout, KvPool};
 
 use crate::batch::BatchInput;
 use crate::error::ModelError;
-use crate::kv_store::{BlockUpload, LayerQkv, PagedKv, StagedKv, blocks_inside, same_layout};
+use crate::kv_store::{
+    BlockUpload, LayerQkv, PagedKv, StagedKv, blocks_inside, same_layout, upload_offset,
+};
 
 /// The pool's memory, typed by its dtype.
 enum Slab {
@@ -271,17 +273,9 @@ impl BlockUpload for DeviceUpload {
         if !*alive {
             return Err(gpu("the compute pool is gone"));
         }
-        if block.index() >= self.num_blocks || bytes.len() != self.block_bytes {
-            return Err(ModelError::InvalidBatch(format!(
-                "upload of {} bytes into block {} of a pool of {} blocks of {} bytes",
-                bytes.len(),
-                block.index(),
-                self.num_blocks,
-                self.block_bytes
-            )));
-        }
+        let offset = upload_offset(block, bytes.len(), self.num_blocks, self.block_bytes)?;
         self.compute.context().bind_to_thread().map_err(gpu)?;
-        let dst = self.base + (block.index() * self.block_bytes) as sys::CUdeviceptr;
+        let dst = self.base + offset as sys::CUdeviceptr;
         // SAFETY: the block lies inside the slab, alive while `alive` is held true (the pool's
         // drop waits for these copies); the caller owns the block and keeps `bytes` as it is
         // until `settle`.

@@ -191,6 +191,24 @@ pub(crate) fn same_layout(a: &KvLayout, b: &KvLayout) -> Result<(), ModelError> 
     }
 }
 
+/// The byte offset of `block` in a pool of `num_blocks` blocks of `block_bytes` (contiguous,
+/// block-major: `KvPool::block_bytes`), checked to take an upload of `len` bytes: one block,
+/// inside the pool.
+pub(crate) fn upload_offset(
+    block: BlockId,
+    len: usize,
+    num_blocks: usize,
+    block_bytes: usize,
+) -> Result<usize, ModelError> {
+    if block.index() >= num_blocks || len != block_bytes {
+        return Err(ModelError::InvalidBatch(format!(
+            "upload of {len} bytes into block {} of a pool of {num_blocks} blocks of {block_bytes} bytes",
+            block.index()
+        )));
+    }
+    Ok(block.index() * block_bytes)
+}
+
 /// Checks that every block lies inside a pool of `l`.
 pub(crate) fn blocks_inside(l: &KvLayout, blocks: &[BlockId]) -> Result<(), ModelError> {
     match blocks.iter().find(|b| b.index() >= l.num_blocks) {
@@ -241,22 +259,14 @@ impl BlockUpload for HostUpload {
         if !*alive {
             return Err(ModelError::Device("the compute pool is gone".into()));
         }
-        if block.index() >= self.num_blocks || bytes.len() != self.block_bytes {
-            return Err(ModelError::InvalidBatch(format!(
-                "upload of {} bytes into block {} of a pool of {} blocks of {} bytes",
-                bytes.len(),
-                block.index(),
-                self.num_blocks,
-                self.block_bytes
-            )));
-        }
-        // SAFETY: the block lies inside the pool (checked; blocks are contiguous, block-major:
-        // `KvPool::block_bytes`), which stays allocated while `alive` is held true; the caller
-        // owns the block (nothing else touches it) and `bytes` is another pool's memory.
+        let offset = upload_offset(block, bytes.len(), self.num_blocks, self.block_bytes)?;
+        // SAFETY: the block lies inside the pool (checked), which stays allocated while `alive`
+        // is held true; the caller owns the block (nothing else touches it) and `bytes` is
+        // another pool's memory.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 bytes.as_ptr(),
-                (self.base as *mut u8).add(block.index() * self.block_bytes),
+                (self.base as *mut u8).add(offset),
                 self.block_bytes,
             );
         }
