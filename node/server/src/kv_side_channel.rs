@@ -56,6 +56,12 @@ impl UcxPool {
         })
     }
 
+    /// Whether this UCX can register GPU memory (see [`Context::registers_cuda_memory`]); false
+    /// when the query fails.
+    pub fn registers_cuda_memory(&self) -> bool {
+        self.ctx.registers_cuda_memory().unwrap_or(false)
+    }
+
     /// The engine's pool allocator: one UCX allocation of the pool's size plus the lease
     /// board, kept here for the handshake (base address, packed key).
     pub fn pool_memory(&self) -> PoolMemory {

@@ -112,6 +112,18 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         "engine ready"
     );
 
+    if let Some(ucx) = &ucx
+        && info.kv_path != "in-place"
+    {
+        // Peers read the host transfer pool; the model computes on the staged pool.
+        tracing::info!(
+            kv_path = info.kv_path,
+            ucx_registers_gpu_memory = ucx.registers_cuda_memory(),
+            upload_while_pulling = args.kv_upload_while_pulling,
+            "KV moves through the host transfer pool (device-to-device transfer is not built, \
+             whether or not this UCX could register GPU memory)"
+        );
+    }
     let engine_id = args
         .engine_id
         .clone()

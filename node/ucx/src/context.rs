@@ -137,6 +137,32 @@ impl Context {
         self.inner.features
     }
 
+    /// Whether this UCX can register memory of an NVIDIA GPU (`ucp_context_query`'s memory
+    /// types include `UCS_MEMORY_TYPE_CUDA`): built with CUDA support and a driver present.
+    /// Debian's UCX cannot.
+    ///
+    /// # Errors
+    /// [`Error::Ucs`](crate::Error::Ucs) when the query fails.
+    pub fn registers_cuda_memory(&self) -> Result<bool> {
+        Ok(self.memory_types()? & (1u64 << sys::UCS_MEMORY_TYPE_CUDA) != 0)
+    }
+
+    /// The memory types UCX can register, one bit per `ucs_memory_type` (bit 0: host).
+    ///
+    /// # Errors
+    /// [`Error::Ucs`](crate::Error::Ucs) when the query fails.
+    pub fn memory_types(&self) -> Result<u64> {
+        let mut attr = sys::ucp_context_attr_t {
+            field_mask: u64::from(sys::UCP_ATTR_FIELD_MEMORY_TYPES),
+            ..Default::default()
+        };
+        // SAFETY: live handle; `attr` names the one field UCX fills.
+        check("ucp_context_query", unsafe {
+            sys::ucp_context_query(self.inner.handle, &mut attr)
+        })?;
+        Ok(attr.memory_types)
+    }
+
     /// `ucp_context_print_info` captured as text: the transports and memory domains UCX
     /// selected for this context.
     ///

@@ -88,3 +88,18 @@ fn wakeup_feature_keeps_the_transports() {
     );
     assert_eq!(plain.rma_transports(), wakeup.rma_transports());
 }
+
+/// The context says which memory it can register: host memory always; CUDA memory only where
+/// UCX was built with CUDA support and a GPU driver is present (never on Debian's UCX, which
+/// this machine and CI run: the GPU path then stages KV through host memory).
+#[test]
+fn the_context_says_which_memory_it_registers() {
+    let ctx = Context::new().unwrap();
+    let types = ctx.memory_types().unwrap();
+    assert_eq!(types & 1, 1, "host memory: {types:#b}");
+    let cuda = ctx.registers_cuda_memory().unwrap();
+    assert_eq!(cuda, types & 2 == 2);
+    if !std::path::Path::new("/dev/nvidia0").exists() {
+        assert!(!cuda, "no GPU here, yet UCX claims CUDA memory: {types:#b}");
+    }
+}
