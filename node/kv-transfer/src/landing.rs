@@ -20,15 +20,17 @@ pub trait Landing: Send + Sync + std::fmt::Debug {
     /// Why the blocks cannot be taken (the pull fails).
     fn begin(&self) -> Result<(), String>;
 
-    /// Local block `block`, whose bytes are `bytes`, is in: nothing writes it any more.
+    /// Local blocks `first`, `first + 1`, … — a run of consecutive blocks, whose bytes are
+    /// `bytes` (a whole number of blocks, in order) — are in: nothing writes them any more.
+    /// (One call per run, so a device copies a run at once.)
     ///
     /// # Errors
     /// As [`Landing::begin`].
     ///
     /// # Safety
-    /// The caller's pull owns `block` (the engine touches it in neither pool until the pull
-    /// returns), and `bytes` stays valid and unchanged until [`Landing::settle`] returned.
-    unsafe fn landed(&self, block: BlockId, bytes: &[u8]) -> Result<(), String>;
+    /// The caller's pull owns those blocks (the engine touches them in neither pool until the
+    /// pull returns), and `bytes` stays valid and unchanged until [`Landing::settle`] returned.
+    unsafe fn landed(&self, first: BlockId, bytes: &[u8]) -> Result<(), String>;
 
     /// Returns once everything [`Landing::landed`] started has finished (at once when nothing
     /// began). It may wait for a device: call it outside locks.
@@ -38,7 +40,8 @@ pub trait Landing: Send + Sync + std::fmt::Debug {
     fn settle(&self) -> Result<(), String>;
 }
 
-/// [`Landing::landed`] for each of `local` (after `begin`, before `settle`).
+/// [`Landing::landed`] for each run of consecutive blocks of `local`, in order (after `begin`,
+/// before `settle`).
 ///
 /// # Errors
 /// [`PullError::Landing`], [`PullError::OutOfBounds`].
@@ -51,16 +54,22 @@ pub(crate) unsafe fn land(
     local: &[BlockId],
     block_bytes: usize,
 ) -> Result<(), PullError> {
-    for &b in local {
-        let off = b.index() * block_bytes;
-        if off + block_bytes > region.len() {
+    let mut rest = local;
+    while let Some(&first) = rest.first() {
+        let run = 1 + rest
+            .windows(2)
+            .take_while(|w| w[1].0 == w[0].0.wrapping_add(1))
+            .count();
+        let (off, len) = (first.index() * block_bytes, run * block_bytes);
+        if off + len > region.len() {
             return Err(PullError::OutOfBounds { side: "local" });
         }
-        // SAFETY: inside the region (checked); the pull owns the block and is done writing it,
-        // and keeps it so until the landing settles (per the caller).
-        let bytes = unsafe { std::slice::from_raw_parts(region.as_ptr().add(off), block_bytes) };
+        // SAFETY: inside the region (checked); the pull owns these blocks and is done writing
+        // them, and keeps them so until the landing settles (per the caller).
+        let bytes = unsafe { std::slice::from_raw_parts(region.as_ptr().add(off), len) };
         // SAFETY: as above.
-        unsafe { landing.landed(b, bytes) }.map_err(PullError::Landing)?;
+        unsafe { landing.landed(first, bytes) }.map_err(PullError::Landing)?;
+        rest = &rest[run..];
     }
     Ok(())
 }
@@ -73,7 +82,11 @@ mod tests {
     use crate::copier::Copier;
     use crate::pull::copy_pull_landing;
 
-    /// Records what a pull hands on; fails at the `fail_at`-th block if set.
+    /// The test's block size.
+    const BLOCK: usize = 256 << 10;
+
+    /// Records what a pull hands on, run by run and block by block; fails at the `fail_at`-th
+    /// block if set.
     #[derive(Debug, Default)]
     struct Recorder {
         log: Mutex<Vec<String>>,
@@ -91,19 +104,24 @@ mod tests {
             Ok(())
         }
 
-        unsafe fn landed(&self, block: BlockId, bytes: &[u8]) -> Result<(), String> {
+        unsafe fn landed(&self, first: BlockId, bytes: &[u8]) -> Result<(), String> {
             let mut blocks = self.blocks.lock().unwrap();
-            if Some(blocks.len()) == self.fail_at {
-                return Err("the device is on fire".into());
-            }
             if blocks.is_empty() && self.last_block != 0 {
                 // SAFETY: a byte of the test's region; nothing writes it now (the copy of the
                 // last part has not begun, or the copy has ended).
                 let b = unsafe { *(self.last_block as *const u8) };
                 *self.last_at_first.lock().unwrap() = Some(b);
             }
-            blocks.push((block, bytes.to_vec()));
-            self.log.lock().unwrap().push(format!("landed {}", block.0));
+            let mut log = self.log.lock().unwrap();
+            log.push(format!("run of {}", bytes.len() / BLOCK));
+            for (i, block) in bytes.chunks(BLOCK).enumerate() {
+                if Some(blocks.len()) == self.fail_at {
+                    return Err("the device is on fire".into());
+                }
+                let b = BlockId(first.0 + i as u32);
+                blocks.push((b, block.to_vec()));
+                log.push(format!("landed {}", b.0));
+            }
             Ok(())
         }
 
@@ -119,7 +137,7 @@ mod tests {
     /// copy, still settles, and fails the pull as `Landing`.
     #[test]
     fn a_copy_hands_on_each_block_once_in_order_as_its_part_lands() {
-        let block_bytes = 256 << 10;
+        let block_bytes = BLOCK;
         let ctx = pd_ucx::Context::new().unwrap();
         let region = MemoryRegion::allocate(&ctx, 16 * block_bytes).unwrap();
         // SAFETY: the region is ours, 16 blocks long.
@@ -159,8 +177,15 @@ mod tests {
         );
         assert_eq!(stats.bytes, 10 * block_bytes);
         let log = rec.log.lock().unwrap().clone();
-        let mut want = vec!["begin".to_string()];
-        want.extend(local.iter().map(|b| format!("landed {}", b.0)));
+        // Parts of 4 blocks: [10 11 12 13] [14 15 | 0 1] [2 3], each run of consecutive
+        // blocks handed on at once.
+        let mut want = vec!["begin".to_string(), "run of 4".into()];
+        for (i, b) in local.iter().enumerate() {
+            if [4, 6, 8].contains(&i) {
+                want.push("run of 2".into());
+            }
+            want.push(format!("landed {}", b.0));
+        }
         want.push("settle".into());
         assert_eq!(log, want);
         assert_eq!(
@@ -202,7 +227,11 @@ mod tests {
         let log = failing.log.lock().unwrap().clone();
         assert_eq!(log.first().map(String::as_str), Some("begin"));
         assert_eq!(log.last().map(String::as_str), Some("settle"));
-        assert_eq!(log.len(), 2 + 5, "stopped at the failing block: {log:?}");
+        assert_eq!(
+            log.len(),
+            2 + 2 + 5,
+            "stopped at the failing block: {log:?}"
+        );
         assert_eq!(
             crate::TransferError::Transfer(err).reason(),
             "staging",

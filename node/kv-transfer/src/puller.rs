@@ -1567,8 +1567,14 @@ mod tests {
             Ok(())
         }
 
-        unsafe fn landed(&self, block: BlockId, _bytes: &[u8]) -> Result<(), String> {
-            self.0.lock().unwrap().push(format!("landed {}", block.0));
+        unsafe fn landed(&self, first: BlockId, bytes: &[u8]) -> Result<(), String> {
+            // (Blocks of 64 bytes in the test below.)
+            for i in 0..bytes.len() / 64 {
+                self.0
+                    .lock()
+                    .unwrap()
+                    .push(format!("landed {}", first.0 + i as u32));
+            }
             Ok(())
         }
 

@@ -507,12 +507,15 @@ impl pd_kv_transfer::Landing for Landed {
         Ok(())
     }
 
-    unsafe fn landed(&self, block: BlockId, bytes: &[u8]) -> Result<(), String> {
-        let floats = bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
-            .collect();
-        self.blocks.lock().unwrap().push((block, floats));
+    unsafe fn landed(&self, first: BlockId, bytes: &[u8]) -> Result<(), String> {
+        for (i, block) in bytes.chunks(layout().block_bytes()).enumerate() {
+            let floats = block
+                .chunks_exact(4)
+                .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
+                .collect();
+            let b = BlockId(first.0 + i as u32);
+            self.blocks.lock().unwrap().push((b, floats));
+        }
         Ok(())
     }
 

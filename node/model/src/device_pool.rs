@@ -268,17 +268,17 @@ impl BlockUpload for DeviceUpload {
         }
     }
 
-    unsafe fn upload(&self, block: BlockId, bytes: &[u8]) -> Result<(), ModelError> {
+    unsafe fn upload(&self, first: BlockId, bytes: &[u8]) -> Result<(), ModelError> {
         let alive = self.alive.read().unwrap_or_else(|e| e.into_inner());
         if !*alive {
             return Err(gpu("the compute pool is gone"));
         }
-        let offset = upload_offset(block, bytes.len(), self.num_blocks, self.block_bytes)?;
+        let offset = upload_offset(first, bytes.len(), self.num_blocks, self.block_bytes)?;
         self.compute.context().bind_to_thread().map_err(gpu)?;
         let dst = self.base + offset as sys::CUdeviceptr;
-        // SAFETY: the block lies inside the slab, alive while `alive` is held true (the pool's
-        // drop waits for these copies); the caller owns the block and keeps `bytes` as it is
-        // until `settle`.
+        // SAFETY: the blocks lie inside the slab, alive while `alive` is held true (the pool's
+        // drop waits for these copies); the caller owns them and keeps `bytes` as it is until
+        // `settle`.
         unsafe { result::memcpy_htod_async(dst, bytes, self.copies) }.map_err(gpu)
     }
 

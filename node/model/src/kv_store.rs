@@ -159,17 +159,19 @@ pub trait BlockUpload: Send + Sync + std::fmt::Debug {
     /// The pool is gone, the mark failed, or a device error.
     fn begin(&self) -> Result<(), ModelError>;
 
-    /// Starts copying `bytes`, block `block` of the transfer pool, into the same block of the
-    /// compute pool; may return before the copy is done (a GPU's copy stream).
+    /// Starts copying `bytes` — blocks `first`, `first + 1`, … of the transfer pool, a whole
+    /// number of consecutive blocks — into the same blocks of the compute pool, as one copy;
+    /// may return before the copy is done (a GPU's copy stream).
     ///
     /// # Errors
-    /// The pool is gone, `block` lies outside it or `bytes` is not one block, or a device error.
+    /// The pool is gone, the blocks lie outside it or `bytes` is not a whole number of blocks,
+    /// or a device error.
     ///
     /// # Safety
-    /// `block` is reserved for the caller's pull: the engine neither reads nor writes it, in
-    /// either pool, until this pull's [`BlockUpload::settle`] has returned; and `bytes` stays
+    /// The blocks are reserved for the caller's pull: the engine neither reads nor writes them,
+    /// in either pool, until this pull's [`BlockUpload::settle`] has returned; and `bytes` stays
     /// valid and unchanged until then.
-    unsafe fn upload(&self, block: BlockId, bytes: &[u8]) -> Result<(), ModelError>;
+    unsafe fn upload(&self, first: BlockId, bytes: &[u8]) -> Result<(), ModelError>;
 
     /// Returns once every copy started through this handle has finished (including other
     /// pulls' copies started meanwhile). On a GPU this waits for the copy stream (the DMA of
@@ -191,22 +193,23 @@ pub(crate) fn same_layout(a: &KvLayout, b: &KvLayout) -> Result<(), ModelError> 
     }
 }
 
-/// The byte offset of `block` in a pool of `num_blocks` blocks of `block_bytes` (contiguous,
-/// block-major: `KvPool::block_bytes`), checked to take an upload of `len` bytes: one block,
-/// inside the pool.
+/// The byte offset of block `first` in a pool of `num_blocks` blocks of `block_bytes`
+/// (contiguous, block-major: `KvPool::block_bytes`), checked to take an upload of `len` bytes
+/// from there: one or more whole blocks, all inside the pool.
 pub(crate) fn upload_offset(
-    block: BlockId,
+    first: BlockId,
     len: usize,
     num_blocks: usize,
     block_bytes: usize,
 ) -> Result<usize, ModelError> {
-    if block.index() >= num_blocks || len != block_bytes {
+    let bb = block_bytes.max(1);
+    if len == 0 || !len.is_multiple_of(bb) || first.index() + len / bb > num_blocks {
         return Err(ModelError::InvalidBatch(format!(
-            "upload of {len} bytes into block {} of a pool of {num_blocks} blocks of {block_bytes} bytes",
-            block.index()
+            "upload of {len} bytes from block {} of a pool of {num_blocks} blocks of {block_bytes} bytes",
+            first.index()
         )));
     }
-    Ok(block.index() * block_bytes)
+    Ok(first.index() * block_bytes)
 }
 
 /// Checks that every block lies inside a pool of `l`.
@@ -254,20 +257,20 @@ impl BlockUpload for HostUpload {
         Ok(())
     }
 
-    unsafe fn upload(&self, block: BlockId, bytes: &[u8]) -> Result<(), ModelError> {
+    unsafe fn upload(&self, first: BlockId, bytes: &[u8]) -> Result<(), ModelError> {
         let alive = self.alive.read().unwrap_or_else(|e| e.into_inner());
         if !*alive {
             return Err(ModelError::Device("the compute pool is gone".into()));
         }
-        let offset = upload_offset(block, bytes.len(), self.num_blocks, self.block_bytes)?;
-        // SAFETY: the block lies inside the pool (checked), which stays allocated while `alive`
-        // is held true; the caller owns the block (nothing else touches it) and `bytes` is
-        // another pool's memory.
+        let offset = upload_offset(first, bytes.len(), self.num_blocks, self.block_bytes)?;
+        // SAFETY: the blocks lie inside the pool (checked), which stays allocated while `alive`
+        // is held true; the caller owns them (nothing else touches them) and `bytes` is another
+        // pool's memory.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 bytes.as_ptr(),
                 (self.base as *mut u8).add(offset),
-                self.block_bytes,
+                bytes.len(),
             );
         }
         Ok(())
@@ -399,8 +402,8 @@ mod tests {
         assert!(staged.upload(&other, &[BlockId(0)]).is_err());
     }
 
-    /// The uploader writes the named block, byte for byte, from another thread, refuses what is
-    /// not one block inside the pool, and stops once the pool is dropped.
+    /// The uploader writes a run of blocks, byte for byte, from another thread, refuses what is
+    /// not whole blocks inside the pool, and stops once the pool is dropped.
     #[test]
     fn the_uploader_writes_one_block_from_another_thread_until_the_pool_is_gone() {
         let l = layout();
@@ -420,10 +423,7 @@ mod tests {
         std::thread::spawn(move || {
             u.begin().unwrap();
             // SAFETY: nothing else touches blocks 2 and 3 of the compute pool here.
-            unsafe {
-                u.upload(BlockId(2), &two).unwrap();
-                u.upload(BlockId(3), &three).unwrap();
-            }
+            unsafe { u.upload(BlockId(2), &[two, three].concat()).unwrap() };
             u.settle().unwrap();
         })
         .join()
@@ -436,7 +436,12 @@ mod tests {
         // SAFETY: as above; these fail before writing.
         unsafe {
             assert!(up.upload(BlockId(4), &one).is_err());
+            assert!(
+                up.upload(BlockId(3), &[&one[..], &one[..]].concat())
+                    .is_err()
+            );
             assert!(up.upload(BlockId(1), &one[..4]).is_err());
+            assert!(up.upload(BlockId(1), &[]).is_err());
         }
         drop(staged);
         // SAFETY: the pool is gone: the upload refuses without writing.

@@ -40,10 +40,10 @@ impl pd_kv_transfer::Landing for StagedLanding {
         self.0.begin().map_err(|e| e.to_string())
     }
 
-    unsafe fn landed(&self, block: BlockId, bytes: &[u8]) -> Result<(), String> {
-        // SAFETY: the same contract (`Landing::landed`): the pull owns `block` in both pools
-        // and keeps `bytes` until it settles.
-        unsafe { self.0.upload(block, bytes) }.map_err(|e| e.to_string())
+    unsafe fn landed(&self, first: BlockId, bytes: &[u8]) -> Result<(), String> {
+        // SAFETY: the same contract (`Landing::landed`): the pull owns the run's blocks in both
+        // pools and keeps `bytes` until it settles.
+        unsafe { self.0.upload(first, bytes) }.map_err(|e| e.to_string())
     }
 
     fn settle(&self) -> Result<(), String> {
