@@ -154,22 +154,26 @@ mod tests {
             last_block: region.as_ptr() as usize + 3 * block_bytes,
             ..Default::default()
         };
-        // SAFETY: `peer` outlives the call; nothing else touches the region.
-        let stats = unsafe {
-            copy_pull_landing(
-                peer.as_ptr(),
-                peer.len(),
-                &region,
-                &remote,
-                &local,
-                block_bytes,
-                &copier,
-                &rec,
-                4,
-            )
-        }
-        .unwrap();
-        rec.settle().unwrap();
+        // The pull in parts of 4 blocks, then the settle its caller owes.
+        let pull = |landing: &Recorder| {
+            // SAFETY: `peer` outlives the call; nothing else touches the region.
+            let r = unsafe {
+                copy_pull_landing(
+                    peer.as_ptr(),
+                    peer.len(),
+                    &region,
+                    &remote,
+                    &local,
+                    block_bytes,
+                    &copier,
+                    landing,
+                    4,
+                )
+            };
+            landing.settle().unwrap();
+            r
+        };
+        let stats = pull(&rec).unwrap();
         assert_eq!(stats.landed_blocks, 10);
         assert_eq!(
             stats.landed_early, 8,
@@ -204,22 +208,7 @@ mod tests {
             fail_at: Some(5),
             ..Default::default()
         };
-        // SAFETY: as above.
-        let err = unsafe {
-            copy_pull_landing(
-                peer.as_ptr(),
-                peer.len(),
-                &region,
-                &remote,
-                &local,
-                block_bytes,
-                &copier,
-                &failing,
-                4,
-            )
-        }
-        .unwrap_err();
-        failing.settle().unwrap();
+        let err = pull(&failing).unwrap_err();
         assert!(
             matches!(err, PullError::Landing(ref m) if m.contains("on fire")),
             "{err}"

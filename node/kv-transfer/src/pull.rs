@@ -345,8 +345,6 @@ pub unsafe fn copy_pull_landing(
     landing: &dyn crate::landing::Landing,
     per_part: usize,
 ) -> Result<PullStats, PullError> {
-    // The whole pull is checked before anything moves (each part checks only itself).
-    checked_ranges(remote, local, block_bytes, remote_len, dst.len())?;
     landing.begin().map_err(PullError::Landing)?;
     let mut early = 0;
     let on_part = |part: &[BlockId], upto: usize| {
@@ -497,52 +495,37 @@ pub fn post_pull_in_parts<'w>(
     let per_part = per_part.max(1);
     let mut parts = Vec::new();
     let mut descriptors = 0;
-    let chunks = remote.len().div_ceil(per_part);
-    for (k, (r, l)) in remote
-        .chunks(per_part)
-        .zip(local.chunks(per_part))
-        .enumerate()
-    {
-        // (A part of a checked pull: its ranges lie inside both regions.)
-        let part_ranges;
-        let ranges: &[crate::plan::CopyRange] = if chunks == 1 {
-            &all
-        } else {
-            part_ranges = plan_ranges(r, l, block_bytes);
-            &part_ranges
-        };
-        for c in ranges {
-            let posted = src.endpoint.post_get(
-                dst,
-                c.local_offset,
-                c.len,
-                src.remote_base + c.remote_offset as u64,
-                src.rkey,
-            );
-            if let Err(e) = posted {
-                parts.into_iter().for_each(|(f, _)| std::mem::forget(f));
-                return Err(e.into());
+    let mut post = || -> Result<pd_ucx::Request<'w>, PullError> {
+        let mut upto = 0;
+        for (r, l) in remote.chunks(per_part).zip(local.chunks(per_part)) {
+            if upto > 0 {
+                // The parts before this one are in once this completes.
+                parts.push((src.endpoint.flush()?, upto));
             }
-        }
-        descriptors += ranges.len();
-        if k + 1 < chunks {
-            match src.endpoint.flush() {
-                Ok(f) => parts.push((f, (k + 1) * per_part)),
-                Err(e) => {
-                    parts.into_iter().for_each(|(f, _)| std::mem::forget(f));
-                    return Err(e.into());
-                }
+            // (A part of a checked pull: its ranges lie inside both regions.)
+            for c in plan_ranges(r, l, block_bytes) {
+                src.endpoint.post_get(
+                    dst,
+                    c.local_offset,
+                    c.len,
+                    src.remote_base + c.remote_offset as u64,
+                    src.rkey,
+                )?;
+                descriptors += 1;
             }
+            upto += l.len();
         }
-    }
-    let post_time = start.elapsed();
-    let flush = match src.endpoint.flush() {
+        Ok(src.endpoint.flush()?)
+    };
+    let flush = match post() {
         Ok(f) => f,
         Err(e) => {
+            // The close of the endpoint, which the caller owes, completes these.
             parts.into_iter().for_each(|(f, _)| std::mem::forget(f));
-            return Err(e.into());
+            return Err(e);
         }
     };
+    let post_time = start.elapsed();
     Ok(PostedPull {
         flush,
         parts,

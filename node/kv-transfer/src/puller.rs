@@ -220,21 +220,17 @@ fn parts_of(bytes: usize, block_bytes: usize) -> usize {
 /// async task never blocks its worker for more than about a millisecond.
 pub const DIRECT_COPY_MAX_BYTES: usize = 8 << 20;
 
-/// What a caller needs to copy a pull itself: the peers' pools mapped here, our pool, and the
-/// copier. The puller thread adds a peer's [`Mapping`] when it connects and removes it before it
+/// What a caller needs to copy a pull itself (besides our pool, [`Puller`]'s): the peers' pools
+/// mapped here, and the copier. The puller thread adds a peer's [`Mapping`] when it connects and removes it before it
 /// destroys the key that keeps the mapping.
 struct Direct {
     mappings: Mutex<HashMap<PeerKey, Arc<Mapping>>>,
-    local: Arc<MemoryRegion>,
-    block_bytes: usize,
     copier: Arc<Copier>,
 }
 
 impl std::fmt::Debug for Direct {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Direct")
-            .field("block_bytes", &self.block_bytes)
-            .finish_non_exhaustive()
+        f.debug_struct("Direct").finish_non_exhaustive()
     }
 }
 
@@ -296,8 +292,6 @@ impl Puller {
         let direct = copier.map(|c| {
             Arc::new(Direct {
                 mappings: Mutex::new(HashMap::new()),
-                local: local.clone(),
-                block_bytes,
                 copier: Arc::new(c),
             })
         });
@@ -428,20 +422,17 @@ impl Puller {
             hand.upto(upto).await;
         }
         let early = hand.handed;
-        match reply.map_err(|_| TransferError::PullerStopped) {
-            Ok(Ok(mut pulled)) => {
+        // (A puller gone without a reply writes our blocks no more either.)
+        let pulled = reply.map_err(|_| TransferError::PullerStopped);
+        match pulled.and_then(|r| r.map_err(TransferError::from)) {
+            Ok(mut pulled) => {
                 hand.upto(local.len()).await;
                 hand.finish()?;
                 pulled.stats.landed_blocks = local.len();
                 pulled.stats.landed_early = early;
                 Ok(pulled)
             }
-            Ok(Err(e)) => {
-                let _ = hand.finish();
-                Err(e.into())
-            }
             Err(e) => {
-                // The puller is gone: nothing writes our blocks any more.
                 let _ = hand.finish();
                 Err(e)
             }
@@ -461,7 +452,7 @@ impl Puller {
         deadline: Instant,
     ) -> Option<Result<Pulled, PullError>> {
         let direct = self.direct.as_ref()?;
-        if remote.len().saturating_mul(direct.block_bytes) > DIRECT_COPY_MAX_BYTES {
+        if remote.len().saturating_mul(self.block_bytes) > DIRECT_COPY_MAX_BYTES {
             return None;
         }
         let mapping = lock(&direct.mappings)
@@ -481,19 +472,19 @@ impl Puller {
                 None => crate::pull::copy_pull(
                     mapping.pool,
                     mapping.pool_len,
-                    &direct.local,
+                    &self.local,
                     remote,
                     local,
-                    direct.block_bytes,
+                    self.block_bytes,
                     &direct.copier,
                 ),
                 Some(l) => crate::pull::copy_pull_landing(
                     mapping.pool,
                     mapping.pool_len,
-                    &direct.local,
+                    &self.local,
                     remote,
                     local,
-                    direct.block_bytes,
+                    self.block_bytes,
                     &direct.copier,
                     l,
                     self.per_part,
