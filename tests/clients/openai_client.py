@@ -8,6 +8,7 @@ BASE_URL is the API root (http://127.0.0.1:PORT/v1). stdin is a JSON list of req
     {"api": "chat" | "completions" | "responses",
      "stream": bool, "n": int, "max_tokens": int, "temperature": float, "seed": int | null,
      "messages": [...] (chat), "prompt": str (completions), "input": str (responses),
+     "sampling": {...},     # optional SDK arguments, e.g. {"presence_penalty": 0.5}
      "extra_body": {...},   # optional, e.g. {"ignore_eos": true, "return_token_ids": true}
      "continue": bool}      # optional: the next turn of the previous spec's conversation
 
@@ -74,6 +75,8 @@ def usage_fields(usage, prompt_attr, details_attr):
 
 def sampling(spec):
     kwargs = {"model": spec.get("model", "tiny"), "temperature": spec.get("temperature", 0)}
+    # SDK arguments beyond the common ones, e.g. {"presence_penalty": 0.5, "logit_bias": {...}}.
+    kwargs.update(spec.get("sampling", {}))
     if spec.get("extra_body"):
         kwargs["extra_body"] = spec["extra_body"]
     return kwargs

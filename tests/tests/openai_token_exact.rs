@@ -50,6 +50,28 @@ fn specs() -> Vec<Value> {
             }
         }
     }
+    // OpenAI's penalties and bias (SDK arguments) and vLLM's (`extra_body`), which act on
+    // every token: on P's first one (attested with the lease) and on D's.
+    for (api, stream, n, temperature, seed) in [
+        ("chat", false, 1, 0.0, None),
+        ("completions", true, 3, 0.8, Some(7)),
+    ] {
+        let text = format!(
+            "{:02} {api} penalties n={n}: prefill and decode nodes share one KV cache.",
+            specs.len()
+        );
+        let mut s = json!({"api": api, "stream": stream, "n": n, "max_tokens": MAX_TOKENS,
+            "temperature": temperature, "seed": seed,
+            "sampling": {"presence_penalty": 0.5, "frequency_penalty": 0.8,
+                "logit_bias": {"17": 4, "40": -3}},
+            "extra_body": {"ignore_eos": true, "return_token_ids": true,
+                "repetition_penalty": 1.2, "min_p": 0.05}});
+        match api {
+            "chat" => s["messages"] = json!([{"role": "user", "content": text}]),
+            _ => s["prompt"] = json!(text),
+        }
+        specs.push(s);
+    }
     specs
 }
 

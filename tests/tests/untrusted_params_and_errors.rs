@@ -308,6 +308,22 @@ async fn errors_are_openai_error_objects(c: &TestCluster) -> f64 {
     assert_eq!(e["param"], "temperature", "{}", a.body);
     // A node's own 4xx is the client's fault too.
     client_errors += 1.0;
+    // Features no node implements (tool calls, structured output) are refused by name, not
+    // answered as if they had not been asked for.
+    for (field, value) in [
+        (
+            "tools",
+            json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ),
+        ("response_format", json!({"type": "json_object"})),
+    ] {
+        let mut body = Api::Chat.body("hello", 4);
+        body[field] = value;
+        let a = openai::send(&c.client, gw, Api::Chat, &body, None).await;
+        let e = assert_error_object(&a, 400);
+        assert_eq!(e["param"], field, "{}", a.body);
+        client_errors += 1.0;
+    }
 
     let g = c.gateway_metrics().await;
     assert_eq!(

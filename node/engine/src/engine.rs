@@ -495,7 +495,7 @@ impl Engine {
                 request,
                 arrival,
                 events,
-            } => self.add(id, request, arrival, events),
+            } => self.add(id, *request, arrival, events),
             Command::Abort(id) => self.abort(id),
             Command::RemoteKv(id, outcome, landed) => self.remote_kv_ready(id, outcome, landed),
             Command::Wake => {}
@@ -936,8 +936,10 @@ impl Engine {
         // first token goes with it — the token `emit_token` samples next, drawn here from a
         // copy of the sequence's generator in the same state — so a reader that wants nothing
         // else from the logits need not compute the last prompt position again.
-        let first = (state.params.n == 1 && state.params.logprobs.is_none())
-            .then(|| sampler::sample(row, &state.params, &mut seq.rng.clone()));
+        let first = (state.params.n == 1 && state.params.logprobs.is_none()).then(|| {
+            let history = sampler::History::of(&seq.tokens, seq.prompt_len);
+            sampler::sample(row, &state.params, history, &mut seq.rng.clone())
+        });
         let contents = pd_kv_pool::LeaseContents::of(&seq.tokens[..seq.prompt_len])
             .in_blocks(&blocks)
             .with_next_token(first, state.first_token_key);
@@ -973,7 +975,8 @@ impl Engine {
         };
         let (token, logprob) = match pick {
             Pick::Sample(logits) => {
-                let token = sampler::sample(logits, &state.params, &mut seq.rng);
+                let history = sampler::History::of(&seq.tokens, seq.prompt_len);
+                let token = sampler::sample(logits, &state.params, history, &mut seq.rng);
                 let logprob = state
                     .params
                     .logprobs
@@ -1267,6 +1270,20 @@ pub(crate) fn validate(info: &EngineInfo, request: &GenerateRequest) -> Result<(
             "prompt",
             format!(
                 "token id {t} is outside the vocabulary ({})",
+                info.vocab_size
+            ),
+        ));
+    }
+    if let Some(&(t, _)) = request
+        .params
+        .logit_bias
+        .iter()
+        .find(|&&(t, _)| t as usize >= info.vocab_size)
+    {
+        return Err(InvalidRequest::new(
+            "logit_bias",
+            format!(
+                "logit_bias names token id {t}, outside the vocabulary ({})",
                 info.vocab_size
             ),
         ));

@@ -32,10 +32,11 @@ pub struct CacheSubscription {
 /// What the engine thread can be asked to do.
 #[derive(Debug)]
 pub(crate) enum Command {
-    /// Admit a request; its events go to `events`.
+    /// Admit a request; its events go to `events`. (Boxed: a request is far larger than the
+    /// other commands.)
     Add {
         id: RequestId,
-        request: GenerateRequest,
+        request: Box<GenerateRequest>,
         arrival: Instant,
         events: tokio_mpsc::UnboundedSender<RequestEvent>,
     },
@@ -255,7 +256,7 @@ impl EngineHandle {
             .commands
             .send(Command::Add {
                 id,
-                request,
+                request: Box::new(request),
                 arrival: Instant::now(),
                 events,
             })

@@ -31,8 +31,8 @@ pub use handle::{CacheSubscription, EngineHandle, EngineInfo, RequestStream};
 pub use lease_book::{LeaseBook, LeaseStats};
 pub use metrics::EngineMetrics;
 pub use request::{
-    FinishReason, GenerateRequest, InvalidRequest, KvHandoff, KvTransfer, MAX_LOGPROBS, MAX_N,
-    MAX_STOP, MAX_STOP_LEN, MAX_STOP_TOKEN_IDS, RemoteKv, RequestEvent, RequestId, SamplingParams,
-    TokenLogprob,
+    FinishReason, GenerateRequest, InvalidRequest, KvHandoff, KvTransfer, MAX_LOGIT_BIAS,
+    MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_LEN, MAX_STOP_TOKEN_IDS, RemoteKv, RequestEvent,
+    RequestId, SamplingParams, TokenLogprob,
 };
 pub use sampler::first_token_key;

@@ -34,8 +34,24 @@ pub struct SamplingParams {
     pub stop_token_ids: Vec<u32>,
     /// Do not stop on the model's EOS tokens.
     pub ignore_eos: bool,
-    /// Return this many top alternatives' log-probabilities with every token.
+    /// Return this many top alternatives' log-probabilities with every token (of the model's
+    /// distribution, before the penalties and biases below: vLLM's default).
     pub logprobs: Option<usize>,
+    /// OpenAI's `presence_penalty` (−2..2): subtracted once from the logit of every token this
+    /// child has generated so far. 0 disables it.
+    pub presence_penalty: f32,
+    /// OpenAI's `frequency_penalty` (−2..2): subtracted from a token's logit once per time this
+    /// child has generated it. 0 disables it.
+    pub frequency_penalty: f32,
+    /// vLLM's `repetition_penalty` (> 0): the logits of tokens in the prompt or generated so far
+    /// are divided by it when positive, multiplied when negative. 1 disables it.
+    pub repetition_penalty: f32,
+    /// vLLM's `min_p` (0..=1): after temperature, drop tokens less likely than `min_p` × the
+    /// most likely token's probability. 0 disables it; no effect on greedy picks.
+    pub min_p: f32,
+    /// OpenAI's `logit_bias`: added to these tokens' logits (−100..=100), sorted by token id,
+    /// one entry per id.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -51,6 +67,11 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            min_p: 0.0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -65,6 +86,8 @@ pub const MAX_STOP: usize = 32;
 pub const MAX_STOP_LEN: usize = 512;
 /// Most stop token ids one request may give.
 pub const MAX_STOP_TOKEN_IDS: usize = 1024;
+/// Most `logit_bias` entries one request may give (each is applied on every step).
+pub const MAX_LOGIT_BIAS: usize = 1024;
 
 /// A request the engine could not take; `param` names the offending field.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -153,7 +176,68 @@ impl SamplingParams {
                 ),
             ));
         }
+        for (value, param) in [
+            (self.presence_penalty, "presence_penalty"),
+            (self.frequency_penalty, "frequency_penalty"),
+        ] {
+            if !(value.is_finite() && (-2.0..=2.0).contains(&value)) {
+                return Err(InvalidRequest::new(
+                    param,
+                    format!("{param} must be between -2 and 2, got {value}"),
+                ));
+            }
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return Err(InvalidRequest::new(
+                "repetition_penalty",
+                format!(
+                    "repetition_penalty must be greater than 0, got {}",
+                    self.repetition_penalty
+                ),
+            ));
+        }
+        if !(self.min_p.is_finite() && (0.0..=1.0).contains(&self.min_p)) {
+            return Err(InvalidRequest::new(
+                "min_p",
+                format!("min_p must be between 0 and 1, got {}", self.min_p),
+            ));
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS {
+            return Err(InvalidRequest::new(
+                "logit_bias",
+                format!(
+                    "at most {MAX_LOGIT_BIAS} logit_bias entries, got {}",
+                    self.logit_bias.len()
+                ),
+            ));
+        }
+        if let Some(&(token, bias)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(b.is_finite() && (-100.0..=100.0).contains(b)))
+        {
+            return Err(InvalidRequest::new(
+                "logit_bias",
+                format!(
+                    "logit_bias values must be between -100 and 100, got {bias} for token {token}"
+                ),
+            ));
+        }
+        if !self.logit_bias.windows(2).all(|w| w[0].0 < w[1].0) {
+            return Err(InvalidRequest::new(
+                "logit_bias",
+                "logit_bias must name each token once, in increasing order of id",
+            ));
+        }
         Ok(())
+    }
+
+    /// Whether anything changes the logits before the pick: penalties or biases.
+    pub fn adjusts_logits(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+            || !self.logit_bias.is_empty()
     }
 }
 

@@ -1,16 +1,45 @@
-//! Turns one row of logits into a token: greedy, or temperature → top-k → top-p → draw.
+//! Turns one row of logits into a token: penalties and biases, then greedy, or
+//! temperature → min-p → top-k → top-p → draw (vLLM's order).
 
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::request::{SamplingParams, TokenLogprob};
 
-/// Picks the next token from `logits` (vocab,) under `params`, drawing from `rng` unless greedy.
+/// What one child has seen, for the penalties: its prompt and the tokens it generated so far.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct History<'a> {
+    pub(crate) prompt: &'a [u32],
+    pub(crate) output: &'a [u32],
+}
+
+impl<'a> History<'a> {
+    /// `tokens` = prompt followed by output, split at `prompt_len`.
+    pub(crate) fn of(tokens: &'a [u32], prompt_len: usize) -> Self {
+        let (prompt, output) = tokens.split_at(prompt_len.min(tokens.len()));
+        Self { prompt, output }
+    }
+}
+
+/// Picks the next token from `logits` (vocab,) under `params` for a child with `history`,
+/// drawing from `rng` unless greedy.
 ///
 /// No full sort of the vocabulary: top-k is a partial selection (`select_nth_unstable`) and only
 /// the candidates are sorted; top-p sorts a prefix of the most likely tokens, growing it until it
 /// holds the nucleus (usually a few dozen of 49 152 entries).
-pub(crate) fn sample(logits: &[f32], params: &SamplingParams, rng: &mut ChaCha8Rng) -> u32 {
+pub(crate) fn sample(
+    logits: &[f32],
+    params: &SamplingParams,
+    history: History<'_>,
+    rng: &mut ChaCha8Rng,
+) -> u32 {
+    let adjusted;
+    let logits = if params.adjusts_logits() {
+        adjusted = adjust(logits, params, history);
+        &adjusted[..]
+    } else {
+        logits
+    };
     if is_greedy(params) || logits.is_empty() {
         return argmax(logits);
     }
@@ -22,7 +51,16 @@ pub(crate) fn sample(logits: &[f32], params: &SamplingParams, rng: &mut ChaCha8R
             .total_cmp(&scaled[*a as usize])
             .then(a.cmp(b))
     };
-    let mut cand: Vec<u32> = (0..scaled.len() as u32).collect();
+    let mut cand: Vec<u32> = if params.min_p > 0.0 {
+        // Probability ≥ min_p × the top one's ⇔ scaled logit ≥ top's + ln(min_p).
+        let top = scaled.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let floor = top + params.min_p.ln();
+        (0..scaled.len() as u32)
+            .filter(|&i| scaled[i as usize] >= floor)
+            .collect()
+    } else {
+        (0..scaled.len() as u32).collect()
+    };
     if params.top_k > 0 && params.top_k < cand.len() {
         cand.select_nth_unstable_by(params.top_k - 1, by_rank);
         cand.truncate(params.top_k);
@@ -70,6 +108,45 @@ pub(crate) fn sample(logits: &[f32], params: &SamplingParams, rng: &mut ChaCha8R
     cand[cand.len() - 1]
 }
 
+/// `logits` (vocab,) with `params`' biases and penalties applied, in vLLM's order: `logit_bias`,
+/// then the repetition penalty (prompt and output), the frequency and the presence penalty
+/// (output). Token ids outside the row are skipped (the engine checks them against the vocabulary).
+fn adjust(logits: &[f32], params: &SamplingParams, history: History<'_>) -> Vec<f32> {
+    let mut out = logits.to_vec();
+    for &(token, bias) in &params.logit_bias {
+        if let Some(l) = out.get_mut(token as usize) {
+            *l += bias;
+        }
+    }
+    if params.repetition_penalty != 1.0 {
+        // Each token seen once, whatever its count: sort the ids (prompt and output) and dedup.
+        let mut seen: Vec<u32> = history
+            .prompt
+            .iter()
+            .chain(history.output)
+            .copied()
+            .collect();
+        seen.sort_unstable();
+        seen.dedup();
+        let r = params.repetition_penalty;
+        for t in seen {
+            if let Some(l) = out.get_mut(t as usize) {
+                *l = if *l > 0.0 { *l / r } else { *l * r };
+            }
+        }
+    }
+    if params.frequency_penalty != 0.0 || params.presence_penalty != 0.0 {
+        let mut generated = history.output.to_vec();
+        generated.sort_unstable();
+        for run in generated.chunk_by(|a, b| a == b) {
+            if let Some(l) = out.get_mut(run[0] as usize) {
+                *l -= params.frequency_penalty * run.len() as f32 + params.presence_penalty;
+            }
+        }
+    }
+    out
+}
+
 /// Tokens sorted first when looking for a top-p nucleus (grown ×8 while too small).
 const NUCLEUS_FIRST_GUESS: usize = 64;
 
@@ -80,24 +157,49 @@ pub(crate) fn is_greedy(params: &SamplingParams) -> bool {
 }
 
 /// How [`sample`] picks under `params`, as a key a producer attests its first token with and a
-/// consumer compares with its own: 0 for the argmax (greedy: any greedy request picks the same),
-/// else xxh3 of the temperature, top-k, top-p and seed (never 0). Requests whose keys are equal
-/// pick the same token from the same logits with the same generator state — without a seed
-/// they draw from fresh generators, which is the same distribution.
+/// consumer compares with its own: 0 for the plain argmax (greedy with no penalty or bias: any
+/// such request picks the same), else xxh3 of what the pick depends on (never 0): the
+/// temperature, top-k, top-p, seed and min-p unless greedy, and the penalties and biases when
+/// set. Requests whose keys are equal pick the same token from the same logits and prompt with
+/// the same generator state — without a seed they draw from fresh generators, which is the same
+/// distribution.
 pub fn first_token_key(params: &SamplingParams) -> u64 {
-    if is_greedy(params) {
+    let greedy = is_greedy(params);
+    if greedy && !params.adjusts_logits() {
         return 0;
     }
     let mut bytes = Vec::with_capacity(32);
-    bytes.extend_from_slice(&params.temperature.to_bits().to_le_bytes());
-    bytes.extend_from_slice(&(params.top_k as u64).to_le_bytes());
-    bytes.extend_from_slice(&params.top_p.to_bits().to_le_bytes());
-    match params.seed {
-        Some(s) => {
-            bytes.push(1);
-            bytes.extend_from_slice(&s.to_le_bytes());
+    if greedy {
+        bytes.push(2);
+    } else {
+        bytes.extend_from_slice(&params.temperature.to_bits().to_le_bytes());
+        bytes.extend_from_slice(&(params.top_k as u64).to_le_bytes());
+        bytes.extend_from_slice(&params.top_p.to_bits().to_le_bytes());
+        match params.seed {
+            Some(s) => {
+                bytes.push(1);
+                bytes.extend_from_slice(&s.to_le_bytes());
+            }
+            None => bytes.push(0),
         }
-        None => bytes.push(0),
+        if params.min_p > 0.0 {
+            bytes.push(b'm');
+            bytes.extend_from_slice(&params.min_p.to_bits().to_le_bytes());
+        }
+    }
+    if params.adjusts_logits() {
+        bytes.push(b'a');
+        for x in [
+            params.presence_penalty,
+            params.frequency_penalty,
+            params.repetition_penalty,
+        ] {
+            bytes.extend_from_slice(&x.to_bits().to_le_bytes());
+        }
+        for &(token, bias) in &params.logit_bias {
+            bytes.extend_from_slice(&token.to_le_bytes());
+            bytes.extend_from_slice(&bias.to_bits().to_le_bytes());
+        }
     }
     xxhash_rust::xxh3::xxh3_64(&bytes).max(1)
 }
@@ -156,6 +258,12 @@ mod tests {
     use super::*;
     use rand::SeedableRng;
 
+    /// A child with an empty prompt that generated nothing yet.
+    const FRESH: History<'static> = History {
+        prompt: &[],
+        output: &[],
+    };
+
     fn params(t: f32, k: usize, p: f32) -> SamplingParams {
         SamplingParams {
             temperature: t,
@@ -168,7 +276,10 @@ mod tests {
     #[test]
     fn greedy_is_argmax() {
         let mut rng = ChaCha8Rng::seed_from_u64(0);
-        assert_eq!(sample(&[0.1, 3.0, 2.9], &params(0.0, 0, 1.0), &mut rng), 1);
+        assert_eq!(
+            sample(&[0.1, 3.0, 2.9], &params(0.0, 0, 1.0), FRESH, &mut rng),
+            1
+        );
     }
 
     #[test]
@@ -176,8 +287,8 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(1);
         let l = [1.0, 2.0, 5.0, 0.0];
         for _ in 0..20 {
-            assert_eq!(sample(&l, &params(1.0, 1, 1.0), &mut rng), 2);
-            assert_eq!(sample(&l, &params(1.0, 0, 0.01), &mut rng), 2);
+            assert_eq!(sample(&l, &params(1.0, 1, 1.0), FRESH, &mut rng), 2);
+            assert_eq!(sample(&l, &params(1.0, 0, 0.01), FRESH, &mut rng), 2);
         }
     }
 
@@ -186,7 +297,7 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(2);
         let l = [1.0, 1.1, 1.2, 1.3];
         for _ in 0..200 {
-            let t = sample(&l, &params(1.0, 2, 1.0), &mut rng);
+            let t = sample(&l, &params(1.0, 2, 1.0), FRESH, &mut rng);
             assert!(t == 2 || t == 3, "{t}");
         }
     }
@@ -197,7 +308,7 @@ mod tests {
         let draw = |seed| {
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
             (0..30)
-                .map(|_| sample(&l, &params(1.0, 0, 0.9), &mut rng))
+                .map(|_| sample(&l, &params(1.0, 0, 0.9), FRESH, &mut rng))
                 .collect::<Vec<_>>()
         };
         assert_eq!(draw(5), draw(5));
@@ -214,7 +325,7 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(9);
         let mut seen = std::collections::HashSet::new();
         for _ in 0..3000 {
-            let t = sample(&l, &params(1.0, 0, 0.5), &mut rng) as usize;
+            let t = sample(&l, &params(1.0, 0, 0.5), FRESH, &mut rng) as usize;
             assert_eq!(t % 37, 0, "{t} is outside the nucleus");
             assert!(t < 1000 * 37);
             seen.insert(t);
@@ -230,7 +341,7 @@ mod tests {
         let l: Vec<f32> = (0..5000).map(|i| -((i % 977) as f32) * 0.01).collect();
         let mut rng = ChaCha8Rng::seed_from_u64(4);
         for _ in 0..500 {
-            let t = sample(&l, &params(0.7, 20, 0.8), &mut rng) as usize;
+            let t = sample(&l, &params(0.7, 20, 0.8), FRESH, &mut rng) as usize;
             // The 20 most likely are ids ≡ 0..=3 (mod 977) below 5000: 0,977,…,1,978,…
             assert!(t % 977 <= 3, "{t}");
         }
@@ -245,5 +356,127 @@ mod tests {
         assert!((total - 1.0).abs() < 1e-5);
         assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 1]);
         assert!((lp.logprob - lp.top[1].1).abs() < 1e-6);
+    }
+
+    #[test]
+    fn logit_bias_moves_the_greedy_pick_and_is_added_as_given() {
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let l = [0.5f32, 3.0, 2.9, -1.0];
+        let biased = |bias: Vec<(u32, f32)>| SamplingParams {
+            logit_bias: bias,
+            ..params(0.0, 0, 1.0)
+        };
+        // +100 on the least likely token makes it the argmax; −100 on the argmax hands the pick
+        // to the runner-up; +0.05 on the runner-up is just enough (2.95 < 3.0 < 2.95 + 0.1).
+        assert_eq!(sample(&l, &biased(vec![(3, 100.0)]), FRESH, &mut rng), 3);
+        assert_eq!(sample(&l, &biased(vec![(1, -100.0)]), FRESH, &mut rng), 2);
+        assert_eq!(sample(&l, &biased(vec![(2, 0.05)]), FRESH, &mut rng), 1);
+        assert_eq!(sample(&l, &biased(vec![(2, 0.2)]), FRESH, &mut rng), 2);
+        let adjusted = adjust(&l, &biased(vec![(0, -0.5), (2, 1.0)]), FRESH);
+        assert_eq!(adjusted, vec![0.0, 3.0, 3.9, -1.0]);
+    }
+
+    #[test]
+    fn frequency_and_presence_penalties_count_only_generated_tokens() {
+        let l = [1.0f32, 1.0, 1.0, 1.0, -1.0];
+        let p = SamplingParams {
+            frequency_penalty: 0.5,
+            presence_penalty: 0.25,
+            ..params(0.0, 0, 1.0)
+        };
+        // Token 0 is in the prompt only: untouched. Token 1 was generated three times, token 4
+        // once; token 2 never.
+        let h = History::of(&[0, 0, 7, 1, 4, 1, 1], 3);
+        assert_eq!(h.prompt, &[0, 0, 7]);
+        assert_eq!(h.output, &[1, 4, 1, 1]);
+        assert_eq!(
+            adjust(&l, &p, h),
+            vec![1.0, 1.0 - 1.5 - 0.25, 1.0, 1.0, -1.0 - 0.5 - 0.25]
+        );
+        // A negative penalty rewards repeats.
+        let eager = SamplingParams {
+            frequency_penalty: -2.0,
+            ..params(0.0, 0, 1.0)
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        assert_eq!(sample(&l, &eager, h, &mut rng), 1);
+        assert_eq!(sample(&l, &params(0.0, 0, 1.0), h, &mut rng), 0);
+    }
+
+    #[test]
+    fn repetition_penalty_shrinks_seen_tokens_toward_unlikely_once_each() {
+        let l = [2.0f32, -2.0, 2.0, 1.0];
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            ..params(0.0, 0, 1.0)
+        };
+        // Token 0 seen three times (prompt and output) is divided once; token 1 (negative) is
+        // multiplied; token 2 unseen keeps its logit and wins the greedy pick.
+        let h = History::of(&[0, 1, 0, 0], 2);
+        assert_eq!(adjust(&l, &p, h), vec![1.0, -4.0, 2.0, 1.0]);
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        assert_eq!(sample(&l, &p, h, &mut rng), 2);
+    }
+
+    #[test]
+    fn min_p_drops_tokens_far_below_the_top_one() {
+        // Probabilities ∝ e^0, e^-1, e^-3, e^-3: with min_p 0.3 only tokens within ln(0.3) ≈
+        // −1.2 of the top survive (0 and 1); without it all four are drawn.
+        let l = [0.0f32, -1.0, -3.0, -3.0];
+        let draw = |min_p: f32| {
+            let p = SamplingParams {
+                min_p,
+                ..params(1.0, 0, 1.0)
+            };
+            let mut rng = ChaCha8Rng::seed_from_u64(3);
+            (0..2000)
+                .map(|_| sample(&l, &p, FRESH, &mut rng))
+                .collect::<std::collections::BTreeSet<_>>()
+        };
+        assert_eq!(draw(0.3), [0, 1].into());
+        assert_eq!(draw(0.0), [0, 1, 2, 3].into());
+    }
+
+    #[test]
+    fn the_first_token_key_changes_with_every_adjustment() {
+        let greedy = params(0.0, 0, 1.0);
+        assert_eq!(first_token_key(&greedy), 0);
+        let keys = [
+            SamplingParams {
+                logit_bias: vec![(5, 1.0)],
+                ..greedy.clone()
+            },
+            SamplingParams {
+                logit_bias: vec![(5, 2.0)],
+                ..greedy.clone()
+            },
+            SamplingParams {
+                repetition_penalty: 1.1,
+                ..greedy.clone()
+            },
+            SamplingParams {
+                presence_penalty: 0.5,
+                ..greedy.clone()
+            },
+            SamplingParams {
+                frequency_penalty: 0.5,
+                ..greedy.clone()
+            },
+            params(1.0, 0, 1.0),
+            SamplingParams {
+                min_p: 0.1,
+                ..params(1.0, 0, 1.0)
+            },
+        ]
+        .map(|p| first_token_key(&p));
+        let distinct: std::collections::HashSet<_> = keys.iter().collect();
+        assert_eq!(distinct.len(), keys.len(), "{keys:?}");
+        assert!(keys.iter().all(|&k| k != 0));
+        // min_p changes nothing of a greedy pick, so it does not change a greedy key.
+        let greedy_min_p = SamplingParams {
+            min_p: 0.5,
+            ..greedy
+        };
+        assert_eq!(first_token_key(&greedy_min_p), 0);
     }
 }

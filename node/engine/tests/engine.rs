@@ -911,7 +911,7 @@ async fn a_consumer_emits_the_producers_first_token_without_computing() {
     let h = engine(&dir, |_| {});
     // One prompt per case (the pulled blocks of one enter the prefix cache), and for each a
     // token the model would not pick: seeing it proves it was taken as given.
-    let prompts: Vec<Vec<u32>> = (0..7).map(|i| prompt(10, 8 + i)).collect();
+    let prompts: Vec<Vec<u32>> = (0..8).map(|i| prompt(10, 8 + i)).collect();
     let given: Vec<u32> = prompts
         .iter()
         .map(|p| (reference_greedy(&dir, p, 1)[0] + 1) % 256)
@@ -958,6 +958,17 @@ async fn a_consumer_emits_the_producers_first_token_without_computing() {
         (sampled.clone(), 0, 9, false, FinishReason::Length),
         (with_logprobs, 0, 9, false, FinishReason::Length),
         (two, 0, 9, false, FinishReason::Length),
+        // A biased greedy pick is not the plain argmax a producer without the bias took.
+        (
+            SamplingParams {
+                logit_bias: vec![(5, 1.5)],
+                ..greedy(1)
+            },
+            0,
+            9,
+            false,
+            FinishReason::Length,
+        ),
     ];
     for (i, (params, key, want_pulled, emitted, want_reason)) in cases.into_iter().enumerate() {
         let (p, given) = (&prompts[i], given[i]);

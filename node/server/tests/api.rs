@@ -1091,3 +1091,141 @@ async fn wait_all_blocks_free(server: &Server) -> f64 {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// The OpenAI sampling fields a client expects to act (`presence_penalty`, `frequency_penalty`,
+/// `logit_bias`) and vLLM's (`repetition_penalty`, `min_p`) reach the sampler: each changes a
+/// greedy answer that repeats itself, and a bias forces or forbids tokens. (Before they were
+/// read, every one of these requests answered exactly the baseline.)
+#[tokio::test]
+async fn penalties_and_logit_bias_change_greedy_answers() {
+    let server = Server::start().await;
+    let ids = |body: Value| {
+        let server = &server;
+        async move {
+            let mut body = body;
+            let base = json!({
+                "prompt": [72, 101, 108, 108, 111, 32, 119], "max_tokens": 24,
+                "temperature": 0, "ignore_eos": true, "return_token_ids": true,
+            });
+            for (k, v) in base.as_object().unwrap() {
+                body.as_object_mut().unwrap().entry(k).or_insert(v.clone());
+            }
+            let (status, out) = server.post("/v1/completions", &body).await;
+            assert_eq!(status, 200, "{body}: {out}");
+            serde_json::from_value::<Vec<u32>>(out["choices"][0]["token_ids"].clone()).unwrap()
+        }
+    };
+    let baseline = ids(json!({})).await;
+    let distinct = baseline
+        .iter()
+        .collect::<std::collections::HashSet<_>>()
+        .len();
+    assert!(
+        distinct < baseline.len(),
+        "the baseline must repeat tokens for the penalties to act on: {baseline:?}"
+    );
+    // Neutral values are the baseline.
+    let neutral = json!({"presence_penalty": 0, "frequency_penalty": 0,
+        "repetition_penalty": 1, "min_p": 0.5, "logit_bias": {}});
+    assert_eq!(ids(neutral).await, baseline);
+    for body in [
+        json!({"presence_penalty": 2}),
+        json!({"frequency_penalty": 2}),
+        json!({"repetition_penalty": 2.0}),
+        json!({"frequency_penalty": -2, "presence_penalty": -2}),
+    ] {
+        let got = ids(body.clone()).await;
+        assert_ne!(got, baseline, "{body} changed nothing");
+        assert_eq!(
+            got[0], baseline[0],
+            "{body}: nothing generated yet, same first pick"
+        );
+    }
+    // A bias of +100 forces a token at every step; −100 on the baseline's first token moves
+    // the first pick.
+    assert_eq!(ids(json!({"logit_bias": {"42": 100}})).await, vec![42; 24]);
+    let banned = ids(json!({"logit_bias": {baseline[0].to_string(): -100}})).await;
+    assert_ne!(banned[0], baseline[0]);
+    // Chat takes the same fields.
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+        "temperature": 0, "logit_bias": {"42": 100}, "ignore_eos": true, "return_token_ids": true});
+    let (status, out) = server.post("/v1/chat/completions", &chat).await;
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(out["choices"][0]["token_ids"], json!([42, 42, 42, 42, 42]));
+    server.stop().await;
+}
+
+/// Out-of-range sampling fields, and the OpenAI features this node does not implement (tools,
+/// structured output, `suffix`, `best_of`), are a 400 naming the field, never silently dropped.
+#[tokio::test]
+async fn unsupported_features_and_bad_sampling_fields_are_refused_by_name() {
+    let server = Server::start().await;
+    const BAD: &str = "invalid_request_error";
+    let tools = json!([{"type": "function", "function": {"name": "weather", "parameters": {}}}]);
+    let chat = |extra: Value| {
+        let mut body = json!({"model": "tiny", "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body
+    };
+    for (extra, param) in [
+        (json!({"tools": tools}), "tools"),
+        (
+            json!({"tools": tools, "tool_choice": "required"}),
+            "tool_choice",
+        ),
+        (
+            json!({"response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+        (json!({"presence_penalty": 2.5}), "presence_penalty"),
+        (json!({"frequency_penalty": -3}), "frequency_penalty"),
+        (json!({"repetition_penalty": 0}), "repetition_penalty"),
+        (json!({"min_p": 1.5}), "min_p"),
+        (json!({"logit_bias": {"abc": 1}}), "logit_bias"),
+        (json!({"logit_bias": {"7": 101}}), "logit_bias"),
+        (json!({"logit_bias": {"4000000": 1}}), "logit_bias"),
+    ] {
+        assert_error(
+            server.post("/v1/chat/completions", &chat(extra)).await,
+            400,
+            BAD,
+            Some(param),
+        );
+    }
+    // Tools the model may not call are fine: it answers in text.
+    let (status, out) = server
+        .post(
+            "/v1/chat/completions",
+            &chat(
+                json!({"tools": tools, "tool_choice": "none", "response_format": {"type": "text"}}),
+            ),
+        )
+        .await;
+    assert_eq!(status, 200, "{out}");
+    for (body, param) in [
+        (json!({"prompt": "hi", "suffix": "bye"}), "suffix"),
+        (json!({"prompt": "hi", "best_of": 3, "n": 3}), "best_of"),
+    ] {
+        assert_error(
+            server.post("/v1/completions", &body).await,
+            400,
+            BAD,
+            Some(param),
+        );
+    }
+    assert_error(
+        server
+            .post(
+                "/v1/responses",
+                &json!({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}),
+            )
+            .await,
+        400,
+        BAD,
+        Some("text.format"),
+    );
+    server.stop().await;
+}

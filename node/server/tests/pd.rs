@@ -451,7 +451,7 @@ async fn greedy_output_through_p_and_d_equals_one_node_on_every_api() {
 /// sampled request still answers token for token as one node does: D's generator skips the
 /// draw P took for that token. A request asking for logprobs and an `n = 2` request compute
 /// the last prompt position on D as before (pulled = prompt − 1). An unseeded sampled request
-/// takes P's token too.
+/// takes P's token too. The same holds with penalties, biases and `min_p` set.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_a_single_completion_without_logprobs_takes_the_producers_first_token() {
     let dir = model("first-token");
@@ -467,11 +467,41 @@ async fn only_a_single_completion_without_logprobs_takes_the_producers_first_tok
     logprobs["logprobs"] = json!(2);
     let mut two = base(3);
     two["n"] = json!(2);
+    // Penalties and biases act on the first token too (the repetition penalty reads the
+    // prompt): P's token stands for D's only under the same ones, which the key attests.
+    // (A bias against the plain answer's second token makes sure D's part changes.)
+    let plain = seen(api, post(&solo.http, api.path(), &base(5)).await).await;
+    let second = plain.tokens[0][1].to_string();
+    let mut penalized = base(5);
+    for (k, v) in [
+        ("repetition_penalty", json!(1.3)),
+        ("frequency_penalty", json!(0.7)),
+        ("presence_penalty", json!(0.4)),
+        ("logit_bias", json!({"17": 3.5, "3": -2, second: -100})),
+    ] {
+        penalized[k] = v;
+    }
+    let alone = seen(api, post(&solo.http, api.path(), &penalized).await).await;
+    assert_ne!(
+        plain.tokens, alone.tokens,
+        "the penalties change the answer"
+    );
+    let mut penalized_sampled = penalized.clone();
+    penalized_sampled["prompt"] = base(6)["prompt"].clone();
+    penalized_sampled["temperature"] = json!(0.9);
+    penalized_sampled["seed"] = json!(11);
+    penalized_sampled["min_p"] = json!(0.05);
+    let mut penalized_two = penalized_sampled.clone();
+    penalized_two["prompt"] = base(7)["prompt"].clone();
+    penalized_two["n"] = json!(2);
     for (body, takes_first) in [
         (base(0), true),
         (sampled, true),
         (logprobs, false),
         (two, false),
+        (penalized, true),
+        (penalized_sampled, true),
+        (penalized_two, false),
     ] {
         let want = seen(api, post(&solo.http, api.path(), &body).await).await;
         let got = through_pd(&p, &d, api, &body).await;

@@ -8,6 +8,9 @@
 pub(crate) mod chat;
 pub(crate) mod completions;
 pub(crate) mod responses;
+pub(crate) mod unsupported;
+
+use std::collections::BTreeMap;
 
 use pd_engine::SamplingParams;
 use serde::{Deserialize, Serialize};
@@ -88,6 +91,19 @@ pub(crate) struct SamplingFields {
     /// isolation); see [`cache_salt`].
     #[serde(default)]
     pub(crate) cache_salt: Option<String>,
+    #[serde(default)]
+    pub(crate) presence_penalty: Option<f32>,
+    #[serde(default)]
+    pub(crate) frequency_penalty: Option<f32>,
+    /// vLLM extension.
+    #[serde(default)]
+    pub(crate) repetition_penalty: Option<f32>,
+    /// vLLM extension.
+    #[serde(default)]
+    pub(crate) min_p: Option<f32>,
+    /// Token id (as a string, OpenAI's form) → bias added to its logit.
+    #[serde(default)]
+    pub(crate) logit_bias: Option<BTreeMap<String, f32>>,
 }
 
 impl SamplingFields {
@@ -128,6 +144,13 @@ impl SamplingFields {
             stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
             ignore_eos: self.ignore_eos.unwrap_or(false),
             logprobs,
+            presence_penalty: self.presence_penalty.unwrap_or(defaults.presence_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(defaults.frequency_penalty),
+            repetition_penalty: self
+                .repetition_penalty
+                .unwrap_or(defaults.repetition_penalty),
+            min_p: self.min_p.unwrap_or(defaults.min_p),
+            logit_bias: logit_bias(self.logit_bias.as_ref())?,
         })
     }
 
@@ -144,6 +167,42 @@ impl SamplingFields {
     pub(crate) fn return_token_ids(&self) -> bool {
         self.return_token_ids.unwrap_or(false)
     }
+}
+
+/// `logit_bias` as the engine takes it: token ids parsed from the keys, sorted, each once. The
+/// engine checks the count, the values and the ids against the vocabulary.
+fn logit_bias(map: Option<&BTreeMap<String, f32>>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(map) = map else {
+        return Ok(Vec::new());
+    };
+    if map.len() > pd_engine::MAX_LOGIT_BIAS {
+        return Err(ApiError::invalid(
+            "logit_bias",
+            format!(
+                "at most {} logit_bias entries, got {}",
+                pd_engine::MAX_LOGIT_BIAS,
+                map.len()
+            ),
+        ));
+    }
+    let mut bias = map
+        .iter()
+        .map(|(key, &value)| match key.parse::<u32>() {
+            Ok(token) => Ok((token, value)),
+            Err(_) => Err(ApiError::invalid(
+                "logit_bias",
+                format!("logit_bias keys must be token ids, got {key:?}"),
+            )),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    bias.sort_by_key(|&(token, _)| token);
+    if let Some(w) = bias.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(ApiError::invalid(
+            "logit_bias",
+            format!("logit_bias names token {} twice", w[0].0),
+        ));
+    }
+    Ok(bias)
 }
 
 /// Longest `cache_salt` accepted, in bytes.

@@ -33,6 +33,9 @@ pub(crate) struct ResponsesRequest {
     /// vLLM extension: see `SamplingFields::cache_salt`.
     #[serde(default)]
     pub(crate) cache_salt: Option<String>,
+    /// Refused unless set to what this node does anyway (`unsupported`).
+    #[serde(flatten)]
+    pub(crate) unsupported: super::unsupported::UnsupportedFields,
 }
 
 /// The `response` object (also the payload of `response.created` / `.completed` events).

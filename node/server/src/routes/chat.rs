@@ -28,6 +28,7 @@ pub(super) async fn create(
     JsonBody(req): JsonBody<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     let model = state.model_name(req.model.as_deref())?;
+    req.unsupported.refuse()?;
     let logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
         (false, Some(k)) if k > 0 => {
             return Err(ApiError::invalid(

@@ -28,6 +28,7 @@ pub(super) async fn create(
     if req.echo == Some(true) {
         return Err(ApiError::invalid("echo", "echo is not supported"));
     }
+    req.unsupported.refuse()?;
     let logprobs = req
         .logprobs
         .map(|l| non_negative(l, "logprobs"))

@@ -23,6 +23,7 @@ pub(super) async fn create(
     JsonBody(req): JsonBody<ResponsesRequest>,
 ) -> Result<Response, ApiError> {
     let model = state.model_name(req.model.as_deref())?;
+    req.unsupported.refuse()?;
     if req.previous_response_id.is_some() {
         return Err(ApiError::invalid(
             "previous_response_id",

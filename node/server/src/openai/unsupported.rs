@@ -1,0 +1,206 @@
+//! Fields of the OpenAI API this node does not implement and whose silent omission would
+//! change the answer (a tool call never made, JSON never enforced, a suffix never joined): each
+//! is refused with a 400 naming it, as vLLM refuses tools without a tool parser. Fields whose
+//! omission changes nothing a client relies on (`user`, `metadata`, `store`...) are accepted and
+//! ignored, as the request structs' doc says.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::error::ApiError;
+
+/// The refused fields' slots, flattened into each request body (all optional; `null` is absent).
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct UnsupportedFields {
+    #[serde(default)]
+    tools: Option<Value>,
+    #[serde(default)]
+    tool_choice: Option<Value>,
+    /// The deprecated form of `tools`.
+    #[serde(default)]
+    functions: Option<Value>,
+    /// Chat: structured output.
+    #[serde(default)]
+    response_format: Option<Value>,
+    /// Responses: `text.format` is its structured output.
+    #[serde(default)]
+    text: Option<Value>,
+    /// Completions: text after the insertion point.
+    #[serde(default)]
+    suffix: Option<Value>,
+    /// Completions: sample this many and return the `n` most likely.
+    #[serde(default)]
+    best_of: Option<Value>,
+}
+
+impl UnsupportedFields {
+    /// A 400 naming the first field set to something this node would not honour.
+    pub(crate) fn refuse(&self) -> Result<(), ApiError> {
+        self.tools()?;
+        if let Some(f) = present(&self.functions)
+            && f.as_array().is_none_or(|a| !a.is_empty())
+        {
+            return Err(ApiError::invalid(
+                "functions",
+                "function calling is not supported by this server",
+            ));
+        }
+        if let Some(format) = present(&self.response_format)
+            && format.get("type").and_then(Value::as_str) != Some("text")
+        {
+            return Err(ApiError::invalid(
+                "response_format",
+                format!(
+                    "response_format {} is not supported by this server (no structured output); only {{\"type\": \"text\"}}",
+                    kind(format)
+                ),
+            ));
+        }
+        if let Some(format) = present(&self.text).and_then(|t| t.get("format"))
+            && !format.is_null()
+            && format.get("type").and_then(Value::as_str) != Some("text")
+        {
+            return Err(ApiError::invalid(
+                "text.format",
+                format!(
+                    "text.format {} is not supported by this server (no structured output); only {{\"type\": \"text\"}}",
+                    kind(format)
+                ),
+            ));
+        }
+        if let Some(suffix) = present(&self.suffix)
+            && suffix.as_str() != Some("")
+        {
+            return Err(ApiError::invalid(
+                "suffix",
+                "suffix is not supported by this server",
+            ));
+        }
+        if let Some(best_of) = present(&self.best_of)
+            && best_of.as_u64() != Some(1)
+        {
+            return Err(ApiError::invalid(
+                "best_of",
+                format!(
+                    "best_of must be 1 on this server (ask for n completions instead), got {best_of}"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Tools are accepted only where none may be called: an empty list, or `tool_choice: "none"`
+    /// (the model then answers in text, as it would without them).
+    fn tools(&self) -> Result<(), ApiError> {
+        let has_tools = match present(&self.tools) {
+            None => false,
+            Some(Value::Array(a)) => !a.is_empty(),
+            Some(other) => {
+                return Err(ApiError::invalid(
+                    "tools",
+                    format!("tools must be a list, got {other}"),
+                ));
+            }
+        };
+        let choice = present(&self.tool_choice);
+        match choice.map(|c| (c, c.as_str())) {
+            Some((_, Some("none"))) => Ok(()),
+            None | Some((_, Some("auto"))) if !has_tools => Ok(()),
+            None | Some((_, Some("auto"))) => Err(ApiError::invalid(
+                "tools",
+                "tool calling is not supported by this server: send no tools, or tool_choice \"none\"",
+            )),
+            Some((choice, _)) => Err(ApiError::invalid(
+                "tool_choice",
+                format!(
+                    "tool_choice {choice} is not supported by this server: only \"none\" (no tool calling)"
+                ),
+            )),
+        }
+    }
+}
+
+/// The field's value unless absent or `null`.
+fn present(v: &Option<Value>) -> Option<&Value> {
+    v.as_ref().filter(|v| !v.is_null())
+}
+
+/// `format`'s `type` for a message: `type "json_schema"`, or the value itself.
+fn kind(format: &Value) -> String {
+    match format.get("type") {
+        Some(t) => format!("type {t}"),
+        None => format.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(body: Value) -> Result<(), Option<String>> {
+        let fields: UnsupportedFields = serde_json::from_value(body).unwrap();
+        fields.refuse().map_err(|e| e.param().map(str::to_owned))
+    }
+
+    #[test]
+    fn honourable_values_pass() {
+        for body in [
+            serde_json::json!({}),
+            serde_json::json!({"tools": null, "tool_choice": null, "response_format": null}),
+            serde_json::json!({"tools": [], "tool_choice": "auto"}),
+            serde_json::json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}),
+            serde_json::json!({"response_format": {"type": "text"}}),
+            serde_json::json!({"text": {"format": {"type": "text"}}}),
+            serde_json::json!({"text": {"verbosity": "low"}}),
+            serde_json::json!({"suffix": "", "best_of": 1}),
+            serde_json::json!({"functions": []}),
+        ] {
+            assert_eq!(check(body.clone()), Ok(()), "{body}");
+        }
+    }
+
+    #[test]
+    fn what_would_be_silently_dropped_is_refused_by_name() {
+        let tool = serde_json::json!([{"type": "function", "function": {"name": "f"}}]);
+        for (body, param) in [
+            (serde_json::json!({"tools": tool}), "tools"),
+            (
+                serde_json::json!({"tools": tool, "tool_choice": "auto"}),
+                "tools",
+            ),
+            (
+                serde_json::json!({"tools": tool, "tool_choice": "required"}),
+                "tool_choice",
+            ),
+            (
+                serde_json::json!({"tool_choice": "required"}),
+                "tool_choice",
+            ),
+            (
+                serde_json::json!({"tools": tool, "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+                "tool_choice",
+            ),
+            (serde_json::json!({"tools": {"a": 1}}), "tools"),
+            (
+                serde_json::json!({"functions": [{"name": "f"}]}),
+                "functions",
+            ),
+            (
+                serde_json::json!({"response_format": {"type": "json_object"}}),
+                "response_format",
+            ),
+            (
+                serde_json::json!({"response_format": {"type": "json_schema", "json_schema": {}}}),
+                "response_format",
+            ),
+            (
+                serde_json::json!({"text": {"format": {"type": "json_schema"}}}),
+                "text.format",
+            ),
+            (serde_json::json!({"suffix": "end"}), "suffix"),
+            (serde_json::json!({"best_of": 3}), "best_of"),
+        ] {
+            assert_eq!(check(body.clone()), Err(Some(param.to_owned())), "{body}");
+        }
+    }
+}
