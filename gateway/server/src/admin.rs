@@ -101,11 +101,8 @@ pub fn decision_json(d: &Decision, names: &[Arc<str>]) -> Value {
 
 impl Admin {
     fn authorized(&self, headers: &HeaderMap) -> bool {
-        headers
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .is_some_and(|t| t == &*self.token)
+        let header = headers.get("authorization").and_then(|v| v.to_str().ok());
+        crate::secret::bearer(header).is_some_and(|t| crate::secret::same_secret(t, &self.token))
     }
 
     fn spec(&self, q: &HashMap<String, String>) -> Result<PolicySpec, String> {

@@ -37,6 +37,11 @@ pub enum GatewayError {
     /// `previous_response_id` names no stored response (404).
     #[error("{0}")]
     PreviousResponseNotFound(String),
+    /// A `/v1/` call without one of the gateway's API keys, when it has some (401).
+    #[error(
+        "Incorrect API key provided: send one of the gateway's keys as `Authorization: Bearer KEY`."
+    )]
+    Unauthorized,
     /// No route for this path (404).
     #[error("Unknown request URL: {method} {path}. Please check the URL for typos.")]
     UnknownRoute {
@@ -102,6 +107,7 @@ impl GatewayError {
             | Self::ModelNotFound(_)
             | Self::PreviousResponseNotFound(_)
             | Self::UnknownRoute { .. }
+            | Self::Unauthorized
             | Self::PayloadTooLarge { .. } => ErrorSource::Downstream,
             Self::NoCapacity { .. } | Self::Node { .. } | Self::BadGateway(_) => {
                 ErrorSource::Upstream
@@ -115,6 +121,7 @@ impl GatewayError {
     pub fn status(&self) -> u16 {
         match self {
             Self::InvalidRequest { .. } => 400,
+            Self::Unauthorized => 401,
             Self::ModelNotFound(_)
             | Self::PreviousResponseNotFound(_)
             | Self::UnknownRoute { .. } => 404,
@@ -156,6 +163,7 @@ impl GatewayError {
                 ("invalid_request_error", Some("previous_response_not_found"))
             }
             Self::UnknownRoute { .. } => ("invalid_request_error", Some("unknown_url")),
+            Self::Unauthorized => ("invalid_request_error", Some("invalid_api_key")),
             Self::Rejected { .. } => ("invalid_request_error", Some("policy_rejected")),
             Self::NoCapacity { .. } | Self::PolicyFailed(_) => {
                 ("service_unavailable_error", Some("no_capacity"))

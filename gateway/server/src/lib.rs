@@ -22,6 +22,7 @@
 //! - [`cases`], [`replay`], [`template`]: the policy author's tools (`pd-gateway policy test`,
 //!   `replay`, `new`), which run policies here, without a cluster.
 //! - [`metrics`]: Prometheus metrics.
+//! - [`secret`]: checking API keys and tokens.
 //!
 //! This crate does not run models or link candle (tokenizing uses `pd-tokenize`), does not move
 //! KV (nodes pull from each other), and does not run policies itself (`pd-policy` does).
@@ -42,5 +43,6 @@ pub mod proxy;
 pub mod registry;
 pub mod replay;
 pub mod route;
+pub mod secret;
 pub mod spread;
 pub mod template;

@@ -130,6 +130,11 @@ struct ServeArgs {
     /// stripped.
     #[arg(long)]
     trusted_client_token: Option<String>,
+    /// An API key clients must send (`Authorization: Bearer KEY`, as the OpenAI SDKs do with
+    /// their `api_key`) to use /v1/; repeatable, also PD_API_KEYS (comma-separated). None: /v1/
+    /// is open. /health and /metrics stay open; the trusted client token is also a key.
+    #[arg(long = "api-key")]
+    api_keys: Vec<String>,
     /// A node silent this long leaves the view, milliseconds.
     #[arg(long, default_value_t = 3000)]
     node_timeout_ms: u64,
@@ -432,6 +437,23 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .clone()
         .or_else(|| env("PD_CLUSTER_TOKEN"));
     let token_required = configured_cluster_token.is_some();
+    let mut api_keys = args.api_keys.clone();
+    api_keys.extend(
+        env("PD_API_KEYS")
+            .iter()
+            .flat_map(|v| v.split(','))
+            .map(str::trim)
+            .filter(|k| !k.is_empty())
+            .map(str::to_owned),
+    );
+    if api_keys.iter().any(|k| k.is_empty()) {
+        anyhow::bail!("--api-key must not be empty");
+    }
+    if api_keys.is_empty() {
+        info!("/v1/ is open: no --api-key given");
+    } else {
+        info!(keys = api_keys.len(), "/v1/ requires an API key");
+    }
     let cluster_token = configured_cluster_token.unwrap_or_else(random_token);
 
     let bind = |port: u16| -> anyhow::Result<TcpListener> {
@@ -472,6 +494,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         config: ProxyConfig {
             max_body: args.max_body,
             trusted_client_token: args.trusted_client_token.clone(),
+            api_keys,
         },
     });
     let admin = Admin {

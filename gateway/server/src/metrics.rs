@@ -40,6 +40,8 @@ pub struct Metrics {
     pub prefix_hit_tokens: IntCounter,
     /// Client requests whose `kv_transfer_params` were stripped (untrusted client).
     pub kv_params_stripped: IntCounter,
+    /// `/v1/` calls refused for a missing or wrong API key (`--api-key`).
+    pub unauthorized: IntCounter,
     /// Candidates given up for the next one, by `stage` (prefill, decode, whole).
     pub failovers: IntCounterVec,
     /// P leases the gateway released itself (the client left, or a decode node failed).
@@ -185,6 +187,10 @@ impl Metrics {
             kv_params_stripped: counter(
                 "pd_gateway_kv_params_stripped_total",
                 "Client requests whose kv_transfer_params were stripped (untrusted client).",
+            ),
+            unauthorized: counter(
+                "pd_gateway_unauthorized_total",
+                "/v1/ calls refused for a missing or wrong API key (--api-key).",
             ),
             failovers: counters(
                 "pd_gateway_failovers_total",

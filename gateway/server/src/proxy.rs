@@ -52,6 +52,7 @@ use crate::lease::LeaseReleaser;
 use crate::metrics::Metrics;
 use crate::openai::{self, Analyzed, KV_FIELD, api_label, api_path};
 use crate::route::Router;
+use crate::secret;
 use crate::spread;
 
 /// Settings of the front door.
@@ -61,6 +62,9 @@ pub struct ProxyConfig {
     pub max_body: usize,
     /// A client whose bearer key equals this may send `kv_transfer_params`.
     pub trusted_client_token: Option<String>,
+    /// Keys a client must send as its bearer key to use `/v1/` (the trusted client token also
+    /// does); empty: `/v1/` is open.
+    pub api_keys: Vec<String>,
 }
 
 /// State shared by every request.
@@ -217,6 +221,12 @@ fn header(status: u16, content_type: &str, len: Option<usize>) -> Box<ResponseHe
     Box::new(h)
 }
 
+/// The client's `Authorization: Bearer KEY`.
+fn bearer_key(session: &Session) -> Option<&str> {
+    let header = session.req_header().headers.get("authorization");
+    secret::bearer(header.and_then(|v| v.to_str().ok()))
+}
+
 async fn respond(session: &mut Session, status: u16, content_type: &str, body: Bytes) {
     let h = header(status, content_type, Some(body.len()));
     if session.write_response_header(h, false).await.is_ok() {
@@ -262,18 +272,33 @@ impl Gateway {
         let Some(token) = &self.0.config.trusted_client_token else {
             return false;
         };
-        session
-            .req_header()
-            .headers
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .is_some_and(|key| key == token)
+        bearer_key(session).is_some_and(|key| secret::same_secret(key, token))
+    }
+
+    /// Whether the client may use `/v1/`: always when the gateway has no API keys, else with
+    /// one of them, or the trusted client token, as its bearer key.
+    fn authorized(&self, session: &Session) -> bool {
+        let config = &self.0.config;
+        if config.api_keys.is_empty() {
+            return true;
+        }
+        bearer_key(session).is_some_and(|key| {
+            config
+                .api_keys
+                .iter()
+                .chain(&config.trusted_client_token)
+                .any(|k| secret::same_secret(key, k))
+        })
     }
 
     async fn serve(&self, session: &mut Session) {
         let method = session.req_header().method.as_str().to_owned();
         let path = session.req_header().uri.path().to_owned();
+        if path.starts_with("/v1/") && !self.authorized(session) {
+            self.0.metrics.unauthorized.inc();
+            respond_error(session, &GatewayError::Unauthorized).await;
+            return;
+        }
         match (method.as_str(), path.as_str()) {
             ("GET", "/health") => {
                 let nodes = self.0.cluster.read().nodes.len();

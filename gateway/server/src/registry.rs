@@ -98,10 +98,11 @@ impl Registry {
                 r.protocol_version
             )));
         }
+        let matches = crate::secret::same_secret(&r.cluster_token, &self.config.cluster_token);
         let token_ok = if self.config.token_required {
-            r.cluster_token == self.config.cluster_token
+            matches
         } else {
-            r.cluster_token.is_empty() || r.cluster_token == self.config.cluster_token
+            r.cluster_token.is_empty() || matches
         };
         if !token_ok {
             return Err(Status::unauthenticated(

@@ -45,28 +45,13 @@ impl UnsupportedFields {
                 "function calling is not supported by this server",
             ));
         }
-        if let Some(format) = present(&self.response_format)
-            && format.get("type").and_then(Value::as_str) != Some("text")
-        {
-            return Err(ApiError::invalid(
-                "response_format",
-                format!(
-                    "response_format {} is not supported by this server (no structured output); only {{\"type\": \"text\"}}",
-                    kind(format)
-                ),
-            ));
+        if let Some(format) = present(&self.response_format) {
+            text_only("response_format", format)?;
         }
         if let Some(format) = present(&self.text).and_then(|t| t.get("format"))
             && !format.is_null()
-            && format.get("type").and_then(Value::as_str) != Some("text")
         {
-            return Err(ApiError::invalid(
-                "text.format",
-                format!(
-                    "text.format {} is not supported by this server (no structured output); only {{\"type\": \"text\"}}",
-                    kind(format)
-                ),
-            ));
+            text_only("text.format", format)?;
         }
         if let Some(suffix) = present(&self.suffix)
             && suffix.as_str() != Some("")
@@ -125,12 +110,21 @@ fn present(v: &Option<Value>) -> Option<&Value> {
     v.as_ref().filter(|v| !v.is_null())
 }
 
-/// `format`'s `type` for a message: `type "json_schema"`, or the value itself.
-fn kind(format: &Value) -> String {
-    match format.get("type") {
+/// A 400 naming `param` unless the output `format` asks for plain text.
+fn text_only(param: &'static str, format: &Value) -> Result<(), ApiError> {
+    if format.get("type").and_then(Value::as_str) == Some("text") {
+        return Ok(());
+    }
+    let kind = match format.get("type") {
         Some(t) => format!("type {t}"),
         None => format.to_string(),
-    }
+    };
+    Err(ApiError::invalid(
+        param,
+        format!(
+            "{param} {kind} is not supported by this server (no structured output); only {{\"type\": \"text\"}}"
+        ),
+    ))
 }
 
 #[cfg(test)]

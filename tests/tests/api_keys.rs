@@ -1,0 +1,120 @@
+//! Client API keys at the front door (`pd-gateway serve --api-key K`, repeatable): `/v1/` needs
+//! one of them (or the trusted client token) as the bearer key, which is what the OpenAI SDKs
+//! send as their `api_key`; anything else is a 401 OpenAI error object (`invalid_api_key`) that
+//! never reaches a node. `/health` and `/metrics` stay open, as on vLLM.
+
+use pd_cluster_tests::cluster::{ClusterSpec, Role, TestCluster, args};
+use pd_cluster_tests::openai::{self, Api};
+use pd_cluster_tests::python;
+use serde_json::json;
+
+/// The key `tests/clients/openai_client.py` gives the SDK.
+const SDK_KEY: &str = "sk-cluster-test";
+const SECOND_KEY: &str = "second-key";
+const TRUSTED: &str = "trusted-client-key";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn v1_needs_one_of_the_api_keys_and_refusals_reach_no_node() {
+    let c = TestCluster::start(
+        "api-keys",
+        ClusterSpec {
+            prefill: 1,
+            decode: 1,
+            gateway_args: args(&[
+                "--api-key",
+                SDK_KEY,
+                "--api-key",
+                SECOND_KEY,
+                "--trusted-client-token",
+                TRUSTED,
+            ]),
+            ..ClusterSpec::default()
+        },
+    )
+    .await;
+    let gw = &c.gateway.http;
+    let body = Api::Chat.body("Who may ask?", 3);
+
+    // Refused: no key, a wrong key, a key of the right length but wrong, another scheme.
+    let mut refused = 0.0;
+    for bearer in [None, Some("wrong"), Some("sk-cluster-tesT")] {
+        let a = openai::send(&c.client, gw, Api::Chat, &body, bearer).await;
+        assert_eq!(a.status, 401, "{bearer:?}: {}", a.body);
+        let e = a.error.as_ref().expect("an error object");
+        assert_eq!(e["code"], "invalid_api_key", "{}", a.body);
+        assert_eq!(e["type"], "invalid_request_error", "{}", a.body);
+        refused += 1.0;
+    }
+    let basic = c
+        .client
+        .post(format!("{gw}/v1/completions"))
+        .header("authorization", format!("Basic {SDK_KEY}"))
+        .json(&Api::Completions.body("hi", 2))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(basic.status(), 401);
+    refused += 1.0;
+    let models = c
+        .client
+        .get(format!("{gw}/v1/models"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(models.status(), 401);
+    refused += 1.0;
+    let models = c
+        .client
+        .get(format!("{gw}/v1/models"))
+        .bearer_auth(SECOND_KEY)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(models.status(), 200);
+    // Open without a key.
+    for path in ["/health", "/metrics"] {
+        let r = c.client.get(format!("{gw}{path}")).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+    }
+
+    // Accepted: each configured key and the trusted client token, through P and D.
+    let mut served = 0.0;
+    for key in [SECOND_KEY, TRUSTED] {
+        let a = openai::send(
+            &c.client,
+            gw,
+            Api::Completions,
+            &Api::Completions.body(key, 3),
+            Some(key),
+        )
+        .await
+        .ok();
+        assert!(a.pulled_tokens.is_some_and(|p| p > 0), "{}", a.body);
+        served += 1.0;
+    }
+    // The unmodified `openai` package, its `api_key` one of the keys.
+    let spec = json!({"api": "chat", "stream": true, "n": 1, "max_tokens": 3, "temperature": 0,
+        "messages": [{"role": "user", "content": "Keyed."}]});
+    let got = python::run_specs(&python::interpreter(), gw, &[spec]).await;
+    assert!(
+        got[0]["kv_pulled_tokens"].as_u64().is_some_and(|p| p > 0),
+        "{}",
+        got[0]
+    );
+    served += 1.0;
+
+    let g = c.gateway_metrics().await;
+    assert_eq!(g.sum("pd_gateway_unauthorized_total", &[]), refused);
+    assert_eq!(
+        g.sum("pd_gateway_requests_total", &[("outcome", "ok")]),
+        served,
+        "{}",
+        g.show("pd_gateway_requests_total")
+    );
+    // No refused request reached a node: P saw exactly the served prompts.
+    assert_eq!(
+        c.sum_over(Role::Prefill, "pd_node_prompts_total", &[])
+            .await,
+        served
+    );
+}
