@@ -175,6 +175,24 @@ impl Node {
     }
 }
 
+/// `SIGSTOP`s a node; `SIGCONT`s it when dropped, whatever happens in between.
+#[derive(Debug)]
+pub struct Stopped<'a>(&'a Node);
+
+impl<'a> Stopped<'a> {
+    /// Stops `node` now.
+    pub fn new(node: &'a Node) -> Self {
+        node.proc.signal(libc::SIGSTOP);
+        Self(node)
+    }
+}
+
+impl Drop for Stopped<'_> {
+    fn drop(&mut self) {
+        self.0.proc.signal(libc::SIGCONT);
+    }
+}
+
 /// Generates the tiny random model (`pd-node gen-tiny-model --seed 1`) into `<dir>/model`.
 pub fn tiny_model(dir: &WorkDir) -> PathBuf {
     let out = dir.path().join("model");

@@ -6,25 +6,9 @@
 
 use std::time::{Duration, Instant};
 
-use pd_cluster_tests::cluster::{ClusterSpec, Node, TestCluster, args};
+use pd_cluster_tests::cluster::{ClusterSpec, Stopped, TestCluster, args};
 use pd_cluster_tests::eventually;
 use pd_cluster_tests::openai::{self, Api};
-
-/// `SIGSTOP`s a node; `SIGCONT`s it when dropped, whatever happens in between.
-struct Stopped<'a>(&'a Node);
-
-impl<'a> Stopped<'a> {
-    fn new(node: &'a Node) -> Self {
-        node.proc.signal(libc::SIGSTOP);
-        Self(node)
-    }
-}
-
-impl Drop for Stopped<'_> {
-    fn drop(&mut self) {
-        self.0.proc.signal(libc::SIGCONT);
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_leaving_between_p_and_d_releases_p_lease_at_once() {

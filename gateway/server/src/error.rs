@@ -42,6 +42,10 @@ pub enum GatewayError {
         "Incorrect API key provided: send one of the gateway's keys as `Authorization: Bearer KEY`."
     )]
     Unauthorized,
+    /// Every slot of `--max-concurrent-requests` busy and the waiting line full, or the wait
+    /// for a slot ran out (429).
+    #[error("{}", overloaded_message(*.0))]
+    Overloaded(crate::admission::Refused),
     /// No route for this path (404).
     #[error("Unknown request URL: {method} {path}. Please check the URL for typos.")]
     UnknownRoute {
@@ -91,6 +95,17 @@ pub enum GatewayError {
     Internal(String),
 }
 
+fn overloaded_message(why: crate::admission::Refused) -> &'static str {
+    match why {
+        crate::admission::Refused::QueueFull => {
+            "The gateway is serving as many requests as it may and its waiting line is full; retry later."
+        }
+        crate::admission::Refused::QueueTimeout => {
+            "The gateway is serving as many requests as it may and none finished while this one waited; retry later."
+        }
+    }
+}
+
 impl GatewayError {
     /// A 400 naming `param`.
     pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
@@ -107,6 +122,7 @@ impl GatewayError {
             | Self::ModelNotFound(_)
             | Self::PreviousResponseNotFound(_)
             | Self::UnknownRoute { .. }
+            | Self::Overloaded(_)
             | Self::Unauthorized
             | Self::PayloadTooLarge { .. } => ErrorSource::Downstream,
             Self::NoCapacity { .. } | Self::Node { .. } | Self::BadGateway(_) => {
@@ -126,6 +142,7 @@ impl GatewayError {
             | Self::PreviousResponseNotFound(_)
             | Self::UnknownRoute { .. } => 404,
             Self::PayloadTooLarge { .. } => 413,
+            Self::Overloaded(_) => 429,
             Self::NoCapacity { .. } | Self::PolicyFailed(_) => 503,
             Self::Rejected { status, .. } | Self::Node { status, .. } => *status,
             Self::BadGateway(_) => 502,
@@ -140,6 +157,9 @@ impl GatewayError {
         {
             // The node refused the request itself: the client's fault.
             return "client_error";
+        }
+        if let Self::Overloaded(_) = self {
+            return "overloaded";
         }
         match self.source_kind() {
             ErrorSource::Downstream => "client_error",
@@ -164,6 +184,7 @@ impl GatewayError {
             }
             Self::UnknownRoute { .. } => ("invalid_request_error", Some("unknown_url")),
             Self::Unauthorized => ("invalid_request_error", Some("invalid_api_key")),
+            Self::Overloaded(_) => ("rate_limit_error", Some("rate_limit_exceeded")),
             Self::Rejected { .. } => ("invalid_request_error", Some("policy_rejected")),
             Self::NoCapacity { .. } | Self::PolicyFailed(_) => {
                 ("service_unavailable_error", Some("no_capacity"))

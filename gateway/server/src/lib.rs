@@ -7,6 +7,7 @@
 //!
 //! Brief overview:
 //! - [`proxy`]: the pingora service; one small method per phase of a request.
+//! - [`admission`]: how many requests are served at once, and the bounded wait for a slot.
 //! - [`openai`]: what routing reads from a request and how it is rewritten for P and D.
 //! - [`cluster`]: the live view of nodes, their load and prefix-cache hashes.
 //! - [`registry`]: the `pd.registry.v1.NodeRegistry` service nodes stream into.
@@ -30,6 +31,7 @@
 #![deny(unused_must_use)]
 
 pub mod admin;
+pub mod admission;
 pub mod answer;
 pub mod cases;
 pub mod cluster;

@@ -19,6 +19,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use pd_gateway::admin::{self, Admin};
+use pd_gateway::admission::Admission;
 use pd_gateway::cases;
 use pd_gateway::cluster::Cluster;
 use pd_gateway::conversation::{Holdings, ResponseStore};
@@ -156,6 +157,15 @@ struct ServeArgs {
     /// least as long as the nodes' `--kv-retain-after-decode`.
     #[arg(long, default_value_t = 3600)]
     responses_ttl_secs: u64,
+    /// Generation requests served at once; beyond it they wait for a slot (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    max_concurrent_requests: usize,
+    /// Requests that may wait for a slot; beyond it a request is refused at once (429).
+    #[arg(long, default_value_t = 1024)]
+    max_queued_requests: usize,
+    /// How long a request waits for a slot before it is refused (429), milliseconds.
+    #[arg(long, default_value_t = 30_000)]
+    queue_timeout_ms: u64,
 }
 
 #[derive(Args, Debug)]
@@ -491,6 +501,11 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             args.responses_store_mib << 20,
             Duration::from_secs(args.responses_ttl_secs),
         )),
+        admission: Admission::new(
+            args.max_concurrent_requests,
+            args.max_queued_requests,
+            Duration::from_millis(args.queue_timeout_ms),
+        ),
         config: ProxyConfig {
             max_body: args.max_body,
             trusted_client_token: args.trusted_client_token.clone(),

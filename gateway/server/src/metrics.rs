@@ -2,8 +2,8 @@
 //! `GET /metrics`.
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Every metric the gateway exports.
@@ -11,7 +11,7 @@ use prometheus::{
 pub struct Metrics {
     registry: Registry,
     /// Requests by `api` and `outcome` (ok, client_error, node_error, rejected, internal_error,
-    /// aborted).
+    /// aborted, overloaded).
     pub requests: IntCounterVec,
     /// Seconds from arrival to the last byte, by `api`.
     pub e2e: HistogramVec,
@@ -42,6 +42,16 @@ pub struct Metrics {
     pub kv_params_stripped: IntCounter,
     /// `/v1/` calls refused for a missing or wrong API key (`--api-key`).
     pub unauthorized: IntCounter,
+    /// Generation requests refused by admission (`--max-concurrent-requests`), by `reason`
+    /// (`queue_full`, `queue_timeout`).
+    pub admission_refused: IntCounterVec,
+    /// Generation requests being served now (set on scrape; 0 without a limit).
+    pub in_flight: IntGauge,
+    /// Generation requests waiting for a slot now (set on scrape).
+    pub queued: IntGauge,
+    /// Seconds a generation request waited for a slot, admitted or not (with a limit set; most
+    /// find one at once).
+    pub queue_wait: Histogram,
     /// Candidates given up for the next one, by `stage` (prefill, decode, whole).
     pub failovers: IntCounterVec,
     /// P leases the gateway released itself (the client left, or a decode node failed).
@@ -191,6 +201,38 @@ impl Metrics {
             unauthorized: counter(
                 "pd_gateway_unauthorized_total",
                 "/v1/ calls refused for a missing or wrong API key (--api-key).",
+            ),
+            admission_refused: counters(
+                "pd_gateway_admission_refused_total",
+                "Generation requests refused by admission (--max-concurrent-requests), by reason.",
+                &["reason"],
+            ),
+            in_flight: reg(
+                &registry,
+                IntGauge::with_opts(Opts::new(
+                    "pd_gateway_requests_in_flight",
+                    "Generation requests being served now (0 without --max-concurrent-requests).",
+                ))
+                .expect("valid metric"),
+            ),
+            queued: reg(
+                &registry,
+                IntGauge::with_opts(Opts::new(
+                    "pd_gateway_requests_queued",
+                    "Generation requests waiting for a slot now.",
+                ))
+                .expect("valid metric"),
+            ),
+            queue_wait: reg(
+                &registry,
+                Histogram::with_opts(
+                    HistogramOpts::new(
+                        "pd_gateway_queue_wait_seconds",
+                        "Time a generation request waited for a slot (--max-concurrent-requests).",
+                    )
+                    .buckets(LATENCY_BUCKETS.to_vec()),
+                )
+                .expect("valid metric"),
             ),
             failovers: counters(
                 "pd_gateway_failovers_total",

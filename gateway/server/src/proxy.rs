@@ -44,6 +44,7 @@ use pingora::prelude::{HttpPeer, ProxyHttp, Session};
 use serde_json::{Map, Value, json};
 use tracing::{debug, warn};
 
+use crate::admission::Admission;
 use crate::answer::{Capture, Captured, SseCapture};
 use crate::cluster::{Cluster, Snapshot};
 use crate::conversation::{self, Holding, Holdings, ResponseStore};
@@ -84,6 +85,8 @@ pub struct Shared {
     pub holdings: Arc<Holdings>,
     /// `/v1/responses` turns, for `previous_response_id`.
     pub responses: Arc<ResponseStore>,
+    /// How many generation requests are served at once.
+    pub admission: Admission,
     /// Settings.
     pub config: ProxyConfig,
 }
@@ -313,7 +316,10 @@ impl Gateway {
                         .with_label_values(&[crate::cluster::role_label(role)])
                         .set(n as i64);
                 }
-                let body = self.0.metrics.render();
+                let m = &self.0.metrics;
+                m.in_flight.set(self.0.admission.in_flight() as i64);
+                m.queued.set(self.0.admission.queued() as i64);
+                let body = m.render();
                 respond(session, 200, "text/plain; version=0.0.4", body.into()).await;
             }
             ("GET", "/v1/models") => {
@@ -346,7 +352,27 @@ impl Gateway {
             prepared: None,
         };
         let label = api_label(api);
-        let outcome = match self.generate_inner(session, api, &mut t).await {
+        // A slot first: waiting for one is waiting on the cluster, not the gateway's own time.
+        let admitted = t.wait(self.0.admission.admit()).await;
+        if self.0.admission.limited() {
+            self.0.metrics.queue_wait.observe(t.waiting.as_secs_f64());
+        }
+        let result = match admitted {
+            Ok(slot) => {
+                let r = self.generate_inner(session, api, &mut t).await;
+                drop(slot);
+                r
+            }
+            Err(why) => {
+                self.0
+                    .metrics
+                    .admission_refused
+                    .with_label_values(&[why.label()])
+                    .inc();
+                Err(GatewayError::Overloaded(why))
+            }
+        };
+        let outcome = match result {
             Ok(Outcome::Ok) => "ok",
             Ok(Outcome::Aborted) => "aborted",
             Err(e) => {
