@@ -335,6 +335,62 @@ async fn errors_are_openai_error_objects(c: &TestCluster) -> f64 {
     client_errors
 }
 
+/// `x-request-id` follows a request: the client's own (or one the gateway makes up) comes back
+/// on the answer, streamed or not, and on errors, and P and D log it in their access lines.
+async fn request_ids_follow_the_request(c: &TestCluster) {
+    let gw = &c.gateway.http;
+    let post = |api: Api, body: Value, id: Option<&'static str>| {
+        let mut req = c.client.post(format!("{gw}{}", api.path())).json(&body);
+        if let Some(id) = id {
+            req = req.header("x-request-id", id);
+        }
+        async move {
+            let resp = req.send().await.expect("POST to the gateway");
+            let status = resp.status().as_u16();
+            let id = resp
+                .headers()
+                .get("x-request-id")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned);
+            let _ = resp.bytes().await;
+            (status, id)
+        }
+    };
+    let body = Api::Completions.body("Follow me through P and D.", 3);
+    let (status, id) = post(Api::Completions, body.clone(), Some("trace-7f3a")).await;
+    assert_eq!((status, id.as_deref()), (200, Some("trace-7f3a")));
+    let streamed = Api::Chat.streaming(&Api::Chat.body("Follow me, streamed.", 3));
+    let (status, id) = post(Api::Chat, streamed, Some("trace-8b4c")).await;
+    assert_eq!((status, id.as_deref()), (200, Some("trace-8b4c")));
+    // None given, or one too odd to keep: the gateway's own.
+    for given in [None, Some("has space")] {
+        let (status, id) = post(Api::Completions, body.clone(), given).await;
+        assert_eq!(status, 200);
+        assert!(
+            id.as_deref().is_some_and(|i| i.starts_with("gw-")),
+            "{id:?}"
+        );
+    }
+    let mut bad = body.clone();
+    bad["temperature"] = json!(-1);
+    let (status, id) = post(Api::Completions, bad, Some("trace-9d5e")).await;
+    assert_eq!((status, id.as_deref()), (400, Some("trace-9d5e")));
+    for (node, ids) in [
+        ("p0", &["trace-7f3a", "trace-8b4c", "trace-9d5e"][..]),
+        ("d0", &["trace-7f3a", "trace-8b4c"][..]),
+    ] {
+        let log = c.node(node).proc.log();
+        for id in ids {
+            assert!(
+                log.lines()
+                    .any(|l| l.contains(id) && l.contains("POST /v1/")),
+                "{node} logged no access line for {id}:\n{}",
+                c.node(node).proc.log_tail(20)
+            );
+        }
+    }
+}
+
 async fn no_decode_node_is_503(c: &mut TestCluster) {
     let before = c.gateway_metrics().await;
     c.node_mut("d0").proc.kill_and_wait();
@@ -462,6 +518,7 @@ async fn untrusted_params_are_stripped_and_errors_are_openai_objects() {
     a_trusted_client_drives_p_and_d_itself(&c).await;
     errors_are_openai_error_objects(&c).await;
     token_id_prompts_go_as_sent(&c).await;
+    request_ids_follow_the_request(&c).await;
     let keep_alive = keep_alive_failures(&c).await;
     no_decode_node_is_503(&mut c).await;
     assert!(

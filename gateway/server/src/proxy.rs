@@ -42,7 +42,7 @@ use pd_tokenize::prompt::{GIVEN_IDS_FIELD, PromptInput, PromptKind};
 use pingora::http::ResponseHeader;
 use pingora::prelude::{HttpPeer, ProxyHttp, Session};
 use serde_json::{Map, Value, json};
-use tracing::{debug, warn};
+use tracing::{Instrument, debug, warn};
 
 use crate::admission::Admission;
 use crate::answer::{Capture, Captured, SseCapture};
@@ -208,13 +208,51 @@ async fn client_gone(session: &mut Session) {
     }
 }
 
-fn header(status: u16, content_type: &str, len: Option<usize>) -> Box<ResponseHeader> {
+/// The header naming a request across the gateway's and the nodes' logs.
+const REQUEST_ID: &str = "x-request-id";
+
+/// Longest client-chosen request id kept; longer or unprintable ones are replaced.
+const MAX_REQUEST_ID: usize = 128;
+
+/// The request's id: the client's `x-request-id` when it is printable ASCII of at most
+/// [`MAX_REQUEST_ID`] bytes, else a fresh one put in its place, so every later phase (the
+/// node requests, the answer's headers, the logs) reads the same id from the session.
+fn assign_request_id(session: &mut Session) -> String {
+    if let Some(id) = request_id(session) {
+        return id.to_owned();
+    }
+    let id = format!("gw-{:032x}", rand::random::<u128>());
+    let _ = session.req_header_mut().insert_header(REQUEST_ID, &id);
+    id
+}
+
+/// The id [`assign_request_id`] settled on (or the client's, if still unchecked).
+fn request_id(session: &Session) -> Option<&str> {
+    let v = session
+        .req_header()
+        .headers
+        .get(REQUEST_ID)?
+        .to_str()
+        .ok()?;
+    (!v.is_empty() && v.len() <= MAX_REQUEST_ID && v.bytes().all(|b| b.is_ascii_graphic()))
+        .then_some(v)
+}
+
+fn header(
+    status: u16,
+    content_type: &str,
+    len: Option<usize>,
+    request: Option<&str>,
+) -> Box<ResponseHeader> {
     // A status from a node or a validated policy decision is always a valid one; fall back to
     // 500 rather than panic if it was not.
-    let mut h = ResponseHeader::build(status, Some(4))
-        .or_else(|_| ResponseHeader::build(500, Some(4)))
+    let mut h = ResponseHeader::build(status, Some(5))
+        .or_else(|_| ResponseHeader::build(500, Some(5)))
         .expect("500 is a valid status");
     let _ = h.insert_header("content-type", content_type);
+    if let Some(id) = request {
+        let _ = h.insert_header(REQUEST_ID, id);
+    }
     if let Some(len) = len {
         let _ = h.insert_header("content-length", len.to_string());
     }
@@ -231,7 +269,7 @@ fn bearer_key(session: &Session) -> Option<&str> {
 }
 
 async fn respond(session: &mut Session, status: u16, content_type: &str, body: Bytes) {
-    let h = header(status, content_type, Some(body.len()));
+    let h = header(status, content_type, Some(body.len()), request_id(session));
     if session.write_response_header(h, false).await.is_ok() {
         let _ = session.write_response_body(Some(body), true).await;
     }
@@ -345,6 +383,13 @@ impl Gateway {
     }
 
     async fn generate(&self, session: &mut Session, api: Api) {
+        let id = assign_request_id(session);
+        self.generate_as(session, api)
+            .instrument(tracing::info_span!("request", id = %id))
+            .await;
+    }
+
+    async fn generate_as(&self, session: &mut Session, api: Api) {
         let mut t = Timing {
             start: Instant::now(),
             waiting: Duration::ZERO,
@@ -855,13 +900,15 @@ impl Gateway {
         body: Bytes,
     ) -> Result<reqwest::Response, Failed> {
         let url = format!("http://{addr}{path}");
-        let send = self
+        let mut send = self
             .0
             .http
             .post(url)
-            .header("content-type", "application/json")
-            .body(body)
-            .send();
+            .header("content-type", "application/json");
+        if let Some(id) = request_id(session) {
+            send = send.header(REQUEST_ID, id);
+        }
+        let send = send.body(body).send();
         let result = tokio::select! {
             r = t.wait(send) => r,
             () = client_gone(session) => return Err(Failed::Gone),
@@ -1034,10 +1081,11 @@ impl Gateway {
                 self.release(Some(p), why);
             }
         };
+        let id = request_id(session).map(str::to_owned);
         let sends = groups
             .iter()
             .zip(bodies)
-            .map(|(g, b)| self.send_ranked(snapshot, &g.candidates, path, b));
+            .map(|(g, b)| self.send_ranked(snapshot, &g.candidates, path, b, id.as_deref()));
         let answers = tokio::select! {
             r = t.wait(futures::future::join_all(sends)) => r,
             () = client_gone(session) => {
@@ -1094,20 +1142,22 @@ impl Gateway {
         candidates: &[u32],
         path: &str,
         body: Bytes,
+        request: Option<&str>,
     ) -> Result<reqwest::Response, String> {
         let mut why = Vec::new();
         for &i in candidates {
             let Some(node) = snapshot.nodes.get(i as usize) else {
                 continue;
             };
-            let sent = self
+            let mut post = self
                 .0
                 .http
                 .post(format!("http://{}{path}", node.http_addr))
-                .header("content-type", "application/json")
-                .body(body.clone())
-                .send()
-                .await;
+                .header("content-type", "application/json");
+            if let Some(id) = request {
+                post = post.header(REQUEST_ID, id);
+            }
+            let sent = post.body(body.clone()).send().await;
             let e = match sent {
                 Ok(r) if r.status().is_server_error() => {
                     let status = r.status();
@@ -1165,11 +1215,8 @@ impl Gateway {
         offsets: Vec<u32>,
     ) -> Result<Outcome, GatewayError> {
         use futures::StreamExt;
-        if session
-            .write_response_header(header(200, "text/event-stream", None), false)
-            .await
-            .is_err()
-        {
+        let h = header(200, "text/event-stream", None, request_id(session));
+        if session.write_response_header(h, false).await.is_err() {
             return Ok(Outcome::Aborted);
         }
         let mut merge = spread::SseMerge::new(offsets);
@@ -1351,11 +1398,8 @@ impl Gateway {
         }
         let mut sse = (status == 200).then(|| SseCapture::new(capture));
         let len = resp.content_length().and_then(|l| usize::try_from(l).ok());
-        if session
-            .write_response_header(header(status, &content_type, len), false)
-            .await
-            .is_err()
-        {
+        let h = header(status, &content_type, len, request_id(session));
+        if session.write_response_header(h, false).await.is_err() {
             return Ok(Outcome::Aborted);
         }
         // Watch the client between chunks only for a chunked (streamed) answer: the client

@@ -17,6 +17,7 @@ use std::sync::Arc;
 
 use pd_engine::{EngineHandle, KvTransfer, RequestStream};
 use serde::de::DeserializeOwned;
+use tracing::Instrument;
 
 use crate::disagg::{Disagg, Events, check_prompt, consume, release_all};
 use crate::error::ApiError;
@@ -247,8 +248,40 @@ pub(crate) fn router(
         .route("/v1/responses", post(responses::create))
         .fallback(unknown_route)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn(request_id))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
+}
+
+/// The header naming a request across the gateway's and the nodes' logs.
+const REQUEST_ID: &str = "x-request-id";
+
+/// `x-request-id`: the caller's id for this request (a gateway sends its own to P and D), or a
+/// fresh one when it is missing, longer than 128 bytes or not printable ASCII. Every log line of
+/// the handler carries it (a span), the answer echoes it, and each `/v1/` call ends with an
+/// access line (method, path, status, time to the answer's head), so one request can be
+/// followed across the gateway's, P's and D's logs.
+async fn request_id(req: Request, next: axum::middleware::Next) -> Response {
+    let start = std::time::Instant::now();
+    let (method, path) = (req.method().clone(), req.uri().path().to_owned());
+    let id = req
+        .headers()
+        .get(REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map_or_else(|| new_id("node-"), str::to_owned);
+    let span = tracing::info_span!("request", id = %id);
+    let mut resp = next.run(req).instrument(span.clone()).await;
+    if path.starts_with("/v1/") {
+        let ms = start.elapsed().as_secs_f64() * 1e3;
+        span.in_scope(|| {
+            tracing::info!("{method} {path} {} in {ms:.1} ms", resp.status().as_u16())
+        });
+    }
+    if let Ok(v) = header::HeaderValue::from_str(&id) {
+        resp.headers_mut().insert(REQUEST_ID, v);
+    }
+    resp
 }
 
 async fn health() -> StatusCode {
