@@ -71,6 +71,23 @@ async fn v1_needs_one_of_the_api_keys_and_refusals_reach_no_node() {
         .await
         .unwrap();
     assert_eq!(models.status(), 200);
+    // `models.retrieve`: the registered model's card, 404 for another.
+    for (id, status) in [(openai::MODEL, 200), ("no-such-model", 404)] {
+        let r = c
+            .client
+            .get(format!("{gw}/v1/models/{id}"))
+            .bearer_auth(SECOND_KEY)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), status, "{id}");
+        let v: serde_json::Value = r.json().await.unwrap();
+        if status == 200 {
+            assert_eq!(v["id"], id);
+        } else {
+            assert_eq!(v["error"]["code"], "model_not_found");
+        }
+    }
     // Open without a key.
     for path in ["/health", "/metrics"] {
         let r = c.client.get(format!("{gw}{path}")).send().await.unwrap();

@@ -262,6 +262,11 @@ fn header(
     Box::new(h)
 }
 
+/// A model's card on `/v1/models`.
+fn model_card(id: &str) -> Value {
+    json!({"id": id, "object": "model", "created": 0, "owned_by": "pd-serve"})
+}
+
 /// The client's `Authorization: Bearer KEY`.
 fn bearer_key(session: &Session) -> Option<&str> {
     let header = session.req_header().headers.get("authorization");
@@ -366,10 +371,20 @@ impl Gateway {
                     .cluster
                     .live_models()
                     .into_iter()
-                    .map(|m| json!({"id": m, "object": "model", "created": 0, "owned_by": "pd-serve"}))
+                    .map(|m| model_card(&m))
                     .collect();
                 let body = json!({"object": "list", "data": data}).to_string();
                 respond(session, 200, "application/json", body.into()).await;
+            }
+            ("GET", p) if p.starts_with("/v1/models/") => {
+                // The SDKs' `models.retrieve`; the id may hold slashes (`org/name`).
+                let id = &p["/v1/models/".len()..];
+                if self.0.cluster.live_models().iter().any(|m| **m == *id) {
+                    let body = model_card(id).to_string();
+                    respond(session, 200, "application/json", body.into()).await;
+                } else {
+                    respond_error(session, &GatewayError::ModelNotFound(id.to_owned())).await;
+                }
             }
             ("POST", p) if openai::api_of(p).is_some() => {
                 if let Some(api) = openai::api_of(p) {

@@ -224,6 +224,16 @@ async fn health_models_and_metrics() {
     assert_eq!(card["max_model_len"], MAX_MODEL_LEN);
     assert!(card["created"].as_u64().unwrap() > 0);
     assert!(card["owned_by"].is_string());
+    // `models.retrieve`: the same card, or 404 for any other id (slashes included).
+    let (status, one) = server.get("/v1/models/tiny").await;
+    assert_eq!(status, 200, "{one}");
+    assert_eq!(serde_json::from_str::<Value>(&one).unwrap(), *card);
+    for other in ["/v1/models/other", "/v1/models/org/tiny"] {
+        let (status, body) = server.get(other).await;
+        assert_eq!(status, 404, "{other}: {body}");
+        let e: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(e["error"]["code"], "model_not_found", "{body}");
+    }
 
     let (status, text) = server.get("/metrics").await;
     assert_eq!(status, 200);

@@ -242,6 +242,7 @@ pub(crate) fn router(
     Router::new()
         .route("/health", get(health))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model))
         .route("/metrics", get(metrics))
         .route("/v1/completions", post(completions::create))
         .route("/v1/chat/completions", post(chat::create))
@@ -289,19 +290,33 @@ async fn health() -> StatusCode {
 }
 
 async fn models(State(state): State<AppState>) -> Json<ModelList> {
-    let info = state.engine.info();
     Json(ModelList {
         object: "list",
-        data: vec![ModelCard {
-            id: info.model_name.clone(),
-            object: "model",
-            created: state.started,
-            owned_by: "pd-node",
-            root: info.model_name.clone(),
-            parent: None,
-            max_model_len: info.max_model_len,
-        }],
+        data: vec![card(&state)],
     })
+}
+
+/// `GET /v1/models/{id}` (the SDKs' `models.retrieve`): the served model's card, or 404
+/// `model_not_found`. The id may hold slashes (`org/name`).
+async fn model(
+    State(state): State<AppState>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Json<ModelCard>, ApiError> {
+    state.model_name(Some(&id))?;
+    Ok(Json(card(&state)))
+}
+
+fn card(state: &AppState) -> ModelCard {
+    let info = state.engine.info();
+    ModelCard {
+        id: info.model_name.clone(),
+        object: "model",
+        created: state.started,
+        owned_by: "pd-node",
+        root: info.model_name.clone(),
+        parent: None,
+        max_model_len: info.max_model_len,
+    }
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
