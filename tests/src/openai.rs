@@ -84,6 +84,8 @@ pub struct Answer {
     pub error: Option<Value>,
     /// The body, kept for messages when something went wrong.
     pub body: String,
+    /// The `retry-after` header, if any.
+    pub retry_after: Option<String>,
 }
 
 impl Answer {
@@ -259,12 +261,18 @@ pub async fn send_raw(
         .get("content-type")
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
+    let retry_after = resp
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
     let text = resp
         .text()
         .await
         .unwrap_or_else(|e| panic!("POST {url}: reading the body: {e}"));
     let mut a = Answer {
         status,
+        retry_after,
         ..Answer::default()
     };
     if !(200..300).contains(&status) {

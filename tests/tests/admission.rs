@@ -1,8 +1,8 @@
 //! Admission at the front door (`--max-concurrent-requests 1 --max-queued-requests 1`): with
 //! the decode node stopped (`SIGSTOP`), one request holds the only slot, a second waits in
 //! line, a third is refused at once with a 429 (`rate_limit_exceeded`, which the OpenAI SDKs
-//! retry with backoff), and the waiting one is refused when its wait runs out. Neither refused
-//! request reaches a node. Once D resumes, the held request completes and the next is served.
+//! retry with backoff), and the waiting one is refused when its wait runs out; one whose client
+//! leaves while in line gives its place up at once. No refused request reaches a node. Once D resumes, the held request completes and the next is served.
 
 use std::time::Duration;
 
@@ -13,6 +13,7 @@ use pd_cluster_tests::openai::{self, Answer, Api};
 #[track_caller]
 fn assert_overloaded(a: &Answer) {
     assert_eq!(a.status, 429, "{}", a.body);
+    assert_eq!(a.retry_after.as_deref(), Some("1"), "{}", a.body);
     let e = a.error.as_ref().expect("an error object");
     assert_eq!(e["code"], "rate_limit_exceeded", "{}", a.body);
     assert_eq!(e["type"], "rate_limit_error", "{}", a.body);
@@ -34,7 +35,7 @@ async fn a_full_gateway_queues_then_refuses_and_nothing_refused_reaches_a_node()
                 "--max-queued-requests",
                 "1",
                 "--queue-timeout-ms",
-                "2000",
+                "5000",
             ]),
             ..ClusterSpec::default()
         },
@@ -72,6 +73,21 @@ async fn a_full_gateway_queues_then_refuses_and_nothing_refused_reaches_a_node()
         "the held request waits on the stopped D"
     );
     assert_eq!(gauge("pd_gateway_requests_queued").await, 0.0);
+    // A client that leaves while in line gives its place up at once, long before the wait
+    // would run out, and is counted as aborted, not refused.
+    let leaving = send("Leaves while in line.");
+    eventually(
+        "the leaving request in line",
+        Duration::from_secs(10),
+        async || gauge("pd_gateway_requests_queued").await == 1.0,
+    )
+    .await;
+    leaving.abort();
+    let _ = leaving.await;
+    eventually("its place given up", Duration::from_secs(2), async || {
+        gauge("pd_gateway_requests_queued").await == 0.0
+    })
+    .await;
 
     drop(stopped);
     held.await.unwrap().ok();
@@ -89,6 +105,10 @@ async fn a_full_gateway_queues_then_refuses_and_nothing_refused_reaches_a_node()
     assert_eq!(
         g.sum("pd_gateway_requests_total", &[("outcome", "overloaded")]),
         2.0
+    );
+    assert_eq!(
+        g.sum("pd_gateway_requests_total", &[("outcome", "aborted")]),
+        1.0
     );
     assert_eq!(
         g.sum("pd_gateway_requests_total", &[("outcome", "ok")]),

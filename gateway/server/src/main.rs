@@ -459,6 +459,9 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if api_keys.iter().any(|k| k.is_empty()) {
         anyhow::bail!("--api-key must not be empty");
     }
+    if args.trusted_client_token.as_deref() == Some("") {
+        anyhow::bail!("--trusted-client-token must not be empty");
+    }
     if api_keys.is_empty() {
         info!("/v1/ is open: no --api-key given");
     } else {

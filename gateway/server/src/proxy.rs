@@ -275,13 +275,28 @@ fn bearer_key(session: &Session) -> Option<&str> {
 
 async fn respond(session: &mut Session, status: u16, content_type: &str, body: Bytes) {
     let h = header(status, content_type, Some(body.len()), request_id(session));
+    send_whole(session, h, body).await;
+}
+
+async fn send_whole(session: &mut Session, h: Box<ResponseHeader>, body: Bytes) {
     if session.write_response_header(h, false).await.is_ok() {
         let _ = session.write_response_body(Some(body), true).await;
     }
 }
 
 async fn respond_error(session: &mut Session, e: &GatewayError) {
-    respond(session, e.status(), "application/json", e.body()).await;
+    let body = e.body();
+    let mut h = header(
+        e.status(),
+        "application/json",
+        Some(body.len()),
+        request_id(session),
+    );
+    if let GatewayError::Overloaded(_) = e {
+        // The OpenAI SDKs wait this long before they retry.
+        let _ = h.insert_header("retry-after", "1");
+    }
+    send_whole(session, h, body).await;
 }
 
 async fn read_body(session: &mut Session, limit: usize) -> Result<Vec<u8>, GatewayError> {
@@ -412,27 +427,7 @@ impl Gateway {
             prepared: None,
         };
         let label = api_label(api);
-        // A slot first: waiting for one is waiting on the cluster, not the gateway's own time.
-        let admitted = t.wait(self.0.admission.admit()).await;
-        if self.0.admission.limited() {
-            self.0.metrics.queue_wait.observe(t.waiting.as_secs_f64());
-        }
-        let result = match admitted {
-            Ok(slot) => {
-                let r = self.generate_inner(session, api, &mut t).await;
-                drop(slot);
-                r
-            }
-            Err(why) => {
-                self.0
-                    .metrics
-                    .admission_refused
-                    .with_label_values(&[why.label()])
-                    .inc();
-                Err(GatewayError::Overloaded(why))
-            }
-        };
-        let outcome = match result {
+        let outcome = match self.admit_and_serve(session, api, &mut t).await {
             Ok(Outcome::Ok) => "ok",
             Ok(Outcome::Aborted) => "aborted",
             Err(e) => {
@@ -463,13 +458,49 @@ impl Gateway {
         }
     }
 
-    async fn generate_inner(
+    /// Reads the body (bounded by `--max-body`), then, under `--max-concurrent-requests`, waits
+    /// for a slot while watching the client: one that leaves gives its place up at once, and a
+    /// slow upload holds no slot. Waiting for a slot is waiting on the cluster, not the
+    /// gateway's own time. The slot is held until the answer's last byte.
+    async fn admit_and_serve(
         &self,
         session: &mut Session,
         api: Api,
         t: &mut Timing,
     ) -> Result<Outcome, GatewayError> {
-        let p = self.prepare(session, api).await?;
+        let s = self.shared();
+        let read = Instant::now();
+        let raw = read_body(session, s.config.max_body).await?;
+        s.metrics
+            .phase
+            .with_label_values(&["read"])
+            .observe(read.elapsed().as_secs_f64());
+        if !s.admission.limited() {
+            return self.generate_inner(session, api, raw, t).await;
+        }
+        let admitted = tokio::select! {
+            a = t.wait(s.admission.admit()) => a,
+            () = client_gone(session) => return Ok(Outcome::Aborted),
+        };
+        s.metrics.queue_wait.observe(t.waiting.as_secs_f64());
+        let _slot = admitted.map_err(|why| {
+            s.metrics
+                .admission_refused
+                .with_label_values(&[why.label()])
+                .inc();
+            GatewayError::Overloaded(why)
+        })?;
+        self.generate_inner(session, api, raw, t).await
+    }
+
+    async fn generate_inner(
+        &self,
+        session: &mut Session,
+        api: Api,
+        raw: Vec<u8>,
+        t: &mut Timing,
+    ) -> Result<Outcome, GatewayError> {
+        let p = self.prepare(session, api, &raw).await?;
         t.prepared = Some(Instant::now());
         let Prepared {
             api,
@@ -729,12 +760,15 @@ impl Gateway {
     }
 
     /// Phase 1: everything before the first node is called.
-    async fn prepare(&self, session: &mut Session, api: Api) -> Result<Prepared, GatewayError> {
+    async fn prepare(
+        &self,
+        session: &mut Session,
+        api: Api,
+        raw: &[u8],
+    ) -> Result<Prepared, GatewayError> {
         let s = self.shared();
         let mut clock = PhaseClock::new(&s.metrics);
-        let raw = read_body(session, s.config.max_body).await?;
-        clock.lap("read");
-        let mut body = match serde_json::from_slice::<Value>(&raw) {
+        let mut body = match serde_json::from_slice::<Value>(raw) {
             Ok(Value::Object(m)) => m,
             Ok(_) => {
                 return Err(GatewayError::invalid(

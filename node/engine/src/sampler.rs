@@ -55,9 +55,14 @@ pub(crate) fn sample(
         // Probability ≥ min_p × the top one's ⇔ scaled logit ≥ top's + ln(min_p).
         let top = scaled.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let floor = top + params.min_p.ln();
-        (0..scaled.len() as u32)
+        let kept: Vec<u32> = (0..scaled.len() as u32)
             .filter(|&i| scaled[i as usize] >= floor)
-            .collect()
+            .collect();
+        if kept.is_empty() {
+            // Only when no logit is a number (NaN everywhere): nothing to weigh.
+            return argmax(logits);
+        }
+        kept
     } else {
         (0..scaled.len() as u32).collect()
     };
@@ -156,16 +161,18 @@ pub(crate) fn is_greedy(params: &SamplingParams) -> bool {
     params.temperature < 1e-5 || params.top_k == 1
 }
 
-/// How [`sample`] picks under `params`, as a key a producer attests its first token with and a
-/// consumer compares with its own: 0 for the plain argmax (greedy with no penalty or bias: any
-/// such request picks the same), else xxh3 of what the pick depends on (never 0): the
-/// temperature, top-k, top-p, seed and min-p unless greedy, and the penalties and biases when
-/// set. Requests whose keys are equal pick the same token from the same logits and prompt with
-/// the same generator state — without a seed they draw from fresh generators, which is the same
-/// distribution.
+/// How [`sample`] picks a child's *first* token under `params`, as a key a producer attests
+/// that token with and a consumer compares with its own: 0 for the plain argmax (greedy with no
+/// bias or repetition penalty: any such request picks the same), else xxh3 of what that pick
+/// depends on (never 0): the temperature, top-k, top-p, seed and min-p unless greedy, and the
+/// bias and repetition penalty when set. The frequency and presence penalties are left out:
+/// they count generated tokens, and there are none yet. Requests whose keys are equal pick the
+/// same first token from the same logits and prompt with the same generator state — without a
+/// seed they draw from fresh generators, which is the same distribution.
 pub fn first_token_key(params: &SamplingParams) -> u64 {
     let greedy = is_greedy(params);
-    if greedy && !params.adjusts_logits() {
+    let adjusted = params.repetition_penalty != 1.0 || !params.logit_bias.is_empty();
+    if greedy && !adjusted {
         return 0;
     }
     let mut bytes = Vec::with_capacity(32);
@@ -187,15 +194,9 @@ pub fn first_token_key(params: &SamplingParams) -> u64 {
             bytes.extend_from_slice(&params.min_p.to_bits().to_le_bytes());
         }
     }
-    if params.adjusts_logits() {
+    if adjusted {
         bytes.push(b'a');
-        for x in [
-            params.presence_penalty,
-            params.frequency_penalty,
-            params.repetition_penalty,
-        ] {
-            bytes.extend_from_slice(&x.to_bits().to_le_bytes());
-        }
+        bytes.extend_from_slice(&params.repetition_penalty.to_bits().to_le_bytes());
         for &(token, bias) in &params.logit_bias {
             bytes.extend_from_slice(&token.to_le_bytes());
             bytes.extend_from_slice(&bias.to_bits().to_le_bytes());
@@ -367,7 +368,7 @@ mod tests {
             ..params(0.0, 0, 1.0)
         };
         // +100 on the least likely token makes it the argmax; −100 on the argmax hands the pick
-        // to the runner-up; +0.05 on the runner-up is just enough (2.95 < 3.0 < 2.95 + 0.1).
+        // to the runner-up; +0.05 on the runner-up is not enough (2.95 < 3.0), +0.2 is.
         assert_eq!(sample(&l, &biased(vec![(3, 100.0)]), FRESH, &mut rng), 3);
         assert_eq!(sample(&l, &biased(vec![(1, -100.0)]), FRESH, &mut rng), 2);
         assert_eq!(sample(&l, &biased(vec![(2, 0.05)]), FRESH, &mut rng), 1);
@@ -419,6 +420,16 @@ mod tests {
     }
 
     #[test]
+    fn min_p_over_a_row_without_numbers_picks_without_panicking() {
+        let p = SamplingParams {
+            min_p: 0.1,
+            ..params(1.0, 0, 1.0)
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        assert!(sample(&[f32::NAN; 4], &p, FRESH, &mut rng) < 4);
+    }
+
+    #[test]
     fn min_p_drops_tokens_far_below_the_top_one() {
         // Probabilities ∝ e^0, e^-1, e^-3, e^-3: with min_p 0.3 only tokens within ln(0.3) ≈
         // −1.2 of the top survive (0 and 1); without it all four are drawn.
@@ -454,14 +465,6 @@ mod tests {
                 repetition_penalty: 1.1,
                 ..greedy.clone()
             },
-            SamplingParams {
-                presence_penalty: 0.5,
-                ..greedy.clone()
-            },
-            SamplingParams {
-                frequency_penalty: 0.5,
-                ..greedy.clone()
-            },
             params(1.0, 0, 1.0),
             SamplingParams {
                 min_p: 0.1,
@@ -472,11 +475,26 @@ mod tests {
         let distinct: std::collections::HashSet<_> = keys.iter().collect();
         assert_eq!(distinct.len(), keys.len(), "{keys:?}");
         assert!(keys.iter().all(|&k| k != 0));
-        // min_p changes nothing of a greedy pick, so it does not change a greedy key.
-        let greedy_min_p = SamplingParams {
-            min_p: 0.5,
-            ..greedy
+        // min_p changes nothing of a greedy pick, and the frequency and presence penalties
+        // nothing of a first pick (nothing generated yet): none changes the key.
+        for same in [
+            SamplingParams {
+                min_p: 0.5,
+                ..greedy.clone()
+            },
+            SamplingParams {
+                presence_penalty: 0.5,
+                frequency_penalty: -1.0,
+                ..greedy.clone()
+            },
+        ] {
+            assert_eq!(first_token_key(&same), 0, "{same:?}");
+        }
+        let sampled = params(1.0, 0, 1.0);
+        let penalized = SamplingParams {
+            presence_penalty: 0.5,
+            ..sampled.clone()
         };
-        assert_eq!(first_token_key(&greedy_min_p), 0);
+        assert_eq!(first_token_key(&penalized), first_token_key(&sampled));
     }
 }

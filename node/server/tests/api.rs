@@ -1141,7 +1141,6 @@ async fn penalties_and_logit_bias_change_greedy_answers() {
     for body in [
         json!({"presence_penalty": 2}),
         json!({"frequency_penalty": 2}),
-        json!({"repetition_penalty": 2.0}),
         json!({"frequency_penalty": -2, "presence_penalty": -2}),
     ] {
         let got = ids(body.clone()).await;
@@ -1151,6 +1150,12 @@ async fn penalties_and_logit_bias_change_greedy_answers() {
             "{body}: nothing generated yet, same first pick"
         );
     }
+    // The repetition penalty reads the prompt too, so it may move the first pick as well.
+    assert_ne!(
+        ids(json!({"repetition_penalty": 2.0})).await,
+        baseline,
+        "repetition_penalty changed nothing"
+    );
     // A bias of +100 forces a token at every step; −100 on the baseline's first token moves
     // the first pick.
     assert_eq!(ids(json!({"logit_bias": {"42": 100}})).await, vec![42; 24]);

@@ -31,6 +31,17 @@ pub(crate) struct UnsupportedFields {
     /// Completions: sample this many and return the `n` most likely.
     #[serde(default)]
     best_of: Option<Value>,
+    /// vLLM's structured output: `structured_outputs`, and the older `guided_*` fields.
+    #[serde(default)]
+    structured_outputs: Option<Value>,
+    #[serde(default)]
+    guided_json: Option<Value>,
+    #[serde(default)]
+    guided_regex: Option<Value>,
+    #[serde(default)]
+    guided_choice: Option<Value>,
+    #[serde(default)]
+    guided_grammar: Option<Value>,
 }
 
 impl UnsupportedFields {
@@ -52,6 +63,20 @@ impl UnsupportedFields {
             && !format.is_null()
         {
             text_only("text.format", format)?;
+        }
+        for (value, param) in [
+            (&self.structured_outputs, "structured_outputs"),
+            (&self.guided_json, "guided_json"),
+            (&self.guided_regex, "guided_regex"),
+            (&self.guided_choice, "guided_choice"),
+            (&self.guided_grammar, "guided_grammar"),
+        ] {
+            if present(value).is_some() {
+                return Err(ApiError::invalid(
+                    param,
+                    format!("{param} is not supported by this server (no structured output)"),
+                ));
+            }
         }
         if let Some(suffix) = present(&self.suffix)
             && suffix.as_str() != Some("")
@@ -148,6 +173,7 @@ mod tests {
             serde_json::json!({"text": {"verbosity": "low"}}),
             serde_json::json!({"suffix": "", "best_of": 1}),
             serde_json::json!({"functions": []}),
+            serde_json::json!({"guided_json": null, "structured_outputs": null}),
         ] {
             assert_eq!(check(body.clone()), Ok(()), "{body}");
         }
@@ -193,6 +219,18 @@ mod tests {
             ),
             (serde_json::json!({"suffix": "end"}), "suffix"),
             (serde_json::json!({"best_of": 3}), "best_of"),
+            (
+                serde_json::json!({"guided_json": {"type": "object"}}),
+                "guided_json",
+            ),
+            (
+                serde_json::json!({"guided_choice": ["a", "b"]}),
+                "guided_choice",
+            ),
+            (
+                serde_json::json!({"structured_outputs": {"regex": "a+"}}),
+                "structured_outputs",
+            ),
         ] {
             assert_eq!(check(body.clone()), Err(Some(param.to_owned())), "{body}");
         }

@@ -297,12 +297,11 @@ async fn models(State(state): State<AppState>) -> Json<ModelList> {
 }
 
 /// `GET /v1/models/{id}` (the SDKs' `models.retrieve`): the served model's card, or 404
-/// `model_not_found`. The id may hold slashes (`org/name`).
-async fn model(
-    State(state): State<AppState>,
-    axum::extract::Path(id): axum::extract::Path<String>,
-) -> Result<Json<ModelCard>, ApiError> {
-    state.model_name(Some(&id))?;
+/// `model_not_found`. The id is the rest of the path as sent (slashes included, as the SDKs
+/// send `org/name`), read as the gateway reads it.
+async fn model(State(state): State<AppState>, uri: Uri) -> Result<Json<ModelCard>, ApiError> {
+    let id = uri.path().strip_prefix("/v1/models/").unwrap_or_default();
+    state.model_name(Some(id))?;
     Ok(Json(card(&state)))
 }
 
