@@ -1,0 +1,89 @@
+//! [`TokenMatcher`]: one sequence's position in its constraint.
+
+use std::fmt;
+use std::sync::Arc;
+
+use llguidance::Matcher;
+
+use crate::GrammarError;
+
+/// Where one sequence's output stands in its constraint: which tokens may come next.
+///
+/// Cloning is cheap and gives an independent matcher at the same position (the compiled
+/// grammar and lexer caches are shared): what `n > 1` children start from.
+#[derive(Clone)]
+pub struct TokenMatcher {
+    matcher: Matcher,
+    /// The model's EOS ids, sorted; the first one the trie knows as its EOS is `eos[eos_at]`.
+    eos: Arc<[u32]>,
+    /// Token ids the trie knows; rows beyond it are never allowed.
+    size: usize,
+}
+
+impl fmt::Debug for TokenMatcher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TokenMatcher")
+            .field("stopped", &self.matcher.is_stopped())
+            .field("error", &self.matcher.get_error())
+            .finish_non_exhaustive()
+    }
+}
+
+impl TokenMatcher {
+    pub(crate) fn new(matcher: Matcher, eos: Arc<[u32]>, size: usize) -> Self {
+        Self { matcher, eos, size }
+    }
+
+    /// Sets the logit of every token of `row` (vocab,) that would break the constraint here to
+    /// −∞. Where the constraint may end, every EOS id stays allowed.
+    ///
+    /// # Errors
+    /// [`GrammarError::Failed`] when the matcher fails (one of its limits reached) or allows no
+    /// token at all.
+    pub fn mask(&mut self, row: &mut [f32]) -> Result<(), GrammarError> {
+        let allowed = self
+            .matcher
+            .compute_mask()
+            .map_err(|e| GrammarError::Failed(e.to_string()))?;
+        let eos_ok = self
+            .eos
+            .iter()
+            .any(|&t| (t as usize) < self.size && allowed.is_allowed(t));
+        let mut any = false;
+        for (i, l) in row.iter_mut().enumerate() {
+            let ok = (i < self.size && allowed.is_allowed(i as u32))
+                || (eos_ok && self.eos.binary_search(&(i as u32)).is_ok());
+            if ok {
+                any = true;
+            } else {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        if !any {
+            return Err(GrammarError::Failed(
+                "no token can continue the output".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Moves past `token`, the one picked from a row [`TokenMatcher::mask`] masked (or the
+    /// same pick made on another node). An EOS id ends the output and is not fed to the
+    /// matcher.
+    ///
+    /// # Errors
+    /// [`GrammarError::Failed`] when `token` breaks the constraint or the matcher fails.
+    pub fn accept(&mut self, token: u32) -> Result<(), GrammarError> {
+        if self.eos.binary_search(&token).is_ok() {
+            return Ok(());
+        }
+        self.matcher
+            .consume_token(token)
+            .map_err(|e| GrammarError::Failed(e.to_string()))
+    }
+
+    /// Whether the constraint is complete and nothing may follow: the output ends here.
+    pub fn is_complete(&self) -> bool {
+        self.matcher.is_stopped() && self.matcher.get_error().is_none()
+    }
+}

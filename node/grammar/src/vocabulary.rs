@@ -1,0 +1,178 @@
+//! [`Vocabulary`]: the model's tokens as bytes, in llguidance's trie, and the compiler of
+//! [`OutputSpec`]s into [`TokenMatcher`]s.
+
+use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+use llguidance::{JsonCompileOptions, Matcher, ParserFactory};
+use pd_tokenize::Tokenizer;
+use serde_json::{Value, json};
+
+use crate::{GrammarError, OutputSpec, TokenMatcher};
+
+/// Every token of one model's vocabulary as the bytes it writes, built once at load and shared
+/// (read-only) by every request's matcher.
+pub struct Vocabulary {
+    factory: ParserFactory,
+    /// The model's EOS ids, sorted: any of them ends a constrained output where the
+    /// constraint allows it to end.
+    eos: Arc<[u32]>,
+    /// Token ids the trie knows (the tokenizer's vocabulary); a model's padded rows beyond it
+    /// are never allowed.
+    size: usize,
+}
+
+impl fmt::Debug for Vocabulary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Vocabulary")
+            .field("size", &self.size)
+            .field("eos", &self.eos)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The tokenizer as llguidance sees it: the trie, and the real tokenizer for the (rare) text
+/// llguidance tokenizes itself.
+struct TokenizerBytes {
+    trie: TokTrie,
+    tokenizer: Arc<Tokenizer>,
+}
+
+impl TokenizerEnv for TokenizerBytes {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        let text = String::from_utf8_lossy(s);
+        self.tokenizer.encode(&text, false).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "tokenizing for structured output failed");
+            self.trie.greedy_tokenize(s)
+        })
+    }
+
+    fn tokenize_is_canonical(&self) -> bool {
+        true
+    }
+}
+
+impl Vocabulary {
+    /// Builds the trie of `tokenizer`'s vocabulary (its `tokenizer.json`: byte-level or
+    /// byte-fallback BPE). `eos` are the ids that end generation; the first is the one the
+    /// matcher allows where the constraint may end (the others are allowed with it).
+    ///
+    /// # Errors
+    /// [`GrammarError::Unavailable`] for another kind of tokenizer, or without an EOS id.
+    pub fn new(tokenizer: Arc<Tokenizer>, eos: &[u32]) -> Result<Self, GrammarError> {
+        let unavailable = |m: String| GrammarError::Unavailable(m);
+        let &tok_eos = eos
+            .first()
+            .ok_or_else(|| unavailable("the model has no EOS token".into()))?;
+        let text = tokenizer
+            .files()
+            .get("tokenizer.json")
+            .ok_or_else(|| unavailable("no tokenizer.json".into()))?;
+        let json: Value =
+            serde_json::from_str(text).map_err(|e| unavailable(format!("tokenizer.json: {e}")))?;
+        let size = tokenizer.vocab_size();
+        // llguidance's reader asserts on vocabularies it does not expect: a load-time check,
+        // kept from taking the node down.
+        let built = catch_unwind(AssertUnwindSafe(|| {
+            let mut words =
+                llguidance::token_bytes_from_tokenizer_json(&json).map_err(|e| e.to_string())?;
+            words.resize(size.max(words.len()), Vec::new());
+            let info = TokRxInfo::new(words.len() as u32, tok_eos);
+            let trie = TokTrie::from(&info, &words);
+            let env: TokEnv = Arc::new(TokenizerBytes {
+                trie,
+                tokenizer: tokenizer.clone(),
+            });
+            let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+            factory.quiet();
+            Ok::<_, String>((factory, words.len()))
+        }));
+        let (factory, size) = match built {
+            Ok(Ok(b)) => b,
+            Ok(Err(e)) => return Err(unavailable(e)),
+            Err(_) => return Err(unavailable("its vocabulary could not be read".into())),
+        };
+        let mut eos: Vec<u32> = eos.to_vec();
+        eos.sort_unstable();
+        eos.dedup();
+        Ok(Self {
+            factory,
+            eos: eos.into(),
+            size,
+        })
+    }
+
+    /// Compiles `spec` into a matcher at the start of the output.
+    ///
+    /// JSON is compiled with fixed separators (`", "` and `": "`) and no other whitespace
+    /// between tokens: a small model left free to write whitespace can write nothing else until
+    /// `max_tokens` (vLLM's `disable_any_whitespace`, on by default here).
+    ///
+    /// # Errors
+    /// [`GrammarError::Invalid`] naming what is wrong with the schema, regex or grammar.
+    pub fn compile(&self, spec: &OutputSpec) -> Result<TokenMatcher, GrammarError> {
+        let grammar = match spec {
+            OutputSpec::JsonSchema(schema) => TopLevelGrammar::from_json_schema(compact(schema)?),
+            OutputSpec::JsonObject => {
+                TopLevelGrammar::from_json_schema(compact(&json!({"type": "object"}))?)
+            }
+            OutputSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),
+            OutputSpec::Choice(choices) => {
+                if choices.is_empty() {
+                    return Err(GrammarError::Invalid("the list of choices is empty".into()));
+                }
+                // One string literal per choice (JSON string syntax is Lark's).
+                let alternatives: Vec<String> = choices
+                    .iter()
+                    .map(|c| Value::from(c.as_str()).to_string())
+                    .collect();
+                TopLevelGrammar::from_lark(format!("start: {}", alternatives.join(" | ")))
+            }
+            OutputSpec::Grammar(lark) => TopLevelGrammar::from_lark(lark.clone()),
+        };
+        let parser = catch_unwind(AssertUnwindSafe(|| self.factory.create_parser(grammar)))
+            .map_err(|_| GrammarError::Invalid("the constraint could not be compiled".into()))?
+            .map_err(|e| GrammarError::Invalid(e.to_string()))?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(GrammarError::Invalid(e));
+        }
+        Ok(TokenMatcher::new(matcher, self.eos.clone(), self.size))
+    }
+
+    /// Token ids the trie knows.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+}
+
+/// `schema` with llguidance's compile options set to fixed separators, unless it sets its own
+/// (`x-guidance`).
+fn compact(schema: &Value) -> Result<Value, GrammarError> {
+    let Value::Object(map) = schema else {
+        if let Value::Bool(_) = schema {
+            return Ok(schema.clone());
+        }
+        return Err(GrammarError::Invalid(
+            "a JSON schema must be an object or a boolean".into(),
+        ));
+    };
+    let mut map = map.clone();
+    if !map.contains_key("x-guidance") {
+        let options = JsonCompileOptions {
+            whitespace_flexible: false,
+            ..JsonCompileOptions::default()
+        };
+        let options = serde_json::to_value(options)
+            .map_err(|e| GrammarError::Invalid(format!("JSON options: {e}")))?;
+        map.insert("x-guidance".into(), options);
+    }
+    Ok(Value::Object(map))
+}
