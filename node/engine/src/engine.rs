@@ -167,6 +167,7 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use candle_core::{DType, Device};
+use pd_grammar::{GrammarError, TokenMatcher, Vocabulary};
 use pd_kv_pool::{CacheEvent, KvDtype, KvLayout, KvOrder, KvPool};
 use pd_model::gguf::QuantPolicy;
 use pd_model::{BatchInput, Model, ModelSource};
@@ -238,6 +239,9 @@ pub struct Engine {
     hash_key: u64,
     /// [`EngineConfig::kv_retain_after_decode`].
     retain_after_decode: Option<std::time::Duration>,
+    /// The vocabulary structured outputs compile against (built once at load), or why the
+    /// tokenizer cannot have one.
+    vocabulary: Result<Arc<Vocabulary>, GrammarError>,
 }
 
 /// Prefix-cache events buffered for a subscriber that is slow to read; past this it lags and
@@ -356,8 +360,19 @@ impl Engine {
             .served_model_name
             .clone()
             .unwrap_or_else(|| source.default_name());
-        let mut eos = mc.eos_token_ids.clone();
-        eos.extend_from_slice(tokenizer.eos_token_ids());
+        // The tokenizer's own EOS first: the one a constrained output ends with.
+        let mut eos = tokenizer.eos_token_ids().to_vec();
+        eos.extend_from_slice(&mc.eos_token_ids);
+        let started = Instant::now();
+        let vocabulary = Vocabulary::new(tokenizer.clone(), &eos).map(Arc::new);
+        match &vocabulary {
+            Ok(v) => tracing::debug!(
+                tokens = v.size(),
+                ms = started.elapsed().as_millis() as u64,
+                "structured output vocabulary built"
+            ),
+            Err(e) => tracing::warn!(error = %e, "structured output unavailable"),
+        }
         eos.sort_unstable();
         eos.dedup();
         let metrics = EngineMetrics::new();
@@ -402,6 +417,7 @@ impl Engine {
             leases: Arc::new(LeaseBook::new(cfg.kv_lease_duration, rand::random())),
             hash_key: cfg.kv_hash_key,
             retain_after_decode: cfg.kv_retain_after_decode.filter(|d| !d.is_zero()),
+            vocabulary,
             cache_events: broadcast::channel(CACHE_EVENT_CAPACITY).0,
         })
     }
@@ -409,6 +425,11 @@ impl Engine {
     /// The staged pool's uploader for pulls ([`crate::EngineHandle::uploader`]).
     pub(crate) fn uploader(&self) -> Option<Arc<dyn pd_model::BlockUpload>> {
         self.uploader.clone()
+    }
+
+    /// The vocabulary structured outputs compile against ([`crate::EngineHandle::submit`]).
+    pub(crate) fn vocabulary(&self) -> &Result<Arc<Vocabulary>, GrammarError> {
+        &self.vocabulary
     }
 
     pub(crate) fn leases(&self) -> &Arc<LeaseBook> {
@@ -493,9 +514,10 @@ impl Engine {
             Command::Add {
                 id,
                 request,
+                grammar,
                 arrival,
                 events,
-            } => self.add(id, *request, arrival, events),
+            } => self.add(id, *request, grammar.map(|g| *g), arrival, events),
             Command::Abort(id) => self.abort(id),
             Command::RemoteKv(id, outcome, landed) => self.remote_kv_ready(id, outcome, landed),
             Command::Wake => {}
@@ -649,6 +671,7 @@ impl Engine {
         &mut self,
         id: RequestId,
         request: GenerateRequest,
+        grammar: Option<TokenMatcher>,
         arrival: Instant,
         events: tokio_mpsc::UnboundedSender<RequestEvent>,
     ) {
@@ -682,6 +705,7 @@ impl Engine {
             text: String::new(),
             sent: 0,
             last_token_at: None,
+            grammar,
         };
         let max_stop_len = params.stop.iter().map(String::len).max().unwrap_or(0);
         self.requests.insert(
@@ -936,10 +960,21 @@ impl Engine {
         // first token goes with it — the token `emit_token` samples next, drawn here from a
         // copy of the sequence's generator in the same state — so a reader that wants nothing
         // else from the logits need not compute the last prompt position again.
-        let first = (state.params.n == 1 && state.params.logprobs.is_none()).then(|| {
-            let history = sampler::History::of(&seq.tokens, seq.prompt_len);
-            sampler::sample(row, &state.params, history, &mut seq.rng.clone())
-        });
+        let first = (state.params.n == 1 && state.params.logprobs.is_none())
+            .then(|| {
+                let history = sampler::History::of(&seq.tokens, seq.prompt_len);
+                let mut rng = seq.rng.clone();
+                match seq.grammar.clone() {
+                    None => Some(sampler::sample(row, &state.params, history, &mut rng)),
+                    Some(mut grammar) => {
+                        // As `emit_token` will: the row masked by the constraint first.
+                        let mut masked = row.to_vec();
+                        grammar.mask(&mut masked).ok()?;
+                        Some(sampler::sample(&masked, &state.params, history, &mut rng))
+                    }
+                }
+            })
+            .flatten();
         let contents = pd_kv_pool::LeaseContents::of(&seq.tokens[..seq.prompt_len])
             .in_blocks(&blocks)
             .with_next_token(first, state.first_token_key);
@@ -975,6 +1010,21 @@ impl Engine {
         };
         let (token, logprob) = match pick {
             Pick::Sample(logits) => {
+                // Structured output: the row masked to the tokens that keep the output valid,
+                // before anything else reads it.
+                let masked;
+                let logits = match &mut seq.grammar {
+                    None => logits,
+                    Some(grammar) => {
+                        let mut row = logits.to_vec();
+                        if let Err(e) = grammar.mask(&mut row) {
+                            fail_structured(&state.events, seq.request, &e);
+                            return Err(());
+                        }
+                        masked = row;
+                        &masked[..]
+                    }
+                };
                 let history = sampler::History::of(&seq.tokens, seq.prompt_len);
                 let token = sampler::sample(logits, &state.params, history, &mut seq.rng);
                 let logprob = state
@@ -988,6 +1038,12 @@ impl Engine {
                 (token, None)
             }
         };
+        if let Some(grammar) = &mut seq.grammar
+            && let Err(e) = grammar.accept(token)
+        {
+            fail_structured(&state.events, seq.request, &e);
+            return Err(());
+        }
         seq.tokens.push(token);
         let now = Instant::now();
         match (state.first_token_at, seq.last_token_at) {
@@ -1007,9 +1063,10 @@ impl Engine {
         self.metrics.generation_tokens.inc();
 
         let mut reason = None;
-        if (!state.params.ignore_eos && self.eos.contains(&token))
-            || state.params.stop_token_ids.contains(&token)
-        {
+        // A constrained output allows EOS only where it is complete: it ends there even under
+        // `ignore_eos`.
+        let eos_ends = !state.params.ignore_eos || seq.grammar.is_some();
+        if (eos_ends && self.eos.contains(&token)) || state.params.stop_token_ids.contains(&token) {
             reason = Some(FinishReason::Stop);
         } else {
             let piece = seq
@@ -1023,6 +1080,10 @@ impl Engine {
             seq.text.push_str(&piece);
             if let Some(at) = find_stop(&seq.text, search_from, &state.params.stop) {
                 seq.text.truncate(at);
+                reason = Some(FinishReason::Stop);
+            } else if seq.grammar.as_ref().is_some_and(TokenMatcher::is_complete) {
+                // Nothing may follow (the JSON value is closed, the choice made): done, without
+                // another step to pick the only token left, EOS.
                 reason = Some(FinishReason::Stop);
             }
         }
@@ -1253,6 +1314,19 @@ fn max_leased_blocks(fraction: f64, num_blocks: usize) -> usize {
         1.0
     };
     (f * num_blocks as f64).floor() as usize
+}
+
+/// Ends a request whose structured output could not be followed: the client gets the reason
+/// ([`RequestEvent::Failed`]) and the caller aborts it (the `Err` of `emit_token`).
+fn fail_structured(
+    events: &tokio_mpsc::UnboundedSender<RequestEvent>,
+    request: RequestId,
+    e: &GrammarError,
+) {
+    tracing::warn!(%request, error = %e, "structured output failed");
+    let _ = events.send(RequestEvent::Failed {
+        message: e.to_string(),
+    });
 }
 
 pub(crate) fn validate(info: &EngineInfo, request: &GenerateRequest) -> Result<(), InvalidRequest> {

@@ -37,6 +37,8 @@ pub(crate) enum Command {
     Add {
         id: RequestId,
         request: Box<GenerateRequest>,
+        /// The request's structured output, compiled by the caller (off the engine thread).
+        grammar: Option<Box<pd_grammar::TokenMatcher>>,
         arrival: Instant,
         events: tokio_mpsc::UnboundedSender<RequestEvent>,
     },
@@ -94,6 +96,8 @@ struct Inner {
     metrics: EngineMetrics,
     leases: Arc<LeaseBook>,
     uploader: Option<Arc<dyn pd_model::BlockUpload>>,
+    /// The vocabulary structured outputs compile against, or why there is none.
+    vocabulary: Result<Arc<pd_grammar::Vocabulary>, pd_grammar::GrammarError>,
     next_id: AtomicU64,
     thread: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
@@ -116,6 +120,7 @@ impl EngineHandle {
         let metrics = engine.metrics().clone();
         let leases = engine.leases().clone();
         let uploader = engine.uploader();
+        let vocabulary = engine.vocabulary().clone();
         let thread = std::thread::Builder::new()
             .name("pd-engine".into())
             .spawn(move || engine.run(rx))?;
@@ -127,6 +132,7 @@ impl EngineHandle {
                 metrics,
                 leases,
                 uploader,
+                vocabulary,
                 next_id: AtomicU64::new(1),
                 thread: std::sync::Mutex::new(Some(thread)),
             }),
@@ -224,6 +230,23 @@ impl EngineHandle {
         let _ = self.inner.commands.send(Command::Shutdown);
     }
 
+    /// Compiles a request's structured output against the model's vocabulary, here on the
+    /// caller's thread: a schema's compile never holds up the engine's steps.
+    fn compile(
+        &self,
+        structured: &crate::StructuredOutput,
+    ) -> Result<pd_grammar::TokenMatcher, EngineError> {
+        let vocabulary = self.inner.vocabulary.as_ref().map_err(|e| {
+            EngineError::Invalid(crate::InvalidRequest::new(structured.field, e.to_string()))
+        })?;
+        vocabulary.compile(&structured.spec).map_err(|e| {
+            EngineError::Invalid(crate::InvalidRequest::new(
+                structured.field,
+                format!("{}: {e}", structured.field),
+            ))
+        })
+    }
+
     /// Validates `request` against the model and queues it. The returned stream yields its
     /// events; dropping the stream before it ends aborts the request and frees its blocks.
     ///
@@ -232,6 +255,10 @@ impl EngineHandle {
     /// context; [`EngineError::Shutdown`] when the engine thread is gone.
     pub fn submit(&self, request: GenerateRequest) -> Result<RequestStream, EngineError> {
         crate::engine::validate(&self.inner.info, &request)?;
+        let grammar = match &request.params.structured {
+            None => None,
+            Some(s) => Some(Box::new(self.compile(s)?)),
+        };
         if let crate::KvTransfer::Produce { .. } | crate::KvTransfer::PullThenProduce { .. } =
             request.kv
         {
@@ -257,6 +284,7 @@ impl EngineHandle {
             .send(Command::Add {
                 id,
                 request: Box::new(request),
+                grammar,
                 arrival: Instant::now(),
                 events,
             })

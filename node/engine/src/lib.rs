@@ -9,6 +9,7 @@
 //!   preemption by recompute, sequences waiting for remote KV).
 //! - `lease_book` holds the leases a prefill node grants on its blocks for decode nodes.
 //! - `sampler` turns a row of logits into a token (greedy, temperature, top-k, top-p, seed).
+//! - structured output masks that row first (`pd_grammar`: one matcher per child).
 //!
 //! This crate does not speak HTTP, parse JSON or know the OpenAI API; it never touches the pool's
 //! memory except through `pd_model` (forward pass) and `pd_kv_pool` (block bookkeeping).
@@ -33,6 +34,6 @@ pub use metrics::EngineMetrics;
 pub use request::{
     FinishReason, GenerateRequest, InvalidRequest, KvHandoff, KvTransfer, MAX_LOGIT_BIAS,
     MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_LEN, MAX_STOP_TOKEN_IDS, RemoteKv, RequestEvent,
-    RequestId, SamplingParams, TokenLogprob,
+    RequestId, SamplingParams, StructuredOutput, TokenLogprob,
 };
 pub use sampler::first_token_key;

@@ -52,6 +52,21 @@ pub struct SamplingParams {
     /// OpenAI's `logit_bias`: added to these tokens' logits (−100..=100), sorted by token id,
     /// one entry per id.
     pub logit_bias: Vec<(u32, f32)>,
+    /// Structured output: what every child's text must match (a JSON schema, any JSON object, a
+    /// regex, a choice, a grammar). Logits of tokens that would break it are −∞ before anything
+    /// else (vLLM's order), so logprobs are of the masked distribution; a child ends where the
+    /// constraint is complete.
+    pub structured: Option<StructuredOutput>,
+}
+
+/// A request's structured-output constraint and the request field it came from (named in
+/// errors: `response_format`, `structured_outputs`, `guided_json`...).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StructuredOutput {
+    /// What the output must match.
+    pub spec: pd_grammar::OutputSpec,
+    /// The OpenAI/vLLM field that asked for it.
+    pub field: &'static str,
 }
 
 impl Default for SamplingParams {
@@ -72,6 +87,7 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             min_p: 0.0,
             logit_bias: Vec::new(),
+            structured: None,
         }
     }
 }

@@ -165,14 +165,15 @@ pub(crate) fn is_greedy(params: &SamplingParams) -> bool {
 /// that token with and a consumer compares with its own: 0 for the plain argmax (greedy with no
 /// bias or repetition penalty: any such request picks the same), else xxh3 of what that pick
 /// depends on (never 0): the temperature, top-k, top-p, seed and min-p unless greedy, and the
-/// bias and repetition penalty when set. The frequency and presence penalties are left out:
+/// bias and repetition penalty when set, and the structured-output constraint's fingerprint
+/// (a masked row may pick another token). The frequency and presence penalties are left out:
 /// they count generated tokens, and there are none yet. Requests whose keys are equal pick the
 /// same first token from the same logits and prompt with the same generator state — without a
 /// seed they draw from fresh generators, which is the same distribution.
 pub fn first_token_key(params: &SamplingParams) -> u64 {
     let greedy = is_greedy(params);
     let adjusted = params.repetition_penalty != 1.0 || !params.logit_bias.is_empty();
-    if greedy && !adjusted {
+    if greedy && !adjusted && params.structured.is_none() {
         return 0;
     }
     let mut bytes = Vec::with_capacity(32);
@@ -193,6 +194,10 @@ pub fn first_token_key(params: &SamplingParams) -> u64 {
             bytes.push(b'm');
             bytes.extend_from_slice(&params.min_p.to_bits().to_le_bytes());
         }
+    }
+    if let Some(s) = &params.structured {
+        bytes.push(b's');
+        bytes.extend_from_slice(&s.spec.fingerprint().to_le_bytes());
     }
     if adjusted {
         bytes.push(b'a');

@@ -660,6 +660,7 @@ mod tests {
             text: String::new(),
             sent: 0,
             last_token_at: None,
+            grammar: None,
         }
     }
 

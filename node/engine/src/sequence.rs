@@ -2,6 +2,7 @@
 
 use std::time::Instant;
 
+use pd_grammar::TokenMatcher;
 use pd_kv_pool::{BlockHash, BlockId};
 use pd_tokenize::IncrementalDecoder;
 use rand_chacha::ChaCha8Rng;
@@ -42,6 +43,8 @@ pub(crate) struct Sequence {
     pub(crate) sent: usize,
     /// When this child last produced a token.
     pub(crate) last_token_at: Option<Instant>,
+    /// Where this child's output stands in the request's structured-output constraint.
+    pub(crate) grammar: Option<TokenMatcher>,
 }
 
 impl Sequence {
@@ -67,6 +70,7 @@ impl Sequence {
             text: self.text.clone(),
             sent: self.sent,
             last_token_at: self.last_token_at,
+            grammar: self.grammar.clone(),
         }
     }
 }

@@ -111,9 +111,11 @@ impl Vocabulary {
 
     /// Compiles `spec` into a matcher at the start of the output.
     ///
-    /// JSON is compiled with fixed separators (`", "` and `": "`) and no other whitespace
-    /// between tokens: a small model left free to write whitespace can write nothing else until
-    /// `max_tokens` (vLLM's `disable_any_whitespace`, on by default here).
+    /// JSON is compiled compact: `,` and `:` as separators and no whitespace between tokens
+    /// (`{"a":1,"b":[true]}`). llguidance's flexible whitespace is an unbounded run at every
+    /// gap, and a small model left free to write it can write nothing else until `max_tokens`
+    /// (vLLM's `disable_any_whitespace`, on by default here). A schema may set llguidance's own
+    /// options under `x-guidance` instead.
     ///
     /// # Errors
     /// [`GrammarError::Invalid`] naming what is wrong with the schema, regex or grammar.
@@ -153,7 +155,7 @@ impl Vocabulary {
     }
 }
 
-/// `schema` with llguidance's compile options set to fixed separators, unless it sets its own
+/// `schema` with llguidance's compile options set to compact JSON, unless it sets its own
 /// (`x-guidance`).
 fn compact(schema: &Value) -> Result<Value, GrammarError> {
     let Value::Object(map) = schema else {
