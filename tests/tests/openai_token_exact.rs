@@ -9,7 +9,9 @@
 //! the two answers (choice indices, seeds, usage, one stream) into what one node gives. The 2 + 2
 //! cluster's prefill nodes keep their KV in the GPU block layout (`--kv-layout nhd`, blocks of
 //! 16) and its decode nodes in the CPU one with blocks of 32, so every pull there is converted
-//! (issue 13): still token for token.
+//! (issue 13): still token for token. Structured output (`response_format`, `text.format`,
+//! vLLM's `structured_outputs`) too: each answer complete under its constraint, and the same
+//! through P and D as on one node.
 
 use std::time::Duration;
 
@@ -72,7 +74,77 @@ fn specs() -> Vec<Value> {
         }
         specs.push(s);
     }
+    // Structured output, as the SDK sends it (`response_format`, the Responses API's
+    // `text.format`) and as vLLM's clients do (`structured_outputs` in `extra_body`): every
+    // pick masked, P's first one among them.
+    let schema = json!({"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 6},
+            "rain": {"type": "boolean"},
+            "level": {"enum": ["low", "high"]}},
+        "required": ["city", "rain", "level"], "additionalProperties": false});
+    let text = |i: usize, api: &str| {
+        format!("{i:02} {api} structured: prefill and decode nodes share one KV cache.")
+    };
+    specs.push(
+        json!({"api": "chat", "stream": false, "n": 1, "max_tokens": STRUCTURED_MAX_TOKENS,
+        "temperature": 0.0, "structured": "json",
+        "messages": [{"role": "user", "content": text(specs.len(), "chat")}],
+        "sampling": {"response_format": {"type": "json_schema",
+            "json_schema": {"name": "weather", "schema": schema, "strict": true}}},
+        "extra_body": {"return_token_ids": true}}),
+    );
+    specs.push(
+        json!({"api": "completions", "stream": true, "n": 3, "max_tokens": STRUCTURED_MAX_TOKENS,
+        "temperature": 0.8, "seed": 7, "structured": "words",
+        "prompt": text(specs.len(), "completions"),
+        "extra_body": {"return_token_ids": true,
+            "structured_outputs": {"regex": "[a-z]{2,5}( [a-z]{2,5}){2}"}}}),
+    );
+    specs.push(
+        json!({"api": "responses", "stream": true, "n": 1, "max_tokens": STRUCTURED_MAX_TOKENS,
+        "temperature": 0.0, "structured": "json", "input": text(specs.len(), "responses"),
+        "sampling": {"text": {"format": {"type": "json_schema", "name": "weather",
+            "schema": schema}}}}),
+    );
     specs
+}
+
+/// Room for the structured specs' outputs to end where their constraint does.
+const STRUCTURED_MAX_TOKENS: u32 = 80;
+
+/// A structured spec's answer: complete under its constraint.
+fn check_structured(spec: &Value, answer: &Value) {
+    for (text, reason) in answer["texts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(answer["finish_reasons"].as_array().unwrap())
+    {
+        let text = text.as_str().unwrap();
+        assert!(
+            reason == "stop" || reason == "completed",
+            "{spec}: {answer}"
+        );
+        match spec["structured"].as_str() {
+            Some("json") => {
+                let v: Value = serde_json::from_str(text)
+                    .unwrap_or_else(|e| panic!("{text:?} is not JSON: {e}: {spec}"));
+                assert!(v["rain"].is_boolean() && v["city"].is_string(), "{v}");
+                assert!(
+                    ["low", "high"].contains(&v["level"].as_str().unwrap()),
+                    "{v}"
+                );
+            }
+            _ => {
+                let words: Vec<&str> = text.split(' ').collect();
+                assert_eq!(words.len(), 3, "{text:?}");
+                for w in words {
+                    assert!((2..=5).contains(&w.len()), "{text:?}");
+                    assert!(w.bytes().all(|b| b.is_ascii_lowercase()), "{text:?}");
+                }
+            }
+        }
+    }
 }
 
 fn u64_of(v: &Value, key: &str) -> Option<u64> {
@@ -267,6 +339,9 @@ async fn the_openai_package_gets_identical_tokens_through_the_gateway_and_p_d() 
             w["kv_pulled_tokens"].is_null(),
             "a standalone node pulls nothing: {spec}: {w}"
         );
+        if spec.get("structured").is_some() {
+            check_structured(spec, w);
+        }
         if spec["api"] == "responses" {
             continue; // no token ids on the Responses API
         }
@@ -275,11 +350,16 @@ async fn the_openai_package_gets_identical_tokens_through_the_gateway_and_p_d() 
         let ids = w["token_ids"].as_array().expect("token ids per choice");
         assert_eq!(ids.len() as u64, spec["n"].as_u64().unwrap_or(1), "{w}");
         for choice in ids {
-            assert_eq!(
-                choice.as_array().map_or(0, Vec::len),
-                MAX_TOKENS as usize,
-                "{spec}: {w}"
-            );
+            let len = choice.as_array().map_or(0, Vec::len);
+            if spec.get("structured").is_some() {
+                // Ends where the constraint is complete.
+                assert!(
+                    len > 0 && len < STRUCTURED_MAX_TOKENS as usize,
+                    "{spec}: {w}"
+                );
+            } else {
+                assert_eq!(len, MAX_TOKENS as usize, "{spec}: {w}");
+            }
         }
         if spec["n"] == 3 {
             assert!(

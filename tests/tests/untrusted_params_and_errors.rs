@@ -308,14 +308,17 @@ async fn errors_are_openai_error_objects(c: &TestCluster) -> f64 {
     assert_eq!(e["param"], "temperature", "{}", a.body);
     // A node's own 4xx is the client's fault too.
     client_errors += 1.0;
-    // Features no node implements (tool calls, structured output) are refused by name, not
-    // answered as if they had not been asked for.
+    // A feature no node implements (tool calls) is refused by name, not answered as if it had
+    // not been asked for; so is a structured output the node cannot compile (P's 400).
     for (field, value) in [
         (
             "tools",
             json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]),
         ),
-        ("response_format", json!({"type": "json_object"})),
+        (
+            "response_format",
+            json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
+        ),
     ] {
         let mut body = Api::Chat.body("hello", 4);
         body[field] = value;

@@ -451,7 +451,8 @@ async fn greedy_output_through_p_and_d_equals_one_node_on_every_api() {
 /// sampled request still answers token for token as one node does: D's generator skips the
 /// draw P took for that token. A request asking for logprobs and an `n = 2` request compute
 /// the last prompt position on D as before (pulled = prompt − 1). An unseeded sampled request
-/// takes P's token too. The same holds with penalties, biases and `min_p` set.
+/// takes P's token too. The same holds with penalties, biases and `min_p` set, and under
+/// structured output.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_a_single_completion_without_logprobs_takes_the_producers_first_token() {
     let dir = model("first-token");
@@ -494,6 +495,23 @@ async fn only_a_single_completion_without_logprobs_takes_the_producers_first_tok
     let mut penalized_two = penalized_sampled.clone();
     penalized_two["prompt"] = base(7)["prompt"].clone();
     penalized_two["n"] = json!(2);
+    // Structured output masks every pick, P's first among them: P's token stands for D's only
+    // under the same constraint (the key carries its fingerprint). Greedy under a schema takes
+    // P's token; two sampled children under a regex compute it on D.
+    let mut schema = base(8);
+    schema["max_tokens"] = json!(80);
+    schema["response_format"] = json!({"type": "json_schema", "json_schema": {"name": "r",
+        "schema": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+        "maximum": 99}, "s": {"enum": ["ab", "cd"]}}, "required": ["n", "s"],
+        "additionalProperties": false}}});
+    let mut regex_two = base(9);
+    regex_two["n"] = json!(2);
+    regex_two["temperature"] = json!(0.8);
+    regex_two["seed"] = json!(3);
+    regex_two["structured_outputs"] = json!({"regex": "[a-f]{3}-[0-9]{2}"});
+    let structured = seen(api, post(&solo.http, api.path(), &schema).await).await;
+    let v: Value = serde_json::from_str(&structured.texts[0]).expect("JSON under the schema");
+    assert!(v["n"].is_u64() && v["s"].is_string(), "{v}");
     for (body, takes_first) in [
         (base(0), true),
         (sampled, true),
@@ -502,6 +520,8 @@ async fn only_a_single_completion_without_logprobs_takes_the_producers_first_tok
         (penalized, true),
         (penalized_sampled, true),
         (penalized_two, false),
+        (schema, true),
+        (regex_two, false),
     ] {
         let want = seen(api, post(&solo.http, api.path(), &body).await).await;
         let got = through_pd(&p, &d, api, &body).await;

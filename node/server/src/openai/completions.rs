@@ -29,6 +29,9 @@ pub(crate) struct CompletionRequest {
     pub(crate) kv_transfer_params: Option<serde_json::Value>,
     #[serde(flatten)]
     pub(crate) sampling: SamplingFields,
+    /// Structured output (`structured`).
+    #[serde(flatten)]
+    pub(crate) structured: super::structured::StructuredFields,
     /// Refused unless set to what this node does anyway (`unsupported`).
     #[serde(flatten)]
     pub(crate) unsupported: super::unsupported::UnsupportedFields,

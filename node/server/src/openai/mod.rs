@@ -8,6 +8,7 @@
 pub(crate) mod chat;
 pub(crate) mod completions;
 pub(crate) mod responses;
+pub(crate) mod structured;
 pub(crate) mod unsupported;
 
 use std::collections::BTreeMap;
@@ -151,6 +152,7 @@ impl SamplingFields {
                 .unwrap_or(defaults.repetition_penalty),
             min_p: self.min_p.unwrap_or(defaults.min_p),
             logit_bias: logit_bias(self.logit_bias.as_ref())?,
+            structured: None,
         })
     }
 

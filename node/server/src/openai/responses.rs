@@ -33,6 +33,9 @@ pub(crate) struct ResponsesRequest {
     /// vLLM extension: see `SamplingFields::cache_salt`.
     #[serde(default)]
     pub(crate) cache_salt: Option<String>,
+    /// Structured output (`structured`).
+    #[serde(flatten)]
+    pub(crate) structured: super::structured::StructuredFields,
     /// Refused unless set to what this node does anyway (`unsupported`).
     #[serde(flatten)]
     pub(crate) unsupported: super::unsupported::UnsupportedFields,

@@ -1,6 +1,7 @@
 //! Fields of the OpenAI API this node does not implement and whose silent omission would
-//! change the answer (a tool call never made, JSON never enforced, a suffix never joined): each
-//! is refused with a 400 naming it, as vLLM refuses tools without a tool parser. Fields whose
+//! change the answer (a tool call never made, a suffix never joined): each is refused with a
+//! 400 naming it, as vLLM refuses tools without a tool parser. (Structured output is built:
+//! `structured`.) Fields whose
 //! omission changes nothing a client relies on (`user`, `metadata`, `store`...) are accepted and
 //! ignored, as the request structs' doc says.
 
@@ -19,29 +20,12 @@ pub(crate) struct UnsupportedFields {
     /// The deprecated form of `tools`.
     #[serde(default)]
     functions: Option<Value>,
-    /// Chat: structured output.
-    #[serde(default)]
-    response_format: Option<Value>,
-    /// Responses: `text.format` is its structured output.
-    #[serde(default)]
-    text: Option<Value>,
     /// Completions: text after the insertion point.
     #[serde(default)]
     suffix: Option<Value>,
     /// Completions: sample this many and return the `n` most likely.
     #[serde(default)]
     best_of: Option<Value>,
-    /// vLLM's structured output: `structured_outputs`, and the older `guided_*` fields.
-    #[serde(default)]
-    structured_outputs: Option<Value>,
-    #[serde(default)]
-    guided_json: Option<Value>,
-    #[serde(default)]
-    guided_regex: Option<Value>,
-    #[serde(default)]
-    guided_choice: Option<Value>,
-    #[serde(default)]
-    guided_grammar: Option<Value>,
 }
 
 impl UnsupportedFields {
@@ -55,28 +39,6 @@ impl UnsupportedFields {
                 "functions",
                 "function calling is not supported by this server",
             ));
-        }
-        if let Some(format) = present(&self.response_format) {
-            text_only("response_format", format)?;
-        }
-        if let Some(format) = present(&self.text).and_then(|t| t.get("format"))
-            && !format.is_null()
-        {
-            text_only("text.format", format)?;
-        }
-        for (value, param) in [
-            (&self.structured_outputs, "structured_outputs"),
-            (&self.guided_json, "guided_json"),
-            (&self.guided_regex, "guided_regex"),
-            (&self.guided_choice, "guided_choice"),
-            (&self.guided_grammar, "guided_grammar"),
-        ] {
-            if present(value).is_some() {
-                return Err(ApiError::invalid(
-                    param,
-                    format!("{param} is not supported by this server (no structured output)"),
-                ));
-            }
         }
         if let Some(suffix) = present(&self.suffix)
             && suffix.as_str() != Some("")
@@ -135,23 +97,6 @@ fn present(v: &Option<Value>) -> Option<&Value> {
     v.as_ref().filter(|v| !v.is_null())
 }
 
-/// A 400 naming `param` unless the output `format` asks for plain text.
-fn text_only(param: &'static str, format: &Value) -> Result<(), ApiError> {
-    if format.get("type").and_then(Value::as_str) == Some("text") {
-        return Ok(());
-    }
-    let kind = match format.get("type") {
-        Some(t) => format!("type {t}"),
-        None => format.to_string(),
-    };
-    Err(ApiError::invalid(
-        param,
-        format!(
-            "{param} {kind} is not supported by this server (no structured output); only {{\"type\": \"text\"}}"
-        ),
-    ))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -165,15 +110,11 @@ mod tests {
     fn honourable_values_pass() {
         for body in [
             serde_json::json!({}),
-            serde_json::json!({"tools": null, "tool_choice": null, "response_format": null}),
+            serde_json::json!({"tools": null, "tool_choice": null}),
             serde_json::json!({"tools": [], "tool_choice": "auto"}),
             serde_json::json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}),
-            serde_json::json!({"response_format": {"type": "text"}}),
-            serde_json::json!({"text": {"format": {"type": "text"}}}),
-            serde_json::json!({"text": {"verbosity": "low"}}),
             serde_json::json!({"suffix": "", "best_of": 1}),
             serde_json::json!({"functions": []}),
-            serde_json::json!({"guided_json": null, "structured_outputs": null}),
         ] {
             assert_eq!(check(body.clone()), Ok(()), "{body}");
         }
@@ -205,32 +146,8 @@ mod tests {
                 serde_json::json!({"functions": [{"name": "f"}]}),
                 "functions",
             ),
-            (
-                serde_json::json!({"response_format": {"type": "json_object"}}),
-                "response_format",
-            ),
-            (
-                serde_json::json!({"response_format": {"type": "json_schema", "json_schema": {}}}),
-                "response_format",
-            ),
-            (
-                serde_json::json!({"text": {"format": {"type": "json_schema"}}}),
-                "text.format",
-            ),
             (serde_json::json!({"suffix": "end"}), "suffix"),
             (serde_json::json!({"best_of": 3}), "best_of"),
-            (
-                serde_json::json!({"guided_json": {"type": "object"}}),
-                "guided_json",
-            ),
-            (
-                serde_json::json!({"guided_choice": ["a", "b"]}),
-                "guided_choice",
-            ),
-            (
-                serde_json::json!({"structured_outputs": {"regex": "a+"}}),
-                "structured_outputs",
-            ),
         ] {
             assert_eq!(check(body.clone()), Err(Some(param.to_owned())), "{body}");
         }

@@ -51,7 +51,8 @@ pub(super) async fn create(
             .rename_param("logprobs", "top_logprobs")
             .rename_param("prompt", "messages")
     };
-    let params = req.sampling.to_params(max_tokens, logprobs)?;
+    let mut params = req.sampling.to_params(max_tokens, logprobs)?;
+    params.structured = req.structured.to_structured()?;
     params.validate().map_err(|e| engine_error(e.into()))?;
     let directive = state.kv_directive(req.kv_transfer_params.as_ref(), params.n)?;
     let messages = chat_messages(&req.messages)?;

@@ -33,9 +33,10 @@ pub(super) async fn create(
         .logprobs
         .map(|l| non_negative(l, "logprobs"))
         .transpose()?;
-    let params = req
+    let mut params = req
         .sampling
         .to_params((req.max_tokens, "max_tokens"), logprobs)?;
+    params.structured = req.structured.to_structured()?;
     params.validate().map_err(EngineError::from)?;
     let directive = state.kv_directive(req.kv_transfer_params.as_ref(), params.n)?;
     let prompt_tokens =

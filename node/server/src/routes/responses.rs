@@ -38,6 +38,7 @@ pub(super) async fn create(
             .max_output_tokens
             .map(|m| non_negative(m, "max_output_tokens"))
             .transpose()?,
+        structured: req.structured.to_structured()?,
         ..defaults
     };
     let engine_error = |e: EngineError| {
