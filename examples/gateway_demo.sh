@@ -100,6 +100,23 @@ echo; echo "--- swapping the policy live: pd-gateway policy push prefix-aware.wa
   | jq -c '.current | {name, version, sha256}'
 ask "What is the boiling point of water in Celsius?"
 
+echo; echo "--- structured output through P and D: the answer must match a JSON schema (response_format)"
+"$PY" - "$GW" <<'PY'
+import json, sys
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1] + "/v1", api_key="none")
+schema = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+          "properties": {"city": {"type": "string"}, "country": {"type": "string"}}}
+r = client.chat.completions.create(
+    model="demo",
+    messages=[{"role": "system", "content": "Answer in JSON."},
+              {"role": "user", "content": "Give the name and country of the capital of France."}],
+    response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}},
+    max_tokens=64, temperature=0)
+print(f"  answer: {r.choices[0].message.content}  (finish_reason {r.choices[0].finish_reason})")
+print(f"  parsed: {json.loads(r.choices[0].message.content)}")
+PY
+
 echo; echo "--- decisions by policy version (gateway /metrics)"
 curl -sS "$GW/metrics" | grep -E '^pd_gateway_policy_decisions_total|^pd_gateway_policy_fallbacks_total|^pd_gateway_requests_total' || true
 cat <<EOF2

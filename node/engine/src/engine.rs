@@ -707,6 +707,9 @@ impl Engine {
             last_token_at: None,
             grammar,
         };
+        if seq.grammar.is_some() {
+            self.metrics.structured_requests.inc();
+        }
         let max_stop_len = params.stop.iter().map(String::len).max().unwrap_or(0);
         self.requests.insert(
             id,
@@ -1018,7 +1021,7 @@ impl Engine {
                     Some(grammar) => {
                         let mut row = logits.to_vec();
                         if let Err(e) = grammar.mask(&mut row) {
-                            fail_structured(&state.events, seq.request, &e);
+                            fail_structured(&state.events, &self.metrics, seq.request, &e);
                             return Err(());
                         }
                         masked = row;
@@ -1041,7 +1044,7 @@ impl Engine {
         if let Some(grammar) = &mut seq.grammar
             && let Err(e) = grammar.accept(token)
         {
-            fail_structured(&state.events, seq.request, &e);
+            fail_structured(&state.events, &self.metrics, seq.request, &e);
             return Err(());
         }
         seq.tokens.push(token);
@@ -1320,10 +1323,12 @@ fn max_leased_blocks(fraction: f64, num_blocks: usize) -> usize {
 /// ([`RequestEvent::Failed`]) and the caller aborts it (the `Err` of `emit_token`).
 fn fail_structured(
     events: &tokio_mpsc::UnboundedSender<RequestEvent>,
+    metrics: &EngineMetrics,
     request: RequestId,
     e: &GrammarError,
 ) {
     tracing::warn!(%request, error = %e, "structured output failed");
+    metrics.structured_failures.inc();
     let _ = events.send(RequestEvent::Failed {
         message: e.to_string(),
     });

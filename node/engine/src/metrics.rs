@@ -49,6 +49,11 @@ pub struct EngineMetrics {
     pub e2e_latency: Histogram,
     /// Prefill requests for decode nodes refused because leases held their cap of the pool.
     pub lease_capacity_refusals: IntCounter,
+    /// Requests admitted with a structured-output constraint.
+    pub structured_requests: IntCounter,
+    /// Structured requests that failed mid-generation (the matcher hit one of its limits or
+    /// allowed no token): each answered with an error, never with text outside the constraint.
+    pub structured_failures: IntCounter,
     /// Prompt tokens computed per second: a moving average over steps that computed at least
     /// [`PREFILL_RATE_MIN_TOKENS`] prompt tokens (0 until one did). Reported to the gateway, so
     /// a policy can weigh recomputing a prefix against pulling it.
@@ -178,6 +183,14 @@ impl EngineMetrics {
             e2e_latency: histogram(
                 "pd_node_e2e_request_latency_seconds",
                 "Seconds from arrival to finish",
+            ),
+            structured_requests: counter(
+                "pd_node_structured_requests_total",
+                "Requests admitted with a structured-output constraint (JSON schema, regex, choice, grammar)",
+            ),
+            structured_failures: counter(
+                "pd_node_structured_failures_total",
+                "Structured requests failed mid-generation (matcher limit reached or no token allowed)",
             ),
             lease_capacity_refusals: counter(
                 "pd_node_kv_lease_capacity_refusals_total",

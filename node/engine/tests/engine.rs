@@ -1205,3 +1205,60 @@ async fn structured_outputs_follow_their_constraint_token_for_token() {
     wait_all_free(&h).await;
     wait_all_free(&tight).await;
 }
+
+/// A first token from the producer that breaks the request's constraint (a faulty or forged
+/// producer: the key matched, the token did not) fails the request with the reason and is never
+/// emitted; the failure is counted and the blocks come back. A token within it is taken as
+/// given, and the rest follows the constraint.
+#[tokio::test]
+async fn a_given_first_token_outside_the_constraint_fails_the_request_instead_of_emitting_it() {
+    let dir = model_dir("structured-given");
+    let h = engine(&dir, |_| {});
+    let params = SamplingParams {
+        structured: structured(OutputSpec::Regex("[0-9]{4}".into())),
+        ..greedy(10)
+    };
+    let key = first_token_key(&params);
+    for (i, given, ok) in [(0, b'x', false), (1, b'7', true)] {
+        let p = prompt(10, 90 + i);
+        let (mut s, _, _, _) = consume(&h, p.clone(), params.clone()).await;
+        h.remote_kv_ready(
+            s.id(),
+            RemoteKv::PulledWithFirstToken {
+                tokens: p.len(),
+                first_token: u32::from(given),
+                key,
+            },
+        );
+        let (mut tokens, mut failed, mut text) = (Vec::new(), None, String::new());
+        while let Some(e) = s.recv().await {
+            match e {
+                RequestEvent::Token {
+                    token_id, text: t, ..
+                } => {
+                    tokens.push(token_id);
+                    text.push_str(&t);
+                }
+                RequestEvent::Finished { text: t, .. } => text.push_str(&t),
+                RequestEvent::Failed { message } => failed = Some(message),
+                _ => {}
+            }
+        }
+        if ok {
+            assert_eq!(failed, None);
+            assert_eq!(tokens[0], u32::from(given));
+            assert_eq!(text.len(), 4, "{text:?}");
+            assert!(
+                text.starts_with('7') && text.bytes().all(|b| b.is_ascii_digit()),
+                "{text:?}"
+            );
+        } else {
+            assert!(tokens.is_empty(), "{tokens:?}");
+            let message = failed.expect("the request fails");
+            assert!(message.contains("structured output"), "{message}");
+        }
+    }
+    assert_eq!(h.metrics().structured_failures.get(), 1);
+    assert_eq!(h.metrics().structured_requests.get(), 2);
+    wait_all_free(&h).await;
+}
