@@ -49,17 +49,42 @@ impl TokenMatcher {
             .eos
             .iter()
             .any(|&t| (t as usize) < self.size && allowed.is_allowed(t));
-        let mut any = false;
-        for (i, l) in row.iter_mut().enumerate() {
-            let ok = (i < self.size && allowed.is_allowed(i as u32))
-                || (eos_ok && self.eos.binary_search(&(i as u32)).is_ok());
-            if ok {
-                any = true;
-            } else {
-                *l = f32::NEG_INFINITY;
+        // Where the constraint may end, every EOS id keeps its logit: saved before the words
+        // below mask the ones the trie does not allow.
+        let eos_logits: Vec<(usize, f32)> = if eos_ok {
+            self.eos
+                .iter()
+                .filter_map(|&t| row.get(t as usize).map(|&l| (t as usize, l)))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        // One 32-token word of the mask at a time: most are all-disallowed or all-allowed.
+        let words = allowed.as_slice();
+        let known = self.size.min(row.len());
+        let (inside, beyond) = row.split_at_mut(known);
+        for (chunk, &bits) in inside.chunks_mut(32).zip(words) {
+            match bits {
+                u32::MAX => {}
+                0 => chunk.fill(f32::NEG_INFINITY),
+                bits => {
+                    for (j, l) in chunk.iter_mut().enumerate() {
+                        if bits & (1 << j) == 0 {
+                            *l = f32::NEG_INFINITY;
+                        }
+                    }
+                }
             }
         }
-        if !any {
+        // A mask shorter than the vocabulary (it never is) allows nothing past its end.
+        if let Some(rest) = inside.get_mut(words.len() * 32..) {
+            rest.fill(f32::NEG_INFINITY);
+        }
+        beyond.fill(f32::NEG_INFINITY);
+        for (i, l) in eos_logits {
+            row[i] = l;
+        }
+        if !eos_ok && allowed.is_zero() {
             return Err(GrammarError::Failed(
                 "no token can continue the output".into(),
             ));
