@@ -1171,8 +1171,8 @@ async fn penalties_and_logit_bias_change_greedy_answers() {
 }
 
 /// Out-of-range sampling fields, malformed or unsupported structured output, and the OpenAI
-/// features this node does not implement (tools, `suffix`, `best_of`), are a 400 naming the
-/// field, never silently dropped.
+/// features this node does not implement (tools the model may call at will, tools outside
+/// chat, `suffix`, `best_of`), are a 400 naming the field, never silently dropped.
 #[tokio::test]
 async fn unsupported_features_and_bad_sampling_fields_are_refused_by_name() {
     let server = Server::start().await;
@@ -1189,7 +1189,12 @@ async fn unsupported_features_and_bad_sampling_fields_are_refused_by_name() {
     for (extra, param) in [
         (json!({"tools": tools}), "tools"),
         (
-            json!({"tools": tools, "tool_choice": "required"}),
+            json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "tool_choice",
+        ),
+        (
+            json!({"tools": tools, "tool_choice": "required",
+                "response_format": {"type": "json_object"}}),
             "tool_choice",
         ),
         (
@@ -1236,6 +1241,10 @@ async fn unsupported_features_and_bad_sampling_fields_are_refused_by_name() {
         .await;
     assert_eq!(status, 200, "{out}");
     for (body, param) in [
+        (
+            json!({"prompt": "hi", "tools": tools, "tool_choice": "required"}),
+            "tool_choice",
+        ),
         (json!({"prompt": "hi", "suffix": "bye"}), "suffix"),
         (json!({"prompt": "hi", "best_of": 3, "n": 3}), "best_of"),
     ] {
@@ -1398,5 +1407,144 @@ async fn structured_outputs_constrain_answers_on_every_api() {
         .find(|e| e["type"] == "response.output_text.done")
         .expect("output_text.done");
     assert_eq!(done["text"], text.as_str());
+    server.stop().await;
+}
+
+/// Forced tool calls on chat (`tool_choice` naming a function, or `"required"`): the answer is
+/// a call to a declared tool whose arguments are valid under its parameters' schema, on a
+/// random model, with `content: null` and `finish_reason: "tool_calls"`; streamed, a named call
+/// arrives as OpenAI streams one (id and name first, then argument deltas) and a list of calls
+/// as one delta at the end, both equal to the non-streamed answer. The next turn — the
+/// assistant's call and the tool's result in `messages` — is taken.
+#[tokio::test]
+async fn forced_tool_calls_are_calls_to_declared_tools_with_valid_arguments() {
+    let server = Server::start().await;
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+            "parameters": {"type": "object", "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+            "additionalProperties": false}}}
+    ]);
+    let valid = |name: &str, arguments: &str| {
+        let a: Value = serde_json::from_str(arguments)
+            .unwrap_or_else(|e| panic!("{name}({arguments:?}): {e}"));
+        match name {
+            "get_weather" => {
+                assert!(
+                    a["city"].as_str().is_some_and(|c| c.chars().count() <= 10),
+                    "{a}"
+                );
+                assert!(
+                    ["celsius", "fahrenheit"].contains(&a["unit"].as_str().unwrap()),
+                    "{a}"
+                );
+            }
+            "get_time" => assert!(["UTC", "CET"].contains(&a["zone"].as_str().unwrap()), "{a}"),
+            other => panic!("a call to undeclared {other}"),
+        }
+    };
+    let messages = json!([{"role": "user", "content": "What is the weather in Oslo?"}]);
+
+    // Named.
+    let body = json!({"messages": messages, "tools": tools, "max_tokens": 80, "temperature": 0,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}});
+    let (status, out) = server.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{out}");
+    let choice = &out["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{out}");
+    assert!(choice["message"]["content"].is_null(), "{out}");
+    let call = &choice["message"]["tool_calls"][0];
+    assert_eq!(call["type"], "function");
+    assert!(call["id"].as_str().unwrap().starts_with("call_"), "{call}");
+    assert_eq!(call["function"]["name"], "get_weather");
+    let arguments = call["function"]["arguments"].as_str().unwrap().to_owned();
+    valid("get_weather", &arguments);
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let chunks = json_chunks(&server.post_stream("/v1/chat/completions", &streamed).await);
+    let head = &chunks[0]["choices"][0]["delta"];
+    assert_eq!(head["role"], "assistant", "{head}");
+    assert_eq!(
+        head["tool_calls"][0]["function"]["name"], "get_weather",
+        "{head}"
+    );
+    assert_eq!(head["tool_calls"][0]["index"], 0, "{head}");
+    assert!(head["tool_calls"][0]["id"].is_string(), "{head}");
+    let args: String = chunks[1..]
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"].as_str())
+        .collect();
+    assert_eq!(args, arguments);
+    assert!(
+        chunks
+            .iter()
+            .all(|c| c["choices"][0]["delta"].get("content").is_none())
+    );
+    let last = chunks
+        .iter()
+        .rev()
+        .find(|c| !c["choices"][0]["finish_reason"].is_null())
+        .unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "tool_calls");
+
+    // Required: one or more calls, each to a declared tool; n = 2 sampled.
+    let body = json!({"messages": messages, "tools": tools, "tool_choice": "required",
+        "max_tokens": 200, "temperature": 0.8, "seed": 3, "n": 2});
+    let (status, out) = server.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{out}");
+    let mut whole = Vec::new();
+    for c in out["choices"].as_array().unwrap() {
+        // A random model may list calls until max_tokens; a finished list is calls.
+        if c["finish_reason"] != "tool_calls" {
+            assert_eq!(c["finish_reason"], "length", "{c}");
+            continue;
+        }
+        let calls = c["message"]["tool_calls"].as_array().unwrap();
+        assert!(!calls.is_empty(), "{c}");
+        for (i, call) in calls.iter().enumerate() {
+            assert_eq!(call["index"], i);
+            valid(
+                call["function"]["name"].as_str().unwrap(),
+                call["function"]["arguments"].as_str().unwrap(),
+            );
+        }
+        whole.push((c["index"].clone(), calls.clone()));
+    }
+    assert!(
+        !whole.is_empty(),
+        "no list of calls ended within 200 tokens: {out}"
+    );
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let chunks = json_chunks(&server.post_stream("/v1/chat/completions", &streamed).await);
+    for (index, calls) in whole {
+        let sent: Vec<&Value> = chunks
+            .iter()
+            .flat_map(|c| c["choices"].as_array().unwrap())
+            .filter(|c| c["index"] == index)
+            .filter_map(|c| c["delta"]["tool_calls"].as_array())
+            .flatten()
+            .collect();
+        assert_eq!(sent.len(), calls.len(), "{sent:?}");
+        for (s, c) in sent.iter().zip(&calls) {
+            assert_eq!(s["function"], c["function"]);
+        }
+    }
+
+    // The next turn carries the call and its result.
+    let next = json!({"messages": [
+            {"role": "user", "content": "What is the weather in Oslo?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1",
+                "type": "function", "function": {"name": "get_weather",
+                "arguments": "{\"city\":\"Oslo\",\"unit\":\"celsius\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "4 degrees, rain"}],
+        "tools": tools, "tool_choice": "none", "max_tokens": 8, "temperature": 0});
+    let (status, out) = server.post("/v1/chat/completions", &next).await;
+    assert_eq!(status, 200, "{out}");
+    assert!(out["choices"][0]["message"]["content"].is_string(), "{out}");
     server.stop().await;
 }

@@ -30,6 +30,9 @@ pub(crate) struct ChatCompletionRequest {
     pub(crate) kv_transfer_params: Option<serde_json::Value>,
     #[serde(flatten)]
     pub(crate) sampling: SamplingFields,
+    /// `tools` and `tool_choice` (`tools`).
+    #[serde(flatten)]
+    pub(crate) tools: super::tools::ToolFields,
     /// Structured output (`structured`).
     #[serde(flatten)]
     pub(crate) structured: super::structured::StructuredFields,
@@ -70,11 +73,11 @@ pub(crate) struct ChatChoice {
     pub(crate) token_ids: Option<Vec<u32>>,
 }
 
-/// The generated message.
+/// The generated message: text, or (a forced tool call) `content: null` and the calls.
 #[derive(Debug, Serialize)]
 pub(crate) struct ChatMessageOut {
     pub(crate) role: &'static str,
-    pub(crate) content: String,
+    pub(crate) content: Option<String>,
     pub(crate) tool_calls: Vec<serde_json::Value>,
 }
 
@@ -137,4 +140,8 @@ pub(crate) struct ChatDelta {
     pub(crate) role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) content: Option<String>,
+    /// A forced tool call: the first delta names it (`id`, `function.name`), later ones add to
+    /// its `function.arguments`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) tool_calls: Option<Vec<serde_json::Value>>,
 }

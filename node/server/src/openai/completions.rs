@@ -29,6 +29,9 @@ pub(crate) struct CompletionRequest {
     pub(crate) kv_transfer_params: Option<serde_json::Value>,
     #[serde(flatten)]
     pub(crate) sampling: SamplingFields,
+    /// `tools` and `tool_choice` (`tools`).
+    #[serde(flatten)]
+    pub(crate) tools: super::tools::ToolFields,
     /// Structured output (`structured`).
     #[serde(flatten)]
     pub(crate) structured: super::structured::StructuredFields,

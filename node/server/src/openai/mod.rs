@@ -9,6 +9,7 @@ pub(crate) mod chat;
 pub(crate) mod completions;
 pub(crate) mod responses;
 pub(crate) mod structured;
+pub(crate) mod tools;
 pub(crate) mod unsupported;
 
 use std::collections::BTreeMap;

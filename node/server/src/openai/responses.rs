@@ -33,6 +33,9 @@ pub(crate) struct ResponsesRequest {
     /// vLLM extension: see `SamplingFields::cache_salt`.
     #[serde(default)]
     pub(crate) cache_salt: Option<String>,
+    /// `tools` and `tool_choice` (`tools`).
+    #[serde(flatten)]
+    pub(crate) tools: super::tools::ToolFields,
     /// Structured output (`structured`).
     #[serde(flatten)]
     pub(crate) structured: super::structured::StructuredFields,

@@ -1,8 +1,7 @@
 //! Fields of the OpenAI API this node does not implement and whose silent omission would
-//! change the answer (a tool call never made, a suffix never joined): each is refused with a
-//! 400 naming it, as vLLM refuses tools without a tool parser. (Structured output is built:
-//! `structured`.) Fields whose
-//! omission changes nothing a client relies on (`user`, `metadata`, `store`...) are accepted and
+//! change the answer (a deprecated function call never made, a suffix never joined): each is
+//! refused with a 400 naming it. (Structured output is `structured`, tool calling `tools`.)
+//! Fields whose omission changes nothing a client relies on (`user`, `metadata`, `store`...) are accepted and
 //! ignored, as the request structs' doc says.
 
 use serde::Deserialize;
@@ -13,10 +12,6 @@ use crate::error::ApiError;
 /// The refused fields' slots, flattened into each request body (all optional; `null` is absent).
 #[derive(Debug, Default, Deserialize)]
 pub(crate) struct UnsupportedFields {
-    #[serde(default)]
-    tools: Option<Value>,
-    #[serde(default)]
-    tool_choice: Option<Value>,
     /// The deprecated form of `tools`.
     #[serde(default)]
     functions: Option<Value>,
@@ -31,7 +26,6 @@ pub(crate) struct UnsupportedFields {
 impl UnsupportedFields {
     /// A 400 naming the first field set to something this node would not honour.
     pub(crate) fn refuse(&self) -> Result<(), ApiError> {
-        self.tools()?;
         if let Some(f) = present(&self.functions)
             && f.as_array().is_none_or(|a| !a.is_empty())
         {
@@ -60,36 +54,6 @@ impl UnsupportedFields {
         }
         Ok(())
     }
-
-    /// Tools are accepted only where none may be called: an empty list, or `tool_choice: "none"`
-    /// (the model then answers in text, as it would without them).
-    fn tools(&self) -> Result<(), ApiError> {
-        let has_tools = match present(&self.tools) {
-            None => false,
-            Some(Value::Array(a)) => !a.is_empty(),
-            Some(other) => {
-                return Err(ApiError::invalid(
-                    "tools",
-                    format!("tools must be a list, got {other}"),
-                ));
-            }
-        };
-        let choice = present(&self.tool_choice);
-        match choice.map(|c| (c, c.as_str())) {
-            Some((_, Some("none"))) => Ok(()),
-            None | Some((_, Some("auto"))) if !has_tools => Ok(()),
-            None | Some((_, Some("auto"))) => Err(ApiError::invalid(
-                "tools",
-                "tool calling is not supported by this server: send no tools, or tool_choice \"none\"",
-            )),
-            Some((choice, _)) => Err(ApiError::invalid(
-                "tool_choice",
-                format!(
-                    "tool_choice {choice} is not supported by this server: only \"none\" (no tool calling)"
-                ),
-            )),
-        }
-    }
 }
 
 /// The field's value unless absent or `null`.
@@ -110,9 +74,6 @@ mod tests {
     fn honourable_values_pass() {
         for body in [
             serde_json::json!({}),
-            serde_json::json!({"tools": null, "tool_choice": null}),
-            serde_json::json!({"tools": [], "tool_choice": "auto"}),
-            serde_json::json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}),
             serde_json::json!({"suffix": "", "best_of": 1}),
             serde_json::json!({"functions": []}),
         ] {
@@ -122,26 +83,7 @@ mod tests {
 
     #[test]
     fn what_would_be_silently_dropped_is_refused_by_name() {
-        let tool = serde_json::json!([{"type": "function", "function": {"name": "f"}}]);
         for (body, param) in [
-            (serde_json::json!({"tools": tool}), "tools"),
-            (
-                serde_json::json!({"tools": tool, "tool_choice": "auto"}),
-                "tools",
-            ),
-            (
-                serde_json::json!({"tools": tool, "tool_choice": "required"}),
-                "tool_choice",
-            ),
-            (
-                serde_json::json!({"tool_choice": "required"}),
-                "tool_choice",
-            ),
-            (
-                serde_json::json!({"tools": tool, "tool_choice": {"type": "function", "function": {"name": "f"}}}),
-                "tool_choice",
-            ),
-            (serde_json::json!({"tools": {"a": 1}}), "tools"),
             (
                 serde_json::json!({"functions": [{"name": "f"}]}),
                 "functions",

@@ -17,6 +17,7 @@ use crate::openai::chat::{
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessageOut, ChatTokenLogprob, TopLogprob,
 };
+use crate::openai::tools::ToolCalling;
 use crate::openai::{Usage, non_negative};
 use crate::prompt::{chat_messages, chat_tokens, token_text};
 use crate::sse::{SseFormatter, data_frame, done, error_frame, sse_response};
@@ -51,8 +52,25 @@ pub(super) async fn create(
             .rename_param("logprobs", "top_logprobs")
             .rename_param("prompt", "messages")
     };
+    let tools = req.tools.for_chat()?;
     let mut params = req.sampling.to_params(max_tokens, logprobs)?;
     params.structured = req.structured.to_structured()?;
+    if let Some(spec) = tools.constraint() {
+        if let Some(other) = &params.structured {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                format!(
+                    "tool_choice forces a tool call and {} constrains the answer too; send one",
+                    other.field
+                ),
+            ));
+        }
+        // The tools' schemas are what the answer is compiled against: errors name `tools`.
+        params.structured = Some(pd_engine::StructuredOutput {
+            spec,
+            field: "tools",
+        });
+    }
     params.validate().map_err(|e| engine_error(e.into()))?;
     let directive = state.kv_directive(req.kv_transfer_params.as_ref(), params.n)?;
     let messages = chat_messages(&req.messages)?;
@@ -82,6 +100,7 @@ pub(super) async fn create(
         model,
         tokenizer: state.engine.tokenizer().clone(),
         return_token_ids: prompt_token_ids.is_some(),
+        tools,
     };
     tracing::debug!(id = %out.id, engine_id = %stream.id(), n, prompt_len, "chat completion");
 
@@ -90,6 +109,7 @@ pub(super) async fn create(
             counts: TokenCounts::new(prompt_len),
             include_usage: req.sampling.include_usage(),
             finished: vec![false; n],
+            calls: vec![String::new(); n],
             failed: false,
             prompt_token_ids,
             out,
@@ -103,22 +123,29 @@ pub(super) async fn create(
         .children
         .into_iter()
         .enumerate()
-        .map(|(index, child)| ChatChoice {
-            index,
-            message: ChatMessageOut {
-                role: ROLE,
-                content: child.text,
-                tool_calls: Vec::new(),
-            },
-            logprobs: logprobs.is_some().then(|| ChatLogprobs {
-                content: child
-                    .logprobs
-                    .iter()
-                    .map(|lp| logprob_entry(&out.tokenizer, lp))
-                    .collect(),
-            }),
-            finish_reason: child.finish_reason.map(|r| r.as_str()),
-            token_ids: out.return_token_ids.then_some(child.token_ids),
+        .map(|(index, child)| {
+            let finish_reason = child.finish_reason.map(|r| r.as_str());
+            let (content, tool_calls, finish_reason) = match out.tools.calls_of(&child.text) {
+                Some(calls) => (None, calls, calls_finish(finish_reason)),
+                None => (Some(child.text), Vec::new(), finish_reason),
+            };
+            ChatChoice {
+                index,
+                message: ChatMessageOut {
+                    role: ROLE,
+                    content,
+                    tool_calls,
+                },
+                logprobs: logprobs.is_some().then(|| ChatLogprobs {
+                    content: child
+                        .logprobs
+                        .iter()
+                        .map(|lp| logprob_entry(&out.tokenizer, lp))
+                        .collect(),
+                }),
+                finish_reason,
+                token_ids: out.return_token_ids.then_some(child.token_ids),
+            }
         })
         .collect();
     Ok(Json(ChatCompletionResponse {
@@ -156,6 +183,15 @@ fn logprob_entry(tokenizer: &Tokenizer, lp: &TokenLogprob) -> ChatTokenLogprob {
     }
 }
 
+/// A tool-call answer's `finish_reason`: `tool_calls` where it ended by itself (OpenAI's
+/// reason for a message that calls tools), else why it was cut.
+fn calls_finish(reason: Option<&'static str>) -> Option<&'static str> {
+    match reason {
+        Some("stop") => Some("tool_calls"),
+        other => other,
+    }
+}
+
 /// What every chunk of one request repeats.
 #[derive(Debug)]
 struct Output {
@@ -164,16 +200,24 @@ struct Output {
     model: String,
     tokenizer: Arc<Tokenizer>,
     return_token_ids: bool,
+    /// Whether answers are text or forced tool calls.
+    tools: ToolCalling,
 }
 
 /// Streams `chat.completion.chunk`s: a role chunk per choice, content deltas interleaved by
-/// `index`, a final chunk per choice with its `finish_reason`, the usage chunk, `[DONE]`.
+/// `index`, a final chunk per choice with its `finish_reason`, the usage chunk, `[DONE]`. A
+/// named tool call streams as OpenAI's do: the role chunk names the call (`id`,
+/// `function.name`), then each delta adds to `function.arguments`. A list of calls
+/// (`"required"`) is whole only at the end: it is sent as one delta of every call with the
+/// choice's last chunk.
 #[derive(Debug)]
 struct ChatStream {
     out: Output,
     counts: TokenCounts,
     include_usage: bool,
     finished: Vec<bool>,
+    /// Per choice, a `"required"` answer's text so far (sent as calls when it ends).
+    calls: Vec<String>,
     failed: bool,
     /// Sent on the first chunk, then `None`.
     prompt_token_ids: Option<Vec<u32>>,
@@ -181,6 +225,32 @@ struct ChatStream {
 }
 
 impl ChatStream {
+    /// What new `text` of `child` adds: content, a named call's arguments, or nothing yet (a
+    /// list of calls is kept until it ends).
+    fn delta(&mut self, child: usize, text: String) -> ChatDelta {
+        if text.is_empty() {
+            return ChatDelta::default();
+        }
+        match &self.out.tools {
+            ToolCalling::Text => ChatDelta {
+                content: Some(text),
+                ..ChatDelta::default()
+            },
+            ToolCalling::Named(_) => ChatDelta {
+                tool_calls: Some(vec![
+                    serde_json::json!({"index": 0, "function": {"arguments": text}}),
+                ]),
+                ..ChatDelta::default()
+            },
+            ToolCalling::Required(_) => {
+                if let Some(buffer) = self.calls.get_mut(child) {
+                    buffer.push_str(&text);
+                }
+                ChatDelta::default()
+            }
+        }
+    }
+
     fn chunk(
         &mut self,
         choices: Vec<ChatChunkChoice>,
@@ -223,7 +293,8 @@ impl SseFormatter for ChatStream {
         for index in 0..self.finished.len() {
             let delta = ChatDelta {
                 role: Some(ROLE),
-                content: Some(String::new()),
+                content: (!self.out.tools.calls()).then(String::new),
+                tool_calls: self.out.tools.named_head().map(|head| vec![head]),
             };
             let choice = self.choice(index, delta, None, Vec::new(), None);
             let chunk = self.chunk(vec![choice], None);
@@ -245,13 +316,14 @@ impl SseFormatter for ChatStream {
                 text,
                 logprob,
             } => {
-                if text.is_empty() && logprob.is_none() && !self.out.return_token_ids {
+                let delta = self.delta(child, text);
+                if delta.content.is_none()
+                    && delta.tool_calls.is_none()
+                    && logprob.is_none()
+                    && !self.out.return_token_ids
+                {
                     None
                 } else {
-                    let delta = ChatDelta {
-                        role: None,
-                        content: Some(text),
-                    };
                     Some(self.choice(child, delta, logprob.as_ref(), vec![token_id], None))
                 }
             }
@@ -264,11 +336,39 @@ impl SseFormatter for ChatStream {
                 if let Some(f) = self.finished.get_mut(child) {
                     *f = true;
                 }
-                let delta = ChatDelta {
-                    role: None,
-                    content: (!text.is_empty()).then_some(text),
+                let mut finish = Some(reason.as_str());
+                let delta = match &self.out.tools {
+                    ToolCalling::Text => ChatDelta {
+                        content: (!text.is_empty()).then_some(text),
+                        ..ChatDelta::default()
+                    },
+                    ToolCalling::Named(_) => {
+                        finish = calls_finish(finish);
+                        self.delta(child, text)
+                    }
+                    ToolCalling::Required(_) => {
+                        let mut all = self
+                            .calls
+                            .get_mut(child)
+                            .map(std::mem::take)
+                            .unwrap_or_default();
+                        all.push_str(&text);
+                        match self.out.tools.calls_of(&all) {
+                            Some(calls) => {
+                                finish = calls_finish(finish);
+                                ChatDelta {
+                                    tool_calls: Some(calls),
+                                    ..ChatDelta::default()
+                                }
+                            }
+                            None => ChatDelta {
+                                content: Some(all),
+                                ..ChatDelta::default()
+                            },
+                        }
+                    }
                 };
-                Some(self.choice(child, delta, None, Vec::new(), Some(reason.as_str())))
+                Some(self.choice(child, delta, None, Vec::new(), finish))
             }
             RequestEvent::Failed { message } => {
                 self.failed = true;

@@ -29,6 +29,7 @@ pub(super) async fn create(
         return Err(ApiError::invalid("echo", "echo is not supported"));
     }
     req.unsupported.refuse()?;
+    req.tools.refuse()?;
     let logprobs = req
         .logprobs
         .map(|l| non_negative(l, "logprobs"))

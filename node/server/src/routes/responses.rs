@@ -24,6 +24,7 @@ pub(super) async fn create(
 ) -> Result<Response, ApiError> {
     let model = state.model_name(req.model.as_deref())?;
     req.unsupported.refuse()?;
+    req.tools.refuse()?;
     if req.previous_response_id.is_some() {
         return Err(ApiError::invalid(
             "previous_response_id",

@@ -1,0 +1,363 @@
+//! Tool calling on `/v1/chat/completions` where the client forces it: `tool_choice` naming a
+//! function, or `"required"`. The answer is generated under a JSON schema built from the tools
+//! (structured output: `pd_grammar`), so it is always a well-formed call to a declared tool, on
+//! any model, with no model-specific tool-call parser — what vLLM does for these two choices.
+//! `tool_choice: "auto"` with tools would need such a parser (the model decides whether to call,
+//! in its own format) and is refused by name; `"none"` answers in text.
+
+use pd_grammar::OutputSpec;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::error::ApiError;
+
+/// `tools` and `tool_choice`, flattened into each request body.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct ToolFields {
+    #[serde(default)]
+    tools: Option<Value>,
+    #[serde(default)]
+    tool_choice: Option<Value>,
+}
+
+/// One declared function: its name and the JSON schema of its arguments.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Function {
+    pub(crate) name: String,
+    pub(crate) parameters: Value,
+}
+
+/// How a chat request may use its tools.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum ToolCalling {
+    /// No tools, or `tool_choice: "none"`: the answer is text.
+    Text,
+    /// `tool_choice: {"type": "function", "function": {"name": ...}}`: the answer is the
+    /// arguments of one call to it.
+    Named(Function),
+    /// `tool_choice: "required"`: the answer is a list of one or more calls to declared tools.
+    Required(Vec<Function>),
+}
+
+impl ToolFields {
+    /// The chat request's tool calling.
+    ///
+    /// # Errors
+    /// A 400 naming `tools` or `tool_choice` for a malformed tool, an unknown function named,
+    /// `"required"` without tools, or `"auto"` with tools (no tool-call parser here).
+    pub(crate) fn for_chat(&self) -> Result<ToolCalling, ApiError> {
+        let tools = self.tools()?;
+        let choice = present(&self.tool_choice);
+        match choice {
+            None => {
+                if tools.is_empty() {
+                    Ok(ToolCalling::Text)
+                } else {
+                    Err(auto_refused())
+                }
+            }
+            Some(Value::String(s)) => match s.as_str() {
+                "none" => Ok(ToolCalling::Text),
+                "auto" if tools.is_empty() => Ok(ToolCalling::Text),
+                "auto" => Err(auto_refused()),
+                "required" if tools.is_empty() => Err(ApiError::invalid(
+                    "tool_choice",
+                    "tool_choice \"required\" needs at least one tool in tools",
+                )),
+                "required" => Ok(ToolCalling::Required(tools)),
+                other => Err(ApiError::invalid(
+                    "tool_choice",
+                    format!(
+                        "tool_choice must be \"none\", \"auto\", \"required\" or a named function, got {other:?}"
+                    ),
+                )),
+            },
+            Some(named) => {
+                let name = named
+                    .get("function")
+                    .and_then(|f| f.get("name"))
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            "tool_choice",
+                            format!("a named tool_choice is {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {named}"),
+                        )
+                    })?;
+                tools
+                    .into_iter()
+                    .find(|f| f.name == name)
+                    .map(ToolCalling::Named)
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            "tool_choice",
+                            format!("tool_choice names function {name:?}, which is not in tools"),
+                        )
+                    })
+            }
+        }
+    }
+
+    /// For the APIs without tool calling here (completions, responses): a 400 unless no tool
+    /// may be called.
+    pub(crate) fn refuse(&self) -> Result<(), ApiError> {
+        let has_tools = match present(&self.tools) {
+            None => false,
+            Some(Value::Array(a)) => !a.is_empty(),
+            Some(other) => {
+                return Err(ApiError::invalid(
+                    "tools",
+                    format!("tools must be a list, got {other}"),
+                ));
+            }
+        };
+        match present(&self.tool_choice).map(|c| (c, c.as_str())) {
+            Some((_, Some("none"))) => Ok(()),
+            None | Some((_, Some("auto"))) if !has_tools => Ok(()),
+            None | Some((_, Some("auto"))) => Err(ApiError::invalid(
+                "tools",
+                "tool calling is supported on /v1/chat/completions only: send no tools, or tool_choice \"none\"",
+            )),
+            Some((choice, _)) => Err(ApiError::invalid(
+                "tool_choice",
+                format!(
+                    "tool_choice {choice} is supported on /v1/chat/completions only: here only \"none\""
+                ),
+            )),
+        }
+    }
+
+    /// The declared functions, checked.
+    fn tools(&self) -> Result<Vec<Function>, ApiError> {
+        let list = match present(&self.tools) {
+            None => return Ok(Vec::new()),
+            Some(Value::Array(a)) => a,
+            Some(other) => {
+                return Err(ApiError::invalid(
+                    "tools",
+                    format!("tools must be a list, got {other}"),
+                ));
+            }
+        };
+        let mut out: Vec<Function> = Vec::with_capacity(list.len());
+        for (i, tool) in list.iter().enumerate() {
+            let bad = |what: &str| ApiError::invalid("tools", format!("tools[{i}]: {what}"));
+            if tool.get("type").and_then(Value::as_str) != Some("function") {
+                return Err(bad("only {\"type\": \"function\"} tools are supported"));
+            }
+            let f = tool
+                .get("function")
+                .ok_or_else(|| bad("needs \"function\""))?;
+            let name = f
+                .get("name")
+                .and_then(Value::as_str)
+                .filter(|n| !n.is_empty())
+                .ok_or_else(|| bad("function.name must be a non-empty string"))?;
+            if out.iter().any(|o| o.name == name) {
+                return Err(bad(&format!("function {name:?} is declared twice")));
+            }
+            let parameters = match f.get("parameters") {
+                None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
+                Some(p @ (Value::Object(_) | Value::Bool(_))) => p.clone(),
+                Some(other) => {
+                    return Err(bad(&format!(
+                        "function.parameters must be a JSON schema, got {other}"
+                    )));
+                }
+            };
+            out.push(Function {
+                name: name.to_owned(),
+                parameters,
+            });
+        }
+        Ok(out)
+    }
+}
+
+fn auto_refused() -> ApiError {
+    ApiError::invalid(
+        "tools",
+        "tool_choice \"auto\" needs a tool-call parser for this model, which this server does not have: \
+         force a call with tool_choice \"required\" or a named function, or answer in text with \"none\"",
+    )
+}
+
+/// The field's value unless absent or `null`.
+fn present(v: &Option<Value>) -> Option<&Value> {
+    v.as_ref().filter(|v| !v.is_null())
+}
+
+impl ToolCalling {
+    /// The constraint the answer is generated under, if it is a call.
+    pub(crate) fn constraint(&self) -> Option<OutputSpec> {
+        match self {
+            ToolCalling::Text => None,
+            ToolCalling::Named(f) => Some(OutputSpec::JsonSchema(f.parameters.clone())),
+            ToolCalling::Required(tools) => {
+                let calls: Vec<Value> = tools
+                    .iter()
+                    .map(|f| {
+                        json!({"type": "object",
+                            "properties": {"name": {"enum": [f.name]}, "parameters": f.parameters},
+                            "required": ["name", "parameters"], "additionalProperties": false})
+                    })
+                    .collect();
+                Some(OutputSpec::JsonSchema(
+                    json!({"type": "array", "minItems": 1, "items": {"anyOf": calls}}),
+                ))
+            }
+        }
+    }
+
+    /// Whether answers are tool calls.
+    pub(crate) fn calls(&self) -> bool {
+        !matches!(self, ToolCalling::Text)
+    }
+
+    /// The `tool_calls` of a finished answer `text`, with `index` and fresh ids as streamed
+    /// deltas carry them. A named call's arguments are the text as generated, cut or not (as
+    /// its stream sent them); a list of calls cut by `max_tokens` is no call (`None`: the text
+    /// is returned as content).
+    pub(crate) fn calls_of(&self, text: &str) -> Option<Vec<Value>> {
+        match self {
+            ToolCalling::Text => None,
+            ToolCalling::Named(f) => Some(vec![call(0, &f.name, text.to_owned())]),
+            ToolCalling::Required(_) => {
+                let Value::Array(list) = serde_json::from_str::<Value>(text).ok()? else {
+                    return None;
+                };
+                list.iter()
+                    .enumerate()
+                    .map(|(i, c)| {
+                        let name = c.get("name")?.as_str()?;
+                        Some(call(i, name, c.get("parameters")?.to_string()))
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// The named function's first streamed delta: its id and name, arguments to follow.
+    pub(crate) fn named_head(&self) -> Option<Value> {
+        match self {
+            ToolCalling::Named(f) => Some(call(0, &f.name, String::new())),
+            _ => None,
+        }
+    }
+}
+
+/// One `tool_calls` entry.
+fn call(index: usize, name: &str, arguments: String) -> Value {
+    json!({"index": index, "id": crate::routes::new_id("call_"), "type": "function",
+        "function": {"name": name, "arguments": arguments}})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(body: Value) -> Result<ToolCalling, Option<String>> {
+        let f: ToolFields = serde_json::from_value(body).unwrap();
+        f.for_chat().map_err(|e| e.param().map(str::to_owned))
+    }
+
+    fn weather() -> Value {
+        json!([{"type": "function", "function": {"name": "weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+            {"type": "function", "function": {"name": "time"}}])
+    }
+
+    #[test]
+    fn forced_calls_are_read_and_auto_is_refused() {
+        assert_eq!(read(json!({})), Ok(ToolCalling::Text));
+        assert_eq!(
+            read(json!({"tools": weather(), "tool_choice": "none"})),
+            Ok(ToolCalling::Text)
+        );
+        assert_eq!(
+            read(json!({"tools": [], "tool_choice": "auto"})),
+            Ok(ToolCalling::Text)
+        );
+        let ToolCalling::Named(f) = read(json!({"tools": weather(),
+            "tool_choice": {"type": "function", "function": {"name": "time"}}}))
+        .unwrap() else {
+            panic!("named")
+        };
+        assert_eq!(f.name, "time");
+        assert_eq!(f.parameters, json!({"type": "object", "properties": {}}));
+        let ToolCalling::Required(all) =
+            read(json!({"tools": weather(), "tool_choice": "required"})).unwrap()
+        else {
+            panic!("required")
+        };
+        assert_eq!(all.len(), 2);
+        for (body, param) in [
+            (json!({"tools": weather()}), "tools"),
+            (json!({"tools": weather(), "tool_choice": "auto"}), "tools"),
+            (json!({"tool_choice": "required"}), "tool_choice"),
+            (
+                json!({"tools": weather(), "tool_choice": "sometimes"}),
+                "tool_choice",
+            ),
+            (
+                json!({"tools": weather(), "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+                "tool_choice",
+            ),
+            (
+                json!({"tools": weather(), "tool_choice": {"type": "function"}}),
+                "tool_choice",
+            ),
+            (json!({"tools": {"a": 1}}), "tools"),
+            (
+                json!({"tools": [{"type": "retrieval"}], "tool_choice": "required"}),
+                "tools",
+            ),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": ""}}], "tool_choice": "required"}),
+                "tools",
+            ),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "a", "parameters": 3}}], "tool_choice": "required"}),
+                "tools",
+            ),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "a"}}, {"type": "function", "function": {"name": "a"}}], "tool_choice": "required"}),
+                "tools",
+            ),
+        ] {
+            assert_eq!(
+                read(body.clone()).err(),
+                Some(Some(param.to_owned())),
+                "{body}"
+            );
+        }
+    }
+
+    #[test]
+    fn answers_become_calls_and_a_cut_list_does_not() {
+        let named = ToolCalling::Named(Function {
+            name: "weather".into(),
+            parameters: json!({}),
+        });
+        let calls = named.calls_of(r#"{"city":"Oslo"}"#).unwrap();
+        assert_eq!(
+            calls[0]["function"],
+            json!({"name": "weather", "arguments": "{\"city\":\"Oslo\"}"})
+        );
+        assert_eq!(calls[0]["type"], "function");
+        assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"));
+        let cut = named.calls_of(r#"{"city":"Os"#).unwrap();
+        assert_eq!(cut[0]["function"]["arguments"], r#"{"city":"Os"#);
+        let required = ToolCalling::Required(vec![]);
+        let calls = required
+            .calls_of(r#"[{"name":"weather","parameters":{"city":"Oslo"}},{"name":"time","parameters":{}}]"#)
+            .unwrap();
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[1]["index"], 1);
+        assert_eq!(
+            calls[1]["function"],
+            json!({"name": "time", "arguments": "{}"})
+        );
+        assert_eq!(required.calls_of(r#"[{"name":"weather","param"#), None);
+        assert_eq!(ToolCalling::Text.calls_of("hi"), None);
+    }
+}
