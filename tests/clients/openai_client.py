@@ -16,7 +16,8 @@ stdout is a JSON list with one result per spec, in order:
 
     {"texts": [str per choice], "token_ids": [[int] per choice] | null, "finish_reasons": [...],
      "usage": {... as the SDK parsed it}, "prompt_tokens": int, "cached_tokens": int | null,
-     "kv_pulled_tokens": int | null, "response_id": str | null}
+     "kv_pulled_tokens": int | null, "response_id": str | null,
+     "tool_calls": [[{"name": str, "arguments": str}] per choice] (chat)}
 
 A spec with `"continue": true` goes on from the spec before it, as an application keeps a
 conversation: on chat, its messages are sent after the previous spec's messages and the previous
@@ -95,19 +96,33 @@ def chat(client, spec):
             "texts": [c.message.content or "" for c in choices],
             "token_ids": [token_ids(c) for c in choices],
             "finish_reasons": [c.finish_reason for c in choices],
+            "tool_calls": [
+                [{"name": t.function.name, "arguments": t.function.arguments} for t in (c.message.tool_calls or [])]
+                for c in choices
+            ],
         }
         out.update(usage_fields(r.usage, "prompt_tokens", "prompt_tokens_details"))
         return out
     texts, ids, finish, usage = [""] * n, [None] * n, [None] * n, None
+    calls = [[] for _ in range(n)]
     for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
         for c in chunk.choices:
             texts[c.index] += c.delta.content or ""
+            # Tool calls arrive as deltas: a call's index, id and name first, then pieces of
+            # its arguments.
+            for t in c.delta.tool_calls or []:
+                while len(calls[c.index]) <= t.index:
+                    calls[c.index].append({"name": None, "arguments": ""})
+                if t.function is not None:
+                    if t.function.name:
+                        calls[c.index][t.index]["name"] = t.function.name
+                    calls[c.index][t.index]["arguments"] += t.function.arguments or ""
             collect_ids(ids, c)
             if c.finish_reason is not None:
                 finish[c.index] = c.finish_reason
         if chunk.usage is not None:
             usage = chunk.usage
-    out = {"texts": texts, "token_ids": ids, "finish_reasons": finish}
+    out = {"texts": texts, "token_ids": ids, "finish_reasons": finish, "tool_calls": calls}
     out.update(usage_fields(usage, "prompt_tokens", "prompt_tokens_details"))
     return out
 

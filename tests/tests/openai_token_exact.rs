@@ -10,8 +10,9 @@
 //! cluster's prefill nodes keep their KV in the GPU block layout (`--kv-layout nhd`, blocks of
 //! 16) and its decode nodes in the CPU one with blocks of 32, so every pull there is converted
 //! (issue 13): still token for token. Structured output (`response_format`, `text.format`,
-//! vLLM's `structured_outputs`) too: each answer complete under its constraint, and the same
-//! through P and D as on one node.
+//! vLLM's `structured_outputs`) and forced tool calls (`tools` with `tool_choice` named or
+//! `"required"`) too: each answer complete under its constraint, and the same through P and D
+//! as on one node.
 
 use std::time::Duration;
 
@@ -100,6 +101,26 @@ fn specs() -> Vec<Value> {
         "extra_body": {"return_token_ids": true,
             "structured_outputs": {"regex": "[a-z]{2,5}( [a-z]{2,5}){2}"}}}),
     );
+    // Forced tool calls, as the SDK sends tools: a named one streamed, a required list not.
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": schema}}, {"type": "function", "function": {"name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        "required": ["zone"], "additionalProperties": false}}}]);
+    specs.push(
+        json!({"api": "chat", "stream": true, "n": 1, "max_tokens": STRUCTURED_MAX_TOKENS,
+        "temperature": 0.0, "structured": "tool",
+        "messages": [{"role": "user", "content": text(specs.len(), "chat")}],
+        "sampling": {"tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+        "extra_body": {"return_token_ids": true}}),
+    );
+    specs.push(
+        json!({"api": "chat", "stream": false, "n": 1, "max_tokens": STRUCTURED_MAX_TOKENS,
+        "temperature": 0.0, "structured": "tool",
+        "messages": [{"role": "user", "content": text(specs.len(), "chat")}],
+        "sampling": {"tools": tools, "tool_choice": "required"},
+        "extra_body": {"return_token_ids": true}}),
+    );
     specs.push(
         json!({"api": "responses", "stream": true, "n": 1, "max_tokens": STRUCTURED_MAX_TOKENS,
         "temperature": 0.0, "structured": "json", "input": text(specs.len(), "responses"),
@@ -110,7 +131,7 @@ fn specs() -> Vec<Value> {
 }
 
 /// Room for the structured specs' outputs to end where their constraint does.
-const STRUCTURED_MAX_TOKENS: u32 = 80;
+const STRUCTURED_MAX_TOKENS: u32 = 200;
 
 /// A structured spec's answer: complete under its constraint.
 fn check_structured(spec: &Value, answer: &Value) {
@@ -121,6 +142,19 @@ fn check_structured(spec: &Value, answer: &Value) {
         .zip(answer["finish_reasons"].as_array().unwrap())
     {
         let text = text.as_str().unwrap();
+        if spec["structured"] == "tool" {
+            assert_eq!(reason, "tool_calls", "{spec}: {answer}");
+            let calls = answer["tool_calls"][0].as_array().expect("tool calls");
+            assert!(!calls.is_empty(), "{answer}");
+            for c in calls {
+                let name = c["name"].as_str().unwrap();
+                assert!(["get_weather", "get_time"].contains(&name), "{c}");
+                let args: Value = serde_json::from_str(c["arguments"].as_str().unwrap())
+                    .unwrap_or_else(|e| panic!("{c}: {e}"));
+                assert!(args.is_object(), "{c}");
+            }
+            continue;
+        }
         assert!(
             reason == "stop" || reason == "completed",
             "{spec}: {answer}"
@@ -169,6 +203,7 @@ fn compare(cluster: &str, specs: &[Value], want: &[Value], got: &[Value]) -> Vec
             g["finish_reasons"], w["finish_reasons"],
             "finish reasons: {at}"
         );
+        assert_eq!(g["tool_calls"], w["tool_calls"], "tool calls: {at}");
         let n = spec["n"].as_u64().unwrap_or(1) as usize;
         assert_eq!(g["texts"].as_array().map_or(0, Vec::len), n, "{at}");
         let prompt = u64_of(g, "prompt_tokens").unwrap_or_else(|| panic!("no usage: {at}: {g}"));

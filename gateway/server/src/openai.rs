@@ -140,7 +140,12 @@ pub fn analyze(
                 .ok_or_else(|| bad("messages", "messages is required"))?;
             let messages: Vec<ChatMessageIn> = serde_json::from_value(raw.clone())
                 .map_err(|e| bad("messages", format!("messages: {e}")))?;
-            PromptKind::Chat(prompt::chat_messages(&messages)?, "messages")
+            let messages = prompt::chat_messages(&messages)?;
+            // The tools go to the template too, read as the node reads them.
+            match prompt::chat_tools(body.get("tools").filter(|t| !t.is_null())) {
+                Some(tools) => PromptKind::ChatWithTools(messages, tools, "messages"),
+                None => PromptKind::Chat(messages, "messages"),
+            }
         }
         Api::Completions => {
             let raw = body

@@ -95,16 +95,21 @@ pub(crate) async fn completion_tokens(
     resolved(state, given, PromptKind::Completion(prompt)).await
 }
 
-/// A chat prompt's ids: `given`, else `messages` rendered through the model's chat template
-/// (with the generation prompt) and tokenized without special tokens (the template carries
-/// its own).
+/// A chat prompt's ids: `given`, else `messages` (and the request's `tools`, from
+/// `pd_tokenize::prompt::chat_tools`) rendered through the model's chat template (with the
+/// generation prompt) and tokenized without special tokens (the template carries its own).
 pub(crate) async fn chat_tokens(
     state: &AppState,
     given: Option<Vec<u32>>,
     messages: Vec<ChatMessage>,
+    tools: Option<serde_json::Value>,
     param: &'static str,
 ) -> Result<Vec<u32>, ApiError> {
-    resolved(state, given, PromptKind::Chat(messages, param)).await
+    let prompt = match tools {
+        Some(tools) => PromptKind::ChatWithTools(messages, tools, param),
+        None => PromptKind::Chat(messages, param),
+    };
+    resolved(state, given, prompt).await
 }
 
 /// The text of one token, for logprobs.

@@ -56,6 +56,13 @@ pub struct ChatMessageIn {
     /// The message's content as sent.
     #[serde(default)]
     pub content: Option<Value>,
+    /// An assistant message's calls: `[{"id", "type": "function", "function": {"name",
+    /// "arguments"}}]`.
+    #[serde(default)]
+    pub tool_calls: Option<Value>,
+    /// A tool message's call id.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
 }
 
 /// A completions prompt: text to tokenize, or tokens as given.
@@ -80,17 +87,30 @@ pub fn tokenize_inline_ok(p: &PromptKind) -> bool {
         PromptKind::Chat(m, _) => {
             m.iter().map(|m| m.content.len()).sum::<usize>() <= INLINE_TOKENIZE_BYTES
         }
+        // Tools and tool calls go through `tojson` too: never inline.
+        PromptKind::ChatWithTools(..) => false,
     }
 }
 
 /// What [`prompt_tokens`] tokenizes.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum PromptKind {
     /// A `/v1/completions` prompt.
     Completion(PromptInput),
     /// Messages for the chat template, and the request field they came from (`messages` or
     /// `input`), named in errors.
     Chat(Vec<ChatMessage>, &'static str),
+    /// As [`PromptKind::Chat`], with the request's `tools` for the template ([`chat_tools`]).
+    ChatWithTools(Vec<ChatMessage>, Value, &'static str),
+}
+
+/// The `tools` a chat request gives its template: the list as sent, when it holds any (a
+/// request's `tools` field, read the same way by the node and the gateway so both render the
+/// same prompt).
+pub fn chat_tools(tools: Option<&Value>) -> Option<Value> {
+    tools
+        .filter(|t| t.as_array().is_some_and(|a| !a.is_empty()))
+        .cloned()
 }
 
 /// Reads `/v1/completions`' `prompt`: a string, an array of token ids, or a one-element list of
@@ -142,6 +162,21 @@ fn token_ids(items: &[Value]) -> Result<Vec<u32>, PromptError> {
                 })
         })
         .collect()
+}
+
+/// A tool call as transformers hands it to chat templates: `function.arguments` parsed into
+/// an object where the client sent it as a JSON string (OpenAI's form), as vLLM does; any
+/// other call as sent.
+fn template_call(call: &Value) -> Value {
+    let mut call = call.clone();
+    if let Some(args) = call.pointer_mut("/function/arguments")
+        && let Some(parsed) = args
+            .as_str()
+            .and_then(|s| serde_json::from_str::<Value>(s).ok())
+    {
+        *args = parsed;
+    }
+    call
 }
 
 /// Roles a chat template understands; `developer` (OpenAI's newer name) is sent as `system`.
@@ -218,9 +253,23 @@ pub fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<ChatMessage>, Pro
                 PromptError::invalid("messages", format!("{at}.role: unknown role `{}`", m.role))
             })?;
             let content = content_text(m.content.as_ref(), &["text"], "messages", &at)?;
+            let tool_calls = match &m.tool_calls {
+                None | Some(Value::Null) => None,
+                Some(Value::Array(calls)) => {
+                    Some(Value::Array(calls.iter().map(template_call).collect()))
+                }
+                Some(_) => {
+                    return Err(PromptError::invalid(
+                        "messages",
+                        format!("{at}.tool_calls must be a list"),
+                    ));
+                }
+            };
             Ok(ChatMessage {
                 role: role.to_owned(),
                 content,
+                tool_calls,
+                tool_call_id: m.tool_call_id.clone(),
             })
         })
         .collect()
@@ -239,12 +288,16 @@ pub fn responses_messages(
         messages.push(ChatMessage {
             role: "system".to_owned(),
             content: instructions.to_owned(),
+            tool_calls: None,
+            tool_call_id: None,
         });
     }
     match input {
         Value::String(s) => messages.push(ChatMessage {
             role: "user".to_owned(),
             content: s.clone(),
+            tool_calls: None,
+            tool_call_id: None,
         }),
         Value::Array(items) if !items.is_empty() => {
             for (i, item) in items.iter().enumerate() {
@@ -274,6 +327,8 @@ pub fn responses_messages(
                 messages.push(ChatMessage {
                     role: role.to_owned(),
                     content,
+                    tool_calls: None,
+                    tool_call_id: None,
                 });
             }
         }
@@ -327,21 +382,33 @@ pub fn prompt_tokens_in_vocab(
             }
             Ok(tokens)
         }
-        PromptKind::Chat(messages, param) => {
-            if !tokenizer.has_chat_template() {
-                return Err(PromptError::invalid(
-                    param,
-                    "this model has no chat template; use /v1/completions",
-                ));
-            }
-            let text = tokenizer
-                .apply_chat_template(&messages, true)
-                .map_err(|e| PromptError::invalid(param, format!("chat template failed: {e}")))?;
-            tokenizer
-                .encode(&text, false)
-                .map_err(|e| PromptError::tokenizer(param, e))
+        PromptKind::Chat(messages, param) => chat_prompt(tokenizer, &messages, None, param),
+        PromptKind::ChatWithTools(messages, tools, param) => {
+            chat_prompt(tokenizer, &messages, Some(&tools), param)
         }
     }
+}
+
+/// `messages` (and `tools`) through the chat template with the generation prompt, encoded
+/// without special tokens.
+fn chat_prompt(
+    tokenizer: &Tokenizer,
+    messages: &[ChatMessage],
+    tools: Option<&Value>,
+    param: &'static str,
+) -> Result<Vec<u32>, PromptError> {
+    if !tokenizer.has_chat_template() {
+        return Err(PromptError::invalid(
+            param,
+            "this model has no chat template; use /v1/completions",
+        ));
+    }
+    let text = tokenizer
+        .apply_chat_template_with_tools(messages, tools, true)
+        .map_err(|e| PromptError::invalid(param, format!("chat template failed: {e}")))?;
+    tokenizer
+        .encode(&text, false)
+        .map_err(|e| PromptError::tokenizer(param, e))
 }
 
 /// The request field in which a gateway sends the prompt's token ids, as it computed them with
@@ -553,5 +620,54 @@ mod tests {
         assert_eq!(e.param, "input");
         assert!(e.message.contains("no chat template"), "{e}");
         assert!(e.source.is_none());
+    }
+
+    /// A tool-aware template (Qwen2.5's shape, cut down) sees the request's `tools` and each
+    /// assistant call with its arguments as an object, and the tool's answer with its call id;
+    /// without tools it renders as before.
+    #[test]
+    fn tools_and_tool_calls_reach_the_template() {
+        let dir = crate::test_util::TempDir::new("tool-template");
+        crate::write_byte_level_tokenizer(dir.path(), 300).unwrap();
+        let template = "{% if tools %}TOOLS{% for t in tools %}[{{ t.function.name }}:{{ t.function.parameters | tojson }}]{% endfor %}\n{% endif %}\
+{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if m.tool_calls is defined %}{% for c in m.tool_calls %}CALL {{ c.function.name }} {{ c.function.arguments.city }}{% endfor %}{% endif %}{% if m.tool_call_id is defined %}#{{ m.tool_call_id }}{% endif %}\n{% endfor %}";
+        let config = dir.path().join("tokenizer_config.json");
+        let mut json: Value =
+            serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+        json["chat_template"] = json!(template);
+        std::fs::write(&config, json.to_string()).unwrap();
+        let tok = Tokenizer::from_dir(dir.path()).unwrap();
+        let msgs: Vec<ChatMessageIn> = serde_json::from_value(json!([
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "rain"}
+        ]))
+        .unwrap();
+        let messages = chat_messages(&msgs).unwrap();
+        let tools = json!([{"type": "function", "function": {"name": "weather",
+            "parameters": {"type": "object"}}}]);
+        assert_eq!(chat_tools(Some(&json!([]))), None);
+        let tools = chat_tools(Some(&tools)).unwrap();
+        let ids = prompt_tokens(
+            &tok,
+            PromptKind::ChatWithTools(messages.clone(), tools, "messages"),
+        )
+        .unwrap();
+        let text = tok.decode(&ids, false).unwrap();
+        assert_eq!(
+            text,
+            // (HF's settings: a newline after a block tag is dropped; `tojson` spaces as
+            // Python's json.dumps.)
+            "TOOLS[weather:{\"type\": \"object\"}]<user>weather?<assistant>CALL weather Oslo<tool>rain#c1"
+        );
+        let ids = prompt_tokens(&tok, PromptKind::Chat(messages, "messages")).unwrap();
+        assert!(!tok.decode(&ids, false).unwrap().contains("TOOLS"));
+        // Malformed calls are the client's fault, named.
+        let bad: Vec<ChatMessageIn> = serde_json::from_value(
+            json!([{"role": "assistant", "content": null, "tool_calls": {"a": 1}}]),
+        )
+        .unwrap();
+        assert_eq!(chat_messages(&bad).unwrap_err().param, "messages");
     }
 }

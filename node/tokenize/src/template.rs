@@ -79,13 +79,18 @@ impl ChatTemplate {
     pub(crate) fn render(
         &self,
         messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String, TokenizeError> {
         let mut ctx: BTreeMap<&str, Value> = BTreeMap::new();
         ctx.insert("messages", Value::from_serialize(messages));
         ctx.insert("add_generation_prompt", Value::from(add_generation_prompt));
-        // transformers passes these explicitly as None, so `tools is none` holds.
-        ctx.insert("tools", Value::from(()));
+        // transformers passes these explicitly as None when not given, so `tools is none`
+        // holds.
+        ctx.insert(
+            "tools",
+            tools.map_or(Value::from(()), Value::from_serialize),
+        );
         ctx.insert("documents", Value::from(()));
         // Like transformers' special_tokens_map: only tokens that are set are defined.
         let special = [
@@ -492,7 +497,7 @@ mod tests {
             eos: Some("</s>".into()),
             ..SpecialTokens::default()
         };
-        ChatTemplate::new(source, special, Path::new("t.jinja"))?.render(messages, true)
+        ChatTemplate::new(source, special, Path::new("t.jinja"))?.render(messages, None, true)
     }
 
     #[test]

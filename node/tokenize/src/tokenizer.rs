@@ -13,13 +13,22 @@ use crate::error::TokenizeError;
 use crate::gguf::GgufVocab;
 use crate::template::{ChatTemplate, SpecialTokens};
 
-/// One chat message, as in the OpenAI `messages` array (text content only).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// One chat message, as in the OpenAI `messages` array (text content only), as the chat
+/// template sees it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ChatMessage {
     /// `system`, `user`, `assistant`, ... Passed to the template verbatim.
     pub role: String,
     /// The message text.
     pub content: String,
+    /// An assistant message's tool calls, as transformers hands them to templates (each
+    /// call's `function.arguments` an object where the client sent a JSON string). Absent from
+    /// the template's message when `None`, so `message.tool_calls is defined` holds only here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A tool message's answer to this call id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
@@ -28,6 +37,8 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
         }
     }
 }
@@ -332,13 +343,28 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TokenizeError> {
+        self.apply_chat_template_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`Tokenizer::apply_chat_template`] with the request's `tools` (OpenAI's list of
+    /// `{"type": "function", "function": {...}}`) given to the template as `tools`, as
+    /// transformers' `apply_chat_template(tools=...)` does; `None` leaves `tools` none.
+    ///
+    /// # Errors
+    /// As [`Tokenizer::apply_chat_template`].
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizeError> {
         let chat = self
             .chat
             .as_ref()
             .ok_or_else(|| TokenizeError::NoChatTemplate {
                 dir: self.dir.clone(),
             })?;
-        chat.render(messages, add_generation_prompt)
+        chat.render(messages, tools, add_generation_prompt)
     }
 
     /// A fresh streaming detokenizer for one sequence's generated tokens.

@@ -97,6 +97,11 @@ impl ToolFields {
         }
     }
 
+    /// The `tools` field as sent (for the chat template: `pd_tokenize::prompt::chat_tools`).
+    pub(crate) fn listed(&self) -> Option<&Value> {
+        present(&self.tools)
+    }
+
     /// For the APIs without tool calling here (completions, responses): a 400 unless no tool
     /// may be called.
     pub(crate) fn refuse(&self) -> Result<(), ApiError> {

@@ -74,7 +74,15 @@ pub(super) async fn create(
     params.validate().map_err(|e| engine_error(e.into()))?;
     let directive = state.kv_directive(req.kv_transfer_params.as_ref(), params.n)?;
     let messages = chat_messages(&req.messages)?;
-    let prompt_tokens = chat_tokens(&state, req.prompt_token_ids, messages, "messages").await?;
+    let template_tools = pd_tokenize::prompt::chat_tools(req.tools.listed());
+    let prompt_tokens = chat_tokens(
+        &state,
+        req.prompt_token_ids,
+        messages,
+        template_tools,
+        "messages",
+    )
+    .await?;
     directive.check_prompt(&prompt_tokens, state.engine.info().block_size)?;
 
     let n = params.n;

@@ -50,7 +50,7 @@ pub(super) async fn create(
     params.validate().map_err(|e| engine_error(e.into()))?;
     let directive = state.kv_directive(req.kv_transfer_params.as_ref(), params.n)?;
     let messages = responses_messages(req.instructions.as_deref(), &req.input)?;
-    let prompt_tokens = chat_tokens(&state, req.prompt_token_ids, messages, "input").await?;
+    let prompt_tokens = chat_tokens(&state, req.prompt_token_ids, messages, None, "input").await?;
     directive.check_prompt(&prompt_tokens, state.engine.info().block_size)?;
 
     let prompt_len = prompt_tokens.len();
