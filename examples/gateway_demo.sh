@@ -117,6 +117,23 @@ print(f"  answer: {r.choices[0].message.content}  (finish_reason {r.choices[0].f
 print(f"  parsed: {json.loads(r.choices[0].message.content)}")
 PY
 
+echo; echo "--- a forced tool call through P and D: tool_choice \"required\" (the answer is a call to a declared tool)"
+"$PY" - "$GW" <<'PY'
+import sys
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1] + "/v1", api_key="none")
+tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather",
+          "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                         "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}}]
+r = client.chat.completions.create(
+    model="demo",
+    messages=[{"role": "system", "content": "You call tools."},
+              {"role": "user", "content": "What is the weather in Paris, in celsius?"}],
+    tools=tools, tool_choice="required", max_tokens=64, temperature=0)
+for call in r.choices[0].message.tool_calls:
+    print(f"  call: {call.function.name}({call.function.arguments})  (finish_reason {r.choices[0].finish_reason})")
+PY
+
 echo; echo "--- decisions by policy version (gateway /metrics)"
 curl -sS "$GW/metrics" | grep -E '^pd_gateway_policy_decisions_total|^pd_gateway_policy_fallbacks_total|^pd_gateway_requests_total' || true
 cat <<EOF2

@@ -1505,8 +1505,8 @@ async fn forced_tool_calls_are_calls_to_declared_tools_with_valid_arguments() {
         }
         let calls = c["message"]["tool_calls"].as_array().unwrap();
         assert!(!calls.is_empty(), "{c}");
-        for (i, call) in calls.iter().enumerate() {
-            assert_eq!(call["index"], i);
+        for call in calls {
+            assert!(call.get("index").is_none(), "{call}");
             valid(
                 call["function"]["name"].as_str().unwrap(),
                 call["function"]["arguments"].as_str().unwrap(),

@@ -134,7 +134,15 @@ pub(super) async fn create(
         .map(|(index, child)| {
             let finish_reason = child.finish_reason.map(|r| r.as_str());
             let (content, tool_calls, finish_reason) = match out.tools.calls_of(&child.text) {
-                Some(calls) => (None, calls, calls_finish(finish_reason)),
+                Some(mut calls) => {
+                    // `index` is a streamed delta's field, not a message's.
+                    for c in &mut calls {
+                        if let Some(o) = c.as_object_mut() {
+                            o.remove("index");
+                        }
+                    }
+                    (None, calls, calls_finish(finish_reason))
+                }
                 None => (Some(child.text), Vec::new(), finish_reason),
             };
             ChatChoice {
