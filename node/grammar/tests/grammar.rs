@@ -60,9 +60,21 @@ fn argmax(row: &[f32]) -> u32 {
     best as u32
 }
 
-/// Greedy picks over random rows under `matcher` until it completes or an EOS is picked;
-/// the output's bytes (ids < 256 are bytes in this tokenizer) and whether it ended on EOS.
-fn run(mut matcher: TokenMatcher, seed: u64, max_tokens: usize) -> (String, bool) {
+/// How a driven output ended.
+#[derive(Debug, PartialEq)]
+enum End {
+    /// The constraint is complete: nothing may follow.
+    Complete,
+    /// An EOS was picked where the constraint may end.
+    Eos,
+    /// `max_tokens` ran out first.
+    Cut,
+}
+
+/// Greedy picks over random rows under `matcher`, at most `max_tokens`: the output's bytes (ids
+/// < 256 are bytes in this tokenizer) and how it ended. Checks on every step that padded rows
+/// and special tokens are never allowed inside the output.
+fn drive(mut matcher: TokenMatcher, seed: u64, max_tokens: usize) -> (Vec<u8>, End) {
     let mut state = seed.max(1);
     let mut out = Vec::new();
     for _ in 0..max_tokens {
@@ -74,7 +86,7 @@ fn run(mut matcher: TokenMatcher, seed: u64, max_tokens: usize) -> (String, bool
         let token = argmax(&logits);
         matcher.accept(token).expect("accept");
         if token == BYTE_LEVEL_IM_END_ID || token == BYTE_LEVEL_ENDOFTEXT_ID {
-            return (String::from_utf8(out).expect("utf-8"), true);
+            return (out, End::Eos);
         }
         assert!(
             token < 256,
@@ -82,13 +94,22 @@ fn run(mut matcher: TokenMatcher, seed: u64, max_tokens: usize) -> (String, bool
         );
         out.push(token as u8);
         if matcher.is_complete() {
-            return (String::from_utf8(out).expect("utf-8"), false);
+            return (out, End::Complete);
         }
     }
-    panic!(
+    (out, End::Cut)
+}
+
+/// [`drive`] for constraints every output of which ends within `max_tokens`: the text.
+fn run(matcher: TokenMatcher, seed: u64, max_tokens: usize) -> String {
+    let (out, end) = drive(matcher, seed, max_tokens);
+    assert_ne!(
+        end,
+        End::Cut,
         "no end within {max_tokens} tokens: {:?}",
         String::from_utf8_lossy(&out)
     );
+    String::from_utf8(out).expect("utf-8")
 }
 
 #[test]
@@ -109,7 +130,7 @@ fn json_schema_outputs_are_valid_under_the_schema() {
         let m = v
             .compile(&OutputSpec::JsonSchema(schema.clone()))
             .expect("compile");
-        let (text, _) = run(m, seed, 200);
+        let text = run(m, seed, 200);
         let value: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
         let obj = value.as_object().expect("an object");
         assert_eq!(obj.len(), 4, "{text}");
@@ -136,28 +157,14 @@ fn json_object_outputs_parse_as_objects() {
     for seed in 1..=20 {
         let m = v.compile(&OutputSpec::JsonObject).expect("compile");
         // Random picks may nest without end; those that end must be objects.
-        let mut state = seed;
-        let mut m2 = m.clone();
-        let mut out = Vec::new();
-        for _ in 0..400 {
-            let mut logits = row(&mut state);
-            m2.mask(&mut logits).expect("mask");
-            let t = argmax(&logits);
-            m2.accept(t).expect("accept");
-            if t >= 256 {
-                break;
-            }
-            out.push(t as u8);
-            if m2.is_complete() {
-                let value: Value = serde_json::from_slice(&out).expect("json");
-                assert!(value.is_object(), "{value}");
-                ended += 1;
-                break;
-            }
+        let (out, end) = drive(m, seed, 400);
+        if end != End::Cut {
+            let value: Value = serde_json::from_slice(&out).expect("json");
+            assert!(value.is_object(), "{value}");
+            ended += 1;
         }
         // What was written so far is always a prefix a JSON object can start with.
         assert_eq!(out.first(), Some(&b'{'));
-        drop(m);
     }
     assert!(ended > 0, "no random object ended within 400 tokens");
 }
@@ -169,7 +176,7 @@ fn regex_and_choice_outputs_match() {
         let m = v
             .compile(&OutputSpec::Regex("[0-9]{3}-[a-z]{2}".into()))
             .expect("compile");
-        let (text, _) = run(m, seed, 50);
+        let text = run(m, seed, 50);
         let b = text.as_bytes();
         assert_eq!(b.len(), 6, "{text:?}");
         assert!(
@@ -182,7 +189,7 @@ fn regex_and_choice_outputs_match() {
         let m = v
             .compile(&OutputSpec::Choice(choices.clone()))
             .expect("compile");
-        let (text, _) = run(m, seed, 50);
+        let text = run(m, seed, 50);
         assert!(choices.contains(&text), "{text:?}");
     }
     let lark = r#"start: "(" num ("+" num)* ")"
@@ -191,22 +198,8 @@ num: /[1-9][0-9]?/"#;
         let m = v
             .compile(&OutputSpec::Grammar(lark.into()))
             .expect("compile");
-        let mut state = seed;
-        let mut m = m;
-        let mut out = String::new();
-        for _ in 0..100 {
-            let mut logits = row(&mut state);
-            m.mask(&mut logits).expect("mask");
-            let t = argmax(&logits);
-            m.accept(t).expect("accept");
-            if t >= 256 {
-                break;
-            }
-            out.push(t as u8 as char);
-            if m.is_complete() {
-                break;
-            }
-        }
+        let (out, _) = drive(m, seed, 100);
+        let out = String::from_utf8(out).expect("utf-8");
         assert!(out.starts_with('('), "{out}");
         if out.ends_with(')') {
             for n in out[1..out.len() - 1].split('+') {
