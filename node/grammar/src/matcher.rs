@@ -93,13 +93,23 @@ impl TokenMatcher {
     }
 
     /// Moves past `token`, the one picked from a row [`TokenMatcher::mask`] masked (or the
-    /// same pick made on another node). An EOS id ends the output and is not fed to the
-    /// matcher.
+    /// same pick made on another node). An EOS id ends the output where the constraint may
+    /// end, and is not fed to the matcher.
     ///
     /// # Errors
-    /// [`GrammarError::Failed`] when `token` breaks the constraint or the matcher fails.
+    /// [`GrammarError::Failed`] when `token` breaks the constraint (an EOS included, where the
+    /// output is not complete) or the matcher fails.
     pub fn accept(&mut self, token: u32) -> Result<(), GrammarError> {
         if self.eos.binary_search(&token).is_ok() {
+            let may_end = self
+                .matcher
+                .is_accepting()
+                .map_err(|e| GrammarError::Failed(e.to_string()))?;
+            if !may_end {
+                return Err(GrammarError::Failed(format!(
+                    "EOS (token {token}) where the output is not complete"
+                )));
+            }
             return Ok(());
         }
         self.matcher

@@ -34,8 +34,8 @@ impl fmt::Debug for Vocabulary {
     }
 }
 
-/// The tokenizer as llguidance sees it: the trie, and the real tokenizer for the (rare) text
-/// llguidance tokenizes itself.
+/// The tokenizer as llguidance sees it: the trie, and the real tokenizer for the text
+/// llguidance tokenizes itself (bytes the constraint forces, such as a JSON key).
 struct TokenizerBytes {
     trie: TokTrie,
     tokenizer: Arc<Tokenizer>,
@@ -46,12 +46,19 @@ impl TokenizerEnv for TokenizerBytes {
         &self.trie
     }
 
+    /// The real tokenizer's ids for `s` when they spell exactly `s`, else the trie's greedy
+    /// ones. The real tokenizer may not: a Llama-2 style normalizer prepends a space (`{` →
+    /// `▁{`), text naming a special token (`<|im_end|>` in a schema's `const`) encodes to that
+    /// token, and bytes cut inside a character are not text. Forcing any of those would force
+    /// other bytes than the constraint's.
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
-        let text = String::from_utf8_lossy(s);
-        self.tokenizer.encode(&text, false).unwrap_or_else(|e| {
-            tracing::warn!(error = %e, "tokenizing for structured output failed");
-            self.trie.greedy_tokenize(s)
-        })
+        if let Ok(text) = std::str::from_utf8(s)
+            && let Ok(ids) = self.tokenizer.encode(text, false)
+            && self.trie.decode_raw(&ids) == s
+        {
+            return ids;
+        }
+        self.trie.greedy_tokenize(s)
     }
 
     fn tokenize_is_canonical(&self) -> bool {
@@ -92,6 +99,9 @@ impl Vocabulary {
             });
             let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
             factory.quiet();
+            // llguidance's default limits bound a compile and each mask; its verbose errors
+            // would copy grammar and parser state into a client's 400.
+            factory.limits_mut().verbose_errors = false;
             Ok::<_, String>((factory, words.len()))
         }));
         let (factory, size) = match built {

@@ -244,6 +244,29 @@ fn where_the_constraint_may_end_every_eos_is_allowed_and_ends_it() {
     ));
 }
 
+/// Text the constraint forces is forced as its bytes, whatever the tokenizer would make of it:
+/// here a choice spelling a special token's name, which the tokenizer encodes as that token
+/// (an EOS): the output is the text, and an EOS before the end is refused.
+#[test]
+fn forced_text_is_its_bytes_even_where_it_spells_a_special_token() {
+    let v = vocabulary();
+    let text = "<|im_end|> done";
+    for seed in 1..=5 {
+        let m = v
+            .compile(&OutputSpec::Choice(vec![text.into()]))
+            .expect("compile");
+        let (out, end) = drive(m, seed, 50);
+        assert_eq!(String::from_utf8_lossy(&out), text);
+        assert_eq!(end, End::Complete);
+    }
+    let mut m = v.compile(&OutputSpec::Regex("ab".into())).expect("compile");
+    m.accept(b'a' as u32).expect("accept");
+    assert!(matches!(
+        m.accept(BYTE_LEVEL_IM_END_ID),
+        Err(GrammarError::Failed(_))
+    ));
+}
+
 #[test]
 fn bad_constraints_are_refused_with_the_reason() {
     let v = vocabulary();
