@@ -1038,6 +1038,23 @@ impl Engine {
             }
             Pick::Given(token) => {
                 sampler::skip_draw(&state.params, &mut seq.rng);
+                if let Some(grammar) = &mut seq.grammar {
+                    // As one node would have: this position's mask computed (so the matcher
+                    // and its caches stand where they would), the token checked against it.
+                    let mut scratch = vec![0.0f32; self.info.vocab_size];
+                    let allowed = grammar.mask(&mut scratch).and_then(|()| {
+                        match scratch.get(token as usize) {
+                            Some(l) if l.is_finite() => Ok(()),
+                            _ => Err(GrammarError::Failed(format!(
+                                "the producer's first token {token} breaks the constraint"
+                            ))),
+                        }
+                    });
+                    if let Err(e) = allowed {
+                        fail_structured(&state.events, &self.metrics, seq.request, &e);
+                        return Err(());
+                    }
+                }
                 (token, None)
             }
         };

@@ -230,9 +230,16 @@ impl EngineHandle {
         let _ = self.inner.commands.send(Command::Shutdown);
     }
 
-    /// Compiles a request's structured output against the model's vocabulary, here on the
-    /// caller's thread: a schema's compile never holds up the engine's steps.
-    fn compile(
+    /// Compiles a request's structured output against the model's vocabulary, on the caller's
+    /// thread: a schema's compile never holds up the engine's steps. It is bounded by
+    /// llguidance's limits but may take tens of milliseconds for a large schema, so an async
+    /// caller runs it on a blocking pool and hands the result to
+    /// [`EngineHandle::submit_compiled`].
+    ///
+    /// # Errors
+    /// [`EngineError::Invalid`] naming `structured.field` when the constraint does not compile
+    /// or the model's tokenizer has no vocabulary for it.
+    pub fn compile(
         &self,
         structured: &crate::StructuredOutput,
     ) -> Result<pd_grammar::TokenMatcher, EngineError> {
@@ -257,8 +264,46 @@ impl EngineHandle {
         crate::engine::validate(&self.inner.info, &request)?;
         let grammar = match &request.params.structured {
             None => None,
-            Some(s) => Some(Box::new(self.compile(s)?)),
+            Some(s) => Some(self.compile(s)?),
         };
+        self.submit_validated(request, grammar)
+    }
+
+    /// Checks `request` as [`EngineHandle::submit`] would, without queueing it (before a
+    /// structured output's compile, so a malformed request costs none).
+    ///
+    /// # Errors
+    /// As [`EngineHandle::submit`]'s validation.
+    pub fn validate(&self, request: &GenerateRequest) -> Result<(), EngineError> {
+        Ok(crate::engine::validate(&self.inner.info, request)?)
+    }
+
+    /// [`EngineHandle::submit`] with the request's structured output already compiled
+    /// ([`EngineHandle::compile`] of `request.params.structured`).
+    ///
+    /// # Errors
+    /// As [`EngineHandle::submit`]; [`EngineError::Invalid`] naming `structured_outputs` when
+    /// a matcher is given without a constraint or a constraint without one.
+    pub fn submit_compiled(
+        &self,
+        request: GenerateRequest,
+        grammar: Option<pd_grammar::TokenMatcher>,
+    ) -> Result<RequestStream, EngineError> {
+        crate::engine::validate(&self.inner.info, &request)?;
+        if request.params.structured.is_some() != grammar.is_some() {
+            return Err(EngineError::Invalid(crate::InvalidRequest::new(
+                "structured_outputs",
+                "a structured output and its compiled matcher go together",
+            )));
+        }
+        self.submit_validated(request, grammar)
+    }
+
+    fn submit_validated(
+        &self,
+        request: GenerateRequest,
+        grammar: Option<pd_grammar::TokenMatcher>,
+    ) -> Result<RequestStream, EngineError> {
         if let crate::KvTransfer::Produce { .. } | crate::KvTransfer::PullThenProduce { .. } =
             request.kv
         {
@@ -284,7 +329,7 @@ impl EngineHandle {
             .send(Command::Add {
                 id,
                 request: Box::new(request),
-                grammar,
+                grammar: grammar.map(Box::new),
                 arrival: Instant::now(),
                 events,
             })

@@ -247,9 +247,12 @@ pub(crate) fn logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprob {
                 .total_cmp(&logits[a as usize])
                 .then(a.cmp(&b))
         });
+        // Tokens a structured output's mask ruled out (−∞) are no alternatives: fewer than `k`
+        // come back where fewer were allowed (−∞ would be `null` in JSON).
         top = idx
             .into_iter()
             .map(|i| (i, logits[i as usize] - lse))
+            .filter(|(_, l)| l.is_finite())
             .collect();
     }
     TokenLogprob {
@@ -362,6 +365,15 @@ mod tests {
         assert!((total - 1.0).abs() < 1e-5);
         assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 1]);
         assert!((lp.logprob - lp.top[1].1).abs() < 1e-6);
+    }
+
+    #[test]
+    fn masked_tokens_are_no_alternatives() {
+        // A structured output's mask left two tokens.
+        let l = [f32::NEG_INFINITY, 1.0, f32::NEG_INFINITY, 0.5];
+        let lp = logprobs(&l, 1, 4);
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 3]);
+        assert!(lp.top.iter().all(|t| t.1.is_finite()) && lp.logprob.is_finite());
     }
 
     #[test]

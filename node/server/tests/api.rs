@@ -1425,9 +1425,10 @@ async fn forced_tool_calls_are_calls_to_declared_tools_with_valid_arguments() {
                 "city": {"type": "string", "maxLength": 10},
                 "unit": {"enum": ["celsius", "fahrenheit"]}},
                 "required": ["city", "unit"], "additionalProperties": false}}},
+        // Its definitions move to the root of a "required" list's schema (a pydantic shape).
         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object",
-            "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
-            "additionalProperties": false}}}
+            "properties": {"zone": {"$ref": "#/$defs/Zone"}}, "required": ["zone"],
+            "additionalProperties": false, "$defs": {"Zone": {"enum": ["UTC", "CET"]}}}}}
     ]);
     let valid = |name: &str, arguments: &str| {
         let a: Value = serde_json::from_str(arguments)

@@ -193,23 +193,83 @@ fn present(v: &Option<Value>) -> Option<&Value> {
 
 impl ToolCalling {
     /// The constraint the answer is generated under, if it is a call.
-    pub(crate) fn constraint(&self) -> Option<OutputSpec> {
+    ///
+    /// For `"required"` each tool's `parameters` sits under the list's schema, so the
+    /// definitions its `$ref`s name (`#/$defs/…`, `#/definitions/…`) move up to the list's root
+    /// with it, as vLLM does; two tools defining one name differently, or a reference to a
+    /// tool's own root (`#`), are a 400 naming `tools`.
+    ///
+    /// # Errors
+    /// As above.
+    pub(crate) fn constraint(&self) -> Result<Option<OutputSpec>, ApiError> {
         match self {
-            ToolCalling::Text => None,
-            ToolCalling::Named(f) => Some(OutputSpec::JsonSchema(f.parameters.clone())),
+            ToolCalling::Text => Ok(None),
+            ToolCalling::Named(f) => Ok(Some(OutputSpec::JsonSchema(f.parameters.clone()))),
             ToolCalling::Required(tools) => {
-                let calls: Vec<Value> = tools
-                    .iter()
-                    .map(|f| {
-                        json!({"type": "object",
-                            "properties": {"name": {"enum": [f.name]}, "parameters": f.parameters},
-                            "required": ["name", "parameters"], "additionalProperties": false})
-                    })
-                    .collect();
-                Some(OutputSpec::JsonSchema(
-                    json!({"type": "array", "minItems": 1, "items": {"anyOf": calls}}),
-                ))
+                let mut defs = serde_json::Map::new();
+                let mut calls = Vec::with_capacity(tools.len());
+                for f in tools {
+                    let mut parameters = f.parameters.clone();
+                    if refers_to_root(&parameters) {
+                        return Err(ApiError::invalid(
+                            "tools",
+                            format!(
+                                "function {:?}: a $ref to the parameters' own root (\"#\") cannot be kept under tool_choice \"required\"",
+                                f.name
+                            ),
+                        ));
+                    }
+                    if let Some(own) = parameters.as_object_mut() {
+                        for key in ["$defs", "definitions"] {
+                            let Some(Value::Object(found)) = own.remove(key) else {
+                                continue;
+                            };
+                            let at = defs
+                                .entry(key)
+                                .or_insert_with(|| Value::Object(serde_json::Map::new()));
+                            let Value::Object(at) = at else { continue };
+                            for (name, def) in found {
+                                match at.get(&name) {
+                                    Some(other) if *other != def => {
+                                        return Err(ApiError::invalid(
+                                            "tools",
+                                            format!(
+                                                "{key}/{name} is defined differently by two tools; rename one"
+                                            ),
+                                        ));
+                                    }
+                                    _ => {
+                                        at.insert(name, def);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    calls.push(json!({"type": "object",
+                        "properties": {"name": {"enum": [f.name]}, "parameters": parameters},
+                        "required": ["name", "parameters"], "additionalProperties": false}));
+                }
+                let mut schema = json!({"type": "array", "minItems": 1, "items": {"anyOf": calls}});
+                if let Some(root) = schema.as_object_mut() {
+                    root.extend(defs);
+                }
+                Ok(Some(OutputSpec::JsonSchema(schema)))
             }
+        }
+    }
+
+    /// The `finish_reason` of an answer that became `calls_of`'s calls: `tool_calls` where the
+    /// call is whole and ended by itself (OpenAI's reason for a message that calls tools),
+    /// else why it was cut (`length`, or `stop` for a stop string inside the arguments).
+    pub(crate) fn finish(&self, reason: Option<&'static str>, text: &str) -> Option<&'static str> {
+        let whole = match self {
+            ToolCalling::Text => false,
+            ToolCalling::Named(_) => serde_json::from_str::<serde::de::IgnoredAny>(text).is_ok(),
+            ToolCalling::Required(_) => true,
+        };
+        match reason {
+            Some("stop") if whole => Some("tool_calls"),
+            other => other,
         }
     }
 
@@ -227,16 +287,21 @@ impl ToolCalling {
             ToolCalling::Text => None,
             ToolCalling::Named(f) => Some(vec![call(0, &f.name, text.to_owned())]),
             ToolCalling::Required(_) => {
-                let Value::Array(list) = serde_json::from_str::<Value>(text).ok()? else {
-                    return None;
-                };
-                list.iter()
-                    .enumerate()
-                    .map(|(i, c)| {
-                        let name = c.get("name")?.as_str()?;
-                        Some(call(i, name, c.get("parameters")?.to_string()))
-                    })
-                    .collect()
+                // Each call's arguments as generated (not re-printed: a number past f64's
+                // precision keeps its digits).
+                #[derive(Deserialize)]
+                struct Generated<'a> {
+                    name: String,
+                    #[serde(borrow)]
+                    parameters: &'a serde_json::value::RawValue,
+                }
+                let list: Vec<Generated<'_>> = serde_json::from_str(text).ok()?;
+                Some(
+                    list.iter()
+                        .enumerate()
+                        .map(|(i, c)| call(i, &c.name, c.parameters.get().to_owned()))
+                        .collect(),
+                )
             }
         }
     }
@@ -247,6 +312,18 @@ impl ToolCalling {
             ToolCalling::Named(f) => Some(call(0, &f.name, String::new())),
             _ => None,
         }
+    }
+}
+
+/// Whether `schema` holds a `$ref` to its own root (`"#"`), which would name another schema
+/// once nested.
+fn refers_to_root(schema: &Value) -> bool {
+    match schema {
+        Value::Object(map) => map
+            .iter()
+            .any(|(k, v)| (k == "$ref" && v.as_str() == Some("#")) || refers_to_root(v)),
+        Value::Array(items) => items.iter().any(refers_to_root),
+        _ => false,
     }
 }
 
@@ -338,6 +415,42 @@ mod tests {
     }
 
     #[test]
+    fn required_lists_keep_each_tools_definitions_at_the_root() {
+        let tools = json!([
+            {"type": "function", "function": {"name": "a", "parameters": {"type": "object",
+                "properties": {"p": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "integer"}}}}},
+            {"type": "function", "function": {"name": "b", "parameters": {"type": "object",
+                "properties": {"q": {"$ref": "#/$defs/Q"}, "p": {"$ref": "#/$defs/P"}},
+                "$defs": {"Q": {"type": "string"}, "P": {"type": "integer"}}}}}
+        ]);
+        let calling = read(json!({"tools": tools, "tool_choice": "required"})).unwrap();
+        let Some(OutputSpec::JsonSchema(schema)) = calling.constraint().unwrap() else {
+            panic!("a schema")
+        };
+        assert_eq!(
+            schema["$defs"],
+            json!({"P": {"type": "integer"}, "Q": {"type": "string"}})
+        );
+        assert!(
+            schema["items"]["anyOf"][0]["properties"]["parameters"]
+                .get("$defs")
+                .is_none()
+        );
+        // The same name defined two ways, and a root self-reference, cannot be kept.
+        let clash = json!([
+            {"type": "function", "function": {"name": "a", "parameters": {"$defs": {"P": {"type": "integer"}}}}},
+            {"type": "function", "function": {"name": "b", "parameters": {"$defs": {"P": {"type": "string"}}}}}
+        ]);
+        let recursive = json!([{"type": "function", "function": {"name": "t", "parameters":
+            {"type": "object", "properties": {"child": {"$ref": "#"}}}}}]);
+        for tools in [clash, recursive] {
+            let calling = read(json!({"tools": tools, "tool_choice": "required"})).unwrap();
+            let e = calling.constraint().unwrap_err();
+            assert_eq!(e.param(), Some("tools"), "{e}");
+        }
+    }
+
+    #[test]
     fn answers_become_calls_and_a_cut_list_does_not() {
         let named = ToolCalling::Named(Function {
             name: "weather".into(),
@@ -364,5 +477,24 @@ mod tests {
         );
         assert_eq!(required.calls_of(r#"[{"name":"weather","param"#), None);
         assert_eq!(ToolCalling::Text.calls_of("hi"), None);
+        // `tool_calls` only for a whole call that ended by itself.
+        assert_eq!(
+            named.finish(Some("stop"), r#"{"city":"Oslo"}"#),
+            Some("tool_calls")
+        );
+        assert_eq!(named.finish(Some("stop"), r#"{"city":"Os"#), Some("stop"));
+        assert_eq!(
+            named.finish(Some("length"), r#"{"city":"Os"#),
+            Some("length")
+        );
+        assert_eq!(required.finish(Some("stop"), "[]"), Some("tool_calls"));
+        // Arguments as generated, digits and all.
+        let big = required
+            .calls_of(r#"[{"name":"n","parameters":{"x":123456789012345678901234567890}}]"#)
+            .unwrap();
+        assert_eq!(
+            big[0]["function"]["arguments"],
+            r#"{"x":123456789012345678901234567890}"#
+        );
     }
 }

@@ -55,7 +55,7 @@ pub(super) async fn create(
     let tools = req.tools.for_chat()?;
     let mut params = req.sampling.to_params(max_tokens, logprobs)?;
     params.structured = req.structured.to_structured()?;
-    if let Some(spec) = tools.constraint() {
+    if let Some(spec) = tools.constraint()? {
         if let Some(other) = &params.structured {
             return Err(ApiError::invalid(
                 "tool_choice",
@@ -93,13 +93,13 @@ pub(super) async fn create(
         .then(|| prompt_tokens.clone());
     let id = new_id("chatcmpl-");
     let stream = state
-        .engine
         .submit(GenerateRequest {
             prompt_tokens: prompt_tokens.clone(),
             params,
             kv: directive.transfer(),
             cache_salt: crate::openai::cache_salt(req.sampling.cache_salt.as_ref())?,
         })
+        .await
         .map_err(engine_error)?;
     let (stream, kv) = state.events(stream, directive, &id, &prompt_tokens);
     let out = Output {
@@ -141,7 +141,8 @@ pub(super) async fn create(
                             o.remove("index");
                         }
                     }
-                    (None, calls, calls_finish(finish_reason))
+                    let finish_reason = out.tools.finish(finish_reason, &child.text);
+                    (None, calls, finish_reason)
                 }
                 None => (Some(child.text), Vec::new(), finish_reason),
             };
@@ -199,15 +200,6 @@ fn logprob_entry(tokenizer: &Tokenizer, lp: &TokenLogprob) -> ChatTokenLogprob {
     }
 }
 
-/// A tool-call answer's `finish_reason`: `tool_calls` where it ended by itself (OpenAI's
-/// reason for a message that calls tools), else why it was cut.
-fn calls_finish(reason: Option<&'static str>) -> Option<&'static str> {
-    match reason {
-        Some("stop") => Some("tool_calls"),
-        other => other,
-    }
-}
-
 /// What every chunk of one request repeats.
 #[derive(Debug)]
 struct Output {
@@ -232,7 +224,8 @@ struct ChatStream {
     counts: TokenCounts,
     include_usage: bool,
     finished: Vec<bool>,
-    /// Per choice, a `"required"` answer's text so far (sent as calls when it ends).
+    /// Per choice, a tool-call answer's text so far (a `"required"` list is sent as calls when
+    /// it ends).
     calls: Vec<String>,
     failed: bool,
     /// Sent on the first chunk, then `None`.
@@ -252,12 +245,18 @@ impl ChatStream {
                 content: Some(text),
                 ..ChatDelta::default()
             },
-            ToolCalling::Named(_) => ChatDelta {
-                tool_calls: Some(vec![
-                    serde_json::json!({"index": 0, "function": {"arguments": text}}),
-                ]),
-                ..ChatDelta::default()
-            },
+            ToolCalling::Named(_) => {
+                // Kept too: whether the call is whole decides its `finish_reason`.
+                if let Some(buffer) = self.calls.get_mut(child) {
+                    buffer.push_str(&text);
+                }
+                ChatDelta {
+                    tool_calls: Some(vec![
+                        serde_json::json!({"index": 0, "function": {"arguments": text}}),
+                    ]),
+                    ..ChatDelta::default()
+                }
+            }
             ToolCalling::Required(_) => {
                 if let Some(buffer) = self.calls.get_mut(child) {
                     buffer.push_str(&text);
@@ -359,8 +358,14 @@ impl SseFormatter for ChatStream {
                         ..ChatDelta::default()
                     },
                     ToolCalling::Named(_) => {
-                        finish = calls_finish(finish);
-                        self.delta(child, text)
+                        let delta = self.delta(child, text);
+                        let all = self
+                            .calls
+                            .get_mut(child)
+                            .map(std::mem::take)
+                            .unwrap_or_default();
+                        finish = self.out.tools.finish(finish, &all);
+                        delta
                     }
                     ToolCalling::Required(_) => {
                         let mut all = self
@@ -371,7 +376,7 @@ impl SseFormatter for ChatStream {
                         all.push_str(&text);
                         match self.out.tools.calls_of(&all) {
                             Some(calls) => {
-                                finish = calls_finish(finish);
+                                finish = self.out.tools.finish(finish, &all);
                                 ChatDelta {
                                     tool_calls: Some(calls),
                                     ..ChatDelta::default()

@@ -49,12 +49,14 @@ pub(super) async fn create(
     let return_token_ids = req.sampling.return_token_ids();
     let prompt_token_ids = return_token_ids.then(|| prompt_tokens.clone());
     let id = new_id("cmpl-");
-    let stream = state.engine.submit(GenerateRequest {
-        prompt_tokens: prompt_tokens.clone(),
-        params,
-        kv: directive.transfer(),
-        cache_salt: crate::openai::cache_salt(req.sampling.cache_salt.as_ref())?,
-    })?;
+    let stream = state
+        .submit(GenerateRequest {
+            prompt_tokens: prompt_tokens.clone(),
+            params,
+            kv: directive.transfer(),
+            cache_salt: crate::openai::cache_salt(req.sampling.cache_salt.as_ref())?,
+        })
+        .await?;
     let (stream, kv) = state.events(stream, directive, &id, &prompt_tokens);
     let out = Output {
         id,

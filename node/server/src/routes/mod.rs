@@ -15,7 +15,7 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use std::sync::Arc;
 
-use pd_engine::{EngineHandle, KvTransfer, RequestStream};
+use pd_engine::{EngineError, EngineHandle, GenerateRequest, KvTransfer, RequestStream};
 use serde::de::DeserializeOwned;
 use tracing::Instrument;
 
@@ -40,6 +40,24 @@ pub(crate) struct AppState {
 }
 
 impl AppState {
+    /// Queues `request` on the engine. A structured output is compiled first on the blocking
+    /// pool (bounded by llguidance's limits, but tens of milliseconds for a large schema: not
+    /// on the reactor), after the request's other checks.
+    pub(crate) async fn submit(
+        &self,
+        request: GenerateRequest,
+    ) -> Result<RequestStream, EngineError> {
+        let Some(structured) = request.params.structured.clone() else {
+            return self.engine.submit(request);
+        };
+        self.engine.validate(&request)?;
+        let engine = self.engine.clone();
+        let grammar = tokio::task::spawn_blocking(move || engine.compile(&structured))
+            .await
+            .map_err(|_| EngineError::Shutdown)??;
+        self.engine.submit_compiled(request, Some(grammar))
+    }
+
     /// Checks the request's `model` against the served one (absent means the served one) and
     /// returns the name to echo back.
     pub(crate) fn model_name(&self, requested: Option<&str>) -> Result<String, ApiError> {

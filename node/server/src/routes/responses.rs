@@ -74,13 +74,13 @@ pub(super) async fn create(
         kv_transfer_params: None,
     };
     let stream = state
-        .engine
         .submit(GenerateRequest {
             prompt_tokens: prompt_tokens.clone(),
             params,
             kv: directive.transfer(),
             cache_salt: crate::openai::cache_salt(req.cache_salt.as_ref())?,
         })
+        .await
         .map_err(engine_error)?;
     let (stream, kv) = state.events(stream, directive, &template.id, &prompt_tokens);
     let message_id = new_id("msg_");
