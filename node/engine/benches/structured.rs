@@ -11,9 +11,11 @@
 //!   token to its last.
 //! - *plain*: the same request without the schema, `ignore_eos`, `max_tokens` = the schema
 //!   answer's length: the same number of decode steps, unmasked.
-//! - *mask + accept*: the schema answer's tokens replayed through a fresh matcher off the
-//!   engine (µs per token for `TokenMatcher::mask` then `accept`), against the reference of one
-//!   argmax over a row of the same width (what greedy sampling itself costs per token).
+//! - *mask + accept*: the schema answer's tokens replayed through a matcher off the engine (µs
+//!   per token for `TokenMatcher::mask` then `accept`): for a schema met first (a fresh
+//!   vocabulary: compile and lexer states from nothing) and for one seen before (the kept
+//!   compile), with both compile times, against the reference of one argmax over a row of the
+//!   same width (what greedy sampling itself costs per token).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -151,24 +153,38 @@ fn main() -> BenchResult<()> {
         without.push(steps / s);
     }
 
-    // Mask + accept per token, off the engine, replaying the answer.
+    // Mask + accept per token, off the engine, replaying the answer: a schema met for the first
+    // time (a fresh vocabulary: compile from nothing, every lexer state built on the way) and
+    // a repeated one (the kept compile, its lexer states already built).
     let mut eos = tokenizer.eos_token_ids().to_vec();
     eos.sort_unstable();
-    let vocab = Vocabulary::new(Arc::clone(&tokenizer), &eos)?;
     let width = handle.info().vocab_size;
     let row: Vec<f32> = (0..width)
         .map(|i| ((i * 7919) % 1000) as f32 / 100.0)
         .collect();
-    let (mut mask_us, mut argmax_us) = (Vec::new(), Vec::new());
-    for _ in 0..repeat {
-        let mut m = vocab.compile(&spec)?;
+    let replay = |m: &mut pd_grammar::TokenMatcher| -> BenchResult<f64> {
         let started = Instant::now();
         for &t in &tokens {
             let mut r = row.clone();
             m.mask(&mut r)?;
             m.accept(t)?;
         }
-        mask_us.push(started.elapsed().as_secs_f64() * 1e6 / tokens.len() as f64);
+        Ok(started.elapsed().as_secs_f64() * 1e6 / tokens.len() as f64)
+    };
+    let kept = Vocabulary::new(Arc::clone(&tokenizer), &eos)?;
+    kept.compile(&spec)?;
+    let (mut cold_compile, mut kept_compile) = (Vec::new(), Vec::new());
+    let (mut cold_us, mut warm_us, mut argmax_us) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..repeat {
+        let fresh = Vocabulary::new(Arc::clone(&tokenizer), &eos)?;
+        let started = Instant::now();
+        let mut m = fresh.compile(&spec)?;
+        cold_compile.push(started.elapsed().as_secs_f64() * 1e3);
+        cold_us.push(replay(&mut m)?);
+        let started = Instant::now();
+        let mut m = kept.compile(&spec)?;
+        kept_compile.push(started.elapsed().as_secs_f64() * 1e3);
+        warm_us.push(replay(&mut m)?);
         let started = Instant::now();
         let mut sink = 0usize;
         for _ in &tokens {
@@ -194,7 +210,18 @@ fn main() -> BenchResult<()> {
     );
     show("schema (every token masked)", "tok/s", median(with));
     show("plain (same steps, no mask)", "tok/s", median(without));
-    show("mask + accept, per token", "µs", median(mask_us));
+    show(
+        "mask + accept per token, schema seen before (kept compile)",
+        "µs",
+        median(warm_us),
+    );
+    show(
+        "mask + accept per token, schema met first (fresh compile)",
+        "µs",
+        median(cold_us),
+    );
+    show("compile, schema seen before", "ms", median(kept_compile));
+    show("compile, schema met first", "ms", median(cold_compile));
     show(
         &format!("reference: argmax over a {width}-wide row + its copy"),
         "µs",

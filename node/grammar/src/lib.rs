@@ -6,7 +6,8 @@
 //!   regular expression, a list of choices, a Lark grammar), with a fingerprint a prefill node
 //!   attests its first token with.
 //! - [`Vocabulary`] is built once per model from its tokenizer: each token's bytes in a trie,
-//!   shared by every request. It compiles an [`OutputSpec`] into a [`TokenMatcher`].
+//!   shared by every request. It compiles an [`OutputSpec`] into a [`TokenMatcher`], keeping
+//!   the last few compiled so that a repeated schema reuses its lexer states.
 //! - [`TokenMatcher`] is one sequence's position in the constraint: it masks a row of logits to
 //!   the tokens that keep the output valid and advances on the token picked. `n > 1` children
 //!   each clone it.
@@ -22,7 +23,7 @@ mod vocabulary;
 
 pub use matcher::TokenMatcher;
 pub use spec::OutputSpec;
-pub use vocabulary::Vocabulary;
+pub use vocabulary::{COMPILED_KEPT, Vocabulary};
 
 /// Why a constraint could not be compiled or followed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

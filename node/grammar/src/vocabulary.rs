@@ -1,9 +1,10 @@
 //! [`Vocabulary`]: the model's tokens as bytes, in llguidance's trie, and the compiler of
 //! [`OutputSpec`]s into [`TokenMatcher`]s.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
@@ -23,7 +24,14 @@ pub struct Vocabulary {
     /// Token ids the trie knows (the tokenizer's vocabulary); a model's padded rows beyond it
     /// are never allowed.
     size: usize,
+    /// The last [`COMPILED_KEPT`] constraints compiled, at their start: a request repeating
+    /// one (clients send the same schema over and over) clones it, sharing the lexer states
+    /// its predecessors built instead of compiling and warming up anew.
+    compiled: Mutex<VecDeque<(OutputSpec, TokenMatcher)>>,
 }
+
+/// Compiled constraints a [`Vocabulary`] keeps.
+pub const COMPILED_KEPT: usize = 64;
 
 impl fmt::Debug for Vocabulary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -116,6 +124,7 @@ impl Vocabulary {
             factory,
             eos: eos.into(),
             size,
+            compiled: Mutex::new(VecDeque::with_capacity(COMPILED_KEPT)),
         })
     }
 
@@ -130,6 +139,28 @@ impl Vocabulary {
     /// # Errors
     /// [`GrammarError::Invalid`] naming what is wrong with the schema, regex or grammar.
     pub fn compile(&self, spec: &OutputSpec) -> Result<TokenMatcher, GrammarError> {
+        if let Some((_, m)) = self.kept().iter().find(|(s, _)| s == spec) {
+            return Ok(m.clone());
+        }
+        let matcher = self.compile_new(spec)?;
+        let mut compiled = self.kept();
+        if compiled.len() == COMPILED_KEPT {
+            compiled.pop_front();
+        }
+        compiled.push_back((spec.clone(), matcher.clone()));
+        Ok(matcher)
+    }
+
+    /// The kept compiled constraints. A poisoned lock only means a panic elsewhere while the
+    /// list was held; the list itself is still whole.
+    fn kept(&self) -> std::sync::MutexGuard<'_, VecDeque<(OutputSpec, TokenMatcher)>> {
+        self.compiled
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// [`Vocabulary::compile`] without the kept ones.
+    fn compile_new(&self, spec: &OutputSpec) -> Result<TokenMatcher, GrammarError> {
         let grammar = match spec {
             OutputSpec::JsonSchema(schema) => TopLevelGrammar::from_json_schema(compact(schema)?),
             OutputSpec::JsonObject => {

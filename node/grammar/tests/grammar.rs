@@ -23,16 +23,19 @@ impl Drop for TempDir {
     }
 }
 
-fn vocabulary() -> Vocabulary {
+fn tokenizer() -> Tokenizer {
     let dir = TempDir(std::env::temp_dir().join(format!(
         "pd-grammar-{}-{:?}",
         std::process::id(),
         std::thread::current().id()
     )));
     write_byte_level_tokenizer(&dir.0, VOCAB).expect("write tokenizer");
-    let tokenizer = Tokenizer::from_dir(&dir.0).expect("tokenizer");
+    Tokenizer::from_dir(&dir.0).expect("tokenizer")
+}
+
+fn vocabulary() -> Vocabulary {
     Vocabulary::new(
-        Arc::new(tokenizer),
+        Arc::new(tokenizer()),
         &[BYTE_LEVEL_IM_END_ID, BYTE_LEVEL_ENDOFTEXT_ID],
     )
     .expect("vocabulary")
@@ -265,6 +268,32 @@ fn forced_text_is_its_bytes_even_where_it_spells_a_special_token() {
         m.accept(BYTE_LEVEL_IM_END_ID),
         Err(GrammarError::Failed(_))
     ));
+}
+
+/// A constraint compiled again comes from the kept ones: an independent matcher at the start
+/// (the first one's progress is not its), driving the same output as a fresh compile; more
+/// constraints than are kept push the oldest out without harm.
+#[test]
+fn a_repeated_constraint_is_a_fresh_matcher_sharing_what_was_compiled() {
+    let v = vocabulary();
+    let spec = OutputSpec::Regex("[a-c]{3}x".into());
+    let mut first = v.compile(&spec).expect("compile");
+    first.accept(b'a' as u32).expect("accept");
+    let again = v.compile(&spec).expect("compile");
+    let (out, end) = drive(again, 7, 20);
+    assert_eq!(end, End::Complete);
+    assert_eq!(out.len(), 4, "{out:?}: started where the first one stands");
+    let other = Vocabulary::new(
+        Arc::new(tokenizer()),
+        &[BYTE_LEVEL_IM_END_ID, BYTE_LEVEL_ENDOFTEXT_ID],
+    )
+    .expect("vocabulary");
+    assert_eq!(drive(other.compile(&spec).expect("compile"), 7, 20).0, out);
+    for i in 0..=pd_grammar::COMPILED_KEPT {
+        v.compile(&OutputSpec::Regex(format!("q{{{}}}", i + 1)))
+            .expect("compile");
+    }
+    assert_eq!(drive(v.compile(&spec).expect("compile"), 7, 20).0, out);
 }
 
 #[test]
