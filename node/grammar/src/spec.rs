@@ -50,18 +50,6 @@ impl OutputSpec {
         }
         xxhash_rust::xxh3::xxh3_64(&bytes).max(1)
     }
-
-    /// Bytes of the constraint's own text (a schema as serialized): what a request may send is
-    /// bounded by the HTTP layer's body limit; this lets it name the size in an error.
-    pub fn size(&self) -> usize {
-        match self {
-            OutputSpec::JsonSchema(schema) => schema.to_string().len(),
-            OutputSpec::JsonObject => 0,
-            OutputSpec::Regex(rx) => rx.len(),
-            OutputSpec::Choice(choices) => choices.iter().map(String::len).sum(),
-            OutputSpec::Grammar(g) => g.len(),
-        }
-    }
 }
 
 #[cfg(test)]
