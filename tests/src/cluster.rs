@@ -149,7 +149,20 @@ impl Node {
 
     /// A standalone node that knows no gateway: the reference the P/D answers are compared to.
     pub fn reference(dir: &WorkDir, model: &Path) -> Self {
-        let proc = Self::spawn(dir.path(), model, "reference", Role::Standalone, None, &[]);
+        Self::reference_with(dir, model, &[])
+    }
+
+    /// [`Node::reference`] with extra flags (those a cluster's nodes get, where they change
+    /// answers: `--tool-call-parser`).
+    pub fn reference_with(dir: &WorkDir, model: &Path, extra: &[String]) -> Self {
+        let proc = Self::spawn(
+            dir.path(),
+            model,
+            "reference",
+            Role::Standalone,
+            None,
+            extra,
+        );
         Self::listening("reference", Role::Standalone, proc)
     }
 

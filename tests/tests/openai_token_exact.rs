@@ -12,7 +12,10 @@
 //! (issue 13): still token for token. Structured output (`response_format`, `text.format`,
 //! vLLM's `structured_outputs`) and forced tool calls (`tools` with `tool_choice` named or
 //! `"required"`) too: each answer complete under its constraint, and the same through P and D
-//! as on one node.
+//! as on one node. So are tool calls the model writes itself (`tool_choice` `"auto"`, every
+//! node serving with `--tool-call-parser hermes`): text first, then `<tool_call>` blocks that
+//! come back as `tool_calls` (the blocks are held to that shape by a regex in
+//! `structured_outputs`, since a random tiny model would never write one).
 
 use std::time::Duration;
 
@@ -121,6 +124,19 @@ fn specs() -> Vec<Value> {
         "sampling": {"tools": tools, "tool_choice": "required"},
         "extra_body": {"return_token_ids": true}}),
     );
+    // Calls the model writes itself (`"auto"`, the SDK's default with tools), in Hermes'
+    // format: some text, then two calls, read by the node's parser. Streamed and not; n=3
+    // seeded through a spread over two decode nodes.
+    let hermes = r#"[A-Z][a-z]{1,6}\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,5}", "rain": (true|false), "level": "(low|high)"\}\}\n</tool_call>\n<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}\n</tool_call>"#;
+    for (stream, n, temperature, seed) in [(true, 1, 0.0, None), (false, 3, 0.8, Some(7))] {
+        specs.push(
+            json!({"api": "chat", "stream": stream, "n": n, "max_tokens": STRUCTURED_MAX_TOKENS,
+            "temperature": temperature, "seed": seed, "structured": "auto-tool",
+            "messages": [{"role": "user", "content": text(specs.len(), "chat")}],
+            "sampling": {"tools": tools},
+            "extra_body": {"return_token_ids": true, "structured_outputs": {"regex": hermes}}}),
+        );
+    }
     specs.push(
         json!({"api": "responses", "stream": true, "n": 1, "max_tokens": STRUCTURED_MAX_TOKENS,
         "temperature": 0.0, "structured": "json", "input": text(specs.len(), "responses"),
@@ -130,18 +146,42 @@ fn specs() -> Vec<Value> {
     specs
 }
 
+/// Every node reads the tool calls a model writes in Hermes' format (the tiny model's files
+/// do not name `<tool_call>`, so `auto` would pick none).
+fn hermes() -> Vec<String> {
+    args(&["--tool-call-parser", "hermes"])
+}
+
 /// Room for the structured specs' outputs to end where their constraint does.
 const STRUCTURED_MAX_TOKENS: u32 = 200;
 
 /// A structured spec's answer: complete under its constraint.
 fn check_structured(spec: &Value, answer: &Value) {
-    for (text, reason) in answer["texts"]
+    for (i, (text, reason)) in answer["texts"]
         .as_array()
         .unwrap()
         .iter()
         .zip(answer["finish_reasons"].as_array().unwrap())
+        .enumerate()
     {
         let text = text.as_str().unwrap();
+        if spec["structured"] == "auto-tool" {
+            // The sentence before the calls is content; the two blocks are calls.
+            assert_eq!(reason, "tool_calls", "{spec}: {answer}");
+            assert!(
+                text.ends_with(".\n") && !text.contains("tool_call"),
+                "{text:?}"
+            );
+            let calls = answer["tool_calls"][i].as_array().expect("tool calls");
+            let names: Vec<&str> = calls.iter().map(|c| c["name"].as_str().unwrap()).collect();
+            assert_eq!(names, ["get_weather", "get_time"], "{answer}");
+            for c in calls {
+                let args: Value = serde_json::from_str(c["arguments"].as_str().unwrap())
+                    .unwrap_or_else(|e| panic!("{c}: {e}"));
+                assert!(args["city"].is_string() || args["zone"].is_string(), "{c}");
+            }
+            continue;
+        }
         if spec["structured"] == "tool" {
             assert_eq!(reason, "tool_calls", "{spec}: {answer}");
             let calls = answer["tool_calls"][0].as_array().expect("tool calls");
@@ -366,7 +406,7 @@ async fn the_openai_package_gets_identical_tokens_through_the_gateway_and_p_d() 
     let want = {
         let dir = WorkDir::new("openai-reference");
         let model = tiny_model(&dir);
-        let reference = Node::reference(&dir, &model);
+        let reference = Node::reference_with(&dir, &model, &hermes());
         python::run_specs(&python, &reference.http, &specs).await
     };
     for (spec, w) in specs.iter().zip(&want) {
@@ -413,6 +453,7 @@ async fn the_openai_package_gets_identical_tokens_through_the_gateway_and_p_d() 
             ClusterSpec {
                 prefill: 1,
                 decode: 1,
+                node_args: hermes(),
                 ..ClusterSpec::default()
             },
         ),
@@ -435,7 +476,7 @@ async fn the_openai_package_gets_identical_tokens_through_the_gateway_and_p_d() 
                 prefill_args: args(&["--kv-layout", "nhd"]),
                 decode_args: args(&["--block-size", "32"]),
                 // Four nodes on the test machine's cores: one compute thread each.
-                node_args: args(&["--threads", "1"]),
+                node_args: args(&["--threads", "1", "--tool-call-parser", "hermes"]),
                 ..ClusterSpec::default()
             },
         ),

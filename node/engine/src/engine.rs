@@ -693,7 +693,9 @@ impl Engine {
         let seq = Sequence {
             request: id,
             child: 0,
-            decoder: self.tokenizer.decoder_with_prompt(true, &prompt_tokens),
+            decoder: self
+                .tokenizer
+                .decoder_with_prompt(params.skip_special_tokens, &prompt_tokens),
             tokens: prompt_tokens,
             prompt_len,
             num_computed: 0,

@@ -57,6 +57,10 @@ pub struct SamplingParams {
     /// else (vLLM's order), so logprobs are of the masked distribution; a child ends where the
     /// constraint is complete.
     pub structured: Option<StructuredOutput>,
+    /// vLLM's `skip_special_tokens`: leave special tokens (other than the EOS and stop tokens
+    /// that end a child, never part of its text) out of the text. A tool-call parser that
+    /// looks for markers a tokenizer marks special (`<tool_call>`) turns it off.
+    pub skip_special_tokens: bool,
 }
 
 /// A request's structured-output constraint and the request field it came from (named in
@@ -88,6 +92,7 @@ impl Default for SamplingParams {
             min_p: 0.0,
             logit_bias: Vec::new(),
             structured: None,
+            skip_special_tokens: true,
         }
     }
 }

@@ -169,6 +169,14 @@ pub struct ServeArgs {
     /// the node sends an SSE comment, so proxies and clients with idle timeouts keep it open.
     #[arg(long, default_value_t = 15.0)]
     pub sse_keep_alive: f64,
+    /// How the model writes tool calls on its own, read out of its text for
+    /// `tool_choice: "auto"` (the default when a chat request sends tools): `hermes`
+    /// (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`: Hermes, Qwen2.5, Qwen3),
+    /// `none` (`"auto"` with tools is refused), or `auto`: `hermes` where the model's chat
+    /// template or vocabulary knows `<tool_call>`, else `none`. Forced calls (`"required"`, a
+    /// named function) need no parser.
+    #[arg(long, value_enum, default_value_t = ToolCallParserArg::Auto)]
+    pub tool_call_parser: ToolCallParserArg,
     /// How this node reads a peer's pool: `auto` copies straight from it where UCX maps it into
     /// this process (shared memory on one host), the copy shared with a helper thread, and posts
     /// UCX gets elsewhere; `auto-one-thread` copies without the helper; `get` always posts UCX
@@ -223,6 +231,28 @@ pub enum KvRoleArg {
     KvConsumer,
     /// Both (deprecated: run one node per role).
     KvBoth,
+}
+
+/// `--tool-call-parser` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ToolCallParserArg {
+    /// `hermes` where the tokenizer's files know `<tool_call>`, else `none`.
+    Auto,
+    /// `<tool_call>` JSON blocks (vLLM's `hermes`).
+    Hermes,
+    /// No parser: `tool_choice: "auto"` with tools is refused.
+    None,
+}
+
+impl ToolCallParserArg {
+    /// The parser this node serves with, for `tokenizer`'s model.
+    pub fn resolve(self, tokenizer: &pd_tokenize::Tokenizer) -> Option<crate::ToolCallParser> {
+        match self {
+            ToolCallParserArg::Auto => crate::ToolCallParser::detect(tokenizer),
+            ToolCallParserArg::Hermes => Some(crate::ToolCallParser::Hermes),
+            ToolCallParserArg::None => None,
+        }
+    }
 }
 
 /// `--kv-pull-via` values.

@@ -43,16 +43,35 @@ use pd_engine::EngineHandle;
 
 pub use disagg::{AllowedPeers, Disagg, KvRole, PullConfig};
 pub use error::ApiError;
+pub use openai::tool_parser::ToolCallParser;
 pub use routes::MAX_BODY_BYTES;
 pub use sse::KEEP_ALIVE as SSE_KEEP_ALIVE;
 
+/// How the HTTP front answers, beyond what the engine serves.
+#[derive(Debug, Clone)]
+pub struct HttpOptions {
+    /// Silence after which a stream sends a keep-alive comment.
+    pub sse_keep_alive: std::time::Duration,
+    /// How the model writes tool calls on its own (`tool_choice: "auto"`); `None` refuses
+    /// `"auto"` with tools.
+    pub tool_parser: Option<ToolCallParser>,
+}
+
+impl HttpOptions {
+    /// The defaults for `engine`'s model: [`SSE_KEEP_ALIVE`], and the tool-call parser its
+    /// tokenizer calls for ([`ToolCallParser::detect`]).
+    pub fn for_engine(engine: &EngineHandle) -> Self {
+        Self {
+            sse_keep_alive: SSE_KEEP_ALIVE,
+            tool_parser: ToolCallParser::detect(engine.tokenizer()),
+        }
+    }
+}
+
 /// Builds the HTTP app serving `engine` as a standalone node.
 pub fn router(engine: EngineHandle) -> axum::Router {
-    routes::router(
-        engine,
-        std::sync::Arc::new(Disagg::standalone()),
-        SSE_KEEP_ALIVE,
-    )
+    let options = HttpOptions::for_engine(&engine);
+    routes::router(engine, std::sync::Arc::new(Disagg::standalone()), options)
 }
 
 /// Serves [`router`]`(engine)` on `listener` until `shutdown` resolves, then stops accepting
@@ -66,11 +85,11 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let disagg = Arc::new(Disagg::standalone());
-    serve_with(listener, engine, disagg, SSE_KEEP_ALIVE, shutdown).await
+    let options = HttpOptions::for_engine(&engine);
+    serve_with(listener, engine, disagg, options, shutdown).await
 }
 
-/// [`serve`] for a node with a P/D role; streams send a keep-alive comment after
-/// `sse_keep_alive` of silence.
+/// [`serve`] for a node with a P/D role and its own [`HttpOptions`].
 ///
 /// # Errors
 /// Only when accepting on `listener` fails fatally.
@@ -78,10 +97,10 @@ pub async fn serve_with(
     listener: tokio::net::TcpListener,
     engine: EngineHandle,
     disagg: Arc<Disagg>,
-    sse_keep_alive: std::time::Duration,
+    options: HttpOptions,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, routes::router(engine, disagg, sse_keep_alive))
+    axum::serve(listener, routes::router(engine, disagg, options))
         .with_graceful_shutdown(shutdown)
         .await
 }

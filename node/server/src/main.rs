@@ -149,6 +149,11 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     };
     let lease_duration = args.lease_duration()?;
     let sse_keep_alive = args.sse_keep_alive()?;
+    let tool_parser = args.tool_call_parser.resolve(engine.tokenizer());
+    tracing::info!(
+        tool_call_parser = tool_parser.map_or("none", pd_node::ToolCallParser::name),
+        "tool calls the model writes itself (tool_choice \"auto\") are read by this parser"
+    );
     // The cluster token the side channel requires and sends: the configured one, replaced by
     // the one the gateway hands out at registration (see below).
     let (cluster_token, token_rx) =
@@ -284,10 +289,13 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
             pull,
             transfer_metrics,
         ));
-        let served =
-            pd_node::serve_with(listener, engine, disagg, sse_keep_alive, shutdown_signal())
-                .await
-                .context("serving HTTP");
+        let options = pd_node::HttpOptions {
+            sse_keep_alive,
+            tool_parser,
+        };
+        let served = pd_node::serve_with(listener, engine, disagg, options, shutdown_signal())
+            .await
+            .context("serving HTTP");
         if let Some(r) = reporter {
             r.shutdown().await;
         }

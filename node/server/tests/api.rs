@@ -44,6 +44,12 @@ struct Server {
 
 impl Server {
     async fn start() -> Self {
+        Self::start_with(None).await
+    }
+
+    /// A server whose chat reads the calls the model writes itself with `tool_parser`
+    /// (`--tool-call-parser`); [`Server::start`] detects none for the tiny model.
+    async fn start_with(tool_parser: Option<pd_node::ToolCallParser>) -> Self {
         let config = EngineConfig {
             model_dir: model_dir().clone(),
             served_model_name: Some("tiny".into()),
@@ -59,9 +65,24 @@ impl Server {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let (shutdown, rx) = oneshot::channel::<()>();
-        let task = tokio::spawn(pd_node::serve(listener, engine.clone(), async {
-            let _ = rx.await;
-        }));
+        let options = pd_node::HttpOptions {
+            tool_parser,
+            ..pd_node::HttpOptions::for_engine(&engine)
+        };
+        assert_eq!(
+            pd_node::HttpOptions::for_engine(&engine).tool_parser,
+            None,
+            "the tiny model's files do not name <tool_call>"
+        );
+        let task = tokio::spawn(pd_node::serve_with(
+            listener,
+            engine.clone(),
+            std::sync::Arc::new(pd_node::Disagg::standalone()),
+            options,
+            async {
+                let _ = rx.await;
+            },
+        ));
         Self {
             base,
             engine,
@@ -1547,5 +1568,143 @@ async fn forced_tool_calls_are_calls_to_declared_tools_with_valid_arguments() {
     let (status, out) = server.post("/v1/chat/completions", &next).await;
     assert_eq!(status, 200, "{out}");
     assert!(out["choices"][0]["message"]["content"].is_string(), "{out}");
+    server.stop().await;
+}
+
+/// `tool_choice: "auto"` (the default with tools) on a node serving with the Hermes parser:
+/// the model's text is the answer, and `<tool_call>` blocks in it that call a declared tool
+/// with an object of arguments are `tool_calls` (`finish_reason: "tool_calls"`). A random tiny
+/// model never writes such a block, so the blocks are held to that shape by a regex
+/// (`structured_outputs`, which combines with `"auto"`): the parser is what is tested, on the
+/// engine's real text, streamed and not.
+#[tokio::test]
+async fn tool_calls_the_model_writes_itself_are_read_by_the_nodes_parser() {
+    let server = Server::start_with(Some(pd_node::ToolCallParser::Hermes)).await;
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+            "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+        {"type": "function", "function": {"name": "get_time"}}
+    ]);
+    let messages = json!([{"role": "user", "content": "What is the weather in Oslo?"}]);
+
+    // Plain text through the parser is the text the model wrote, token for token the same as
+    // answering without tools (special tokens kept, as the parser asks of the decoder).
+    let plain = json!({"messages": messages, "max_tokens": 24, "temperature": 0,
+        "return_token_ids": true, "skip_special_tokens": false});
+    let (status, without) = server.post("/v1/chat/completions", &plain).await;
+    assert_eq!(status, 200, "{without}");
+    let mut auto = plain.clone();
+    auto["tools"] = tools.clone();
+    auto.as_object_mut().unwrap().remove("skip_special_tokens");
+    let (status, with) = server.post("/v1/chat/completions", &auto).await;
+    assert_eq!(status, 200, "{with}");
+    assert_eq!(
+        with["choices"][0]["token_ids"],
+        without["choices"][0]["token_ids"]
+    );
+    assert_eq!(
+        with["choices"][0]["message"]["content"], without["choices"][0]["message"]["content"],
+        "{with}"
+    );
+    assert_eq!(
+        with["choices"][0]["message"]["tool_calls"],
+        json!([]),
+        "{with}"
+    );
+    assert_eq!(with["choices"][0]["finish_reason"], "length");
+
+    // Text, then two calls, each block as Hermes writes it.
+    let hermes = r#"Checking [A-Z][a-z]{1,6}\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,6}"\}\}\n</tool_call>\n<tool_call>\n\{"name": "get_time", "arguments": \{\}\}\n</tool_call>"#;
+    let body = json!({"messages": messages, "tools": tools, "tool_choice": "auto",
+        "max_tokens": 200, "temperature": 0.8, "seed": 5, "n": 2,
+        "structured_outputs": {"regex": hermes}});
+    let (status, out) = server.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{out}");
+    for c in out["choices"].as_array().unwrap() {
+        assert_eq!(c["finish_reason"], "tool_calls", "{c}");
+        let content = c["message"]["content"].as_str().unwrap();
+        assert!(
+            content.starts_with("Checking ") && content.ends_with(".\n"),
+            "{content:?}"
+        );
+        let calls = c["message"]["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 2, "{c}");
+        assert_eq!(calls[0]["function"]["name"], "get_weather");
+        let args: Value =
+            serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert!(
+            args["city"].as_str().is_some_and(|s| s.len() >= 2),
+            "{args}"
+        );
+        assert_eq!(
+            calls[1]["function"],
+            json!({"name": "get_time", "arguments": "{}"})
+        );
+        for call in calls {
+            assert!(call.get("index").is_none(), "{call}");
+            assert_eq!(call["type"], "function");
+            assert!(call["id"].as_str().unwrap().starts_with("call_"), "{call}");
+        }
+    }
+    // Streamed: the content and calls a client assembles are the ones above (same seed).
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let chunks = json_chunks(&server.post_stream("/v1/chat/completions", &streamed).await);
+    for c in out["choices"].as_array().unwrap() {
+        let index = &c["index"];
+        let mine: Vec<&Value> = chunks
+            .iter()
+            .flat_map(|k| k["choices"].as_array().unwrap())
+            .filter(|k| k["index"] == *index)
+            .collect();
+        let content: String = mine
+            .iter()
+            .filter_map(|k| k["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(content, c["message"]["content"].as_str().unwrap());
+        let calls: Vec<&Value> = mine
+            .iter()
+            .filter_map(|k| k["delta"]["tool_calls"].as_array())
+            .flatten()
+            .collect();
+        assert_eq!(calls.len(), 2, "{calls:?}");
+        for (i, (sent, whole)) in calls
+            .iter()
+            .zip(c["message"]["tool_calls"].as_array().unwrap())
+            .enumerate()
+        {
+            assert_eq!(sent["index"], i, "{sent}");
+            assert_eq!(sent["function"], whole["function"]);
+            assert!(sent["id"].is_string(), "{sent}");
+        }
+        // No text of a block leaks into the content first.
+        assert!(!content.contains('<'), "{content:?}");
+        assert_eq!(
+            mine.last().unwrap()["finish_reason"],
+            "tool_calls",
+            "{:?}",
+            mine.last()
+        );
+    }
+
+    // A block calling an undeclared tool is no call: the answer is its text, whole.
+    let body = json!({"messages": messages, "tools": tools, "max_tokens": 200, "temperature": 0,
+        "structured_outputs": {"regex": r#"<tool_call>\n\{"name": "rm_rf", "arguments": \{\}\}\n</tool_call>"#}});
+    let (status, out) = server.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{out}");
+    let c = &out["choices"][0];
+    assert_eq!(c["finish_reason"], "stop", "{c}");
+    assert_eq!(
+        c["message"]["content"],
+        "<tool_call>\n{\"name\": \"rm_rf\", \"arguments\": {}}\n</tool_call>"
+    );
+    assert_eq!(c["message"]["tool_calls"], json!([]), "{c}");
+
+    // tool_choice "none" answers in text, the parser on or not.
+    let none = json!({"messages": messages, "tools": tools, "tool_choice": "none",
+        "max_tokens": 24, "temperature": 0, "return_token_ids": true});
+    let (status, out) = server.post("/v1/chat/completions", &none).await;
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(out["choices"][0]["finish_reason"], "length");
     server.stop().await;
 }

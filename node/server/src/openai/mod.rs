@@ -9,6 +9,7 @@ pub(crate) mod chat;
 pub(crate) mod completions;
 pub(crate) mod responses;
 pub(crate) mod structured;
+pub(crate) mod tool_parser;
 pub(crate) mod tools;
 pub(crate) mod unsupported;
 
@@ -106,6 +107,9 @@ pub(crate) struct SamplingFields {
     /// Token id (as a string, OpenAI's form) → bias added to its logit.
     #[serde(default)]
     pub(crate) logit_bias: Option<BTreeMap<String, f32>>,
+    /// vLLM extension (default true).
+    #[serde(default)]
+    pub(crate) skip_special_tokens: Option<bool>,
 }
 
 impl SamplingFields {
@@ -154,6 +158,9 @@ impl SamplingFields {
             min_p: self.min_p.unwrap_or(defaults.min_p),
             logit_bias: logit_bias(self.logit_bias.as_ref())?,
             structured: None,
+            skip_special_tokens: self
+                .skip_special_tokens
+                .unwrap_or(defaults.skip_special_tokens),
         })
     }
 

@@ -1,14 +1,20 @@
-//! Tool calling on `/v1/chat/completions` where the client forces it: `tool_choice` naming a
-//! function, or `"required"`. The answer is generated under a JSON schema built from the tools
-//! (structured output: `pd_grammar`), so it is always a well-formed call to a declared tool, on
-//! any model, with no model-specific tool-call parser — what vLLM does for these two choices.
-//! `tool_choice: "auto"` with tools would need such a parser (the model decides whether to call,
-//! in its own format) and is refused by name; `"none"` answers in text.
+//! Tool calling on `/v1/chat/completions`.
+//!
+//! - Where the client forces a call (`tool_choice` naming a function, or `"required"`) the
+//!   answer is generated under a JSON schema built from the tools (structured output:
+//!   `pd_grammar`), so it is always a well-formed call to a declared tool, on any model, with
+//!   no model-specific parser: what vLLM does for these two choices.
+//! - `"auto"` (the default when tools are sent) lets the model decide, in its own format: the
+//!   node's tool-call parser (`--tool-call-parser`, [`super::tool_parser`]) reads the calls out
+//!   of its text. Without one, `"auto"` with tools is refused by name.
+//! - `"none"` answers in text.
+use std::sync::Arc;
 
 use pd_grammar::OutputSpec;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use super::tool_parser::{CallReader, Piece, ToolCallParser};
 use crate::error::ApiError;
 
 /// `tools` and `tool_choice`, flattened into each request body.
@@ -37,6 +43,12 @@ pub(crate) enum ToolCalling {
     Named(Function),
     /// `tool_choice: "required"`: the answer is a list of one or more calls to declared tools.
     Required(Vec<Function>),
+    /// `tool_choice: "auto"` with tools: the model answers in text, calls, or both, read by
+    /// `parser`; a call names one of `names`.
+    Auto {
+        parser: ToolCallParser,
+        names: Arc<[String]>,
+    },
 }
 
 impl ToolFields {
@@ -44,22 +56,26 @@ impl ToolFields {
     ///
     /// # Errors
     /// A 400 naming `tools` or `tool_choice` for a malformed tool, an unknown function named,
-    /// `"required"` without tools, or `"auto"` with tools (no tool-call parser here).
-    pub(crate) fn for_chat(&self) -> Result<ToolCalling, ApiError> {
+    /// `"required"` without tools, or `"auto"` with tools on a node without a tool-call
+    /// parser (`parser`).
+    pub(crate) fn for_chat(&self, parser: Option<ToolCallParser>) -> Result<ToolCalling, ApiError> {
         let tools = self.tools()?;
+        let auto = |tools: Vec<Function>| {
+            if tools.is_empty() {
+                return Ok(ToolCalling::Text);
+            }
+            let parser = parser.ok_or_else(auto_refused)?;
+            Ok(ToolCalling::Auto {
+                parser,
+                names: tools.into_iter().map(|f| f.name).collect(),
+            })
+        };
         let choice = present(&self.tool_choice);
         match choice {
-            None => {
-                if tools.is_empty() {
-                    Ok(ToolCalling::Text)
-                } else {
-                    Err(auto_refused())
-                }
-            }
+            None => auto(tools),
             Some(Value::String(s)) => match s.as_str() {
                 "none" => Ok(ToolCalling::Text),
-                "auto" if tools.is_empty() => Ok(ToolCalling::Text),
-                "auto" => Err(auto_refused()),
+                "auto" => auto(tools),
                 "required" if tools.is_empty() => Err(ApiError::invalid(
                     "tool_choice",
                     "tool_choice \"required\" needs at least one tool in tools",
@@ -181,7 +197,8 @@ impl ToolFields {
 fn auto_refused() -> ApiError {
     ApiError::invalid(
         "tools",
-        "tool_choice \"auto\" needs a tool-call parser for this model, which this server does not have: \
+        "tool_choice \"auto\" (the default with tools) needs a tool-call parser for this model, and this node \
+         serves without one (start it with --tool-call-parser hermes if the model writes <tool_call> blocks): \
          force a call with tool_choice \"required\" or a named function, or answer in text with \"none\"",
     )
 }
@@ -203,7 +220,7 @@ impl ToolCalling {
     /// As above.
     pub(crate) fn constraint(&self) -> Result<Option<OutputSpec>, ApiError> {
         match self {
-            ToolCalling::Text => Ok(None),
+            ToolCalling::Text | ToolCalling::Auto { .. } => Ok(None),
             ToolCalling::Named(f) => Ok(Some(OutputSpec::JsonSchema(f.parameters.clone()))),
             ToolCalling::Required(tools) => {
                 let mut defs = serde_json::Map::new();
@@ -263,7 +280,7 @@ impl ToolCalling {
     /// else why it was cut (`length`, or `stop` for a stop string inside the arguments).
     pub(crate) fn finish(&self, reason: Option<&'static str>, text: &str) -> Option<&'static str> {
         let whole = match self {
-            ToolCalling::Text => false,
+            ToolCalling::Text | ToolCalling::Auto { .. } => false,
             ToolCalling::Named(_) => serde_json::from_str::<serde::de::IgnoredAny>(text).is_ok(),
             ToolCalling::Required(_) => true,
         };
@@ -273,9 +290,17 @@ impl ToolCalling {
         }
     }
 
-    /// Whether answers are tool calls.
+    /// Whether answers are forced tool calls.
     pub(crate) fn calls(&self) -> bool {
-        !matches!(self, ToolCalling::Text)
+        matches!(self, ToolCalling::Named(_) | ToolCalling::Required(_))
+    }
+
+    /// A reader of one answer's own calls, where the model may write them (`"auto"`).
+    pub(crate) fn reader(&self) -> Option<CallReader> {
+        match self {
+            ToolCalling::Auto { parser, names } => Some(CallReader::new(*parser, names.clone())),
+            _ => None,
+        }
     }
 
     /// The `tool_calls` of a finished answer `text`, with `index` and fresh ids as streamed
@@ -284,7 +309,7 @@ impl ToolCalling {
     /// is returned as content).
     pub(crate) fn calls_of(&self, text: &str) -> Option<Vec<Value>> {
         match self {
-            ToolCalling::Text => None,
+            ToolCalling::Text | ToolCalling::Auto { .. } => None,
             ToolCalling::Named(f) => Some(vec![call(0, &f.name, text.to_owned())]),
             ToolCalling::Required(_) => {
                 // Each call's arguments as generated (not re-printed: a number past f64's
@@ -315,6 +340,35 @@ impl ToolCalling {
     }
 }
 
+/// What a [`CallReader`] read, as a message or delta carries it: the content (`None` if there
+/// was none) and the calls, numbered from `next_index` on (which moves past them).
+pub(crate) fn message_parts(
+    pieces: Vec<Piece>,
+    next_index: &mut usize,
+) -> (Option<String>, Vec<Value>) {
+    let mut content: Option<String> = None;
+    let mut calls = Vec::new();
+    for piece in pieces {
+        match piece {
+            Piece::Content(text) => content.get_or_insert_with(String::new).push_str(&text),
+            Piece::Call { name, arguments } => {
+                calls.push(call(*next_index, &name, arguments));
+                *next_index += 1;
+            }
+        }
+    }
+    (content, calls)
+}
+
+/// The `finish_reason` of an answer in which the model called `calls` tools itself: OpenAI's
+/// `tool_calls` where it called any and ended by itself, else its own reason.
+pub(crate) fn auto_finish(reason: Option<&'static str>, calls: usize) -> Option<&'static str> {
+    match reason {
+        Some("stop") if calls > 0 => Some("tool_calls"),
+        other => other,
+    }
+}
+
 /// Whether `schema` holds a `$ref` to its own root (`"#"`), which would name another schema
 /// once nested.
 fn refers_to_root(schema: &Value) -> bool {
@@ -328,7 +382,7 @@ fn refers_to_root(schema: &Value) -> bool {
 }
 
 /// One `tool_calls` entry.
-fn call(index: usize, name: &str, arguments: String) -> Value {
+pub(crate) fn call(index: usize, name: &str, arguments: String) -> Value {
     json!({"index": index, "id": crate::routes::new_id("call_"), "type": "function",
         "function": {"name": name, "arguments": arguments}})
 }
@@ -338,8 +392,15 @@ mod tests {
     use super::*;
 
     fn read(body: Value) -> Result<ToolCalling, Option<String>> {
+        read_with(body, None)
+    }
+
+    fn read_with(
+        body: Value,
+        parser: Option<ToolCallParser>,
+    ) -> Result<ToolCalling, Option<String>> {
         let f: ToolFields = serde_json::from_value(body).unwrap();
-        f.for_chat().map_err(|e| e.param().map(str::to_owned))
+        f.for_chat(parser).map_err(|e| e.param().map(str::to_owned))
     }
 
     fn weather() -> Value {
@@ -412,6 +473,37 @@ mod tests {
                 "{body}"
             );
         }
+    }
+
+    #[test]
+    fn auto_is_read_where_the_node_has_a_parser() {
+        let hermes = Some(ToolCallParser::Hermes);
+        let names: Arc<[String]> = vec!["weather".to_owned(), "time".to_owned()].into();
+        for body in [
+            json!({"tools": weather()}),
+            json!({"tools": weather(), "tool_choice": "auto"}),
+        ] {
+            assert_eq!(
+                read_with(body, hermes),
+                Ok(ToolCalling::Auto {
+                    parser: ToolCallParser::Hermes,
+                    names: names.clone()
+                })
+            );
+        }
+        assert_eq!(
+            read_with(json!({"tools": [], "tool_choice": "auto"}), hermes),
+            Ok(ToolCalling::Text)
+        );
+        assert_eq!(
+            read_with(json!({"tools": weather(), "tool_choice": "none"}), hermes),
+            Ok(ToolCalling::Text)
+        );
+        // Tools are checked as for a forced call.
+        assert_eq!(
+            read_with(json!({"tools": [{"type": "retrieval"}]}), hermes),
+            Err(Some("tools".to_owned()))
+        );
     }
 
     #[test]

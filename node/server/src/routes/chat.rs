@@ -17,7 +17,8 @@ use crate::openai::chat::{
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessageOut, ChatTokenLogprob, TopLogprob,
 };
-use crate::openai::tools::ToolCalling;
+use crate::openai::tool_parser::CallReader;
+use crate::openai::tools::{ToolCalling, auto_finish, message_parts};
 use crate::openai::{Usage, non_negative};
 use crate::prompt::{chat_messages, chat_tokens, token_text};
 use crate::sse::{SseFormatter, data_frame, done, error_frame, sse_response};
@@ -52,8 +53,12 @@ pub(super) async fn create(
             .rename_param("logprobs", "top_logprobs")
             .rename_param("prompt", "messages")
     };
-    let tools = req.tools.for_chat()?;
+    let tools = req.tools.for_chat(state.tool_parser)?;
     let mut params = req.sampling.to_params(max_tokens, logprobs)?;
+    if tools.reader().is_some() {
+        // The parser reads markers some tokenizers mark special (vLLM does the same).
+        params.skip_special_tokens = false;
+    }
     params.structured = req.structured.to_structured()?;
     if let Some(spec) = tools.constraint()? {
         if let Some(other) = &params.structured {
@@ -118,6 +123,9 @@ pub(super) async fn create(
             include_usage: req.sampling.include_usage(),
             finished: vec![false; n],
             calls: vec![String::new(); n],
+            readers: (0..n)
+                .filter_map(|_| out.tools.reader().map(|r| (r, 0)))
+                .collect(),
             failed: false,
             prompt_token_ids,
             out,
@@ -133,8 +141,32 @@ pub(super) async fn create(
         .enumerate()
         .map(|(index, child)| {
             let finish_reason = child.finish_reason.map(|r| r.as_str());
-            let (content, tool_calls, finish_reason) = match out.tools.calls_of(&child.text) {
-                Some(mut calls) => {
+            let written = out.tools.reader().map(|mut reader| {
+                let mut pieces = Vec::new();
+                reader.push(&child.text, &mut pieces);
+                reader.finish(&mut pieces);
+                message_parts(pieces, &mut 0)
+            });
+            let forced = match written {
+                Some(_) => None,
+                None => out.tools.calls_of(&child.text),
+            };
+            let (content, tool_calls, finish_reason) = match (written, forced) {
+                (Some((content, mut calls)), _) => {
+                    for c in &mut calls {
+                        if let Some(o) = c.as_object_mut() {
+                            o.remove("index");
+                        }
+                    }
+                    let finish_reason = auto_finish(finish_reason, calls.len());
+                    // Text answers keep their (possibly empty) content; calls alone have none.
+                    let content = match content {
+                        None if calls.is_empty() => Some(String::new()),
+                        other => other,
+                    };
+                    (content, calls, finish_reason)
+                }
+                (None, Some(mut calls)) => {
                     // `index` is a streamed delta's field, not a message's.
                     for c in &mut calls {
                         if let Some(o) = c.as_object_mut() {
@@ -144,7 +176,7 @@ pub(super) async fn create(
                     let finish_reason = out.tools.finish(finish_reason, &child.text);
                     (None, calls, finish_reason)
                 }
-                None => (Some(child.text), Vec::new(), finish_reason),
+                (None, None) => (Some(child.text), Vec::new(), finish_reason),
             };
             ChatChoice {
                 index,
@@ -227,6 +259,9 @@ struct ChatStream {
     /// Per choice, a tool-call answer's text so far (a `"required"` list is sent as calls when
     /// it ends).
     calls: Vec<String>,
+    /// Per choice, where the model may call tools itself (`"auto"`): the reader of its text and
+    /// how many calls it has sent (the next call's `index`). Empty otherwise.
+    readers: Vec<(CallReader, usize)>,
     failed: bool,
     /// Sent on the first chunk, then `None`.
     prompt_token_ids: Option<Vec<u32>>,
@@ -234,6 +269,26 @@ struct ChatStream {
 }
 
 impl ChatStream {
+    /// `"auto"`: what `child`'s new `text` (and, where `ended`, the end of its answer) adds:
+    /// content the reader let through and whole calls, and how many calls it has sent so far.
+    fn written(&mut self, child: usize, text: &str, ended: bool) -> (ChatDelta, usize) {
+        let Some((reader, sent)) = self.readers.get_mut(child) else {
+            return (ChatDelta::default(), 0);
+        };
+        let mut pieces = Vec::new();
+        reader.push(text, &mut pieces);
+        if ended {
+            reader.finish(&mut pieces);
+        }
+        let (content, calls) = message_parts(pieces, sent);
+        let delta = ChatDelta {
+            content,
+            tool_calls: (!calls.is_empty()).then_some(calls),
+            ..ChatDelta::default()
+        };
+        (delta, *sent)
+    }
+
     /// What new `text` of `child` adds: content, a named call's arguments, or nothing yet (a
     /// list of calls is kept until it ends).
     fn delta(&mut self, child: usize, text: String) -> ChatDelta {
@@ -245,6 +300,7 @@ impl ChatStream {
                 content: Some(text),
                 ..ChatDelta::default()
             },
+            ToolCalling::Auto { .. } => self.written(child, &text, false).0,
             ToolCalling::Named(_) => {
                 // Kept too: whether the call is whole decides its `finish_reason`.
                 if let Some(buffer) = self.calls.get_mut(child) {
@@ -357,6 +413,11 @@ impl SseFormatter for ChatStream {
                         content: (!text.is_empty()).then_some(text),
                         ..ChatDelta::default()
                     },
+                    ToolCalling::Auto { .. } => {
+                        let (delta, calls) = self.written(child, &text, true);
+                        finish = auto_finish(finish, calls);
+                        delta
+                    }
                     ToolCalling::Named(_) => {
                         let delta = self.delta(child, text);
                         let all = self

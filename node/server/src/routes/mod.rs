@@ -37,6 +37,8 @@ pub(crate) struct AppState {
     pub(crate) disagg: Arc<Disagg>,
     /// Silence after which a stream sends a keep-alive comment.
     pub(crate) sse_keep_alive: std::time::Duration,
+    /// How the model writes its own tool calls, if this node reads them.
+    pub(crate) tool_parser: Option<crate::ToolCallParser>,
 }
 
 impl AppState {
@@ -249,13 +251,14 @@ impl Drop for KvPlan {
 pub(crate) fn router(
     engine: EngineHandle,
     disagg: Arc<Disagg>,
-    sse_keep_alive: std::time::Duration,
+    options: crate::HttpOptions,
 ) -> Router {
     let state = AppState {
         engine,
         started: unix_now(),
         disagg,
-        sse_keep_alive,
+        sse_keep_alive: options.sse_keep_alive,
+        tool_parser: options.tool_parser,
     };
     Router::new()
         .route("/health", get(health))
