@@ -17,7 +17,8 @@ stdout is a JSON list with one result per spec, in order:
     {"texts": [str per choice], "token_ids": [[int] per choice] | null, "finish_reasons": [...],
      "usage": {... as the SDK parsed it}, "prompt_tokens": int, "cached_tokens": int | null,
      "kv_pulled_tokens": int | null, "response_id": str | null,
-     "tool_calls": [[{"name": str, "arguments": str}] per choice] (chat)}
+     "tool_calls": [[{"name": str, "arguments": str}] per choice] (chat: `tool_calls`;
+                   responses: the `function_call` output items)}
 
 A spec with `"continue": true` goes on from the spec before it, as an application keeps a
 conversation: on chat, its messages are sent after the previous spec's messages and the previous
@@ -157,6 +158,11 @@ def completions(client, spec):
     return out
 
 
+def function_calls(output):
+    """A response's `function_call` output items, as {"name", "arguments"}."""
+    return [{"name": i.name, "arguments": i.arguments} for i in output if i.type == "function_call"]
+
+
 def responses(client, spec):
     kwargs = sampling(spec)
     kwargs.update(input=spec["input"], max_output_tokens=spec["max_tokens"])
@@ -166,13 +172,24 @@ def responses(client, spec):
         raise ValueError("the Responses API has no n")
     if not spec.get("stream"):
         r = client.responses.create(**kwargs)
-        out = {"texts": [r.output_text], "token_ids": None, "finish_reasons": [r.status], "response_id": r.id}
+        out = {"texts": [r.output_text], "token_ids": None, "finish_reasons": [r.status], "response_id": r.id,
+               "tool_calls": [function_calls(r.output)]}
         out.update(usage_fields(r.usage, "input_tokens", "input_tokens_details"))
         return out
     text, final = "", None
+    # Calls as the events build them: an item added (its name), argument deltas, done.
+    calls, arguments = {}, {}
     for event in client.responses.create(stream=True, **kwargs):
         if event.type == "response.output_text.delta":
             text += event.delta
+        elif event.type == "response.output_item.added" and event.item.type == "function_call":
+            calls[event.item.id] = event.item.name
+            arguments[event.item.id] = ""
+        elif event.type == "response.function_call_arguments.delta":
+            arguments[event.item_id] += event.delta
+        elif event.type == "response.function_call_arguments.done":
+            if event.arguments != arguments[event.item_id]:
+                raise RuntimeError(f"argument deltas {arguments[event.item_id]!r} differ from .done's {event.arguments!r}")
         elif event.type in ("response.completed", "response.incomplete"):
             final = event.response
         elif event.type in ("response.failed", "error"):
@@ -181,7 +198,11 @@ def responses(client, spec):
         raise RuntimeError("the stream ended without response.completed")
     if final.output_text != text:
         raise RuntimeError(f"deltas {text!r} differ from the final output_text {final.output_text!r}")
-    out = {"texts": [text], "token_ids": None, "finish_reasons": [final.status], "response_id": final.id}
+    streamed = [{"name": calls[k], "arguments": arguments[k]} for k in calls]
+    if streamed != function_calls(final.output):
+        raise RuntimeError(f"streamed calls {streamed!r} differ from the final output's {function_calls(final.output)!r}")
+    out = {"texts": [text], "token_ids": None, "finish_reasons": [final.status], "response_id": final.id,
+           "tool_calls": [streamed]}
     out.update(usage_fields(final.usage, "input_tokens", "input_tokens_details"))
     return out
 

@@ -15,7 +15,8 @@
 //! as on one node. So are tool calls the model writes itself (`tool_choice` `"auto"`, every
 //! node serving with `--tool-call-parser hermes`): text first, then `<tool_call>` blocks that
 //! come back as `tool_calls` (the blocks are held to that shape by a regex in
-//! `structured_outputs`, since a random tiny model would never write one).
+//! `structured_outputs`, since a random tiny model would never write one). The Responses API
+//! takes the same tools in its own shapes and answers with `function_call` items.
 
 use std::time::Duration;
 
@@ -137,6 +138,28 @@ fn specs() -> Vec<Value> {
             "extra_body": {"return_token_ids": true, "structured_outputs": {"regex": hermes}}}),
         );
     }
+    // The same tools on the Responses API, in its shapes: a named call streamed, `"auto"` not.
+    let responses_tools: Vec<Value> = tools
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            let f = &t["function"];
+            json!({"type": "function", "name": f["name"], "parameters": f["parameters"]})
+        })
+        .collect();
+    specs.push(
+        json!({"api": "responses", "stream": true, "n": 1, "max_tokens": STRUCTURED_MAX_TOKENS,
+        "temperature": 0.0, "structured": "tool", "input": text(specs.len(), "responses"),
+        "sampling": {"tools": responses_tools,
+            "tool_choice": {"type": "function", "name": "get_weather"}}}),
+    );
+    specs.push(
+        json!({"api": "responses", "stream": false, "n": 1, "max_tokens": STRUCTURED_MAX_TOKENS,
+        "temperature": 0.0, "structured": "auto-tool", "input": text(specs.len(), "responses"),
+        "sampling": {"tools": responses_tools},
+        "extra_body": {"structured_outputs": {"regex": hermes}}}),
+    );
     specs.push(
         json!({"api": "responses", "stream": true, "n": 1, "max_tokens": STRUCTURED_MAX_TOKENS,
         "temperature": 0.0, "structured": "json", "input": text(specs.len(), "responses"),
@@ -165,9 +188,15 @@ fn check_structured(spec: &Value, answer: &Value) {
         .enumerate()
     {
         let text = text.as_str().unwrap();
+        // Chat's finish reason for calls; a response's status.
+        let called = if spec["api"] == "responses" {
+            "completed"
+        } else {
+            "tool_calls"
+        };
         if spec["structured"] == "auto-tool" {
             // The sentence before the calls is content; the two blocks are calls.
-            assert_eq!(reason, "tool_calls", "{spec}: {answer}");
+            assert_eq!(reason, called, "{spec}: {answer}");
             assert!(
                 text.ends_with(".\n") && !text.contains("tool_call"),
                 "{text:?}"
@@ -183,7 +212,7 @@ fn check_structured(spec: &Value, answer: &Value) {
             continue;
         }
         if spec["structured"] == "tool" {
-            assert_eq!(reason, "tool_calls", "{spec}: {answer}");
+            assert_eq!(reason, called, "{spec}: {answer}");
             let calls = answer["tool_calls"][0].as_array().expect("tool calls");
             assert!(!calls.is_empty(), "{answer}");
             for c in calls {

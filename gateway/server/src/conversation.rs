@@ -468,30 +468,34 @@ pub fn input_items(input: &Value) -> Vec<Value> {
 }
 
 /// The output items of a response object, as input items of the next turn: each `message`
-/// item becomes `{"role": "assistant", "content": <its text>}`.
+/// item becomes `{"role": "assistant", "content": <its text>}`; each `function_call` item (a
+/// tool the model called) is kept as it is, the next turn's `function_call_output` answering it.
 pub fn output_items(response: &Value) -> Vec<Value> {
     let Some(output) = response.get("output").and_then(Value::as_array) else {
         return Vec::new();
     };
     output
         .iter()
-        .filter(|item| item.get("type").and_then(Value::as_str) == Some("message"))
-        .map(|item| {
-            let text: String = item
-                .get("content")
-                .and_then(Value::as_array)
-                .map(|parts| {
-                    parts
-                        .iter()
-                        .filter_map(|p| p.get("text").and_then(Value::as_str))
-                        .collect()
-                })
-                .unwrap_or_default();
-            let role = item
-                .get("role")
-                .and_then(Value::as_str)
-                .unwrap_or("assistant");
-            json!({"role": role, "content": text})
+        .filter_map(|item| match item.get("type").and_then(Value::as_str) {
+            Some("message") => {
+                let text: String = item
+                    .get("content")
+                    .and_then(Value::as_array)
+                    .map(|parts| {
+                        parts
+                            .iter()
+                            .filter_map(|p| p.get("text").and_then(Value::as_str))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                let role = item
+                    .get("role")
+                    .and_then(Value::as_str)
+                    .unwrap_or("assistant");
+                Some(json!({"role": role, "content": text}))
+            }
+            Some("function_call") => Some(item.clone()),
+            _ => None,
         })
         .collect()
 }
@@ -703,9 +707,14 @@ mod tests {
         let resp = json!({"id": "r", "output": [
             {"type": "message", "id": "m", "role": "assistant", "status": "completed",
              "content": [{"type": "output_text", "text": "Par"}, {"type": "output_text", "text": "is"}]},
-            {"type": "reasoning", "summary": []}
+            {"type": "reasoning", "summary": []},
+            {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "weather",
+             "arguments": "{}", "status": "completed"}
         ]});
-        assert_eq!(output_items(&resp), vec![msg("assistant", "Paris")]);
+        assert_eq!(
+            output_items(&resp),
+            vec![msg("assistant", "Paris"), resp["output"][2].clone()]
+        );
         assert_eq!(input_items(&json!("q")), vec![msg("user", "q")]);
     }
 }

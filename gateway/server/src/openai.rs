@@ -167,7 +167,11 @@ pub fn analyze(
                     ));
                 }
             };
-            PromptKind::Chat(prompt::responses_messages(instructions, input)?, "input")
+            let messages = prompt::responses_messages(instructions, input)?;
+            match prompt::responses_tools(body.get("tools").filter(|t| !t.is_null())) {
+                Some(tools) => PromptKind::ChatWithTools(messages, tools, "input"),
+                None => PromptKind::Chat(messages, "input"),
+            }
         }
     };
     let cache_salt = match body.get("cache_salt") {

@@ -1192,8 +1192,9 @@ async fn penalties_and_logit_bias_change_greedy_answers() {
 }
 
 /// Out-of-range sampling fields, malformed or unsupported structured output, and the OpenAI
-/// features this node does not implement (tools the model may call at will, tools outside
-/// chat, `suffix`, `best_of`), are a 400 naming the field, never silently dropped.
+/// features this node does not implement (tools the model may call at will without a tool-call
+/// parser, tools on completions, `suffix`, `best_of`), are a 400 naming the field, never
+/// silently dropped.
 #[tokio::test]
 async fn unsupported_features_and_bad_sampling_fields_are_refused_by_name() {
     let server = Server::start().await;
@@ -1706,5 +1707,237 @@ async fn tool_calls_the_model_writes_itself_are_read_by_the_nodes_parser() {
     let (status, out) = server.post("/v1/chat/completions", &none).await;
     assert_eq!(status, 200, "{out}");
     assert_eq!(out["choices"][0]["finish_reason"], "length");
+    server.stop().await;
+}
+
+/// A streamed response's events, checked (`type` = the SSE event name, `sequence_number`
+/// counting from 0), and the response of its terminal event.
+fn response_events(frames: &[Frame]) -> (Vec<Value>, Value) {
+    let events: Vec<Value> = frames
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            let data = f.json();
+            assert_eq!(Some(data["type"].as_str().unwrap()), f.event.as_deref());
+            assert_eq!(data["sequence_number"], i, "{data}");
+            data
+        })
+        .collect();
+    let last = events.last().expect("events").clone();
+    assert!(
+        ["response.completed", "response.incomplete"].contains(&last["type"].as_str().unwrap()),
+        "{last}"
+    );
+    (events, last["response"].clone())
+}
+
+/// `output` without its generated ids, to compare a stream's with a whole answer's.
+fn without_ids(output: &Value) -> Value {
+    let mut output = output.clone();
+    for item in output.as_array_mut().unwrap() {
+        let item = item.as_object_mut().unwrap();
+        for key in ["id", "call_id"] {
+            if let Some(v) = item.remove(key) {
+                let prefix = v.as_str().unwrap().split('_').next().unwrap().to_owned();
+                item.insert(key.to_owned(), json!(prefix));
+            }
+        }
+    }
+    output
+}
+
+/// Function tools on the Responses API, in its own shapes: `tools` as `{"type": "function",
+/// "name", "parameters"}`, a named `tool_choice` as `{"type": "function", "name"}`, each call a
+/// `function_call` output item (`call_id`, `name`, `arguments`) streamed with
+/// `response.function_call_arguments.delta`/`.done`; `"required"` and `"auto"` (the node's
+/// parser) too, text and calls in the order written; and the next turn's `function_call` and
+/// `function_call_output` input items are the conversation the template renders.
+#[tokio::test]
+async fn function_tools_on_the_responses_api() {
+    let server = Server::start_with(Some(pd_node::ToolCallParser::Hermes)).await;
+    let tools = json!([
+        {"type": "function", "name": "get_weather", "description": "Weather now", "strict": true,
+            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+                "required": ["city"], "additionalProperties": false}},
+        {"type": "function", "name": "get_time", "parameters": {"type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+            "additionalProperties": false}}
+    ]);
+    let valid = |item: &Value| {
+        assert_eq!(item["type"], "function_call", "{item}");
+        assert!(item["id"].as_str().unwrap().starts_with("fc_"), "{item}");
+        assert!(
+            item["call_id"].as_str().unwrap().starts_with("call_"),
+            "{item}"
+        );
+        let a: Value = serde_json::from_str(item["arguments"].as_str().unwrap())
+            .unwrap_or_else(|e| panic!("{item}: {e}"));
+        match item["name"].as_str().unwrap() {
+            "get_weather" => assert!(
+                a["city"].as_str().is_some_and(|c| c.chars().count() <= 10),
+                "{a}"
+            ),
+            "get_time" => assert!(["UTC", "CET"].contains(&a["zone"].as_str().unwrap()), "{a}"),
+            other => panic!("a call to undeclared {other}"),
+        }
+    };
+    let ask = |extra: Value| {
+        let mut body = json!({"input": "What is the weather in Oslo?", "tools": tools,
+            "max_output_tokens": 200, "temperature": 0});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body
+    };
+
+    // Named: one function_call item, its arguments streamed as generated.
+    let body = ask(json!({"tool_choice": {"type": "function", "name": "get_weather"}}));
+    let (status, whole) = server.post("/v1/responses", &body).await;
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["status"], "completed", "{whole}");
+    assert_eq!(whole["tools"], tools);
+    assert_eq!(whole["tool_choice"], body["tool_choice"]);
+    let output = whole["output"].as_array().unwrap();
+    assert_eq!(output.len(), 1, "{whole}");
+    assert_eq!(output[0]["name"], "get_weather");
+    assert_eq!(output[0]["status"], "completed");
+    valid(&output[0]);
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (events, last) = response_events(&server.post_stream("/v1/responses", &streamed).await);
+    let names: Vec<&str> = events
+        .iter()
+        .map(|e| e["type"].as_str().unwrap())
+        .filter(|n| *n != "response.function_call_arguments.delta")
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.function_call_arguments.done",
+            "response.output_item.done",
+            "response.completed",
+        ]
+    );
+    let deltas: String = events
+        .iter()
+        .filter(|e| e["type"] == "response.function_call_arguments.delta")
+        .map(|e| e["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(deltas, output[0]["arguments"].as_str().unwrap());
+    assert_eq!(events[2]["item"]["type"], "function_call");
+    assert_eq!(events[2]["item"]["name"], "get_weather");
+    assert_eq!(without_ids(&last["output"]), without_ids(&whole["output"]));
+
+    // Required: one or more calls, each valid.
+    let body = ask(json!({"tool_choice": "required"}));
+    let (status, whole) = server.post("/v1/responses", &body).await;
+    assert_eq!(status, 200, "{whole}");
+    if whole["status"] == "completed" {
+        let output = whole["output"].as_array().unwrap();
+        assert!(!output.is_empty(), "{whole}");
+        output.iter().for_each(valid);
+    } else {
+        // A random model may list calls until the limit: the list is text then.
+        assert_eq!(
+            whole["incomplete_details"]["reason"], "max_output_tokens",
+            "{whole}"
+        );
+        assert_eq!(whole["output"][0]["type"], "message", "{whole}");
+    }
+
+    // Auto: the text the model writes, then the calls it writes (Hermes blocks, held to that
+    // shape by a regex: a random model writes none by itself), as items in that order.
+    let hermes = r#"Checking [A-Z][a-z]{1,6}\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,6}"\}\}\n</tool_call>\n<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}\n</tool_call>"#;
+    let body = ask(json!({"temperature": 0.7, "top_p": 0.9,
+        "structured_outputs": {"regex": hermes}}));
+    let (status, whole) = server.post("/v1/responses", &body).await;
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["status"], "completed", "{whole}");
+    let output = whole["output"].as_array().unwrap();
+    let kinds: Vec<&str> = output.iter().map(|i| i["type"].as_str().unwrap()).collect();
+    assert_eq!(
+        kinds,
+        ["message", "function_call", "function_call"],
+        "{whole}"
+    );
+    let text = output[0]["content"][0]["text"].as_str().unwrap();
+    assert!(
+        text.starts_with("Checking ") && text.ends_with(".\n"),
+        "{text:?}"
+    );
+    valid(&output[1]);
+    valid(&output[2]);
+    assert_eq!(output[2]["arguments"], r#"{"zone": "UTC"}"#);
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["temperature"] = json!(0);
+    let mut greedy = body.clone();
+    greedy["temperature"] = json!(0);
+    let (status, whole) = server.post("/v1/responses", &greedy).await;
+    assert_eq!(status, 200, "{whole}");
+    let (events, last) = response_events(&server.post_stream("/v1/responses", &streamed).await);
+    assert_eq!(without_ids(&last["output"]), without_ids(&whole["output"]));
+    // Each item announced at its index, the items done equal to the response's.
+    let done: Vec<Value> = events
+        .iter()
+        .filter(|e| e["type"] == "response.output_item.done")
+        .map(|e| {
+            let item = &last["output"][e["output_index"].as_u64().unwrap() as usize];
+            assert_eq!(&e["item"], item);
+            e["item"].clone()
+        })
+        .collect();
+    assert_eq!(done.len(), 3);
+    let streamed_text: String = events
+        .iter()
+        .filter(|e| e["type"] == "response.output_text.delta")
+        .map(|e| e["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        streamed_text,
+        last["output"][0]["content"][0]["text"].as_str().unwrap()
+    );
+
+    // The next turn: the calls and their outputs as input items.
+    let next = json!({"tools": tools, "max_output_tokens": 4, "temperature": 0, "input": [
+        {"role": "user", "content": "What is the weather in Oslo?"},
+        output[0].clone(), output[1].clone(), output[2].clone(),
+        {"type": "function_call_output", "call_id": output[1]["call_id"], "output": "4 degrees"},
+        {"type": "function_call_output", "call_id": output[2]["call_id"], "output": "12:00"}
+    ]});
+    let (status, out) = server.post("/v1/responses", &next).await;
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(out["output"][0]["type"], "message", "{out}");
+
+    // Malformed tool fields are named.
+    for (extra, param) in [
+        (json!({"tool_choice": {"type": "function"}}), "tool_choice"),
+        (
+            json!({"tool_choice": {"type": "function", "name": "nope"}}),
+            "tool_choice",
+        ),
+        (
+            json!({"tools": [{"type": "web_search"}], "tool_choice": "required"}),
+            "tools",
+        ),
+    ] {
+        assert_error(
+            server.post("/v1/responses", &ask(extra)).await,
+            400,
+            "invalid_request_error",
+            Some(param),
+        );
+    }
+    let (status, out) = server
+        .post(
+            "/v1/responses",
+            &json!({"input": [{"type": "function_call_output", "output": "x"}]}),
+        )
+        .await;
+    assert_eq!(status, 400, "{out}");
+    assert_eq!(out["error"]["param"], "input", "{out}");
     server.stop().await;
 }

@@ -113,6 +113,33 @@ pub fn chat_tools(tools: Option<&Value>) -> Option<Value> {
         .cloned()
 }
 
+/// `/v1/responses`' `tools` in the chat form templates and [`chat_tools`] take: each function
+/// tool `{"type": "function", "name", "description", "parameters", "strict"}` becomes
+/// `{"type": "function", "function": {"name", "description", "parameters"}}`; any other tool
+/// is kept as sent (a node refuses it by name). Read the same way by the node and the gateway.
+pub fn responses_tools(tools: Option<&Value>) -> Option<Value> {
+    let list = tools?.as_array()?;
+    let converted: Vec<Value> = list
+        .iter()
+        .map(|tool| {
+            let is_function = tool.get("type").and_then(Value::as_str) == Some("function");
+            match tool.as_object() {
+                Some(t) if is_function && !t.contains_key("function") => {
+                    let mut function = serde_json::Map::new();
+                    for key in ["name", "description", "parameters"] {
+                        if let Some(v) = t.get(key) {
+                            function.insert(key.to_owned(), v.clone());
+                        }
+                    }
+                    serde_json::json!({"type": "function", "function": function})
+                }
+                _ => tool.clone(),
+            }
+        })
+        .collect();
+    chat_tools(Some(&Value::Array(converted)))
+}
+
 /// Reads `/v1/completions`' `prompt`: a string, an array of token ids, or a one-element list of
 /// either. Longer lists (batches) are refused: send one request per prompt.
 ///
@@ -177,6 +204,42 @@ fn template_call(call: &Value) -> Value {
         *args = parsed;
     }
     call
+}
+
+/// A `function_call` input item (a call the model made in an earlier turn) as a template
+/// tool call: added to the assistant message just before it (the turn's text, or its earlier
+/// calls), else to a new assistant message with no text, as chat clients send it.
+fn push_call(messages: &mut Vec<ChatMessage>, item: &Value, at: &str) -> Result<(), PromptError> {
+    let call_id = string_field(item, "call_id", at)?;
+    let name = string_field(item, "name", at)?;
+    let arguments = string_field(item, "arguments", at)?;
+    let call = template_call(&serde_json::json!({"id": call_id, "type": "function",
+        "function": {"name": name, "arguments": arguments}}));
+    let joins = messages
+        .last()
+        .is_some_and(|m| m.role == "assistant" && m.tool_call_id.is_none());
+    if !joins {
+        messages.push(ChatMessage {
+            role: "assistant".to_owned(),
+            content: String::new(),
+            tool_calls: None,
+            tool_call_id: None,
+        });
+    }
+    if let Some(last) = messages.last_mut() {
+        match &mut last.tool_calls {
+            Some(Value::Array(calls)) => calls.push(call),
+            _ => last.tool_calls = Some(Value::Array(vec![call])),
+        }
+    }
+    Ok(())
+}
+
+/// `item[key]` as a string, or a 400 naming `input`.
+fn string_field<'a>(item: &'a Value, key: &str, at: &str) -> Result<&'a str, PromptError> {
+    item.get(key)
+        .and_then(Value::as_str)
+        .ok_or_else(|| PromptError::invalid("input", format!("{at}: missing string field `{key}`")))
 }
 
 /// Roles a chat template understands; `developer` (OpenAI's newer name) is sent as `system`.
@@ -306,11 +369,36 @@ pub fn responses_messages(
                     .get("type")
                     .and_then(Value::as_str)
                     .unwrap_or("message");
-                if kind != "message" {
-                    return Err(PromptError::invalid(
-                        "input",
-                        format!("{at}: only message items are supported, got `{kind}`"),
-                    ));
+                match kind {
+                    "message" => {}
+                    "function_call" => {
+                        push_call(&mut messages, item, &at)?;
+                        continue;
+                    }
+                    "function_call_output" => {
+                        let call_id = string_field(item, "call_id", &at)?;
+                        let output = content_text(
+                            item.get("output"),
+                            &["input_text", "output_text", "text"],
+                            "input",
+                            &at,
+                        )?;
+                        messages.push(ChatMessage {
+                            role: "tool".to_owned(),
+                            content: output,
+                            tool_calls: None,
+                            tool_call_id: Some(call_id.to_owned()),
+                        });
+                        continue;
+                    }
+                    _ => {
+                        return Err(PromptError::invalid(
+                            "input",
+                            format!(
+                                "{at}: only message, function_call and function_call_output items are supported, got `{kind}`"
+                            ),
+                        ));
+                    }
                 }
                 let role = item.get("role").and_then(Value::as_str).ok_or_else(|| {
                     PromptError::invalid("input", format!("{at}: missing string field `role`"))
@@ -669,5 +757,50 @@ mod tests {
         )
         .unwrap();
         assert_eq!(chat_messages(&bad).unwrap_err().param, "messages");
+    }
+
+    /// The Responses API's items and tools render as the same conversation in chat form: a
+    /// `function_call` joins the assistant turn before it, its output is a `tool` message.
+    #[test]
+    fn responses_function_items_are_the_chat_conversation() {
+        let items = json!([
+            {"role": "user", "content": "weather?"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+            {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "weather",
+                "arguments": "{\"city\": \"Oslo\"}", "status": "completed"},
+            {"type": "function_call", "call_id": "c2", "name": "time", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "rain"},
+            {"type": "function_call_output", "call_id": "c2", "output": "noon"},
+            {"type": "function_call", "call_id": "c3", "name": "time", "arguments": "{}"}
+        ]);
+        let messages = responses_messages(None, &items).unwrap();
+        let chat: Vec<ChatMessageIn> = serde_json::from_value(json!([
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": "Checking.", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}},
+                {"id": "c2", "type": "function", "function": {"name": "time", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+            {"role": "tool", "tool_call_id": "c2", "content": "noon"},
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"id": "c3", "type": "function", "function": {"name": "time", "arguments": "{}"}}]}
+        ]))
+        .unwrap();
+        assert_eq!(messages, chat_messages(&chat).unwrap());
+        let tools = json!([{"type": "function", "name": "weather", "description": "now",
+            "parameters": {"type": "object"}, "strict": true}, {"type": "web_search"}]);
+        assert_eq!(
+            responses_tools(Some(&tools)),
+            Some(json!([{"type": "function", "function": {"name": "weather",
+                "description": "now", "parameters": {"type": "object"}}}, {"type": "web_search"}]))
+        );
+        assert_eq!(responses_tools(Some(&json!([]))), None);
+        assert_eq!(responses_tools(None), None);
+        for bad in [
+            json!([{"type": "function_call", "name": "x", "arguments": "{}"}]),
+            json!([{"type": "function_call_output", "output": "x"}]),
+            json!([{"type": "reasoning", "summary": []}]),
+        ] {
+            assert_eq!(responses_messages(None, &bad).unwrap_err().param, "input");
+        }
     }
 }

@@ -59,9 +59,11 @@ pub(crate) struct ResponseObject {
     pub(crate) max_output_tokens: Option<usize>,
     pub(crate) temperature: f32,
     pub(crate) top_p: f32,
-    pub(crate) output: Vec<OutputMessage>,
+    pub(crate) output: Vec<OutputItem>,
     pub(crate) parallel_tool_calls: bool,
-    pub(crate) tool_choice: &'static str,
+    /// As sent (`"auto"` when absent).
+    pub(crate) tool_choice: serde_json::Value,
+    /// As sent.
     pub(crate) tools: Vec<serde_json::Value>,
     pub(crate) usage: Option<ResponseUsage>,
     /// A prefill node's handoff to the decode node (in the final response object).
@@ -80,6 +82,29 @@ pub(crate) struct IncompleteDetails {
 pub(crate) struct ResponseError {
     pub(crate) code: &'static str,
     pub(crate) message: String,
+}
+
+/// One item of a response's `output`.
+#[derive(Debug, Clone, Serialize)]
+#[serde(untagged)]
+pub(crate) enum OutputItem {
+    Message(OutputMessage),
+    FunctionCall(FunctionCall),
+}
+
+/// An output item of type `function_call`: one call of a declared function tool.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct FunctionCall {
+    #[serde(rename = "type")]
+    pub(crate) kind: &'static str,
+    /// The item's id (`fc_...`).
+    pub(crate) id: String,
+    /// The id the next turn's `function_call_output` answers (`call_...`).
+    pub(crate) call_id: String,
+    pub(crate) name: String,
+    /// The arguments, a JSON object's text.
+    pub(crate) arguments: String,
+    pub(crate) status: &'static str,
 }
 
 /// An output item of type `message`.
@@ -177,7 +202,7 @@ pub(crate) enum ResponseStreamEvent {
     OutputItemAdded {
         sequence_number: u64,
         output_index: usize,
-        item: OutputMessage,
+        item: OutputItem,
     },
     #[serde(rename = "response.content_part.added")]
     ContentPartAdded {
@@ -213,11 +238,26 @@ pub(crate) enum ResponseStreamEvent {
         content_index: usize,
         part: OutputText,
     },
+    #[serde(rename = "response.function_call_arguments.delta")]
+    FunctionCallArgumentsDelta {
+        sequence_number: u64,
+        item_id: String,
+        output_index: usize,
+        delta: String,
+    },
+    #[serde(rename = "response.function_call_arguments.done")]
+    FunctionCallArgumentsDone {
+        sequence_number: u64,
+        item_id: String,
+        output_index: usize,
+        name: String,
+        arguments: String,
+    },
     #[serde(rename = "response.output_item.done")]
     OutputItemDone {
         sequence_number: u64,
         output_index: usize,
-        item: OutputMessage,
+        item: OutputItem,
     },
     #[serde(rename = "response.completed")]
     Completed {
@@ -247,6 +287,8 @@ impl ResponseStreamEvent {
             Self::OutputTextDelta { .. } => "response.output_text.delta",
             Self::OutputTextDone { .. } => "response.output_text.done",
             Self::ContentPartDone { .. } => "response.content_part.done",
+            Self::FunctionCallArgumentsDelta { .. } => "response.function_call_arguments.delta",
+            Self::FunctionCallArgumentsDone { .. } => "response.function_call_arguments.done",
             Self::OutputItemDone { .. } => "response.output_item.done",
             Self::Completed { .. } => "response.completed",
             Self::Incomplete { .. } => "response.incomplete",

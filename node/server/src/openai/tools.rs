@@ -113,6 +113,55 @@ impl ToolFields {
         }
     }
 
+    /// The Responses API's tool calling: its function tools (`{"type": "function", "name",
+    /// "parameters"}`) and named choice (`{"type": "function", "name"}`) read as their chat
+    /// forms are, by [`ToolFields::for_chat`].
+    ///
+    /// # Errors
+    /// As [`ToolFields::for_chat`].
+    pub(crate) fn for_responses(
+        &self,
+        parser: Option<ToolCallParser>,
+    ) -> Result<ToolCalling, ApiError> {
+        let tools = match present(&self.tools) {
+            Some(Value::Array(_)) => pd_tokenize::prompt::responses_tools(self.tools.as_ref()),
+            other => other.cloned(),
+        };
+        let tool_choice = match present(&self.tool_choice) {
+            Some(Value::Object(o))
+                if o.get("type").and_then(Value::as_str) == Some("function")
+                    && !o.contains_key("function") =>
+            {
+                let name = o.get("name").and_then(Value::as_str).ok_or_else(|| {
+                    ApiError::invalid(
+                        "tool_choice",
+                        "a named tool_choice is {\"type\": \"function\", \"name\": ...}",
+                    )
+                })?;
+                Some(json!({"type": "function", "function": {"name": name}}))
+            }
+            other => other.cloned(),
+        };
+        ToolFields { tools, tool_choice }.for_chat(parser)
+    }
+
+    /// The Responses API's `tools` for the chat template, in chat form.
+    pub(crate) fn listed_for_responses(&self) -> Option<Value> {
+        pd_tokenize::prompt::responses_tools(present(&self.tools))
+    }
+
+    /// The `tools` and `tool_choice` fields as sent, echoed in a response object.
+    pub(crate) fn echo(&self) -> (Vec<Value>, Value) {
+        let tools = match present(&self.tools) {
+            Some(Value::Array(list)) => list.clone(),
+            _ => Vec::new(),
+        };
+        let choice = present(&self.tool_choice)
+            .cloned()
+            .unwrap_or_else(|| json!("auto"));
+        (tools, choice)
+    }
+
     /// The `tools` field as sent (for the chat template: `pd_tokenize::prompt::chat_tools`).
     pub(crate) fn listed(&self) -> Option<&Value> {
         present(&self.tools)
@@ -136,12 +185,12 @@ impl ToolFields {
             None | Some((_, Some("auto"))) if !has_tools => Ok(()),
             None | Some((_, Some("auto"))) => Err(ApiError::invalid(
                 "tools",
-                "tool calling is supported on /v1/chat/completions only: send no tools, or tool_choice \"none\"",
+                "tool calling is supported on /v1/chat/completions and /v1/responses: send no tools, or tool_choice \"none\"",
             )),
             Some((choice, _)) => Err(ApiError::invalid(
                 "tool_choice",
                 format!(
-                    "tool_choice {choice} is supported on /v1/chat/completions only: here only \"none\""
+                    "tool_choice {choice} is supported on /v1/chat/completions and /v1/responses: here only \"none\""
                 ),
             )),
         }

@@ -1,4 +1,8 @@
-//! `POST /v1/responses` (single output message, no tools, no stored state).
+//! `POST /v1/responses` (no stored state): a message, function calls, or both.
+//!
+//! One [`Output`] builds a response's `output` items from its text, for a whole answer and
+//! for a stream alike: a streamed answer is the same text in pieces, so the items a client
+//! assembles from the events equal the ones a non-streaming request gets.
 
 use axum::Json;
 use axum::extract::State;
@@ -12,9 +16,11 @@ use crate::generation::{TokenCounts, collect};
 use crate::kv_params::KvReply;
 use crate::openai::non_negative;
 use crate::openai::responses::{
-    IncompleteDetails, OutputMessage, OutputText, ResponseError, ResponseObject,
-    ResponseStreamEvent, ResponseUsage, ResponsesRequest,
+    FunctionCall, IncompleteDetails, OutputItem, OutputMessage, OutputText, ResponseError,
+    ResponseObject, ResponseStreamEvent, ResponseUsage, ResponsesRequest,
 };
+use crate::openai::tool_parser::{CallReader, Piece};
+use crate::openai::tools::ToolCalling;
 use crate::prompt::{chat_tokens, responses_messages};
 use crate::sse::{SseFormatter, event_frame, sse_response};
 
@@ -24,7 +30,7 @@ pub(super) async fn create(
 ) -> Result<Response, ApiError> {
     let model = state.model_name(req.model.as_deref())?;
     req.unsupported.refuse()?;
-    req.tools.refuse()?;
+    let tools = req.tools.for_responses(state.tool_parser)?;
     if req.previous_response_id.is_some() {
         return Err(ApiError::invalid(
             "previous_response_id",
@@ -32,7 +38,7 @@ pub(super) async fn create(
         ));
     }
     let defaults = SamplingParams::default();
-    let params = SamplingParams {
+    let mut params = SamplingParams {
         temperature: req.temperature.unwrap_or(defaults.temperature),
         top_p: req.top_p.unwrap_or(defaults.top_p),
         max_tokens: req
@@ -40,8 +46,25 @@ pub(super) async fn create(
             .map(|m| non_negative(m, "max_output_tokens"))
             .transpose()?,
         structured: req.structured.to_structured()?,
+        // The parser reads markers some tokenizers mark special (as on chat).
+        skip_special_tokens: tools.reader().is_none(),
         ..defaults
     };
+    if let Some(spec) = tools.constraint()? {
+        if let Some(other) = &params.structured {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                format!(
+                    "tool_choice forces a tool call and {} constrains the answer too; send one",
+                    other.field
+                ),
+            ));
+        }
+        params.structured = Some(pd_engine::StructuredOutput {
+            spec,
+            field: "tools",
+        });
+    }
     let engine_error = |e: EngineError| {
         ApiError::from(e)
             .rename_param("max_tokens", "max_output_tokens")
@@ -50,10 +73,19 @@ pub(super) async fn create(
     params.validate().map_err(|e| engine_error(e.into()))?;
     let directive = state.kv_directive(req.kv_transfer_params.as_ref(), params.n)?;
     let messages = responses_messages(req.instructions.as_deref(), &req.input)?;
-    let prompt_tokens = chat_tokens(&state, req.prompt_token_ids, messages, None, "input").await?;
+    let template_tools = req.tools.listed_for_responses();
+    let prompt_tokens = chat_tokens(
+        &state,
+        req.prompt_token_ids,
+        messages,
+        template_tools,
+        "input",
+    )
+    .await?;
     directive.check_prompt(&prompt_tokens, state.engine.info().block_size)?;
 
     let prompt_len = prompt_tokens.len();
+    let (echo_tools, echo_choice) = req.tools.echo();
     let template = ResponseObject {
         id: new_id("resp_"),
         object: "response",
@@ -67,9 +99,9 @@ pub(super) async fn create(
         temperature: params.temperature,
         top_p: params.top_p,
         output: Vec::new(),
-        parallel_tool_calls: false,
-        tool_choice: "auto",
-        tools: Vec::new(),
+        parallel_tool_calls: true,
+        tool_choice: echo_choice,
+        tools: echo_tools,
         usage: None,
         kv_transfer_params: None,
     };
@@ -83,16 +115,13 @@ pub(super) async fn create(
         .await
         .map_err(engine_error)?;
     let (stream, kv) = state.events(stream, directive, &template.id, &prompt_tokens);
-    let message_id = new_id("msg_");
     tracing::debug!(id = %template.id, engine_id = %stream.id(), prompt_len, "response");
 
     if req.stream.unwrap_or(false) {
         let formatter = ResponseStream {
             response: template,
-            message_id,
+            output: Output::new(tools),
             counts: TokenCounts::new(prompt_len),
-            text: String::new(),
-            sequence_number: 0,
             done: false,
             kv,
         };
@@ -102,13 +131,12 @@ pub(super) async fn create(
     let generation = collect(stream, 1, prompt_len, kv).await?;
     let kv_transfer_params = generation.kv_transfer_params;
     let child = generation.children.into_iter().next().unwrap_or_default();
-    let mut response = complete(
-        template,
-        message_id,
-        child.text,
-        child.finish_reason,
-        &generation.usage,
-    );
+    // The events a stream would have sent are built and dropped: the items are what counts.
+    let mut output = Output::new(tools);
+    output.start();
+    output.text(child.text);
+    let items = output.end(child.finish_reason);
+    let mut response = complete(template, items, child.finish_reason, &generation.usage);
     response.kv_transfer_params = kv_transfer_params;
     Ok(Json(response).into_response())
 }
@@ -125,15 +153,14 @@ fn statuses(reason: Option<FinishReason>) -> (&'static str, &'static str, Option
 /// The final response object: `template` with its output, status and usage filled in.
 fn complete(
     mut response: ResponseObject,
-    message_id: String,
-    text: String,
+    items: Vec<OutputItem>,
     reason: Option<FinishReason>,
     counts: &TokenCounts,
 ) -> ResponseObject {
-    let (status, item_status, incomplete) = statuses(reason);
+    let (status, _, incomplete) = statuses(reason);
     response.status = status;
     response.incomplete_details = incomplete.map(|reason| IncompleteDetails { reason });
-    response.output = vec![message(message_id, item_status, Some(text))];
+    response.output = items;
     response.usage = Some(ResponseUsage::new(
         counts.prompt_tokens,
         counts.cached_tokens,
@@ -153,49 +180,329 @@ fn message(id: String, status: &'static str, text: Option<String>) -> OutputMess
     }
 }
 
+/// The output item being streamed.
+#[derive(Debug)]
+enum Open {
+    Message {
+        id: String,
+        text: String,
+    },
+    Call {
+        id: String,
+        call_id: String,
+        name: String,
+        arguments: String,
+    },
+}
+
+/// Builds one response's `output` items as its text arrives, and the typed events that
+/// announce them (each with its `sequence_number`).
+///
+/// - Text answers (no tools, `tool_choice: "none"`) are one `message` item, opened at once.
+/// - A named function (`tool_choice: {"type": "function", "name"}`) is one `function_call`
+///   item, opened at once, its arguments streamed as generated.
+/// - `"required"` is a list of calls, whole only at its end: each becomes a `function_call`
+///   item then (the text, as a message, where it is not a list).
+/// - `"auto"`: the node's tool-call parser reads the text; its content goes to `message` items
+///   and each call it reads to a `function_call` item, in the order written.
+#[derive(Debug)]
+struct Output {
+    tools: ToolCalling,
+    /// `"auto"`'s reader of the model's own calls.
+    reader: Option<CallReader>,
+    /// A `"required"` list's text so far.
+    list: String,
+    items: Vec<OutputItem>,
+    open: Option<Open>,
+    sequence_number: u64,
+    events: Vec<ResponseStreamEvent>,
+}
+
+impl Output {
+    fn new(tools: ToolCalling) -> Self {
+        Self {
+            reader: tools.reader(),
+            tools,
+            list: String::new(),
+            items: Vec::new(),
+            open: None,
+            sequence_number: 0,
+            events: Vec::new(),
+        }
+    }
+
+    fn emit(&mut self, make: impl FnOnce(u64) -> ResponseStreamEvent) {
+        let event = make(self.sequence_number);
+        self.sequence_number += 1;
+        self.events.push(event);
+    }
+
+    /// The events built since the last call.
+    fn take_events(&mut self) -> Vec<ResponseStreamEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Opens what is known before any text: a text answer's message, a named call.
+    fn start(&mut self) {
+        match &self.tools {
+            ToolCalling::Text => self.open_message(),
+            ToolCalling::Named(f) => {
+                let name = f.name.clone();
+                self.open_call(name);
+            }
+            ToolCalling::Required(_) | ToolCalling::Auto { .. } => {}
+        }
+    }
+
+    /// The answer's next piece of text.
+    fn text(&mut self, text: String) {
+        if text.is_empty() {
+            return;
+        }
+        match &self.tools {
+            ToolCalling::Text => self.content(text),
+            ToolCalling::Named(_) => self.arguments(text),
+            ToolCalling::Required(_) => self.list.push_str(&text),
+            ToolCalling::Auto { .. } => {
+                let mut pieces = Vec::new();
+                if let Some(reader) = &mut self.reader {
+                    reader.push(&text, &mut pieces);
+                }
+                self.pieces(pieces);
+            }
+        }
+    }
+
+    /// The answer ended (`reason`): closes what is open and returns every item.
+    fn end(&mut self, reason: Option<FinishReason>) -> Vec<OutputItem> {
+        match &self.tools {
+            ToolCalling::Required(_) => {
+                let list = std::mem::take(&mut self.list);
+                match self.tools.calls_of(&list) {
+                    Some(calls) => {
+                        for c in calls {
+                            let name = c["function"]["name"].as_str().unwrap_or_default();
+                            let arguments = c["function"]["arguments"].as_str().unwrap_or_default();
+                            self.whole_call(name.to_owned(), arguments.to_owned());
+                        }
+                    }
+                    None => self.content(list),
+                }
+            }
+            ToolCalling::Auto { .. } => {
+                let mut pieces = Vec::new();
+                if let Some(reader) = &mut self.reader {
+                    reader.finish(&mut pieces);
+                }
+                self.pieces(pieces);
+            }
+            ToolCalling::Text | ToolCalling::Named(_) => {}
+        }
+        if self.open.is_none() && self.items.is_empty() {
+            // Nothing was written: an empty message, as a text answer has.
+            self.open_message();
+        }
+        let (_, status, _) = statuses(reason);
+        self.close(status);
+        self.items.clone()
+    }
+
+    fn pieces(&mut self, pieces: Vec<Piece>) {
+        for piece in pieces {
+            match piece {
+                Piece::Content(text) => self.content(text),
+                Piece::Call { name, arguments } => self.whole_call(name, arguments),
+            }
+        }
+    }
+
+    fn output_index(&self) -> usize {
+        self.items.len()
+    }
+
+    fn open_message(&mut self) {
+        let id = new_id("msg_");
+        let output_index = self.output_index();
+        let item = OutputItem::Message(message(id.clone(), "in_progress", None));
+        self.emit(|sequence_number| ResponseStreamEvent::OutputItemAdded {
+            sequence_number,
+            output_index,
+            item,
+        });
+        let item_id = id.clone();
+        self.emit(|sequence_number| ResponseStreamEvent::ContentPartAdded {
+            sequence_number,
+            item_id,
+            output_index,
+            content_index: 0,
+            part: OutputText::new(String::new()),
+        });
+        self.open = Some(Open::Message {
+            id,
+            text: String::new(),
+        });
+    }
+
+    fn open_call(&mut self, name: String) {
+        self.close("completed");
+        let id = new_id("fc_");
+        let call_id = new_id("call_");
+        let output_index = self.output_index();
+        let item = OutputItem::FunctionCall(FunctionCall {
+            kind: "function_call",
+            id: id.clone(),
+            call_id: call_id.clone(),
+            name: name.clone(),
+            arguments: String::new(),
+            status: "in_progress",
+        });
+        self.emit(|sequence_number| ResponseStreamEvent::OutputItemAdded {
+            sequence_number,
+            output_index,
+            item,
+        });
+        self.open = Some(Open::Call {
+            id,
+            call_id,
+            name,
+            arguments: String::new(),
+        });
+    }
+
+    /// Text for a message: the open one, or a new one.
+    fn content(&mut self, delta: String) {
+        if delta.is_empty() {
+            return;
+        }
+        if !matches!(self.open, Some(Open::Message { .. })) {
+            self.close("completed");
+            self.open_message();
+        }
+        let output_index = self.output_index();
+        let Some(Open::Message { id, text }) = &mut self.open else {
+            return;
+        };
+        text.push_str(&delta);
+        let item_id = id.clone();
+        self.emit(|sequence_number| ResponseStreamEvent::OutputTextDelta {
+            sequence_number,
+            item_id,
+            output_index,
+            content_index: 0,
+            delta,
+            logprobs: Vec::new(),
+        });
+    }
+
+    /// More of the open call's arguments.
+    fn arguments(&mut self, delta: String) {
+        let output_index = self.output_index();
+        let Some(Open::Call { id, arguments, .. }) = &mut self.open else {
+            return;
+        };
+        arguments.push_str(&delta);
+        let item_id = id.clone();
+        self.emit(
+            |sequence_number| ResponseStreamEvent::FunctionCallArgumentsDelta {
+                sequence_number,
+                item_id,
+                output_index,
+                delta,
+            },
+        );
+    }
+
+    /// A call read whole: opened, its arguments in one delta, closed.
+    fn whole_call(&mut self, name: String, arguments: String) {
+        self.open_call(name);
+        self.arguments(arguments);
+        self.close("completed");
+    }
+
+    /// Closes the open item, if any, with `status`.
+    fn close(&mut self, status: &'static str) {
+        let Some(open) = self.open.take() else {
+            return;
+        };
+        let output_index = self.output_index();
+        let item = match open {
+            Open::Message { id, text } => {
+                let item_id = id.clone();
+                let done = text.clone();
+                self.emit(|sequence_number| ResponseStreamEvent::OutputTextDone {
+                    sequence_number,
+                    item_id,
+                    output_index,
+                    content_index: 0,
+                    text: done,
+                    logprobs: Vec::new(),
+                });
+                let item_id = id.clone();
+                let part = OutputText::new(text.clone());
+                self.emit(|sequence_number| ResponseStreamEvent::ContentPartDone {
+                    sequence_number,
+                    item_id,
+                    output_index,
+                    content_index: 0,
+                    part,
+                });
+                OutputItem::Message(message(id, status, Some(text)))
+            }
+            Open::Call {
+                id,
+                call_id,
+                name,
+                arguments,
+            } => {
+                let item_id = id.clone();
+                let (done_name, done_arguments) = (name.clone(), arguments.clone());
+                self.emit(
+                    |sequence_number| ResponseStreamEvent::FunctionCallArgumentsDone {
+                        sequence_number,
+                        item_id,
+                        output_index,
+                        name: done_name,
+                        arguments: done_arguments,
+                    },
+                );
+                OutputItem::FunctionCall(FunctionCall {
+                    kind: "function_call",
+                    id,
+                    call_id,
+                    name,
+                    arguments,
+                    status,
+                })
+            }
+        };
+        let done = item.clone();
+        self.emit(|sequence_number| ResponseStreamEvent::OutputItemDone {
+            sequence_number,
+            output_index,
+            item: done,
+        });
+        self.items.push(item);
+    }
+}
+
 /// Streams the Responses API's typed events, each with `event:` and a `sequence_number`.
 #[derive(Debug)]
 struct ResponseStream {
     /// The response as announced in `response.created` (status `in_progress`, no output).
     response: ResponseObject,
-    message_id: String,
+    output: Output,
     counts: TokenCounts,
-    /// Output text so far.
-    text: String,
-    sequence_number: u64,
     /// A terminal event (`completed`, `incomplete`, `failed`) was sent.
     done: bool,
     kv: KvReply,
 }
 
 impl ResponseStream {
-    fn next_seq(&mut self) -> u64 {
-        let n = self.sequence_number;
-        self.sequence_number += 1;
-        n
-    }
-
-    fn emit(&mut self, out: &mut Vec<Event>, make: impl FnOnce(u64) -> ResponseStreamEvent) {
-        let event = make(self.next_seq());
-        event_frame(out, event.name(), &event);
-    }
-
-    fn delta(&mut self, out: &mut Vec<Event>, delta: String) {
-        if delta.is_empty() {
-            return;
+    /// Sends the events `output` built.
+    fn flush(&mut self, out: &mut Vec<Event>) {
+        for event in self.output.take_events() {
+            event_frame(out, event.name(), &event);
         }
-        self.text.push_str(&delta);
-        let item_id = self.message_id.clone();
-        self.emit(out, |sequence_number| {
-            ResponseStreamEvent::OutputTextDelta {
-                sequence_number,
-                item_id,
-                output_index: 0,
-                content_index: 0,
-                delta,
-                logprobs: Vec::new(),
-            }
-        });
     }
 
     fn fail(&mut self, out: &mut Vec<Event>, error: &ApiError) {
@@ -205,10 +512,12 @@ impl ResponseStream {
             code: "server_error",
             message: error.to_string(),
         });
-        self.emit(out, |sequence_number| ResponseStreamEvent::Failed {
-            sequence_number,
-            response,
-        });
+        self.output
+            .emit(|sequence_number| ResponseStreamEvent::Failed {
+                sequence_number,
+                response,
+            });
+        self.flush(out);
         self.done = true;
     }
 }
@@ -216,33 +525,19 @@ impl ResponseStream {
 impl SseFormatter for ResponseStream {
     fn prelude(&mut self, out: &mut Vec<Event>) {
         let response = self.response.clone();
-        self.emit(out, |sequence_number| ResponseStreamEvent::Created {
-            sequence_number,
-            response,
-        });
+        self.output
+            .emit(|sequence_number| ResponseStreamEvent::Created {
+                sequence_number,
+                response,
+            });
         let response = self.response.clone();
-        self.emit(out, |sequence_number| ResponseStreamEvent::InProgress {
-            sequence_number,
-            response,
-        });
-        let item = message(self.message_id.clone(), "in_progress", None);
-        self.emit(out, |sequence_number| {
-            ResponseStreamEvent::OutputItemAdded {
+        self.output
+            .emit(|sequence_number| ResponseStreamEvent::InProgress {
                 sequence_number,
-                output_index: 0,
-                item,
-            }
-        });
-        let item_id = self.message_id.clone();
-        self.emit(out, |sequence_number| {
-            ResponseStreamEvent::ContentPartAdded {
-                sequence_number,
-                item_id,
-                output_index: 0,
-                content_index: 0,
-                part: OutputText::new(String::new()),
-            }
-        });
+                response,
+            });
+        self.output.start();
+        self.flush(out);
     }
 
     fn event(&mut self, event: RequestEvent, out: &mut Vec<Event>) {
@@ -253,47 +548,17 @@ impl SseFormatter for ResponseStream {
             | RequestEvent::AwaitingKv { .. }
             | RequestEvent::KvReady(_)
             | RequestEvent::Retained(_) => {}
-            RequestEvent::Token { text, .. } => self.delta(out, text),
+            RequestEvent::Token { text, .. } => {
+                self.output.text(text);
+                self.flush(out);
+            }
             RequestEvent::Finished { reason, text, .. } => {
-                self.delta(out, text);
-                let text = self.text.clone();
-                let item_id = self.message_id.clone();
-                self.emit(out, |sequence_number| ResponseStreamEvent::OutputTextDone {
-                    sequence_number,
-                    item_id: item_id.clone(),
-                    output_index: 0,
-                    content_index: 0,
-                    text: text.clone(),
-                    logprobs: Vec::new(),
-                });
-                self.emit(out, |sequence_number| {
-                    ResponseStreamEvent::ContentPartDone {
-                        sequence_number,
-                        item_id,
-                        output_index: 0,
-                        content_index: 0,
-                        part: OutputText::new(text),
-                    }
-                });
-                let mut response = complete(
-                    self.response.clone(),
-                    self.message_id.clone(),
-                    self.text.clone(),
-                    Some(reason),
-                    &self.counts,
-                );
+                self.output.text(text);
+                let items = self.output.end(Some(reason));
+                let mut response =
+                    complete(self.response.clone(), items, Some(reason), &self.counts);
                 response.kv_transfer_params = self.kv.params();
-                let item = response
-                    .output
-                    .first()
-                    .cloned()
-                    .unwrap_or_else(|| message(self.message_id.clone(), "completed", None));
-                self.emit(out, |sequence_number| ResponseStreamEvent::OutputItemDone {
-                    sequence_number,
-                    output_index: 0,
-                    item,
-                });
-                self.emit(out, |sequence_number| match reason {
+                self.output.emit(|sequence_number| match reason {
                     FinishReason::Stop => ResponseStreamEvent::Completed {
                         sequence_number,
                         response,
@@ -303,6 +568,7 @@ impl SseFormatter for ResponseStream {
                         response,
                     },
                 });
+                self.flush(out);
                 self.done = true;
             }
             RequestEvent::Failed { message } => {
