@@ -349,6 +349,34 @@ async fn openai_conversations_through_the_gateway_equal_one_node() {
     );
     only_the_wasm_policy_decided(&c).await;
     policy_saw_what_the_nodes_measure(&c).await;
+
+    // A function call and its output, chained by `previous_response_id`: the gateway keeps the
+    // turn's `function_call` item, and the next turn (the tool's output only) equals the
+    // standalone node given the whole conversation.
+    let tools = json!([{"type": "function", "name": "get_weather", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+        "additionalProperties": false}}]);
+    let first = json!({"model": "tiny", "input": "What is the weather in Oslo?", "tools": tools,
+        "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 60,
+        "temperature": 0});
+    let called = post(&c.client, &c.gateway.http, "/v1/responses", &first).await;
+    let call = called["output"][0].clone();
+    assert_eq!(call["type"], "function_call", "{called}");
+    assert_eq!(called["status"], "completed", "{called}");
+    let output = json!({"type": "function_call_output", "call_id": call["call_id"],
+        "output": "4 degrees and rain"});
+    let next = json!({"model": "tiny", "previous_response_id": called["id"], "input": [output],
+        "tools": tools, "tool_choice": "none", "max_output_tokens": 8, "temperature": 0});
+    let got = post(&c.client, &c.gateway.http, "/v1/responses", &next).await;
+    let whole = json!({"model": "tiny", "tools": tools, "tool_choice": "none",
+        "max_output_tokens": 8, "temperature": 0,
+        "input": [{"role": "user", "content": "What is the weather in Oslo?"}, call, output]});
+    let want = post(&c.client, &reference.http, "/v1/responses", &whole).await;
+    assert_eq!(got["output"][0]["type"], "message", "{got}");
+    assert_eq!(
+        got["output"][0]["content"], want["output"][0]["content"],
+        "the turn after a call"
+    );
 }
 
 /// The last decision's record (`GET /admin/decisions`) carries what the policy's
