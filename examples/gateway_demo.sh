@@ -134,6 +134,27 @@ for call in r.choices[0].message.tool_calls:
     print(f"  call: {call.function.name}({call.function.arguments})  (finish_reason {r.choices[0].finish_reason})")
 PY
 
+echo; echo "--- the same on the Responses API: a function_call item, then its output sent back with previous_response_id"
+"$PY" - "$GW" <<'PY'
+import sys
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1] + "/v1", api_key="none")
+tools = [{"type": "function", "name": "get_weather", "description": "Current weather",
+          "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                         "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}]
+r = client.responses.create(
+    model="demo", instructions="You call tools.", input="What is the weather in Paris, in celsius?",
+    tools=tools, tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=64, temperature=0)
+call = next(item for item in r.output if item.type == "function_call")
+print(f"  function_call: {call.name}({call.arguments})  call_id {call.call_id}")
+# The gateway keeps the turn: the next one sends only the function's output.
+r2 = client.responses.create(
+    model="demo", previous_response_id=r.id, tools=tools, tool_choice="none",
+    input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}],
+    max_output_tokens=40, temperature=0)
+print(f"  answer after the call: {r2.output_text.strip()}")
+PY
+
 echo; echo "--- decisions by policy version (gateway /metrics)"
 curl -sS "$GW/metrics" | grep -E '^pd_gateway_policy_decisions_total|^pd_gateway_policy_fallbacks_total|^pd_gateway_requests_total' || true
 cat <<EOF2
