@@ -209,8 +209,22 @@ struct RequestState {
     max_tokens: usize,
     /// Longest stop string in bytes (text held back from the client).
     max_stop_len: usize,
+    /// The tokens `min_tokens` holds back while a child is short of it
+    /// ([`sampler::min_tokens_ban`]).
+    min_tokens_ban: Vec<u32>,
     /// Its part in P/D disaggregation.
     kv: KvTransfer,
+}
+
+impl RequestState {
+    /// What a child that has generated `generated` tokens may not pick now.
+    fn banned(&self, generated: usize) -> &[u32] {
+        if generated < self.params.min_tokens {
+            &self.min_tokens_ban
+        } else {
+            &[]
+        }
+    }
 }
 
 /// The model, its KV pool and the scheduler, stepped by one thread.
@@ -713,6 +727,7 @@ impl Engine {
             self.metrics.structured_requests.inc();
         }
         let max_stop_len = params.stop.iter().map(String::len).max().unwrap_or(0);
+        let min_tokens_ban = sampler::min_tokens_ban(&params, &self.eos);
         self.requests.insert(
             id,
             RequestState {
@@ -729,6 +744,7 @@ impl Engine {
                 first_token_at: None,
                 max_tokens,
                 max_stop_len,
+                min_tokens_ban,
                 kv,
             },
         );
@@ -969,13 +985,26 @@ impl Engine {
             .then(|| {
                 let history = sampler::History::of(&seq.tokens, seq.prompt_len);
                 let mut rng = seq.rng.clone();
+                let banned = state.banned(0);
                 match seq.grammar.clone() {
-                    None => Some(sampler::sample(row, &state.params, history, &mut rng)),
+                    None => Some(sampler::sample(
+                        row,
+                        &state.params,
+                        history,
+                        banned,
+                        &mut rng,
+                    )),
                     Some(mut grammar) => {
                         // As `emit_token` will: the row masked by the constraint first.
                         let mut masked = row.to_vec();
                         grammar.mask(&mut masked).ok()?;
-                        Some(sampler::sample(&masked, &state.params, history, &mut rng))
+                        Some(sampler::sample(
+                            &masked,
+                            &state.params,
+                            history,
+                            banned,
+                            &mut rng,
+                        ))
                     }
                 }
             })
@@ -1031,7 +1060,8 @@ impl Engine {
                     }
                 };
                 let history = sampler::History::of(&seq.tokens, seq.prompt_len);
-                let token = sampler::sample(logits, &state.params, history, &mut seq.rng);
+                let banned = state.banned(seq.num_generated());
+                let token = sampler::sample(logits, &state.params, history, banned, &mut seq.rng);
                 let logprob = state
                     .params
                     .logprobs
@@ -1098,9 +1128,20 @@ impl Engine {
                     tracing::warn!(error = %e, token, "detokenization failed");
                     String::new()
                 });
-            let search_from = seq.sent.saturating_sub(state.max_stop_len);
+            // Stop strings count from `min_tokens` on (vLLM's rule), this token included; on
+            // that first step only in text not sent yet (earlier text was let through).
+            let generated = seq.num_generated();
+            let may_stop = generated >= state.params.min_tokens;
+            let search_from = if generated == state.params.min_tokens {
+                seq.sent
+            } else {
+                seq.sent.saturating_sub(state.max_stop_len)
+            };
             seq.text.push_str(&piece);
-            if let Some(at) = find_stop(&seq.text, search_from, &state.params.stop) {
+            if let Some(at) = may_stop
+                .then(|| find_stop(&seq.text, search_from, &state.params.stop))
+                .flatten()
+            {
                 seq.text.truncate(at);
                 reason = Some(FinishReason::Stop);
             } else if seq.grammar.as_ref().is_some_and(TokenMatcher::is_complete) {
@@ -1393,6 +1434,24 @@ pub(crate) fn validate(info: &EngineInfo, request: &GenerateRequest) -> Result<(
                 "This model's maximum context length is {} tokens. However, your prompt has {len} tokens \
                  (at least one token must be left for the completion).",
                 info.max_model_len
+            ),
+        ));
+    }
+    // A prefill for a decode node generates one token whatever `max_tokens` says (vLLM's
+    // proxies send it 1): `min_tokens` is the decode node's to check.
+    let producing = matches!(
+        request.kv,
+        KvTransfer::Produce { .. } | KvTransfer::PullThenProduce { .. }
+    );
+    if let Some(max) = request.params.max_tokens
+        && request.params.min_tokens > max
+        && !producing
+    {
+        return Err(InvalidRequest::new(
+            "min_tokens",
+            format!(
+                "min_tokens ({}) must not exceed max_tokens ({max})",
+                request.params.min_tokens
             ),
         ));
     }

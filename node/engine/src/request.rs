@@ -61,6 +61,11 @@ pub struct SamplingParams {
     /// that end a child, never part of its text) out of the text. A tool-call parser that
     /// looks for markers a tokenizer marks special (`<tool_call>`) turns it off.
     pub skip_special_tokens: bool,
+    /// vLLM's `min_tokens`: until a child has generated this many tokens, the model's EOS
+    /// tokens (unless `ignore_eos`) and `stop_token_ids` are not picked (their logits are −∞)
+    /// and stop strings are not looked for. 0 disables it; at most `max_tokens` (but on a
+    /// prefill for a decode node, which generates one token whatever `max_tokens` says).
+    pub min_tokens: usize,
 }
 
 /// A request's structured-output constraint and the request field it came from (named in
@@ -93,6 +98,7 @@ impl Default for SamplingParams {
             logit_bias: Vec::new(),
             structured: None,
             skip_special_tokens: true,
+            min_tokens: 0,
         }
     }
 }

@@ -22,7 +22,8 @@ impl<'a> History<'a> {
 }
 
 /// Picks the next token from `logits` (vocab,) under `params` for a child with `history`,
-/// drawing from `rng` unless greedy.
+/// drawing from `rng` unless greedy; never one of `banned` (the tokens `min_tokens` holds back:
+/// [`min_tokens_ban`]).
 ///
 /// No full sort of the vocabulary: top-k is a partial selection (`select_nth_unstable`) and only
 /// the candidates are sorted; top-p sorts a prefix of the most likely tokens, growing it until it
@@ -31,11 +32,12 @@ pub(crate) fn sample(
     logits: &[f32],
     params: &SamplingParams,
     history: History<'_>,
+    banned: &[u32],
     rng: &mut ChaCha8Rng,
 ) -> u32 {
     let adjusted;
-    let logits = if params.adjusts_logits() {
-        adjusted = adjust(logits, params, history);
+    let logits = if params.adjusts_logits() || !banned.is_empty() {
+        adjusted = adjust(logits, params, history, banned);
         &adjusted[..]
     } else {
         logits
@@ -115,8 +117,14 @@ pub(crate) fn sample(
 
 /// `logits` (vocab,) with `params`' biases and penalties applied, in vLLM's order: `logit_bias`,
 /// then the repetition penalty (prompt and output), the frequency and the presence penalty
-/// (output). Token ids outside the row are skipped (the engine checks them against the vocabulary).
-fn adjust(logits: &[f32], params: &SamplingParams, history: History<'_>) -> Vec<f32> {
+/// (output); `banned` tokens last, at −∞. Token ids outside the row are skipped (the engine
+/// checks them against the vocabulary).
+fn adjust(
+    logits: &[f32],
+    params: &SamplingParams,
+    history: History<'_>,
+    banned: &[u32],
+) -> Vec<f32> {
     let mut out = logits.to_vec();
     for &(token, bias) in &params.logit_bias {
         if let Some(l) = out.get_mut(token as usize) {
@@ -149,7 +157,28 @@ fn adjust(logits: &[f32], params: &SamplingParams, history: History<'_>) -> Vec<
             }
         }
     }
+    for &token in banned {
+        if let Some(l) = out.get_mut(token as usize) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
     out
+}
+
+/// The tokens a child that has generated `generated` tokens may not pick yet under
+/// `min_tokens`: those that would end it (`eos` unless `ignore_eos`, and `stop_token_ids`),
+/// sorted; none once it has generated `min_tokens`.
+pub(crate) fn min_tokens_ban(params: &SamplingParams, eos: &[u32]) -> Vec<u32> {
+    if params.min_tokens == 0 {
+        return Vec::new();
+    }
+    let mut ban: Vec<u32> = params.stop_token_ids.clone();
+    if !params.ignore_eos {
+        ban.extend_from_slice(eos);
+    }
+    ban.sort_unstable();
+    ban.dedup();
+    ban
 }
 
 /// Tokens sorted first when looking for a top-p nucleus (grown ×8 while too small).
@@ -165,15 +194,15 @@ pub(crate) fn is_greedy(params: &SamplingParams) -> bool {
 /// that token with and a consumer compares with its own: 0 for the plain argmax (greedy with no
 /// bias or repetition penalty: any such request picks the same), else xxh3 of what that pick
 /// depends on (never 0): the temperature, top-k, top-p, seed and min-p unless greedy, and the
-/// bias and repetition penalty when set, and the structured-output constraint's fingerprint
-/// (a masked row may pick another token). The frequency and presence penalties are left out:
+/// bias and repetition penalty when set, the structured-output constraint's fingerprint (a
+/// masked row may pick another token), and `min_tokens`' ban (its stop ids, `ignore_eos`). The frequency and presence penalties are left out:
 /// they count generated tokens, and there are none yet. Requests whose keys are equal pick the
 /// same first token from the same logits and prompt with the same generator state — without a
 /// seed they draw from fresh generators, which is the same distribution.
 pub fn first_token_key(params: &SamplingParams) -> u64 {
     let greedy = is_greedy(params);
     let adjusted = params.repetition_penalty != 1.0 || !params.logit_bias.is_empty();
-    if greedy && !adjusted && params.structured.is_none() {
+    if greedy && !adjusted && params.structured.is_none() && params.min_tokens == 0 {
         return 0;
     }
     let mut bytes = Vec::with_capacity(32);
@@ -198,6 +227,14 @@ pub fn first_token_key(params: &SamplingParams) -> u64 {
     if let Some(s) = &params.structured {
         bytes.push(b's');
         bytes.extend_from_slice(&s.spec.fingerprint().to_le_bytes());
+    }
+    if params.min_tokens > 0 {
+        // The first pick bans the ending tokens (EOS is the model's: the same on both sides).
+        bytes.push(b'n');
+        bytes.push(u8::from(params.ignore_eos));
+        for &token in &params.stop_token_ids {
+            bytes.extend_from_slice(&token.to_le_bytes());
+        }
     }
     if adjusted {
         bytes.push(b'a');
@@ -286,7 +323,7 @@ mod tests {
     fn greedy_is_argmax() {
         let mut rng = ChaCha8Rng::seed_from_u64(0);
         assert_eq!(
-            sample(&[0.1, 3.0, 2.9], &params(0.0, 0, 1.0), FRESH, &mut rng),
+            sample(&[0.1, 3.0, 2.9], &params(0.0, 0, 1.0), FRESH, &[], &mut rng),
             1
         );
     }
@@ -296,8 +333,8 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(1);
         let l = [1.0, 2.0, 5.0, 0.0];
         for _ in 0..20 {
-            assert_eq!(sample(&l, &params(1.0, 1, 1.0), FRESH, &mut rng), 2);
-            assert_eq!(sample(&l, &params(1.0, 0, 0.01), FRESH, &mut rng), 2);
+            assert_eq!(sample(&l, &params(1.0, 1, 1.0), FRESH, &[], &mut rng), 2);
+            assert_eq!(sample(&l, &params(1.0, 0, 0.01), FRESH, &[], &mut rng), 2);
         }
     }
 
@@ -306,7 +343,7 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(2);
         let l = [1.0, 1.1, 1.2, 1.3];
         for _ in 0..200 {
-            let t = sample(&l, &params(1.0, 2, 1.0), FRESH, &mut rng);
+            let t = sample(&l, &params(1.0, 2, 1.0), FRESH, &[], &mut rng);
             assert!(t == 2 || t == 3, "{t}");
         }
     }
@@ -317,7 +354,7 @@ mod tests {
         let draw = |seed| {
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
             (0..30)
-                .map(|_| sample(&l, &params(1.0, 0, 0.9), FRESH, &mut rng))
+                .map(|_| sample(&l, &params(1.0, 0, 0.9), FRESH, &[], &mut rng))
                 .collect::<Vec<_>>()
         };
         assert_eq!(draw(5), draw(5));
@@ -334,7 +371,7 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(9);
         let mut seen = std::collections::HashSet::new();
         for _ in 0..3000 {
-            let t = sample(&l, &params(1.0, 0, 0.5), FRESH, &mut rng) as usize;
+            let t = sample(&l, &params(1.0, 0, 0.5), FRESH, &[], &mut rng) as usize;
             assert_eq!(t % 37, 0, "{t} is outside the nucleus");
             assert!(t < 1000 * 37);
             seen.insert(t);
@@ -350,7 +387,7 @@ mod tests {
         let l: Vec<f32> = (0..5000).map(|i| -((i % 977) as f32) * 0.01).collect();
         let mut rng = ChaCha8Rng::seed_from_u64(4);
         for _ in 0..500 {
-            let t = sample(&l, &params(0.7, 20, 0.8), FRESH, &mut rng) as usize;
+            let t = sample(&l, &params(0.7, 20, 0.8), FRESH, &[], &mut rng) as usize;
             // The 20 most likely are ids ≡ 0..=3 (mod 977) below 5000: 0,977,…,1,978,…
             assert!(t % 977 <= 3, "{t}");
         }
@@ -386,11 +423,20 @@ mod tests {
         };
         // +100 on the least likely token makes it the argmax; −100 on the argmax hands the pick
         // to the runner-up; +0.05 on the runner-up is not enough (2.95 < 3.0), +0.2 is.
-        assert_eq!(sample(&l, &biased(vec![(3, 100.0)]), FRESH, &mut rng), 3);
-        assert_eq!(sample(&l, &biased(vec![(1, -100.0)]), FRESH, &mut rng), 2);
-        assert_eq!(sample(&l, &biased(vec![(2, 0.05)]), FRESH, &mut rng), 1);
-        assert_eq!(sample(&l, &biased(vec![(2, 0.2)]), FRESH, &mut rng), 2);
-        let adjusted = adjust(&l, &biased(vec![(0, -0.5), (2, 1.0)]), FRESH);
+        assert_eq!(
+            sample(&l, &biased(vec![(3, 100.0)]), FRESH, &[], &mut rng),
+            3
+        );
+        assert_eq!(
+            sample(&l, &biased(vec![(1, -100.0)]), FRESH, &[], &mut rng),
+            2
+        );
+        assert_eq!(
+            sample(&l, &biased(vec![(2, 0.05)]), FRESH, &[], &mut rng),
+            1
+        );
+        assert_eq!(sample(&l, &biased(vec![(2, 0.2)]), FRESH, &[], &mut rng), 2);
+        let adjusted = adjust(&l, &biased(vec![(0, -0.5), (2, 1.0)]), FRESH, &[]);
         assert_eq!(adjusted, vec![0.0, 3.0, 3.9, -1.0]);
     }
 
@@ -408,7 +454,7 @@ mod tests {
         assert_eq!(h.prompt, &[0, 0, 7]);
         assert_eq!(h.output, &[1, 4, 1, 1]);
         assert_eq!(
-            adjust(&l, &p, h),
+            adjust(&l, &p, h, &[]),
             vec![1.0, 1.0 - 1.5 - 0.25, 1.0, 1.0, -1.0 - 0.5 - 0.25]
         );
         // A negative penalty rewards repeats.
@@ -417,8 +463,8 @@ mod tests {
             ..params(0.0, 0, 1.0)
         };
         let mut rng = ChaCha8Rng::seed_from_u64(0);
-        assert_eq!(sample(&l, &eager, h, &mut rng), 1);
-        assert_eq!(sample(&l, &params(0.0, 0, 1.0), h, &mut rng), 0);
+        assert_eq!(sample(&l, &eager, h, &[], &mut rng), 1);
+        assert_eq!(sample(&l, &params(0.0, 0, 1.0), h, &[], &mut rng), 0);
     }
 
     #[test]
@@ -431,9 +477,9 @@ mod tests {
         // Token 0 seen three times (prompt and output) is divided once; token 1 (negative) is
         // multiplied; token 2 unseen keeps its logit and wins the greedy pick.
         let h = History::of(&[0, 1, 0, 0], 2);
-        assert_eq!(adjust(&l, &p, h), vec![1.0, -4.0, 2.0, 1.0]);
+        assert_eq!(adjust(&l, &p, h, &[]), vec![1.0, -4.0, 2.0, 1.0]);
         let mut rng = ChaCha8Rng::seed_from_u64(0);
-        assert_eq!(sample(&l, &p, h, &mut rng), 2);
+        assert_eq!(sample(&l, &p, h, &[], &mut rng), 2);
     }
 
     #[test]
@@ -443,7 +489,7 @@ mod tests {
             ..params(1.0, 0, 1.0)
         };
         let mut rng = ChaCha8Rng::seed_from_u64(0);
-        assert!(sample(&[f32::NAN; 4], &p, FRESH, &mut rng) < 4);
+        assert!(sample(&[f32::NAN; 4], &p, FRESH, &[], &mut rng) < 4);
     }
 
     #[test]
@@ -458,11 +504,35 @@ mod tests {
             };
             let mut rng = ChaCha8Rng::seed_from_u64(3);
             (0..2000)
-                .map(|_| sample(&l, &p, FRESH, &mut rng))
+                .map(|_| sample(&l, &p, FRESH, &[], &mut rng))
                 .collect::<std::collections::BTreeSet<_>>()
         };
         assert_eq!(draw(0.3), [0, 1].into());
         assert_eq!(draw(0.0), [0, 1, 2, 3].into());
+    }
+
+    #[test]
+    fn min_tokens_bans_the_ending_tokens_until_it_is_reached() {
+        let p = SamplingParams {
+            min_tokens: 2,
+            stop_token_ids: vec![3, 1],
+            ..params(0.0, 0, 1.0)
+        };
+        assert_eq!(min_tokens_ban(&p, &[2, 1]), vec![1, 2, 3]);
+        let ignoring = SamplingParams {
+            ignore_eos: true,
+            ..p.clone()
+        };
+        assert_eq!(min_tokens_ban(&ignoring, &[2]), vec![1, 3]);
+        assert!(min_tokens_ban(&params(0.0, 0, 1.0), &[2]).is_empty());
+        // The most likely token is banned: the next one is picked, greedy or sampled.
+        let l = [0.0, 1.0, 5.0, 2.0];
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        assert_eq!(sample(&l, &p, FRESH, &[2], &mut rng), 3);
+        for _ in 0..200 {
+            let t = sample(&l, &params(1.0, 0, 1.0), FRESH, &[2, 3], &mut rng);
+            assert!(t < 2, "{t}");
+        }
     }
 
     #[test]
@@ -486,6 +556,15 @@ mod tests {
             SamplingParams {
                 min_p: 0.1,
                 ..params(1.0, 0, 1.0)
+            },
+            SamplingParams {
+                min_tokens: 3,
+                ..greedy.clone()
+            },
+            SamplingParams {
+                min_tokens: 3,
+                stop_token_ids: vec![9],
+                ..greedy.clone()
             },
         ]
         .map(|p| first_token_key(&p));

@@ -1941,3 +1941,95 @@ async fn function_tools_on_the_responses_api() {
     assert_eq!(out["error"]["param"], "input", "{out}");
     server.stop().await;
 }
+
+/// vLLM's `min_tokens`: until a child has generated that many tokens its stop ids and EOS are
+/// never picked and stop strings do not end it; `min_tokens` above `max_tokens` is a 400.
+#[tokio::test]
+async fn min_tokens_holds_back_every_way_to_stop() {
+    let server = Server::start().await;
+    let ask = |extra: Value| {
+        let mut body = json!({"prompt": "Count:", "max_tokens": 12, "temperature": 0,
+            "return_token_ids": true, "logit_bias": {"42": 100}});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body
+    };
+    // Token 42 is forced at every step: as a stop id it ends the answer at once...
+    let (status, out) = server
+        .post("/v1/completions", &ask(json!({"stop_token_ids": [42]})))
+        .await;
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(out["choices"][0]["finish_reason"], "stop", "{out}");
+    assert_eq!(out["usage"]["completion_tokens"], 1, "{out}");
+    // ...unless min_tokens holds it back: 4 other tokens first, then 42.
+    let (status, out) = server
+        .post(
+            "/v1/completions",
+            &ask(json!({"stop_token_ids": [42], "min_tokens": 4})),
+        )
+        .await;
+    assert_eq!(status, 200, "{out}");
+    let ids: Vec<u64> = out["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 5, "{out}");
+    assert!(ids[..4].iter().all(|&t| t != 42), "{ids:?}");
+    assert_eq!(ids[4], 42, "{ids:?}");
+    assert_eq!(out["choices"][0]["finish_reason"], "stop", "{out}");
+    // A stop string (42's text) counts only from the 3rd token on: the answer is two of it.
+    let (_, one) = server
+        .post("/v1/completions", &ask(json!({"max_tokens": 1})))
+        .await;
+    let piece = one["choices"][0]["text"].as_str().unwrap().to_owned();
+    assert!(!piece.is_empty(), "{one}");
+    let (_, out) = server
+        .post("/v1/completions", &ask(json!({"stop": [piece]})))
+        .await;
+    assert_eq!(out["choices"][0]["text"], "", "{out}");
+    let (status, out) = server
+        .post(
+            "/v1/completions",
+            &ask(json!({"stop": [piece], "min_tokens": 3})),
+        )
+        .await;
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(out["choices"][0]["text"], piece.repeat(2), "{out}");
+    assert_eq!(out["choices"][0]["finish_reason"], "stop", "{out}");
+    assert_eq!(out["usage"]["completion_tokens"], 3, "{out}");
+    // Streamed, the same text arrives.
+    let mut streamed = ask(json!({"stop": [piece], "min_tokens": 3, "stream": true}));
+    streamed.as_object_mut().unwrap().remove("return_token_ids");
+    let chunks = json_chunks(&server.post_stream("/v1/completions", &streamed).await);
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(text, piece.repeat(2));
+    // Chat takes it too; more than max_tokens is refused by name.
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+        "temperature": 0, "min_tokens": 6, "logit_bias": {"42": 100}, "stop_token_ids": [42]});
+    let (status, out) = server.post("/v1/chat/completions", &chat).await;
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(out["choices"][0]["finish_reason"], "length", "{out}");
+    assert_error(
+        server
+            .post("/v1/completions", &ask(json!({"min_tokens": 13})))
+            .await,
+        400,
+        "invalid_request_error",
+        Some("min_tokens"),
+    );
+    assert_error(
+        server
+            .post("/v1/completions", &ask(json!({"min_tokens": -1})))
+            .await,
+        400,
+        "invalid_request_error",
+        Some("min_tokens"),
+    );
+    server.stop().await;
+}

@@ -451,8 +451,8 @@ async fn greedy_output_through_p_and_d_equals_one_node_on_every_api() {
 /// sampled request still answers token for token as one node does: D's generator skips the
 /// draw P took for that token. A request asking for logprobs and an `n = 2` request compute
 /// the last prompt position on D as before (pulled = prompt − 1). An unseeded sampled request
-/// takes P's token too. The same holds with penalties, biases and `min_p` set, and under
-/// structured output.
+/// takes P's token too. The same holds with penalties, biases and `min_p` set, under
+/// structured output, and under `min_tokens`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_a_single_completion_without_logprobs_takes_the_producers_first_token() {
     let dir = model("first-token");
@@ -512,7 +512,21 @@ async fn only_a_single_completion_without_logprobs_takes_the_producers_first_tok
     let structured = seen(api, post(&solo.http, api.path(), &schema).await).await;
     let v: Value = serde_json::from_str(&structured.texts[0]).expect("JSON under the schema");
     assert!(v["n"].is_u64() && v["s"].is_string(), "{v}");
+    // `min_tokens` bans the ending tokens from the first pick on: P bans them too (the key
+    // carries the ban). A stop id that is the plain answer's first token moves it.
+    let plain_first = seen(api, post(&solo.http, api.path(), &base(10)).await)
+        .await
+        .tokens[0][0];
+    let mut min_tokens = base(10);
+    min_tokens["stop_token_ids"] = json!([plain_first]);
+    min_tokens["min_tokens"] = json!(3);
+    let held = seen(api, post(&solo.http, api.path(), &min_tokens).await).await;
+    assert_ne!(
+        held.tokens[0][0], plain_first,
+        "min_tokens banned the stop id"
+    );
     for (body, takes_first) in [
+        (min_tokens, true),
         (base(0), true),
         (sampled, true),
         (logprobs, false),

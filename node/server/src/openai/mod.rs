@@ -110,6 +110,9 @@ pub(crate) struct SamplingFields {
     /// vLLM extension (default true).
     #[serde(default)]
     pub(crate) skip_special_tokens: Option<bool>,
+    /// vLLM extension: see `SamplingParams::min_tokens`.
+    #[serde(default)]
+    pub(crate) min_tokens: Option<i64>,
 }
 
 impl SamplingFields {
@@ -161,6 +164,10 @@ impl SamplingFields {
             skip_special_tokens: self
                 .skip_special_tokens
                 .unwrap_or(defaults.skip_special_tokens),
+            min_tokens: match self.min_tokens {
+                None => defaults.min_tokens,
+                Some(m) => non_negative(m, "min_tokens")?,
+            },
         })
     }
 
