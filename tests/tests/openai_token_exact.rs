@@ -58,7 +58,8 @@ fn specs() -> Vec<Value> {
         }
     }
     // OpenAI's penalties and bias (SDK arguments) and vLLM's (`extra_body`), which act on
-    // every token: on P's first one (attested with the lease) and on D's.
+    // every token: on P's first one (attested with the lease) and on D's. (`min_tokens` above
+    // the 1 token the gateway asks of P is D's to honour, not a 400 on P.)
     for (api, stream, n, temperature, seed) in [
         ("chat", false, 1, 0.0, None),
         ("completions", true, 3, 0.8, Some(7)),
@@ -72,7 +73,7 @@ fn specs() -> Vec<Value> {
             "sampling": {"presence_penalty": 0.5, "frequency_penalty": 0.8,
                 "logit_bias": {"17": 4, "40": -3}},
             "extra_body": {"ignore_eos": true, "return_token_ids": true,
-                "repetition_penalty": 1.2, "min_p": 0.05}});
+                "repetition_penalty": 1.2, "min_p": 0.05, "min_tokens": 5}});
         match api {
             "chat" => s["messages"] = json!([{"role": "user", "content": text}]),
             _ => s["prompt"] = json!(text),
