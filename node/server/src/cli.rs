@@ -172,9 +172,11 @@ pub struct ServeArgs {
     /// How the model writes tool calls on its own, read out of its text for
     /// `tool_choice: "auto"` (the default when a chat request sends tools): `hermes`
     /// (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`: Hermes, Qwen2.5, Qwen3),
+    /// `llama3_json` (an answer of `{"name": ..., "parameters": ...}` objects: Llama 3.1-3.3),
     /// `none` (`"auto"` with tools is refused), or `auto`: `hermes` where the model's chat
-    /// template or vocabulary knows `<tool_call>`, else `none`. Forced calls (`"required"`, a
-    /// named function) need no parser.
+    /// template or vocabulary knows `<tool_call>`, `llama3_json` where its template asks for
+    /// Llama 3's JSON calls, else `none`. Forced calls (`"required"`, a named function) need no
+    /// parser.
     #[arg(long, value_enum, default_value_t = ToolCallParserArg::Auto)]
     pub tool_call_parser: ToolCallParserArg,
     /// How this node reads a peer's pool: `auto` copies straight from it where UCX maps it into
@@ -240,6 +242,9 @@ pub enum ToolCallParserArg {
     Auto,
     /// `<tool_call>` JSON blocks (vLLM's `hermes`).
     Hermes,
+    /// Llama 3.x's `{"name": ..., "parameters": ...}` answers (vLLM's `llama3_json`).
+    #[value(name = "llama3_json")]
+    Llama3Json,
     /// No parser: `tool_choice: "auto"` with tools is refused.
     None,
 }
@@ -250,6 +255,7 @@ impl ToolCallParserArg {
         match self {
             ToolCallParserArg::Auto => crate::ToolCallParser::detect(tokenizer),
             ToolCallParserArg::Hermes => Some(crate::ToolCallParser::Hermes),
+            ToolCallParserArg::Llama3Json => Some(crate::ToolCallParser::Llama3Json),
             ToolCallParserArg::None => None,
         }
     }

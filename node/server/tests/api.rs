@@ -2033,3 +2033,52 @@ async fn min_tokens_holds_back_every_way_to_stop() {
     );
     server.stop().await;
 }
+
+/// `--tool-call-parser llama3_json`: an answer that is `{"name", "parameters"}` objects is
+/// calls, streamed or not; any other answer is text, token for token as without tools.
+#[tokio::test]
+async fn llama3_json_answers_are_calls_or_text() {
+    let server = Server::start_with(Some(pd_node::ToolCallParser::Llama3Json)).await;
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters":
+        {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let messages = json!([{"role": "user", "content": "Weather in Oslo?"}]);
+    let calls = r#"\{"name": "get_weather", "parameters": \{"city": "[A-Z][a-z]{1,6}"\}\}"#;
+    let body = json!({"messages": messages, "tools": tools, "max_tokens": 100, "temperature": 0,
+        "structured_outputs": {"regex": calls}});
+    let (status, whole) = server.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{whole}");
+    let c = &whole["choices"][0];
+    assert_eq!(c["finish_reason"], "tool_calls", "{c}");
+    assert!(c["message"]["content"].is_null(), "{c}");
+    assert_eq!(
+        c["message"]["tool_calls"][0]["function"]["name"],
+        "get_weather"
+    );
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let chunks = json_chunks(&server.post_stream("/v1/chat/completions", &streamed).await);
+    let sent: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|k| k["choices"][0]["delta"]["tool_calls"].as_array())
+        .flatten()
+        .collect();
+    assert_eq!(sent.len(), 1);
+    assert_eq!(
+        sent[0]["function"],
+        c["message"]["tool_calls"][0]["function"]
+    );
+    // Text: the model's own answer, as without tools (special tokens kept for the parser).
+    let plain = json!({"messages": messages, "max_tokens": 16, "temperature": 0,
+        "return_token_ids": true, "skip_special_tokens": false});
+    let (_, without) = server.post("/v1/chat/completions", &plain).await;
+    let mut auto = plain.clone();
+    auto["tools"] = tools;
+    let (status, with) = server.post("/v1/chat/completions", &auto).await;
+    assert_eq!(status, 200, "{with}");
+    assert_eq!(
+        with["choices"][0]["message"]["content"],
+        without["choices"][0]["message"]["content"]
+    );
+    assert_eq!(with["choices"][0]["finish_reason"], "length");
+    server.stop().await;
+}

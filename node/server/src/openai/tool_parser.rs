@@ -16,30 +16,46 @@ pub enum ToolCallParser {
     /// Hermes / Qwen2.5 / Qwen3: each call is `<tool_call>{"name": ..., "arguments": {...}}
     /// </tool_call>`, after any text (vLLM's `hermes` parser).
     Hermes,
+    /// Llama 3.1 / 3.2 / 3.3: an answer that is calls is `{"name": ..., "parameters": {...}}`
+    /// objects separated by `;`, maybe after `<|python_tag|>`, and nothing else (vLLM's
+    /// `llama3_json` parser).
+    Llama3Json,
 }
 
 impl ToolCallParser {
     /// The parser a tokenizer's files call for: Hermes when its chat template or vocabulary
-    /// knows `<tool_call>`, else none (`tool_choice: "auto"` is then refused by name).
+    /// knows `<tool_call>`; Llama 3's JSON when its chat template asks for calls in that
+    /// format (Meta's templates say `"parameters": dictionary of argument name and its
+    /// value`); else none (`tool_choice: "auto"` is then refused by name).
     pub fn detect(tokenizer: &pd_tokenize::Tokenizer) -> Option<Self> {
-        let knows = tokenizer.token_to_id(HERMES_START).is_some()
-            || tokenizer
-                .files()
-                .values()
-                .any(|text| text.contains(HERMES_START));
-        knows.then_some(ToolCallParser::Hermes)
+        let files = tokenizer.files();
+        if tokenizer.token_to_id(HERMES_START).is_some()
+            || files.values().any(|text| text.contains(HERMES_START))
+        {
+            return Some(ToolCallParser::Hermes);
+        }
+        files
+            .values()
+            .any(|text| text.contains(LLAMA3_TEMPLATE_ASKS))
+            .then_some(ToolCallParser::Llama3Json)
     }
 
     /// The name `--tool-call-parser` takes (vLLM's).
     pub fn name(self) -> &'static str {
         match self {
             ToolCallParser::Hermes => "hermes",
+            ToolCallParser::Llama3Json => "llama3_json",
         }
     }
 }
 
 const HERMES_START: &str = "<tool_call>";
 const HERMES_END: &str = "</tool_call>";
+/// What Llama 3's templates write before a call (a special token: kept in the text for the
+/// parser, as `skip_special_tokens` is off under `"auto"`).
+const PYTHON_TAG: &str = "<|python_tag|>";
+/// The words of Meta's Llama 3.1/3.2/3.3 chat templates that ask for JSON calls.
+const LLAMA3_TEMPLATE_ASKS: &str = "dictionary of argument name and its value";
 
 /// What a piece of the answer turned out to be.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,7 +68,11 @@ pub(crate) enum Piece {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
-    /// Plain text; a call may start.
+    /// Llama 3: nothing but whitespace yet; the first character says text or calls.
+    Undecided,
+    /// Llama 3: an answer that started as calls, held whole until it ends.
+    Json,
+    /// Plain text; a call may start (Hermes), or the answer is text (Llama 3).
     Text,
     /// Inside `<tool_call>`, waiting for its end.
     Call,
@@ -62,6 +82,7 @@ enum Mode {
 
 /// Reads one answer's calls as its text arrives.
 ///
+/// Hermes:
 /// - Text outside calls is content, as written. What could be the start of a marker is held
 ///   until the next piece says whether it is one.
 /// - A call whose body is `{"name": <a declared tool>, "arguments": <an object>}` becomes a
@@ -70,8 +91,15 @@ enum Mode {
 /// - Whitespace between and after calls is dropped (the model's separators, not an answer).
 /// - A call the answer ends inside (no closing marker) is a call if its body is whole, else
 ///   content.
+///
+/// Llama 3 JSON:
+/// - An answer whose first non-blank text is `{` or `<|python_tag|>` is held to its end, then
+///   read as `;`-separated calls; if any of them is not a call to a declared tool with an
+///   object of arguments, the whole answer is content, as written.
+/// - Any other answer is content, streamed as it comes.
 #[derive(Debug, Clone)]
 pub(crate) struct CallReader {
+    parser: ToolCallParser,
     /// The declared tools' names: a call to anything else is not a call.
     names: Arc<[String]>,
     mode: Mode,
@@ -81,18 +109,24 @@ pub(crate) struct CallReader {
 
 impl CallReader {
     pub(crate) fn new(parser: ToolCallParser, names: Arc<[String]>) -> Self {
-        match parser {
-            ToolCallParser::Hermes => Self {
-                names,
-                mode: Mode::Text,
-                pending: String::new(),
+        Self {
+            parser,
+            names,
+            mode: match parser {
+                ToolCallParser::Hermes => Mode::Text,
+                ToolCallParser::Llama3Json => Mode::Undecided,
             },
+            pending: String::new(),
         }
     }
 
     /// Reads `text`, the answer's next piece, adding what is now known to `out`.
     pub(crate) fn push(&mut self, text: &str, out: &mut Vec<Piece>) {
         self.pending.push_str(text);
+        if self.parser == ToolCallParser::Llama3Json {
+            self.push_llama3(out);
+            return;
+        }
         loop {
             match self.mode {
                 Mode::AfterCall => {
@@ -117,6 +151,7 @@ impl CallReader {
                         return;
                     }
                 }
+                Mode::Undecided | Mode::Json => return,
                 Mode::Call => {
                     let Some(at) = self.pending.find(HERMES_END) else {
                         return;
@@ -138,10 +173,52 @@ impl CallReader {
         }
     }
 
+    /// Llama 3: decides text or calls at the first non-blank character.
+    fn push_llama3(&mut self, out: &mut Vec<Piece>) {
+        if self.mode == Mode::Undecided {
+            let rest = self.pending.trim_start();
+            if rest.is_empty() || (PYTHON_TAG.starts_with(rest) && rest != PYTHON_TAG) {
+                return; // blank, or maybe the tag: not known yet
+            }
+            self.mode = if rest.starts_with('{') || rest.starts_with(PYTHON_TAG) {
+                Mode::Json
+            } else {
+                Mode::Text
+            };
+        }
+        if self.mode == Mode::Text {
+            content(out, &std::mem::take(&mut self.pending));
+        }
+    }
+
+    /// Llama 3: `answer` (held whole) as its calls, or `None` if it is not all calls.
+    fn llama3_calls(&self, answer: &str) -> Option<Vec<Piece>> {
+        let mut rest = answer.trim_start();
+        rest = rest.strip_prefix(PYTHON_TAG).unwrap_or(rest).trim_start();
+        let mut calls = Vec::new();
+        while !rest.is_empty() {
+            let mut values = serde_json::Deserializer::from_str(rest).into_iter::<&RawValue>();
+            let value = values.next()?.ok()?;
+            calls.push(self.call(value.get())?);
+            rest = rest[values.byte_offset()..].trim_start();
+            if let Some(after) = rest.strip_prefix(';') {
+                rest = after.trim_start();
+            } else if !rest.is_empty() {
+                return None;
+            }
+        }
+        (!calls.is_empty()).then_some(calls)
+    }
+
     /// The answer ended: returns what was held.
     pub(crate) fn finish(&mut self, out: &mut Vec<Piece>) {
         let rest = std::mem::take(&mut self.pending);
         match self.mode {
+            Mode::Undecided => content(out, &rest),
+            Mode::Json => match self.llama3_calls(&rest) {
+                Some(calls) => out.extend(calls),
+                None => content(out, &rest),
+            },
             Mode::Text => content(out, &rest),
             Mode::AfterCall => {}
             Mode::Call => match self.call(&rest) {
@@ -149,7 +226,10 @@ impl CallReader {
                 None => content(out, &format!("{HERMES_START}{rest}")),
             },
         }
-        self.mode = Mode::Text;
+        self.mode = match self.parser {
+            ToolCallParser::Hermes => Mode::Text,
+            ToolCallParser::Llama3Json => Mode::Undecided,
+        };
     }
 
     /// `body` as a call to a declared tool, if it is one. `arguments` may also be a string
@@ -313,6 +393,106 @@ mod tests {
             r.finish(&mut out);
             assert_eq!(joined(out), expected, "{answer:?} char by char");
         }
+    }
+
+    fn llama3(text: &str) -> Vec<Piece> {
+        let mut r = CallReader::new(
+            ToolCallParser::Llama3Json,
+            vec!["get_weather".to_owned(), "get_time".to_owned()].into(),
+        );
+        let mut out = Vec::new();
+        r.push(text, &mut out);
+        r.finish(&mut out);
+        out
+    }
+
+    const LLAMA3_ANSWERS: &[&str] = &[
+        "The capital of France is Paris.",
+        "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}",
+        "<|python_tag|>{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}; {\"name\": \"get_time\", \"arguments\": {}}",
+        "\n {\"name\": \"get_weather\", \"parameters\": {\"city\": \"Par",
+        "{\"name\": \"rm\", \"parameters\": {}}",
+        "{\"name\": \"get_time\", \"parameters\": {}} and more",
+        "  <|python",
+        "<|pyth or not",
+    ];
+
+    #[test]
+    fn llama3_answers_are_all_calls_or_all_text() {
+        assert_eq!(llama3(LLAMA3_ANSWERS[0]), vec![text(LLAMA3_ANSWERS[0])]);
+        assert_eq!(
+            llama3(LLAMA3_ANSWERS[1]),
+            vec![call("get_weather", r#"{"city": "Paris"}"#)]
+        );
+        assert_eq!(
+            llama3(LLAMA3_ANSWERS[2]),
+            vec![
+                call("get_weather", r#"{"city": "Paris"}"#),
+                call("get_time", "{}")
+            ]
+        );
+        // Cut, undeclared, or followed by text: the answer as written.
+        for answer in &LLAMA3_ANSWERS[3..] {
+            assert_eq!(llama3(answer), vec![text(answer)], "{answer:?}");
+        }
+        // Split anywhere, the same.
+        for answer in LLAMA3_ANSWERS {
+            let expected = llama3(answer);
+            for cut in (0..=answer.len()).filter(|&i| answer.is_char_boundary(i)) {
+                let mut r = CallReader::new(
+                    ToolCallParser::Llama3Json,
+                    vec!["get_weather".to_owned(), "get_time".to_owned()].into(),
+                );
+                let mut out = Vec::new();
+                r.push(&answer[..cut], &mut out);
+                r.push(&answer[cut..], &mut out);
+                r.finish(&mut out);
+                assert_eq!(joined(out), expected, "{answer:?} cut at {cut}");
+            }
+        }
+        // Text streams at once; a call is held.
+        let mut r = CallReader::new(
+            ToolCallParser::Llama3Json,
+            vec!["get_time".to_owned()].into(),
+        );
+        let mut out = Vec::new();
+        r.push(" Sure", &mut out);
+        assert_eq!(out, vec![text(" Sure")]);
+        let mut r = CallReader::new(
+            ToolCallParser::Llama3Json,
+            vec!["get_time".to_owned()].into(),
+        );
+        let mut out = Vec::new();
+        r.push(" {\"name\"", &mut out);
+        assert!(out.is_empty());
+    }
+
+    /// The parser a model's files call for: its chat template's words, or its vocabulary.
+    #[test]
+    fn the_parser_is_detected_from_the_tokenizers_files() {
+        let dir = std::env::temp_dir().join(format!("pd-tool-detect-{}", std::process::id()));
+        let with_template = |template: &str| {
+            std::fs::create_dir_all(&dir).unwrap();
+            pd_tokenize::write_byte_level_tokenizer(&dir, 300).unwrap();
+            let config = dir.join("tokenizer_config.json");
+            let mut json: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+            json["chat_template"] = serde_json::json!(template);
+            std::fs::write(&config, json.to_string()).unwrap();
+            ToolCallParser::detect(&pd_tokenize::Tokenizer::from_dir(&dir).unwrap())
+        };
+        assert_eq!(with_template("{{ messages }}"), None);
+        assert_eq!(
+            with_template("{% for t in tools %}<tools>{{ t }}</tools>{% endfor %} <tool_call>"),
+            Some(ToolCallParser::Hermes)
+        );
+        assert_eq!(
+            with_template(
+                "Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}."
+            ),
+            Some(ToolCallParser::Llama3Json)
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
