@@ -1569,6 +1569,24 @@ async fn forced_tool_calls_are_calls_to_declared_tools_with_valid_arguments() {
     let (status, out) = server.post("/v1/chat/completions", &next).await;
     assert_eq!(status, 200, "{out}");
     assert!(out["choices"][0]["message"]["content"].is_string(), "{out}");
+
+    // `parallel_tool_calls: false`: exactly one call (the list's schema allows one).
+    let body = json!({"messages": messages, "tools": tools, "tool_choice": "required",
+        "parallel_tool_calls": false, "max_tokens": 200, "temperature": 1.0, "seed": 9, "n": 4});
+    let (status, out) = server.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{out}");
+    let mut finished = 0;
+    for c in out["choices"].as_array().unwrap() {
+        if c["finish_reason"] == "tool_calls" {
+            assert_eq!(
+                c["message"]["tool_calls"].as_array().unwrap().len(),
+                1,
+                "{c}"
+            );
+            finished += 1;
+        }
+    }
+    assert!(finished > 0, "{out}");
     server.stop().await;
 }
 

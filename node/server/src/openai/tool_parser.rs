@@ -102,16 +102,23 @@ pub(crate) struct CallReader {
     parser: ToolCallParser,
     /// The declared tools' names: a call to anything else is not a call.
     names: Arc<[String]>,
+    /// Whether more than one call may be read (`parallel_tool_calls`); if not, a second call
+    /// is text (Hermes) or the answer is (Llama 3).
+    parallel: bool,
+    /// Calls read so far.
+    calls: usize,
     mode: Mode,
     /// Text not yet returned.
     pending: String,
 }
 
 impl CallReader {
-    pub(crate) fn new(parser: ToolCallParser, names: Arc<[String]>) -> Self {
+    pub(crate) fn new(parser: ToolCallParser, names: Arc<[String]>, parallel: bool) -> Self {
         Self {
             parser,
             names,
+            parallel,
+            calls: 0,
             mode: match parser {
                 ToolCallParser::Hermes => Mode::Text,
                 ToolCallParser::Llama3Json => Mode::Undecided,
@@ -158,9 +165,10 @@ impl CallReader {
                     };
                     let body: String = self.pending.drain(..at + HERMES_END.len()).collect();
                     let body = &body[..at];
-                    match self.call(body) {
+                    match self.call(body).filter(|_| self.parallel || self.calls == 0) {
                         Some(call) => {
                             out.push(call);
+                            self.calls += 1;
                             self.mode = Mode::AfterCall;
                         }
                         None => {
@@ -207,7 +215,8 @@ impl CallReader {
                 return None;
             }
         }
-        (!calls.is_empty()).then_some(calls)
+        let most = if self.parallel { usize::MAX } else { 1 };
+        (1..=most).contains(&calls.len()).then_some(calls)
     }
 
     /// The answer ended: returns what was held.
@@ -221,7 +230,10 @@ impl CallReader {
             },
             Mode::Text => content(out, &rest),
             Mode::AfterCall => {}
-            Mode::Call => match self.call(&rest) {
+            Mode::Call => match self
+                .call(&rest)
+                .filter(|_| self.parallel || self.calls == 0)
+            {
                 Some(call) => out.push(call),
                 None => content(out, &format!("{HERMES_START}{rest}")),
             },
@@ -291,6 +303,7 @@ mod tests {
         CallReader::new(
             ToolCallParser::Hermes,
             vec!["get_weather".to_owned(), "get_time".to_owned()].into(),
+            true,
         )
     }
 
@@ -399,6 +412,7 @@ mod tests {
         let mut r = CallReader::new(
             ToolCallParser::Llama3Json,
             vec!["get_weather".to_owned(), "get_time".to_owned()].into(),
+            true,
         );
         let mut out = Vec::new();
         r.push(text, &mut out);
@@ -442,6 +456,7 @@ mod tests {
                 let mut r = CallReader::new(
                     ToolCallParser::Llama3Json,
                     vec!["get_weather".to_owned(), "get_time".to_owned()].into(),
+                    true,
                 );
                 let mut out = Vec::new();
                 r.push(&answer[..cut], &mut out);
@@ -454,6 +469,7 @@ mod tests {
         let mut r = CallReader::new(
             ToolCallParser::Llama3Json,
             vec!["get_time".to_owned()].into(),
+            true,
         );
         let mut out = Vec::new();
         r.push(" Sure", &mut out);
@@ -461,6 +477,7 @@ mod tests {
         let mut r = CallReader::new(
             ToolCallParser::Llama3Json,
             vec!["get_time".to_owned()].into(),
+            true,
         );
         let mut out = Vec::new();
         r.push(" {\"name\"", &mut out);
@@ -493,6 +510,30 @@ mod tests {
             Some(ToolCallParser::Llama3Json)
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// `parallel_tool_calls: false`: one call at most; a second is text (Hermes), or the
+    /// answer is (Llama 3).
+    #[test]
+    fn one_call_only_where_parallel_calls_are_off() {
+        let names: Arc<[String]> = vec!["get_weather".to_owned(), "get_time".to_owned()].into();
+        let mut r = CallReader::new(ToolCallParser::Hermes, names.clone(), false);
+        let mut out = Vec::new();
+        r.push(ANSWERS[2], &mut out);
+        r.finish(&mut out);
+        assert_eq!(
+            out,
+            vec![
+                text("Let me check.\n"),
+                call("get_weather", r#"{"city": "Paris"}"#),
+                text("<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>\n"),
+            ]
+        );
+        let mut r = CallReader::new(ToolCallParser::Llama3Json, names, false);
+        let mut out = Vec::new();
+        r.push(LLAMA3_ANSWERS[2], &mut out);
+        r.finish(&mut out);
+        assert_eq!(out, vec![text(LLAMA3_ANSWERS[2])]);
     }
 
     #[test]

@@ -24,6 +24,9 @@ pub(crate) struct ToolFields {
     tools: Option<Value>,
     #[serde(default)]
     tool_choice: Option<Value>,
+    /// OpenAI's: `false` allows at most one call per answer (default `true`).
+    #[serde(default)]
+    parallel_tool_calls: Option<bool>,
 }
 
 /// One declared function: its name and the JSON schema of its arguments.
@@ -41,13 +44,18 @@ pub(crate) enum ToolCalling {
     /// `tool_choice: {"type": "function", "function": {"name": ...}}`: the answer is the
     /// arguments of one call to it.
     Named(Function),
-    /// `tool_choice: "required"`: the answer is a list of one or more calls to declared tools.
-    Required(Vec<Function>),
+    /// `tool_choice: "required"`: the answer is a list of one or more calls to declared tools
+    /// (exactly one unless `parallel`).
+    Required {
+        tools: Vec<Function>,
+        parallel: bool,
+    },
     /// `tool_choice: "auto"` with tools: the model answers in text, calls, or both, read by
-    /// `parser`; a call names one of `names`.
+    /// `parser`; a call names one of `names`; a second call is text unless `parallel`.
     Auto {
         parser: ToolCallParser,
         names: Arc<[String]>,
+        parallel: bool,
     },
 }
 
@@ -60,6 +68,7 @@ impl ToolFields {
     /// parser (`parser`).
     pub(crate) fn for_chat(&self, parser: Option<ToolCallParser>) -> Result<ToolCalling, ApiError> {
         let tools = self.tools()?;
+        let parallel = self.parallel_tool_calls.unwrap_or(true);
         let auto = |tools: Vec<Function>| {
             if tools.is_empty() {
                 return Ok(ToolCalling::Text);
@@ -68,6 +77,7 @@ impl ToolFields {
             Ok(ToolCalling::Auto {
                 parser,
                 names: tools.into_iter().map(|f| f.name).collect(),
+                parallel,
             })
         };
         let choice = present(&self.tool_choice);
@@ -80,7 +90,7 @@ impl ToolFields {
                     "tool_choice",
                     "tool_choice \"required\" needs at least one tool in tools",
                 )),
-                "required" => Ok(ToolCalling::Required(tools)),
+                "required" => Ok(ToolCalling::Required { tools, parallel }),
                 other => Err(ApiError::invalid(
                     "tool_choice",
                     format!(
@@ -142,12 +152,22 @@ impl ToolFields {
             }
             other => other.cloned(),
         };
-        ToolFields { tools, tool_choice }.for_chat(parser)
+        ToolFields {
+            tools,
+            tool_choice,
+            parallel_tool_calls: self.parallel_tool_calls,
+        }
+        .for_chat(parser)
     }
 
     /// The Responses API's `tools` for the chat template, in chat form.
     pub(crate) fn listed_for_responses(&self) -> Option<Value> {
         pd_tokenize::prompt::responses_tools(present(&self.tools))
+    }
+
+    /// `parallel_tool_calls` as sent (default `true`), echoed in a response object.
+    pub(crate) fn parallel(&self) -> bool {
+        self.parallel_tool_calls.unwrap_or(true)
     }
 
     /// The `tools` and `tool_choice` fields as sent, echoed in a response object.
@@ -271,7 +291,7 @@ impl ToolCalling {
         match self {
             ToolCalling::Text | ToolCalling::Auto { .. } => Ok(None),
             ToolCalling::Named(f) => Ok(Some(OutputSpec::JsonSchema(f.parameters.clone()))),
-            ToolCalling::Required(tools) => {
+            ToolCalling::Required { tools, parallel } => {
                 let mut defs = serde_json::Map::new();
                 let mut calls = Vec::with_capacity(tools.len());
                 for f in tools {
@@ -316,6 +336,9 @@ impl ToolCalling {
                         "required": ["name", "parameters"], "additionalProperties": false}));
                 }
                 let mut schema = json!({"type": "array", "minItems": 1, "items": {"anyOf": calls}});
+                if !parallel {
+                    schema["maxItems"] = json!(1);
+                }
                 if let Some(root) = schema.as_object_mut() {
                     root.extend(defs);
                 }
@@ -331,7 +354,7 @@ impl ToolCalling {
         let whole = match self {
             ToolCalling::Text | ToolCalling::Auto { .. } => false,
             ToolCalling::Named(_) => serde_json::from_str::<serde::de::IgnoredAny>(text).is_ok(),
-            ToolCalling::Required(_) => true,
+            ToolCalling::Required { .. } => true,
         };
         match reason {
             Some("stop") if whole => Some("tool_calls"),
@@ -341,13 +364,17 @@ impl ToolCalling {
 
     /// Whether answers are forced tool calls.
     pub(crate) fn calls(&self) -> bool {
-        matches!(self, ToolCalling::Named(_) | ToolCalling::Required(_))
+        matches!(self, ToolCalling::Named(_) | ToolCalling::Required { .. })
     }
 
     /// A reader of one answer's own calls, where the model may write them (`"auto"`).
     pub(crate) fn reader(&self) -> Option<CallReader> {
         match self {
-            ToolCalling::Auto { parser, names } => Some(CallReader::new(*parser, names.clone())),
+            ToolCalling::Auto {
+                parser,
+                names,
+                parallel,
+            } => Some(CallReader::new(*parser, names.clone(), *parallel)),
             _ => None,
         }
     }
@@ -360,7 +387,7 @@ impl ToolCalling {
         match self {
             ToolCalling::Text | ToolCalling::Auto { .. } => None,
             ToolCalling::Named(f) => Some(vec![call(0, &f.name, text.to_owned())]),
-            ToolCalling::Required(_) => {
+            ToolCalling::Required { .. } => {
                 // Each call's arguments as generated (not re-printed: a number past f64's
                 // precision keeps its digits).
                 #[derive(Deserialize)]
@@ -476,8 +503,10 @@ mod tests {
         };
         assert_eq!(f.name, "time");
         assert_eq!(f.parameters, json!({"type": "object", "properties": {}}));
-        let ToolCalling::Required(all) =
-            read(json!({"tools": weather(), "tool_choice": "required"})).unwrap()
+        let ToolCalling::Required {
+            tools: all,
+            parallel: true,
+        } = read(json!({"tools": weather(), "tool_choice": "required"})).unwrap()
         else {
             panic!("required")
         };
@@ -536,7 +565,8 @@ mod tests {
                 read_with(body, hermes),
                 Ok(ToolCalling::Auto {
                     parser: ToolCallParser::Hermes,
-                    names: names.clone()
+                    names: names.clone(),
+                    parallel: true,
                 })
             );
         }
@@ -577,6 +607,15 @@ mod tests {
                 .get("$defs")
                 .is_none()
         );
+        assert!(schema.get("maxItems").is_none());
+        // One call only: the list holds one.
+        let one =
+            read(json!({"tools": tools, "tool_choice": "required", "parallel_tool_calls": false}))
+                .unwrap();
+        let Some(OutputSpec::JsonSchema(schema)) = one.constraint().unwrap() else {
+            panic!("a schema")
+        };
+        assert_eq!(schema["maxItems"], 1);
         // The same name defined two ways, and a root self-reference, cannot be kept.
         let clash = json!([
             {"type": "function", "function": {"name": "a", "parameters": {"$defs": {"P": {"type": "integer"}}}}},
@@ -606,7 +645,10 @@ mod tests {
         assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"));
         let cut = named.calls_of(r#"{"city":"Os"#).unwrap();
         assert_eq!(cut[0]["function"]["arguments"], r#"{"city":"Os"#);
-        let required = ToolCalling::Required(vec![]);
+        let required = ToolCalling::Required {
+            tools: vec![],
+            parallel: true,
+        };
         let calls = required
             .calls_of(r#"[{"name":"weather","parameters":{"city":"Oslo"}},{"name":"time","parameters":{}}]"#)
             .unwrap();

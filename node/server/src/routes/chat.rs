@@ -313,7 +313,7 @@ impl ChatStream {
                     ..ChatDelta::default()
                 }
             }
-            ToolCalling::Required(_) => {
+            ToolCalling::Required { .. } => {
                 if let Some(buffer) = self.calls.get_mut(child) {
                     buffer.push_str(&text);
                 }
@@ -428,7 +428,7 @@ impl SseFormatter for ChatStream {
                         finish = self.out.tools.finish(finish, &all);
                         delta
                     }
-                    ToolCalling::Required(_) => {
+                    ToolCalling::Required { .. } => {
                         let mut all = self
                             .calls
                             .get_mut(child)

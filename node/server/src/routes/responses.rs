@@ -99,7 +99,7 @@ pub(super) async fn create(
         temperature: params.temperature,
         top_p: params.top_p,
         output: Vec::new(),
-        parallel_tool_calls: true,
+        parallel_tool_calls: req.tools.parallel(),
         tool_choice: echo_choice,
         tools: echo_tools,
         usage: None,
@@ -250,7 +250,7 @@ impl Output {
                 let name = f.name.clone();
                 self.open_call(name);
             }
-            ToolCalling::Required(_) | ToolCalling::Auto { .. } => {}
+            ToolCalling::Required { .. } | ToolCalling::Auto { .. } => {}
         }
     }
 
@@ -262,7 +262,7 @@ impl Output {
         match &self.tools {
             ToolCalling::Text => self.content(text),
             ToolCalling::Named(_) => self.arguments(text),
-            ToolCalling::Required(_) => self.list.push_str(&text),
+            ToolCalling::Required { .. } => self.list.push_str(&text),
             ToolCalling::Auto { .. } => {
                 let mut pieces = Vec::new();
                 if let Some(reader) = &mut self.reader {
@@ -276,7 +276,7 @@ impl Output {
     /// The answer ended (`reason`): closes what is open and returns every item.
     fn end(&mut self, reason: Option<FinishReason>) -> Vec<OutputItem> {
         match &self.tools {
-            ToolCalling::Required(_) => {
+            ToolCalling::Required { .. } => {
                 let list = std::mem::take(&mut self.list);
                 match self.tools.calls_of(&list) {
                     Some(calls) => {
