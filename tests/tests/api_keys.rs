@@ -1,7 +1,9 @@
 //! Client API keys at the front door (`pd-gateway serve --api-key K`, repeatable): `/v1/` needs
 //! one of them (or the trusted client token) as the bearer key, which is what the OpenAI SDKs
 //! send as their `api_key`; anything else is a 401 OpenAI error object (`invalid_api_key`) that
-//! never reaches a node. `/health` and `/metrics` stay open, as on vLLM.
+//! never reaches a node. `/health` and `/metrics` stay open, as on vLLM. The nodes require a key
+//! of their own (`pd-node serve --api-key`) that no client here has: the gateway reaches them
+//! with the cluster token it minted and handed them at registration.
 
 use pd_cluster_tests::cluster::{ClusterSpec, Role, TestCluster, args};
 use pd_cluster_tests::openai::{self, Api};
@@ -12,6 +14,7 @@ use serde_json::json;
 const SDK_KEY: &str = "sk-cluster-test";
 const SECOND_KEY: &str = "second-key";
 const TRUSTED: &str = "trusted-client-key";
+const NODE_KEY: &str = "node-only-key";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn v1_needs_one_of_the_api_keys_and_refusals_reach_no_node() {
@@ -28,6 +31,7 @@ async fn v1_needs_one_of_the_api_keys_and_refusals_reach_no_node() {
                 "--trusted-client-token",
                 TRUSTED,
             ]),
+            node_args: args(&["--api-key", NODE_KEY]),
             ..ClusterSpec::default()
         },
     )
@@ -119,6 +123,24 @@ async fn v1_needs_one_of_the_api_keys_and_refusals_reach_no_node() {
         got[0]
     );
     served += 1.0;
+
+    // A node's own `/v1/` takes its key (or the cluster token), not the gateway's keys.
+    for n in &c.nodes {
+        for (bearer, status) in [(None, 401), (Some(SDK_KEY), 401), (Some(NODE_KEY), 200)] {
+            let mut r = c.client.get(format!("{}/v1/models", n.http));
+            if let Some(key) = bearer {
+                r = r.bearer_auth(key);
+            }
+            let r = r.send().await.unwrap();
+            assert_eq!(r.status(), status, "{} with {bearer:?}", n.engine_id);
+            if status == 401 {
+                let v: serde_json::Value = r.json().await.unwrap();
+                assert_eq!(v["error"]["code"], "invalid_api_key", "{v}");
+            }
+        }
+        let health = c.client.get(format!("{}/health", n.http)).send().await;
+        assert_eq!(health.unwrap().status(), 200);
+    }
 
     let g = c.gateway_metrics().await;
     assert_eq!(g.sum("pd_gateway_unauthorized_total", &[]), refused);

@@ -486,7 +486,16 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let registry_addr = registry_listener.local_addr()?;
     let admin_addr = admin_listener.local_addr()?;
 
+    // Every request to a node carries the cluster token as its bearer key: a node started
+    // with `--api-key` takes it, so its clients need not share the gateway's way in.
+    let mut node_auth = reqwest::header::HeaderValue::from_str(&format!("Bearer {cluster_token}"))
+        .context("the cluster token is not a valid header value")?;
+    node_auth.set_sensitive(true);
     let http = reqwest::Client::builder()
+        .default_headers(reqwest::header::HeaderMap::from_iter([(
+            reqwest::header::AUTHORIZATION,
+            node_auth,
+        )]))
         .pool_max_idle_per_host(1024)
         .pool_idle_timeout(Duration::from_secs(90))
         .tcp_nodelay(true)

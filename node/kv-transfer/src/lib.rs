@@ -48,4 +48,4 @@ pub use puller::{
     EarlyConfirm, LeaseKeeper, LeasePull, LeasedBlocks, MAX_PEERS, MAX_PULLS_PER_PEER, PullVia,
     Pulled, Puller, Unawaited, pull_under_lease, pull_under_lease_with,
 };
-pub use service::{KvPeerService, OwnerIdentity};
+pub use service::{KvPeerService, OwnerIdentity, constant_time_eq};

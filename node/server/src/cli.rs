@@ -179,6 +179,12 @@ pub struct ServeArgs {
     /// parser.
     #[arg(long, value_enum, default_value_t = ToolCallParserArg::Auto)]
     pub tool_call_parser: ToolCallParserArg,
+    /// A key clients must send as `Authorization: Bearer KEY` on `/v1/` (vLLM's flag; also
+    /// read from `PD_NODE_API_KEY`). The cluster token opens `/v1/` too: the gateway sends it,
+    /// so a node behind a gateway can require a key its clients do not have. `/health` and
+    /// `/metrics` stay open.
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
     /// How this node reads a peer's pool: `auto` copies straight from it where UCX maps it into
     /// this process (shared memory on one host), the copy shared with a helper thread, and posts
     /// UCX gets elsewhere; `auto-one-thread` copies without the helper; `get` always posts UCX
@@ -468,9 +474,18 @@ impl ServeArgs {
         }
     }
 
+    /// The API key `/v1/` requires: `--api-key`, else `$PD_NODE_API_KEY`, else none.
+    pub fn api_key(&self) -> Option<String> {
+        Some(flag_or_env(
+            self.api_key.as_deref(),
+            std::env::var("PD_NODE_API_KEY").ok(),
+        ))
+        .filter(|k| !k.is_empty())
+    }
+
     /// The cluster token: `--cluster-token`, else `$PD_CLUSTER_TOKEN`, else none (empty).
     pub fn cluster_token(&self) -> String {
-        cluster_token_from(
+        flag_or_env(
             self.cluster_token.as_deref(),
             std::env::var(CLUSTER_TOKEN_ENV).ok(),
         )
@@ -478,7 +493,7 @@ impl ServeArgs {
 
     /// The prefix-cache hash key: `--kv-hash-key`, else `$PD_KV_HASH_KEY`, else none (0).
     pub fn hash_key(&self) -> u64 {
-        pd_kv_pool::hash_key(&cluster_token_from(
+        pd_kv_pool::hash_key(&flag_or_env(
             self.kv_hash_key.as_deref(),
             std::env::var(HASH_KEY_ENV).ok(),
         ))
@@ -514,7 +529,7 @@ impl ServeArgs {
 }
 
 /// The flag wins over the environment; neither (or empty) is no token.
-fn cluster_token_from(flag: Option<&str>, env: Option<String>) -> String {
+fn flag_or_env(flag: Option<&str>, env: Option<String>) -> String {
     match flag {
         Some(t) => t.to_owned(),
         None => env.unwrap_or_default(),
@@ -759,9 +774,9 @@ mod tests {
 
     #[test]
     fn cluster_token_flag_wins_over_the_environment() {
-        assert_eq!(cluster_token_from(Some("f"), Some("e".into())), "f");
-        assert_eq!(cluster_token_from(None, Some("e".into())), "e");
-        assert_eq!(cluster_token_from(None, None), "");
+        assert_eq!(flag_or_env(Some("f"), Some("e".into())), "f");
+        assert_eq!(flag_or_env(None, Some("e".into())), "e");
+        assert_eq!(flag_or_env(None, None), "");
         let cli = Cli::try_parse_from([
             "pd-node",
             "serve",

@@ -37,6 +37,11 @@ pub enum ApiError {
         /// The request's path.
         path: String,
     },
+    /// `/v1/` without the node's API key (401).
+    #[error(
+        "Incorrect API key provided: send the node's key (--api-key) as `Authorization: Bearer KEY`."
+    )]
+    InvalidApiKey,
     /// The body is larger than the limit (413).
     #[error("Request body is larger than the limit of {limit} bytes.")]
     PayloadTooLarge {
@@ -86,6 +91,7 @@ impl ApiError {
             Self::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
             Self::ModelNotFound(_) | Self::UnknownRoute { .. } => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            Self::InvalidApiKey => StatusCode::UNAUTHORIZED,
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Engine(EngineError::Invalid(_)) => StatusCode::BAD_REQUEST,
             Self::Engine(EngineError::Shutdown | EngineError::LeaseCapacity { .. })
@@ -125,6 +131,7 @@ impl ApiError {
             Self::UnknownRoute { .. } => Some("unknown_url"),
             Self::MethodNotAllowed { .. } => Some("method_not_allowed"),
             Self::PayloadTooLarge { .. } => Some("payload_too_large"),
+            Self::InvalidApiKey => Some("invalid_api_key"),
             Self::Engine(EngineError::Shutdown) | Self::EngineStopped => Some("engine_unavailable"),
             Self::Engine(EngineError::LeaseCapacity { .. }) => Some("kv_lease_capacity"),
             _ => None,

@@ -55,6 +55,12 @@ pub struct HttpOptions {
     /// How the model writes tool calls on its own (`tool_choice: "auto"`); `None` refuses
     /// `"auto"` with tools.
     pub tool_parser: Option<ToolCallParser>,
+    /// A key clients must send as `Authorization: Bearer KEY` on `/v1/` (vLLM's `--api-key`);
+    /// `None`: `/v1/` is open. `/health` and `/metrics` stay open.
+    pub api_key: Option<String>,
+    /// The cluster's token, as it is now (the gateway may hand one out at registration):
+    /// accepted on `/v1/` too where `api_key` is set, since the gateway sends it.
+    pub cluster_token: Option<tokio::sync::watch::Receiver<Option<String>>>,
 }
 
 impl HttpOptions {
@@ -64,6 +70,8 @@ impl HttpOptions {
         Self {
             sse_keep_alive: SSE_KEEP_ALIVE,
             tool_parser: ToolCallParser::detect(engine.tokenizer()),
+            api_key: None,
+            cluster_token: None,
         }
     }
 }

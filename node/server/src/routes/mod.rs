@@ -253,6 +253,10 @@ pub(crate) fn router(
     disagg: Arc<Disagg>,
     options: crate::HttpOptions,
 ) -> Router {
+    let keys = Arc::new(Keys {
+        api_key: options.api_key,
+        cluster_token: options.cluster_token,
+    });
     let state = AppState {
         engine,
         started: unix_now(),
@@ -270,6 +274,7 @@ pub(crate) fn router(
         .route("/v1/responses", post(responses::create))
         .fallback(unknown_route)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(keys, require_key))
         .layer(axum::middleware::from_fn(request_id))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
@@ -304,6 +309,51 @@ async fn request_id(req: Request, next: axum::middleware::Next) -> Response {
         resp.headers_mut().insert(REQUEST_ID, v);
     }
     resp
+}
+
+/// The keys `/v1/` takes, where the node has one (`--api-key`).
+#[derive(Debug)]
+struct Keys {
+    api_key: Option<String>,
+    cluster_token: Option<tokio::sync::watch::Receiver<Option<String>>>,
+}
+
+impl Keys {
+    /// Whether `given` (a bearer key) opens `/v1/`: the node's key, or the cluster's token.
+    fn admit(&self, given: Option<&str>) -> bool {
+        let Some(key) = &self.api_key else {
+            return true;
+        };
+        let Some(given) = given else {
+            return false;
+        };
+        let cluster = self
+            .cluster_token
+            .as_ref()
+            .and_then(|t| t.borrow().clone())
+            .filter(|t| !t.is_empty());
+        let same = |want: &str| pd_kv_transfer::constant_time_eq(given.as_bytes(), want.as_bytes());
+        same(key) || cluster.is_some_and(|t| same(&t))
+    }
+}
+
+/// `/v1/` requests without one of the node's keys get a 401 (OpenAI's `invalid_api_key`).
+async fn require_key(
+    axum::extract::State(keys): axum::extract::State<Arc<Keys>>,
+    req: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if req.uri().path().starts_with("/v1/") {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if !keys.admit(given) {
+            return ApiError::InvalidApiKey.into_response();
+        }
+    }
+    next.run(req).await
 }
 
 async fn health() -> StatusCode {
@@ -498,5 +548,34 @@ mod tests {
     fn ids_are_unique() {
         assert_ne!(new_id("cmpl-"), new_id("cmpl-"));
         assert!(new_id("resp_").starts_with("resp_"));
+    }
+
+    /// `/v1/` takes the node's key or the cluster's token as it is now; no key set, anything.
+    #[test]
+    fn the_node_key_or_the_current_cluster_token_opens_v1() {
+        let open = Keys {
+            api_key: None,
+            cluster_token: None,
+        };
+        assert!(open.admit(None));
+        assert!(open.admit(Some("anything")));
+        let (token, rx) = tokio::sync::watch::channel(None::<String>);
+        let keyed = Keys {
+            api_key: Some("node-key".into()),
+            cluster_token: Some(rx),
+        };
+        assert!(keyed.admit(Some("node-key")));
+        for refused in [None, Some(""), Some("node-kez"), Some("node-key-")] {
+            assert!(!keyed.admit(refused), "{refused:?}");
+        }
+        // The token the gateway hands out at registration, and its replacement.
+        token.send_replace(Some("cluster-1".into()));
+        assert!(keyed.admit(Some("cluster-1")));
+        token.send_replace(Some("cluster-2".into()));
+        assert!(!keyed.admit(Some("cluster-1")));
+        assert!(keyed.admit(Some("cluster-2")));
+        // An empty token is no token.
+        token.send_replace(Some(String::new()));
+        assert!(!keyed.admit(Some("")));
     }
 }
