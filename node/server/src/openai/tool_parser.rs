@@ -299,20 +299,56 @@ fn partial_marker(text: &str) -> usize {
 mod tests {
     use super::*;
 
-    fn reader() -> CallReader {
+    /// A reader of `parser`'s calls to `get_weather` and `get_time`.
+    fn reader_of(parser: ToolCallParser) -> CallReader {
         CallReader::new(
-            ToolCallParser::Hermes,
+            parser,
             vec!["get_weather".to_owned(), "get_time".to_owned()].into(),
             true,
         )
     }
 
-    fn whole(text: &str) -> Vec<Piece> {
-        let mut r = reader();
+    /// `text` read whole by `parser`.
+    fn read(parser: ToolCallParser, text: &str) -> Vec<Piece> {
+        let mut r = reader_of(parser);
         let mut out = Vec::new();
         r.push(text, &mut out);
         r.finish(&mut out);
         out
+    }
+
+    fn whole(text: &str) -> Vec<Piece> {
+        read(ToolCallParser::Hermes, text)
+    }
+
+    fn llama3(text: &str) -> Vec<Piece> {
+        read(ToolCallParser::Llama3Json, text)
+    }
+
+    /// Each answer pushed in two pieces, cut anywhere, and one character at a time, reads as
+    /// it does whole.
+    fn reads_the_same_split_anywhere(parser: ToolCallParser, answers: &[&str]) {
+        for answer in answers {
+            let expected = read(parser, answer);
+            let cuts: Vec<usize> = (0..=answer.len())
+                .filter(|&i| answer.is_char_boundary(i))
+                .collect();
+            for &cut in &cuts {
+                let mut r = reader_of(parser);
+                let mut out = Vec::new();
+                r.push(&answer[..cut], &mut out);
+                r.push(&answer[cut..], &mut out);
+                r.finish(&mut out);
+                assert_eq!(joined(out), expected, "{answer:?} cut at {cut}");
+            }
+            let mut r = reader_of(parser);
+            let mut out = Vec::new();
+            for w in cuts.windows(2) {
+                r.push(&answer[w[0]..w[1]], &mut out);
+            }
+            r.finish(&mut out);
+            assert_eq!(joined(out), expected, "{answer:?} char by char");
+        }
     }
 
     fn call(name: &str, arguments: &str) -> Piece {
@@ -384,40 +420,8 @@ mod tests {
 
     #[test]
     fn a_stream_split_anywhere_reads_as_the_whole_answer() {
-        for answer in ANSWERS {
-            let expected = whole(answer);
-            let cuts: Vec<usize> = (0..=answer.len())
-                .filter(|&i| answer.is_char_boundary(i))
-                .collect();
-            // Every single cut, and every piece one character long.
-            for &cut in &cuts {
-                let mut r = reader();
-                let mut out = Vec::new();
-                r.push(&answer[..cut], &mut out);
-                r.push(&answer[cut..], &mut out);
-                r.finish(&mut out);
-                assert_eq!(joined(out), expected, "{answer:?} cut at {cut}");
-            }
-            let mut r = reader();
-            let mut out = Vec::new();
-            for w in cuts.windows(2) {
-                r.push(&answer[w[0]..w[1]], &mut out);
-            }
-            r.finish(&mut out);
-            assert_eq!(joined(out), expected, "{answer:?} char by char");
-        }
-    }
-
-    fn llama3(text: &str) -> Vec<Piece> {
-        let mut r = CallReader::new(
-            ToolCallParser::Llama3Json,
-            vec!["get_weather".to_owned(), "get_time".to_owned()].into(),
-            true,
-        );
-        let mut out = Vec::new();
-        r.push(text, &mut out);
-        r.finish(&mut out);
-        out
+        reads_the_same_split_anywhere(ToolCallParser::Hermes, ANSWERS);
+        reads_the_same_split_anywhere(ToolCallParser::Llama3Json, LLAMA3_ANSWERS);
     }
 
     const LLAMA3_ANSWERS: &[&str] = &[
@@ -448,22 +452,6 @@ mod tests {
         // Cut, undeclared, or followed by text: the answer as written.
         for answer in &LLAMA3_ANSWERS[3..] {
             assert_eq!(llama3(answer), vec![text(answer)], "{answer:?}");
-        }
-        // Split anywhere, the same.
-        for answer in LLAMA3_ANSWERS {
-            let expected = llama3(answer);
-            for cut in (0..=answer.len()).filter(|&i| answer.is_char_boundary(i)) {
-                let mut r = CallReader::new(
-                    ToolCallParser::Llama3Json,
-                    vec!["get_weather".to_owned(), "get_time".to_owned()].into(),
-                    true,
-                );
-                let mut out = Vec::new();
-                r.push(&answer[..cut], &mut out);
-                r.push(&answer[cut..], &mut out);
-                r.finish(&mut out);
-                assert_eq!(joined(out), expected, "{answer:?} cut at {cut}");
-            }
         }
         // Text streams at once; a call is held.
         let mut r = CallReader::new(
@@ -538,7 +526,7 @@ mod tests {
 
     #[test]
     fn text_is_not_held_longer_than_a_marker_could_need() {
-        let mut r = reader();
+        let mut r = reader_of(ToolCallParser::Hermes);
         let mut out = Vec::new();
         r.push("Hello <tool", &mut out);
         assert_eq!(out, vec![text("Hello ")]);

@@ -362,6 +362,37 @@ impl ToolCalling {
         }
     }
 
+    /// Sets what this tool calling asks of the engine on `params` (whose structured output is
+    /// already read from the request): a forced call's constraint (errors then name `tools`),
+    /// and special tokens kept in the text for a parser (its markers may be special tokens,
+    /// as vLLM's Hermes parser says).
+    ///
+    /// # Errors
+    /// A 400 naming `tool_choice` where the request also constrains the answer itself, or the
+    /// constraint's own errors ([`ToolCalling::constraint`]).
+    pub(crate) fn apply(&self, params: &mut pd_engine::SamplingParams) -> Result<(), ApiError> {
+        if self.reader().is_some() {
+            params.skip_special_tokens = false;
+        }
+        let Some(spec) = self.constraint()? else {
+            return Ok(());
+        };
+        if let Some(other) = &params.structured {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                format!(
+                    "tool_choice forces a tool call and {} constrains the answer too; send one",
+                    other.field
+                ),
+            ));
+        }
+        params.structured = Some(pd_engine::StructuredOutput {
+            spec,
+            field: "tools",
+        });
+        Ok(())
+    }
+
     /// Whether answers are forced tool calls.
     pub(crate) fn calls(&self) -> bool {
         matches!(self, ToolCalling::Named(_) | ToolCalling::Required { .. })

@@ -55,27 +55,8 @@ pub(super) async fn create(
     };
     let tools = req.tools.for_chat(state.tool_parser)?;
     let mut params = req.sampling.to_params(max_tokens, logprobs)?;
-    if tools.reader().is_some() {
-        // The parser reads markers some tokenizers mark special (vLLM does the same).
-        params.skip_special_tokens = false;
-    }
     params.structured = req.structured.to_structured()?;
-    if let Some(spec) = tools.constraint()? {
-        if let Some(other) = &params.structured {
-            return Err(ApiError::invalid(
-                "tool_choice",
-                format!(
-                    "tool_choice forces a tool call and {} constrains the answer too; send one",
-                    other.field
-                ),
-            ));
-        }
-        // The tools' schemas are what the answer is compiled against: errors name `tools`.
-        params.structured = Some(pd_engine::StructuredOutput {
-            spec,
-            field: "tools",
-        });
-    }
+    tools.apply(&mut params)?;
     params.validate().map_err(|e| engine_error(e.into()))?;
     let directive = state.kv_directive(req.kv_transfer_params.as_ref(), params.n)?;
     let messages = chat_messages(&req.messages)?;

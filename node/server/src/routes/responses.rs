@@ -46,25 +46,9 @@ pub(super) async fn create(
             .map(|m| non_negative(m, "max_output_tokens"))
             .transpose()?,
         structured: req.structured.to_structured()?,
-        // The parser reads markers some tokenizers mark special (as on chat).
-        skip_special_tokens: tools.reader().is_none(),
         ..defaults
     };
-    if let Some(spec) = tools.constraint()? {
-        if let Some(other) = &params.structured {
-            return Err(ApiError::invalid(
-                "tool_choice",
-                format!(
-                    "tool_choice forces a tool call and {} constrains the answer too; send one",
-                    other.field
-                ),
-            ));
-        }
-        params.structured = Some(pd_engine::StructuredOutput {
-            spec,
-            field: "tools",
-        });
-    }
+    tools.apply(&mut params)?;
     let engine_error = |e: EngineError| {
         ApiError::from(e)
             .rename_param("max_tokens", "max_output_tokens")
