@@ -720,6 +720,7 @@ impl Engine {
             rng: ChaCha8Rng::seed_from_u64(seed),
             text: String::new(),
             sent: 0,
+            stop_floor: 0,
             last_token_at: None,
             grammar,
         };
@@ -1128,15 +1129,18 @@ impl Engine {
                     tracing::warn!(error = %e, token, "detokenization failed");
                     String::new()
                 });
-            // Stop strings count from `min_tokens` on (vLLM's rule), this token included; on
-            // that first step only in text not sent yet (earlier text was let through).
+            // Stop strings count from `min_tokens` on (vLLM's rule), this token included, and
+            // only where they start in text written from then on (earlier text was let through
+            // unchecked, and may have been sent).
             let generated = seq.num_generated();
             let may_stop = generated >= state.params.min_tokens;
-            let search_from = if generated == state.params.min_tokens {
-                seq.sent
-            } else {
-                seq.sent.saturating_sub(state.max_stop_len)
-            };
+            if generated == state.params.min_tokens {
+                seq.stop_floor = seq.text.len();
+            }
+            let search_from = seq
+                .sent
+                .saturating_sub(state.max_stop_len)
+                .max(seq.stop_floor);
             seq.text.push_str(&piece);
             if let Some(at) = may_stop
                 .then(|| find_stop(&seq.text, search_from, &state.params.stop))

@@ -165,15 +165,15 @@ fn adjust(
     out
 }
 
-/// The tokens a child that has generated `generated` tokens may not pick yet under
-/// `min_tokens`: those that would end it (`eos` unless `ignore_eos`, and `stop_token_ids`),
-/// sorted; none once it has generated `min_tokens`.
+/// The tokens a child may not pick while it is short of `min_tokens`: those that would end it
+/// (`eos` unless `ignore_eos` — under structured output EOS ends a child even then — and
+/// `stop_token_ids`), sorted; none without `min_tokens`.
 pub(crate) fn min_tokens_ban(params: &SamplingParams, eos: &[u32]) -> Vec<u32> {
     if params.min_tokens == 0 {
         return Vec::new();
     }
     let mut ban: Vec<u32> = params.stop_token_ids.clone();
-    if !params.ignore_eos {
+    if !params.ignore_eos || params.structured.is_some() {
         ban.extend_from_slice(eos);
     }
     ban.sort_unstable();

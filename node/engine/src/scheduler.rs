@@ -659,6 +659,7 @@ mod tests {
             decoder: tok.decoder(true),
             text: String::new(),
             sent: 0,
+            stop_floor: 0,
             last_token_at: None,
             grammar: None,
         }

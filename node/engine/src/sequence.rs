@@ -41,6 +41,9 @@ pub(crate) struct Sequence {
     pub(crate) text: String,
     /// Bytes of `text` already sent to the client.
     pub(crate) sent: usize,
+    /// Bytes of `text` written before `min_tokens` was reached: stop strings are looked for
+    /// only after them (0 without `min_tokens`).
+    pub(crate) stop_floor: usize,
     /// When this child last produced a token.
     pub(crate) last_token_at: Option<Instant>,
     /// Where this child's output stands in the request's structured-output constraint.
@@ -69,6 +72,7 @@ impl Sequence {
             decoder: self.decoder.clone(),
             text: self.text.clone(),
             sent: self.sent,
+            stop_floor: self.stop_floor,
             last_token_at: self.last_token_at,
             grammar: self.grammar.clone(),
         }

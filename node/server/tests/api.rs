@@ -2027,6 +2027,17 @@ async fn min_tokens_holds_back_every_way_to_stop() {
         .filter_map(|c| c["choices"][0]["text"].as_str())
         .collect();
     assert_eq!(text, piece.repeat(2));
+    // A stop string written before min_tokens is not looked for later either: "ab" is
+    // written by the 2nd token, min_tokens is 3, and the answer goes on to its end.
+    let (status, out) = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "Count:", "max_tokens": 12, "temperature": 0, "stop": ["ab"],
+                "min_tokens": 3, "structured_outputs": {"regex": "abcd"}}),
+        )
+        .await;
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(out["choices"][0]["text"], "abcd", "{out}");
     // Chat takes it too; more than max_tokens is refused by name.
     let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
         "temperature": 0, "min_tokens": 6, "logit_bias": {"42": 100}, "stop_token_ids": [42]});
