@@ -474,13 +474,32 @@ impl ServeArgs {
         }
     }
 
-    /// The API key `/v1/` requires: `--api-key`, else `$PD_NODE_API_KEY`, else none.
-    pub fn api_key(&self) -> Option<String> {
-        Some(flag_or_env(
+    /// The API key `/v1/` requires (`--api-key`, else `$PD_NODE_API_KEY`, else none), and
+    /// whether the cluster token opens `/v1/` too.
+    ///
+    /// # Errors
+    /// [`CliError::Http`] for an empty key, or a key on a node that reports to a gateway
+    /// without its own `--cluster-token`: the gateway reaches nodes with the cluster token, and
+    /// a token the gateway mints is handed to anyone who can reach its registry, so it cannot
+    /// stand in for a key.
+    pub fn api_key(&self) -> Result<(Option<String>, bool), CliError> {
+        if self.api_key.as_deref() == Some("") {
+            return Err(CliError::Http("--api-key must not be empty".into()));
+        }
+        let key = Some(flag_or_env(
             self.api_key.as_deref(),
             std::env::var("PD_NODE_API_KEY").ok(),
         ))
-        .filter(|k| !k.is_empty())
+        .filter(|k| !k.is_empty());
+        let own_token = !self.cluster_token().is_empty();
+        if key.is_some() && self.gateway.is_some() && !own_token {
+            return Err(CliError::Http(
+                "--api-key behind --gateway needs --cluster-token (or PD_CLUSTER_TOKEN), the same as the gateway's: \
+                 the gateway reaches this node with it, and a token the gateway mints itself is handed to anyone who can reach its registry"
+                    .into(),
+            ));
+        }
+        Ok((key, own_token))
     }
 
     /// The cluster token: `--cluster-token`, else `$PD_CLUSTER_TOKEN`, else none (empty).
@@ -790,6 +809,37 @@ mod tests {
             panic!("expected serve")
         };
         assert_eq!(args.cluster_token(), "s3cret");
+    }
+
+    /// `--api-key`: not empty; behind a gateway, only with the node's own cluster token, which
+    /// then opens `/v1/` too. (Flags only: `PD_CLUSTER_TOKEN` and `PD_NODE_API_KEY` are unset
+    /// where tests run.)
+    #[test]
+    fn an_api_key_behind_a_gateway_needs_the_nodes_own_cluster_token() {
+        let serve = |extra: &[&str]| {
+            let mut argv = vec!["pd-node", "serve", "--model", "/m"];
+            argv.extend_from_slice(extra);
+            let Command::Serve(args) = Cli::try_parse_from(argv).unwrap().command else {
+                panic!("expected serve")
+            };
+            args.api_key().map_err(|e| e.to_string())
+        };
+        assert_eq!(serve(&[]), Ok((None, false)));
+        assert_eq!(serve(&["--api-key", "k"]), Ok((Some("k".into()), false)));
+        assert!(serve(&["--api-key", ""]).is_err());
+        let err = serve(&["--api-key", "k", "--gateway", "127.0.0.1:1"]).unwrap_err();
+        assert!(err.contains("--cluster-token"), "{err}");
+        assert_eq!(
+            serve(&[
+                "--api-key",
+                "k",
+                "--gateway",
+                "127.0.0.1:1",
+                "--cluster-token",
+                "t"
+            ]),
+            Ok((Some("k".into()), true))
+        );
     }
 
     #[test]

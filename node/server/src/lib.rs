@@ -58,8 +58,9 @@ pub struct HttpOptions {
     /// A key clients must send as `Authorization: Bearer KEY` on `/v1/` (vLLM's `--api-key`);
     /// `None`: `/v1/` is open. `/health` and `/metrics` stay open.
     pub api_key: Option<String>,
-    /// The cluster's token, as it is now (the gateway may hand one out at registration):
-    /// accepted on `/v1/` too where `api_key` is set, since the gateway sends it.
+    /// The cluster's token, as it is now: accepted on `/v1/` too where `api_key` is set, since
+    /// the gateway sends it. Only a token the node was configured with (`--cluster-token`):
+    /// one the gateway minted is handed to whoever registers.
     pub cluster_token: Option<tokio::sync::watch::Receiver<Option<String>>>,
 }
 

@@ -159,6 +159,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     let (cluster_token, token_rx) =
         tokio::sync::watch::channel(Some(args.cluster_token()).filter(|t| !t.is_empty()));
     let http_token = token_rx.clone();
+    let (api_key, token_opens_v1) = args.api_key()?;
     let transfer_metrics = Arc::new(pd_kv_transfer::TransferMetrics::new());
     let (pull_timeout, wait_timeout) = args.pull_timeouts()?;
     let mut pull = PullConfig {
@@ -293,8 +294,8 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         let options = pd_node::HttpOptions {
             sse_keep_alive,
             tool_parser,
-            api_key: args.api_key(),
-            cluster_token: Some(http_token),
+            api_key,
+            cluster_token: token_opens_v1.then_some(http_token),
         };
         let served = pd_node::serve_with(listener, engine, disagg, options, shutdown_signal())
             .await

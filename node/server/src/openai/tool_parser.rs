@@ -24,7 +24,7 @@ pub enum ToolCallParser {
 
 impl ToolCallParser {
     /// The parser a tokenizer's files call for: Hermes when its chat template or vocabulary
-    /// knows `<tool_call>`; Llama 3's JSON when its chat template asks for calls in that
+    /// knows `<tool_call>` (and its template does not write XML calls inside it); Llama 3's JSON when its chat template asks for calls in that
     /// format (Meta's templates say `"parameters": dictionary of argument name and its
     /// value`); else none (`tool_choice: "auto"` is then refused by name).
     pub fn detect(tokenizer: &pd_tokenize::Tokenizer) -> Option<Self> {
@@ -32,7 +32,10 @@ impl ToolCallParser {
         if tokenizer.token_to_id(HERMES_START).is_some()
             || files.values().any(|text| text.contains(HERMES_START))
         {
-            return Some(ToolCallParser::Hermes);
+            // Templates that wrap XML calls (`<function=name>`: Qwen3-Coder, GLM) in the same
+            // marker are another format: no parser rather than every call returned as text.
+            let xml = files.values().any(|text| text.contains("<function="));
+            return (!xml).then_some(ToolCallParser::Hermes);
         }
         files
             .values()
@@ -88,7 +91,8 @@ enum Mode {
 /// - A call whose body is `{"name": <a declared tool>, "arguments": <an object>}` becomes a
 ///   [`Piece::Call`]; anything else between the markers (broken JSON, an undeclared tool) is
 ///   returned as content, markers and all, so nothing the model wrote is lost.
-/// - Whitespace between and after calls is dropped (the model's separators, not an answer).
+/// - Whitespace between and after calls, and before the first call where nothing else came
+///   before it, is dropped (the model's separators, not an answer).
 /// - A call the answer ends inside (no closing marker) is a call if its body is whole, else
 ///   content.
 ///
@@ -102,11 +106,16 @@ pub(crate) struct CallReader {
     parser: ToolCallParser,
     /// The declared tools' names: a call to anything else is not a call.
     names: Arc<[String]>,
-    /// Whether more than one call may be read (`parallel_tool_calls`); if not, a second call
-    /// is text (Hermes) or the answer is (Llama 3).
+    /// Whether more than one call may be read (`parallel_tool_calls`); if not, calls after
+    /// the first are dropped (OpenAI's "at most one call").
     parallel: bool,
     /// Calls read so far.
     calls: usize,
+    /// Hermes: content other than whitespace was returned, or a call read. Until then,
+    /// leading whitespace is held: dropped if a call comes first.
+    started: bool,
+    /// Hermes, inside a call: bytes of `pending` already searched for the end marker.
+    scanned: usize,
     mode: Mode,
     /// Text not yet returned.
     pending: String,
@@ -119,6 +128,8 @@ impl CallReader {
             names,
             parallel,
             calls: 0,
+            started: false,
+            scanned: 0,
             mode: match parser {
                 ToolCallParser::Hermes => Mode::Text,
                 ToolCallParser::Llama3Json => Mode::Undecided,
@@ -148,27 +159,44 @@ impl CallReader {
                 }
                 Mode::Text => {
                     if let Some(at) = self.pending.find(HERMES_START) {
-                        content(out, &self.pending[..at]);
+                        let before = &self.pending[..at];
+                        if self.started || !before.trim().is_empty() {
+                            content(out, before);
+                        }
+                        self.started = true;
                         self.pending.drain(..at + HERMES_START.len());
                         self.mode = Mode::Call;
+                        self.scanned = 0;
                     } else {
                         let upto = self.pending.len() - partial_marker(&self.pending);
-                        content(out, &self.pending[..upto]);
+                        let text = &self.pending[..upto];
+                        if !self.started {
+                            if text.trim().is_empty() {
+                                return; // only whitespace yet: a call may follow
+                            }
+                            self.started = true;
+                        }
+                        content(out, text);
                         self.pending.drain(..upto);
                         return;
                     }
                 }
                 Mode::Undecided | Mode::Json => return,
                 Mode::Call => {
-                    let Some(at) = self.pending.find(HERMES_END) else {
+                    // Only the new bytes (and a marker's length before them) are searched.
+                    let mut from = self.scanned.min(self.pending.len());
+                    while !self.pending.is_char_boundary(from) {
+                        from -= 1;
+                    }
+                    let Some(at) = self.pending[from..].find(HERMES_END).map(|i| from + i) else {
+                        self.scanned = self.pending.len().saturating_sub(HERMES_END.len() - 1);
                         return;
                     };
                     let body: String = self.pending.drain(..at + HERMES_END.len()).collect();
                     let body = &body[..at];
-                    match self.call(body).filter(|_| self.parallel || self.calls == 0) {
+                    match self.call(body) {
                         Some(call) => {
-                            out.push(call);
-                            self.calls += 1;
+                            self.take(call, out);
                             self.mode = Mode::AfterCall;
                         }
                         None => {
@@ -179,6 +207,14 @@ impl CallReader {
                 }
             }
         }
+    }
+
+    /// A call read: returned, unless one was and parallel calls are off (then dropped).
+    fn take(&mut self, call: Piece, out: &mut Vec<Piece>) {
+        if self.parallel || self.calls == 0 {
+            out.push(call);
+        }
+        self.calls += 1;
     }
 
     /// Llama 3: decides text or calls at the first non-blank character.
@@ -215,8 +251,10 @@ impl CallReader {
                 return None;
             }
         }
-        let most = if self.parallel { usize::MAX } else { 1 };
-        (1..=most).contains(&calls.len()).then_some(calls)
+        if !self.parallel {
+            calls.truncate(1);
+        }
+        (!calls.is_empty()).then_some(calls)
     }
 
     /// The answer ended: returns what was held.
@@ -230,11 +268,8 @@ impl CallReader {
             },
             Mode::Text => content(out, &rest),
             Mode::AfterCall => {}
-            Mode::Call => match self
-                .call(&rest)
-                .filter(|_| self.parallel || self.calls == 0)
-            {
-                Some(call) => out.push(call),
+            Mode::Call => match self.call(&rest) {
+                Some(call) => self.take(call, out),
                 None => content(out, &format!("{HERMES_START}{rest}")),
             },
         }
@@ -242,6 +277,7 @@ impl CallReader {
             ToolCallParser::Hermes => Mode::Text,
             ToolCallParser::Llama3Json => Mode::Undecided,
         };
+        self.scanned = 0;
     }
 
     /// `body` as a call to a declared tool, if it is one. `arguments` may also be a string
@@ -383,6 +419,9 @@ mod tests {
         "<tool_call>{\"name\": \"get_time\", \"arguments\": {\"tz\": \"é\"}}",
         "<tool_call>{\"name\": \"get_time\", \"argu",
         "déjà <tool_call>{\"name\":\"get_weather\",\"arguments\":[1]}</tool_call>",
+        "\n\n<tool_call>{\"name\": \"get_time\", \"arguments\": {}}</tool_call>",
+        "\n\n Hello <tool",
+        " \n ",
     ];
 
     #[test]
@@ -416,6 +455,10 @@ mod tests {
         assert_eq!(whole(ANSWERS[6]), vec![text(ANSWERS[6])]);
         // Arguments that are not an object are no call.
         assert_eq!(whole(ANSWERS[7]), vec![text(ANSWERS[7])]);
+        // Whitespace before a first call is dropped; before text, or alone, it is kept.
+        assert_eq!(whole(ANSWERS[8]), vec![call("get_time", "{}")]);
+        assert_eq!(whole(ANSWERS[9]), vec![text(ANSWERS[9])]);
+        assert_eq!(whole(ANSWERS[10]), vec![text(ANSWERS[10])]);
     }
 
     #[test]
@@ -492,6 +535,10 @@ mod tests {
             Some(ToolCallParser::Hermes)
         );
         assert_eq!(
+            with_template("<tool_call>\n<function=get_weather>\n</function>\n</tool_call>"),
+            None
+        );
+        assert_eq!(
             with_template(
                 "Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}."
             ),
@@ -500,8 +547,7 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
-    /// `parallel_tool_calls: false`: one call at most; a second is text (Hermes), or the
-    /// answer is (Llama 3).
+    /// `parallel_tool_calls: false`: one call at most; the calls after it are dropped.
     #[test]
     fn one_call_only_where_parallel_calls_are_off() {
         let names: Arc<[String]> = vec!["get_weather".to_owned(), "get_time".to_owned()].into();
@@ -514,14 +560,13 @@ mod tests {
             vec![
                 text("Let me check.\n"),
                 call("get_weather", r#"{"city": "Paris"}"#),
-                text("<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>\n"),
             ]
         );
         let mut r = CallReader::new(ToolCallParser::Llama3Json, names, false);
         let mut out = Vec::new();
         r.push(LLAMA3_ANSWERS[2], &mut out);
         r.finish(&mut out);
-        assert_eq!(out, vec![text(LLAMA3_ANSWERS[2])]);
+        assert_eq!(out, vec![call("get_weather", r#"{"city": "Paris"}"#)]);
     }
 
     #[test]
