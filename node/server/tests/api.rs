@@ -2111,3 +2111,78 @@ async fn llama3_json_answers_are_calls_or_text() {
     assert_eq!(with["choices"][0]["finish_reason"], "length");
     server.stop().await;
 }
+
+/// Logprobs on the Responses API (`include: ["message.output_text.logprobs"]`, `top_logprobs`):
+/// each token of `output_text` with its logprob and alternatives, the same as chat gives for
+/// the same conversation; streamed, each delta carries its tokens' logprobs and `.done` all
+/// of them. Tools with logprobs are refused by name (logprobs are of text answers).
+#[tokio::test]
+async fn responses_give_logprobs_when_asked() {
+    let server = Server::start().await;
+    let body = json!({"input": "Name a colour.", "max_output_tokens": 8, "temperature": 0,
+        "include": ["message.output_text.logprobs"], "top_logprobs": 2});
+    let (status, out) = server.post("/v1/responses", &body).await;
+    assert_eq!(status, 200, "{out}");
+    let part = &out["output"][0]["content"][0];
+    let logprobs = part["logprobs"].as_array().unwrap();
+    assert_eq!(
+        logprobs.len() as u64,
+        out["usage"]["output_tokens"].as_u64().unwrap(),
+        "{out}"
+    );
+    for lp in logprobs {
+        assert!(lp["logprob"].as_f64().unwrap() <= 0.0, "{lp}");
+        assert_eq!(lp["top_logprobs"].as_array().unwrap().len(), 2, "{lp}");
+        assert!(lp["bytes"].is_array() && lp["token"].is_string(), "{lp}");
+    }
+    // The same as chat's, for the same conversation.
+    let chat = json!({"messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 8, "temperature": 0, "logprobs": true, "top_logprobs": 2});
+    let (_, c) = server.post("/v1/chat/completions", &chat).await;
+    assert_eq!(&c["choices"][0]["logprobs"]["content"], &part["logprobs"]);
+    // Streamed: the deltas' logprobs, then all of them on `.done` and in the response.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (events, last) = response_events(&server.post_stream("/v1/responses", &streamed).await);
+    let from_deltas: Vec<Value> = events
+        .iter()
+        .filter(|e| e["type"] == "response.output_text.delta")
+        .flat_map(|e| e["logprobs"].as_array().unwrap().clone())
+        .collect();
+    assert_eq!(Value::Array(from_deltas), part["logprobs"]);
+    let done = events
+        .iter()
+        .find(|e| e["type"] == "response.output_text.done")
+        .unwrap();
+    assert_eq!(done["logprobs"], part["logprobs"]);
+    assert_eq!(
+        last["output"][0]["content"][0]["logprobs"],
+        part["logprobs"]
+    );
+    // Not asked: none. Asked with tools: a 400 naming `include`.
+    let (_, plain) = server
+        .post(
+            "/v1/responses",
+            &json!({"input": "Name a colour.", "max_output_tokens": 8, "temperature": 0}),
+        )
+        .await;
+    assert_eq!(plain["output"][0]["content"][0]["logprobs"], json!([]));
+    let mut with_tools = body.clone();
+    with_tools["tools"] = json!([{"type": "function", "name": "f"}]);
+    with_tools["tool_choice"] = json!("required");
+    assert_error(
+        server.post("/v1/responses", &with_tools).await,
+        400,
+        "invalid_request_error",
+        Some("include"),
+    );
+    let mut too_many = body.clone();
+    too_many["top_logprobs"] = json!(21);
+    assert_error(
+        server.post("/v1/responses", &too_many).await,
+        400,
+        "invalid_request_error",
+        Some("top_logprobs"),
+    );
+    server.stop().await;
+}

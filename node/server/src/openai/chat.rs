@@ -88,7 +88,7 @@ pub(crate) struct ChatLogprobs {
 }
 
 /// Logprob of one generated token.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub(crate) struct ChatTokenLogprob {
     pub(crate) token: String,
     pub(crate) logprob: f32,
@@ -97,7 +97,7 @@ pub(crate) struct ChatTokenLogprob {
 }
 
 /// One alternative at a position.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub(crate) struct TopLogprob {
     pub(crate) token: String,
     pub(crate) logprob: f32,

@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::chat::ChatTokenLogprob;
+
 /// `POST /v1/responses` body.
 #[derive(Debug, Deserialize)]
 pub(crate) struct ResponsesRequest {
@@ -39,6 +41,14 @@ pub(crate) struct ResponsesRequest {
     /// Structured output (`structured`).
     #[serde(flatten)]
     pub(crate) structured: super::structured::StructuredFields,
+    /// Alternatives per token in `output_text.logprobs` (0–20); asking for it asks for
+    /// logprobs.
+    #[serde(default)]
+    pub(crate) top_logprobs: Option<i64>,
+    /// Extra output: `message.output_text.logprobs` adds each token's logprob. Other values
+    /// name output this node never makes (reasoning, tool results): nothing to add.
+    #[serde(default)]
+    pub(crate) include: Option<Vec<String>>,
     /// Refused unless set to what this node does anyway (`unsupported`).
     #[serde(flatten)]
     pub(crate) unsupported: super::unsupported::UnsupportedFields,
@@ -125,14 +135,21 @@ pub(crate) struct OutputText {
     pub(crate) kind: &'static str,
     pub(crate) text: String,
     pub(crate) annotations: Vec<serde_json::Value>,
+    /// Each token's logprob, where `include` asked for them.
+    pub(crate) logprobs: Vec<ChatTokenLogprob>,
 }
 
 impl OutputText {
     pub(crate) fn new(text: String) -> Self {
+        Self::with_logprobs(text, Vec::new())
+    }
+
+    pub(crate) fn with_logprobs(text: String, logprobs: Vec<ChatTokenLogprob>) -> Self {
         Self {
             kind: "output_text",
             text,
             annotations: Vec::new(),
+            logprobs,
         }
     }
 }
@@ -219,7 +236,7 @@ pub(crate) enum ResponseStreamEvent {
         output_index: usize,
         content_index: usize,
         delta: String,
-        logprobs: Vec<serde_json::Value>,
+        logprobs: Vec<ChatTokenLogprob>,
     },
     #[serde(rename = "response.output_text.done")]
     OutputTextDone {
@@ -228,7 +245,7 @@ pub(crate) enum ResponseStreamEvent {
         output_index: usize,
         content_index: usize,
         text: String,
-        logprobs: Vec<serde_json::Value>,
+        logprobs: Vec<ChatTokenLogprob>,
     },
     #[serde(rename = "response.content_part.done")]
     ContentPartDone {

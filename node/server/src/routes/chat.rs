@@ -9,18 +9,18 @@ use axum::response::{IntoResponse, Response};
 use pd_engine::{EngineError, GenerateRequest, RequestEvent, TokenLogprob};
 use pd_tokenize::Tokenizer;
 
-use super::{AppState, JsonBody, new_id, unix_now};
+use super::{AppState, JsonBody, logprob_entry, new_id, unix_now};
 use crate::error::ApiError;
 use crate::generation::{TokenCounts, collect};
 use crate::kv_params::KvReply;
 use crate::openai::chat::{
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessageOut, ChatTokenLogprob, TopLogprob,
+    ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessageOut,
 };
 use crate::openai::tool_parser::CallReader;
 use crate::openai::tools::{ToolCalling, auto_finish, message_parts};
 use crate::openai::{Usage, non_negative};
-use crate::prompt::{chat_messages, chat_tokens, token_text};
+use crate::prompt::{chat_messages, chat_tokens};
 use crate::sse::{SseFormatter, data_frame, done, error_frame, sse_response};
 
 const ROLE: &str = "assistant";
@@ -189,28 +189,6 @@ pub(super) async fn create(
         kv_transfer_params: generation.kv_transfer_params,
     })
     .into_response())
-}
-
-/// One `logprobs.content` entry.
-fn logprob_entry(tokenizer: &Tokenizer, lp: &TokenLogprob) -> ChatTokenLogprob {
-    let token = token_text(tokenizer, lp.token_id);
-    ChatTokenLogprob {
-        bytes: token.as_bytes().to_vec(),
-        token,
-        logprob: lp.logprob,
-        top_logprobs: lp
-            .top
-            .iter()
-            .map(|&(id, logprob)| {
-                let token = token_text(tokenizer, id);
-                TopLogprob {
-                    bytes: token.as_bytes().to_vec(),
-                    token,
-                    logprob,
-                }
-            })
-            .collect(),
-    }
 }
 
 /// What every chunk of one request repeats.

@@ -280,6 +280,34 @@ pub(crate) fn router(
         .with_state(state)
 }
 
+/// One token's logprobs as OpenAI's chat `logprobs.content` and the Responses API's
+/// `output_text.logprobs` give them.
+pub(super) fn logprob_entry(
+    tokenizer: &pd_tokenize::Tokenizer,
+    lp: &pd_engine::TokenLogprob,
+) -> crate::openai::chat::ChatTokenLogprob {
+    use crate::openai::chat::{ChatTokenLogprob, TopLogprob};
+    use crate::prompt::token_text;
+    let token = token_text(tokenizer, lp.token_id);
+    ChatTokenLogprob {
+        bytes: token.as_bytes().to_vec(),
+        token,
+        logprob: lp.logprob,
+        top_logprobs: lp
+            .top
+            .iter()
+            .map(|&(id, logprob)| {
+                let token = token_text(tokenizer, id);
+                TopLogprob {
+                    bytes: token.as_bytes().to_vec(),
+                    token,
+                    logprob,
+                }
+            })
+            .collect(),
+    }
+}
+
 /// The header naming a request across the gateway's and the nodes' logs.
 const REQUEST_ID: &str = "x-request-id";
 

@@ -10,10 +10,11 @@ use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use pd_engine::{EngineError, FinishReason, GenerateRequest, RequestEvent, SamplingParams};
 
-use super::{AppState, JsonBody, new_id, unix_now};
+use super::{AppState, JsonBody, logprob_entry, new_id, unix_now};
 use crate::error::ApiError;
 use crate::generation::{TokenCounts, collect};
 use crate::kv_params::KvReply;
+use crate::openai::chat::ChatTokenLogprob;
 use crate::openai::non_negative;
 use crate::openai::responses::{
     FunctionCall, IncompleteDetails, OutputItem, OutputMessage, OutputText, ResponseError,
@@ -49,8 +50,26 @@ pub(super) async fn create(
         ..defaults
     };
     tools.apply(&mut params)?;
+    // Logprobs: `include` asks for them, or `top_logprobs` above 0 does (alternatives).
+    let asked = req
+        .include
+        .iter()
+        .flatten()
+        .any(|i| i == "message.output_text.logprobs");
+    let top = req
+        .top_logprobs
+        .map(|k| non_negative(k, "top_logprobs"))
+        .transpose()?;
+    params.logprobs = (asked || top.is_some_and(|k| k > 0)).then(|| top.unwrap_or(0));
+    if params.logprobs.is_some() && !matches!(tools, ToolCalling::Text) {
+        return Err(ApiError::invalid(
+            "include",
+            "output_text logprobs are given for text answers: send them without tools, or with tool_choice \"none\"",
+        ));
+    }
     let engine_error = |e: EngineError| {
         ApiError::from(e)
+            .rename_param("logprobs", "top_logprobs")
             .rename_param("max_tokens", "max_output_tokens")
             .rename_param("prompt", "input")
     };
@@ -105,6 +124,7 @@ pub(super) async fn create(
         let formatter = ResponseStream {
             response: template,
             output: Output::new(tools),
+            tokenizer: state.engine.tokenizer().clone(),
             counts: TokenCounts::new(prompt_len),
             done: false,
             kv,
@@ -118,7 +138,13 @@ pub(super) async fn create(
     // The events a stream would have sent are built and dropped: the items are what counts.
     let mut output = Output::new(tools);
     output.start();
-    output.text(child.text);
+    let tokenizer = state.engine.tokenizer();
+    let logprobs = child
+        .logprobs
+        .iter()
+        .map(|lp| logprob_entry(tokenizer, lp))
+        .collect();
+    output.text(child.text, logprobs);
     let items = output.end(child.finish_reason);
     let mut response = complete(template, items, child.finish_reason, &generation.usage);
     response.kv_transfer_params = kv_transfer_params;
@@ -170,6 +196,7 @@ enum Open {
     Message {
         id: String,
         text: String,
+        logprobs: Vec<ChatTokenLogprob>,
     },
     Call {
         id: String,
@@ -238,13 +265,14 @@ impl Output {
         }
     }
 
-    /// The answer's next piece of text.
-    fn text(&mut self, text: String) {
-        if text.is_empty() {
+    /// The answer's next piece of text, and the logprobs of the tokens that wrote it (text
+    /// answers only).
+    fn text(&mut self, text: String, logprobs: Vec<ChatTokenLogprob>) {
+        if text.is_empty() && logprobs.is_empty() {
             return;
         }
         match &self.tools {
-            ToolCalling::Text => self.content(text),
+            ToolCalling::Text => self.content(text, logprobs),
             ToolCalling::Named(_) => self.arguments(text),
             ToolCalling::Required { .. } => self.list.push_str(&text),
             ToolCalling::Auto { .. } => {
@@ -270,7 +298,7 @@ impl Output {
                             self.whole_call(name.to_owned(), arguments.to_owned());
                         }
                     }
-                    None => self.content(list),
+                    None => self.content(list, Vec::new()),
                 }
             }
             ToolCalling::Auto { .. } => {
@@ -294,7 +322,7 @@ impl Output {
     fn pieces(&mut self, pieces: Vec<Piece>) {
         for piece in pieces {
             match piece {
-                Piece::Content(text) => self.content(text),
+                Piece::Content(text) => self.content(text, Vec::new()),
                 Piece::Call { name, arguments } => self.whole_call(name, arguments),
             }
         }
@@ -324,6 +352,7 @@ impl Output {
         self.open = Some(Open::Message {
             id,
             text: String::new(),
+            logprobs: Vec::new(),
         });
     }
 
@@ -353,9 +382,9 @@ impl Output {
         });
     }
 
-    /// Text for a message: the open one, or a new one.
-    fn content(&mut self, delta: String) {
-        if delta.is_empty() {
+    /// Text for a message (the open one, or a new one), with its tokens' logprobs.
+    fn content(&mut self, delta: String, delta_logprobs: Vec<ChatTokenLogprob>) {
+        if delta.is_empty() && delta_logprobs.is_empty() {
             return;
         }
         if !matches!(self.open, Some(Open::Message { .. })) {
@@ -363,10 +392,11 @@ impl Output {
             self.open_message();
         }
         let output_index = self.output_index();
-        let Some(Open::Message { id, text }) = &mut self.open else {
+        let Some(Open::Message { id, text, logprobs }) = &mut self.open else {
             return;
         };
         text.push_str(&delta);
+        logprobs.extend(delta_logprobs.iter().cloned());
         let item_id = id.clone();
         self.emit(|sequence_number| ResponseStreamEvent::OutputTextDelta {
             sequence_number,
@@ -374,7 +404,7 @@ impl Output {
             output_index,
             content_index: 0,
             delta,
-            logprobs: Vec::new(),
+            logprobs: delta_logprobs,
         });
     }
 
@@ -410,19 +440,20 @@ impl Output {
         };
         let output_index = self.output_index();
         let item = match open {
-            Open::Message { id, text } => {
+            Open::Message { id, text, logprobs } => {
                 let item_id = id.clone();
-                let done = text.clone();
+                let (done, done_logprobs) = (text.clone(), logprobs.clone());
                 self.emit(|sequence_number| ResponseStreamEvent::OutputTextDone {
                     sequence_number,
                     item_id,
                     output_index,
                     content_index: 0,
                     text: done,
-                    logprobs: Vec::new(),
+                    logprobs: done_logprobs,
                 });
                 let item_id = id.clone();
-                let part = OutputText::new(text.clone());
+                let part_done = OutputText::with_logprobs(text, logprobs);
+                let part = part_done.clone();
                 self.emit(|sequence_number| ResponseStreamEvent::ContentPartDone {
                     sequence_number,
                     item_id,
@@ -430,7 +461,9 @@ impl Output {
                     content_index: 0,
                     part,
                 });
-                OutputItem::Message(message(id, status, Some(text)))
+                let mut item = message(id, status, None);
+                item.content.push(part_done);
+                OutputItem::Message(item)
             }
             Open::Call {
                 id,
@@ -475,6 +508,8 @@ struct ResponseStream {
     /// The response as announced in `response.created` (status `in_progress`, no output).
     response: ResponseObject,
     output: Output,
+    /// Renders logprobs' tokens.
+    tokenizer: std::sync::Arc<pd_tokenize::Tokenizer>,
     counts: TokenCounts,
     /// A terminal event (`completed`, `incomplete`, `failed`) was sent.
     done: bool,
@@ -532,12 +567,16 @@ impl SseFormatter for ResponseStream {
             | RequestEvent::AwaitingKv { .. }
             | RequestEvent::KvReady(_)
             | RequestEvent::Retained(_) => {}
-            RequestEvent::Token { text, .. } => {
-                self.output.text(text);
+            RequestEvent::Token { text, logprob, .. } => {
+                let logprobs = logprob
+                    .iter()
+                    .map(|lp| logprob_entry(&self.tokenizer, lp))
+                    .collect();
+                self.output.text(text, logprobs);
                 self.flush(out);
             }
             RequestEvent::Finished { reason, text, .. } => {
-                self.output.text(text);
+                self.output.text(text, Vec::new());
                 let items = self.output.end(Some(reason));
                 let mut response =
                     complete(self.response.clone(), items, Some(reason), &self.counts);
