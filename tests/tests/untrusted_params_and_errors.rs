@@ -308,8 +308,9 @@ async fn errors_are_openai_error_objects(c: &TestCluster) -> f64 {
     assert_eq!(e["param"], "temperature", "{}", a.body);
     // A node's own 4xx is the client's fault too.
     client_errors += 1.0;
-    // A feature no node implements (tool calls) is refused by name, not answered as if it had
-    // not been asked for; so is a structured output the node cannot compile (P's 400).
+    // What these nodes cannot do is refused by name, not answered as if it had not been
+    // asked for: tools left to the model (`"auto"`, the default) on nodes without a tool-call
+    // parser, and a structured output the node cannot compile (P's 400).
     for (field, value) in [
         (
             "tools",

@@ -73,7 +73,8 @@ pub(crate) struct ChatChoice {
     pub(crate) token_ids: Option<Vec<u32>>,
 }
 
-/// The generated message: text, or (a forced tool call) `content: null` and the calls.
+/// The generated message: its text, its tool calls, or both (`content: null` where a call
+/// came with no text).
 #[derive(Debug, Serialize)]
 pub(crate) struct ChatMessageOut {
     pub(crate) role: &'static str,

@@ -199,7 +199,7 @@ struct Output {
     model: String,
     tokenizer: Arc<Tokenizer>,
     return_token_ids: bool,
-    /// Whether answers are text or forced tool calls.
+    /// Whether answers are text, forced tool calls, or the model's choice (`"auto"`).
     tools: ToolCalling,
 }
 
@@ -208,7 +208,9 @@ struct Output {
 /// named tool call streams as OpenAI's do: the role chunk names the call (`id`,
 /// `function.name`), then each delta adds to `function.arguments`. A list of calls
 /// (`"required"`) is whole only at the end: it is sent as one delta of every call with the
-/// choice's last chunk.
+/// choice's last chunk. Under `"auto"` the node's parser reads the text: content deltas as it
+/// lets text through, and each call as one delta (index, id, name, arguments) when its block
+/// is whole.
 #[derive(Debug)]
 struct ChatStream {
     out: Output,
