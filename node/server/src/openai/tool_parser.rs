@@ -515,6 +515,66 @@ mod tests {
         assert!(out.is_empty());
     }
 
+    /// Seeded random answers built from the pieces that matter (markers, whole and broken
+    /// calls, undeclared tools, whitespace, text, partial markers, multi-byte characters), each
+    /// pushed in random pieces with or without parallel calls: the same as read whole, for
+    /// both parsers.
+    #[test]
+    fn random_answers_read_the_same_in_random_pieces() {
+        use rand::{Rng, SeedableRng};
+        const PIECES: &[&str] = &[
+            "<tool_call>",
+            "</tool_call>",
+            "{\"name\": \"get_time\", \"arguments\": {}}",
+            "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}",
+            "{\"name\": \"rm\", \"arguments\": {}}",
+            "{\"name\": \"get_time\", \"argu",
+            "; ",
+            "<|python_tag|>",
+            "<tool",
+            "<|pyth",
+            "\n",
+            "  ",
+            "Hello",
+            "é€",
+            "<",
+            "}",
+        ];
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        for _ in 0..3000 {
+            let answer: String = (0..rng.random_range(0..8))
+                .map(|_| PIECES[rng.random_range(0..PIECES.len())])
+                .collect();
+            for parser in [ToolCallParser::Hermes, ToolCallParser::Llama3Json] {
+                for parallel in [true, false] {
+                    let names: Arc<[String]> =
+                        vec!["get_weather".to_owned(), "get_time".to_owned()].into();
+                    let mut whole = CallReader::new(parser, names.clone(), parallel);
+                    let mut expected = Vec::new();
+                    whole.push(&answer, &mut expected);
+                    whole.finish(&mut expected);
+                    let mut r = CallReader::new(parser, names, parallel);
+                    let mut out = Vec::new();
+                    let mut at = 0;
+                    while at < answer.len() {
+                        let mut next = (at + rng.random_range(1..6)).min(answer.len());
+                        while !answer.is_char_boundary(next) {
+                            next += 1;
+                        }
+                        r.push(&answer[at..next], &mut out);
+                        at = next;
+                    }
+                    r.finish(&mut out);
+                    assert_eq!(
+                        joined(out),
+                        joined(expected),
+                        "{parser:?} parallel={parallel}: {answer:?}"
+                    );
+                }
+            }
+        }
+    }
+
     /// The parser a model's files call for: its chat template's words, or its vocabulary.
     #[test]
     fn the_parser_is_detected_from_the_tokenizers_files() {
