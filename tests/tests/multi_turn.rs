@@ -377,6 +377,8 @@ async fn openai_conversations_through_the_gateway_equal_one_node() {
         got["output"][0]["content"], want["output"][0]["content"],
         "the turn after a call"
     );
+    // Both turns were decided by the WASM policy, with no fallback.
+    only_the_wasm_policy_decided(&c).await;
 }
 
 /// The last decision's record (`GET /admin/decisions`) carries what the policy's

@@ -208,6 +208,21 @@ async fn client_gone(session: &mut Session) {
     }
 }
 
+/// Whether streamed `bytes` hold an answer's last event: chat and completions' `[DONE]`, or
+/// a response's terminal `response.completed` / `.incomplete` / `.failed`.
+fn ends_answer(bytes: &[u8]) -> bool {
+    const LAST: [&[u8]; 4] = [
+        b"data: [DONE]",
+        b"event: response.completed",
+        b"event: response.incomplete",
+        b"event: response.failed",
+    ];
+    // Whole lines only: text inside an event's JSON has its line breaks escaped.
+    bytes
+        .split(|&b| b == b'\n')
+        .any(|line| LAST.contains(&line.strip_suffix(b"\r").unwrap_or(line)))
+}
+
 /// The header naming a request across the gateway's and the nodes' logs.
 const REQUEST_ID: &str = "x-request-id";
 
@@ -1455,7 +1470,7 @@ impl Gateway {
         // cannot send its next request before the final chunk, which is written after this
         // loop. With a content length, the last body write completes the answer and a
         // keep-alive client may send its next request at once; an idle read would eat it.
-        let watch = len.is_none();
+        let mut watch = len.is_none();
         loop {
             let chunk = if watch {
                 tokio::select! {
@@ -1475,6 +1490,12 @@ impl Gateway {
                         continue;
                     }
                     t.first_byte.get_or_insert_with(Instant::now);
+                    // Once the answer's last event is out, the client has all of it and may
+                    // close at once (the SDKs do on `[DONE]`): that is no abort, so stop
+                    // watching for it while the node's stream ends.
+                    if watch && ends_answer(&bytes) {
+                        watch = false;
+                    }
                     if session
                         .write_response_body(Some(bytes), false)
                         .await
@@ -1540,5 +1561,25 @@ impl ProxyHttp for Gateway {
     ) -> pingora::Result<bool> {
         self.serve(session).await;
         Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_last_event_of_each_api_ends_an_answer() {
+        assert!(ends_answer(b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n"));
+        assert!(ends_answer(
+            b"event: response.completed\ndata: {\"type\":\"response.completed\"}\n\n"
+        ));
+        assert!(ends_answer(b"event: response.failed\ndata: {}\n\n"));
+        assert!(!ends_answer(
+            b"data: {\"choices\":[{\"text\":\"[DONE]\"}]}\n\n"
+        ));
+        assert!(!ends_answer(
+            b"event: response.output_text.delta\ndata: {}\n\n"
+        ));
     }
 }

@@ -64,8 +64,9 @@ pub struct SamplingParams {
     /// vLLM's `min_tokens`: until a child has generated this many tokens, the model's EOS
     /// tokens (unless `ignore_eos`) and `stop_token_ids` are not picked (their logits are −∞)
     /// and stop strings are not looked for (nor later in the text written before). A
-    /// structured output that is complete still ends the child: nothing may follow it. 0 disables it; at most `max_tokens` (but on a
-    /// prefill for a decode node, which generates one token whatever `max_tokens` says).
+    /// structured output that is complete still ends the child: nothing may follow it. 0
+    /// disables it; at most `max_tokens` (but on a prefill for a decode node, which generates
+    /// one token whatever `max_tokens` says).
     pub min_tokens: usize,
 }
 

@@ -195,8 +195,9 @@ pub(crate) fn is_greedy(params: &SamplingParams) -> bool {
 /// bias or repetition penalty: any such request picks the same), else xxh3 of what that pick
 /// depends on (never 0): the temperature, top-k, top-p, seed and min-p unless greedy, and the
 /// bias and repetition penalty when set, the structured-output constraint's fingerprint (a
-/// masked row may pick another token), and `min_tokens`' ban (its stop ids, `ignore_eos`). The frequency and presence penalties are left out:
-/// they count generated tokens, and there are none yet. Requests whose keys are equal pick the
+/// masked row may pick another token), and `min_tokens`' ban (its stop ids, `ignore_eos`).
+/// The frequency and presence penalties are left out: they count generated tokens, and there
+/// are none yet. Requests whose keys are equal pick the
 /// same first token from the same logits and prompt with the same generator state — without a
 /// seed they draw from fresh generators, which is the same distribution.
 pub fn first_token_key(params: &SamplingParams) -> u64 {

@@ -122,43 +122,29 @@ pub(super) async fn create(
         .enumerate()
         .map(|(index, child)| {
             let finish_reason = child.finish_reason.map(|r| r.as_str());
-            let written = out.tools.reader().map(|mut reader| {
-                let mut pieces = Vec::new();
-                reader.push(&child.text, &mut pieces);
-                reader.finish(&mut pieces);
-                message_parts(pieces, &mut 0)
-            });
-            let forced = match written {
-                Some(_) => None,
-                None => out.tools.calls_of(&child.text),
-            };
-            let (content, tool_calls, finish_reason) = match (written, forced) {
-                (Some((content, mut calls)), _) => {
-                    for c in &mut calls {
-                        if let Some(o) = c.as_object_mut() {
-                            o.remove("index");
-                        }
-                    }
+            let (content, mut tool_calls, finish_reason) = match out.tools.reader() {
+                // "auto": the parser reads the model's text; text answers keep their (possibly
+                // empty) content, calls alone have none.
+                Some(mut reader) => {
+                    let mut pieces = Vec::new();
+                    reader.push(&child.text, &mut pieces);
+                    reader.finish(&mut pieces);
+                    let (content, calls) = message_parts(pieces, &mut 0);
                     let finish_reason = auto_finish(finish_reason, calls.len());
-                    // Text answers keep their (possibly empty) content; calls alone have none.
-                    let content = match content {
-                        None if calls.is_empty() => Some(String::new()),
-                        other => other,
-                    };
+                    let content = content.or_else(|| calls.is_empty().then(String::new));
                     (content, calls, finish_reason)
                 }
-                (None, Some(mut calls)) => {
-                    // `index` is a streamed delta's field, not a message's.
-                    for c in &mut calls {
-                        if let Some(o) = c.as_object_mut() {
-                            o.remove("index");
-                        }
-                    }
-                    let finish_reason = out.tools.finish(finish_reason, &child.text);
-                    (None, calls, finish_reason)
-                }
-                (None, None) => (Some(child.text), Vec::new(), finish_reason),
+                None => match out.tools.calls_of(&child.text) {
+                    Some(calls) => (None, calls, out.tools.finish(finish_reason, &child.text)),
+                    None => (Some(child.text), Vec::new(), finish_reason),
+                },
             };
+            // `index` is a streamed delta's field, not a message's.
+            for c in &mut tool_calls {
+                if let Some(o) = c.as_object_mut() {
+                    o.remove("index");
+                }
+            }
             ChatChoice {
                 index,
                 message: ChatMessageOut {
