@@ -723,6 +723,8 @@ impl Engine {
             stop_floor: 0,
             last_token_at: None,
             grammar,
+            // The first prompt token has no logprob; a one-token prompt has none to send.
+            prompt_rows: params.prompt_logprobs.filter(|_| prompt_len > 1).map(|_| 1),
         };
         if seq.grammar.is_some() {
             self.metrics.structured_requests.inc();
@@ -772,14 +774,15 @@ impl Engine {
         if plan.scheduled.is_empty() {
             return false; // (`plan` updated the gauges)
         }
-        let (batch, sampled, prefill_tokens) = self.batch(&plan);
+        let (batch, rows, prefill_tokens) = self.batch(&plan);
         let Some((logits, vocab)) = self.forward(&plan, &batch, prefill_tokens) else {
             return true;
         };
         for s in &plan.scheduled {
             self.scheduler.commit(*s);
         }
-        let out = self.sample(&logits, vocab, &sampled);
+        self.prompt_logprobs(&logits, vocab, &rows);
+        let out = self.sample(&logits, vocab, &rows);
         self.scheduler.retire(&out.finished, &out.parked, &out.gone);
         for id in out.gone {
             self.abort(id);
@@ -841,34 +844,45 @@ impl Engine {
         plan
     }
 
-    /// The step's input; the running indices whose logits are sampled, in row order; and the
-    /// prompt tokens it computes (decode rows are one token past the prompt).
-    fn batch(&self, plan: &StepPlan) -> (BatchInput, Vec<usize>, usize) {
+    /// The step's input; what each logits row is for, in row order; and the prompt tokens it
+    /// computes (decode rows are one token past the prompt).
+    fn batch(&self, plan: &StepPlan) -> (BatchInput, Vec<Row>, usize) {
         let bs = self.info.block_size;
         let mut batch = BatchInput::default();
-        let mut sampled = Vec::new();
+        let mut rows = Vec::new();
         let mut prefill_tokens = 0;
         for s in &plan.scheduled {
             let seq = self.scheduler.seq(s.index);
             let start = seq.num_computed;
-            let want_logits = start + s.num_tokens == seq.tokens.len();
-            if let Err(e) = batch.push_seq(
-                &seq.tokens[start..start + s.num_tokens],
+            let end = start + s.num_tokens;
+            let want_logits = end == seq.tokens.len();
+            // Prompt logprobs: the row at position p scores prompt token p + 1; rows of the
+            // positions still unsent, short of the last prompt position (that row is sampled).
+            let prompt_rows = seq.prompt_rows.map_or(0..0, |next| {
+                start.max(next - 1)..end.min(seq.prompt_len - 1)
+            });
+            if let Err(e) = batch.push_seq_with_rows(
+                &seq.tokens[start..end],
                 start,
                 &seq.blocks,
                 bs,
+                prompt_rows.clone(),
                 want_logits,
             ) {
                 tracing::error!(error = %e, "scheduler produced an invalid batch");
             }
+            rows.extend(prompt_rows.map(|position| Row::Prompt {
+                index: s.index,
+                position,
+            }));
             if want_logits {
-                sampled.push(s.index);
+                rows.push(Row::Sample(s.index));
             }
             prefill_tokens += (start + s.num_tokens)
                 .min(seq.prompt_len)
                 .saturating_sub(start);
         }
-        (batch, sampled, prefill_tokens)
+        (batch, rows, prefill_tokens)
     }
 
     /// Runs the model: `(rows, vocab)` logits copied out once for the whole step, read row by
@@ -923,12 +937,57 @@ impl Engine {
         }
     }
 
+    /// Scores the prompt rows of the step: one [`RequestEvent::PromptLogprobs`] per sequence
+    /// and step, for the prompt tokens its rows score, in order. A sequence preempted and
+    /// computed again sends nothing twice (`prompt_rows` only moves forward).
+    fn prompt_logprobs(&mut self, logits: &[f32], vocab: usize, rows: &[Row]) {
+        // (rows, vocab) logits, row r for rows[r].
+        let mut r = 0;
+        while r < rows.len() {
+            let Row::Prompt { index, position } = rows[r] else {
+                r += 1;
+                continue;
+            };
+            let run = rows[r..]
+                .iter()
+                .take_while(|row| matches!(row, Row::Prompt { index: i, .. } if *i == index))
+                .count();
+            let seq = self.scheduler.seq_mut(index);
+            let Some(state) = self.requests.get(&seq.request) else {
+                r += run;
+                continue;
+            };
+            let k = state.params.prompt_logprobs.unwrap_or(0);
+            let scored: Vec<crate::TokenLogprob> = (0..run)
+                .filter_map(|j| {
+                    let row = logits.get((r + j) * vocab..(r + j + 1) * vocab)?;
+                    let token = *seq.tokens.get(position + j + 1)?;
+                    Some(sampler::logprobs(row, token, k))
+                })
+                .collect();
+            let next = position + run + 1;
+            seq.prompt_rows = (next < seq.prompt_len).then_some(next);
+            let _ = state.events.send(RequestEvent::PromptLogprobs {
+                first: position + 1,
+                logprobs: scored,
+            });
+            r += run;
+        }
+    }
+
     /// Turns each sampled row into tokens. A request's first sample also hands its prompt's KV
     /// off ([`Engine::hand_off`]) and forks its `n` children, who all take a token from the
     /// same row.
-    fn sample(&mut self, logits: &[f32], vocab: usize, sampled: &[usize]) -> StepOutcome {
+    fn sample(&mut self, logits: &[f32], vocab: usize, rows: &[Row]) -> StepOutcome {
         let mut out = StepOutcome::default();
-        for (row, &index) in logits.chunks_exact(vocab.max(1)).zip(sampled) {
+        let sampled = rows
+            .iter()
+            .zip(logits.chunks_exact(vocab.max(1)))
+            .filter_map(|(r, row)| match r {
+                Row::Sample(index) => Some((row, index)),
+                Row::Prompt { .. } => None,
+            });
+        for (row, &index) in sampled {
             let id = self.scheduler.seq(index).request;
             let Some(state) = self.requests.get_mut(&id) else {
                 continue;
@@ -1271,6 +1330,15 @@ impl Engine {
     }
 }
 
+/// What one logits row of a step is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Row {
+    /// Sampled for `running[.0]`: its next token.
+    Sample(usize),
+    /// Scores prompt token `position + 1` of `running[index]` (prompt logprobs).
+    Prompt { index: usize, position: usize },
+}
+
 /// What [`Engine::sample`] leaves for the scheduler's `retire`.
 #[derive(Default)]
 struct StepOutcome {
@@ -1447,6 +1515,15 @@ pub(crate) fn validate(info: &EngineInfo, request: &GenerateRequest) -> Result<(
         request.kv,
         KvTransfer::Produce { .. } | KvTransfer::PullThenProduce { .. }
     );
+    // Prompt logprobs come from computing the prompt here, and the node that computes it must
+    // answer: neither a prefill for another node nor KV pulled from one.
+    if request.params.prompt_logprobs.is_some() && !matches!(request.kv, KvTransfer::Local) {
+        return Err(InvalidRequest::new(
+            "kv_transfer_params",
+            "prompt logprobs (echo with logprobs, prompt_logprobs) are computed by the node that \
+             answers: send the request to one node, without kv_transfer_params",
+        ));
+    }
     if let Some(max) = request.params.max_tokens
         && request.params.min_tokens > max
         && !producing

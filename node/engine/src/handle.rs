@@ -372,6 +372,7 @@ impl RequestStream {
             }
             RequestEvent::Failed { .. } => self.open_children = 0,
             RequestEvent::Token { .. }
+            | RequestEvent::PromptLogprobs { .. }
             | RequestEvent::AwaitingKv { .. }
             | RequestEvent::KvReady(_)
             | RequestEvent::Retained(_) => {}

@@ -68,6 +68,11 @@ pub struct SamplingParams {
     /// disables it; at most `max_tokens` (but on a prefill for a decode node, which generates
     /// one token whatever `max_tokens` says).
     pub min_tokens: usize,
+    /// vLLM's `prompt_logprobs` (and what `echo` with `logprobs` needs): the logprob of every
+    /// prompt token after the first under the model's distribution at its position, with this
+    /// many top alternatives ([`RequestEvent::PromptLogprobs`]). The prompt is then computed
+    /// in full: no prefix-cache hits, no KV from another node.
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// A request's structured-output constraint and the request field it came from (named in
@@ -101,6 +106,7 @@ impl Default for SamplingParams {
             structured: None,
             skip_special_tokens: true,
             min_tokens: 0,
+            prompt_logprobs: None,
         }
     }
 }
@@ -173,6 +179,14 @@ impl SamplingParams {
             return Err(InvalidRequest::new(
                 "logprobs",
                 format!("at most {MAX_LOGPROBS} logprobs per token, got {k}"),
+            ));
+        }
+        if let Some(k) = self.prompt_logprobs
+            && k > MAX_LOGPROBS
+        {
+            return Err(InvalidRequest::new(
+                "prompt_logprobs",
+                format!("at most {MAX_LOGPROBS} prompt logprobs per token, got {k}"),
             ));
         }
         if self.stop.iter().any(|s| s.is_empty()) {
@@ -416,6 +430,15 @@ pub enum RequestEvent {
         first_block: usize,
         /// Prompt tokens already held locally.
         cached_tokens: usize,
+    },
+    /// (`prompt_logprobs`) The logprobs of prompt tokens `first..first + logprobs.len()`, sent
+    /// as the prompt is computed (in order, contiguous, from token 1, all before the first
+    /// `Token`). The first prompt token has none.
+    PromptLogprobs {
+        /// Index in the prompt of the token `logprobs[0]` scores (≥ 1).
+        first: usize,
+        /// One per token, with the request's `prompt_logprobs` top alternatives.
+        logprobs: Vec<TokenLogprob>,
     },
     /// ([`KvTransfer::Produce`]) The prompt is computed and its blocks are leased; sent once per
     /// consumer (each a lease of its own on the same blocks), before the first token.

@@ -282,7 +282,7 @@ impl Scheduler {
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let need = self.running[i].tokens.len() - self.running[i].num_computed;
-            let n = need.min(budget);
+            let n = need.min(budget).min(self.running[i].chunk_cap());
             let mut scheduled_self = true;
             loop {
                 let upto = self.running[i].num_computed + n;
@@ -335,7 +335,9 @@ impl Scheduler {
             // A forked child waits holding its computed, shared blocks; anything else holds none.
             let held = !seq.blocks.is_empty();
             let cached = self.take_cached_prefix(&mut seq);
-            let n = (seq.tokens.len() - seq.num_computed).min(budget);
+            let n = (seq.tokens.len() - seq.num_computed)
+                .min(budget)
+                .min(seq.chunk_cap());
             let upto = seq.num_computed + n;
             let bs = self.cfg.block_size;
             let mut fits;
@@ -578,9 +580,14 @@ impl Scheduler {
 
     /// For a newly admitted sequence: takes references on the longest cached prefix of its
     /// tokens (never the whole of them: the last token must be computed for its logits).
-    /// Returns the number of tokens found.
+    /// Returns the number of tokens found. None for a sequence that wants every prompt
+    /// position's logits (`prompt_rows`).
     fn take_cached_prefix(&mut self, seq: &mut Sequence) -> usize {
-        if !self.cfg.enable_prefix_caching || seq.num_computed > 0 || !seq.blocks.is_empty() {
+        if !self.cfg.enable_prefix_caching
+            || seq.num_computed > 0
+            || !seq.blocks.is_empty()
+            || seq.prompt_rows.is_some()
+        {
             return 0;
         }
         let bs = self.cfg.block_size;
@@ -662,6 +669,7 @@ mod tests {
             stop_floor: 0,
             last_token_at: None,
             grammar: None,
+            prompt_rows: None,
         }
     }
 

@@ -48,12 +48,32 @@ pub(crate) struct Sequence {
     pub(crate) last_token_at: Option<Instant>,
     /// Where this child's output stands in the request's structured-output constraint.
     pub(crate) grammar: Option<TokenMatcher>,
+    /// Prompt logprobs still to send: the index of the next prompt token whose logprob is
+    /// wanted (from 1: the first token has none). While set, the prompt is computed from its
+    /// first token (no prefix-cache hits: a cached position has no logits) in chunks of at most
+    /// [`PROMPT_ROWS_CHUNK`] tokens, with a logits row for every position. `None`: not asked
+    /// for, or all sent.
+    pub(crate) prompt_rows: Option<usize>,
 }
+
+/// Most prompt tokens one step computes for a sequence that wants prompt logprobs: each
+/// position's logits row is `vocab` f32s (49 152 × 4 B = 192 KiB on SmolLM2), so 512 rows are
+/// ~100 MiB a step.
+pub(crate) const PROMPT_ROWS_CHUNK: usize = 512;
 
 impl Sequence {
     /// Tokens generated so far.
     pub(crate) fn num_generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
+    }
+
+    /// Most tokens the next step may compute for this sequence.
+    pub(crate) fn chunk_cap(&self) -> usize {
+        if self.prompt_rows.is_some() && self.num_computed < self.prompt_len {
+            PROMPT_ROWS_CHUNK
+        } else {
+            usize::MAX
+        }
     }
 
     /// A child sharing every block of `self` (references are taken by the caller).
@@ -75,6 +95,7 @@ impl Sequence {
             stop_floor: self.stop_floor,
             last_token_at: self.last_token_at,
             grammar: self.grammar.clone(),
+            prompt_rows: self.prompt_rows,
         }
     }
 }

@@ -75,6 +75,39 @@ impl BatchInput {
         Ok(())
     }
 
+    /// [`BatchInput::push_seq`], also asking for the logits of the positions in `rows`
+    /// (absolute positions within `start..start + tokens.len()`, ascending), ahead of the last
+    /// token's when `want_logits`: prompt logprobs score every prompt token.
+    ///
+    /// # Errors
+    /// [`ModelError::InvalidBatch`] when `block_table` does not cover the new positions or a
+    /// row lies outside them.
+    pub fn push_seq_with_rows(
+        &mut self,
+        tokens: &[u32],
+        start: usize,
+        block_table: &[BlockId],
+        block_size: usize,
+        rows: std::ops::Range<usize>,
+        want_logits: bool,
+    ) -> Result<(), ModelError> {
+        if !rows.is_empty() && (rows.start < start || rows.end > start + tokens.len()) {
+            return Err(ModelError::InvalidBatch(format!(
+                "logits rows {rows:?} outside positions {start}..{}",
+                start + tokens.len()
+            )));
+        }
+        let query_start = self.tokens.len();
+        self.push_seq(tokens, start, block_table, block_size, false)?;
+        self.logits_rows
+            .extend(rows.map(|p| (query_start + p - start) as u32));
+        if want_logits && !tokens.is_empty() {
+            self.logits_rows
+                .push((query_start + tokens.len() - 1) as u32);
+        }
+        Ok(())
+    }
+
     /// Number of tokens in the step.
     pub fn num_tokens(&self) -> usize {
         self.tokens.len()
