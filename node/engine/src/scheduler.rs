@@ -719,6 +719,30 @@ mod tests {
     }
 
     #[test]
+    fn a_sequence_wanting_prompt_rows_computes_its_whole_prompt_in_bounded_chunks() {
+        use crate::sequence::PROMPT_ROWS_CHUNK;
+        let tok = tokenizer();
+        let len = PROMPT_ROWS_CHUNK + 100;
+        let mut s = Scheduler::new(cfg(2048), 1024);
+        // Its prompt in the prefix cache first.
+        s.waiting.push_back(seq(1, len, tok));
+        while s.running.first().is_none_or(|q| q.num_computed < len) {
+            let plan = s.schedule();
+            complete(&mut s, &plan);
+        }
+        let mut q = seq(1, len, tok);
+        q.prompt_rows = Some(1);
+        s.waiting.push_back(q);
+        let plan = s.schedule();
+        let mine = plan.scheduled.last().unwrap();
+        assert_eq!(plan.admitted.last(), Some(&(RequestId(1), 0)), "no cache hit");
+        assert_eq!(mine.num_tokens, PROMPT_ROWS_CHUNK);
+        complete(&mut s, &plan);
+        let plan = s.schedule();
+        assert_eq!(plan.scheduled.last().unwrap().num_tokens, 100);
+    }
+
+    #[test]
     fn sequence_waiting_for_remote_kv_does_not_block_others() {
         let tok = tokenizer();
         let mut s = Scheduler::new(cfg(64), 32);
