@@ -405,6 +405,9 @@ pub struct TokenLogprob {
     pub logprob: f32,
     /// The `logprobs` most likely tokens at this position, most likely first.
     pub top: Vec<(u32, f32)>,
+    /// The token's rank in the distribution, from 1 (the most likely): one more than the
+    /// number of tokens more likely than it (vLLM's `rank`).
+    pub rank: u32,
 }
 
 /// Something that happened to a request, in order.

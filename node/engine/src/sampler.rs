@@ -293,10 +293,13 @@ pub(crate) fn logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprob {
             .filter(|(_, l)| l.is_finite())
             .collect();
     }
+    let own = logits[token as usize];
+    let rank = 1 + logits.iter().filter(|&&l| l > own).count() as u32;
     TokenLogprob {
         token_id: token,
-        logprob: logits[token as usize] - lse,
+        logprob: own - lse,
         top,
+        rank,
     }
 }
 
@@ -403,6 +406,9 @@ mod tests {
         assert!((total - 1.0).abs() < 1e-5);
         assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 1]);
         assert!((lp.logprob - lp.top[1].1).abs() < 1e-6);
+        assert_eq!(lp.rank, 2, "one token is more likely");
+        assert_eq!(logprobs(&l, 2, 0).rank, 1);
+        assert_eq!(logprobs(&l, 0, 0).rank, 3);
     }
 
     #[test]

@@ -735,7 +735,11 @@ mod tests {
         s.waiting.push_back(q);
         let plan = s.schedule();
         let mine = plan.scheduled.last().unwrap();
-        assert_eq!(plan.admitted.last(), Some(&(RequestId(1), 0)), "no cache hit");
+        assert_eq!(
+            plan.admitted.last(),
+            Some(&(RequestId(1), 0)),
+            "no cache hit"
+        );
         assert_eq!(mine.num_tokens, PROMPT_ROWS_CHUNK);
         complete(&mut s, &plan);
         let plan = s.schedule();

@@ -25,6 +25,8 @@ pub(crate) struct Generation {
     pub(crate) children: Vec<ChildOutput>,
     /// A prefill node's handoff, for the response.
     pub(crate) kv_transfer_params: Option<serde_json::Value>,
+    /// `prompt_logprobs`: the logprobs of prompt tokens 1.., when asked for.
+    pub(crate) prompt_logprobs: Vec<TokenLogprob>,
 }
 
 /// Token accounting of one request.
@@ -61,6 +63,7 @@ impl TokenCounts {
                 completion_tokens, ..
             } => self.completion_tokens += completion_tokens,
             RequestEvent::Token { .. }
+            | RequestEvent::PromptLogprobs { .. }
             | RequestEvent::Failed { .. }
             | RequestEvent::AwaitingKv { .. }
             | RequestEvent::KvReady(_)
@@ -91,10 +94,12 @@ pub(crate) async fn collect(
 ) -> Result<Generation, ApiError> {
     let mut usage = TokenCounts::new(prompt_tokens);
     let mut children: Vec<ChildOutput> = (0..n).map(|_| ChildOutput::default()).collect();
+    let mut prompt_logprobs = Vec::new();
     while let Some(event) = stream.recv().await {
         usage.observe(&event);
         kv.observe(&event);
         match event {
+            RequestEvent::PromptLogprobs { logprobs, .. } => prompt_logprobs.extend(logprobs),
             RequestEvent::Started { .. }
             | RequestEvent::AwaitingKv { .. }
             | RequestEvent::KvReady(_)
@@ -133,5 +138,6 @@ pub(crate) async fn collect(
         usage,
         children,
         kv_transfer_params: kv.params(),
+        prompt_logprobs,
     })
 }

@@ -444,6 +444,28 @@ async fn greedy_output_through_p_and_d_equals_one_node_on_every_api() {
         metric(&d, "pd_kv_lease_confirms_total{via=\"rpc\"}").await,
         0.0
     );
+    // Prompt logprobs are computed by the node that answers, never through P and D: P refuses
+    // to prefill for another node with them (a gateway sends such requests to one node).
+    for extra in [
+        json!({"echo": true, "logprobs": 1}),
+        json!({"prompt_logprobs": 0}),
+    ] {
+        let mut body = prefill_body(Api::Completions, &Api::Completions.body(SHORT, 4));
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let r = post(&p.http, "/v1/completions", &body).await;
+        assert_eq!(r.status(), 400, "{extra}");
+        let e: Value = r.json().await.unwrap();
+        assert_eq!(e["error"]["param"], "kv_transfer_params", "{e}");
+        assert!(
+            e["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("prompt logprobs"),
+            "{e}"
+        );
+    }
 }
 
 /// A single completion without logprobs — greedy or sampled — takes P's first token: D then

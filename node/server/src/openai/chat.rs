@@ -56,6 +56,9 @@ pub(crate) struct ChatCompletionResponse {
     /// vLLM `return_token_ids`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) prompt_token_ids: Option<Vec<u32>>,
+    /// vLLM `prompt_logprobs` (not streamed).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) prompt_logprobs: Option<super::PromptLogprobs>,
     /// A prefill node's handoff to the decode node.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) kv_transfer_params: Option<serde_json::Value>,

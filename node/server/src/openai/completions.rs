@@ -17,7 +17,8 @@ pub(crate) struct CompletionRequest {
     /// Top alternatives per token, 0 for the sampled token's logprob only.
     #[serde(default)]
     pub(crate) logprobs: Option<i64>,
-    /// Prepend the prompt to the output; not supported.
+    /// Prepend the prompt to each choice's text (and, with `logprobs`, its tokens' logprobs,
+    /// the first one `null`). With `max_tokens: 0`, the prompt alone.
     #[serde(default)]
     pub(crate) echo: Option<bool>,
     /// The prompt as token ids, computed by a gateway with this node's tokenizer
@@ -73,15 +74,28 @@ pub(crate) struct CompletionChoice {
     /// vLLM `return_token_ids`: the generated tokens.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) token_ids: Option<Vec<u32>>,
+    /// vLLM `prompt_logprobs` (not streamed).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) prompt_logprobs: Option<super::PromptLogprobs>,
 }
 
-/// The legacy completions logprobs object.
+/// The legacy completions logprobs object. The `null`s are an echoed prompt's first token.
 #[derive(Debug, Default, Serialize)]
 pub(crate) struct CompletionLogprobs {
     pub(crate) tokens: Vec<String>,
-    pub(crate) token_logprobs: Vec<f32>,
-    pub(crate) top_logprobs: Vec<TokenMap>,
+    pub(crate) token_logprobs: Vec<Option<f32>>,
+    pub(crate) top_logprobs: Vec<Option<TokenMap>>,
     pub(crate) text_offset: Vec<usize>,
+}
+
+impl CompletionLogprobs {
+    /// `other`'s tokens after `self`'s.
+    pub(crate) fn append(&mut self, other: CompletionLogprobs) {
+        self.tokens.extend(other.tokens);
+        self.token_logprobs.extend(other.token_logprobs);
+        self.top_logprobs.extend(other.top_logprobs);
+        self.text_offset.extend(other.text_offset);
+    }
 }
 
 /// `{token: logprob, ...}` in the given order (a JSON object, as the legacy API returns it).

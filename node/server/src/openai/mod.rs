@@ -113,6 +113,10 @@ pub(crate) struct SamplingFields {
     /// vLLM extension: see `SamplingParams::min_tokens`.
     #[serde(default)]
     pub(crate) min_tokens: Option<i64>,
+    /// vLLM extension: the logprob of every prompt token, with this many alternatives
+    /// ([`PromptLogprobs`]). Not with `stream` (as in vLLM).
+    #[serde(default)]
+    pub(crate) prompt_logprobs: Option<i64>,
 }
 
 impl SamplingFields {
@@ -168,7 +172,32 @@ impl SamplingFields {
                 None => defaults.min_tokens,
                 Some(m) => non_negative(m, "min_tokens")?,
             },
+            prompt_logprobs: self.prompt_logprobs()?,
         })
+    }
+
+    /// `prompt_logprobs`, checked: not negative (vLLM's −1, the whole vocabulary, is not
+    /// served), not with `stream`.
+    fn prompt_logprobs(&self) -> Result<Option<usize>, ApiError> {
+        let Some(k) = self.prompt_logprobs else {
+            return Ok(None);
+        };
+        if self.stream() {
+            return Err(ApiError::invalid(
+                "prompt_logprobs",
+                "prompt_logprobs are not available when stream is true",
+            ));
+        }
+        if k < 0 {
+            return Err(ApiError::invalid(
+                "prompt_logprobs",
+                format!(
+                    "prompt_logprobs must be between 0 and {}, got {k}",
+                    pd_engine::MAX_LOGPROBS
+                ),
+            ));
+        }
+        Ok(Some(non_negative(k, "prompt_logprobs")?))
     }
 
     pub(crate) fn stream(&self) -> bool {
@@ -246,6 +275,68 @@ pub(crate) fn cache_salt(salt: Option<&String>) -> Result<Option<String>, ApiErr
 pub(crate) fn non_negative(value: i64, param: &'static str) -> Result<usize, ApiError> {
     usize::try_from(value)
         .map_err(|_| ApiError::invalid(param, format!("{param} must be non-negative, got {value}")))
+}
+
+/// vLLM's `prompt_logprobs`: `null` for the first prompt token, then for each one an object
+/// keyed by token id (as a string) holding the prompt token and its top alternatives, each
+/// `{"logprob", "rank", "decoded_token"}`.
+#[derive(Debug, Clone, Default, Serialize)]
+#[serde(transparent)]
+pub(crate) struct PromptLogprobs(pub(crate) Vec<Option<PromptLogprobEntry>>);
+
+/// One prompt position of [`PromptLogprobs`]: the prompt token first, then the alternatives
+/// not already named, most likely first.
+#[derive(Debug, Clone)]
+pub(crate) struct PromptLogprobEntry(pub(crate) Vec<(u32, PromptLogprob)>);
+
+/// A token's place in one prompt position's distribution.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct PromptLogprob {
+    pub(crate) logprob: f32,
+    /// 1 for the most likely token.
+    pub(crate) rank: u32,
+    pub(crate) decoded_token: String,
+}
+
+impl Serialize for PromptLogprobEntry {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_map(self.0.iter().map(|(id, lp)| (id.to_string(), lp)))
+    }
+}
+
+impl PromptLogprobs {
+    /// From the engine's logprobs of prompt tokens 1.. (`token_text` decodes one token).
+    pub(crate) fn new(
+        scored: &[pd_engine::TokenLogprob],
+        token_text: impl Fn(u32) -> String,
+    ) -> Self {
+        let mut out = Vec::with_capacity(scored.len() + 1);
+        out.push(None);
+        for lp in scored {
+            let mut entry = vec![(
+                lp.token_id,
+                PromptLogprob {
+                    logprob: lp.logprob,
+                    rank: lp.rank,
+                    decoded_token: token_text(lp.token_id),
+                },
+            )];
+            for (i, &(id, logprob)) in lp.top.iter().enumerate() {
+                if id != lp.token_id {
+                    entry.push((
+                        id,
+                        PromptLogprob {
+                            logprob,
+                            rank: i as u32 + 1,
+                            decoded_token: token_text(id),
+                        },
+                    ));
+                }
+            }
+            out.push(Some(PromptLogprobEntry(entry)));
+        }
+        Self(out)
+    }
 }
 
 /// `usage` of completions and chat completions.

@@ -19,8 +19,8 @@ use crate::openai::chat::{
 };
 use crate::openai::tool_parser::CallReader;
 use crate::openai::tools::{ToolCalling, auto_finish, message_parts};
-use crate::openai::{Usage, non_negative};
-use crate::prompt::{chat_messages, chat_tokens};
+use crate::openai::{PromptLogprobs, Usage, non_negative};
+use crate::prompt::{chat_messages, chat_tokens, token_text};
 use crate::sse::{SseFormatter, data_frame, done, error_frame, sse_response};
 
 const ROLE: &str = "assistant";
@@ -58,6 +58,7 @@ pub(super) async fn create(
     params.structured = req.structured.to_structured()?;
     tools.apply(&mut params)?;
     params.validate().map_err(|e| engine_error(e.into()))?;
+    let prompt_logprobs = params.prompt_logprobs;
     let directive = state.kv_directive(req.kv_transfer_params.as_ref(), params.n)?;
     let messages = chat_messages(&req.messages)?;
     let template_tools = pd_tokenize::prompt::chat_tools(req.tools.listed());
@@ -116,6 +117,11 @@ pub(super) async fn create(
     }
 
     let generation = collect(stream, n, prompt_len, kv).await?;
+    let prompt_logprobs = prompt_logprobs.map(|_| {
+        PromptLogprobs::new(&generation.prompt_logprobs, |id| {
+            token_text(&out.tokenizer, id)
+        })
+    });
     let choices = generation
         .children
         .into_iter()
@@ -172,6 +178,7 @@ pub(super) async fn create(
         choices,
         usage: generation.usage.usage(),
         prompt_token_ids,
+        prompt_logprobs,
         kv_transfer_params: generation.kv_transfer_params,
     })
     .into_response())
@@ -324,7 +331,9 @@ impl SseFormatter for ChatStream {
         self.counts.observe(&event);
         self.kv.observe(&event);
         let choice = match event {
+            // Streams never ask for prompt logprobs (`SamplingFields::prompt_logprobs`).
             RequestEvent::Started { .. }
+            | RequestEvent::PromptLogprobs { .. }
             | RequestEvent::AwaitingKv { .. }
             | RequestEvent::KvReady(_)
             | RequestEvent::Retained(_) => None,

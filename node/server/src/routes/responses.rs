@@ -563,7 +563,9 @@ impl SseFormatter for ResponseStream {
         self.counts.observe(&event);
         self.kv.observe(&event);
         match event {
+            // The Responses API never asks for prompt logprobs.
             RequestEvent::Started { .. }
+            | RequestEvent::PromptLogprobs { .. }
             | RequestEvent::AwaitingKv { .. }
             | RequestEvent::KvReady(_)
             | RequestEvent::Retained(_) => {}
