@@ -18,7 +18,10 @@ stdout is a JSON list with one result per spec, in order:
      "usage": {... as the SDK parsed it}, "prompt_tokens": int, "cached_tokens": int | null,
      "kv_pulled_tokens": int | null, "response_id": str | null,
      "tool_calls": [[{"name": str, "arguments": str}] per choice] (chat: `tool_calls`;
-                   responses: the `function_call` output items)}
+                   responses: the `function_call` output items),
+     "logprobs": [legacy logprobs object | null per choice] (completions; streamed: the
+                 chunks' lists joined),
+     "prompt_logprobs": vLLM's field (completions: one per choice; chat: the response's)}
 
 A spec with `"continue": true` goes on from the spec before it, as an application keeps a
 conversation: on chat, its messages are sent after the previous spec's messages and the previous
@@ -55,6 +58,23 @@ def token_ids(choice):
     """The generated token ids of a choice or chunk choice (vLLM's `return_token_ids`)."""
     extra = getattr(choice, "model_extra", None) or {}
     return extra.get("token_ids")
+
+
+def extra(obj, field):
+    """A field the SDK does not declare, from the parsed object's `model_extra`."""
+    return (getattr(obj, "model_extra", None) or {}).get(field)
+
+
+def join_logprobs(acc, logprobs):
+    """A streamed choice's legacy logprobs: each chunk's lists appended to the ones before."""
+    if logprobs is None:
+        return acc
+    got = logprobs.model_dump()
+    if acc is None:
+        return got
+    for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        acc[k] = (acc.get(k) or []) + (got.get(k) or [])
+    return acc
 
 
 def collect_ids(ids, choice):
@@ -101,6 +121,7 @@ def chat(client, spec):
                 [{"name": t.function.name, "arguments": t.function.arguments} for t in (c.message.tool_calls or [])]
                 for c in choices
             ],
+            "prompt_logprobs": extra(r, "prompt_logprobs"),
         }
         out.update(usage_fields(r.usage, "prompt_tokens", "prompt_tokens_details"))
         return out
@@ -141,19 +162,23 @@ def completions(client, spec):
             "texts": [c.text for c in choices],
             "token_ids": [token_ids(c) for c in choices],
             "finish_reasons": [c.finish_reason for c in choices],
+            "logprobs": [c.logprobs.model_dump() if c.logprobs else None for c in choices],
+            "prompt_logprobs": [extra(c, "prompt_logprobs") for c in choices],
         }
         out.update(usage_fields(r.usage, "prompt_tokens", "prompt_tokens_details"))
         return out
     texts, ids, finish, usage = [""] * n, [None] * n, [None] * n, None
+    logprobs = [None] * n
     for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
         for c in chunk.choices:
             texts[c.index] += c.text or ""
             collect_ids(ids, c)
+            logprobs[c.index] = join_logprobs(logprobs[c.index], c.logprobs)
             if c.finish_reason is not None:
                 finish[c.index] = c.finish_reason
         if chunk.usage is not None:
             usage = chunk.usage
-    out = {"texts": texts, "token_ids": ids, "finish_reasons": finish}
+    out = {"texts": texts, "token_ids": ids, "finish_reasons": finish, "logprobs": logprobs}
     out.update(usage_fields(usage, "prompt_tokens", "prompt_tokens_details"))
     return out
 

@@ -12,4 +12,5 @@ mod policy_contained;
 mod policy_hot_swap;
 mod policy_languages;
 mod policy_sdk;
+mod prompt_scoring;
 mod untrusted_params_and_errors;

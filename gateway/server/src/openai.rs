@@ -70,6 +70,9 @@ pub struct Analyzed {
     pub prompt: PromptKind,
     /// vLLM's `cache_salt`: the prompt's block hashes start from it, as on the nodes.
     pub cache_salt: Option<String>,
+    /// The answer scores the prompt itself (`echo` with `logprobs` on completions, vLLM's
+    /// `prompt_logprobs`): only the node that computes the prompt can, so one node serves it.
+    pub scores_prompt: bool,
 }
 
 fn bad(param: &'static str, message: impl Into<String>) -> GatewayError {
@@ -184,6 +187,15 @@ pub fn analyze(
             ));
         }
     };
+    let set = |key: &str| body.get(key).is_some_and(|v| !v.is_null());
+    let scores_prompt = match api {
+        Api::Completions => {
+            set("prompt_logprobs")
+                || (body.get("echo") == Some(&Value::Bool(true)) && set("logprobs"))
+        }
+        Api::ChatCompletions => set("prompt_logprobs"),
+        Api::Responses => false,
+    };
     Ok(Analyzed {
         api,
         model,
@@ -193,6 +205,7 @@ pub fn analyze(
         conversation_key,
         prompt,
         cache_salt,
+        scores_prompt,
     })
 }
 

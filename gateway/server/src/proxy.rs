@@ -609,6 +609,30 @@ impl Gateway {
                         )
                         .await;
                 }
+                if analyzed.scores_prompt {
+                    // Prompt logprobs come from the node that computes the prompt: one node
+                    // serves it, a prefill node first (it is a prompt's work), then the decode
+                    // ranking, as failover.
+                    let mut candidates = split.prefill.clone();
+                    for d in &split.decode {
+                        if !candidates.contains(&d.node) {
+                            candidates.push(d.node);
+                        }
+                    }
+                    let bytes = Bytes::from(serde_json::to_vec(&body).map_err(internal)?);
+                    return self
+                        .whole(
+                            session,
+                            t,
+                            path,
+                            &snapshot,
+                            &candidates,
+                            bytes,
+                            "scores_prompt",
+                            (capture, &mut captured),
+                        )
+                        .await;
+                }
                 if pull.is_some() {
                     self.count_reverse_pull("prefill_pulls");
                 } else if asked {
