@@ -92,6 +92,20 @@ async fn v1_needs_one_of_the_api_keys_and_refusals_reach_no_node() {
             assert_eq!(v["error"]["code"], "model_not_found");
         }
     }
+    // vLLM's tokenizer endpoints are guarded like `/v1/`.
+    let tokenize = |key: Option<&str>| {
+        let mut r = c
+            .client
+            .post(format!("{gw}/tokenize"))
+            .json(&json!({"prompt": "keyed"}));
+        if let Some(k) = key {
+            r = r.bearer_auth(k);
+        }
+        r.send()
+    };
+    assert_eq!(tokenize(None).await.unwrap().status(), 401);
+    refused += 1.0;
+    assert_eq!(tokenize(Some(SECOND_KEY)).await.unwrap().status(), 200);
     // Open without a key.
     for path in ["/health", "/metrics"] {
         let r = c.client.get(format!("{gw}{path}")).send().await.unwrap();
@@ -138,6 +152,12 @@ async fn v1_needs_one_of_the_api_keys_and_refusals_reach_no_node() {
                 assert_eq!(v["error"]["code"], "invalid_api_key", "{v}");
             }
         }
+        let info = c
+            .client
+            .get(format!("{}/tokenizer_info", n.http))
+            .send()
+            .await;
+        assert_eq!(info.unwrap().status(), 401, "{}", n.engine_id);
         let health = c.client.get(format!("{}/health", n.http)).send().await;
         assert_eq!(health.unwrap().status(), 200);
     }

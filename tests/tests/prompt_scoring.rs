@@ -6,7 +6,8 @@
 //! score it, so the gateway sends these to one node (a prefill node first): every answer —
 //! text, tokens, each logprob, rank and alternative — equals a standalone node's, nothing is
 //! pulled and no lease is granted. An echo without logprobs needs no scores and still goes
-//! through P and D, token for token.
+//! through P and D, token for token. vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`
+//! (what lm-eval probes for a remote tokenizer) answer at the gateway as at a node.
 
 use pd_cluster_tests::cluster::{ClusterSpec, Node, Role, TestCluster, tiny_model};
 use pd_cluster_tests::process::WorkDir;
@@ -156,6 +157,71 @@ async fn prompts_are_scored_through_the_gateway_as_one_node_scores_them() {
             assert_eq!(g["kv_pulled_tokens"], prompt, "P/D: {g}");
         }
     }
+    // A remote tokenizer (lm-eval's `tokenizer_backend=remote`) gets from the gateway what the
+    // node answers: the gateway tokenizes with the tokenizer the node registered.
+    let reference = {
+        let dir = WorkDir::new("scoring-reference-2");
+        let model = tiny_model(&dir);
+        Node::reference(&dir, &model)
+    };
+    let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+    for (path, body) in [
+        (
+            "/tokenize",
+            json!({"prompt": "Question: what moves KV?", "return_token_strs": true}),
+        ),
+        (
+            "/tokenize",
+            json!({"prompt": "no BOS", "add_special_tokens": false}),
+        ),
+        (
+            "/tokenize",
+            json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
+            "tools": tools}),
+        ),
+        (
+            "/tokenize",
+            json!({"messages": [{"role": "user", "content": "Hi"}],
+            "add_generation_prompt": false}),
+        ),
+        ("/detokenize", json!({"tokens": [72, 101, 108, 108, 111]})),
+        ("/tokenize", json!({"model": "other", "prompt": "x"})),
+        ("/tokenize", json!({"prompt": ""})),
+    ] {
+        let ask = |base: &str| c.client.post(format!("{base}{path}")).json(&body).send();
+        let (from_gw, from_node) = (
+            ask(&c.gateway.http).await.unwrap(),
+            ask(&reference.http).await.unwrap(),
+        );
+        assert_eq!(from_gw.status(), from_node.status(), "{path} {body}");
+        let (g, n): (Value, Value) = (
+            from_gw.json().await.unwrap(),
+            from_node.json().await.unwrap(),
+        );
+        if g.get("error").is_some() {
+            // (A model-not-found error's `param` is null at the gateway, as OpenAI's is.)
+            for k in ["type", "code"] {
+                assert_eq!(g["error"][k], n["error"][k], "{path} {body}: {g} {n}");
+            }
+            if !g["error"]["param"].is_null() {
+                assert_eq!(g["error"]["param"], n["error"]["param"], "{path} {body}");
+            }
+        } else {
+            assert_eq!(g, n, "{path} {body}");
+        }
+    }
+    let info = |base: String| async move {
+        let r = reqwest::get(format!("{base}/tokenizer_info"))
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        r.json::<Value>().await.unwrap()
+    };
+    assert_eq!(
+        info(c.gateway.http.clone()).await,
+        info(reference.http.clone()).await
+    );
+
     let scored = specs.iter().filter(|s| s["scores"] == true).count() as f64;
     let g = c.gateway_metrics().await;
     assert_eq!(

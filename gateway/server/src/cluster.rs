@@ -322,6 +322,17 @@ impl Cluster {
             .map(|m| (m.tokenizer.clone(), m.block_size))
     }
 
+    /// The longest context among `model`'s live nodes (0: none live, or none said).
+    pub fn max_model_len(&self, model: &str) -> u32 {
+        self.read()
+            .nodes
+            .values()
+            .filter(|n| *n.model == *model)
+            .map(|n| n.max_model_len)
+            .max()
+            .unwrap_or(0)
+    }
+
     /// The prefix-cache hash key of `model`'s nodes (0: none, or no such model).
     pub fn hash_key(&self, model: &str) -> u64 {
         self.read().models.get(model).map_or(0, |m| m.hash_key)

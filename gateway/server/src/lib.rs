@@ -24,6 +24,8 @@
 //!   `replay`, `new`), which run policies here, without a cluster.
 //! - [`metrics`]: Prometheus metrics.
 //! - [`secret`]: checking API keys and tokens.
+//! - [`tokenizer_api`]: vLLM's `/tokenize`, `/detokenize`, `/tokenizer_info`, answered from a
+//!   registered tokenizer.
 //!
 //! This crate does not run models or link candle (tokenizing uses `pd-tokenize`), does not move
 //! KV (nodes pull from each other), and does not run policies itself (`pd-policy` does).
@@ -48,3 +50,4 @@ pub mod route;
 pub mod secret;
 pub mod spread;
 pub mod template;
+pub mod tokenizer_api;

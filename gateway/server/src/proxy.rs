@@ -55,6 +55,7 @@ use crate::openai::{self, Analyzed, KV_FIELD, api_label, api_path};
 use crate::route::Router;
 use crate::secret;
 use crate::spread;
+use crate::tokenizer_api;
 
 /// Settings of the front door.
 #[derive(Debug, Clone)]
@@ -370,7 +371,8 @@ impl Gateway {
     async fn serve(&self, session: &mut Session) {
         let method = session.req_header().method.as_str().to_owned();
         let path = session.req_header().uri.path().to_owned();
-        if path.starts_with("/v1/") && !self.authorized(session) {
+        let guarded = path.starts_with("/v1/") || pd_tokenize::endpoints::is_tokenizer_path(&path);
+        if guarded && !self.authorized(session) {
             self.0.metrics.unauthorized.inc();
             respond_error(session, &GatewayError::Unauthorized).await;
             return;
@@ -421,9 +423,34 @@ impl Gateway {
                     self.generate(session, api).await;
                 }
             }
+            (m, p) if tokenizer_api::Endpoint::of(m, p).is_some() => {
+                if let Some(endpoint) = tokenizer_api::Endpoint::of(m, p) {
+                    self.tokenizer_endpoint(session, endpoint).await;
+                }
+            }
             _ => {
                 respond_error(session, &GatewayError::UnknownRoute { method, path }).await;
             }
+        }
+    }
+
+    /// vLLM's `/tokenize`, `/detokenize`, `/tokenizer_info`, answered here
+    /// ([`tokenizer_api`]).
+    async fn tokenizer_endpoint(&self, session: &mut Session, endpoint: tokenizer_api::Endpoint) {
+        let answered = async {
+            let body = read_body(session, self.0.config.max_body).await?;
+            let query = session.req_header().uri.query().map(str::to_owned);
+            let cluster = self.0.cluster.clone();
+            tokio::task::spawn_blocking(move || {
+                tokenizer_api::answer(&cluster, endpoint, query.as_deref(), &body)
+            })
+            .await
+            .map_err(internal)?
+        }
+        .await;
+        match answered {
+            Ok(body) => respond(session, 200, "application/json", body.into()).await,
+            Err(e) => respond_error(session, &e).await,
         }
     }
 

@@ -2416,3 +2416,89 @@ fn token_logprobs_at(response: &Value, i: usize) -> f64 {
         .as_f64()
         .unwrap()
 }
+
+#[tokio::test]
+async fn tokenizer_endpoints_give_the_ids_generation_uses() {
+    let server = Server::start().await;
+    // The ids a completion computes for its prompt (vLLM's `return_token_ids`)...
+    let (status, done) = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "Hello, world", "max_tokens": 1, "return_token_ids": true}),
+        )
+        .await;
+    assert_eq!(status, 200, "{done}");
+    let (status, t) = server
+        .post(
+            "/tokenize",
+            &json!({"model": "tiny", "prompt": "Hello, world", "return_token_strs": true}),
+        )
+        .await;
+    assert_eq!(status, 200, "{t}");
+    assert_eq!(t["tokens"], done["choices"][0]["prompt_token_ids"]);
+    assert_eq!(t["count"], t["tokens"].as_array().unwrap().len());
+    assert_eq!(t["max_model_len"], MAX_MODEL_LEN);
+    assert_eq!(
+        t["token_strs"].as_array().unwrap().len(),
+        t["count"].as_u64().unwrap() as usize
+    );
+    // ... and a chat's, tools included.
+    let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+    let messages = json!([{"role": "user", "content": "Hi"}]);
+    let (_, chat) = server
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": messages, "max_tokens": 1, "return_token_ids": true,
+                    "tools": tools, "tool_choice": "none"}),
+        )
+        .await;
+    let (status, ct) = server
+        .post("/tokenize", &json!({"messages": messages, "tools": tools}))
+        .await;
+    assert_eq!(status, 200, "{ct}");
+    assert_eq!(ct["tokens"], chat["prompt_token_ids"], "{chat}");
+    assert_eq!(ct["token_strs"], Value::Null);
+
+    let (status, d) = server
+        .post("/detokenize", &json!({"tokens": [72, 101, 108, 108, 111]}))
+        .await;
+    assert_eq!(status, 200, "{d}");
+    assert_eq!(d["prompt"], "Hello");
+    let (status, info) = server.get("/tokenizer_info").await;
+    assert_eq!(status, 200);
+    let info: Value = serde_json::from_str(&info).unwrap();
+    assert!(info["eos_token"].is_string(), "{info}");
+    assert!(info["chat_template"].is_string(), "{info}");
+    assert_eq!(info["model_max_length"], MAX_MODEL_LEN);
+
+    for (path, body, status, param) in [
+        (
+            "/tokenize",
+            json!({"model": "other", "prompt": "x"}),
+            404,
+            Some("model"),
+        ),
+        (
+            "/tokenize",
+            json!({"prompt": "x", "messages": messages}),
+            400,
+            Some("prompt"),
+        ),
+        ("/tokenize", json!({"prompt": ""}), 400, Some("prompt")),
+        ("/tokenize", json!({"messages": []}), 400, Some("messages")),
+        (
+            "/detokenize",
+            json!({"tokens": [1, 999999]}),
+            400,
+            Some("tokens"),
+        ),
+        ("/detokenize", json!({"tokens": "x"}), 400, None),
+    ] {
+        let (got, e) = server.post(path, &body).await;
+        assert_eq!(got, status, "{path} {body}: {e}");
+        if let Some(p) = param {
+            assert_eq!(e["error"]["param"], p, "{path} {body}: {e}");
+        }
+    }
+    server.stop().await;
+}

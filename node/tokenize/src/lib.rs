@@ -26,11 +26,14 @@
 //!   `tokenizer.json` / `tokenizer_config.json` / `generation_config.json`, which are then this
 //!   tokenizer's [`Tokenizer::files`].
 //! - [`write_byte_level_tokenizer`]: writes a 256-byte tokenizer plus ChatML specials.
+//! - [`endpoints`]: vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`, one
+//!   implementation for nodes and gateway.
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 #![deny(unused_must_use)]
 
 mod byte_level;
 mod decoder;
+pub mod endpoints;
 mod error;
 mod gguf;
 pub mod prompt;

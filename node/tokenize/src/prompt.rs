@@ -29,7 +29,7 @@ pub struct PromptError {
 
 impl PromptError {
     /// The request is at fault.
-    fn invalid(param: &'static str, message: impl Into<String>) -> Self {
+    pub(crate) fn invalid(param: &'static str, message: impl Into<String>) -> Self {
         Self {
             param,
             message: message.into(),
@@ -38,7 +38,7 @@ impl PromptError {
     }
 
     /// The tokenizer failed.
-    fn tokenizer(param: &'static str, source: TokenizeError) -> Self {
+    pub(crate) fn tokenizer(param: &'static str, source: TokenizeError) -> Self {
         Self {
             param,
             message: format!("tokenizer error: {source}"),

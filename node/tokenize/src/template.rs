@@ -38,6 +38,8 @@ pub(crate) struct SpecialTokens {
 pub(crate) struct ChatTemplate {
     env: Environment<'static>,
     special: SpecialTokens,
+    /// The template as the model directory has it.
+    source: String,
 }
 
 /// Marker attached to the error `raise_exception` returns, so that rendering can tell a
@@ -72,7 +74,16 @@ impl ChatTemplate {
                 path: path.to_path_buf(),
                 source,
             })?;
-        Ok(Self { env, special })
+        Ok(Self {
+            env,
+            special,
+            source: source.to_owned(),
+        })
+    }
+
+    /// The template's source, as read.
+    pub(crate) fn source(&self) -> &str {
+        &self.source
     }
 
     /// Renders `messages`; see [`crate::Tokenizer::apply_chat_template`].

@@ -324,6 +324,21 @@ impl Tokenizer {
         self.chat.is_some()
     }
 
+    /// The chat template's source (the default one), if any.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat.as_ref().map(|c| c.source())
+    }
+
+    /// The `pad_token` of `tokenizer_config.json`, if any.
+    pub fn pad_token(&self) -> Option<&str> {
+        self.special.pad.as_deref()
+    }
+
+    /// The `unk_token` of `tokenizer_config.json`, if any.
+    pub fn unk_token(&self) -> Option<&str> {
+        self.special.unk.as_deref()
+    }
+
     /// Renders the chat template (tokenizer_config.json "chat_template", string or list of
     /// `{name, template}` with the "default" one used, or `chat_template.jinja`) with
     /// `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `unk_token`,

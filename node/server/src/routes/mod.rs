@@ -4,6 +4,7 @@
 mod chat;
 mod completions;
 mod responses;
+mod tokenize;
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -23,6 +24,7 @@ use crate::disagg::{Disagg, Events, check_prompt, consume, release_all};
 use crate::error::ApiError;
 use crate::kv_params::{self, KvDirective, KvReply};
 use crate::openai::{ModelCard, ModelList};
+use pd_tokenize::endpoints;
 
 /// Largest request body accepted; larger ones get a 413.
 pub const MAX_BODY_BYTES: usize = 32 << 20;
@@ -272,6 +274,12 @@ pub(crate) fn router(
         .route("/v1/completions", post(completions::create))
         .route("/v1/chat/completions", post(chat::create))
         .route("/v1/responses", post(responses::create))
+        .route(endpoints::TOKENIZE_PATH, post(tokenize::tokenize))
+        .route(endpoints::DETOKENIZE_PATH, post(tokenize::detokenize))
+        .route(
+            endpoints::TOKENIZER_INFO_PATH,
+            get(tokenize::tokenizer_info),
+        )
         .fallback(unknown_route)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(keys, require_key))
@@ -365,13 +373,15 @@ impl Keys {
     }
 }
 
-/// `/v1/` requests without one of the node's keys get a 401 (OpenAI's `invalid_api_key`).
+/// `/v1/` and tokenizer requests without one of the node's keys get a 401 (OpenAI's
+/// `invalid_api_key`).
 async fn require_key(
     axum::extract::State(keys): axum::extract::State<Arc<Keys>>,
     req: Request,
     next: axum::middleware::Next,
 ) -> Response {
-    if req.uri().path().starts_with("/v1/") {
+    let path = req.uri().path();
+    if path.starts_with("/v1/") || endpoints::is_tokenizer_path(path) {
         let given = req
             .headers()
             .get(header::AUTHORIZATION)

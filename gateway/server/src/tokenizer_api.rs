@@ -1,0 +1,118 @@
+//! vLLM's tokenizer endpoints (`POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`)
+//! answered by the gateway itself, from the tokenizer and chat template a node of the model
+//! registered, through `pd_tokenize::endpoints` — the code the nodes answer them with, and the
+//! code that tokenizes prompts for routing. No node is asked.
+//!
+//! This module does not touch the request's session (`proxy` reads the body and writes the
+//! answer) and owns no state.
+
+use pd_tokenize::endpoints::{
+    self, DETOKENIZE_PATH, DetokenizeRequest, TOKENIZE_PATH, TOKENIZER_INFO_PATH, TokenizeRequest,
+};
+use serde::de::DeserializeOwned;
+
+use crate::cluster::Cluster;
+use crate::error::GatewayError;
+
+/// One of the endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `POST /tokenize`.
+    Tokenize,
+    /// `POST /detokenize`.
+    Detokenize,
+    /// `GET /tokenizer_info` (`?model=` names the model when several are served).
+    Info,
+}
+
+impl Endpoint {
+    /// The endpoint `method` and `path` ask for, if any.
+    pub fn of(method: &str, path: &str) -> Option<Self> {
+        match (method, path) {
+            ("POST", TOKENIZE_PATH) => Some(Self::Tokenize),
+            ("POST", DETOKENIZE_PATH) => Some(Self::Detokenize),
+            ("GET", TOKENIZER_INFO_PATH) => Some(Self::Info),
+            _ => None,
+        }
+    }
+}
+
+/// The JSON answer to `endpoint` with request `body` (`query` for [`Endpoint::Info`]).
+/// Blocking work (a chat template, a long text): call it off the reactor.
+///
+/// # Errors
+/// A 400 naming the field (bad JSON, a prompt the tokenizer refuses, several models and none
+/// named), a 404 for a model no node registered, a 503 when none of it is live.
+pub fn answer(
+    cluster: &Cluster,
+    endpoint: Endpoint,
+    query: Option<&str>,
+    body: &[u8],
+) -> Result<Vec<u8>, GatewayError> {
+    let value = match endpoint {
+        Endpoint::Tokenize => {
+            let req: TokenizeRequest = parse(body)?;
+            let (tokenizer, max_model_len) = model(cluster, req.model.as_deref())?;
+            serde_json::to_value(endpoints::tokenize(&tokenizer, &req, max_model_len)?)
+        }
+        Endpoint::Detokenize => {
+            let req: DetokenizeRequest = parse(body)?;
+            let (tokenizer, _) = model(cluster, req.model.as_deref())?;
+            serde_json::to_value(endpoints::detokenize(&tokenizer, &req)?)
+        }
+        Endpoint::Info => {
+            let named = query.and_then(|q| {
+                q.split('&')
+                    .find_map(|kv| kv.strip_prefix("model="))
+                    .map(|m| m.replace("%2F", "/").replace("%2f", "/"))
+            });
+            let (tokenizer, max_model_len) = model(cluster, named.as_deref())?;
+            Ok(endpoints::tokenizer_info(&tokenizer, max_model_len))
+        }
+    };
+    serde_json::to_vec(&value.map_err(|e| internal(&e))?).map_err(|e| internal(&e))
+}
+
+fn internal(e: &serde_json::Error) -> GatewayError {
+    GatewayError::Internal(format!("encoding a tokenizer answer: {e}"))
+}
+
+fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, GatewayError> {
+    serde_json::from_slice(body).map_err(|e| GatewayError::InvalidRequest {
+        message: format!("the body is not a valid request: {e}"),
+        param: None,
+    })
+}
+
+/// The tokenizer and context length of `named`, or of the only model served when none is
+/// named.
+fn model(
+    cluster: &Cluster,
+    named: Option<&str>,
+) -> Result<(std::sync::Arc<pd_tokenize::Tokenizer>, usize), GatewayError> {
+    let name = match named {
+        Some(m) => m.to_owned(),
+        None => {
+            let live = cluster.live_models();
+            match live.as_slice() {
+                [one] => one.clone(),
+                [] => {
+                    return Err(GatewayError::NoCapacity {
+                        model: String::new(),
+                        why: "no node is live".into(),
+                    });
+                }
+                _ => {
+                    return Err(GatewayError::invalid(
+                        "model",
+                        format!("several models are served ({}): name one", live.join(", ")),
+                    ));
+                }
+            }
+        }
+    };
+    let (tokenizer, _) = cluster
+        .model(&name)
+        .ok_or_else(|| GatewayError::ModelNotFound(name.clone()))?;
+    Ok((tokenizer, cluster.max_model_len(&name) as usize))
+}
