@@ -337,8 +337,7 @@ async fn prompt_logprobs_score_every_prompt_token_as_a_plain_forward_pass_does()
                 kv,
                 cache_salt: None,
             })
-            .err()
-            .expect("refused");
+            .expect_err("refused");
         assert!(e.to_string().contains("prompt logprobs"), "{e}");
     }
     let too_many = h.submit(GenerateRequest {
