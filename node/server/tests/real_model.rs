@@ -1,6 +1,7 @@
 //! `pd-node serve --model FILE.gguf` on the real model (SmolLM2-135M-Instruct Q4_1, fetched by
 //! `bash scripts/fetch-model.sh`; `PD_MODEL_GGUF` names it): the real binary answers a chat
-//! question over the OpenAI API with the right answer, greedy. Without the file the test fails
+//! question over the OpenAI API with the right answer, greedy, and scores a multiple-choice
+//! question's answers as an evaluation harness does (the right one most likely). Without the file the test fails
 //! when `CI=true` and skips with a message otherwise.
 
 use std::io::{BufRead, BufReader};
@@ -95,5 +96,55 @@ async fn serve_gguf_answers_the_capital_of_france() {
     assert!(text.contains("Paris"), "answer: {text:?} ({body})");
     // <|im_end|> (EOS) ends the answer before max_tokens.
     assert_eq!(body["choices"][0]["finish_reason"], "stop", "{body}");
+
+    // A multiple-choice question scored as lm-evaluation-harness scores one: context and each
+    // continuation tokenized on their own (`/tokenize`, as its remote tokenizer does), sent as
+    // ids with `echo`, `logprobs: 1` and `max_tokens: 0`; the continuation's logprobs summed.
+    let post = |path: &'static str, body: Value| {
+        let req = client.post(format!("{http}{path}")).json(&body).send();
+        async move {
+            let r = req.await.unwrap();
+            assert_eq!(r.status().as_u16(), 200, "{path}");
+            r.json::<Value>().await.unwrap()
+        }
+    };
+    let ids = |v: &Value| -> Vec<u64> {
+        v["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap())
+            .collect()
+    };
+    let context = ids(&post("/tokenize", json!({"prompt": "The capital of France is"})).await);
+    let mut scores = Vec::new();
+    for answer in [" Paris", " Berlin", " Madrid", " London"] {
+        let tail = ids(&post(
+            "/tokenize",
+            json!({"prompt": answer, "add_special_tokens": false}),
+        )
+        .await);
+        let whole: Vec<u64> = context.iter().chain(&tail).copied().collect();
+        let r = post(
+            "/v1/completions",
+            json!({"model": name, "prompt": [whole], "echo": true, "logprobs": 1, "max_tokens": 0}),
+        )
+        .await;
+        let lps = r["choices"][0]["logprobs"]["token_logprobs"]
+            .as_array()
+            .unwrap()
+            .clone();
+        assert_eq!(lps.len(), whole.len(), "{r}");
+        let sum: f64 = lps[context.len()..]
+            .iter()
+            .map(|l| l.as_f64().unwrap())
+            .sum();
+        scores.push((sum, answer));
+    }
+    scores.sort_by(|a, b| b.0.total_cmp(&a.0));
+    assert_eq!(
+        scores[0].1, " Paris",
+        "most likely continuation: {scores:?}"
+    );
     drop(node);
 }
