@@ -7,7 +7,8 @@ BASE_URL is the API root (http://127.0.0.1:PORT/v1). stdin is a JSON list of req
 
     {"api": "chat" | "completions" | "responses",
      "stream": bool, "n": int, "max_tokens": int, "temperature": float, "seed": int | null,
-     "messages": [...] (chat), "prompt": str (completions), "input": str (responses),
+     "messages": [...] (chat), "prompt": str | [int] | a list of either (completions),
+     "input": str (responses),
      "sampling": {...},     # optional SDK arguments, e.g. {"presence_penalty": 0.5}
      "extra_body": {...},   # optional, e.g. {"ignore_eos": true, "return_token_ids": true}
      "continue": bool}      # optional: the next turn of the previous spec's conversation
@@ -167,6 +168,10 @@ def completions(client, spec):
         }
         out.update(usage_fields(r.usage, "prompt_tokens", "prompt_tokens_details"))
         return out
+    # A list of prompts (a batch) has n choices per prompt.
+    prompt = spec["prompt"]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+        n *= len(prompt)
     texts, ids, finish, usage = [""] * n, [None] * n, [None] * n, None
     logprobs = [None] * n
     for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):

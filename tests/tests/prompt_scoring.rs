@@ -44,6 +44,15 @@ fn specs() -> Vec<Value> {
             "temperature": 0, "prompt": "05 echoed, not scored: through P and D",
             "sampling": {"echo": true},
             "extra_body": {"ignore_eos": true, "return_token_ids": true}}),
+        // A list of prompts (lm-eval with --batch_size > 1): answered by one node, choice
+        // `i × n + j` for prompt i's child j, streamed and not.
+        json!({"api": "completions", "scores": true, "batch": 2, "stream": false, "n": 1,
+            "max_tokens": 1, "temperature": 0, "prompt": [ids[..20], ids[20..]],
+            "sampling": {"echo": true, "logprobs": 1}}),
+        json!({"api": "completions", "scores": true, "batch": 3, "stream": true, "n": 2,
+            "max_tokens": 4, "temperature": 0,
+            "prompt": ["07 first of three", "07 second of three", "07 third of three"],
+            "extra_body": {"ignore_eos": true, "return_token_ids": true}}),
     ]
 }
 
@@ -84,6 +93,11 @@ async fn prompts_are_scored_through_the_gateway_as_one_node_scores_them() {
     };
     // The reference's answers are what each request asks for.
     for (spec, w) in specs.iter().zip(&want) {
+        if let Some(batch) = spec["batch"].as_u64() {
+            let choices = batch * spec["n"].as_u64().unwrap();
+            assert_eq!(w["texts"].as_array().unwrap().len() as u64, choices, "{w}");
+            continue;
+        }
         if spec["api"] == "chat" {
             let entries = w["prompt_logprobs"]
                 .as_array()
@@ -223,6 +237,11 @@ async fn prompts_are_scored_through_the_gateway_as_one_node_scores_them() {
     );
 
     let scored = specs.iter().filter(|s| s["scores"] == true).count() as f64;
+    // Prompts computed: a batch's each.
+    let computed: f64 = specs
+        .iter()
+        .map(|s| s["batch"].as_f64().unwrap_or(1.0))
+        .sum();
     let g = c.gateway_metrics().await;
     assert_eq!(
         g.sum("pd_gateway_requests_total", &[("outcome", "ok")]),
@@ -235,7 +254,7 @@ async fn prompts_are_scored_through_the_gateway_as_one_node_scores_them() {
     // The prefill node served every request (scored ones whole, the other's prefill); the
     // decode node only the one through P and D, with the one lease.
     let prompts = |role| c.sum_over(role, "pd_node_prompts_total", &[]);
-    assert_eq!(prompts(Role::Prefill).await, specs.len() as f64);
+    assert_eq!(prompts(Role::Prefill).await, computed);
     assert_eq!(prompts(Role::Decode).await, specs.len() as f64 - scored);
     assert_eq!(
         c.sum_over(Role::Prefill, "pd_kv_leases_total", &[("event", "granted")])

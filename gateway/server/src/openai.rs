@@ -73,6 +73,9 @@ pub struct Analyzed {
     /// The answer scores the prompt itself (`echo` with `logprobs` on completions, vLLM's
     /// `prompt_logprobs`): only the node that computes the prompt can, so one node serves it.
     pub scores_prompt: bool,
+    /// Prompts listed (a completions batch, answered by one node; `prompt` is the first, what
+    /// routing looks at). 1 otherwise.
+    pub prompts: usize,
 }
 
 fn bad(param: &'static str, message: impl Into<String>) -> GatewayError {
@@ -136,6 +139,7 @@ pub fn analyze(
         .find_map(|k| body.get(*k).and_then(Value::as_str))
         .map(str::to_owned)
         .or_else(|| session_header.map(str::to_owned));
+    let mut prompts = 1;
     let prompt = match api {
         Api::ChatCompletions => {
             let raw = body
@@ -154,7 +158,9 @@ pub fn analyze(
             let raw = body
                 .get("prompt")
                 .ok_or_else(|| bad("prompt", "prompt is required"))?;
-            PromptKind::Completion(prompt::completion_prompt(raw.clone())?)
+            let mut listed = prompt::completion_prompts(raw.clone())?;
+            prompts = listed.len();
+            PromptKind::Completion(listed.swap_remove(0))
         }
         Api::Responses => {
             let input = body
@@ -206,6 +212,7 @@ pub fn analyze(
         prompt,
         cache_salt,
         scores_prompt,
+        prompts,
     })
 }
 

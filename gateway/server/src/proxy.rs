@@ -636,10 +636,11 @@ impl Gateway {
                         )
                         .await;
                 }
-                if analyzed.scores_prompt {
-                    // Prompt logprobs come from the node that computes the prompt: one node
-                    // serves it, a prefill node first (it is a prompt's work), then the decode
-                    // ranking, as failover.
+                if analyzed.scores_prompt || analyzed.prompts > 1 {
+                    // Prompt logprobs come from the node that computes the prompt, and a
+                    // batch's prompts are answered together: one node serves it, a prefill
+                    // node first (it is a prompt's work), then the decode ranking, as
+                    // failover.
                     let mut candidates = split.prefill.clone();
                     for d in &split.decode {
                         if !candidates.contains(&d.node) {
@@ -655,7 +656,7 @@ impl Gateway {
                             &snapshot,
                             &candidates,
                             bytes,
-                            "scores_prompt",
+                            "one_node",
                             (capture, &mut captured),
                         )
                         .await;
@@ -933,7 +934,7 @@ impl Gateway {
             analyzed.prompt,
             PromptKind::Completion(PromptInput::Tokens(_))
         );
-        if snapshot.take_token_ids && !given_as_ids {
+        if snapshot.take_token_ids && !given_as_ids && analyzed.prompts == 1 {
             // Tokenized once for the cluster: P and D take these ids instead of rendering and
             // tokenizing the prompt again (the same ids: the nodes' own tokenizer and template,
             // from their registration, through the same `pd_tokenize::prompt` code). A

@@ -71,6 +71,14 @@ impl TokenCounts {
         }
     }
 
+    /// Adds `other`'s counts (a batch's prompts).
+    pub(crate) fn add(&mut self, other: &TokenCounts) {
+        self.prompt_tokens += other.prompt_tokens;
+        self.cached_tokens += other.cached_tokens;
+        self.pulled_tokens += other.pulled_tokens;
+        self.completion_tokens += other.completion_tokens;
+    }
+
     pub(crate) fn usage(&self) -> crate::openai::Usage {
         crate::openai::Usage::new(
             self.prompt_tokens,

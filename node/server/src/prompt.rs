@@ -22,9 +22,10 @@ impl From<PromptError> for ApiError {
     }
 }
 
-/// Reads `/v1/completions`' `prompt` (see [`pd_tokenize::prompt::completion_prompt`]).
-pub(crate) fn completion_prompt(value: serde_json::Value) -> Result<PromptInput, ApiError> {
-    Ok(pd_tokenize::prompt::completion_prompt(value)?)
+/// Reads `/v1/completions`' `prompt`: one prompt or a batch (see
+/// [`pd_tokenize::prompt::completion_prompts`]).
+pub(crate) fn completion_prompts(value: serde_json::Value) -> Result<Vec<PromptInput>, ApiError> {
+    Ok(pd_tokenize::prompt::completion_prompts(value)?)
 }
 
 /// Checks `/v1/chat/completions`' `messages` (see [`pd_tokenize::prompt::chat_messages`]).
@@ -130,7 +131,7 @@ mod tests {
 
     #[test]
     fn prompt_errors_map_to_400_naming_the_field() {
-        let e = completion_prompt(json!([-1])).unwrap_err();
+        let e = completion_prompts(json!([-1])).unwrap_err();
         assert_eq!(e.status(), StatusCode::BAD_REQUEST);
         assert_eq!(e.param(), Some("prompt"));
         assert_eq!(chat_messages(&[]).unwrap_err().param(), Some("messages"));

@@ -25,12 +25,70 @@ pub(crate) fn done() -> Event {
     Event::default().data("[DONE]")
 }
 
-/// Turns one request's events into SSE events, appended to `out`.
-pub(crate) trait SseFormatter: Send + 'static {
+/// Where a stream's engine events come from: one request's [`Events`], or several requests'
+/// merged and tagged by their position ([`Merged`]: a completions request with a list of
+/// prompts).
+pub(crate) trait EventSource: Send + 'static {
+    /// What one `recv` yields.
+    type Event: Send;
+    /// Next event; `None` once every request ended.
+    fn recv(&mut self) -> impl std::future::Future<Output = Option<Self::Event>> + Send;
+}
+
+impl EventSource for Events {
+    type Event = RequestEvent;
+
+    fn recv(&mut self) -> impl std::future::Future<Output = Option<RequestEvent>> + Send {
+        Events::recv(self)
+    }
+}
+
+/// Several requests' events as they come, each tagged with its request's position. Dropping
+/// it drops every request's events (each aborts its request).
+#[derive(Debug)]
+pub(crate) struct Merged(Vec<(usize, Events)>);
+
+impl Merged {
+    /// `streams[i]`'s events are tagged `i`.
+    pub(crate) fn new(streams: Vec<Events>) -> Self {
+        Self(streams.into_iter().enumerate().collect())
+    }
+}
+
+impl EventSource for Merged {
+    type Event = (usize, RequestEvent);
+
+    async fn recv(&mut self) -> Option<(usize, RequestEvent)> {
+        loop {
+            if self.0.is_empty() {
+                return None;
+            }
+            // Each `Events::recv` is cancel-safe (it only awaits channel receives), so the
+            // ones that lose the race lose nothing.
+            let (got, at, rest) = futures::future::select_all(
+                self.0
+                    .iter_mut()
+                    .map(|(tag, s)| Box::pin(async move { (*tag, s.recv().await) })),
+            )
+            .await;
+            drop(rest);
+            match got {
+                (tag, Some(event)) => return Some((tag, event)),
+                (_, None) => {
+                    self.0.remove(at);
+                }
+            }
+        }
+    }
+}
+
+/// Turns one request's events (`E`: [`RequestEvent`], or tagged ones from [`Merged`]) into SSE
+/// events, appended to `out`.
+pub(crate) trait SseFormatter<E = RequestEvent>: Send + 'static {
     /// Events sent before the first engine event (e.g. the chat role chunk).
     fn prelude(&mut self, out: &mut Vec<Event>);
     /// Events for one engine event. A [`RequestEvent::Failed`] is the last event delivered.
-    fn event(&mut self, event: RequestEvent, out: &mut Vec<Event>);
+    fn event(&mut self, event: E, out: &mut Vec<Event>);
     /// Events after the last one: the usage chunk, `[DONE]`, or an error when the stream ended
     /// before every child finished.
     fn finish(&mut self, out: &mut Vec<Event>);
@@ -60,16 +118,16 @@ fn json(event: Event, value: &impl Serialize) -> Event {
     }
 }
 
-enum State<F> {
-    Start(Events, F),
-    Running(Events, F),
+enum State<S, F> {
+    Start(S, F),
+    Running(S, F),
     Done,
 }
 
 /// A `text/event-stream` response that drives `stream` through `formatter`, with a comment
 /// after every `keep_alive` of silence.
-pub(crate) fn sse_response<F: SseFormatter>(
-    stream: Events,
+pub(crate) fn sse_response<S: EventSource, F: SseFormatter<S::Event>>(
+    stream: S,
     formatter: F,
     keep_alive: Duration,
 ) -> Response {

@@ -882,7 +882,17 @@ async fn errors_have_the_openai_shape() {
             "prompt_logprobs",
         ),
         (json!({"echo": true, "max_tokens": -1}), "max_tokens"),
-        (json!({"prompt": ["a", "b"]}), "prompt"),
+        (json!({"prompt": ["a", 5]}), "prompt"),
+        (json!({"prompt": vec!["a"; 257]}), "prompt"),
+        (json!({"prompt": ["a", []]}), "prompt"),
+        (
+            json!({"prompt": ["a", "b"], "prompt_token_ids": [1, 2]}),
+            "prompt_token_ids",
+        ),
+        (
+            json!({"prompt": ["a", "b"], "kv_transfer_params": {"do_remote_decode": true}}),
+            "kv_transfer_params",
+        ),
         (json!({"prompt": [1, 2, 999999]}), "prompt"),
         (json!({"prompt": vec![65u32; MAX_MODEL_LEN + 10]}), "prompt"),
         (json!({"prompt": 12}), "prompt"),
@@ -2500,5 +2510,110 @@ async fn tokenizer_endpoints_give_the_ids_generation_uses() {
             assert_eq!(e["error"]["param"], p, "{path} {body}: {e}");
         }
     }
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_list_of_prompts_is_answered_prompt_by_prompt_as_each_alone() {
+    let server = Server::start().await;
+    let prompts = [json!("Hello"), json!("The sky is"), json!([72, 101, 108])];
+    let common = json!({"max_tokens": 5, "temperature": 0, "ignore_eos": true, "n": 2,
+        "logprobs": 1, "return_token_ids": true});
+    let with = |prompt: Value, extra: Value| {
+        let mut b = common.clone();
+        b["prompt"] = prompt;
+        b.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        b
+    };
+    // Each prompt alone: the reference.
+    let mut alone = Vec::new();
+    for p in &prompts {
+        let (status, r) = server
+            .post("/v1/completions", &with(p.clone(), json!({})))
+            .await;
+        assert_eq!(status, 200, "{r}");
+        alone.push(r);
+    }
+    let (status, batch) = server
+        .post("/v1/completions", &with(json!(prompts), json!({})))
+        .await;
+    assert_eq!(status, 200, "{batch}");
+    let choices = batch["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), prompts.len() * 2);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i, "choices in index order");
+        let want = &alone[i / 2]["choices"][i % 2];
+        for key in ["text", "token_ids", "prompt_token_ids", "finish_reason"] {
+            assert_eq!(c[key], want[key], "choice {i}: {key}");
+        }
+        assert_eq!(
+            c["logprobs"]["tokens"], want["logprobs"]["tokens"],
+            "choice {i}"
+        );
+    }
+    let sum = |key: &str| -> u64 {
+        alone
+            .iter()
+            .map(|r| r["usage"][key].as_u64().unwrap())
+            .sum()
+    };
+    assert_eq!(batch["usage"]["prompt_tokens"], sum("prompt_tokens"));
+    assert_eq!(
+        batch["usage"]["completion_tokens"],
+        sum("completion_tokens")
+    );
+
+    // Streamed: the chunks of all prompts interleave by index and assemble to the same.
+    let frames = server
+        .post_stream(
+            "/v1/completions",
+            &with(
+                json!(prompts),
+                json!({"stream": true, "stream_options": {"include_usage": true}}),
+            ),
+        )
+        .await;
+    let chunks = json_chunks(&frames);
+    let mut texts = vec![String::new(); choices.len()];
+    let mut ids: Vec<Vec<Value>> = vec![Vec::new(); choices.len()];
+    for c in &chunks {
+        for ch in c["choices"].as_array().unwrap() {
+            let i = ch["index"].as_u64().unwrap() as usize;
+            texts[i].push_str(ch["text"].as_str().unwrap());
+            ids[i].extend(ch["token_ids"].as_array().cloned().unwrap_or_default());
+        }
+    }
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(texts[i], c["text"].as_str().unwrap(), "streamed choice {i}");
+        assert_eq!(
+            Value::Array(ids[i].clone()),
+            c["token_ids"],
+            "streamed choice {i}"
+        );
+    }
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["prompt_tokens"], batch["usage"]["prompt_tokens"]);
+    assert_eq!(
+        usage["completion_tokens"],
+        batch["usage"]["completion_tokens"]
+    );
+
+    // lm-evaluation-harness's batched loglikelihood: several id prompts, echo, one token.
+    let (status, scored) = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": [[72, 101, 108, 108, 111], [84, 104, 101]], "echo": true,
+                    "logprobs": 1, "max_tokens": 1, "temperature": 0}),
+        )
+        .await;
+    assert_eq!(status, 200, "{scored}");
+    for (i, len) in [(0, 5), (1, 3)] {
+        let lp = &scored["choices"][i]["logprobs"]["token_logprobs"];
+        assert_eq!(lp.as_array().unwrap().len(), len + 1, "{scored}");
+        assert_eq!(lp[0], Value::Null);
+    }
+    wait_all_blocks_free(&server).await;
     server.stop().await;
 }

@@ -140,39 +140,61 @@ pub fn responses_tools(tools: Option<&Value>) -> Option<Value> {
     chat_tools(Some(&Value::Array(converted)))
 }
 
-/// Reads `/v1/completions`' `prompt`: a string, an array of token ids, or a one-element list of
-/// either. Longer lists (batches) are refused: send one request per prompt.
+/// Most prompts one `/v1/completions` request may list.
+pub const MAX_PROMPTS: usize = 256;
+
+/// Reads `/v1/completions`' `prompt`: a string, an array of token ids, or a list of either
+/// (a batch: one answer per prompt, [`MAX_PROMPTS`] at most).
 ///
 /// # Errors
 /// A [`PromptError`] naming `prompt`.
-pub fn completion_prompt(value: Value) -> Result<PromptInput, PromptError> {
-    const SHAPE: &str = "prompt must be a string or an array of token ids";
+pub fn completion_prompts(value: Value) -> Result<Vec<PromptInput>, PromptError> {
+    const SHAPE: &str = "prompt must be a string, an array of token ids, or a list of strings or of token-id arrays";
     match value {
-        Value::String(s) => Ok(PromptInput::Text(s)),
+        Value::String(s) => Ok(vec![PromptInput::Text(s)]),
         Value::Array(items) if items.is_empty() => {
             Err(PromptError::invalid("prompt", "prompt must not be empty"))
         }
         Value::Array(items) if items.iter().all(Value::is_number) => {
-            token_ids(&items).map(PromptInput::Tokens)
+            Ok(vec![PromptInput::Tokens(token_ids(&items)?)])
         }
-        Value::Array(mut items) if items.len() == 1 => match items.pop() {
-            Some(Value::String(s)) => Ok(PromptInput::Text(s)),
-            Some(Value::Array(ids)) if ids.iter().all(Value::is_number) => {
-                token_ids(&ids).map(PromptInput::Tokens)
-            }
-            _ => Err(PromptError::invalid("prompt", SHAPE)),
-        },
-        Value::Array(items) if items.iter().all(|v| v.is_string() || v.is_array()) => {
-            Err(PromptError::invalid(
-                "prompt",
-                format!(
-                    "batched prompts ({} prompts in one request) are not supported; send one request per prompt",
-                    items.len()
-                ),
-            ))
-        }
+        Value::Array(items) if items.len() > MAX_PROMPTS => Err(PromptError::invalid(
+            "prompt",
+            format!(
+                "at most {MAX_PROMPTS} prompts in one request, got {}",
+                items.len()
+            ),
+        )),
+        Value::Array(items) => items
+            .into_iter()
+            .map(|item| match item {
+                Value::String(s) => Ok(PromptInput::Text(s)),
+                Value::Array(ids) if !ids.is_empty() && ids.iter().all(Value::is_number) => {
+                    token_ids(&ids).map(PromptInput::Tokens)
+                }
+                _ => Err(PromptError::invalid("prompt", SHAPE)),
+            })
+            .collect(),
         _ => Err(PromptError::invalid("prompt", SHAPE)),
     }
+}
+
+/// [`completion_prompts`] for one prompt: a batch (a list of several) is refused.
+///
+/// # Errors
+/// A [`PromptError`] naming `prompt`.
+pub fn completion_prompt(value: Value) -> Result<PromptInput, PromptError> {
+    let mut prompts = completion_prompts(value)?;
+    if prompts.len() != 1 {
+        return Err(PromptError::invalid(
+            "prompt",
+            format!(
+                "a list of {} prompts is not one prompt; send them to /v1/completions",
+                prompts.len()
+            ),
+        ));
+    }
+    Ok(prompts.remove(0))
 }
 
 fn token_ids(items: &[Value]) -> Result<Vec<u32>, PromptError> {

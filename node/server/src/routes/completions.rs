@@ -15,8 +15,8 @@ use crate::openai::completions::{
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, TokenMap,
 };
 use crate::openai::{PromptLogprobs, non_negative};
-use crate::prompt::{completion_prompt, completion_tokens, token_text};
-use crate::sse::{SseFormatter, data_frame, done, error_frame, sse_response};
+use crate::prompt::{completion_prompts, completion_tokens, token_text};
+use crate::sse::{Merged, SseFormatter, data_frame, done, error_frame, sse_response};
 use pd_tokenize::prompt::PromptInput;
 
 const OBJECT: &str = "text_completion";
@@ -46,78 +46,129 @@ pub(super) async fn create(
     let asked_prompt_logprobs = params.prompt_logprobs;
     params.prompt_logprobs = asked_prompt_logprobs.max(echo_logprobs);
     params.validate().map_err(EngineError::from)?;
+    let prompts = completion_prompts(req.prompt)?;
+    if prompts.len() > 1 {
+        // A batch is this node's to answer, each prompt computed here.
+        if req.kv_transfer_params.is_some() {
+            return Err(ApiError::invalid(
+                "kv_transfer_params",
+                "a list of prompts is answered by one node: send it without kv_transfer_params",
+            ));
+        }
+        if req.prompt_token_ids.is_some() {
+            return Err(ApiError::invalid(
+                "prompt_token_ids",
+                "prompt_token_ids are one prompt's ids; this request lists several prompts",
+            ));
+        }
+    }
     let directive = state.kv_directive(req.kv_transfer_params.as_ref(), params.n)?;
-    let prompt = completion_prompt(req.prompt)?;
-    let echo_text = match (&prompt, echo) {
-        (_, false) => None,
-        (PromptInput::Text(text), true) => Some(text.clone()),
-        (PromptInput::Tokens(_), true) => None, // decoded below, once the ids are known
-    };
-    let prompt_tokens = completion_tokens(&state, req.prompt_token_ids, prompt).await?;
-    directive.check_prompt(&prompt_tokens, state.engine.info().block_size)?;
-    let echo = echo.then(|| Echo {
-        text: echo_text.unwrap_or_else(|| {
-            state
-                .engine
-                .tokenizer()
-                .decode(&prompt_tokens, false)
-                .unwrap_or_default()
-        }),
-        first_token: prompt_tokens[0],
-        logprobs: Vec::new(),
-        generate,
-    });
-
-    let n = params.n;
-    let prompt_len = prompt_tokens.len();
+    let cache_salt = crate::openai::cache_salt(req.sampling.cache_salt.as_ref())?;
     let return_token_ids = req.sampling.return_token_ids();
-    let prompt_token_ids = return_token_ids.then(|| prompt_tokens.clone());
+    let n = params.n;
     let id = new_id("cmpl-");
-    let stream = state
-        .submit(GenerateRequest {
-            prompt_tokens: prompt_tokens.clone(),
-            params,
-            kv: directive.transfer(),
-            cache_salt: crate::openai::cache_salt(req.sampling.cache_salt.as_ref())?,
-        })
-        .await?;
-    let (stream, kv) = state.events(stream, directive, &id, &prompt_tokens);
-    let out = Output {
-        id,
-        created: unix_now(),
-        model,
-        tokenizer: state.engine.tokenizer().clone(),
-        logprobs,
-        prompt_token_ids,
-        echo,
-        prompt_logprobs: asked_prompt_logprobs,
-    };
-    tracing::debug!(id = %out.id, engine_id = %stream.id(), n, prompt_len, "completion");
+    let created = unix_now();
+    let tokenizer = state.engine.tokenizer().clone();
+
+    // Every prompt is checked and tokenized before any is submitted: a bad one fails the
+    // request with nothing started.
+    let mut given = req.prompt_token_ids;
+    let mut tokenized = Vec::with_capacity(prompts.len());
+    for prompt in prompts {
+        let echo_text = match (&prompt, echo) {
+            (PromptInput::Text(text), true) => Some(text.clone()),
+            _ => None, // token ids are decoded below, once checked
+        };
+        let prompt_tokens = completion_tokens(&state, given.take(), prompt).await?;
+        directive.check_prompt(&prompt_tokens, state.engine.info().block_size)?;
+        tokenized.push((prompt_tokens, echo_text));
+    }
+    let mut transfer = Some(directive);
+    let mut parts = Vec::with_capacity(tokenized.len());
+    let mut streams = Vec::with_capacity(tokenized.len());
+    let mut replies = Vec::with_capacity(tokenized.len());
+    for (i, (prompt_tokens, echo_text)) in tokenized.into_iter().enumerate() {
+        // The request's params are the first prompt's (a batch has none).
+        let directive = match transfer.take() {
+            Some(d) => d,
+            None => state.kv_directive(None, n)?,
+        };
+        let stream = state
+            .submit(GenerateRequest {
+                prompt_tokens: prompt_tokens.clone(),
+                params: params.clone(),
+                kv: directive.transfer(),
+                cache_salt: cache_salt.clone(),
+            })
+            .await?;
+        let (stream, kv) = state.events(stream, directive, &id, &prompt_tokens);
+        tracing::debug!(%id, engine_id = %stream.id(), n, prompt = i, prompt_len = prompt_tokens.len(), "completion");
+        let echo = echo.then(|| Echo {
+            text: echo_text
+                .unwrap_or_else(|| tokenizer.decode(&prompt_tokens, false).unwrap_or_default()),
+            first_token: prompt_tokens[0],
+            logprobs: Vec::new(),
+            generate,
+        });
+        parts.push(Part {
+            out: Output {
+                id: id.clone(),
+                created,
+                model: model.clone(),
+                tokenizer: tokenizer.clone(),
+                logprobs,
+                prompt_token_ids: return_token_ids.then(|| prompt_tokens.clone()),
+                echo,
+                prompt_logprobs: asked_prompt_logprobs,
+                first_index: i * n,
+            },
+            prompt_len: prompt_tokens.len(),
+        });
+        streams.push(stream);
+        replies.push(kv);
+    }
 
     if req.sampling.stream() {
         let formatter = CompletionStream {
-            counts: TokenCounts::new(prompt_len),
+            parts: parts
+                .into_iter()
+                .zip(replies)
+                .map(|(p, kv)| PartStream {
+                    counts: TokenCounts::new(p.prompt_len),
+                    children: vec![ChildState::default(); n],
+                    out: p.out,
+                    kv,
+                })
+                .collect(),
             include_usage: req.sampling.include_usage(),
-            children: vec![ChildState::default(); n],
             failed: false,
-            out,
-            kv,
         };
-        return Ok(sse_response(stream, formatter, state.sse_keep_alive));
+        return Ok(sse_response(
+            Merged::new(streams),
+            formatter,
+            state.sse_keep_alive,
+        ));
     }
 
-    let mut out = out;
-    let generation = collect(stream, n, prompt_len, kv).await?;
-    let prompt_logprobs = out.prompt_logprobs_field(&generation.prompt_logprobs);
-    if let Some(e) = &mut out.echo {
-        e.logprobs = generation.prompt_logprobs;
-    }
-    let generate = out.echo.as_ref().is_none_or(|e| e.generate);
-    let choices = generation
-        .children
-        .into_iter()
-        .enumerate()
-        .map(|(index, child)| {
+    let generations = futures::future::try_join_all(
+        streams
+            .into_iter()
+            .zip(replies)
+            .zip(&parts)
+            .map(|((stream, kv), p)| collect(stream, n, p.prompt_len, kv)),
+    )
+    .await?;
+    let mut choices = Vec::with_capacity(parts.len() * n);
+    let mut usage = TokenCounts::default();
+    let mut kv_transfer_params = None;
+    for (mut part, generation) in parts.into_iter().zip(generations) {
+        let out = &mut part.out;
+        let prompt_logprobs = out.prompt_logprobs_field(&generation.prompt_logprobs);
+        if let Some(e) = &mut out.echo {
+            e.logprobs = generation.prompt_logprobs;
+        }
+        let generate = out.echo.as_ref().is_none_or(|e| e.generate);
+        for (child_index, child) in generation.children.into_iter().enumerate() {
             let mut offset = 0;
             let (mut text, mut logprobs) = out.echoed(&mut offset);
             if generate {
@@ -126,8 +177,8 @@ pub(super) async fn create(
                     l.append(out.logprobs_of(&child.logprobs, &mut offset));
                 }
             }
-            CompletionChoice {
-                index,
+            choices.push(CompletionChoice {
+                index: out.first_index + child_index,
                 text,
                 logprobs,
                 finish_reason: child.finish_reason.map(|r| r.as_str()),
@@ -140,16 +191,26 @@ pub(super) async fn create(
                     }
                 }),
                 prompt_logprobs: prompt_logprobs.clone(),
-            }
-        })
-        .collect();
-    let mut usage = generation.usage;
-    if !generate {
-        usage.completion_tokens = 0;
+            });
+        }
+        let mut counts = generation.usage;
+        if !generate {
+            counts.completion_tokens = 0;
+        }
+        usage.add(&counts);
+        kv_transfer_params = kv_transfer_params.or(generation.kv_transfer_params);
     }
+    let out = Output::common(id, created, model, tokenizer);
     let mut response = out.response(choices, Some(usage.usage()));
-    response.kv_transfer_params = generation.kv_transfer_params;
+    response.kv_transfer_params = kv_transfer_params;
     Ok(Json(response).into_response())
+}
+
+/// One prompt of a request: its output state and length.
+#[derive(Debug)]
+struct Part {
+    out: Output,
+    prompt_len: usize,
 }
 
 /// `echo`: the prompt goes before each choice's text (and its logprobs before the choice's).
@@ -180,9 +241,31 @@ struct Output {
     echo: Option<Echo>,
     /// The request's own `prompt_logprobs` (vLLM's field in the answer).
     prompt_logprobs: Option<usize>,
+    /// The `index` of this prompt's first choice (prompt i of a list: i × n).
+    first_index: usize,
 }
 
 impl Output {
+    /// What a response names whatever its prompts: the usage chunk, a batch's whole answer.
+    fn common(
+        id: String,
+        created: u64,
+        model: String,
+        tokenizer: std::sync::Arc<Tokenizer>,
+    ) -> Self {
+        Self {
+            id,
+            created,
+            model,
+            tokenizer,
+            logprobs: None,
+            prompt_token_ids: None,
+            echo: None,
+            prompt_logprobs: None,
+            first_index: 0,
+        }
+    }
+
     fn response(
         &self,
         choices: Vec<CompletionChoice>,
@@ -270,18 +353,25 @@ struct ChildState {
     finished: bool,
 }
 
-/// Streams `text_completion` chunks, one per token event, interleaved by `index`.
+/// Streams `text_completion` chunks, one per token event, interleaved by `index` (across a
+/// batch's prompts too: prompt i's choices are `i × n..`).
 #[derive(Debug)]
 struct CompletionStream {
+    parts: Vec<PartStream>,
+    include_usage: bool,
+    failed: bool,
+}
+
+/// One prompt's share of a [`CompletionStream`].
+#[derive(Debug)]
+struct PartStream {
     out: Output,
     counts: TokenCounts,
-    include_usage: bool,
     children: Vec<ChildState>,
-    failed: bool,
     kv: KvReply,
 }
 
-impl CompletionStream {
+impl PartStream {
     fn chunk(
         &mut self,
         child: usize,
@@ -312,7 +402,7 @@ impl CompletionStream {
             l.append(self.out.logprobs_of(logprob.as_slice(), &mut state.offset));
         }
         let choice = CompletionChoice {
-            index: child,
+            index: self.out.first_index + child,
             text: all_text,
             logprobs,
             finish_reason: finish,
@@ -322,19 +412,20 @@ impl CompletionStream {
         };
         Some(self.out.response(vec![choice], None))
     }
-}
 
-impl CompletionStream {
-    /// `echo` with `max_tokens: 0`: a token is dropped; a child's end sends the prompt alone.
-    fn finish_unreturned(&mut self, event: RequestEvent) -> Option<CompletionResponse> {
-        let RequestEvent::Finished { child, reason, .. } = event else {
-            return None;
-        };
+    /// Child `child` ended: its last chunk (`text` and the finish reason), which carries the
+    /// P/D params when it was the last child to end.
+    fn finished(
+        &mut self,
+        child: usize,
+        text: String,
+        reason: &'static str,
+    ) -> Option<CompletionResponse> {
         if let Some(c) = self.children.get_mut(child) {
             c.finished = true;
         }
         let last = self.children.iter().all(|c| c.finished);
-        let mut chunk = self.chunk(child, String::new(), None, Some(reason.as_str()));
+        let mut chunk = self.chunk(child, text, None, Some(reason));
         if let Some(c) = &mut chunk
             && last
         {
@@ -342,30 +433,30 @@ impl CompletionStream {
         }
         chunk
     }
-}
 
-impl SseFormatter for CompletionStream {
-    fn prelude(&mut self, _out: &mut Vec<Event>) {}
-
-    fn event(&mut self, event: RequestEvent, out: &mut Vec<Event>) {
+    /// The chunk one engine event makes, if any (`Failed` is the caller's).
+    fn event(&mut self, event: RequestEvent) -> Option<CompletionResponse> {
         self.counts.observe(&event);
         self.kv.observe(&event);
         let generate = self.out.echo.as_ref().is_none_or(|e| e.generate);
-        let chunk = match event {
+        match event {
             RequestEvent::PromptLogprobs { logprobs, .. } => {
                 if let Some(e) = &mut self.out.echo {
                     e.logprobs.extend(logprobs);
                 }
                 None
             }
-            // `echo` with `max_tokens: 0`: the token generated is not returned.
-            RequestEvent::Token { .. } | RequestEvent::Finished { .. } if !generate => {
-                self.finish_unreturned(event)
+            // `echo` with `max_tokens: 0`: the token generated is not returned; a child's end
+            // sends the prompt alone.
+            RequestEvent::Token { .. } if !generate => None,
+            RequestEvent::Finished { child, reason, .. } if !generate => {
+                self.finished(child, String::new(), reason.as_str())
             }
             RequestEvent::Started { .. }
             | RequestEvent::AwaitingKv { .. }
             | RequestEvent::KvReady(_)
-            | RequestEvent::Retained(_) => None,
+            | RequestEvent::Retained(_)
+            | RequestEvent::Failed { .. } => None,
             RequestEvent::Token {
                 child,
                 token_id,
@@ -383,41 +474,58 @@ impl SseFormatter for CompletionStream {
                 reason,
                 text,
                 ..
-            } => {
-                if let Some(c) = self.children.get_mut(child) {
-                    c.finished = true;
-                }
-                let last = self.children.iter().all(|c| c.finished);
-                let mut chunk = self.chunk(child, text, None, Some(reason.as_str()));
-                if let Some(c) = &mut chunk
-                    && last
-                {
-                    c.kv_transfer_params = self.kv.params();
-                }
-                chunk
-            }
-            RequestEvent::Failed { message } => {
-                self.failed = true;
-                error_frame(out, &ApiError::GenerationFailed(message));
-                None
-            }
+            } => self.finished(child, text, reason.as_str()),
+        }
+    }
+
+    /// This prompt's usage as answered (`echo` without generation returns no tokens).
+    fn usage(&self) -> TokenCounts {
+        let mut counts = self.counts;
+        if self.out.echo.as_ref().is_some_and(|e| !e.generate) {
+            counts.completion_tokens = 0;
+        }
+        counts
+    }
+}
+
+impl SseFormatter<(usize, RequestEvent)> for CompletionStream {
+    fn prelude(&mut self, _out: &mut Vec<Event>) {}
+
+    fn event(&mut self, (part, event): (usize, RequestEvent), out: &mut Vec<Event>) {
+        if self.failed {
+            return; // a batch's other prompts after one failed: nothing more is sent
+        }
+        let Some(p) = self.parts.get_mut(part) else {
+            return;
         };
-        if let Some(chunk) = chunk {
+        if let RequestEvent::Failed { message } = event {
+            self.failed = true;
+            error_frame(out, &ApiError::GenerationFailed(message));
+            return;
+        }
+        if let Some(chunk) = p.event(event) {
             data_frame(out, &chunk);
         }
     }
 
     fn finish(&mut self, out: &mut Vec<Event>) {
-        if !self.failed && self.children.iter().any(|c| !c.finished) {
+        let unfinished = self
+            .parts
+            .iter()
+            .any(|p| p.children.iter().any(|c| !c.finished));
+        if !self.failed && unfinished {
             self.failed = true;
             error_frame(out, &ApiError::EngineStopped);
         }
-        if self.include_usage && !self.failed {
-            let mut counts = self.counts;
-            if self.out.echo.as_ref().is_some_and(|e| !e.generate) {
-                counts.completion_tokens = 0;
+        if self.include_usage
+            && !self.failed
+            && let Some(first) = self.parts.first()
+        {
+            let mut usage = TokenCounts::default();
+            for p in &self.parts {
+                usage.add(&p.usage());
             }
-            data_frame(out, &self.out.response(Vec::new(), Some(counts.usage())));
+            data_frame(out, &first.out.response(Vec::new(), Some(usage.usage())));
         }
         out.push(done());
     }
