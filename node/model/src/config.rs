@@ -58,6 +58,9 @@ pub struct HfConfig {
     /// End-of-sequence token(s): a number or a list.
     #[serde(default)]
     pub eos_token_id: Option<serde_json::Value>,
+    /// Mistral's attention window (`null` from v0.2 on: full attention).
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
 }
 
 fn default_eps() -> f64 {
@@ -157,6 +160,16 @@ impl HfConfig {
             .unwrap_or_else(|| "<none>".to_string());
         let arch = match arch_name.as_str() {
             "LlamaForCausalLM" | "llama" => Arch::Llama,
+            // Mistral is Llama's layers; only its sliding window (v0.1) would differ.
+            "MistralForCausalLM" | "mistral" => match self.sliding_window {
+                Some(w) if w < self.max_position_embeddings => {
+                    return Err(ModelError::InvalidConfig(format!(
+                        "sliding-window attention (a window of {w} of {} positions) is not supported",
+                        self.max_position_embeddings
+                    )));
+                }
+                _ => Arch::Llama,
+            },
             "Qwen2ForCausalLM" | "qwen2" => Arch::Qwen2,
             other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
         };
@@ -298,6 +311,26 @@ mod tests {
         let cfg: HfConfig = serde_json::from_value(v).unwrap();
         let err = cfg.resolve().unwrap_err().to_string();
         assert!(err.contains("MambaForCausalLM"), "{err}");
+    }
+
+    #[test]
+    fn mistral_without_a_sliding_window_is_llama() {
+        let mut v = base();
+        v["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+        v["sliding_window"] = serde_json::Value::Null;
+        let c = serde_json::from_value::<HfConfig>(v.clone())
+            .unwrap()
+            .resolve()
+            .unwrap();
+        assert_eq!(c.arch, Arch::Llama);
+        v["sliding_window"] = serde_json::json!(64);
+        v["max_position_embeddings"] = serde_json::json!(4096);
+        let err = serde_json::from_value::<HfConfig>(v)
+            .unwrap()
+            .resolve()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("sliding-window"), "{err}");
     }
 
     #[test]

@@ -23,7 +23,7 @@ pub enum ModelError {
     },
     /// The architecture in `config.json` is not one this engine implements.
     #[error(
-        "unsupported architecture {0:?}: supported are LlamaForCausalLM and Qwen2ForCausalLM (GGUF: llama, qwen2)"
+        "unsupported architecture {0:?}: supported are LlamaForCausalLM, MistralForCausalLM (without a sliding window) and Qwen2ForCausalLM (GGUF: llama, qwen2)"
     )]
     UnsupportedArchitecture(String),
     /// The weights' or requested dtype is not supported.

@@ -361,6 +361,7 @@ impl GgufFile {
             torch_dtype: None,
             bos_token_id: self.opt_id("tokenizer.ggml.bos_token_id")?,
             eos_token_id: Some(serde_json::json!(eos)),
+            sliding_window: None,
         };
         let mut cfg = hf.resolve()?;
         debug_assert_eq!(cfg.arch, arch);

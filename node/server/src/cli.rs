@@ -244,13 +244,17 @@ pub enum KvRoleArg {
 /// `--tool-call-parser` values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ToolCallParserArg {
-    /// `hermes` where the tokenizer's files know `<tool_call>`, else `none`.
+    /// `hermes` where the tokenizer's files know `<tool_call>`, `mistral` where they know
+    /// `[TOOL_CALLS]`, `llama3_json` where the template asks for Llama 3's JSON calls, else
+    /// `none`.
     Auto,
     /// `<tool_call>` JSON blocks (vLLM's `hermes`).
     Hermes,
     /// Llama 3.x's `{"name": ..., "parameters": ...}` answers (vLLM's `llama3_json`).
     #[value(name = "llama3_json")]
     Llama3Json,
+    /// Mistral's `[TOOL_CALLS]` calls (vLLM's `mistral`).
+    Mistral,
     /// No parser: `tool_choice: "auto"` with tools is refused.
     None,
 }
@@ -262,6 +266,7 @@ impl ToolCallParserArg {
             ToolCallParserArg::Auto => crate::ToolCallParser::detect(tokenizer),
             ToolCallParserArg::Hermes => Some(crate::ToolCallParser::Hermes),
             ToolCallParserArg::Llama3Json => Some(crate::ToolCallParser::Llama3Json),
+            ToolCallParserArg::Mistral => Some(crate::ToolCallParser::Mistral),
             ToolCallParserArg::None => None,
         }
     }

@@ -2128,6 +2128,46 @@ async fn llama3_json_answers_are_calls_or_text() {
     server.stop().await;
 }
 
+/// Mistral's calls (`--tool-call-parser mistral`): text, then `[TOOL_CALLS]` and a JSON list
+/// of calls (held by a regex here, as a random tiny model would never write one): `tool_calls`
+/// after the text, the same streamed as whole; on the Responses API `function_call` items.
+#[tokio::test]
+async fn mistral_answers_are_text_then_calls() {
+    let server = Server::start_with(Some(pd_node::ToolCallParser::Mistral)).await;
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters":
+        {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let messages = json!([{"role": "user", "content": "Weather in Oslo?"}]);
+    let calls = r#"[A-Z][a-z]{2,5}\.\[TOOL_CALLS\]\[\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,6}"\}\}\]"#;
+    let body = json!({"messages": messages, "tools": tools, "max_tokens": 100, "temperature": 0,
+        "structured_outputs": {"regex": calls}});
+    let (status, whole) = server.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{whole}");
+    let c = &whole["choices"][0];
+    assert_eq!(c["finish_reason"], "tool_calls", "{c}");
+    let content = c["message"]["content"].as_str().unwrap();
+    assert!(content.ends_with('.') && !content.contains("TOOL"), "{c}");
+    let call = &c["message"]["tool_calls"][0]["function"];
+    assert_eq!(call["name"], "get_weather");
+    let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    assert!(args["city"].is_string(), "{call}");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let chunks = json_chunks(&server.post_stream("/v1/chat/completions", &streamed).await);
+    let text: String = chunks
+        .iter()
+        .filter_map(|k| k["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, content);
+    let sent: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|k| k["choices"][0]["delta"]["tool_calls"].as_array())
+        .flatten()
+        .collect();
+    assert_eq!(sent.len(), 1);
+    assert_eq!(&sent[0]["function"], call);
+    server.stop().await;
+}
+
 /// Logprobs on the Responses API (`include: ["message.output_text.logprobs"]`, `top_logprobs`):
 /// each token of `output_text` with its logprob and alternatives, the same as chat gives for
 /// the same conversation; streamed, each delta carries its tokens' logprobs and `.done` all

@@ -20,12 +20,17 @@ pub enum ToolCallParser {
     /// objects separated by `;`, maybe after `<|python_tag|>`, and nothing else (vLLM's
     /// `llama3_json` parser).
     Llama3Json,
+    /// Mistral: calls follow `[TOOL_CALLS]`, after any text, to the end of the answer: a JSON
+    /// list of `{"name": ..., "arguments": {...}}` (v0.3 tokenizers), or `name[ARGS]{...}`,
+    /// each further call after another `[TOOL_CALLS]` (v11+ tokenizers) (vLLM's `mistral`).
+    Mistral,
 }
 
 impl ToolCallParser {
     /// The parser a tokenizer's files call for: Hermes when its chat template or vocabulary
-    /// knows `<tool_call>` (and its template does not write XML calls inside it); Llama 3's JSON when its chat template asks for calls in that
-    /// format (Meta's templates say `"parameters": dictionary of argument name and its
+    /// knows `<tool_call>` (and its template does not write XML calls inside it); Mistral's
+    /// when they know `[TOOL_CALLS]`; Llama 3's JSON when its chat template asks for calls in
+    /// that format (Meta's templates say `"parameters": dictionary of argument name and its
     /// value`); else none (`tool_choice: "auto"` is then refused by name).
     pub fn detect(tokenizer: &pd_tokenize::Tokenizer) -> Option<Self> {
         let files = tokenizer.files();
@@ -36,6 +41,11 @@ impl ToolCallParser {
             // marker are another format: no parser rather than every call returned as text.
             let xml = files.values().any(|text| text.contains("<function="));
             return (!xml).then_some(ToolCallParser::Hermes);
+        }
+        if tokenizer.token_to_id(MISTRAL_START).is_some()
+            || files.values().any(|text| text.contains(MISTRAL_START))
+        {
+            return Some(ToolCallParser::Mistral);
         }
         files
             .values()
@@ -48,6 +58,15 @@ impl ToolCallParser {
         match self {
             ToolCallParser::Hermes => "hermes",
             ToolCallParser::Llama3Json => "llama3_json",
+            ToolCallParser::Mistral => "mistral",
+        }
+    }
+
+    /// The marker a call starts at (Hermes, Mistral).
+    fn start_marker(self) -> &'static str {
+        match self {
+            ToolCallParser::Mistral => MISTRAL_START,
+            _ => HERMES_START,
         }
     }
 }
@@ -57,6 +76,10 @@ const HERMES_END: &str = "</tool_call>";
 /// What Llama 3's templates write before a call (a special token: kept in the text for the
 /// parser, as `skip_special_tokens` is off under `"auto"`).
 const PYTHON_TAG: &str = "<|python_tag|>";
+/// Mistral's marker before its calls, and (v11+ tokenizers) between a call's name and its
+/// arguments (special tokens: kept in the text under `"auto"`).
+const MISTRAL_START: &str = "[TOOL_CALLS]";
+const MISTRAL_ARGS: &str = "[ARGS]";
 /// The words of Meta's Llama 3.1/3.2/3.3 chat templates that ask for JSON calls.
 const LLAMA3_TEMPLATE_ASKS: &str = "dictionary of argument name and its value";
 
@@ -73,7 +96,8 @@ pub(crate) enum Piece {
 enum Mode {
     /// Llama 3: nothing but whitespace yet; the first character says text or calls.
     Undecided,
-    /// Llama 3: an answer that started as calls, held whole until it ends.
+    /// Llama 3: an answer that started as calls, held whole until it ends. Mistral: after
+    /// `[TOOL_CALLS]`, held until the answer ends.
     Json,
     /// Plain text; a call may start (Hermes), or the answer is text (Llama 3).
     Text,
@@ -95,6 +119,10 @@ enum Mode {
 ///   before it, is dropped (the model's separators, not an answer).
 /// - A call the answer ends inside (no closing marker) is a call if its body is whole, else
 ///   content.
+///
+/// Mistral: as Hermes up to `[TOOL_CALLS]`; what follows is held to the answer's end, then read
+/// as calls (all of them to declared tools with objects of arguments), else returned as
+/// content, marker and all.
 ///
 /// Llama 3 JSON:
 /// - An answer whose first non-blank text is `{` or `<|python_tag|>` is held to its end, then
@@ -130,11 +158,15 @@ impl CallReader {
             calls: 0,
             started: false,
             scanned: 0,
-            mode: match parser {
-                ToolCallParser::Hermes => Mode::Text,
-                ToolCallParser::Llama3Json => Mode::Undecided,
-            },
+            mode: Self::first_mode(parser),
             pending: String::new(),
+        }
+    }
+
+    fn first_mode(parser: ToolCallParser) -> Mode {
+        match parser {
+            ToolCallParser::Hermes | ToolCallParser::Mistral => Mode::Text,
+            ToolCallParser::Llama3Json => Mode::Undecided,
         }
     }
 
@@ -158,17 +190,21 @@ impl CallReader {
                     self.mode = Mode::Text;
                 }
                 Mode::Text => {
-                    if let Some(at) = self.pending.find(HERMES_START) {
+                    let marker = self.parser.start_marker();
+                    if let Some(at) = self.pending.find(marker) {
                         let before = &self.pending[..at];
                         if self.started || !before.trim().is_empty() {
                             content(out, before);
                         }
                         self.started = true;
-                        self.pending.drain(..at + HERMES_START.len());
-                        self.mode = Mode::Call;
+                        self.pending.drain(..at + marker.len());
+                        self.mode = match self.parser {
+                            ToolCallParser::Mistral => Mode::Json,
+                            _ => Mode::Call,
+                        };
                         self.scanned = 0;
                     } else {
-                        let upto = self.pending.len() - partial_marker(&self.pending);
+                        let upto = self.pending.len() - partial_marker(&self.pending, marker);
                         let text = &self.pending[..upto];
                         if !self.started {
                             if text.trim().is_empty() {
@@ -257,11 +293,56 @@ impl CallReader {
         (!calls.is_empty()).then_some(calls)
     }
 
+    /// Mistral: what followed `[TOOL_CALLS]` (held whole) as its calls, or `None` if it is not
+    /// all calls.
+    fn mistral_calls(&self, after: &str) -> Option<Vec<Piece>> {
+        let body = after.trim();
+        let mut calls = Vec::new();
+        if body.starts_with('[') {
+            // v0.3: one JSON list of calls.
+            let items: Vec<&RawValue> = serde_json::from_str(body).ok()?;
+            for item in items {
+                calls.push(self.call(item.get())?);
+            }
+        } else {
+            // v11+: `name[ARGS]{...}`, further calls each after another marker.
+            for segment in body.split(MISTRAL_START) {
+                let (name, arguments) = segment.split_once(MISTRAL_ARGS)?;
+                let (name, arguments) = (name.trim(), arguments.trim());
+                let is_object = matches!(
+                    serde_json::from_str::<serde_json::Value>(arguments),
+                    Ok(serde_json::Value::Object(_))
+                );
+                if !is_object || !self.names.iter().any(|n| n == name) {
+                    return None;
+                }
+                calls.push(Piece::Call {
+                    name: name.to_owned(),
+                    arguments: arguments.to_owned(),
+                });
+            }
+        }
+        if !self.parallel {
+            calls.truncate(1);
+        }
+        (!calls.is_empty()).then_some(calls)
+    }
+
     /// The answer ended: returns what was held.
     pub(crate) fn finish(&mut self, out: &mut Vec<Piece>) {
         let rest = std::mem::take(&mut self.pending);
         match self.mode {
             Mode::Undecided => content(out, &rest),
+            Mode::Json if self.parser == ToolCallParser::Mistral => {
+                match self.mistral_calls(&rest) {
+                    Some(calls) => {
+                        for call in calls {
+                            self.take(call, out);
+                        }
+                    }
+                    None => content(out, &format!("{MISTRAL_START}{rest}")),
+                }
+            }
             Mode::Json => match self.llama3_calls(&rest) {
                 Some(calls) => out.extend(calls),
                 None => content(out, &rest),
@@ -273,10 +354,7 @@ impl CallReader {
                 None => content(out, &format!("{HERMES_START}{rest}")),
             },
         }
-        self.mode = match self.parser {
-            ToolCallParser::Hermes => Mode::Text,
-            ToolCallParser::Llama3Json => Mode::Undecided,
-        };
+        self.mode = Self::first_mode(self.parser);
         self.scanned = 0;
     }
 
@@ -322,12 +400,12 @@ fn content(out: &mut Vec<Piece>, text: &str) {
     }
 }
 
-/// How many bytes at the end of `text` could begin the start marker (held until the next piece
-/// says). The marker is ASCII, so the cut is on a character boundary.
-fn partial_marker(text: &str) -> usize {
-    (1..HERMES_START.len())
+/// How many bytes at the end of `text` could begin `marker` (held until the next piece says).
+/// The markers are ASCII, so the cut is on a character boundary.
+fn partial_marker(text: &str, marker: &str) -> usize {
+    (1..marker.len())
         .rev()
-        .find(|&k| text.ends_with(&HERMES_START[..k]))
+        .find(|&k| text.ends_with(&marker[..k]))
         .unwrap_or(0)
 }
 
@@ -478,6 +556,54 @@ mod tests {
         "<|pyth or not",
     ];
 
+    fn mistral(text: &str) -> Vec<Piece> {
+        read(ToolCallParser::Mistral, text)
+    }
+
+    const MISTRAL_ANSWERS: &[&str] = &[
+        "Paris is the capital of France.",
+        "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}]",
+        "Checking.[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}, {\"name\": \"get_time\", \"arguments\": {}}]",
+        "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Paris\"}[TOOL_CALLS]get_time[ARGS]{}",
+        // Not calls: undeclared, cut, followed by text, arguments not an object.
+        "[TOOL_CALLS][{\"name\": \"rm\", \"arguments\": {}}]",
+        "[TOOL_CALLS][{\"name\": \"get_time\", \"argu",
+        "[TOOL_CALLS][{\"name\": \"get_time\", \"arguments\": {}}] and more",
+        "[TOOL_CALLS]get_time[ARGS][1]",
+        "a [TOOL and [TOOL_CA",
+    ];
+
+    #[test]
+    fn mistral_answers_read_as_text_then_calls() {
+        let paris = call("get_weather", r#"{"city": "Paris"}"#);
+        assert_eq!(mistral(MISTRAL_ANSWERS[0]), vec![text(MISTRAL_ANSWERS[0])]);
+        assert_eq!(mistral(MISTRAL_ANSWERS[1]), vec![paris.clone()]);
+        assert_eq!(
+            mistral(MISTRAL_ANSWERS[2]),
+            vec![text("Checking."), paris.clone(), call("get_time", "{}")]
+        );
+        assert_eq!(
+            mistral(MISTRAL_ANSWERS[3]),
+            vec![paris.clone(), call("get_time", "{}")]
+        );
+        for answer in &MISTRAL_ANSWERS[4..] {
+            assert_eq!(mistral(answer), vec![text(answer)], "{answer:?}");
+        }
+        reads_the_same_split_anywhere(ToolCallParser::Mistral, MISTRAL_ANSWERS);
+        // Text before the marker streams; what follows it is held to the end.
+        let mut r = reader_of(ToolCallParser::Mistral);
+        let mut out = Vec::new();
+        r.push("Checking.[TOOL_CALLS][{", &mut out);
+        assert_eq!(out, vec![text("Checking.")]);
+        // One call where parallel calls are off.
+        let names: Arc<[String]> = vec!["get_weather".to_owned(), "get_time".to_owned()].into();
+        let mut r = CallReader::new(ToolCallParser::Mistral, names, false);
+        let mut out = Vec::new();
+        r.push(MISTRAL_ANSWERS[3], &mut out);
+        r.finish(&mut out);
+        assert_eq!(out, vec![paris]);
+    }
+
     #[test]
     fn llama3_answers_are_all_calls_or_all_text() {
         assert_eq!(llama3(LLAMA3_ANSWERS[0]), vec![text(LLAMA3_ANSWERS[0])]);
@@ -518,7 +644,7 @@ mod tests {
     /// Seeded random answers built from the pieces that matter (markers, whole and broken
     /// calls, undeclared tools, whitespace, text, partial markers, multi-byte characters), each
     /// pushed in random pieces with or without parallel calls: the same as read whole, for
-    /// both parsers.
+    /// every parser.
     #[test]
     fn random_answers_read_the_same_in_random_pieces() {
         use rand::{Rng, SeedableRng};
@@ -531,6 +657,12 @@ mod tests {
             "{\"name\": \"get_time\", \"argu",
             "; ",
             "<|python_tag|>",
+            "[TOOL_CALLS]",
+            "[ARGS]",
+            "get_time",
+            "[",
+            "]",
+            "[TOOL_",
             "<tool",
             "<|pyth",
             "\n",
@@ -545,7 +677,11 @@ mod tests {
             let answer: String = (0..rng.random_range(0..8))
                 .map(|_| PIECES[rng.random_range(0..PIECES.len())])
                 .collect();
-            for parser in [ToolCallParser::Hermes, ToolCallParser::Llama3Json] {
+            for parser in [
+                ToolCallParser::Hermes,
+                ToolCallParser::Llama3Json,
+                ToolCallParser::Mistral,
+            ] {
                 for parallel in [true, false] {
                     let names: Arc<[String]> =
                         vec!["get_weather".to_owned(), "get_time".to_owned()].into();
@@ -603,6 +739,12 @@ mod tests {
                 "Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}."
             ),
             Some(ToolCallParser::Llama3Json)
+        );
+        assert_eq!(
+            with_template(
+                "{% if tools %}[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]"
+            ),
+            Some(ToolCallParser::Mistral)
         );
         std::fs::remove_dir_all(&dir).unwrap();
     }
