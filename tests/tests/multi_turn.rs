@@ -261,6 +261,30 @@ async fn each_turn_goes_where_the_conversation_is_and_equals_one_node() {
         1.0
     );
     only_the_wasm_policy_decided(&c).await;
+
+    // Scoring the conversation so far (an evaluation's loglikelihood of the last answer) while
+    // its holder keeps it: the policy (its defaults again) sends the request to the holder with
+    // the held turn to pull, but a scored prompt is computed where it is answered, from its
+    // first token: no pull, the same scores as one node.
+    push_prefix_aware(&c, &[]).await;
+    let score = json!({"model": "tiny", "prompt": [prompt], "echo": true, "logprobs": 1, "max_tokens": 0,
+        "temperature": 0});
+    let got = post(&c.client, &gw, path, &score).await;
+    let want = post(&c.client, &reference.http, path, &score).await;
+    let scores = |v: &Value| v["choices"][0]["logprobs"]["token_logprobs"].clone();
+    let (g, w) = (scores(&got), scores(&want));
+    assert_eq!(g.as_array().map(Vec::len), Some(prompt.len()), "{got}");
+    for (a, b) in g
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(w.as_array().unwrap())
+        .skip(1)
+    {
+        let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
+        assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+    }
+    assert_eq!(got["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
 }
 
 /// The `openai` package, as an application uses it: chat resending the history, responses

@@ -565,9 +565,12 @@ impl Gateway {
             (Some(h), Some(rp)) => rp.from == h.index && h.holding.tokens >= rp.min_tokens,
             _ => false,
         };
+        // A request one node must compute itself (it scores its prompt, or lists several)
+        // takes no KV from elsewhere: no pull.
+        let one_node = analyzed.scores_prompt || analyzed.prompts > 1;
         let pull = held
             .as_ref()
-            .filter(|h| asked && h.exact)
+            .filter(|h| asked && h.exact && !one_node)
             .map(|h| &h.holding);
         let capture = Capture {
             api,
@@ -636,7 +639,7 @@ impl Gateway {
                         )
                         .await;
                 }
-                if analyzed.scores_prompt || analyzed.prompts > 1 {
+                if one_node {
                     // Prompt logprobs come from the node that computes the prompt, and a
                     // batch's prompts are answered together: one node serves it, a prefill
                     // node first (it is a prompt's work), then the decode ranking, as
@@ -684,7 +687,8 @@ impl Gateway {
             self.count_reverse_pull("not_used");
         }
         let used = pull.is_some();
-        if matches!(outcome, Ok(Outcome::Ok)) {
+        if matches!(outcome, Ok(Outcome::Ok)) && analyzed.prompts == 1 {
+            // (A batch's answers are several turns; none is one conversation's next.)
             self.remember(held, used, captured, turn, prompt_key);
         } else if let Some(h) = held.filter(|_| used) {
             // Pulled or not, that lease may be gone now: do not offer it again.

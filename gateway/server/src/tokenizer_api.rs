@@ -64,13 +64,37 @@ pub fn answer(
             let named = query.and_then(|q| {
                 q.split('&')
                     .find_map(|kv| kv.strip_prefix("model="))
-                    .map(|m| m.replace("%2F", "/").replace("%2f", "/"))
+                    .map(percent_decoded)
             });
             let (tokenizer, max_model_len) = model(cluster, named.as_deref())?;
             Ok(endpoints::tokenizer_info(&tokenizer, max_model_len))
         }
     };
     serde_json::to_vec(&value.map_err(|e| internal(&e))?).map_err(|e| internal(&e))
+}
+
+/// A query value with `+` and `%XX` decoded (a malformed escape is kept as written).
+fn percent_decoded(value: &str) -> String {
+    let bytes = value.as_bytes();
+    let hex = |b: u8| (b as char).to_digit(16).map(|d| d as u8);
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' if let (Some(hi), Some(lo)) = (
+                bytes.get(i + 1).copied().and_then(hex),
+                bytes.get(i + 2).copied().and_then(hex),
+            ) =>
+            {
+                out.push(hi << 4 | lo);
+                i += 2;
+            }
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 fn internal(e: &serde_json::Error) -> GatewayError {
@@ -115,4 +139,18 @@ fn model(
         .model(&name)
         .ok_or_else(|| GatewayError::ModelNotFound(name.clone()))?;
     Ok((tokenizer, cluster.max_model_len(&name) as usize))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_values_are_percent_decoded() {
+        assert_eq!(percent_decoded("org%2Fname"), "org/name");
+        assert_eq!(percent_decoded("a+b%20c"), "a b c");
+        assert_eq!(percent_decoded("100%"), "100%");
+        assert_eq!(percent_decoded("%zz%4"), "%zz%4");
+        assert_eq!(percent_decoded("%C3%A9"), "é");
+    }
 }

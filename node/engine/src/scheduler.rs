@@ -20,7 +20,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::request::RequestId;
-use crate::sequence::Sequence;
+use crate::sequence::{PROMPT_ROWS_CHUNK, Sequence};
 
 /// Gives up block references held by something revocable (a retained conversation turn), one
 /// holder at a time; `None` when nothing is left to give up.
@@ -279,10 +279,21 @@ impl Scheduler {
     pub(crate) fn schedule_with(&mut self, reclaim: &mut Reclaim<'_>) -> StepPlan {
         let mut plan = StepPlan::default();
         let mut budget = self.cfg.max_num_batched_tokens;
+        // Logits rows for prompt logprobs, shared by every sequence of the step.
+        let mut rows = PROMPT_ROWS_CHUNK;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let need = self.running[i].tokens.len() - self.running[i].num_computed;
-            let n = need.min(budget).min(self.running[i].chunk_cap());
+            let wants_rows = self.running[i].wants_rows();
+            let n = if wants_rows {
+                need.min(budget).min(rows)
+            } else {
+                need.min(budget)
+            };
+            if n == 0 {
+                i += 1; // out of rows this step: it goes on in the next
+                continue;
+            }
             let mut scheduled_self = true;
             loop {
                 let upto = self.running[i].num_computed + n;
@@ -321,6 +332,9 @@ impl Scheduler {
                 num_tokens: n,
             });
             budget -= n;
+            if wants_rows {
+                rows -= n;
+            }
             i += 1;
         }
         if plan.preempted > 0 {
@@ -330,14 +344,19 @@ impl Scheduler {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
+            let wants_rows = seq.wants_rows();
+            if wants_rows && rows == 0 {
+                // Out of rows this step: admitted in a later one, in its turn.
+                self.waiting.push_front(seq);
+                break;
+            }
             let first_time =
                 seq.num_computed == 0 && seq.blocks.is_empty() && seq.num_generated() == 0;
             // A forked child waits holding its computed, shared blocks; anything else holds none.
             let held = !seq.blocks.is_empty();
             let cached = self.take_cached_prefix(&mut seq);
-            let n = (seq.tokens.len() - seq.num_computed)
-                .min(budget)
-                .min(seq.chunk_cap());
+            let n = (seq.tokens.len() - seq.num_computed).min(budget);
+            let n = if wants_rows { n.min(rows) } else { n };
             let upto = seq.num_computed + n;
             let bs = self.cfg.block_size;
             let mut fits;
@@ -366,6 +385,9 @@ impl Scheduler {
                 num_tokens: n,
             });
             budget -= n;
+            if wants_rows {
+                rows -= n;
+            }
         }
         plan
     }
@@ -720,7 +742,6 @@ mod tests {
 
     #[test]
     fn a_sequence_wanting_prompt_rows_computes_its_whole_prompt_in_bounded_chunks() {
-        use crate::sequence::PROMPT_ROWS_CHUNK;
         let tok = tokenizer();
         let len = PROMPT_ROWS_CHUNK + 100;
         let mut s = Scheduler::new(cfg(2048), 1024);
@@ -744,6 +765,36 @@ mod tests {
         complete(&mut s, &plan);
         let plan = s.schedule();
         assert_eq!(plan.scheduled.last().unwrap().num_tokens, 100);
+    }
+
+    #[test]
+    fn the_sequences_wanting_prompt_rows_share_one_bound_per_step() {
+        let tok = tokenizer();
+        let mut s = Scheduler::new(cfg(4096), 2048);
+        for r in 1..=3 {
+            let mut q = seq(r, 400, tok);
+            q.prompt_rows = Some(1);
+            s.waiting.push_back(q);
+        }
+        s.waiting.push_back(seq(4, 300, tok)); // wants no rows
+        let mut computed = [0usize; 4];
+        for step in 0..4 {
+            let plan = s.schedule();
+            let mut rows = 0;
+            for x in &plan.scheduled {
+                let q = &s.running[x.index];
+                if q.wants_rows() {
+                    rows += x.num_tokens;
+                }
+                computed[q.request.0 as usize - 1] += x.num_tokens;
+            }
+            assert!(rows <= PROMPT_ROWS_CHUNK, "step {step}: {rows} rows");
+            complete(&mut s, &plan);
+        }
+        assert!(
+            computed[..3].iter().all(|&c| c > 400) && computed[3] > 300,
+            "every prompt computed: {computed:?}"
+        );
     }
 
     #[test]

@@ -56,9 +56,9 @@ pub(crate) struct Sequence {
     pub(crate) prompt_rows: Option<usize>,
 }
 
-/// Most prompt tokens one step computes for a sequence that wants prompt logprobs: each
-/// position's logits row is `vocab` f32s (49 152 × 4 B = 192 KiB on SmolLM2), so 512 rows are
-/// ~100 MiB a step.
+/// Most prompt tokens one step computes for the sequences that want prompt logprobs, all of
+/// them together: each position's logits row is `vocab` f32s (49 152 × 4 B = 192 KiB on
+/// SmolLM2), so 512 rows are ~100 MiB a step.
 pub(crate) const PROMPT_ROWS_CHUNK: usize = 512;
 
 impl Sequence {
@@ -67,13 +67,10 @@ impl Sequence {
         self.tokens.len() - self.prompt_len
     }
 
-    /// Most tokens the next step may compute for this sequence.
-    pub(crate) fn chunk_cap(&self) -> usize {
-        if self.prompt_rows.is_some() && self.num_computed < self.prompt_len {
-            PROMPT_ROWS_CHUNK
-        } else {
-            usize::MAX
-        }
+    /// Whether the next step computes prompt positions whose logits rows are wanted: it then
+    /// takes from the step's [`PROMPT_ROWS_CHUNK`].
+    pub(crate) fn wants_rows(&self) -> bool {
+        self.prompt_rows.is_some() && self.num_computed < self.prompt_len
     }
 
     /// A child sharing every block of `self` (references are taken by the caller).

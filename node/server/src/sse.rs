@@ -44,7 +44,8 @@ impl EventSource for Events {
 }
 
 /// Several requests' events as they come, each tagged with its request's position. Dropping
-/// it drops every request's events (each aborts its request).
+/// it drops every request's events (each aborts its request); so does one request's failure,
+/// after which it yields nothing more.
 #[derive(Debug)]
 pub(crate) struct Merged(Vec<(usize, Events)>);
 
@@ -73,7 +74,14 @@ impl EventSource for Merged {
             .await;
             drop(rest);
             match got {
-                (tag, Some(event)) => return Some((tag, event)),
+                (tag, Some(event)) => {
+                    if matches!(event, RequestEvent::Failed { .. }) {
+                        // One request failed: the answer ends with it, the others are
+                        // dropped (and aborted) rather than generating for nobody.
+                        self.0.clear();
+                    }
+                    return Some((tag, event));
+                }
                 (_, None) => {
                     self.0.remove(at);
                 }

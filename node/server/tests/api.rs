@@ -353,7 +353,8 @@ async fn completions_token_prompt_return_token_ids_and_logprobs() {
     {
         assert!(lp.as_f64().unwrap() <= 0.0);
         let top = top.as_object().unwrap();
-        assert!(!top.is_empty() && top.len() <= 2, "{top:?}");
+        // The 2 most likely, and the token itself where it is not one of them.
+        assert!(!top.is_empty() && top.len() <= 3, "{top:?}");
     }
 
     // Streamed, the token ids arrive one per chunk and the prompt's on the first chunk.
@@ -876,6 +877,11 @@ async fn errors_have_the_openai_shape() {
         (json!({"logprobs": 1000}), "logprobs"),
         (json!({"top_k": -7}), "top_k"),
         (json!({"prompt_logprobs": -1}), "prompt_logprobs"),
+        (json!({"prompt": ["a", "b", "c"], "n": 100}), "n"),
+        (
+            json!({"prompt": vec![65u32; 2000], "echo": true, "logprobs": 20, "n": 128}),
+            "prompt",
+        ),
         (json!({"prompt_logprobs": 21}), "prompt_logprobs"),
         (
             json!({"prompt_logprobs": 1, "stream": true}),
@@ -2375,11 +2381,18 @@ async fn echo_and_prompt_logprobs_score_the_prompt_as_generation_scored_it() {
             .iter()
             .all(|l| l.as_f64().unwrap() <= 0.0)
     );
-    assert!(
-        top_logprobs[1..]
-            .iter()
-            .all(|t| t.as_object().unwrap().is_empty())
-    );
+    // No alternatives asked for: each map holds the token itself (OpenAI's "up to logprobs +
+    // 1 elements").
+    for ((t, l), top) in tokens
+        .iter()
+        .zip(&token_logprobs)
+        .zip(&top_logprobs)
+        .skip(1)
+    {
+        let top = top.as_object().unwrap();
+        assert_eq!(top.len(), 1, "{top:?}");
+        assert_eq!(top.get(t.as_str().unwrap()), Some(l), "{top:?}");
+    }
     assert_eq!(alone["usage"]["completion_tokens"], 0);
     let mut stream_alone =
         json!({"prompt": "Hello, w", "max_tokens": 0, "echo": true, "stream": true});

@@ -21,6 +21,13 @@ use pd_tokenize::prompt::PromptInput;
 
 const OBJECT: &str = "text_completion";
 
+/// Most choices one request may ask for: prompts × `n`.
+const MAX_CHOICES: usize = 256;
+/// Most logprob entries the prompt scores of one answer may hold: prompt tokens × choices
+/// (each choice repeats its prompt's) × (1 + alternatives). A scored prompt costs one prefill,
+/// so without this bound `n` and a list of prompts would multiply it into gigabytes of answer.
+const MAX_SCORED_ENTRIES: usize = 1 << 22;
+
 pub(super) async fn create(
     State(state): State<AppState>,
     JsonBody(req): JsonBody<CompletionRequest>,
@@ -47,6 +54,17 @@ pub(super) async fn create(
     params.prompt_logprobs = asked_prompt_logprobs.max(echo_logprobs);
     params.validate().map_err(EngineError::from)?;
     let prompts = completion_prompts(req.prompt)?;
+    if prompts.len() * params.n > MAX_CHOICES {
+        return Err(ApiError::invalid(
+            "n",
+            format!(
+                "at most {MAX_CHOICES} choices per request: {} prompts × n = {} asks for {}",
+                prompts.len(),
+                params.n,
+                prompts.len() * params.n
+            ),
+        ));
+    }
     if prompts.len() > 1 {
         // A batch is this node's to answer, each prompt computed here.
         if req.kv_transfer_params.is_some() {
@@ -82,6 +100,23 @@ pub(super) async fn create(
         let prompt_tokens = completion_tokens(&state, given.take(), prompt).await?;
         directive.check_prompt(&prompt_tokens, state.engine.info().block_size)?;
         tokenized.push((prompt_tokens, echo_text));
+    }
+    if let Some(k) = params.prompt_logprobs {
+        // Each choice repeats its prompt's scores (echo, and vLLM's field).
+        let copies =
+            usize::from(echo_logprobs.is_some()) + usize::from(asked_prompt_logprobs.is_some());
+        let tokens: usize = tokenized.iter().map(|(t, _)| t.len()).sum();
+        let entries = tokens * params.n * copies * (k + 1);
+        if entries > MAX_SCORED_ENTRIES {
+            return Err(ApiError::invalid(
+                "prompt",
+                format!(
+                    "the prompt scores asked for come to {entries} entries (prompt tokens × choices × \
+                     alternatives), more than {MAX_SCORED_ENTRIES}: ask for fewer prompts, choices or \
+                     alternatives"
+                ),
+            ));
+        }
     }
     let mut transfer = Some(directive);
     let mut parts = Vec::with_capacity(tokenized.len());
@@ -290,15 +325,20 @@ impl Output {
             let text = token_text(&self.tokenizer, lp.token_id);
             out.text_offset.push(*offset);
             *offset += text.chars().count();
-            out.tokens.push(text);
+            out.tokens.push(text.clone());
             out.token_logprobs.push(Some(lp.logprob));
-            out.top_logprobs.push(Some(TokenMap(
-                lp.top
-                    .iter()
-                    .take(k)
-                    .map(|&(id, logprob)| (token_text(&self.tokenizer, id), logprob))
-                    .collect(),
-            )));
+            // The `k` most likely, and the token itself where it is not one of them (OpenAI:
+            // "up to logprobs + 1 elements").
+            let mut top: Vec<(String, f32)> = lp
+                .top
+                .iter()
+                .take(k)
+                .map(|&(id, logprob)| (token_text(&self.tokenizer, id), logprob))
+                .collect();
+            if !lp.top.iter().take(k).any(|&(id, _)| id == lp.token_id) {
+                top.push((text, lp.logprob));
+            }
+            out.top_logprobs.push(Some(TokenMap(top)));
         }
         out
     }

@@ -30,10 +30,12 @@ pub(super) async fn detokenize(
     JsonBody(req): JsonBody<DetokenizeRequest>,
 ) -> Result<Json<DetokenizeResponse>, ApiError> {
     state.model_name(req.model.as_deref())?;
-    Ok(Json(pd_tokenize::endpoints::detokenize(
-        state.engine.tokenizer(),
-        &req,
-    )?))
+    let tokenizer = state.engine.tokenizer().clone();
+    // A body may list millions of ids: blocking work.
+    let out =
+        tokio::task::spawn_blocking(move || pd_tokenize::endpoints::detokenize(&tokenizer, &req))
+            .await??;
+    Ok(Json(out))
 }
 
 pub(super) async fn tokenizer_info(State(state): State<AppState>) -> Json<serde_json::Value> {
