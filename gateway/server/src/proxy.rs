@@ -617,7 +617,8 @@ impl Gateway {
                 .await
             }
             Route::Split(split) => {
-                if let Some(params) = client_params {
+                // Served by one node of the split's rankings, in two cases.
+                let direct = if let Some(params) = &client_params {
                     // A trusted client drives P/D itself: forward to the role its params ask for.
                     let candidates: Vec<u32> =
                         if params.get("do_remote_decode") == Some(&json!(true)) {
@@ -625,21 +626,8 @@ impl Gateway {
                         } else {
                             split.decode.iter().map(|d| d.node).collect()
                         };
-                    let bytes = Bytes::from(serde_json::to_vec(&body).map_err(internal)?);
-                    return self
-                        .whole(
-                            session,
-                            t,
-                            path,
-                            &snapshot,
-                            &candidates,
-                            bytes,
-                            "trusted",
-                            (capture, &mut captured),
-                        )
-                        .await;
-                }
-                if one_node {
+                    Some((candidates, "trusted"))
+                } else if one_node {
                     // Prompt logprobs come from the node that computes the prompt, and a
                     // batch's prompts are answered together: one node serves it, a prefill
                     // node first (it is a prompt's work), then the decode ranking, as
@@ -650,6 +638,11 @@ impl Gateway {
                             candidates.push(d.node);
                         }
                     }
+                    Some((candidates, "one_node"))
+                } else {
+                    None
+                };
+                if let Some((candidates, stage)) = direct {
                     let bytes = Bytes::from(serde_json::to_vec(&body).map_err(internal)?);
                     return self
                         .whole(
@@ -659,7 +652,7 @@ impl Gateway {
                             &snapshot,
                             &candidates,
                             bytes,
-                            "one_node",
+                            stage,
                             (capture, &mut captured),
                         )
                         .await;
