@@ -155,6 +155,26 @@ r2 = client.responses.create(
 print(f"  answer after the call: {r2.output_text.strip()}")
 PY
 
+echo; echo "--- scoring a multiple-choice question as lm-evaluation-harness does: /tokenize, then echo + logprobs"
+"$PY" - "$GW" <<'PY'
+import json, sys, urllib.request
+from openai import OpenAI
+gw = sys.argv[1]
+client = OpenAI(base_url=gw + "/v1", api_key="none")
+def tokenize(text, special):
+    body = json.dumps({"prompt": text, "add_special_tokens": special}).encode()
+    req = urllib.request.Request(gw + "/tokenize", body, {"content-type": "application/json"})
+    return json.load(urllib.request.urlopen(req))["tokens"]
+context = tokenize("The capital of France is", True)
+choices = [" Paris", " Berlin", " Madrid"]
+# One request for all three (a batch), each prompt scored where it is computed.
+prompts = [context + tokenize(c, False) for c in choices]
+r = client.completions.create(model="demo", prompt=prompts, echo=True, logprobs=1, max_tokens=0)
+for c, choice in zip(choices, sorted(r.choices, key=lambda x: x.index)):
+    score = sum(choice.logprobs.token_logprobs[len(context):])
+    print(f"  log P({c.strip()!r} | 'The capital of France is') = {score:.2f}")
+PY
+
 echo; echo "--- decisions by policy version (gateway /metrics)"
 curl -sS "$GW/metrics" | grep -E '^pd_gateway_policy_decisions_total|^pd_gateway_policy_fallbacks_total|^pd_gateway_requests_total' || true
 cat <<EOF2
