@@ -37,6 +37,8 @@ pub(crate) struct TokenCounts {
     /// Of `cached_tokens`, those pulled from a prefill node.
     pub(crate) pulled_tokens: usize,
     pub(crate) completion_tokens: usize,
+    /// Tokens generated so far (all children), counted as they come.
+    pub(crate) generated: usize,
 }
 
 impl TokenCounts {
@@ -62,8 +64,8 @@ impl TokenCounts {
             RequestEvent::Finished {
                 completion_tokens, ..
             } => self.completion_tokens += completion_tokens,
-            RequestEvent::Token { .. }
-            | RequestEvent::PromptLogprobs { .. }
+            RequestEvent::Token { .. } => self.generated += 1,
+            RequestEvent::PromptLogprobs { .. }
             | RequestEvent::Failed { .. }
             | RequestEvent::AwaitingKv { .. }
             | RequestEvent::KvReady(_)
@@ -77,6 +79,17 @@ impl TokenCounts {
         self.cached_tokens += other.cached_tokens;
         self.pulled_tokens += other.pulled_tokens;
         self.completion_tokens += other.completion_tokens;
+        self.generated += other.generated;
+    }
+
+    /// The usage so far, for vLLM's `continuous_usage_stats`: the tokens generated until now.
+    pub(crate) fn usage_so_far(&self) -> crate::openai::Usage {
+        crate::openai::Usage::new(
+            self.prompt_tokens,
+            self.cached_tokens,
+            self.pulled_tokens,
+            self.generated,
+        )
     }
 
     pub(crate) fn usage(&self) -> crate::openai::Usage {

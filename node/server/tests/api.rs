@@ -2670,3 +2670,63 @@ async fn a_list_of_prompts_is_answered_prompt_by_prompt_as_each_alone() {
     wait_all_blocks_free(&server).await;
     server.stop().await;
 }
+
+/// vLLM's `continuous_usage_stats`: with `include_usage`, every chunk carries the usage so far
+/// (completion tokens counted as they are generated, all choices together), and the last
+/// usage chunk is the same as without it. Without the option no chunk but the last has usage.
+#[tokio::test]
+async fn continuous_usage_stats_count_the_tokens_so_far() {
+    let server = Server::start().await;
+    for (path, body) in [
+        (
+            "/v1/completions",
+            json!({"prompt": "Hello", "max_tokens": 4, "n": 2, "temperature": 0,
+                   "ignore_eos": true, "stream": true}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "n": 2,
+                   "temperature": 0, "ignore_eos": true, "stream": true}),
+        ),
+    ] {
+        let mut continuous = body.clone();
+        continuous["stream_options"] =
+            json!({"include_usage": true, "continuous_usage_stats": true});
+        let chunks = json_chunks(&server.post_stream(path, &continuous).await);
+        let (last, rest) = chunks.split_last().unwrap();
+        let mut before = 0;
+        for c in rest {
+            let u = &c["usage"];
+            let done = u["completion_tokens"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("{c}"));
+            assert!(done >= before && done <= 8, "{path}: {c}");
+            assert_eq!(
+                u["total_tokens"].as_u64(),
+                u["prompt_tokens"].as_u64().map(|p| p + done)
+            );
+            before = done;
+        }
+        assert_eq!(
+            before, 8,
+            "{path}: all 2 × 4 tokens counted by the last chunk"
+        );
+        let mut plain = body.clone();
+        plain["stream_options"] = json!({"include_usage": true});
+        let plain = json_chunks(&server.post_stream(path, &plain).await);
+        // (The second request's prompt may come from the prefix cache.)
+        for k in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+            assert_eq!(
+                last["usage"][k],
+                plain.last().unwrap()["usage"][k],
+                "{path}"
+            );
+        }
+        assert!(
+            plain[..plain.len() - 1]
+                .iter()
+                .all(|c| c.get("usage").is_none_or(Value::is_null))
+        );
+    }
+    server.stop().await;
+}

@@ -59,6 +59,9 @@ pub(crate) struct StreamOptions {
     /// Send a last chunk with `usage` (and `choices: []`) before `[DONE]`.
     #[serde(default)]
     pub(crate) include_usage: Option<bool>,
+    /// vLLM extension: with `include_usage`, every chunk also carries the usage so far.
+    #[serde(default)]
+    pub(crate) continuous_usage_stats: Option<bool>,
 }
 
 /// Sampling fields shared by `/v1/completions` and `/v1/chat/completions` (flattened into both).
@@ -208,6 +211,15 @@ impl SamplingFields {
         self.stream_options
             .and_then(|o| o.include_usage)
             .unwrap_or(false)
+    }
+
+    /// vLLM's `continuous_usage_stats` (only with `include_usage`, as in vLLM).
+    pub(crate) fn continuous_usage(&self) -> bool {
+        self.include_usage()
+            && self
+                .stream_options
+                .and_then(|o| o.continuous_usage_stats)
+                .unwrap_or(false)
     }
 
     pub(crate) fn return_token_ids(&self) -> bool {

@@ -103,6 +103,7 @@ pub(super) async fn create(
         let formatter = ChatStream {
             counts: TokenCounts::new(prompt_len),
             include_usage: req.sampling.include_usage(),
+            continuous_usage: req.sampling.continuous_usage(),
             finished: vec![false; n],
             calls: vec![String::new(); n],
             readers: (0..n)
@@ -209,6 +210,8 @@ struct ChatStream {
     out: Output,
     counts: TokenCounts,
     include_usage: bool,
+    /// vLLM's `continuous_usage_stats`: every chunk with choices carries the usage so far.
+    continuous_usage: bool,
     finished: Vec<bool>,
     /// Per choice, a tool-call answer's text so far (a `"required"` list is sent as calls when
     /// it ends).
@@ -281,6 +284,9 @@ impl ChatStream {
         choices: Vec<ChatChunkChoice>,
         usage: Option<Usage>,
     ) -> ChatCompletionChunk {
+        let usage = usage.or_else(|| {
+            (self.continuous_usage && !choices.is_empty()).then(|| self.counts.usage_so_far())
+        });
         ChatCompletionChunk {
             id: self.out.id.clone(),
             object: "chat.completion.chunk",

@@ -176,6 +176,7 @@ pub(super) async fn create(
                 })
                 .collect(),
             include_usage: req.sampling.include_usage(),
+            continuous_usage: req.sampling.continuous_usage(),
             failed: false,
         };
         return Ok(sse_response(
@@ -399,6 +400,8 @@ struct ChildState {
 struct CompletionStream {
     parts: Vec<PartStream>,
     include_usage: bool,
+    /// vLLM's `continuous_usage_stats`: every chunk carries the whole request's usage so far.
+    continuous_usage: bool,
     failed: bool,
 }
 
@@ -518,6 +521,15 @@ impl PartStream {
         }
     }
 
+    /// This prompt's counts until now (`echo` without generation returns no tokens).
+    fn counts_so_far(&self) -> TokenCounts {
+        let mut counts = self.counts;
+        if self.out.echo.as_ref().is_some_and(|e| !e.generate) {
+            counts.generated = 0;
+        }
+        counts
+    }
+
     /// This prompt's usage as answered (`echo` without generation returns no tokens).
     fn usage(&self) -> TokenCounts {
         let mut counts = self.counts;
@@ -543,7 +555,14 @@ impl SseFormatter<(usize, RequestEvent)> for CompletionStream {
             error_frame(out, &ApiError::GenerationFailed(message));
             return;
         }
-        if let Some(chunk) = p.event(event) {
+        if let Some(mut chunk) = p.event(event) {
+            if self.continuous_usage {
+                let mut so_far = TokenCounts::default();
+                for p in &self.parts {
+                    so_far.add(&p.counts_so_far());
+                }
+                chunk.usage = Some(so_far.usage_so_far());
+            }
             data_frame(out, &chunk);
         }
     }
