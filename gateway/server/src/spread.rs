@@ -166,6 +166,9 @@ pub struct SseMerge {
     id: Option<Value>,
     /// Each group's usage chunk, held until every group finished.
     usage: Vec<Option<Value>>,
+    /// Each group's latest usage so far (vLLM's `continuous_usage_stats`): a chunk carrying
+    /// one gets every group's summed instead.
+    so_far: Vec<Option<Value>>,
 }
 
 const DONE: &[u8] = b"data: [DONE]\n\n";
@@ -180,6 +183,7 @@ impl SseMerge {
             done: vec![false; k],
             id: None,
             usage: vec![None; k],
+            so_far: vec![None; k],
         }
     }
 
@@ -233,6 +237,13 @@ impl SseMerge {
             return;
         }
         shift_choices(&mut v, self.offsets[j]);
+        if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+            self.so_far[j] = Some(u.clone());
+            let known: Vec<&Value> = self.so_far.iter().flatten().collect();
+            if let Some(u) = merge_usage(&known) {
+                v["usage"] = u;
+            }
+        }
         if let Some(id) = v.get("id") {
             match &self.id {
                 None => self.id = Some(id.clone()),
@@ -396,5 +407,27 @@ mod tests {
         assert!(out.contains(r#""total_tokens":14"#), "{out}");
         assert!(out.ends_with("data: [DONE]\n\n"));
         assert_eq!(out.matches("[DONE]").count(), 1);
+    }
+
+    /// `continuous_usage_stats`: a chunk's usage so far is every group's, summed.
+    #[test]
+    fn usage_so_far_is_summed_over_the_groups() {
+        let mut m = SseMerge::new(vec![0, 2]);
+        let c = |i: u32, n: u64| {
+            format!(
+                "data: {}\n\n",
+                json!({"id": "a", "choices": [{"index": i, "delta": {"content": "x"}}],
+                       "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}})
+            )
+        };
+        let out = String::from_utf8(m.feed(0, c(0, 2).as_bytes())).unwrap();
+        assert!(out.contains(r#""completion_tokens":2"#), "{out}");
+        let out = String::from_utf8(m.feed(1, c(0, 1).as_bytes())).unwrap();
+        assert!(out.contains(r#""completion_tokens":3"#), "{out}");
+        let out = String::from_utf8(m.feed(0, c(1, 4).as_bytes())).unwrap();
+        assert!(
+            out.contains(r#""completion_tokens":5"#) && out.contains(r#""total_tokens":10"#),
+            "{out}"
+        );
     }
 }
