@@ -79,12 +79,20 @@ impl Admission {
 
     /// Waits for a slot, or says why the request gets none.
     pub async fn admit(&self) -> Result<Admitted, Refused> {
+        self.admit_weighted(1).await
+    }
+
+    /// Waits for `weight` slots at once (a completions request listing several prompts is as
+    /// many requests; at most every slot, so a large one still gets in alone), or says why the
+    /// request gets none.
+    pub async fn admit_weighted(&self, weight: usize) -> Result<Admitted, Refused> {
         let Some(permits) = &self.permits else {
             return Ok(Admitted { _permit: None });
         };
-        // A free slot goes to the queue's head first (tokio's semaphore is fair), so this only
+        let weight = u32::try_from(weight.clamp(1, self.max_in_flight)).unwrap_or(u32::MAX);
+        // Free slots go to the queue's head first (tokio's semaphore is fair), so this only
         // succeeds when nobody is waiting.
-        if let Ok(p) = permits.clone().try_acquire_owned() {
+        if let Ok(p) = permits.clone().try_acquire_many_owned(weight) {
             return Ok(Admitted { _permit: Some(p) });
         }
         if self.queued.fetch_add(1, Ordering::AcqRel) >= self.max_queued {
@@ -92,7 +100,12 @@ impl Admission {
             return Err(Refused::QueueFull);
         }
         let _in_line = InLine(&self.queued);
-        match tokio::time::timeout(self.queue_timeout, permits.clone().acquire_owned()).await {
+        match tokio::time::timeout(
+            self.queue_timeout,
+            permits.clone().acquire_many_owned(weight),
+        )
+        .await
+        {
             Ok(Ok(p)) => Ok(Admitted { _permit: Some(p) }),
             // (The semaphore is never closed.)
             Ok(Err(_)) | Err(_) => Err(Refused::QueueTimeout),
@@ -163,6 +176,28 @@ mod tests {
         until_queued(&a, 1).await;
         assert_eq!(late.await.unwrap(), Err(Refused::QueueTimeout));
         assert_eq!(a.queued(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_weighted_request_takes_its_slots_and_waits_for_them() {
+        let a = Arc::new(Admission::new(4, 2, Duration::from_millis(200)));
+        let one = a.admit().await.unwrap();
+        let three = a.admit_weighted(3).await.unwrap();
+        assert_eq!(a.in_flight(), 4);
+        // More than every slot: it waits for all of them, not forever.
+        let big = tokio::spawn({
+            let a = a.clone();
+            async move { a.admit_weighted(100).await.map(|p| (p, a.in_flight())) }
+        });
+        until_queued(&a, 1).await;
+        drop(one);
+        tokio::task::yield_now().await;
+        assert_eq!(a.queued(), 1, "one slot free is not enough");
+        drop(three);
+        let (held, in_flight) = big.await.unwrap().unwrap();
+        assert_eq!(in_flight, 4);
+        drop(held);
+        assert_eq!(a.in_flight(), 0);
     }
 
     #[tokio::test]

@@ -78,6 +78,22 @@ pub struct Analyzed {
     pub prompts: usize,
 }
 
+/// How many prompts a `/v1/completions` body lists: its `prompt`'s length when that is a list
+/// of strings or of id lists, else 1 (also for a body that does not parse: it fails later).
+pub fn prompts_listed(raw: &[u8]) -> usize {
+    #[derive(serde::Deserialize)]
+    struct Prompt {
+        #[serde(default)]
+        prompt: Value,
+    }
+    match serde_json::from_slice::<Prompt>(raw).map(|p| p.prompt) {
+        Ok(Value::Array(items)) if items.iter().all(|i| i.is_string() || i.is_array()) => {
+            items.len().max(1)
+        }
+        _ => 1,
+    }
+}
+
 fn bad(param: &'static str, message: impl Into<String>) -> GatewayError {
     GatewayError::invalid(param, message)
 }
@@ -411,6 +427,20 @@ pub fn decode_bytes(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_batch_weighs_its_prompts() {
+        for (body, n) in [
+            (r#"{"prompt": "one"}"#, 1),
+            (r#"{"prompt": [1, 2, 3]}"#, 1),
+            (r#"{"prompt": [[1, 2], [3]]}"#, 2),
+            (r#"{"prompt": ["a", "b", "c"]}"#, 3),
+            (r#"{"prompt": []}"#, 1),
+            (r#"not json"#, 1),
+        ] {
+            assert_eq!(prompts_listed(body.as_bytes()), n, "{body}");
+        }
+    }
 
     fn obj(v: Value) -> Map<String, Value> {
         match v {

@@ -520,8 +520,14 @@ impl Gateway {
         if !s.admission.limited() {
             return self.generate_inner(session, api, raw, t).await;
         }
+        // A completions request listing several prompts weighs as many (read here only when
+        // admission is limited; a body that does not parse weighs 1 and fails later).
+        let weight = match api {
+            Api::Completions => openai::prompts_listed(&raw),
+            _ => 1,
+        };
         let admitted = tokio::select! {
-            a = t.wait(s.admission.admit()) => a,
+            a = t.wait(s.admission.admit_weighted(weight)) => a,
             () = client_gone(session) => return Ok(Outcome::Aborted),
         };
         s.metrics.queue_wait.observe(t.waiting.as_secs_f64());
