@@ -202,8 +202,9 @@ struct RequestState {
     open: usize,
     /// Whether the `n` children were forked off child 0 yet.
     forked: bool,
-    /// Whether `Started` was sent (a sequence preempted mid-prefill is admitted again).
-    started: bool,
+    /// When `Started` was sent: the request's first admission to run (a sequence preempted
+    /// mid-prefill is admitted again; this stays the first).
+    scheduled_at: Option<Instant>,
     first_token_at: Option<Instant>,
     /// Resolved `max_tokens`.
     max_tokens: usize,
@@ -641,9 +642,9 @@ impl Engine {
         }
         self.metrics.kv_pulled_tokens.inc_by(pulled as u64);
         if let Some(state) = self.requests.get_mut(&id)
-            && !state.started
+            && state.scheduled_at.is_none()
         {
-            state.started = true;
+            state.scheduled_at = Some(Instant::now());
             self.metrics.prompt_tokens.inc_by(prompt_tokens as u64);
             self.metrics
                 .prefix_cache_queries
@@ -743,7 +744,7 @@ impl Engine {
                 events,
                 arrival,
                 forked: false,
-                started: false,
+                scheduled_at: None,
                 first_token_at: None,
                 max_tokens,
                 max_stop_len,
@@ -757,10 +758,15 @@ impl Engine {
     }
 
     fn abort(&mut self, id: RequestId) {
-        if self.requests.remove(&id).is_some() {
+        if let Some(state) = self.requests.remove(&id) {
             let n = self.scheduler.remove_request(id);
             tracing::debug!(request = %id, sequences = n, "request aborted");
             self.metrics.requests_finished.inc();
+            // Its open children end here, unmeasured (their sequences are gone).
+            self.metrics
+                .request_success
+                .with_label_values(&[FinishReason::Abort.as_str()])
+                .inc_by(state.open as u64);
             self.update_gauges();
         }
     }
@@ -801,9 +807,9 @@ impl Engine {
         self.metrics.preemptions.inc_by(plan.preempted as u64);
         for &(id, cached) in &plan.admitted {
             if let Some(state) = self.requests.get_mut(&id)
-                && !state.started
+                && state.scheduled_at.is_none()
             {
-                state.started = true;
+                state.scheduled_at = Some(Instant::now());
                 let prompt_tokens = self
                     .scheduler
                     .running()
@@ -1254,6 +1260,7 @@ impl Engine {
             return Ok(false);
         };
         let completion_tokens = seq.num_generated();
+        let prompt_tokens = seq.prompt_len;
         let id = seq.request;
         // A finished single completion may be kept for the conversation's next turn: its full,
         // computed blocks (the last sampled token has no KV yet) under a retained lease, bound
@@ -1304,6 +1311,15 @@ impl Engine {
                 }
             }
         }
+        // Measured before the client hears of it, so a scrape after the answer counts it.
+        self.metrics.observe_finished(
+            reason,
+            prompt_tokens,
+            completion_tokens,
+            state.arrival,
+            state.scheduled_at,
+            state.first_token_at,
+        );
         let _ = state.events.send(RequestEvent::Finished {
             child,
             reason,

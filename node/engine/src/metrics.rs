@@ -1,6 +1,12 @@
 //! Prometheus metrics of one engine: queue sizes, KV usage, prefix-cache hits, latencies, tokens.
 
-use prometheus::{Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, Opts, Registry};
+use std::time::Instant;
+
+use prometheus::{
+    Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+};
+
+use crate::FinishReason;
 
 /// All metrics the engine exports, registered in their own [`Registry`] (no global state).
 #[derive(Debug, Clone)]
@@ -47,6 +53,21 @@ pub struct EngineMetrics {
     pub inter_token_latency: Histogram,
     /// Seconds from arrival to the last child finishing.
     pub e2e_latency: Histogram,
+    /// Children finished, by `finished_reason` (`stop`, `length`, `abort`): each child counts
+    /// as one request, as in vLLM V1 (which runs each child as its own request).
+    pub request_success: IntCounterVec,
+    /// Prompt tokens of each finished child.
+    pub request_prompt_tokens: Histogram,
+    /// Tokens each finished child generated.
+    pub request_generation_tokens: Histogram,
+    /// Seconds from arrival to the request's first admission to run, per finished child.
+    pub request_queue_time: Histogram,
+    /// Seconds from admission to the first token, per finished child.
+    pub request_prefill_time: Histogram,
+    /// Seconds from the first token to the child's last, per finished child.
+    pub request_decode_time: Histogram,
+    /// Seconds from admission to the child's last token, per finished child.
+    pub request_inference_time: Histogram,
     /// Prefill requests for decode nodes refused because leases held their cap of the pool.
     pub lease_capacity_refusals: IntCounter,
     /// Requests admitted with a structured-output constraint.
@@ -80,11 +101,48 @@ pub(crate) fn ewma(gauge: &Gauge, sample: f64) {
     });
 }
 
+/// Token counts: 1, 2, 5, 10, 20, 50, … up to 100 000 (vLLM's 1-2-5 series).
+fn token_buckets() -> Vec<f64> {
+    (0..5)
+        .flat_map(|e| [1.0, 2.0, 5.0].map(|m| m * 10f64.powi(e)))
+        .chain([100_000.0])
+        .collect()
+}
+
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
 impl EngineMetrics {
+    /// Records a child that finished with `reason` after `generated` tokens: its reason and
+    /// token counts, and, when it ran, how long it queued, prefilled and decoded (vLLM V1's
+    /// per-request histograms: `scheduled` is its first admission, `first_token` its first
+    /// token; a child aborted before either records neither).
+    pub(crate) fn observe_finished(
+        &self,
+        reason: FinishReason,
+        prompt_tokens: usize,
+        generated: usize,
+        arrival: Instant,
+        scheduled: Option<Instant>,
+        first_token: Option<Instant>,
+    ) {
+        let now = Instant::now();
+        self.request_success
+            .with_label_values(&[reason.as_str()])
+            .inc();
+        self.request_prompt_tokens.observe(prompt_tokens as f64);
+        self.request_generation_tokens.observe(generated as f64);
+        let Some(scheduled) = scheduled else { return };
+        let secs = |from: Instant, to: Instant| to.saturating_duration_since(from).as_secs_f64();
+        self.request_queue_time.observe(secs(arrival, scheduled));
+        self.request_inference_time.observe(secs(scheduled, now));
+        if let Some(first) = first_token {
+            self.request_prefill_time.observe(secs(scheduled, first));
+            self.request_decode_time.observe(secs(first, now));
+        }
+    }
+
     /// Creates the metrics and registers them in a fresh registry.
     pub fn new() -> Self {
         let registry = Registry::new();
@@ -102,16 +160,33 @@ impl EngineMetrics {
                 .expect("unique metric name");
             c
         };
-        let histogram = |name: &str, help: &str| {
-            let h = Histogram::with_opts(
-                HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
-            )
-            .expect("valid metric name");
+        let histogram_in = |name: &str, help: &str, buckets: Vec<f64>| {
+            let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))
+                .expect("valid metric name");
             registry
                 .register(Box::new(h.clone()))
                 .expect("unique metric name");
             h
         };
+        let histogram = |name: &str, help: &str| histogram_in(name, help, LATENCY_BUCKETS.to_vec());
+        let request_success = IntCounterVec::new(
+            Opts::new(
+                "pd_node_request_success_total",
+                "Children finished, by finished_reason (stop, length, abort)",
+            ),
+            &["finished_reason"],
+        )
+        .expect("valid metric name");
+        registry
+            .register(Box::new(request_success.clone()))
+            .expect("unique metric name");
+        for reason in [
+            FinishReason::Stop,
+            FinishReason::Length,
+            FinishReason::Abort,
+        ] {
+            request_success.with_label_values(&[reason.as_str()]);
+        }
         Self {
             running: gauge(
                 "pd_node_requests_running",
@@ -183,6 +258,33 @@ impl EngineMetrics {
             e2e_latency: histogram(
                 "pd_node_e2e_request_latency_seconds",
                 "Seconds from arrival to finish",
+            ),
+            request_success,
+            request_prompt_tokens: histogram_in(
+                "pd_node_request_prompt_tokens",
+                "Prompt tokens of each finished child",
+                token_buckets(),
+            ),
+            request_generation_tokens: histogram_in(
+                "pd_node_request_generation_tokens",
+                "Tokens each finished child generated",
+                token_buckets(),
+            ),
+            request_queue_time: histogram(
+                "pd_node_request_queue_time_seconds",
+                "Seconds from arrival to first admission to run, per finished child",
+            ),
+            request_prefill_time: histogram(
+                "pd_node_request_prefill_time_seconds",
+                "Seconds from admission to the first token, per finished child",
+            ),
+            request_decode_time: histogram(
+                "pd_node_request_decode_time_seconds",
+                "Seconds from the first token to the last, per finished child",
+            ),
+            request_inference_time: histogram(
+                "pd_node_request_inference_time_seconds",
+                "Seconds from admission to the last token, per finished child",
             ),
             structured_requests: counter(
                 "pd_node_structured_requests_total",

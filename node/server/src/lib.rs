@@ -12,6 +12,8 @@
 //! - [`ApiError`] is every way a request can fail, mapped to a status and the OpenAI error
 //!   object `{"error": {"message", "type", "param", "code"}}`.
 //! - [`cli`] holds the `pd-node` command line, so the binary stays thin.
+//! - `vllm_metrics` gives `/metrics` vLLM's names for the engine's metrics (copies made at
+//!   scrape time), for tools that read vLLM servers.
 //! - [`disagg`] is the node's P/D role: `kv_transfer_params` (`kv_params`), the consumer's
 //!   pull task; [`kv_side_channel`] serves the pool to peers; [`report`] feeds the gateway.
 //!
@@ -34,6 +36,7 @@ mod prompt;
 pub mod report;
 mod routes;
 mod sse;
+mod vllm_metrics;
 
 use std::future::Future;
 

@@ -2730,3 +2730,141 @@ async fn continuous_usage_stats_count_the_tokens_so_far() {
     }
     server.stop().await;
 }
+
+/// The sample of `name` with vLLM's labels for the test model (`engine="0",model_name="tiny"`),
+/// and `extra` labels after them.
+fn vllm_metric(text: &str, name: &str, extra: &str) -> Option<f64> {
+    let head = format!(r#"{name}{{engine="0",model_name="tiny"{extra}}} "#);
+    text.lines()
+        .find_map(|l| l.strip_prefix(&head)?.trim().parse().ok())
+}
+
+/// What reads a vLLM server's `/metrics` (Kubernetes' inference gateway, llm-d's endpoint
+/// picker, autoscalers on the queue) reads a live node: `vllm:` samples move with the engine and
+/// equal the node's own in the same scrape.
+#[tokio::test]
+async fn vllm_metric_names_follow_the_live_engine() {
+    let server = Server::start().await;
+    let info = server.engine.info();
+    let (_, idle) = server.get("/metrics").await;
+    assert_eq!(
+        vllm_metric(&idle, "vllm:num_requests_running", ""),
+        Some(0.0)
+    );
+    assert_eq!(
+        vllm_metric(&idle, "vllm:num_requests_waiting", ""),
+        Some(0.0)
+    );
+    assert_eq!(
+        vllm_metric(&idle, "vllm:kv_cache_usage_perc", ""),
+        Some(0.0)
+    );
+    let config = format!(
+        r#",block_size="{}",cache_dtype="{}",num_gpu_blocks="{}""#,
+        info.block_size,
+        info.kv_layout.dtype.as_str(),
+        info.num_blocks
+    );
+    assert_eq!(
+        vllm_metric(&idle, "vllm:cache_config_info", &config),
+        Some(1.0),
+        "{idle}"
+    );
+
+    // One answer run to its length: vLLM's per-request histograms hold it once.
+    let (status, done) = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "count to five", "max_tokens": 5, "temperature": 0, "ignore_eos": true}),
+        )
+        .await;
+    assert_eq!(status, 200, "{done}");
+    let (_, one) = server.get("/metrics").await;
+    let reason = |text: &str, r: &str| {
+        vllm_metric(
+            text,
+            "vllm:request_success_total",
+            &format!(r#",finished_reason="{r}""#),
+        )
+    };
+    assert_eq!(reason(&one, "length"), Some(1.0), "{one}");
+    assert_eq!(reason(&one, "abort"), Some(0.0));
+    assert_eq!(
+        vllm_metric(&one, "vllm:request_generation_tokens_sum", ""),
+        Some(5.0)
+    );
+    assert_eq!(
+        vllm_metric(&one, "vllm:request_prompt_tokens_sum", ""),
+        done["usage"]["prompt_tokens"].as_f64()
+    );
+    for name in [
+        "vllm:request_queue_time_seconds_count",
+        "vllm:request_prefill_time_seconds_count",
+        "vllm:request_decode_time_seconds_count",
+        "vllm:request_inference_time_seconds_count",
+    ] {
+        assert_eq!(vllm_metric(&one, name, ""), Some(1.0), "{name}");
+    }
+
+    // Three streams held open mid-generation.
+    let mut open = Vec::new();
+    for i in 0..3 {
+        let body = json!({
+            "prompt": format!("a long story number {i} about the sea "), "max_tokens": MAX_MODEL_LEN - 64,
+            "temperature": 0, "ignore_eos": true, "stream": true,
+        });
+        let mut resp = server
+            .client
+            .post(server.url("/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+        resp.chunk().await.unwrap().expect("a first chunk");
+        open.push(resp);
+    }
+    let (_, busy) = server.get("/metrics").await;
+    let running = vllm_metric(&busy, "vllm:num_requests_running", "").expect("running");
+    let waiting = vllm_metric(&busy, "vllm:num_requests_waiting", "").expect("waiting");
+    assert_eq!(running + waiting, 3.0, "{busy}");
+    assert_eq!(Some(running), metric(&busy, "pd_node_requests_running"));
+    let free = metric(&busy, "pd_node_kv_blocks_free").expect("free");
+    let usage = vllm_metric(&busy, "vllm:kv_cache_usage_perc", "").expect("usage");
+    assert!(usage > 0.0, "three sequences hold blocks: {usage}");
+    assert_eq!(usage, 1.0 - free / info.num_blocks as f64);
+    assert_eq!(
+        vllm_metric(&busy, "vllm:gpu_cache_usage_perc", ""),
+        Some(usage)
+    );
+    assert_eq!(
+        vllm_metric(&busy, "vllm:prompt_tokens_total", ""),
+        metric(&busy, "pd_node_prompt_tokens_total")
+    );
+    assert!(vllm_metric(&busy, "vllm:prompt_tokens_total", "").unwrap() > 0.0);
+    assert_eq!(
+        vllm_metric(&busy, "vllm:time_to_first_token_seconds_count", ""),
+        Some(4.0),
+        "{busy}"
+    );
+
+    drop(open);
+    wait_all_blocks_free(&server).await;
+    let (_, after) = server.get("/metrics").await;
+    assert_eq!(
+        vllm_metric(&after, "vllm:num_requests_running", ""),
+        Some(0.0)
+    );
+    assert_eq!(
+        vllm_metric(&after, "vllm:kv_cache_usage_perc", ""),
+        Some(0.0)
+    );
+    // The clients that left ended their requests as aborts.
+    assert_eq!(reason(&after, "abort"), Some(3.0), "{after}");
+    assert_eq!(reason(&after, "length"), Some(1.0));
+    assert_eq!(
+        vllm_metric(&after, "vllm:generation_tokens_total", ""),
+        metric(&after, "pd_node_generation_tokens_total")
+    );
+    server.stop().await;
+}

@@ -438,7 +438,18 @@ async fn metrics(State(state): State<AppState>) -> Response {
             live_leases: leases.live,
             counts: leases.counts,
         });
+    let info = state.engine.info();
     let mut families = state.engine.metrics().registry().gather();
+    let vllm = crate::vllm_metrics::families(
+        &families,
+        crate::vllm_metrics::ServedModel {
+            name: &info.model_name,
+            block_size: info.block_size,
+            num_blocks: info.num_blocks,
+            cache_dtype: info.kv_layout.dtype.as_str(),
+        },
+    );
+    families.extend(vllm);
     families.extend(state.disagg.metrics.registry().gather());
     families.extend(state.disagg.node_metrics.registry().gather());
     match prometheus::TextEncoder::new().encode_to_string(&families) {
