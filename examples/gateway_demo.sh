@@ -177,6 +177,11 @@ PY
 
 echo; echo "--- decisions by policy version (gateway /metrics)"
 curl -sS "$GW/metrics" | grep -E '^pd_gateway_policy_decisions_total|^pd_gateway_policy_fallbacks_total|^pd_gateway_requests_total' || true
+D_HTTP=$(curl -sS -H "authorization: Bearer $ADMIN_TOKEN" "$ADMIN/admin/nodes" \
+  | jq -r '.nodes[] | select(.engine_id == "decode-0") | .http_addr')
+echo; echo "--- the decode node's /metrics under vLLM's names (what endpoint pickers and dashboards made for vLLM read)"
+curl -sS "http://$D_HTTP/metrics" \
+  | grep -E '^vllm:(num_requests_running|num_requests_waiting|kv_cache_usage_perc|request_success_total|prompt_tokens_total|generation_tokens_total)' || true
 cat <<EOF2
 
 Where to look next (the cluster runs until this script exits):
@@ -185,6 +190,7 @@ Where to look next (the cluster runs until this script exits):
   curl -H 'authorization: Bearer \$TOKEN' $ADMIN/admin/policy     # the policy serving now
   pd-gateway policy dry-run POLICY.wasm --admin $ADMIN --token \$TOKEN
   curl $GW/metrics                                               # pd_gateway_* metrics
+  curl http://$D_HTTP/metrics                                    # a node's pd_node_*, pd_kv_* and vllm:* metrics
 EOF2
 # Interactive: keep the cluster up until the user is done looking.
 if [ -t 0 ]; then

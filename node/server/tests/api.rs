@@ -2746,19 +2746,15 @@ fn vllm_metric(text: &str, name: &str, extra: &str) -> Option<f64> {
 async fn vllm_metric_names_follow_the_live_engine() {
     let server = Server::start().await;
     let info = server.engine.info();
+    let idle_gauges = [
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+    ];
     let (_, idle) = server.get("/metrics").await;
-    assert_eq!(
-        vllm_metric(&idle, "vllm:num_requests_running", ""),
-        Some(0.0)
-    );
-    assert_eq!(
-        vllm_metric(&idle, "vllm:num_requests_waiting", ""),
-        Some(0.0)
-    );
-    assert_eq!(
-        vllm_metric(&idle, "vllm:kv_cache_usage_perc", ""),
-        Some(0.0)
-    );
+    for name in idle_gauges {
+        assert_eq!(vllm_metric(&idle, name, ""), Some(0.0), "{name}");
+    }
     let config = format!(
         r#",block_size="{}",cache_dtype="{}",num_gpu_blocks="{}""#,
         info.block_size,
@@ -2851,14 +2847,9 @@ async fn vllm_metric_names_follow_the_live_engine() {
     drop(open);
     wait_all_blocks_free(&server).await;
     let (_, after) = server.get("/metrics").await;
-    assert_eq!(
-        vllm_metric(&after, "vllm:num_requests_running", ""),
-        Some(0.0)
-    );
-    assert_eq!(
-        vllm_metric(&after, "vllm:kv_cache_usage_perc", ""),
-        Some(0.0)
-    );
+    for name in idle_gauges {
+        assert_eq!(vllm_metric(&after, name, ""), Some(0.0), "{name}");
+    }
     // The clients that left ended their requests as aborts.
     assert_eq!(reason(&after, "abort"), Some(3.0), "{after}");
     assert_eq!(reason(&after, "length"), Some(1.0));
