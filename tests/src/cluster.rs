@@ -337,6 +337,67 @@ impl TestCluster {
         cluster
     }
 
+    /// [`TestCluster::start`] with nodes that never register: each `pd-node` starts without
+    /// `--gateway` (it speaks only vLLM's HTTP API and metrics, as a vLLM server does), and the
+    /// gateway, started after them, is given each one with `--static-node`. Every node has the
+    /// cluster token (P's side channel requires it; the gateway sends it), and the decode nodes
+    /// allow exactly the producers' side channels (`--kv-allowed-peers`), since no gateway
+    /// pushes them a peer list. Waits until the gateway lists them all.
+    pub async fn start_static(name: &str, spec: ClusterSpec) -> Self {
+        let dir = WorkDir::new(name);
+        let model = tiny_model(&dir);
+        let mut nodes = Vec::new();
+        let mut producers = Vec::new();
+        let alone = |id: &str, role: Role, extra: &[String]| {
+            let mut all = args(&["--cluster-token", CLUSTER_TOKEN]);
+            all.extend(spec.node_args.iter().cloned());
+            all.extend(extra.iter().cloned());
+            Node::spawn(dir.path(), &model, id, role, None, &all)
+        };
+        for i in 0..spec.prefill {
+            let id = format!("{}{i}", Role::Prefill.id_prefix());
+            let mut proc = alone(&id, Role::Prefill, &spec.prefill_args);
+            let kv = proc.wait_line("pd-node kv side channel on ", START_TIMEOUT);
+            producers.push(kv.trim_start_matches("http://").to_owned());
+            nodes.push(Node::listening(&id, Role::Prefill, proc));
+        }
+        let mut decode_args = args(&["--kv-allowed-peers", &producers.join(",")]);
+        decode_args.extend(spec.decode_args.iter().cloned());
+        for (role, count, extra) in [
+            (Role::Decode, spec.decode, &decode_args),
+            (Role::Standalone, spec.standalone, &Vec::new()),
+        ] {
+            for i in 0..count {
+                let id = format!("{}{i}", role.id_prefix());
+                let proc = alone(&id, role, extra);
+                nodes.push(Node::listening(&id, role, proc));
+            }
+        }
+        let mut gateway_args = spec.gateway_args.clone();
+        for n in &nodes {
+            gateway_args.push("--static-node".into());
+            gateway_args.push(format!(
+                "role={},url={},tokenizer={},engine-id={}",
+                n.role.label(),
+                n.http,
+                model.display(),
+                n.engine_id
+            ));
+        }
+        let gateway = Gateway::start(&dir, &gateway_args);
+        let cluster = Self {
+            gateway,
+            nodes,
+            model,
+            client: reqwest::Client::new(),
+            dir,
+        };
+        let ids: Vec<String> = cluster.nodes.iter().map(|n| n.engine_id.clone()).collect();
+        let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+        cluster.wait_listed(&ids, READY_TIMEOUT).await;
+        cluster
+    }
+
     /// Waits until every decode node has logged a peer list from the gateway that names every
     /// prefill node's KV side channel (as `/admin/nodes` gives it): until then a decode node
     /// refuses params naming that producer.

@@ -13,4 +13,5 @@ mod policy_hot_swap;
 mod policy_languages;
 mod policy_sdk;
 mod prompt_scoring;
+mod static_nodes;
 mod untrusted_params_and_errors;

@@ -7,6 +7,7 @@
 //! read lock only to copy out a view (no await while held).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Instant, SystemTime};
 
@@ -126,6 +127,8 @@ pub struct Snapshot {
 pub struct Cluster {
     state: RwLock<ClusterState>,
     peers: watch::Sender<Vec<String>>,
+    /// The next [`ConnId`]: registrations and static nodes draw from one sequence.
+    next_conn: AtomicU64,
 }
 
 impl Default for Cluster {
@@ -133,6 +136,7 @@ impl Default for Cluster {
         Self {
             state: RwLock::default(),
             peers: watch::channel(Vec::new()).0,
+            next_conn: AtomicU64::new(1),
         }
     }
 }
@@ -142,6 +146,12 @@ fn sat(v: u64) -> u32 {
 }
 
 impl Cluster {
+    /// A fresh connection id, greater than every id handed out before (so the view keeps
+    /// joining order).
+    pub fn new_conn(&self) -> ConnId {
+        self.next_conn.fetch_add(1, Ordering::Relaxed)
+    }
+
     /// The state, for reading. Never held across an await.
     pub fn read(&self) -> RwLockReadGuard<'_, ClusterState> {
         self.state.read().unwrap_or_else(|e| e.into_inner())

@@ -11,6 +11,8 @@
 //! - [`openai`]: what routing reads from a request and how it is rewritten for P and D.
 //! - [`cluster`]: the live view of nodes, their load and prefix-cache hashes.
 //! - [`registry`]: the `pd.registry.v1.NodeRegistry` service nodes stream into.
+//! - [`static_node`]: nodes named on the command line instead (any server speaking vLLM's
+//!   API and metrics), kept in the view by scraping them.
 //! - [`route`]: the policy call with its fallback.
 //! - [`spread`]: n>1 over several decode nodes: placing children, merging their answers.
 //! - [`lease`]: releasing P's leases nobody will pull.
@@ -49,5 +51,6 @@ pub mod replay;
 pub mod route;
 pub mod secret;
 pub mod spread;
+pub mod static_node;
 pub mod template;
 pub mod tokenizer_api;

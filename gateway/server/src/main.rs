@@ -30,6 +30,7 @@ use pd_gateway::proxy::{Gateway, ProxyConfig, Shared};
 use pd_gateway::registry::{Registry, RegistryConfig};
 use pd_gateway::replay;
 use pd_gateway::route::{OnPolicyFailure, Router};
+use pd_gateway::static_node::{self, StaticNode};
 use pd_gateway::template::{self, Lang};
 use pd_policy::{Installed, PolicyEngine, PolicySlot, PolicySpec};
 use pingora::server::Server;
@@ -51,7 +52,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Serve the OpenAI API, the node registry and the admin API.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Manage the policy of a running gateway.
     #[command(subcommand)]
     Policy(PolicyCommand),
@@ -139,6 +140,16 @@ struct ServeArgs {
     /// A node silent this long leaves the view, milliseconds.
     #[arg(long, default_value_t = 3000)]
     node_timeout_ms: u64,
+    /// A node that does not register: any server speaking vLLM's OpenAI API and metrics (a
+    /// vLLM server, or a pd-node without --gateway), kept in the view by scraping its
+    /// /v1/models and /metrics.
+    /// `role=prefill|decode|standalone,url=http://HOST:PORT,tokenizer=MODEL_DIR[,engine-id=NAME]`;
+    /// repeatable. A decode node behind it needs its producers in its own allow-list.
+    #[arg(long = "static-node")]
+    static_nodes: Vec<StaticNode>,
+    /// How often static nodes are scraped, milliseconds.
+    #[arg(long, default_value_t = 250)]
+    static_scrape_ms: u64,
     /// Largest request body, bytes.
     #[arg(long, default_value_t = 32 << 20)]
     max_body: usize,
@@ -338,7 +349,7 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Serve(args) => serve(args).map(|()| ExitCode::SUCCESS),
+        Command::Serve(args) => serve(*args).map(|()| ExitCode::SUCCESS),
         Command::Policy(cmd) => policy_local(cmd),
     };
     match result {
@@ -491,11 +502,32 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let mut node_auth = reqwest::header::HeaderValue::from_str(&format!("Bearer {cluster_token}"))
         .context("the cluster token is not a valid header value")?;
     node_auth.set_sensitive(true);
+    let node_headers =
+        reqwest::header::HeaderMap::from_iter([(reqwest::header::AUTHORIZATION, node_auth)]);
+    // Static nodes are scraped from the control runtime: a client (and pool) of its own.
+    let scrape_http = reqwest::Client::builder()
+        .default_headers(node_headers.clone())
+        .connect_timeout(Duration::from_secs(2))
+        .build()
+        .context("building the HTTP client")?;
+    if !args.static_nodes.is_empty()
+        && args.static_scrape_ms.saturating_mul(2) >= args.node_timeout_ms
+    {
+        bail!(
+            "--static-scrape-ms {} must be under half of --node-timeout-ms {}, or static nodes fall out of the view between scrapes",
+            args.static_scrape_ms,
+            args.node_timeout_ms
+        );
+    }
+    let static_nodes = args
+        .static_nodes
+        .iter()
+        .map(|n| Ok((n.clone(), n.load_tokenizer().map_err(anyhow::Error::msg)?)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let scrape_every = Duration::from_millis(args.static_scrape_ms.max(10));
+    let static_cluster = cluster.clone();
     let http = reqwest::Client::builder()
-        .default_headers(reqwest::header::HeaderMap::from_iter([(
-            reqwest::header::AUTHORIZATION,
-            node_auth,
-        )]))
+        .default_headers(node_headers)
         .pool_max_idle_per_host(1024)
         .pool_idle_timeout(Duration::from_secs(90))
         .tcp_nodelay(true)
@@ -572,6 +604,15 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                         std::process::exit(1);
                     }
                 });
+                for (node, tokenizer) in static_nodes {
+                    tokio::spawn(static_node::follow(
+                        static_cluster.clone(),
+                        node,
+                        tokenizer,
+                        scrape_http.clone(),
+                        scrape_every,
+                    ));
+                }
                 if let Some((path, spec)) = watch {
                     tokio::spawn(admin::watch_policy_file(admin.clone(), path, spec));
                 }

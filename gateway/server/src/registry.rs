@@ -5,7 +5,6 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use futures::Stream;
@@ -52,7 +51,6 @@ pub struct RegistryConfig {
 pub struct Registry {
     cluster: Arc<Cluster>,
     config: Arc<RegistryConfig>,
-    next_conn: Arc<AtomicU64>,
 }
 
 type OutStream = Pin<Box<dyn Stream<Item = Result<pb::GatewayMessage, Status>> + Send>>;
@@ -63,7 +61,6 @@ impl Registry {
         Self {
             cluster,
             config: Arc::new(config),
-            next_conn: Arc::new(AtomicU64::new(1)),
         }
     }
 
@@ -164,7 +161,7 @@ impl NodeRegistry for Registry {
         let Some(role) = role_of(reg.role()) else {
             return Err(Status::invalid_argument("role must be set"));
         };
-        let conn: ConnId = self.next_conn.fetch_add(1, Ordering::Relaxed);
+        let conn: ConnId = self.cluster.new_conn();
         let (tx, rx) = mpsc::channel(OUTBOX);
         let fingerprint = reg.tokenizer.as_ref().map_or(0, |t| t.fingerprint);
         let entry = NodeEntry {

@@ -1,0 +1,488 @@
+//! Nodes the operator names (`--static-node`) instead of nodes that register over gRPC: any
+//! server that speaks vLLM's HTTP API and its metrics — a vLLM server started as a P/D producer
+//! or consumer, or a `pd-node` started without `--gateway`. This is the other half of "interop
+//! both ways": our nodes speak vLLM's protocol to vLLM's proxies, and our gateway drives nodes
+//! that speak only vLLM's protocol.
+//!
+//! Such a node tells the gateway nothing by itself, so a task per node ([`follow`]) asks:
+//! `GET /v1/models` for the served model and its context length, and `GET /metrics` for its
+//! load under vLLM's names (`vllm:num_requests_waiting`, `vllm:num_requests_running`,
+//! `vllm:kv_cache_usage_perc`, and `vllm:cache_config_info`'s `num_gpu_blocks` and
+//! `block_size`), every scrape interval. The first answer joins it to the [`Cluster`] exactly as
+//! a registration does (the model's tokenizer, read from the directory the operator named, is
+//! checked against the model's like a registered node's); each later one is its state update;
+//! a node that stops answering is taken out by the registry's sweep after the node timeout, and
+//! joins again when it answers.
+//!
+//! What such a node does not give, the gateway does without: no block events (its prefix cache
+//! is invisible to prefix-aware routing), no KV side channel of ours (a decode node behind the
+//! gateway must be told its producers with its own allow-list, e.g. `--kv-allowed-peers`; the
+//! gateway pushes peer lists only to registered nodes), no `prompt_token_ids` (the prompt goes
+//! as text), no epoch.
+//!
+//! This module does not route, proxy or touch KV: it only keeps static nodes in the view.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use pd_policy::Role;
+use pd_rpc::registry as pb;
+use pd_tokenize::Tokenizer;
+use serde_json::Value;
+use tokio::sync::mpsc;
+use tracing::{info, warn};
+
+use crate::cluster::{Cluster, ConnId, NodeEntry};
+
+/// How long one scrape may take before the node counts as not answering.
+const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One `--static-node` flag: `role=prefill|decode|standalone,url=http://HOST:PORT,
+/// tokenizer=DIR[,engine-id=NAME]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StaticNode {
+    /// The node's part, as the policy sees it.
+    pub role: Role,
+    /// `host:port` of its OpenAI API (as registered nodes' `http_addr`).
+    pub http_addr: String,
+    /// A Hugging Face model directory holding the served model's `tokenizer.json` and
+    /// `tokenizer_config.json`.
+    pub tokenizer: PathBuf,
+    /// Its name in logs, the admin API and the policy's `host.node-name`.
+    pub engine_id: String,
+}
+
+impl FromStr for StaticNode {
+    type Err = String;
+
+    fn from_str(spec: &str) -> Result<Self, String> {
+        let mut fields = BTreeMap::new();
+        for part in spec.split(',').filter(|p| !p.trim().is_empty()) {
+            let (key, value) = part
+                .split_once('=')
+                .ok_or_else(|| format!("`{part}` is not KEY=VALUE"))?;
+            if fields.insert(key.trim(), value.trim()).is_some() {
+                return Err(format!("`{key}` given twice"));
+            }
+        }
+        let mut take = |key: &str| fields.remove(key);
+        let role = match take("role") {
+            Some("prefill") => Role::Prefill,
+            Some("decode") => Role::Decode,
+            Some("standalone") => Role::Standalone,
+            Some(other) => {
+                return Err(format!(
+                    "role `{other}`: expected prefill, decode or standalone"
+                ));
+            }
+            None => return Err("role=prefill|decode|standalone is missing".into()),
+        };
+        let url = take("url").ok_or("url=http://HOST:PORT is missing")?;
+        let http_addr = url
+            .strip_prefix("http://")
+            .ok_or_else(|| format!("url `{url}`: only http://HOST:PORT is served"))?
+            .trim_end_matches('/')
+            .to_owned();
+        if http_addr.is_empty() || http_addr.contains('/') {
+            return Err(format!("url `{url}`: expected http://HOST:PORT"));
+        }
+        let tokenizer = PathBuf::from(
+            take("tokenizer").ok_or("tokenizer=DIR (the model's tokenizer files) is missing")?,
+        );
+        let engine_id =
+            take("engine-id").map_or_else(|| format!("static-{http_addr}"), str::to_owned);
+        if let Some(key) = fields.keys().next() {
+            return Err(format!(
+                "unknown key `{key}` (keys: role, url, tokenizer, engine-id)"
+            ));
+        }
+        Ok(Self {
+            role,
+            http_addr,
+            tokenizer,
+            engine_id,
+        })
+    }
+}
+
+/// What one scrape of a node found.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scraped {
+    /// The served model (the first of `/v1/models`).
+    pub model: String,
+    /// Its context length, when the node says (vLLM and `pd-node` do).
+    pub max_model_len: u32,
+    /// Tokens per block (`vllm:cache_config_info`'s `block_size`; 0: not said).
+    pub block_size: u32,
+    /// Its load, as a registered node would report it.
+    pub state: pb::NodeState,
+}
+
+/// Reads `/v1/models` and `/metrics` bodies.
+///
+/// # Errors
+/// What is missing: a model, or the queue gauges (a server that does not export vLLM's
+/// metrics cannot be routed on load).
+pub fn read_scrape(models: &Value, metrics: &str) -> Result<Scraped, String> {
+    let first = models["data"].get(0).ok_or("/v1/models lists no model")?;
+    let model = first["id"]
+        .as_str()
+        .ok_or("/v1/models: the first model has no id")?
+        .to_owned();
+    let max_model_len = first["max_model_len"]
+        .as_u64()
+        .map_or(0, |v| u32::try_from(v).unwrap_or(u32::MAX));
+    let sum = |name: &str| -> Option<f64> {
+        let values: Vec<f64> = samples(metrics, name).map(|(_, v)| v).collect();
+        (!values.is_empty()).then(|| values.iter().sum())
+    };
+    let waiting =
+        sum("vllm:num_requests_waiting").ok_or("/metrics has no vllm:num_requests_waiting")?;
+    let running =
+        sum("vllm:num_requests_running").ok_or("/metrics has no vllm:num_requests_running")?;
+    // Several engines (data parallel) report one sample each: their blocks add up, and so do
+    // the blocks each one's usage says are taken.
+    let mut total_blocks = 0.0;
+    let mut block_size = 0;
+    let mut engines = BTreeMap::new();
+    for (labels, _) in samples(metrics, "vllm:cache_config_info") {
+        let label = |k: &str| labels.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        let blocks: f64 = label("num_gpu_blocks")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0);
+        total_blocks += blocks;
+        block_size = label("block_size")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        engines.insert(label("engine").unwrap_or("").to_owned(), blocks);
+    }
+    // V1's name, else V0's (a server may write both for one engine: counted once).
+    let mut usage: Vec<_> = samples(metrics, "vllm:kv_cache_usage_perc").collect();
+    if usage.is_empty() {
+        usage = samples(metrics, "vllm:gpu_cache_usage_perc").collect();
+    }
+    let used_blocks: f64 = usage
+        .iter()
+        .map(|(labels, fraction)| {
+            let engine = labels
+                .iter()
+                .find(|(n, _)| n == "engine")
+                .map_or("", |(_, v)| v.as_str());
+            fraction.clamp(0.0, 1.0) * engines.get(engine).copied().unwrap_or(0.0)
+        })
+        .sum();
+    let total = total_blocks.round() as u64;
+    let free = (total_blocks - used_blocks).round().max(0.0) as u64;
+    Ok(Scraped {
+        model,
+        max_model_len,
+        block_size,
+        state: pb::NodeState {
+            total_blocks: total,
+            free_blocks: free.min(total),
+            waiting: waiting.max(0.0) as u64,
+            running: running.max(0.0) as u64,
+            unix_ms: SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as i64),
+            ..pb::NodeState::default()
+        },
+    })
+}
+
+/// Every sample of `name` in Prometheus text: its labels and value.
+fn samples<'a>(
+    text: &'a str,
+    name: &'a str,
+) -> impl Iterator<Item = (Vec<(String, String)>, f64)> + 'a {
+    text.lines().filter_map(move |line| {
+        let rest = line.strip_prefix(name)?;
+        let (labels, rest) = match rest.strip_prefix('{') {
+            Some(inner) => parse_labels(inner)?,
+            None if rest.starts_with([' ', '\t']) => (Vec::new(), rest),
+            None => return None,
+        };
+        let value = rest.split_whitespace().next()?.parse().ok()?;
+        Some((labels, value))
+    })
+}
+
+/// `a="x",b="y\"z"} rest` → the labels and ` rest` (escapes `\\`, `\"`, `\n` undone).
+fn parse_labels(mut s: &str) -> Option<(Vec<(String, String)>, &str)> {
+    let mut labels = Vec::new();
+    loop {
+        s = s.trim_start_matches([' ', ',']);
+        if let Some(rest) = s.strip_prefix('}') {
+            return Some((labels, rest));
+        }
+        let (name, rest) = s.split_once('=')?;
+        let mut chars = rest.strip_prefix('"')?.char_indices();
+        let mut value = String::new();
+        let end = loop {
+            let (i, c) = chars.next()?;
+            match c {
+                '"' => break i,
+                '\\' => match chars.next()?.1 {
+                    'n' => value.push('\n'),
+                    other => value.push(other),
+                },
+                c => value.push(c),
+            }
+        };
+        labels.push((name.trim().to_owned(), value));
+        s = &rest[1 + end + 1..];
+    }
+}
+
+impl StaticNode {
+    /// Reads the model's tokenizer from the directory named (once, at start: a wrong path is
+    /// the operator's error to see at once, not on every scrape).
+    ///
+    /// # Errors
+    /// The directory lacks the tokenizer's files or they do not parse.
+    pub fn load_tokenizer(&self) -> Result<Arc<Tokenizer>, String> {
+        Tokenizer::from_dir(&self.tokenizer)
+            .map(Arc::new)
+            .map_err(|e| {
+                format!(
+                    "static node `{}`: its tokenizer ({}): {e}",
+                    self.engine_id,
+                    self.tokenizer.display()
+                )
+            })
+    }
+}
+
+/// Keeps `node` in the view while it answers: scrapes it every `interval` with `http`
+/// (which carries the cluster token as the bearer key, as every request to a node does).
+/// Runs until the gateway stops.
+pub async fn follow(
+    cluster: Arc<Cluster>,
+    node: StaticNode,
+    tokenizer: Arc<Tokenizer>,
+    http: reqwest::Client,
+    interval: Duration,
+) {
+    let base = format!("http://{}", node.http_addr);
+    // Its connection while in the view, and the model it joined with.
+    let mut conn: Option<(ConnId, String)> = None;
+    // The last reason it was out of the view, logged once per change.
+    let mut last_problem = String::new();
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let problem = match scrape(&http, &base).await {
+            Ok(s) => {
+                match &conn {
+                    Some((c, model)) if cluster.is_live(*c) && *model == s.model => {
+                        cluster.state(*c, s.state);
+                        continue;
+                    }
+                    // Restarted with another model: it joins again under that one.
+                    Some((c, _)) => {
+                        cluster.leave(*c, "its model changed");
+                    }
+                    None => {}
+                }
+                let model = s.model.clone();
+                match join(&cluster, &node, &tokenizer, s) {
+                    Ok(c) => {
+                        info!(engine_id = %node.engine_id, http = %node.http_addr, %model, "static node in the view");
+                        conn = Some((c, model));
+                        last_problem.clear();
+                        continue;
+                    }
+                    Err(why) => why,
+                }
+            }
+            Err(why) => why,
+        };
+        if problem != last_problem {
+            warn!(engine_id = %node.engine_id, http = %node.http_addr, "static node not in the view: {problem}");
+            last_problem = problem;
+        }
+    }
+}
+
+async fn scrape(http: &reqwest::Client, base: &str) -> Result<Scraped, String> {
+    let get = |path: &str| {
+        http.get(format!("{base}{path}"))
+            .timeout(SCRAPE_TIMEOUT)
+            .send()
+    };
+    let models = get("/v1/models")
+        .await
+        .and_then(reqwest::Response::error_for_status)
+        .map_err(|e| format!("GET /v1/models: {e}"))?
+        .json::<Value>()
+        .await
+        .map_err(|e| format!("GET /v1/models: {e}"))?;
+    let metrics = get("/metrics")
+        .await
+        .and_then(reqwest::Response::error_for_status)
+        .map_err(|e| format!("GET /metrics: {e}"))?
+        .text()
+        .await
+        .map_err(|e| format!("GET /metrics: {e}"))?;
+    read_scrape(&models, &metrics)
+}
+
+/// Joins a scraped node to the cluster as a registration would; its id, or the refusal.
+fn join(
+    cluster: &Cluster,
+    node: &StaticNode,
+    tokenizer: &Arc<Tokenizer>,
+    s: Scraped,
+) -> Result<ConnId, String> {
+    let fingerprint = tokenizer.fingerprint();
+    let conn = cluster.new_conn();
+    // Nothing is ever sent to a static node over this (no registry stream): the receiver
+    // stays unread and the entry holds the only sender.
+    let (outbox, _unread) = mpsc::channel(1);
+    let entry = NodeEntry {
+        conn,
+        engine_id: node.engine_id.as_str().into(),
+        epoch: 0,
+        role: node.role,
+        model: s.model.as_str().into(),
+        block_size: s.block_size,
+        http_addr: node.http_addr.as_str().into(),
+        kv_addr: "".into(),
+        max_model_len: s.max_model_len,
+        hash_key: 0,
+        kv_bytes_per_token: 0,
+        takes_prompt_token_ids: false,
+        state: s.state,
+        hashes: Default::default(),
+        draining: false,
+        last_seen: Instant::now(),
+        registered_at: SystemTime::now(),
+        visible_from: Instant::now(),
+        outbox,
+    };
+    cluster.join(entry, || Ok((tokenizer.clone(), fingerprint)), fingerprint)?;
+    Ok(conn)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn specs_parse_and_bad_ones_say_why() {
+        let n: StaticNode = "role=prefill, url=http://127.0.0.1:8100/, tokenizer=/m"
+            .parse()
+            .unwrap();
+        assert_eq!(n.role, Role::Prefill);
+        assert_eq!(n.http_addr, "127.0.0.1:8100");
+        assert_eq!(n.engine_id, "static-127.0.0.1:8100");
+        let n: StaticNode = "role=decode,url=http://h:1,tokenizer=/m,engine-id=d0"
+            .parse()
+            .unwrap();
+        assert_eq!((n.role, n.engine_id.as_str()), (Role::Decode, "d0"));
+        for (spec, says) in [
+            ("url=http://h:1,tokenizer=/m", "role"),
+            ("role=both,url=http://h:1,tokenizer=/m", "role `both`"),
+            ("role=decode,tokenizer=/m", "url"),
+            ("role=decode,url=https://h:1,tokenizer=/m", "only http"),
+            ("role=decode,url=http://h:1/v1,tokenizer=/m", "HOST:PORT"),
+            ("role=decode,url=http://h:1", "tokenizer"),
+            (
+                "role=decode,url=http://h:1,tokenizer=/m,weight=2",
+                "unknown key `weight`",
+            ),
+            ("role=decode,role=prefill", "twice"),
+            ("role", "KEY=VALUE"),
+        ] {
+            let err = spec.parse::<StaticNode>().unwrap_err();
+            assert!(err.contains(says), "{spec}: {err}");
+        }
+    }
+
+    /// A vLLM server's `/metrics` as it writes it (V1, one engine; other families around).
+    const VLLM: &str = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="Qwen/Qwen3-0.6B"} 3.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="Qwen/Qwen3-0.6B"} 5.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="Qwen/Qwen3-0.6B",reason="capacity"} 9.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen3-0.6B"} 0.25
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="False",engine="0",num_gpu_blocks="4000",prefix_caching_hash_algo="sha256"} 1.0
+vllm:prompt_tokens_total{engine="0",model_name="Qwen/Qwen3-0.6B"} 1234.0
+"#;
+
+    #[test]
+    fn a_vllm_servers_metrics_become_its_state() {
+        let models = json!({"object": "list", "data": [
+            {"id": "Qwen/Qwen3-0.6B", "object": "model", "max_model_len": 40960}]});
+        let s = read_scrape(&models, VLLM).unwrap();
+        assert_eq!(s.model, "Qwen/Qwen3-0.6B");
+        assert_eq!((s.max_model_len, s.block_size), (40960, 16));
+        assert_eq!((s.state.waiting, s.state.running), (5, 3));
+        assert_eq!((s.state.total_blocks, s.state.free_blocks), (4000, 3000));
+
+        // Two engines (data parallel): blocks and queues add up.
+        let two = VLLM.replace(
+            "vllm:prompt_tokens_total",
+            "vllm:num_requests_waiting{engine=\"1\",model_name=\"m\"} 2.0\n\
+             vllm:kv_cache_usage_perc{engine=\"1\",model_name=\"m\"} 1.0\n\
+             vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_gpu_blocks=\"1000\"} 1.0\n\
+             vllm:prompt_tokens_total",
+        );
+        let s = read_scrape(&models, &two).unwrap();
+        assert_eq!(s.state.waiting, 7);
+        assert_eq!((s.state.total_blocks, s.state.free_blocks), (5000, 3000));
+
+        // V0's name alone is read too; both names for one engine count once.
+        let v0 = VLLM.replace("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc");
+        assert_eq!(read_scrape(&models, &v0).unwrap().state.free_blocks, 3000);
+        let both = format!("{VLLM}vllm:gpu_cache_usage_perc{{engine=\"0\"}} 0.25\n");
+        assert_eq!(read_scrape(&models, &both).unwrap().state.free_blocks, 3000);
+    }
+
+    #[test]
+    fn what_cannot_be_routed_on_is_refused_by_name() {
+        let models = json!({"data": [{"id": "m"}]});
+        let err = read_scrape(&models, "process_cpu_seconds_total 1\n").unwrap_err();
+        assert!(err.contains("vllm:num_requests_waiting"), "{err}");
+        let err = read_scrape(&json!({"data": []}), VLLM).unwrap_err();
+        assert!(err.contains("no model"), "{err}");
+        // Without cache_config_info the pool's size is unknown: 0 blocks, load still read.
+        let s = read_scrape(
+            &models,
+            "vllm:num_requests_waiting 1\nvllm:num_requests_running 2\n",
+        )
+        .unwrap();
+        assert_eq!(
+            (s.state.waiting, s.state.running, s.state.total_blocks),
+            (1, 2, 0)
+        );
+        // A name that only starts like a wanted one is not it.
+        let s = read_scrape(
+            &models,
+            "vllm:num_requests_waiting_by_reason 7\nvllm:num_requests_waiting 1\nvllm:num_requests_running 0\n",
+        )
+        .unwrap();
+        assert_eq!(s.state.waiting, 1);
+    }
+
+    #[test]
+    fn label_values_with_escapes() {
+        let text = r#"m{a="x\"y,}z",b="\\"} 4"#;
+        let got: Vec<_> = samples(text, "m").collect();
+        assert_eq!(
+            got,
+            vec![(
+                vec![("a".into(), "x\"y,}z".into()), ("b".into(), "\\".into())],
+                4.0
+            )]
+        );
+    }
+}
