@@ -45,6 +45,7 @@ async fn nodes_that_do_not_register_serve_p_to_d_through_the_gateway() {
 
     // 1. In the view, sized from their metrics.
     for n in c.admin_nodes().await {
+        assert_eq!(n["source"], "static", "{n}");
         assert_eq!(n["total_blocks"], NUM_BLOCKS, "{n}");
         assert_eq!(
             n["free_blocks"], NUM_BLOCKS,

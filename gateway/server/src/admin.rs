@@ -357,6 +357,7 @@ async fn nodes(State(a): State<Admin>, headers: HeaderMap) -> Response {
             let s = &n.state;
             json!({
                 "engine_id": &*n.engine_id,
+                "source": n.source,
                 "epoch": n.epoch,
                 "model": &*n.model,
                 "role": role_label(n.role),

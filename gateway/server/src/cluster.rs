@@ -62,6 +62,9 @@ pub struct NodeEntry {
     pub visible_from: Instant,
     /// Messages to the node (peer lists); dropping it ends the node's stream.
     pub outbox: mpsc::Sender<Result<pb::GatewayMessage, tonic::Status>>,
+    /// How the gateway knows it: `registered` over the registry stream, or `static` (named
+    /// with `--static-node` and scraped; see [`crate::static_node`]).
+    pub source: &'static str,
 }
 
 /// A model some node registered, kept after its nodes leave (so it stays 503, not 404).

@@ -192,6 +192,7 @@ impl NodeRegistry for Registry {
                 Instant::now() + PEER_SETTLE
             },
             outbox: tx.clone(),
+            source: "registered",
         };
         let bundle = reg.tokenizer.clone();
         if let Err(why) = self

@@ -363,6 +363,7 @@ fn join(
         registered_at: SystemTime::now(),
         visible_from: Instant::now(),
         outbox,
+        source: "static",
     };
     cluster.join(entry, || Ok((tokenizer.clone(), fingerprint)), fingerprint)?;
     Ok(conn)
