@@ -171,7 +171,12 @@ pub fn read_scrape(models: &Value, metrics: &str) -> Result<Scraped, String> {
                 .iter()
                 .find(|(n, _)| n == "engine")
                 .map_or("", |(_, v)| v.as_str());
-            fraction.clamp(0.0, 1.0) * engines.get(engine).copied().unwrap_or(0.0)
+            // One engine: its usage whatever the labels say (versions label them differently).
+            let blocks = match engines.len() {
+                1 => engines.values().next().copied(),
+                _ => engines.get(engine).copied(),
+            };
+            fraction.clamp(0.0, 1.0) * blocks.unwrap_or(0.0)
         })
         .sum();
     let total = total_blocks.round() as u64;
@@ -440,6 +445,14 @@ vllm:prompt_tokens_total{engine="0",model_name="Qwen/Qwen3-0.6B"} 1234.0
         let s = read_scrape(&models, &two).unwrap();
         assert_eq!(s.state.waiting, 7);
         assert_eq!((s.state.total_blocks, s.state.free_blocks), (5000, 3000));
+
+        // One engine's info without an engine label still sizes its usage.
+        let unlabelled = VLLM.replace(",engine=\"0\",num_gpu_blocks", ",num_gpu_blocks");
+        assert_ne!(unlabelled, VLLM);
+        assert_eq!(
+            read_scrape(&models, &unlabelled).unwrap().state.free_blocks,
+            3000
+        );
 
         // V0's name alone is read too; both names for one engine count once.
         let v0 = VLLM.replace("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc");
