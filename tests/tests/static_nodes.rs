@@ -125,7 +125,8 @@ async fn nodes_that_do_not_register_serve_p_to_d_through_the_gateway() {
 
     // 3. The view follows D's load: a long stream held open shows as running there.
     let api = Api::Completions;
-    let long = api.streaming(&api.body("hold the decode node busy for a while", 400));
+    // Near the tiny model's 2048-token context: it cannot finish before a scrape sees it.
+    let long = api.streaming(&api.body("hold the decode node busy for a while", 1900));
     let mut held = c
         .client
         .post(format!("{}{}", c.gateway.http, api.path()))

@@ -79,6 +79,10 @@ pub struct ModelEntry {
     /// The prefix-cache hash key of its nodes (the first node's; others must agree), so the
     /// gateway's block hashes match theirs.
     pub hash_key: u64,
+    /// Whether its nodes registered or are static ([`NodeEntry::source`]): one model's nodes
+    /// are all of one kind, since a static node has no hash key, no block events and takes
+    /// no token ids, which would silently change routing for registered nodes of its model.
+    pub source: &'static str,
 }
 
 /// Everything under the lock.
@@ -205,6 +209,12 @@ impl Cluster {
     ) -> Result<(), String> {
         let mut state = self.write();
         match state.models.get(&entry.model) {
+            Some(m) if m.source != entry.source => {
+                return Err(format!(
+                    "model `{}` is served by {} nodes and node `{}` is {}; one model's nodes are all registered or all static",
+                    entry.model, m.source, entry.engine_id, entry.source
+                ));
+            }
             Some(m) if m.fingerprint != fingerprint => {
                 return Err(format!(
                     "tokenizer fingerprint {fingerprint:016x} of node `{}` differs from {:016x}, the one model `{}` was registered with; nodes of one model must serve the same tokenizer and chat template",
@@ -238,9 +248,22 @@ impl Cluster {
                         fingerprint,
                         block_size: entry.block_size,
                         hash_key: entry.hash_key,
+                        source: entry.source,
                     },
                 );
             }
+        }
+        // One engine id, one node: a static node and a registered one cannot share it (each
+        // would push the other out on every scrape or reconnect).
+        if let Some(other) = state
+            .nodes
+            .values()
+            .find(|n| n.engine_id == entry.engine_id && n.source != entry.source)
+        {
+            return Err(format!(
+                "engine id `{}` is taken by a {} node at {}",
+                entry.engine_id, other.source, other.http_addr
+            ));
         }
         // The same engine registering again (a reconnect racing the old stream's end) replaces it.
         let stale: Vec<ConnId> = state
@@ -456,5 +479,77 @@ pub fn role_label(role: Role) -> &'static str {
         Role::Prefill => "prefill",
         Role::Decode => "decode",
         Role::Standalone => "standalone",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(conn: ConnId, engine_id: &str, model: &str, source: &'static str) -> NodeEntry {
+        NodeEntry {
+            conn,
+            engine_id: engine_id.into(),
+            epoch: 0,
+            role: Role::Decode,
+            model: model.into(),
+            block_size: 16,
+            http_addr: format!("127.0.0.1:{conn}").into(),
+            kv_addr: "".into(),
+            max_model_len: 2048,
+            hash_key: 0,
+            kv_bytes_per_token: 0,
+            takes_prompt_token_ids: source == "registered",
+            state: pb::NodeState::default(),
+            hashes: HashSet::new(),
+            draining: false,
+            last_seen: Instant::now(),
+            registered_at: SystemTime::now(),
+            visible_from: Instant::now(),
+            outbox: mpsc::channel(1).0,
+            source,
+        }
+    }
+
+    #[test]
+    fn one_model_one_kind_of_node_and_one_node_per_engine_id() {
+        let dir = std::env::temp_dir().join(format!("pd-cluster-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        pd_tokenize::write_byte_level_tokenizer(&dir, 300).unwrap();
+        let tokenizer = Arc::new(Tokenizer::from_dir(&dir).unwrap());
+        let _ = std::fs::remove_dir_all(&dir);
+        let fp = tokenizer.fingerprint();
+        let c = Cluster::default();
+        let join = |e: NodeEntry| c.join(e, || Ok((tokenizer.clone(), fp)), fp);
+
+        join(entry(c.new_conn(), "d0", "m", "registered")).unwrap();
+        // A static node of a model registered nodes serve would take away their token ids and
+        // hash key: refused, naming both kinds.
+        let err = join(entry(c.new_conn(), "s0", "m", "static")).unwrap_err();
+        assert!(err.contains("all registered or all static"), "{err}");
+        // A static node taking a registered node's engine id: refused (they would push each
+        // other out on every scrape).
+        let err = join(entry(c.new_conn(), "d0", "m2", "static")).unwrap_err();
+        assert!(
+            err.contains("engine id `d0` is taken by a registered node"),
+            "{err}"
+        );
+        // Its own id and model: admitted; and the other way round is refused too.
+        join(entry(c.new_conn(), "s0", "m2", "static")).unwrap();
+        let err = join(entry(c.new_conn(), "d1", "m2", "registered")).unwrap_err();
+        assert!(err.contains("served by static nodes"), "{err}");
+        // The same registered engine again (a reconnect) replaces its old entry.
+        let again = c.new_conn();
+        join(entry(again, "d0", "m", "registered")).unwrap();
+        let state = c.read();
+        let ids: Vec<(ConnId, &str)> = state
+            .nodes
+            .values()
+            .map(|n| (n.conn, &*n.engine_id))
+            .collect();
+        assert_eq!(ids.len(), 2, "{ids:?}");
+        assert!(ids.contains(&(again, "d0")), "{ids:?}");
+        assert_eq!(state.models["m"].source, "registered");
+        assert_eq!(state.models["m2"].source, "static");
     }
 }

@@ -30,7 +30,7 @@ use pd_gateway::proxy::{Gateway, ProxyConfig, Shared};
 use pd_gateway::registry::{Registry, RegistryConfig};
 use pd_gateway::replay;
 use pd_gateway::route::{OnPolicyFailure, Router};
-use pd_gateway::static_node::{self, StaticNode};
+use pd_gateway::static_node::{self, ScrapeTiming, StaticNode};
 use pd_gateway::template::{self, Lang};
 use pd_policy::{Installed, PolicyEngine, PolicySlot, PolicySpec};
 use pingora::server::Server;
@@ -144,7 +144,8 @@ struct ServeArgs {
     /// vLLM server, or a pd-node without --gateway), kept in the view by scraping its
     /// /v1/models and /metrics.
     /// `role=prefill|decode|standalone,url=http://HOST:PORT,tokenizer=MODEL_DIR[,engine-id=NAME]`;
-    /// repeatable. A decode node behind it needs its producers in its own allow-list.
+    /// repeatable. The gateway sends it the cluster token as its bearer key, and pushes it no
+    /// peer list (a decode node allows its producers itself, e.g. --kv-allowed-peers).
     #[arg(long = "static-node")]
     static_nodes: Vec<StaticNode>,
     /// How often static nodes are scraped, milliseconds.
@@ -519,12 +520,31 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             args.node_timeout_ms
         );
     }
+    for (i, a) in args.static_nodes.iter().enumerate() {
+        if let Some(b) = args.static_nodes[..i]
+            .iter()
+            .find(|b| b.engine_id == a.engine_id || b.http_addr == a.http_addr)
+        {
+            bail!(
+                "--static-node `{}` at {} and `{}` at {}: each static node needs its own engine id and address",
+                b.engine_id,
+                b.http_addr,
+                a.engine_id,
+                a.http_addr
+            );
+        }
+    }
     let static_nodes = args
         .static_nodes
         .iter()
         .map(|n| Ok((n.clone(), n.load_tokenizer().map_err(anyhow::Error::msg)?)))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let scrape_every = Duration::from_millis(args.static_scrape_ms.max(10));
+    // A scrape's two requests together stay under half the node timeout, so a node that
+    // answers slowly is not swept between two scrapes that reached it.
+    let scrape_timing = ScrapeTiming {
+        interval: Duration::from_millis(args.static_scrape_ms.max(10)),
+        timeout: Duration::from_millis((args.node_timeout_ms / 4).clamp(50, 2000)),
+    };
     let static_cluster = cluster.clone();
     let http = reqwest::Client::builder()
         .default_headers(node_headers)
@@ -610,7 +630,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                         node,
                         tokenizer,
                         scrape_http.clone(),
-                        scrape_every,
+                        scrape_timing,
                     ));
                 }
                 if let Some((path, spec)) = watch {

@@ -809,7 +809,9 @@ impl Gateway {
             .nodes
             .iter()
             .position(|n| n.engine_id == holding.engine_id)?;
-        if holding.epoch != 0 && snapshot.nodes[index].epoch != holding.epoch {
+        // Epoch 0 on either side: unknown (a node that reports none, e.g. a static node).
+        let node_epoch = snapshot.nodes[index].epoch;
+        if holding.epoch != 0 && node_epoch != 0 && node_epoch != holding.epoch {
             // Restarted: whatever it held is gone.
             self.0.holdings.remove(holding.last_hash);
             self.0

@@ -37,9 +37,6 @@ use tracing::{info, warn};
 
 use crate::cluster::{Cluster, ConnId, NodeEntry};
 
-/// How long one scrape may take before the node counts as not answering.
-const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
-
 /// One `--static-node` flag: `role=prefill|decode|standalone,url=http://HOST:PORT,
 /// tokenizer=DIR[,engine-id=NAME]`.
 #[derive(Debug, Clone, PartialEq)]
@@ -146,7 +143,7 @@ pub fn read_scrape(models: &Value, metrics: &str) -> Result<Scraped, String> {
     // Several engines (data parallel) report one sample each: their blocks add up, and so do
     // the blocks each one's usage says are taken.
     let mut total_blocks = 0.0;
-    let mut block_size = 0;
+    let mut block_size: u32 = 0;
     let mut engines = BTreeMap::new();
     for (labels, _) in samples(metrics, "vllm:cache_config_info") {
         let label = |k: &str| labels.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
@@ -179,6 +176,12 @@ pub fn read_scrape(models: &Value, metrics: &str) -> Result<Scraped, String> {
             fraction.clamp(0.0, 1.0) * blocks.unwrap_or(0.0)
         })
         .sum();
+    if block_size == 0 {
+        return Err(
+            "/metrics has no vllm:cache_config_info with a block_size (the gateway hashes prompts in the node's blocks)"
+                .into(),
+        );
+    }
     let total = total_blocks.round() as u64;
     let free = (total_blocks - used_blocks).round().max(0.0) as u64;
     Ok(Scraped {
@@ -261,43 +264,62 @@ impl StaticNode {
     }
 }
 
-/// Keeps `node` in the view while it answers: scrapes it every `interval` with `http`
-/// (which carries the cluster token as the bearer key, as every request to a node does).
-/// Runs until the gateway stops.
+/// How often a static node is scraped, and how long each of a scrape's two requests may take
+/// before the node counts as not answering.
+#[derive(Debug, Clone, Copy)]
+pub struct ScrapeTiming {
+    /// Between scrapes.
+    pub interval: Duration,
+    /// Per request.
+    pub timeout: Duration,
+}
+
+/// Keeps `node` in the view while it answers: scrapes it on `timing` with `http` (which
+/// carries the cluster token as the bearer key, as every request to a node does). The first
+/// model it serves is the one `tokenizer` belongs to; if it later serves another, it stays out
+/// of the view (that model's tokenizer is not known here). Runs until the gateway stops.
 pub async fn follow(
     cluster: Arc<Cluster>,
     node: StaticNode,
     tokenizer: Arc<Tokenizer>,
     http: reqwest::Client,
-    interval: Duration,
+    timing: ScrapeTiming,
 ) {
     let base = format!("http://{}", node.http_addr);
-    // Its connection while in the view, and the model it joined with.
-    let mut conn: Option<(ConnId, String)> = None;
+    // The model its tokenizer is for: the first one it served.
+    let mut model: Option<String> = None;
+    // Its connection while in the view.
+    let mut conn: Option<ConnId> = None;
     // The last reason it was out of the view, logged once per change.
     let mut last_problem = String::new();
-    let mut tick = tokio::time::interval(interval);
+    let mut tick = tokio::time::interval(timing.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let problem = match scrape(&http, &base).await {
-            Ok(s) => {
-                match &conn {
-                    Some((c, model)) if cluster.is_live(*c) && *model == s.model => {
-                        cluster.state(*c, s.state);
-                        continue;
-                    }
-                    // Restarted with another model: it joins again under that one.
-                    Some((c, _)) => {
-                        cluster.leave(*c, "its model changed");
-                    }
-                    None => {}
+        let problem = match scrape(&http, &base, timing.timeout).await {
+            Ok(s) if model.as_ref().is_some_and(|m| *m != s.model) => {
+                if let Some(c) = conn.take() {
+                    cluster.leave(c, "it serves another model");
                 }
-                let model = s.model.clone();
+                format!(
+                    "it serves `{}` now, not `{}` (the model of its tokenizer); restart the gateway with the new model's tokenizer",
+                    s.model,
+                    model.as_deref().unwrap_or_default()
+                )
+            }
+            Ok(s) => {
+                // Still in the view: this is its state update. (Swept since: it joins again.)
+                if let Some(c) = conn
+                    && cluster.state(c, s.state)
+                {
+                    continue;
+                }
+                let served = s.model.clone();
                 match join(&cluster, &node, &tokenizer, s) {
                     Ok(c) => {
-                        info!(engine_id = %node.engine_id, http = %node.http_addr, %model, "static node in the view");
-                        conn = Some((c, model));
+                        info!(engine_id = %node.engine_id, http = %node.http_addr, model = %served, "static node in the view");
+                        conn = Some(c);
+                        model = Some(served);
                         last_problem.clear();
                         continue;
                     }
@@ -313,12 +335,8 @@ pub async fn follow(
     }
 }
 
-async fn scrape(http: &reqwest::Client, base: &str) -> Result<Scraped, String> {
-    let get = |path: &str| {
-        http.get(format!("{base}{path}"))
-            .timeout(SCRAPE_TIMEOUT)
-            .send()
-    };
+async fn scrape(http: &reqwest::Client, base: &str, timeout: Duration) -> Result<Scraped, String> {
+    let get = |path: &str| http.get(format!("{base}{path}")).timeout(timeout).send();
     let models = get("/v1/models")
         .await
         .and_then(reqwest::Response::error_for_status)
@@ -345,9 +363,9 @@ fn join(
 ) -> Result<ConnId, String> {
     let fingerprint = tokenizer.fingerprint();
     let conn = cluster.new_conn();
-    // Nothing is ever sent to a static node over this (no registry stream): the receiver
-    // stays unread and the entry holds the only sender.
-    let (outbox, _unread) = mpsc::channel(1);
+    // A static node has no registry stream to send on: the receiver is dropped here, so
+    // this sender is closed from the start, and nothing sends to a static node.
+    let (outbox, _) = mpsc::channel(1);
     let entry = NodeEntry {
         conn,
         engine_id: node.engine_id.as_str().into(),
@@ -468,20 +486,18 @@ vllm:prompt_tokens_total{engine="0",model_name="Qwen/Qwen3-0.6B"} 1234.0
         assert!(err.contains("vllm:num_requests_waiting"), "{err}");
         let err = read_scrape(&json!({"data": []}), VLLM).unwrap_err();
         assert!(err.contains("no model"), "{err}");
-        // Without cache_config_info the pool's size is unknown: 0 blocks, load still read.
-        let s = read_scrape(
+        // Without cache_config_info the blocks (and their hashes) are unknown: refused.
+        let err = read_scrape(
             &models,
             "vllm:num_requests_waiting 1\nvllm:num_requests_running 2\n",
         )
-        .unwrap();
-        assert_eq!(
-            (s.state.waiting, s.state.running, s.state.total_blocks),
-            (1, 2, 0)
-        );
+        .unwrap_err();
+        assert!(err.contains("vllm:cache_config_info"), "{err}");
         // A name that only starts like a wanted one is not it.
         let s = read_scrape(
             &models,
-            "vllm:num_requests_waiting_by_reason 7\nvllm:num_requests_waiting 1\nvllm:num_requests_running 0\n",
+            "vllm:num_requests_waiting_by_reason 7\nvllm:num_requests_waiting 1\nvllm:num_requests_running 0\n\
+             vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"8\"} 1\n",
         )
         .unwrap();
         assert_eq!(s.state.waiting, 1);

@@ -9,10 +9,17 @@
 //! are derived the same way from the engine's gauges. So a `vllm:` sample always equals the
 //! `pd_node_` one beside it in the same scrape.
 //!
-//! Semantics follow vLLM V1: a request with `n` children counts as `n` requests (vLLM V1 runs
-//! each child as its own request), a block counts as used while a sequence or a lease holds it
-//! (cached blocks nobody references are free, as in vLLM's block pool), and token counters count
-//! tokens.
+//! Semantics, and where they differ from vLLM V1's:
+//! - a block counts as used while a sequence or a lease holds it (cached blocks nobody
+//!   references are free, as in vLLM's block pool); token counters count tokens;
+//! - `request_success_total` and the `request_*` histograms count children (vLLM V1 runs each
+//!   of `n` children as its own request), with the request's first token for every child's
+//!   prefill and decode times; TTFT, end-to-end latency and `prompt_tokens_total` count each
+//!   request once, and the queue gauges count sequences (an `n > 1` request waits as one until
+//!   it is admitted and forked, where vLLM queues `n`);
+//! - on a decode node the queue time runs until the pulled KV has landed (vLLM schedules a
+//!   request before it waits for remote KV);
+//! - a request the engine fails (shutdown, a compute fault) is under no `finished_reason`.
 
 use prometheus::proto::{Gauge, LabelPair, Metric, MetricFamily, MetricType};
 
