@@ -1074,27 +1074,7 @@ async fn disconnected_streams_free_their_blocks() {
     assert_eq!(server.engine.free_blocks(), total);
     let max_tokens = MAX_MODEL_LEN - 64;
 
-    let mut open = Vec::new();
-    for i in 0..4 {
-        let body = json!({
-            "prompt": format!("stream number {i} "), "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": true, "stream": true,
-        });
-        let mut resp = server
-            .client
-            .post(server.url("/v1/completions"))
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(resp.status().as_u16(), 200);
-        // Completions streams send nothing before the first token: this chunk proves the engine
-        // admitted the request and holds its blocks.
-        let first = resp.chunk().await.unwrap().expect("a first chunk");
-        assert!(first.starts_with(b"data: "));
-        open.push(resp);
-    }
-    drop(open);
+    drop(open_streams(&server, 4, "stream number").await);
 
     let generated = wait_all_blocks_free(&server).await;
     // Freed because the requests were aborted, not because they ran to the end.
@@ -1124,6 +1104,32 @@ async fn disconnected_streams_free_their_blocks() {
         after - generated
     );
     server.stop().await;
+}
+
+/// Opens `count` greedy completion streams of `MAX_MODEL_LEN - 64` tokens (prompts `"{prefix}
+/// {i} "`) and reads each one's first chunk, so the engine holds every one of them mid-generation.
+async fn open_streams(server: &Server, count: usize, prefix: &str) -> Vec<reqwest::Response> {
+    let mut open = Vec::new();
+    for i in 0..count {
+        let body = json!({
+            "prompt": format!("{prefix} {i} "), "max_tokens": MAX_MODEL_LEN - 64,
+            "temperature": 0, "ignore_eos": true, "stream": true,
+        });
+        let mut resp = server
+            .client
+            .post(server.url("/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+        // Completions streams send nothing before the first token: this chunk proves the engine
+        // admitted the request and holds its blocks.
+        let first = resp.chunk().await.unwrap().expect("a first chunk");
+        assert!(first.starts_with(b"data: "));
+        open.push(resp);
+    }
+    open
 }
 
 /// Polls `/metrics` and the handle until every block is free again (10 s deadline); returns the
@@ -2803,23 +2809,7 @@ async fn vllm_metric_names_follow_the_live_engine() {
     }
 
     // Three streams held open mid-generation.
-    let mut open = Vec::new();
-    for i in 0..3 {
-        let body = json!({
-            "prompt": format!("a long story number {i} about the sea "), "max_tokens": MAX_MODEL_LEN - 64,
-            "temperature": 0, "ignore_eos": true, "stream": true,
-        });
-        let mut resp = server
-            .client
-            .post(server.url("/v1/completions"))
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(resp.status().as_u16(), 200);
-        resp.chunk().await.unwrap().expect("a first chunk");
-        open.push(resp);
-    }
+    let open = open_streams(&server, 3, "a long story about the sea, number").await;
     let (_, busy) = server.get("/metrics").await;
     let running = vllm_metric(&busy, "vllm:num_requests_running", "").expect("running");
     let waiting = vllm_metric(&busy, "vllm:num_requests_waiting", "").expect("waiting");
