@@ -99,6 +99,13 @@ async fn nodes_that_do_not_register_serve_p_to_d_through_the_gateway() {
         requests
     );
     assert_eq!(gw.sum("pd_gateway_policy_fallbacks_total", &[]), 0.0);
+    // The WASM policy decided every one (the native fallback's version label is `native`).
+    assert_eq!(
+        gw.sum_except("pd_gateway_policy_decisions_total", "version", "native"),
+        requests,
+        "{}",
+        gw.show("pd_gateway_policy_decisions_total")
+    );
     let p = c.node_metrics("p0").await;
     let d = c.node_metrics("d0").await;
     assert_eq!(
