@@ -121,8 +121,9 @@ pub struct Scraped {
 /// Reads `/v1/models` and `/metrics` bodies.
 ///
 /// # Errors
-/// What is missing: a model, or the queue gauges (a server that does not export vLLM's
-/// metrics cannot be routed on load).
+/// What is missing: a model, the queue gauges (a server that does not export vLLM's
+/// metrics cannot be routed on load), or `vllm:cache_config_info` with a block size (prompts
+/// are hashed in the node's blocks).
 pub fn read_scrape(models: &Value, metrics: &str) -> Result<Scraped, String> {
     let first = models["data"].get(0).ok_or("/v1/models lists no model")?;
     let model = first["id"]
