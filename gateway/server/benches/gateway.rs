@@ -268,7 +268,10 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(400);
     let built = PathBuf::from(env!("CARGO_BIN_EXE_pd-gateway"));
-    let node = built.with_file_name("pd-node");
+    // PD_BENCH_NODE_BIN: the pd-node to run (default: the one built beside this bench's
+    // pd-gateway), e.g. where the bench runs on another machine than it was built on.
+    let node = std::env::var_os("PD_BENCH_NODE_BIN")
+        .map_or_else(|| built.with_file_name("pd-node"), PathBuf::from);
     // BENCH_GATEWAY_BIN: another pd-gateway binary (an A/B comparison of two builds).
     let gateway = std::env::var_os("BENCH_GATEWAY_BIN").map_or(built, PathBuf::from);
     assert!(
