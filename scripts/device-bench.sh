@@ -6,7 +6,8 @@
 #                  /root/devbench), record the machine, run the policy decision bench
 #   run.sh main    join the model, then the gateway bench (WASM and native policy), the P/D
 #                  pull bench against ucx_perftest, the transfer layer's pull bench, and the
-#                  multi-turn benchmark on the real model (modes a and c, then b if time is left)
+#                  multi-turn benchmark on the real model (modes a and c; again with mode c's
+#                  holder-load-slack 0 and 1; then b, as time allows)
 # Every step writes $OUT/<step>.txt under its own time limit and goes on when one fails;
 # $OUT/summary.txt says how each ended. A rehearsal here, shorter: DEVBENCH=/tmp/devbench
 # OUT=/tmp/devbench-out DEVBENCH_REQUESTS=100 DEVBENCH_MT_ARGS="--conversations 1 --clients 1
@@ -71,6 +72,14 @@ main)
         budget="${DEVBENCH_SECONDS:-570}"
         left=$((budget - 10 - SECONDS))
         [ "$left" -gt 60 ] && step multi-turn-ac "$left" env PD_BENCH_MODES=ac "${mt[@]}"
+        # Mode c sending a turn whose holder is busier than its peers to P, which pulls the
+        # history back and prefills there (BENCHMARKS.md: the experiment named after the
+        # 2026-11-27 runs).
+        for slack in 0 1; do
+            left=$((budget - 10 - SECONDS))
+            [ "$left" -gt 60 ] && step "multi-turn-ac-slack$slack" "$left" env PD_BENCH_MODES=ac \
+                PD_BENCH_C_CONFIG="holder-load-slack=$slack" "${mt[@]}"
+        done
         left=$((budget - SECONDS))
         [ "$left" -gt 60 ] && step multi-turn-b "$left" env PD_BENCH_MODES=b "${mt[@]}"
     fi
