@@ -28,7 +28,9 @@ path, name, kind = sys.argv[1:]
 for line in open(path):
     m = json.loads(line)
     if (m.get("reason") == "compiler-artifact" and m.get("executable")
-            and m["target"]["name"] == name and kind in m["target"]["kind"]):
+            and m["target"]["name"] == name and kind in m["target"]["kind"]
+            # `--benches` also builds each bin as a bench harness (profile.test): not that one
+            and (kind == "bench" or not m["profile"]["test"])):
         print(m["executable"])
 EOF
 }
