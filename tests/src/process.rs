@@ -171,6 +171,19 @@ impl Proc {
         status
     }
 
+    /// Waits up to `timeout` for the process to exit by itself (reaping it); its status, or
+    /// `None` if it is still running.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let until = Instant::now() + timeout;
+        while !self.has_exited() {
+            if Instant::now() >= until {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.exited
+    }
+
     /// Whether the process has exited (reaping it if so).
     pub fn has_exited(&mut self) -> bool {
         if self.exited.is_some() {

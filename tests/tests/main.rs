@@ -13,5 +13,6 @@ mod policy_hot_swap;
 mod policy_languages;
 mod policy_sdk;
 mod prompt_scoring;
+mod rolling_restart;
 mod static_nodes;
 mod untrusted_params_and_errors;

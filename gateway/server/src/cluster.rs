@@ -67,6 +67,14 @@ pub struct NodeEntry {
     pub source: &'static str,
 }
 
+impl NodeEntry {
+    /// Whether new work should go elsewhere: the operator drains it, or it is shutting down
+    /// (it said so in its last state).
+    pub fn is_draining(&self) -> bool {
+        self.draining || self.state.draining
+    }
+}
+
 /// A model some node registered, kept after its nodes leave (so it stays 503, not 404).
 #[derive(Debug)]
 pub struct ModelEntry {
@@ -298,6 +306,9 @@ impl Cluster {
         let Some(n) = guard.nodes.get_mut(&conn) else {
             return false;
         };
+        if state.draining && !n.state.draining {
+            info!(engine_id = %n.engine_id, "node shutting down: no new work goes to it");
+        }
         n.state = state;
         n.last_seen = Instant::now();
         true
@@ -430,7 +441,7 @@ impl Cluster {
                 waiting: sat(s.waiting),
                 running: sat(s.running),
                 waiting_remote_kv: sat(s.waiting_remote_kv),
-                draining: n.draining,
+                draining: n.is_draining(),
                 conversation_tokens: 0,
                 conversation_expiry_ms: 0,
             });

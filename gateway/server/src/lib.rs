@@ -20,6 +20,7 @@
 //!   finished turn's KV (reverse pull), and `/v1/responses` turns for `previous_response_id`.
 //! - [`answer`]: what is read from a node's answer on its way out (a retained turn's params,
 //!   the response object), and what is removed from it for an untrusted client.
+//! - [`drain`]: what `SIGTERM` does: open requests finish before the process exits.
 //! - [`decision_log`]: sampled decisions (inputs and outputs) for `GET /admin/decisions`.
 //! - [`admin`]: the operator's API (policy push, rollback, dry-run, decisions, nodes).
 //! - [`cases`], [`replay`], [`template`]: the policy author's tools (`pd-gateway policy test`,
@@ -41,6 +42,7 @@ pub mod cases;
 pub mod cluster;
 pub mod conversation;
 pub mod decision_log;
+pub mod drain;
 pub mod error;
 pub mod lease;
 pub mod metrics;

@@ -24,6 +24,7 @@ use pd_gateway::cases;
 use pd_gateway::cluster::Cluster;
 use pd_gateway::conversation::{Holdings, ResponseStore};
 use pd_gateway::decision_log::{DecisionLog, DecisionLogConfig};
+use pd_gateway::drain::Drain;
 use pd_gateway::lease::LeaseReleaser;
 use pd_gateway::metrics::Metrics;
 use pd_gateway::proxy::{Gateway, ProxyConfig, Shared};
@@ -157,6 +158,11 @@ struct ServeArgs {
     /// Worker threads of the HTTP server.
     #[arg(long, default_value_t = 2)]
     threads: usize,
+    /// Seconds the gateway may take to drain on SIGTERM: it stops accepting connections at
+    /// once, lets open requests (streams included) finish, and exits when none is left; past
+    /// this it cuts what is still open. A second SIGTERM, or ctrl-c, exits at once.
+    #[arg(long, default_value_t = 30)]
+    drain_timeout: u64,
     /// Retained conversation turns (nodes' `--kv-retain-after-decode`) the gateway indexes at
     /// most; the oldest go first (their leases then just expire on the node).
     #[arg(long, default_value_t = 65_536)]
@@ -554,6 +560,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .connect_timeout(Duration::from_secs(2))
         .build()
         .context("building the HTTP client")?;
+    let drain = Arc::new(Drain::default());
     let shared = Arc::new(Shared {
         cluster: cluster.clone(),
         router: router.clone(),
@@ -570,6 +577,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             args.max_queued_requests,
             Duration::from_millis(args.queue_timeout_ms),
         ),
+        drain: drain.clone(),
         config: ProxyConfig {
             max_body: args.max_body,
             trusted_client_token: args.trusted_client_token.clone(),
@@ -596,6 +604,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         },
     );
     let watch = args.policy.clone().map(|p| (p, spec));
+    let drain_timeout = args.drain_timeout;
     std::thread::Builder::new()
         .name("pd-gateway-control".into())
         .spawn(move || {
@@ -633,6 +642,10 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                         scrape_timing,
                     ));
                 }
+                let drain_timeout = Duration::from_secs(drain_timeout);
+                tokio::spawn(async move {
+                    pd_gateway::drain::exit_when_drained(&drain, drain_timeout).await;
+                });
                 if let Some((path, spec)) = watch {
                     tokio::spawn(admin::watch_policy_file(admin.clone(), path, spec));
                 }
@@ -664,7 +677,9 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
 
     let conf = ServerConf {
         threads: args.threads.max(1),
-        grace_period_seconds: Some(0),
+        // SIGTERM: pingora stops accepting at once and waits this long before it drops what is
+        // still open; `drain::exit_when_drained` exits sooner, once nothing is.
+        grace_period_seconds: Some(args.drain_timeout),
         graceful_shutdown_timeout_seconds: Some(1),
         ..ServerConf::default()
     };

@@ -48,6 +48,7 @@ use crate::admission::Admission;
 use crate::answer::{Capture, Captured, SseCapture};
 use crate::cluster::{Cluster, Snapshot};
 use crate::conversation::{self, Holding, Holdings, ResponseStore};
+use crate::drain::Drain;
 use crate::error::GatewayError;
 use crate::lease::LeaseReleaser;
 use crate::metrics::Metrics;
@@ -88,6 +89,8 @@ pub struct Shared {
     pub responses: Arc<ResponseStore>,
     /// How many generation requests are served at once.
     pub admission: Admission,
+    /// Requests open now, and whether the gateway drains (`SIGTERM`).
+    pub drain: Arc<Drain>,
     /// Settings.
     pub config: ProxyConfig,
 }
@@ -380,8 +383,13 @@ impl Gateway {
         match (method.as_str(), path.as_str()) {
             ("GET", "/health") => {
                 let nodes = self.0.cluster.read().nodes.len();
-                let body = json!({"status": "ok", "nodes": nodes}).to_string();
-                respond(session, 200, "application/json", body.into()).await;
+                let (status, word) = if self.0.drain.is_draining() {
+                    (503, "draining")
+                } else {
+                    (200, "ok")
+                };
+                let body = json!({"status": word, "nodes": nodes}).to_string();
+                respond(session, status, "application/json", body.into()).await;
             }
             ("GET", "/metrics") => {
                 for (role, n) in self.0.cluster.count_by_role() {
@@ -1616,6 +1624,7 @@ impl ProxyHttp for Gateway {
         session: &mut Session,
         _ctx: &mut Self::CTX,
     ) -> pingora::Result<bool> {
+        let _open = self.0.drain.enter();
         self.serve(session).await;
         Ok(true)
     }

@@ -479,6 +479,7 @@ impl Live {
             leased_blocks: state.leased_blocks,
             prefill_tokens_per_s: state.prefill_tokens_per_s,
             pull_mb_per_s: state.pull_mb_per_s,
+            draining: state.draining,
         };
         self.send(pb::node_message::Msg::State(msg)).await?;
         self.last_state = Some(state);

@@ -28,6 +28,8 @@ pub struct NodeStateSnapshot {
     pub prefill_tokens_per_s: u32,
     /// Megabytes per second of the node's KV pulls, a moving average (0: not measured yet).
     pub pull_mb_per_s: u32,
+    /// The node is shutting down and takes no new work (it finishes what it has).
+    pub draining: bool,
 }
 
 impl NodeStateSnapshot {

@@ -119,6 +119,7 @@ fn initial_state() -> NodeStateSnapshot {
         leased_blocks: 7,
         prefill_tokens_per_s: 0,
         pull_mb_per_s: 0,
+        draining: false,
     }
 }
 

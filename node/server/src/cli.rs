@@ -57,6 +57,11 @@ pub struct ServeArgs {
     /// each other at every op, and one descheduled thread stalls the rest.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     pub threads: Option<u16>,
+    /// Seconds a node may take to drain on SIGTERM or ctrl-c: it tells the gateway it takes no
+    /// new work, finishes its requests and waits for decode nodes to pull the KV it leased
+    /// them, then exits (a second signal exits at once). Past this, it closes what is open.
+    #[arg(long, default_value_t = 30.0)]
+    pub drain_timeout: f64,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
@@ -400,6 +405,19 @@ impl ServeArgs {
                     self.kv_lease_duration
                 ))
             })
+    }
+
+    /// `--drain-timeout` as a duration.
+    ///
+    /// # Errors
+    /// [`CliError::Http`] when it is not a number of seconds ≥ 0.
+    pub fn drain_timeout(&self) -> Result<std::time::Duration, CliError> {
+        std::time::Duration::try_from_secs_f64(self.drain_timeout).map_err(|_| {
+            CliError::Http(format!(
+                "--drain-timeout must be a number of seconds ≥ 0, got {}",
+                self.drain_timeout
+            ))
+        })
     }
 
     /// `--kv-max-leased-fraction`, checked.

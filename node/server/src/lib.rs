@@ -15,7 +15,8 @@
 //! - `vllm_metrics` gives `/metrics` vLLM's names for the engine's metrics (copies made at
 //!   scrape time), for tools that read vLLM servers.
 //! - [`disagg`] is the node's P/D role: `kv_transfer_params` (`kv_params`), the consumer's
-//!   pull task; [`kv_side_channel`] serves the pool to peers; [`report`] feeds the gateway.
+//!   pull task; [`kv_side_channel`] serves the pool to peers; [`report`] feeds the gateway;
+//!   [`drain`] is what `SIGTERM` does before the process exits.
 //!
 //! This crate does not run the model, schedule sequences or touch KV memory: all of that is the
 //! engine's, reached only through [`EngineHandle::submit`]. A streaming body owns its
@@ -26,6 +27,7 @@
 
 pub mod cli;
 pub mod disagg;
+pub mod drain;
 mod error;
 mod generation;
 mod kv_params;

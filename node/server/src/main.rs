@@ -183,7 +183,16 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting tokio")?;
+    let drain_timeout = args.drain_timeout()?;
     runtime.block_on(async move {
+        // SIGTERM drains the node (`pd_node::drain`): `drain_at` says until when, once it began.
+        let drain = Arc::new(pd_node::drain::Drain::default());
+        let (drain_tx, drain_at) = tokio::sync::watch::channel(None::<tokio::time::Instant>);
+        let (kv_stop_tx, kv_stop_rx) = tokio::sync::watch::channel(false);
+        let kv_stop = async move {
+            let mut rx = kv_stop_rx;
+            let _ = rx.wait_for(|stop| *stop).await;
+        };
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("binding {addr}"))?;
@@ -209,7 +218,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                 let service = service.into_guarded_server(token_rx, refused);
                 if let Err(e) = tonic::transport::Server::builder()
                     .add_service(service)
-                    .serve_with_incoming_shutdown(incoming, shutdown_signal())
+                    .serve_with_incoming_shutdown(incoming, kv_stop)
                     .await
                 {
                     tracing::error!(error = %e, "KV side channel stopped");
@@ -252,6 +261,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                 let source = Arc::new(pd_node::report::EngineSource::new(
                     engine.clone(),
                     transfer_metrics.pull_bytes_per_second.clone(),
+                    drain.clone(),
                 ));
                 let handle = pd_report::Reporter::spawn(
                     gateway.clone(),
@@ -297,9 +307,37 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
             api_key,
             cluster_token: token_opens_v1.then_some(http_token),
         };
-        let served = pd_node::serve_with(listener, engine, disagg, options, shutdown_signal())
-            .await
-            .context("serving HTTP");
+        tokio::spawn(drain_on_signal(
+            engine.clone(),
+            drain.clone(),
+            drain_timeout,
+            drain_tx,
+        ));
+        let http_stop = {
+            let mut at = drain_at.clone();
+            async move {
+                let _ = at.wait_for(Option::is_some).await;
+            }
+        };
+        let cut = {
+            let mut at = drain_at.clone();
+            async move {
+                let deadline = at.wait_for(Option::is_some).await.ok().and_then(|d| *d);
+                tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)).await;
+            }
+        };
+        let served = tokio::select! {
+            served = pd_node::serve_with(listener, engine.clone(), disagg, options, http_stop) => {
+                served.context("serving HTTP")
+            }
+            () = cut => {
+                tracing::warn!("drain timeout: closing the requests still open");
+                Ok(())
+            }
+        };
+        let deadline = (*drain_at.borrow()).unwrap_or_else(tokio::time::Instant::now);
+        pd_node::drain::leases_pulled(&engine, deadline).await;
+        let _ = kv_stop_tx.send(true);
         if let Some(r) = reporter {
             r.shutdown().await;
         }
@@ -308,6 +346,36 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     tracing::info!("shut down");
     Ok(())
 }
+
+/// Waits for ctrl-c or SIGTERM, then drains (see `pd_node::drain`): the flag the gateway sees,
+/// a quiet engine (at most until `timeout` from the signal), then `drain_at` set to that
+/// deadline, which stops the HTTP server and bounds what follows. A second signal exits at once.
+async fn drain_on_signal(
+    engine: pd_engine::EngineHandle,
+    drain: Arc<pd_node::drain::Drain>,
+    timeout: std::time::Duration,
+    drain_at: tokio::sync::watch::Sender<Option<tokio::time::Instant>>,
+) {
+    shutdown_signal().await;
+    let deadline = tokio::time::Instant::now() + timeout;
+    drain.begin();
+    tracing::info!(
+        timeout_s = timeout.as_secs_f64(),
+        "draining: no new work from the gateway; finishing requests and unpulled leases (a second signal exits at once)"
+    );
+    tokio::spawn(async {
+        shutdown_signal().await;
+        tracing::warn!("second signal: exiting without draining");
+        std::process::exit(1);
+    });
+    // Longer than the reporter's change poll (100 ms), so the gateway has seen the flag before
+    // the listener closes.
+    pd_node::drain::engine_quiet(&engine, DRAIN_SETTLE, deadline).await;
+    let _ = drain_at.send(Some(deadline));
+}
+
+/// How long the engine must stay idle before a draining node stops accepting connections.
+const DRAIN_SETTLE: std::time::Duration = std::time::Duration::from_millis(300);
 
 /// Resolves on ctrl-c or SIGTERM.
 async fn shutdown_signal() {
@@ -335,7 +403,7 @@ async fn shutdown_signal() {
         () = ctrl_c => {}
         () = terminate => {}
     }
-    tracing::info!("shutdown signal received; finishing in-flight requests");
+    tracing::info!("shutdown signal received");
 }
 
 fn gen_tiny_model(args: &GenTinyModelArgs) -> anyhow::Result<()> {

@@ -15,6 +15,7 @@ use pd_report::{BlockSubscription, LeaseCounters, NodeStateSnapshot, StateSource
 use tokio::sync::broadcast::error::RecvError;
 
 use crate::KvRole;
+use crate::drain::Drain;
 
 /// The engine as the reporter reads it.
 #[derive(Debug)]
@@ -23,18 +24,21 @@ pub struct EngineSource {
     stored: Arc<StoredBlocks>,
     /// The moving average of this node's pull bandwidth (bytes/s), from its transfer metrics.
     pull_rate: prometheus::Gauge,
+    /// Set once the node drains (`SIGTERM`): sent as `NodeState.draining`.
+    drain: Arc<Drain>,
 }
 
 impl EngineSource {
-    /// Reads `engine` (and the pull bandwidth average `pull_rate`, bytes/s); starts mirroring
-    /// its prefix cache (needs a tokio runtime).
-    pub fn new(engine: EngineHandle, pull_rate: prometheus::Gauge) -> Self {
+    /// Reads `engine` (and the pull bandwidth average `pull_rate`, bytes/s, and whether the node
+    /// drains); starts mirroring its prefix cache (needs a tokio runtime).
+    pub fn new(engine: EngineHandle, pull_rate: prometheus::Gauge, drain: Arc<Drain>) -> Self {
         let stored = Arc::new(StoredBlocks::new());
         tokio::spawn(mirror_cache(engine.clone(), stored.clone()));
         Self {
             engine,
             stored,
             pull_rate,
+            drain,
         }
     }
 }
@@ -60,6 +64,7 @@ impl StateSource for EngineSource {
             leased_blocks: leases.leased_blocks as u64,
             prefill_tokens_per_s: m.prefill_tokens_per_second.get().round() as u32,
             pull_mb_per_s: (self.pull_rate.get() / 1e6).round() as u32,
+            draining: self.drain.is_draining(),
         }
     }
 
