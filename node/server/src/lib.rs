@@ -67,6 +67,8 @@ pub struct HttpOptions {
     /// the gateway sends it. Only a token the node was configured with (`--cluster-token`):
     /// one the gateway minted is handed to whoever registers.
     pub cluster_token: Option<tokio::sync::watch::Receiver<Option<String>>>,
+    /// Whether the node drains: `/health` answers 503 once it does (see [`drain`]).
+    pub drain: Arc<drain::Drain>,
 }
 
 impl HttpOptions {
@@ -78,6 +80,7 @@ impl HttpOptions {
             tool_parser: ToolCallParser::detect(engine.tokenizer()),
             api_key: None,
             cluster_token: None,
+            drain: Arc::default(),
         }
     }
 }

@@ -306,6 +306,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
             tool_parser,
             api_key,
             cluster_token: token_opens_v1.then_some(http_token),
+            drain: drain.clone(),
         };
         tokio::spawn(drain_on_signal(
             engine.clone(),

@@ -40,6 +40,7 @@ struct Server {
     client: reqwest::Client,
     shutdown: oneshot::Sender<()>,
     task: JoinHandle<std::io::Result<()>>,
+    drain: std::sync::Arc<pd_node::drain::Drain>,
 }
 
 impl Server {
@@ -74,6 +75,7 @@ impl Server {
             None,
             "the tiny model's files do not name <tool_call>"
         );
+        let drain = options.drain.clone();
         let task = tokio::spawn(pd_node::serve_with(
             listener,
             engine.clone(),
@@ -89,6 +91,7 @@ impl Server {
             client: reqwest::Client::new(),
             shutdown,
             task,
+            drain,
         }
     }
 
@@ -228,6 +231,19 @@ fn assert_same_usage(second: &Value, first: &Value, details: &str) {
         .unwrap();
     // Every prompt here spans more than one block; the last prompt token is always computed.
     assert!(0 < cached && cached < prompt, "{second}");
+}
+
+#[tokio::test]
+async fn a_draining_node_fails_its_health_check_and_still_serves() {
+    let server = Server::start().await;
+    assert_eq!(server.get("/health").await.0, 200);
+    server.drain.begin();
+    assert_eq!(server.get("/health").await.0, 503);
+    let body =
+        json!({"model": "tiny", "prompt": "still served", "max_tokens": 2, "temperature": 0});
+    let (status, answer) = server.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{answer}");
+    server.stop().await;
 }
 
 #[tokio::test]

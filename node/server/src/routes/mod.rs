@@ -41,6 +41,8 @@ pub(crate) struct AppState {
     pub(crate) sse_keep_alive: std::time::Duration,
     /// How the model writes its own tool calls, if this node reads them.
     pub(crate) tool_parser: Option<crate::ToolCallParser>,
+    /// Whether the node drains (`SIGTERM`): `/health` answers 503 meanwhile.
+    pub(crate) drain: Arc<crate::drain::Drain>,
 }
 
 impl AppState {
@@ -265,6 +267,7 @@ pub(crate) fn router(
         disagg,
         sse_keep_alive: options.sse_keep_alive,
         tool_parser: options.tool_parser,
+        drain: options.drain,
     };
     Router::new()
         .route("/health", get(health))
@@ -394,8 +397,14 @@ async fn require_key(
     next.run(req).await
 }
 
-async fn health() -> StatusCode {
-    StatusCode::OK
+/// 200 while serving; 503 once the node drains, so a load balancer's readiness check takes it
+/// out while it finishes what it has.
+async fn health(State(state): State<AppState>) -> StatusCode {
+    if state.drain.is_draining() {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    }
 }
 
 async fn models(State(state): State<AppState>) -> Json<ModelList> {
