@@ -20,6 +20,13 @@ use pd_cluster_tests::eventually;
 use pd_cluster_tests::load::Load;
 use pd_cluster_tests::openai::{self, Api};
 
+/// Leases node `engine_id` has granted (since it started).
+async fn granted(c: &TestCluster, engine_id: &str) -> f64 {
+    c.node_metrics(engine_id)
+        .await
+        .sum("pd_kv_leases_total", &[("event", "granted")])
+}
+
 /// What `/admin/nodes` says of `engine_id`: `(listed, draining)`.
 async fn listed_draining(c: &TestCluster, engine_id: &str) -> (bool, bool) {
     let nodes = c.admin_nodes().await;
@@ -49,10 +56,7 @@ async fn a_prefill_node_drains_on_sigterm_and_no_request_is_lost() {
     .await;
     let load = Load::start(&c.gateway.http, 3, 400, "A rolling restart loses nothing.");
     eventually("p1 to serve", Duration::from_secs(30), async || {
-        c.node_metrics("p1")
-            .await
-            .sum("pd_kv_leases_total", &[("event", "granted")])
-            > 0.0
+        granted(&c, "p1").await > 0.0
     })
     .await;
 
@@ -113,10 +117,7 @@ async fn a_prefill_node_drains_on_sigterm_and_no_request_is_lost() {
     .await;
     c.restart("p1", &[]).await;
     eventually("the new p1 to serve", Duration::from_secs(30), async || {
-        c.node_metrics("p1")
-            .await
-            .sum("pd_kv_leases_total", &[("event", "granted")])
-            > 0.0
+        granted(&c, "p1").await > 0.0
     })
     .await;
     let outcome = load.stop().await;
