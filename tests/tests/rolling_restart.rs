@@ -5,9 +5,10 @@
 //!    yet, then p1 gets `SIGTERM`. It reports itself draining (the gateway lists it so and routes
 //!    nothing new to it), keeps its KV side channel open until every lease it granted is pulled,
 //!    and only then exits, with status 0. The decode nodes run the default
-//!    `--kv-load-failure-policy fail`, so a pull that found p1 gone would fail its request: every
-//!    request of the load is answered 200, and no decode node recomputed anything. p1 then
-//!    starts again under its id and serves.
+//!    `--kv-load-failure-policy fail`, so a pull that found p1 gone would fail its request. p1
+//!    then starts again under its id and serves. Then d1 gets `SIGTERM` while it decodes: it
+//!    finishes its streams and exits 0. Every request of the load is answered 200, and no
+//!    decode node recomputed anything.
 //! 2. **The gateway** (1P + 1D): a stream is in flight (its decode node frozen mid-answer) when
 //!    the gateway gets `SIGTERM`. It stops accepting connections at once, keeps relaying the
 //!    stream past pingora's default one-second cut-off, and exits 0 once the stream has ended.
@@ -37,7 +38,7 @@ async fn listed_draining(c: &TestCluster, engine_id: &str) -> (bool, bool) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_prefill_node_drains_on_sigterm_and_no_request_is_lost() {
+async fn nodes_drain_on_sigterm_and_no_request_is_lost() {
     let mut c = TestCluster::start(
         "drain-node",
         ClusterSpec {
@@ -120,6 +121,32 @@ async fn a_prefill_node_drains_on_sigterm_and_no_request_is_lost() {
         granted(&c, "p1").await > 0.0
     })
     .await;
+
+    // A decode node, while it decodes: it finishes its streams, takes nothing new, and exits.
+    eventually("d1 decoding", Duration::from_secs(10), async || {
+        c.node_metrics("d1")
+            .await
+            .sum("pd_node_requests_running", &[])
+            > 0.0
+    })
+    .await;
+    // (Its metrics go with it: what it recomputed through p1's drain, read now.)
+    let d1_recomputed = c.node_metrics("d1").await.sum("pd_kv_recompute_total", &[]);
+    c.node("d1").proc.signal(libc::SIGTERM);
+    let sent = Instant::now();
+    let status = c.node_mut("d1").proc.wait_exit(Duration::from_secs(20));
+    eprintln!("d1 exited ({status:?}) {:?} after SIGTERM", sent.elapsed());
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "d1 did not exit cleanly on its own after draining: {status:?}; its log:\n{}",
+        c.node("d1").proc.log_tail(30)
+    );
+    c.wait_unlisted("d1", Duration::from_secs(5)).await;
+    let target = load.done() + 6;
+    eventually("6 more requests", Duration::from_secs(30), async || {
+        load.done() >= target
+    })
+    .await;
     let outcome = load.stop().await;
     for task in stuck {
         let (api, a) = task.await.expect("a request task");
@@ -132,18 +159,12 @@ async fn a_prefill_node_drains_on_sigterm_and_no_request_is_lost() {
     }
     assert!(
         outcome.failed.is_empty(),
-        "{} of {} requests failed across p1's restart: {:#?}",
+        "{} of {} requests failed across p1's restart and d1's exit: {:#?}",
         outcome.failed.len(),
         outcome.ok + outcome.failed.len(),
         outcome.failed
     );
-    let recomputed = c
-        .sum_over(
-            pd_cluster_tests::cluster::Role::Decode,
-            "pd_kv_recompute_total",
-            &[],
-        )
-        .await;
+    let recomputed = d1_recomputed + c.node_metrics("d0").await.sum("pd_kv_recompute_total", &[]);
     assert_eq!(recomputed, 0.0, "every decode pulled its KV");
     eprintln!("{} requests answered across p1's restart", outcome.ok);
 }
