@@ -70,6 +70,46 @@ fn guests_match_native_on_random_views() {
     }
 }
 
+/// prefix-aware's config reaches its rules the same way in the guest (read with
+/// `host.config`) as in the native copy ([`Thresholds`]): with the holder limited to an idle one
+/// (`holder-max-busy 0`) and no slack, over the same random sweep, holders are passed over more
+/// often, and the two still agree.
+#[test]
+fn prefix_aware_config_matches_native() {
+    let engine = PolicyEngine::new().expect("engine");
+    let mut spec = crate::common::spec("prefix-aware");
+    spec.config = [("holder-max-busy", "0"), ("holder-load-slack", "0")]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+    let policy = engine
+        .load(&crate::common::wasm("prefix-aware"), spec)
+        .expect("load prefix-aware");
+    let t = Thresholds {
+        holder_max_busy: 0,
+        holder_load_slack: 0,
+        ..Thresholds::default()
+    };
+    let mut rng = Rng::new(0x5eed_b05e);
+    let mut changed = 0;
+    for case in 0..CASES {
+        let (request, view) = random_case(&mut rng, case);
+        let measured = random_measured(&mut rng, view.nodes.len());
+        let want = prefix_aware_with(&request, &view, &measured, &t);
+        let got = policy
+            .decide_measured(&request, &view, &measured, &names(&view))
+            .unwrap_or_else(|e| panic!("case {case}: {e:?}"));
+        assert_eq!(
+            got, want,
+            "case {case}: guest and native disagree on {request:?} {view:?} {measured:?}"
+        );
+        if want != prefix_aware_with(&request, &view, &measured, &Thresholds::default()) {
+            changed += 1;
+        }
+    }
+    assert!(changed > 3, "the config changed {changed} decisions");
+}
+
 fn draining(mut n: pd_policy::Node) -> pd_policy::Node {
     n.draining = true;
     n

@@ -25,6 +25,11 @@ pub struct Thresholds {
     /// ...and when the holder's load is at most the least-loaded node of its role's plus this
     /// (`holder-load-slack`): an overloaded holder is passed over.
     pub holder_load_slack: u64,
+    /// ...and when the holder has at most this many requests queued, running or waiting for
+    /// KV (`holder-max-busy`; default: no limit). 0 sends a turn to its holder only when the
+    /// holder is idle, so no decode there ever waits behind a new turn's prefill (TPOT as on a
+    /// decode node that only decodes); the turn goes to P instead, which pulls the history back.
+    pub holder_max_busy: u64,
 }
 
 impl Default for Thresholds {
@@ -36,6 +41,7 @@ impl Default for Thresholds {
             pull_overhead_us: 2_000,
             holder_max_new_tokens: 256,
             holder_load_slack: 2,
+            holder_max_busy: u64::MAX,
         }
     }
 }
@@ -92,7 +98,8 @@ pub fn prefix_aware(request: &Request, view: &View) -> Decision {
 /// index, when any has some):
 /// 1. **Route to the holder** when it is a decode or standalone node, not draining, the turn
 ///    adds at most `holder_max_new_tokens` prompt tokens beyond what it holds, and its load is
-///    at most the least-loaded of its role's candidates plus `holder_load_slack`: `whole` with
+///    at most the least-loaded of its role's candidates plus `holder_load_slack` (and at most
+///    `holder_max_busy`): `whole` with
 ///    the holder first, then the other candidates of its role in least-loaded order (they pull
 ///    the turn from the holder), `reverse-pull { from: holder, min-tokens: 0 }`.
 /// 2. Otherwise, on a split, **pull the turn back** when it holds at least
@@ -157,7 +164,7 @@ fn to_holder(request: &Request, nodes: &[Node], h: u32, t: &Thresholds) -> Optio
     }
     let mut others = candidates(nodes, n.role);
     let lightest = others.iter().map(|&i| load(&nodes[i as usize])).min()?;
-    if load(n) > lightest.saturating_add(t.holder_load_slack) {
+    if load(n) > lightest.saturating_add(t.holder_load_slack) || load(n) > t.holder_max_busy {
         return None;
     }
     others.retain(|&i| i != h);
