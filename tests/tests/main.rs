@@ -4,6 +4,7 @@
 
 mod admission;
 mod api_keys;
+mod burst;
 mod client_abort;
 mod multi_turn;
 mod node_killed;

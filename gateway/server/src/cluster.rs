@@ -7,7 +7,7 @@
 //! read lock only to copy out a view (no await while held).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Instant, SystemTime};
 
@@ -65,6 +65,73 @@ pub struct NodeEntry {
     /// How the gateway knows it: `registered` over the registry stream, or `static` (named
     /// with `--static-node` and scraped; see [`crate::static_node`]).
     pub source: &'static str,
+    /// The requests the gateway has routed to it and not seen end: what its view adds to the
+    /// node's last report (see [`OpenRequests`]).
+    pub open: OpenRequests,
+}
+
+/// Requests the gateway has open on one node: counted from the routing decision (a decode
+/// node's, before P's phase) or the send, until the node's part of the request is over.
+///
+/// A node reports its queue when it changes, at most every `change_poll` (100 ms), so a burst
+/// of decisions would all see the same stale load and pile onto one node, and a node that has
+/// just finished a request would look busy until its next report. The view therefore shows a
+/// node's load as `max(open, reported + open - open_at_report)` ([`OpenRequests::adjust`]): the
+/// report moved on by what the gateway itself started and saw end since, and never below what
+/// the gateway knows is open there now.
+#[derive(Debug, Default)]
+pub struct OpenRequests {
+    count: Arc<AtomicU32>,
+    /// `count` when the node's last state arrived (the state counts those already).
+    at_state: u32,
+}
+
+impl OpenRequests {
+    /// Requests open on the node now.
+    pub fn now(&self) -> u32 {
+        self.count.load(Ordering::Acquire)
+    }
+
+    /// `(waiting, running, waiting_remote_kv)` of a report, moved on as the type docs say:
+    /// requests started since wait, requests ended since leave `running` first.
+    fn adjust(&self, s: &pb::NodeState) -> (u32, u32, u32) {
+        let (mut waiting, mut running, mut remote) =
+            (sat(s.waiting), sat(s.running), sat(s.waiting_remote_kv));
+        let reported = i64::from(waiting) + i64::from(running) + i64::from(remote);
+        let open = i64::from(self.now());
+        let estimate = (reported + open - i64::from(self.at_state)).max(open);
+        let mut delta = estimate - reported;
+        if delta >= 0 {
+            waiting = waiting.saturating_add(u32::try_from(delta).unwrap_or(u32::MAX));
+        } else {
+            for field in [&mut running, &mut remote, &mut waiting] {
+                let cut = u32::try_from(-delta).unwrap_or(u32::MAX).min(*field);
+                *field -= cut;
+                delta += i64::from(cut);
+            }
+        }
+        (waiting, running, remote)
+    }
+}
+
+/// One request open on a node: counted in [`OpenRequests`] until dropped.
+#[derive(Debug)]
+pub struct OnNode {
+    conn: ConnId,
+    count: Arc<AtomicU32>,
+}
+
+impl OnNode {
+    /// The node's connection.
+    pub fn conn(&self) -> ConnId {
+        self.conn
+    }
+}
+
+impl Drop for OnNode {
+    fn drop(&mut self) {
+        self.count.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl NodeEntry {
@@ -113,6 +180,19 @@ pub struct NodeRef {
     pub epoch: u64,
     /// `host:port` of its OpenAI API.
     pub http_addr: Arc<str>,
+    /// Its open-request count ([`OpenRequests`]).
+    open: Arc<AtomicU32>,
+}
+
+impl NodeRef {
+    /// Counts one more request open on this node until the guard drops.
+    pub fn open(&self) -> OnNode {
+        self.open.fetch_add(1, Ordering::AcqRel);
+        OnNode {
+            conn: self.conn,
+            count: self.open.clone(),
+        }
+    }
 }
 
 /// A model's nodes at one moment: the policy's view, the prefix holdings of one prompt, and the
@@ -310,6 +390,7 @@ impl Cluster {
             info!(engine_id = %n.engine_id, "node shutting down: no new work goes to it");
         }
         n.state = state;
+        n.open.at_state = n.open.now();
         n.last_seen = Instant::now();
         true
     }
@@ -433,14 +514,15 @@ impl Cluster {
             take_token_ids &= n.takes_prompt_token_ids;
             max_model_len = max_model_len.max(n.max_model_len);
             let s = &n.state;
+            let (waiting, running, waiting_remote_kv) = n.open.adjust(s);
             view.nodes.push(Node {
                 role: n.role,
                 free_blocks: sat(s.free_blocks),
                 total_blocks: sat(s.total_blocks),
                 leased_blocks: sat(s.leased_blocks),
-                waiting: sat(s.waiting),
-                running: sat(s.running),
-                waiting_remote_kv: sat(s.waiting_remote_kv),
+                waiting,
+                running,
+                waiting_remote_kv,
                 draining: n.is_draining(),
                 conversation_tokens: 0,
                 conversation_expiry_ms: 0,
@@ -450,6 +532,7 @@ impl Cluster {
                 engine_id: n.engine_id.clone(),
                 epoch: n.epoch,
                 http_addr: n.http_addr.clone(),
+                open: n.open.count.clone(),
             });
             measured.rates.push(Rates {
                 prefill_tokens_per_s: s.prefill_tokens_per_s,
@@ -519,7 +602,56 @@ mod tests {
             visible_from: Instant::now(),
             outbox: mpsc::channel(1).0,
             source,
+            open: OpenRequests::default(),
         }
+    }
+
+    /// `(waiting, running, remote)` of a report with `open` requests open now and `at_state`
+    /// open when the report came.
+    fn adjusted(report: (u64, u64, u64), at_state: u32, open: u32) -> (u32, u32, u32) {
+        let o = OpenRequests {
+            count: Arc::new(AtomicU32::new(open)),
+            at_state,
+        };
+        o.adjust(&pb::NodeState {
+            waiting: report.0,
+            running: report.1,
+            waiting_remote_kv: report.2,
+            ..pb::NodeState::default()
+        })
+    }
+
+    #[test]
+    fn the_view_moves_a_report_on_by_the_requests_the_gateway_opened_and_closed() {
+        // A burst: three routed since an idle report; they wait.
+        assert_eq!(adjusted((0, 0, 0), 0, 3), (3, 0, 0));
+        // A request ended since the report that showed it running: the node is idle.
+        assert_eq!(adjusted((0, 1, 0), 1, 0), (0, 0, 0));
+        // Two ended, one was parked for KV: running first, then the parked one.
+        assert_eq!(adjusted((1, 1, 1), 2, 0), (1, 0, 0));
+        // A report that does not show two requests the gateway has open there (a decode node
+        // reserved during P's phase): never below what is open.
+        assert_eq!(adjusted((0, 0, 0), 2, 2), (2, 0, 0));
+        // Load from elsewhere (other clients) stays.
+        assert_eq!(adjusted((2, 3, 0), 0, 0), (2, 3, 0));
+        assert_eq!(adjusted((2, 3, 0), 1, 2), (3, 3, 0));
+    }
+
+    #[test]
+    fn an_open_request_counts_until_its_guard_drops() {
+        let r = NodeRef {
+            conn: 7,
+            engine_id: "d0".into(),
+            epoch: 1,
+            http_addr: "127.0.0.1:1".into(),
+            open: Arc::default(),
+        };
+        let a = r.open();
+        let b = r.open();
+        assert_eq!((a.conn(), r.open.load(Ordering::Acquire)), (7, 2));
+        drop(a);
+        drop(b);
+        assert_eq!(r.open.load(Ordering::Acquire), 0);
     }
 
     #[test]

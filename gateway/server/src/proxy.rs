@@ -46,7 +46,7 @@ use tracing::{Instrument, debug, warn};
 
 use crate::admission::Admission;
 use crate::answer::{Capture, Captured, SseCapture};
-use crate::cluster::{Cluster, Snapshot};
+use crate::cluster::{Cluster, NodeRef, OnNode, Snapshot};
 use crate::conversation::{self, Holding, Holdings, ResponseStore};
 use crate::drain::Drain;
 use crate::error::GatewayError;
@@ -171,6 +171,9 @@ struct Prepared {
     /// The prompt's last whole block's chain hash and the tokens up to it: the partial key of
     /// the turn a node may keep from this request.
     prompt_key: Option<(u64, u32)>,
+    /// A split's first decode node, counted as busy with this request from the decision on
+    /// (its send comes only after P's phase), so the next decisions see it.
+    reserved: Option<OnNode>,
 }
 
 /// A retained turn a request's prompt continues.
@@ -570,6 +573,7 @@ impl Gateway {
             held,
             turn,
             prompt_key,
+            reserved,
         } = p;
         let path = api_path(api);
         // The earlier turn is moved only when the policy asks for it, from the node holding it,
@@ -627,6 +631,7 @@ impl Gateway {
                     bytes,
                     "whole",
                     (capture, &mut captured),
+                    None,
                 )
                 .await
             }
@@ -657,6 +662,7 @@ impl Gateway {
                     None
                 };
                 if let Some((candidates, stage)) = direct {
+                    drop(reserved);
                     let bytes = Bytes::from(serde_json::to_vec(&body).map_err(internal)?);
                     return self
                         .whole(
@@ -668,6 +674,7 @@ impl Gateway {
                             bytes,
                             stage,
                             (capture, &mut captured),
+                            None,
                         )
                         .await;
                 }
@@ -686,6 +693,7 @@ impl Gateway {
                     &split,
                     pull,
                     (capture, &mut captured),
+                    reserved,
                 )
                 .await
             }
@@ -1003,6 +1011,14 @@ impl Gateway {
             });
         }
         debug!(policy = %decided.policy, version = %decided.version, route = ?decided.decision.route, "decided");
+        let reserved = match &decided.decision.route {
+            Route::Split(sp) => sp
+                .decode
+                .first()
+                .and_then(|d| snapshot.nodes.get(d.node as usize))
+                .map(NodeRef::open),
+            _ => None,
+        };
         Ok(Prepared {
             api,
             body,
@@ -1015,6 +1031,7 @@ impl Gateway {
             held,
             turn,
             prompt_key,
+            reserved,
         })
     }
 
@@ -1067,11 +1084,18 @@ impl Gateway {
         body: Bytes,
         stage: &'static str,
         capture: (Capture, &mut Captured),
+        mut reserved: Option<OnNode>,
     ) -> Result<Outcome, GatewayError> {
         let mut why = Vec::new();
         for &i in candidates {
             let Some(node) = snapshot.nodes.get(i as usize) else {
                 continue;
+            };
+            // Counted on this node while it serves: the decision's reservation when it is the
+            // node reserved, else from now.
+            let _open = match reserved.take() {
+                Some(r) if r.conn() == node.conn => r,
+                _ => node.open(),
             };
             match self
                 .send(session, t, &node.http_addr, path, body.clone())
@@ -1106,6 +1130,7 @@ impl Gateway {
         split: &Split,
         pull: Option<&Holding>,
         capture: (Capture, &mut Captured),
+        reserved: Option<OnNode>,
     ) -> Result<Outcome, GatewayError> {
         let groups = spread::plan(&split.decode, analyzed.n);
         let consumers = match groups.len() {
@@ -1132,6 +1157,8 @@ impl Gateway {
             for extra in params.drain(groups.len()..) {
                 self.release(Some(&extra), "unused");
             }
+            // Each group's decode node is counted as its send goes out.
+            drop(reserved);
             return self
                 .spread(session, t, path, body, snapshot, &groups, params)
                 .await;
@@ -1160,6 +1187,7 @@ impl Gateway {
                 d_body,
                 "decode",
                 capture,
+                reserved,
             )
             .await;
         match &outcome {
@@ -1223,9 +1251,14 @@ impl Gateway {
             }
         };
         let mut resps = Vec::with_capacity(answers.len());
+        // Each group's node stays counted busy until the merged answer is over.
+        let mut _open = Vec::with_capacity(answers.len());
         for a in answers {
             match a {
-                Ok(r) => resps.push(r),
+                Ok((r, open)) => {
+                    resps.push(r);
+                    _open.push(open);
+                }
                 Err(why) => {
                     release_all("decode_failed");
                     return Err(GatewayError::NoCapacity {
@@ -1272,12 +1305,13 @@ impl Gateway {
         path: &str,
         body: Bytes,
         request: Option<&str>,
-    ) -> Result<reqwest::Response, String> {
+    ) -> Result<(reqwest::Response, OnNode), String> {
         let mut why = Vec::new();
         for &i in candidates {
             let Some(node) = snapshot.nodes.get(i as usize) else {
                 continue;
             };
+            let open = node.open();
             let mut post = self
                 .0
                 .http
@@ -1293,7 +1327,7 @@ impl Gateway {
                     let text = r.text().await.unwrap_or_default();
                     format!("{} answered {status}: {text}", node.http_addr)
                 }
-                Ok(r) => return Ok(r),
+                Ok(r) => return Ok((r, open)),
                 Err(e) => format!("{}: {e}", node.http_addr),
             };
             warn!(node = %node.engine_id, stage = "decode", "failing over: {e}");
@@ -1420,6 +1454,7 @@ impl Gateway {
             let Some(node) = snapshot.nodes.get(i as usize) else {
                 continue;
             };
+            let _open = node.open();
             let resp = match self
                 .send(session, t, &node.http_addr, path, p_body.clone())
                 .await

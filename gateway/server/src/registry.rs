@@ -193,6 +193,7 @@ impl NodeRegistry for Registry {
             },
             outbox: tx.clone(),
             source: "registered",
+            open: Default::default(),
         };
         let bundle = reg.tokenizer.clone();
         if let Err(why) = self

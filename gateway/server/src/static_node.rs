@@ -388,6 +388,7 @@ fn join(
         visible_from: Instant::now(),
         outbox,
         source: "static",
+        open: Default::default(),
     };
     cluster.join(entry, || Ok((tokenizer.clone(), fingerprint)), fingerprint)?;
     Ok(conn)
