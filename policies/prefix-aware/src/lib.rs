@@ -21,8 +21,8 @@
 //! conversation under a lease), when there is one:
 //! 1. Route to the holder: when it is a decode or standalone node, not draining, the turn adds
 //!    at most `holder-max-new-tokens` prompt tokens beyond what it holds, and its load is at most
-//!    the least-loaded candidate of its role's plus `holder-load-slack` (and at most
-//!    `holder-max-busy`, when set): `whole` with the holder
+//!    the least-loaded candidate of its role's plus `holder-load-slack`, and at most
+//!    `holder-max-busy` (0 by default: an idle holder): `whole` with the holder
 //!    first, then the other candidates of its role in least-loaded order (they pull the turn from
 //!    the holder), `reverse-pull { from: holder, min-tokens: 0 }`.
 //! 2. Else, on a split, pull the turn back to P when it holds at least `min-pull` tokens, the
@@ -36,8 +36,8 @@
 //! The seven parameters are read from the policy config (`pd-gateway policy push --config
 //! KEY=VALUE`); defaults: prefill-tokens-per-s 2000, kv-bytes-per-token 23040 (SmolLM2-135M,
 //! f16 KV), pull-mb-per-s 1000, pull-overhead-us 2000, holder-max-new-tokens 256,
-//! holder-load-slack 2, holder-max-busy unset (no limit; 0: only an idle holder takes a turn,
-//! so its decodes never wait behind a prefill).
+//! holder-load-slack 2, holder-max-busy 0 (only an idle holder takes a turn, so its decodes
+//! never wait behind a prefill).
 
 #![no_std]
 
@@ -169,7 +169,7 @@ fn to_holder(request: &Request, v: &View, h: Holding) -> Option<Decision> {
     let lightest = others.iter().map(|&i| load(v, i)).min()?;
     let busy = load(v, h.node);
     if busy > lightest.saturating_add(param("holder-load-slack", 2))
-        || busy > param("holder-max-busy", u64::MAX)
+        || busy > param("holder-max-busy", 0)
     {
         return None;
     }

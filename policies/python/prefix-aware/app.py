@@ -22,7 +22,8 @@ Multi-turn. The holder is the node with the most `conversation_tokens` (earlier-
 conversation under a lease; ties to the lowest index), when any has some:
 1. Route to the holder: when it is a decode or standalone node, not draining, the turn adds at
    most `holder-max-new-tokens` prompt tokens beyond what it holds, and its load is at most the
-   least-loaded candidate of its role's plus `holder-load-slack`: whole with the holder first,
+   least-loaded candidate of its role's plus `holder-load-slack` and at most `holder-max-busy`
+   (0: an idle holder, so its decodes never wait behind this prefill): whole with the holder first,
    then the other candidates of its role in least-loaded order, reverse pull from the holder
    with min-tokens 0.
 2. Else, on a split, pull the turn back to P when it holds at least min-pull tokens, the fewest
@@ -125,6 +126,8 @@ def to_holder(request, nodes, h):
         return None
     lightest = min(load(nodes[i]) for i in others)
     if load(n) > lightest + param("holder-load-slack", 2):
+        return None
+    if load(n) > param("holder-max-busy", 0):
         return None
     ranked = [h] + [i for i in least_loaded(nodes, others) if i != h]
     return Decision(route=Route_Whole(ranked), reverse_pull=ReversePull(from_=h, min_tokens=0))

@@ -26,9 +26,11 @@ pub struct Thresholds {
     /// (`holder-load-slack`): an overloaded holder is passed over.
     pub holder_load_slack: u64,
     /// ...and when the holder has at most this many requests queued, running or waiting for
-    /// KV (`holder-max-busy`; default: no limit). 0 sends a turn to its holder only when the
-    /// holder is idle, so no decode there ever waits behind a new turn's prefill (TPOT as on a
-    /// decode node that only decodes); the turn goes to P instead, which pulls the history back.
+    /// KV (`holder-max-busy`). The default, 0, sends a turn to its holder only when the holder
+    /// is idle, so no decode there ever waits behind a new turn's prefill (TPOT as on a decode
+    /// node that only decodes: what P/D disaggregation is for); a busy holder's turn goes to P,
+    /// which pulls the history back. Larger values trade the holder's decodes' TPOT for the
+    /// turn's TTFT.
     pub holder_max_busy: u64,
 }
 
@@ -41,7 +43,7 @@ impl Default for Thresholds {
             pull_overhead_us: 2_000,
             holder_max_new_tokens: 256,
             holder_load_slack: 2,
-            holder_max_busy: u64::MAX,
+            holder_max_busy: 0,
         }
     }
 }
@@ -251,7 +253,7 @@ mod tests {
         let v = view(vec![
             node(Role::Prefill, 0, 10, false),
             node(Role::Decode, 0, 10, false),
-            holding(node(Role::Decode, 1, 10, false), 96),
+            holding(node(Role::Decode, 0, 10, false), 96),
         ]);
         // 100 prompt tokens, 96 held: 4 new.
         let d = prefix_aware(&request(0, 1, vec![]), &v);
@@ -266,7 +268,33 @@ mod tests {
     }
 
     #[test]
+    fn a_busy_holder_is_pulled_from_unless_the_config_allows_it() {
+        // The holder decodes another conversation: by default P takes the turn (pulling it
+        // back), so that decode never waits behind this prefill.
+        let v = view(vec![
+            node(Role::Prefill, 0, 10, false),
+            node(Role::Decode, 1, 10, false),
+            holding(node(Role::Decode, 1, 10, false), 96),
+        ]);
+        let r = request(0, 1, vec![]);
+        let d = prefix_aware(&r, &v);
+        assert!(matches!(d.route, Route::Split(_)), "{d:?}");
+        assert_eq!(d.reverse_pull.map(|p| p.from), Some(2));
+        // `holder-max-busy 1` lets a holder with one request take it.
+        let t = Thresholds {
+            holder_max_busy: 1,
+            ..Thresholds::default()
+        };
+        let d = prefix_aware_with(&r, &v, &Measured::default(), &t);
+        assert_eq!(d.route, Route::Whole(vec![2, 1]));
+    }
+
+    #[test]
     fn an_overloaded_or_draining_holder_is_pulled_from_instead() {
+        let t = Thresholds {
+            holder_max_busy: u64::MAX,
+            ..Thresholds::default()
+        };
         for holder in [
             holding(node(Role::Decode, 5, 10, false), 96),
             holding(node(Role::Decode, 0, 10, true), 96),
@@ -276,7 +304,7 @@ mod tests {
                 node(Role::Decode, 0, 10, false),
                 holder,
             ]);
-            let d = prefix_aware(&request(0, 1, vec![]), &v);
+            let d = prefix_aware_with(&request(0, 1, vec![]), &v, &Measured::default(), &t);
             assert!(matches!(d.route, Route::Split(_)), "{d:?}");
             assert_eq!(
                 d.reverse_pull,
