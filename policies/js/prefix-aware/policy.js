@@ -27,9 +27,6 @@
 //    whole with the holder first,
 //    then the other candidates of its role in least-loaded order, reverse pull from the holder
 //    with min-tokens 0.
-// 1b. Else, for a turn of at most `holder-max-new-tokens` new tokens, an idle node of the
-//    holder's role takes it whole (the others of that role, least-loaded first, as failover),
-//    pulling the history from the holder with min-tokens min-pull, when it holds that many.
 // 2. Else, on a split, pull the turn back to P when it holds at least min-pull tokens, the
 //    fewest for which a pull (`pull-overhead-us` + tokens x `kv-bytes-per-token` at
 //    `pull-mb-per-s`) costs less than recomputing them at `prefill-tokens-per-s`.
@@ -124,20 +121,6 @@ function toHolder(request, nodes, h) {
   return { route: { tag: "whole", val: list }, reversePull: { from: h, minTokens: 0 } };
 }
 
-/** Rule 1b: an idle node of the holder's role takes a short turn whole, pulling the history
- * from the holder, when it is worth a pull; `undefined` otherwise. */
-function toIdlePeer(request, nodes, h) {
-  const n = nodes[h];
-  if (n.role !== "decode" && n.role !== "standalone") return undefined;
-  const fresh = Math.max(request.promptTokens - n.conversationTokens, 0);
-  if (fresh > param("holder-max-new-tokens", 256)) return undefined;
-  const others = leastLoaded(nodes, candidates(nodes, n.role)).filter((i) => i !== h);
-  if (others.length === 0 || load(nodes[others[0]]) > 0) return undefined;
-  const minTokens = minPullTokens();
-  if (n.conversationTokens < minTokens) return undefined;
-  return { route: { tag: "whole", val: others }, reversePull: { from: h, minTokens } };
-}
-
 /** Decides where `request` goes, given `view` (the world's export `decide`). */
 export function decide(request, view) {
   const nodes = view.nodes;
@@ -149,7 +132,7 @@ export function decide(request, view) {
     }
   });
   if (holder !== undefined) {
-    const d = toHolder(request, nodes, holder) ?? toIdlePeer(request, nodes, holder);
+    const d = toHolder(request, nodes, holder);
     if (d !== undefined) return d;
   }
   const has = (role) => nodes.some((n) => n.role === role);

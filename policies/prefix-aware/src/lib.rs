@@ -25,10 +25,6 @@
 //!    `holder-max-busy` (0 by default: an idle holder): `whole` with the holder
 //!    first, then the other candidates of its role in least-loaded order (they pull the turn from
 //!    the holder), `reverse-pull { from: holder, min-tokens: 0 }`.
-//! 1b. Else, for a turn of at most `holder-max-new-tokens` new tokens, an idle node of the
-//!    holder's role takes it `whole` (the others of that role, least-loaded first, as
-//!    failover), pulling the history from the holder: `reverse-pull { from: holder,
-//!    min-tokens: min-pull }` at that node's rates, when the holder holds at least that many.
 //! 2. Else, on a split, pull the turn back to P when it holds at least `min-pull` tokens, the
 //!    fewest for which a pull (`pull-overhead-us` + tokens × `kv-bytes-per-token` at
 //!    `pull-mb-per-s`) costs less than recomputing them at `prefill-tokens-per-s`:
@@ -78,7 +74,7 @@ impl Guest for PrefixAware {
             .conversation
             .filter(|h| h.tokens > 0 && (h.node as usize) < v.roles.len());
         if let Some(h) = holding
-            && let Some(d) = to_holder(&request, v, h).or_else(|| to_idle_peer(&request, v, h))
+            && let Some(d) = to_holder(&request, v, h)
         {
             return d;
         }
@@ -184,42 +180,6 @@ fn to_holder(request: &Request, v: &View, h: Holding) -> Option<Decision> {
         reverse_pull: Some(ReversePull {
             from: h.node,
             min_tokens: 0,
-        }),
-    })
-}
-
-/// Rule 1b: an idle node of the holder's role takes a short turn whole, pulling the history
-/// from the holder, when it is worth a pull for that node.
-fn to_idle_peer(request: &Request, v: &View, h: Holding) -> Option<Decision> {
-    let role = v.roles[h.node as usize];
-    if !matches!(role, Role::Decode | Role::Standalone) {
-        return None;
-    }
-    let new = request.prompt_tokens.saturating_sub(h.tokens);
-    if u64::from(new) > param("holder-max-new-tokens", 256) {
-        return None;
-    }
-    let mut others = candidates(v, role);
-    others.retain(|&i| i != h.node);
-    let others = least_loaded(v, others);
-    let first = *others.first()?;
-    if load(v, first) > 0 {
-        return None;
-    }
-    let f = first as usize;
-    let min_tokens = min_pull_tokens(
-        v.prefill_tokens_per_s[f],
-        v.pull_mb_per_s[f],
-        v.kv_bytes_per_token,
-    );
-    if h.tokens < min_tokens {
-        return None;
-    }
-    Some(Decision {
-        route: Route::Whole(others),
-        reverse_pull: Some(ReversePull {
-            from: h.node,
-            min_tokens,
         }),
     })
 }

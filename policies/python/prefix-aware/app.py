@@ -26,9 +26,6 @@ conversation under a lease; ties to the lowest index), when any has some:
    (0: an idle holder, so its decodes never wait behind this prefill): whole with the holder first,
    then the other candidates of its role in least-loaded order, reverse pull from the holder
    with min-tokens 0.
-1b. Else, for a turn of at most `holder-max-new-tokens` new tokens, an idle node of the holder's
-   role takes it whole (the others of that role, least-loaded first, as failover), pulling the
-   history from the holder with min-tokens min-pull, when the holder holds at least that many.
 2. Else, on a split, pull the turn back to P when it holds at least min-pull tokens, the fewest
    for which a pull (`pull-overhead-us` + tokens x `kv-bytes-per-token` at `pull-mb-per-s`)
    costs less than recomputing them at `prefill-tokens-per-s`.
@@ -136,24 +133,6 @@ def to_holder(request, nodes, h):
     return Decision(route=Route_Whole(ranked), reverse_pull=ReversePull(from_=h, min_tokens=0))
 
 
-def to_idle_peer(request, nodes, h):
-    """Rule 1b: an idle node of the holder's role takes a short turn whole, pulling the history
-    from the holder, when it is worth a pull; None otherwise."""
-    n = nodes[h]
-    if n.role not in (Role.DECODE, Role.STANDALONE):
-        return None
-    fresh = max(request.prompt_tokens - n.conversation_tokens, 0)
-    if fresh > param("holder-max-new-tokens", 256):
-        return None
-    others = [i for i in least_loaded(nodes, candidates(nodes, n.role)) if i != h]
-    if not others or load(nodes[others[0]]) > 0:
-        return None
-    min_tokens = min_pull_tokens()
-    if n.conversation_tokens < min_tokens:
-        return None
-    return Decision(route=Route_Whole(others), reverse_pull=ReversePull(from_=h, min_tokens=min_tokens))
-
-
 class WitWorld(wit_world.WitWorld):
     def decide(self, request, view):
         nodes = view.nodes
@@ -165,7 +144,7 @@ class WitWorld(wit_world.WitWorld):
             ):
                 holder = i
         if holder is not None:
-            d = to_holder(request, nodes, holder) or to_idle_peer(request, nodes, holder)
+            d = to_holder(request, nodes, holder)
             if d is not None:
                 return d
         roles = {n.role for n in nodes}

@@ -104,13 +104,6 @@ pub fn prefix_aware(request: &Request, view: &View) -> Decision {
 ///    `holder_max_busy`): `whole` with
 ///    the holder first, then the other candidates of its role in least-loaded order (they pull
 ///    the turn from the holder), `reverse-pull { from: holder, min-tokens: 0 }`.
-/// 1b. Otherwise, for a turn of at most `holder_max_new_tokens` new tokens, **an idle node of
-///    the holder's role** takes it `whole` (the others of that role, least-loaded first, as
-///    failover) and pulls the history from the holder, `reverse-pull { from: holder,
-///    min-tokens }` with [`Thresholds::min_pull_tokens`] at that node's rates, when the holder
-///    holds at least that many: one pull, where a split through P makes two, and no decode
-///    waits (the node is idle). Dynamo's disaggregated router prefills a short prompt on the
-///    decode worker the same way.
 /// 2. Otherwise, on a split, **pull the turn back** when it holds at least
 ///    [`Thresholds::min_pull_tokens`]: `reverse-pull { from: holder, min-tokens: that }`. The
 ///    thresholds are `t` [measured](Thresholds::measured) with the first prefill candidate's
@@ -129,8 +122,7 @@ pub fn prefix_aware_with(
         .max_by_key(|(i, n)| (n.conversation_tokens, Reverse(*i)))
         .map(|(i, _)| i);
     if let Some(h) = holder
-        && let Some(d) =
-            to_holder(request, nodes, h, t).or_else(|| to_idle_peer(request, nodes, h, measured, t))
+        && let Some(d) = to_holder(request, nodes, h, t)
     {
         return d;
     }
@@ -186,49 +178,6 @@ fn to_holder(request: &Request, nodes: &[Node], h: u32, t: &Thresholds) -> Optio
         reverse_pull: Some(ReversePull {
             from: h,
             min_tokens: 0,
-        }),
-    })
-}
-
-/// Rule 1b: when the holder does not take a short turn, an idle node of its role does,
-/// `whole`, pulling the history from the holder (one pull where P's split makes two, and no
-/// decode waits: the node is idle), when it holds enough to be worth a pull for that node.
-fn to_idle_peer(
-    request: &Request,
-    nodes: &[Node],
-    h: u32,
-    measured: &Measured,
-    t: &Thresholds,
-) -> Option<Decision> {
-    let n = &nodes[h as usize];
-    if !matches!(n.role, Role::Decode | Role::Standalone) {
-        return None;
-    }
-    let new = request.prompt_tokens.saturating_sub(n.conversation_tokens);
-    if u64::from(new) > t.holder_max_new_tokens {
-        return None;
-    }
-    let mut others = candidates(nodes, n.role);
-    others.retain(|&i| i != h);
-    others.sort_unstable_by_key(|&i| least_loaded_key(nodes, i));
-    let first = *others.first()?;
-    if load(&nodes[first as usize]) > 0 {
-        return None;
-    }
-    let min_tokens = t
-        .measured(
-            measured.rates_of(first as usize),
-            measured.kv_bytes_per_token,
-        )
-        .min_pull_tokens();
-    if n.conversation_tokens < min_tokens {
-        return None;
-    }
-    Some(Decision {
-        route: Route::Whole(others),
-        reverse_pull: Some(ReversePull {
-            from: h,
-            min_tokens,
         }),
     })
 }
@@ -341,38 +290,6 @@ mod tests {
     }
 
     #[test]
-    fn an_idle_peer_takes_a_busy_holders_short_turn_and_pulls_it() {
-        let v = view(vec![
-            node(Role::Prefill, 0, 10, false),
-            node(Role::Decode, 0, 10, false),
-            node(Role::Decode, 0, 20, false),
-            holding(node(Role::Decode, 1, 10, false), 96),
-        ]);
-        // Both peers idle: the one with more free blocks first, the other as failover.
-        let d = prefix_aware(&request(0, 1, vec![]), &v);
-        assert_eq!(d.route, Route::Whole(vec![2, 1]));
-        assert_eq!(
-            d.reverse_pull,
-            Some(ReversePull {
-                from: 3,
-                min_tokens: 5
-            })
-        );
-        // A long new turn is P's, and so is one whose history is not worth a pull.
-        let mut long = request(0, 1, vec![]);
-        long.prompt_tokens = 1_000;
-        assert!(matches!(prefix_aware(&long, &v).route, Route::Split(_)));
-        let tiny = view(vec![
-            node(Role::Prefill, 0, 10, false),
-            node(Role::Decode, 0, 10, false),
-            holding(node(Role::Decode, 1, 10, false), 4),
-        ]);
-        let mut r = request(0, 1, vec![]);
-        r.prompt_tokens = 8;
-        assert!(matches!(prefix_aware(&r, &tiny).route, Route::Split(_)));
-    }
-
-    #[test]
     fn an_overloaded_or_draining_holder_is_pulled_from_instead() {
         let t = Thresholds {
             holder_max_busy: u64::MAX,
@@ -382,10 +299,9 @@ mod tests {
             holding(node(Role::Decode, 5, 10, false), 96),
             holding(node(Role::Decode, 0, 10, true), 96),
         ] {
-            // (The other decode node is busy too: no idle peer takes the turn.)
             let v = view(vec![
                 node(Role::Prefill, 0, 10, false),
-                node(Role::Decode, 1, 10, false),
+                node(Role::Decode, 0, 10, false),
                 holder,
             ]);
             let d = prefix_aware_with(&request(0, 1, vec![]), &v, &Measured::default(), &t);
