@@ -28,6 +28,34 @@ async fn granted(c: &TestCluster, engine_id: &str) -> f64 {
         .sum("pd_kv_leases_total", &[("event", "granted")])
 }
 
+/// Waits for node `engine_id`, sent `SIGTERM` at `sent`, to exit by itself with status 0, then
+/// for the gateway to drop it.
+async fn exits_cleanly_and_leaves(c: &mut TestCluster, engine_id: &str, sent: Instant) {
+    let status = c
+        .node_mut(engine_id)
+        .proc
+        .wait_exit(Duration::from_secs(20));
+    eprintln!(
+        "{engine_id} exited ({status:?}) {:?} after SIGTERM",
+        sent.elapsed()
+    );
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{engine_id} did not exit cleanly on its own after draining: {status:?}; its log:\n{}",
+        c.node(engine_id).proc.log_tail(30)
+    );
+    c.wait_unlisted(engine_id, Duration::from_secs(5)).await;
+}
+
+/// Waits until the load has finished six more requests.
+async fn six_more(load: &Load) {
+    let target = load.done() + 6;
+    eventually("6 more requests", Duration::from_secs(30), async || {
+        load.done() >= target
+    })
+    .await;
+}
+
 /// What `/admin/nodes` says of `engine_id`: `(listed, draining)`.
 async fn listed_draining(c: &TestCluster, engine_id: &str) -> (bool, bool) {
     let nodes = c.admin_nodes().await;
@@ -101,21 +129,10 @@ async fn nodes_drain_on_sigterm_and_no_request_is_lost() {
     for d in ["d0", "d1"] {
         c.node(d).proc.signal(libc::SIGCONT);
     }
-    let status = c.node_mut("p1").proc.wait_exit(Duration::from_secs(20));
-    eprintln!("p1 exited ({status:?}) {:?} after SIGTERM", sent.elapsed());
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "p1 did not exit cleanly on its own after draining: {status:?}; its log:\n{}",
-        c.node("p1").proc.log_tail(30)
-    );
-    c.wait_unlisted("p1", Duration::from_secs(5)).await;
+    exits_cleanly_and_leaves(&mut c, "p1", sent).await;
 
     // The load goes on through p0 alone, then through p1 started again.
-    let target = load.done() + 6;
-    eventually("6 more requests", Duration::from_secs(30), async || {
-        load.done() >= target
-    })
-    .await;
+    six_more(&load).await;
     c.restart("p1", &[]).await;
     eventually("the new p1 to serve", Duration::from_secs(30), async || {
         granted(&c, "p1").await > 0.0
@@ -133,20 +150,8 @@ async fn nodes_drain_on_sigterm_and_no_request_is_lost() {
     // (Its metrics go with it: what it recomputed through p1's drain, read now.)
     let d1_recomputed = c.node_metrics("d1").await.sum("pd_kv_recompute_total", &[]);
     c.node("d1").proc.signal(libc::SIGTERM);
-    let sent = Instant::now();
-    let status = c.node_mut("d1").proc.wait_exit(Duration::from_secs(20));
-    eprintln!("d1 exited ({status:?}) {:?} after SIGTERM", sent.elapsed());
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "d1 did not exit cleanly on its own after draining: {status:?}; its log:\n{}",
-        c.node("d1").proc.log_tail(30)
-    );
-    c.wait_unlisted("d1", Duration::from_secs(5)).await;
-    let target = load.done() + 6;
-    eventually("6 more requests", Duration::from_secs(30), async || {
-        load.done() >= target
-    })
-    .await;
+    exits_cleanly_and_leaves(&mut c, "d1", Instant::now()).await;
+    six_more(&load).await;
     let outcome = load.stop().await;
     for task in stuck {
         let (api, a) = task.await.expect("a request task");
