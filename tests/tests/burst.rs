@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use pd_cluster_tests::cluster::{ClusterSpec, TestCluster};
+use pd_cluster_tests::cluster::{ClusterSpec, Role, TestCluster};
 use pd_cluster_tests::eventually;
 use pd_cluster_tests::openai::{self, Api};
 
@@ -58,6 +58,16 @@ async fn a_burst_is_dealt_out_over_the_decode_nodes() {
     })
     .await;
     eprintln!("decode nodes served {served:?} of the burst");
+    // Through P and D, every one: no decode node computed a prompt itself.
+    let recomputed = c.sum_over(Role::Decode, "pd_kv_recompute_total", &[]).await;
+    assert_eq!(recomputed, 0.0, "every decode pulled its KV from P");
+    for id in ["d0", "d1"] {
+        let pulled = c
+            .node_metrics(id)
+            .await
+            .sum("pd_node_kv_pulled_tokens_total", &[]);
+        assert!(pulled > 0.0, "{id} pulled no KV");
+    }
     assert_eq!(served[0] + served[1], 8.0);
     assert!(
         served[0] >= 3.0 && served[1] >= 3.0,

@@ -29,6 +29,9 @@ use tokio::time::Instant;
 
 /// How often the waits below look at the engine.
 const POLL: Duration = Duration::from_millis(20);
+/// How long the engine must stay idle before a draining node stops accepting connections:
+/// longer than the reporter's change poll (100 ms), so the gateway has seen the flag first.
+pub const SETTLE: Duration = Duration::from_millis(300);
 
 /// Whether this node is draining: shared by the signal handler and the reporter.
 #[derive(Debug, Default)]

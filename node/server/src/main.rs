@@ -369,14 +369,9 @@ async fn drain_on_signal(
         tracing::warn!("second signal: exiting without draining");
         std::process::exit(1);
     });
-    // Longer than the reporter's change poll (100 ms), so the gateway has seen the flag before
-    // the listener closes.
-    pd_node::drain::engine_quiet(&engine, DRAIN_SETTLE, deadline).await;
+    pd_node::drain::engine_quiet(&engine, pd_node::drain::SETTLE, deadline).await;
     let _ = drain_at.send(Some(deadline));
 }
-
-/// How long the engine must stay idle before a draining node stops accepting connections.
-const DRAIN_SETTLE: std::time::Duration = std::time::Duration::from_millis(300);
 
 /// Resolves on ctrl-c or SIGTERM.
 async fn shutdown_signal() {
