@@ -62,25 +62,33 @@ main)
     fi
     [ -x "$R/pd-node" ] || { note "no bundle on this machine: run 'run.sh stage' first"; exit 1; }
     gw=(env BENCH_GATEWAY_BIN="$R/pd-gateway" PD_BENCH_NODE_BIN="$R/pd-node" BENCH_REQUESTS="${DEVBENCH_REQUESTS:-1500}")
-    step gateway-wasm 150 "${gw[@]}" "$D/bench/gateway"
-    step gateway-native 120 "${gw[@]}" BENCH_POLICY=native "$D/bench/gateway"
-    step pd 150 env PD_BENCH_NODE_BIN="$R/pd-node" "$D/bench/pd" --repeat 21 --lens 64,512,1536
-    step pull 60 "$D/bench/pull" --sizes 2097152,6291456
-    if [ -f "$D/model.gguf" ]; then
-        # Three nodes of four compute threads each, the gateway and the client on 16 cores.
-        mt=(env PD_MODEL_GGUF="$D/model.gguf" CARGO_TARGET_DIR="$D" RAYON_NUM_THREADS=4
-            "$R/examples/multi_turn" ${DEVBENCH_MT_ARGS:---conversations 3 --clients 3 --turns 16 --user-words 150})
-        budget="${DEVBENCH_SECONDS:-570}"
+    # Three nodes of four compute threads each, the gateway and the client on 16 cores.
+    mt=(env PD_MODEL_GGUF="$D/model.gguf" CARGO_TARGET_DIR="$D" RAYON_NUM_THREADS=4
+        "$R/examples/multi_turn" ${DEVBENCH_MT_ARGS:---conversations 3 --clients 3 --turns 16 --user-words 150})
+    budget="${DEVBENCH_SECONDS:-570}"
+    # The steps to run, in order, while the budget lasts (each gets what is left of it, less a
+    # margin for the ones after it). DEVBENCH_STEPS picks and orders them.
+    for s in ${DEVBENCH_STEPS:-gateway-wasm gateway-native pd pull multi-turn-ac multi-turn-ac-busy-holder multi-turn-b}; do
         left=$((budget - 10 - SECONDS))
-        [ "$left" -gt 60 ] && step multi-turn-ac "$left" env PD_BENCH_MODES=ac "${mt[@]}"
-        # Mode c as it was before holder-max-busy defaulted to 0: a busy holder also prefills a
-        # turn, beside its decodes (the 2026-11-27 device runs: TTFT 1.9x, TPOT +80%).
-        left=$((budget - 10 - SECONDS))
-        [ "$left" -gt 60 ] && step multi-turn-ac-busy-holder "$left" env PD_BENCH_MODES=ac \
-            PD_BENCH_C_CONFIG="holder-max-busy=1000" "${mt[@]}"
-        left=$((budget - SECONDS))
-        [ "$left" -gt 60 ] && step multi-turn-b "$left" env PD_BENCH_MODES=b "${mt[@]}"
-    fi
+        [ "$left" -gt 45 ] || { note "$s: skipped, ${left} s left"; continue; }
+        case "$s" in
+        gateway-wasm) step "$s" $((left < 150 ? left : 150)) "${gw[@]}" "$D/bench/gateway" ;;
+        gateway-native) step "$s" $((left < 120 ? left : 120)) "${gw[@]}" BENCH_POLICY=native "$D/bench/gateway" ;;
+        pd) step "$s" $((left < 150 ? left : 150)) env PD_BENCH_NODE_BIN="$R/pd-node" "$D/bench/pd" --repeat 21 --lens 64,512,1536 ;;
+        pull) step "$s" $((left < 60 ? left : 60)) "$D/bench/pull" --sizes 2097152,6291456 ;;
+        multi-turn-ac*)
+            [ -f "$D/model.gguf" ] || { note "$s: no model"; continue; }
+            # -busy-holder: mode c as it was before holder-max-busy defaulted to 0 (a busy
+            # holder also prefills a turn, beside its decodes: TTFT 1.9x, TPOT +80% here).
+            cfg=""
+            case "$s" in *busy-holder*) cfg="holder-max-busy=1000" ;; esac
+            step "$s" "$left" env PD_BENCH_MODES=ac PD_BENCH_C_CONFIG="$cfg" "${mt[@]}" ;;
+        multi-turn-b)
+            [ -f "$D/model.gguf" ] || { note "$s: no model"; continue; }
+            step "$s" "$left" env PD_BENCH_MODES=b "${mt[@]}" ;;
+        *) note "$s: unknown step" ;;
+        esac
+    done
     ;;
 *)
     echo "usage: run.sh stage|main" >&2
