@@ -27,6 +27,7 @@
 //!   `replay`, `new`), which run policies here, without a cluster.
 //! - [`metrics`]: Prometheus metrics.
 //! - [`secret`]: checking API keys and tokens.
+//! - [`upstream`]: the pooled HTTP/1 client the request path calls nodes with.
 //! - [`tokenizer_api`]: vLLM's `/tokenize`, `/detokenize`, `/tokenizer_info`, answered from a
 //!   registered tokenizer.
 //!
@@ -56,3 +57,4 @@ pub mod spread;
 pub mod static_node;
 pub mod template;
 pub mod tokenizer_api;
+pub mod upstream;

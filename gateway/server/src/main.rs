@@ -513,7 +513,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         reqwest::header::HeaderMap::from_iter([(reqwest::header::AUTHORIZATION, node_auth)]);
     // Static nodes are scraped from the control runtime: a client (and pool) of its own.
     let scrape_http = reqwest::Client::builder()
-        .default_headers(node_headers.clone())
+        .default_headers(node_headers)
         .connect_timeout(Duration::from_secs(2))
         .build()
         .context("building the HTTP client")?;
@@ -552,14 +552,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         timeout: Duration::from_millis((args.node_timeout_ms / 4).clamp(50, 2000)),
     };
     let static_cluster = cluster.clone();
-    let http = reqwest::Client::builder()
-        .default_headers(node_headers)
-        .pool_max_idle_per_host(1024)
-        .pool_idle_timeout(Duration::from_secs(90))
-        .tcp_nodelay(true)
-        .connect_timeout(Duration::from_secs(2))
-        .build()
-        .context("building the HTTP client")?;
+    let http = pd_gateway::upstream::NodeClient::new(&cluster_token)
+        .context("the cluster token is not a valid header value")?;
     let drain = Arc::new(Drain::default());
     let shared = Arc::new(Shared {
         cluster: cluster.clone(),

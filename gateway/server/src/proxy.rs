@@ -57,6 +57,7 @@ use crate::route::Router;
 use crate::secret;
 use crate::spread;
 use crate::tokenizer_api;
+use crate::upstream::{NodeClient, NodeResponse, REQUEST_ID};
 
 /// Settings of the front door.
 #[derive(Debug, Clone)]
@@ -80,7 +81,7 @@ pub struct Shared {
     /// Metrics.
     pub metrics: Metrics,
     /// Pooled keep-alive HTTP to the nodes.
-    pub http: reqwest::Client,
+    pub http: NodeClient,
     /// Releases P's leases nobody will pull.
     pub leases: LeaseReleaser,
     /// Which node holds which finished turn's KV.
@@ -171,9 +172,10 @@ struct Prepared {
     /// The prompt's last whole block's chain hash and the tokens up to it: the partial key of
     /// the turn a node may keep from this request.
     prompt_key: Option<(u64, u32)>,
-    /// A split's first decode node, counted as busy with this request from the decision on
-    /// (its send comes only after P's phase), so the next decisions see it.
-    reserved: Option<OnNode>,
+    /// A split's decode nodes, counted as busy with this request from the decision on (their
+    /// sends come only after P's phase), so the next decisions see them: each group's first
+    /// candidate ([`spread::plan`]), in group order.
+    reserved: Vec<OnNode>,
 }
 
 /// A retained turn a request's prompt continues.
@@ -229,9 +231,6 @@ fn ends_answer(bytes: &[u8]) -> bool {
         .split(|&b| b == b'\n')
         .any(|line| LAST.contains(&line.strip_suffix(b"\r").unwrap_or(line)))
 }
-
-/// The header naming a request across the gateway's and the nodes' logs.
-const REQUEST_ID: &str = "x-request-id";
 
 /// Longest client-chosen request id kept; longer or unprintable ones are replaced.
 const MAX_REQUEST_ID: usize = 128;
@@ -1012,12 +1011,12 @@ impl Gateway {
         }
         debug!(policy = %decided.policy, version = %decided.version, route = ?decided.decision.route, "decided");
         let reserved = match &decided.decision.route {
-            Route::Split(sp) => sp
-                .decode
-                .first()
-                .and_then(|d| snapshot.nodes.get(d.node as usize))
-                .map(NodeRef::open),
-            _ => None,
+            Route::Split(sp) => spread::plan(&sp.decode, analyzed.n)
+                .iter()
+                .filter_map(|g| snapshot.nodes.get(*g.candidates.first()? as usize))
+                .map(NodeRef::open)
+                .collect(),
+            _ => Vec::new(),
         };
         Ok(Prepared {
             api,
@@ -1044,17 +1043,9 @@ impl Gateway {
         addr: &str,
         path: &str,
         body: Bytes,
-    ) -> Result<reqwest::Response, Failed> {
-        let url = format!("http://{addr}{path}");
-        let mut send = self
-            .0
-            .http
-            .post(url)
-            .header("content-type", "application/json");
-        if let Some(id) = request_id(session) {
-            send = send.header(REQUEST_ID, id);
-        }
-        let send = send.body(body).send();
+    ) -> Result<NodeResponse, Failed> {
+        let id = session.req_header().headers.get(REQUEST_ID).cloned();
+        let send = self.0.http.post_json(addr, path, body, id);
         let result = tokio::select! {
             r = t.wait(send) => r,
             () = client_gone(session) => return Err(Failed::Gone),
@@ -1062,7 +1053,7 @@ impl Gateway {
         match result {
             Ok(resp) if resp.status().is_server_error() => {
                 let status = resp.status();
-                let text = resp.text().await.unwrap_or_default();
+                let text = resp.text().await;
                 Err(Failed::Next(format!("{addr} answered {status}: {text}")))
             }
             Ok(resp) => Ok(resp),
@@ -1130,7 +1121,7 @@ impl Gateway {
         split: &Split,
         pull: Option<&Holding>,
         capture: (Capture, &mut Captured),
-        reserved: Option<OnNode>,
+        reserved: Vec<OnNode>,
     ) -> Result<Outcome, GatewayError> {
         let groups = spread::plan(&split.decode, analyzed.n);
         let consumers = match groups.len() {
@@ -1157,10 +1148,8 @@ impl Gateway {
             for extra in params.drain(groups.len()..) {
                 self.release(Some(&extra), "unused");
             }
-            // Each group's decode node is counted as its send goes out.
-            drop(reserved);
             return self
-                .spread(session, t, path, body, snapshot, &groups, params)
+                .spread(session, t, path, body, snapshot, &groups, params, reserved)
                 .await;
         }
         // One group, or a P that granted one lease for several (a node without
@@ -1187,7 +1176,8 @@ impl Gateway {
                 d_body,
                 "decode",
                 capture,
-                reserved,
+                // The first group's node; the other groups' reservations end here.
+                reserved.into_iter().next(),
             )
             .await;
         match &outcome {
@@ -1217,6 +1207,7 @@ impl Gateway {
         snapshot: &Snapshot,
         groups: &[spread::Group],
         params: Vec<Value>,
+        reserved: Vec<OnNode>,
     ) -> Result<Outcome, GatewayError> {
         self.0
             .metrics
@@ -1238,11 +1229,12 @@ impl Gateway {
                 self.release(Some(p), why);
             }
         };
-        let id = request_id(session).map(str::to_owned);
-        let sends = groups
-            .iter()
-            .zip(bodies)
-            .map(|(g, b)| self.send_ranked(snapshot, &g.candidates, path, b, id.as_deref()));
+        let id = session.req_header().headers.get(REQUEST_ID).cloned();
+        let mut reserved = reserved.into_iter();
+        let sends = groups.iter().zip(bodies).map(|(g, b)| {
+            let r = reserved.next();
+            self.send_ranked(snapshot, &g.candidates, path, b, id.clone(), r)
+        });
         let answers = tokio::select! {
             r = t.wait(futures::future::join_all(sends)) => r,
             () = client_gone(session) => {
@@ -1278,9 +1270,7 @@ impl Gateway {
         }
         let offsets: Vec<u32> = groups.iter().map(|g| g.offset).collect();
         let streamed = resps.iter().any(|r| {
-            r.headers()
-                .get("content-type")
-                .and_then(|v| v.to_str().ok())
+            r.content_type()
                 .is_some_and(|c| c.starts_with("text/event-stream"))
         });
         let outcome = if streamed {
@@ -1304,27 +1294,29 @@ impl Gateway {
         candidates: &[u32],
         path: &str,
         body: Bytes,
-        request: Option<&str>,
-    ) -> Result<(reqwest::Response, OnNode), String> {
+        request: Option<http::HeaderValue>,
+        mut reserved: Option<OnNode>,
+    ) -> Result<(NodeResponse, OnNode), String> {
         let mut why = Vec::new();
         for &i in candidates {
             let Some(node) = snapshot.nodes.get(i as usize) else {
                 continue;
             };
-            let open = node.open();
-            let mut post = self
+            // Counted on this node while it serves: the decision's reservation when it is the
+            // node reserved, else from now.
+            let open = match reserved.take() {
+                Some(r) if r.conn() == node.conn => r,
+                _ => node.open(),
+            };
+            let sent = self
                 .0
                 .http
-                .post(format!("http://{}{path}", node.http_addr))
-                .header("content-type", "application/json");
-            if let Some(id) = request {
-                post = post.header(REQUEST_ID, id);
-            }
-            let sent = post.body(body.clone()).send().await;
+                .post_json(&node.http_addr, path, body.clone(), request.clone())
+                .await;
             let e = match sent {
                 Ok(r) if r.status().is_server_error() => {
                     let status = r.status();
-                    let text = r.text().await.unwrap_or_default();
+                    let text = r.text().await;
                     format!("{} answered {status}: {text}", node.http_addr)
                 }
                 Ok(r) => return Ok((r, open)),
@@ -1346,10 +1338,10 @@ impl Gateway {
         &self,
         session: &mut Session,
         t: &mut Timing,
-        resps: Vec<reqwest::Response>,
+        resps: Vec<NodeResponse>,
         offsets: Vec<u32>,
     ) -> Result<Outcome, GatewayError> {
-        let reads = futures::future::join_all(resps.into_iter().map(reqwest::Response::bytes));
+        let reads = futures::future::join_all(resps.into_iter().map(NodeResponse::bytes));
         let bodies = tokio::select! {
             b = t.wait(reads) => b,
             () = client_gone(session) => return Ok(Outcome::Aborted),
@@ -1374,7 +1366,7 @@ impl Gateway {
         &self,
         session: &mut Session,
         t: &mut Timing,
-        resps: Vec<reqwest::Response>,
+        resps: Vec<NodeResponse>,
         offsets: Vec<u32>,
     ) -> Result<Outcome, GatewayError> {
         use futures::StreamExt;
@@ -1536,16 +1528,11 @@ impl Gateway {
         &self,
         session: &mut Session,
         t: &mut Timing,
-        mut resp: reqwest::Response,
+        mut resp: NodeResponse,
         (capture, captured): (Capture, &mut Captured),
     ) -> Result<Outcome, GatewayError> {
         let status = resp.status().as_u16();
-        let content_type = resp
-            .headers()
-            .get("content-type")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("application/json")
-            .to_owned();
+        let content_type = resp.content_type().unwrap_or("application/json").to_owned();
         let streamed = content_type.starts_with("text/event-stream");
         if status == 200 && !streamed {
             let body = match t.wait(resp.bytes()).await {

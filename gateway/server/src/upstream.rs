@@ -1,0 +1,262 @@
+//! The HTTP/1 client the request path calls nodes with: hyper's pooled keep-alive client, no
+//! more.
+//!
+//! `reqwest` (which wraps the same client) parsed every request's URL twice, ran a redirect
+//! layer and a proxy matcher, and cloned default headers: about a third of the gateway's CPU per
+//! request went to that (BENCHMARKS.md, "A plain hyper client"). Nodes answer `POST`s with JSON
+//! or SSE; nothing here follows redirects or uses a proxy. The control plane's scrapes and the
+//! CLI keep `reqwest`.
+
+use std::time::Duration;
+
+use bytes::{Buf, Bytes};
+use futures::Stream;
+use http::header::{AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
+use http::{Method, Request, StatusCode, Uri};
+use http_body_util::{BodyDataStream, BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+
+/// The header naming a request across the gateway's and the nodes' logs.
+pub const REQUEST_ID: &str = "x-request-id";
+
+/// Pooled keep-alive HTTP/1 to the nodes; every request carries the cluster token.
+#[derive(Debug, Clone)]
+pub struct NodeClient {
+    client: Client<HttpConnector, Full<Bytes>>,
+    auth: HeaderValue,
+}
+
+/// A failed call: the connection, the request or the answer's head broke.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    /// The address and path make no URI.
+    #[error("bad node address: {0}")]
+    Uri(#[from] http::Error),
+    /// Connecting, writing the request or reading the answer's head failed.
+    #[error("{}", chain(.0))]
+    Send(#[from] hyper_util::client::legacy::Error),
+    /// Reading the answer's body failed.
+    #[error("reading the answer: {}", chain(.0))]
+    Body(#[from] hyper::Error),
+}
+
+/// `e` and its sources, `: `-separated (hyper's own message alone says little, e.g. "client
+/// error (Connect)").
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(inner) = source {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        source = inner.source();
+    }
+    s
+}
+
+impl NodeClient {
+    /// A client whose requests carry `Authorization: Bearer {cluster_token}`.
+    ///
+    /// # Errors
+    /// The token is not a valid header value.
+    pub fn new(cluster_token: &str) -> Result<Self, http::header::InvalidHeaderValue> {
+        let mut auth = HeaderValue::from_str(&format!("Bearer {cluster_token}"))?;
+        auth.set_sensitive(true);
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(Duration::from_secs(2)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(Duration::from_secs(90))
+            .pool_max_idle_per_host(1024)
+            .build(connector);
+        Ok(Self { client, auth })
+    }
+
+    /// `POST http://{addr}{path}` with a JSON `body`; `request_id` goes in `x-request-id`
+    /// (a `HeaderValue` is cheap to clone from the client's request: no copy of it).
+    /// Returns once the answer's head is in.
+    ///
+    /// # Errors
+    /// [`UpstreamError`] when no answer's head came back.
+    pub async fn post_json(
+        &self,
+        addr: &str,
+        path: &str,
+        body: Bytes,
+        request_id: Option<HeaderValue>,
+    ) -> Result<NodeResponse, UpstreamError> {
+        // http://{addr}{path}, built without a format: parsed once, as a URI.
+        let mut uri = String::with_capacity(7 + addr.len() + path.len());
+        uri.push_str("http://");
+        uri.push_str(addr);
+        uri.push_str(path);
+        let uri = Uri::try_from(uri).map_err(http::Error::from)?;
+        let mut req = Request::builder()
+            .method(Method::POST)
+            .uri(uri)
+            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+            .header(AUTHORIZATION, self.auth.clone());
+        if let Some(id) = request_id {
+            req = req.header(REQUEST_ID, id);
+        }
+        let resp = self.client.request(req.body(Full::new(body))?).await?;
+        Ok(NodeResponse(resp))
+    }
+}
+
+/// A node's answer, its head read, its body not yet.
+#[derive(Debug)]
+pub struct NodeResponse(http::Response<Incoming>);
+
+impl NodeResponse {
+    /// The answer's status.
+    pub fn status(&self) -> StatusCode {
+        self.0.status()
+    }
+
+    /// The answer's `content-type`, if it has a readable one.
+    pub fn content_type(&self) -> Option<&str> {
+        self.0.headers().get(CONTENT_TYPE)?.to_str().ok()
+    }
+
+    /// The answer's `content-length`, if it has one (a streamed answer is chunked: none).
+    pub fn content_length(&self) -> Option<u64> {
+        self.0
+            .headers()
+            .get(CONTENT_LENGTH)?
+            .to_str()
+            .ok()?
+            .parse()
+            .ok()
+    }
+
+    /// The next piece of the body; `None` at its end. Trailers are skipped.
+    ///
+    /// # Errors
+    /// The connection broke.
+    pub async fn chunk(&mut self) -> Result<Option<Bytes>, UpstreamError> {
+        while let Some(frame) = self.0.body_mut().frame().await {
+            if let Ok(data) = frame?.into_data() {
+                return Ok(Some(data));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The whole body.
+    ///
+    /// # Errors
+    /// The connection broke.
+    pub async fn bytes(self) -> Result<Bytes, UpstreamError> {
+        let mut collected = self.0.into_body().collect().await?.aggregate();
+        Ok(collected.copy_to_bytes(collected.remaining()))
+    }
+
+    /// The whole body as text (lossy), or the empty string when it cannot be read: for
+    /// error messages.
+    pub async fn text(self) -> String {
+        match self.bytes().await {
+            Ok(b) => String::from_utf8_lossy(&b).into_owned(),
+            Err(_) => String::new(),
+        }
+    }
+
+    /// The body as a stream of pieces.
+    pub fn bytes_stream(self) -> impl Stream<Item = Result<Bytes, hyper::Error>> {
+        BodyDataStream::new(self.0.into_body())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// One request against a raw TCP server: the method, path and headers the node gets, and
+    /// a chunked answer read piece by piece.
+    #[tokio::test]
+    async fn posts_json_with_the_token_and_reads_a_chunked_answer() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut got = Vec::new();
+            let mut buf = [0u8; 4096];
+            // Read until the head and the 7-byte body are in.
+            loop {
+                let n = s.read(&mut buf).await.unwrap();
+                got.extend_from_slice(&buf[..n]);
+                let text = String::from_utf8_lossy(&got);
+                if let Some(head_end) = text.find("\r\n\r\n")
+                    && got.len() >= head_end + 4 + 7
+                {
+                    break;
+                }
+            }
+            s.write_all(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                  transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
+            )
+            .await
+            .unwrap();
+            String::from_utf8(got).unwrap()
+        });
+        let client = NodeClient::new("s3cret").unwrap();
+        let mut resp = client
+            .post_json(
+                &addr,
+                "/v1/completions",
+                Bytes::from_static(b"{\"a\":1}"),
+                Some(HeaderValue::from_static("req-7")),
+            )
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        assert_eq!(resp.content_type(), Some("text/event-stream"));
+        assert_eq!(resp.content_length(), None);
+        let mut body = Vec::new();
+        while let Some(piece) = resp.chunk().await.unwrap() {
+            body.extend_from_slice(&piece);
+        }
+        assert_eq!(body, b"hello world");
+        let request = server.await.unwrap().to_ascii_lowercase();
+        assert!(
+            request.starts_with("post /v1/completions http/1.1\r\n"),
+            "{request}"
+        );
+        assert!(
+            request.contains("authorization: bearer s3cret\r\n"),
+            "{request}"
+        );
+        assert!(
+            request.contains("content-type: application/json\r\n"),
+            "{request}"
+        );
+        assert!(request.contains("x-request-id: req-7\r\n"), "{request}");
+        assert!(request.ends_with("{\"a\":1}"), "{request}");
+    }
+
+    #[tokio::test]
+    async fn a_closed_port_is_an_error_not_a_panic() {
+        // Bind and drop: the port is (very likely) closed now.
+        let addr = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().to_string()
+        };
+        let client = NodeClient::new("t").unwrap();
+        let e = client
+            .post_json(&addr, "/v1/completions", Bytes::new(), None)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, UpstreamError::Send(_)), "{e}");
+        assert!(e.to_string().contains("refused"), "the cause is named: {e}");
+        let e = client
+            .post_json("not an address", "/x", Bytes::new(), None)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, UpstreamError::Uri(_)), "{e}");
+    }
+}
