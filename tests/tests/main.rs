@@ -7,6 +7,7 @@ mod api_keys;
 mod burst;
 mod client_abort;
 mod multi_turn;
+mod node_hung;
 mod node_killed;
 mod openai_token_exact;
 mod policy_contained;

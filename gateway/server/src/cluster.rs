@@ -9,12 +9,13 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use pd_policy::{Measured, Node, Rates, Role, View};
 use pd_rpc::registry as pb;
 use pd_tokenize::Tokenizer;
 use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 /// Identifies one registry connection (a node's registration); a reconnect gets a new one.
@@ -68,6 +69,11 @@ pub struct NodeEntry {
     /// The requests the gateway has routed to it and not seen end: what its view adds to the
     /// node's last report (see [`OpenRequests`]).
     pub open: OpenRequests,
+    /// Cancelled when this process of the node (engine id and epoch) is taken to be gone:
+    /// out of the view for a grace period without coming back. Requests open on it stop
+    /// waiting then ([`NodeRef::gone`]). Set by [`Cluster::join`]; a reconnect of the same
+    /// process keeps its token.
+    pub gone: CancellationToken,
 }
 
 /// Requests the gateway has open on one node: counted from the routing decision (a decode
@@ -167,6 +173,18 @@ pub struct ClusterState {
     pub nodes: BTreeMap<ConnId, NodeEntry>,
     /// Every model ever registered.
     pub models: HashMap<Arc<str>, ModelEntry>,
+    /// Nodes out of the view whose requests still wait on them, until they come back or
+    /// [`Cluster::cut_departed`] gives up on them.
+    departed: Vec<Departed>,
+}
+
+/// A node process that left the view: its requests' token, and since when.
+#[derive(Debug)]
+struct Departed {
+    engine_id: Arc<str>,
+    epoch: u64,
+    gone: CancellationToken,
+    since: Instant,
 }
 
 /// One node of a request's view, with what the host needs beyond the policy's [`Node`].
@@ -182,6 +200,8 @@ pub struct NodeRef {
     pub http_addr: Arc<str>,
     /// Its open-request count ([`OpenRequests`]).
     open: Arc<AtomicU32>,
+    /// [`NodeEntry::gone`].
+    gone: CancellationToken,
 }
 
 impl NodeRef {
@@ -192,6 +212,14 @@ impl NodeRef {
             conn: self.conn,
             count: self.open.clone(),
         }
+    }
+
+    /// Resolves when this node's process is taken to be gone ([`NodeEntry::gone`]): a request
+    /// waiting on it selects on this, so a node that hangs (stopped, deadlocked, cut off with
+    /// its connections still open) fails its requests over or ends them instead of holding
+    /// them forever.
+    pub fn gone(&self) -> tokio_util::sync::WaitForCancellationFuture<'_> {
+        self.gone.cancelled()
     }
 }
 
@@ -360,8 +388,25 @@ impl Cluster {
             .filter(|n| n.engine_id == entry.engine_id)
             .map(|n| n.conn)
             .collect();
+        let mut entry = entry;
         for conn in stale {
-            state.nodes.remove(&conn);
+            if let Some(old) = state.nodes.remove(&conn) {
+                if old.epoch == entry.epoch {
+                    // The same process reconnecting: its open requests go on.
+                    entry.gone = old.gone;
+                } else {
+                    // Restarted: the old process is gone.
+                    old.gone.cancel();
+                }
+            }
+        }
+        // Back within the grace period: its requests go on waiting on it.
+        if let Some(i) = state
+            .departed
+            .iter()
+            .position(|d| d.engine_id == entry.engine_id && d.epoch == entry.epoch)
+        {
+            entry.gone = state.departed.swap_remove(i).gone;
         }
         info!(engine_id = %entry.engine_id, role = ?entry.role, model = %entry.model, http = %entry.http_addr, "node joined");
         state.nodes.insert(entry.conn, entry);
@@ -372,12 +417,38 @@ impl Cluster {
     /// Removes a node (its stream ended or fell silent). Returns whether it was there.
     pub fn leave(&self, conn: ConnId, why: &str) -> bool {
         let mut state = self.write();
-        let gone = state.nodes.remove(&conn);
-        if let Some(n) = &gone {
-            warn!(engine_id = %n.engine_id, why, "node left the view");
-            self.publish_peers(&state);
-        }
-        gone.is_some()
+        let Some(n) = state.nodes.remove(&conn) else {
+            return false;
+        };
+        warn!(engine_id = %n.engine_id, why, "node left the view");
+        self.publish_peers(&state);
+        state.departed.push(Departed {
+            engine_id: n.engine_id,
+            epoch: n.epoch,
+            gone: n.gone,
+            since: Instant::now(),
+        });
+        true
+    }
+
+    /// Gives up on nodes out of the view for longer than `grace` that did not come back (the
+    /// same process, by engine id and epoch): requests still open on them stop waiting
+    /// ([`NodeRef::gone`]). Returns how many.
+    pub fn cut_departed(&self, grace: Duration) -> usize {
+        let mut state = self.write();
+        let before = state.departed.len();
+        state.departed.retain(|d| {
+            let keep = d.since.elapsed() < grace;
+            if !keep {
+                if d.gone.is_cancelled() {
+                    return false;
+                }
+                warn!(engine_id = %d.engine_id, epoch = d.epoch, "node gone: requests open on it end");
+                d.gone.cancel();
+            }
+            keep
+        });
+        before - state.departed.len()
     }
 
     /// Applies a state update; false when the node is no longer in the view.
@@ -533,6 +604,7 @@ impl Cluster {
                 epoch: n.epoch,
                 http_addr: n.http_addr.clone(),
                 open: n.open.count.clone(),
+                gone: n.gone.clone(),
             });
             measured.rates.push(Rates {
                 prefill_tokens_per_s: s.prefill_tokens_per_s,
@@ -603,6 +675,7 @@ mod tests {
             outbox: mpsc::channel(1).0,
             source,
             open: OpenRequests::default(),
+            gone: CancellationToken::new(),
         }
     }
 
@@ -645,6 +718,7 @@ mod tests {
             epoch: 1,
             http_addr: "127.0.0.1:1".into(),
             open: Arc::default(),
+            gone: CancellationToken::new(),
         };
         let a = r.open();
         let b = r.open();
@@ -694,5 +768,55 @@ mod tests {
         assert!(ids.contains(&(again, "d0")), "{ids:?}");
         assert_eq!(state.models["m"].source, "registered");
         assert_eq!(state.models["m2"].source, "static");
+    }
+
+    /// A node's requests wait on it while it is out of the view; they end once it has been
+    /// gone past the grace period, unless the same process (engine id and epoch) came back. A
+    /// restarted process ends the old one's at once.
+    #[test]
+    fn requests_end_when_their_node_is_gone_for_good() {
+        let dir = std::env::temp_dir().join(format!("pd-cluster-gone-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        pd_tokenize::write_byte_level_tokenizer(&dir, 300).unwrap();
+        let tokenizer = Arc::new(Tokenizer::from_dir(&dir).unwrap());
+        let _ = std::fs::remove_dir_all(&dir);
+        let fp = tokenizer.fingerprint();
+        let c = Cluster::default();
+        let join = |conn: ConnId, epoch: u64| {
+            let mut e = entry(conn, "d0", "m", "registered");
+            e.epoch = epoch;
+            c.join(e, || Ok((tokenizer.clone(), fp)), fp).unwrap();
+        };
+        let node = |c: &Cluster| c.snapshot("m", &[]).nodes[0].clone();
+        let never = Duration::from_secs(3600);
+
+        let first = c.new_conn();
+        join(first, 1);
+        let r = node(&c);
+        // It stalls and leaves the view; within the grace its requests go on waiting.
+        assert!(c.leave(first, "silent"));
+        assert_eq!(c.cut_departed(never), 0);
+        assert!(!r.gone.is_cancelled());
+        // The same process reconnects: past the grace nothing ends either.
+        let second = c.new_conn();
+        join(second, 1);
+        assert_eq!(c.cut_departed(Duration::ZERO), 0);
+        assert!(
+            !r.gone.is_cancelled(),
+            "the node came back: its requests go on"
+        );
+        // It leaves again and does not come back: past the grace its requests end, once.
+        assert!(c.leave(second, "silent"));
+        assert_eq!(c.cut_departed(Duration::ZERO), 1);
+        assert!(r.gone.is_cancelled());
+        assert_eq!(c.cut_departed(Duration::ZERO), 0);
+
+        // A restart (another epoch) registering while the old entry is still listed ends the
+        // old process's requests at once; the new process's are not touched.
+        join(c.new_conn(), 2);
+        let before = node(&c);
+        join(c.new_conn(), 3);
+        assert!(before.gone.is_cancelled());
+        assert!(!node(&c).gone.is_cancelled());
     }
 }

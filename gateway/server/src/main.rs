@@ -138,7 +138,8 @@ struct ServeArgs {
     /// is open. /health and /metrics stay open; the trusted client token is also a key.
     #[arg(long = "api-key")]
     api_keys: Vec<String>,
-    /// A node silent this long leaves the view, milliseconds.
+    /// A node silent this long leaves the view, milliseconds; out of the view for as long
+    /// again without coming back, the requests still waiting on it fail over or end.
     #[arg(long, default_value_t = 3000)]
     node_timeout_ms: u64,
     /// A node that does not register: any server speaking vLLM's OpenAI API and metrics (a

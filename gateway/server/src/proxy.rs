@@ -57,7 +57,7 @@ use crate::route::Router;
 use crate::secret;
 use crate::spread;
 use crate::tokenizer_api;
-use crate::upstream::{NodeClient, NodeResponse, REQUEST_ID};
+use crate::upstream::{NodeClient, NodeResponse, REQUEST_ID, UpstreamError};
 
 /// Settings of the front door.
 #[derive(Debug, Clone)]
@@ -1040,15 +1040,17 @@ impl Gateway {
         &self,
         session: &mut Session,
         t: &mut Timing,
-        addr: &str,
+        node: &NodeRef,
         path: &str,
         body: Bytes,
     ) -> Result<NodeResponse, Failed> {
+        let addr = &*node.http_addr;
         let id = session.req_header().headers.get(REQUEST_ID).cloned();
         let send = self.0.http.post_json(addr, path, body, id);
         let result = tokio::select! {
             r = t.wait(send) => r,
             () = client_gone(session) => return Err(Failed::Gone),
+            () = node.gone() => return Err(Failed::Next(format!("{addr} left the view and did not come back"))),
         };
         match result {
             Ok(resp) if resp.status().is_server_error() => {
@@ -1088,11 +1090,8 @@ impl Gateway {
                 Some(r) if r.conn() == node.conn => r,
                 _ => node.open(),
             };
-            match self
-                .send(session, t, &node.http_addr, path, body.clone())
-                .await
-            {
-                Ok(resp) => return self.relay(session, t, resp, capture).await,
+            match self.send(session, t, node, path, body.clone()).await {
+                Ok(resp) => return self.relay(session, t, node, resp, capture).await,
                 Err(Failed::Gone) => return Ok(Outcome::Aborted),
                 Err(Failed::Next(e)) => {
                     warn!(node = %node.engine_id, stage, "failing over: {e}");
@@ -1245,11 +1244,13 @@ impl Gateway {
         let mut resps = Vec::with_capacity(answers.len());
         // Each group's node stays counted busy until the merged answer is over.
         let mut _open = Vec::with_capacity(answers.len());
+        let mut nodes = Vec::with_capacity(answers.len());
         for a in answers {
             match a {
-                Ok((r, open)) => {
+                Ok((r, open, node)) => {
                     resps.push(r);
                     _open.push(open);
+                    nodes.push(node);
                 }
                 Err(why) => {
                     release_all("decode_failed");
@@ -1274,9 +1275,11 @@ impl Gateway {
                 .is_some_and(|c| c.starts_with("text/event-stream"))
         });
         let outcome = if streamed {
-            self.relay_merged_stream(session, t, resps, offsets).await
+            self.relay_merged_stream(session, t, &nodes, resps, offsets)
+                .await
         } else {
-            self.relay_merged_whole(session, t, resps, offsets).await
+            self.relay_merged_whole(session, t, &nodes, resps, offsets)
+                .await
         };
         match &outcome {
             Ok(Outcome::Ok) => {}
@@ -1296,7 +1299,7 @@ impl Gateway {
         body: Bytes,
         request: Option<http::HeaderValue>,
         mut reserved: Option<OnNode>,
-    ) -> Result<(NodeResponse, OnNode), String> {
+    ) -> Result<(NodeResponse, OnNode, NodeRef), String> {
         let mut why = Vec::new();
         for &i in candidates {
             let Some(node) = snapshot.nodes.get(i as usize) else {
@@ -1308,18 +1311,17 @@ impl Gateway {
                 Some(r) if r.conn() == node.conn => r,
                 _ => node.open(),
             };
-            let sent = self
-                .0
-                .http
-                .post_json(&node.http_addr, path, body.clone(), request.clone())
-                .await;
+            let sent = tokio::select! {
+                r = self.0.http.post_json(&node.http_addr, path, body.clone(), request.clone()) => r,
+                () = node.gone() => Err(UpstreamError::Gone),
+            };
             let e = match sent {
                 Ok(r) if r.status().is_server_error() => {
                     let status = r.status();
                     let text = r.text().await;
                     format!("{} answered {status}: {text}", node.http_addr)
                 }
-                Ok(r) => return Ok((r, open)),
+                Ok(r) => return Ok((r, open, node.clone())),
                 Err(e) => format!("{}: {e}", node.http_addr),
             };
             warn!(node = %node.engine_id, stage = "decode", "failing over: {e}");
@@ -1338,6 +1340,7 @@ impl Gateway {
         &self,
         session: &mut Session,
         t: &mut Timing,
+        nodes: &[NodeRef],
         resps: Vec<NodeResponse>,
         offsets: Vec<u32>,
     ) -> Result<Outcome, GatewayError> {
@@ -1345,6 +1348,7 @@ impl Gateway {
         let bodies = tokio::select! {
             b = t.wait(reads) => b,
             () = client_gone(session) => return Ok(Outcome::Aborted),
+            () = any_gone(nodes) => return Err(GatewayError::BadGateway(UpstreamError::Gone.to_string())),
         };
         let mut parts = Vec::with_capacity(bodies.len());
         for (b, &offset) in bodies.iter().zip(&offsets) {
@@ -1366,6 +1370,7 @@ impl Gateway {
         &self,
         session: &mut Session,
         t: &mut Timing,
+        nodes: &[NodeRef],
         resps: Vec<NodeResponse>,
         offsets: Vec<u32>,
     ) -> Result<Outcome, GatewayError> {
@@ -1383,8 +1388,9 @@ impl Gateway {
         );
         loop {
             let next = tokio::select! {
-                n = t.wait(streams.next()) => n,
+                n = t.wait(streams.next()) => n.map(|(j, b)| (j, b.map_err(UpstreamError::from))),
                 () = client_gone(session) => return Ok(Outcome::Aborted),
+                () = any_gone(nodes) => Some((0, Err(UpstreamError::Gone))),
             };
             let out = match next {
                 Some((j, Ok(bytes))) => merge.feed(j, &bytes),
@@ -1447,10 +1453,7 @@ impl Gateway {
                 continue;
             };
             let _open = node.open();
-            let resp = match self
-                .send(session, t, &node.http_addr, path, p_body.clone())
-                .await
-            {
+            let resp = match self.send(session, t, node, path, p_body.clone()).await {
                 Ok(r) => r,
                 Err(Failed::Gone) => return Ok(None),
                 Err(Failed::Next(e)) => {
@@ -1482,6 +1485,12 @@ impl Gateway {
                         }
                     });
                     return Ok(None);
+                }
+                () = node.gone() => {
+                    // P hung mid-answer and did not come back: the next one. (A lease it
+                    // granted expires there.)
+                    why.push(format!("{} left the view and did not come back", node.http_addr));
+                    continue;
                 }
             };
             let bytes = match bytes {
@@ -1528,14 +1537,25 @@ impl Gateway {
         &self,
         session: &mut Session,
         t: &mut Timing,
+        node: &NodeRef,
         mut resp: NodeResponse,
         (capture, captured): (Capture, &mut Captured),
     ) -> Result<Outcome, GatewayError> {
+        let left = || {
+            GatewayError::BadGateway(format!(
+                "{} left the view mid-answer and did not come back",
+                node.engine_id
+            ))
+        };
         let status = resp.status().as_u16();
         let content_type = resp.content_type().unwrap_or("application/json").to_owned();
         let streamed = content_type.starts_with("text/event-stream");
         if status == 200 && !streamed {
-            let body = match t.wait(resp.bytes()).await {
+            let read = tokio::select! {
+                b = t.wait(resp.bytes()) => b,
+                () = node.gone() => return Err(left()),
+            };
+            let body = match read {
                 Ok(b) => b,
                 Err(e) => return Err(GatewayError::BadGateway(format!("node answer broke: {e}"))),
             };
@@ -1563,9 +1583,13 @@ impl Gateway {
                 tokio::select! {
                     c = t.wait(resp.chunk()) => c,
                     () = client_gone(session) => return Ok(Outcome::Aborted),
+                    () = node.gone() => Err(UpstreamError::Gone),
                 }
             } else {
-                t.wait(resp.chunk()).await
+                tokio::select! {
+                    c = t.wait(resp.chunk()) => c,
+                    () = node.gone() => Err(UpstreamError::Gone),
+                }
             };
             match chunk {
                 Ok(Some(bytes)) => {
@@ -1616,6 +1640,14 @@ impl Gateway {
         let _ = session.write_response_body(None, true).await;
         Ok(Outcome::Ok)
     }
+}
+
+/// Resolves when any of `nodes` is gone ([`NodeRef::gone`]); never when `nodes` is empty.
+async fn any_gone(nodes: &[NodeRef]) {
+    if nodes.is_empty() {
+        return std::future::pending().await;
+    }
+    futures::future::select_all(nodes.iter().map(|n| Box::pin(n.gone()))).await;
 }
 
 fn internal(e: impl std::fmt::Display) -> GatewayError {

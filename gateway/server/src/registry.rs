@@ -194,6 +194,7 @@ impl NodeRegistry for Registry {
             outbox: tx.clone(),
             source: "registered",
             open: Default::default(),
+            gone: Default::default(),
         };
         let bundle = reg.tokenizer.clone();
         if let Err(why) = self
@@ -265,7 +266,7 @@ async fn follow(
 }
 
 /// Takes silent nodes out of the view. Their streams are ended by dropping the entry's outbox
-/// (the node reconnects and registers anew).
+/// (the node reconnects and registers anew). Gives up on nodes gone for good.
 async fn sweep(cluster: Arc<Cluster>, timeout: Duration) {
     let mut tick = tokio::time::interval(timeout / 4);
     loop {
@@ -276,5 +277,8 @@ async fn sweep(cluster: Arc<Cluster>, timeout: Duration) {
         for conn in cluster.silent_since(deadline) {
             cluster.leave(conn, "silent past the node timeout");
         }
+        // Out of the view for another node timeout without coming back: its open requests
+        // end (a node silent that long is stopped or cut off; one that only stalled is back).
+        cluster.cut_departed(timeout);
     }
 }

@@ -389,6 +389,7 @@ fn join(
         outbox,
         source: "static",
         open: Default::default(),
+        gone: Default::default(),
     };
     cluster.join(entry, || Ok((tokenizer.clone(), fingerprint)), fingerprint)?;
     Ok(conn)

@@ -41,6 +41,10 @@ pub enum UpstreamError {
     /// Reading the answer's body failed.
     #[error("reading the answer: {}", chain(.0))]
     Body(#[from] hyper::Error),
+    /// The node left the gateway's view mid-answer and did not come back
+    /// ([`crate::cluster::NodeRef::gone`]): nothing more will come.
+    #[error("the node left the view mid-answer and did not come back")]
+    Gone,
 }
 
 /// `e` and its sources, `: `-separated (hyper's own message alone says little, e.g. "client

@@ -1,0 +1,120 @@
+//! Nodes that hang with their connections open (`SIGSTOP`: what a deadlock, a stalled host or
+//! a network partition looks like from the gateway) in a gateway + 2P + 2D cluster
+//! (`--node-timeout-ms 1000`, round-robin):
+//!
+//! 1. A prefill node hangs before it answers. The request waiting on it fails over to the other
+//!    prefill node once the hung one has been out of the view for a node timeout without coming
+//!    back, and both requests sent are answered 200.
+//! 2. Both decode nodes hang mid-stream. The stream ends (no `[DONE]`) instead of hanging, the
+//!    gateway holds nothing open on them afterwards, and once resumed they rejoin and serve.
+//!
+//! Before, the requests waited for as long as the nodes stayed stopped.
+
+use std::time::Duration;
+
+use pd_cluster_tests::cluster::{ClusterSpec, Stopped, TestCluster, args};
+use pd_cluster_tests::eventually;
+use pd_cluster_tests::openai::{self, Api};
+
+const NODE_TIMEOUT_MS: u64 = 1000;
+/// Longer than a node's way out: silent for the node timeout (out of the view), then another
+/// node timeout without coming back (its requests end), plus the sweep's tick and slack for
+/// two loaded cores. A request still waiting past this waits on a hung node.
+const GIVE_UP: Duration = Duration::from_secs(12);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_on_a_hung_node_fail_over_or_end() {
+    let c = TestCluster::start(
+        "hung",
+        ClusterSpec {
+            prefill: 2,
+            decode: 2,
+            gateway_args: args(&[
+                "--node-timeout-ms",
+                &NODE_TIMEOUT_MS.to_string(),
+                "--native-policy",
+                "round-robin",
+            ]),
+            ..ClusterSpec::default()
+        },
+    )
+    .await;
+
+    // 1. p0 hangs; two requests at once: round-robin ranks p0 first for one of them, p1 next.
+    let answers = {
+        let _p0 = Stopped::new(c.node("p0"));
+        let sends = (0..2).map(|i| {
+            let api = Api::Chat;
+            let body = api.body(&format!("{i} A prefill node hangs."), 4);
+            let (client, gateway) = (c.client.clone(), c.gateway.http.clone());
+            async move { openai::send(&client, &gateway, api, &body, None).await }
+        });
+        tokio::time::timeout(GIVE_UP, futures::future::join_all(sends))
+            .await
+            .expect("the requests still wait on the hung prefill node")
+    };
+    for a in &answers {
+        assert!(a.status == 200 && a.complete, "{} {}", a.status, a.body);
+    }
+    let g = c.gateway_metrics().await;
+    assert!(
+        g.sum("pd_gateway_failovers_total", &[("stage", "prefill")]) >= 1.0,
+        "the request on p0 failed over: {}",
+        g.show("pd_gateway_failovers_total")
+    );
+    c.wait_listed(&["p0"], Duration::from_secs(15)).await;
+
+    // 2. A long stream; both decode nodes hang once its first event is out.
+    let api = Api::Completions;
+    let body = api.streaming(&api.body("Both decode nodes hang mid-stream.", 1500));
+    let mut resp = c
+        .client
+        .post(format!("{}{}", c.gateway.http, api.path()))
+        .json(&body)
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(resp.status(), 200);
+    let first = resp
+        .chunk()
+        .await
+        .expect("a first event")
+        .unwrap_or_default();
+    let mut seen = String::from_utf8_lossy(&first).into_owned();
+    {
+        let _d0 = Stopped::new(c.node("d0"));
+        let _d1 = Stopped::new(c.node("d1"));
+        let rest = tokio::time::timeout(GIVE_UP, async {
+            while let Ok(Some(piece)) = resp.chunk().await {
+                seen.push_str(&String::from_utf8_lossy(&piece));
+            }
+        })
+        .await;
+        assert!(
+            rest.is_ok(),
+            "the stream still waits on the hung decode nodes"
+        );
+    }
+    assert!(
+        !seen.contains("data: [DONE]"),
+        "the stream ended early, not complete (1500 tokens before the nodes stopped?)"
+    );
+    // Nothing stays open on the hung nodes; resumed, they rejoin and serve.
+    c.wait_listed(&["d0", "d1"], Duration::from_secs(15)).await;
+    eventually(
+        "no request open on the nodes",
+        Duration::from_secs(5),
+        async || {
+            c.admin_nodes()
+                .await
+                .iter()
+                .all(|n| n["gateway_open_requests"].as_u64() == Some(0))
+        },
+    )
+    .await;
+    for i in 0..2 {
+        let body = api.body(&format!("{i} Back."), 4);
+        let a = openai::send(&c.client, &c.gateway.http, api, &body, None).await;
+        assert!(a.status == 200 && a.complete, "{} {}", a.status, a.body);
+    }
+}
