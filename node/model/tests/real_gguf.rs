@@ -85,3 +85,64 @@ fn token_ids_equal_llama_cpp_on_the_fixture() {
         wrong.join("\n")
     );
 }
+
+/// `Tokenizer::encode` takes a shorter way for byte-level BPE (ids without the `tokenizers`
+/// library's offsets): on SmolLM2's real tokenizer it gives the library's ids, for the
+/// fixture's texts and for random mixes of them with special tokens, digits and whitespace.
+#[test]
+fn the_ids_only_path_gives_the_library_s_ids() {
+    let Some(path) = model_file() else { return };
+    let tok = ModelSource::open(&path).unwrap().tokenizer().unwrap();
+    assert!(format!("{tok:?}").contains("ids_only: Some"), "{tok:?}");
+    let fixture: serde_json::Value =
+        serde_json::from_str(include_str!("fixtures/smollm2_llama_tokenize.json")).unwrap();
+    let mut pieces: Vec<String> = fixture["cases"]
+        .as_array()
+        .expect("cases")
+        .iter()
+        .map(|c| c["text"].as_str().expect("text").to_owned())
+        .collect();
+    for p in [
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+        "<|im_st",
+        "2024",
+        "٣²½",
+        "  ",
+        "\n\n",
+        "\t",
+        "'s",
+        "'re",
+        " the",
+        "👋",
+        "\u{a0}",
+    ] {
+        pieces.push(p.to_owned());
+    }
+    let mut state = 0x9E37_79B9_7F4A_7C15_u64;
+    let mut next = move || {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        state.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    };
+    let mut texts = pieces.clone();
+    for _ in 0..2000 {
+        let len = next() % 12;
+        texts.push(
+            (0..len)
+                .map(|_| pieces[(next() % pieces.len() as u64) as usize].as_str())
+                .collect(),
+        );
+    }
+    for text in &texts {
+        for add_special_tokens in [false, true] {
+            assert_eq!(
+                tok.encode(text, add_special_tokens).unwrap(),
+                tok.encode_reference(text, add_special_tokens).unwrap(),
+                "{text:?} (add_special_tokens {add_special_tokens})"
+            );
+        }
+    }
+}

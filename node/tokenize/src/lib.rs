@@ -32,6 +32,7 @@
 #![deny(unused_must_use)]
 
 mod byte_level;
+mod byte_level_ids;
 mod decoder;
 pub mod endpoints;
 mod error;

@@ -3,3 +3,4 @@
 
 mod from_dir;
 mod from_files;
+mod ids_only;
