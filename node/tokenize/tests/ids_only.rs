@@ -7,7 +7,7 @@
 //! merges, SmolLM2's `Digits` + `ByteLevel` pre-tokenizer and a non-special added token. The
 //! real SmolLM2 tokenizer gets the same check in `pd-model`'s `real_gguf.rs`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use pd_tokenize::{Tokenizer, write_byte_level_tokenizer};
 use serde_json::{Value, json};
@@ -116,7 +116,7 @@ fn the_byte_tokenizer_gives_the_library_s_ids() {
 
 /// The byte tokenizer's files with merges added (`Ġ t`, `h e`, `Ġt he`, ...), SmolLM2's
 /// pre-tokenizer, and a non-special added token `<tool>`.
-fn with_merges(dir: &PathBuf) -> Tokenizer {
+fn with_merges(dir: &Path) -> Tokenizer {
     write_byte_level_tokenizer(dir, 259).unwrap();
     let path = dir.join("tokenizer.json");
     let mut t: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
