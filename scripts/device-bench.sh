@@ -9,6 +9,10 @@
 #                  multi-turn benchmark on the real model (modes a and c; again with mode c's
 #                  holder-max-busy 1000, the rule before it defaulted to 0; then b, as time
 #                  allows)
+# DEVBENCH_STEPS picks and orders main's steps (default: gateway-wasm gateway-native pd pull
+# multi-turn-ac multi-turn-ac-busy-holder multi-turn-b; a name starting multi-turn-ac may be
+# repeated with a suffix, e.g. multi-turn-ac-2). With a short device budget, issue 10 first:
+#   DEVBENCH_STEPS="multi-turn-ac multi-turn-ac-busy-holder gateway-wasm multi-turn-ac-2"
 # Every step writes $OUT/<step>.txt under its own time limit and goes on when one fails;
 # $OUT/summary.txt says how each ended. A rehearsal here, shorter: DEVBENCH=/tmp/devbench
 # OUT=/tmp/devbench-out DEVBENCH_REQUESTS=100 DEVBENCH_MT_ARGS="--conversations 1 --clients 1
