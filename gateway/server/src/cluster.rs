@@ -728,14 +728,20 @@ mod tests {
         assert_eq!(r.open.load(Ordering::Acquire), 0);
     }
 
-    #[test]
-    fn one_model_one_kind_of_node_and_one_node_per_engine_id() {
-        let dir = std::env::temp_dir().join(format!("pd-cluster-test-{}", std::process::id()));
+    /// The test models' byte tokenizer and its fingerprint.
+    fn byte_tokenizer(name: &str) -> (Arc<Tokenizer>, u64) {
+        let dir = std::env::temp_dir().join(format!("pd-cluster-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         pd_tokenize::write_byte_level_tokenizer(&dir, 300).unwrap();
         let tokenizer = Arc::new(Tokenizer::from_dir(&dir).unwrap());
         let _ = std::fs::remove_dir_all(&dir);
         let fp = tokenizer.fingerprint();
+        (tokenizer, fp)
+    }
+
+    #[test]
+    fn one_model_one_kind_of_node_and_one_node_per_engine_id() {
+        let (tokenizer, fp) = byte_tokenizer("one-kind");
         let c = Cluster::default();
         let join = |e: NodeEntry| c.join(e, || Ok((tokenizer.clone(), fp)), fp);
 
@@ -775,12 +781,7 @@ mod tests {
     /// restarted process ends the old one's at once.
     #[test]
     fn requests_end_when_their_node_is_gone_for_good() {
-        let dir = std::env::temp_dir().join(format!("pd-cluster-gone-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        pd_tokenize::write_byte_level_tokenizer(&dir, 300).unwrap();
-        let tokenizer = Arc::new(Tokenizer::from_dir(&dir).unwrap());
-        let _ = std::fs::remove_dir_all(&dir);
-        let fp = tokenizer.fingerprint();
+        let (tokenizer, fp) = byte_tokenizer("gone");
         let c = Cluster::default();
         let join = |conn: ConnId, epoch: u64| {
             let mut e = entry(conn, "d0", "m", "registered");

@@ -144,83 +144,81 @@ impl ByteLevelIds {
 
     /// The ids of `text` with `model` (the tokenizer's own BPE model).
     pub(crate) fn encode(&self, model: &ModelWrapper, text: &str) -> tokenizers::Result<Vec<u32>> {
-        let mut ids = Vec::with_capacity(text.len() / 3 + 1);
-        let mut word = String::new();
-        let mut rest =
-            |piece: &str, ids: &mut Vec<u32>| self.pre_tokenized(model, piece, &mut word, ids);
+        let mut out = Words {
+            model,
+            byte_char: &self.byte_char,
+            word: String::new(),
+            ids: Vec::with_capacity(text.len() / 3 + 1),
+        };
         match &self.added {
-            None => rest(text, &mut ids)?,
+            None => self.pre_tokenized(&mut out, text)?,
             Some(added) => {
                 let mut at = 0;
                 for m in added.find_iter(text) {
-                    rest(&text[at..m.start()], &mut ids)?;
-                    ids.push(self.added_ids[m.pattern().as_usize()]);
+                    self.pre_tokenized(&mut out, &text[at..m.start()])?;
+                    out.ids.push(self.added_ids[m.pattern().as_usize()]);
                     at = m.end();
                 }
-                rest(&text[at..], &mut ids)?;
+                self.pre_tokenized(&mut out, &text[at..])?;
             }
         }
-        Ok(ids)
+        Ok(out.ids)
     }
 
     /// A stretch without added tokens: digits apart, then GPT-2's split.
-    fn pre_tokenized(
-        &self,
-        model: &ModelWrapper,
-        text: &str,
-        word: &mut String,
-        ids: &mut Vec<u32>,
-    ) -> tokenizers::Result<()> {
+    fn pre_tokenized(&self, out: &mut Words<'_>, text: &str) -> tokenizers::Result<()> {
         if !self.digits {
-            return self.split_words(model, text, word, ids);
+            return self.split_words(out, text);
         }
         let mut at = 0;
         for (i, c) in text.char_indices() {
             if c.is_numeric() {
-                self.split_words(model, &text[at..i], word, ids)?;
+                self.split_words(out, &text[at..i])?;
                 let end = i + c.len_utf8();
-                self.split_words(model, &text[i..end], word, ids)?;
+                self.split_words(out, &text[i..end])?;
                 at = end;
             }
         }
-        self.split_words(model, &text[at..], word, ids)
+        self.split_words(out, &text[at..])
     }
 
     /// GPT-2's split: each match a word, and what lies between matches too (the library splits
-    /// with `Isolated`), each word's bytes as GPT-2's characters through the BPE model.
-    fn split_words(
-        &self,
-        model: &ModelWrapper,
-        text: &str,
-        word: &mut String,
-        ids: &mut Vec<u32>,
-    ) -> tokenizers::Result<()> {
+    /// with `Isolated`).
+    fn split_words(&self, out: &mut Words<'_>, text: &str) -> tokenizers::Result<()> {
         if text.is_empty() {
             return Ok(());
         }
         let mut at = 0;
         for m in self.split.find_iter(text) {
             let m = m?;
-            self.word(model, &text[at..m.start()], word, ids)?;
-            self.word(model, m.as_str(), word, ids)?;
+            out.push(&text[at..m.start()])?;
+            out.push(m.as_str())?;
             at = m.end();
         }
-        self.word(model, &text[at..], word, ids)
+        out.push(&text[at..])
     }
+}
 
-    fn word(
-        &self,
-        model: &ModelWrapper,
-        piece: &str,
-        word: &mut String,
-        ids: &mut Vec<u32>,
-    ) -> tokenizers::Result<()> {
+/// The ids so far, and what turns one more word into ids.
+struct Words<'a> {
+    model: &'a ModelWrapper,
+    byte_char: &'a [char; 256],
+    /// The word being tokenized, as GPT-2's characters (reused).
+    word: String,
+    ids: Vec<u32>,
+}
+
+impl Words<'_> {
+    /// `piece`'s bytes as GPT-2's characters, through the BPE model.
+    fn push(&mut self, piece: &str) -> tokenizers::Result<()> {
         if piece.is_empty() {
             return Ok(());
         }
-        word.clear();
-        word.extend(piece.bytes().map(|b| self.byte_char[b as usize]));
-        ids.extend(model.tokenize(word)?.into_iter().map(|t| t.id));
+        self.word.clear();
+        self.word
+            .extend(piece.bytes().map(|b| self.byte_char[b as usize]));
+        self.ids
+            .extend(self.model.tokenize(&self.word)?.into_iter().map(|t| t.id));
         Ok(())
     }
 }
