@@ -157,20 +157,8 @@ impl Admin {
             .await
             .map_err(|e| e.to_string())?
             .map(Installed::Wasm)
-            .map_err(|e| chain(&e))
+            .map_err(|e| crate::error::chain(&e))
     }
-}
-
-/// An error and its causes, `: `-joined (the push's answer says why a smoke test failed).
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        out.push_str(": ");
-        out.push_str(&c.to_string());
-        cause = c.source();
-    }
-    out
 }
 
 /// Largest policy component a push or dry-run accepts.

@@ -207,6 +207,19 @@ impl GatewayError {
     }
 }
 
+/// An error and its causes, `: `-joined (hyper's or wasmtime's own message alone says little,
+/// e.g. "client error (Connect)").
+pub(crate) fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cause = c.source();
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

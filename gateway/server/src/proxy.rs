@@ -1386,11 +1386,14 @@ impl Gateway {
                 .enumerate()
                 .map(|(j, r)| r.bytes_stream().map(move |b| (j, b)).boxed()),
         );
+        // Made once, not per event (it boxes a future per node).
+        let gone = any_gone(nodes);
+        tokio::pin!(gone);
         loop {
             let next = tokio::select! {
                 n = t.wait(streams.next()) => n.map(|(j, b)| (j, b.map_err(UpstreamError::from))),
                 () = client_gone(session) => return Ok(Outcome::Aborted),
-                () = any_gone(nodes) => Some((0, Err(UpstreamError::Gone))),
+                () = &mut gone => Some((0, Err(UpstreamError::Gone))),
             };
             let out = match next {
                 Some((j, Ok(bytes))) => merge.feed(j, &bytes),
@@ -1578,17 +1581,20 @@ impl Gateway {
         // loop. With a content length, the last body write completes the answer and a
         // keep-alive client may send its next request at once; an idle read would eat it.
         let mut watch = len.is_none();
+        // Made once, not per chunk: it registers with the node's token when first polled.
+        let gone = node.gone();
+        tokio::pin!(gone);
         loop {
             let chunk = if watch {
                 tokio::select! {
                     c = t.wait(resp.chunk()) => c,
                     () = client_gone(session) => return Ok(Outcome::Aborted),
-                    () = node.gone() => Err(UpstreamError::Gone),
+                    () = &mut gone => Err(UpstreamError::Gone),
                 }
             } else {
                 tokio::select! {
                     c = t.wait(resp.chunk()) => c,
-                    () = node.gone() => Err(UpstreamError::Gone),
+                    () = &mut gone => Err(UpstreamError::Gone),
                 }
             };
             match chunk {

@@ -19,6 +19,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
+use crate::error::chain;
+
 /// The header naming a request across the gateway's and the nodes' logs.
 pub const REQUEST_ID: &str = "x-request-id";
 
@@ -45,19 +47,6 @@ pub enum UpstreamError {
     /// ([`crate::cluster::NodeRef::gone`]): nothing more will come.
     #[error("the node left the view mid-answer and did not come back")]
     Gone,
-}
-
-/// `e` and its sources, `: `-separated (hyper's own message alone says little, e.g. "client
-/// error (Connect)").
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(inner) = source {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        source = inner.source();
-    }
-    s
 }
 
 impl NodeClient {
