@@ -5,7 +5,8 @@
 //! 1. A prefill node hangs before it answers. The request waiting on it fails over to the other
 //!    prefill node once the hung one has been out of the view for a node timeout without coming
 //!    back, and both requests sent are answered 200.
-//! 2. Both decode nodes hang mid-stream. The stream ends (no `[DONE]`) instead of hanging, the
+//! 2. Both decode nodes hang mid-stream. The stream ends instead of hanging, with an OpenAI
+//!    error event and no `[DONE]` (an SDK raises rather than taking a cut answer as whole), the
 //!    gateway holds nothing open on them afterwards, and once resumed they rejoin and serve.
 //!
 //! Before, the requests waited for as long as the nodes stayed stopped.
@@ -98,6 +99,23 @@ async fn requests_on_a_hung_node_fail_over_or_end() {
     assert!(
         !seen.contains("data: [DONE]"),
         "the stream ended early, not complete (1500 tokens before the nodes stopped?)"
+    );
+    let last = seen
+        .trim_end()
+        .rsplit("\n\n")
+        .next()
+        .unwrap_or_default()
+        .to_owned();
+    let error: serde_json::Value = last
+        .strip_prefix("data: ")
+        .and_then(|d| serde_json::from_str(d).ok())
+        .unwrap_or_else(|| panic!("the stream's last event is an error object: {last:?}"));
+    assert_eq!(error["error"]["type"], "upstream_error", "{error}");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("left the view")),
+        "the error names why: {error}"
     );
     // Nothing stays open on the hung nodes; resumed, they rejoin and serve.
     c.wait_listed(&["d0", "d1"], Duration::from_secs(15)).await;

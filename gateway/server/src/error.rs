@@ -4,6 +4,7 @@
 //! 502/503, the gateway's own a 500.
 
 use bytes::Bytes;
+use pd_policy::Api;
 use serde_json::json;
 
 /// Where a failure came from.
@@ -205,6 +206,38 @@ impl GatewayError {
         }});
         Bytes::from(body.to_string())
     }
+
+    /// The error as the last event of a stream already under way (its 200 is sent): on chat and
+    /// completions the error object as a data frame (what vLLM and our nodes write), on
+    /// `/v1/responses` an `error` event (`type`, `code`, `message`, `param`) that also carries
+    /// the error object, so that the `openai` SDKs raise instead of ending the stream quietly.
+    pub fn stream_event(&self, api: Api) -> Bytes {
+        let body = self.body();
+        let mut out = Vec::with_capacity(body.len() + 96);
+        match api {
+            Api::Responses => {
+                let error = serde_json::from_slice::<serde_json::Value>(&body)
+                    .ok()
+                    .and_then(|mut v| v.get_mut("error").map(serde_json::Value::take))
+                    .unwrap_or_default();
+                let event = json!({
+                    "type": "error",
+                    "code": error["code"].as_str().or(error["type"].as_str()),
+                    "message": error["message"],
+                    "param": error["param"],
+                    "error": error,
+                });
+                out.extend_from_slice(b"event: error\ndata: ");
+                out.extend_from_slice(event.to_string().as_bytes());
+            }
+            Api::ChatCompletions | Api::Completions => {
+                out.extend_from_slice(b"data: ");
+                out.extend_from_slice(&body);
+            }
+        }
+        out.extend_from_slice(b"\n\n");
+        Bytes::from(out)
+    }
 }
 
 /// An error and its causes, `: `-joined (hyper's or wasmtime's own message alone says little,
@@ -243,5 +276,29 @@ mod tests {
         let v: serde_json::Value = serde_json::from_slice(&e.body()).unwrap();
         assert_eq!(v["error"]["param"], "messages");
         assert_eq!(e.outcome(), "client_error");
+    }
+
+    #[test]
+    fn a_stream_ends_with_an_error_event_the_sdks_raise_on() {
+        let e = GatewayError::BadGateway("d0 left the view".into());
+        for api in [Api::ChatCompletions, Api::Completions] {
+            let ev = e.stream_event(api);
+            let data = ev
+                .strip_prefix(b"data: ")
+                .and_then(|d| d.strip_suffix(b"\n\n"))
+                .expect("one data frame");
+            let v: serde_json::Value = serde_json::from_slice(data).unwrap();
+            assert_eq!(v["error"]["type"], "upstream_error");
+            assert_eq!(v["error"]["message"], "d0 left the view");
+        }
+        let ev = e.stream_event(Api::Responses);
+        let data = ev
+            .strip_prefix(b"event: error\ndata: ")
+            .and_then(|d| d.strip_suffix(b"\n\n"))
+            .expect("one error event");
+        let v: serde_json::Value = serde_json::from_slice(data).unwrap();
+        assert_eq!(v["type"], "error");
+        assert_eq!(v["code"], "upstream_error");
+        assert_eq!(v["message"], v["error"]["message"]);
     }
 }

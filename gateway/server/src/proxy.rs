@@ -1399,8 +1399,13 @@ impl Gateway {
                 Some((j, Ok(bytes))) => merge.feed(j, &bytes),
                 Some((_, Err(e))) => {
                     warn!("decode stream broke: {e}");
-                    let _ = session.write_response_body(None, true).await;
-                    return Err(GatewayError::BadGateway(format!("node stream broke: {e}")));
+                    let err = GatewayError::BadGateway(format!("node stream broke: {e}"));
+                    // Children spread over nodes (n > 1) exist on chat and completions only,
+                    // whose error frame is the same.
+                    let _ = session
+                        .write_response_body(Some(err.stream_event(Api::Completions)), true)
+                        .await;
+                    return Err(err);
                 }
                 None => break,
             };
@@ -1570,6 +1575,7 @@ impl Gateway {
             respond(session, status, &content_type, body).await;
             return Ok(Outcome::Ok);
         }
+        let api = capture.api;
         let mut sse = (status == 200).then(|| SseCapture::new(capture));
         let len = resp.content_length().and_then(|l| usize::try_from(l).ok());
         let h = header(status, &content_type, len, request_id(session));
@@ -1581,6 +1587,8 @@ impl Gateway {
         // loop. With a content length, the last body write completes the answer and a
         // keep-alive client may send its next request at once; an idle read would eat it.
         let mut watch = len.is_none();
+        // The answer's last event went out: a break after it costs the client nothing.
+        let mut answered = false;
         // Made once, not per chunk: it registers with the node's token when first polled.
         let gone = node.gone();
         tokio::pin!(gone);
@@ -1610,7 +1618,8 @@ impl Gateway {
                     // Once the answer's last event is out, the client has all of it and may
                     // close at once (the SDKs do on `[DONE]`): that is no abort, so stop
                     // watching for it while the node's stream ends.
-                    if watch && ends_answer(&bytes) {
+                    if !answered && sse.is_some() && ends_answer(&bytes) {
+                        answered = true;
                         watch = false;
                     }
                     if session
@@ -1623,10 +1632,17 @@ impl Gateway {
                 }
                 Ok(None) => break,
                 Err(e) => {
-                    // The node broke off mid-answer; the client sees a truncated body.
+                    // The node broke off mid-answer. An event stream ends with an error event
+                    // (no `[DONE]`), so the client knows its answer is cut; another body is
+                    // cut where it stands.
                     warn!("node stream broke: {e}");
-                    let _ = session.write_response_body(None, true).await;
-                    return Err(GatewayError::BadGateway(format!("node stream broke: {e}")));
+                    let err = match e {
+                        UpstreamError::Gone => left(),
+                        e => GatewayError::BadGateway(format!("node stream broke: {e}")),
+                    };
+                    let last = (sse.is_some() && !answered).then(|| err.stream_event(api));
+                    let _ = session.write_response_body(last, true).await;
+                    return Err(err);
                 }
             }
         }
