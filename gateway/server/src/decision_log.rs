@@ -42,6 +42,15 @@ impl Default for DecisionLogConfig {
 /// Lines queued for the file writer before new ones are dropped.
 const FILE_QUEUE: usize = 4096;
 
+/// What the file writer thread is sent.
+#[derive(Debug)]
+enum ToWriter {
+    /// A record's line.
+    Line(Arc<str>),
+    /// Answer once everything sent before is written and flushed.
+    Flush(mpsc::Sender<()>),
+}
+
 /// The sampled decision log. Shared by the router (writes) and the admin API (reads).
 #[derive(Debug)]
 pub struct DecisionLog {
@@ -49,7 +58,7 @@ pub struct DecisionLog {
     keep: usize,
     seen: AtomicU64,
     recent: Mutex<VecDeque<Arc<str>>>,
-    file: Option<mpsc::SyncSender<Arc<str>>>,
+    file: Option<mpsc::SyncSender<ToWriter>>,
     /// Lines the file writer could not take (queue full or writer gone).
     pub dropped: AtomicU64,
 }
@@ -96,10 +105,37 @@ impl DecisionLog {
             recent.push_back(line.clone());
         }
         if let Some(tx) = &self.file
-            && tx.try_send(line).is_err()
+            && tx.try_send(ToWriter::Line(line)).is_err()
         {
             self.dropped.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// Waits up to `timeout` until every line queued before the call is in the file (at once
+    /// when there is no file). `false`: the writer did not answer in time, or is gone.
+    pub fn flush(&self, timeout: std::time::Duration) -> bool {
+        let Some(tx) = &self.file else {
+            return true;
+        };
+        let (ack, done) = mpsc::channel();
+        let deadline = std::time::Instant::now() + timeout;
+        // A full queue is emptied by the writer; try again until the deadline.
+        let mut msg = ToWriter::Flush(ack);
+        loop {
+            match tx.try_send(msg) {
+                Ok(()) => break,
+                Err(mpsc::TrySendError::Disconnected(_)) => return false,
+                Err(mpsc::TrySendError::Full(m)) => {
+                    if std::time::Instant::now() >= deadline {
+                        return false;
+                    }
+                    msg = m;
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+            }
+        }
+        done.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()))
+            .is_ok()
     }
 
     /// The last `limit` records, oldest first, one JSON object per line.
@@ -123,18 +159,24 @@ fn open_append(path: &PathBuf) -> std::io::Result<std::fs::File> {
 }
 
 /// Starts the thread that appends lines to `path`, rotating past `max_bytes`.
-fn spawn_writer(path: PathBuf, max_bytes: u64) -> std::io::Result<mpsc::SyncSender<Arc<str>>> {
+fn spawn_writer(path: PathBuf, max_bytes: u64) -> std::io::Result<mpsc::SyncSender<ToWriter>> {
     let file = open_append(&path)?;
     let mut size = file.metadata()?.len();
-    let (tx, rx) = mpsc::sync_channel::<Arc<str>>(FILE_QUEUE);
+    let (tx, rx) = mpsc::sync_channel::<ToWriter>(FILE_QUEUE);
     std::thread::Builder::new()
         .name("pd-decision-log".into())
         .spawn(move || {
             let mut out = std::io::BufWriter::new(file);
-            while let Ok(line) = rx.recv() {
-                let mut batch = vec![line];
-                batch.extend(rx.try_iter());
-                for line in &batch {
+            while let Ok(first) = rx.recv() {
+                let mut acks = Vec::new();
+                for msg in std::iter::once(first).chain(rx.try_iter()) {
+                    let line = match msg {
+                        ToWriter::Line(line) => line,
+                        ToWriter::Flush(ack) => {
+                            acks.push(ack);
+                            continue;
+                        }
+                    };
                     let wrote = writeln!(out, "{line}");
                     if let Err(e) = wrote {
                         tracing::warn!(path = %path.display(), error = %e, "decision log: write failed");
@@ -143,6 +185,9 @@ fn spawn_writer(path: PathBuf, max_bytes: u64) -> std::io::Result<mpsc::SyncSend
                 }
                 if let Err(e) = out.flush() {
                     tracing::warn!(path = %path.display(), error = %e, "decision log: flush failed");
+                }
+                for ack in acks {
+                    let _ = ack.send(());
                 }
                 if size > max_bytes {
                     let rotated = path.with_extension(match path.extension() {
@@ -222,10 +267,23 @@ mod tests {
             })
             .collect();
         assert_eq!(seqs, vec![3, 6], "the last two records kept");
+        assert!(
+            log.flush(std::time::Duration::from_secs(5)),
+            "the writer answers"
+        );
+        assert_eq!(
+            std::fs::read_to_string(&path)
+                .expect("file")
+                .lines()
+                .count(),
+            3,
+            "flush returns once the queued lines are in the file"
+        );
+        log.record(&record(9));
         drop(log);
         // The writer drains its queue when the log goes away.
         for _ in 0..100 {
-            if std::fs::read_to_string(&path).is_ok_and(|s| s.lines().count() == 3) {
+            if std::fs::read_to_string(&path).is_ok_and(|s| s.lines().count() == 4) {
                 break;
             }
             std::thread::sleep(std::time::Duration::from_millis(10));
@@ -235,7 +293,7 @@ mod tests {
                 .expect("file")
                 .lines()
                 .count(),
-            3
+            4
         );
         let _ = std::fs::remove_dir_all(&dir);
     }

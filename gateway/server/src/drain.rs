@@ -6,9 +6,11 @@
 //! gateway counts the requests it is serving ([`Drain::enter`], one guard per request), gives
 //! pingora a grace period of `--drain-timeout`, and on `SIGTERM` ([`exit_when_drained`]):
 //!
-//! 1. marks itself draining (`/health` answers 503 to whoever still reaches it);
+//! 1. marks itself draining (`/health` answers 503 to a request already on its way; pingora
+//!    closes the listener and idle keep-alive connections, so a new probe is refused instead);
 //! 2. while pingora has closed the listener, lets the open requests finish;
-//! 3. exits with status 0 as soon as none is open, or lets pingora end them at the deadline.
+//! 3. runs the caller's last step (the decision log's writer empties its queue) and exits with
+//!    status 0 as soon as none is open, or lets pingora end them at the deadline.
 //!
 //! A second signal exits at once. This module does not touch pingora's server or the nodes.
 
@@ -62,10 +64,11 @@ impl Drain {
     }
 }
 
-/// Waits for `SIGTERM`, then drains (see the module docs) and exits the process once no
-/// request is open; pingora itself ends what is left at `timeout`. A second `SIGTERM` or a
-/// ctrl-c exits at once. Run it on a runtime other than pingora's (which stops its own tasks).
-pub async fn exit_when_drained(drain: &Drain, timeout: Duration) {
+/// Waits for `SIGTERM`, then drains (see the module docs), runs `before_exit` and exits the
+/// process once no request is open; pingora itself ends what is left at `timeout`. A second
+/// `SIGTERM` or a ctrl-c exits at once. Run it on a runtime other than pingora's (which stops
+/// its own tasks).
+pub async fn exit_when_drained(drain: &Drain, timeout: Duration, before_exit: impl FnOnce()) {
     let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
     else {
         warn!("cannot listen for SIGTERM: a SIGTERM stops the gateway without draining");
@@ -89,6 +92,7 @@ pub async fn exit_when_drained(drain: &Drain, timeout: Duration) {
     // A connection pingora accepted just before the signal may not have reached the proxy yet:
     // none must be open for a moment in a row.
     let mut quiet_since = None;
+    let mut before_exit = Some(before_exit);
     loop {
         if drain.open() > 0 {
             quiet_since = None;
@@ -98,6 +102,9 @@ pub async fn exit_when_drained(drain: &Drain, timeout: Duration) {
             >= SETTLE
         {
             info!("drained: no request open; exiting");
+            if let Some(f) = before_exit.take() {
+                f();
+            }
             std::process::exit(0);
         }
         tokio::time::sleep(POLL).await;

@@ -440,11 +440,12 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             name: args.native_policy.clone(),
         },
     };
+    let log = Arc::new(log);
     let router = Arc::new(Router::new(
         PolicySlot::new(initial),
         args.on_policy_failure,
         metrics.clone(),
-        Arc::new(log),
+        log.clone(),
     ));
     let cluster = Arc::new(Cluster::default());
 
@@ -639,7 +640,12 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 }
                 let drain_timeout = Duration::from_secs(drain_timeout);
                 tokio::spawn(async move {
-                    pd_gateway::drain::exit_when_drained(&drain, drain_timeout).await;
+                    pd_gateway::drain::exit_when_drained(&drain, drain_timeout, || {
+                        if !log.flush(Duration::from_secs(2)) {
+                            tracing::warn!("the decision log's last lines may not be in its file");
+                        }
+                    })
+                    .await;
                 });
                 if let Some((path, spec)) = watch {
                     tokio::spawn(admin::watch_policy_file(admin.clone(), path, spec));
