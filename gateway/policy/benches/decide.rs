@@ -8,7 +8,9 @@
 //! Run: `scripts/build-policies.sh && cargo bench -p pd-policy --bench decide`
 //! (`PD_BENCH_CALLS=N` changes the number of timed calls, default 20000; `PD_BENCH_PACED=N`
 //! the number of paced calls per variant, default 3000;
-//! `PD_BENCH_ONLY=text` runs only the cases whose name contains `text`).
+//! `PD_BENCH_ONLY=text` runs only the cases whose name contains `text`;
+//! `PD_BENCH_ALT=FILE.wasm` adds another build of least-loaded to the "a spare ready" row,
+//! called in turn with the shipped one, for an A/B on the same machine).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -278,27 +280,38 @@ fn main() {
     let label = "host path, least-loaded, a spare ready";
     if std::env::var("PD_BENCH_ONLY").is_ok_and(|only| !label.contains(&only)) {
     } else {
-        let policy = engine
-            .load(&wasm("least-loaded"), spec("least-loaded"))
-            .expect("load");
-        let mut samples = Vec::with_capacity(calls);
+        // `PD_BENCH_ALT=FILE.wasm`: another build of the policy, called in turn with the
+        // shipped one (one call each), so that an A/B sees the same machine.
+        let mut builds = vec![("least-loaded".to_owned(), wasm("least-loaded"))];
+        if let Ok(alt) = std::env::var("PD_BENCH_ALT") {
+            builds.push((alt.clone(), std::fs::read(&alt).expect("PD_BENCH_ALT")));
+        }
+        let policies: Vec<_> = builds
+            .iter()
+            .map(|(_, bytes)| engine.load(bytes, spec("least-loaded")).expect("load"))
+            .collect();
+        let mut samples = vec![Vec::with_capacity(calls); policies.len()];
         for i in 0..(calls + calls / 10) as u64 {
-            while policy.spares_ready() == 0 {
-                std::hint::spin_loop();
-            }
-            let t = Instant::now();
-            let view = to_view(black_box(&reg));
-            let measured = to_measured(black_box(&reg));
-            let r = req(i);
-            let (d, stats) = policy.decide_with_stats(&r, &view, &measured, &node_names);
-            black_box(d.expect("decide"));
-            let took = t.elapsed();
-            assert!(stats.spare, "the call took a spare");
-            if i as usize >= calls / 10 {
-                samples.push(took);
+            for (policy, samples) in policies.iter().zip(&mut samples) {
+                while policy.spares_ready() == 0 {
+                    std::hint::spin_loop();
+                }
+                let t = Instant::now();
+                let view = to_view(black_box(&reg));
+                let measured = to_measured(black_box(&reg));
+                let r = req(i);
+                let (d, stats) = policy.decide_with_stats(&r, &view, &measured, &node_names);
+                black_box(d.expect("decide"));
+                let took = t.elapsed();
+                assert!(stats.spare, "the call took a spare");
+                if i as usize >= calls / 10 {
+                    samples.push(took);
+                }
             }
         }
-        rows.push(row(format!("{label} (0.2.0)"), &mut samples));
+        for ((name, _), mut samples) in builds.iter().zip(samples) {
+            rows.push(row(format!("{label} (0.2.0, {name})"), &mut samples));
+        }
     }
     // Paced as the gateway calls: a request every ~1 ms (idle gaps the spare thread uses), a
     // policy with spares (the default: instances made ahead, used stores dropped off the path)
