@@ -87,8 +87,9 @@ fn token_ids_equal_llama_cpp_on_the_fixture() {
 }
 
 /// `Tokenizer::encode` takes a shorter way for byte-level BPE (ids without the `tokenizers`
-/// library's offsets): on SmolLM2's real tokenizer it gives the library's ids, for the
-/// fixture's texts and for random mixes of them with special tokens, digits and whitespace.
+/// library's offsets): on SmolLM2's real tokenizer, and on its vocabulary under Llama 3's and
+/// Qwen2's pre-tokenizers, it gives the library's ids, for the fixture's texts and for random
+/// mixes of them with special tokens, digits and whitespace.
 #[test]
 fn the_ids_only_path_gives_the_library_s_ids() {
     let Some(path) = model_file() else { return };
@@ -136,13 +137,30 @@ fn the_ids_only_path_gives_the_library_s_ids() {
                 .collect(),
         );
     }
-    for text in &texts {
-        for add_special_tokens in [false, true] {
-            assert_eq!(
-                tok.encode(text, add_special_tokens).unwrap(),
-                tok.encode_reference(text, add_special_tokens).unwrap(),
-                "{text:?} (add_special_tokens {add_special_tokens})"
-            );
+    // The same vocabulary and merges under Llama 3's and Qwen2's pre-tokenizers (their own split
+    // regex, then byte-level without one; Llama 3 adds a BOS): the other GGUF tokenizers served.
+    let vocab = pd_model::GgufFile::open(&path).unwrap().vocab().unwrap();
+    let mut tokenizers = vec![("smollm", tok)];
+    for pre in ["llama-bpe", "qwen2"] {
+        let mut v = vocab.clone();
+        v.pre = Some(pre.into());
+        v.add_bos_token = None;
+        let tok = pd_tokenize::Tokenizer::from_gguf_vocab(&v).unwrap();
+        assert!(
+            format!("{tok:?}").contains("ids_only: Some"),
+            "{pre}: {tok:?}"
+        );
+        tokenizers.push((pre, tok));
+    }
+    for (pre, tok) in &tokenizers {
+        for text in &texts {
+            for add_special_tokens in [false, true] {
+                assert_eq!(
+                    tok.encode(text, add_special_tokens).unwrap(),
+                    tok.encode_reference(text, add_special_tokens).unwrap(),
+                    "{pre}: {text:?} (add_special_tokens {add_special_tokens})"
+                );
+            }
         }
     }
 }

@@ -9,14 +9,17 @@
 //! - no normalizer, no truncation, no padding;
 //! - added tokens that all match literally (not `single_word`, `lstrip`, `rstrip` or
 //!   `normalized`), split out first, leftmost-longest (the library's `AddedVocabulary`);
-//! - the pre-tokenizer `ByteLevel { add_prefix_space: false, use_regex: true }`, alone or after
-//!   `Digits { individual_digits: true }`;
+//! - the pre-tokenizer `ByteLevel { add_prefix_space: false, use_regex: true }` (GPT-2's split
+//!   pattern), alone or after `Digits { individual_digits: true }` (SmolLM2), or
+//!   `Split { pattern: Regex(R), behavior: Isolated, invert: false }` then
+//!   `ByteLevel { add_prefix_space: false, use_regex: false }` (Llama 3, Qwen2: their own
+//!   pattern `R`, the byte mapping alone after it);
 //! - a BPE model without dropout;
 //!
 //! this module runs the same steps on plain `&str`s: the added tokens with `aho-corasick`
-//! (leftmost-longest), each numeric character on its own, GPT-2's split pattern with the same
+//! (leftmost-longest), each numeric character on its own, the split pattern with the same
 //! `fancy-regex`, bytes mapped to GPT-2's characters, and the library's own BPE model for each
-//! word (its merges and its cache). About 3× faster (BENCHMARKS.md, "Tokenizing without the
+//! word (its merges, `ignore_merges` and its cache). About 3× faster (BENCHMARKS.md, "Tokenizing without the
 //! bookkeeping"); every other tokenizer takes the library's path. `tests/ids_only.rs` and the
 //! real model's test compare both paths on random text.
 
@@ -39,12 +42,15 @@ pub(crate) struct ByteLevelIds {
     added_ids: Vec<u32>,
     /// `Digits { individual_digits: true }` runs first.
     digits: bool,
+    /// The split pattern: GPT-2's, or the `Split` pre-tokenizer's.
     split: Regex,
     /// GPT-2's `bytes_to_unicode`: the character standing for each byte.
     byte_char: [char; 256],
-    /// The post-processor adds nothing to the ids (none, or `ByteLevel`): the fast path serves
-    /// `add_special_tokens = true` too.
-    post_adds_nothing: bool,
+    /// The ids the post-processor puts before and after a single sequence when
+    /// `add_special_tokens` is set (none, or `ByteLevel`: nothing; `TemplateProcessing`: its
+    /// `single` template's special tokens, e.g. Llama 3's BOS). `None`: a post-processor this
+    /// module does not run; such a tokenizer takes the fast path only without special tokens.
+    post: Option<(Vec<u32>, Vec<u32>)>,
 }
 
 impl std::fmt::Debug for ByteLevelIds {
@@ -52,7 +58,7 @@ impl std::fmt::Debug for ByteLevelIds {
         f.debug_struct("ByteLevelIds")
             .field("added_tokens", &self.added_ids.len())
             .field("digits", &self.digits)
-            .field("post_adds_nothing", &self.post_adds_nothing)
+            .field("post", &self.post)
             .finish()
     }
 }
@@ -72,14 +78,22 @@ impl ByteLevelIds {
         if bpe.dropout.is_some() {
             return None;
         }
-        let byte_level = |v: &Json| {
+        let byte_level = |v: &Json, use_regex: bool| {
             v.get("type") == Some(&json!("ByteLevel"))
                 && v.get("add_prefix_space") == Some(&json!(false))
-                && v.get("use_regex") == Some(&json!(true))
+                && v.get("use_regex") == Some(&json!(use_regex))
+        };
+        // The pattern of an isolating regex split, as the library compiles it.
+        let isolated_regex = |v: &Json| -> Option<String> {
+            (v.get("type") == Some(&json!("Split"))
+                && v.get("behavior") == Some(&json!("Isolated"))
+                && v.get("invert") == Some(&json!(false)))
+            .then(|| v.get("pattern")?.get("Regex")?.as_str().map(str::to_owned))
+            .flatten()
         };
         let pre = serde_json::to_value(tok.get_pre_tokenizer()?).ok()?;
-        let digits = if byte_level(&pre) {
-            false
+        let (digits, pattern) = if byte_level(&pre, true) {
+            (false, GPT2_PATTERN.to_owned())
         } else {
             let seq = pre
                 .get("type")
@@ -89,19 +103,17 @@ impl ByteLevelIds {
             match seq.as_slice() {
                 [d, b]
                     if d == &json!({"type": "Digits", "individual_digits": true})
-                        && byte_level(b) =>
+                        && byte_level(b, true) =>
                 {
-                    true
+                    (true, GPT2_PATTERN.to_owned())
                 }
+                [s, b] if byte_level(b, false) => (false, isolated_regex(s)?),
                 _ => return None,
             }
         };
-        let post_adds_nothing = match tok.get_post_processor() {
-            None => true,
-            Some(p) => serde_json::to_value(p)
-                .ok()?
-                .get("type")
-                .is_some_and(|t| t == "ByteLevel"),
+        let post = match tok.get_post_processor() {
+            None => Some((Vec::new(), Vec::new())),
+            Some(p) => serde_json::to_value(p).ok().and_then(|p| post_ids(&p)),
         };
         let vocab = tok.get_added_vocabulary();
         if vocab.get_encode_special_tokens() {
@@ -130,25 +142,37 @@ impl ByteLevelIds {
             added,
             added_ids,
             digits,
-            split: Regex::new(GPT2_PATTERN).ok()?,
+            split: Regex::new(&pattern).ok()?,
             byte_char: bytes_to_unicode(),
-            post_adds_nothing,
+            post,
         })
     }
 
     /// Whether [`ByteLevelIds::encode`] gives what the library's `encode_fast(text,
     /// add_special_tokens)` gives.
     pub(crate) fn serves(&self, add_special_tokens: bool) -> bool {
-        !add_special_tokens || self.post_adds_nothing
+        !add_special_tokens || self.post.is_some()
     }
 
-    /// The ids of `text` with `model` (the tokenizer's own BPE model).
-    pub(crate) fn encode(&self, model: &ModelWrapper, text: &str) -> tokenizers::Result<Vec<u32>> {
+    /// The ids of `text` with `model` (the tokenizer's own BPE model), the post-processor's
+    /// special tokens around them when `add_special_tokens` (see [`ByteLevelIds::serves`]).
+    pub(crate) fn encode(
+        &self,
+        model: &ModelWrapper,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> tokenizers::Result<Vec<u32>> {
+        let (before, after) = match (&self.post, add_special_tokens) {
+            (Some((before, after)), true) => (before.as_slice(), after.as_slice()),
+            _ => (&[][..], &[][..]),
+        };
+        let mut ids = Vec::with_capacity(before.len() + text.len() / 3 + 1 + after.len());
+        ids.extend_from_slice(before);
         let mut out = Words {
             model,
             byte_char: &self.byte_char,
             word: String::new(),
-            ids: Vec::with_capacity(text.len() / 3 + 1),
+            ids,
         };
         match &self.added {
             None => self.pre_tokenized(&mut out, text)?,
@@ -162,10 +186,11 @@ impl ByteLevelIds {
                 self.pre_tokenized(&mut out, &text[at..])?;
             }
         }
+        out.ids.extend_from_slice(after);
         Ok(out.ids)
     }
 
-    /// A stretch without added tokens: digits apart, then GPT-2's split.
+    /// A stretch without added tokens: digits apart, then the split pattern.
     fn pre_tokenized(&self, out: &mut Words<'_>, text: &str) -> tokenizers::Result<()> {
         if !self.digits {
             return self.split_words(out, text);
@@ -182,8 +207,8 @@ impl ByteLevelIds {
         self.split_words(out, &text[at..])
     }
 
-    /// GPT-2's split: each match a word, and what lies between matches too (the library splits
-    /// with `Isolated`).
+    /// The split: each match a word, and what lies between matches too (`Isolated`, as the
+    /// library splits with the pattern of `ByteLevel` and of `Split`).
     fn split_words(&self, out: &mut Words<'_>, text: &str) -> tokenizers::Result<()> {
         if text.is_empty() {
             return Ok(());
@@ -196,6 +221,41 @@ impl ByteLevelIds {
             at = m.end();
         }
         out.push(&text[at..])
+    }
+}
+
+/// What post-processor `p` (as the library serializes it) puts around a single sequence's
+/// ids: nothing for `ByteLevel`; for `TemplateProcessing`, the ids of the special tokens of its
+/// `single` template before and after its one sequence. `None` for anything else.
+fn post_ids(p: &Json) -> Option<(Vec<u32>, Vec<u32>)> {
+    match p.get("type")?.as_str()? {
+        "ByteLevel" => Some((Vec::new(), Vec::new())),
+        "TemplateProcessing" => {
+            let specials = p.get("special_tokens")?;
+            let (mut before, mut after) = (Vec::new(), Vec::new());
+            let mut seen_sequence = false;
+            for piece in p.get("single")?.as_array()? {
+                if let Some(seq) = piece.get("Sequence") {
+                    if seen_sequence || seq.get("id")? != "A" {
+                        return None;
+                    }
+                    seen_sequence = true;
+                    continue;
+                }
+                let name = piece.get("SpecialToken")?.get("id")?.as_str()?;
+                let ids = specials.get(name)?.get("ids")?.as_array()?;
+                let side = if seen_sequence {
+                    &mut after
+                } else {
+                    &mut before
+                };
+                for id in ids {
+                    side.push(u32::try_from(id.as_u64()?).ok()?);
+                }
+            }
+            seen_sequence.then_some((before, after))
+        }
+        _ => None,
     }
 }
 
@@ -220,5 +280,34 @@ impl Words<'_> {
         self.ids
             .extend(self.model.tokenize(&self.word)?.into_iter().map(|t| t.id));
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn post_processors_run_here_or_not_at_all() {
+        let template = json!({"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                       {"Sequence": {"id": "A", "type_id": 0}},
+                       {"SpecialToken": {"id": "</s>", "type_id": 0}}],
+            "pair": [],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]},
+                               "</s>": {"id": "</s>", "ids": [2, 3], "tokens": ["</s>", "x"]}}});
+        assert_eq!(post_ids(&template), Some((vec![1], vec![2, 3])));
+        assert_eq!(
+            post_ids(&json!({"type": "ByteLevel", "trim_offsets": true})),
+            Some((vec![], vec![]))
+        );
+        // Another post-processor, a template without its sequence or with an unknown token.
+        assert_eq!(post_ids(&json!({"type": "RobertaProcessing"})), None);
+        let mut no_seq = template.clone();
+        no_seq["single"] = json!([{"SpecialToken": {"id": "<s>", "type_id": 0}}]);
+        assert_eq!(post_ids(&no_seq), None);
+        let mut unknown = template;
+        unknown["single"][0]["SpecialToken"]["id"] = json!("<unk>");
+        assert_eq!(post_ids(&unknown), None);
     }
 }

@@ -14,8 +14,8 @@
 //!   behind an `Arc`. [`Tokenizer::files`] and [`Tokenizer::fingerprint`] are what it was built
 //!   from, so another process (the gateway) rebuilds the very same tokenizer with
 //!   [`Tokenizer::from_files`] without the model directory.
-//! - [`Tokenizer::encode`] runs byte-level BPE tokenizers (GPT-2's family, SmolLM2) on an
-//!   ids-only path (`byte_level_ids`) that skips the `tokenizers` library's offset bookkeeping
+//! - [`Tokenizer::encode`] runs byte-level BPE tokenizers (GPT-2's family, SmolLM2, and the
+//!   Llama 3 and Qwen2 pre-tokenizers of GGUF files) on an ids-only path (`byte_level_ids`) that skips the `tokenizers` library's offset bookkeeping
 //!   and gives the same ids as its pipeline ([`Tokenizer::encode_reference`]).
 //! - [`prompt`]: OpenAI request fields (completions `prompt`, chat `messages`, responses
 //!   `input`) to prompt token ids with [`prompt::prompt_tokens`]; one implementation for nodes

@@ -270,7 +270,7 @@ impl Tokenizer {
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
         match &self.ids_only {
             Some(fast) if fast.serves(add_special_tokens) => fast
-                .encode(self.inner.get_model(), text)
+                .encode(self.inner.get_model(), text, add_special_tokens)
                 .map_err(|source| TokenizeError::Encode {
                     len: text.len(),
                     source,

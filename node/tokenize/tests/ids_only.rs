@@ -3,13 +3,16 @@
 //! of what trips tokenizers: special tokens and pieces of them, digits of several scripts,
 //! contractions, runs of whitespace, multi-byte characters.
 //!
-//! Two tokenizers: the test models' byte tokenizer (`ByteLevel` alone, no merges) and one with
-//! merges, SmolLM2's `Digits` + `ByteLevel` pre-tokenizer and a non-special added token. The
-//! real SmolLM2 tokenizer gets the same check in `pd-model`'s `real_gguf.rs`.
+//! The tokenizers: the test models' byte tokenizer (`ByteLevel` alone, no merges); one with
+//! merges, SmolLM2's `Digits` + `ByteLevel` pre-tokenizer and a non-special added token; and a
+//! GGUF vocabulary with merges under each pre-tokenizer a GGUF file may name (`gpt-2`,
+//! `smollm`, `llama-bpe`, `qwen2`: the last two split with their own regex, then `ByteLevel`
+//! without one), converted as a GGUF model's is. The real SmolLM2 tokenizer gets the same check
+//! in `pd-model`'s `real_gguf.rs`.
 
 use std::path::{Path, PathBuf};
 
-use pd_tokenize::{Tokenizer, write_byte_level_tokenizer};
+use pd_tokenize::{Tokenizer, byte_level_gguf_vocab, write_byte_level_tokenizer};
 use serde_json::{Value, json};
 
 /// Random text: `n` strings of up to 40 pieces each, from a fixed seed.
@@ -30,6 +33,8 @@ pub(crate) fn random_texts(seed: u64, n: usize) -> Vec<String> {
         "'s",
         "'re",
         "'ll",
+        "'S",
+        "'Ve",
         "'",
         "\"",
         "1",
@@ -167,6 +172,54 @@ fn a_tokenizer_with_merges_and_digits_gives_the_library_s_ids() {
     // The merges are in use: " the" is one token.
     assert_eq!(tok.encode(" the", false).unwrap().len(), 1);
     assert_same_ids(&tok, &random_texts(2, 3000));
+}
+
+/// A GGUF vocabulary: the byte tokenizer's (256 byte tokens, control tokens) with merges
+/// (`Ġ t`, `h e`, `Ġt he`, `1 2`, `12 3`, ...) and a user-defined `<tool>`, under
+/// pre-tokenizer `pre`.
+fn gguf(pre: &str) -> Tokenizer {
+    let mut vocab = byte_level_gguf_vocab(259).unwrap();
+    let merges = [
+        ("Ġ", "t"),
+        ("h", "e"),
+        ("Ġt", "he"),
+        ("i", "n"),
+        ("Ġ", "Ġ"),
+        ("ĠĠ", "ĠĠ"),
+        ("Ċ", "Ċ"),
+        ("'", "s"),
+        ("1", "2"),
+        ("12", "3"),
+        ("2", "0"),
+        ("20", "2"),
+    ];
+    for (a, b) in merges {
+        vocab.tokens.push(format!("{a}{b}"));
+        vocab.token_types.push(1);
+    }
+    vocab.merges = merges.iter().map(|(a, b)| format!("{a} {b}")).collect();
+    vocab.tokens.push("<tool>".into());
+    vocab.token_types.push(4);
+    vocab.pre = Some(pre.into());
+    // Llama 3's default: BOS added by a post-processor (so only `add_special_tokens: false`
+    // takes the ids-only path there).
+    vocab.add_bos_token = (pre != "llama-bpe").then_some(false);
+    Tokenizer::from_gguf_vocab(&vocab).unwrap()
+}
+
+#[test]
+fn every_gguf_pre_tokenizer_gives_the_library_s_ids() {
+    for (seed, pre) in [(3, "gpt-2"), (4, "smollm"), (5, "llama-bpe"), (6, "qwen2")] {
+        let tok = gguf(pre);
+        // The merges are in use: " the" is one token.
+        assert_eq!(tok.encode(" the", false).unwrap().len(), 1, "{pre}");
+        // The post-processor's special tokens (Llama 3's BOS) are added on the same path.
+        assert!(format!("{tok:?}").contains("post: Some("), "{pre}: {tok:?}");
+        if pre == "llama-bpe" {
+            assert_eq!(tok.encode("he", true).unwrap()[0], 256, "BOS first");
+        }
+        assert_same_ids(&tok, &random_texts(seed, 2000));
+    }
 }
 
 /// A pipeline the ids-only path does not run exactly (here a normalizer) takes the library's.
