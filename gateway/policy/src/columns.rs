@@ -39,44 +39,41 @@ impl Measured {
 /// `view` and `measured` as the 0.2.0 view. The conversation is the node with the most
 /// `conversation_tokens` (ties to the lowest index), as 0.1.0 policies are told to find it.
 pub(crate) fn columns(view: &View, measured: &Measured) -> Columns {
-    let n = view.nodes.len();
-    let mut c = Columns {
-        roles: Vec::with_capacity(n),
-        free_blocks: Vec::with_capacity(n),
-        total_blocks: Vec::with_capacity(n),
-        leased_blocks: Vec::with_capacity(n),
-        waiting: Vec::with_capacity(n),
-        running: Vec::with_capacity(n),
-        waiting_remote_kv: Vec::with_capacity(n),
-        draining: Vec::new(),
-        prefill_tokens_per_s: Vec::with_capacity(n),
-        pull_mb_per_s: Vec::with_capacity(n),
-        conversation: None,
-        kv_bytes_per_token: measured.kv_bytes_per_token,
-    };
-    for (i, node) in (0u32..).zip(&view.nodes) {
-        c.roles.push(node.role);
-        c.free_blocks.push(node.free_blocks);
-        c.total_blocks.push(node.total_blocks);
-        c.leased_blocks.push(node.leased_blocks);
-        c.waiting.push(node.waiting);
-        c.running.push(node.running);
-        c.waiting_remote_kv.push(node.waiting_remote_kv);
-        if node.draining {
-            c.draining.push(i);
-        }
-        let r = measured.rates_of(i as usize);
-        c.prefill_tokens_per_s.push(r.prefill_tokens_per_s);
-        c.pull_mb_per_s.push(r.pull_mb_per_s);
-        if node.conversation_tokens > c.conversation.as_ref().map_or(0, |h| h.tokens) {
-            c.conversation = Some(Holding {
+    let nodes = &view.nodes;
+    // One pass per column: an exact-size `collect` writes each vector without a capacity check
+    // per element (ten `push`es per node in one loop cost ~1.5 µs of a ~8 µs call at 64 nodes).
+    let column = |field: fn(&crate::Node) -> u32| -> Vec<u32> { nodes.iter().map(field).collect() };
+    let rate = |i: usize| measured.rates_of(i);
+    let mut conversation: Option<Holding> = None;
+    for (i, node) in (0u32..).zip(nodes) {
+        if node.conversation_tokens > conversation.as_ref().map_or(0, |h| h.tokens) {
+            conversation = Some(Holding {
                 node: i,
                 tokens: node.conversation_tokens,
                 expiry_ms: node.conversation_expiry_ms,
             });
         }
     }
-    c
+    Columns {
+        roles: nodes.iter().map(|n| n.role).collect(),
+        free_blocks: column(|n| n.free_blocks),
+        total_blocks: column(|n| n.total_blocks),
+        leased_blocks: column(|n| n.leased_blocks),
+        waiting: column(|n| n.waiting),
+        running: column(|n| n.running),
+        waiting_remote_kv: column(|n| n.waiting_remote_kv),
+        draining: (0u32..)
+            .zip(nodes)
+            .filter(|(_, n)| n.draining)
+            .map(|(i, _)| i)
+            .collect(),
+        prefill_tokens_per_s: (0..nodes.len())
+            .map(|i| rate(i).prefill_tokens_per_s)
+            .collect(),
+        pull_mb_per_s: (0..nodes.len()).map(|i| rate(i).pull_mb_per_s).collect(),
+        conversation,
+        kv_bytes_per_token: measured.kv_bytes_per_token,
+    }
 }
 
 #[cfg(test)]
