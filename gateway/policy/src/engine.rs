@@ -4,7 +4,7 @@
 //! Built once ([`PolicyEngine::new`]): the wasmtime [`Engine`] (pooling allocator, fuel, epoch
 //! interruption), the [`Linker`] with the `pd:policy/host` imports and a locked-down WASI p2
 //! (no files, no network, no environment, no arguments; stdout/stderr go nowhere), and the
-//! epoch ticker thread.
+//! thread that advances the epoch when a call may be past its deadline (`deadline.rs`).
 //!
 //! At load ([`PolicyEngine::load`], off the request path): compile (cached in memory by the
 //! sha256 of the bytes, and on disk when the engine has a cache directory: see
@@ -32,8 +32,8 @@
 //! give the same decision and use the same fuel (`tests/sandbox.rs`).
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -43,7 +43,7 @@ use sha2::{Digest, Sha256};
 use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
 use wasmtime::{
     Config, Enabled, Engine, InstanceAllocationStrategy, OptLevel, PoolingAllocationConfig,
-    ResourceLimiter, Store, Trap,
+    ResourceLimiter, Store, Trap, UpdateDeadline,
 };
 use wasmtime_wasi::{
     Deterministic, HostMonotonicClock, HostWallClock, WasiCtx, WasiCtxView, WasiView,
@@ -52,6 +52,7 @@ use wasmtime_wasi::{
 use crate::bindings::v1::pd::policy::host::Level;
 use crate::bindings::{v1, v2};
 use crate::columns::{Measured, Rates, columns};
+use crate::deadline::{self, DeadlineClock};
 use crate::precompiled::DiskCache;
 use crate::spare::{Refill, SpareWorker};
 use crate::{Api, Decision, Node, PolicyError, Request, Role, View, validate};
@@ -59,9 +60,6 @@ use crate::{Api, Decision, Node, PolicyError, Request, Role, View, validate};
 /// Engine ids of a view's nodes (`names[i]` names `view.nodes[i]`), shared with the caller:
 /// the host's `node-name` import reads them, nothing copies them per call.
 pub type NodeNames = Arc<[Arc<str>]>;
-
-/// How often the ticker thread advances the engine's epoch.
-pub const EPOCH_TICK: Duration = Duration::from_micros(250);
 
 /// The largest [`PolicySpec::memory_limit`] the host accepts (the pool's per-memory size).
 pub const MAX_MEMORY_LIMIT: usize = 256 << 20;
@@ -102,8 +100,9 @@ pub struct PolicySpec {
     /// What the guest reads with `host.config(key)`.
     pub config: BTreeMap<String, String>,
     /// Wall-clock budget of one call, and separately of the instantiation before it (which may
-    /// run ahead of the call: `spares`); a backstop to `fuel`, enforced with epochs, so a runaway call stops between `deadline` and `deadline + EPOCH_TICK`, or
-    /// up to 1 ms later when it started while the ticker dozed between calls).
+    /// run ahead of the call: `spares`); a backstop to `fuel`, enforced with epochs advanced
+    /// only when a call may be past it (`deadline.rs`), so a runaway call stops between
+    /// `deadline` and `deadline + RECHECK` (250 µs), plus scheduling.
     /// Default: 1 ms.
     pub deadline: Duration,
     /// Largest size in bytes any one linear memory of the guest may reach. At most
@@ -159,109 +158,10 @@ struct EngineInner {
     cache: Mutex<Vec<([u8; 32], Component)>>,
     /// Compiled components on disk, when the engine has a cache directory.
     disk: Option<DiskCache>,
-    clock: Arc<EpochClock>,
+    clock: Arc<DeadlineClock>,
     ticker: Option<JoinHandle<()>>,
     /// Makes spare instances and drops used stores, off the request path (`spare.rs`).
     spares: Arc<SpareWorker<Core, Store<HostState>>>,
-}
-
-/// Drives the epoch: every [`EPOCH_TICK`] while calls run, every [`EPOCH_DOZE`] in the gaps
-/// between them, and not at all once [`EPOCH_LINGER`] passed without a call (the ticker sleeps
-/// on a condvar, so an idle gateway does not wake 4000 times a second on cores the nodes
-/// share). While it ticks or dozes, a call starts with two atomic adds and a load: no lock and
-/// no wake-up (a futex wake per call, and the context switch it caused, was a quarter of a
-/// decision's host time). Dozing instead of ticking through the gaps cut the ticker's CPU from
-/// ~140 to ~50 µs per request at 180 requests a second (BENCHMARKS.md); the price is that a
-/// call starting in a doze sees its first tick up to [`EPOCH_DOZE`] late.
-#[derive(Debug, Default)]
-struct EpochClock {
-    /// Calls in flight.
-    active: AtomicUsize,
-    /// Calls ever started: the ticker parks only after [`EPOCH_LINGER`] without a new one.
-    started: AtomicU64,
-    /// The ticker is parked (or about to): a starting call must wake it.
-    parked: AtomicBool,
-    stop: AtomicBool,
-    lock: Mutex<()>,
-    wake: Condvar,
-}
-
-/// How long the ticker keeps dozing after the last call before it parks.
-const EPOCH_LINGER: Duration = Duration::from_millis(50);
-
-/// The ticker's period while no call runs (and one ran within [`EPOCH_LINGER`]).
-const EPOCH_DOZE: Duration = Duration::from_millis(1);
-
-impl EpochClock {
-    /// The ticker thread's loop. Each tick also passes a wake-up on to the spare thread when
-    /// calls queued work for it (`spare.rs`).
-    fn run(&self, engine: &Engine, spares: &SpareWorker<Core, Store<HostState>>) {
-        let mut seen = self.started.load(Ordering::SeqCst);
-        let mut idle = Duration::ZERO;
-        let mut period = EPOCH_TICK;
-        while !self.stop.load(Ordering::Relaxed) {
-            std::thread::sleep(period);
-            engine.increment_epoch();
-            spares.pass_wake();
-            let started = self.started.load(Ordering::SeqCst);
-            if started != seen || self.active.load(Ordering::SeqCst) != 0 {
-                seen = started;
-                idle = Duration::ZERO;
-                period = EPOCH_TICK;
-                continue;
-            }
-            idle += period;
-            period = EPOCH_DOZE;
-            if idle < EPOCH_LINGER {
-                continue;
-            }
-            let guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-            // Publish `parked` before the last look at `started` (both SeqCst): a call either
-            // sees `parked` and wakes us under the lock, or its `started` increment is seen here.
-            self.parked.store(true, Ordering::SeqCst);
-            if self.started.load(Ordering::SeqCst) == seen
-                && self.active.load(Ordering::SeqCst) == 0
-            {
-                let _guard = self
-                    .wake
-                    .wait_while(guard, |_| {
-                        self.parked.load(Ordering::SeqCst) && !self.stop.load(Ordering::Relaxed)
-                    })
-                    .unwrap_or_else(|e| e.into_inner());
-            }
-            self.parked.store(false, Ordering::SeqCst);
-            seen = self.started.load(Ordering::SeqCst);
-            idle = Duration::ZERO;
-            period = EPOCH_TICK;
-        }
-    }
-
-    /// A call starts: wakes the ticker if it parked. The call ends when the guard drops.
-    fn enter(&self) -> ActiveCall<'_> {
-        self.active.fetch_add(1, Ordering::SeqCst);
-        self.started.fetch_add(1, Ordering::SeqCst);
-        if self.parked.load(Ordering::SeqCst) {
-            let _guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-            self.parked.store(false, Ordering::SeqCst);
-            self.wake.notify_one();
-        }
-        ActiveCall(self)
-    }
-
-    fn stop(&self) {
-        self.stop.store(true, Ordering::Relaxed);
-        let _guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-        self.wake.notify_one();
-    }
-}
-
-/// A call in flight (see [`EpochClock::enter`]).
-struct ActiveCall<'a>(&'a EpochClock);
-
-impl Drop for ActiveCall<'_> {
-    fn drop(&mut self) {
-        self.0.active.fetch_sub(1, Ordering::AcqRel);
-    }
 }
 
 impl Drop for EngineInner {
@@ -269,7 +169,7 @@ impl Drop for EngineInner {
         self.spares.stop();
         self.clock.stop();
         if let Some(t) = self.ticker.take() {
-            // The ticker only sleeps and bumps the epoch; it cannot panic.
+            // The deadline thread only waits on its timer and bumps the epoch; it cannot panic.
             let _ = t.join();
         }
     }
@@ -282,12 +182,13 @@ fn engine_err(e: wasmtime::Error) -> PolicyError {
 }
 
 impl PolicyEngine {
-    /// Builds the engine, the linker and the epoch ticker thread.
+    /// Builds the engine, the linker and the deadline thread (`deadline.rs`).
     ///
     /// # Errors
     ///
     /// [`PolicyError::Engine`] when wasmtime rejects the configuration (for example, the
-    /// pooling allocator cannot reserve its address space) or the ticker thread cannot start.
+    /// pooling allocator cannot reserve its address space) or the deadline timer or thread cannot
+    /// start.
     pub fn new() -> Result<Self, PolicyError> {
         Self::build(None)
     }
@@ -363,7 +264,12 @@ impl PolicyEngine {
         let spares = SpareWorker::start().map_err(|e| PolicyError::Engine {
             source: Box::new(e),
         })?;
-        let clock = Arc::new(EpochClock::default());
+        let clock = Arc::new(DeadlineClock::new().map_err(|e| {
+            spares.stop();
+            PolicyError::Engine {
+                source: Box::new(e),
+            }
+        })?);
         let ticker = {
             let engine = engine.clone();
             let clock = clock.clone();
@@ -371,7 +277,10 @@ impl PolicyEngine {
             std::thread::Builder::new()
                 .name("pd-policy-epoch".to_string())
                 .spawn(move || {
-                    clock.run(&engine, &for_ticker);
+                    clock.run(|| {
+                        engine.increment_epoch();
+                        for_ticker.pass_wake();
+                    });
                 })
                 .map_err(|e| {
                     spares.stop();
@@ -448,7 +357,6 @@ impl PolicyEngine {
                 }
             },
         };
-        let deadline_ticks = deadline_ticks(spec.deadline);
         let guest = Arc::new(GuestMeta {
             name: spec.name.clone(),
             version: sha256[..12].to_string(),
@@ -460,7 +368,6 @@ impl PolicyEngine {
                 pre,
                 guest,
                 spec,
-                deadline_ticks,
                 spares: Mutex::new(Vec::new()),
             }),
             sha256,
@@ -570,15 +477,6 @@ impl PolicyEngine {
     }
 }
 
-/// Epoch ticks to allow for `deadline`: the first tick comes anywhere within one period
-/// ([`EPOCH_TICK`], or [`EPOCH_DOZE`] for a call that starts while the ticker dozes), so one
-/// more than `deadline` spans; a call then stops between `deadline` and `deadline + EPOCH_TICK`
-/// (`deadline + EPOCH_DOZE` after a doze).
-fn deadline_ticks(deadline: Duration) -> u64 {
-    let ticks = deadline.as_nanos().div_ceil(EPOCH_TICK.as_nanos());
-    u64::try_from(ticks).unwrap_or(u64::MAX).saturating_add(1)
-}
-
 /// The synthetic calls of the load-time smoke test: 2 prefill + 2 decode + 1 standalone nodes,
 /// with `n = 1` and `n = 3`.
 fn smoke_cases() -> Vec<(&'static str, Request, View, NodeNames)> {
@@ -660,7 +558,6 @@ pub(crate) struct Core {
     pre: Pre,
     guest: Arc<GuestMeta>,
     spec: PolicySpec,
-    deadline_ticks: u64,
     /// Stores instantiated ahead and never called, at most `spec.spares`.
     spares: Mutex<Vec<Fresh>>,
 }
@@ -782,12 +679,11 @@ impl WasmPolicy {
         let (result, stats) = match fresh {
             Err((e, stats)) => (Err(e), stats),
             Ok(mut fresh) => {
-                fresh
-                    .store
-                    .data_mut()
-                    .begin_call(request.seq, node_names.clone());
-                fresh.store.set_epoch_deadline(core.deadline_ticks);
-                let active = core.engine.clock.enter();
+                let active = core.engine.clock.enter(core.spec.deadline);
+                let state = fresh.store.data_mut();
+                state.begin_call(request.seq, node_names.clone());
+                state.deadline_ns = active.deadline_ns;
+                fresh.store.set_epoch_deadline(1);
                 let result = fresh.call(request, view, measured);
                 drop(active);
                 let result = result.map_err(|e| core.call_error(e, false));
@@ -847,15 +743,25 @@ impl Core {
             seed: INSTANTIATE_SEED,
             clock: Arc::default(),
             wasi: None,
+            deadline_ns: u64::MAX,
         };
         let mut store = Store::new(&self.engine.engine, state);
         store.limiter(|s| &mut s.limiter);
         if let Err(e) = store.set_fuel(self.spec.fuel) {
             return Err((engine_err(e), CallStats::default()));
         }
-        store.set_epoch_deadline(self.deadline_ticks);
-        store.epoch_deadline_trap();
-        let active = self.engine.clock.enter();
+        // The epoch advances only when some call may be past its deadline (`deadline.rs`):
+        // each store checks its own at every advance.
+        store.epoch_deadline_callback(|ctx| {
+            if deadline::past(ctx.data().deadline_ns) {
+                Err(Trap::Interrupt.into())
+            } else {
+                Ok(UpdateDeadline::Continue(1))
+            }
+        });
+        let active = self.engine.clock.enter(self.spec.deadline);
+        store.data_mut().deadline_ns = active.deadline_ns;
+        store.set_epoch_deadline(1);
         let bound = match &self.pre {
             Pre::V1(pre) => pre.instantiate(&mut store).map(Bound::V1),
             Pre::V2(pre) => pre.instantiate(&mut store).map(Bound::V2),
@@ -958,6 +864,9 @@ struct HostState {
     clock: Arc<AtomicU64>,
     /// Built on the guest's first WASI call: most policies never make one.
     wasi: Option<WasiState>,
+    /// When the running call (or instantiation) is past its deadline (`deadline::now_ns`'s
+    /// clock); the store's epoch callback traps it from then on.
+    deadline_ns: u64,
 }
 
 impl HostState {
@@ -1167,12 +1076,4 @@ impl ResourceLimiter for Limiter {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn deadline_ticks_cover_the_deadline() {
-        assert_eq!(deadline_ticks(Duration::from_millis(1)), 5);
-        assert_eq!(deadline_ticks(Duration::from_micros(1)), 2);
-        assert_eq!(deadline_ticks(Duration::ZERO), 1);
-        assert_eq!(deadline_ticks(Duration::MAX), u64::MAX);
-    }
 }

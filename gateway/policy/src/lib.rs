@@ -21,6 +21,7 @@
 
 mod bindings;
 mod columns;
+mod deadline;
 mod engine;
 mod error;
 pub mod native;
@@ -34,9 +35,10 @@ pub use bindings::v1::pd::policy::types::{
     Api, Decision, DecodeTarget, Node, Rejection, Request, ReversePull, Role, Route, Split, View,
 };
 pub use columns::{Measured, Rates};
+pub use deadline::RECHECK as DEADLINE_RECHECK;
 pub use engine::{
-    CallStats, CompiledFrom, DEFAULT_FUEL, DEFAULT_SPARES, EPOCH_TICK, MAX_CONCURRENT_CALLS,
-    MAX_MEMORY_LIMIT, MAX_SPARES, NodeNames, PolicyEngine, PolicySpec, WasmPolicy,
+    CallStats, CompiledFrom, DEFAULT_FUEL, DEFAULT_SPARES, MAX_CONCURRENT_CALLS, MAX_MEMORY_LIMIT,
+    MAX_SPARES, NodeNames, PolicyEngine, PolicySpec, WasmPolicy,
 };
 pub use error::PolicyError;
 pub use precompiled::{CacheDirError, default_cache_dir};
