@@ -4,7 +4,7 @@
 //! Built once ([`PolicyEngine::new`]): the wasmtime [`Engine`] (pooling allocator, fuel, epoch
 //! interruption), the [`Linker`] with the `pd:policy/host` imports and a locked-down WASI p2
 //! (no files, no network, no environment, no arguments; stdout/stderr go nowhere), and the
-//! thread that advances the epoch when a call may be past its deadline (`deadline.rs`).
+//! thread that advances the epoch (`epoch.rs`).
 //!
 //! At load ([`PolicyEngine::load`], off the request path): compile (cached in memory by the
 //! sha256 of the bytes, and on disk when the engine has a cache directory: see
@@ -52,7 +52,7 @@ use wasmtime_wasi::{
 use crate::bindings::v1::pd::policy::host::Level;
 use crate::bindings::{v1, v2};
 use crate::columns::{Measured, Rates, columns};
-use crate::deadline::{self, DeadlineClock};
+use crate::epoch::{self, EpochClock};
 use crate::precompiled::DiskCache;
 use crate::spare::{Refill, SpareWorker};
 use crate::{Api, Decision, Node, PolicyError, Request, Role, View, validate};
@@ -100,9 +100,9 @@ pub struct PolicySpec {
     /// What the guest reads with `host.config(key)`.
     pub config: BTreeMap<String, String>,
     /// Wall-clock budget of one call, and separately of the instantiation before it (which may
-    /// run ahead of the call: `spares`); a backstop to `fuel`, enforced with epochs advanced
-    /// only when a call may be past it (`deadline.rs`), so a runaway call stops between
-    /// `deadline` and `deadline + RECHECK` (250 µs), plus scheduling.
+    /// run ahead of the call: `spares`); a backstop to `fuel`, enforced with epochs
+    /// (`epoch.rs`), so a runaway call stops between `deadline` and `deadline + TICK`
+    /// (250 µs), or up to 1 ms later when it started while the epoch dozed between calls.
     /// Default: 1 ms.
     pub deadline: Duration,
     /// Largest size in bytes any one linear memory of the guest may reach. At most
@@ -158,7 +158,7 @@ struct EngineInner {
     cache: Mutex<Vec<([u8; 32], Component)>>,
     /// Compiled components on disk, when the engine has a cache directory.
     disk: Option<DiskCache>,
-    clock: Arc<DeadlineClock>,
+    clock: Arc<EpochClock>,
     ticker: Option<JoinHandle<()>>,
     /// Makes spare instances and drops used stores, off the request path (`spare.rs`).
     spares: Arc<SpareWorker<Core, Store<HostState>>>,
@@ -169,7 +169,7 @@ impl Drop for EngineInner {
         self.spares.stop();
         self.clock.stop();
         if let Some(t) = self.ticker.take() {
-            // The deadline thread only waits on its timer and bumps the epoch; it cannot panic.
+            // The epoch thread only sleeps and bumps the epoch; it cannot panic.
             let _ = t.join();
         }
     }
@@ -182,12 +182,12 @@ fn engine_err(e: wasmtime::Error) -> PolicyError {
 }
 
 impl PolicyEngine {
-    /// Builds the engine, the linker and the deadline thread (`deadline.rs`).
+    /// Builds the engine, the linker and the epoch thread (`epoch.rs`).
     ///
     /// # Errors
     ///
     /// [`PolicyError::Engine`] when wasmtime rejects the configuration (for example, the
-    /// pooling allocator cannot reserve its address space) or the deadline timer or thread cannot
+    /// pooling allocator cannot reserve its address space) or the epoch's timer or thread cannot
     /// start.
     pub fn new() -> Result<Self, PolicyError> {
         Self::build(None)
@@ -264,7 +264,7 @@ impl PolicyEngine {
         let spares = SpareWorker::start().map_err(|e| PolicyError::Engine {
             source: Box::new(e),
         })?;
-        let clock = Arc::new(DeadlineClock::new().map_err(|e| {
+        let clock = Arc::new(EpochClock::new().map_err(|e| {
             spares.stop();
             PolicyError::Engine {
                 source: Box::new(e),
@@ -750,10 +750,9 @@ impl Core {
         if let Err(e) = store.set_fuel(self.spec.fuel) {
             return Err((engine_err(e), CallStats::default()));
         }
-        // The epoch advances only when some call may be past its deadline (`deadline.rs`):
-        // each store checks its own at every advance.
+        // Each store checks its own call's deadline whenever the epoch advances (`epoch.rs`).
         store.epoch_deadline_callback(|ctx| {
-            if deadline::past(ctx.data().deadline_ns) {
+            if epoch::past(ctx.data().deadline_ns) {
                 Err(Trap::Interrupt.into())
             } else {
                 Ok(UpdateDeadline::Continue(1))

@@ -21,8 +21,8 @@
 
 mod bindings;
 mod columns;
-mod deadline;
 mod engine;
+mod epoch;
 mod error;
 pub mod native;
 mod precompiled;
@@ -35,11 +35,11 @@ pub use bindings::v1::pd::policy::types::{
     Api, Decision, DecodeTarget, Node, Rejection, Request, ReversePull, Role, Route, Split, View,
 };
 pub use columns::{Measured, Rates};
-pub use deadline::RECHECK as DEADLINE_RECHECK;
 pub use engine::{
     CallStats, CompiledFrom, DEFAULT_FUEL, DEFAULT_SPARES, MAX_CONCURRENT_CALLS, MAX_MEMORY_LIMIT,
     MAX_SPARES, NodeNames, PolicyEngine, PolicySpec, WasmPolicy,
 };
+pub use epoch::TICK as EPOCH_TICK;
 pub use error::PolicyError;
 pub use precompiled::{CacheDirError, default_cache_dir};
 pub use record::{Record, RecordError, WIT_VERSION};

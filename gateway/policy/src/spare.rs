@@ -10,10 +10,10 @@
 //! store that has seen exactly one instantiation and no other call.
 //!
 //! The request path never wakes this thread: it queues its work under an uncontended lock and
-//! raises a flag; the deadline thread (`deadline.rs`), which wakes at every call's deadline
-//! anyway (the call armed its timer), passes the wake-up on ([`SpareWorker::pass_wake`]). A
-//! futex wake per call on the request path cost more than that thread's own work
-//! (BENCHMARKS.md).
+//! raises a flag; the epoch thread (`epoch.rs`), awake anyway while calls come (every 250 µs
+//! during a call, every 1 ms in the gaps, and at the deadline of a call that found it asleep),
+//! passes the wake-up on ([`SpareWorker::pass_wake`]). A futex wake per call on the request
+//! path cost more than the epoch thread's own work (BENCHMARKS.md).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
@@ -33,7 +33,7 @@ pub(crate) trait Refill: Send + Sync {
 pub(crate) struct SpareWorker<P: Refill, S: Send> {
     work: Mutex<Work<P, S>>,
     wake: Condvar,
-    /// Work was queued since the deadline thread last passed a wake-up on.
+    /// Work was queued since the epoch thread last passed a wake-up on.
     wanted: AtomicBool,
     stop: AtomicBool,
 }
@@ -79,9 +79,8 @@ impl<P: Refill + 'static, S: Send + 'static> SpareWorker<P, S> {
     }
 
     /// On the request path, after a call: `used` is dropped and `policy`'s spares topped up
-    /// on the spare thread, once the deadline thread passes the wake-up on (by this call's
-    /// deadline). No wake-up here. When [`MAX_QUEUED_USED`] stores already wait (calls come
-    /// faster than the deadline thread fires),
+    /// on the spare thread, once the epoch thread passes the wake-up on. No wake-up here. When
+    /// [`MAX_QUEUED_USED`] stores already wait (calls come faster than the epoch ticks),
     /// `used` is dropped here instead, so waiting stores never exhaust the pool.
     pub(crate) fn recycle(&self, used: S, policy: &Arc<P>) {
         let mut work = self.lock();
@@ -109,8 +108,7 @@ impl<P: Refill + 'static, S: Send + 'static> SpareWorker<P, S> {
         self.wake.notify_one();
     }
 
-    /// Called by the deadline thread each time it fires: wakes the spare thread if work was
-    /// queued.
+    /// Called by the epoch thread at every tick: wakes the spare thread if work was queued.
     pub(crate) fn pass_wake(&self) {
         if self.wanted.load(Ordering::Acquire) && self.wanted.swap(false, Ordering::AcqRel) {
             self.wake.notify_one();
