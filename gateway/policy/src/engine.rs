@@ -1072,7 +1072,3 @@ impl ResourceLimiter for Limiter {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-}
