@@ -1071,4 +1071,3 @@ impl ResourceLimiter for Limiter {
         4
     }
 }
-
