@@ -1618,7 +1618,7 @@ impl Gateway {
                     // Once the answer's last event is out, the client has all of it and may
                     // close at once (the SDKs do on `[DONE]`): that is no abort, so stop
                     // watching for it while the node's stream ends.
-                    if !answered && sse.is_some() && ends_answer(&bytes) {
+                    if !answered && ends_answer(&bytes) {
                         answered = true;
                         watch = false;
                     }
