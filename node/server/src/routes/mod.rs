@@ -537,8 +537,23 @@ fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     }
     serde_json::from_slice(bytes).map_err(|e| match e.classify() {
         serde_json::error::Category::Data => {
-            let message = e.to_string();
-            let param = missing_field(&message).map(str::to_owned);
+            // Parsed again, off the success path, to name the field: "temperature: invalid
+            // type: string \"hot\", expected f32", not a column of the body (which a gateway
+            // that added fields to it has moved).
+            let (path, message) = match serde_path_to_error::deserialize::<_, T>(
+                &mut serde_json::Deserializer::from_slice(bytes),
+            ) {
+                Err(pe) => (pe.path().to_string(), without_position(pe.inner())),
+                Ok(_) => (".".to_owned(), without_position(&e)),
+            };
+            let param = missing_field(&message)
+                .map(str::to_owned)
+                .or_else(|| top_field(&path));
+            let message = if path == "." {
+                message
+            } else {
+                format!("{path}: {message}")
+            };
             ApiError::InvalidRequest {
                 message: format!("Invalid request: {message}"),
                 param,
@@ -549,6 +564,22 @@ fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
             param: None,
         },
     })
+}
+
+/// serde_json's message without its " at line L column C".
+fn without_position(e: &serde_json::Error) -> String {
+    let message = e.to_string();
+    match message.rfind(" at line ") {
+        Some(i) if e.line() > 0 => message[..i].to_owned(),
+        _ => message,
+    }
+}
+
+/// The top-level field of a serde path (`messages[0].content` → `messages`); `None` for the
+/// root (`.`).
+fn top_field(path: &str) -> Option<String> {
+    let end = path.find(['.', '[']).unwrap_or(path.len());
+    (end > 0).then(|| path[..end].to_owned())
 }
 
 /// The field named by serde's "missing field `x`" message.
@@ -599,7 +630,44 @@ mod tests {
         let e = parse_json::<Needs>(br#"{"prompt": 3}"#).unwrap_err();
         assert!(e.to_string().starts_with("Invalid request"), "{e}");
         assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        // A field of the wrong type is named, by its path, without a position in the body.
+        assert_eq!(
+            e.to_string(),
+            "Invalid request: prompt: invalid type: integer `3`, expected a string"
+        );
+        assert_eq!(e.param(), Some("prompt"));
         assert!(parse_json::<Needs>(br#" {"prompt": "p", "extra": [1, {"a": null}]}"#).is_ok());
+    }
+
+    /// Wrong types inside real request bodies are named by their path, and the top-level field
+    /// is the error's `param`; no position in the body either way (a gateway that added fields
+    /// to the body moved it). Fields of a `#[serde(flatten)]` group (the sampling fields) have
+    /// no path through serde: their message names the value and the expected type only.
+    #[test]
+    fn json_errors_name_the_field_by_its_path() {
+        let e = parse_json::<crate::openai::chat::ChatCompletionRequest>(
+            br#"{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}"#,
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("Invalid request: max_tokens: invalid type: string \"5\""),
+            "{e}"
+        );
+        assert_eq!(e.param(), Some("max_tokens"));
+        let e = parse_json::<crate::openai::chat::ChatCompletionRequest>(
+            br#"{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}"#,
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "Invalid request: invalid type: string \"hot\", expected f32"
+        );
+        assert_eq!(
+            top_field("messages[0].content").as_deref(),
+            Some("messages")
+        );
+        assert_eq!(top_field("."), None);
     }
 
     #[test]
