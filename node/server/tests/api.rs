@@ -760,7 +760,8 @@ async fn given_prompt_token_ids_are_the_prompt_on_every_api() {
             &completion(json!("x"), Some(json!([-1]))),
         )
         .await;
-    assert_error(r, 400, "invalid_request_error", None);
+    // A value of the wrong type is named by its field (`prompt_token_ids[0]: invalid value`).
+    assert_error(r, 400, "invalid_request_error", Some("prompt_token_ids"));
     let mut bad_messages = chat(&json!([]));
     bad_messages["prompt_token_ids"] = ids;
     let r = server.post("/v1/chat/completions", &bad_messages).await;
