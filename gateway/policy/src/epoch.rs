@@ -12,8 +12,8 @@
 //!
 //! Measured on the 2-core VM (BENCHMARKS.md): a futex wake of the sleeping thread cost a call
 //! ~50 µs; a `timerfd_settime` costs 2.5–6 µs there (a VM exit to reprogram the timer), which
-//! is why the thread does not arm its timer per call instead of ticking (that halved the
-//! ticker's CPU but put the syscall on every call's path). A call starting in a doze sees its
+//! is why calls do not arm the timer while the thread is awake, in place of ticking (that cut the
+//! thread's CPU 8–10× but put the syscall on every call's path). A call starting in a doze sees its
 //! first tick up to [`DOZE`] late; a runaway call stops at most [`TICK`] after its deadline
 //! once the thread ticks. Each advance also passes the spare thread its wake-up
 //! (`spare.rs`), which the request path never does itself.
