@@ -43,7 +43,6 @@ pub(crate) fn columns(view: &View, measured: &Measured) -> Columns {
     // One pass per column: an exact-size `collect` writes each vector without a capacity check
     // per element (ten `push`es per node in one loop cost ~1.5 µs of a ~8 µs call at 64 nodes).
     let column = |field: fn(&crate::Node) -> u32| -> Vec<u32> { nodes.iter().map(field).collect() };
-    let rate = |i: usize| measured.rates_of(i);
     let mut conversation: Option<Holding> = None;
     for (i, node) in (0u32..).zip(nodes) {
         if node.conversation_tokens > conversation.as_ref().map_or(0, |h| h.tokens) {
@@ -68,9 +67,11 @@ pub(crate) fn columns(view: &View, measured: &Measured) -> Columns {
             .map(|(i, _)| i)
             .collect(),
         prefill_tokens_per_s: (0..nodes.len())
-            .map(|i| rate(i).prefill_tokens_per_s)
+            .map(|i| measured.rates_of(i).prefill_tokens_per_s)
             .collect(),
-        pull_mb_per_s: (0..nodes.len()).map(|i| rate(i).pull_mb_per_s).collect(),
+        pull_mb_per_s: (0..nodes.len())
+            .map(|i| measured.rates_of(i).pull_mb_per_s)
+            .collect(),
         conversation,
         kv_bytes_per_token: measured.kv_bytes_per_token,
     }

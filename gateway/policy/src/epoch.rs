@@ -288,11 +288,11 @@ mod tests {
             "armed"
         );
         std::thread::sleep(Duration::from_millis(10));
-        assert_eq!(
-            ticks.load(Ordering::SeqCst),
-            asleep_at,
-            "no wake-up before the deadline"
-        );
+        let ticked = ticks.load(Ordering::SeqCst);
+        // (On a machine so loaded that this thread slept past the deadline, the wake-up is due.)
+        if !past(call.deadline_ns) {
+            assert_eq!(ticked, asleep_at, "no wake-up before the deadline");
+        }
         eventually("woken at the deadline, ticking", || {
             ticks.load(Ordering::SeqCst) >= asleep_at + 3
         });
