@@ -48,7 +48,7 @@ impl PromptError {
 }
 
 /// One `/v1/chat/completions` input message. `content` is a string, a list of parts, or null
-/// (assistant tool calls).
+/// (only on an assistant message with tool calls: [`chat_messages`] refuses it elsewhere).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ChatMessageIn {
     /// `system`, `developer`, `user`, `assistant` or `tool`.
@@ -337,6 +337,18 @@ pub fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<ChatMessage>, Pro
             let role = template_role(&m.role).ok_or_else(|| {
                 PromptError::invalid("messages", format!("{at}.role: unknown role `{}`", m.role))
             })?;
+            let calls_something = matches!(&m.tool_calls, Some(Value::Array(c)) if !c.is_empty());
+            if matches!(m.content, None | Some(Value::Null))
+                && !(role == "assistant" && calls_something)
+            {
+                return Err(PromptError::invalid(
+                    "messages",
+                    format!(
+                        "{at}.content is required: a string or a list of content parts (only an \
+                         assistant message with tool_calls may leave it out)"
+                    ),
+                ));
+            }
             let content = content_text(m.content.as_ref(), &["text"], "messages", &at)?;
             let tool_calls = match &m.tool_calls {
                 None | Some(Value::Null) => None,
@@ -616,7 +628,7 @@ mod tests {
         let msgs: Vec<ChatMessageIn> = serde_json::from_value(json!([
             {"role": "developer", "content": "be brief"},
             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-            {"role": "assistant", "content": null},
+            {"role": "assistant", "content": ""},
         ]))
         .unwrap();
         let out = chat_messages(&msgs).unwrap();
@@ -632,6 +644,42 @@ mod tests {
             serde_json::from_value(json!([{"role": "wizard", "content": "x"}])).unwrap();
         assert_eq!(chat_messages(&msgs).unwrap_err().param, "messages");
         assert_eq!(chat_messages(&[]).unwrap_err().param, "messages");
+    }
+
+    #[test]
+    fn a_message_without_content_is_refused_unless_an_assistant_s_tool_calls() {
+        // OpenAI: `content` is required, except on an assistant message that carries
+        // `tool_calls`. A null user message used to render as an empty turn.
+        for (i, bad) in [
+            json!([{"role": "user", "content": null}]),
+            json!([{"role": "user"}]),
+            json!([{"role": "system", "content": "s"}, {"role": "tool", "tool_call_id": "c"}]),
+            json!([{"role": "user", "content": "q"}, {"role": "assistant", "content": null}]),
+            json!([{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": []}]),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let msgs: Vec<ChatMessageIn> = serde_json::from_value(bad).unwrap();
+            let e = chat_messages(&msgs).unwrap_err();
+            assert_eq!(e.param, "messages", "case {i}");
+            let last = msgs.len() - 1;
+            assert!(
+                e.message.contains(&format!("messages[{last}].content")),
+                "case {i}: {}",
+                e.message
+            );
+        }
+        let ok: Vec<ChatMessageIn> = serde_json::from_value(json!([
+            {"role": "user", "content": ""},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function",
+                "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c", "content": []},
+        ]))
+        .unwrap();
+        let out = chat_messages(&ok).unwrap();
+        assert_eq!(out[1].content, "");
+        assert_eq!(out[2].content, "");
     }
 
     #[test]
