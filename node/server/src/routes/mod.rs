@@ -546,6 +546,13 @@ fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
                 Err(pe) => (pe.path().to_string(), without_position(pe.inner())),
                 Ok(_) => (".".to_owned(), without_position(&e)),
             };
+            // A field of a `#[serde(flatten)]` group has no path through serde.
+            let path = match path.as_str() {
+                "." if missing_field(&message).is_none() => {
+                    flattened_culprit::<T>(bytes).unwrap_or(path)
+                }
+                _ => path,
+            };
             let param = missing_field(&message)
                 .map(str::to_owned)
                 .or_else(|| top_field(&path));
@@ -564,6 +571,21 @@ fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
             param: None,
         },
     })
+}
+
+/// The one top-level field of a body that fails with no path: the field whose removal makes
+/// the body parse. `None` when no single field does (two bad fields; a required one, whose
+/// removal fails as "missing field" like any other required field's). Off the success path:
+/// one parse per field of the body.
+fn flattened_culprit<T: DeserializeOwned>(bytes: &[u8]) -> Option<String> {
+    let body: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(bytes).ok()?;
+    body.keys()
+        .find(|&key| {
+            let mut rest = body.clone();
+            rest.remove(key);
+            serde_json::from_value::<T>(serde_json::Value::Object(rest)).is_ok()
+        })
+        .cloned()
 }
 
 /// serde_json's message without its " at line L column C".
@@ -642,7 +664,7 @@ mod tests {
     /// Wrong types inside real request bodies are named by their path, and the top-level field
     /// is the error's `param`; no position in the body either way (a gateway that added fields
     /// to the body moved it). Fields of a `#[serde(flatten)]` group (the sampling fields) have
-    /// no path through serde: their message names the value and the expected type only.
+    /// no path through serde: the one whose removal clears the error is named.
     #[test]
     fn json_errors_name_the_field_by_its_path() {
         let e = parse_json::<crate::openai::chat::ChatCompletionRequest>(
@@ -661,8 +683,27 @@ mod tests {
         .unwrap_err();
         assert_eq!(
             e.to_string(),
-            "Invalid request: invalid type: string \"hot\", expected f32"
+            "Invalid request: temperature: invalid type: string \"hot\", expected f32"
         );
+        assert_eq!(e.param(), Some("temperature"));
+        // The same in the other flattened groups, and beside a valid sampling field.
+        let e = parse_json::<crate::openai::completions::CompletionRequest>(
+            br#"{"model": "m", "prompt": "p", "top_p": 0.5, "seed": "x"}"#,
+        )
+        .unwrap_err();
+        assert!(e.to_string().starts_with("Invalid request: seed: "), "{e}");
+        assert_eq!(e.param(), Some("seed"));
+        let e = parse_json::<crate::openai::chat::ChatCompletionRequest>(
+            br#"{"model": "m", "messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": "yes"}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.param(), Some("parallel_tool_calls"), "{e}");
+        // Two bad fields: neither alone explains the error, so none is named.
+        let e = parse_json::<crate::openai::chat::ChatCompletionRequest>(
+            br#"{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": "a", "top_p": "b"}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.param(), None, "{e}");
         assert_eq!(
             top_field("messages[0].content").as_deref(),
             Some("messages")
