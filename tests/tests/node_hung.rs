@@ -8,6 +8,7 @@
 //! 2. Both decode nodes hang mid-stream. The stream ends instead of hanging, with an OpenAI
 //!    error event and no `[DONE]` (an SDK raises rather than taking a cut answer as whole), the
 //!    gateway holds nothing open on them afterwards, and once resumed they rejoin and serve.
+//! 3. The same on `/v1/responses`: its stream ends with an `error` event.
 //!
 //! Before, the requests waited for as long as the nodes stayed stopped.
 
@@ -135,4 +136,73 @@ async fn requests_on_a_hung_node_fail_over_or_end() {
         let a = openai::send(&c.client, &c.gateway.http, api, &body, None).await;
         assert!(a.status == 200 && a.complete, "{} {}", a.status, a.body);
     }
+
+    // 3. The same on `/v1/responses`, whose error event is `event: error` with the error
+    //    object (what the SDKs raise on). It has no `ignore_eos`: first find a prompt whose
+    //    greedy answer runs past 200 tokens (the answer is deterministic), so the stream is
+    //    still going when the nodes stop right after its first event.
+    let api = Api::Responses;
+    let mut long = None;
+    for i in 0..12 {
+        let body = api.body(&format!("{i} Both decode nodes hang mid-response."), 200);
+        let a = openai::send(&c.client, &c.gateway.http, api, &body, None).await;
+        assert!(a.status == 200 && a.complete, "{} {}", a.status, a.body);
+        if a.finish.first().cloned().flatten().as_deref() == Some("incomplete") {
+            long = Some(body);
+            break;
+        }
+    }
+    let mut body = long.expect("one of 12 prompts runs to 200 tokens without EOS");
+    body["max_output_tokens"] = 1500.into();
+    let mut resp = c
+        .client
+        .post(format!("{}{}", c.gateway.http, api.path()))
+        .json(&api.streaming(&body))
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(resp.status(), 200);
+    let first = resp
+        .chunk()
+        .await
+        .expect("a first event")
+        .unwrap_or_default();
+    let mut seen = String::from_utf8_lossy(&first).into_owned();
+    {
+        let _d0 = Stopped::new(c.node("d0"));
+        let _d1 = Stopped::new(c.node("d1"));
+        let rest = tokio::time::timeout(GIVE_UP, async {
+            while let Ok(Some(piece)) = resp.chunk().await {
+                seen.push_str(&String::from_utf8_lossy(&piece));
+            }
+        })
+        .await;
+        assert!(
+            rest.is_ok(),
+            "the response stream still waits on the hung decode nodes"
+        );
+    }
+    assert!(
+        !seen.contains("response.completed") && !seen.contains("response.incomplete"),
+        "the response ended before the nodes stopped"
+    );
+    let last = seen
+        .trim_end()
+        .rsplit("\n\n")
+        .next()
+        .unwrap_or_default()
+        .to_owned();
+    let data = last
+        .strip_prefix("event: error\ndata: ")
+        .unwrap_or_else(|| panic!("the stream's last event is `event: error`: {last:?}"));
+    let event: serde_json::Value = serde_json::from_str(data).expect("the event is JSON");
+    assert_eq!(event["type"], "error", "{event}");
+    assert_eq!(event["error"]["type"], "upstream_error", "{event}");
+    assert!(
+        event["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("left the view")),
+        "the event names why: {event}"
+    );
+    c.wait_listed(&["d0", "d1"], Duration::from_secs(15)).await;
 }
