@@ -11,7 +11,9 @@ BASE_URL is the API root (http://127.0.0.1:PORT/v1). stdin is a JSON list of req
      "input": str (responses),
      "sampling": {...},     # optional SDK arguments, e.g. {"presence_penalty": 0.5}
      "extra_body": {...},   # optional, e.g. {"ignore_eos": true, "return_token_ids": true}
-     "continue": bool}      # optional: the next turn of the previous spec's conversation
+     "continue": bool,      # optional: the next turn of the previous spec's conversation
+     "stored": bool,        # optional (responses): read the answer back as the server stored it
+     "delete": bool}        # optional (responses, with stored): then delete it
 
 stdout is a JSON list with one result per spec, in order:
 
@@ -23,6 +25,12 @@ stdout is a JSON list with one result per spec, in order:
      "logprobs": [legacy logprobs object | null per choice] (completions; streamed: the
                  chunks' lists joined),
      "prompt_logprobs": vLLM's field (completions: one per choice; chat: the response's)}
+
+A responses spec with `"stored": true` adds `"stored"` to its result: `responses.retrieve` of
+its id (which must give back the same id, `output_text` and `status`) as
+`{"previous_response_id", "store"}`, and `responses.input_items.list(order="asc")` as
+`"input_texts"` (each item's first text part). With `"delete": true` it then calls
+`responses.delete` and checks that a second `retrieve` raises `NotFoundError` (`"deleted": true`).
 
 A spec with `"continue": true` goes on from the spec before it, as an application keeps a
 conversation: on chat, its messages are sent after the previous spec's messages and the previous
@@ -237,6 +245,26 @@ def responses(client, spec):
     return out
 
 
+def stored(client, spec, out):
+    """Reads a responses answer back from the server's store (the spec's `stored`/`delete`)."""
+    rid, text, status = out["response_id"], out["texts"][0], out["finish_reasons"][0]
+    r = client.responses.retrieve(rid)
+    if (r.id, r.output_text, r.status) != (rid, text, status):
+        raise RuntimeError(f"retrieved {(r.id, r.output_text, r.status)!r}, answered {(rid, text, status)!r}")
+    items = client.responses.input_items.list(rid, order="asc")
+    texts = [i.content[0].text for i in items.data if getattr(i, "content", None)]
+    out["stored"] = {"previous_response_id": r.previous_response_id, "store": r.store, "input_texts": texts}
+    if spec.get("delete"):
+        client.responses.delete(rid)
+        try:
+            client.responses.retrieve(rid)
+        except openai.NotFoundError:
+            out["deleted"] = True
+        else:
+            raise RuntimeError(f"{rid} still retrieved after responses.delete")
+    return out
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit(__doc__)
@@ -256,7 +284,10 @@ def main():
         if spec["api"] == "chat":
             sent_messages = spec["messages"]
         try:
-            results.append(calls[spec["api"]](client, spec))
+            out = calls[spec["api"]](client, spec)
+            if spec.get("stored"):
+                out = stored(client, spec, out)
+            results.append(out)
         except Exception as e:  # noqa: BLE001 - reported with the spec, then fail
             print(f"spec {i} ({json.dumps(spec)}) failed: {type(e).__name__}: {e}", file=sys.stderr)
             sys.exit(1)

@@ -316,8 +316,10 @@ async fn openai_conversations_through_the_gateway_equal_one_node() {
         .iter()
         .enumerate()
         .map(|(i, u)| {
+            // Turns 2 and 3 are read back from the gateway's store (`responses.retrieve`,
+            // `input_items.list`); turn 3 is then deleted.
             json!({"api": "responses", "stream": i == 2, "max_tokens": 8, "temperature": 0,
-                   "input": u, "continue": i > 0})
+                   "input": u, "continue": i > 0, "stored": i > 0, "delete": i == 2})
         })
         .collect();
     let got_chat = python::run_specs(&python, &c.gateway.http, &chat).await;
@@ -355,6 +357,19 @@ async fn openai_conversations_through_the_gateway_equal_one_node() {
         assert_eq!(g["texts"], w["texts"], "responses turn {}", i + 1);
         assert!(g["response_id"].is_string(), "{g}");
     }
+    // What the store gives back: each turn's own input and the turn it continued (the script
+    // checked id, text and status against the answer itself).
+    for i in 1..3 {
+        let stored = &got_resp[i]["stored"];
+        assert_eq!(
+            stored["previous_response_id"],
+            got_resp[i - 1]["response_id"],
+            "{stored}"
+        );
+        assert_eq!(stored["store"], true);
+        assert_eq!(stored["input_texts"], json!([users[i]]), "{stored}");
+    }
+    assert_eq!(got_resp[2]["deleted"], true);
     // Every turn was kept by a decode node, and none of their params reached the client.
     let g = c.gateway_metrics().await;
     assert_eq!(g.sum("pd_gateway_retained_turns_total", &[]), 6.0);

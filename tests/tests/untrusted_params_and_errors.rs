@@ -5,7 +5,8 @@
 //!    P/D request the gateway itself sent, D pulled the KV from the real P, and no node ever
 //!    names 10.0.0.1. A trusted client (`--trusted-client-token`) drives P/D itself.
 //! 2. OpenAI error objects: unknown model (404 `model_not_found`), malformed JSON (400),
-//!    an unknown `previous_response_id` (404), a wrong type (400 naming the field), a node's own 400
+//!    an unknown `previous_response_id` (404), a response sent with `store: false` read back
+//!    (404), a wrong type (400 naming the field), a node's own 400
 //!    passed through; and once the model's only decode node is gone, 503 (while an unknown
 //!    model stays 404).
 
@@ -270,6 +271,47 @@ async fn errors_are_openai_error_objects(c: &TestCluster) -> f64 {
     assert_eq!(e["param"], "previous_response_id", "{}", a.body);
     assert_eq!(e["code"], "previous_response_not_found", "{}", a.body);
     client_errors += 1.0;
+
+    // The stored responses: one sent with `store: false` is not kept, so neither it nor an id
+    // never answered can be read back or deleted (404, OpenAI's message); a bad page size of
+    // its input items is a 400 naming `limit`.
+    let mut body = Api::Responses.body("not stored", 4);
+    body["store"] = json!(false);
+    let a = openai::send(&c.client, gw, Api::Responses, &body, None).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let answer: Value = serde_json::from_str(&a.body).expect("a JSON answer");
+    let id = answer["id"].as_str().expect("an id").to_owned();
+    let stored = async |method: reqwest::Method, path: String| {
+        let r = c
+            .client
+            .request(method, format!("{gw}/v1/responses/{path}"))
+            .send()
+            .await
+            .expect("the gateway answers");
+        (
+            r.status().as_u16(),
+            r.json::<Value>().await.expect("a JSON body"),
+        )
+    };
+    for (method, path) in [
+        (reqwest::Method::GET, id.clone()),
+        (reqwest::Method::DELETE, id.clone()),
+        (reqwest::Method::GET, format!("{id}/input_items")),
+        (reqwest::Method::GET, "resp_0123".to_owned()),
+    ] {
+        let (status, body) = stored(method.clone(), path.clone()).await;
+        assert_eq!(status, 404, "{method} {path}: {body}");
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+        let asked = path.split('/').next().unwrap_or_default();
+        assert_eq!(
+            body["error"]["message"],
+            format!("Response with id '{asked}' not found."),
+            "{body}"
+        );
+    }
+    let (status, body) = stored(reqwest::Method::GET, format!("{id}/input_items?limit=0")).await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["param"], "limit", "{body}");
 
     let mut body = Api::Completions.body("hello", 4);
     body["stream"] = json!("yes");

@@ -13,8 +13,10 @@
 //!   an exact match is ever pulled).
 //! - [`ResponseStore`]: `/v1/responses` turns by response id (this turn's input items and the
 //!   answer's output items, and the response it continued), so a request naming
-//!   `previous_response_id` is rebuilt into the whole conversation. Bounded by bytes (least
-//!   recently used turns go first) and by age.
+//!   `previous_response_id` is rebuilt into the whole conversation; and the response object as
+//!   the client got it, for `GET /v1/responses/{id}` (`responses.retrieve`), its
+//!   `/input_items`, and `DELETE`. Bounded by bytes (least recently used turns go first) and by
+//!   age.
 //!
 //! Neither talks to nodes: the proxy reads holdings into the policy's view and acts on the
 //! policy's `reverse-pull`; leases are released through `lease.rs`.
@@ -297,6 +299,10 @@ struct StoredTurn {
     parent: Option<Arc<str>>,
     /// This turn's own input items, then the answer's output items.
     items: Vec<Value>,
+    /// How many of `items` are this turn's input.
+    inputs: usize,
+    /// The response object as the client got it (`Value::Null`: not kept).
+    response: Value,
     bytes: usize,
     stored_at: Instant,
     /// Least-recently-used stamp (key of `lru`).
@@ -360,18 +366,26 @@ impl ResponseStore {
     }
 
     /// Stores response `id`: `input` (this turn's own items) and `output` (the answer's), after
-    /// `parent` when it continued one. A turn larger than the whole store is not kept. Returns
-    /// how many turns were evicted to make room.
+    /// `parent` when it continued one, and the `response` object itself. A turn larger than the
+    /// whole store is not kept. Returns how many turns were evicted to make room.
     pub fn put(
         &self,
         id: &str,
         parent: Option<&str>,
         input: Vec<Value>,
         output: Vec<Value>,
+        response: Value,
     ) -> u64 {
+        let inputs = input.len();
         let mut items = input;
         items.extend(output);
-        let bytes = items.iter().map(|v| v.to_string().len()).sum::<usize>() + id.len();
+        let bytes = items.iter().map(|v| v.to_string().len()).sum::<usize>()
+            + id.len()
+            + if response.is_null() {
+                0
+            } else {
+                response.to_string().len()
+            };
         if bytes > self.max_bytes {
             return 0;
         }
@@ -382,6 +396,8 @@ impl ResponseStore {
         let turn = StoredTurn {
             parent: parent.map(Arc::from),
             items,
+            inputs,
+            response,
             bytes,
             stored_at: Instant::now(),
             stamp,
@@ -403,6 +419,49 @@ impl ResponseStore {
             }
         }
         evicted
+    }
+
+    /// Response `id` as the client got it, if stored and not past the age limit (a read does
+    /// not count as a use: only a next turn keeps a conversation alive).
+    pub fn response(&self, id: &str) -> Option<Value> {
+        self.fresh(id, |t| t.response.clone())
+            .filter(|r| !r.is_null())
+    }
+
+    /// The input items response `id` answered (its own, not the earlier turns'), oldest first.
+    pub fn input_items(&self, id: &str) -> Option<Vec<Value>> {
+        self.fresh(id, |t| t.items[..t.inputs].to_vec())
+    }
+
+    /// Forgets response `id`; whether it was stored. A later turn that continued it can no
+    /// longer be continued ([`HistoryError::Broken`]).
+    pub fn delete(&self, id: &str) -> bool {
+        let mut s = self.lock();
+        let fresh = s
+            .turns
+            .get(id)
+            .is_some_and(|t| t.stored_at.elapsed() <= self.ttl);
+        if let Some(t) = s.turns.remove(id) {
+            s.lru.remove(&t.stamp);
+            s.bytes -= t.bytes;
+        }
+        fresh
+    }
+
+    /// `read` of turn `id` when it is stored and fresh; an expired one is dropped.
+    fn fresh<R>(&self, id: &str, read: impl FnOnce(&StoredTurn) -> R) -> Option<R> {
+        let mut s = self.lock();
+        match s.turns.get(id) {
+            Some(t) if t.stored_at.elapsed() <= self.ttl => Some(read(t)),
+            Some(_) => {
+                if let Some(t) = s.turns.remove(id) {
+                    s.lru.remove(&t.stamp);
+                    s.bytes -= t.bytes;
+                }
+                None
+            }
+            None => None,
+        }
     }
 
     /// The whole conversation up to and including response `id`, oldest item first: every
@@ -456,6 +515,147 @@ impl ResponseStore {
         }
         Ok(items)
     }
+}
+
+/// The response object as `GET /v1/responses/{id}` returns it: a node's retained-turn
+/// `kv_transfer_params` removed (a lease is nobody's business later), and the two fields the
+/// gateway answered for the node: `previous_response_id` (the nodes never see it) and `store`.
+pub fn as_retrieved(response: &Value, parent: Option<&str>) -> Value {
+    let mut kept = response.clone();
+    if let Some(o) = kept.as_object_mut() {
+        o.remove("kv_transfer_params");
+        o.insert("previous_response_id".into(), json!(parent));
+        o.insert("store".into(), Value::Bool(true));
+    }
+    kept
+}
+
+/// A bad query parameter of `GET /v1/responses/{id}/input_items`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueryError {
+    /// The parameter.
+    pub param: &'static str,
+    /// What is wrong with it.
+    pub message: String,
+}
+
+/// `GET /v1/responses/{id}/input_items`' query: `limit` (1–100, default 20), `order` (`asc` or
+/// `desc`, the default, as OpenAI's), `after` (an item id: the page after it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ItemsQuery {
+    /// Items per page.
+    pub limit: usize,
+    /// Newest first.
+    pub desc: bool,
+    /// The page starts after this item.
+    pub after: Option<String>,
+}
+
+impl ItemsQuery {
+    /// Reads `limit`, `order` and `after` from a query string; other parameters are ignored.
+    ///
+    /// # Errors
+    /// A limit out of 1–100 or not a number, an order other than `asc` / `desc`.
+    pub fn parse(query: &str) -> Result<Self, QueryError> {
+        let mut q = Self {
+            limit: 20,
+            desc: true,
+            after: None,
+        };
+        for (key, value) in query
+            .split('&')
+            .filter(|kv| !kv.is_empty())
+            .map(|kv| kv.split_once('=').unwrap_or((kv, "")))
+        {
+            match key {
+                "limit" => {
+                    q.limit = value
+                        .parse()
+                        .ok()
+                        .filter(|n| (1..=100).contains(n))
+                        .ok_or_else(|| QueryError {
+                            param: "limit",
+                            message: format!("limit must be a number from 1 to 100, got `{value}`"),
+                        })?;
+                }
+                "order" => {
+                    q.desc = match value {
+                        "asc" => false,
+                        "desc" => true,
+                        _ => {
+                            return Err(QueryError {
+                                param: "order",
+                                message: format!("order must be `asc` or `desc`, got `{value}`"),
+                            });
+                        }
+                    };
+                }
+                "after" => q.after = Some(value.to_owned()),
+                _ => {}
+            }
+        }
+        Ok(q)
+    }
+}
+
+/// The `list` object of `GET /v1/responses/{id}/input_items`: response `id`'s input items as
+/// OpenAI items (each with an `id` and a `type`; a `{role, content}` message becomes a
+/// `message` item whose text is an `input_text` part, `output_text` for an assistant's), one
+/// page of them.
+pub fn item_list(id: &str, items: Vec<Value>, q: &ItemsQuery) -> Value {
+    let mut items: Vec<Value> = items
+        .into_iter()
+        .enumerate()
+        .map(|(i, item)| as_item(id, i, item))
+        .collect();
+    if q.desc {
+        items.reverse();
+    }
+    let start = q
+        .after
+        .as_deref()
+        .and_then(|after| items.iter().position(|it| it["id"] == after))
+        .map_or(0, |i| i + 1);
+    let page: Vec<Value> = items.iter().skip(start).take(q.limit).cloned().collect();
+    let has_more = start + page.len() < items.len();
+    json!({
+        "object": "list",
+        "data": page,
+        "first_id": page.first().map(|it| it["id"].clone()),
+        "last_id": page.last().map(|it| it["id"].clone()),
+        "has_more": has_more,
+    })
+}
+
+/// Input item `i` of response `id` as an OpenAI item.
+fn as_item(id: &str, i: usize, item: Value) -> Value {
+    let Value::Object(mut o) = item else {
+        return json!({"id": format!("item_{id}_{i}"), "type": "unknown", "value": item});
+    };
+    if !o.contains_key("type") && o.contains_key("role") {
+        o.insert("type".into(), json!("message"));
+    }
+    if o.get("type").and_then(Value::as_str) == Some("message") {
+        let part = if o.get("role").and_then(Value::as_str) == Some("assistant") {
+            "output_text"
+        } else {
+            "input_text"
+        };
+        if let Some(Value::String(text)) = o.get("content") {
+            let content = json!([{"type": part, "text": text}]);
+            o.insert("content".into(), content);
+        }
+        o.entry("status").or_insert(json!("completed"));
+    }
+    if !o.get("id").is_some_and(Value::is_string) {
+        let prefix = if o.get("type").and_then(Value::as_str) == Some("message") {
+            "msg"
+        } else {
+            "item"
+        };
+        o.insert("id".into(), json!(format!("{prefix}_{id}_{i}")));
+    }
+    Value::Object(o)
 }
 
 /// A `/v1/responses` `input` as a list of items (a string is one user message).
@@ -641,12 +841,14 @@ mod tests {
             None,
             vec![msg("user", "hi")],
             vec![msg("assistant", "hello")],
+            Value::Null,
         );
         store.put(
             "r2",
             Some("r1"),
             vec![msg("user", "how?")],
             vec![msg("assistant", "so")],
+            json!({"id": "r2", "object": "response"}),
         );
         assert_eq!(
             store.history("r2").unwrap(),
@@ -668,15 +870,18 @@ mod tests {
     fn the_store_evicts_least_recently_used_turns_past_its_bytes() {
         let one = {
             let s = ResponseStore::new(1 << 20, Duration::from_secs(60));
-            s.put("rA", None, vec![msg("user", "aaaa")], vec![]);
+            s.put("rA", None, vec![msg("user", "aaaa")], vec![], Value::Null);
             s.bytes()
         };
         let store = ResponseStore::new(2 * one + one / 2, Duration::from_secs(60));
-        store.put("rA", None, vec![msg("user", "aaaa")], vec![]);
-        store.put("rB", None, vec![msg("user", "bbbb")], vec![]);
+        store.put("rA", None, vec![msg("user", "aaaa")], vec![], Value::Null);
+        store.put("rB", None, vec![msg("user", "bbbb")], vec![], Value::Null);
         // rA used: rB is now the least recently used.
         store.history("rA").unwrap();
-        assert_eq!(store.put("rC", None, vec![msg("user", "cccc")], vec![]), 1);
+        assert_eq!(
+            store.put("rC", None, vec![msg("user", "cccc")], vec![], Value::Null),
+            1
+        );
         assert!(store.history("rA").is_ok());
         assert!(store.history("rC").is_ok());
         assert_eq!(
@@ -684,16 +889,116 @@ mod tests {
             Err(HistoryError::NotFound("rB".into()))
         );
         // A child whose parent went is refused by name.
-        store.put("rD", Some("rB"), vec![msg("user", "d")], vec![]);
+        store.put(
+            "rD",
+            Some("rB"),
+            vec![msg("user", "d")],
+            vec![],
+            Value::Null,
+        );
         assert!(
             matches!(store.history("rD"), Err(HistoryError::Broken { missing, .. }) if missing == "rB")
         );
     }
 
     #[test]
+    fn a_stored_response_is_read_listed_and_deleted() {
+        let store = ResponseStore::new(1 << 20, Duration::from_secs(60));
+        let r1 = json!({"id": "r1", "object": "response", "output_text": "hello"});
+        store.put(
+            "r1",
+            None,
+            vec![msg("system", "be brief"), msg("user", "hi")],
+            vec![msg("assistant", "hello")],
+            r1.clone(),
+        );
+        store.put(
+            "r2",
+            Some("r1"),
+            vec![msg("user", "how?")],
+            vec![],
+            Value::Null,
+        );
+        assert_eq!(store.response("r1"), Some(r1));
+        assert_eq!(store.response("r2"), None, "not kept");
+        assert_eq!(
+            store.input_items("r1"),
+            Some(vec![msg("system", "be brief"), msg("user", "hi")])
+        );
+        assert_eq!(store.input_items("r2"), Some(vec![msg("user", "how?")]));
+        assert_eq!(store.input_items("nope"), None);
+        let before = store.bytes();
+        assert!(store.delete("r1"));
+        assert!(!store.delete("r1"), "gone already");
+        assert!(store.bytes() < before);
+        assert_eq!(store.response("r1"), None);
+        assert!(
+            matches!(store.history("r2"), Err(HistoryError::Broken { missing, .. }) if missing == "r1")
+        );
+        let old = ResponseStore::new(1 << 20, Duration::ZERO);
+        old.put("r1", None, vec![], vec![], json!({"id": "r1"}));
+        std::thread::sleep(Duration::from_millis(2));
+        assert_eq!(old.response("r1"), None);
+        assert_eq!(old.bytes(), 0, "an expired turn read is dropped");
+    }
+
+    #[test]
+    fn input_items_are_listed_as_openai_items_page_by_page() {
+        let items = vec![
+            msg("system", "be brief"),
+            msg("user", "hi"),
+            json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "x"}]}),
+            json!({"type": "function_call_output", "call_id": "c1", "output": "rain"}),
+        ];
+        let all = ItemsQuery::parse("order=asc").unwrap();
+        let list = item_list("resp_1", items.clone(), &all);
+        assert_eq!(list["object"], "list");
+        assert_eq!(list["has_more"], false);
+        let data = list["data"].as_array().unwrap();
+        assert_eq!(data.len(), 4);
+        assert_eq!(
+            data[1],
+            json!({"id": "msg_resp_1_1", "type": "message", "role": "user", "status": "completed",
+                   "content": [{"type": "input_text", "text": "hi"}]})
+        );
+        assert_eq!(data[2]["content"][0]["text"], "x");
+        assert_eq!(data[3]["id"], "item_resp_1_3");
+        assert_eq!(data[3]["call_id"], "c1");
+        assert_eq!(list["first_id"], "msg_resp_1_0");
+        // OpenAI's default order is newest first; pages follow `after`.
+        let q = ItemsQuery::parse("limit=3").unwrap();
+        let page = item_list("resp_1", items.clone(), &q);
+        assert_eq!(page["first_id"], "item_resp_1_3");
+        assert_eq!(page["has_more"], true);
+        let q = ItemsQuery::parse(&format!(
+            "limit=3&after={}",
+            page["last_id"].as_str().unwrap()
+        ))
+        .unwrap();
+        let next = item_list("resp_1", items, &q);
+        assert_eq!(next["data"].as_array().unwrap().len(), 1);
+        assert_eq!(next["first_id"], "msg_resp_1_0");
+        assert_eq!(next["has_more"], false);
+        for bad in ["limit=0", "limit=101", "limit=x", "order=up"] {
+            assert!(ItemsQuery::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_retrieved_response_hides_the_lease_and_names_its_parent() {
+        let r = json!({"id": "r2", "object": "response", "previous_response_id": null,
+            "kv_transfer_params": {"do_remote_decode": true}, "output": []});
+        let kept = as_retrieved(&r, Some("r1"));
+        assert!(kept.get("kv_transfer_params").is_none());
+        assert_eq!(kept["previous_response_id"], "r1");
+        assert_eq!(kept["store"], true);
+        assert_eq!(as_retrieved(&r, None)["previous_response_id"], Value::Null);
+    }
+
+    #[test]
     fn turns_older_than_the_age_limit_are_gone() {
         let store = ResponseStore::new(1 << 20, Duration::ZERO);
-        store.put("r1", None, vec![msg("user", "hi")], vec![]);
+        store.put("r1", None, vec![msg("user", "hi")], vec![], Value::Null);
         std::thread::sleep(Duration::from_millis(2));
         assert_eq!(
             store.history("r1"),

@@ -38,6 +38,10 @@ pub enum GatewayError {
     /// `previous_response_id` names no stored response (404).
     #[error("{0}")]
     PreviousResponseNotFound(String),
+    /// `GET` or `DELETE /v1/responses/{id}` of a response not stored (never was, `store: false`,
+    /// evicted, expired or deleted) (404).
+    #[error("Response with id '{0}' not found.")]
+    ResponseNotFound(String),
     /// A `/v1/` call without one of the gateway's API keys, when it has some (401).
     #[error(
         "Incorrect API key provided: send one of the gateway's keys as `Authorization: Bearer KEY`."
@@ -122,6 +126,7 @@ impl GatewayError {
             Self::InvalidRequest { .. }
             | Self::ModelNotFound(_)
             | Self::PreviousResponseNotFound(_)
+            | Self::ResponseNotFound(_)
             | Self::UnknownRoute { .. }
             | Self::Overloaded(_)
             | Self::Unauthorized
@@ -141,6 +146,7 @@ impl GatewayError {
             Self::Unauthorized => 401,
             Self::ModelNotFound(_)
             | Self::PreviousResponseNotFound(_)
+            | Self::ResponseNotFound(_)
             | Self::UnknownRoute { .. } => 404,
             Self::PayloadTooLarge { .. } => 413,
             Self::Overloaded(_) => 429,
@@ -176,9 +182,9 @@ impl GatewayError {
             return body.clone();
         }
         let (kind, code) = match self {
-            Self::InvalidRequest { .. } | Self::PayloadTooLarge { .. } => {
-                ("invalid_request_error", None)
-            }
+            Self::InvalidRequest { .. }
+            | Self::PayloadTooLarge { .. }
+            | Self::ResponseNotFound(_) => ("invalid_request_error", None),
             Self::ModelNotFound(_) => ("invalid_request_error", Some("model_not_found")),
             Self::PreviousResponseNotFound(_) => {
                 ("invalid_request_error", Some("previous_response_not_found"))

@@ -428,6 +428,9 @@ impl Gateway {
                     respond_error(session, &GatewayError::ModelNotFound(id.to_owned())).await;
                 }
             }
+            ("GET" | "DELETE", p) if p.starts_with("/v1/responses/") => {
+                self.stored_response(session, &method, &path).await;
+            }
             ("POST", p) if openai::api_of(p).is_some() => {
                 if let Some(api) = openai::api_of(p) {
                     self.generate(session, api).await;
@@ -441,6 +444,53 @@ impl Gateway {
             _ => {
                 respond_error(session, &GatewayError::UnknownRoute { method, path }).await;
             }
+        }
+    }
+
+    /// `GET /v1/responses/{id}` (the SDKs' `responses.retrieve`), `GET
+    /// /v1/responses/{id}/input_items` (`responses.input_items.list`) and `DELETE
+    /// /v1/responses/{id}` (`responses.delete`), from the turns kept for
+    /// `previous_response_id`.
+    async fn stored_response(&self, session: &mut Session, method: &str, path: &str) {
+        let store = &self.0.responses;
+        let rest = &path["/v1/responses/".len()..];
+        let (id, sub) = match rest.split_once('/') {
+            Some((id, sub)) => (id, Some(sub)),
+            None => (rest, None),
+        };
+        let answer = match (method, sub) {
+            ("GET", None) => store.response(id).map(|r| r.to_string()),
+            ("GET", Some("input_items")) => {
+                let query = session.req_header().uri.query().unwrap_or_default();
+                match conversation::ItemsQuery::parse(query) {
+                    Ok(q) => store
+                        .input_items(id)
+                        .map(|items| conversation::item_list(id, items, &q).to_string()),
+                    Err(e) => {
+                        respond_error(session, &GatewayError::invalid(e.param, e.message)).await;
+                        return;
+                    }
+                }
+            }
+            ("DELETE", None) => store
+                .delete(id)
+                .then(|| json!({"id": id, "object": "response", "deleted": true}).to_string()),
+            _ => {
+                let e = GatewayError::UnknownRoute {
+                    method: method.to_owned(),
+                    path: path.to_owned(),
+                };
+                respond_error(session, &e).await;
+                return;
+            }
+        };
+        self.0
+            .metrics
+            .responses_stored_bytes
+            .set(store.bytes() as i64);
+        match answer {
+            Some(body) => respond(session, 200, "application/json", body.into()).await,
+            None => respond_error(session, &GatewayError::ResponseNotFound(id.to_owned())).await,
         }
     }
 
@@ -757,12 +807,11 @@ impl Gateway {
             && turn.store
             && let Some(id) = response.get("id").and_then(Value::as_str)
         {
-            let evicted = s.responses.put(
-                id,
-                turn.parent.as_deref(),
-                turn.input,
-                conversation::output_items(&response),
-            );
+            let output = conversation::output_items(&response);
+            let kept = conversation::as_retrieved(&response, turn.parent.as_deref());
+            let evicted = s
+                .responses
+                .put(id, turn.parent.as_deref(), turn.input, output, kept);
             m.responses_evicted.inc_by(evicted);
             m.responses_stored_bytes.set(s.responses.bytes() as i64);
         }
