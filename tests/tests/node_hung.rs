@@ -68,45 +68,13 @@ async fn requests_on_a_hung_node_fail_over_or_end() {
 
     // 2. A long stream; both decode nodes hang once its first event is out.
     let api = Api::Completions;
-    let body = api.streaming(&api.body("Both decode nodes hang mid-stream.", 1500));
-    let mut resp = c
-        .client
-        .post(format!("{}{}", c.gateway.http, api.path()))
-        .json(&body)
-        .send()
-        .await
-        .expect("the gateway answers");
-    assert_eq!(resp.status(), 200);
-    let first = resp
-        .chunk()
-        .await
-        .expect("a first event")
-        .unwrap_or_default();
-    let mut seen = String::from_utf8_lossy(&first).into_owned();
-    {
-        let _d0 = Stopped::new(c.node("d0"));
-        let _d1 = Stopped::new(c.node("d1"));
-        let rest = tokio::time::timeout(GIVE_UP, async {
-            while let Ok(Some(piece)) = resp.chunk().await {
-                seen.push_str(&String::from_utf8_lossy(&piece));
-            }
-        })
-        .await;
-        assert!(
-            rest.is_ok(),
-            "the stream still waits on the hung decode nodes"
-        );
-    }
+    let body = api.body("Both decode nodes hang mid-stream.", 1500);
+    let seen = stream_while_decode_nodes_hang(&c, api, &body).await;
     assert!(
         !seen.contains("data: [DONE]"),
         "the stream ended early, not complete (1500 tokens before the nodes stopped?)"
     );
-    let last = seen
-        .trim_end()
-        .rsplit("\n\n")
-        .next()
-        .unwrap_or_default()
-        .to_owned();
+    let last = last_event(&seen);
     let error: serde_json::Value = last
         .strip_prefix("data: ")
         .and_then(|d| serde_json::from_str(d).ok())
@@ -154,44 +122,12 @@ async fn requests_on_a_hung_node_fail_over_or_end() {
     }
     let mut body = long.expect("one of 12 prompts runs to 200 tokens without EOS");
     body["max_output_tokens"] = 1500.into();
-    let mut resp = c
-        .client
-        .post(format!("{}{}", c.gateway.http, api.path()))
-        .json(&api.streaming(&body))
-        .send()
-        .await
-        .expect("the gateway answers");
-    assert_eq!(resp.status(), 200);
-    let first = resp
-        .chunk()
-        .await
-        .expect("a first event")
-        .unwrap_or_default();
-    let mut seen = String::from_utf8_lossy(&first).into_owned();
-    {
-        let _d0 = Stopped::new(c.node("d0"));
-        let _d1 = Stopped::new(c.node("d1"));
-        let rest = tokio::time::timeout(GIVE_UP, async {
-            while let Ok(Some(piece)) = resp.chunk().await {
-                seen.push_str(&String::from_utf8_lossy(&piece));
-            }
-        })
-        .await;
-        assert!(
-            rest.is_ok(),
-            "the response stream still waits on the hung decode nodes"
-        );
-    }
+    let seen = stream_while_decode_nodes_hang(&c, api, &body).await;
     assert!(
         !seen.contains("response.completed") && !seen.contains("response.incomplete"),
         "the response ended before the nodes stopped"
     );
-    let last = seen
-        .trim_end()
-        .rsplit("\n\n")
-        .next()
-        .unwrap_or_default()
-        .to_owned();
+    let last = last_event(&seen);
     let data = last
         .strip_prefix("event: error\ndata: ")
         .unwrap_or_else(|| panic!("the stream's last event is `event: error`: {last:?}"));
@@ -205,4 +141,51 @@ async fn requests_on_a_hung_node_fail_over_or_end() {
         "the event names why: {event}"
     );
     c.wait_listed(&["d0", "d1"], Duration::from_secs(15)).await;
+}
+
+/// Streams `body` on `api` through the gateway; once its first event is out, both decode
+/// nodes hang until the stream ends (or [`GIVE_UP`] passes: a failure). Everything the client
+/// read.
+async fn stream_while_decode_nodes_hang(
+    c: &TestCluster,
+    api: Api,
+    body: &serde_json::Value,
+) -> String {
+    let mut resp = c
+        .client
+        .post(format!("{}{}", c.gateway.http, api.path()))
+        .json(&api.streaming(body))
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(resp.status(), 200);
+    let first = resp
+        .chunk()
+        .await
+        .expect("a first event")
+        .unwrap_or_default();
+    let mut seen = String::from_utf8_lossy(&first).into_owned();
+    let _d0 = Stopped::new(c.node("d0"));
+    let _d1 = Stopped::new(c.node("d1"));
+    let rest = tokio::time::timeout(GIVE_UP, async {
+        while let Ok(Some(piece)) = resp.chunk().await {
+            seen.push_str(&String::from_utf8_lossy(&piece));
+        }
+    })
+    .await;
+    assert!(
+        rest.is_ok(),
+        "the {} stream still waits on the hung decode nodes",
+        api.label()
+    );
+    seen
+}
+
+/// The last SSE event of a stream.
+fn last_event(seen: &str) -> String {
+    seen.trim_end()
+        .rsplit("\n\n")
+        .next()
+        .unwrap_or_default()
+        .to_owned()
 }
