@@ -251,6 +251,10 @@ async fn scrape(c: &reqwest::Client, gw: &str) -> std::collections::HashMap<Stri
             continue;
         };
         let Ok(v) = v.parse::<f64>() else { continue };
+        if key.contains("_bucket{") {
+            out.insert(key.to_owned(), v);
+            continue;
+        }
         if !(key.contains("_sum") || key.contains("_count")) {
             continue;
         }
@@ -448,6 +452,27 @@ fn main() {
                 };
                 d("sum") / d("count").max(1.0) * 1e6
             };
+            // The bucket holding the median: "≤ X µs" (the histograms' buckets are coarse,
+            // 1-2-5 steps; a mean is moved by a few descheduled requests, a median is not).
+            let median = |metric: &str| {
+                let (name, labels) = metric.split_once('{').unwrap_or((metric, "}"));
+                let labels = labels.trim_end_matches('}');
+                let d = |k: &str| b.get(k).unwrap_or(&0.0) - a.get(k).unwrap_or(&0.0);
+                let count = d(&format!("{name}_count{{{labels}}}"));
+                let sep = if labels.is_empty() { "" } else { "," };
+                let bucket = [1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3]
+                    .into_iter()
+                    .find(|le| d(&format!("{name}_bucket{{{labels}{sep}le=\"{le}\"}}")) >= count / 2.0);
+                bucket.map_or_else(|| "> 5000".to_owned(), |le| format!("≤ {:.0}", le * 1e6))
+            };
+            println!(
+                "{row}-token row, phase medians (µs, the bucket holding it): tokenize {} / view {} / policy {} / respond {}",
+                median("pd_gateway_phase_seconds{phase=\"tokenize\"}"),
+                median("pd_gateway_phase_seconds{phase=\"view\"}"),
+                median("pd_gateway_phase_seconds{phase=\"policy\"}"),
+                median("pd_gateway_phase_seconds{phase=\"respond\"}"),
+            );
+
             println!(
                 "{row}-token row, gateway's own time (from /metrics, µs mean): total {:.1} = read {:.1} + tokenize {:.1} + view {:.1} + policy {:.1} + respond {:.1}; policy decision alone {:.1}",
                 mean("pd_gateway_added_latency_seconds"),
