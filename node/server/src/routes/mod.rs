@@ -573,12 +573,21 @@ fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     })
 }
 
+/// Bodies with more top-level fields than this are not searched for a culprit: the search
+/// parses the body once per field, so its cost grows with the square of their number (a body
+/// of a million one-letter keys must not cost a million parses of itself). Every request type
+/// here has fewer than 64 fields.
+const MAX_CULPRIT_FIELDS: usize = 64;
+
 /// The one top-level field of a body that fails with no path: the field whose removal makes
 /// the body parse. `None` when no single field does (two bad fields; a required one, whose
-/// removal fails as "missing field" like any other required field's). Off the success path:
-/// one parse per field of the body.
+/// removal fails as "missing field" like any other required field's), or the body has more
+/// than [`MAX_CULPRIT_FIELDS`]. Off the success path: one parse per field of the body.
 fn flattened_culprit<T: DeserializeOwned>(bytes: &[u8]) -> Option<String> {
     let body: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(bytes).ok()?;
+    if body.len() > MAX_CULPRIT_FIELDS {
+        return None;
+    }
     body.keys()
         .find(|&key| {
             let mut rest = body.clone();
@@ -698,6 +707,16 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e.param(), Some("parallel_tool_calls"), "{e}");
+        // A body of many unknown fields is not searched (one parse per field each time).
+        let mut many = serde_json::json!({"model": "m", "prompt": "p", "seed": "x"});
+        for i in 0..MAX_CULPRIT_FIELDS {
+            many[format!("extra{i}")] = 0.into();
+        }
+        let e = parse_json::<crate::openai::completions::CompletionRequest>(
+            many.to_string().as_bytes(),
+        )
+        .unwrap_err();
+        assert_eq!(e.param(), None, "{e}");
         // Two bad fields: neither alone explains the error, so none is named.
         let e = parse_json::<crate::openai::chat::ChatCompletionRequest>(
             br#"{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": "a", "top_p": "b"}"#,
