@@ -11,8 +11,9 @@
 #                  allows)
 # DEVBENCH_STEPS picks and orders main's steps (default: gateway-wasm gateway-native pd pull
 # multi-turn-ac multi-turn-ac-busy-holder multi-turn-b; a name starting multi-turn-ac may be
-# repeated with a suffix, e.g. multi-turn-ac-2). With a short device budget, issue 10 first:
-#   DEVBENCH_STEPS="multi-turn-ac multi-turn-ac-busy-holder gateway-wasm multi-turn-ac-2"
+# repeated with a suffix, e.g. multi-turn-ac-2; multi-turn-ac-decode-holder runs mode c with
+# decode-holder-slack=1). With a short device budget, issue 10 first:
+#   DEVBENCH_STEPS="multi-turn-ac multi-turn-ac-decode-holder multi-turn-ac-2 multi-turn-ac-decode-holder-2"
 # Every step writes $OUT/<step>.txt under its own time limit and goes on when one fails;
 # $OUT/summary.txt says how each ended. A rehearsal here, shorter: DEVBENCH=/tmp/devbench
 # OUT=/tmp/devbench-out DEVBENCH_REQUESTS=100 DEVBENCH_MT_ARGS="--conversations 1 --clients 1
@@ -84,8 +85,14 @@ main)
             [ -f "$D/model.gguf" ] || { note "$s: no model"; continue; }
             # -busy-holder: mode c as it was before holder-max-busy defaulted to 0 (a busy
             # holder also prefills a turn, beside its decodes: TTFT 1.9x, TPOT +80% here).
+            # -decode-holder: a turn pulled back by P decodes on its holder, which pulls only
+            # the new blocks (decode-holder-slack, unset by default; the VM cannot tell its
+            # ~1% from noise).
             cfg=""
-            case "$s" in *busy-holder*) cfg="holder-max-busy=1000" ;; esac
+            case "$s" in
+            *busy-holder*) cfg="holder-max-busy=1000" ;;
+            *decode-holder*) cfg="decode-holder-slack=1" ;;
+            esac
             step "$s" "$left" env PD_BENCH_MODES=ac PD_BENCH_C_CONFIG="$cfg" "${mt[@]}" ;;
         multi-turn-b)
             [ -f "$D/model.gguf" ] || { note "$s: no model"; continue; }

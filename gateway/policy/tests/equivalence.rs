@@ -72,22 +72,28 @@ fn guests_match_native_on_random_views() {
 
 /// prefix-aware's config reaches its rules the same way in the guest (read with
 /// `host.config`) as in the native copy ([`Thresholds`]): with busier holders allowed
-/// (`holder-max-busy 3`, default 0) within a slack of 1 (default 2), over a random sweep,
+/// (`holder-max-busy 3`, default 0) within a slack of 1 (default 2), and pulled-back turns
+/// decoding on their holder (`decode-holder-slack 1`, default unset), over a random sweep,
 /// decisions change, and the two still agree.
 #[test]
 fn prefix_aware_config_matches_native() {
     let engine = PolicyEngine::new().expect("engine");
     let mut spec = crate::common::spec("prefix-aware");
-    spec.config = [("holder-max-busy", "3"), ("holder-load-slack", "1")]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .collect();
+    spec.config = [
+        ("holder-max-busy", "3"),
+        ("holder-load-slack", "1"),
+        ("decode-holder-slack", "1"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect();
     let policy = engine
         .load(&crate::common::wasm("prefix-aware"), spec)
         .expect("load prefix-aware");
     let t = Thresholds {
         holder_max_busy: 3,
         holder_load_slack: 1,
+        decode_holder_slack: Some(1),
         ..Thresholds::default()
     };
     let mut rng = Rng::new(0x5eed_b05e);

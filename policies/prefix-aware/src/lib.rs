@@ -33,6 +33,10 @@
 //!    per token the view's: each where known (non-zero), else the config's.
 //! 3. Else recompute.
 //!
+//! With `decode-holder-slack` set (unset by default), a turn pulled back by P (2) decodes on
+//! the holder when its load is at most the least-loaded decode candidate's plus that slack:
+//! the holder still has the history in its prefix cache, so it pulls only the new blocks.
+//!
 //! The seven parameters are read from the policy config (`pd-gateway policy push --config
 //! KEY=VALUE`); defaults: prefill-tokens-per-s 2000, kv-bytes-per-token 23040 (SmolLM2-135M,
 //! f16 KV), pull-mb-per-s 1000, pull-overhead-us 2000, holder-max-new-tokens 256,
@@ -79,7 +83,7 @@ impl Guest for PrefixAware {
             return d;
         }
         let has = |role: Role| v.roles.contains(&role);
-        let route = if has(Role::Prefill) && has(Role::Decode) {
+        let mut route = if has(Role::Prefill) && has(Role::Decode) {
             Route::Split(Split {
                 prefill: by_prefix(v, prefix, candidates(v, Role::Prefill)),
                 decode: least_loaded(v, candidates(v, Role::Decode))
@@ -113,10 +117,32 @@ impl Guest for PrefixAware {
                 });
             }
         }
+        if let (Some(h), Some(_), Some(slack), Route::Split(split)) = (
+            holding,
+            &reverse_pull,
+            config("decode-holder-slack").and_then(|v| v.trim().parse::<u64>().ok()),
+            &mut route,
+        ) {
+            holder_decodes_first(v, h.node, slack, &mut split.decode);
+        }
         Decision {
             route,
             reverse_pull,
         }
+    }
+}
+
+/// Moves holder `h` to the front of `decode` when it is there and its load is at most the
+/// lightest candidate's plus `slack` (`decode-holder-slack`): it still has the history in its
+/// prefix cache, so as D it pulls only the turn's new blocks from P.
+fn holder_decodes_first(v: &View, h: u32, slack: u64, decode: &mut Vec<DecodeTarget>) {
+    let Some(pos) = decode.iter().position(|d| d.node == h) else {
+        return;
+    };
+    let lightest = decode.iter().map(|d| load(v, d.node)).min().unwrap_or(0);
+    if pos > 0 && load(v, h) <= lightest.saturating_add(slack) {
+        let target = decode.remove(pos);
+        decode.insert(0, target);
     }
 }
 

@@ -2,7 +2,9 @@
 //! is cheaper than recomputing it (see the [module docs](super)).
 
 use super::{candidates, least_loaded_key, load, route};
-use crate::{Decision, Measured, Node, Rates, Request, ReversePull, Role, Route, View};
+use crate::{
+    Decision, DecodeTarget, Measured, Node, Rates, Request, ReversePull, Role, Route, View,
+};
 use std::cmp::Reverse;
 
 /// The multi-turn rule's parameters (the guest reads each from its policy config, under the
@@ -32,6 +34,12 @@ pub struct Thresholds {
     /// which pulls the history back. Larger values trade the holder's decodes' TPOT for the
     /// turn's TTFT.
     pub holder_max_busy: u64,
+    /// On a turn pulled back to P, put the holder first among the decode candidates when its
+    /// load is at most the least-loaded decode candidate's plus this (`decode-holder-slack`;
+    /// `None`, the default: decode candidates in least-loaded order only). The holder still
+    /// has the history in its prefix cache, so as D it pulls only the turn's new blocks from P
+    /// instead of the whole history again.
+    pub decode_holder_slack: Option<u64>,
 }
 
 impl Default for Thresholds {
@@ -44,6 +52,7 @@ impl Default for Thresholds {
             holder_max_new_tokens: 256,
             holder_load_slack: 2,
             holder_max_busy: 0,
+            decode_holder_slack: None,
         }
     }
 }
@@ -109,6 +118,9 @@ pub fn prefix_aware(request: &Request, view: &View) -> Decision {
 ///    thresholds are `t` [measured](Thresholds::measured) with the first prefill candidate's
 ///    rates (the node that would pull and compute) and the model's KV bytes per token.
 /// 3. Otherwise recompute (no reverse pull).
+///
+/// With [`Thresholds::decode_holder_slack`] set, a turn pulled back (2) decodes on the holder
+/// when the holder is within that slack of the least-loaded decode candidate.
 pub fn prefix_aware_with(
     request: &Request,
     view: &View,
@@ -151,7 +163,29 @@ pub fn prefix_aware_with(
             });
         }
     }
+    if let (Some(h), Some(_), Some(slack), Route::Split(split)) =
+        (holder, &d.reverse_pull, t.decode_holder_slack, &mut d.route)
+    {
+        holder_decodes_first(nodes, h, slack, &mut split.decode);
+    }
     d
+}
+
+/// Moves holder `h` to the front of `decode` when it is there and its load is at most the
+/// lightest candidate's plus `slack`.
+fn holder_decodes_first(nodes: &[Node], h: u32, slack: u64, decode: &mut Vec<DecodeTarget>) {
+    let Some(pos) = decode.iter().position(|d| d.node == h) else {
+        return;
+    };
+    let lightest = decode
+        .iter()
+        .map(|d| load(&nodes[d.node as usize]))
+        .min()
+        .unwrap_or(0);
+    if pos > 0 && load(&nodes[h as usize]) <= lightest.saturating_add(slack) {
+        let target = decode.remove(pos);
+        decode.insert(0, target);
+    }
 }
 
 /// Rule 1: the whole request on holder `h`, when it qualifies.
@@ -287,6 +321,35 @@ mod tests {
         };
         let d = prefix_aware_with(&r, &v, &Measured::default(), &t);
         assert_eq!(d.route, Route::Whole(vec![2, 1]));
+    }
+
+    #[test]
+    fn a_pulled_back_turn_decodes_on_its_holder_only_when_configured() {
+        // P pulls the turn back from the busy holder (2); node 1 is idle. By default the
+        // decode goes to the least-loaded node; with `decode-holder-slack 1` to the holder,
+        // which has the history cached and pulls only the new blocks; a slack of 0 keeps the
+        // idle node first (the holder runs one request more).
+        let v = view(vec![
+            node(Role::Prefill, 0, 10, false),
+            node(Role::Decode, 0, 10, false),
+            holding(node(Role::Decode, 1, 10, false), 96),
+        ]);
+        let r = request(0, 1, vec![]);
+        let decode_order = |slack: Option<u64>| {
+            let t = Thresholds {
+                decode_holder_slack: slack,
+                ..Thresholds::default()
+            };
+            let d = prefix_aware_with(&r, &v, &Measured::default(), &t);
+            assert_eq!(d.reverse_pull.map(|p| p.from), Some(2), "{d:?}");
+            match d.route {
+                Route::Split(s) => s.decode.iter().map(|t| t.node).collect::<Vec<_>>(),
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(decode_order(None), vec![1, 2]);
+        assert_eq!(decode_order(Some(1)), vec![2, 1]);
+        assert_eq!(decode_order(Some(0)), vec![1, 2]);
     }
 
     #[test]
