@@ -370,6 +370,18 @@ async fn openai_conversations_through_the_gateway_equal_one_node() {
         assert_eq!(stored["input_texts"], json!([users[i]]), "{stored}");
     }
     assert_eq!(got_resp[2]["deleted"], true);
+    // Deleting turn 3 released the KV its holder retained of it (no later turn superseded it).
+    eventually(
+        "the deleted response's retained lease released",
+        Duration::from_secs(5),
+        async || {
+            c.gateway_metrics().await.sum(
+                "pd_gateway_leases_released_total",
+                &[("why", "response_deleted")],
+            ) == 1.0
+        },
+    )
+    .await;
     // Every turn was kept by a decode node, and none of their params reached the client.
     let g = c.gateway_metrics().await;
     assert_eq!(g.sum("pd_gateway_retained_turns_total", &[]), 6.0);

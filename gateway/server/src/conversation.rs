@@ -292,6 +292,13 @@ impl HoldingsInner {
     }
 }
 
+/// A response [`ResponseStore::delete`] forgot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deleted {
+    /// The key ([`Holding::last_hash`]) of the KV a node retained of that turn, if any.
+    pub held: Option<u64>,
+}
+
 /// One `/v1/responses` turn.
 #[derive(Debug, Clone)]
 struct StoredTurn {
@@ -303,6 +310,8 @@ struct StoredTurn {
     inputs: usize,
     /// The response object as the client got it (`Value::Null`: not kept).
     response: Value,
+    /// The key ([`Holding::last_hash`]) of the retained KV a node kept of this turn, if any.
+    held: Option<u64>,
     bytes: usize,
     stored_at: Instant,
     /// Least-recently-used stamp (key of `lru`).
@@ -366,8 +375,9 @@ impl ResponseStore {
     }
 
     /// Stores response `id`: `input` (this turn's own items) and `output` (the answer's), after
-    /// `parent` when it continued one, and the `response` object itself. A turn larger than the
-    /// whole store is not kept. Returns how many turns were evicted to make room.
+    /// `parent` when it continued one, the `response` object itself, and the key of the KV a
+    /// node retained of it (`held`). A turn larger than the whole store is not kept. Returns
+    /// how many turns were evicted to make room.
     pub fn put(
         &self,
         id: &str,
@@ -375,6 +385,7 @@ impl ResponseStore {
         input: Vec<Value>,
         output: Vec<Value>,
         response: Value,
+        held: Option<u64>,
     ) -> u64 {
         let inputs = input.len();
         let mut items = input;
@@ -398,6 +409,7 @@ impl ResponseStore {
             items,
             inputs,
             response,
+            held,
             bytes,
             stored_at: Instant::now(),
             stamp,
@@ -433,19 +445,15 @@ impl ResponseStore {
         self.fresh(id, |t| t.items[..t.inputs].to_vec())
     }
 
-    /// Forgets response `id`; whether it was stored. A later turn that continued it can no
-    /// longer be continued ([`HistoryError::Broken`]).
-    pub fn delete(&self, id: &str) -> bool {
+    /// Forgets response `id`: `None` when it was not stored (or had expired), else the key of
+    /// the KV a node retained of it, for the caller to release. A later turn that continued it
+    /// can no longer be continued ([`HistoryError::Broken`]).
+    pub fn delete(&self, id: &str) -> Option<Deleted> {
         let mut s = self.lock();
-        let fresh = s
-            .turns
-            .get(id)
-            .is_some_and(|t| t.stored_at.elapsed() <= self.ttl);
-        if let Some(t) = s.turns.remove(id) {
-            s.lru.remove(&t.stamp);
-            s.bytes -= t.bytes;
-        }
-        fresh
+        let t = s.turns.remove(id)?;
+        s.lru.remove(&t.stamp);
+        s.bytes -= t.bytes;
+        (t.stored_at.elapsed() <= self.ttl).then_some(Deleted { held: t.held })
     }
 
     /// `read` of turn `id` when it is stored and fresh; an expired one is dropped.
@@ -842,6 +850,7 @@ mod tests {
             vec![msg("user", "hi")],
             vec![msg("assistant", "hello")],
             Value::Null,
+            None,
         );
         store.put(
             "r2",
@@ -849,6 +858,7 @@ mod tests {
             vec![msg("user", "how?")],
             vec![msg("assistant", "so")],
             json!({"id": "r2", "object": "response"}),
+            None,
         );
         assert_eq!(
             store.history("r2").unwrap(),
@@ -870,16 +880,44 @@ mod tests {
     fn the_store_evicts_least_recently_used_turns_past_its_bytes() {
         let one = {
             let s = ResponseStore::new(1 << 20, Duration::from_secs(60));
-            s.put("rA", None, vec![msg("user", "aaaa")], vec![], Value::Null);
+            s.put(
+                "rA",
+                None,
+                vec![msg("user", "aaaa")],
+                vec![],
+                Value::Null,
+                None,
+            );
             s.bytes()
         };
         let store = ResponseStore::new(2 * one + one / 2, Duration::from_secs(60));
-        store.put("rA", None, vec![msg("user", "aaaa")], vec![], Value::Null);
-        store.put("rB", None, vec![msg("user", "bbbb")], vec![], Value::Null);
+        store.put(
+            "rA",
+            None,
+            vec![msg("user", "aaaa")],
+            vec![],
+            Value::Null,
+            None,
+        );
+        store.put(
+            "rB",
+            None,
+            vec![msg("user", "bbbb")],
+            vec![],
+            Value::Null,
+            None,
+        );
         // rA used: rB is now the least recently used.
         store.history("rA").unwrap();
         assert_eq!(
-            store.put("rC", None, vec![msg("user", "cccc")], vec![], Value::Null),
+            store.put(
+                "rC",
+                None,
+                vec![msg("user", "cccc")],
+                vec![],
+                Value::Null,
+                None
+            ),
             1
         );
         assert!(store.history("rA").is_ok());
@@ -895,6 +933,7 @@ mod tests {
             vec![msg("user", "d")],
             vec![],
             Value::Null,
+            None,
         );
         assert!(
             matches!(store.history("rD"), Err(HistoryError::Broken { missing, .. }) if missing == "rB")
@@ -911,6 +950,7 @@ mod tests {
             vec![msg("system", "be brief"), msg("user", "hi")],
             vec![msg("assistant", "hello")],
             r1.clone(),
+            Some(7),
         );
         store.put(
             "r2",
@@ -918,6 +958,7 @@ mod tests {
             vec![msg("user", "how?")],
             vec![],
             Value::Null,
+            None,
         );
         assert_eq!(store.response("r1"), Some(r1));
         assert_eq!(store.response("r2"), None, "not kept");
@@ -928,15 +969,16 @@ mod tests {
         assert_eq!(store.input_items("r2"), Some(vec![msg("user", "how?")]));
         assert_eq!(store.input_items("nope"), None);
         let before = store.bytes();
-        assert!(store.delete("r1"));
-        assert!(!store.delete("r1"), "gone already");
-        assert!(store.bytes() < before);
-        assert_eq!(store.response("r1"), None);
+        assert_eq!(store.delete("r1"), Some(Deleted { held: Some(7) }));
+        assert_eq!(store.delete("r1"), None, "gone already");
         assert!(
             matches!(store.history("r2"), Err(HistoryError::Broken { missing, .. }) if missing == "r1")
         );
+        assert_eq!(store.delete("r2"), Some(Deleted { held: None }));
+        assert!(store.bytes() < before);
+        assert_eq!(store.response("r1"), None);
         let old = ResponseStore::new(1 << 20, Duration::ZERO);
-        old.put("r1", None, vec![], vec![], json!({"id": "r1"}));
+        old.put("r1", None, vec![], vec![], json!({"id": "r1"}), None);
         std::thread::sleep(Duration::from_millis(2));
         assert_eq!(old.response("r1"), None);
         assert_eq!(old.bytes(), 0, "an expired turn read is dropped");
@@ -998,7 +1040,14 @@ mod tests {
     #[test]
     fn turns_older_than_the_age_limit_are_gone() {
         let store = ResponseStore::new(1 << 20, Duration::ZERO);
-        store.put("r1", None, vec![msg("user", "hi")], vec![], Value::Null);
+        store.put(
+            "r1",
+            None,
+            vec![msg("user", "hi")],
+            vec![],
+            Value::Null,
+            None,
+        );
         std::thread::sleep(Duration::from_millis(2));
         assert_eq!(
             store.history("r1"),

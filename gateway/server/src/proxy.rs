@@ -472,9 +472,17 @@ impl Gateway {
                     }
                 }
             }
-            ("DELETE", None) => store
-                .delete(id)
-                .then(|| json!({"id": id, "object": "response", "deleted": true}).to_string()),
+            ("DELETE", None) => store.delete(id).map(|deleted| {
+                // The KV a node still retains of that turn goes with it.
+                if let Some(h) = deleted.held.and_then(|key| self.0.holdings.remove(key)) {
+                    self.release(Some(&h.params), "response_deleted");
+                    self.0
+                        .metrics
+                        .conversation_holdings
+                        .set(self.0.holdings.len() as i64);
+                }
+                json!({"id": id, "object": "response", "deleted": true}).to_string()
+            }),
             _ => {
                 let e = GatewayError::UnknownRoute {
                     method: method.to_owned(),
@@ -798,6 +806,7 @@ impl Gateway {
                 self.release(Some(&h.holding.params), "superseded");
             }
         }
+        let held = kept.as_ref().map(|k| k.last_hash);
         if let Some(k) = kept {
             m.retained_turns.inc();
             s.holdings.insert(k);
@@ -809,9 +818,9 @@ impl Gateway {
         {
             let output = conversation::output_items(&response);
             let kept = conversation::as_retrieved(&response, turn.parent.as_deref());
-            let evicted = s
-                .responses
-                .put(id, turn.parent.as_deref(), turn.input, output, kept);
+            let evicted =
+                s.responses
+                    .put(id, turn.parent.as_deref(), turn.input, output, kept, held);
             m.responses_evicted.inc_by(evicted);
             m.responses_stored_bytes.set(s.responses.bytes() as i64);
         }
