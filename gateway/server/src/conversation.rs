@@ -841,6 +841,18 @@ mod tests {
         json!({"role": role, "content": text})
     }
 
+    /// Stores a turn of one user message, no answer, no response object, no retained KV.
+    fn user_turn(store: &ResponseStore, id: &str, parent: Option<&str>, text: &str) -> u64 {
+        store.put(
+            id,
+            parent,
+            vec![msg("user", text)],
+            vec![],
+            Value::Null,
+            None,
+        )
+    }
+
     #[test]
     fn a_conversation_is_rebuilt_turn_by_turn() {
         let store = ResponseStore::new(1 << 20, Duration::from_secs(60));
@@ -880,46 +892,15 @@ mod tests {
     fn the_store_evicts_least_recently_used_turns_past_its_bytes() {
         let one = {
             let s = ResponseStore::new(1 << 20, Duration::from_secs(60));
-            s.put(
-                "rA",
-                None,
-                vec![msg("user", "aaaa")],
-                vec![],
-                Value::Null,
-                None,
-            );
+            user_turn(&s, "rA", None, "aaaa");
             s.bytes()
         };
         let store = ResponseStore::new(2 * one + one / 2, Duration::from_secs(60));
-        store.put(
-            "rA",
-            None,
-            vec![msg("user", "aaaa")],
-            vec![],
-            Value::Null,
-            None,
-        );
-        store.put(
-            "rB",
-            None,
-            vec![msg("user", "bbbb")],
-            vec![],
-            Value::Null,
-            None,
-        );
+        user_turn(&store, "rA", None, "aaaa");
+        user_turn(&store, "rB", None, "bbbb");
         // rA used: rB is now the least recently used.
         store.history("rA").unwrap();
-        assert_eq!(
-            store.put(
-                "rC",
-                None,
-                vec![msg("user", "cccc")],
-                vec![],
-                Value::Null,
-                None
-            ),
-            1
-        );
+        assert_eq!(user_turn(&store, "rC", None, "cccc"), 1);
         assert!(store.history("rA").is_ok());
         assert!(store.history("rC").is_ok());
         assert_eq!(
@@ -927,14 +908,7 @@ mod tests {
             Err(HistoryError::NotFound("rB".into()))
         );
         // A child whose parent went is refused by name.
-        store.put(
-            "rD",
-            Some("rB"),
-            vec![msg("user", "d")],
-            vec![],
-            Value::Null,
-            None,
-        );
+        user_turn(&store, "rD", Some("rB"), "d");
         assert!(
             matches!(store.history("rD"), Err(HistoryError::Broken { missing, .. }) if missing == "rB")
         );
@@ -1040,14 +1014,7 @@ mod tests {
     #[test]
     fn turns_older_than_the_age_limit_are_gone() {
         let store = ResponseStore::new(1 << 20, Duration::ZERO);
-        store.put(
-            "r1",
-            None,
-            vec![msg("user", "hi")],
-            vec![],
-            Value::Null,
-            None,
-        );
+        user_turn(&store, "r1", None, "hi");
         std::thread::sleep(Duration::from_millis(2));
         assert_eq!(
             store.history("r1"),
