@@ -72,9 +72,9 @@ fn guests_match_native_on_random_views() {
 
 /// prefix-aware's config reaches its rules the same way in the guest (read with
 /// `host.config`) as in the native copy ([`Thresholds`]): with busier holders allowed
-/// (`holder-max-busy 3`, default 0) within a slack of 1 (default 2), and pulled-back turns
-/// decoding on their holder (`decode-holder-slack 1`, default unset), over a random sweep,
-/// decisions change, and the two still agree.
+/// (`holder-max-busy 3`, default 0) within a slack of 1 (default 2), over a random sweep,
+/// decisions change, and the two still agree. (`decode-holder-slack 1` is set too, but the
+/// sweep does not reach its rule: [`decode_holder_slack_matches_native`] checks it.)
 #[test]
 fn prefix_aware_config_matches_native() {
     let engine = PolicyEngine::new().expect("engine");
@@ -261,5 +261,50 @@ fn recorded_views() {
             native(&request(0, 1, vec![]), &lonely, &Measured::default()),
             want
         );
+    }
+}
+
+/// `decode-holder-slack` (which the random sweep above does not reach): a turn pulled back
+/// from its busy holder (node 2) decodes on the holder only with the key set and the holder
+/// within the slack of the idle decode node (1); the guest decides as the native copy each time.
+#[test]
+fn decode_holder_slack_matches_native() {
+    let engine = PolicyEngine::new().expect("engine");
+    let mut holder = node(Role::Decode, 0, 1, 500);
+    holder.conversation_tokens = 60;
+    holder.conversation_expiry_ms = 30_000;
+    let view = View {
+        nodes: vec![
+            node(Role::Prefill, 0, 0, 500),
+            node(Role::Decode, 0, 0, 500),
+            holder,
+        ],
+    };
+    let request = request(0, 1, vec![]);
+    let measured = Measured::default();
+    for (slack, first) in [(None, 1), (Some(0), 1), (Some(1), 2)] {
+        let mut spec = crate::common::spec("prefix-aware");
+        if let Some(s) = slack {
+            spec.config = [("decode-holder-slack".to_owned(), s.to_string())]
+                .into_iter()
+                .collect();
+        }
+        let policy = engine
+            .load(&crate::common::wasm("prefix-aware"), spec)
+            .expect("load prefix-aware");
+        let t = Thresholds {
+            decode_holder_slack: slack,
+            ..Thresholds::default()
+        };
+        let want = prefix_aware_with(&request, &view, &measured, &t);
+        let got = policy
+            .decide_measured(&request, &view, &measured, &names(&view))
+            .expect("decide");
+        assert_eq!(got, want, "slack {slack:?}");
+        assert_eq!(want.reverse_pull.map(|p| p.from), Some(2), "{want:?}");
+        match &want.route {
+            Route::Split(s) => assert_eq!(s.decode[0].node, first, "slack {slack:?}: {want:?}"),
+            other => panic!("{other:?}"),
+        }
     }
 }
