@@ -361,11 +361,24 @@ fn main() {
             rows.push(row(format!("{label} ({what})"), &mut samples[k]));
         }
     }
-    let (_, stats) = engine
-        .load(&wasm("prefix-aware"), spec("prefix-aware"))
-        .expect("load")
-        .decide_with_stats(&req(0), &view, &measured, &node_names);
-
+    // Fuel per call (about one unit per wasm instruction, instantiation included): what the
+    // guest's own code costs, apart from the host path.
+    let mut fuel = Vec::new();
+    for name in ["round-robin", "least-loaded", "prefix-aware"] {
+        let (_, stats) = engine
+            .load(&wasm(name), spec(name))
+            .expect("load")
+            .decide_with_stats(&req(0), &view, &measured, &node_names);
+        fuel.push((name.to_owned(), stats.fuel_used));
+    }
+    if let Ok(alt) = std::env::var("PD_BENCH_ALT") {
+        let bytes = std::fs::read(&alt).expect("PD_BENCH_ALT");
+        let (_, stats) = engine
+            .load(&bytes, spec("least-loaded"))
+            .expect("load")
+            .decide_with_stats(&req(0), &view, &measured, &node_names);
+        fuel.push((alt, stats.fuel_used));
+    }
     println!("\n64-node view, {calls} timed calls each (one thread)\n");
     println!("{:<64} {:>10} {:>10} {:>10}", "case", "p50", "p99", "mean");
     for r in &rows {
@@ -377,8 +390,8 @@ fn main() {
             r.mean.as_secs_f64() * 1e6
         );
     }
-    println!(
-        "\nprefix-aware guest fuel per 64-node call: {}",
-        stats.fuel_used
-    );
+    println!("\nguest fuel per 64-node call (instantiation included):");
+    for (name, used) in &fuel {
+        println!("  {name:<60} {used:>8}");
+    }
 }

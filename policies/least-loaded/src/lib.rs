@@ -20,6 +20,7 @@ extern crate alloc;
 
 use alloc::string::ToString;
 use alloc::vec::Vec;
+use core::cmp::Reverse;
 use guest_rt as _;
 
 wit_bindgen::generate!({
@@ -28,7 +29,7 @@ wit_bindgen::generate!({
     generate_all,
 });
 
-use pd::policy0_1_0::types::{DecodeTarget, Rejection, Role, Route, Split};
+use pd::policy0_1_0::types::{DecodeTarget, Rejection, Route, Split};
 
 struct LeastLoaded;
 
@@ -40,11 +41,11 @@ const NO_NODES: &str =
 
 impl Guest for LeastLoaded {
     fn decide(request: Request, view: View) -> Decision {
-        let has = |role: Role| view.roles.contains(&role);
-        let route = if has(Role::Prefill) && has(Role::Decode) {
+        let [prefill, decode, standalone] = candidates(&view);
+        let route = if !prefill.is_empty() && !decode.is_empty() {
             Route::Split(Split {
-                prefill: ranked(&view, candidates(&view, Role::Prefill)),
-                decode: ranked(&view, candidates(&view, Role::Decode))
+                prefill: ranked(prefill),
+                decode: ranked(decode)
                     .into_iter()
                     .map(|node| DecodeTarget {
                         node,
@@ -52,8 +53,8 @@ impl Guest for LeastLoaded {
                     })
                     .collect(),
             })
-        } else if has(Role::Standalone) {
-            Route::Whole(ranked(&view, candidates(&view, Role::Standalone)))
+        } else if !standalone.is_empty() {
+            Route::Whole(ranked(standalone))
         } else {
             Route::Reject(Rejection {
                 status: 503,
@@ -67,28 +68,47 @@ impl Guest for LeastLoaded {
     }
 }
 
-/// Requests on node `i`: queued, running, and parked waiting for KV.
-fn load(v: &View, i: u32) -> u64 {
-    let i = i as usize;
-    u64::from(v.waiting[i]) + u64::from(v.running[i]) + u64::from(v.waiting_remote_kv[i])
+/// A node's rank key: least load (`waiting + running + waiting-remote-kv`) first, then most
+/// free blocks, then lowest index. Keys are unique (the index is part of them), so an
+/// unstable sort of them is exact.
+type Key = (u64, Reverse<u32>, u32);
+
+/// The candidates of each role (prefill, decode, standalone) with their rank keys, in one
+/// pass over the view: a role's nodes that are not draining, or all of them when every one
+/// drains.
+fn candidates(v: &View) -> [Vec<Key>; 3] {
+    let n = v.roles.len();
+    let mut live: [Vec<Key>; 3] = core::array::from_fn(|_| Vec::with_capacity(n));
+    let mut draining: [Vec<Key>; 3] = Default::default();
+    // `draining` is ascending: one cursor walks it beside the nodes.
+    let mut next_draining = v.draining.iter().copied().peekable();
+    for (i, role) in v.roles.iter().enumerate() {
+        let index = i as u32;
+        let drains = next_draining
+            .next_if(|&d| d <= index)
+            .is_some_and(|d| d == index);
+        let load =
+            u64::from(v.waiting[i]) + u64::from(v.running[i]) + u64::from(v.waiting_remote_kv[i]);
+        let key = (load, Reverse(v.free_blocks[i]), index);
+        // `Role`'s discriminants are its WIT order: prefill, decode, standalone.
+        let slot = *role as usize;
+        if drains {
+            &mut draining[slot]
+        } else {
+            &mut live[slot]
+        }
+        .push(key);
+    }
+    for (live, draining) in live.iter_mut().zip(draining) {
+        if live.is_empty() {
+            *live = draining;
+        }
+    }
+    live
 }
 
-/// Indices of the nodes of `role`, not draining ones unless all of them drain.
-fn candidates(v: &View, role: Role) -> Vec<u32> {
-    let pick = |draining_ok: bool| -> Vec<u32> {
-        (0u32..)
-            .zip(&v.roles)
-            .filter(|&(i, r)| *r == role && (draining_ok || !v.draining.contains(&i)))
-            .map(|(i, _)| i)
-            .collect()
-    };
-    let live = pick(false);
-    if live.is_empty() { pick(true) } else { live }
-}
-
-/// Least load first, then most free blocks, then lowest index (keys are unique: the index
-/// is part of them, so an unstable sort is exact).
-fn ranked(v: &View, mut c: Vec<u32>) -> Vec<u32> {
-    c.sort_unstable_by_key(|&i| (load(v, i), core::cmp::Reverse(v.free_blocks[i as usize]), i));
-    c
+/// The candidates' indices, best first.
+fn ranked(mut keyed: Vec<Key>) -> Vec<u32> {
+    keyed.sort_unstable();
+    keyed.into_iter().map(|(_, _, i)| i).collect()
 }

@@ -77,16 +77,16 @@ impl Guest for PrefixAware {
         let holding = v
             .conversation
             .filter(|h| h.tokens > 0 && (h.node as usize) < v.roles.len());
+        let [prefill, decode, standalone] = candidates(v);
         if let Some(h) = holding
-            && let Some(d) = to_holder(&request, v, h)
+            && let Some(d) = to_holder(&request, v, h, [&decode, &standalone])
         {
             return d;
         }
-        let has = |role: Role| v.roles.contains(&role);
-        let mut route = if has(Role::Prefill) && has(Role::Decode) {
+        let mut route = if !prefill.is_empty() && !decode.is_empty() {
             Route::Split(Split {
-                prefill: by_prefix(v, prefix, candidates(v, Role::Prefill)),
-                decode: least_loaded(v, candidates(v, Role::Decode))
+                prefill: by_prefix(v, prefix, prefill),
+                decode: least_loaded(v, decode)
                     .into_iter()
                     .map(|node| DecodeTarget {
                         node,
@@ -94,8 +94,8 @@ impl Guest for PrefixAware {
                     })
                     .collect(),
             })
-        } else if has(Role::Standalone) {
-            Route::Whole(by_prefix(v, prefix, candidates(v, Role::Standalone)))
+        } else if !standalone.is_empty() {
+            Route::Whole(by_prefix(v, prefix, standalone))
         } else {
             Route::Reject(Rejection {
                 status: 503,
@@ -181,17 +181,26 @@ fn min_pull_tokens(prefill_tokens_per_s: u32, pull_mb_per_s: u32, kv_bytes_per_t
     }
 }
 
-/// Rule 1: the whole request on the holder, when it qualifies.
-fn to_holder(request: &Request, v: &View, h: Holding) -> Option<Decision> {
-    let role = v.roles[h.node as usize];
-    if v.draining.contains(&h.node) || !matches!(role, Role::Decode | Role::Standalone) {
+/// Rule 1: the whole request on the holder, when it qualifies (`candidates`: the decode and
+/// the standalone candidates).
+fn to_holder(
+    request: &Request,
+    v: &View,
+    h: Holding,
+    [decode, standalone]: [&Vec<u32>; 2],
+) -> Option<Decision> {
+    let others = match v.roles[h.node as usize] {
+        Role::Decode => decode,
+        Role::Standalone => standalone,
+        Role::Prefill => return None,
+    };
+    if v.draining.contains(&h.node) {
         return None;
     }
     let new = request.prompt_tokens.saturating_sub(h.tokens);
     if u64::from(new) > param("holder-max-new-tokens", 256) {
         return None;
     }
-    let others = candidates(v, role);
     let lightest = others.iter().map(|&i| load(v, i)).min()?;
     let busy = load(v, h.node);
     if busy > lightest.saturating_add(param("holder-load-slack", 2))
@@ -200,7 +209,11 @@ fn to_holder(request: &Request, v: &View, h: Holding) -> Option<Decision> {
         return None;
     }
     let mut list = alloc::vec![h.node];
-    list.extend(least_loaded(v, others).into_iter().filter(|&i| i != h.node));
+    list.extend(
+        least_loaded(v, others.clone())
+            .into_iter()
+            .filter(|&i| i != h.node),
+    );
     Some(Decision {
         route: Route::Whole(list),
         reverse_pull: Some(ReversePull {
@@ -222,36 +235,61 @@ fn score(v: &View, i: u32, prefix_blocks: u32) -> i64 {
     i64::from(prefix_blocks) - i64::from(v.waiting[i]) - i64::from(v.running[i])
 }
 
-/// Indices of the nodes of `role`, not draining ones unless all of them drain.
-fn candidates(v: &View, role: Role) -> Vec<u32> {
-    let pick = |draining_ok: bool| -> Vec<u32> {
-        (0u32..)
-            .zip(&v.roles)
-            .filter(|&(i, r)| *r == role && (draining_ok || !v.draining.contains(&i)))
-            .map(|(i, _)| i)
-            .collect()
-    };
-    let live = pick(false);
-    if live.is_empty() { pick(true) } else { live }
+/// The indices of each role's candidates (prefill, decode, standalone), ascending, in one pass
+/// over the view: a role's nodes that are not draining, or all of them when every one drains.
+fn candidates(v: &View) -> [Vec<u32>; 3] {
+    let n = v.roles.len();
+    let mut live: [Vec<u32>; 3] = core::array::from_fn(|_| Vec::with_capacity(n));
+    let mut draining: [Vec<u32>; 3] = Default::default();
+    // `draining` is ascending: one cursor walks it beside the nodes.
+    let mut next_draining = v.draining.iter().copied().peekable();
+    for (i, role) in (0u32..).zip(&v.roles) {
+        let drains = next_draining.next_if(|&d| d <= i).is_some_and(|d| d == i);
+        // `Role`'s discriminants are its WIT order: prefill, decode, standalone.
+        let slot = *role as usize;
+        if drains {
+            &mut draining[slot]
+        } else {
+            &mut live[slot]
+        }
+        .push(i);
+    }
+    for (live, draining) in live.iter_mut().zip(draining) {
+        if live.is_empty() {
+            *live = draining;
+        }
+    }
+    live
 }
 
-/// Least load first, then most free blocks, then lowest index (keys are unique: the index
-/// is part of them, so an unstable sort is exact).
-fn least_loaded(v: &View, mut c: Vec<u32>) -> Vec<u32> {
-    c.sort_unstable_by_key(|&i| (load(v, i), Reverse(v.free_blocks[i as usize]), i));
-    c
+/// `keyed` sorted by key, as indices. Each key is computed once, before the sort (its
+/// comparisons would compute it ~2 log n times each); keys end with the index, so they are
+/// unique and an unstable sort is exact.
+fn sorted<K: Ord>(keyed: impl Iterator<Item = (K, u32)>) -> Vec<u32> {
+    let mut keyed: Vec<(K, u32)> = keyed.collect();
+    keyed.sort_unstable();
+    keyed.into_iter().map(|(_, i)| i).collect()
+}
+
+/// Least load first, then most free blocks, then lowest index.
+fn least_loaded(v: &View, c: Vec<u32>) -> Vec<u32> {
+    sorted(
+        c.into_iter()
+            .map(|i| ((load(v, i), Reverse(v.free_blocks[i as usize])), i)),
+    )
 }
 
 /// Highest score first, then least-loaded order.
-fn by_prefix(v: &View, prefix: &[u32], mut c: Vec<u32>) -> Vec<u32> {
-    c.sort_unstable_by_key(|&i| {
+fn by_prefix(v: &View, prefix: &[u32], c: Vec<u32>) -> Vec<u32> {
+    sorted(c.into_iter().map(|i| {
         let p = prefix.get(i as usize).copied().unwrap_or(0);
         (
-            Reverse(score(v, i, p)),
-            load(v, i),
-            Reverse(v.free_blocks[i as usize]),
+            (
+                Reverse(score(v, i, p)),
+                load(v, i),
+                Reverse(v.free_blocks[i as usize]),
+            ),
             i,
         )
-    });
-    c
+    }))
 }

@@ -29,7 +29,7 @@ wit_bindgen::generate!({
     generate_all,
 });
 
-use pd::policy0_1_0::types::{DecodeTarget, Rejection, Role, Route, Split};
+use pd::policy0_1_0::types::{DecodeTarget, Rejection, Route, Split};
 
 struct RoundRobin;
 
@@ -42,14 +42,14 @@ const NO_NODES: &str =
 impl Guest for RoundRobin {
     fn decide(request: Request, view: View) -> Decision {
         let seq = request.seq;
-        let has = |role: Role| view.roles.contains(&role);
-        let route = if has(Role::Prefill) && has(Role::Decode) {
+        let [prefill, decode, standalone] = candidates(&view);
+        let route = if !prefill.is_empty() && !decode.is_empty() {
             Route::Split(Split {
-                prefill: rotated(candidates(&view, Role::Prefill), seq),
-                decode: dealt(rotated(candidates(&view, Role::Decode), seq), request.n),
+                prefill: rotated(prefill, seq),
+                decode: dealt(rotated(decode, seq), request.n),
             })
-        } else if has(Role::Standalone) {
-            Route::Whole(rotated(candidates(&view, Role::Standalone), seq))
+        } else if !standalone.is_empty() {
+            Route::Whole(rotated(standalone, seq))
         } else {
             Route::Reject(Rejection {
                 status: 503,
@@ -63,17 +63,31 @@ impl Guest for RoundRobin {
     }
 }
 
-/// Indices of the nodes of `role`, not draining ones unless all of them drain.
-fn candidates(v: &View, role: Role) -> Vec<u32> {
-    let pick = |draining_ok: bool| -> Vec<u32> {
-        (0u32..)
-            .zip(&v.roles)
-            .filter(|&(i, r)| *r == role && (draining_ok || !v.draining.contains(&i)))
-            .map(|(i, _)| i)
-            .collect()
-    };
-    let live = pick(false);
-    if live.is_empty() { pick(true) } else { live }
+/// The indices of each role's candidates (prefill, decode, standalone), ascending, in one pass
+/// over the view: a role's nodes that are not draining, or all of them when every one drains.
+fn candidates(v: &View) -> [Vec<u32>; 3] {
+    let n = v.roles.len();
+    let mut live: [Vec<u32>; 3] = core::array::from_fn(|_| Vec::with_capacity(n));
+    let mut draining: [Vec<u32>; 3] = Default::default();
+    // `draining` is ascending: one cursor walks it beside the nodes.
+    let mut next_draining = v.draining.iter().copied().peekable();
+    for (i, role) in (0u32..).zip(&v.roles) {
+        let drains = next_draining.next_if(|&d| d <= i).is_some_and(|d| d == i);
+        // `Role`'s discriminants are its WIT order: prefill, decode, standalone.
+        let slot = *role as usize;
+        if drains {
+            &mut draining[slot]
+        } else {
+            &mut live[slot]
+        }
+        .push(i);
+    }
+    for (live, draining) in live.iter_mut().zip(draining) {
+        if live.is_empty() {
+            *live = draining;
+        }
+    }
+    live
 }
 
 /// `c` rotated left by `seq % c.len()`.
