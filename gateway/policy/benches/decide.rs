@@ -2,8 +2,9 @@
 //! whole host path (build the view from registry state, decide, validate). Calls run with a
 //! relaxed deadline so a descheduled call does not abort the run; limits cost the same.
 //!
-//! The shipped guests are on `pd:policy@0.2.0` (the view as columns); `least-loaded-v1` is the
-//! same least-loaded rules on 0.1.0 (the view as records), measured in the same run.
+//! The shipped guests are on `pd:policy@0.3.0` (the view as columns, roles as index lists);
+//! `least-loaded-v2` and `least-loaded-v1` are the same least-loaded rules on 0.2.0 (columns,
+//! roles as a `list<role>`) and 0.1.0 (the view as records), measured in the same run.
 //!
 //! Run: `scripts/build-policies.sh && cargo bench -p pd-policy --bench decide`
 //! (`PD_BENCH_CALLS=N` changes the number of timed calls, default 20000; `PD_BENCH_PACED=N`
@@ -242,21 +243,17 @@ fn main() {
             }));
         }
     }
-    // The two contracts head to head: the same least-loaded rules on 0.2.0 and on 0.1.0, host
-    // path, calls interleaved one by one so both see the same machine (this VM's speed drifts
-    // by 2× between rows run minutes apart).
+    // The three contracts head to head: the same least-loaded rules on 0.3.0, 0.2.0 and 0.1.0,
+    // host path, calls interleaved one by one so all see the same machine (this VM's speed
+    // drifts by 2× between rows run minutes apart).
     let label = "host path, least-loaded, interleaved";
     if std::env::var("PD_BENCH_ONLY").is_ok_and(|only| !label.contains(&only)) {
     } else {
-        let v2 = engine
-            .load(&wasm("least-loaded"), spec("least-loaded"))
-            .expect("load");
-        let v1 = engine
-            .load(&wasm("least-loaded-v1"), spec("least-loaded-v1"))
-            .expect("load");
-        let mut samples = [Vec::with_capacity(calls), Vec::with_capacity(calls)];
+        let builds = ["least-loaded", "least-loaded-v2", "least-loaded-v1"]
+            .map(|name| engine.load(&wasm(name), spec(name)).expect("load"));
+        let mut samples = builds.each_ref().map(|_| Vec::with_capacity(calls));
         for i in 0..(calls + calls / 10) as u64 {
-            for (k, p) in [&v2, &v1].into_iter().enumerate() {
+            for (k, p) in builds.iter().enumerate() {
                 let t = Instant::now();
                 let view = to_view(black_box(&reg));
                 let measured = to_measured(black_box(&reg));
@@ -270,8 +267,8 @@ fn main() {
                 }
             }
         }
-        for (k, contract) in ["0.2.0", "0.1.0"].into_iter().enumerate() {
-            rows.push(row(format!("{label} ({contract})"), &mut samples[k]));
+        for (p, samples) in builds.iter().zip(&mut samples) {
+            rows.push(row(format!("{label} ({})", p.contract()), samples));
         }
     }
     // The request path alone, as the gateway runs it when a spare is ready: wait (untimed)
@@ -280,9 +277,12 @@ fn main() {
     let label = "host path, least-loaded, a spare ready";
     if std::env::var("PD_BENCH_ONLY").is_ok_and(|only| !label.contains(&only)) {
     } else {
-        // `PD_BENCH_ALT=FILE.wasm`: another build of the policy, called in turn with the
-        // shipped one (one call each), so that an A/B sees the same machine.
-        let mut builds = vec![("least-loaded".to_owned(), wasm("least-loaded"))];
+        // The shipped build (0.3.0) and the same rules on 0.2.0, called in turn (one call
+        // each) so that both see the same machine; `PD_BENCH_ALT=FILE.wasm` adds another build.
+        let mut builds = vec![
+            ("least-loaded".to_owned(), wasm("least-loaded")),
+            ("least-loaded-v2".to_owned(), wasm("least-loaded-v2")),
+        ];
         if let Ok(alt) = std::env::var("PD_BENCH_ALT") {
             builds.push((alt.clone(), std::fs::read(&alt).expect("PD_BENCH_ALT")));
         }
@@ -309,8 +309,9 @@ fn main() {
                 }
             }
         }
-        for ((name, _), mut samples) in builds.iter().zip(samples) {
-            rows.push(row(format!("{label} (0.2.0, {name})"), &mut samples));
+        for (((name, _), policy), mut samples) in builds.iter().zip(&policies).zip(samples) {
+            let contract = policy.contract();
+            rows.push(row(format!("{label} ({contract}, {name})"), &mut samples));
         }
     }
     // Paced as the gateway calls: a request every ~1 ms (idle gaps the spare thread uses), a
@@ -364,7 +365,12 @@ fn main() {
     // Fuel per call (about one unit per wasm instruction, instantiation included): what the
     // guest's own code costs, apart from the host path.
     let mut fuel = Vec::new();
-    for name in ["round-robin", "least-loaded", "prefix-aware"] {
+    for name in [
+        "round-robin",
+        "least-loaded",
+        "prefix-aware",
+        "least-loaded-v2",
+    ] {
         let (_, stats) = engine
             .load(&wasm(name), spec(name))
             .expect("load")

@@ -1,13 +1,16 @@
-//! The 0.2.0 view (`pd:policy/cluster@0.2.0`): the nodes as columns, with the rates they
-//! measure.
+//! The 0.2.0 and 0.3.0 views (`pd:policy/cluster@0.2.0`, `@0.3.0`): the nodes as columns,
+//! with the rates they measure.
 //!
 //! The gateway keeps one view shape, 0.1.0's [`View`] of records (its admin API, decision
 //! records and native policies read it), plus what 0.2.0 adds to it ([`Measured`]: each node's
 //! [`Rates`], the model's KV bytes per token). A 0.2.0 policy's call builds the columns from
-//! both ([`columns`]): ten vectors, each lowered into the guest as one copy.
+//! both ([`columns`]): ten vectors, each lowered into the guest as one copy, but for `roles`,
+//! lowered element by element. A 0.3.0 policy's call ([`indexed`]) has the roles as three index
+//! lists instead, so that every list is one copy.
 
-use crate::View;
 use crate::bindings::v2::pd::policy0_2_0::cluster::{Holding, View as Columns};
+use crate::bindings::v3::pd::policy0_3_0::cluster as v3;
+use crate::{Role, View};
 
 /// What a node measures of itself and reports in its state stream (0: not measured yet).
 /// 0.2.0 policies see these in their view; 0.1.0 has no place for them.
@@ -66,6 +69,57 @@ pub(crate) fn columns(view: &View, measured: &Measured) -> Columns {
             .filter(|(_, n)| n.draining)
             .map(|(i, _)| i)
             .collect(),
+        prefill_tokens_per_s: (0..nodes.len())
+            .map(|i| measured.rates_of(i).prefill_tokens_per_s)
+            .collect(),
+        pull_mb_per_s: (0..nodes.len())
+            .map(|i| measured.rates_of(i).pull_mb_per_s)
+            .collect(),
+        conversation,
+        kv_bytes_per_token: measured.kv_bytes_per_token,
+    }
+}
+
+/// `view` and `measured` as the 0.3.0 view: [`columns`]' facts, with the roles as three
+/// ascending index lists.
+pub(crate) fn indexed(view: &View, measured: &Measured) -> v3::View {
+    let nodes = &view.nodes;
+    let column = |field: fn(&crate::Node) -> u32| -> Vec<u32> { nodes.iter().map(field).collect() };
+    // Room for every node in each role list: growing them a push at a time cost more than the
+    // rest of the view (a `realloc` each, under the allocator's lock).
+    let mut by_role: [Vec<u32>; 3] = std::array::from_fn(|_| Vec::with_capacity(nodes.len()));
+    let mut draining = Vec::new();
+    let mut conversation: Option<v3::Holding> = None;
+    for (i, node) in (0u32..).zip(nodes) {
+        by_role[match node.role {
+            Role::Prefill => 0,
+            Role::Decode => 1,
+            Role::Standalone => 2,
+        }]
+        .push(i);
+        if node.draining {
+            draining.push(i);
+        }
+        if node.conversation_tokens > conversation.as_ref().map_or(0, |h| h.tokens) {
+            conversation = Some(v3::Holding {
+                node: i,
+                tokens: node.conversation_tokens,
+                expiry_ms: node.conversation_expiry_ms,
+            });
+        }
+    }
+    let [prefill, decode, standalone] = by_role;
+    v3::View {
+        prefill,
+        decode,
+        standalone,
+        free_blocks: column(|n| n.free_blocks),
+        total_blocks: column(|n| n.total_blocks),
+        leased_blocks: column(|n| n.leased_blocks),
+        waiting: column(|n| n.waiting),
+        running: column(|n| n.running),
+        waiting_remote_kv: column(|n| n.waiting_remote_kv),
+        draining,
         prefill_tokens_per_s: (0..nodes.len())
             .map(|i| measured.rates_of(i).prefill_tokens_per_s)
             .collect(),
@@ -137,5 +191,54 @@ mod tests {
         assert_eq!(c.kv_bytes_per_token, 1536);
         let empty = columns(&View { nodes: vec![] }, &Measured::default());
         assert_eq!((empty.conversation, empty.kv_bytes_per_token), (None, 0));
+    }
+
+    #[test]
+    fn indexed_view_holds_the_columns_and_each_node_in_its_role_list() {
+        let view = View {
+            nodes: vec![
+                node(Role::Decode, false, 0),
+                node(Role::Prefill, true, 0),
+                node(Role::Standalone, false, 64),
+                node(Role::Decode, true, 64),
+                node(Role::Prefill, false, 0),
+            ],
+        };
+        let measured = Measured {
+            rates: vec![
+                Rates::default(),
+                Rates {
+                    prefill_tokens_per_s: 900,
+                    pull_mb_per_s: 3000,
+                },
+            ],
+            kv_bytes_per_token: 1536,
+        };
+        let v = indexed(&view, &measured);
+        assert_eq!(v.prefill, [1, 4]);
+        assert_eq!(v.decode, [0, 3]);
+        assert_eq!(v.standalone, [2]);
+        assert_eq!(v.draining, [1, 3]);
+        // Every other fact as 0.2.0's columns have it.
+        let c = columns(&view, &measured);
+        assert_eq!(
+            (&v.free_blocks, &v.total_blocks, &v.leased_blocks),
+            (&c.free_blocks, &c.total_blocks, &c.leased_blocks)
+        );
+        assert_eq!(
+            (&v.waiting, &v.running, &v.waiting_remote_kv),
+            (&c.waiting, &c.running, &c.waiting_remote_kv)
+        );
+        assert_eq!(v.prefill_tokens_per_s, [0, 900, 0, 0, 0]);
+        assert_eq!(v.pull_mb_per_s, [0, 3000, 0, 0, 0]);
+        assert_eq!(
+            v.conversation,
+            Some(v3::Holding {
+                node: 2,
+                tokens: 64,
+                expiry_ms: 640
+            })
+        );
+        assert_eq!(v.kv_bytes_per_token, 1536);
     }
 }

@@ -50,12 +50,13 @@ use wasmtime_wasi::{
 };
 
 use crate::bindings::v1::pd::policy::host::Level;
-use crate::bindings::{v1, v2};
-use crate::columns::{Measured, Rates, columns};
+use crate::bindings::{v1, v2, v3};
+use crate::columns::{Measured, Rates, columns, indexed};
 use crate::epoch::{self, EpochClock};
 use crate::precompiled::DiskCache;
 use crate::spare::{Refill, SpareWorker};
-use crate::{Api, Decision, Node, PolicyError, Request, Role, View, validate};
+use crate::validate::lift_v3;
+use crate::{Api, Decision, InvalidDecision, Node, PolicyError, Request, Role, View, validate};
 
 /// Engine ids of a view's nodes (`names[i]` names `view.nodes[i]`), shared with the caller:
 /// the host's `node-name` import reads them, nothing copies them per call.
@@ -251,11 +252,16 @@ impl PolicyEngine {
 
         let mut linker = Linker::<HostState>::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(engine_err)?;
-        // 0.1.0's world (its types and host imports), and 0.2.0's one new interface: 0.2.0
-        // uses 0.1.0's types and host imports, so one linker serves both.
+        // 0.1.0's world (its types and host imports), and the one new interface of each of
+        // 0.2.0 and 0.3.0: both use 0.1.0's types and host imports, so one linker serves all.
         v1::Policy::add_to_linker::<HostState, HasSelf<HostState>>(&mut linker, |s| s)
             .map_err(engine_err)?;
         v2::pd::policy0_2_0::cluster::add_to_linker::<HostState, HasSelf<HostState>>(
+            &mut linker,
+            |s| s,
+        )
+        .map_err(engine_err)?;
+        v3::pd::policy0_3_0::cluster::add_to_linker::<HostState, HasSelf<HostState>>(
             &mut linker,
             |s| s,
         )
@@ -345,16 +351,20 @@ impl PolicyEngine {
             .map_err(instantiate_err)?;
         // Type-checks the `decide` export against each world the gateway hosts, once: the
         // newest that matches is the policy's contract.
-        let pre = match v2::PolicyPre::new(pre.clone()) {
-            Ok(p) => Pre::V2(p),
-            Err(e2) => match v1::PolicyPre::new(pre) {
-                Ok(p) => Pre::V1(p),
-                Err(e1) => {
-                    return Err(instantiate_err(e1.context(format!(
-                        "the component matches neither pd:policy@0.1.0 nor \
-                         pd:policy@0.2.0 (against 0.2.0: {e2:#})"
-                    ))));
-                }
+        let pre = match v3::PolicyPre::new(pre.clone()) {
+            Ok(p) => Pre::V3(p),
+            Err(e3) => match v2::PolicyPre::new(pre.clone()) {
+                Ok(p) => Pre::V2(p),
+                Err(e2) => match v1::PolicyPre::new(pre) {
+                    Ok(p) => Pre::V1(p),
+                    Err(e1) => {
+                        return Err(instantiate_err(e1.context(format!(
+                            "the component matches none of pd:policy@0.1.0, \
+                             pd:policy@0.2.0 and pd:policy@0.3.0 (against 0.2.0: {e2:#}; \
+                             against 0.3.0: {e3:#})"
+                        ))));
+                    }
+                },
             },
         };
         let guest = Arc::new(GuestMeta {
@@ -539,6 +549,9 @@ enum Pre {
     V1(v1::PolicyPre<HostState>),
     /// `pd:policy/policy@0.2.0`: the view as columns, with the nodes' rates.
     V2(v2::PolicyPre<HostState>),
+    /// `pd:policy/policy@0.3.0`: 0.2.0's view with roles as index lists; decode targets as
+    /// two lists.
+    V3(v3::PolicyPre<HostState>),
 }
 
 /// A loaded, smoke-tested policy component, ready to decide. Shared across threads; each
@@ -574,6 +587,7 @@ struct Fresh {
 enum Bound {
     V1(v1::Policy),
     V2(v2::Policy),
+    V3(v3::Policy),
 }
 
 /// The seed of the WASI randomness a guest draws while it is instantiated (a runtime's start-up:
@@ -613,11 +627,12 @@ impl WasmPolicy {
         (self.compiled_from, self.compile_time)
     }
 
-    /// The contract version the component exports: `"0.1.0"` or `"0.2.0"`.
+    /// The contract version the component exports: `"0.1.0"`, `"0.2.0"` or `"0.3.0"`.
     pub fn contract(&self) -> &'static str {
         match self.core.pre {
             Pre::V1(_) => "0.1.0",
             Pre::V2(_) => "0.2.0",
+            Pre::V3(_) => "0.3.0",
         }
     }
 
@@ -686,7 +701,9 @@ impl WasmPolicy {
                 fresh.store.set_epoch_deadline(1);
                 let result = fresh.call(request, view, measured);
                 drop(active);
-                let result = result.map_err(|e| core.call_error(e, false));
+                let result = result
+                    .map_err(|e| core.call_error(e, false))
+                    .and_then(|lifted| lifted.map_err(PolicyError::Invalid));
                 let stats = CallStats {
                     spare: from_spare,
                     ..core.stats(&fresh.store)
@@ -764,6 +781,7 @@ impl Core {
         let bound = match &self.pre {
             Pre::V1(pre) => pre.instantiate(&mut store).map(Bound::V1),
             Pre::V2(pre) => pre.instantiate(&mut store).map(Bound::V2),
+            Pre::V3(pre) => pre.instantiate(&mut store).map(Bound::V3),
         };
         drop(active);
         match bound {
@@ -825,19 +843,23 @@ impl Refill for Core {
 
 impl Fresh {
     /// Calls `decide` through the generated bindings of the component's world (a 0.2.0 policy
-    /// gets the view as columns).
+    /// gets the view as columns, a 0.3.0 one with roles as index lists) and lifts the answer
+    /// into 0.1.0's decision (a 0.3.0 decision can be malformed on the way: the inner error).
     fn call(
         &mut self,
         request: &Request,
         view: &View,
         measured: &Measured,
-    ) -> wasmtime::Result<Decision> {
-        match &self.bound {
-            Bound::V1(policy) => policy.call_decide(&mut self.store, request, view),
+    ) -> wasmtime::Result<Result<Decision, InvalidDecision>> {
+        Ok(match &self.bound {
+            Bound::V1(policy) => Ok(policy.call_decide(&mut self.store, request, view)?),
             Bound::V2(policy) => {
-                policy.call_decide(&mut self.store, request, &columns(view, measured))
+                Ok(policy.call_decide(&mut self.store, request, &columns(view, measured))?)
             }
-        }
+            Bound::V3(policy) => {
+                lift_v3(policy.call_decide(&mut self.store, request, &indexed(view, measured))?)
+            }
+        })
     }
 }
 
@@ -963,6 +985,7 @@ fn seeded_random(seed: u64) -> Deterministic {
 impl v1::pd::policy::types::Host for HostState {}
 
 impl v2::pd::policy0_2_0::cluster::Host for HostState {}
+impl v3::pd::policy0_3_0::cluster::Host for HostState {}
 
 impl v1::pd::policy::host::Host for HostState {
     fn log(&mut self, level: Level, mut message: String) {

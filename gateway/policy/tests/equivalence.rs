@@ -11,15 +11,18 @@ use pd_policy::{
 
 type Native = fn(&Request, &View, &Measured) -> Decision;
 
-/// The shipped Rust guests (on `pd:policy@0.2.0`, which carries the nodes' rates), least-loaded
-/// as it shipped on 0.1.0, and their native copies.
-const SHIPPED: [(&str, &str, Native); 4] = [
-    ("least-loaded", "0.2.0", |r, v, _| {
+/// The shipped Rust guests (on `pd:policy@0.3.0`, which carries the nodes' rates), least-loaded
+/// as it shipped on 0.1.0 and on 0.2.0, and their native copies.
+const SHIPPED: [(&str, &str, Native); 5] = [
+    ("least-loaded", "0.3.0", |r, v, _| {
         native::least_loaded(r, v)
     }),
-    ("round-robin", "0.2.0", |r, v, _| native::round_robin(r, v)),
-    ("prefix-aware", "0.2.0", |r, v, m| {
+    ("round-robin", "0.3.0", |r, v, _| native::round_robin(r, v)),
+    ("prefix-aware", "0.3.0", |r, v, m| {
         prefix_aware_with(r, v, m, &Thresholds::default())
+    }),
+    ("least-loaded-v2", "0.2.0", |r, v, _| {
+        native::least_loaded(r, v)
     }),
     ("least-loaded-v1", "0.1.0", |r, v, _| {
         native::least_loaded(r, v)

@@ -297,8 +297,8 @@ fn bad_bytes_do_not_compile() {
     let core = b"\0asm\x01\0\0\0";
     let e = engine.load(core, spec("core")).expect_err("core module");
     assert!(matches!(e, PolicyError::Compile { .. }), "{e:?}");
-    // A valid component that exports no `decide`: it matches neither hosted world, and the
-    // refusal says so for both.
+    // A valid component that exports no `decide`: it matches no hosted world, and the
+    // refusal says so for each.
     let empty_component = b"\0asm\x0d\0\x01\0";
     let e = engine
         .load(empty_component, spec("empty"))
@@ -306,7 +306,9 @@ fn bad_bytes_do_not_compile() {
     assert!(matches!(e, PolicyError::Instantiate { .. }), "{e:?}");
     let text = chain(&e);
     assert!(
-        text.contains("pd:policy@0.1.0") && text.contains("pd:policy@0.2.0"),
+        ["pd:policy@0.1.0", "pd:policy@0.2.0", "pd:policy@0.3.0"]
+            .iter()
+            .all(|w| text.contains(w)),
         "{text}"
     );
 }
@@ -605,4 +607,94 @@ fn same_bytes_share_a_compiled_component() {
     assert_eq!(a.sha256().len(), 64);
     // The second load skips compilation.
     assert!(second < first, "first {first:?}, cached {second:?}");
+}
+
+#[test]
+fn every_list_and_rate_reaches_a_0_3_0_guest() {
+    let engine = PolicyEngine::new().expect("engine");
+    let policy = engine
+        .load(&wasm("echo-v3"), spec("echo-v3"))
+        .expect("load");
+    assert_eq!(policy.contract(), "0.3.0");
+    let v = View {
+        nodes: vec![
+            field_node(Role::Standalone, 10, true, 0),
+            field_node(Role::Prefill, 20, false, 0),
+            field_node(Role::Decode, 30, true, 480),
+            field_node(Role::Decode, 40, false, 0),
+            field_node(Role::Prefill, 50, false, 0),
+        ],
+    };
+    // Nodes 3 and 4 have not reported (a shorter rates list than the view).
+    let rates = vec![
+        Rates {
+            prefill_tokens_per_s: 1_111,
+            pull_mb_per_s: 0,
+        },
+        Rates {
+            prefill_tokens_per_s: 2_222,
+            pull_mb_per_s: 3_333,
+        },
+        Rates {
+            prefill_tokens_per_s: 0,
+            pull_mb_per_s: u32::MAX,
+        },
+    ];
+    let d = policy
+        .decide_measured(
+            &request(77, 3, vec![5, 0, 9]),
+            &v,
+            &Measured {
+                rates,
+                kv_bytes_per_token: 23_040,
+            },
+            &names(&v),
+        )
+        .expect("decide");
+    let Route::Reject(rejection) = d.route else {
+        panic!("echo-v3 rejects: {d:?}")
+    };
+    assert_eq!(rejection.status, 403);
+    let want = "name0=node-0;seq=77;prefill=[1, 4];decode=[2, 3];standalone=[0]\
+        ;free=[11, 21, 31, 41, 51];total=[12, 22, 32, 42, 52];leased=[13, 23, 33, 43, 53]\
+        ;waiting=[14, 24, 34, 44, 54];running=[15, 25, 35, 45, 55];remote=[16, 26, 36, 46, 56]\
+        ;draining=[0, 2];prefill_tps=[1111, 2222, 0, 0, 0];pull_mbps=[0, 3333, 4294967295, 0, 0]\
+        ;prefix=[5, 0, 9];conversation=2,480,4294967265;kv_bytes_per_token=23040";
+    assert_eq!(rejection.message, want);
+    let empty = View { nodes: vec![] };
+    let d = policy
+        .decide(&request(1, 1, vec![]), &empty, &std::sync::Arc::from([]))
+        .expect("decide");
+    let Route::Reject(rejection) = d.route else {
+        panic!("echo-v3 rejects: {d:?}")
+    };
+    assert_eq!(
+        rejection.message,
+        "name0=-;seq=1;prefill=[];decode=[];standalone=[];free=[];total=[];leased=[];waiting=[]\
+         ;running=[];remote=[];draining=[];prefill_tps=[];pull_mbps=[];prefix=[]\
+         ;conversation=-;kv_bytes_per_token=0"
+    );
+}
+
+#[test]
+fn a_0_3_0_split_with_children_and_decode_of_different_lengths_is_invalid() {
+    let engine = PolicyEngine::new().expect("engine");
+    let mut mismatched = spec("echo-v3");
+    mismatched
+        .config
+        .insert("answer".into(), "mismatched-split".into());
+    // The smoke test's first split already answers two decode entries with one child count.
+    match engine.load(&wasm("echo-v3"), mismatched) {
+        Err(PolicyError::SmokeTest { source, .. }) => assert!(
+            matches!(
+                *source,
+                PolicyError::Invalid(InvalidDecision::ChildrenLength {
+                    decode: 2,
+                    children: 1
+                })
+            ),
+            "{source:?}"
+        ),
+        other => panic!("a mismatched split must be refused at load: {other:?}"),
+    }
 }

@@ -2,8 +2,8 @@
 //!
 //! The same rules as `pd_policy::native::least_loaded` (the gateway's built-in fallback); the
 //! gateway's tests check that both give the same decision on the same inputs. Written against
-//! `pd:policy@0.2.0` (`wit/0.2.0/policy.wit`): the view comes as columns, node `i` at index `i`
-//! of each list.
+//! `pd:policy@0.3.0` (`wit/0.3.0/policy.wit`): the view comes as columns, node `i` at index `i`
+//! of each per-node list, and each role's nodes as a list of indices.
 //!
 //! - Candidates for a role: its nodes that are not draining, or all its nodes when every one of
 //!   them is draining.
@@ -24,12 +24,13 @@ use core::cmp::Reverse;
 use guest_rt as _;
 
 wit_bindgen::generate!({
-    world: "pd:policy/policy@0.2.0",
-    path: "../../wit/0.2.0",
+    world: "pd:policy/policy@0.3.0",
+    path: "../../wit/0.3.0",
     generate_all,
 });
 
-use pd::policy0_1_0::types::{DecodeTarget, Rejection, Route, Split};
+use pd::policy0_1_0::types::Rejection;
+use pd::policy0_3_0::cluster::{Route, Split};
 
 struct LeastLoaded;
 
@@ -41,20 +42,16 @@ const NO_NODES: &str =
 
 impl Guest for LeastLoaded {
     fn decide(request: Request, view: View) -> Decision {
-        let [prefill, decode, standalone] = candidates(&view);
-        let route = if !prefill.is_empty() && !decode.is_empty() {
+        let v = &view;
+        let route = if !v.prefill.is_empty() && !v.decode.is_empty() {
+            let decode = ranked(v, &v.decode);
             Route::Split(Split {
-                prefill: ranked(prefill),
-                decode: ranked(decode)
-                    .into_iter()
-                    .map(|node| DecodeTarget {
-                        node,
-                        children: request.n.max(1),
-                    })
-                    .collect(),
+                prefill: ranked(v, &v.prefill),
+                children: alloc::vec![request.n.max(1); decode.len()],
+                decode,
             })
-        } else if !standalone.is_empty() {
-            Route::Whole(ranked(standalone))
+        } else if !v.standalone.is_empty() {
+            Route::Whole(ranked(v, &v.standalone))
         } else {
             Route::Reject(Rejection {
                 status: 503,
@@ -73,42 +70,28 @@ impl Guest for LeastLoaded {
 /// unstable sort of them is exact.
 type Key = (u64, Reverse<u32>, u32);
 
-/// The candidates of each role (prefill, decode, standalone) with their rank keys, in one
-/// pass over the view: a role's nodes that are not draining, or all of them when every one
-/// drains.
-fn candidates(v: &View) -> [Vec<Key>; 3] {
-    let n = v.roles.len();
-    let mut live: [Vec<Key>; 3] = core::array::from_fn(|_| Vec::with_capacity(n));
-    let mut draining: [Vec<Key>; 3] = Default::default();
-    // `draining` is ascending: one cursor walks it beside the nodes.
-    let mut next_draining = v.draining.iter().copied().peekable();
-    for (i, role) in v.roles.iter().enumerate() {
-        let index = i as u32;
-        let drains = next_draining
-            .next_if(|&d| d <= index)
-            .is_some_and(|d| d == index);
+/// The nodes of `role` (one of the view's role lists), best first: the ones not draining, or
+/// all of them when every one drains. Each key is computed once, before the sort (its
+/// comparisons would compute it ~2 log n times each).
+fn ranked(v: &View, role: &[u32]) -> Vec<u32> {
+    let key = |i: u32| -> Key {
+        let n = i as usize;
         let load =
-            u64::from(v.waiting[i]) + u64::from(v.running[i]) + u64::from(v.waiting_remote_kv[i]);
-        let key = (load, Reverse(v.free_blocks[i]), index);
-        // `Role`'s discriminants are its WIT order: prefill, decode, standalone.
-        let slot = *role as usize;
-        if drains {
-            &mut draining[slot]
-        } else {
-            &mut live[slot]
-        }
-        .push(key);
-    }
-    for (live, draining) in live.iter_mut().zip(draining) {
-        if live.is_empty() {
-            *live = draining;
+            u64::from(v.waiting[n]) + u64::from(v.running[n]) + u64::from(v.waiting_remote_kv[n]);
+        (load, Reverse(v.free_blocks[n]), i)
+    };
+    let mut keyed: Vec<Key> = Vec::with_capacity(role.len());
+    // Both lists are ascending: one cursor walks `draining` beside the role's nodes.
+    let mut next_draining = v.draining.iter().copied().peekable();
+    for &i in role {
+        while next_draining.next_if(|&d| d < i).is_some() {}
+        if next_draining.peek() != Some(&i) {
+            keyed.push(key(i));
         }
     }
-    live
-}
-
-/// The candidates' indices, best first.
-fn ranked(mut keyed: Vec<Key>) -> Vec<u32> {
+    if keyed.is_empty() {
+        keyed.extend(role.iter().map(|&i| key(i)));
+    }
     keyed.sort_unstable();
     keyed.into_iter().map(|(_, _, i)| i).collect()
 }

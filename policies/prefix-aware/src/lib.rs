@@ -1,9 +1,9 @@
 //! Prefix-aware routing policy, as a WebAssembly component for pd-gateway.
 //!
 //! The same rules as `pd_policy::native::prefix_aware`; the gateway's tests check that both
-//! give the same decision on the same inputs. Written against `pd:policy@0.2.0`
-//! (`wit/0.2.0/policy.wit`): the view comes as columns, node `i` at index `i` of each list,
-//! with the rates the nodes measure.
+//! give the same decision on the same inputs. Written against `pd:policy@0.3.0`
+//! (`wit/0.3.0/policy.wit`): the view comes as columns, node `i` at index `i` of each per-node
+//! list, each role's nodes as a list of indices, with the rates the nodes measure.
 //!
 //! - Candidates for a role: its nodes that are not draining, or all its nodes when every one of
 //!   them is draining.
@@ -52,15 +52,15 @@ use alloc::vec::Vec;
 use guest_rt as _;
 
 wit_bindgen::generate!({
-    world: "pd:policy/policy@0.2.0",
-    path: "../../wit/0.2.0",
+    world: "pd:policy/policy@0.3.0",
+    path: "../../wit/0.3.0",
     generate_all,
 });
 
 use core::cmp::Reverse;
 use pd::policy0_1_0::host::config;
-use pd::policy0_1_0::types::{DecodeTarget, Rejection, ReversePull, Role, Route, Split};
-use pd::policy0_2_0::cluster::Holding;
+use pd::policy0_1_0::types::{Rejection, ReversePull};
+use pd::policy0_3_0::cluster::{Holding, Route, Split};
 
 struct PrefixAware;
 
@@ -76,26 +76,21 @@ impl Guest for PrefixAware {
         let prefix = &request.prefix_blocks;
         let holding = v
             .conversation
-            .filter(|h| h.tokens > 0 && (h.node as usize) < v.roles.len());
-        let [prefill, decode, standalone] = candidates(v);
+            .filter(|h| h.tokens > 0 && (h.node as usize) < v.free_blocks.len());
         if let Some(h) = holding
-            && let Some(d) = to_holder(&request, v, h, [&decode, &standalone])
+            && let Some(d) = to_holder(&request, v, h)
         {
             return d;
         }
-        let mut route = if !prefill.is_empty() && !decode.is_empty() {
+        let mut route = if !v.prefill.is_empty() && !v.decode.is_empty() {
+            let decode = least_loaded(v, candidates(v, &v.decode));
             Route::Split(Split {
-                prefill: by_prefix(v, prefix, prefill),
-                decode: least_loaded(v, decode)
-                    .into_iter()
-                    .map(|node| DecodeTarget {
-                        node,
-                        children: request.n.max(1),
-                    })
-                    .collect(),
+                prefill: by_prefix(v, prefix, candidates(v, &v.prefill)),
+                children: alloc::vec![request.n.max(1); decode.len()],
+                decode,
             })
-        } else if !standalone.is_empty() {
-            Route::Whole(by_prefix(v, prefix, standalone))
+        } else if !v.standalone.is_empty() {
+            Route::Whole(by_prefix(v, prefix, candidates(v, &v.standalone)))
         } else {
             Route::Reject(Rejection {
                 status: 503,
@@ -134,12 +129,13 @@ impl Guest for PrefixAware {
 
 /// Moves holder `h` to the front of `decode` when it is there and its load is at most the
 /// lightest candidate's plus `slack` (`decode-holder-slack`): it still has the history in its
-/// prefix cache, so as D it pulls only the turn's new blocks from P.
-fn holder_decodes_first(v: &View, h: u32, slack: u64, decode: &mut Vec<DecodeTarget>) {
-    let Some(pos) = decode.iter().position(|d| d.node == h) else {
+/// prefix cache, so as D it pulls only the turn's new blocks from P. (Every entry takes the
+/// same children, so `children` needs no reordering.)
+fn holder_decodes_first(v: &View, h: u32, slack: u64, decode: &mut Vec<u32>) {
+    let Some(pos) = decode.iter().position(|&d| d == h) else {
         return;
     };
-    let lightest = decode.iter().map(|d| load(v, d.node)).min().unwrap_or(0);
+    let lightest = decode.iter().map(|&d| load(v, d)).min().unwrap_or(0);
     if pos > 0 && load(v, h) <= lightest.saturating_add(slack) {
         let target = decode.remove(pos);
         decode.insert(0, target);
@@ -181,19 +177,12 @@ fn min_pull_tokens(prefill_tokens_per_s: u32, pull_mb_per_s: u32, kv_bytes_per_t
     }
 }
 
-/// Rule 1: the whole request on the holder, when it qualifies (`candidates`: the decode and
-/// the standalone candidates).
-fn to_holder(
-    request: &Request,
-    v: &View,
-    h: Holding,
-    [decode, standalone]: [&Vec<u32>; 2],
-) -> Option<Decision> {
-    let others = match v.roles[h.node as usize] {
-        Role::Decode => decode,
-        Role::Standalone => standalone,
-        Role::Prefill => return None,
-    };
+/// Rule 1: the whole request on the holder, when it qualifies.
+fn to_holder(request: &Request, v: &View, h: Holding) -> Option<Decision> {
+    // The role lists are ascending.
+    let role = [&v.decode, &v.standalone]
+        .into_iter()
+        .find(|role| role.binary_search(&h.node).is_ok())?;
     if v.draining.contains(&h.node) {
         return None;
     }
@@ -201,6 +190,7 @@ fn to_holder(
     if u64::from(new) > param("holder-max-new-tokens", 256) {
         return None;
     }
+    let others = candidates(v, role);
     let lightest = others.iter().map(|&i| load(v, i)).min()?;
     let busy = load(v, h.node);
     if busy > lightest.saturating_add(param("holder-load-slack", 2))
@@ -209,11 +199,7 @@ fn to_holder(
         return None;
     }
     let mut list = alloc::vec![h.node];
-    list.extend(
-        least_loaded(v, others.clone())
-            .into_iter()
-            .filter(|&i| i != h.node),
-    );
+    list.extend(least_loaded(v, others).into_iter().filter(|&i| i != h.node));
     Some(Decision {
         route: Route::Whole(list),
         reverse_pull: Some(ReversePull {
@@ -235,29 +221,20 @@ fn score(v: &View, i: u32, prefix_blocks: u32) -> i64 {
     i64::from(prefix_blocks) - i64::from(v.waiting[i]) - i64::from(v.running[i])
 }
 
-/// The indices of each role's candidates (prefill, decode, standalone), ascending, in one pass
-/// over the view: a role's nodes that are not draining, or all of them when every one drains.
-fn candidates(v: &View) -> [Vec<u32>; 3] {
-    let n = v.roles.len();
-    let mut live: [Vec<u32>; 3] = core::array::from_fn(|_| Vec::with_capacity(n));
-    let mut draining: [Vec<u32>; 3] = Default::default();
-    // `draining` is ascending: one cursor walks it beside the nodes.
+/// The nodes of `role` (one of the view's role lists) that are not draining, or all of them
+/// when every one drains; ascending.
+fn candidates(v: &View, role: &[u32]) -> Vec<u32> {
+    let mut live = Vec::with_capacity(role.len());
+    // Both lists are ascending: one cursor walks `draining` beside the role's nodes.
     let mut next_draining = v.draining.iter().copied().peekable();
-    for (i, role) in (0u32..).zip(&v.roles) {
-        let drains = next_draining.next_if(|&d| d <= i).is_some_and(|d| d == i);
-        // `Role`'s discriminants are its WIT order: prefill, decode, standalone.
-        let slot = *role as usize;
-        if drains {
-            &mut draining[slot]
-        } else {
-            &mut live[slot]
+    for &i in role {
+        while next_draining.next_if(|&d| d < i).is_some() {}
+        if next_draining.peek() != Some(&i) {
+            live.push(i);
         }
-        .push(i);
     }
-    for (live, draining) in live.iter_mut().zip(draining) {
-        if live.is_empty() {
-            *live = draining;
-        }
+    if live.is_empty() {
+        live.extend_from_slice(role);
     }
     live
 }

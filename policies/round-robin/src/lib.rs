@@ -2,8 +2,9 @@
 //!
 //! The same rules as `pd_policy::native::round_robin`; the gateway's tests check that both
 //! give the same decision on the same inputs. A policy keeps no state between calls, so it
-//! counts with `request.seq`. Written against `pd:policy@0.2.0` (`wit/0.2.0/policy.wit`): the
-//! view comes as columns, node `i` at index `i` of each list.
+//! counts with `request.seq`. Written against `pd:policy@0.3.0` (`wit/0.3.0/policy.wit`): the
+//! view comes as columns, node `i` at index `i` of each per-node list, and each role's nodes
+//! as a list of indices.
 //!
 //! - Candidates for a role: its nodes that are not draining, or all its nodes when every one of
 //!   them is draining, in index order.
@@ -24,12 +25,13 @@ use alloc::vec::Vec;
 use guest_rt as _;
 
 wit_bindgen::generate!({
-    world: "pd:policy/policy@0.2.0",
-    path: "../../wit/0.2.0",
+    world: "pd:policy/policy@0.3.0",
+    path: "../../wit/0.3.0",
     generate_all,
 });
 
-use pd::policy0_1_0::types::{DecodeTarget, Rejection, Route, Split};
+use pd::policy0_1_0::types::Rejection;
+use pd::policy0_3_0::cluster::{Route, Split};
 
 struct RoundRobin;
 
@@ -42,14 +44,16 @@ const NO_NODES: &str =
 impl Guest for RoundRobin {
     fn decide(request: Request, view: View) -> Decision {
         let seq = request.seq;
-        let [prefill, decode, standalone] = candidates(&view);
-        let route = if !prefill.is_empty() && !decode.is_empty() {
+        let v = &view;
+        let route = if !v.prefill.is_empty() && !v.decode.is_empty() {
+            let decode = rotated(candidates(v, &v.decode), seq);
             Route::Split(Split {
-                prefill: rotated(prefill, seq),
-                decode: dealt(rotated(decode, seq), request.n),
+                prefill: rotated(candidates(v, &v.prefill), seq),
+                children: dealt(decode.len(), request.n),
+                decode,
             })
-        } else if !standalone.is_empty() {
-            Route::Whole(rotated(standalone, seq))
+        } else if !v.standalone.is_empty() {
+            Route::Whole(rotated(candidates(v, &v.standalone), seq))
         } else {
             Route::Reject(Rejection {
                 status: 503,
@@ -63,29 +67,20 @@ impl Guest for RoundRobin {
     }
 }
 
-/// The indices of each role's candidates (prefill, decode, standalone), ascending, in one pass
-/// over the view: a role's nodes that are not draining, or all of them when every one drains.
-fn candidates(v: &View) -> [Vec<u32>; 3] {
-    let n = v.roles.len();
-    let mut live: [Vec<u32>; 3] = core::array::from_fn(|_| Vec::with_capacity(n));
-    let mut draining: [Vec<u32>; 3] = Default::default();
-    // `draining` is ascending: one cursor walks it beside the nodes.
+/// The nodes of `role` (one of the view's role lists) that are not draining, or all of them
+/// when every one drains; ascending.
+fn candidates(v: &View, role: &[u32]) -> Vec<u32> {
+    let mut live = Vec::with_capacity(role.len());
+    // Both lists are ascending: one cursor walks `draining` beside the role's nodes.
     let mut next_draining = v.draining.iter().copied().peekable();
-    for (i, role) in (0u32..).zip(&v.roles) {
-        let drains = next_draining.next_if(|&d| d <= i).is_some_and(|d| d == i);
-        // `Role`'s discriminants are its WIT order: prefill, decode, standalone.
-        let slot = *role as usize;
-        if drains {
-            &mut draining[slot]
-        } else {
-            &mut live[slot]
+    for &i in role {
+        while next_draining.next_if(|&d| d < i).is_some() {}
+        if next_draining.peek() != Some(&i) {
+            live.push(i);
         }
-        .push(i);
     }
-    for (live, draining) in live.iter_mut().zip(draining) {
-        if live.is_empty() {
-            *live = draining;
-        }
+    if live.is_empty() {
+        live.extend_from_slice(role);
     }
     live
 }
@@ -99,15 +94,11 @@ fn rotated(mut c: Vec<u32>, seq: u64) -> Vec<u32> {
     c
 }
 
-/// `n` children dealt one at a time over `nodes`, at least 1 per entry.
-fn dealt(nodes: Vec<u32>, n: u32) -> Vec<DecodeTarget> {
-    let k = nodes.len() as u32;
+/// `n` children dealt one at a time over `k` decode entries, at least 1 per entry.
+fn dealt(k: usize, n: u32) -> Vec<u32> {
     let n = n.max(1);
-    (0u32..)
-        .zip(nodes)
-        .map(|(j, node)| DecodeTarget {
-            node,
-            children: (n / k + u32::from(j < n % k)).max(1),
-        })
+    let k32 = k as u32;
+    (0..k32)
+        .map(|j| (n / k32 + u32::from(j < n % k32)).max(1))
         .collect()
 }
