@@ -1,9 +1,11 @@
 //! Routing policies for `pd-gateway`: the WASM policy host, the native policies, and the
 //! hot-swappable slot that serves decisions.
 //!
-//! This crate owns the host side of the policy contract, both versions the gateway hosts
-//! (`wit/policy.wit` = `pd:policy@0.1.0` and `wit/0.2.0/policy.wit` = `pd:policy@0.2.0`, world
-//! `policy` of each; 0.2.0's columnar view is built from 0.1.0's [`View`] plus [`Measured`]):
+//! This crate owns the host side of the policy contract, every version the gateway hosts
+//! (`wit/policy.wit` = `pd:policy@0.1.0`, `wit/0.2.0/policy.wit` = `pd:policy@0.2.0` and
+//! `wit/0.3.0/policy.wit` = `pd:policy@0.3.0`, world `policy` of each; the 0.2.0 and 0.3.0
+//! columnar views are built from 0.1.0's [`View`] plus [`Measured`], and a 0.3.0 decision is
+//! lifted into 0.1.0's [`Decision`]):
 //! compiling and smoke-testing policy components ([`PolicyEngine::load`]), running them per
 //! request under memory, fuel and deadline limits ([`WasmPolicy::decide`]), checking their
 //! decisions ([`validate`]), the native policies that share the guests' rules ([`native`];
