@@ -162,6 +162,63 @@ async fn v1_needs_one_of_the_api_keys_and_refusals_reach_no_node() {
         assert_eq!(health.unwrap().status(), 200);
     }
 
+    // A stored response belongs to the key that made it: another key neither reads, lists,
+    // deletes nor continues it (404, as if it never was); its own key still does all four.
+    let turn = openai::send(
+        &c.client,
+        gw,
+        Api::Responses,
+        &Api::Responses.body("Whose turn?", 3),
+        Some(SECOND_KEY),
+    )
+    .await
+    .ok();
+    served += 1.0;
+    let stored: serde_json::Value = serde_json::from_str(&turn.body).expect("a response object");
+    let id = stored["id"].as_str().expect("a response id").to_owned();
+    let stored_as = |method: reqwest::Method, path: String, key: &'static str| {
+        c.client
+            .request(method, format!("{gw}/v1/responses/{path}"))
+            .bearer_auth(key)
+            .send()
+    };
+    for key in [SDK_KEY, TRUSTED] {
+        for (method, path) in [
+            (reqwest::Method::GET, id.clone()),
+            (reqwest::Method::GET, format!("{id}/input_items")),
+            (reqwest::Method::DELETE, id.clone()),
+        ] {
+            let r = stored_as(method.clone(), path.clone(), key).await.unwrap();
+            assert_eq!(r.status(), 404, "{method} {path} with another key");
+            let v: serde_json::Value = r.json().await.unwrap();
+            assert_eq!(
+                v["error"]["message"],
+                format!("Response with id '{id}' not found."),
+                "{v}"
+            );
+        }
+        let mut next = Api::Responses.body("And now?", 3);
+        next["previous_response_id"] = json!(id);
+        let a = openai::send(&c.client, gw, Api::Responses, &next, Some(key)).await;
+        assert_eq!(a.status, 404, "{}", a.body);
+    }
+    let own = stored_as(reqwest::Method::GET, id.clone(), SECOND_KEY)
+        .await
+        .unwrap();
+    assert_eq!(own.status(), 200, "the owner still reads it");
+    let own: serde_json::Value = own.json().await.unwrap();
+    assert_eq!(own["id"], id.as_str());
+    let mut next = Api::Responses.body("And now?", 3);
+    next["previous_response_id"] = json!(id);
+    openai::send(&c.client, gw, Api::Responses, &next, Some(SECOND_KEY))
+        .await
+        .ok();
+    served += 1.0;
+    let gone = stored_as(reqwest::Method::DELETE, id.clone(), SECOND_KEY)
+        .await
+        .unwrap();
+    assert_eq!(gone.status(), 200, "the owner deletes it");
+
     let g = c.gateway_metrics().await;
     assert_eq!(g.sum("pd_gateway_unauthorized_total", &[]), refused);
     assert_eq!(

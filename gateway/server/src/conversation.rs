@@ -16,7 +16,9 @@
 //!   `previous_response_id` is rebuilt into the whole conversation; and the response object as
 //!   the client got it, for `GET /v1/responses/{id}` (`responses.retrieve`), its
 //!   `/input_items`, and `DELETE`. Bounded by bytes (least recently used turns go first) and by
-//!   age.
+//!   age. Each turn belongs to the API key that stored it ([`Owner`]): another key's read,
+//!   delete or `previous_response_id` finds nothing, as on OpenAI, where responses belong to a
+//!   project.
 //!
 //! Neither talks to nodes: the proxy reads holdings into the policy's view and acts on the
 //! policy's `reverse-pull`; leases are released through `lease.rs`.
@@ -26,6 +28,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
 
 /// A finished turn's KV that a node keeps under a retained lease.
 #[derive(Debug, Clone, PartialEq)]
@@ -299,9 +302,40 @@ pub struct Deleted {
     pub held: Option<u64>,
 }
 
+/// Who stored a response: the SHA-256 of the bearer key its request came with (the key itself
+/// is not kept), or nobody (no key). Only the same owner reads, deletes or continues it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Owner(Option<[u8; 32]>);
+
+impl Owner {
+    /// The owner of a request with this bearer key.
+    pub fn of(bearer: Option<&str>) -> Self {
+        Owner(bearer.map(|key| Sha256::digest(key.as_bytes()).into()))
+    }
+}
+
+/// A turn to store ([`ResponseStore::put`]).
+#[derive(Debug, Clone)]
+pub struct NewTurn<'a> {
+    /// Who stored it.
+    pub owner: Owner,
+    /// The response it continued (`previous_response_id`).
+    pub parent: Option<&'a str>,
+    /// This turn's own input items.
+    pub input: Vec<Value>,
+    /// The answer's output items.
+    pub output: Vec<Value>,
+    /// The response object as the client got it (`Value::Null`: not kept).
+    pub response: Value,
+    /// The key ([`Holding::last_hash`]) of the KV a node retained of it, if any.
+    pub held: Option<u64>,
+}
+
 /// One `/v1/responses` turn.
 #[derive(Debug, Clone)]
 struct StoredTurn {
+    /// Who stored it.
+    owner: Owner,
     /// The response this one continued (`previous_response_id`).
     parent: Option<Arc<str>>,
     /// This turn's own input items, then the answer's output items.
@@ -374,19 +408,17 @@ impl ResponseStore {
         self.lock().bytes
     }
 
-    /// Stores response `id`: `input` (this turn's own items) and `output` (the answer's), after
-    /// `parent` when it continued one, the `response` object itself, and the key of the KV a
-    /// node retained of it (`held`). A turn larger than the whole store is not kept. Returns
-    /// how many turns were evicted to make room.
-    pub fn put(
-        &self,
-        id: &str,
-        parent: Option<&str>,
-        input: Vec<Value>,
-        output: Vec<Value>,
-        response: Value,
-        held: Option<u64>,
-    ) -> u64 {
+    /// Stores response `id` ([`NewTurn`]). A turn larger than the whole store is not kept.
+    /// Returns how many turns were evicted to make room.
+    pub fn put(&self, id: &str, turn: NewTurn<'_>) -> u64 {
+        let NewTurn {
+            owner,
+            parent,
+            input,
+            output,
+            response,
+            held,
+        } = turn;
         let inputs = input.len();
         let mut items = input;
         items.extend(output);
@@ -405,6 +437,7 @@ impl ResponseStore {
         let stamp = s.stamp;
         let key: Arc<str> = Arc::from(id);
         let turn = StoredTurn {
+            owner,
             parent: parent.map(Arc::from),
             items,
             inputs,
@@ -433,33 +466,38 @@ impl ResponseStore {
         evicted
     }
 
-    /// Response `id` as the client got it, if stored and not past the age limit (a read does
-    /// not count as a use: only a next turn keeps a conversation alive).
-    pub fn response(&self, id: &str) -> Option<Value> {
-        self.fresh(id, |t| t.response.clone())
+    /// Response `id` as the client got it, if `owner` stored it and it is not past the age
+    /// limit (a read does not count as a use: only a next turn keeps a conversation alive).
+    pub fn response(&self, id: &str, owner: Owner) -> Option<Value> {
+        self.fresh(id, owner, |t| t.response.clone())
             .filter(|r| !r.is_null())
     }
 
-    /// The input items response `id` answered (its own, not the earlier turns'), oldest first.
-    pub fn input_items(&self, id: &str) -> Option<Vec<Value>> {
-        self.fresh(id, |t| t.items[..t.inputs].to_vec())
+    /// The input items response `id` answered (its own, not the earlier turns'), oldest first,
+    /// if `owner` stored it.
+    pub fn input_items(&self, id: &str, owner: Owner) -> Option<Vec<Value>> {
+        self.fresh(id, owner, |t| t.items[..t.inputs].to_vec())
     }
 
-    /// Forgets response `id`: `None` when it was not stored (or had expired), else the key of
-    /// the KV a node retained of it, for the caller to release. A later turn that continued it
-    /// can no longer be continued ([`HistoryError::Broken`]).
-    pub fn delete(&self, id: &str) -> Option<Deleted> {
+    /// Forgets response `id`: `None` when `owner` did not store it (or it had expired), else
+    /// the key of the KV a node retained of it, for the caller to release. A later turn that
+    /// continued it can no longer be continued ([`HistoryError::Broken`]).
+    pub fn delete(&self, id: &str, owner: Owner) -> Option<Deleted> {
         let mut s = self.lock();
+        if s.turns.get(id)?.owner != owner {
+            return None;
+        }
         let t = s.turns.remove(id)?;
         s.lru.remove(&t.stamp);
         s.bytes -= t.bytes;
         (t.stored_at.elapsed() <= self.ttl).then_some(Deleted { held: t.held })
     }
 
-    /// `read` of turn `id` when it is stored and fresh; an expired one is dropped.
-    fn fresh<R>(&self, id: &str, read: impl FnOnce(&StoredTurn) -> R) -> Option<R> {
+    /// `read` of turn `id` when `owner` stored it and it is fresh; an expired one is dropped.
+    fn fresh<R>(&self, id: &str, owner: Owner, read: impl FnOnce(&StoredTurn) -> R) -> Option<R> {
         let mut s = self.lock();
         match s.turns.get(id) {
+            Some(t) if t.owner != owner => None,
             Some(t) if t.stored_at.elapsed() <= self.ttl => Some(read(t)),
             Some(_) => {
                 if let Some(t) = s.turns.remove(id) {
@@ -478,17 +516,20 @@ impl ResponseStore {
     ///
     /// # Errors
     /// [`HistoryError`] when `id` or a turn it continues is not stored (never was, evicted,
-    /// or older than the store's age limit).
-    pub fn history(&self, id: &str) -> Result<Vec<Value>, HistoryError> {
+    /// or older than the store's age limit), or `owner` did not store it.
+    pub fn history(&self, id: &str, owner: Owner) -> Result<Vec<Value>, HistoryError> {
         let mut s = self.lock();
         let now = Instant::now();
         let mut chain: Vec<Arc<str>> = Vec::new();
         let mut at: Arc<str> = Arc::from(id);
         loop {
-            let fresh = s
-                .turns
-                .get(&at)
-                .is_some_and(|t| now.duration_since(t.stored_at) <= self.ttl);
+            let turn = s.turns.get(&at);
+            if turn.is_some_and(|t| t.owner != owner) {
+                // Not this client's: as if never stored (a turn only continues its own
+                // owner's, so this is the first one).
+                return Err(HistoryError::NotFound(id.to_owned()));
+            }
+            let fresh = turn.is_some_and(|t| now.duration_since(t.stored_at) <= self.ttl);
             if !fresh {
                 if let Some(t) = s.turns.remove(&at) {
                     s.lru.remove(&t.stamp);
@@ -837,6 +878,9 @@ mod tests {
         );
     }
 
+    /// The owner of every turn these tests store, but where another is the point.
+    const ME: Owner = Owner(None);
+
     fn msg(role: &str, text: &str) -> Value {
         json!({"role": role, "content": text})
     }
@@ -845,11 +889,14 @@ mod tests {
     fn user_turn(store: &ResponseStore, id: &str, parent: Option<&str>, text: &str) -> u64 {
         store.put(
             id,
-            parent,
-            vec![msg("user", text)],
-            vec![],
-            Value::Null,
-            None,
+            NewTurn {
+                owner: ME,
+                parent: parent,
+                input: vec![msg("user", text)],
+                output: vec![],
+                response: Value::Null,
+                held: None,
+            },
         )
     }
 
@@ -858,22 +905,28 @@ mod tests {
         let store = ResponseStore::new(1 << 20, Duration::from_secs(60));
         store.put(
             "r1",
-            None,
-            vec![msg("user", "hi")],
-            vec![msg("assistant", "hello")],
-            Value::Null,
-            None,
+            NewTurn {
+                owner: ME,
+                parent: None,
+                input: vec![msg("user", "hi")],
+                output: vec![msg("assistant", "hello")],
+                response: Value::Null,
+                held: None,
+            },
         );
         store.put(
             "r2",
-            Some("r1"),
-            vec![msg("user", "how?")],
-            vec![msg("assistant", "so")],
-            json!({"id": "r2", "object": "response"}),
-            None,
+            NewTurn {
+                owner: ME,
+                parent: Some("r1"),
+                input: vec![msg("user", "how?")],
+                output: vec![msg("assistant", "so")],
+                response: json!({"id": "r2", "object": "response"}),
+                held: None,
+            },
         );
         assert_eq!(
-            store.history("r2").unwrap(),
+            store.history("r2", ME).unwrap(),
             vec![
                 msg("user", "hi"),
                 msg("assistant", "hello"),
@@ -881,9 +934,9 @@ mod tests {
                 msg("assistant", "so")
             ]
         );
-        assert_eq!(store.history("r1").unwrap().len(), 2);
+        assert_eq!(store.history("r1", ME).unwrap().len(), 2);
         assert_eq!(
-            store.history("nope"),
+            store.history("nope", ME),
             Err(HistoryError::NotFound("nope".into()))
         );
     }
@@ -899,18 +952,18 @@ mod tests {
         user_turn(&store, "rA", None, "aaaa");
         user_turn(&store, "rB", None, "bbbb");
         // rA used: rB is now the least recently used.
-        store.history("rA").unwrap();
+        store.history("rA", ME).unwrap();
         assert_eq!(user_turn(&store, "rC", None, "cccc"), 1);
-        assert!(store.history("rA").is_ok());
-        assert!(store.history("rC").is_ok());
+        assert!(store.history("rA", ME).is_ok());
+        assert!(store.history("rC", ME).is_ok());
         assert_eq!(
-            store.history("rB"),
+            store.history("rB", ME),
             Err(HistoryError::NotFound("rB".into()))
         );
         // A child whose parent went is refused by name.
         user_turn(&store, "rD", Some("rB"), "d");
         assert!(
-            matches!(store.history("rD"), Err(HistoryError::Broken { missing, .. }) if missing == "rB")
+            matches!(store.history("rD", ME), Err(HistoryError::Broken { missing, .. }) if missing == "rB")
         );
     }
 
@@ -920,42 +973,88 @@ mod tests {
         let r1 = json!({"id": "r1", "object": "response", "output_text": "hello"});
         store.put(
             "r1",
-            None,
-            vec![msg("system", "be brief"), msg("user", "hi")],
-            vec![msg("assistant", "hello")],
-            r1.clone(),
-            Some(7),
+            NewTurn {
+                owner: ME,
+                parent: None,
+                input: vec![msg("system", "be brief"), msg("user", "hi")],
+                output: vec![msg("assistant", "hello")],
+                response: r1.clone(),
+                held: Some(7),
+            },
         );
         store.put(
             "r2",
-            Some("r1"),
-            vec![msg("user", "how?")],
-            vec![],
-            Value::Null,
-            None,
+            NewTurn {
+                owner: ME,
+                parent: Some("r1"),
+                input: vec![msg("user", "how?")],
+                output: vec![],
+                response: Value::Null,
+                held: None,
+            },
         );
-        assert_eq!(store.response("r1"), Some(r1));
-        assert_eq!(store.response("r2"), None, "not kept");
+        assert_eq!(store.response("r1", ME), Some(r1));
+        assert_eq!(store.response("r2", ME), None, "not kept");
         assert_eq!(
-            store.input_items("r1"),
+            store.input_items("r1", ME),
             Some(vec![msg("system", "be brief"), msg("user", "hi")])
         );
-        assert_eq!(store.input_items("r2"), Some(vec![msg("user", "how?")]));
-        assert_eq!(store.input_items("nope"), None);
+        assert_eq!(store.input_items("r2", ME), Some(vec![msg("user", "how?")]));
+        assert_eq!(store.input_items("nope", ME), None);
         let before = store.bytes();
-        assert_eq!(store.delete("r1"), Some(Deleted { held: Some(7) }));
-        assert_eq!(store.delete("r1"), None, "gone already");
+        assert_eq!(store.delete("r1", ME), Some(Deleted { held: Some(7) }));
+        assert_eq!(store.delete("r1", ME), None, "gone already");
         assert!(
-            matches!(store.history("r2"), Err(HistoryError::Broken { missing, .. }) if missing == "r1")
+            matches!(store.history("r2", ME), Err(HistoryError::Broken { missing, .. }) if missing == "r1")
         );
-        assert_eq!(store.delete("r2"), Some(Deleted { held: None }));
+        assert_eq!(store.delete("r2", ME), Some(Deleted { held: None }));
         assert!(store.bytes() < before);
-        assert_eq!(store.response("r1"), None);
+        assert_eq!(store.response("r1", ME), None);
         let old = ResponseStore::new(1 << 20, Duration::ZERO);
-        old.put("r1", None, vec![], vec![], json!({"id": "r1"}), None);
+        old.put(
+            "r1",
+            NewTurn {
+                owner: ME,
+                parent: None,
+                input: vec![],
+                output: vec![],
+                response: json!({"id": "r1"}),
+                held: None,
+            },
+        );
         std::thread::sleep(Duration::from_millis(2));
-        assert_eq!(old.response("r1"), None);
+        assert_eq!(old.response("r1", ME), None);
         assert_eq!(old.bytes(), 0, "an expired turn read is dropped");
+    }
+
+    #[test]
+    fn another_key_finds_nothing_of_a_stored_response() {
+        let store = ResponseStore::new(1 << 20, Duration::from_secs(60));
+        let (a, b) = (Owner::of(Some("key-a")), Owner::of(Some("key-b")));
+        store.put(
+            "r1",
+            NewTurn {
+                owner: a,
+                parent: None,
+                input: vec![msg("user", "mine")],
+                output: vec![msg("assistant", "yes")],
+                response: json!({"id": "r1"}),
+                held: Some(3),
+            },
+        );
+        for other in [b, Owner::of(None)] {
+            assert_eq!(store.response("r1", other), None);
+            assert_eq!(store.input_items("r1", other), None);
+            assert_eq!(
+                store.history("r1", other),
+                Err(HistoryError::NotFound("r1".into()))
+            );
+            assert_eq!(store.delete("r1", other), None);
+        }
+        // Untouched for its owner.
+        assert_eq!(store.response("r1", a), Some(json!({"id": "r1"})));
+        assert_eq!(store.history("r1", a).unwrap().len(), 2);
+        assert_eq!(store.delete("r1", a), Some(Deleted { held: Some(3) }));
     }
 
     #[test]
@@ -1017,7 +1116,7 @@ mod tests {
         user_turn(&store, "r1", None, "hi");
         std::thread::sleep(Duration::from_millis(2));
         assert_eq!(
-            store.history("r1"),
+            store.history("r1", ME),
             Err(HistoryError::NotFound("r1".into()))
         );
         assert_eq!(store.bytes(), 0);

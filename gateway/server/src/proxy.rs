@@ -47,7 +47,7 @@ use tracing::{Instrument, debug, warn};
 use crate::admission::Admission;
 use crate::answer::{Capture, Captured, SseCapture};
 use crate::cluster::{Cluster, NodeRef, OnNode, Snapshot};
-use crate::conversation::{self, Holding, Holdings, ResponseStore};
+use crate::conversation::{self, Holding, Holdings, NewTurn, Owner, ResponseStore};
 use crate::drain::Drain;
 use crate::error::GatewayError;
 use crate::lease::LeaseReleaser;
@@ -192,6 +192,8 @@ struct Held {
 /// A `/v1/responses` request, as it will be stored once answered.
 #[derive(Debug)]
 struct ResponsesTurn {
+    /// The API key it came with: the stored turn is that key's alone.
+    owner: Owner,
     /// `previous_response_id`.
     parent: Option<String>,
     /// This turn's own input items.
@@ -453,18 +455,20 @@ impl Gateway {
     /// `previous_response_id`.
     async fn stored_response(&self, session: &mut Session, method: &str, path: &str) {
         let store = &self.0.responses;
+        // Another key's response is not found, as if it never was.
+        let owner = Owner::of(bearer_key(session));
         let rest = &path["/v1/responses/".len()..];
         let (id, sub) = match rest.split_once('/') {
             Some((id, sub)) => (id, Some(sub)),
             None => (rest, None),
         };
         let answer = match (method, sub) {
-            ("GET", None) => store.response(id).map(|r| r.to_string()),
+            ("GET", None) => store.response(id, owner).map(|r| r.to_string()),
             ("GET", Some("input_items")) => {
                 let query = session.req_header().uri.query().unwrap_or_default();
                 match conversation::ItemsQuery::parse(query) {
                     Ok(q) => store
-                        .input_items(id)
+                        .input_items(id, owner)
                         .map(|items| conversation::item_list(id, items, &q).to_string()),
                     Err(e) => {
                         respond_error(session, &GatewayError::invalid(e.param, e.message)).await;
@@ -472,7 +476,7 @@ impl Gateway {
                     }
                 }
             }
-            ("DELETE", None) => store.delete(id).map(|deleted| {
+            ("DELETE", None) => store.delete(id, owner).map(|deleted| {
                 // The KV a node still retains of that turn goes with it.
                 if let Some(h) = deleted.held.and_then(|key| self.0.holdings.remove(key)) {
                     self.release(Some(&h.params), "response_deleted");
@@ -818,9 +822,17 @@ impl Gateway {
         {
             let output = conversation::output_items(&response);
             let kept = conversation::as_retrieved(&response, turn.parent.as_deref());
-            let evicted =
-                s.responses
-                    .put(id, turn.parent.as_deref(), turn.input, output, kept, held);
+            let evicted = s.responses.put(
+                id,
+                NewTurn {
+                    owner: turn.owner,
+                    parent: turn.parent.as_deref(),
+                    input: turn.input,
+                    output,
+                    response: kept,
+                    held,
+                },
+            );
             m.responses_evicted.inc_by(evicted);
             m.responses_stored_bytes.set(s.responses.bytes() as i64);
         }
@@ -829,7 +841,11 @@ impl Gateway {
     /// A `/v1/responses` request: what to store with its answer; with `previous_response_id`,
     /// its `input` becomes the stored conversation followed by the new items (the field itself
     /// is removed: the nodes keep no conversations).
-    fn responses_turn(&self, body: &mut Map<String, Value>) -> Result<ResponsesTurn, GatewayError> {
+    fn responses_turn(
+        &self,
+        body: &mut Map<String, Value>,
+        owner: Owner,
+    ) -> Result<ResponsesTurn, GatewayError> {
         let store = !matches!(body.get("store"), Some(Value::Bool(false)));
         let input = body
             .get("input")
@@ -849,12 +865,13 @@ impl Gateway {
             let mut items = self
                 .0
                 .responses
-                .history(id)
+                .history(id, owner)
                 .map_err(|e| GatewayError::PreviousResponseNotFound(e.to_string()))?;
             items.extend(input.iter().cloned());
             body.insert("input".into(), Value::Array(items));
         }
         Ok(ResponsesTurn {
+            owner,
             parent,
             input,
             store,
@@ -954,7 +971,7 @@ impl Gateway {
             return Err(GatewayError::ModelNotFound(model.clone()));
         }
         let turn = match api {
-            Api::Responses => Some(self.responses_turn(&mut body)?),
+            Api::Responses => Some(self.responses_turn(&mut body, Owner::of(bearer_key(session)))?),
             _ => None,
         };
         let mut analyzed = openai::analyze(api, &body, session_key.as_deref())?;
