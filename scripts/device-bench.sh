@@ -12,8 +12,9 @@
 # DEVBENCH_STEPS picks and orders main's steps (default: gateway-wasm gateway-native pd pull
 # multi-turn-ac multi-turn-ac-busy-holder multi-turn-b; a name starting multi-turn-ac may be
 # repeated with a suffix, e.g. multi-turn-ac-2; multi-turn-ac-decode-holder runs mode c with
-# decode-holder-slack=1). With a short device budget, issue 10 first:
-#   DEVBENCH_STEPS="multi-turn-ac multi-turn-ac-decode-holder multi-turn-ac-2 multi-turn-ac-decode-holder-2"
+# decode-holder-slack=1, multi-turn-ac-idle-peer with idle-peer-max-busy=0). With a short device
+# budget, issue 10 first:
+#   DEVBENCH_STEPS="multi-turn-ac multi-turn-ac-idle-peer multi-turn-ac-2 multi-turn-ac-idle-peer-2"
 # Every step writes $OUT/<step>.txt under its own time limit and goes on when one fails;
 # $OUT/summary.txt says how each ended. A rehearsal here, shorter: DEVBENCH=/tmp/devbench
 # OUT=/tmp/devbench-out DEVBENCH_REQUESTS=100 DEVBENCH_MT_ARGS="--conversations 1 --clients 1
@@ -88,10 +89,13 @@ main)
             # -decode-holder: a turn pulled back by P decodes on its holder, which pulls only
             # the new blocks (decode-holder-slack, unset by default; the VM cannot tell its
             # ~1% from noise).
+            # -idle-peer: a busy holder's turn goes whole to an idle other decode node, which
+            # pulls the history from the holder (idle-peer-max-busy, unset by default).
             cfg=""
             case "$s" in
             *busy-holder*) cfg="holder-max-busy=1000" ;;
             *decode-holder*) cfg="decode-holder-slack=1" ;;
+            *idle-peer*) cfg="idle-peer-max-busy=0" ;;
             esac
             step "$s" "$left" env PD_BENCH_MODES=ac PD_BENCH_C_CONFIG="$cfg" "${mt[@]}" ;;
         multi-turn-b)

@@ -262,6 +262,68 @@ async fn each_turn_goes_where_the_conversation_is_and_equals_one_node() {
     );
     only_the_wasm_policy_decided(&c).await;
 
+    // Turn 6: the operator drains the holder, and lets an idle peer take a turn its holder
+    // cannot (`idle-peer-max-busy`). The other decode node takes the whole turn: it pulls the
+    // history from the draining holder and computes only the new tokens; P takes no part.
+    let holder = {
+        let mut holder = None;
+        for d in ["d0", "d1"] {
+            if node_count(&c, d, "pd_kv_leases_live", &[]).await == 1.0 {
+                holder = Some(d);
+            }
+        }
+        holder.expect("one decode node holds turn 5")
+    };
+    let peer = if holder == "d0" { "d1" } else { "d0" };
+    push_prefix_aware(
+        &c,
+        &[
+            ("config.idle-peer-max-busy", "0"),
+            ("config.pull-overhead-us", "0"),
+        ],
+    )
+    .await;
+    let drain = |on: bool| {
+        let url = format!(
+            "{}/admin/nodes/{}/drain?on={on}",
+            c.gateway.admin,
+            c.node(holder).engine_id
+        );
+        c.client.post(url).bearer_auth(ADMIN_TOKEN).send()
+    };
+    assert_eq!(drain(true).await.expect("drain").status(), 200);
+    let p_before = node_count(&c, "p0", "pd_node_kv_pulled_tokens_total", &[]).await;
+    let peer_before = node_count(&c, peer, "pd_node_kv_pulled_tokens_total", &[]).await;
+    let got = post(&c.client, &gw, path, &turn(&prompt, ANSWER)).await;
+    let want = post(&c.client, &reference.http, path, &turn(&prompt, ANSWER)).await;
+    assert_eq!(token_ids(&got), token_ids(&want), "turn 6");
+    assert_eq!(
+        gateway_count(
+            &c,
+            "pd_gateway_reverse_pulls_total",
+            &[("how", "decode_pulls")]
+        )
+        .await,
+        1.0,
+        "turn 6 went whole to the peer, which pulled"
+    );
+    let peer_pulled =
+        node_count(&c, peer, "pd_node_kv_pulled_tokens_total", &[]).await - peer_before;
+    assert!(peer_pulled > 0.0, "the peer pulled the history: {got}");
+    assert_eq!(
+        got["usage"]["prompt_tokens_details"]["kv_pulled_tokens"].as_f64(),
+        Some(peer_pulled),
+        "{got}"
+    );
+    assert_eq!(
+        node_count(&c, "p0", "pd_node_kv_pulled_tokens_total", &[]).await,
+        p_before,
+        "P took no part"
+    );
+    assert_eq!(drain(false).await.expect("undrain").status(), 200);
+    next(&mut prompt, &token_ids(&got), 6);
+    only_the_wasm_policy_decided(&c).await;
+
     // Scoring the conversation so far (an evaluation's loglikelihood of the last answer) while
     // its holder keeps it: the policy (its defaults again) sends the request to the holder with
     // the held turn to pull, but a scored prompt is computed where it is answered, from its

@@ -5,8 +5,8 @@ use crate::common::{Rng, load, names, node, random_case, random_measured, reques
 use pd_policy::native::prefix_aware::{Thresholds, prefix_aware_with};
 use pd_policy::native::{self, NO_NODES};
 use pd_policy::{
-    Decision, DecodeTarget, Measured, PolicyEngine, Rejection, Request, Role, Route, Split, View,
-    validate,
+    Decision, DecodeTarget, Measured, PolicyEngine, Rates, Rejection, Request, Role, Route, Split,
+    View, validate,
 };
 
 type Native = fn(&Request, &View, &Measured) -> Decision;
@@ -309,5 +309,83 @@ fn decode_holder_slack_matches_native() {
             Route::Split(s) => assert_eq!(s.decode[0].node, first, "slack {slack:?}: {want:?}"),
             other => panic!("{other:?}"),
         }
+    }
+}
+
+/// `idle-peer-max-busy` (which the random sweep does not reach): the busy holder's (node 2)
+/// turn goes whole to the other decode node (1) only with the key set, node 1 within it, and
+/// the history worth a pull at node 1's measured rates; the guest decides as the native copy
+/// each time.
+#[test]
+fn idle_peer_matches_native() {
+    let engine = PolicyEngine::new().expect("engine");
+    let mut holder = node(Role::Decode, 0, 1, 500);
+    holder.conversation_tokens = 60;
+    holder.conversation_expiry_ms = 30_000;
+    let view = |peer_running: u32, holder_drains: bool| View {
+        nodes: vec![
+            node(Role::Prefill, 0, 0, 500),
+            node(Role::Decode, 0, peer_running, 500),
+            pd_policy::Node {
+                draining: holder_drains,
+                ..holder
+            },
+        ],
+    };
+    let request = request(0, 1, vec![]);
+    // A peer that computes a token faster than it could pull one: never worth a pull there.
+    let fast_peer = Measured {
+        rates: vec![
+            Rates::default(),
+            Rates {
+                prefill_tokens_per_s: 100_000,
+                pull_mb_per_s: 1_000,
+            },
+        ],
+        kv_bytes_per_token: 23_040,
+    };
+    let cases: [(Option<u64>, u32, bool, &Measured, Option<Vec<u32>>); 7] = [
+        (None, 0, false, &Measured::default(), None),
+        (Some(0), 0, false, &Measured::default(), Some(vec![1, 2])),
+        (Some(0), 1, false, &Measured::default(), None),
+        (Some(1), 1, false, &Measured::default(), Some(vec![1, 2])),
+        (Some(0), 0, false, &fast_peer, None),
+        // A draining holder: no failover to it.
+        (None, 0, true, &Measured::default(), None),
+        (Some(0), 0, true, &Measured::default(), Some(vec![1])),
+    ];
+    for (max_busy, peer_running, holder_drains, measured, to_peer) in cases {
+        let mut spec = crate::common::spec("prefix-aware");
+        if let Some(b) = max_busy {
+            spec.config = [("idle-peer-max-busy".to_owned(), b.to_string())]
+                .into_iter()
+                .collect();
+        }
+        let policy = engine
+            .load(&crate::common::wasm("prefix-aware"), spec)
+            .expect("load prefix-aware");
+        let t = Thresholds {
+            idle_peer_max_busy: max_busy,
+            ..Thresholds::default()
+        };
+        let v = view(peer_running, holder_drains);
+        let want = prefix_aware_with(&request, &v, measured, &t);
+        let got = policy
+            .decide_measured(&request, &v, measured, &names(&v))
+            .expect("decide");
+        let case = format!(
+            "max-busy {max_busy:?}, peer running {peer_running}, holder drains {holder_drains}"
+        );
+        assert_eq!(got, want, "{case}");
+        if let Some(list) = to_peer {
+            assert_eq!(want.route, Route::Whole(list), "{case}");
+        } else {
+            assert!(matches!(want.route, Route::Split(_)), "{case}: {want:?}");
+        }
+        assert_eq!(
+            want.reverse_pull.map(|p| p.from),
+            Some(2),
+            "{case}: {want:?}"
+        );
     }
 }

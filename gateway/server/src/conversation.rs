@@ -891,7 +891,7 @@ mod tests {
             id,
             NewTurn {
                 owner: ME,
-                parent: parent,
+                parent,
                 input: vec![msg("user", text)],
                 output: vec![],
                 response: Value::Null,

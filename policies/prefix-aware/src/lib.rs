@@ -33,15 +33,23 @@
 //!    per token the view's: each where known (non-zero), else the config's.
 //! 3. Else recompute.
 //!
+//! With `idle-peer-max-busy` set (unset by default), between 1 and 2: when the holder
+//! qualifies for rule 1 but for its load or its draining, the least-loaded other candidate of
+//! its role takes
+//! the whole turn if its load is at most that setting and the held tokens are worth a pull at
+//! its rates (as in 2): `whole` with that peer first, then the role's other candidates (the
+//! holder included) in least-loaded order, `reverse-pull { from: holder, min-tokens }`. The
+//! turn skips P's queue and the second transfer (P to D) a pulled-back turn makes.
+//!
 //! With `decode-holder-slack` set (unset by default), a turn pulled back by P (2) decodes on
 //! the holder when its load is at most the least-loaded decode candidate's plus that slack:
 //! the holder still has the history in its prefix cache, so it pulls only the new blocks.
 //!
-//! The seven parameters are read from the policy config (`pd-gateway policy push --config
+//! The parameters are read from the policy config (`pd-gateway policy push --config
 //! KEY=VALUE`); defaults: prefill-tokens-per-s 2000, kv-bytes-per-token 23040 (SmolLM2-135M,
 //! f16 KV), pull-mb-per-s 1000, pull-overhead-us 2000, holder-max-new-tokens 256,
 //! holder-load-slack 2, holder-max-busy 0 (only an idle holder takes a turn, so its decodes
-//! never wait behind a prefill).
+//! never wait behind a prefill), idle-peer-max-busy and decode-holder-slack unset.
 
 #![no_std]
 
@@ -78,7 +86,7 @@ impl Guest for PrefixAware {
             .conversation
             .filter(|h| h.tokens > 0 && (h.node as usize) < v.free_blocks.len());
         if let Some(h) = holding
-            && let Some(d) = to_holder(&request, v, h)
+            && let Some(d) = to_holder(&request, v, h).or_else(|| to_idle_peer(&request, v, h))
         {
             return d;
         }
@@ -205,6 +213,45 @@ fn to_holder(request: &Request, v: &View, h: Holding) -> Option<Decision> {
         reverse_pull: Some(ReversePull {
             from: h.node,
             min_tokens: 0,
+        }),
+    })
+}
+
+/// Rule 1b (`idle-peer-max-busy` set): the whole turn on the least-loaded other node of the
+/// holder's role, when the holder qualifies for rule 1 but for its load or its draining, that
+/// peer's load is at most the setting, and the history is worth pulling at the peer's rates.
+fn to_idle_peer(request: &Request, v: &View, h: Holding) -> Option<Decision> {
+    let max_busy = config("idle-peer-max-busy").and_then(|s| s.trim().parse::<u64>().ok())?;
+    let role = [&v.decode, &v.standalone]
+        .into_iter()
+        .find(|role| role.binary_search(&h.node).is_ok())?;
+    let new = request.prompt_tokens.saturating_sub(h.tokens);
+    if u64::from(new) > param("holder-max-new-tokens", 256) {
+        return None;
+    }
+    let mut list = least_loaded(v, candidates(v, role));
+    let peer = list.iter().copied().find(|&i| i != h.node)?;
+    if load(v, peer) > max_busy {
+        return None;
+    }
+    let p = peer as usize;
+    let min_tokens = min_pull_tokens(
+        v.prefill_tokens_per_s[p],
+        v.pull_mb_per_s[p],
+        v.kv_bytes_per_token,
+    );
+    if h.tokens < min_tokens {
+        return None;
+    }
+    // The peer first, then the rest in least-loaded order (the holder among them unless it
+    // drains).
+    list.retain(|&i| i != peer);
+    list.insert(0, peer);
+    Some(Decision {
+        route: Route::Whole(list),
+        reverse_pull: Some(ReversePull {
+            from: h.node,
+            min_tokens,
         }),
     })
 }

@@ -40,6 +40,14 @@ pub struct Thresholds {
     /// has the history in its prefix cache, so as D it pulls only the turn's new blocks from P
     /// instead of the whole history again.
     pub decode_holder_slack: Option<u64>,
+    /// When the holder is too busy (or draining) for rule 1, give the whole turn to the
+    /// least-loaded other node of its role if that one has at most this many requests
+    /// (`idle-peer-max-busy`; `None`, the default: the turn goes to P instead). The peer pulls
+    /// the history from the holder and prefills only the new tokens, so the turn skips P's
+    /// queue and the second transfer (P to D) a pulled-back turn makes; at 0 it only takes an
+    /// idle node, whose decodes cannot wait behind that prefill because it has none. A draining
+    /// holder's conversations move to its peers this way.
+    pub idle_peer_max_busy: Option<u64>,
 }
 
 impl Default for Thresholds {
@@ -53,6 +61,7 @@ impl Default for Thresholds {
             holder_load_slack: 2,
             holder_max_busy: 0,
             decode_holder_slack: None,
+            idle_peer_max_busy: None,
         }
     }
 }
@@ -119,6 +128,14 @@ pub fn prefix_aware(request: &Request, view: &View) -> Decision {
 ///    rates (the node that would pull and compute) and the model's KV bytes per token.
 /// 3. Otherwise recompute (no reverse pull).
 ///
+/// With [`Thresholds::idle_peer_max_busy`] set, between 1 and 2: **an idle peer takes the
+/// turn** when the holder qualifies for rule 1 but for its load or its draining, and the
+/// least-loaded other
+/// candidate of the holder's role has a load of at most that, and the held tokens are worth a
+/// pull at the peer's measured rates ([`Thresholds::min_pull_tokens`]): `whole` with that peer
+/// first, then the role's other candidates (the holder included) in least-loaded order,
+/// `reverse-pull { from: holder, min-tokens: that }`.
+///
 /// With [`Thresholds::decode_holder_slack`] set, a turn pulled back (2) decodes on the holder
 /// when the holder is within that slack of the least-loaded decode candidate.
 pub fn prefix_aware_with(
@@ -134,7 +151,8 @@ pub fn prefix_aware_with(
         .max_by_key(|(i, n)| (n.conversation_tokens, Reverse(*i)))
         .map(|(i, _)| i);
     if let Some(h) = holder
-        && let Some(d) = to_holder(request, nodes, h, t)
+        && let Some(d) =
+            to_holder(request, nodes, h, t).or_else(|| to_idle_peer(request, nodes, measured, h, t))
     {
         return d;
     }
@@ -212,6 +230,53 @@ fn to_holder(request: &Request, nodes: &[Node], h: u32, t: &Thresholds) -> Optio
         reverse_pull: Some(ReversePull {
             from: h,
             min_tokens: 0,
+        }),
+    })
+}
+
+/// Rule 1b: the whole turn on the least-loaded other node of the holder's role, when it is
+/// idle enough (`idle_peer_max_busy`) and the history is worth pulling there (the holder may
+/// be draining: its KV moves off it).
+fn to_idle_peer(
+    request: &Request,
+    nodes: &[Node],
+    measured: &Measured,
+    h: u32,
+    t: &Thresholds,
+) -> Option<Decision> {
+    let max_busy = t.idle_peer_max_busy?;
+    let n = &nodes[h as usize];
+    if !matches!(n.role, Role::Decode | Role::Standalone) {
+        return None;
+    }
+    let new = request.prompt_tokens.saturating_sub(n.conversation_tokens);
+    if u64::from(new) > t.holder_max_new_tokens {
+        return None;
+    }
+    let mut list = candidates(nodes, n.role);
+    list.sort_unstable_by_key(|&i| least_loaded_key(nodes, i));
+    let peer = list.iter().copied().find(|&i| i != h)?;
+    if load(&nodes[peer as usize]) > max_busy {
+        return None;
+    }
+    let min_tokens = t
+        .measured(
+            measured.rates_of(peer as usize),
+            measured.kv_bytes_per_token,
+        )
+        .min_pull_tokens();
+    if n.conversation_tokens < min_tokens {
+        return None;
+    }
+    // The peer first, then the rest in least-loaded order (the holder among them unless it
+    // drains).
+    list.retain(|&i| i != peer);
+    list.insert(0, peer);
+    Some(Decision {
+        route: Route::Whole(list),
+        reverse_pull: Some(ReversePull {
+            from: h,
+            min_tokens,
         }),
     })
 }
@@ -350,6 +415,62 @@ mod tests {
         assert_eq!(decode_order(None), vec![1, 2]);
         assert_eq!(decode_order(Some(1)), vec![2, 1]);
         assert_eq!(decode_order(Some(0)), vec![1, 2]);
+    }
+
+    #[test]
+    fn an_idle_peer_takes_a_busy_holders_turn_only_when_configured() {
+        // The holder (2) decodes another conversation; node 1, the other decode node, is idle.
+        let v = view(vec![
+            node(Role::Prefill, 0, 10, false),
+            node(Role::Decode, 0, 10, false),
+            holding(node(Role::Decode, 1, 10, false), 96),
+        ]);
+        let r = request(0, 1, vec![]);
+        let with = |max_busy: Option<u64>, v: &View| {
+            let t = Thresholds {
+                idle_peer_max_busy: max_busy,
+                ..Thresholds::default()
+            };
+            prefix_aware_with(&r, v, &Measured::default(), &t)
+        };
+        // By default P takes it (pulling the history back).
+        assert!(matches!(with(None, &v).route, Route::Split(_)));
+        // Configured: the idle peer, pulling the history from the holder (5 tokens or more
+        // are worth a pull at the default rates), the holder as its failover.
+        let d = with(Some(0), &v);
+        assert_eq!(d.route, Route::Whole(vec![1, 2]));
+        assert_eq!(
+            d.reverse_pull,
+            Some(ReversePull {
+                from: 2,
+                min_tokens: 5
+            })
+        );
+        // A peer busier than allowed: P again.
+        let mut busy_peer = v.clone();
+        busy_peer.nodes[1].running = 1;
+        assert!(matches!(with(Some(0), &busy_peer).route, Route::Split(_)));
+        assert_eq!(with(Some(1), &busy_peer).route, Route::Whole(vec![1, 2]));
+        // A draining holder (idle or not): its peer takes the turn, the holder is no failover.
+        let mut drains = v.clone();
+        drains.nodes[2].draining = true;
+        drains.nodes[2].running = 0;
+        assert!(matches!(with(None, &drains).route, Route::Split(_)));
+        assert_eq!(with(Some(0), &drains).route, Route::Whole(vec![1]));
+        // A turn with too many new tokens is not the peer's either (prefill is P's job).
+        let long = request(0, 1, vec![]);
+        let long = Request {
+            prompt_tokens: 96 + 257,
+            ..long
+        };
+        let t = Thresholds {
+            idle_peer_max_busy: Some(0),
+            ..Thresholds::default()
+        };
+        assert!(matches!(
+            prefix_aware_with(&long, &v, &Measured::default(), &t).route,
+            Route::Split(_)
+        ));
     }
 
     #[test]
