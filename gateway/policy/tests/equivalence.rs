@@ -344,7 +344,10 @@ fn idle_peer_matches_native() {
         ],
         kv_bytes_per_token: 23_040,
     };
-    let cases: [(Option<u64>, u32, bool, &Measured, Option<Vec<u32>>); 7] = [
+    // (idle-peer-max-busy, the peer's running requests, the holder drains, rates, the
+    // `whole` list when the peer takes the turn)
+    type Case<'a> = (Option<u64>, u32, bool, &'a Measured, Option<Vec<u32>>);
+    let cases: [Case; 7] = [
         (None, 0, false, &Measured::default(), None),
         (Some(0), 0, false, &Measured::default(), Some(vec![1, 2])),
         (Some(0), 1, false, &Measured::default(), None),
