@@ -80,54 +80,41 @@ pub(crate) fn columns(view: &View, measured: &Measured) -> Columns {
     }
 }
 
-/// `view` and `measured` as the 0.3.0 view: [`columns`]' facts, with the roles as three
-/// ascending index lists.
+/// `view` and `measured` as the 0.3.0 view: [`columns`]' lists, moved, with the roles as
+/// three ascending index lists.
 pub(crate) fn indexed(view: &View, measured: &Measured) -> v3::View {
-    let nodes = &view.nodes;
-    let column = |field: fn(&crate::Node) -> u32| -> Vec<u32> { nodes.iter().map(field).collect() };
+    let c = columns(view, measured);
     // Room for every node in each role list: growing them a push at a time cost more than the
     // rest of the view (a `realloc` each, under the allocator's lock).
-    let mut by_role: [Vec<u32>; 3] = std::array::from_fn(|_| Vec::with_capacity(nodes.len()));
-    let mut draining = Vec::new();
-    let mut conversation: Option<v3::Holding> = None;
-    for (i, node) in (0u32..).zip(nodes) {
-        by_role[match node.role {
+    let mut by_role: [Vec<u32>; 3] = std::array::from_fn(|_| Vec::with_capacity(c.roles.len()));
+    for (i, role) in (0u32..).zip(&c.roles) {
+        by_role[match role {
             Role::Prefill => 0,
             Role::Decode => 1,
             Role::Standalone => 2,
         }]
         .push(i);
-        if node.draining {
-            draining.push(i);
-        }
-        if node.conversation_tokens > conversation.as_ref().map_or(0, |h| h.tokens) {
-            conversation = Some(v3::Holding {
-                node: i,
-                tokens: node.conversation_tokens,
-                expiry_ms: node.conversation_expiry_ms,
-            });
-        }
     }
     let [prefill, decode, standalone] = by_role;
     v3::View {
         prefill,
         decode,
         standalone,
-        free_blocks: column(|n| n.free_blocks),
-        total_blocks: column(|n| n.total_blocks),
-        leased_blocks: column(|n| n.leased_blocks),
-        waiting: column(|n| n.waiting),
-        running: column(|n| n.running),
-        waiting_remote_kv: column(|n| n.waiting_remote_kv),
-        draining,
-        prefill_tokens_per_s: (0..nodes.len())
-            .map(|i| measured.rates_of(i).prefill_tokens_per_s)
-            .collect(),
-        pull_mb_per_s: (0..nodes.len())
-            .map(|i| measured.rates_of(i).pull_mb_per_s)
-            .collect(),
-        conversation,
-        kv_bytes_per_token: measured.kv_bytes_per_token,
+        free_blocks: c.free_blocks,
+        total_blocks: c.total_blocks,
+        leased_blocks: c.leased_blocks,
+        waiting: c.waiting,
+        running: c.running,
+        waiting_remote_kv: c.waiting_remote_kv,
+        draining: c.draining,
+        prefill_tokens_per_s: c.prefill_tokens_per_s,
+        pull_mb_per_s: c.pull_mb_per_s,
+        conversation: c.conversation.map(|h| v3::Holding {
+            node: h.node,
+            tokens: h.tokens,
+            expiry_ms: h.expiry_ms,
+        }),
+        kv_bytes_per_token: c.kv_bytes_per_token,
     }
 }
 
