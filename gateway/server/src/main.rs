@@ -733,6 +733,9 @@ fn policy_local(cmd: PolicyCommand) -> anyhow::Result<ExitCode> {
             let cases = cases::read_cases(&dir)?;
             let engine = engine_with_cache(pd_policy::default_cache_dir())?;
             let policy = cases::load_policy(&engine, &file, limits.spec()?)?;
+            if let pd_policy::Installed::Wasm(w) = &policy {
+                println!("{file}: pd:policy@{}", w.contract());
+            }
             let report = cases::run_cases(&policy, &cases, repeat);
             print!("{report}");
             Ok(if report.failures() == 0 {

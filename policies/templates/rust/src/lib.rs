@@ -1,7 +1,9 @@
 //! A routing policy for pd-gateway, in Rust: least-loaded, to start from.
 //!
 //! The gateway calls `decide(request, view)` once per request, in a fresh instance; the
-//! contract (every field, with units) is `wit/policy.wit`. The rules:
+//! contract (every field, with units) is `wit/policy.wit` (`pd:policy@0.3.0`: the view as
+//! one list per field, node `i` at index `i`, and each role's nodes as a list of indices; the
+//! request and the host imports come from `wit/deps/policy-0.1.0.wit`). The rules:
 //!
 //! - Candidates for a role: its nodes that are not draining, or all of them when every node of
 //!   the role drains.
@@ -13,9 +15,11 @@
 //!
 //! Build: `bash build.sh . policy.wasm`; test: `pd-gateway policy test policy.wasm --cases cases`.
 
-wit_bindgen::generate!({ world: "policy", path: "wit" });
+wit_bindgen::generate!({ world: "pd:policy/policy@0.3.0", path: "wit", generate_all });
 
-use pd::policy::types::{DecodeTarget, Node, Rejection, Role, Route, Split};
+use pd::policy0_1_0::types::Rejection;
+use pd::policy0_3_0::cluster::{Route, Split};
+use std::cmp::Reverse;
 
 struct Policy;
 
@@ -23,21 +27,18 @@ export!(Policy);
 
 impl Guest for Policy {
     fn decide(request: Request, view: View) -> Decision {
-        let nodes = &view.nodes;
-        let has = |role: Role| nodes.iter().any(|n| n.role == role);
-        let route = if has(Role::Prefill) && has(Role::Decode) {
+        let v = &view;
+        let route = if !v.prefill.is_empty() && !v.decode.is_empty() {
+            let decode = ranked(v, &v.decode);
             Route::Split(Split {
-                prefill: ranked(nodes, Role::Prefill),
-                decode: ranked(nodes, Role::Decode)
-                    .into_iter()
-                    .map(|node| DecodeTarget {
-                        node,
-                        children: request.n.max(1),
-                    })
-                    .collect(),
+                prefill: ranked(v, &v.prefill),
+                // Children per decode entry: all `n` on each (the first takes them; the others
+                // are failover).
+                children: vec![request.n.max(1); decode.len()],
+                decode,
             })
-        } else if has(Role::Standalone) {
-            Route::Whole(ranked(nodes, Role::Standalone))
+        } else if !v.standalone.is_empty() {
+            Route::Whole(ranked(v, &v.standalone))
         } else {
             Route::Reject(Rejection {
                 status: 503,
@@ -53,27 +54,26 @@ impl Guest for Policy {
     }
 }
 
-/// Requests on a node: queued, running, and parked waiting for KV.
-fn load(n: &Node) -> u64 {
-    u64::from(n.waiting) + u64::from(n.running) + u64::from(n.waiting_remote_kv)
-}
-
-/// Indices of the candidates of `role`, best first.
-fn ranked(nodes: &[Node], role: Role) -> Vec<u32> {
-    let of_role = |draining_ok: bool| -> Vec<u32> {
-        (0u32..)
-            .zip(nodes)
-            .filter(|(_, n)| n.role == role && (draining_ok || !n.draining))
-            .map(|(i, _)| i)
-            .collect()
-    };
-    let mut c = of_role(false);
+/// The nodes of `role` (one of the view's role lists), best first.
+fn ranked(v: &View, role: &[u32]) -> Vec<u32> {
+    let mut c: Vec<u32> = role
+        .iter()
+        .copied()
+        .filter(|i| !v.draining.contains(i))
+        .collect();
     if c.is_empty() {
-        c = of_role(true);
+        c = role.to_vec();
     }
-    c.sort_by_key(|&i| {
-        let n = &nodes[i as usize];
-        (load(n), std::cmp::Reverse(n.free_blocks), i)
-    });
-    c
+    // Each key computed once, then sorted (keys end with the index: unique).
+    let mut keyed: Vec<_> = c
+        .into_iter()
+        .map(|i| {
+            let n = i as usize;
+            let load = u64::from(v.waiting[n]) + u64::from(v.running[n])
+                + u64::from(v.waiting_remote_kv[n]);
+            (load, Reverse(v.free_blocks[n]), i)
+        })
+        .collect();
+    keyed.sort_unstable();
+    keyed.into_iter().map(|(_, _, i)| i).collect()
 }
