@@ -69,7 +69,8 @@ fn ranked(v: &View, role: &[u32]) -> Vec<u32> {
         .into_iter()
         .map(|i| {
             let n = i as usize;
-            let load = u64::from(v.waiting[n]) + u64::from(v.running[n])
+            let load = u64::from(v.waiting[n])
+                + u64::from(v.running[n])
                 + u64::from(v.waiting_remote_kv[n]);
             (load, Reverse(v.free_blocks[n]), i)
         })
