@@ -39,25 +39,36 @@ impl Measured {
     }
 }
 
-/// `view` and `measured` as the 0.2.0 view. The conversation is the node with the most
+/// What the 0.2.0 and 0.3.0 views share: every per-node column but the roles, the draining
+/// nodes, the conversation's holder (node, tokens, expiry), the KV bytes per token.
+struct Facts {
+    free_blocks: Vec<u32>,
+    total_blocks: Vec<u32>,
+    leased_blocks: Vec<u32>,
+    waiting: Vec<u32>,
+    running: Vec<u32>,
+    waiting_remote_kv: Vec<u32>,
+    draining: Vec<u32>,
+    prefill_tokens_per_s: Vec<u32>,
+    pull_mb_per_s: Vec<u32>,
+    conversation: Option<(u32, u32, u32)>,
+    kv_bytes_per_token: u32,
+}
+
+/// [`Facts`] of `view` and `measured`. The conversation is the node with the most
 /// `conversation_tokens` (ties to the lowest index), as 0.1.0 policies are told to find it.
-pub(crate) fn columns(view: &View, measured: &Measured) -> Columns {
+fn facts(view: &View, measured: &Measured) -> Facts {
     let nodes = &view.nodes;
     // One pass per column: an exact-size `collect` writes each vector without a capacity check
     // per element (ten `push`es per node in one loop cost ~1.5 µs of a ~8 µs call at 64 nodes).
     let column = |field: fn(&crate::Node) -> u32| -> Vec<u32> { nodes.iter().map(field).collect() };
-    let mut conversation: Option<Holding> = None;
+    let mut conversation: Option<(u32, u32, u32)> = None;
     for (i, node) in (0u32..).zip(nodes) {
-        if node.conversation_tokens > conversation.as_ref().map_or(0, |h| h.tokens) {
-            conversation = Some(Holding {
-                node: i,
-                tokens: node.conversation_tokens,
-                expiry_ms: node.conversation_expiry_ms,
-            });
+        if node.conversation_tokens > conversation.map_or(0, |(_, tokens, _)| tokens) {
+            conversation = Some((i, node.conversation_tokens, node.conversation_expiry_ms));
         }
     }
-    Columns {
-        roles: nodes.iter().map(|n| n.role).collect(),
+    Facts {
         free_blocks: column(|n| n.free_blocks),
         total_blocks: column(|n| n.total_blocks),
         leased_blocks: column(|n| n.leased_blocks),
@@ -80,15 +91,38 @@ pub(crate) fn columns(view: &View, measured: &Measured) -> Columns {
     }
 }
 
-/// `view` and `measured` as the 0.3.0 view: [`columns`]' lists, moved, with the roles as
-/// three ascending index lists.
+/// `view` and `measured` as the 0.2.0 view ([`Facts`], and the roles as a `list<role>`).
+pub(crate) fn columns(view: &View, measured: &Measured) -> Columns {
+    let f = facts(view, measured);
+    Columns {
+        roles: view.nodes.iter().map(|n| n.role).collect(),
+        free_blocks: f.free_blocks,
+        total_blocks: f.total_blocks,
+        leased_blocks: f.leased_blocks,
+        waiting: f.waiting,
+        running: f.running,
+        waiting_remote_kv: f.waiting_remote_kv,
+        draining: f.draining,
+        prefill_tokens_per_s: f.prefill_tokens_per_s,
+        pull_mb_per_s: f.pull_mb_per_s,
+        conversation: f.conversation.map(|(node, tokens, expiry_ms)| Holding {
+            node,
+            tokens,
+            expiry_ms,
+        }),
+        kv_bytes_per_token: f.kv_bytes_per_token,
+    }
+}
+
+/// `view` and `measured` as the 0.3.0 view ([`Facts`], and the roles as three ascending index
+/// lists).
 pub(crate) fn indexed(view: &View, measured: &Measured) -> v3::View {
-    let c = columns(view, measured);
+    let nodes = &view.nodes;
     // Room for every node in each role list: growing them a push at a time cost more than the
     // rest of the view (a `realloc` each, under the allocator's lock).
-    let mut by_role: [Vec<u32>; 3] = std::array::from_fn(|_| Vec::with_capacity(c.roles.len()));
-    for (i, role) in (0u32..).zip(&c.roles) {
-        by_role[match role {
+    let mut by_role: [Vec<u32>; 3] = std::array::from_fn(|_| Vec::with_capacity(nodes.len()));
+    for (i, node) in (0u32..).zip(nodes) {
+        by_role[match node.role {
             Role::Prefill => 0,
             Role::Decode => 1,
             Role::Standalone => 2,
@@ -96,25 +130,26 @@ pub(crate) fn indexed(view: &View, measured: &Measured) -> v3::View {
         .push(i);
     }
     let [prefill, decode, standalone] = by_role;
+    let f = facts(view, measured);
     v3::View {
         prefill,
         decode,
         standalone,
-        free_blocks: c.free_blocks,
-        total_blocks: c.total_blocks,
-        leased_blocks: c.leased_blocks,
-        waiting: c.waiting,
-        running: c.running,
-        waiting_remote_kv: c.waiting_remote_kv,
-        draining: c.draining,
-        prefill_tokens_per_s: c.prefill_tokens_per_s,
-        pull_mb_per_s: c.pull_mb_per_s,
-        conversation: c.conversation.map(|h| v3::Holding {
-            node: h.node,
-            tokens: h.tokens,
-            expiry_ms: h.expiry_ms,
+        free_blocks: f.free_blocks,
+        total_blocks: f.total_blocks,
+        leased_blocks: f.leased_blocks,
+        waiting: f.waiting,
+        running: f.running,
+        waiting_remote_kv: f.waiting_remote_kv,
+        draining: f.draining,
+        prefill_tokens_per_s: f.prefill_tokens_per_s,
+        pull_mb_per_s: f.pull_mb_per_s,
+        conversation: f.conversation.map(|(node, tokens, expiry_ms)| v3::Holding {
+            node,
+            tokens,
+            expiry_ms,
         }),
-        kv_bytes_per_token: c.kv_bytes_per_token,
+        kv_bytes_per_token: f.kv_bytes_per_token,
     }
 }
 
