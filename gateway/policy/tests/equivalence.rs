@@ -6,7 +6,7 @@ use pd_policy::native::prefix_aware::{Thresholds, prefix_aware_with};
 use pd_policy::native::{self, NO_NODES};
 use pd_policy::{
     Decision, DecodeTarget, Measured, PolicyEngine, Rates, Rejection, Request, Role, Route, Split,
-    View, validate,
+    View, WasmPolicy, validate,
 };
 
 type Native = fn(&Request, &View, &Measured) -> Decision;
@@ -267,6 +267,17 @@ fn recorded_views() {
     }
 }
 
+/// The prefix-aware guest with config `key` set to `value` (unset: `None`).
+fn prefix_aware_keyed(engine: &PolicyEngine, key: &str, value: Option<u64>) -> WasmPolicy {
+    let mut spec = crate::common::spec("prefix-aware");
+    if let Some(v) = value {
+        spec.config = [(key.to_owned(), v.to_string())].into_iter().collect();
+    }
+    engine
+        .load(&crate::common::wasm("prefix-aware"), spec)
+        .expect("load prefix-aware")
+}
+
 /// `decode-holder-slack` (which the random sweep above does not reach): a turn pulled back
 /// from its busy holder (node 2) decodes on the holder only with the key set and the holder
 /// within the slack of the idle decode node (1); the guest decides as the native copy each time.
@@ -286,15 +297,7 @@ fn decode_holder_slack_matches_native() {
     let request = request(0, 1, vec![]);
     let measured = Measured::default();
     for (slack, first) in [(None, 1), (Some(0), 1), (Some(1), 2)] {
-        let mut spec = crate::common::spec("prefix-aware");
-        if let Some(s) = slack {
-            spec.config = [("decode-holder-slack".to_owned(), s.to_string())]
-                .into_iter()
-                .collect();
-        }
-        let policy = engine
-            .load(&crate::common::wasm("prefix-aware"), spec)
-            .expect("load prefix-aware");
+        let policy = prefix_aware_keyed(&engine, "decode-holder-slack", slack);
         let t = Thresholds {
             decode_holder_slack: slack,
             ..Thresholds::default()
@@ -358,15 +361,7 @@ fn idle_peer_matches_native() {
         (Some(0), 0, true, &Measured::default(), Some(vec![1])),
     ];
     for (max_busy, peer_running, holder_drains, measured, to_peer) in cases {
-        let mut spec = crate::common::spec("prefix-aware");
-        if let Some(b) = max_busy {
-            spec.config = [("idle-peer-max-busy".to_owned(), b.to_string())]
-                .into_iter()
-                .collect();
-        }
-        let policy = engine
-            .load(&crate::common::wasm("prefix-aware"), spec)
-            .expect("load prefix-aware");
+        let policy = prefix_aware_keyed(&engine, "idle-peer-max-busy", max_busy);
         let t = Thresholds {
             idle_peer_max_busy: max_busy,
             ..Thresholds::default()

@@ -405,6 +405,19 @@ fn host_imports_and_every_field_reach_the_guest() {
     );
 }
 
+/// Rates of the first three nodes only (a node past them has not reported), and the model's
+/// KV bytes per token: what the echo guests' tests hand the host.
+fn first_three_measured() -> Measured {
+    let rates = |prefill_tokens_per_s, pull_mb_per_s| Rates {
+        prefill_tokens_per_s,
+        pull_mb_per_s,
+    };
+    Measured {
+        rates: vec![rates(1_111, 0), rates(2_222, 3_333), rates(0, u32::MAX)],
+        kv_bytes_per_token: 23_040,
+    }
+}
+
 #[test]
 fn every_column_and_rate_reaches_a_0_2_0_guest() {
     let engine = PolicyEngine::new().expect("engine");
@@ -421,28 +434,11 @@ fn every_column_and_rate_reaches_a_0_2_0_guest() {
         ],
     };
     // Node 3 has not reported (a shorter rates list than the view).
-    let rates = vec![
-        Rates {
-            prefill_tokens_per_s: 1_111,
-            pull_mb_per_s: 0,
-        },
-        Rates {
-            prefill_tokens_per_s: 2_222,
-            pull_mb_per_s: 3_333,
-        },
-        Rates {
-            prefill_tokens_per_s: 0,
-            pull_mb_per_s: u32::MAX,
-        },
-    ];
     let d = policy
         .decide_measured(
             &request(77, 3, vec![5, 0, 9]),
             &v,
-            &Measured {
-                rates,
-                kv_bytes_per_token: 23_040,
-            },
+            &first_three_measured(),
             &names(&v),
         )
         .expect("decide");
@@ -626,28 +622,11 @@ fn every_list_and_rate_reaches_a_0_3_0_guest() {
         ],
     };
     // Nodes 3 and 4 have not reported (a shorter rates list than the view).
-    let rates = vec![
-        Rates {
-            prefill_tokens_per_s: 1_111,
-            pull_mb_per_s: 0,
-        },
-        Rates {
-            prefill_tokens_per_s: 2_222,
-            pull_mb_per_s: 3_333,
-        },
-        Rates {
-            prefill_tokens_per_s: 0,
-            pull_mb_per_s: u32::MAX,
-        },
-    ];
     let d = policy
         .decide_measured(
             &request(77, 3, vec![5, 0, 9]),
             &v,
-            &Measured {
-                rates,
-                kv_bytes_per_token: 23_040,
-            },
+            &first_three_measured(),
             &names(&v),
         )
         .expect("decide");
