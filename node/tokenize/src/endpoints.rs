@@ -191,15 +191,10 @@ mod tests {
     use super::*;
     use crate::prompt::{PromptInput, PromptKind};
 
-    fn tokenizer() -> Tokenizer {
-        let dir = std::env::temp_dir().join(format!("pd-tok-endpoints-{}", std::process::id()));
-        crate::write_byte_level_tokenizer(&dir, 300).unwrap();
-        Tokenizer::from_dir(&dir).unwrap()
-    }
-
     #[test]
     fn tokenize_gives_the_ids_generation_computes() {
-        let tok = tokenizer();
+        // Each test writes its own directory: two tests writing one file raced (CI, stop 38).
+        let (_dir, tok) = crate::test_util::byte_level_tokenizer();
         let req = |body: Value| -> TokenizeRequest { serde_json::from_value(body).unwrap() };
         let text = tokenize(&tok, &req(serde_json::json!({"prompt": "Hello"})), 64).unwrap();
         let want = prompt::prompt_tokens(
@@ -248,7 +243,8 @@ mod tests {
 
     #[test]
     fn detokenize_round_trips_and_checks_the_vocabulary() {
-        let tok = tokenizer();
+        // Each test writes its own directory: two tests writing one file raced (CI, stop 38).
+        let (_dir, tok) = crate::test_util::byte_level_tokenizer();
         let ids = tok.encode("Hello, world", false).unwrap();
         let back = detokenize(
             &tok,
