@@ -22,7 +22,10 @@
 //!
 //! `PD_BENCH_MODES=ac` runs only those modes (default `abc`; ratios need the modes they
 //! compare); `PD_BENCH_C_CONFIG=holder-load-slack=0,pull-overhead-us=500` pushes mode c's
-//! policy with that config (default: none, the policy's defaults).
+//! policy with that config (default: none, the policy's defaults). `PD_BENCH_TRACE=DIR` logs
+//! every decision (`DIR/decisions.jsonl`, the gateway's decision log) and every turn's wall-clock
+//! times (`DIR/turns.jsonl`), to see what the policy saw against what was running
+//! (`scripts/multi-turn-trace.py DIR`).
 //!
 //! Prints per mode: TTFT (mean, p50, p99), TPOT (mean), latency (mean), the prompt length of
 //! the last turns, and how the gateway placed turns; then the ratios c/a and c/b. Not part of CI.
@@ -30,7 +33,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use futures::StreamExt;
 use pd_cluster_tests::bins;
@@ -120,6 +123,15 @@ struct TurnStats {
     tpot: f64,
     latency: f64,
     prompt_tokens: u64,
+    /// Sent, first token and end, in milliseconds since the Unix epoch (the decision log's clock).
+    wall_ms: [f64; 3],
+}
+
+/// Milliseconds since the Unix epoch.
+fn epoch_ms() -> f64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64() * 1e3)
 }
 
 /// Streams one chat turn; returns its figures and the answer's text.
@@ -137,6 +149,7 @@ async fn chat_turn(
         body["cache_salt"] = json!(salt);
     }
     let start = Instant::now();
+    let start_ms = epoch_ms();
     let resp = client
         .post(format!("{gateway}/v1/chat/completions"))
         .json(&body)
@@ -181,11 +194,13 @@ async fn chat_turn(
     } else {
         0.0
     };
+    let latency = start.elapsed().as_secs_f64();
     let stats = TurnStats {
         ttft,
         tpot,
-        latency: start.elapsed().as_secs_f64(),
+        latency,
         prompt_tokens,
+        wall_ms: [start_ms, start_ms + ttft * 1e3, start_ms + latency * 1e3],
     };
     (stats, text)
 }
@@ -197,11 +212,13 @@ async fn run_mode(
     mode: char,
     system: &str,
     s: &Settings,
+    trace: Option<&std::path::Path>,
 ) -> Vec<TurnStats> {
     let queue = Arc::new(Mutex::new((0..s.conversations).collect::<Vec<_>>()));
     let results = Arc::new(Mutex::new(Vec::new()));
     let mut clients = Vec::new();
     for _ in 0..s.clients {
+        let trace = trace.map(|d| d.join("turns.jsonl"));
         let (queue, results, client, gateway, system, s) = (
             queue.clone(),
             results.clone(),
@@ -226,7 +243,21 @@ async fn run_mode(
                     let salt = (mode == 'b').then(|| format!("b-{conv}-{turn}"));
                     let (stats, answer) = chat_turn(&client, &gateway, &messages, &s, salt).await;
                     messages.push(json!({"role": "assistant", "content": answer}));
-                    results.lock().await.push(stats);
+                    let mut results = results.lock().await;
+                    if let Some(file) = &trace {
+                        let line = json!({"mode": mode.to_string(), "conversation": conv,
+                            "turn": turn, "prompt_tokens": stats.prompt_tokens,
+                            "sent_ms": stats.wall_ms[0], "first_ms": stats.wall_ms[1],
+                            "end_ms": stats.wall_ms[2]});
+                        use std::io::Write;
+                        let mut f = std::fs::OpenOptions::new()
+                            .create(true)
+                            .append(true)
+                            .open(file)
+                            .expect("the turns log");
+                        writeln!(f, "{line}").expect("writing the turns log");
+                    }
+                    results.push(stats);
                 }
             }
         }));
@@ -319,7 +350,22 @@ async fn main() {
         .expect("PD_MODEL_GGUF: the GGUF file (bash scripts/fetch-model.sh)");
     let model = model.to_str().expect("a UTF-8 path").to_owned();
     let dir = WorkDir::new("multi-turn-bench");
-    let gw = Gateway::start(&dir, &[]);
+    let trace = std::env::var_os("PD_BENCH_TRACE").map(PathBuf::from);
+    let gw_args: Vec<String> = match &trace {
+        Some(t) => {
+            std::fs::create_dir_all(t).expect("the trace directory");
+            let _ = std::fs::remove_file(t.join("turns.jsonl"));
+            let _ = std::fs::remove_file(t.join("decisions.jsonl"));
+            vec![
+                "--decision-log-every".into(),
+                "1".into(),
+                "--decision-log".into(),
+                t.join("decisions.jsonl").display().to_string(),
+            ]
+        }
+        None => Vec::new(),
+    };
+    let gw = Gateway::start(&dir, &gw_args);
     let _p = spawn_node(&dir, "p0", "kv_producer", &gw.registry, &model, &s);
     let _d0 = spawn_node(&dir, "d0", "kv_consumer", &gw.registry, &model, &s);
     let _d1 = spawn_node(&dir, "d1", "kv_consumer", &gw.registry, &model, &s);
@@ -367,7 +413,7 @@ async fn main() {
         push(&client, &gw.admin, policy, config).await;
         let before = scrape(&client, &gw.http).await;
         let started = Instant::now();
-        let turns = run_mode(&client, &gw.http, mode, &system, &s).await;
+        let turns = run_mode(&client, &gw.http, mode, &system, &s, trace.as_deref()).await;
         let after = scrape(&client, &gw.http).await;
         let how: Vec<String> = [
             "holder",
@@ -413,6 +459,16 @@ async fn main() {
             sm[3] * 1e3,
             sm[4]
         );
+    }
+    if let Some(t) = &trace {
+        // The processes' logs, before the work directory goes.
+        for entry in std::fs::read_dir(dir.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let _ = std::fs::copy(entry.path(), t.join(entry.file_name()));
+        }
     }
     let row = |m: char| rows.iter().find(|r| r.0 == m).map(|r| r.1);
     for (base, other) in [('a', row('a')), ('b', row('b'))] {

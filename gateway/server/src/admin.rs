@@ -360,6 +360,7 @@ async fn nodes(State(a): State<Admin>, headers: HeaderMap) -> Response {
                 "waiting": s.waiting,
                 "running": s.running,
                 "gateway_open_requests": n.open.now(),
+                "gateway_reserved_requests": n.open.reserved(),
                 "waiting_remote_kv": s.waiting_remote_kv,
                 "prefill_tokens_per_s": s.prefill_tokens_per_s,
                 "pull_mb_per_s": s.pull_mb_per_s,

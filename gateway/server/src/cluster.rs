@@ -76,30 +76,51 @@ pub struct NodeEntry {
     pub gone: CancellationToken,
 }
 
-/// Requests the gateway has open on one node: counted from the routing decision (a decode
-/// node's, before P's phase) or the send, until the node's part of the request is over.
+/// Requests the gateway has open on one node, and decode phases it has reserved there.
+///
+/// A request is *open* on a node from its send (or, for a `whole` route, its decision) until
+/// the node's part of it is over. A split's decode node is *reserved* from the decision until
+/// P's phase ends and the gateway sends it the decode; the node knows nothing of it before.
 ///
 /// A node reports its queue when it changes, at most every `change_poll` (100 ms), so a burst
 /// of decisions would all see the same stale load and pile onto one node, and a node that has
 /// just finished a request would look busy until its next report. The view therefore shows a
 /// node's load as `max(open, reported + open - open_at_report)` ([`OpenRequests::adjust`]): the
-/// report moved on by what the gateway itself started and saw end since, and never below what
-/// the gateway knows is open there now.
+/// report moved on by what the gateway itself sent and saw end since, and never below what
+/// the gateway knows is open there now. Reservations come on top, as requests waiting for
+/// remote KV — which they are: the decode will wait for P's KV. They are not in `waiting` or
+/// `running`, because the node computes nothing for them yet: a policy asking whether a node
+/// is free to prefill now must not see them as work (a conversation's holder reserved for a
+/// turn still queued at P looked busy for seconds, and every later turn then went to P, see
+/// BENCHMARKS.md, "Reservations are not work").
 #[derive(Debug, Default)]
 pub struct OpenRequests {
-    count: Arc<AtomicU32>,
-    /// `count` when the node's last state arrived (the state counts those already).
+    counts: Arc<Counts>,
+    /// Open requests when the node's last state arrived (the state counts those already).
     at_state: u32,
+}
+
+/// The two counts of [`OpenRequests`], shared with the requests' guards ([`OnNode`]).
+#[derive(Debug, Default)]
+pub struct Counts {
+    open: AtomicU32,
+    reserved: AtomicU32,
 }
 
 impl OpenRequests {
     /// Requests open on the node now.
     pub fn now(&self) -> u32 {
-        self.count.load(Ordering::Acquire)
+        self.counts.open.load(Ordering::Acquire)
+    }
+
+    /// Decode phases reserved on the node now, not yet sent.
+    pub fn reserved(&self) -> u32 {
+        self.counts.reserved.load(Ordering::Acquire)
     }
 
     /// `(waiting, running, waiting_remote_kv)` of a report, moved on as the type docs say:
-    /// requests started since wait, requests ended since leave `running` first.
+    /// requests sent since wait, requests ended since leave `running` first; reservations
+    /// wait for remote KV.
     fn adjust(&self, s: &pb::NodeState) -> (u32, u32, u32) {
         let (mut waiting, mut running, mut remote) =
             (sat(s.waiting), sat(s.running), sat(s.waiting_remote_kv));
@@ -116,15 +137,16 @@ impl OpenRequests {
                 delta += i64::from(cut);
             }
         }
-        (waiting, running, remote)
+        (waiting, running, remote.saturating_add(self.reserved()))
     }
 }
 
-/// One request open on a node: counted in [`OpenRequests`] until dropped.
+/// One request on a node, open or reserved: counted in [`OpenRequests`] until dropped.
 #[derive(Debug)]
 pub struct OnNode {
     conn: ConnId,
-    count: Arc<AtomicU32>,
+    counts: Arc<Counts>,
+    reserved: bool,
 }
 
 impl OnNode {
@@ -132,11 +154,27 @@ impl OnNode {
     pub fn conn(&self) -> ConnId {
         self.conn
     }
+
+    /// The reserved decode is being sent: from now it counts as open (the same guard when it
+    /// already was).
+    pub fn sent(mut self) -> OnNode {
+        if self.reserved {
+            // Open first, so the node's total never dips between the two.
+            self.counts.open.fetch_add(1, Ordering::AcqRel);
+            self.counts.reserved.fetch_sub(1, Ordering::AcqRel);
+            self.reserved = false;
+        }
+        self
+    }
 }
 
 impl Drop for OnNode {
     fn drop(&mut self) {
-        self.count.fetch_sub(1, Ordering::AcqRel);
+        let count = match self.reserved {
+            true => &self.counts.reserved,
+            false => &self.counts.open,
+        };
+        count.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -198,8 +236,8 @@ pub struct NodeRef {
     pub epoch: u64,
     /// `host:port` of its OpenAI API.
     pub http_addr: Arc<str>,
-    /// Its open-request count ([`OpenRequests`]).
-    open: Arc<AtomicU32>,
+    /// Its open and reserved requests ([`OpenRequests`]).
+    counts: Arc<Counts>,
     /// [`NodeEntry::gone`].
     gone: CancellationToken,
 }
@@ -207,10 +245,22 @@ pub struct NodeRef {
 impl NodeRef {
     /// Counts one more request open on this node until the guard drops.
     pub fn open(&self) -> OnNode {
-        self.open.fetch_add(1, Ordering::AcqRel);
+        self.counts.open.fetch_add(1, Ordering::AcqRel);
         OnNode {
             conn: self.conn,
-            count: self.open.clone(),
+            counts: self.counts.clone(),
+            reserved: false,
+        }
+    }
+
+    /// Reserves this node for a split's decode phase until the guard is sent
+    /// ([`OnNode::sent`]) or dropped.
+    pub fn reserve(&self) -> OnNode {
+        self.counts.reserved.fetch_add(1, Ordering::AcqRel);
+        OnNode {
+            conn: self.conn,
+            counts: self.counts.clone(),
+            reserved: true,
         }
     }
 
@@ -604,7 +654,7 @@ impl Cluster {
                 engine_id: n.engine_id.clone(),
                 epoch: n.epoch,
                 http_addr: n.http_addr.clone(),
-                open: n.open.count.clone(),
+                counts: n.open.counts.clone(),
                 gone: n.gone.clone(),
             });
             measured.rates.push(Rates {
@@ -683,8 +733,21 @@ mod tests {
     /// `(waiting, running, remote)` of a report with `open` requests open now and `at_state`
     /// open when the report came.
     fn adjusted(report: (u64, u64, u64), at_state: u32, open: u32) -> (u32, u32, u32) {
+        adjusted_reserved(report, at_state, open, 0)
+    }
+
+    /// [`adjusted`] with `reserved` decode phases reserved too.
+    fn adjusted_reserved(
+        report: (u64, u64, u64),
+        at_state: u32,
+        open: u32,
+        reserved: u32,
+    ) -> (u32, u32, u32) {
         let o = OpenRequests {
-            count: Arc::new(AtomicU32::new(open)),
+            counts: Arc::new(Counts {
+                open: AtomicU32::new(open),
+                reserved: AtomicU32::new(reserved),
+            }),
             at_state,
         };
         o.adjust(&pb::NodeState {
@@ -703,9 +766,13 @@ mod tests {
         assert_eq!(adjusted((0, 1, 0), 1, 0), (0, 0, 0));
         // Two ended, one was parked for KV: running first, then the parked one.
         assert_eq!(adjusted((1, 1, 1), 2, 0), (1, 0, 0));
-        // A report that does not show two requests the gateway has open there (a decode node
-        // reserved during P's phase): never below what is open.
+        // A report that does not show two requests the gateway has open there: never below
+        // what is open.
         assert_eq!(adjusted((0, 0, 0), 2, 2), (2, 0, 0));
+        // A decode node reserved during P's phase: waiting for remote KV, not work. (The
+        // holder of a conversation, its last turn just ended, one turn reserved there.)
+        assert_eq!(adjusted_reserved((0, 1, 0), 1, 0, 1), (0, 0, 1));
+        assert_eq!(adjusted_reserved((0, 0, 0), 0, 0, 2), (0, 0, 2));
         // Load from elsewhere (other clients) stays.
         assert_eq!(adjusted((2, 3, 0), 0, 0), (2, 3, 0));
         assert_eq!(adjusted((2, 3, 0), 1, 2), (3, 3, 0));
@@ -718,15 +785,31 @@ mod tests {
             engine_id: "d0".into(),
             epoch: 1,
             http_addr: "127.0.0.1:1".into(),
-            open: Arc::default(),
+            counts: Arc::default(),
             gone: CancellationToken::new(),
+        };
+        let counts = |r: &NodeRef| {
+            (
+                r.counts.open.load(Ordering::Acquire),
+                r.counts.reserved.load(Ordering::Acquire),
+            )
         };
         let a = r.open();
         let b = r.open();
-        assert_eq!((a.conn(), r.open.load(Ordering::Acquire)), (7, 2));
+        assert_eq!((a.conn(), counts(&r)), (7, (2, 0)));
         drop(a);
         drop(b);
-        assert_eq!(r.open.load(Ordering::Acquire), 0);
+        assert_eq!(counts(&r), (0, 0));
+        // A reservation counts apart until sent, then as open until dropped.
+        let c = r.reserve();
+        assert_eq!(counts(&r), (0, 1));
+        let c = c.sent();
+        assert_eq!(counts(&r), (1, 0));
+        let c = c.sent();
+        assert_eq!(counts(&r), (1, 0));
+        drop(c);
+        drop(r.reserve());
+        assert_eq!(counts(&r), (0, 0));
     }
 
     /// The test models' byte tokenizer and its fingerprint.

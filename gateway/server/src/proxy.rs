@@ -172,8 +172,8 @@ struct Prepared {
     /// The prompt's last whole block's chain hash and the tokens up to it: the partial key of
     /// the turn a node may keep from this request.
     prompt_key: Option<(u64, u32)>,
-    /// A split's decode nodes, counted as busy with this request from the decision on (their
-    /// sends come only after P's phase), so the next decisions see them: each group's first
+    /// A split's decode nodes, reserved for this request from the decision on (their sends
+    /// come only after P's phase), so the next decisions see them: each group's first
     /// candidate ([`spread::plan`]), in group order.
     reserved: Vec<OnNode>,
 }
@@ -1089,7 +1089,7 @@ impl Gateway {
             Route::Split(sp) => spread::plan(&sp.decode, analyzed.n)
                 .iter()
                 .filter_map(|g| snapshot.nodes.get(*g.candidates.first()? as usize))
-                .map(NodeRef::open)
+                .map(NodeRef::reserve)
                 .collect(),
             _ => Vec::new(),
         };
@@ -1162,7 +1162,7 @@ impl Gateway {
             // Counted on this node while it serves: the decision's reservation when it is the
             // node reserved, else from now.
             let _open = match reserved.take() {
-                Some(r) if r.conn() == node.conn => r,
+                Some(r) if r.conn() == node.conn => r.sent(),
                 _ => node.open(),
             };
             match self.send(session, t, node, path, body.clone()).await {
@@ -1383,7 +1383,7 @@ impl Gateway {
             // Counted on this node while it serves: the decision's reservation when it is the
             // node reserved, else from now.
             let open = match reserved.take() {
-                Some(r) if r.conn() == node.conn => r,
+                Some(r) if r.conn() == node.conn => r.sent(),
                 _ => node.open(),
             };
             let sent = tokio::select! {

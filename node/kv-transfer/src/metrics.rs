@@ -11,11 +11,28 @@ use crate::lease_authority::PoolStats;
 use crate::peer::TransferError;
 use crate::pull::PullStats;
 
-/// Pulls smaller than this do not move the bandwidth average (their time is mostly fixed cost).
-pub const PULL_RATE_MIN_BYTES: usize = 256 << 10;
+/// Pulls smaller than this do not move the bandwidth average: their time is mostly fixed cost
+/// (a thread's wake-up, a preemption on a busy host), and a rate read from them is far below
+/// the link's. (At 256 KiB, a prefill node's first pull back, two blocks, once read 1 MB/s on
+/// the 2-core VM, against 5–11 GB/s from every later pull; see BENCHMARKS.md, "Reservations
+/// are not work".)
+pub const PULL_RATE_MIN_BYTES: usize = 4 << 20;
 
 /// Weight of the newest pull in the bandwidth average.
 pub const PULL_RATE_EWMA_WEIGHT: f64 = 0.2;
+
+/// The bandwidth average after a pull measured at `sample` bytes/s: the first sample as is,
+/// then a moving average ([`PULL_RATE_EWMA_WEIGHT`]) over samples floored at half the
+/// average. A slow outlier (the pull's thread preempted) can halve the figure but not
+/// collapse it: a policy that reads a collapsed rate stops pulling, and then nothing measures
+/// the rate again.
+pub fn pull_rate_average(old: f64, sample: f64) -> f64 {
+    if old > 0.0 {
+        old + PULL_RATE_EWMA_WEIGHT * (sample.max(old / 2.0) - old)
+    } else {
+        sample
+    }
+}
 
 /// Transfer and lease metrics of one node.
 #[derive(Debug)]
@@ -283,13 +300,9 @@ impl TransferMetrics {
         self.descriptors.observe(s.descriptors as f64);
         let secs = s.total_time.as_secs_f64();
         if s.bytes >= PULL_RATE_MIN_BYTES && secs > 0.0 {
-            let sample = s.bytes as f64 / secs;
             let old = self.pull_bytes_per_second.get();
-            self.pull_bytes_per_second.set(if old > 0.0 {
-                old + PULL_RATE_EWMA_WEIGHT * (sample - old)
-            } else {
-                sample
-            });
+            self.pull_bytes_per_second
+                .set(pull_rate_average(old, s.bytes as f64 / secs));
         }
     }
 
@@ -328,6 +341,7 @@ impl Default for TransferMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn lease_counters_follow_the_table_by_deltas() {
@@ -352,5 +366,38 @@ mod tests {
             text.contains("pd_kv_leases_total{event=\"granted\"} 5"),
             "{text}"
         );
+    }
+
+    /// Small pulls do not move the average; a slow outlier halves it at most; fast samples
+    /// move it by the average's weight.
+    #[test]
+    fn the_pull_rate_ignores_small_pulls_and_survives_an_outlier() {
+        let m = TransferMetrics::new();
+        let pull = |bytes: usize, ms: u64| PullStats {
+            bytes,
+            descriptors: 1,
+            post_time: Duration::ZERO,
+            total_time: Duration::from_millis(ms),
+            copied: true,
+            helper_bytes: 0,
+            landed_blocks: 0,
+            landed_early: 0,
+        };
+        // Two blocks, preempted: 1 MB/s would make every later pull look 5000x too slow.
+        m.record_pull(&pull(2 << 20, 2000));
+        assert_eq!(m.pull_bytes_per_second.get(), 0.0);
+        m.record_pull(&pull(8 << 20, 1));
+        let first = m.pull_bytes_per_second.get();
+        assert_eq!(first, f64::from(8u32 << 20) * 1e3);
+        // An outlier 1000x slower: the sample counts at half the average, no lower.
+        m.record_pull(&pull(8 << 20, 1000));
+        let after = m.pull_bytes_per_second.get();
+        assert!(
+            (after - first * (1.0 - PULL_RATE_EWMA_WEIGHT / 2.0)).abs() < 1.0,
+            "{after}"
+        );
+        assert_eq!(pull_rate_average(100.0, 200.0), 120.0);
+        assert_eq!(pull_rate_average(100.0, 10.0), 90.0);
+        assert_eq!(pull_rate_average(0.0, 10.0), 10.0);
     }
 }

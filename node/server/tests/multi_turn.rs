@@ -4,11 +4,12 @@
 //! (reverse pull), checks it against its own prompt, and computes only the new tokens. Every
 //! turn's greedy output equals one standalone node's on the same full prompt, token for token.
 
+use pd_model::tiny::TinySpec;
 use serde_json::{Value, json};
 
 use crate::pd::{
-    Api, Node, Seen, consumer_with, eventually, metric, model, post, prefill_body, producer,
-    recomputes, seen, start, streaming,
+    Api, Node, Seen, consumer_with, eventually, metric, model, model_spec, post, prefill_body,
+    producer, recomputes, seen, start, streaming,
 };
 
 const RETAIN: &[&str] = &["--kv-retain-after-decode", "30"];
@@ -228,11 +229,24 @@ async fn every_api_returns_the_retained_turn_whole_or_streamed() {
 }
 
 /// The rates a policy weighs a pull against a recompute with: P's prefill tokens per second
-/// (moving average over its prefill steps) and D's pull bandwidth (over pulls of 256 KiB and
+/// (moving average over its prefill steps) and D's pull bandwidth (over pulls of 4 MiB and
 /// more), both measured on real work and exported (and streamed to a gateway in `NodeState`).
+/// A model with more KV per token than the others (8 KiB: 8 layers of 4 KV heads of 32), so
+/// 1000 tokens make a pull that counts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_rate_and_pull_bandwidth_are_measured() {
-    let dir = model("rates");
+    let dir = model_spec(
+        "rates",
+        &TinySpec {
+            seed: 21,
+            layers: 8,
+            hidden: 256,
+            heads: 8,
+            kv_heads: 4,
+            intermediate: 256,
+            ..TinySpec::default()
+        },
+    );
     let blocks = ["--num-gpu-blocks", "2048"];
     let p = producer(
         &dir,
@@ -257,7 +271,7 @@ async fn prefill_rate_and_pull_bandwidth_are_measured() {
     assert!(got.pulled.is_some_and(|n| n > 0), "{got:?}");
     let kv_bytes = metric(&d, "pd_kv_transfer_bytes_total").await;
     assert!(
-        kv_bytes >= f64::from(256u32 << 10),
+        kv_bytes >= pd_kv_transfer::metrics::PULL_RATE_MIN_BYTES as f64,
         "pulled {kv_bytes} bytes"
     );
     assert!(metric(&p, "pd_node_prefill_tokens_per_second").await > 0.0);

@@ -34,16 +34,20 @@ pub(crate) fn model(name: &str) -> PathBuf {
 
 /// A tiny model whose weights come from `seed` (same shapes and tokenizer for every seed).
 fn model_seeded(name: &str, seed: u64) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("pd-pd-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    generate(
+    model_spec(
+        name,
         &TinySpec {
             seed,
             ..TinySpec::default()
         },
-        &dir,
     )
-    .unwrap();
+}
+
+/// A model of `spec`'s shapes, in a directory of its own.
+pub(crate) fn model_spec(name: &str, spec: &TinySpec) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("pd-pd-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    generate(spec, &dir).unwrap();
     dir
 }
 

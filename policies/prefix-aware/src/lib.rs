@@ -20,9 +20,11 @@
 //! Multi-turn. The *holder* is `view.conversation`'s node (earlier-turn KV of this
 //! conversation under a lease), when there is one:
 //! 1. Route to the holder: when it is a decode or standalone node, not draining, the turn adds
-//!    at most `holder-max-new-tokens` prompt tokens beyond what it holds, and its load is at most
-//!    the least-loaded candidate of its role's plus `holder-load-slack`, and at most
-//!    `holder-max-busy` (0 by default: an idle holder): `whole` with the holder
+//!    at most `holder-max-new-tokens` prompt tokens beyond what it holds, its load is at most
+//!    the least-loaded candidate of its role's plus `holder-load-slack`, and it is *busy*
+//!    (`waiting + running`: requests parked for KV, and decodes the gateway reserved there
+//!    during P's phase, compute nothing yet) with at most `holder-max-busy` (0 by default:
+//!    an idle holder): `whole` with the holder
 //!    first, then the other candidates of its role in least-loaded order (they pull the turn from
 //!    the holder), `reverse-pull { from: holder, min-tokens: 0 }`.
 //! 2. Else, on a split, pull the turn back to P when it holds at least `min-pull` tokens, the
@@ -36,7 +38,7 @@
 //! With `idle-peer-max-busy` set (unset by default), between 1 and 2: when the holder
 //! qualifies for rule 1 but for its load or its draining, the least-loaded other candidate of
 //! its role takes
-//! the whole turn if its load is at most that setting and the held tokens are worth a pull at
+//! the whole turn if it is busy with at most that setting and the held tokens are worth a pull at
 //! its rates (as in 2): `whole` with that peer first, then the role's other candidates (the
 //! holder included) in least-loaded order, `reverse-pull { from: holder, min-tokens }`. The
 //! turn skips P's queue and the second transfer (P to D) a pulled-back turn makes.
@@ -200,9 +202,8 @@ fn to_holder(request: &Request, v: &View, h: Holding) -> Option<Decision> {
     }
     let others = candidates(v, role);
     let lightest = others.iter().map(|&i| load(v, i)).min()?;
-    let busy = load(v, h.node);
-    if busy > lightest.saturating_add(param("holder-load-slack", 2))
-        || busy > param("holder-max-busy", 0)
+    if load(v, h.node) > lightest.saturating_add(param("holder-load-slack", 2))
+        || busy(v, h.node) > param("holder-max-busy", 0)
     {
         return None;
     }
@@ -231,7 +232,7 @@ fn to_idle_peer(request: &Request, v: &View, h: Holding) -> Option<Decision> {
     }
     let mut list = least_loaded(v, candidates(v, role));
     let peer = list.iter().copied().find(|&i| i != h.node)?;
-    if load(v, peer) > max_busy {
+    if busy(v, peer) > max_busy {
         return None;
     }
     let p = peer as usize;
@@ -260,6 +261,13 @@ fn to_idle_peer(request: &Request, v: &View, h: Holding) -> Option<Decision> {
 fn load(v: &View, i: u32) -> u64 {
     let i = i as usize;
     u64::from(v.waiting[i]) + u64::from(v.running[i]) + u64::from(v.waiting_remote_kv[i])
+}
+
+/// Requests node `i` computes or has queued to compute: `waiting + running` (requests parked
+/// for KV compute nothing yet).
+fn busy(v: &View, i: u32) -> u64 {
+    let i = i as usize;
+    u64::from(v.waiting[i]) + u64::from(v.running[i])
 }
 
 /// Cached prefix blocks minus queued and running requests.

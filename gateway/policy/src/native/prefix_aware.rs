@@ -27,8 +27,9 @@ pub struct Thresholds {
     /// ...and when the holder's load is at most the least-loaded node of its role's plus this
     /// (`holder-load-slack`): an overloaded holder is passed over.
     pub holder_load_slack: u64,
-    /// ...and when the holder has at most this many requests queued, running or waiting for
-    /// KV (`holder-max-busy`). The default, 0, sends a turn to its holder only when the holder
+    /// ...and when the holder has at most this many requests queued or running
+    /// (`holder-max-busy`; requests parked for KV, and decodes the gateway reserved there
+    /// during P's phase, compute nothing yet and do not count). The default, 0, sends a turn to its holder only when the holder
     /// is idle, so no decode there ever waits behind a new turn's prefill (TPOT as on a decode
     /// node that only decodes: what P/D disaggregation is for); a busy holder's turn goes to P,
     /// which pulls the history back. Larger values trade the holder's decodes' TPOT for the
@@ -41,8 +42,8 @@ pub struct Thresholds {
     /// instead of the whole history again.
     pub decode_holder_slack: Option<u64>,
     /// When the holder is too busy (or draining) for rule 1, give the whole turn to the
-    /// least-loaded other node of its role if that one has at most this many requests
-    /// (`idle-peer-max-busy`; `None`, the default: the turn goes to P instead). The peer pulls
+    /// least-loaded other node of its role if that one has at most this many requests queued
+    /// or running (`idle-peer-max-busy`; `None`, the default: the turn goes to P instead). The peer pulls
     /// the history from the holder and prefills only the new tokens, so the turn skips P's
     /// queue and the second transfer (P to D) a pulled-back turn makes; at 0 it only takes an
     /// idle node, whose decodes cannot wait behind that prefill because it has none. A draining
@@ -117,9 +118,10 @@ pub fn prefix_aware(request: &Request, view: &View) -> Decision {
 /// Multi-turn (the *holder*: the node with the most `conversation_tokens`, ties to the lowest
 /// index, when any has some):
 /// 1. **Route to the holder** when it is a decode or standalone node, not draining, the turn
-///    adds at most `holder_max_new_tokens` prompt tokens beyond what it holds, and its load is
-///    at most the least-loaded of its role's candidates plus `holder_load_slack` (and at most
-///    `holder_max_busy`): `whole` with
+///    adds at most `holder_max_new_tokens` prompt tokens beyond what it holds, its load is
+///    at most the least-loaded of its role's candidates plus `holder_load_slack`, and it is
+///    busy (`waiting + running`: requests parked for KV compute nothing yet) with at most
+///    `holder_max_busy`: `whole` with
 ///    the holder first, then the other candidates of its role in least-loaded order (they pull
 ///    the turn from the holder), `reverse-pull { from: holder, min-tokens: 0 }`.
 /// 2. Otherwise, on a split, **pull the turn back** when it holds at least
@@ -131,7 +133,7 @@ pub fn prefix_aware(request: &Request, view: &View) -> Decision {
 /// With [`Thresholds::idle_peer_max_busy`] set, between 1 and 2: **an idle peer takes the
 /// turn** when the holder qualifies for rule 1 but for its load or its draining, and the
 /// least-loaded other
-/// candidate of the holder's role has a load of at most that, and the held tokens are worth a
+/// candidate of the holder's role is busy (`waiting + running`) with at most that, and the held tokens are worth a
 /// pull at the peer's measured rates ([`Thresholds::min_pull_tokens`]): `whole` with that peer
 /// first, then the role's other candidates (the holder included) in least-loaded order,
 /// `reverse-pull { from: holder, min-tokens: that }`.
@@ -206,6 +208,13 @@ fn holder_decodes_first(nodes: &[Node], h: u32, slack: u64, decode: &mut Vec<Dec
     }
 }
 
+/// Requests a node computes or has queued to compute: `waiting + running`. Requests parked
+/// for remote KV (and a split's decode the gateway reserved there) compute nothing yet, so a
+/// node with only those is free to prefill a turn now.
+fn busy(n: &Node) -> u64 {
+    u64::from(n.waiting) + u64::from(n.running)
+}
+
 /// Rule 1: the whole request on holder `h`, when it qualifies.
 fn to_holder(request: &Request, nodes: &[Node], h: u32, t: &Thresholds) -> Option<Decision> {
     let n = &nodes[h as usize];
@@ -218,7 +227,7 @@ fn to_holder(request: &Request, nodes: &[Node], h: u32, t: &Thresholds) -> Optio
     }
     let mut others = candidates(nodes, n.role);
     let lightest = others.iter().map(|&i| load(&nodes[i as usize])).min()?;
-    if load(n) > lightest.saturating_add(t.holder_load_slack) || load(n) > t.holder_max_busy {
+    if load(n) > lightest.saturating_add(t.holder_load_slack) || busy(n) > t.holder_max_busy {
         return None;
     }
     others.retain(|&i| i != h);
@@ -256,7 +265,7 @@ fn to_idle_peer(
     let mut list = candidates(nodes, n.role);
     list.sort_unstable_by_key(|&i| least_loaded_key(nodes, i));
     let peer = list.iter().copied().find(|&i| i != h)?;
-    if load(&nodes[peer as usize]) > max_busy {
+    if busy(&nodes[peer as usize]) > max_busy {
         return None;
     }
     let min_tokens = t
@@ -386,6 +395,32 @@ mod tests {
         };
         let d = prefix_aware_with(&r, &v, &Measured::default(), &t);
         assert_eq!(d.route, Route::Whole(vec![2, 1]));
+    }
+
+    /// Requests parked for remote KV (a split's decode the gateway reserved there while P
+    /// computes) are not work the holder's prefill would stall: the holder takes the turn. They
+    /// still count in the least-loaded order and the slack. (Counting them as busy sent every
+    /// turn to P once each decode node had one reserved: BENCHMARKS.md, "Reservations are not
+    /// work".)
+    #[test]
+    fn a_holder_with_only_parked_requests_is_idle() {
+        let mut holder = holding(node(Role::Decode, 0, 10, false), 96);
+        holder.waiting_remote_kv = 1;
+        let v = view(vec![
+            node(Role::Prefill, 0, 10, false),
+            node(Role::Decode, 0, 10, false),
+            holder,
+        ]);
+        let r = request(0, 1, vec![]);
+        assert_eq!(prefix_aware(&r, &v).route, Route::Whole(vec![2, 1]));
+        // Beyond the slack (2) of the lightest node, parked requests pass the holder over.
+        let mut far = v.clone();
+        far.nodes[2].waiting_remote_kv = 3;
+        assert!(matches!(prefix_aware(&r, &far).route, Route::Split(_)));
+        // A queued request is work.
+        let mut queued = v.clone();
+        queued.nodes[2].waiting = 1;
+        assert!(matches!(prefix_aware(&r, &queued).route, Route::Split(_)));
     }
 
     #[test]
