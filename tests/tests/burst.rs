@@ -82,9 +82,10 @@ async fn a_burst_is_dealt_out_over_the_decode_nodes() {
 }
 
 /// While P is stopped, a request whose two children are spread over d0 and d1 (round-robin
-/// deals n = 2 one each) is counted open on both decode nodes, though neither has been asked
-/// yet; once P runs again the request completes with both children. Before, only the first
-/// decode node of a split was counted from the decision on: d1 showed 0 here.
+/// deals n = 2 one each) is open on p0 and reserved on both decode nodes, though neither has
+/// been asked yet (the view shows a reservation as a request waiting for remote KV); once P
+/// runs again the request completes with both children, and the reservations are gone. Before,
+/// only the first decode node of a split was counted from the decision on: d1 showed 0 here.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_spread_request_counts_its_decode_nodes_from_the_decision_on() {
     let c = TestCluster::start(
@@ -100,12 +101,18 @@ async fn a_spread_request_counts_its_decode_nodes_from_the_decision_on() {
         .push_policy(&bins::policy("round-robin"), "round-robin", &[])
         .await;
     assert_eq!(status, 200, "push round-robin: {v}");
+    // (open, reserved) by the gateway on node `id`.
     let open_on = async |id: &str| {
         c.admin_nodes()
             .await
             .iter()
             .find(|n| n["engine_id"] == id)
-            .and_then(|n| n["gateway_open_requests"].as_u64())
+            .and_then(|n| {
+                Some((
+                    n["gateway_open_requests"].as_u64()?,
+                    n["gateway_reserved_requests"].as_u64()?,
+                ))
+            })
     };
     let stopped = Stopped::new(c.node("p0"));
     let (client, gateway) = (c.client.clone(), c.gateway.http.clone());
@@ -126,15 +133,15 @@ async fn a_spread_request_counts_its_decode_nodes_from_the_decision_on() {
             open_on("d0").await,
             open_on("d1").await,
         );
-        if seen == (Some(1), Some(1), Some(1)) {
+        if seen == (Some((1, 0)), Some((0, 1)), Some((0, 1))) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(
         seen,
-        (Some(1), Some(1), Some(1)),
-        "open requests on (p0, d0, d1) while p0 is stopped"
+        (Some((1, 0)), Some((0, 1)), Some((0, 1))),
+        "(open, reserved) requests on (p0, d0, d1) while p0 is stopped"
     );
     drop(stopped);
     let a = request.await.expect("the request task").ok();
@@ -151,7 +158,11 @@ async fn a_spread_request_counts_its_decode_nodes_from_the_decision_on() {
         );
     }
     eventually("the counts back to 0", Duration::from_secs(3), async || {
-        open_on("d0").await == Some(0) && open_on("d1").await == Some(0)
+        [
+            open_on("p0").await,
+            open_on("d0").await,
+            open_on("d1").await,
+        ] == [Some((0, 0)); 3]
     })
     .await;
 }
