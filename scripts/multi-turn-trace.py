@@ -9,9 +9,10 @@ the node that took it whole or on the decode node of its split (the gateway coun
 decode node from the decision on).
 
 For every decision whose conversation has a holder, prints the holder's load in the view
-(waiting + running + waiting-remote-kv) beside the turns then open on it, and sums up: how
-often the holder looked busy, and how often it was busy. A view that shows load where no turn
-is open is a stale view; a holder that is busy is the load itself.
+beside the turns then on it — computing (a whole turn, or a split's decode phase) or reserved
+(a split whose decode the gateway reserved there while P computes) — when the view's `waiting +
+running` and what was computing disagree (`--all`: every decision), and sums up. A view busy
+where nothing computes is stale; a holder with only reservations is free to prefill.
 
     python3 scripts/multi-turn-trace.py DIR [--mode c] [--all]
 """
@@ -58,14 +59,20 @@ def main():
             t["decided_ms"] = d["time-ms"]
     unmatched = [t for t in turns if t["decision"] is None]
 
-    def open_on(node, at, me):
-        return [
-            u
-            for u in turns
-            if u is not me and u.get("node") == node and u["decided_ms"] < at < u["end_ms"]
-        ]
+    def on(node, at, me):
+        """Turns computing on `node` at `at`, and turns reserved there (a split in P's phase)."""
+        computing, reserved = [], []
+        for u in turns:
+            if u is me or u.get("node") != node or not u["decided_ms"] < at < u["end_ms"]:
+                continue
+            if u["how"] == "split" and at < u["first_ms"]:
+                reserved.append(u)
+            else:
+                computing.append(u)
+        return computing, reserved
 
     names = decisions[0]["node-names"] if decisions else []
+    name = lambda i: names[i] if names else str(i)
     rows = []
     for t in sorted(turns, key=lambda t: t["sent_ms"]):
         if t["decision"] is None:
@@ -77,24 +84,27 @@ def main():
             continue
         h = holders[0]
         n = nodes[h]
-        load = n["waiting"] + n["running"] + n["waiting-remote-kv"]
-        really = open_on(h, d["time-ms"], t)
-        rows.append((t, h, load, len(really)))
-        if show_all or (load > 0) != bool(really):
+        busy = n["waiting"] + n["running"]
+        computing, reserved = on(h, d["time-ms"], t)
+        rows.append((t, h, busy, len(computing), n["waiting-remote-kv"], len(reserved)))
+        if show_all or (busy > 0) != bool(computing):
             print(
-                f"conv {t['conversation']} turn {t['turn']:2}: holder {names[h] if names else h} "
-                f"view load {load} (w{n['waiting']} r{n['running']} k{n['waiting-remote-kv']}), "
-                f"open there {len(really)}; went {t['how']} to {names[t['node']] if names else t['node']}"
+                f"conv {t['conversation']} turn {t['turn']:2}: holder {name(h)} "
+                f"view w{n['waiting']} r{n['running']} k{n['waiting-remote-kv']}, "
+                f"computing there {len(computing)}, reserved there {len(reserved)}; "
+                f"went {t['how']} to {name(t['node'])}"
             )
     looked = sum(1 for r in rows if r[2] > 0)
     was = sum(1 for r in rows if r[3] > 0)
     stale = sum(1 for r in rows if r[2] > 0 and r[3] == 0)
     missed = sum(1 for r in rows if r[2] == 0 and r[3] > 0)
+    only_reserved = sum(1 for r in rows if r[3] == 0 and r[5] > 0)
     on_holder = sum(1 for r in rows if r[0]["how"] == "whole" and r[0]["node"] == r[1])
     print(
-        f"mode {mode}: {len(rows)} turns with a holder ({len(unmatched)} turns unmatched); "
-        f"holder looked busy {looked}, was busy {was}; looked busy but idle {stale}, "
-        f"looked idle but busy {missed}; went whole to the holder {on_holder}"
+        f"mode {mode}: {len(rows)} turns with a holder ({len(unmatched)} unmatched); "
+        f"holder busy (waiting + running) in the view {looked}, computing {was}; "
+        f"busy in the view but not computing {stale}, the reverse {missed}; "
+        f"holder with only reservations {only_reserved}; went whole to the holder {on_holder}"
     )
 
 

@@ -1,7 +1,7 @@
 //! Each shipped guest policy (a real component under real wasmtime) decides exactly as its
 //! native copy: over a seeded random sweep, and on hand-written views with recorded answers.
 
-use crate::common::{Rng, load, names, node, random_case, random_measured, request};
+use crate::common::{Rng, holder_cases, load, names, node, random_case, random_measured, request};
 use pd_policy::native::prefix_aware::{Thresholds, prefix_aware_with};
 use pd_policy::native::{self, NO_NODES};
 use pd_policy::{
@@ -59,6 +59,15 @@ fn guests_match_native_on_random_views() {
                 Route::Split(_) => splits += 1,
                 Route::Whole(_) => wholes += 1,
                 Route::Reject(_) => rejects += 1,
+            }
+        }
+        if name == "prefix-aware" {
+            for (i, (request, view)) in holder_cases().into_iter().enumerate() {
+                let want = native(&request, &view, &Measured::default());
+                let got = policy
+                    .decide_measured(&request, &view, &Measured::default(), &names(&view))
+                    .unwrap_or_else(|e| panic!("holder case {i}: {e:?}"));
+                assert_eq!(got, want, "holder case {i}: {view:?}");
             }
         }
         // The sweep reaches every route shape.

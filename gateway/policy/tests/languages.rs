@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::common::{Rng, names, policies_dir, random_case};
+use crate::common::{Rng, holder_cases, names, policies_dir, random_case};
 use pd_policy::native;
 use pd_policy::{Decision, PolicyEngine, PolicySpec, Request, Route, View, validate};
 
@@ -103,6 +103,16 @@ fn every_language_decides_as_the_native_policy() {
                 Route::Reject(_) => rejects += 1,
             }
             big += usize::from(view.nodes.len() == 64);
+        }
+        // prefix-aware: every state of the holder rule 1 tells apart.
+        if policy == "prefix-aware" {
+            for (i, (request, view)) in holder_cases().into_iter().enumerate() {
+                let want = native(&request, &view);
+                let got = guest
+                    .decide(&request, &view, &names(&view))
+                    .unwrap_or_else(|e| panic!("{name} holder case {i}: {e:?}"));
+                assert_eq!(got, want, "{name} holder case {i}: {view:?}");
+            }
         }
         // The sweep reaches every route shape and the 64-node views.
         assert!(

@@ -22,9 +22,9 @@
 // this conversation under a lease; ties to the lowest index), when any has some:
 // 1. Route to the holder: when it is a decode or standalone node, not draining, the turn adds at
 //    most `holder-max-new-tokens` prompt tokens beyond what it holds, and its load is at most the
-//    least-loaded candidate of its role's plus `holder-load-slack` and at most
-//    `holder-max-busy` (0: an idle holder, so its decodes never wait behind this prefill):
-//    whole with the holder first,
+//    least-loaded candidate of its role's plus `holder-load-slack`, and it has at most
+//    `holder-max-busy` requests queued or running (parked ones compute nothing yet; 0: an
+//    idle holder, so its decodes never wait behind this prefill): whole with the holder first,
 //    then the other candidates of its role in least-loaded order, reverse pull from the holder
 //    with min-tokens 0.
 // 2. Else, on a split, pull the turn back to P when it holds at least min-pull tokens, the
@@ -48,6 +48,11 @@ const NO_NODES =
 /** Requests on a node: queued, running, and parked waiting for KV. */
 function load(node) {
   return node.waiting + node.running + node.waitingRemoteKv;
+}
+
+// Requests a node computes or has queued to compute (parked ones compute nothing yet).
+function busy(node) {
+  return node.waiting + node.running;
 }
 
 /** Cached prefix blocks minus queued and running requests (may be negative). */
@@ -116,7 +121,7 @@ function toHolder(request, nodes, h) {
   if (others.length === 0) return undefined;
   const lightest = Math.min(...others.map((i) => load(nodes[i])));
   if (load(n) > lightest + param("holder-load-slack", 2)) return undefined;
-  if (load(n) > param("holder-max-busy", 0)) return undefined;
+  if (busy(n) > param("holder-max-busy", 0)) return undefined;
   const list = [h, ...leastLoaded(nodes, others).filter((i) => i !== h)];
   return { route: { tag: "whole", val: list }, reversePull: { from: h, minTokens: 0 } };
 }

@@ -22,8 +22,9 @@ Multi-turn. The holder is the node with the most `conversation_tokens` (earlier-
 conversation under a lease; ties to the lowest index), when any has some:
 1. Route to the holder: when it is a decode or standalone node, not draining, the turn adds at
    most `holder-max-new-tokens` prompt tokens beyond what it holds, and its load is at most the
-   least-loaded candidate of its role's plus `holder-load-slack` and at most `holder-max-busy`
-   (0: an idle holder, so its decodes never wait behind this prefill): whole with the holder first,
+   least-loaded candidate of its role's plus `holder-load-slack`, and it has at most
+   `holder-max-busy` requests queued or running (parked ones compute nothing yet; 0: an idle
+   holder, so its decodes never wait behind this prefill): whole with the holder first,
    then the other candidates of its role in least-loaded order, reverse pull from the holder
    with min-tokens 0.
 2. Else, on a split, pull the turn back to P when it holds at least min-pull tokens, the fewest
@@ -58,6 +59,11 @@ NO_NODES = (
 def load(node):
     """Requests on a node: queued, running, and parked waiting for KV."""
     return node.waiting + node.running + node.waiting_remote_kv
+
+
+def busy(node):
+    """Requests a node computes or has queued to compute (parked ones compute nothing yet)."""
+    return node.waiting + node.running
 
 
 def score(node, prefix_blocks):
@@ -127,7 +133,7 @@ def to_holder(request, nodes, h):
     lightest = min(load(nodes[i]) for i in others)
     if load(n) > lightest + param("holder-load-slack", 2):
         return None
-    if load(n) > param("holder-max-busy", 0):
+    if busy(n) > param("holder-max-busy", 0):
         return None
     ranked = [h] + [i for i in least_loaded(nodes, others) if i != h]
     return Decision(route=Route_Whole(ranked), reverse_pull=ReversePull(from_=h, min_tokens=0))

@@ -234,6 +234,46 @@ pub fn random_case(rng: &mut Rng, case: u64) -> (Request, View) {
     (request(seq, n, prefix_blocks), View { nodes })
 }
 
+/// Views of a conversation's holder in each state `prefix-aware`'s rule 1 tells apart: idle;
+/// only requests parked for KV (within the slack, and beyond it); queued; running; running
+/// with a parked one. A decode holder beside a prefill and a decode node, and a standalone one
+/// beside a standalone node. The random sweep reaches these only now and then.
+pub fn holder_cases() -> Vec<(Request, View)> {
+    let node = |role| Node {
+        role,
+        free_blocks: 500,
+        total_blocks: 1024,
+        leased_blocks: 0,
+        waiting: 0,
+        running: 0,
+        waiting_remote_kv: 0,
+        draining: false,
+        conversation_tokens: 0,
+        conversation_expiry_ms: 0,
+    };
+    let mut cases = Vec::new();
+    for role in [Role::Decode, Role::Standalone] {
+        for (waiting, running, parked) in [
+            (0, 0, 0),
+            (0, 0, 1),
+            (0, 0, 3),
+            (1, 0, 0),
+            (0, 1, 0),
+            (0, 1, 1),
+        ] {
+            let mut holder = node(role);
+            (holder.waiting, holder.running, holder.waiting_remote_kv) = (waiting, running, parked);
+            (holder.conversation_tokens, holder.conversation_expiry_ms) = (60, 30_000);
+            let nodes = match role {
+                Role::Decode => vec![node(Role::Prefill), node(role), holder],
+                _ => vec![node(role), holder],
+            };
+            cases.push((request(7, 1, Vec::new()), View { nodes }));
+        }
+    }
+    cases
+}
+
 /// Random measurements for `len` nodes: rates often not measured (0), else from slow to fast,
 /// and KV bytes per token unknown or of models small to large, so the prefix-aware pull
 /// threshold lands below, within and above the held token counts of [`random_case`].
