@@ -52,7 +52,7 @@ use wasmtime_wasi::{
 use crate::bindings::v1::pd::policy::host::Level;
 use crate::bindings::{v1, v2, v3};
 use crate::columns::{Measured, Rates, columns, indexed};
-use crate::epoch::{self, EpochClock};
+use crate::epoch::{EpochClock, Watch};
 use crate::precompiled::DiskCache;
 use crate::spare::{Refill, SpareWorker};
 use crate::validate::lift_v3;
@@ -103,7 +103,9 @@ pub struct PolicySpec {
     /// Wall-clock budget of one call, and separately of the instantiation before it (which may
     /// run ahead of the call: `spares`); a backstop to `fuel`, enforced with epochs
     /// (`epoch.rs`), so a runaway call stops between `deadline` and `deadline + TICK`
-    /// (250 µs), or up to 1 ms later when it started while the epoch dozed between calls.
+    /// (250 µs), or up to 1 ms later when it started while the epoch dozed between calls. A
+    /// call whose thread waited for a core rather than computing runs on past it until it has
+    /// computed for `deadline` (estimated from its fuel), up to 10 deadlines (`epoch::Watch`).
     /// Default: 1 ms.
     pub deadline: Duration,
     /// Largest size in bytes any one linear memory of the guest may reach. At most
@@ -694,10 +696,11 @@ impl WasmPolicy {
         let (result, stats) = match fresh {
             Err((e, stats)) => (Err(e), stats),
             Ok(mut fresh) => {
+                let fuel = fresh.store.get_fuel().unwrap_or(0);
                 let active = core.engine.clock.enter(core.spec.deadline);
                 let state = fresh.store.data_mut();
                 state.begin_call(request.seq, node_names.clone());
-                state.deadline_ns = active.deadline_ns;
+                state.watch = Watch::new(&active, core.spec.deadline, fuel);
                 fresh.store.set_epoch_deadline(1);
                 let result = fresh.call(request, view, measured);
                 drop(active);
@@ -760,7 +763,7 @@ impl Core {
             seed: INSTANTIATE_SEED,
             clock: Arc::default(),
             wasi: None,
-            deadline_ns: u64::MAX,
+            watch: Watch::IDLE,
         };
         let mut store = Store::new(&self.engine.engine, state);
         store.limiter(|s| &mut s.limiter);
@@ -768,15 +771,16 @@ impl Core {
             return Err((engine_err(e), CallStats::default()));
         }
         // Each store checks its own call's deadline whenever the epoch advances (`epoch.rs`).
-        store.epoch_deadline_callback(|ctx| {
-            if epoch::past(ctx.data().deadline_ns) {
+        store.epoch_deadline_callback(|mut ctx| {
+            let fuel = ctx.get_fuel().unwrap_or(0);
+            if ctx.data_mut().watch.expired(fuel) {
                 Err(Trap::Interrupt.into())
             } else {
                 Ok(UpdateDeadline::Continue(1))
             }
         });
         let active = self.engine.clock.enter(self.spec.deadline);
-        store.data_mut().deadline_ns = active.deadline_ns;
+        store.data_mut().watch = Watch::new(&active, self.spec.deadline, self.spec.fuel);
         store.set_epoch_deadline(1);
         let bound = match &self.pre {
             Pre::V1(pre) => pre.instantiate(&mut store).map(Bound::V1),
@@ -885,9 +889,9 @@ struct HostState {
     clock: Arc<AtomicU64>,
     /// Built on the guest's first WASI call: most policies never make one.
     wasi: Option<WasiState>,
-    /// When the running call (or instantiation) is past its deadline (`deadline::now_ns`'s
-    /// clock); the store's epoch callback traps it from then on.
-    deadline_ns: u64,
+    /// The running call's (or instantiation's) deadline, which the store's epoch callback
+    /// checks ([`Watch::expired`]).
+    watch: Watch,
 }
 
 impl HostState {

@@ -53,8 +53,113 @@ pub(crate) fn now_ns() -> u64 {
 }
 
 /// Whether a call whose deadline is `deadline_ns` ([`now_ns`]'s clock) has run past it.
+#[cfg(test)]
 pub(crate) fn past(deadline_ns: u64) -> bool {
     now_ns() >= deadline_ns
+}
+
+/// CPU time the calling thread has run, in ns (`CLOCK_THREAD_CPUTIME_ID`: a syscall, so read
+/// only on an epoch tick, never on every call).
+pub(crate) fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: as in `now_ns`; every Linux has the calling thread's CPU clock.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    (ts.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(ts.tv_nsec as u64)
+}
+
+/// A call past its wall-clock deadline may run on to this many deadlines while its thread
+/// waits for a core ([`Watch`]).
+pub(crate) const DESCHEDULED_GRACE: u32 = 10;
+
+/// CPU time over which a call's pace (fuel per ns of its thread's CPU) is measured before it
+/// is trusted.
+const PACE_WINDOW_NS: u64 = 50_000;
+
+/// One call's deadline as its store's epoch callback checks it, on the call's own thread.
+///
+/// The deadline is wall-clock time, but a thread that waits for a core (a loaded host) runs
+/// out of wall time without computing: on the 2-core VM a 5 µs decision once took 4.6 ms,
+/// and the fallback that decided instead knew nothing of the conversation it broke
+/// (BENCHMARKS.md, "Reservations are not work"). So past the deadline a call stops when it
+/// has *computed* for a deadline, estimated from its fuel: the fuel it burned since it
+/// started, at the pace it burns fuel per ns of its thread's CPU time, measured from its first
+/// tick on (the thread's CPU clock is a ~0.7 µs syscall here, so a call that ends before a
+/// tick never reads it). A runaway burns fuel at its pace and stops at the deadline (plus a
+/// tick when its first tick came late); a call that waited for a core burned little and runs
+/// on, up to [`DESCHEDULED_GRACE`] deadlines.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Watch {
+    /// The deadline ([`now_ns`]'s clock).
+    deadline_ns: u64,
+    /// Past this the call stops whatever its thread did.
+    cap_ns: u64,
+    /// The deadline as CPU time.
+    budget_ns: u64,
+    /// Fuel left when the call started.
+    fuel_at_start: u64,
+    /// (thread CPU ns, fuel left) at the call's first tick.
+    mark: Option<(u64, u64)>,
+}
+
+impl Watch {
+    /// No call running: the callback lets everything run (nothing runs).
+    pub(crate) const IDLE: Watch = Watch {
+        deadline_ns: u64::MAX,
+        cap_ns: u64::MAX,
+        budget_ns: u64::MAX,
+        fuel_at_start: 0,
+        mark: None,
+    };
+
+    /// A call that started with `active`, a budget of `deadline` and `fuel` left.
+    pub(crate) fn new(active: &Active<'_>, deadline: Duration, fuel: u64) -> Watch {
+        let budget_ns = u64::try_from(deadline.as_nanos()).unwrap_or(u64::MAX);
+        Watch {
+            deadline_ns: active.deadline_ns,
+            cap_ns: active
+                .deadline_ns
+                .saturating_add(budget_ns.saturating_mul(u64::from(DESCHEDULED_GRACE - 1))),
+            budget_ns,
+            fuel_at_start: fuel,
+            mark: None,
+        }
+    }
+
+    /// At an epoch tick seen by the call, on its thread, with `fuel` left: whether it must
+    /// stop now.
+    pub(crate) fn expired(&mut self, fuel: u64) -> bool {
+        self.expired_at(now_ns(), thread_cpu_ns, fuel)
+    }
+
+    /// [`Watch::expired`] at wall time `now`, reading the thread's CPU time with `cpu`.
+    fn expired_at(&mut self, now: u64, cpu: impl Fn() -> u64, fuel: u64) -> bool {
+        if self.mark.is_none() {
+            self.mark = Some((cpu(), fuel));
+            return now >= self.cap_ns;
+        }
+        if now < self.deadline_ns {
+            return false;
+        }
+        if now >= self.cap_ns {
+            return true;
+        }
+        let Some((cpu0, fuel0)) = self.mark else {
+            return false;
+        };
+        let (ran, burned) = (cpu().saturating_sub(cpu0), fuel0.saturating_sub(fuel));
+        if ran < PACE_WINDOW_NS || burned == 0 {
+            return false;
+        }
+        // CPU ns the whole call computed: its fuel at its pace (u128: no overflow).
+        let used = u128::from(self.fuel_at_start.saturating_sub(fuel)) * u128::from(ran)
+            / u128::from(burned);
+        used >= u128::from(self.budget_ns)
+    }
 }
 
 /// The thread's state as calls see it, and the timer that wakes it from its sleep.
@@ -244,6 +349,60 @@ mod tests {
     use std::sync::Arc;
     use std::sync::atomic::AtomicU32;
     use std::time::Instant;
+
+    /// A watch of a 1 ms deadline at wall time 0 (the cap at 10 ms), with 10^9 fuel at the
+    /// start.
+    fn watch() -> Watch {
+        Watch {
+            deadline_ns: 1_000_000,
+            cap_ns: 10_000_000,
+            budget_ns: 1_000_000,
+            fuel_at_start: 1_000_000_000,
+            mark: None,
+        }
+    }
+
+    /// Fuel left after burning `ns` of CPU at 1 fuel per ns.
+    fn left(ns: u64) -> u64 {
+        1_000_000_000 - ns
+    }
+
+    #[test]
+    fn past_the_deadline_a_call_stops_once_it_computed_for_one() {
+        let ms = 1_000_000;
+        // A runaway: it computes all the time; first tick at 0.25 ms.
+        let mut w = watch();
+        assert!(!w.expired_at(ms / 4, || 5 * ms, left(ms / 4)));
+        assert!(!w.expired_at(ms / 2, || 5 * ms + ms / 4, left(ms / 2)));
+        assert!(w.expired_at(ms, || 5 * ms + 3 * ms / 4, left(ms)));
+        // Off its core for 4 ms from its first tick: 0.35 ms computed, it runs on...
+        let mut w = watch();
+        assert!(!w.expired_at(ms / 4, || 5 * ms, left(ms / 4)));
+        assert!(!w.expired_at(4 * ms, || 5 * ms + ms / 10, left(ms / 4 + ms / 10)));
+        // ...until it computed for the deadline...
+        assert!(!w.expired_at(5 * ms, || 5 * ms + ms / 2, left(3 * ms / 4)));
+        assert!(w.expired_at(6 * ms, || 5 * ms + 3 * ms / 4, left(ms)));
+        // ...and never past the cap.
+        let mut w = watch();
+        assert!(!w.expired_at(ms / 4, || 0, left(0)));
+        assert!(w.expired_at(10 * ms, || 0, left(0)));
+        // Off its core from the start until past the deadline, then 2 ms of work left: its
+        // first tick marks, and it computes on at its pace until it has used its 1 ms.
+        let mut w = watch();
+        assert!(!w.expired_at(30 * ms / 10, || 7 * ms, left(ms / 10)));
+        assert!(!w.expired_at(31 * ms / 10, || 7 * ms + ms / 10, left(2 * ms / 10)));
+        assert!(!w.expired_at(38 * ms / 10, || 7 * ms + 8 * ms / 10, left(9 * ms / 10)));
+        assert!(w.expired_at(39 * ms / 10, || 7 * ms + 9 * ms / 10, left(ms)));
+        // A runaway whose first tick came at its deadline (the epoch thread slept): it stops
+        // a tick later.
+        let mut w = watch();
+        assert!(!w.expired_at(ms, || 0, left(ms)));
+        assert!(w.expired_at(ms + ms / 4, || ms / 4, left(ms + ms / 4)));
+        // The idle watch never stops anything.
+        let mut idle = Watch::IDLE;
+        assert!(!idle.expired_at(u64::MAX - 1, || u64::MAX, 0));
+        assert!(!idle.expired_at(u64::MAX - 1, || u64::MAX, 0));
+    }
 
     fn started(clock: &Arc<EpochClock>) -> (Arc<AtomicU32>, std::thread::JoinHandle<()>) {
         let ticks = Arc::new(AtomicU32::new(0));

@@ -133,6 +133,100 @@ fn deadline_stops_a_loop() {
     recovers(&policy);
 }
 
+/// Set before a call: the next SIGUSR1 on the calling thread sleeps [`WAIT`] in its handler.
+static WAIT_ARMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// How long the armed handler keeps the thread off its core.
+const WAIT: Duration = Duration::from_millis(30);
+
+extern "C" fn wait_for_a_core(_: libc::c_int) {
+    if WAIT_ARMED.swap(false, std::sync::atomic::Ordering::SeqCst) {
+        let ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: WAIT.as_nanos() as libc::c_long,
+        };
+        // SAFETY: nanosleep is async-signal-safe; `ts` outlives the call.
+        unsafe { libc::nanosleep(&ts, std::ptr::null_mut()) };
+    }
+}
+
+/// Runs `f` on this thread while another thread signals it every 200 µs; the first signal
+/// after `f` starts keeps the thread off its core for [`WAIT`] (its handler sleeps), as a
+/// loaded host's scheduler would. Returns `f`'s result and its wall time.
+fn descheduled<T>(f: impl FnOnce() -> T) -> (T, Duration) {
+    static INSTALL: std::sync::Once = std::sync::Once::new();
+    INSTALL.call_once(|| {
+        // SAFETY: a plain handler for SIGUSR1, which nothing else in this process uses.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = wait_for_a_core as *const () as usize;
+            libc::sigemptyset(&mut sa.sa_mask);
+            assert_eq!(libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut()), 0);
+        }
+    });
+    // SAFETY: reads the calling thread's id.
+    let me = unsafe { libc::pthread_self() };
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let d = done.clone();
+    let sender = std::thread::spawn(move || {
+        while !d.load(std::sync::atomic::Ordering::SeqCst) {
+            // SAFETY: `me` is the test thread, alive until it joins this one.
+            unsafe { libc::pthread_kill(me, libc::SIGUSR1) };
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    });
+    WAIT_ARMED.store(true, std::sync::atomic::Ordering::SeqCst);
+    let started = Instant::now();
+    let out = f();
+    let took = started.elapsed();
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    sender.join().expect("the signalling thread");
+    WAIT_ARMED.store(false, std::sync::atomic::Ordering::SeqCst);
+    (out, took)
+}
+
+/// A call whose thread waits for a core past its wall-clock deadline is not a runaway: it
+/// answers (within 10 deadlines), where it used to fail as a timeout, and the gateway's
+/// fallback then decided without the policy (a multi-turn conversation lost its holder: 19.5 s
+/// TTFT in BENCHMARKS.md, run 21). A loop kept off its core the same way is still stopped.
+#[test]
+fn a_call_that_waits_for_a_core_is_not_a_runaway() {
+    let engine = PolicyEngine::new().expect("engine");
+    let deadline = Duration::from_millis(10);
+    let policy = engine
+        .load(
+            &wasm("looping"),
+            PolicySpec {
+                fuel: u64::MAX,
+                deadline,
+                ..spec("looping")
+            },
+        )
+        .expect("load");
+    let spin = |rounds: u64| request(rounds, 8, vec![]);
+    // Size the call to ~2 ms of computing here (a fifth of the deadline), so the signal lands
+    // while it runs: rounds per ms from an undisturbed call.
+    let probe = 200_000;
+    let started = Instant::now();
+    call(&policy, &spin(probe)).expect("an undisturbed call answers");
+    let per_ms = probe as f64 / started.elapsed().as_secs_f64().max(1e-6) / 1e3;
+    let rounds = (2.0 * per_ms) as u64;
+    let (answer, took) = descheduled(|| call(&policy, &spin(rounds)));
+    assert!(
+        took > deadline,
+        "the thread waited {took:?}: not past the {deadline:?} deadline, so this proves nothing"
+    );
+    let d = answer.expect("a call that waited for a core answers");
+    assert_eq!(d.route, Route::Whole(vec![0, 1, 2]));
+    // A runaway kept off its core just as long still stops, at the latest at the cap.
+    let (answer, took) = descheduled(|| call(&policy, &request(0, 7, vec![])));
+    assert!(
+        matches!(answer, Err(PolicyError::Timeout { .. })),
+        "{answer:?}"
+    );
+    assert!(took < deadline * 10 + WAIT, "took {took:?}");
+}
+
 #[test]
 fn fuel_stops_a_loop() {
     let engine = PolicyEngine::new().expect("engine");

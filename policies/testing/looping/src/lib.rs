@@ -1,5 +1,7 @@
 //! Test-only guest: loops forever when asked to (see `misbehave`), else answers validly.
-//! The host must stop it with its fuel budget or its epoch deadline.
+//! The host must stop it with its fuel budget or its epoch deadline. With `request.n == 8` it
+//! first computes for `request.seq` rounds, then answers: a call that takes as long as a test
+//! needs.
 
 #![no_std]
 
@@ -21,6 +23,12 @@ impl Guest for Looping {
         if misbehave(&request) {
             let mut x = request.seq;
             loop {
+                x = core::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+            }
+        }
+        if request.n == 8 {
+            let mut x = request.seq;
+            for _ in 0..request.seq {
                 x = core::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
             }
         }
