@@ -224,7 +224,9 @@ fn a_call_that_waits_for_a_core_is_not_a_runaway() {
         matches!(answer, Err(PolicyError::Timeout { .. })),
         "{answer:?}"
     );
-    assert!(took < deadline * 10 + WAIT, "took {took:?}");
+    // (Its cap is 10 deadlines; the bound leaves room for a busy machine, as
+    // `deadline_stops_a_loop` does.)
+    assert!(took < Duration::from_secs(2), "took {took:?}");
 }
 
 #[test]
