@@ -88,7 +88,7 @@ async fn node_count(c: &TestCluster, id: &str, name: &str, filter: &[(&str, &str
 }
 
 /// The WASM `prefix-aware` made every decision: no policy failure, no fallback to the native one
-/// (whose least-loaded rule never routes to a holder nor asks for a pull).
+/// (which has the same rules at default thresholds, so its decisions alone would not tell).
 async fn only_the_wasm_policy_decided(c: &TestCluster) {
     let g = c.gateway_metrics().await;
     assert_eq!(g.sum("pd_gateway_policy_failures_total", &[]), 0.0);
@@ -582,6 +582,70 @@ async fn retained_counts(c: &TestCluster) -> [f64; 2] {
         node_count(c, "d0", "pd_node_kv_retained_total", &[]).await,
         node_count(c, "d1", "pd_node_kv_retained_total", &[]).await,
     ]
+}
+
+/// A policy that fails on a conversation's turn does not cost the conversation its history: the
+/// built-in fallback is the native prefix-aware, so the turn still goes whole to its holder,
+/// token for token what one node gives. (The fallback was least-loaded, which knows no holders:
+/// the turn was split and its history recomputed; this test failed then.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_whose_policy_fails_still_goes_to_its_holder() {
+    let c = cluster("multi-turn-fallback").await;
+    let reference = Node::reference(c.dir(), &c.model);
+    let (prompt, holder) = first_turn(&c, &reference, 1, "fallback").await;
+    eventually("the turn is indexed", Duration::from_secs(5), async || {
+        gateway_count(&c, "pd_gateway_retained_turns_total", &[]).await == 1.0
+    })
+    .await;
+    // The test guest `trapping` answers validly, but traps on requests with n = 7.
+    let (status, body) = c
+        .push_policy(&bins::policy("trapping"), "trapping", &[])
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let on_holder = || gateway_count(&c, "pd_gateway_reverse_pulls_total", &[("how", "holder")]);
+    let before = on_holder().await;
+    let computed_before = node_count(&c, holder, "pd_node_prompt_tokens_total", &[]).await;
+    let mut seven = turn(&prompt, ANSWER);
+    seven["n"] = json!(7);
+    let got = post(&c.client, &c.gateway.http, "/v1/completions", &seven).await;
+    let want = post(
+        &c.client,
+        &reference.http,
+        "/v1/completions",
+        &turn(&prompt, ANSWER),
+    )
+    .await;
+    let choices = got["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 7, "{got}");
+    for choice in choices {
+        let ids: Vec<u64> = choice["token_ids"]
+            .as_array()
+            .expect("token_ids")
+            .iter()
+            .map(|t| t.as_u64().expect("a token id"))
+            .collect();
+        assert_eq!(ids, token_ids(&want), "turn 2, greedy, every child");
+    }
+    let g = c.gateway_metrics().await;
+    assert_eq!(
+        g.sum(
+            "pd_gateway_policy_failures_total",
+            &[("policy", "trapping")]
+        ),
+        1.0,
+        "{}",
+        g.show("pd_gateway_policy_failures_total")
+    );
+    assert_eq!(g.sum("pd_gateway_policy_fallbacks_total", &[]), 1.0);
+    assert_eq!(
+        on_holder().await,
+        before + 1.0,
+        "the fallback sent the turn to its holder"
+    );
+    assert!(
+        node_count(&c, holder, "pd_node_prompt_tokens_total", &[]).await > computed_before,
+        "{holder} served the turn"
+    );
 }
 
 /// When a conversation's history is gone before its next turn — the lease expired, the holder

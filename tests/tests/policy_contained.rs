@@ -5,7 +5,7 @@
 //!    is refused by the admin API's smoke test (400), and the serving policy stays and serves.
 //! 2. A policy that passes the smoke test but misbehaves on some requests (the test guests do so
 //!    for `n = 7`) is installed; such a request is still answered 200 — the built-in
-//!    least-loaded decides instead — and the failure is counted with its reason.
+//!    prefix-aware decides instead — and the failure is counted with its reason.
 //! 3. Rollback and a native policy push work after all that.
 
 use pd_cluster_tests::bins;

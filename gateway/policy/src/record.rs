@@ -71,7 +71,7 @@ pub struct Record {
     pub time_ms: Option<u64>,
     /// How long the call took, host path included, in nanoseconds.
     pub latency_ns: Option<u64>,
-    /// The policy failed and the built-in least-loaded decided instead.
+    /// The policy failed and the built-in prefix-aware decided instead.
     pub fallback: bool,
 }
 

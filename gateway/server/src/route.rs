@@ -1,7 +1,14 @@
 //! Asking the policy: the current policy (hot-swapped in a [`PolicySlot`]) decides; when it
-//! fails (trap, timeout, limit, an invalid decision) the built-in native least-loaded decides
-//! instead, or the request fails with 503 if the operator chose so. Either way the failure is
-//! logged with the policy's version and counted.
+//! fails (trap, timeout, limit, an invalid decision) the built-in native prefix-aware decides
+//! instead (at its default thresholds, with what the nodes measured), or the request fails
+//! with 503 if the operator chose so. Either way the failure is logged with the policy's
+//! version and counted.
+//!
+//! **Decided:** the fallback is prefix-aware, not least-loaded. A failed call on a
+//! conversation's turn then still sends it to the node holding the history (or has P pull it
+//! back); least-loaded knows no holders, and the turn's history was recomputed (a 19.5 s turn
+//! on the VM, BENCHMARKS.md, "Reservations are not work"). For a request without a holder it
+//! is least-loaded weighed against cached prefix blocks.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,12 +22,12 @@ use crate::error::GatewayError;
 use crate::metrics::Metrics;
 
 /// The policy label of decisions the built-in fallback made.
-pub const FALLBACK: &str = "fallback-least-loaded";
+pub const FALLBACK: &str = "fallback-prefix-aware";
 
 /// What a policy failure does to the request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum OnPolicyFailure {
-    /// The built-in least-loaded policy decides instead (the request is served).
+    /// The built-in prefix-aware policy decides instead (the request is served).
     Fallback,
     /// The request fails with 503.
     Fail,
@@ -109,7 +116,13 @@ impl Router {
         let outcome = installed.decide(request, view, measured, names);
         let elapsed = start.elapsed();
         let took = elapsed.as_secs_f64();
-        let decided = self.settle(&installed, version, outcome, took, request, view)?;
+        let decided = self.settle(
+            &installed,
+            version,
+            outcome,
+            took,
+            (request, view, measured),
+        )?;
         if self.log.sample() {
             let mut record = Record::new(request.clone(), view.clone(), decided.decision.clone());
             record.measured = measured.clone();
@@ -134,8 +147,7 @@ impl Router {
         version: String,
         outcome: Result<Decision, pd_policy::PolicyError>,
         took: f64,
-        request: &Request,
-        view: &View,
+        (request, view, measured): (&Request, &View, &Measured),
     ) -> Result<Decided, GatewayError> {
         match outcome {
             Ok(decision) => {
@@ -171,7 +183,12 @@ impl Router {
                     .decisions
                     .with_label_values(&[FALLBACK, "native"])
                     .inc();
-                let decision = native::least_loaded(request, view);
+                let decision = native::prefix_aware::prefix_aware_with(
+                    request,
+                    view,
+                    measured,
+                    &native::prefix_aware::Thresholds::default(),
+                );
                 pd_policy::validate(&decision, request, view)
                     .map_err(|e| GatewayError::Internal(format!("fallback policy: {e}")))?;
                 Ok(Decided {
