@@ -135,19 +135,17 @@ impl Watch {
 
     /// [`Watch::expired`] at wall time `now`, reading the thread's CPU time with `cpu`.
     fn expired_at(&mut self, now: u64, cpu: impl Fn() -> u64, fuel: u64) -> bool {
-        if self.mark.is_none() {
+        let Some((cpu0, fuel0)) = self.mark else {
+            // The call's first tick: its pace is measured from here.
             self.mark = Some((cpu(), fuel));
             return now >= self.cap_ns;
-        }
+        };
         if now < self.deadline_ns {
             return false;
         }
         if now >= self.cap_ns {
             return true;
         }
-        let Some((cpu0, fuel0)) = self.mark else {
-            return false;
-        };
         let (ran, burned) = (cpu().saturating_sub(cpu0), fuel0.saturating_sub(fuel));
         if ran < PACE_WINDOW_NS || burned == 0 {
             return false;
