@@ -205,19 +205,34 @@ fn a_call_that_waits_for_a_core_is_not_a_runaway() {
         .expect("load");
     let spin = |rounds: u64| request(rounds, 8, vec![]);
     // Size the call to ~2 ms of computing here (a fifth of the deadline), so the signal lands
-    // while it runs: rounds per ms from an undisturbed call.
+    // while it runs: rounds per ms from the fastest of three undisturbed calls.
     let probe = 200_000;
-    let started = Instant::now();
-    call(&policy, &spin(probe)).expect("an undisturbed call answers");
-    let per_ms = probe as f64 / started.elapsed().as_secs_f64().max(1e-6) / 1e3;
+    let fastest = (0..3)
+        .map(|_| {
+            let started = Instant::now();
+            call(&policy, &spin(probe)).expect("an undisturbed call answers");
+            started.elapsed()
+        })
+        .min()
+        .expect("three probes");
+    let per_ms = probe as f64 / fastest.as_secs_f64().max(1e-6) / 1e3;
     let rounds = (2.0 * per_ms) as u64;
-    let (answer, took) = descheduled(|| call(&policy, &spin(rounds)));
+    // Every call answers. A call the signal missed (the signalling thread itself late on a busy
+    // machine) proves nothing, so it is tried again; one must have waited past the deadline.
+    let mut waited = Vec::new();
+    for _ in 0..5 {
+        let (answer, took) = descheduled(|| call(&policy, &spin(rounds)));
+        let d = answer.expect("a call that waited for a core answers");
+        assert_eq!(d.route, Route::Whole(vec![0, 1, 2]));
+        waited.push(took);
+        if took > deadline {
+            break;
+        }
+    }
     assert!(
-        took > deadline,
-        "the thread waited {took:?}: not past the {deadline:?} deadline, so this proves nothing"
+        waited.iter().any(|&t| t > deadline),
+        "no call waited past the {deadline:?} deadline ({waited:?}), so this proves nothing"
     );
-    let d = answer.expect("a call that waited for a core answers");
-    assert_eq!(d.route, Route::Whole(vec![0, 1, 2]));
     // A runaway kept off its core just as long still stops, at the latest at the cap.
     let (answer, took) = descheduled(|| call(&policy, &request(0, 7, vec![])));
     assert!(
