@@ -18,7 +18,14 @@
 //! PD_MODEL_GGUF=$(bash scripts/fetch-model.sh) \
 //!   cargo run --release -p pd-cluster-tests --example multi_turn -- [--conversations 6]
 //!   [--clients 3] [--turns 10] [--system-words 300] [--user-words 90] [--answer-tokens 24]
+//!   [--request-rate 0]
 //! ```
+//!
+//! `--request-rate R` is vLLM's: after each turn a client waits an exponential time of mean
+//! `1 / R` seconds (seeded by conversation and turn, so every mode waits the same); 0 (the
+//! default, as in vLLM) sends the next turn at once. Without waits the clients form a closed
+//! loop: a mode that answers faster also carries more turns at once, which on a machine with
+//! few cores shows in its TPOT; each mode's rate of turns (`turns/s`) is printed beside it.
 //!
 //! `PD_BENCH_MODES=ac` runs only those modes (default `abc`; ratios need the modes they
 //! compare); `PD_BENCH_C_CONFIG=holder-load-slack=0,pull-overhead-us=500` pushes mode c's
@@ -56,6 +63,9 @@ struct Settings {
     answer_tokens: u32,
     retain_secs: u32,
     blocks: u32,
+    /// Each client's mean request rate (requests/s) in vLLM's sense: after each turn the client
+    /// waits an exponential time of mean `1 / rate` before its next (0: no wait).
+    request_rate: f64,
 }
 
 impl Settings {
@@ -69,12 +79,21 @@ impl Settings {
             answer_tokens: 24,
             retain_secs: 600,
             blocks: 4096,
+            request_rate: 0.0,
         };
         let args: Vec<String> = std::env::args().skip(1).collect();
         for pair in args.chunks(2) {
             let [flag, value] = pair else {
                 panic!("flags come in pairs: --name value");
             };
+            if flag == "--request-rate" {
+                s.request_rate = value
+                    .parse()
+                    .ok()
+                    .filter(|r: &f64| r.is_finite() && *r >= 0.0)
+                    .unwrap_or_else(|| panic!("{flag} {value}: a rate ≥ 0"));
+                continue;
+            }
             let v: usize = value
                 .parse()
                 .unwrap_or_else(|e| panic!("{flag} {value}: {e}"));
@@ -94,6 +113,27 @@ impl Settings {
     }
 }
 
+/// splitmix64's output for state `x`.
+fn mix(x: u64) -> u64 {
+    let mut z = x;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A client's wait after a turn at `rate` requests/s (vLLM's `poisson_sleep`): exponential with
+/// mean `1 / rate`, drawn from `seed` (the same conversation and turn wait the same in every
+/// mode, so the modes see the same think times).
+fn think_time(seed: u64, rate: f64) -> Duration {
+    if rate <= 0.0 {
+        return Duration::ZERO;
+    }
+    // u in (0, 1]: 53 random bits.
+    let u =
+        ((mix(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15)) >> 11) + 1) as f64 / (1u64 << 53) as f64;
+    Duration::from_secs_f64(-u.ln() / rate)
+}
+
 /// A deterministic text of `n` words (splitmix64 over a small vocabulary of English words).
 fn words(seed: u64, n: usize) -> String {
     const VOCAB: &[&str] = &[
@@ -107,10 +147,7 @@ fn words(seed: u64, n: usize) -> String {
     (0..n)
         .map(|_| {
             x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = x;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            VOCAB[((z ^ (z >> 31)) % VOCAB.len() as u64) as usize]
+            VOCAB[(mix(x) % VOCAB.len() as u64) as usize]
         })
         .collect::<Vec<_>>()
         .join(" ")
@@ -248,7 +285,7 @@ async fn run_mode(
                         let line = json!({"mode": mode.to_string(), "conversation": conv,
                             "turn": turn, "prompt_tokens": stats.prompt_tokens,
                             "sent_ms": stats.wall_ms[0], "first_ms": stats.wall_ms[1],
-                            "end_ms": stats.wall_ms[2]});
+                            "end_ms": stats.wall_ms[2], "tpot_ms": stats.tpot * 1e3});
                         use std::io::Write;
                         let mut f = std::fs::OpenOptions::new()
                             .create(true)
@@ -258,6 +295,10 @@ async fn run_mode(
                         writeln!(f, "{line}").expect("writing the turns log");
                     }
                     results.push(stats);
+                    drop(results);
+                    // Keyed by conversation and turn, not mode: every mode waits the same.
+                    let wait = think_time((conv as u64) << 32 | turn as u64, s.request_rate);
+                    tokio::time::sleep(wait).await;
                 }
             }
         }));
@@ -444,15 +485,16 @@ async fn main() {
             sm[4],
             how.join(" ")
         );
-        rows.push((mode, sm, turns.len(), max_prompt, how.join(" ")));
+        let rate = turns.len() as f64 / started.elapsed().as_secs_f64();
+        rows.push((mode, sm, turns.len(), rate, max_prompt, how.join(" ")));
     }
     println!(
-        "| mode | turns | TTFT mean | TTFT p50 | TTFT p99 | TPOT mean | latency mean | longest prompt | placement |"
+        "| mode | turns | turns/s | TTFT mean | TTFT p50 | TTFT p99 | TPOT mean | latency mean | longest prompt | placement |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---|");
-    for (mode, sm, n, max_prompt, how) in &rows {
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    for (mode, sm, n, rate, max_prompt, how) in &rows {
         println!(
-            "| {mode} | {n} | {:.3} s | {:.3} s | {:.3} s | {:.1} ms | {:.3} s | {max_prompt} | {how} |",
+            "| {mode} | {n} | {rate:.3} | {:.3} s | {:.3} s | {:.3} s | {:.1} ms | {:.3} s | {max_prompt} | {how} |",
             sm[0],
             sm[1],
             sm[2],

@@ -14,11 +14,20 @@ beside the turns then on it — computing (a whole turn, or a split's decode pha
 running` and what was computing disagree (`--all`: every decision), and sums up. A view busy
 where nothing computes is stale; a holder with only reservations is free to prefill.
 
+Then TPOT by whether a turn decoded alone on its node or beside another turn's decode (for
+more than `SHARED` of its decode, first token to last): on a node of one compute thread two
+decodes in one step cost each of them most of a step more.
+
     python3 scripts/multi-turn-trace.py DIR [--mode c] [--all]
 """
 
 import json
+import statistics
 import sys
+
+# A turn decoded beside another when another turn decoded on its node for more than this
+# fraction of its own decode.
+SHARED = 0.3
 
 
 def main():
@@ -105,6 +114,29 @@ def main():
         f"holder busy (waiting + running) in the view {looked}, computing {was}; "
         f"busy in the view but not computing {stale}, the reverse {missed}; "
         f"holder with only reservations {only_reserved}; went whole to the holder {on_holder}"
+    )
+    decode_sharing(turns, mode)
+
+
+def decode_sharing(turns, mode):
+    """Prints TPOT of later turns that decoded alone on their node against those that shared."""
+    alone, shared = [], []
+    for t in turns:
+        if t["turn"] == 0 or t["decision"] is None or t["end_ms"] <= t["first_ms"]:
+            continue
+        a, b = t["first_ms"], t["end_ms"]
+        beside = sum(
+            max(0.0, min(b, u["end_ms"]) - max(a, u["first_ms"]))
+            for u in turns
+            if u is not t and u["decision"] is not None and u["node"] == t["node"]
+        )
+        (shared if beside / (b - a) > SHARED else alone).append(t)
+    # Traces before `tpot_ms` was logged: the example's default 24 tokens a turn.
+    of = lambda t: t.get("tpot_ms", (t["end_ms"] - t["first_ms"]) / 23)
+    tpot = lambda ts: f"{statistics.mean(of(t) for t in ts):.1f} ms" if ts else "-"
+    print(
+        f"mode {mode}: later turns decoding alone on their node {len(alone)} (TPOT {tpot(alone)}), "
+        f"beside another turn's decode {len(shared)} (TPOT {tpot(shared)})"
     )
 
 

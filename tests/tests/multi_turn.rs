@@ -593,8 +593,11 @@ async fn a_turn_whose_policy_fails_still_goes_to_its_holder() {
     let c = cluster("multi-turn-fallback").await;
     let reference = Node::reference(c.dir(), &c.model);
     let (prompt, holder) = first_turn(&c, &reference, 1, "fallback").await;
-    eventually("the turn is indexed", Duration::from_secs(5), async || {
-        gateway_count(&c, "pd_gateway_retained_turns_total", &[]).await == 1.0
+    // A second conversation for the configured fallback below, its first turn placed by
+    // prefix-aware too.
+    let (prompt_b, _) = first_turn(&c, &reference, 51, "fallback, configured").await;
+    eventually("the turns are indexed", Duration::from_secs(5), async || {
+        gateway_count(&c, "pd_gateway_retained_turns_total", &[]).await == 2.0
     })
     .await;
     // The test guest `trapping` answers validly, but traps on requests with n = 7.
@@ -645,6 +648,66 @@ async fn a_turn_whose_policy_fails_still_goes_to_its_holder() {
     assert!(
         node_count(&c, holder, "pd_node_prompt_tokens_total", &[]).await > computed_before,
         "{holder} served the turn"
+    );
+
+    // The fallback takes the failed policy's config where it sets prefix-aware's keys: with
+    // `holder-max-new-tokens=0` no turn goes to its holder, and with `pull-overhead-us=0` P
+    // pulls even this short history back. (At the defaults the turn went to its holder; this
+    // part failed then.)
+    let prompt = prompt_b;
+    let (status, body) = c
+        .push_policy(
+            &bins::policy("trapping"),
+            "trapping",
+            &[
+                ("config.holder-max-new-tokens", "0"),
+                ("config.pull-overhead-us", "0"),
+            ],
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let pulled = || {
+        gateway_count(
+            &c,
+            "pd_gateway_reverse_pulls_total",
+            &[("how", "prefill_pulls")],
+        )
+    };
+    let (on_holder_before, pulled_before) = (on_holder().await, pulled().await);
+    let mut seven = turn(&prompt, ANSWER);
+    seven["n"] = json!(7);
+    let got = post(&c.client, &c.gateway.http, "/v1/completions", &seven).await;
+    let want = post(
+        &c.client,
+        &reference.http,
+        "/v1/completions",
+        &turn(&prompt, ANSWER),
+    )
+    .await;
+    for choice in got["choices"].as_array().expect("choices") {
+        let ids: Vec<u64> = choice["token_ids"]
+            .as_array()
+            .expect("token_ids")
+            .iter()
+            .map(|t| t.as_u64().expect("a token id"))
+            .collect();
+        assert_eq!(
+            ids,
+            token_ids(&want),
+            "configured fallback, greedy, every child"
+        );
+    }
+    assert_eq!(
+        c.gateway_metrics()
+            .await
+            .sum("pd_gateway_policy_fallbacks_total", &[]),
+        2.0
+    );
+    assert_eq!(on_holder().await, on_holder_before, "no turn to its holder");
+    assert_eq!(
+        pulled().await,
+        pulled_before + 1.0,
+        "P pulled the history back"
     );
 }
 

@@ -50,6 +50,14 @@ impl Installed {
         }
     }
 
+    /// The operator's config the policy reads (`host.config`); none for a native policy.
+    pub fn config(&self) -> Option<&std::collections::BTreeMap<String, String>> {
+        match self {
+            Installed::Native { .. } => None,
+            Installed::Wasm(p) => Some(&p.spec().config),
+        }
+    }
+
     /// When the WASM policy was loaded; for a native one, about when the process started.
     pub fn loaded_at(&self) -> SystemTime {
         match self {

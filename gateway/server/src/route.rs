@@ -1,6 +1,7 @@
 //! Asking the policy: the current policy (hot-swapped in a [`PolicySlot`]) decides; when it
 //! fails (trap, timeout, limit, an invalid decision) the built-in native prefix-aware decides
-//! instead (at its default thresholds, with what the nodes measured), or the request fails
+//! instead (at the thresholds the failed policy's config sets under prefix-aware's keys, the
+//! defaults elsewhere, with what the nodes measured), or the request fails
 //! with 503 if the operator chose so. Either way the failure is logged with the policy's
 //! version and counted.
 //!
@@ -183,12 +184,17 @@ impl Router {
                     .decisions
                     .with_label_values(&[FALLBACK, "native"])
                     .inc();
-                let decision = native::prefix_aware::prefix_aware_with(
-                    request,
-                    view,
-                    measured,
-                    &native::prefix_aware::Thresholds::default(),
+                // The failed policy's config, where it sets prefix-aware's keys.
+                let thresholds = installed.config().map_or_else(
+                    native::prefix_aware::Thresholds::default,
+                    |c| {
+                        native::prefix_aware::Thresholds::from_config(|k| {
+                            c.get(k).map(String::as_str)
+                        })
+                    },
                 );
+                let decision =
+                    native::prefix_aware::prefix_aware_with(request, view, measured, &thresholds);
                 pd_policy::validate(&decision, request, view)
                     .map_err(|e| GatewayError::Internal(format!("fallback policy: {e}")))?;
                 Ok(Decided {

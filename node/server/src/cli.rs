@@ -149,9 +149,9 @@ pub struct ServeArgs {
     /// Seconds to keep a finished completion's KV (prompt and generated tokens, whole blocks)
     /// under a lease for the conversation's next turn, which may then pull it (reverse pull) or
     /// be sent here; 0: free at once. The final response's `kv_transfer_params` describe it.
-    /// Revoked first when this node needs the blocks, before anything is preempted. (The
-    /// gateway relays a decode node's body as it is and does not strip these params yet: behind
-    /// a gateway facing untrusted clients, leave it off until the gateway's multi-turn support.)
+    /// Revoked first when this node needs the blocks, before anything is preempted. Behind
+    /// `pd-gateway` the params go to its conversation index and are removed from what an
+    /// untrusted client sees; a client that reaches this node directly sees them.
     #[arg(long, default_value_t = 0.0)]
     pub kv_retain_after_decode: f64,
     /// What a decode node does when the KV does not arrive: fail the request, or compute the

@@ -68,6 +68,26 @@ impl Default for Thresholds {
 }
 
 impl Thresholds {
+    /// The thresholds a policy config sets, under the keys the guest reads (in brackets on
+    /// each field): a key that is unset or not a whole number keeps its default, as in the
+    /// guest. The gateway's fallback reads the failed policy's config this way, so an operator's
+    /// tuning holds on a failed call too.
+    pub fn from_config<'a>(get: impl Fn(&str) -> Option<&'a str>) -> Thresholds {
+        let d = Thresholds::default();
+        let num = |key: &str| get(key).and_then(|v| v.trim().parse::<u64>().ok());
+        Thresholds {
+            prefill_tokens_per_s: num("prefill-tokens-per-s").unwrap_or(d.prefill_tokens_per_s),
+            kv_bytes_per_token: num("kv-bytes-per-token").unwrap_or(d.kv_bytes_per_token),
+            pull_mb_per_s: num("pull-mb-per-s").unwrap_or(d.pull_mb_per_s),
+            pull_overhead_us: num("pull-overhead-us").unwrap_or(d.pull_overhead_us),
+            holder_max_new_tokens: num("holder-max-new-tokens").unwrap_or(d.holder_max_new_tokens),
+            holder_load_slack: num("holder-load-slack").unwrap_or(d.holder_load_slack),
+            holder_max_busy: num("holder-max-busy").unwrap_or(d.holder_max_busy),
+            decode_holder_slack: num("decode-holder-slack"),
+            idle_peer_max_busy: num("idle-peer-max-busy"),
+        }
+    }
+
     /// These thresholds with a node's measured rates and the model's KV bytes per token in
     /// place of the configured ones, each where it is known (non-zero).
     pub fn measured(&self, rates: Rates, kv_bytes_per_token: u32) -> Thresholds {
@@ -557,6 +577,29 @@ mod tests {
             holding(node(Role::Decode, 0, 10, false), 4),
         ]);
         assert_eq!(prefix_aware(&r, &v).reverse_pull, None);
+    }
+
+    #[test]
+    fn a_config_sets_the_keys_the_guest_reads_and_leaves_the_rest_at_their_defaults() {
+        let config = [
+            ("holder-max-busy", " 3 "),
+            ("pull-overhead-us", "0"),
+            ("idle-peer-max-busy", "1"),
+            ("holder-load-slack", "lots"),
+            ("some-other-policys-key", "9"),
+        ];
+        let t = Thresholds::from_config(|k| config.iter().find(|c| c.0 == k).map(|c| c.1));
+        assert_eq!(
+            t,
+            Thresholds {
+                holder_max_busy: 3,
+                pull_overhead_us: 0,
+                idle_peer_max_busy: Some(1),
+                ..Thresholds::default()
+            },
+            "a value that is not a whole number keeps the default, as in the guest"
+        );
+        assert_eq!(Thresholds::from_config(|_| None), Thresholds::default());
     }
 
     #[test]
