@@ -596,9 +596,11 @@ async fn a_turn_whose_policy_fails_still_goes_to_its_holder() {
     // A second conversation for the configured fallback below, its first turn placed by
     // prefix-aware too.
     let (prompt_b, _) = first_turn(&c, &reference, 51, "fallback, configured").await;
-    eventually("the turns are indexed", Duration::from_secs(5), async || {
-        gateway_count(&c, "pd_gateway_retained_turns_total", &[]).await == 2.0
-    })
+    eventually(
+        "the turns are indexed",
+        Duration::from_secs(5),
+        async || gateway_count(&c, "pd_gateway_retained_turns_total", &[]).await == 2.0,
+    )
     .await;
     // The test guest `trapping` answers validly, but traps on requests with n = 7.
     let (status, body) = c

@@ -24,7 +24,7 @@
 //    most `holder-max-new-tokens` prompt tokens beyond what it holds, and its load is at most the
 //    least-loaded candidate of its role's plus `holder-load-slack`, and it has at most
 //    `holder-max-busy` requests queued or running (parked ones compute nothing yet; 0: an
-//    idle holder, so its decodes never wait behind this prefill): whole with the holder first,
+//    idle holder, so no decode running there waits behind this prefill): whole with the holder first,
 //    then the other candidates of its role in least-loaded order, reverse pull from the holder
 //    with min-tokens 0.
 // 2. Else, on a split, pull the turn back to P when it holds at least min-pull tokens, the

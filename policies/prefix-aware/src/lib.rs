@@ -50,8 +50,8 @@
 //! The parameters are read from the policy config (`pd-gateway policy push --config
 //! KEY=VALUE`); defaults: prefill-tokens-per-s 2000, kv-bytes-per-token 23040 (SmolLM2-135M,
 //! f16 KV), pull-mb-per-s 1000, pull-overhead-us 2000, holder-max-new-tokens 256,
-//! holder-load-slack 2, holder-max-busy 0 (only an idle holder takes a turn, so its decodes
-//! never wait behind a prefill), idle-peer-max-busy and decode-holder-slack unset.
+//! holder-load-slack 2, holder-max-busy 0 (only an idle holder takes a turn, so no decode
+//! running there waits behind its prefill), idle-peer-max-busy and decode-holder-slack unset.
 
 #![no_std]
 

@@ -29,11 +29,13 @@ pub struct Thresholds {
     pub holder_load_slack: u64,
     /// ...and when the holder has at most this many requests queued or running
     /// (`holder-max-busy`; requests parked for KV, and decodes the gateway reserved there
-    /// during P's phase, compute nothing yet and do not count). The default, 0, sends a turn to its holder only when the holder
-    /// is idle, so no decode there ever waits behind a new turn's prefill (TPOT as on a decode
-    /// node that only decodes: what P/D disaggregation is for); a busy holder's turn goes to P,
-    /// which pulls the history back. Larger values trade the holder's decodes' TPOT for the
-    /// turn's TTFT.
+    /// during P's phase, compute nothing yet and do not count). The default, 0, sends a turn to
+    /// its holder only when the holder is idle, so no decode running there waits behind a new
+    /// turn's prefill (TPOT as on a decode node that only decodes: what P/D disaggregation is
+    /// for; a reserved decode whose KV lands during that prefill waits for it, and is counted
+    /// idle because counting it starved the holders: BENCHMARKS.md, "Reservations are not
+    /// work"); a busy holder's turn goes to P, which pulls the history back. Larger values
+    /// trade the holder's decodes' TPOT for the turn's TTFT.
     pub holder_max_busy: u64,
     /// On a turn pulled back to P, put the holder first among the decode candidates when its
     /// load is at most the least-loaded decode candidate's plus this (`decode-holder-slack`;
@@ -398,7 +400,7 @@ mod tests {
     #[test]
     fn a_busy_holder_is_pulled_from_unless_the_config_allows_it() {
         // The holder decodes another conversation: by default P takes the turn (pulling it
-        // back), so that decode never waits behind this prefill.
+        // back), so that running decode does not wait behind this prefill.
         let v = view(vec![
             node(Role::Prefill, 0, 10, false),
             node(Role::Decode, 1, 10, false),
