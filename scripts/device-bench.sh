@@ -12,8 +12,9 @@
 # DEVBENCH_STEPS picks and orders main's steps (default: gateway-wasm gateway-native pd pull
 # multi-turn-ac multi-turn-ac-busy-holder multi-turn-b; a name starting multi-turn-ac may be
 # repeated with a suffix, e.g. multi-turn-ac-2; multi-turn-ac-decode-holder runs mode c with
-# decode-holder-slack=1, multi-turn-ac-idle-peer with idle-peer-max-busy=0). With a short device
-# budget, issue 10 first:
+# decode-holder-slack=1, multi-turn-ac-idle-peer with idle-peer-max-busy=0; a name containing
+# rate2 adds --request-rate 2, vLLM's think time of 0.5 s mean between a client's turns, the
+# VM's setting where TPOT compares at equal waits). With a short device budget, issue 10 first:
 #   DEVBENCH_STEPS="multi-turn-ac multi-turn-ac-idle-peer multi-turn-ac-2 multi-turn-ac-idle-peer-2"
 # Every step writes $OUT/<step>.txt under its own time limit and goes on when one fails;
 # $OUT/summary.txt says how each ended. A rehearsal here, shorter: DEVBENCH=/tmp/devbench
@@ -97,7 +98,9 @@ main)
             *decode-holder*) cfg="decode-holder-slack=1" ;;
             *idle-peer*) cfg="idle-peer-max-busy=0" ;;
             esac
-            step "$s" "$left" env PD_BENCH_MODES=ac PD_BENCH_C_CONFIG="$cfg" "${mt[@]}" ;;
+            rate=()
+            case "$s" in *rate2*) rate=(--request-rate 2) ;; esac
+            step "$s" "$left" env PD_BENCH_MODES=ac PD_BENCH_C_CONFIG="$cfg" "${mt[@]}" "${rate[@]}" ;;
         multi-turn-b)
             [ -f "$D/model.gguf" ] || { note "$s: no model"; continue; }
             step "$s" "$left" env PD_BENCH_MODES=b "${mt[@]}" ;;
