@@ -713,6 +713,34 @@ async fn a_turn_whose_policy_fails_still_goes_to_its_holder() {
     );
 }
 
+/// `spill-prefill-busy`: a request with no holder runs whole on an idle decode node instead of
+/// P (at 0, whenever one is idle), which computes it, token for token what one node gives, and
+/// keeps it; the conversation's next turn then goes whole to that node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_conversation_spills_to_an_idle_decode_node_and_stays_there() {
+    let c = cluster("multi-turn-spill").await;
+    push_prefix_aware(&c, &[("config.spill-prefill-busy", "0")]).await;
+    let reference = Node::reference(c.dir(), &c.model);
+    let p_computed = || node_count(&c, "p0", "pd_node_prompt_tokens_total", &[]);
+    let p_before = p_computed().await;
+    let (prompt, holder) = first_turn(&c, &reference, 1, "spilled").await;
+    assert_eq!(p_computed().await, p_before, "P computed none of it");
+    assert!(
+        node_count(&c, holder, "pd_node_prompt_tokens_total", &[]).await >= 11.0,
+        "{holder} computed the prompt"
+    );
+    eventually("the turn is indexed", Duration::from_secs(5), async || {
+        gateway_count(&c, "pd_gateway_retained_turns_total", &[]).await == 1.0
+    })
+    .await;
+    let on_holder = || gateway_count(&c, "pd_gateway_reverse_pulls_total", &[("how", "holder")]);
+    let before = on_holder().await;
+    exact_turn(&c, &reference, &prompt, "spilled: turn 2").await;
+    assert_eq!(on_holder().await, before + 1.0, "turn 2 went to {holder}");
+    assert_eq!(p_computed().await, p_before, "P computed none of turn 2");
+    only_the_wasm_policy_decided(&c).await;
+}
+
 /// When a conversation's history is gone before its next turn — the lease expired, the holder
 /// restarted, or the holder needed the blocks and revoked the lease — the turn is recomputed,
 /// token for token what one node gives, and counted by why; at the end every pool is idle.

@@ -396,3 +396,85 @@ fn idle_peer_matches_native() {
         );
     }
 }
+
+/// `spill-prefill-busy`: a request with no holder runs whole on an idle decode node only with
+/// the key set, every prefill node busy with at least it, and a decode node with nothing
+/// queued, running or parked; the guest decides as the native copy in these cases and over
+/// the random sweep, where the key changes decisions.
+#[test]
+fn spill_matches_native() {
+    let engine = PolicyEngine::new().expect("engine");
+    // (spill-prefill-busy, P's running requests, decode node 1's parked requests, decode node
+    // 2's running requests, the `whole` list when the request spills)
+    type Case = (Option<u64>, u32, u32, u32, Option<Vec<u32>>);
+    let cases: [Case; 7] = [
+        (None, 2, 0, 0, None),
+        (Some(1), 2, 0, 1, Some(vec![1, 2])),
+        (Some(1), 0, 0, 1, None),
+        (Some(0), 0, 0, 1, Some(vec![1, 2])),
+        (Some(3), 2, 0, 1, None),
+        // A decode node with a request parked for KV is not idle.
+        (Some(1), 1, 1, 1, None),
+        (Some(1), 1, 1, 0, Some(vec![2, 1])),
+    ];
+    let request = request(0, 1, vec![]);
+    for (min_busy, p_running, parked, d2_running, spilled) in cases {
+        let mut d1 = node(Role::Decode, 0, 0, 500);
+        d1.waiting_remote_kv = parked;
+        let v = View {
+            nodes: vec![
+                node(Role::Prefill, 0, p_running, 500),
+                d1,
+                node(Role::Decode, 0, d2_running, 500),
+            ],
+        };
+        let policy = prefix_aware_keyed(&engine, "spill-prefill-busy", min_busy);
+        let t = Thresholds {
+            spill_prefill_busy: min_busy,
+            ..Thresholds::default()
+        };
+        let want = prefix_aware_with(&request, &v, &Measured::default(), &t);
+        let got = policy
+            .decide_measured(&request, &v, &Measured::default(), &names(&v))
+            .expect("decide");
+        let case = format!(
+            "min busy {min_busy:?}, P running {p_running}, parked {parked}, d2 running {d2_running}"
+        );
+        assert_eq!(got, want, "{case}");
+        match spilled {
+            Some(list) => assert_eq!(want.route, Route::Whole(list), "{case}"),
+            None => assert!(matches!(want.route, Route::Split(_)), "{case}: {want:?}"),
+        }
+        assert_eq!(want.reverse_pull, None, "{case}");
+    }
+
+    // Random views seldom have an idle decode node: at 0 the key spills wherever one is.
+    let mut changed = [0; 2];
+    for (min_busy, changed) in [0, 1].into_iter().zip(&mut changed) {
+        let policy = prefix_aware_keyed(&engine, "spill-prefill-busy", Some(min_busy));
+        let t = Thresholds {
+            spill_prefill_busy: Some(min_busy),
+            ..Thresholds::default()
+        };
+        let mut rng = Rng::new(0x5b11_1ed);
+        for case in 0..CASES {
+            let (request, view) = random_case(&mut rng, case);
+            let measured = random_measured(&mut rng, view.nodes.len());
+            let want = prefix_aware_with(&request, &view, &measured, &t);
+            let got = policy
+                .decide_measured(&request, &view, &measured, &names(&view))
+                .unwrap_or_else(|e| panic!("min busy {min_busy}, case {case}: {e:?}"));
+            assert_eq!(
+                got, want,
+                "min busy {min_busy}, case {case}: guest and native disagree on {request:?} {view:?} {measured:?}"
+            );
+            if want != prefix_aware_with(&request, &view, &measured, &Thresholds::default()) {
+                *changed += 1;
+            }
+        }
+    }
+    assert!(
+        changed[0] > 3 && changed[1] > 0,
+        "the key changed {changed:?} decisions"
+    );
+}

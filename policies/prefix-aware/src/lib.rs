@@ -47,11 +47,18 @@
 //! the holder when its load is at most the least-loaded decode candidate's plus that slack:
 //! the holder still has the history in its prefix cache, so it pulls only the new blocks.
 //!
+//! With `spill-prefill-busy` set (unset by default), a request with no holder whose split would
+//! queue at P (every prefill candidate busy, `waiting + running`, with at least that) runs
+//! `whole` on the least-loaded decode candidate when its load is 0 (nothing queued, running or
+//! parked), then the other decode candidates in least-loaded order; no reverse pull. That node
+//! computes the prompt itself rather than wait for P (conditional disaggregation).
+//!
 //! The parameters are read from the policy config (`pd-gateway policy push --config
 //! KEY=VALUE`); defaults: prefill-tokens-per-s 2000, kv-bytes-per-token 23040 (SmolLM2-135M,
 //! f16 KV), pull-mb-per-s 1000, pull-overhead-us 2000, holder-max-new-tokens 256,
 //! holder-load-slack 2, holder-max-busy 0 (only an idle holder takes a turn, so no decode
-//! running there waits behind its prefill), idle-peer-max-busy and decode-holder-slack unset.
+//! running there waits behind its prefill), idle-peer-max-busy, decode-holder-slack and
+//! spill-prefill-busy unset.
 
 #![no_std]
 
@@ -89,6 +96,11 @@ impl Guest for PrefixAware {
             .filter(|h| h.tokens > 0 && (h.node as usize) < v.free_blocks.len());
         if let Some(h) = holding
             && let Some(d) = to_holder(&request, v, h).or_else(|| to_idle_peer(&request, v, h))
+        {
+            return d;
+        }
+        if holding.is_none()
+            && let Some(d) = spill(v)
         {
             return d;
         }
@@ -254,6 +266,29 @@ fn to_idle_peer(request: &Request, v: &View, h: Holding) -> Option<Decision> {
             from: h.node,
             min_tokens,
         }),
+    })
+}
+
+/// The spill rule (`spill-prefill-busy` set): a request with no holder runs whole on an idle
+/// decode node when every prefill candidate is busy with at least the setting.
+fn spill(v: &View) -> Option<Decision> {
+    if v.prefill.is_empty() || v.decode.is_empty() {
+        return None;
+    }
+    let min_busy = config("spill-prefill-busy").and_then(|s| s.trim().parse::<u64>().ok())?;
+    if candidates(v, &v.prefill)
+        .iter()
+        .any(|&i| busy(v, i) < min_busy)
+    {
+        return None;
+    }
+    let decode = least_loaded(v, candidates(v, &v.decode));
+    if load(v, decode[0]) > 0 {
+        return None;
+    }
+    Some(Decision {
+        route: Route::Whole(decode),
+        reverse_pull: None,
     })
 }
 

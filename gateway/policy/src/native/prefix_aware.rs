@@ -51,6 +51,14 @@ pub struct Thresholds {
     /// idle node, whose decodes cannot wait behind that prefill because it has none. A draining
     /// holder's conversations move to its peers this way.
     pub idle_peer_max_busy: Option<u64>,
+    /// A request with no holder, whose split would queue at P (every prefill candidate has at
+    /// least this many requests queued or running: `spill-prefill-busy`; `None`, the default:
+    /// never), runs `whole` on a decode node with nothing queued, running or parked, if there
+    /// is one: that node computes the prompt itself instead of waiting for P and pulling the
+    /// result (conditional disaggregation, as Dynamo's router does past a prefill queue
+    /// length). An idle node delays no one's decode by it, and with
+    /// `--kv-retain-after-decode` it becomes the conversation's holder.
+    pub spill_prefill_busy: Option<u64>,
 }
 
 impl Default for Thresholds {
@@ -65,6 +73,7 @@ impl Default for Thresholds {
             holder_max_busy: 0,
             decode_holder_slack: None,
             idle_peer_max_busy: None,
+            spill_prefill_busy: None,
         }
     }
 }
@@ -87,6 +96,7 @@ impl Thresholds {
             holder_max_busy: num("holder-max-busy").unwrap_or(d.holder_max_busy),
             decode_holder_slack: num("decode-holder-slack"),
             idle_peer_max_busy: num("idle-peer-max-busy"),
+            spill_prefill_busy: num("spill-prefill-busy"),
         }
     }
 
@@ -162,6 +172,11 @@ pub fn prefix_aware(request: &Request, view: &View) -> Decision {
 ///
 /// With [`Thresholds::decode_holder_slack`] set, a turn pulled back (2) decodes on the holder
 /// when the holder is within that slack of the least-loaded decode candidate.
+///
+/// With [`Thresholds::spill_prefill_busy`] set, a request with no holder **spills to an idle
+/// decode node** when every prefill candidate is busy (`waiting + running`) with at least
+/// that: `whole` with the least-loaded decode candidate first if its load (queued, running and
+/// parked) is 0, then the other decode candidates in least-loaded order; no reverse pull.
 pub fn prefix_aware_with(
     request: &Request,
     view: &View,
@@ -177,6 +192,11 @@ pub fn prefix_aware_with(
     if let Some(h) = holder
         && let Some(d) =
             to_holder(request, nodes, h, t).or_else(|| to_idle_peer(request, nodes, measured, h, t))
+    {
+        return d;
+    }
+    if holder.is_none()
+        && let Some(d) = spill(nodes, t)
     {
         return d;
     }
@@ -309,6 +329,28 @@ fn to_idle_peer(
             from: h,
             min_tokens,
         }),
+    })
+}
+
+/// The spill rule (`spill_prefill_busy`): `whole` on an idle decode node when every prefill
+/// candidate is busy with at least the setting.
+fn spill(nodes: &[Node], t: &Thresholds) -> Option<Decision> {
+    let min_busy = t.spill_prefill_busy?;
+    let prefill = candidates(nodes, Role::Prefill);
+    let mut decode = candidates(nodes, Role::Decode);
+    if prefill.is_empty()
+        || decode.is_empty()
+        || prefill.iter().any(|&i| busy(&nodes[i as usize]) < min_busy)
+    {
+        return None;
+    }
+    decode.sort_unstable_by_key(|&i| least_loaded_key(nodes, i));
+    if load(&nodes[decode[0] as usize]) > 0 {
+        return None;
+    }
+    Some(Decision {
+        route: Route::Whole(decode),
+        reverse_pull: None,
     })
 }
 
@@ -588,6 +630,7 @@ mod tests {
             ("pull-overhead-us", "0"),
             ("idle-peer-max-busy", "1"),
             ("holder-load-slack", "lots"),
+            ("spill-prefill-busy", "2"),
             ("some-other-policys-key", "9"),
         ];
         let t = Thresholds::from_config(|k| config.iter().find(|c| c.0 == k).map(|c| c.1));
@@ -597,11 +640,47 @@ mod tests {
                 holder_max_busy: 3,
                 pull_overhead_us: 0,
                 idle_peer_max_busy: Some(1),
+                spill_prefill_busy: Some(2),
                 ..Thresholds::default()
             },
             "a value that is not a whole number keeps the default, as in the guest"
         );
         assert_eq!(Thresholds::from_config(|_| None), Thresholds::default());
+    }
+
+    #[test]
+    fn only_a_request_without_a_holder_spills_and_only_to_an_idle_decode_node() {
+        let spill = Thresholds {
+            spill_prefill_busy: Some(1),
+            ..Thresholds::default()
+        };
+        let r = request(0, 1, vec![]);
+        let m = Measured::default();
+        // P has a request queued; decode node 2 is idle, node 1 runs one.
+        let mut busy_d = node(Role::Decode, 0, 10, false);
+        busy_d.running = 1;
+        let v = view(vec![
+            node(Role::Prefill, 1, 10, false),
+            busy_d,
+            node(Role::Decode, 0, 10, false),
+        ]);
+        let d = prefix_aware_with(&r, &v, &m, &spill);
+        assert_eq!(d.route, Route::Whole(vec![2, 1]), "{d:?}");
+        assert_eq!(d.reverse_pull, None);
+        assert!(matches!(
+            prefix_aware_with(&r, &v, &m, &Thresholds::default()).route,
+            Route::Split(_)
+        ));
+        // A conversation's turn (node 1 holds it, too busy for rule 1) is pulled back by P as
+        // before: spilling would recompute its history.
+        let mut held = v.clone();
+        held.nodes[1] = holding(held.nodes[1], 96);
+        held.nodes[1].running = 1;
+        let mut turn = r.clone();
+        turn.prompt_tokens = 120;
+        let d = prefix_aware_with(&turn, &held, &m, &spill);
+        assert!(matches!(d.route, Route::Split(_)), "{d:?}");
+        assert_eq!(d.reverse_pull.map(|p| p.from), Some(1));
     }
 
     #[test]
