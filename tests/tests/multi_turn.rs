@@ -539,15 +539,22 @@ async fn exact_turn(c: &TestCluster, reference: &Node, prompt: &[u64], what: &st
         &turn(prompt, ANSWER),
     )
     .await;
-    let want = post(
-        &c.client,
-        &reference.http,
-        "/v1/completions",
-        &turn(prompt, ANSWER),
+    let want = one_node(c, reference, prompt).await;
+    assert_eq!(token_ids(&got), want, "{what}");
+    want
+}
+
+/// The reference node's greedy answer to `prompt`, as token ids.
+async fn one_node(c: &TestCluster, reference: &Node, prompt: &[u64]) -> Vec<u64> {
+    token_ids(
+        &post(
+            &c.client,
+            &reference.http,
+            "/v1/completions",
+            &turn(prompt, ANSWER),
+        )
+        .await,
     )
-    .await;
-    assert_eq!(token_ids(&got), token_ids(&want), "{what}");
-    token_ids(&got)
 }
 
 /// The decode node whose `pd_node_kv_retained_total` is `before[i] + 1`.
@@ -584,6 +591,31 @@ async fn retained_counts(c: &TestCluster) -> [f64; 2] {
     ]
 }
 
+/// Sends `prompt` with n = 7 (on which the `trapping` guest traps) through the gateway and
+/// asserts that all seven greedy children equal the reference node's answer.
+async fn seven_children_equal_one_node(
+    c: &TestCluster,
+    reference: &Node,
+    prompt: &[u64],
+    what: &str,
+) {
+    let mut seven = turn(prompt, ANSWER);
+    seven["n"] = json!(7);
+    let got = post(&c.client, &c.gateway.http, "/v1/completions", &seven).await;
+    let want = one_node(c, reference, prompt).await;
+    let choices = got["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 7, "{what}: {got}");
+    for choice in choices {
+        let ids: Vec<u64> = choice["token_ids"]
+            .as_array()
+            .expect("token_ids")
+            .iter()
+            .map(|t| t.as_u64().expect("a token id"))
+            .collect();
+        assert_eq!(ids, want, "{what}, greedy, every child");
+    }
+}
+
 /// A policy that fails on a conversation's turn does not cost the conversation its history: the
 /// built-in fallback is the native prefix-aware, so the turn still goes whole to its holder,
 /// token for token what one node gives. (The fallback was least-loaded, which knows no holders:
@@ -610,27 +642,7 @@ async fn a_turn_whose_policy_fails_still_goes_to_its_holder() {
     let on_holder = || gateway_count(&c, "pd_gateway_reverse_pulls_total", &[("how", "holder")]);
     let before = on_holder().await;
     let computed_before = node_count(&c, holder, "pd_node_prompt_tokens_total", &[]).await;
-    let mut seven = turn(&prompt, ANSWER);
-    seven["n"] = json!(7);
-    let got = post(&c.client, &c.gateway.http, "/v1/completions", &seven).await;
-    let want = post(
-        &c.client,
-        &reference.http,
-        "/v1/completions",
-        &turn(&prompt, ANSWER),
-    )
-    .await;
-    let choices = got["choices"].as_array().expect("choices");
-    assert_eq!(choices.len(), 7, "{got}");
-    for choice in choices {
-        let ids: Vec<u64> = choice["token_ids"]
-            .as_array()
-            .expect("token_ids")
-            .iter()
-            .map(|t| t.as_u64().expect("a token id"))
-            .collect();
-        assert_eq!(ids, token_ids(&want), "turn 2, greedy, every child");
-    }
+    seven_children_equal_one_node(&c, &reference, &prompt, "turn 2").await;
     let g = c.gateway_metrics().await;
     assert_eq!(
         g.sum(
@@ -676,29 +688,7 @@ async fn a_turn_whose_policy_fails_still_goes_to_its_holder() {
         )
     };
     let (on_holder_before, pulled_before) = (on_holder().await, pulled().await);
-    let mut seven = turn(&prompt, ANSWER);
-    seven["n"] = json!(7);
-    let got = post(&c.client, &c.gateway.http, "/v1/completions", &seven).await;
-    let want = post(
-        &c.client,
-        &reference.http,
-        "/v1/completions",
-        &turn(&prompt, ANSWER),
-    )
-    .await;
-    for choice in got["choices"].as_array().expect("choices") {
-        let ids: Vec<u64> = choice["token_ids"]
-            .as_array()
-            .expect("token_ids")
-            .iter()
-            .map(|t| t.as_u64().expect("a token id"))
-            .collect();
-        assert_eq!(
-            ids,
-            token_ids(&want),
-            "configured fallback, greedy, every child"
-        );
-    }
+    seven_children_equal_one_node(&c, &reference, &prompt, "configured fallback").await;
     assert_eq!(
         c.gateway_metrics()
             .await

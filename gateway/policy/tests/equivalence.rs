@@ -108,24 +108,31 @@ fn prefix_aware_config_matches_native() {
         decode_holder_slack: Some(1),
         ..Thresholds::default()
     };
-    let mut rng = Rng::new(0x5eed_b05e);
+    let changed = sweep_agrees(&policy, &t, 0x5eed_b05e, "config");
+    assert!(changed > 3, "the config changed {changed} decisions");
+}
+
+/// Over the random sweep from `seed`, `policy` (prefix-aware under some config) decides as the
+/// native copy at `t`; returns how many of those decisions differ from the defaults'.
+fn sweep_agrees(policy: &WasmPolicy, t: &Thresholds, seed: u64, what: &str) -> usize {
+    let mut rng = Rng::new(seed);
     let mut changed = 0;
     for case in 0..CASES {
         let (request, view) = random_case(&mut rng, case);
         let measured = random_measured(&mut rng, view.nodes.len());
-        let want = prefix_aware_with(&request, &view, &measured, &t);
+        let want = prefix_aware_with(&request, &view, &measured, t);
         let got = policy
             .decide_measured(&request, &view, &measured, &names(&view))
-            .unwrap_or_else(|e| panic!("case {case}: {e:?}"));
+            .unwrap_or_else(|e| panic!("{what}, case {case}: {e:?}"));
         assert_eq!(
             got, want,
-            "case {case}: guest and native disagree on {request:?} {view:?} {measured:?}"
+            "{what}, case {case}: guest and native disagree on {request:?} {view:?} {measured:?}"
         );
         if want != prefix_aware_with(&request, &view, &measured, &Thresholds::default()) {
             changed += 1;
         }
     }
-    assert!(changed > 3, "the config changed {changed} decisions");
+    changed
 }
 
 fn draining(mut n: pd_policy::Node) -> pd_policy::Node {
@@ -456,22 +463,7 @@ fn spill_matches_native() {
             spill_prefill_busy: Some(min_busy),
             ..Thresholds::default()
         };
-        let mut rng = Rng::new(0x05b1_11ed);
-        for case in 0..CASES {
-            let (request, view) = random_case(&mut rng, case);
-            let measured = random_measured(&mut rng, view.nodes.len());
-            let want = prefix_aware_with(&request, &view, &measured, &t);
-            let got = policy
-                .decide_measured(&request, &view, &measured, &names(&view))
-                .unwrap_or_else(|e| panic!("min busy {min_busy}, case {case}: {e:?}"));
-            assert_eq!(
-                got, want,
-                "min busy {min_busy}, case {case}: guest and native disagree on {request:?} {view:?} {measured:?}"
-            );
-            if want != prefix_aware_with(&request, &view, &measured, &Thresholds::default()) {
-                *changed += 1;
-            }
-        }
+        *changed = sweep_agrees(&policy, &t, 0x05b1_11ed, &format!("min busy {min_busy}"));
     }
     assert!(
         changed[0] > 3 && changed[1] > 0,
