@@ -272,7 +272,8 @@ fn to_idle_peer(request: &Request, v: &View, h: Holding) -> Option<Decision> {
 /// The spill rule (`spill-prefill-busy` set): a request with no holder runs whole on an idle
 /// decode node when every prefill candidate is busy with at least the setting.
 fn spill(v: &View) -> Option<Decision> {
-    if v.prefill.is_empty() || v.decode.is_empty() {
+    // Cheap tests first: most requests meet no idle decode node, and then skip the host call.
+    if v.prefill.is_empty() || !v.decode.iter().any(|&i| load(v, i) == 0) {
         return None;
     }
     let min_busy = config("spill-prefill-busy").and_then(|s| s.trim().parse::<u64>().ok())?;
