@@ -25,7 +25,8 @@
 //! `1 / R` seconds (seeded by conversation and turn, so every mode waits the same); 0 (the
 //! default, as in vLLM) sends the next turn at once. Without waits the clients form a closed
 //! loop: a mode that answers faster also carries more turns at once, which on a machine with
-//! few cores shows in its TPOT; each mode's rate of turns (`turns/s`) is printed beside it.
+//! few cores shows in its TPOT; each mode's rate of turns (`turns/s`, over its wall time,
+//! waits included) is printed beside it.
 //!
 //! `PD_BENCH_MODES=ac` runs only those modes (default `abc`; ratios need the modes they
 //! compare); `PD_BENCH_C_CONFIG=holder-load-slack=0,pull-overhead-us=500` pushes mode c's
