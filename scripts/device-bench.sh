@@ -13,7 +13,8 @@
 # multi-turn-ac multi-turn-ac-busy-holder multi-turn-b; a name starting multi-turn-ac may be
 # repeated with a suffix, e.g. multi-turn-ac-2; multi-turn-ac-decode-holder runs mode c with
 # decode-holder-slack=1, multi-turn-ac-idle-peer with idle-peer-max-busy=0,
-# multi-turn-ac-spill with spill-prefill-busy=1; a name containing
+# multi-turn-ac-spill with spill-prefill-busy=1, multi-turn-ac-keep with
+# keep-on-prefill-decode-busy=1; a name containing
 # rate2 adds --request-rate 2, vLLM's think time of 0.5 s mean between a client's turns, the
 # VM's setting where TPOT compares at equal waits). With a short device budget, issue 10 first:
 #   DEVBENCH_STEPS="multi-turn-ac multi-turn-ac-idle-peer multi-turn-ac-2 multi-turn-ac-idle-peer-2"
@@ -99,6 +100,7 @@ main)
             *decode-holder*) cfg="decode-holder-slack=1" ;;
             *idle-peer*) cfg="idle-peer-max-busy=0" ;;
             *spill*) cfg="spill-prefill-busy=1" ;;
+            *keep*) cfg="keep-on-prefill-decode-busy=1" ;;
             esac
             rate=()
             case "$s" in *rate2*) rate=(--request-rate 2) ;; esac

@@ -731,6 +731,67 @@ async fn a_new_conversation_spills_to_an_idle_decode_node_and_stays_there() {
     only_the_wasm_policy_decided(&c).await;
 }
 
+/// `keep-on-prefill-decode-busy`: a conversation's turn that P pulls back runs whole on P when
+/// every decode node is busy with at least the key (at 0, always) and P is idle: P pulls the
+/// history from the holder, computes the rest and decodes the answer itself, token for token
+/// what one node gives; no decode node decodes any of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_stays_on_an_idle_p_when_the_decode_nodes_are_busy() {
+    let c = cluster("multi-turn-keep").await;
+    let reference = Node::reference(c.dir(), &c.model);
+    let (prompt, _) = first_turn(&c, &reference, 1, "kept").await;
+    eventually("the turn is indexed", Duration::from_secs(5), async || {
+        gateway_count(&c, "pd_gateway_retained_turns_total", &[]).await == 1.0
+    })
+    .await;
+    push_prefix_aware(
+        &c,
+        &[
+            // Never rule 1: the turn goes to P, which pulls the history back...
+            ("config.holder-max-new-tokens", "0"),
+            ("config.pull-overhead-us", "0"),
+            // ...and then stays there.
+            ("config.keep-on-prefill-decode-busy", "0"),
+        ],
+    )
+    .await;
+    let generated =
+        async |id: &str| node_count(&c, id, "pd_node_generation_tokens_total", &[]).await;
+    let decode_before = [generated("d0").await, generated("d1").await];
+    let p_generated = generated("p0").await;
+    let p_pulled = node_count(&c, "p0", "pd_node_kv_pulled_tokens_total", &[]).await;
+    let answer = exact_turn(&c, &reference, &prompt, "kept: turn 2").await;
+    assert_eq!(
+        gateway_count(
+            &c,
+            "pd_gateway_reverse_pulls_total",
+            &[("how", "decode_pulls")]
+        )
+        .await,
+        1.0,
+        "a whole turn on a node that pulled the history: {}",
+        c.gateway_metrics()
+            .await
+            .show("pd_gateway_reverse_pulls_total")
+    );
+    let pulled = node_count(&c, "p0", "pd_node_kv_pulled_tokens_total", &[]).await - p_pulled;
+    assert!(
+        pulled >= 16.0,
+        "P pulled the held history ({pulled} tokens)"
+    );
+    assert_eq!(
+        generated("p0").await - p_generated,
+        answer.len() as f64,
+        "P decoded the answer"
+    );
+    assert_eq!(
+        [generated("d0").await, generated("d1").await],
+        decode_before,
+        "no decode node decoded any of it"
+    );
+    only_the_wasm_policy_decided(&c).await;
+}
+
 /// When a conversation's history is gone before its next turn — the lease expired, the holder
 /// restarted, or the holder needed the blocks and revoked the lease — the turn is recomputed,
 /// token for token what one node gives, and counted by why; at the end every pool is idle.

@@ -470,3 +470,78 @@ fn spill_matches_native() {
         "the key changed {changed:?} decisions"
     );
 }
+
+/// `keep-on-prefill-decode-busy`: a split runs whole on P only with the key set, P with
+/// nothing on it, and every decode node's load (queued, running, parked) at least the key; a
+/// conversation's turn keeps its pull back from the holder. The guest decides as the native
+/// copy in these cases and over the random sweep, where the key changes decisions.
+#[test]
+fn keep_on_prefill_matches_native() {
+    let engine = PolicyEngine::new().expect("engine");
+    // (keep-on-prefill-decode-busy, P's running requests, decode node 1's parked requests,
+    // decode node 2's running requests, node 2 holds the conversation, P keeps the request)
+    type Case = (Option<u64>, u32, u32, u32, bool, bool);
+    let cases: [Case; 8] = [
+        (None, 0, 1, 1, false, false),
+        (Some(1), 0, 1, 1, false, true),
+        (Some(1), 0, 1, 1, true, true),
+        (Some(1), 1, 1, 1, true, false),
+        (Some(1), 0, 0, 1, true, false),
+        (Some(2), 0, 1, 2, false, false),
+        (Some(0), 0, 0, 0, false, true),
+        (None, 0, 1, 1, true, false),
+    ];
+    for (min_load, p_running, parked, d2_running, held, kept) in cases {
+        let mut d1 = node(Role::Decode, 0, 0, 500);
+        d1.waiting_remote_kv = parked;
+        let mut d2 = node(Role::Decode, 0, d2_running, 500);
+        let mut request = request(0, 1, vec![]);
+        if held {
+            // Running a turn: too busy for rule 1, so P pulls the history back.
+            d2.conversation_tokens = 60;
+            d2.conversation_expiry_ms = 30_000;
+            request.prompt_tokens = 80;
+        }
+        let v = View {
+            nodes: vec![node(Role::Prefill, 0, p_running, 500), d1, d2],
+        };
+        let policy = prefix_aware_keyed(&engine, "keep-on-prefill-decode-busy", min_load);
+        let t = Thresholds {
+            keep_on_prefill_decode_busy: min_load,
+            ..Thresholds::default()
+        };
+        let want = prefix_aware_with(&request, &v, &Measured::default(), &t);
+        let got = policy
+            .decide_measured(&request, &v, &Measured::default(), &names(&v))
+            .expect("decide");
+        let case = format!(
+            "min load {min_load:?}, P running {p_running}, parked {parked}, \
+             d2 running {d2_running}, held {held}"
+        );
+        assert_eq!(got, want, "{case}");
+        if kept {
+            assert_eq!(want.route, Route::Whole(vec![0]), "{case}");
+        } else {
+            assert!(matches!(want.route, Route::Split(_)), "{case}: {want:?}");
+        }
+        assert_eq!(
+            want.reverse_pull.map(|p| p.from),
+            held.then_some(2),
+            "{case}: {want:?}"
+        );
+    }
+
+    let mut changed = [0; 2];
+    for (min_load, changed) in [0, 1].into_iter().zip(&mut changed) {
+        let policy = prefix_aware_keyed(&engine, "keep-on-prefill-decode-busy", Some(min_load));
+        let t = Thresholds {
+            keep_on_prefill_decode_busy: Some(min_load),
+            ..Thresholds::default()
+        };
+        *changed = sweep_agrees(&policy, &t, 0x0ee9_0b1e, &format!("min load {min_load}"));
+    }
+    assert!(
+        changed[0] > 3 && changed[1] > 0,
+        "the key changed {changed:?} decisions"
+    );
+}

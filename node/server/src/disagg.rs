@@ -57,7 +57,8 @@ pub enum KvRole {
     /// No KV transfer: `kv_transfer_params` asking for one is refused.
     #[default]
     Standalone,
-    /// Prefill node: serves `do_remote_decode` requests.
+    /// Prefill node: serves `do_remote_decode` requests (and, as every role but standalone,
+    /// `do_remote_prefill` ones).
     Producer,
     /// Decode node: serves `do_remote_prefill` requests.
     Consumer,
@@ -71,9 +72,11 @@ impl KvRole {
         matches!(self, KvRole::Producer | KvRole::Both)
     }
 
-    /// Whether `do_remote_prefill` requests are served.
-    pub fn consumes(self) -> bool {
-        matches!(self, KvRole::Consumer | KvRole::Both)
+    /// Whether `do_remote_prefill` requests are served: any role but standalone. A prefill
+    /// node pulls a conversation's history back from its holder, so it can also pull a turn
+    /// and decode it itself (`whole` on P with a reverse pull).
+    pub fn pulls(self) -> bool {
+        self != KvRole::Standalone
     }
 
     /// vLLM's spelling.

@@ -53,12 +53,18 @@
 //! parked), then the other decode candidates in least-loaded order; no reverse pull. That node
 //! computes the prompt itself rather than wait for P (conditional disaggregation).
 //!
+//! With `keep-on-prefill-decode-busy` set (unset by default), a split (after 2 and 3) whose
+//! decode candidates all have a load of at least that runs `whole` on its first prefill
+//! candidate when that node's load is 0, then the other prefill candidates; the reverse pull
+//! as on the split. P decodes the turn itself instead of adding it to a decode node that is
+//! already decoding (the mirror of the spill rule).
+//!
 //! The parameters are read from the policy config (`pd-gateway policy push --config
 //! KEY=VALUE`); defaults: prefill-tokens-per-s 2000, kv-bytes-per-token 23040 (SmolLM2-135M,
 //! f16 KV), pull-mb-per-s 1000, pull-overhead-us 2000, holder-max-new-tokens 256,
 //! holder-load-slack 2, holder-max-busy 0 (only an idle holder takes a turn, so no decode
-//! running there waits behind its prefill), idle-peer-max-busy, decode-holder-slack and
-//! spill-prefill-busy unset.
+//! running there waits behind its prefill), idle-peer-max-busy, decode-holder-slack,
+//! spill-prefill-busy and keep-on-prefill-decode-busy unset.
 
 #![no_std]
 
@@ -142,6 +148,11 @@ impl Guest for PrefixAware {
         ) {
             holder_decodes_first(v, h.node, slack, &mut split.decode);
         }
+        if let Route::Split(split) = &route
+            && keep_on_prefill(v, split)
+        {
+            route = Route::Whole(split.prefill.clone());
+        }
         Decision {
             route,
             reverse_pull,
@@ -162,6 +173,22 @@ fn holder_decodes_first(v: &View, h: u32, slack: u64, decode: &mut Vec<u32>) {
         let target = decode.remove(pos);
         decode.insert(0, target);
     }
+}
+
+/// The keep rule (`keep-on-prefill-decode-busy` set): whether `split` should run whole on its
+/// first prefill node, because that node has no load and every decode candidate at least the
+/// setting.
+fn keep_on_prefill(v: &View, split: &Split) -> bool {
+    // Cheap test first: a busy P (the common case) skips the host call.
+    if load(v, split.prefill[0]) > 0 {
+        return false;
+    }
+    let Some(min_load) =
+        config("keep-on-prefill-decode-busy").and_then(|s| s.trim().parse::<u64>().ok())
+    else {
+        return false;
+    };
+    split.decode.iter().all(|&d| load(v, d) >= min_load)
 }
 
 /// A numeric config value, or `default` when unset or not a number.

@@ -3,7 +3,7 @@
 
 use super::{candidates, least_loaded_key, load, route};
 use crate::{
-    Decision, DecodeTarget, Measured, Node, Rates, Request, ReversePull, Role, Route, View,
+    Decision, DecodeTarget, Measured, Node, Rates, Request, ReversePull, Role, Route, Split, View,
 };
 use std::cmp::Reverse;
 
@@ -59,6 +59,14 @@ pub struct Thresholds {
     /// length). An idle node delays no one's decode by it, and with
     /// `--kv-retain-after-decode` it becomes the conversation's holder.
     pub spill_prefill_busy: Option<u64>,
+    /// A split whose every decode candidate already has at least this many requests (queued,
+    /// running, or parked for KV: `keep-on-prefill-decode-busy`; `None`, the default: never)
+    /// runs `whole` on its first prefill candidate instead, when that node has none: P
+    /// computes the prompt (after pulling a conversation's history back, as on a split) and
+    /// decodes it itself, so the decode does not share a decode node's steps with another
+    /// turn's. The mirror of `spill_prefill_busy`: in a cluster whose decode nodes are all
+    /// decoding and whose P is idle, P is the node with a step to spare.
+    pub keep_on_prefill_decode_busy: Option<u64>,
 }
 
 impl Default for Thresholds {
@@ -74,6 +82,7 @@ impl Default for Thresholds {
             decode_holder_slack: None,
             idle_peer_max_busy: None,
             spill_prefill_busy: None,
+            keep_on_prefill_decode_busy: None,
         }
     }
 }
@@ -97,6 +106,7 @@ impl Thresholds {
             decode_holder_slack: num("decode-holder-slack"),
             idle_peer_max_busy: num("idle-peer-max-busy"),
             spill_prefill_busy: num("spill-prefill-busy"),
+            keep_on_prefill_decode_busy: num("keep-on-prefill-decode-busy"),
         }
     }
 
@@ -177,6 +187,10 @@ pub fn prefix_aware(request: &Request, view: &View) -> Decision {
 /// decode node** when every prefill candidate is busy (`waiting + running`) with at least
 /// that: `whole` with the least-loaded decode candidate first if its load (queued, running and
 /// parked) is 0, then the other decode candidates in least-loaded order; no reverse pull.
+///
+/// With [`Thresholds::keep_on_prefill_decode_busy`] set, a split (after rules 2 and 3) whose
+/// decode candidates all have a load of at least that **stays on P** when its first prefill
+/// candidate's load is 0: `whole` with the prefill list, the reverse pull unchanged.
 pub fn prefix_aware_with(
     request: &Request,
     view: &View,
@@ -230,7 +244,23 @@ pub fn prefix_aware_with(
     {
         holder_decodes_first(nodes, h, slack, &mut split.decode);
     }
+    if let (Some(min_load), Route::Split(split)) = (t.keep_on_prefill_decode_busy, &d.route)
+        && keep_on_prefill(nodes, min_load, split)
+    {
+        d.route = Route::Whole(split.prefill.clone());
+    }
     d
+}
+
+/// The keep rule (`keep_on_prefill_decode_busy`): whether `split` should run whole on its
+/// first prefill node, because that node has no load and every decode candidate at least
+/// `min_load`.
+fn keep_on_prefill(nodes: &[Node], min_load: u64, split: &Split) -> bool {
+    load(&nodes[split.prefill[0] as usize]) == 0
+        && split
+            .decode
+            .iter()
+            .all(|d| load(&nodes[d.node as usize]) >= min_load)
 }
 
 /// Moves holder `h` to the front of `decode` when it is there and its load is at most the
@@ -631,6 +661,7 @@ mod tests {
             ("idle-peer-max-busy", "1"),
             ("holder-load-slack", "lots"),
             ("spill-prefill-busy", "2"),
+            ("keep-on-prefill-decode-busy", "1"),
             ("some-other-policys-key", "9"),
         ];
         let t = Thresholds::from_config(|k| config.iter().find(|c| c.0 == k).map(|c| c.1));
@@ -641,6 +672,7 @@ mod tests {
                 pull_overhead_us: 0,
                 idle_peer_max_busy: Some(1),
                 spill_prefill_busy: Some(2),
+                keep_on_prefill_decode_busy: Some(1),
                 ..Thresholds::default()
             },
             "a value that is not a whole number keeps the default, as in the guest"
@@ -681,6 +713,54 @@ mod tests {
         let d = prefix_aware_with(&turn, &held, &m, &spill);
         assert!(matches!(d.route, Route::Split(_)), "{d:?}");
         assert_eq!(d.reverse_pull.map(|p| p.from), Some(1));
+    }
+
+    #[test]
+    fn a_split_stays_on_an_idle_p_only_when_every_decode_node_is_busy_and_configured() {
+        let keep = Thresholds {
+            keep_on_prefill_decode_busy: Some(1),
+            ..Thresholds::default()
+        };
+        let m = Measured::default();
+        // Node 1 holds the conversation and runs a turn (too busy for rule 1); node 2 has a
+        // decode parked for its KV; P is idle.
+        let mut holder = holding(node(Role::Decode, 0, 10, false), 96);
+        holder.running = 1;
+        let mut parked = node(Role::Decode, 0, 10, false);
+        parked.waiting_remote_kv = 1;
+        let v = view(vec![node(Role::Prefill, 0, 10, false), holder, parked]);
+        let mut turn = request(0, 1, vec![]);
+        turn.prompt_tokens = 120;
+        let d = prefix_aware_with(&turn, &v, &m, &keep);
+        assert_eq!(d.route, Route::Whole(vec![0]), "{d:?}");
+        assert_eq!(
+            d.reverse_pull,
+            Some(ReversePull {
+                from: 1,
+                min_tokens: 5
+            }),
+            "P still pulls the history back"
+        );
+        let unset = prefix_aware_with(&turn, &v, &m, &Thresholds::default());
+        assert!(matches!(unset.route, Route::Split(_)), "{unset:?}");
+        assert_eq!(unset.reverse_pull, d.reverse_pull);
+        // A decode node with nothing on it takes the decode as before.
+        let mut free_d = v.clone();
+        free_d.nodes[2].waiting_remote_kv = 0;
+        let d = prefix_aware_with(&turn, &free_d, &m, &keep);
+        assert!(matches!(d.route, Route::Split(_)), "{d:?}");
+        // A busy P splits as before: its decode would wait behind its queue.
+        let mut busy_p = v.clone();
+        busy_p.nodes[0].waiting = 1;
+        let d = prefix_aware_with(&turn, &busy_p, &m, &keep);
+        assert!(matches!(d.route, Route::Split(_)), "{d:?}");
+        // A request with no holder stays on P too, with no pull.
+        let mut fresh = v.clone();
+        fresh.nodes[1] = node(Role::Decode, 0, 10, false);
+        fresh.nodes[1].running = 1;
+        let d = prefix_aware_with(&request(0, 1, vec![]), &fresh, &m, &keep);
+        assert_eq!(d.route, Route::Whole(vec![0]), "{d:?}");
+        assert_eq!(d.reverse_pull, None);
     }
 
     #[test]

@@ -123,10 +123,13 @@ impl AppState {
                 return Err(refuse("do_remote_decode", "kv_producer"));
             }
             KvDirective::Produce { held, .. } => self.check_peers(held)?,
+            // A prefill node pulls too (a turn's history, back from its holder), so it also
+            // serves a request that pulls and then decodes here: a policy may keep a turn
+            // whole on P.
             KvDirective::Consume(_) | KvDirective::Incomplete { .. }
-                if !role.consumes() || self.disagg.loader.is_none() =>
+                if !role.pulls() || self.disagg.loader.is_none() =>
             {
-                return Err(refuse("do_remote_prefill", "kv_consumer"));
+                return Err(refuse("do_remote_prefill", "kv_consumer or kv_producer"));
             }
             KvDirective::Consume(remotes) => self.check_peers(remotes)?,
             KvDirective::Incomplete { missing } => {
