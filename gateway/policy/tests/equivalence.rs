@@ -456,18 +456,34 @@ fn spill_matches_native() {
     }
 
     // Random views seldom have an idle decode node: at 0 the key spills wherever one is.
+    key_sweeps_agree(&engine, "spill-prefill-busy", 0x05b1_11ed, |v| Thresholds {
+        spill_prefill_busy: v,
+        ..Thresholds::default()
+    });
+}
+
+/// The random sweep with `key` at 0 and at 1 (`thresholds`: the native copy's setting of
+/// it): the guest agrees with the native copy in every case, and the key changes more than
+/// three decisions at 0 and some at 1.
+fn key_sweeps_agree(
+    engine: &PolicyEngine,
+    key: &str,
+    seed: u64,
+    thresholds: impl Fn(Option<u64>) -> Thresholds,
+) {
     let mut changed = [0; 2];
-    for (min_busy, changed) in [0, 1].into_iter().zip(&mut changed) {
-        let policy = prefix_aware_keyed(&engine, "spill-prefill-busy", Some(min_busy));
-        let t = Thresholds {
-            spill_prefill_busy: Some(min_busy),
-            ..Thresholds::default()
-        };
-        *changed = sweep_agrees(&policy, &t, 0x05b1_11ed, &format!("min busy {min_busy}"));
+    for (value, changed) in [0, 1].into_iter().zip(&mut changed) {
+        let policy = prefix_aware_keyed(engine, key, Some(value));
+        *changed = sweep_agrees(
+            &policy,
+            &thresholds(Some(value)),
+            seed,
+            &format!("{key} {value}"),
+        );
     }
     assert!(
         changed[0] > 3 && changed[1] > 0,
-        "the key changed {changed:?} decisions"
+        "{key} changed {changed:?} decisions"
     );
 }
 
@@ -531,17 +547,10 @@ fn keep_on_prefill_matches_native() {
         );
     }
 
-    let mut changed = [0; 2];
-    for (min_load, changed) in [0, 1].into_iter().zip(&mut changed) {
-        let policy = prefix_aware_keyed(&engine, "keep-on-prefill-decode-busy", Some(min_load));
-        let t = Thresholds {
-            keep_on_prefill_decode_busy: Some(min_load),
+    key_sweeps_agree(&engine, "keep-on-prefill-decode-busy", 0x0ee9_0b1e, |v| {
+        Thresholds {
+            keep_on_prefill_decode_busy: v,
             ..Thresholds::default()
-        };
-        *changed = sweep_agrees(&policy, &t, 0x0ee9_0b1e, &format!("min load {min_load}"));
-    }
-    assert!(
-        changed[0] > 3 && changed[1] > 0,
-        "the key changed {changed:?} decisions"
-    );
+        }
+    });
 }
