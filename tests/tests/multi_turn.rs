@@ -789,6 +789,15 @@ async fn a_turn_stays_on_an_idle_p_when_the_decode_nodes_are_busy() {
         decode_before,
         "no decode node decoded any of it"
     );
+    // The holder's lease ended when P pulled it, and P keeps none: nothing stays leased.
+    eventually("no lease stays live", Duration::from_secs(5), async || {
+        let mut live = 0.0;
+        for id in ["p0", "d0", "d1"] {
+            live += node_count(&c, id, "pd_kv_leases_live", &[]).await;
+        }
+        live == 0.0
+    })
+    .await;
     only_the_wasm_policy_decided(&c).await;
 }
 
