@@ -106,6 +106,11 @@ async fn only_the_wasm_policy_decided(c: &TestCluster) {
     );
 }
 
+/// Turns whose retained KV the gateway used `how` (`pd_gateway_reverse_pulls_total`).
+async fn reverse_pulls(c: &TestCluster, how: &str) -> f64 {
+    gateway_count(c, "pd_gateway_reverse_pulls_total", &[("how", how)]).await
+}
+
 async fn push_prefix_aware(c: &TestCluster, config: &[(&str, &str)]) {
     let (status, body) = c
         .push_policy(&bins::policy("prefix-aware"), "prefix-aware", config)
@@ -298,12 +303,7 @@ async fn each_turn_goes_where_the_conversation_is_and_equals_one_node() {
     let want = post(&c.client, &reference.http, path, &turn(&prompt, ANSWER)).await;
     assert_eq!(token_ids(&got), token_ids(&want), "turn 6");
     assert_eq!(
-        gateway_count(
-            &c,
-            "pd_gateway_reverse_pulls_total",
-            &[("how", "decode_pulls")]
-        )
-        .await,
+        reverse_pulls(&c, "decode_pulls").await,
         1.0,
         "turn 6 went whole to the peer, which pulled"
     );
@@ -762,12 +762,7 @@ async fn a_turn_stays_on_an_idle_p_when_the_decode_nodes_are_busy() {
     let p_pulled = node_count(&c, "p0", "pd_node_kv_pulled_tokens_total", &[]).await;
     let answer = exact_turn(&c, &reference, &prompt, "kept: turn 2").await;
     assert_eq!(
-        gateway_count(
-            &c,
-            "pd_gateway_reverse_pulls_total",
-            &[("how", "decode_pulls")]
-        )
-        .await,
+        reverse_pulls(&c, "decode_pulls").await,
         1.0,
         "a whole turn on a node that pulled the history: {}",
         c.gateway_metrics()

@@ -435,15 +435,12 @@ fn spill_matches_native() {
                 node(Role::Decode, 0, d2_running, 500),
             ],
         };
-        let policy = prefix_aware_keyed(&engine, "spill-prefill-busy", min_busy);
         let t = Thresholds {
             spill_prefill_busy: min_busy,
             ..Thresholds::default()
         };
-        let want = prefix_aware_with(&request, &v, &Measured::default(), &t);
-        let got = policy
-            .decide_measured(&request, &v, &Measured::default(), &names(&v))
-            .expect("decide");
+        let (got, want) =
+            guest_and_native(&engine, "spill-prefill-busy", min_busy, &t, &request, &v);
         let case = format!(
             "min busy {min_busy:?}, P running {p_running}, parked {parked}, d2 running {d2_running}"
         );
@@ -460,6 +457,22 @@ fn spill_matches_native() {
         spill_prefill_busy: v,
         ..Thresholds::default()
     });
+}
+
+/// The prefix-aware guest's decision with `key` set to `value`, and the native copy's with
+/// `t` (the same setting), on `request` and `v`, no rates measured.
+fn guest_and_native(
+    engine: &PolicyEngine,
+    key: &str,
+    value: Option<u64>,
+    t: &Thresholds,
+    request: &Request,
+    v: &View,
+) -> (Decision, Decision) {
+    let got = prefix_aware_keyed(engine, key, value)
+        .decide_measured(request, v, &Measured::default(), &names(v))
+        .expect("decide");
+    (got, prefix_aware_with(request, v, &Measured::default(), t))
 }
 
 /// The random sweep with `key` at 0 and at 1 (`thresholds`: the native copy's setting of
@@ -521,15 +534,18 @@ fn keep_on_prefill_matches_native() {
         let v = View {
             nodes: vec![node(Role::Prefill, 0, p_running, 500), d1, d2],
         };
-        let policy = prefix_aware_keyed(&engine, "keep-on-prefill-decode-busy", min_load);
         let t = Thresholds {
             keep_on_prefill_decode_busy: min_load,
             ..Thresholds::default()
         };
-        let want = prefix_aware_with(&request, &v, &Measured::default(), &t);
-        let got = policy
-            .decide_measured(&request, &v, &Measured::default(), &names(&v))
-            .expect("decide");
+        let (got, want) = guest_and_native(
+            &engine,
+            "keep-on-prefill-decode-busy",
+            min_load,
+            &t,
+            &request,
+            &v,
+        );
         let case = format!(
             "min load {min_load:?}, P running {p_running}, parked {parked}, \
              d2 running {d2_running}, held {held}"
