@@ -910,3 +910,117 @@ async fn a_lost_history_is_recomputed_and_counted() {
     .await;
     only_the_wasm_policy_decided(&c).await;
 }
+
+/// A prefill node started with `--kv-retain-after-decode` keeps the turns it decodes itself
+/// (kept on P by `keep-on-prefill-decode-busy`): it becomes its conversation's holder. Its
+/// next turn, kept on P again, is served from P's own blocks; the one after, split, is
+/// prefilled by P from its own blocks and decoded by a decode node. Every turn equals one
+/// node's answer; P never pulls from itself; no lease stays live.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_node_that_keeps_its_turns_serves_them_from_its_own_blocks() {
+    let policy = bins::policy("prefix-aware");
+    let c = TestCluster::start(
+        "multi-turn-p-holds",
+        ClusterSpec {
+            prefill: 1,
+            decode: 2,
+            gateway_args: args(&[
+                "--policy",
+                policy.to_str().expect("utf-8 path"),
+                "--decision-log-every",
+                "1",
+            ]),
+            prefill_args: args(&[
+                "--kv-recompute-threshold",
+                "0",
+                "--kv-retain-after-decode",
+                RETAIN_SECS,
+            ]),
+            decode_args: args(&["--kv-retain-after-decode", RETAIN_SECS]),
+            ..ClusterSpec::default()
+        },
+    )
+    .await;
+    let reference = Node::reference(c.dir(), &c.model);
+    push_prefix_aware(
+        &c,
+        &[
+            ("config.holder-max-new-tokens", "0"),
+            ("config.pull-overhead-us", "0"),
+            ("config.keep-on-prefill-decode-busy", "0"),
+        ],
+    )
+    .await;
+    let retained = async || node_count(&c, "p0", "pd_node_kv_retained_total", &[]).await;
+    let pulled = async || node_count(&c, "p0", "pd_node_kv_pulled_tokens_total", &[]).await;
+    // Turn 1: kept on P, which keeps it.
+    let mut prompt: Vec<u64> = (300..311).collect();
+    let a = exact_turn(&c, &reference, &prompt, "P holds: turn 1").await;
+    eventually("P kept turn 1", Duration::from_secs(5), async || {
+        retained().await == 1.0
+    })
+    .await;
+    eventually("the turn is indexed", Duration::from_secs(5), async || {
+        gateway_count(&c, "pd_gateway_retained_turns_total", &[]).await == 1.0
+    })
+    .await;
+    // Turn 2: kept on P again, from its own blocks.
+    prompt.extend(a);
+    prompt.extend([41, 42, 43, 44, 45]);
+    let p_pulled = pulled().await;
+    let a = exact_turn(&c, &reference, &prompt, "P holds: turn 2").await;
+    assert_eq!(pulled().await, p_pulled, "P pulled nothing from itself");
+    eventually("P kept turn 2", Duration::from_secs(5), async || {
+        retained().await == 2.0
+    })
+    .await;
+    eventually("turn 2 is indexed", Duration::from_secs(5), async || {
+        gateway_count(&c, "pd_gateway_retained_turns_total", &[]).await == 2.0
+    })
+    .await;
+    // Turn 3: split (no keep), P prefills from its own blocks, a decode node decodes.
+    push_prefix_aware(
+        &c,
+        &[
+            ("config.holder-max-new-tokens", "0"),
+            ("config.pull-overhead-us", "0"),
+        ],
+    )
+    .await;
+    prompt.extend(a);
+    prompt.extend([46, 47, 48]);
+    let p_pulled = pulled().await;
+    exact_turn(&c, &reference, &prompt, "P holds: turn 3").await;
+    assert_eq!(pulled().await, p_pulled, "P pulled nothing from itself");
+    // Both later turns were served by their holder from its own blocks, and say so.
+    assert_eq!(
+        [
+            reverse_pulls(&c, "holder").await,
+            reverse_pulls(&c, "prefill_pulls").await
+        ],
+        [2.0, 0.0],
+        "{}",
+        c.gateway_metrics()
+            .await
+            .show("pd_gateway_reverse_pulls_total")
+    );
+    // P released each of its own turns as the next one continued it.
+    assert_eq!(
+        node_count(&c, "p0", "pd_kv_leases_total", &[("event", "released")]).await,
+        3.0,
+        "P's leases: the two turns it kept, and turn 3's handoff"
+    );
+    eventually(
+        "no lease but the last turn's stays live",
+        Duration::from_secs(5),
+        async || {
+            let mut live = 0.0;
+            for id in ["p0", "d0", "d1"] {
+                live += node_count(&c, id, "pd_kv_leases_live", &[]).await;
+            }
+            live == 1.0
+        },
+    )
+    .await;
+    only_the_wasm_policy_decided(&c).await;
+}

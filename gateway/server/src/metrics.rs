@@ -60,7 +60,8 @@ pub struct Metrics {
     pub spread: IntCounterVec,
     /// Requests whose prompt continues a retained turn, by `how` the turn's KV was used:
     /// `prefill_pulls` (P pulled it, then P→D), `holder` (a whole request on the node holding
-    /// it), `decode_pulls` (a whole request on another node, which pulled it), `partial` (asked
+    /// it, or a split whose prefill node holds it: served from that node's own blocks),
+    /// `decode_pulls` (a whole request on another node, which pulled it), `partial` (asked
     /// for, but the prompt continues only the turn's prompt, not its answer as the model wrote
     /// it: a lease is pulled whole, so the history is recomputed), `not_used` (the policy did not
     /// ask for it: recomputed or served from a prefix cache).

@@ -740,7 +740,15 @@ impl Gateway {
                         .await;
                 }
                 if pull.is_some() {
-                    self.count_reverse_pull("prefill_pulls");
+                    // A prefill node that holds the turn itself (it decoded and kept it) serves
+                    // the history from its prefix cache, as a holder taking it whole does.
+                    let from_itself =
+                        held.as_ref().map(|h| h.index) == split.prefill.first().copied();
+                    self.count_reverse_pull(if from_itself {
+                        "holder"
+                    } else {
+                        "prefill_pulls"
+                    });
                 } else if asked {
                     self.count_reverse_pull("partial");
                 }
