@@ -14,9 +14,11 @@ beside the turns then on it — computing (a whole turn, or a split's decode pha
 running` and what was computing disagree (`--all`: every decision), and sums up. A view busy
 where nothing computes is stale; a holder with only reservations is free to prefill.
 
-Then TPOT by whether a turn decoded alone on its node or beside another turn's decode (for
-more than `SHARED` of its decode, first token to last): on a node of one compute thread two
-decodes in one step cost each of them most of a step more.
+Then TPOT by whether a turn decoded alone on its node, beside another turn's decode (for
+more than `SHARED` of its decode, first token to last: two decodes in one step cost each of
+them more), or beside another turn's prefill on that node (a prefill step stalls the node's
+decodes for its whole length); and of the turns that decoded on a prefill node (kept there by
+`keep-on-prefill-decode-busy`).
 
     python3 scripts/multi-turn-trace.py DIR [--mode c] [--all]
 """
@@ -63,8 +65,13 @@ def main():
             route = d["decision"]["route"]
             if "whole" in route:
                 t["node"], t["how"] = route["whole"][0], "whole"
+                t["prefill_node"] = t["node"]
             else:
                 t["node"], t["how"] = route["split"]["decode"][0]["node"], "split"
+                t["prefill_node"] = route["split"]["prefill"][0]
+            t["on_prefill_node"] = (
+                d["view"]["nodes"][t["node"]].get("role") == "prefill"
+            )
             t["decided_ms"] = d["time-ms"]
     unmatched = [t for t in turns if t["decision"] is None]
 
@@ -119,24 +126,41 @@ def main():
 
 
 def decode_sharing(turns, mode):
-    """Prints TPOT of later turns that decoded alone on their node against those that shared."""
-    alone, shared = [], []
+    """Prints TPOT of later turns that decoded alone on their node against those that shared
+    it: with another turn's decode (for more than `SHARED` of their own), or with another
+    turn's prefill (any overlap: a prefill step stalls every decode of its node). Turns
+    decoding on a prefill node (kept there) are counted apart as well."""
+    alone, shared, prefill, on_p = [], [], [], []
     for t in turns:
         if t["turn"] == 0 or t["decision"] is None or t["end_ms"] <= t["first_ms"]:
             continue
         a, b = t["first_ms"], t["end_ms"]
+        others = [u for u in turns if u is not t and u["decision"] is not None]
         beside = sum(
             max(0.0, min(b, u["end_ms"]) - max(a, u["first_ms"]))
-            for u in turns
-            if u is not t and u["decision"] is not None and u["node"] == t["node"]
+            for u in others
+            if u["node"] == t["node"]
         )
-        (shared if beside / (b - a) > SHARED else alone).append(t)
+        # Another turn's prefill phase on this node: from its decision to its first token.
+        stalled = any(
+            min(b, u["first_ms"]) > max(a, u["decided_ms"])
+            for u in others
+            if u["prefill_node"] == t["node"]
+        )
+        if stalled:
+            prefill.append(t)
+        else:
+            (shared if beside / (b - a) > SHARED else alone).append(t)
+        if t["on_prefill_node"]:
+            on_p.append(t)
     # Traces before `tpot_ms` was logged: the example's default 24 tokens a turn.
     of = lambda t: t.get("tpot_ms", (t["end_ms"] - t["first_ms"]) / 23)
     tpot = lambda ts: f"{statistics.mean(of(t) for t in ts):.1f} ms" if ts else "-"
     print(
         f"mode {mode}: later turns decoding alone on their node {len(alone)} (TPOT {tpot(alone)}), "
-        f"beside another turn's decode {len(shared)} (TPOT {tpot(shared)})"
+        f"beside another turn's decode {len(shared)} (TPOT {tpot(shared)}), "
+        f"beside another turn's prefill {len(prefill)} (TPOT {tpot(prefill)}); "
+        f"decoding on a prefill node {len(on_p)} (TPOT {tpot(on_p)})"
     )
 
 
