@@ -7,9 +7,12 @@
 
 use std::time::{Duration, Instant};
 
-use crate::common::{Rng, holder_cases, names, policies_dir, random_case};
+use crate::common::{Rng, holder_cases, names, node, policies_dir, random_case, request};
 use pd_policy::native;
-use pd_policy::{Decision, PolicyEngine, PolicySpec, Request, Route, View, validate};
+use pd_policy::native::prefix_aware::{Thresholds, prefix_aware_with};
+use pd_policy::{
+    Decision, Measured, PolicyEngine, PolicySpec, Request, Role, Route, View, validate,
+};
 
 type Native = fn(&Request, &View) -> Decision;
 
@@ -133,6 +136,97 @@ fn every_language_decides_as_the_native_policy() {
         for case in 0..4 {
             let (request, view) = random_case(&mut rng, case);
             crate::common::spare_matches_inline(&guest, &inline, &request, &view);
+        }
+        checked += 1;
+    }
+    assert!(checked > 0, "PD_POLICY_LANGS={only:?} selects no build");
+}
+
+/// The keys of `prefix-aware` that are unset by default: each port reads them as the native
+/// copy does (`Thresholds::from_config`).
+const OPT_IN_KEYS: [&str; 4] = [
+    "idle-peer-max-busy",
+    "decode-holder-slack",
+    "spill-prefill-busy",
+    "keep-on-prefill-decode-busy",
+];
+
+/// Views where each opt-in key changes the decision at 0 or 1, beside the seeded sweep and the
+/// holder cases: a turn pulled back from its busy holder (node 2) while decode node 1 is idle
+/// (`decode-holder-slack`), and a request with no holder while P is busy and a decode node
+/// idle (`spill-prefill-busy`).
+fn opt_in_cases() -> Vec<(Request, View)> {
+    let mut holder = node(Role::Decode, 0, 1, 500);
+    (holder.conversation_tokens, holder.conversation_expiry_ms) = (60, 30_000);
+    let pulled_back = View {
+        nodes: vec![
+            node(Role::Prefill, 0, 0, 500),
+            node(Role::Decode, 0, 0, 500),
+            holder,
+        ],
+    };
+    let p_busy = View {
+        nodes: vec![
+            node(Role::Prefill, 1, 1, 500),
+            node(Role::Decode, 0, 0, 500),
+            node(Role::Decode, 0, 1, 500),
+        ],
+    };
+    vec![
+        (request(1, 1, Vec::new()), pulled_back),
+        (request(2, 1, Vec::new()), p_busy),
+    ]
+}
+
+/// Every port of `prefix-aware` reads the opt-in keys as the native copy does: with each key
+/// at 0 and at 1, the port decides as `prefix_aware_with` given the same config, over the
+/// seeded sweep, the holder cases and `opt_in_cases`, and each key changes some decisions (so
+/// a port that ignored it would fail). The ports are on `pd:policy@0.1.0`, which carries no
+/// measured rates: the native copy decides with none.
+#[test]
+fn every_port_reads_the_opt_in_keys_as_the_native_policy() {
+    let only = std::env::var("PD_POLICY_LANGS").ok();
+    let engine = PolicyEngine::with_disk_cache(&crate::common::compile_cache()).expect("engine");
+    let mut checked = 0;
+    for lang in ["rust", "python", "js"] {
+        if only
+            .as_deref()
+            .is_some_and(|o| !o.split(',').any(|l| l == lang))
+        {
+            continue;
+        }
+        let path = wasm_path(lang, "prefix-aware");
+        let bytes = std::fs::read(&path).unwrap_or_else(|e| {
+            panic!(
+                "{lang}: {} is missing ({e}): run scripts/build-policies.sh",
+                path.display()
+            )
+        });
+        let mut rng = Rng::new(0x0971_0000);
+        let mut cases: Vec<(Request, View)> =
+            (0..CASES).map(|case| random_case(&mut rng, case)).collect();
+        cases.extend(holder_cases());
+        cases.extend(opt_in_cases());
+        for key in OPT_IN_KEYS {
+            let mut changed = 0;
+            for value in ["0", "1"] {
+                let name = format!("{lang}/prefix-aware {key}={value}");
+                let mut spec = generous(&name);
+                spec.config = [(key.to_owned(), value.to_owned())].into_iter().collect();
+                let guest = engine
+                    .load(&bytes, spec)
+                    .unwrap_or_else(|e| panic!("{name}: {e:?}"));
+                let t = Thresholds::from_config(|k| (k == key).then_some(value));
+                for (i, (request, view)) in cases.iter().enumerate() {
+                    let want = prefix_aware_with(request, view, &Measured::default(), &t);
+                    let got = guest
+                        .decide(request, view, &names(view))
+                        .unwrap_or_else(|e| panic!("{name} case {i}: {e:?}"));
+                    assert_eq!(got, want, "{name} case {i}: {request:?} {view:?}");
+                    changed += usize::from(want != native::prefix_aware(request, view));
+                }
+            }
+            assert!(changed > 0, "{lang}: {key} changed no decision");
         }
         checked += 1;
     }

@@ -32,6 +32,22 @@
 //    `pull-mb-per-s`) costs less than recomputing them at `prefill-tokens-per-s`.
 // 3. Else recompute. Parameters come from the policy config (defaults below).
 //
+// The Rust guest's opt-in keys (unset by default; the Rust guest's doc says why each exists),
+// read the same way:
+// - `idle-peer-max-busy`, between 1 and 2: when the holder qualifies for rule 1 but for its
+//   load or its draining, the least-loaded other candidate of its role takes the whole turn if
+//   it has at most that many requests queued or running and the held tokens are worth a pull
+//   (as in 2): whole with that peer first, then the role's other candidates in least-loaded
+//   order, reverse pull from the holder with min-tokens min-pull.
+// - `decode-holder-slack`: a turn pulled back (2) decodes on the holder when its load is at
+//   most the least-loaded decode candidate's plus that slack.
+// - `spill-prefill-busy`: a request with no holder runs whole on the least-loaded decode
+//   candidate when that one has load 0 and every prefill candidate has at least that many
+//   requests queued or running; then the other decode candidates; no reverse pull.
+// - `keep-on-prefill-decode-busy`: a split (after 2 and 3) whose decode candidates all have a
+//   load of at least that runs whole on its prefill list when the first has load 0; the
+//   reverse pull unchanged.
+//
 // Build: `policies/js/build.sh policies/js/prefix-aware OUT.wasm` (componentize-js).
 //
 // How WIT values look here (componentize-js): records are objects with camelCase fields
@@ -99,6 +115,13 @@ function param(key, fallback) {
   return Number(v.trim());
 }
 
+/** An opt-in config value: its number, or `undefined` when unset or not a number. */
+function opt(key) {
+  const v = config(key);
+  if (v === undefined || !/^\s*\d+\s*$/.test(v)) return undefined;
+  return Number(v.trim());
+}
+
 /** Fewest held tokens worth a pull (2^32 - 1: never). Integer nanoseconds, as the Rust guest. */
 function minPullTokens() {
   const recomputeNs = Math.floor(1e9 / Math.max(param("prefill-tokens-per-s", 2000), 1));
@@ -126,6 +149,36 @@ function toHolder(request, nodes, h) {
   return { route: { tag: "whole", val: list }, reversePull: { from: h, minTokens: 0 } };
 }
 
+/** Rule 1b (`idle-peer-max-busy` set): the whole turn on the least-loaded other node of the
+ * holder's role, or `undefined`. */
+function toIdlePeer(request, nodes, h) {
+  const maxBusy = opt("idle-peer-max-busy");
+  const n = nodes[h];
+  if (maxBusy === undefined || (n.role !== "decode" && n.role !== "standalone")) return undefined;
+  const fresh = Math.max(request.promptTokens - n.conversationTokens, 0);
+  if (fresh > param("holder-max-new-tokens", 256)) return undefined;
+  const ranked = leastLoaded(nodes, candidates(nodes, n.role));
+  const peer = ranked.find((i) => i !== h);
+  if (peer === undefined || busy(nodes[peer]) > maxBusy) return undefined;
+  const minTokens = minPullTokens();
+  if (n.conversationTokens < minTokens) return undefined;
+  const list = [peer, ...ranked.filter((i) => i !== peer)];
+  return { route: { tag: "whole", val: list }, reversePull: { from: h, minTokens } };
+}
+
+/** The spill rule (`spill-prefill-busy` set): whole on an idle decode node when every prefill
+ * candidate is busy with at least the setting, or `undefined`. */
+function spill(nodes) {
+  const minBusy = opt("spill-prefill-busy");
+  if (minBusy === undefined) return undefined;
+  const prefill = candidates(nodes, "prefill");
+  const decode = leastLoaded(nodes, candidates(nodes, "decode"));
+  if (prefill.length === 0 || decode.length === 0) return undefined;
+  if (prefill.some((i) => busy(nodes[i]) < minBusy)) return undefined;
+  if (load(nodes[decode[0]]) > 0) return undefined;
+  return { route: { tag: "whole", val: decode }, reversePull: undefined };
+}
+
 /** Decides where `request` goes, given `view` (the world's export `decide`). */
 export function decide(request, view) {
   const nodes = view.nodes;
@@ -137,7 +190,10 @@ export function decide(request, view) {
     }
   });
   if (holder !== undefined) {
-    const d = toHolder(request, nodes, holder);
+    const d = toHolder(request, nodes, holder) ?? toIdlePeer(request, nodes, holder);
+    if (d !== undefined) return d;
+  } else {
+    const d = spill(nodes);
     if (d !== undefined) return d;
   }
   const has = (role) => nodes.some((n) => n.role === role);
@@ -163,6 +219,25 @@ export function decide(request, view) {
   if (holder !== undefined && route.tag === "split") {
     const minTokens = minPullTokens();
     if (nodes[holder].conversationTokens >= minTokens) reversePull = { from: holder, minTokens };
+  }
+  const slack = opt("decode-holder-slack");
+  if (reversePull !== undefined && slack !== undefined) {
+    // The holder first among the decode targets when it is within the slack.
+    const targets = route.val.decode;
+    const pos = targets.findIndex((t) => t.node === holder);
+    const lightest = Math.min(...targets.map((t) => load(nodes[t.node])));
+    if (pos > 0 && load(nodes[holder]) <= lightest + slack) {
+      targets.unshift(...targets.splice(pos, 1));
+    }
+  }
+  const minLoad = opt("keep-on-prefill-decode-busy");
+  if (
+    minLoad !== undefined &&
+    route.tag === "split" &&
+    load(nodes[route.val.prefill[0]]) === 0 &&
+    route.val.decode.every((t) => load(nodes[t.node]) >= minLoad)
+  ) {
+    route = { tag: "whole", val: route.val.prefill };
   }
   return { route, reversePull };
 }

@@ -32,6 +32,22 @@ conversation under a lease; ties to the lowest index), when any has some:
    costs less than recomputing them at `prefill-tokens-per-s`.
 3. Else recompute. Parameters come from the policy config (defaults below).
 
+The Rust guest's opt-in keys (unset by default; README.md of `policies/` and the Rust guest's
+doc say why each exists), read the same way:
+- `idle-peer-max-busy`, between 1 and 2: when the holder qualifies for rule 1 but for its load
+  or its draining, the least-loaded other candidate of its role takes the whole turn if it has
+  at most that many requests queued or running and the held tokens are worth a pull (as in 2):
+  whole with that peer first, then the role's other candidates in least-loaded order, reverse
+  pull from the holder with min-tokens min-pull.
+- `decode-holder-slack`: a turn pulled back (2) decodes on the holder when its load is at most
+  the least-loaded decode candidate's plus that slack.
+- `spill-prefill-busy`: a request with no holder runs whole on the least-loaded decode
+  candidate when that one has load 0 and every prefill candidate has at least that many
+  requests queued or running; then the other decode candidates; no reverse pull.
+- `keep-on-prefill-decode-busy`: a split (after 2 and 3) whose decode candidates all have a
+  load of at least that runs whole on its prefill list when the first has load 0; the reverse
+  pull unchanged.
+
 Build: `policies/python/build.sh policies/python/prefix-aware OUT.wasm` (componentize-py; the
 bindings module `wit_world` is generated from wit/policy.wit at build time).
 """
@@ -108,6 +124,14 @@ def param(key, default):
     return int(v.strip())
 
 
+def opt(key):
+    """An opt-in config value: its number, or None when unset or not a number."""
+    v = host.config(key)
+    if v is None or not v.strip().isdigit():
+        return None
+    return int(v.strip())
+
+
 def min_pull_tokens():
     """Fewest held tokens worth a pull (2**32 - 1: never). Integer nanoseconds, as the Rust guest."""
     recompute_ns = 1_000_000_000 // max(param("prefill-tokens-per-s", 2000), 1)
@@ -139,6 +163,43 @@ def to_holder(request, nodes, h):
     return Decision(route=Route_Whole(ranked), reverse_pull=ReversePull(from_=h, min_tokens=0))
 
 
+def to_idle_peer(request, nodes, h):
+    """Rule 1b (`idle-peer-max-busy` set): the whole turn on the least-loaded other node of the
+    holder's role, or None."""
+    max_busy = opt("idle-peer-max-busy")
+    n = nodes[h]
+    if max_busy is None or n.role not in (Role.DECODE, Role.STANDALONE):
+        return None
+    if max(request.prompt_tokens - n.conversation_tokens, 0) > param("holder-max-new-tokens", 256):
+        return None
+    ranked = least_loaded(nodes, candidates(nodes, n.role))
+    peers = [i for i in ranked if i != h]
+    if not peers or busy(nodes[peers[0]]) > max_busy:
+        return None
+    min_tokens = min_pull_tokens()
+    if n.conversation_tokens < min_tokens:
+        return None
+    ranked = [peers[0]] + [i for i in ranked if i != peers[0]]
+    return Decision(
+        route=Route_Whole(ranked), reverse_pull=ReversePull(from_=h, min_tokens=min_tokens)
+    )
+
+
+def spill(nodes):
+    """The spill rule (`spill-prefill-busy` set): whole on an idle decode node when every
+    prefill candidate is busy with at least the setting, or None."""
+    min_busy = opt("spill-prefill-busy")
+    if min_busy is None:
+        return None
+    prefill = candidates(nodes, Role.PREFILL)
+    decode = least_loaded(nodes, candidates(nodes, Role.DECODE))
+    if not prefill or not decode or any(busy(nodes[i]) < min_busy for i in prefill):
+        return None
+    if load(nodes[decode[0]]) > 0:
+        return None
+    return Decision(route=Route_Whole(decode), reverse_pull=None)
+
+
 class WitWorld(wit_world.WitWorld):
     def decide(self, request, view):
         nodes = view.nodes
@@ -150,7 +211,11 @@ class WitWorld(wit_world.WitWorld):
             ):
                 holder = i
         if holder is not None:
-            d = to_holder(request, nodes, holder)
+            d = to_holder(request, nodes, holder) or to_idle_peer(request, nodes, holder)
+            if d is not None:
+                return d
+        else:
+            d = spill(nodes)
             if d is not None:
                 return d
         roles = {n.role for n in nodes}
@@ -174,4 +239,20 @@ class WitWorld(wit_world.WitWorld):
             min_tokens = min_pull_tokens()
             if nodes[holder].conversation_tokens >= min_tokens:
                 reverse_pull = ReversePull(from_=holder, min_tokens=min_tokens)
+        slack = opt("decode-holder-slack")
+        if reverse_pull is not None and slack is not None:
+            # The holder first among the decode targets when it is within the slack.
+            targets = route.value.decode
+            pos = next((j for j, t in enumerate(targets) if t.node == holder), None)
+            lightest = min(load(nodes[t.node]) for t in targets)
+            if pos and load(nodes[holder]) <= lightest + slack:
+                targets.insert(0, targets.pop(pos))
+        min_load = opt("keep-on-prefill-decode-busy")
+        if (
+            min_load is not None
+            and isinstance(route, Route_Split)
+            and load(nodes[route.value.prefill[0]]) == 0
+            and all(load(nodes[t.node]) >= min_load for t in route.value.decode)
+        ):
+            route = Route_Whole(route.value.prefill)
         return Decision(route=route, reverse_pull=reverse_pull)
