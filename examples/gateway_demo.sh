@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A demo cluster on one machine: pd-gateway in front of one prefill node (P) and one decode node
-# (D), a WASM routing policy, an unmodified OpenAI client, and a live policy swap.
+# (D), a WASM routing policy, an unmodified OpenAI client, a live policy swap, and a multi-turn
+# conversation whose later turns go back to the node holding its KV.
 #
 # Usage: examples/gateway_demo.sh [MODEL | tiny]
 #   BIN_DIR: where pd-gateway and pd-node are (default target/release)
@@ -62,7 +63,9 @@ node() {
   wait_for "$LOGS/$name.out" "pd-node listening on " "${PIDS[-1]}" >/dev/null
 }
 node prefill-0 --kv-role kv_producer --kv-port 0
-node decode-0 --kv-role kv_consumer --kv-port 0 --kv-recompute-threshold 0
+# D keeps each finished turn's KV under a lease for 60 s: the conversation's next turn can go
+# back to it (it computes only the new tokens) or be pulled back by P.
+node decode-0 --kv-role kv_consumer --kv-port 0 --kv-recompute-threshold 0 --kv-retain-after-decode 60
 
 # Both nodes registered?
 for _ in $(seq 1 100); do
@@ -153,6 +156,47 @@ r2 = client.responses.create(
     input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}],
     max_output_tokens=40, temperature=0)
 print(f"  answer after the call: {r2.output_text.strip()}")
+PY
+
+echo; echo "--- a three-turn chat conversation (the client resends the history, as OpenAI clients do): D kept"
+echo "    each turn's KV, and prefix-aware sends the next turn back to it, which computes only the new tokens"
+"$PY" - "$GW" <<'PY'
+import re, sys, time, urllib.request
+from openai import OpenAI
+gw = sys.argv[1]
+client = OpenAI(base_url=gw + "/v1", api_key="none")
+def used():
+    """The gateway's count of turns by how their held KV was used."""
+    text = urllib.request.urlopen(gw + "/metrics").read().decode()
+    return {m[1]: float(m[2]) for m in re.finditer(r'^pd_gateway_reverse_pulls_total\{how="(\w+)"\} (\S+)', text, re.M)}
+HOW = {"holder": "the turn went back to the node holding it", "prefill_pulls": "P pulled it back",
+       "decode_pulls": "another node pulled it", "not_used": "not used"}
+messages = [{"role": "system", "content": "Answer in one sentence."}]
+for question in ["Who painted the Mona Lisa?", "In which museum is it?",
+                 "In which city is that museum?"]:
+    messages.append({"role": "user", "content": question})
+    before = used()
+    start = time.perf_counter()
+    first, parts, usage = None, [], None
+    for chunk in client.chat.completions.create(model="demo", messages=messages, max_tokens=40,
+                                                temperature=0, stream=True,
+                                                stream_options={"include_usage": True}):
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter()
+            parts.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    answer = "".join(parts)
+    messages.append({"role": "assistant", "content": answer})
+    after = used()
+    how = [k for k in after if after[k] > before.get(k, 0)]
+    details = usage.prompt_tokens_details
+    cached = (details.cached_tokens or 0) if details else 0
+    pulled = (details.model_extra or {}).get("kv_pulled_tokens", 0) if details else 0
+    print(f"  user: {question}\n  answer: {answer.strip()!r}")
+    print(f"    prompt {usage.prompt_tokens} tokens: {pulled} pulled from P as KV, {cached - pulled} reused"
+          f" from the KV D kept, {usage.prompt_tokens - cached} computed by D; first token after"
+          f" {1000 * ((first or time.perf_counter()) - start):.0f} ms; the earlier turn's KV: "
+          + (", ".join(HOW.get(k, k) for k in how) or "none (first turn)"))
 PY
 
 echo; echo "--- scoring a multiple-choice question as lm-evaluation-harness does: /tokenize, then echo + logprobs"
