@@ -247,6 +247,20 @@ async fn each_turn_goes_where_the_conversation_is_and_equals_one_node() {
         gateway_count(&c, "pd_gateway_retained_turns_total", &[]).await,
         5.0
     );
+    // Each continued turn's time to first byte, by how its history was served: one on the
+    // holder, three pulled back by P (turn 1 continued nothing).
+    let ttfb = async |how: &str| {
+        gateway_count(
+            &c,
+            "pd_gateway_continued_turn_ttfb_seconds_count",
+            &[("how", how)],
+        )
+        .await
+    };
+    assert_eq!(
+        [ttfb("holder").await, ttfb("prefill_pulls").await],
+        [1.0, 3.0]
+    );
     // Every earlier turn's lease ended (pulled by P, or released by the holder's own request):
     // the decode nodes keep exactly one retained lease, the last turn's.
     eventually(

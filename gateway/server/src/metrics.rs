@@ -66,6 +66,10 @@ pub struct Metrics {
     /// it: a lease is pulled whole, so the history is recomputed), `not_used` (the policy did not
     /// ask for it: recomputed or served from a prefix cache).
     pub reverse_pulls: IntCounterVec,
+    /// Seconds from arrival to the first byte of a request continuing a retained turn, by
+    /// `how` the turn's KV was used (as in `reverse_pulls`): what route-to-holder and reverse
+    /// pull buy against a recompute, on live traffic.
+    pub continued_ttft: HistogramVec,
     /// Finished turns a node kept under a retained lease, indexed for the next turn.
     pub retained_turns: IntCounter,
     /// Node answers whose retained-turn `kv_transfer_params` were removed before the client
@@ -254,6 +258,12 @@ impl Metrics {
                 "pd_gateway_reverse_pulls_total",
                 "Requests continuing a retained turn, by how its KV was used.",
                 &["how"],
+            ),
+            continued_ttft: histograms(
+                "pd_gateway_continued_turn_ttfb_seconds",
+                "Arrival to first byte of requests continuing a retained turn, by how its KV was used.",
+                &["how"],
+                LATENCY_BUCKETS,
             ),
             retained_turns: counter(
                 "pd_gateway_retained_turns_total",

@@ -116,6 +116,9 @@ struct Timing {
     first_byte: Option<Instant>,
     /// When routing was decided (nothing before it waits on nodes).
     prepared: Option<Instant>,
+    /// How a retained turn this request continues was used (`pd_gateway_reverse_pulls_total`'s
+    /// `how`); none when it continues none.
+    continued: Option<&'static str>,
 }
 
 impl Timing {
@@ -539,6 +542,7 @@ impl Gateway {
             waiting: Duration::ZERO,
             first_byte: None,
             prepared: None,
+            continued: None,
         };
         let label = api_label(api);
         let outcome = match self.admit_and_serve(session, api, &mut t).await {
@@ -557,9 +561,11 @@ impl Gateway {
         let e2e = t.start.elapsed();
         m.e2e.with_label_values(&[label]).observe(e2e.as_secs_f64());
         if let Some(first) = t.first_byte {
-            m.ttft
-                .with_label_values(&[label])
-                .observe((first - t.start).as_secs_f64());
+            let ttfb = (first - t.start).as_secs_f64();
+            m.ttft.with_label_values(&[label]).observe(ttfb);
+            if let Some(how) = t.continued {
+                m.continued_ttft.with_label_values(&[how]).observe(ttfb);
+            }
         }
         let own = e2e.saturating_sub(t.waiting);
         m.added
@@ -681,7 +687,7 @@ impl Gateway {
                     } else {
                         "partial"
                     };
-                    self.count_reverse_pull(how);
+                    self.count_reverse_pull(t, how);
                 }
                 self.whole(
                     session,
@@ -744,13 +750,16 @@ impl Gateway {
                     // the history from its prefix cache, as a holder taking it whole does.
                     let from_itself =
                         held.as_ref().map(|h| h.index) == split.prefill.first().copied();
-                    self.count_reverse_pull(if from_itself {
-                        "holder"
-                    } else {
-                        "prefill_pulls"
-                    });
+                    self.count_reverse_pull(
+                        t,
+                        if from_itself {
+                            "holder"
+                        } else {
+                            "prefill_pulls"
+                        },
+                    );
                 } else if asked {
-                    self.count_reverse_pull("partial");
+                    self.count_reverse_pull(t, "partial");
                 }
                 self.split(
                     session,
@@ -768,7 +777,7 @@ impl Gateway {
             }
         };
         if held.is_some() && !asked {
-            self.count_reverse_pull("not_used");
+            self.count_reverse_pull(t, "not_used");
         }
         let used = pull.is_some();
         if matches!(outcome, Ok(Outcome::Ok)) && analyzed.prompts == 1 {
@@ -781,7 +790,10 @@ impl Gateway {
         outcome
     }
 
-    fn count_reverse_pull(&self, how: &'static str) {
+    /// Counts how the retained turn a request continues was used, and keeps it for the
+    /// request's time to first byte.
+    fn count_reverse_pull(&self, t: &mut Timing, how: &'static str) {
+        t.continued = Some(how);
         self.0.metrics.reverse_pulls.with_label_values(&[how]).inc();
     }
 
