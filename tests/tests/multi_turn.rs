@@ -30,7 +30,15 @@ const RETAIN_SECS: &str = "60";
 const ANSWER: u32 = 20;
 
 async fn cluster(name: &str) -> TestCluster {
+    cluster_with(name, &[]).await
+}
+
+/// [`cluster`], with `prefill_extra` added to the prefill node's flags.
+async fn cluster_with(name: &str, prefill_extra: &[&str]) -> TestCluster {
     let policy = bins::policy("prefix-aware");
+    // Pull even a block or two (the default computes short prefixes locally).
+    let mut prefill = vec!["--kv-recompute-threshold", "0"];
+    prefill.extend_from_slice(prefill_extra);
     TestCluster::start(
         name,
         ClusterSpec {
@@ -42,8 +50,7 @@ async fn cluster(name: &str) -> TestCluster {
                 "--decision-log-every",
                 "1",
             ]),
-            // Pull even a block or two (the default computes short prefixes locally).
-            prefill_args: args(&["--kv-recompute-threshold", "0"]),
+            prefill_args: args(&prefill),
             decode_args: args(&["--kv-retain-after-decode", RETAIN_SECS]),
             ..ClusterSpec::default()
         },
@@ -110,6 +117,14 @@ async fn only_the_wasm_policy_decided(c: &TestCluster) {
 async fn reverse_pulls(c: &TestCluster, how: &str) -> f64 {
     gateway_count(c, "pd_gateway_reverse_pulls_total", &[("how", how)]).await
 }
+
+/// `prefix-aware`'s config that keeps every turn on P: never rule 1, so P pulls the history
+/// back, and then P decodes it itself (every decode node has a load of at least 0).
+const KEEP_ON_P: [(&str, &str); 3] = [
+    ("config.holder-max-new-tokens", "0"),
+    ("config.pull-overhead-us", "0"),
+    ("config.keep-on-prefill-decode-busy", "0"),
+];
 
 async fn push_prefix_aware(c: &TestCluster, config: &[(&str, &str)]) {
     let (status, body) = c
@@ -758,17 +773,7 @@ async fn a_turn_stays_on_an_idle_p_when_the_decode_nodes_are_busy() {
         gateway_count(&c, "pd_gateway_retained_turns_total", &[]).await == 1.0
     })
     .await;
-    push_prefix_aware(
-        &c,
-        &[
-            // Never rule 1: the turn goes to P, which pulls the history back...
-            ("config.holder-max-new-tokens", "0"),
-            ("config.pull-overhead-us", "0"),
-            // ...and then stays there.
-            ("config.keep-on-prefill-decode-busy", "0"),
-        ],
-    )
-    .await;
+    push_prefix_aware(&c, &KEEP_ON_P).await;
     let generated =
         async |id: &str| node_count(&c, id, "pd_node_generation_tokens_total", &[]).await;
     let decode_before = [generated("d0").await, generated("d1").await];
@@ -932,66 +937,33 @@ async fn a_lost_history_is_recomputed_and_counted() {
 /// node's answer; P never pulls from itself; no lease stays live.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_node_that_keeps_its_turns_serves_them_from_its_own_blocks() {
-    let policy = bins::policy("prefix-aware");
-    let c = TestCluster::start(
+    let c = cluster_with(
         "multi-turn-p-holds",
-        ClusterSpec {
-            prefill: 1,
-            decode: 2,
-            gateway_args: args(&[
-                "--policy",
-                policy.to_str().expect("utf-8 path"),
-                "--decision-log-every",
-                "1",
-            ]),
-            prefill_args: args(&[
-                "--kv-recompute-threshold",
-                "0",
-                "--kv-retain-after-decode",
-                RETAIN_SECS,
-            ]),
-            decode_args: args(&["--kv-retain-after-decode", RETAIN_SECS]),
-            ..ClusterSpec::default()
-        },
+        &["--kv-retain-after-decode", RETAIN_SECS],
     )
     .await;
     let reference = Node::reference(c.dir(), &c.model);
-    push_prefix_aware(
-        &c,
-        &[
-            ("config.holder-max-new-tokens", "0"),
-            ("config.pull-overhead-us", "0"),
-            ("config.keep-on-prefill-decode-busy", "0"),
-        ],
-    )
-    .await;
-    let retained = async || node_count(&c, "p0", "pd_node_kv_retained_total", &[]).await;
+    push_prefix_aware(&c, &KEEP_ON_P).await;
     let pulled = async || node_count(&c, "p0", "pd_node_kv_pulled_tokens_total", &[]).await;
+    // P kept `n` turns, and the gateway indexed them.
+    let kept = async |n: f64| {
+        eventually("P keeps the turn", Duration::from_secs(5), async || {
+            node_count(&c, "p0", "pd_node_kv_retained_total", &[]).await == n
+                && gateway_count(&c, "pd_gateway_retained_turns_total", &[]).await == n
+        })
+        .await;
+    };
     // Turn 1: kept on P, which keeps it.
     let mut prompt: Vec<u64> = (300..311).collect();
     let a = exact_turn(&c, &reference, &prompt, "P holds: turn 1").await;
-    eventually("P kept turn 1", Duration::from_secs(5), async || {
-        retained().await == 1.0
-    })
-    .await;
-    eventually("the turn is indexed", Duration::from_secs(5), async || {
-        gateway_count(&c, "pd_gateway_retained_turns_total", &[]).await == 1.0
-    })
-    .await;
+    kept(1.0).await;
     // Turn 2: kept on P again, from its own blocks.
     prompt.extend(a);
     prompt.extend([41, 42, 43, 44, 45]);
     let p_pulled = pulled().await;
     let a = exact_turn(&c, &reference, &prompt, "P holds: turn 2").await;
     assert_eq!(pulled().await, p_pulled, "P pulled nothing from itself");
-    eventually("P kept turn 2", Duration::from_secs(5), async || {
-        retained().await == 2.0
-    })
-    .await;
-    eventually("turn 2 is indexed", Duration::from_secs(5), async || {
-        gateway_count(&c, "pd_gateway_retained_turns_total", &[]).await == 2.0
-    })
-    .await;
+    kept(2.0).await;
     // Turn 3: split (no keep), P prefills from its own blocks, a decode node decodes.
     push_prefix_aware(
         &c,
