@@ -28,6 +28,12 @@
 //! few cores shows in its TPOT; each mode's rate of turns (`turns/s`, over its wall time,
 //! waits included) is printed beside it.
 //!
+//! `PD_BENCH_NODE_CPU=0.6` caps each node at that many cores (a cgroup per node, CFS bandwidth
+//! control; root and a cgroup `cpu` controller needed): on a machine with fewer cores than
+//! nodes, each node then computes at the same pace whether the others are busy or not, as on a
+//! machine where each node has cores of its own, so a mode that puts more work on otherwise
+//! idle nodes is not charged for the cores they share. Use with `RAYON_NUM_THREADS=1`.
+//!
 //! `PD_BENCH_MODES=ac` runs only those modes (default `abc`; ratios need the modes they
 //! compare); `PD_BENCH_C_CONFIG=holder-load-slack=0,pull-overhead-us=500` pushes mode c's
 //! policy with that config (default: none, the policy's defaults). `PD_BENCH_TRACE=DIR` logs
@@ -334,6 +340,67 @@ fn summary(turns: &[TurnStats]) -> [f64; 5] {
     ]
 }
 
+/// A node of the cluster, with the CPU cap it runs under (`PD_BENCH_NODE_CPU`). Fields drop in
+/// order: the process is killed and reaped before its cgroup is removed.
+struct BenchNode {
+    _proc: Proc,
+    _cap: Option<CpuCap>,
+}
+
+/// A cgroup (v1 `cpu` controller, or v2 with `cpu` enabled) capping one process at a fraction
+/// of a core: CFS bandwidth control, `quota` µs of CPU per 10 ms period, whatever the other
+/// processes do. With three nodes capped at 0.6 core on a 2-core machine, each node computes at
+/// the same pace whether the others are busy or idle: as on a machine where each node has cores
+/// of its own, only slower.
+struct CpuCap {
+    dir: PathBuf,
+}
+
+impl CpuCap {
+    const PERIOD_US: u64 = 10_000;
+
+    /// Moves process `pid` (all its threads) into a new cgroup named `name` capped at `cores`.
+    fn new(name: &str, pid: u32, cores: f64) -> Result<CpuCap, String> {
+        let quota = (cores * Self::PERIOD_US as f64).round() as u64;
+        let v1 = PathBuf::from("/sys/fs/cgroup/cpu");
+        let v2 = PathBuf::from("/sys/fs/cgroup");
+        let is_v2 = std::fs::read_to_string(v2.join("cgroup.controllers"))
+            .is_ok_and(|c| c.split_whitespace().any(|c| c == "cpu"));
+        let root = if is_v2 { v2 } else { v1 };
+        let dir = root.join(format!("pd-bench-{}-{name}", std::process::id()));
+        let write = |file: &str, value: String| {
+            std::fs::write(dir.join(file), &value)
+                .map_err(|e| format!("{}/{file} <- {value}: {e}", dir.display()))
+        };
+        std::fs::create_dir(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        let cap = CpuCap { dir: dir.clone() };
+        if is_v2 {
+            write("cpu.max", format!("{quota} {}", Self::PERIOD_US))?;
+        } else {
+            write("cpu.cfs_period_us", Self::PERIOD_US.to_string())?;
+            write("cpu.cfs_quota_us", quota.to_string())?;
+        }
+        write("cgroup.procs", pid.to_string())?;
+        Ok(cap)
+    }
+}
+
+impl Drop for CpuCap {
+    fn drop(&mut self) {
+        // Empty once the process is reaped.
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// `PD_BENCH_NODE_CPU`: cores each node may use (none: uncapped).
+fn node_cpu() -> Option<f64> {
+    let v = std::env::var("PD_BENCH_NODE_CPU").ok()?;
+    match v.trim().parse::<f64>() {
+        Ok(c) if c > 0.0 => Some(c),
+        _ => panic!("PD_BENCH_NODE_CPU takes a number of cores > 0, got {v:?}"),
+    }
+}
+
 fn spawn_node(
     dir: &WorkDir,
     id: &str,
@@ -341,7 +408,7 @@ fn spawn_node(
     registry: &str,
     model: &str,
     s: &Settings,
-) -> Proc {
+) -> BenchNode {
     let mut cmd = Command::new(bins::pd_node());
     cmd.args([
         "serve",
@@ -366,8 +433,17 @@ fn spawn_node(
         cmd.args(["--kv-retain-after-decode", &s.retain_secs.to_string()]);
     }
     let mut p = Proc::spawn(id, cmd, dir.path());
+    // Capped before it loads the model: every thread it starts is in the cgroup.
+    let cap = node_cpu().map(|cores| {
+        CpuCap::new(id, p.pid(), cores).unwrap_or_else(|e| {
+            panic!("PD_BENCH_NODE_CPU needs a writable cgroup cpu controller (root): {e}")
+        })
+    });
     p.wait_line("pd-node listening on ", Duration::from_secs(120));
-    p
+    BenchNode {
+        _proc: p,
+        _cap: cap,
+    }
 }
 
 async fn push(client: &reqwest::Client, admin: &str, policy: &str, config: &[(String, String)]) {
@@ -431,7 +507,7 @@ async fn main() {
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
     let system = format!("You are a helpful assistant. {}.", words(7, s.system_words));
-    eprintln!("settings: {s:?}");
+    eprintln!("settings: {s:?}, node cpu cap: {:?}", node_cpu());
     let modes = std::env::var("PD_BENCH_MODES").unwrap_or_else(|_| "abc".into());
     let c_config: Vec<(String, String)> = std::env::var("PD_BENCH_C_CONFIG")
         .unwrap_or_default()
