@@ -14,10 +14,10 @@
 # repeated with a suffix, e.g. multi-turn-ac-2; multi-turn-ac-decode-holder runs mode c with
 # decode-holder-slack=1, multi-turn-ac-idle-peer with idle-peer-max-busy=0,
 # multi-turn-ac-spill with spill-prefill-busy=1, multi-turn-ac-keep with
-# keep-on-prefill-decode-busy=1; a name containing
+# keep-on-prefill-decode-busy=1 (the default), multi-turn-ac-nokeep with it off; a name containing
 # rate2 adds --request-rate 2, vLLM's think time of 0.5 s mean between a client's turns, the
 # VM's setting where TPOT compares at equal waits). With a short device budget, issue 10 first:
-#   DEVBENCH_STEPS="multi-turn-ac multi-turn-ac-idle-peer multi-turn-ac-2 multi-turn-ac-idle-peer-2"
+#   DEVBENCH_STEPS="multi-turn-ac multi-turn-ac-nokeep multi-turn-ac-2 multi-turn-ac-nokeep-2"
 # Every step writes $OUT/<step>.txt under its own time limit and goes on when one fails;
 # $OUT/summary.txt says how each ended. A rehearsal here, shorter: DEVBENCH=/tmp/devbench
 # OUT=/tmp/devbench-out DEVBENCH_REQUESTS=100 DEVBENCH_MT_ARGS="--conversations 1 --clients 1
@@ -100,6 +100,7 @@ main)
             *decode-holder*) cfg="decode-holder-slack=1" ;;
             *idle-peer*) cfg="idle-peer-max-busy=0" ;;
             *spill*) cfg="spill-prefill-busy=1" ;;
+            *nokeep*) cfg="keep-on-prefill-decode-busy=off" ;;
             *keep*) cfg="keep-on-prefill-decode-busy=1" ;;
             esac
             rate=()

@@ -557,6 +557,29 @@ impl TestCluster {
         }
     }
 
+    /// Waits until the gateway's view shows no request queued, running or parked on any node
+    /// (a node reports a finished request a moment after its answer's last byte). Policies
+    /// that weigh load (the keep rule) then decide on an idle cluster.
+    pub async fn wait_view_idle(&self, timeout: Duration) {
+        let start = Instant::now();
+        loop {
+            let nodes = self.admin_nodes().await;
+            let busy = |n: &Value| {
+                ["waiting", "running", "waiting_remote_kv"]
+                    .iter()
+                    .any(|f| n[*f].as_u64().unwrap_or(0) > 0)
+            };
+            if !nodes.iter().any(busy) {
+                return;
+            }
+            assert!(
+                start.elapsed() < timeout,
+                "the view did not go idle within {timeout:?}: {nodes:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     /// Waits until `/admin/nodes` no longer lists `engine_id`; returns how long that took.
     pub async fn wait_unlisted(&self, engine_id: &str, timeout: Duration) -> Duration {
         crate::eventually(

@@ -90,7 +90,9 @@ async fn misbehaving_policies_are_refused_or_contained() {
         // A well-behaved call: the guest decides (every node as a whole-request candidate).
         one_request(&c, "ok", 1).await;
         assert_eq!(decisions(&c, guest).await, 1.0, "{guest}");
-        // The misbehaving call: served all the same, by the built-in policy (P/D split).
+        // The misbehaving call: served all the same, by the built-in policy (P/D split: on an
+        // idle cluster, so the keep rule does not keep it on P).
+        c.wait_view_idle(std::time::Duration::from_secs(5)).await;
         let a = one_request(&c, guest, 7).await;
         let prompt = a.prompt_tokens.expect("usage");
         assert_eq!(

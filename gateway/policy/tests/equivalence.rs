@@ -285,9 +285,14 @@ fn recorded_views() {
 
 /// The prefix-aware guest with config `key` set to `value` (unset: `None`).
 fn prefix_aware_keyed(engine: &PolicyEngine, key: &str, value: Option<u64>) -> WasmPolicy {
+    prefix_aware_config(engine, key, value.map(|v| v.to_string()).as_deref())
+}
+
+/// The prefix-aware guest with config `key` set to the text `value` (unset: `None`).
+fn prefix_aware_config(engine: &PolicyEngine, key: &str, value: Option<&str>) -> WasmPolicy {
     let mut spec = crate::common::spec("prefix-aware");
     if let Some(v) = value {
-        spec.config = [(key.to_owned(), v.to_string())].into_iter().collect();
+        spec.config = [(key.to_owned(), v.to_owned())].into_iter().collect();
     }
     engine
         .load(&crate::common::wasm("prefix-aware"), spec)
@@ -394,7 +399,14 @@ fn idle_peer_matches_native() {
         if let Some(list) = to_peer {
             assert_eq!(want.route, Route::Whole(list), "{case}");
         } else {
-            assert!(matches!(want.route, Route::Split(_)), "{case}: {want:?}");
+            // P takes it: a split, or, both decode nodes busy and P idle, whole on P (the keep
+            // rule).
+            let on_p = match &want.route {
+                Route::Split(s) => s.prefill.first() == Some(&0),
+                Route::Whole(list) => list == &[0],
+                Route::Reject(_) => false,
+            };
+            assert!(on_p, "{case}: {want:?}");
         }
         assert_eq!(
             want.reverse_pull.map(|p| p.from),
@@ -439,8 +451,14 @@ fn spill_matches_native() {
             spill_prefill_busy: min_busy,
             ..Thresholds::default()
         };
-        let (got, want) =
-            guest_and_native(&engine, "spill-prefill-busy", min_busy, &t, &request, &v);
+        let (got, want) = guest_and_native(
+            &engine,
+            "spill-prefill-busy",
+            min_busy.map(|v| v.to_string()).as_deref(),
+            &t,
+            &request,
+            &v,
+        );
         let case = format!(
             "min busy {min_busy:?}, P running {p_running}, parked {parked}, d2 running {d2_running}"
         );
@@ -453,74 +471,81 @@ fn spill_matches_native() {
     }
 
     // Random views seldom have an idle decode node: at 0 the key spills wherever one is.
-    key_sweeps_agree(&engine, "spill-prefill-busy", 0x05b1_11ed, |v| Thresholds {
-        spill_prefill_busy: v,
-        ..Thresholds::default()
-    });
+    key_sweeps_agree(
+        &engine,
+        "spill-prefill-busy",
+        [("0", Some(0)), ("1", Some(1))],
+        0x05b1_11ed,
+        |v| Thresholds {
+            spill_prefill_busy: v,
+            ..Thresholds::default()
+        },
+    );
 }
 
-/// The prefix-aware guest's decision with `key` set to `value`, and the native copy's with
-/// `t` (the same setting), on `request` and `v`, no rates measured.
+/// The prefix-aware guest's decision with `key` set to `value` (unset: `None`), and the native
+/// copy's with `t` (the same setting), on `request` and `v`, no rates measured.
 fn guest_and_native(
     engine: &PolicyEngine,
     key: &str,
-    value: Option<u64>,
+    value: Option<&str>,
     t: &Thresholds,
     request: &Request,
     v: &View,
 ) -> (Decision, Decision) {
-    let got = prefix_aware_keyed(engine, key, value)
+    let got = prefix_aware_config(engine, key, value)
         .decide_measured(request, v, &Measured::default(), &names(v))
         .expect("decide");
     (got, prefix_aware_with(request, v, &Measured::default(), t))
 }
 
-/// The random sweep with `key` at 0 and at 1 (`thresholds`: the native copy's setting of
-/// it): the guest agrees with the native copy in every case, and the key changes more than
-/// three decisions at 0 and some at 1.
+/// The random sweep with `key` at each of two `values` (the config's text, and the native
+/// copy's setting of it, made into thresholds by `thresholds`): the guest agrees with the
+/// native copy in every case, and against the defaults each value changes some decisions.
 fn key_sweeps_agree(
     engine: &PolicyEngine,
     key: &str,
+    values: [(&str, Option<u64>); 2],
     seed: u64,
     thresholds: impl Fn(Option<u64>) -> Thresholds,
 ) {
     let mut changed = [0; 2];
-    for (value, changed) in [0, 1].into_iter().zip(&mut changed) {
-        let policy = prefix_aware_keyed(engine, key, Some(value));
-        *changed = sweep_agrees(
-            &policy,
-            &thresholds(Some(value)),
-            seed,
-            &format!("{key} {value}"),
-        );
+    for ((text, value), changed) in values.into_iter().zip(&mut changed) {
+        let policy = prefix_aware_config(engine, key, Some(text));
+        *changed = sweep_agrees(&policy, &thresholds(value), seed, &format!("{key} {text}"));
     }
     assert!(
-        changed[0] > 3 && changed[1] > 0,
+        changed.iter().all(|&c| c > 0),
         "{key} changed {changed:?} decisions"
     );
 }
 
-/// `keep-on-prefill-decode-busy`: a split runs whole on P only with the key set, P with
-/// nothing on it, and every decode node's load (queued, running, parked) at least the key; a
-/// conversation's turn keeps its pull back from the holder. The guest decides as the native
-/// copy in these cases and over the random sweep, where the key changes decisions.
+/// `keep-on-prefill-decode-busy` (1 by default, `off` turns it off): a split runs whole on P
+/// only with the rule on, P with nothing on it, and every decode node's load (queued, running,
+/// parked) at least the setting; a conversation's turn keeps its pull back from the holder.
+/// The guest decides as the native copy in these cases and over the random sweep, where the
+/// key changes decisions.
 #[test]
 fn keep_on_prefill_matches_native() {
     let engine = PolicyEngine::new().expect("engine");
-    // (keep-on-prefill-decode-busy, P's running requests, decode node 1's parked requests,
-    // decode node 2's running requests, node 2 holds the conversation, P keeps the request)
-    type Case = (Option<u64>, u32, u32, u32, bool, bool);
-    let cases: [Case; 8] = [
-        (None, 0, 1, 1, false, false),
-        (Some(1), 0, 1, 1, false, true),
-        (Some(1), 0, 1, 1, true, true),
-        (Some(1), 1, 1, 1, true, false),
-        (Some(1), 0, 0, 1, true, false),
-        (Some(2), 0, 1, 2, false, false),
-        (Some(0), 0, 0, 0, false, true),
-        (None, 0, 1, 1, true, false),
+    // (the config's text (none: unset), the native setting, P's running requests, decode node
+    // 1's parked requests, decode node 2's running requests, node 2 holds the conversation, P
+    // keeps the request)
+    type Case = (Option<&'static str>, Option<u64>, u32, u32, u32, bool, bool);
+    let cases: [Case; 11] = [
+        (None, Some(1), 0, 1, 1, false, true),
+        (None, Some(1), 0, 1, 1, true, true),
+        (Some("off"), None, 0, 1, 1, false, false),
+        (Some(" Off "), None, 0, 1, 1, true, false),
+        (Some("1"), Some(1), 0, 1, 1, false, true),
+        (Some("1"), Some(1), 0, 1, 1, true, true),
+        (Some("1"), Some(1), 1, 1, 1, true, false),
+        (Some("1"), Some(1), 0, 0, 1, true, false),
+        (Some("2"), Some(2), 0, 1, 2, false, false),
+        (Some("0"), Some(0), 0, 0, 0, false, true),
+        (Some("often"), Some(1), 0, 1, 1, false, true),
     ];
-    for (min_load, p_running, parked, d2_running, held, kept) in cases {
+    for (text, min_load, p_running, parked, d2_running, held, kept) in cases {
         let mut d1 = node(Role::Decode, 0, 0, 500);
         d1.waiting_remote_kv = parked;
         let mut d2 = node(Role::Decode, 0, d2_running, 500);
@@ -541,13 +566,13 @@ fn keep_on_prefill_matches_native() {
         let (got, want) = guest_and_native(
             &engine,
             "keep-on-prefill-decode-busy",
-            min_load,
+            text,
             &t,
             &request,
             &v,
         );
         let case = format!(
-            "min load {min_load:?}, P running {p_running}, parked {parked}, \
+            "config {text:?}, P running {p_running}, parked {parked}, \
              d2 running {d2_running}, held {held}"
         );
         assert_eq!(got, want, "{case}");
@@ -563,10 +588,14 @@ fn keep_on_prefill_matches_native() {
         );
     }
 
-    key_sweeps_agree(&engine, "keep-on-prefill-decode-busy", 0x0ee9_0b1e, |v| {
-        Thresholds {
+    key_sweeps_agree(
+        &engine,
+        "keep-on-prefill-decode-busy",
+        [("0", Some(0)), ("off", None)],
+        0x0ee9_0b1e,
+        |v| Thresholds {
             keep_on_prefill_decode_busy: v,
             ..Thresholds::default()
-        }
-    });
+        },
+    );
 }

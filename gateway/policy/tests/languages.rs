@@ -142,8 +142,9 @@ fn every_language_decides_as_the_native_policy() {
     assert!(checked > 0, "PD_POLICY_LANGS={only:?} selects no build");
 }
 
-/// The keys of `prefix-aware` that are unset by default: each port reads them as the native
-/// copy does (`Thresholds::from_config`).
+/// The keys of `prefix-aware`'s opt-in rules (unset by default but the keep rule, on at 1;
+/// `off` unsets one): each port reads them as the native copy does
+/// (`Thresholds::from_config`).
 const OPT_IN_KEYS: [&str; 4] = [
     "idle-peer-max-busy",
     "decode-holder-slack",
@@ -179,7 +180,7 @@ fn opt_in_cases() -> Vec<(Request, View)> {
 }
 
 /// Every port of `prefix-aware` reads the opt-in keys as the native copy does: with each key
-/// at 0 and at 1, the port decides as `prefix_aware_with` given the same config, over the
+/// at 0, at 1 and `off`, the port decides as `prefix_aware_with` given the same config, over the
 /// seeded sweep, the holder cases and `opt_in_cases`, and each key changes some decisions (so
 /// a port that ignored it would fail). The ports are on `pd:policy@0.1.0`, which carries no
 /// measured rates: the native copy decides with none.
@@ -209,7 +210,7 @@ fn every_port_reads_the_opt_in_keys_as_the_native_policy() {
         cases.extend(opt_in_cases());
         for key in OPT_IN_KEYS {
             let mut changed = 0;
-            for value in ["0", "1"] {
+            for value in ["0", "1", "off"] {
                 let name = format!("{lang}/prefix-aware {key}={value}");
                 let mut spec = generous(&name);
                 spec.config = [(key.to_owned(), value.to_owned())].into_iter().collect();

@@ -32,8 +32,8 @@
 //    `pull-mb-per-s`) costs less than recomputing them at `prefill-tokens-per-s`.
 // 3. Else recompute. Parameters come from the policy config (defaults below).
 //
-// The Rust guest's opt-in keys (unset by default; the Rust guest's doc says why each exists),
-// read the same way:
+// The Rust guest's opt-in keys (unset by default but the keep rule; `off` unsets one; the Rust
+// guest's doc says why each exists), read the same way:
 // - `idle-peer-max-busy`, between 1 and 2: when the holder qualifies for rule 1 but for its
 //   load or its draining, the least-loaded other candidate of its role takes the whole turn if
 //   it has at most that many requests queued or running and the held tokens are worth a pull
@@ -44,9 +44,9 @@
 // - `spill-prefill-busy`: a request with no holder runs whole on the least-loaded decode
 //   candidate when that one has load 0 and every prefill candidate has at least that many
 //   requests queued or running; then the other decode candidates; no reverse pull.
-// - `keep-on-prefill-decode-busy`: a split (after 2 and 3) whose decode candidates all have a
-//   load of at least that runs whole on its prefill list when the first has load 0; the
-//   reverse pull unchanged.
+// - `keep-on-prefill-decode-busy` (1 by default; `off` turns it off): a split (after 2 and 3)
+//   whose decode candidates all have a load of at least that runs whole on its prefill list
+//   when the first has load 0; the reverse pull unchanged.
 //
 // Build: `policies/js/build.sh policies/js/prefix-aware OUT.wasm` (componentize-js).
 //
@@ -115,11 +115,13 @@ function param(key, fallback) {
   return Number(v.trim());
 }
 
-/** An opt-in config value: its number, or `undefined` when unset or not a number. */
-function opt(key) {
+/** An opt-in rule's setting: the config's whole number, `undefined` for `off`, else
+ * `fallback`. */
+function opt(key, fallback) {
   const v = config(key);
-  if (v === undefined || !/^\s*\d+\s*$/.test(v)) return undefined;
-  return Number(v.trim());
+  if (v === undefined) return fallback;
+  if (v.trim().toLowerCase() === "off") return undefined;
+  return /^\s*\d+\s*$/.test(v) ? Number(v.trim()) : fallback;
 }
 
 /** Fewest held tokens worth a pull (2^32 - 1: never). Integer nanoseconds, as the Rust guest. */
@@ -230,7 +232,7 @@ export function decide(request, view) {
       targets.unshift(...targets.splice(pos, 1));
     }
   }
-  const minLoad = opt("keep-on-prefill-decode-busy");
+  const minLoad = opt("keep-on-prefill-decode-busy", 1);
   if (
     minLoad !== undefined &&
     route.tag === "split" &&

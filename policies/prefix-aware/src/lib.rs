@@ -53,18 +53,18 @@
 //! parked), then the other decode candidates in least-loaded order; no reverse pull. That node
 //! computes the prompt itself rather than wait for P (conditional disaggregation).
 //!
-//! With `keep-on-prefill-decode-busy` set (unset by default), a split (after 2 and 3) whose
-//! decode candidates all have a load of at least that runs `whole` on its first prefill
-//! candidate when that node's load is 0, then the other prefill candidates; the reverse pull
-//! as on the split. P decodes the turn itself instead of adding it to a decode node that is
-//! already decoding (the mirror of the spill rule).
+//! With `keep-on-prefill-decode-busy` at N (1 by default; `off` turns it off), a split (after
+//! 2 and 3) whose decode candidates all have a load of at least N runs `whole` on its first
+//! prefill candidate when that node's load is 0, then the other prefill candidates; the reverse
+//! pull as on the split. P decodes the turn itself instead of adding it to a decode node that
+//! is already decoding (the mirror of the spill rule). An opt-in key set to `off` is unset.
 //!
 //! The parameters are read from the policy config (`pd-gateway policy push --config
 //! KEY=VALUE`); defaults: prefill-tokens-per-s 2000, kv-bytes-per-token 23040 (SmolLM2-135M,
 //! f16 KV), pull-mb-per-s 1000, pull-overhead-us 2000, holder-max-new-tokens 256,
 //! holder-load-slack 2, holder-max-busy 0 (only an idle holder takes a turn, so no decode
-//! running there waits behind its prefill), idle-peer-max-busy, decode-holder-slack,
-//! spill-prefill-busy and keep-on-prefill-decode-busy unset.
+//! running there waits behind its prefill), keep-on-prefill-decode-busy 1, idle-peer-max-busy,
+//! decode-holder-slack and spill-prefill-busy unset.
 
 #![no_std]
 
@@ -143,7 +143,7 @@ impl Guest for PrefixAware {
         if let (Some(h), Some(_), Some(slack), Route::Split(split)) = (
             holding,
             &reverse_pull,
-            config("decode-holder-slack").and_then(|v| v.trim().parse::<u64>().ok()),
+            opt_in("decode-holder-slack", None),
             &mut route,
         ) {
             holder_decodes_first(v, h.node, slack, &mut split.decode);
@@ -183,12 +183,23 @@ fn keep_on_prefill(v: &View, split: &Split) -> bool {
     if load(v, split.prefill[0]) > 0 {
         return false;
     }
-    let Some(min_load) =
-        config("keep-on-prefill-decode-busy").and_then(|s| s.trim().parse::<u64>().ok())
+    let Some(min_load) = opt_in("keep-on-prefill-decode-busy", Some(KEEP_ON_PREFILL_DEFAULT))
     else {
         return false;
     };
     split.decode.iter().all(|&d| load(v, d) >= min_load)
+}
+
+/// `keep-on-prefill-decode-busy` when the config does not set it.
+const KEEP_ON_PREFILL_DEFAULT: u64 = 1;
+
+/// An opt-in rule's setting: the config's whole number, none for `off`, else `default`.
+fn opt_in(key: &str, default: Option<u64>) -> Option<u64> {
+    match config(key) {
+        Some(v) if v.trim().eq_ignore_ascii_case("off") => None,
+        Some(v) => v.trim().parse().ok().or(default),
+        None => default,
+    }
 }
 
 /// A numeric config value, or `default` when unset or not a number.
@@ -261,7 +272,7 @@ fn to_holder(request: &Request, v: &View, h: Holding) -> Option<Decision> {
 /// holder's role, when the holder qualifies for rule 1 but for its load or its draining, that
 /// peer's load is at most the setting, and the history is worth pulling at the peer's rates.
 fn to_idle_peer(request: &Request, v: &View, h: Holding) -> Option<Decision> {
-    let max_busy = config("idle-peer-max-busy").and_then(|s| s.trim().parse::<u64>().ok())?;
+    let max_busy = opt_in("idle-peer-max-busy", None)?;
     let role = [&v.decode, &v.standalone]
         .into_iter()
         .find(|role| role.binary_search(&h.node).is_ok())?;
@@ -303,7 +314,7 @@ fn spill(v: &View) -> Option<Decision> {
     if v.prefill.is_empty() || !v.decode.iter().any(|&i| load(v, i) == 0) {
         return None;
     }
-    let min_busy = config("spill-prefill-busy").and_then(|s| s.trim().parse::<u64>().ok())?;
+    let min_busy = opt_in("spill-prefill-busy", None)?;
     if candidates(v, &v.prefill)
         .iter()
         .any(|&i| busy(v, i) < min_busy)

@@ -32,8 +32,8 @@ conversation under a lease; ties to the lowest index), when any has some:
    costs less than recomputing them at `prefill-tokens-per-s`.
 3. Else recompute. Parameters come from the policy config (defaults below).
 
-The Rust guest's opt-in keys (unset by default; README.md of `policies/` and the Rust guest's
-doc say why each exists), read the same way:
+The Rust guest's opt-in keys (unset by default but the keep rule; `off` unsets one; the Rust
+guest's doc says why each exists), read the same way:
 - `idle-peer-max-busy`, between 1 and 2: when the holder qualifies for rule 1 but for its load
   or its draining, the least-loaded other candidate of its role takes the whole turn if it has
   at most that many requests queued or running and the held tokens are worth a pull (as in 2):
@@ -44,9 +44,9 @@ doc say why each exists), read the same way:
 - `spill-prefill-busy`: a request with no holder runs whole on the least-loaded decode
   candidate when that one has load 0 and every prefill candidate has at least that many
   requests queued or running; then the other decode candidates; no reverse pull.
-- `keep-on-prefill-decode-busy`: a split (after 2 and 3) whose decode candidates all have a
-  load of at least that runs whole on its prefill list when the first has load 0; the reverse
-  pull unchanged.
+- `keep-on-prefill-decode-busy` (1 by default; `off` turns it off): a split (after 2 and 3)
+  whose decode candidates all have a load of at least that runs whole on its prefill list when
+  the first has load 0; the reverse pull unchanged.
 
 Build: `policies/python/build.sh policies/python/prefix-aware OUT.wasm` (componentize-py; the
 bindings module `wit_world` is generated from wit/policy.wit at build time).
@@ -124,12 +124,15 @@ def param(key, default):
     return int(v.strip())
 
 
-def opt(key):
-    """An opt-in config value: its number, or None when unset or not a number."""
+def opt(key, default=None):
+    """An opt-in rule's setting: the config's whole number, None for `off`, else `default`."""
     v = host.config(key)
-    if v is None or not v.strip().isdigit():
+    if v is None:
+        return default
+    v = v.strip()
+    if v.lower() == "off":
         return None
-    return int(v.strip())
+    return int(v) if v.isdigit() else default
 
 
 def min_pull_tokens():
@@ -247,7 +250,7 @@ class WitWorld(wit_world.WitWorld):
             lightest = min(load(nodes[t.node]) for t in targets)
             if pos and load(nodes[holder]) <= lightest + slack:
                 targets.insert(0, targets.pop(pos))
-        min_load = opt("keep-on-prefill-decode-busy")
+        min_load = opt("keep-on-prefill-decode-busy", 1)
         if (
             min_load is not None
             and isinstance(route, Route_Split)

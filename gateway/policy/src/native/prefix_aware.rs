@@ -60,12 +60,14 @@ pub struct Thresholds {
     /// `--kv-retain-after-decode` it becomes the conversation's holder.
     pub spill_prefill_busy: Option<u64>,
     /// A split whose every decode candidate already has at least this many requests (queued,
-    /// running, or parked for KV: `keep-on-prefill-decode-busy`; `None`, the default: never)
-    /// runs `whole` on its first prefill candidate instead, when that node has none: P
-    /// computes the prompt (after pulling a conversation's history back, as on a split) and
-    /// decodes it itself, so the decode does not share a decode node's steps with another
-    /// turn's. The mirror of `spill_prefill_busy`: in a cluster whose decode nodes are all
-    /// decoding and whose P is idle, P is the node with a step to spare.
+    /// running, or parked for KV: `keep-on-prefill-decode-busy`; `Some(1)`, the default; `off`
+    /// in the config: never) runs `whole` on its first prefill candidate instead, when that
+    /// node has none: P computes the prompt (after pulling a conversation's history back, as on
+    /// a split) and decodes it itself, so the decode does not share a decode node's steps with
+    /// another turn's. The mirror of `spill_prefill_busy`: in a cluster whose decode nodes are
+    /// all decoding and whose P is idle, P is the node with a step to spare. On by default
+    /// since it met the multi-turn benchmark's TPOT goal where nodes compute at their own pace
+    /// (BENCHMARKS.md, "Nodes at their own pace on the VM").
     pub keep_on_prefill_decode_busy: Option<u64>,
 }
 
@@ -82,7 +84,7 @@ impl Default for Thresholds {
             decode_holder_slack: None,
             idle_peer_max_busy: None,
             spill_prefill_busy: None,
-            keep_on_prefill_decode_busy: None,
+            keep_on_prefill_decode_busy: Some(1),
         }
     }
 }
@@ -95,6 +97,13 @@ impl Thresholds {
     pub fn from_config<'a>(get: impl Fn(&str) -> Option<&'a str>) -> Thresholds {
         let d = Thresholds::default();
         let num = |key: &str| get(key).and_then(|v| v.trim().parse::<u64>().ok());
+        // An opt-in rule's key: a whole number sets it, `off` turns it off, anything else
+        // keeps its default.
+        let opt = |key: &str, default: Option<u64>| match get(key).map(str::trim) {
+            Some(v) if v.eq_ignore_ascii_case("off") => None,
+            Some(v) => v.parse::<u64>().ok().or(default),
+            None => default,
+        };
         Thresholds {
             prefill_tokens_per_s: num("prefill-tokens-per-s").unwrap_or(d.prefill_tokens_per_s),
             kv_bytes_per_token: num("kv-bytes-per-token").unwrap_or(d.kv_bytes_per_token),
@@ -103,10 +112,13 @@ impl Thresholds {
             holder_max_new_tokens: num("holder-max-new-tokens").unwrap_or(d.holder_max_new_tokens),
             holder_load_slack: num("holder-load-slack").unwrap_or(d.holder_load_slack),
             holder_max_busy: num("holder-max-busy").unwrap_or(d.holder_max_busy),
-            decode_holder_slack: num("decode-holder-slack"),
-            idle_peer_max_busy: num("idle-peer-max-busy"),
-            spill_prefill_busy: num("spill-prefill-busy"),
-            keep_on_prefill_decode_busy: num("keep-on-prefill-decode-busy"),
+            decode_holder_slack: opt("decode-holder-slack", d.decode_holder_slack),
+            idle_peer_max_busy: opt("idle-peer-max-busy", d.idle_peer_max_busy),
+            spill_prefill_busy: opt("spill-prefill-busy", d.spill_prefill_busy),
+            keep_on_prefill_decode_busy: opt(
+                "keep-on-prefill-decode-busy",
+                d.keep_on_prefill_decode_busy,
+            ),
         }
     }
 
@@ -188,7 +200,7 @@ pub fn prefix_aware(request: &Request, view: &View) -> Decision {
 /// that: `whole` with the least-loaded decode candidate first if its load (queued, running and
 /// parked) is 0, then the other decode candidates in least-loaded order; no reverse pull.
 ///
-/// With [`Thresholds::keep_on_prefill_decode_busy`] set, a split (after rules 2 and 3) whose
+/// With [`Thresholds::keep_on_prefill_decode_busy`] set (1 by default), a split (after rules 2 and 3) whose
 /// decode candidates all have a load of at least that **stays on P** when its first prefill
 /// candidate's load is 0: `whole` with the prefill list, the reverse pull unchanged.
 pub fn prefix_aware_with(
@@ -472,7 +484,8 @@ mod tests {
     #[test]
     fn a_busy_holder_is_pulled_from_unless_the_config_allows_it() {
         // The holder decodes another conversation: by default P takes the turn (pulling it
-        // back), so that running decode does not wait behind this prefill.
+        // back), so that running decode does not wait behind this prefill; and as both
+        // decode nodes are busy and P is idle, P decodes it too (the keep rule).
         let v = view(vec![
             node(Role::Prefill, 0, 10, false),
             node(Role::Decode, 1, 10, false),
@@ -480,7 +493,7 @@ mod tests {
         ]);
         let r = request(0, 1, vec![]);
         let d = prefix_aware(&r, &v);
-        assert!(matches!(d.route, Route::Split(_)), "{d:?}");
+        assert_eq!(d.route, Route::Whole(vec![0]), "{d:?}");
         assert_eq!(d.reverse_pull.map(|p| p.from), Some(2));
         // `holder-max-busy 1` lets a holder with one request take it.
         let t = Thresholds {
@@ -575,10 +588,10 @@ mod tests {
                 min_tokens: 5
             })
         );
-        // A peer busier than allowed: P again.
+        // A peer busier than allowed: P again (both decode nodes busy: P decodes it too).
         let mut busy_peer = v.clone();
         busy_peer.nodes[1].running = 1;
-        assert!(matches!(with(Some(0), &busy_peer).route, Route::Split(_)));
+        assert_eq!(with(Some(0), &busy_peer).route, Route::Whole(vec![0]));
         assert_eq!(with(Some(1), &busy_peer).route, Route::Whole(vec![1, 2]));
         // A draining holder (idle or not): its peer takes the turn, the holder is no failover.
         let mut drains = v.clone();
@@ -661,7 +674,8 @@ mod tests {
             ("idle-peer-max-busy", "1"),
             ("holder-load-slack", "lots"),
             ("spill-prefill-busy", "2"),
-            ("keep-on-prefill-decode-busy", "1"),
+            ("keep-on-prefill-decode-busy", "2"),
+            ("decode-holder-slack", "some"),
             ("some-other-policys-key", "9"),
         ];
         let t = Thresholds::from_config(|k| config.iter().find(|c| c.0 == k).map(|c| c.1));
@@ -672,12 +686,27 @@ mod tests {
                 pull_overhead_us: 0,
                 idle_peer_max_busy: Some(1),
                 spill_prefill_busy: Some(2),
-                keep_on_prefill_decode_busy: Some(1),
+                keep_on_prefill_decode_busy: Some(2),
                 ..Thresholds::default()
             },
             "a value that is not a whole number keeps the default, as in the guest"
         );
         assert_eq!(Thresholds::from_config(|_| None), Thresholds::default());
+        // `off` turns an opt-in rule off, the keep rule (on by default) included.
+        let off = Thresholds::from_config(|k| {
+            (k == "keep-on-prefill-decode-busy" || k == "spill-prefill-busy").then_some(" OFF ")
+        });
+        assert_eq!(
+            off,
+            Thresholds {
+                keep_on_prefill_decode_busy: None,
+                ..Thresholds::default()
+            }
+        );
+        let garbage = Thresholds::from_config(|k| {
+            (k == "keep-on-prefill-decode-busy").then_some("sometimes")
+        });
+        assert_eq!(garbage.keep_on_prefill_decode_busy, Some(1));
     }
 
     #[test]
@@ -716,11 +745,10 @@ mod tests {
     }
 
     #[test]
-    fn a_split_stays_on_an_idle_p_only_when_every_decode_node_is_busy_and_configured() {
-        let keep = Thresholds {
-            keep_on_prefill_decode_busy: Some(1),
-            ..Thresholds::default()
-        };
+    fn a_split_stays_on_an_idle_p_only_when_every_decode_node_is_busy_unless_turned_off() {
+        // The default.
+        let keep = Thresholds::default();
+        assert_eq!(keep.keep_on_prefill_decode_busy, Some(1));
         let m = Measured::default();
         // Node 1 holds the conversation and runs a turn (too busy for rule 1); node 2 has a
         // decode parked for its KV; P is idle.
@@ -741,9 +769,20 @@ mod tests {
             }),
             "P still pulls the history back"
         );
-        let unset = prefix_aware_with(&turn, &v, &m, &Thresholds::default());
+        let off = Thresholds {
+            keep_on_prefill_decode_busy: None,
+            ..Thresholds::default()
+        };
+        let unset = prefix_aware_with(&turn, &v, &m, &off);
         assert!(matches!(unset.route, Route::Split(_)), "{unset:?}");
         assert_eq!(unset.reverse_pull, d.reverse_pull);
+        // At 2, one request on each decode node is not enough.
+        let two = Thresholds {
+            keep_on_prefill_decode_busy: Some(2),
+            ..Thresholds::default()
+        };
+        let d2 = prefix_aware_with(&turn, &v, &m, &two);
+        assert!(matches!(d2.route, Route::Split(_)), "{d2:?}");
         // A decode node with nothing on it takes the decode as before.
         let mut free_d = v.clone();
         free_d.nodes[2].waiting_remote_kv = 0;
