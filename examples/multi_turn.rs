@@ -10,7 +10,8 @@
 //! - **b**: as a, with prefix caching off (a unique `cache_salt` per request: no node finds any
 //!   block of it cached; the setting of the reverse-pull PR's first figure);
 //! - **c**: the shipped `prefix-aware` policy: the next turn goes to the node holding the
-//!   conversation (it prefills only the new tokens), or P pulls the history back.
+//!   conversation (it prefills only the new tokens), or P pulls the history back (and decodes
+//!   the turn itself when both decode nodes are busy and P is idle: the keep rule).
 //!
 //! ```sh
 //! bash scripts/build-policies.sh
