@@ -92,7 +92,7 @@ r = client.chat.completions.create(
 u = r.usage
 pulled = (u.prompt_tokens_details.model_extra or {}).get("kv_pulled_tokens") if u.prompt_tokens_details else None
 print(f"  answer: {r.choices[0].message.content!r}")
-print(f"  usage: prompt {u.prompt_tokens}, completion {u.completion_tokens}, KV pulled from P: {pulled} tokens")
+print(f"  usage: prompt {u.prompt_tokens}, completion {u.completion_tokens}, KV pulled from P: {pulled or 0} tokens")
 PY
 }
 
