@@ -118,6 +118,15 @@ async fn reverse_pulls(c: &TestCluster, how: &str) -> f64 {
     gateway_count(c, "pd_gateway_reverse_pulls_total", &[("how", how)]).await
 }
 
+/// Leases live on the three nodes together.
+async fn live_leases(c: &TestCluster) -> f64 {
+    let mut live = 0.0;
+    for id in ["p0", "d0", "d1"] {
+        live += node_count(c, id, "pd_kv_leases_live", &[]).await;
+    }
+    live
+}
+
 /// `prefix-aware`'s config that keeps every turn on P: never rule 1, so P pulls the history
 /// back, and then P decodes it itself (every decode node has a load of at least 0).
 const KEEP_ON_P: [(&str, &str); 3] = [
@@ -805,11 +814,7 @@ async fn a_turn_stays_on_an_idle_p_when_the_decode_nodes_are_busy() {
     );
     // The holder's lease ended when P pulled it, and P keeps none: nothing stays leased.
     eventually("no lease stays live", Duration::from_secs(5), async || {
-        let mut live = 0.0;
-        for id in ["p0", "d0", "d1"] {
-            live += node_count(&c, id, "pd_kv_leases_live", &[]).await;
-        }
-        live == 0.0
+        live_leases(&c).await == 0.0
     })
     .await;
     only_the_wasm_policy_decided(&c).await;
@@ -999,13 +1004,7 @@ async fn a_prefill_node_that_keeps_its_turns_serves_them_from_its_own_blocks() {
     eventually(
         "no lease but the last turn's stays live",
         Duration::from_secs(5),
-        async || {
-            let mut live = 0.0;
-            for id in ["p0", "d0", "d1"] {
-                live += node_count(&c, id, "pd_kv_leases_live", &[]).await;
-            }
-            live == 1.0
-        },
+        async || live_leases(&c).await == 1.0,
     )
     .await;
     only_the_wasm_policy_decided(&c).await;
