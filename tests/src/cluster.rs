@@ -565,9 +565,15 @@ impl TestCluster {
         loop {
             let nodes = self.admin_nodes().await;
             let busy = |n: &Value| {
-                ["waiting", "running", "waiting_remote_kv"]
-                    .iter()
-                    .any(|f| n[*f].as_u64().unwrap_or(0) > 0)
+                [
+                    "waiting",
+                    "running",
+                    "waiting_remote_kv",
+                    "gateway_open_requests",
+                    "gateway_reserved_requests",
+                ]
+                .iter()
+                .any(|f| n[*f].as_u64().unwrap_or(0) > 0)
             };
             if !nodes.iter().any(busy) {
                 return;

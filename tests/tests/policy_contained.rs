@@ -136,6 +136,9 @@ async fn misbehaving_policies_are_refused_or_contained() {
         .put_policy(&[("native", "prefix-aware")], Vec::new())
         .await;
     assert_eq!(status, 200, "{v}");
+    // On an idle view, so prefix-aware's keep rule (on by default) does not keep it on P: a
+    // decode node still reported running the last request split it whole onto P.
+    c.wait_view_idle(std::time::Duration::from_secs(5)).await;
     let a = one_request(&c, "native", 1).await;
     let prompt = a.prompt_tokens.expect("usage");
     // One completion: D takes P's (sampled) first token with the KV, all of the prompt pulled.
