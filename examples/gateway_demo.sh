@@ -90,9 +90,12 @@ r = client.chat.completions.create(
               {"role": "user", "content": sys.argv[2]}],
     max_tokens=48, temperature=0)
 u = r.usage
-pulled = (u.prompt_tokens_details.model_extra or {}).get("kv_pulled_tokens") if u.prompt_tokens_details else None
+d = u.prompt_tokens_details
+pulled = ((d.model_extra or {}).get("kv_pulled_tokens") or 0) if d else 0
+cached = (d.cached_tokens or 0) if d else 0
 print(f"  answer: {r.choices[0].message.content!r}")
-print(f"  usage: prompt {u.prompt_tokens}, completion {u.completion_tokens}, KV pulled from P: {pulled or 0} tokens")
+print(f"  usage: prompt {u.prompt_tokens}, completion {u.completion_tokens}; of the prompt, {pulled} tokens' KV"
+      f" pulled from P, {cached - pulled} found in the answering node's prefix cache")
 PY
 }
 
@@ -101,6 +104,8 @@ ask "What is the capital of France?"
 echo; echo "--- swapping the policy live: pd-gateway policy push prefix-aware.wasm"
 "$BIN_DIR/pd-gateway" policy push "$POLICY_DIR/prefix-aware.wasm" --admin "$ADMIN" --token "$ADMIN_TOKEN" \
   | jq -c '.current | {name, version, sha256}'
+echo "    (prefix-aware sends a prompt whose first blocks a node already holds, here the shared system"
+echo "    prompt D kept with the first answer, whole to that node: nothing to pull, those blocks not recomputed)"
 ask "What is the boiling point of water in Celsius?"
 
 echo; echo "--- structured output through P and D: the answer must match a JSON schema (response_format)"
