@@ -557,8 +557,10 @@ impl TestCluster {
         }
     }
 
-    /// Waits until the gateway's view shows no request queued, running or parked on any node
-    /// (a node reports a finished request a moment after its answer's last byte). Policies
+    /// Waits until the gateway's view shows no request queued, running or parked on any node,
+    /// and none open or reserved there by the gateway (a node may report a finished request
+    /// after the gateway saw its answer's last byte: until its next report the view counts it,
+    /// up to 100 ms). Policies
     /// that weigh load (the keep rule) then decide on an idle cluster.
     pub async fn wait_view_idle(&self, timeout: Duration) {
         let start = Instant::now();
