@@ -21,6 +21,28 @@ use tracing::{info, warn};
 /// Identifies one registry connection (a node's registration); a reconnect gets a new one.
 pub type ConnId = u64;
 
+/// Why [`Cluster::join`] refused a node.
+#[derive(Debug, thiserror::Error)]
+pub enum JoinError {
+    /// Another process, live in the view, registered under this engine id first.
+    #[error(
+        "engine id `{engine_id}` is taken by the live node at {held_by}; the node at {claimed_by} \
+         is refused (give each node its own --engine-id, or none: the default is unique)"
+    )]
+    EngineIdTaken {
+        /// The id both claim.
+        engine_id: String,
+        /// HTTP address of the node that keeps it.
+        held_by: String,
+        /// HTTP address of the node refused.
+        claimed_by: String,
+    },
+    /// The node does not fit the model's other nodes (tokenizer, hash key, kind of node) or
+    /// another kind of node holds its engine id.
+    #[error("{0}")]
+    Incompatible(String),
+}
+
 /// What a node told the gateway at registration, plus what it streamed since.
 #[derive(Debug)]
 pub struct NodeEntry {
@@ -366,6 +388,11 @@ impl Cluster {
     /// hits and retained turns are invisible to routing (it is still routed to; a warning says
     /// so once per registration).
     ///
+    /// One engine id, one live node: a registration claiming the id of another process (another
+    /// epoch) still in the view is refused ([`JoinError::EngineIdTaken`]) and the first keeps
+    /// it, so two nodes sharing a name (containers that all call themselves the same) are never
+    /// swapped in and out. The same process reconnecting (same epoch) replaces its entry.
+    ///
     /// # Errors
     /// The refusal, for the node's `Status`.
     pub fn join(
@@ -373,8 +400,31 @@ impl Cluster {
         entry: NodeEntry,
         tokenizer: impl FnOnce() -> Result<(Arc<Tokenizer>, u64), String>,
         fingerprint: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), JoinError> {
         let mut state = self.write();
+        if let Some(held) = state
+            .nodes
+            .values()
+            .find(|n| n.engine_id == entry.engine_id && n.source == entry.source)
+            .filter(|n| n.source == "registered" && n.epoch != entry.epoch)
+        {
+            return Err(JoinError::EngineIdTaken {
+                engine_id: entry.engine_id.to_string(),
+                held_by: held.http_addr.to_string(),
+                claimed_by: entry.http_addr.to_string(),
+            });
+        }
+        self.admit(&mut state, entry, tokenizer, fingerprint)
+            .map_err(JoinError::Incompatible)
+    }
+
+    fn admit(
+        &self,
+        state: &mut ClusterState,
+        entry: NodeEntry,
+        tokenizer: impl FnOnce() -> Result<(Arc<Tokenizer>, u64), String>,
+        fingerprint: u64,
+    ) -> Result<(), String> {
         match state.models.get(&entry.model) {
             Some(m) if m.source != entry.source => {
                 return Err(format!(
@@ -446,22 +496,27 @@ impl Cluster {
                     // The same process reconnecting: its open requests go on.
                     entry.gone = old.gone;
                 } else {
-                    // Restarted: the old process is gone.
+                    // Restarted (a static node's new incarnation): the old process is gone.
                     old.gone.cancel();
                 }
             }
         }
-        // Back within the grace period: its requests go on waiting on it.
-        if let Some(i) = state
-            .departed
-            .iter()
-            .position(|d| d.engine_id == entry.engine_id && d.epoch == entry.epoch)
-        {
-            entry.gone = state.departed.swap_remove(i).gone;
-        }
+        // Back within the grace period: its requests go on waiting on it. Another epoch of the
+        // same engine id out of the view was restarted: its requests end at once.
+        state.departed.retain(|d| {
+            if d.engine_id != entry.engine_id {
+                return true;
+            }
+            if d.epoch == entry.epoch {
+                entry.gone = d.gone.clone();
+            } else {
+                d.gone.cancel();
+            }
+            false
+        });
         info!(engine_id = %entry.engine_id, role = ?entry.role, model = %entry.model, http = %entry.http_addr, "node joined");
         state.nodes.insert(entry.conn, entry);
-        self.publish_peers(&state);
+        self.publish_peers(state);
         Ok(())
     }
 
@@ -827,7 +882,10 @@ mod tests {
     fn one_model_one_kind_of_node_and_one_node_per_engine_id() {
         let (tokenizer, fp) = byte_tokenizer("one-kind");
         let c = Cluster::default();
-        let join = |e: NodeEntry| c.join(e, || Ok((tokenizer.clone(), fp)), fp);
+        let join = |e: NodeEntry| {
+            c.join(e, || Ok((tokenizer.clone(), fp)), fp)
+                .map_err(|e| e.to_string())
+        };
 
         join(entry(c.new_conn(), "d0", "m", "registered")).unwrap();
         // A static node of a model registered nodes serve would take away their token ids and
@@ -896,10 +954,28 @@ mod tests {
         assert!(r.gone.is_cancelled());
         assert_eq!(c.cut_departed(Duration::ZERO), 0);
 
-        // A restart (another epoch) registering while the old entry is still listed ends the
-        // old process's requests at once; the new process's are not touched.
-        join(c.new_conn(), 2);
+        // Another process (another epoch) claiming the id while the first is in the view is
+        // refused, naming both addresses; the first keeps it and its requests go on.
+        let listed = c.new_conn();
+        join(listed, 2);
         let before = node(&c);
+        let mut other = entry(c.new_conn(), "d0", "m", "registered");
+        other.epoch = 3;
+        other.http_addr = "10.0.0.9:8000".into();
+        let err = c
+            .join(other, || Ok((tokenizer.clone(), fp)), fp)
+            .unwrap_err();
+        assert!(matches!(err, JoinError::EngineIdTaken { .. }), "{err}");
+        let text = err.to_string();
+        assert!(
+            text.contains(&format!("127.0.0.1:{listed}")) && text.contains("10.0.0.9:8000"),
+            "{text}"
+        );
+        assert!(!before.gone.is_cancelled());
+        assert_eq!(node(&c).conn, listed);
+        // Once it has left, a restart (another epoch) is admitted and ends the old process's
+        // requests at once; the new process's are not touched.
+        assert!(c.leave(listed, "stream ended"));
         join(c.new_conn(), 3);
         assert!(before.gone.is_cancelled());
         assert!(!node(&c).gone.is_cancelled());

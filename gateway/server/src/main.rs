@@ -61,26 +61,34 @@ enum Command {
 
 #[derive(Args, Debug)]
 struct ServeArgs {
-    /// Address to listen on (all three ports).
+    /// Address the OpenAI API listens on (0.0.0.0 or :: for every interface).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     /// OpenAI API port (0: any free port).
     #[arg(long, default_value_t = 8080)]
     port: u16,
+    /// Address the node registry listens on; default: `--host`.
+    #[arg(long)]
+    registry_host: Option<String>,
     /// Node registry (gRPC) port; nodes join with `pd-node serve --gateway HOST:PORT`.
     #[arg(long, default_value_t = 50051)]
     registry_port: u16,
+    /// Address the admin API listens on: loopback unless said otherwise, whatever `--host` is
+    /// (operators reach it on the gateway's machine, or through a port-forward).
+    #[arg(long, default_value = "127.0.0.1")]
+    admin_host: String,
     /// Admin API port.
     #[arg(long, default_value_t = 8081)]
     admin_port: u16,
     /// A policy component to serve, watched for changes. Without it the built-in policy serves.
     #[arg(long)]
     policy: Option<PathBuf>,
-    /// The built-in policy serving without --policy.
-    #[arg(long, default_value = "least-loaded", value_parser = ["least-loaded", "round-robin", "prefix-aware"])]
+    /// The built-in policy serving without --policy (also PD_NATIVE_POLICY).
+    #[arg(long, env = "PD_NATIVE_POLICY", default_value = "least-loaded", value_parser = ["least-loaded", "round-robin", "prefix-aware"])]
     native_policy: String,
-    /// Configuration for the policy, KEY=VALUE (repeatable).
-    #[arg(long = "policy-config")]
+    /// Configuration for the policy, KEY=VALUE (repeatable, or comma-separated; also
+    /// PD_POLICY_CONFIG).
+    #[arg(long = "policy-config", env = "PD_POLICY_CONFIG", value_delimiter = ',')]
     policy_config: Vec<String>,
     /// Deadline of one policy decision, milliseconds.
     #[arg(long, default_value_t = 1.0)]
@@ -489,18 +497,18 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     let cluster_token = configured_cluster_token.unwrap_or_else(random_token);
 
-    let bind = |port: u16| -> anyhow::Result<TcpListener> {
-        let l = TcpListener::bind((args.host.as_str(), port))
-            .with_context(|| format!("binding {}:{port}", args.host))?;
+    let bind = |host: &str, port: u16| -> anyhow::Result<TcpListener> {
+        let l = TcpListener::bind((host.trim_start_matches('[').trim_end_matches(']'), port))
+            .with_context(|| format!("binding {host}:{port}"))?;
         l.set_nonblocking(true)?;
         Ok(l)
     };
-    let registry_listener = bind(args.registry_port)?;
-    let admin_listener = bind(args.admin_port)?;
+    let registry_host = args.registry_host.as_deref().unwrap_or(&args.host);
+    let registry_listener = bind(registry_host, args.registry_port)?;
+    let admin_listener = bind(&args.admin_host, args.admin_port)?;
     // pingora binds its own listener: find a free port first when asked for any.
     let http_addr: SocketAddr = {
-        let l = std::net::TcpListener::bind((args.host.as_str(), args.port))
-            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+        let l = bind(&args.host, args.port)?;
         l.local_addr()?
     };
     let registry_addr = registry_listener.local_addr()?;
@@ -592,6 +600,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // request load never delays a node's registration or an operator's push.
     let registry = Registry::new(
         cluster,
+        metrics.clone(),
         RegistryConfig {
             gateway_id: format!("pd-gateway-{}", random_token()),
             cluster_token,

@@ -45,6 +45,10 @@ pub struct Metrics {
     /// Generation requests refused by admission (`--max-concurrent-requests`), by `reason`
     /// (`queue_full`, `queue_timeout`).
     pub admission_refused: IntCounterVec,
+    /// Node registrations refused, by `reason` (`engine_id_taken`: another live node holds the
+    /// engine id; `unreachable_address`: a loopback address from another machine; `token`;
+    /// `invalid`; `incompatible`: tokenizer, hash key or kind of node differs from the model's).
+    pub registrations_refused: IntCounterVec,
     /// Generation requests being served now (set on scrape; 0 without a limit).
     pub in_flight: IntGauge,
     /// Generation requests waiting for a slot now (set on scrape).
@@ -210,6 +214,11 @@ impl Metrics {
             admission_refused: counters(
                 "pd_gateway_admission_refused_total",
                 "Generation requests refused by admission (--max-concurrent-requests), by reason.",
+                &["reason"],
+            ),
+            registrations_refused: counters(
+                "pd_gateway_registrations_refused_total",
+                "Node registrations refused, by reason (engine_id_taken, unreachable_address, token, invalid, incompatible).",
                 &["reason"],
             ),
             in_flight: reg(

@@ -2,7 +2,12 @@
 //! dial in, register (cluster token checked, tokenizer taken), then stream their state and block
 //! hashes into the [`Cluster`]. A stream that ends, fails or falls silent past the node timeout
 //! takes its node out of the view at once; the node comes back when it reconnects.
+//!
+//! Addresses: a node bound to a wildcard address registers it as such, and is listed under the
+//! address its registration came from ([`reachable`]); a loopback address registered from
+//! another machine is refused. One engine id belongs to one live node ([`JoinError`]).
 
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -17,7 +22,8 @@ use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{info, warn};
 
-use crate::cluster::{Cluster, ConnId, NodeEntry, role_of};
+use crate::cluster::{Cluster, ConnId, JoinError, NodeEntry, role_of};
+use crate::metrics::Metrics;
 
 /// The registry contract version this gateway speaks.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -50,18 +56,30 @@ pub struct RegistryConfig {
 #[derive(Debug, Clone)]
 pub struct Registry {
     cluster: Arc<Cluster>,
+    metrics: Metrics,
     config: Arc<RegistryConfig>,
 }
 
 type OutStream = Pin<Box<dyn Stream<Item = Result<pb::GatewayMessage, Status>> + Send>>;
 
 impl Registry {
-    /// A registry feeding `cluster`.
-    pub fn new(cluster: Arc<Cluster>, config: RegistryConfig) -> Self {
+    /// A registry feeding `cluster`, counting refusals in `metrics`.
+    pub fn new(cluster: Arc<Cluster>, metrics: Metrics, config: RegistryConfig) -> Self {
         Self {
             cluster,
+            metrics,
             config: Arc::new(config),
         }
+    }
+
+    /// Counts a refused registration and logs it; returns `status`.
+    fn refuse(&self, reason: &str, engine_id: &str, status: Status) -> Status {
+        self.metrics
+            .registrations_refused
+            .with_label_values(&[reason])
+            .inc();
+        warn!(engine_id, reason, "registration refused: {}", status.message());
+        status
     }
 
     /// Serves on `listener` until `shutdown` resolves, and sweeps silent nodes meanwhile.
@@ -118,6 +136,45 @@ impl Registry {
     }
 }
 
+/// `addr` (`host:port`, as a node registered it) as the gateway will dial it: a wildcard host
+/// becomes `observed` (the address the registration came from); a loopback host is refused when
+/// the registration came from another machine. Host names pass as they are.
+///
+/// # Errors
+/// Why no one could reach it.
+pub fn reachable(addr: &str, observed: Option<IpAddr>) -> Result<String, String> {
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return Err(format!("`{addr}` is not host:port"));
+    };
+    if port.parse::<u16>().is_err() {
+        return Err(format!("`{addr}` is not host:port"));
+    }
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    let ip = match bare.parse::<IpAddr>() {
+        Ok(ip) => ip.to_canonical(),
+        Err(_) if bare.eq_ignore_ascii_case("localhost") => IpAddr::from([127, 0, 0, 1]),
+        Err(_) => return Ok(addr.to_owned()),
+    };
+    let from_elsewhere = observed.filter(|o| !o.is_loopback());
+    if ip.is_unspecified() {
+        let Some(seen) = observed else {
+            return Err(format!(
+                "`{addr}` is a wildcard address and the registration's source address is unknown; \
+                 start the node with --advertise-host"
+            ));
+        };
+        return Ok(SocketAddr::new(seen, port.parse().unwrap_or(0)).to_string());
+    }
+    if let Some(seen) = from_elsewhere.filter(|_| ip.is_loopback()) {
+        return Err(format!(
+            "`{addr}` is a loopback address registered from {seen}, another machine: no one there \
+             can reach it; start the node with --advertise-host ADDRESS (or bind --host to an \
+             address of its own)"
+        ));
+    }
+    Ok(addr.to_owned())
+}
+
 fn tokenizer_of(bundle: Option<&pb::TokenizerBundle>) -> Result<(Arc<Tokenizer>, u64), String> {
     let bundle = bundle.ok_or("registration carries no tokenizer")?;
     let files = bundle
@@ -155,11 +212,29 @@ impl NodeRegistry for Registry {
             ));
         };
         if let Err(status) = self.check(&reg) {
-            warn!(engine_id = %reg.engine_id, ?peer, "registration refused: {}", status.message());
-            return Err(status);
+            let reason = match status.code() {
+                tonic::Code::Unauthenticated => "token",
+                _ => "invalid",
+            };
+            return Err(self.refuse(reason, &reg.engine_id, status));
         }
         let Some(role) = role_of(reg.role()) else {
-            return Err(Status::invalid_argument("role must be set"));
+            let status = Status::invalid_argument("role must be set");
+            return Err(self.refuse("invalid", &reg.engine_id, status));
+        };
+        let observed = peer.map(|p| p.ip().to_canonical());
+        let addrs = reachable(&reg.http_addr, observed).and_then(|http| {
+            match reg.kv_side_channel_addr.as_str() {
+                "" => Ok((http, String::new())),
+                kv => Ok((http, reachable(kv, observed)?)),
+            }
+        });
+        let (http_addr, kv_addr) = match addrs {
+            Ok(a) => a,
+            Err(why) => {
+                let status = Status::invalid_argument(format!("node `{}`: {why}", reg.engine_id));
+                return Err(self.refuse("unreachable_address", &reg.engine_id, status));
+            }
         };
         let conn: ConnId = self.cluster.new_conn();
         let (tx, rx) = mpsc::channel(OUTBOX);
@@ -171,8 +246,8 @@ impl NodeRegistry for Registry {
             role,
             model: reg.model.as_str().into(),
             block_size: reg.block_size,
-            http_addr: reg.http_addr.as_str().into(),
-            kv_addr: reg.kv_side_channel_addr.as_str().into(),
+            http_addr: http_addr.into(),
+            kv_addr: kv_addr.as_str().into(),
             max_model_len: reg.max_model_len,
             hash_key: reg.kv_hash_key,
             kv_bytes_per_token: reg.kv_bytes_per_token,
@@ -186,7 +261,7 @@ impl NodeRegistry for Registry {
             draining: false,
             last_seen: Instant::now(),
             registered_at: SystemTime::now(),
-            visible_from: if reg.kv_side_channel_addr.is_empty() {
+            visible_from: if kv_addr.is_empty() {
                 Instant::now()
             } else {
                 Instant::now() + PEER_SETTLE
@@ -197,12 +272,19 @@ impl NodeRegistry for Registry {
             gone: Default::default(),
         };
         let bundle = reg.tokenizer.clone();
-        if let Err(why) = self
+        match self
             .cluster
             .join(entry, || tokenizer_of(bundle.as_ref()), fingerprint)
         {
-            warn!(engine_id = %reg.engine_id, "registration refused: {why}");
-            return Err(Status::failed_precondition(why));
+            Ok(()) => {}
+            Err(why @ JoinError::EngineIdTaken { .. }) => {
+                let status = Status::already_exists(why.to_string());
+                return Err(self.refuse("engine_id_taken", &reg.engine_id, status));
+            }
+            Err(why) => {
+                let status = Status::failed_precondition(why.to_string());
+                return Err(self.refuse("incompatible", &reg.engine_id, status));
+            }
         }
         let ack = pb::GatewayMessage {
             msg: Some(pb::gateway_message::Msg::Ack(pb::RegisterAck {
@@ -213,6 +295,7 @@ impl NodeRegistry for Registry {
                 } else {
                     String::new()
                 },
+                observed_host: observed.map(|ip| ip.to_string()).unwrap_or_default(),
             })),
         };
         // The outbox has room: nothing else was sent on it yet.
@@ -280,5 +363,33 @@ async fn sweep(cluster: Arc<Cluster>, timeout: Duration) {
         // Out of the view for another node timeout without coming back: its open requests
         // end (a node silent that long is stopped or cut off; one that only stalled is back).
         cluster.cut_departed(timeout);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wildcard_hosts_become_the_registrations_source_and_loopback_from_afar_is_refused() {
+        let far = Some("10.1.2.3".parse().unwrap());
+        let near = Some("127.0.0.1".parse().unwrap());
+        assert_eq!(reachable("0.0.0.0:8000", far).unwrap(), "10.1.2.3:8000");
+        assert_eq!(reachable("[::]:8000", far).unwrap(), "10.1.2.3:8000");
+        let v6 = Some("fd00::7".parse().unwrap());
+        assert_eq!(reachable("0.0.0.0:9", v6).unwrap(), "[fd00::7]:9");
+        // IPv4 seen through an IPv6 listener.
+        let mapped = Some("::ffff:10.1.2.3".parse::<IpAddr>().unwrap().to_canonical());
+        assert_eq!(reachable("0.0.0.0:1", mapped).unwrap(), "10.1.2.3:1");
+        assert!(reachable("0.0.0.0:8000", None).is_err());
+        for lo in ["127.0.0.1:8000", "[::1]:8000", "localhost:8000"] {
+            let err = reachable(lo, far).unwrap_err();
+            assert!(err.contains("--advertise-host") && err.contains("10.1.2.3"), "{err}");
+            assert_eq!(reachable(lo, near).unwrap(), lo);
+        }
+        assert_eq!(reachable("10.9.9.9:8000", far).unwrap(), "10.9.9.9:8000");
+        assert_eq!(reachable("pd-p-0.pd:8000", far).unwrap(), "pd-p-0.pd:8000");
+        assert!(reachable("nonsense", far).is_err());
+        assert!(reachable("host:port", far).is_err());
     }
 }

@@ -391,7 +391,9 @@ fn join(
         open: Default::default(),
         gone: Default::default(),
     };
-    cluster.join(entry, || Ok((tokenizer.clone(), fingerprint)), fingerprint)?;
+    cluster
+        .join(entry, || Ok((tokenizer.clone(), fingerprint)), fingerprint)
+        .map_err(|e| e.to_string())?;
     Ok(conn)
 }
 

@@ -96,6 +96,7 @@ async fn serve_registry(token: &str, required: bool) -> (Arc<Cluster>, String) {
     let addr = listener.local_addr().expect("addr").to_string();
     let registry = Registry::new(
         cluster.clone(),
+        pd_gateway::metrics::Metrics::new(),
         RegistryConfig {
             gateway_id: "test-gateway".into(),
             cluster_token: token.into(),

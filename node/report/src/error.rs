@@ -2,8 +2,9 @@
 
 use std::time::Duration;
 
-/// Why a connection to the gateway failed or ended. Every one of these makes the reporter back
-/// off and reconnect; only [`InvalidAddress`](Self::InvalidAddress) is returned to the caller
+/// Why a connection to the gateway failed or ended. Every one of these but
+/// [`Refused`](Self::Refused) makes the reporter back off and reconnect; only
+/// [`InvalidAddress`](Self::InvalidAddress) is returned to the caller
 /// (from [`Reporter::spawn`](crate::Reporter::spawn)), the rest show up in
 /// [`ReporterStatus::last_error`](crate::ReporterStatus::last_error) and the logs.
 #[derive(Debug, thiserror::Error)]
@@ -37,6 +38,11 @@ pub enum ReportError {
         .0.message()
     )]
     Unauthenticated(tonic::Status),
+    /// The gateway refused the registration for good: `ALREADY_EXISTS` (another live node holds
+    /// this engine id) or `INVALID_ARGUMENT` (no retry can fix it, e.g. an address nobody can
+    /// reach). The reporter stops; the node should exit with it.
+    #[error("the gateway refused this node: {}", .0.message())]
+    Refused(tonic::Status),
     /// The gateway ended the stream without an error.
     #[error("the gateway closed the stream")]
     Closed,
@@ -45,12 +51,19 @@ pub enum ReportError {
     AckTimeout(Duration),
 }
 
+impl ReportError {
+    /// Whether retrying cannot help ([`Refused`](Self::Refused)).
+    pub fn is_final(&self) -> bool {
+        matches!(self, Self::Refused(_))
+    }
+}
+
 impl From<tonic::Status> for ReportError {
     fn from(status: tonic::Status) -> Self {
-        if status.code() == tonic::Code::Unauthenticated {
-            Self::Unauthenticated(status)
-        } else {
-            Self::Rpc(status)
+        match status.code() {
+            tonic::Code::Unauthenticated => Self::Unauthenticated(status),
+            tonic::Code::AlreadyExists | tonic::Code::InvalidArgument => Self::Refused(status),
+            _ => Self::Rpc(status),
         }
     }
 }

@@ -119,6 +119,9 @@ pub struct ReporterStatus {
     pub state_interval: Duration,
     /// The most recent failure, kept after a successful reconnect.
     pub last_error: Option<Arc<ReportError>>,
+    /// Set when the gateway refused the node for good ([`ReportError::is_final`]): the reporter
+    /// has stopped, and the node should exit with this error.
+    pub refused: Option<Arc<ReportError>>,
 }
 
 /// The reporting task's state. Built and started by [`Reporter::spawn`]; the caller keeps the
@@ -134,6 +137,8 @@ pub struct Reporter {
     peers: watch::Sender<Option<Vec<String>>>,
     /// The cluster token in effect.
     cluster_token: watch::Sender<Option<String>>,
+    /// The address the gateway saw this node register from.
+    observed_host: watch::Sender<Option<String>>,
     backoff: Backoff,
     /// The connection being streamed on, kept outside the session future so a shutdown can end
     /// it cleanly after cancelling that future.
@@ -191,6 +196,7 @@ impl Reporter {
         let (peers, peers_rx) = watch::channel(None);
         let configured = Some(registration.cluster_token.clone()).filter(|t| !t.is_empty());
         let (cluster_token, cluster_token_rx) = watch::channel(configured);
+        let (observed_host, observed_host_rx) = watch::channel(None);
         let reporter = Self {
             addr,
             endpoint,
@@ -201,6 +207,7 @@ impl Reporter {
             status,
             peers,
             cluster_token,
+            observed_host,
             live: None,
         };
         let task = tokio::spawn(reporter.run(stop_rx));
@@ -208,6 +215,7 @@ impl Reporter {
             status: status_rx,
             peers: peers_rx,
             cluster_token: cluster_token_rx,
+            observed_host: observed_host_rx,
             stop,
             task: Some(task),
         })
@@ -230,6 +238,15 @@ impl Reporter {
                 });
                 failures
             };
+            if err.is_final() {
+                error!(gateway = %self.addr, error = %chain(&err), "the gateway refused this node for good; not retrying");
+                let err = Arc::new(err);
+                self.status.send_modify(|s| {
+                    s.last_error = Some(err.clone());
+                    s.refused = Some(err);
+                });
+                return;
+            }
             let delay = self.backoff.next_delay();
             let attempt = self.backoff.attempts;
             if matches!(err, ReportError::Unauthenticated(_)) {
@@ -317,6 +334,13 @@ impl Reporter {
         .map_err(|_| ReportError::AckTimeout(ack_timeout))??;
 
         publish_token(&self.cluster_token, &ack);
+        if !ack.observed_host.is_empty() {
+            self.observed_host.send_if_modified(|h| {
+                let changed = h.as_deref() != Some(ack.observed_host.as_str());
+                *h = Some(ack.observed_host.clone());
+                changed
+            });
+        }
         let state_interval = state_interval_from(&ack, self.options.state_interval);
         self.backoff.reset();
         let mut connects = 0;
@@ -625,6 +649,7 @@ pub struct ReporterHandle {
     status: watch::Receiver<ReporterStatus>,
     peers: watch::Receiver<Option<Vec<String>>>,
     cluster_token: watch::Receiver<Option<String>>,
+    observed_host: watch::Receiver<Option<String>>,
     stop: watch::Sender<bool>,
     task: Option<JoinHandle<()>>,
 }
@@ -651,6 +676,28 @@ impl ReporterHandle {
     /// configured token.
     pub fn cluster_token(&self) -> watch::Receiver<Option<String>> {
         self.cluster_token.clone()
+    }
+
+    /// The IP address the gateway saw this node register from (`RegisterAck.observed_host`):
+    /// `None` until an acknowledgement carried one. A node bound to a wildcard address without
+    /// an advertised host is reached at it.
+    pub fn observed_host(&self) -> watch::Receiver<Option<String>> {
+        self.observed_host.clone()
+    }
+
+    /// Resolves with the error once the gateway refused this node for good
+    /// ([`ReporterStatus::refused`]); never otherwise.
+    pub async fn refused(&self) -> Arc<ReportError> {
+        let mut status = self.status.clone();
+        loop {
+            if let Some(e) = status.borrow_and_update().refused.clone() {
+                return e;
+            }
+            if status.changed().await.is_err() {
+                // The task ended without a refusal (stopped): nothing will come.
+                std::future::pending::<()>().await;
+            }
+        }
     }
 
     /// Stops reporting: a live stream is ended cleanly (the gateway sees the node leave, not

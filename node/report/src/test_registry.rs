@@ -302,6 +302,7 @@ impl TestRegistry {
                 gateway_id: options.gateway_id,
                 state_interval_ms: options.state_interval_ms,
                 cluster_token: options.ack_cluster_token,
+                observed_host: String::new(),
             },
         };
         let mut shutdown = stop_rx;

@@ -127,15 +127,24 @@ pub struct ServeArgs {
     /// (handshake, leases, pool stats) on this port of `--host` (0 picks one; printed on stdout).
     #[arg(long)]
     pub kv_port: Option<u16>,
-    /// This node's engine id in KV handshakes; defaults to `pd-node-<pid>`.
-    #[arg(long)]
+    /// This node's engine id: its name at the gateway and in KV handshakes (one live node per
+    /// id; the gateway refuses a second). Default: `<hostname>-<12 random hex digits>`, new at
+    /// every start. Under Kubernetes give it the pod's name (the downward API).
+    #[arg(long, env = "PD_ENGINE_ID")]
     pub engine_id: Option<String>,
+    /// Host (address or DNS name) others reach this node at, for everything it publishes: the
+    /// HTTP API it registers, its KV side channel (`kv_transfer_params.remote_host`) and the
+    /// interface UCX offers (`UCX_NET_DEVICES`, unless set). Default: the `--host` it binds;
+    /// for a wildcard `--host`, the address the gateway sees it register from. Under
+    /// Kubernetes give it the pod's IP (the downward API).
+    #[arg(long, env = "PD_ADVERTISE_HOST")]
+    pub advertise_host: Option<String>,
     /// Part in P/D disaggregation: `kv_producer` (prefill node), `kv_consumer` (decode node);
     /// `kv_both` is deprecated. Absent: standalone. A role needs `--kv-port`.
     #[arg(long, value_enum)]
     pub kv_role: Option<KvRoleArg>,
-    /// Host decode nodes reach this node's side channel at (in `kv_transfer_params`);
-    /// defaults to `--host`, or 127.0.0.1 when that is a wildcard address.
+    /// Host decode nodes reach this node's side channel at (in `kv_transfer_params`), when it
+    /// differs from `--advertise-host`.
     #[arg(long)]
     pub kv_host: Option<String>,
     /// Seconds a prefill node keeps a prompt's blocks for the decode node unless renewed.
@@ -541,16 +550,21 @@ impl ServeArgs {
         ))
     }
 
-    /// The host put in `kv_transfer_params.remote_host`.
-    pub fn advertised_kv_host(&self) -> String {
-        if let Some(h) = &self.kv_host {
-            return h.clone();
-        }
-        let host = self.host.trim_start_matches('[').trim_end_matches(']');
-        match host.parse::<std::net::IpAddr>() {
-            Ok(ip) if ip.is_unspecified() => "127.0.0.1".into(),
-            _ => host.to_string(),
-        }
+    /// The engine id: `--engine-id` (or `$PD_ENGINE_ID`), else a fresh default.
+    pub fn engine_id(&self) -> String {
+        self.engine_id
+            .clone()
+            .filter(|id| !id.is_empty())
+            .unwrap_or_else(crate::advertise::default_engine_id)
+    }
+
+    /// The hosts this node advertises, bound at `bound`.
+    pub fn addresses(&self, bound: std::net::IpAddr) -> crate::advertise::Addresses {
+        crate::advertise::Addresses::new(
+            self.advertise_host.as_deref(),
+            self.kv_host.as_deref(),
+            bound,
+        )
     }
 
     /// The address to bind (`--host`, `--port`); host may be an IPv6 literal.

@@ -249,7 +249,7 @@ impl Disagg {
     }
 
     /// A node playing `role`, in its incarnation `epoch` (new at every start). A producer needs
-    /// `side_channel` (the host and port peers reach it at); pulling — a consumer's, or any
+    /// `side_channel` (the host, kept current, and port peers reach it at); pulling — a consumer's, or any
     /// node's reverse pull of an earlier turn — needs a `puller` over the engine's pool.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -257,7 +257,7 @@ impl Disagg {
         engine: &EngineHandle,
         engine_id: &str,
         epoch: u64,
-        side_channel: Option<(String, u16)>,
+        side_channel: Option<(tokio::sync::watch::Receiver<String>, u16)>,
         puller: Option<Puller>,
         pull: PullConfig,
         metrics: Arc<TransferMetrics>,

@@ -342,8 +342,9 @@ pub(crate) struct Advert {
     pub(crate) engine_id: String,
     /// This process's incarnation (`remote_engine_epoch`).
     pub(crate) epoch: u64,
-    /// Host peers reach the KV side channel at.
-    pub(crate) host: String,
+    /// Host peers reach the KV side channel at (it may change once: when the gateway says
+    /// where it saw a node bound to a wildcard address).
+    pub(crate) host: tokio::sync::watch::Receiver<String>,
     /// KV side channel port.
     pub(crate) port: u16,
     /// Tokens per block of this node's pool (`remote_block_size`).
@@ -385,7 +386,7 @@ fn held(advert: &Advert, request_id: &str, h: &KvHandoff) -> Value {
         "remote_engine_id": advert.engine_id,
         "remote_engine_epoch": format!("{:016x}", advert.epoch),
         "remote_request_id": request_id,
-        "remote_host": advert.host,
+        "remote_host": *advert.host.borrow(),
         "remote_port": advert.port,
         "remote_block_size": advert.block_size,
         "tp_size": 1,
@@ -508,7 +509,7 @@ mod tests {
         let advert = Advert {
             engine_id: "p1".into(),
             epoch: u64::MAX - 1,
-            host: "127.0.0.1".into(),
+            host: tokio::sync::watch::channel("127.0.0.1".to_owned()).1,
             port: 7000,
             block_size: 16,
         };

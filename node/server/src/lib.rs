@@ -11,7 +11,8 @@
 //!   `routes` holds one handler module per endpoint.
 //! - [`ApiError`] is every way a request can fail, mapped to a status and the OpenAI error
 //!   object `{"error": {"message", "type", "param", "code"}}`.
-//! - [`cli`] holds the `pd-node` command line, so the binary stays thin.
+//! - [`cli`] holds the `pd-node` command line, so the binary stays thin; [`advertise`] is who
+//!   the node says it is and where others reach it (engine id, advertised hosts).
 //! - `vllm_metrics` gives `/metrics` vLLM's names for the engine's metrics (copies made at
 //!   scrape time), for tools that read vLLM servers.
 //! - [`disagg`] is the node's P/D role: `kv_transfer_params` (`kv_params`), the consumer's
@@ -25,6 +26,7 @@
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 #![deny(unused_must_use)]
 
+pub mod advertise;
 pub mod cli;
 pub mod disagg;
 pub mod drain;

@@ -18,6 +18,9 @@ fn main() -> ExitCode {
     };
     pin_compute_threads(threads);
     keep_freed_memory();
+    if let Command::Serve(args) = &cli.command {
+        ucx_on_the_advertised_interface(args);
+    }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -46,6 +49,20 @@ fn pin_compute_threads(threads: Option<u16>) {
             let n = std::thread::available_parallelism().map_or(1, |n| n.get());
             unsafe { std::env::set_var("RAYON_NUM_THREADS", n.to_string()) };
         }
+    }
+}
+
+/// UCX offers peers every interface it finds; a node that advertises an address (or binds a
+/// specific one) has UCX offer that address's interface, so KV moves where the operator said.
+/// An operator's own `UCX_NET_DEVICES` wins.
+fn ucx_on_the_advertised_interface(args: &ServeArgs) {
+    if args.kv_port.is_none() || std::env::var_os("UCX_NET_DEVICES").is_some() {
+        return;
+    }
+    let host = args.advertise_host.as_deref().unwrap_or(&args.host);
+    if let Some(dev) = pd_node::advertise::ucx_net_device(host) {
+        // SAFETY: called first thing in `main`, before any other thread exists.
+        unsafe { std::env::set_var("UCX_NET_DEVICES", &dev) };
     }
 }
 
@@ -124,10 +141,11 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
              whether or not this UCX could register GPU memory)"
         );
     }
-    let engine_id = args
-        .engine_id
-        .clone()
-        .unwrap_or_else(|| format!("pd-node-{}", std::process::id()));
+    let engine_id = args.engine_id();
+    let addresses = args.addresses(addr.ip());
+    if let Ok(dev) = std::env::var("UCX_NET_DEVICES") {
+        tracing::info!(ucx_net_devices = %dev, "UCX offers peers these network devices");
+    }
     // New at every start, random (never 0, which names no epoch): peers and the gateway tell
     // a restarted node from the old one, even one restarted within the same clock tick.
     let epoch = rand::random::<u64>() | 1;
@@ -208,7 +226,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                 .await
                 .with_context(|| format!("binding {kv_addr}"))?;
             let kv_local = kv_listener.local_addr().context("reading the KV address")?;
-            side_channel = Some((args.advertised_kv_host(), kv_local.port()));
+            side_channel = Some(kv_local);
             println!("pd-node kv side channel on http://{kv_local}");
             tokio::spawn(async move {
                 // No Nagle: a lease reply is small and on a decode node's path to its first
@@ -243,8 +261,8 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                     )
                     .with_fingerprint(info.fingerprint.clone())
                     .hash(),
-                    http_addr: local.to_string(),
-                    kv_side_channel_addr: side_channel.as_ref().map(|(h, p)| format!("{h}:{p}")),
+                    http_addr: addresses.http(local),
+                    kv_side_channel_addr: side_channel.map(|kv| addresses.kv(kv)),
                     grpc_addr: None,
                     num_blocks: info.num_blocks as u64,
                     max_model_len: info.max_model_len as u32,
@@ -291,6 +309,10 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
             }
             None => None,
         };
+        // What KV handoffs name as `remote_host`: the advertised host, else where the gateway
+        // saw this node register from.
+        let observed = reporter.as_ref().map(pd_report::ReporterHandle::observed_host);
+        let side_channel = side_channel.map(|kv| (addresses.remote_host(observed), kv.port()));
         let disagg = Arc::new(Disagg::new(
             role,
             &engine,
@@ -327,6 +349,12 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                 tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)).await;
             }
         };
+        let refused = async {
+            match &reporter {
+                Some(r) => r.refused().await,
+                None => std::future::pending().await,
+            }
+        };
         let served = tokio::select! {
             served = pd_node::serve_with(listener, engine.clone(), disagg, options, http_stop) => {
                 served.context("serving HTTP")
@@ -334,6 +362,10 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
             () = cut => {
                 tracing::warn!("drain timeout: closing the requests still open");
                 Ok(())
+            }
+            why = refused => {
+                let _ = kv_stop_tx.send(true);
+                return Err(anyhow::anyhow!("{why}"));
             }
         };
         let deadline = (*drain_at.borrow()).unwrap_or_else(tokio::time::Instant::now);
