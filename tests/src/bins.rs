@@ -37,9 +37,13 @@ pub fn binary(name: &str) -> PathBuf {
     path
 }
 
-/// `pd-node`.
+/// `pd-node`; `PD_TEST_NODE_BIN` names another build's (to run today's tests against an older
+/// node, as a test that must fail on the old code is shown to).
 pub fn pd_node() -> PathBuf {
-    binary("pd-node")
+    match std::env::var_os("PD_TEST_NODE_BIN").filter(|p| !p.is_empty()) {
+        Some(p) => PathBuf::from(p),
+        None => binary("pd-node"),
+    }
 }
 
 /// `pd-gateway`.

@@ -7,6 +7,12 @@
 //! gateway's peer list naming every prefill node.
 //! Engine ids: `p0, p1, ...` (prefill, `kv_producer`), `d0, ...` (decode, `kv_consumer` with
 //! `--kv-recompute-threshold 0`), `s0, ...` (standalone). Dropping the cluster kills everything.
+//!
+//! With [`ClusterSpec::hosts`] every process runs on a host of its own ([`crate::hosts`]): the
+//! gateway on `gw`, each node on a host named after its engine id, each bound to its host's
+//! address — or, as containers start them ([`Hosting::containers`]), as PID 1 bound to
+//! `0.0.0.0` with no `--engine-id`, finding the gateway by a DNS name; the gateway names them
+//! and [`Node::engine_id`] is read back from `/admin/nodes`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -15,6 +21,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::bins;
+use crate::hosts::{Host, Net};
 use crate::metrics::{Metrics, scrape};
 use crate::process::{Proc, WorkDir};
 
@@ -77,6 +84,58 @@ pub struct ClusterSpec {
     pub prefill_args: Vec<String>,
     /// Extra flags for decode nodes.
     pub decode_args: Vec<String>,
+    /// Each process on a host of its own (network namespaces on a bridge) instead of loopback.
+    pub hosts: Option<Hosting>,
+}
+
+/// How processes run across hosts.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Hosting {
+    /// Nodes as container runtimes start them: PID 1 of their own PID namespace, bound to
+    /// `0.0.0.0`, no `--engine-id`, the gateway's registry by the name [`REGISTRY_NAME`].
+    pub containers: bool,
+}
+
+/// The DNS name of the gateway's registry on the hosts (as a headless Service gives it).
+pub const REGISTRY_NAME: &str = "pd-gateway-registry";
+
+/// Where a process runs: on the test's own machine, or on a host, as a container or not.
+#[derive(Debug, Clone, Copy)]
+pub enum Place<'a> {
+    /// Here, on loopback.
+    Local,
+    /// On `host`, bound to its address.
+    On(&'a Host),
+    /// On `host` as a container: PID 1, bound to `0.0.0.0`.
+    Container(&'a Host),
+}
+
+impl Place<'_> {
+    /// The command running `program` here or there; whether it is contained.
+    fn command(self, program: &Path) -> (Command, bool) {
+        match self {
+            Place::Local => (Command::new(program), false),
+            Place::On(h) => (h.command(program), false),
+            Place::Container(h) => (h.container(program), true),
+        }
+    }
+
+    /// `--host` for a process placed here (none: its default, loopback).
+    fn bind(self) -> Option<String> {
+        match self {
+            Place::Local => None,
+            Place::On(h) => Some(h.addr.to_string()),
+            Place::Container(_) => Some("0.0.0.0".into()),
+        }
+    }
+
+    /// The URL the test process reaches `printed` (what the process printed) at.
+    fn url(self, printed: &str) -> String {
+        match self {
+            Place::Local => printed.to_owned(),
+            Place::On(h) | Place::Container(h) => h.url(printed),
+        }
+    }
 }
 
 /// Turns `&["a", "b"]` into owned arguments.
@@ -95,25 +154,48 @@ pub struct Node {
     pub http: String,
     /// The process.
     pub proc: Proc,
+    /// The host it runs on, if not here (after `proc`: dropped after it).
+    pub host: Option<Host>,
+}
+
+/// What [`Node::spawn`] starts.
+#[derive(Debug, Clone, Copy)]
+struct NodeStart<'a> {
+    dir: &'a Path,
+    model: &'a Path,
+    /// Its `--engine-id` (none: the node's default) and log name.
+    engine_id: &'a str,
+    named: bool,
+    role: Role,
+    gateway: Option<&'a str>,
 }
 
 impl Node {
     /// Spawns `pd-node serve` on `model` (without waiting for it to listen).
-    fn spawn(
-        dir: &Path,
-        model: &Path,
-        engine_id: &str,
-        role: Role,
-        gateway: Option<&str>,
-        extra: &[String],
-    ) -> Proc {
-        let mut cmd = Command::new(bins::pd_node());
+    fn spawn(start: NodeStart<'_>, place: Place<'_>, extra: &[String]) -> Proc {
+        let NodeStart {
+            dir,
+            model,
+            engine_id,
+            named,
+            role,
+            gateway,
+        } = start;
+        let (mut cmd, contained) = place.command(&bins::pd_node());
         cmd.arg("serve")
             .arg("--model")
             .arg(model)
             .args(["--served-model-name", crate::openai::MODEL, "--port", "0"])
-            .args(["--engine-id", engine_id])
             .args(["--num-gpu-blocks", &NUM_BLOCKS.to_string()]);
+        if named {
+            cmd.args(["--engine-id", engine_id]);
+        }
+        if let Some(host) = place
+            .bind()
+            .filter(|_| !extra.iter().any(|a| a == "--host"))
+        {
+            cmd.args(["--host", &host]);
+        }
         match role {
             Role::Prefill => {
                 cmd.args(["--kv-role", "kv_producer", "--kv-port", "0"]);
@@ -134,17 +216,27 @@ impl Node {
             cmd.args(["--gateway", g, "--cluster-token", CLUSTER_TOKEN]);
         }
         cmd.args(extra);
-        Proc::spawn(engine_id, cmd, dir)
+        match contained {
+            true => Proc::spawn_contained(engine_id, cmd, dir),
+            false => Proc::spawn(engine_id, cmd, dir),
+        }
     }
 
-    fn listening(engine_id: &str, role: Role, mut proc: Proc) -> Self {
-        let http = proc.wait_line("pd-node listening on ", START_TIMEOUT);
+    fn listening(engine_id: &str, role: Role, mut proc: Proc, place: Place<'_>) -> Self {
+        let http = place.url(&proc.wait_line("pd-node listening on ", START_TIMEOUT));
         Self {
             engine_id: engine_id.to_owned(),
             role,
             http,
             proc,
+            host: None,
         }
+    }
+
+    /// A node on this machine, registered with `gateway` if given.
+    fn local(start: NodeStart<'_>, extra: &[String]) -> Self {
+        let proc = Self::spawn(start, Place::Local, extra);
+        Self::listening(start.engine_id, start.role, proc, Place::Local)
     }
 
     /// A standalone node that knows no gateway: the reference the P/D answers are compared to.
@@ -155,15 +247,15 @@ impl Node {
     /// [`Node::reference`] with extra flags (those a cluster's nodes get, where they change
     /// answers: `--tool-call-parser`).
     pub fn reference_with(dir: &WorkDir, model: &Path, extra: &[String]) -> Self {
-        let proc = Self::spawn(
-            dir.path(),
+        let start = NodeStart {
+            dir: dir.path(),
             model,
-            "reference",
-            Role::Standalone,
-            None,
-            extra,
-        );
-        Self::listening("reference", Role::Standalone, proc)
+            engine_id: "reference",
+            named: true,
+            role: Role::Standalone,
+            gateway: None,
+        };
+        Self::local(start, extra)
     }
 
     /// The TCP port of its OpenAI API.
@@ -230,13 +322,22 @@ pub struct Gateway {
     pub registry: String,
     /// The process.
     pub proc: Proc,
+    /// The host it runs on, if not here (after `proc`: dropped after it).
+    pub host: Option<Host>,
 }
 
 impl Gateway {
     /// Starts `pd-gateway serve` on `:0` ports with the test tokens plus `extra` flags and
     /// waits for its addresses.
     pub fn start(dir: &WorkDir, extra: &[String]) -> Self {
-        let mut cmd = Command::new(bins::pd_gateway());
+        Self::start_on(dir, extra, None)
+    }
+
+    /// [`Gateway::start`] on `host`: every port on every interface there (the admin API too,
+    /// for the test), its addresses as the test process reaches them.
+    pub fn start_on(dir: &WorkDir, extra: &[String], host: Option<Host>) -> Self {
+        let place = host.as_ref().map_or(Place::Local, Place::On);
+        let (mut cmd, _) = place.command(&bins::pd_gateway());
         cmd.args([
             "serve",
             "--port",
@@ -253,15 +354,24 @@ impl Gateway {
             CLUSTER_TOKEN,
         ])
         .args(extra);
+        if host.is_some() {
+            cmd.args(["--host", "0.0.0.0", "--registry-host", "0.0.0.0"])
+                .args(["--admin-host", "0.0.0.0"]);
+        }
         let mut proc = Proc::spawn("gateway", cmd, dir.path());
         let registry = proc.wait_line("pd-gateway registry on ", START_TIMEOUT);
-        let admin = proc.wait_line("pd-gateway admin on ", START_TIMEOUT);
-        let http = proc.wait_line("pd-gateway listening on ", START_TIMEOUT);
+        let admin = place.url(&proc.wait_line("pd-gateway admin on ", START_TIMEOUT));
+        let http = place.url(&proc.wait_line("pd-gateway listening on ", START_TIMEOUT));
+        let registry = match &host {
+            Some(h) => h.url(&registry).trim_start_matches("http://").to_owned(),
+            None => registry,
+        };
         Self {
             http,
             admin,
             registry,
             proc,
+            host,
         }
     }
 }
@@ -277,6 +387,8 @@ pub struct TestCluster {
     pub model: PathBuf,
     /// A client for tests to share (keep-alive).
     pub client: reqwest::Client,
+    /// The hosts' bridge, when the processes run on hosts (dropped after them).
+    pub net: Option<Net>,
     // Last: dropped after the processes, so their logs are still there to print.
     dir: WorkDir,
 }
@@ -287,12 +399,26 @@ impl TestCluster {
     pub async fn start(name: &str, spec: ClusterSpec) -> Self {
         let dir = WorkDir::new(name);
         let model = tiny_model(&dir);
-        let gateway = Gateway::start(&dir, &spec.gateway_args);
+        let net = spec.hosts.map(|_| Net::new(dir.path()));
+        let gateway_host = net.as_ref().map(|n| n.host("gw"));
+        if let (Some(net), Some(h)) = (&net, &gateway_host) {
+            net.alias(REGISTRY_NAME, h);
+        }
+        let gateway = Gateway::start_on(&dir, &spec.gateway_args, gateway_host);
+        let containers = spec.hosts.is_some_and(|h| h.containers);
+        let registry = match containers {
+            true => {
+                let port = gateway.registry.rsplit(':').next().unwrap_or_default();
+                format!("{REGISTRY_NAME}:{port}")
+            }
+            false => gateway.registry.clone(),
+        };
         let mut cluster = Self {
             gateway,
             nodes: Vec::new(),
             model,
             client: reqwest::Client::new(),
+            net,
             dir,
         };
         // Producers first, listed before any decode node starts: a decode node then gets the
@@ -313,22 +439,36 @@ impl TestCluster {
                     let id = format!("{}{i}", role.id_prefix());
                     let mut all = spec.node_args.clone();
                     all.extend(extra.iter().cloned());
-                    let proc = Node::spawn(
-                        cluster.dir.path(),
-                        &cluster.model,
-                        &id,
+                    let host = cluster.net.as_ref().map(|n| n.host(&id));
+                    let place = match &host {
+                        None => Place::Local,
+                        Some(h) if containers => Place::Container(h),
+                        Some(h) => Place::On(h),
+                    };
+                    let start = NodeStart {
+                        dir: cluster.dir.path(),
+                        model: &cluster.model,
+                        engine_id: &id,
+                        named: !containers,
                         role,
-                        Some(&cluster.gateway.registry),
-                        &all,
-                    );
-                    pending.push((id, role, proc));
+                        gateway: Some(&registry),
+                    };
+                    let proc = Node::spawn(start, place, &all);
+                    pending.push((id, role, proc, host));
                 }
             }
-            cluster.nodes.extend(
-                pending
-                    .into_iter()
-                    .map(|(id, role, proc)| Node::listening(&id, role, proc)),
-            );
+            for (id, role, proc, host) in pending {
+                let place = match &host {
+                    None => Place::Local,
+                    Some(h) => Place::On(h),
+                };
+                let mut node = Node::listening(&id, role, proc, place);
+                node.host = host;
+                cluster.nodes.push(node);
+            }
+            if containers {
+                cluster.name_nodes(READY_TIMEOUT).await;
+            }
             let ids: Vec<String> = cluster.nodes.iter().map(|n| n.engine_id.clone()).collect();
             let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
             cluster.wait_listed(&ids, READY_TIMEOUT).await;
@@ -352,14 +492,22 @@ impl TestCluster {
             let mut all = args(&["--cluster-token", CLUSTER_TOKEN]);
             all.extend(spec.node_args.iter().cloned());
             all.extend(extra.iter().cloned());
-            Node::spawn(dir.path(), &model, id, role, None, &all)
+            let start = NodeStart {
+                dir: dir.path(),
+                model: &model,
+                engine_id: id,
+                named: true,
+                role,
+                gateway: None,
+            };
+            Node::spawn(start, Place::Local, &all)
         };
         for i in 0..spec.prefill {
             let id = format!("{}{i}", Role::Prefill.id_prefix());
             let mut proc = alone(&id, Role::Prefill, &spec.prefill_args);
             let kv = proc.wait_line("pd-node kv side channel on ", START_TIMEOUT);
             producers.push(kv.trim_start_matches("http://").to_owned());
-            nodes.push(Node::listening(&id, Role::Prefill, proc));
+            nodes.push(Node::listening(&id, Role::Prefill, proc, Place::Local));
         }
         let mut decode_args = args(&["--kv-allowed-peers", &producers.join(",")]);
         decode_args.extend(spec.decode_args.iter().cloned());
@@ -370,7 +518,7 @@ impl TestCluster {
             for i in 0..count {
                 let id = format!("{}{i}", role.id_prefix());
                 let proc = alone(&id, role, extra);
-                nodes.push(Node::listening(&id, role, proc));
+                nodes.push(Node::listening(&id, role, proc, Place::Local));
             }
         }
         let mut gateway_args = spec.gateway_args.clone();
@@ -390,6 +538,7 @@ impl TestCluster {
             nodes,
             model,
             client: reqwest::Client::new(),
+            net: None,
             dir,
         };
         let ids: Vec<String> = cluster.nodes.iter().map(|n| n.engine_id.clone()).collect();
@@ -474,23 +623,96 @@ impl TestCluster {
     /// Kills node `engine_id` and starts it again under the same id (a new process: a new epoch,
     /// an empty pool) with `extra` flags; waits until the gateway lists the new process.
     pub async fn restart(&mut self, engine_id: &str, extra: &[String]) {
+        assert!(
+            self.net.is_none(),
+            "restart runs nodes on this machine only"
+        );
         let role = self.node(engine_id).role;
         let model = self.model.clone();
         let registry = self.gateway.registry.clone();
         let _ = self.node_mut(engine_id).proc.kill_and_wait();
         self.wait_unlisted(engine_id, READY_TIMEOUT).await;
-        let proc = Node::spawn(
-            self.dir.path(),
-            &model,
+        let start = NodeStart {
+            dir: self.dir.path(),
+            model: &model,
             engine_id,
+            named: true,
             role,
-            Some(&registry),
-            extra,
-        );
-        let fresh = Node::listening(engine_id, role, proc);
+            gateway: Some(&registry),
+        };
+        let fresh = Node::local(start, extra);
         *self.node_mut(engine_id) = fresh;
         self.wait_listed(&[engine_id], READY_TIMEOUT).await;
         self.wait_peers_known(READY_TIMEOUT).await;
+    }
+
+    /// Starts one more `pd-node` of `role` on a new host named `name`, registered with this
+    /// cluster's gateway, with `extra` flags (its `--engine-id` among them, or none), bound to
+    /// its host's address (or to `0.0.0.0` as PID 1, `container`); does not wait for it. Its
+    /// host is the node's. Needs a cluster on hosts.
+    pub fn spawn_on_new_host(
+        &self,
+        name: &str,
+        role: Role,
+        container: bool,
+        extra: &[String],
+    ) -> Node {
+        let net = self.net.as_ref().expect("a cluster on hosts");
+        let host = net.host(name);
+        let place = match container {
+            true => Place::Container(&host),
+            false => Place::On(&host),
+        };
+        let start = NodeStart {
+            dir: self.dir.path(),
+            model: &self.model,
+            engine_id: name,
+            named: false,
+            role,
+            gateway: Some(&self.gateway.registry),
+        };
+        let proc = Node::spawn(start, place, extra);
+        Node {
+            engine_id: name.to_owned(),
+            role,
+            http: String::new(),
+            proc,
+            host: Some(host),
+        }
+    }
+
+    /// Reads back the engine ids the gateway lists for nodes started without one: waits until
+    /// a routable node is listed at each node's HTTP address, then names the node after it.
+    async fn name_nodes(&mut self, timeout: Duration) {
+        let start = Instant::now();
+        loop {
+            let listed = self.admin_nodes().await;
+            let id_at = |http: &str| {
+                listed
+                    .iter()
+                    .find(|n| {
+                        n["routable"] == true
+                            && n["http_addr"].as_str().is_some_and(|a| {
+                                http.trim_start_matches("http://").trim_end_matches('/') == a
+                            })
+                    })
+                    .and_then(|n| n["engine_id"].as_str().map(str::to_owned))
+            };
+            let ids: Vec<Option<String>> = self.nodes.iter().map(|n| id_at(&n.http)).collect();
+            if ids.iter().all(Option::is_some) {
+                for (n, id) in self.nodes.iter_mut().zip(ids) {
+                    n.engine_id = id.unwrap_or_default();
+                }
+                return;
+            }
+            assert!(
+                start.elapsed() < timeout,
+                "the gateway did not list a node at every address within {timeout:?}: {listed:?}\n\
+                 gateway log:\n{}",
+                self.gateway.proc.log_tail(30)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// `GET /admin/nodes`' node list.

@@ -5,6 +5,8 @@
 //! - [`bins`]: where the binaries and the guest policies are (next to the test executable).
 //! - [`process`]: a child process whose address is read from its stdout and which is killed
 //!   by a `Drop` guard; its stderr goes to a log file printed when a test fails.
+//! - [`hosts`]: several machines on one (network, mount, UTS and IPC namespaces on a bridge),
+//!   for tests that cross hosts; a process on a host may run as PID 1, as in a container.
 //! - [`cluster`]: [`cluster::TestCluster::start`] brings up a gateway and its nodes (every port
 //!   `:0`) and waits until the gateway lists every node; admin calls and metrics scrapes.
 //! - [`metrics`]: Prometheus text parsing and label-filtered sums.
@@ -20,6 +22,7 @@
 
 pub mod bins;
 pub mod cluster;
+pub mod hosts;
 pub mod load;
 pub mod metrics;
 pub mod openai;

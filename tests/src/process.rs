@@ -60,6 +60,9 @@ pub struct Proc {
     log: PathBuf,
     lines: Receiver<String>,
     exited: Option<ExitStatus>,
+    /// The child is a wrapper (`unshare --fork`) whose own child is the program: signals go
+    /// to that one.
+    contained: bool,
 }
 
 impl Proc {
@@ -92,6 +95,42 @@ impl Proc {
             log,
             lines,
             exited: None,
+            contained: false,
+        }
+    }
+
+    /// [`Proc::spawn`] for a command that forks the program it runs and waits for it
+    /// (`unshare --fork --kill-child`, [`crate::hosts::Host::container`]): [`Proc::signal`]
+    /// signals the program; killing the wrapper kills it.
+    pub fn spawn_contained(name: &str, cmd: Command, dir: &Path) -> Self {
+        let mut p = Self::spawn(name, cmd, dir);
+        p.contained = true;
+        p
+    }
+
+    /// The pid signals go to: the child's, or, when contained, its first child's (waited for).
+    fn target(&self) -> libc::pid_t {
+        let pid = libc::pid_t::try_from(self.child.id()).expect("a pid fits pid_t");
+        if !self.contained {
+            return pid;
+        }
+        let until = Instant::now() + Duration::from_secs(20);
+        loop {
+            let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+                .unwrap_or_default();
+            if let Some(c) = children
+                .split_whitespace()
+                .next()
+                .and_then(|c| c.parse().ok())
+            {
+                return c;
+            }
+            assert!(
+                Instant::now() < until,
+                "{}: the contained program did not start",
+                self.name
+            );
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
 
@@ -138,9 +177,10 @@ impl Proc {
 
     /// Sends `signal` (a `libc::SIG*`) to the process.
     pub fn signal(&self, signal: i32) {
-        let pid = libc::pid_t::try_from(self.child.id()).expect("a pid fits pid_t");
+        let pid = self.target();
         // SAFETY: kill(2) with a pid this struct spawned and has not reaped (reaping happens
-        // only in `kill_and_wait` and `drop`, which take `&mut self`), so it names our child.
+        // only in `kill_and_wait` and `drop`, which take `&mut self`), so it names our child
+        // (or, contained, the child of our child, which lives as long as it does).
         let rc = unsafe { libc::kill(pid, signal) };
         assert_eq!(
             rc,
@@ -225,7 +265,11 @@ impl Proc {
 impl Drop for Proc {
     fn drop(&mut self) {
         if self.exited.is_none() {
-            let pid = libc::pid_t::try_from(self.child.id()).unwrap_or(0);
+            // (A contained program dies with its wrapper, stopped or not: `--kill-child`.)
+            let pid = match self.contained {
+                true => 0,
+                false => libc::pid_t::try_from(self.child.id()).unwrap_or(0),
+            };
             if pid > 0 {
                 // SAFETY: our own child, not yet reaped (see `signal`). A stopped process is
                 // continued so it dies now rather than when someone resumes it.

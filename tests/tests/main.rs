@@ -2,6 +2,7 @@
 //! binary links the whole dependency tree; one binary keeps CI's disk and link time down). Run one
 //! subject with `cargo test -p pd-cluster-tests --test cluster node_killed::`.
 
+mod across_hosts;
 mod admission;
 mod api_keys;
 mod burst;

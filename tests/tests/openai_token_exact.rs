@@ -31,7 +31,7 @@ const MAX_TOKENS: u32 = 12;
 /// Every combination, each with its own prompt: its first block (chat template head + the
 /// numbered start of the text, or BOS + text) differs from every other's, so no node ever holds
 /// a cached prefix of it and D must pull all of it (but the last token, when sampling).
-fn specs() -> Vec<Value> {
+pub(super) fn specs() -> Vec<Value> {
     let mut specs = Vec::new();
     for api in ["chat", "completions", "responses"] {
         for stream in [false, true] {
@@ -172,7 +172,7 @@ fn specs() -> Vec<Value> {
 
 /// Every node reads the tool calls a model writes in Hermes' format (the tiny model's files
 /// do not name `<tool_call>`, so `auto` would pick none).
-fn hermes() -> Vec<String> {
+pub(super) fn hermes() -> Vec<String> {
     args(&["--tool-call-parser", "hermes"])
 }
 
@@ -257,7 +257,7 @@ fn u64_of(v: &Value, key: &str) -> Option<u64> {
 
 /// Checks one cluster's answers against the reference's; returns the KV tokens the answers say
 /// were pulled, one entry per answer.
-fn compare(cluster: &str, specs: &[Value], want: &[Value], got: &[Value]) -> Vec<u64> {
+pub(super) fn compare(cluster: &str, specs: &[Value], want: &[Value], got: &[Value]) -> Vec<u64> {
     let mut pulled_each = Vec::new();
     for ((spec, w), g) in specs.iter().zip(want).zip(got) {
         let at = format!("{cluster}: {spec}");
@@ -300,7 +300,12 @@ fn compare(cluster: &str, specs: &[Value], want: &[Value], got: &[Value]) -> Vec
 
 /// `spread`: the cluster's policy deals n=3 over two decode nodes, each pulling the prompt
 /// under a lease of its own.
-async fn check_counters(c: &TestCluster, specs: &[Value], pulled_each: &[u64], spread: bool) {
+pub(super) async fn check_counters(
+    c: &TestCluster,
+    specs: &[Value],
+    pulled_each: &[u64],
+    spread: bool,
+) {
     let requests = specs.len() as f64;
     // Decode requests per answer: 2 for a spread n=3, else 1.
     let groups: Vec<u64> = specs

@@ -88,7 +88,11 @@ struct ServeArgs {
     native_policy: String,
     /// Configuration for the policy, KEY=VALUE (repeatable, or comma-separated; also
     /// PD_POLICY_CONFIG).
-    #[arg(long = "policy-config", env = "PD_POLICY_CONFIG", value_delimiter = ',')]
+    #[arg(
+        long = "policy-config",
+        env = "PD_POLICY_CONFIG",
+        value_delimiter = ','
+    )]
     policy_config: Vec<String>,
     /// Deadline of one policy decision, milliseconds.
     #[arg(long, default_value_t = 1.0)]

@@ -78,7 +78,12 @@ impl Registry {
             .registrations_refused
             .with_label_values(&[reason])
             .inc();
-        warn!(engine_id, reason, "registration refused: {}", status.message());
+        warn!(
+            engine_id,
+            reason,
+            "registration refused: {}",
+            status.message()
+        );
         status
     }
 
@@ -384,7 +389,10 @@ mod tests {
         assert!(reachable("0.0.0.0:8000", None).is_err());
         for lo in ["127.0.0.1:8000", "[::1]:8000", "localhost:8000"] {
             let err = reachable(lo, far).unwrap_err();
-            assert!(err.contains("--advertise-host") && err.contains("10.1.2.3"), "{err}");
+            assert!(
+                err.contains("--advertise-host") && err.contains("10.1.2.3"),
+                "{err}"
+            );
             assert_eq!(reachable(lo, near).unwrap(), lo);
         }
         assert_eq!(reachable("10.9.9.9:8000", far).unwrap(), "10.9.9.9:8000");

@@ -126,7 +126,10 @@ pub fn ucx_net_device(host: &str) -> Option<String> {
     if ip.is_loopback() || ip.is_unspecified() {
         return None;
     }
-    interfaces().into_iter().find(|(_, a)| *a == ip).map(|(n, _)| n)
+    interfaces()
+        .into_iter()
+        .find(|(_, a)| *a == ip)
+        .map(|(n, _)| n)
 }
 
 /// Every (interface, address) pair of this network namespace.

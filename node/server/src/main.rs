@@ -311,7 +311,9 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         };
         // What KV handoffs name as `remote_host`: the advertised host, else where the gateway
         // saw this node register from.
-        let observed = reporter.as_ref().map(pd_report::ReporterHandle::observed_host);
+        let observed = reporter
+            .as_ref()
+            .map(pd_report::ReporterHandle::observed_host);
         let side_channel = side_channel.map(|kv| (addresses.remote_host(observed), kv.port()));
         let disagg = Arc::new(Disagg::new(
             role,

@@ -1,0 +1,281 @@
+//! Across machines, as operators deploy: the gateway and every node on hosts of their own
+//! (`pd_cluster_tests::hosts`: network namespaces with their own address, hostname, boot id and
+//! `/dev/shm`, so UCX takes them for separate machines and moves KV over TCP), driven by the
+//! unmodified `openai` package from the test's own machine.
+//!
+//! - Gateway, P and D on three hosts, each bound to its own address: every API, streamed and
+//!   not, n>1, structured output and tool calls, token for token what a standalone node
+//!   answers; D's pulls went over `tcp/eth0` as UCX gets (no peer pool mapped: no shared
+//!   memory), pulled tokens > 0.
+//! - 2 P + 2 D on five hosts as container runtimes start them: each PID 1 of its own PID
+//!   namespace, bound to `0.0.0.0`, no `--engine-id`, the gateway found by a DNS name. Every
+//!   node is listed under its own default engine id (its hostname + a random suffix) at the
+//!   address its registration came from, and serves. On the old node (engine id `pd-node-<pid>`:
+//!   `pd-node-1` for all four, registering `0.0.0.0`) this failed (see the issue's note).
+//! - A second node claiming a live node's engine id is refused, exits saying why with both
+//!   addresses, and is counted; the first keeps its id and serves on.
+//! - A node bound to loopback on another host is refused (nobody could reach it) and exits
+//!   naming `--advertise-host`.
+
+use std::time::Duration;
+
+use pd_cluster_tests::cluster::{ClusterSpec, Hosting, Node, Role, TestCluster, args, tiny_model};
+use pd_cluster_tests::openai::{self, Api};
+use pd_cluster_tests::process::WorkDir;
+use pd_cluster_tests::python;
+use serde_json::Value;
+
+use super::openai_token_exact::{check_counters, compare, hermes, specs};
+
+/// The reference answers: one standalone node on this machine, no gateway.
+async fn reference(python: &std::path::Path, specs: &[Value]) -> Vec<Value> {
+    let dir = WorkDir::new("hosts-reference");
+    let model = tiny_model(&dir);
+    let reference = Node::reference_with(&dir, &model, &hermes());
+    python::run_specs(python, &reference.http, specs).await
+}
+
+/// Every decode node pulled over the network: UCX gets (a peer's pool is never mapped across
+/// machines), on an endpoint whose lanes are TCP on `eth0`, the hosts' link.
+async fn assert_pulled_over_tcp(c: &TestCluster) {
+    for d in c.role(Role::Decode) {
+        let m = d.metrics(&c.client).await;
+        let gets = m.sum("pd_kv_pulls_total", &[("via", "get")]);
+        assert!(
+            gets > 0.0,
+            "{}: {}",
+            d.engine_id,
+            m.show("pd_kv_pulls_total")
+        );
+        assert_eq!(
+            m.sum("pd_kv_pulls_total", &[("via", "mapped")]),
+            0.0,
+            "{}: a peer's pool was mapped: shared memory across hosts",
+            d.engine_id
+        );
+        let log = d.proc.log();
+        let endpoint = log
+            .lines()
+            .find(|l| l.contains("TCP-emulated RMA") || l.contains("endpoint connected"))
+            .unwrap_or_else(|| panic!("{} logged no KV endpoint: {}", d.engine_id, log));
+        assert!(
+            endpoint.contains(r#"transports=["tcp/eth0"]"#),
+            "{}: {endpoint}",
+            d.engine_id
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_api_is_token_exact_with_gateway_p_and_d_on_three_hosts() {
+    let python = python::interpreter();
+    let specs = specs();
+    let want = reference(&python, &specs).await;
+    let c = TestCluster::start(
+        "hosts-3",
+        ClusterSpec {
+            prefill: 1,
+            decode: 1,
+            node_args: hermes(),
+            hosts: Some(Hosting::default()),
+            ..ClusterSpec::default()
+        },
+    )
+    .await;
+    // Each process on its own host, listed at that host's address.
+    let listed = c.admin_nodes().await;
+    for n in &c.nodes {
+        let host = n.host.as_ref().expect("on a host");
+        let entry = listed
+            .iter()
+            .find(|l| l["engine_id"] == n.engine_id.as_str())
+            .expect("listed");
+        assert_eq!(
+            entry["http_addr"]
+                .as_str()
+                .and_then(|a| a.split(':').next()),
+            Some(host.addr.to_string().as_str()),
+            "{entry}"
+        );
+    }
+    let got = python::run_specs(&python, &c.gateway.http, &specs).await;
+    let pulled = compare("hosts-3", &specs, &want, &got);
+    eprintln!(
+        "hosts-3: {} answers token-identical to the reference; {} prompt tokens pulled P→D across hosts",
+        got.len(),
+        pulled.iter().sum::<u64>()
+    );
+    check_counters(&c, &specs, &pulled, false).await;
+    assert_pulled_over_tcp(&c).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_started_as_containers_on_five_hosts_are_told_apart_and_all_serve() {
+    let python = python::interpreter();
+    let specs = specs();
+    let want = reference(&python, &specs).await;
+    let round_robin = pd_cluster_tests::bins::policy("round-robin");
+    let c = TestCluster::start(
+        "hosts-containers",
+        ClusterSpec {
+            prefill: 2,
+            decode: 2,
+            gateway_args: args(&[
+                "--policy",
+                round_robin.to_str().expect("a UTF-8 path"),
+                "--policy-deadline-ms",
+                "50",
+            ]),
+            node_args: args(&["--threads", "1", "--tool-call-parser", "hermes"]),
+            hosts: Some(Hosting { containers: true }),
+            ..ClusterSpec::default()
+        },
+    )
+    .await;
+    // Four nodes, four engine ids, each the node's hostname and a random suffix; each PID 1.
+    let mut ids: Vec<&str> = c.nodes.iter().map(|n| n.engine_id.as_str()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), 4, "{ids:?}");
+    for n in &c.nodes {
+        let host = n.host.as_ref().expect("on a host");
+        assert!(
+            n.engine_id.starts_with(&format!("{}-", host.name)) && n.engine_id != "pd-node-1",
+            "{}",
+            n.engine_id
+        );
+        assert!(
+            n.http.contains(&host.addr.to_string()),
+            "{}: {}",
+            n.engine_id,
+            n.http
+        );
+    }
+    let got = python::run_specs(&python, &c.gateway.http, &specs).await;
+    let pulled = compare("hosts-containers", &specs, &want, &got);
+    check_counters(&c, &specs, &pulled, true).await;
+    assert_pulled_over_tcp(&c).await;
+    // The prefill nodes bound 0.0.0.0 and named the address the gateway saw in their params.
+    for p in c.role(Role::Prefill) {
+        let host = p.host.as_ref().expect("on a host");
+        assert!(
+            p.proc.log().contains(&format!(
+                "the gateway reaches this node at this address: KV handoffs name it host={}",
+                host.addr
+            )),
+            "{}: {}",
+            p.engine_id,
+            p.proc.log_tail(20)
+        );
+    }
+    let g = c.gateway_metrics().await;
+    assert_eq!(
+        g.sum("pd_gateway_registrations_refused_total", &[]),
+        0.0,
+        "{}",
+        g.show("pd_gateway_registrations_refused_total")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_node_claiming_a_live_engine_id_is_refused_and_the_first_keeps_it() {
+    let c = TestCluster::start(
+        "hosts-duplicate",
+        ClusterSpec {
+            standalone: 1,
+            hosts: Some(Hosting::default()),
+            ..ClusterSpec::default()
+        },
+    )
+    .await;
+    let first = c.node("s0");
+    let mut twin = c.spawn_on_new_host(
+        "twin",
+        Role::Standalone,
+        true,
+        &args(&["--engine-id", "s0"]),
+    );
+    let status = twin
+        .proc
+        .wait_exit(Duration::from_secs(60))
+        .unwrap_or_else(|| panic!("the twin kept running: {}", twin.proc.log_tail(20)));
+    assert!(!status.success(), "{status}");
+    let twin_addr = twin.host.as_ref().expect("on a host").addr.to_string();
+    let first_addr = first.http.trim_start_matches("http://");
+    let log = twin.proc.log();
+    let said = log
+        .lines()
+        .find(|l| l.contains("refused this node"))
+        .unwrap_or_else(|| panic!("the twin did not say why it stopped: {log}"));
+    assert!(
+        said.contains("engine id `s0`") && said.contains(first_addr) && said.contains(&twin_addr),
+        "{said}"
+    );
+    // Counted; the first keeps its id and address and serves on, never swapped out.
+    let g = c.gateway_metrics().await;
+    assert_eq!(
+        g.sum(
+            "pd_gateway_registrations_refused_total",
+            &[("reason", "engine_id_taken")]
+        ),
+        1.0,
+        "{}",
+        g.show("pd_gateway_registrations_refused_total")
+    );
+    let listed = c.admin_nodes().await;
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0]["http_addr"], first_addr, "{listed:?}");
+    let joined = c.gateway.proc.log().matches("node joined").count();
+    assert_eq!(joined, 1, "{}", c.gateway.proc.log_tail(20));
+    let a = openai::send(
+        &c.client,
+        &c.gateway.http,
+        Api::Chat,
+        &Api::Chat.body("still served", 4),
+        None,
+    )
+    .await
+    .ok();
+    assert_eq!(a.texts.len(), 1, "{a:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loopback_address_from_another_host_is_refused_naming_the_fix() {
+    let c = TestCluster::start(
+        "hosts-loopback",
+        ClusterSpec {
+            hosts: Some(Hosting::default()),
+            ..ClusterSpec::default()
+        },
+    )
+    .await;
+    let mut lo = c.spawn_on_new_host(
+        "lo",
+        Role::Decode,
+        false,
+        &args(&["--engine-id", "lo", "--host", "127.0.0.1"]),
+    );
+    let status = lo
+        .proc
+        .wait_exit(Duration::from_secs(60))
+        .unwrap_or_else(|| panic!("the node kept running: {}", lo.proc.log_tail(20)));
+    assert!(!status.success(), "{status}");
+    let log = lo.proc.log();
+    assert!(
+        log.lines().any(|l| l.contains("refused this node")
+            && l.contains("loopback")
+            && l.contains("--advertise-host")),
+        "{log}"
+    );
+    let g = c.gateway_metrics().await;
+    assert_eq!(
+        g.sum(
+            "pd_gateway_registrations_refused_total",
+            &[("reason", "unreachable_address")]
+        ),
+        1.0,
+        "{}",
+        g.show("pd_gateway_registrations_refused_total")
+    );
+    assert!(c.admin_nodes().await.is_empty());
+}
