@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The project's test command: set-up, formatting, lints, the CUDA kernels compiled to PTX, then
-# every test of the workspace
+# The project's test command: set-up, formatting, lints, the Kubernetes manifests checked, the
+# CUDA kernels compiled to PTX, then every test of the workspace
 # (with the guest policies built for wasm32 and a Python venv holding the openai package, which
 # the cross-process cluster tests drive the gateway with).
 set -euo pipefail
@@ -14,6 +14,11 @@ export PD_MODEL_GGUF
 PD_TEST_PYTHON="$(bash scripts/python-env.sh)"
 export PD_TEST_PYTHON
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# The Kubernetes manifests: rendered, validated against Kubernetes' schemas, scanned with
+# checkov; the rendered documents are what the cluster tests start on their hosts.
+PD_K8S_RENDERED="$(realpath -m "${CARGO_TARGET_DIR:-target}")/k8s"
+export PD_K8S_RENDERED
+bash scripts/k8s-check.sh --render "$PD_K8S_RENDERED"
 # The GPU path without a GPU: every kernel to PTX for sm_80 and sm_90 (assembled, entry points
 # checked), and the cudarc side (`--features cuda`, the PTX embedded) type-checked and linted.
 NVCC="$(bash scripts/cuda-toolchain.sh)"

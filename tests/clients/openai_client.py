@@ -48,6 +48,7 @@ the error on stderr: the SDK's retries are off, so nothing is hidden.
 """
 
 import json
+import os
 import sys
 
 import openai
@@ -268,7 +269,8 @@ def stored(client, spec, out):
 def main():
     if len(sys.argv) != 2:
         sys.exit(__doc__)
-    client = openai.OpenAI(base_url=sys.argv[1], api_key="sk-cluster-test", max_retries=0, timeout=120)
+    api_key = os.environ.get("PD_TEST_API_KEY") or "sk-cluster-test"
+    client = openai.OpenAI(base_url=sys.argv[1], api_key=api_key, max_retries=0, timeout=120)
     specs = json.load(sys.stdin)
     calls = {"chat": chat, "completions": completions, "responses": responses}
     results = []

@@ -50,10 +50,22 @@ pub fn interpreter() -> PathBuf {
 /// the request `specs` (a JSON list, see `tests/clients/openai_client.py`) and returns its JSON
 /// list of results. Blocking: call it from `spawn_blocking`.
 pub fn run_client(python: &Path, base_url: &str, specs: &Value) -> Value {
+    run_client_with_key(python, base_url, specs, None)
+}
+
+/// [`run_client`] with the SDK's `api_key` set to `key` (default: a key no test gateway asks
+/// for).
+pub fn run_client_with_key(
+    python: &Path,
+    base_url: &str,
+    specs: &Value,
+    key: Option<&str>,
+) -> Value {
     let client = workspace_root().join("tests/clients/openai_client.py");
     let mut child = Command::new(python)
         .arg(&client)
         .arg(base_url)
+        .env("PD_TEST_API_KEY", key.unwrap_or_default())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -83,12 +95,25 @@ pub fn run_client(python: &Path, base_url: &str, specs: &Value) -> Value {
 /// [`run_client`] against the node or gateway at `http` (`http://host:port`), on a blocking
 /// thread; checks there is one result per spec and returns them.
 pub async fn run_specs(python: &Path, http: &str, specs: &[Value]) -> Vec<Value> {
+    run_specs_with_key(python, http, specs, None).await
+}
+
+/// [`run_specs`] with the SDK's `api_key` set to `key`.
+pub async fn run_specs_with_key(
+    python: &Path,
+    http: &str,
+    specs: &[Value],
+    key: Option<&str>,
+) -> Vec<Value> {
     let python = python.to_path_buf();
     let base = format!("{http}/v1");
     let list = Value::Array(specs.to_vec());
-    let out = tokio::task::spawn_blocking(move || run_client(&python, &base, &list))
-        .await
-        .expect("the client thread");
+    let key = key.map(str::to_owned);
+    let out = tokio::task::spawn_blocking(move || {
+        run_client_with_key(&python, &base, &list, key.as_deref())
+    })
+    .await
+    .expect("the client thread");
     let results = out.as_array().cloned().expect("a JSON list of results");
     assert_eq!(results.len(), specs.len(), "one result per spec");
     results
