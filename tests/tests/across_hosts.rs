@@ -279,3 +279,94 @@ async fn a_loopback_address_from_another_host_is_refused_naming_the_fix() {
     );
     assert!(c.admin_nodes().await.is_empty());
 }
+
+/// A greedy completions request on token ids.
+fn turn(prompt: &[u64]) -> Value {
+    serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0,
+        "ignore_eos": true, "return_token_ids": true})
+}
+
+async fn complete(client: &reqwest::Client, base: &str, prompt: &[u64]) -> Vec<u64> {
+    let r = client
+        .post(format!("{base}/v1/completions"))
+        .json(&turn(prompt))
+        .send()
+        .await
+        .expect("sent");
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.expect("JSON");
+    v["choices"][0]["token_ids"]
+        .as_array()
+        .expect("token ids")
+        .iter()
+        .filter_map(Value::as_u64)
+        .collect()
+}
+
+/// A conversation whose decode node kept its turns, on another host than P: a short next turn
+/// goes to the holder (its own cache), a later one is pulled back by P across hosts (reverse
+/// pull over TCP); every turn token-exact with one node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_is_sent_to_its_holder_and_pulled_back_across_hosts() {
+    let policy = pd_cluster_tests::bins::policy("prefix-aware");
+    let c = TestCluster::start(
+        "hosts-multi-turn",
+        ClusterSpec {
+            prefill: 1,
+            decode: 1,
+            gateway_args: args(&["--policy", policy.to_str().expect("utf-8 path")]),
+            prefill_args: args(&["--kv-recompute-threshold", "0"]),
+            decode_args: args(&["--kv-retain-after-decode", "60"]),
+            hosts: Some(Hosting { containers: true }),
+            ..ClusterSpec::default()
+        },
+    )
+    .await;
+    let reference = Node::reference(c.dir(), &c.model);
+    let how = async |how: &str| {
+        c.gateway_metrics()
+            .await
+            .sum("pd_gateway_reverse_pulls_total", &[("how", how)])
+    };
+    let mut prompt: Vec<u64> = (1..=11).collect();
+    for k in 1..=3u64 {
+        if k == 3 {
+            // Never to the holder: P pulls the history back from it, then hands it on.
+            let (status, body) = c
+                .push_policy(
+                    &policy,
+                    "prefix-aware",
+                    &[
+                        ("config.holder-max-new-tokens", "0"),
+                        ("config.pull-overhead-us", "0"),
+                        ("config.keep-on-prefill-decode-busy", "off"),
+                    ],
+                )
+                .await;
+            assert_eq!(status, 200, "{body}");
+        }
+        c.wait_view_idle(Duration::from_secs(10)).await;
+        let got = complete(&c.client, &c.gateway.http, &prompt).await;
+        let want = complete(&c.client, &reference.http, &prompt).await;
+        assert_eq!(got, want, "turn {k}");
+        if k == 1 {
+            pd_cluster_tests::eventually("turn 1 kept", Duration::from_secs(5), async || {
+                c.gateway_metrics()
+                    .await
+                    .sum("pd_gateway_retained_turns_total", &[])
+                    == 1.0
+            })
+            .await;
+        }
+        prompt.extend(got);
+        prompt.extend((0..5).map(|i| 40 + (k * 7 + i * 3) % 50));
+    }
+    assert_eq!(how("holder").await, 1.0);
+    assert_eq!(how("prefill_pulls").await, 1.0);
+    // P pulled the history from D's host over TCP.
+    let p = c.role(Role::Prefill).next().expect("a prefill node");
+    let m = p.metrics(&c.client).await;
+    assert!(m.sum("pd_node_kv_pulled_tokens_total", &[]) > 0.0);
+    assert!(m.sum("pd_kv_pulls_total", &[("via", "get")]) > 0.0);
+    assert_eq!(m.sum("pd_kv_pulls_total", &[("via", "mapped")]), 0.0);
+}
