@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::bins;
-use crate::hosts::{Host, Net};
+use crate::hosts::{Host, Net, Place};
 use crate::metrics::{Metrics, scrape};
 use crate::process::{Proc, WorkDir};
 
@@ -98,45 +98,6 @@ pub struct Hosting {
 
 /// The DNS name of the gateway's registry on the hosts (as a headless Service gives it).
 pub const REGISTRY_NAME: &str = "pd-gateway-registry";
-
-/// Where a process runs: on the test's own machine, or on a host, as a container or not.
-#[derive(Debug, Clone, Copy)]
-pub enum Place<'a> {
-    /// Here, on loopback.
-    Local,
-    /// On `host`, bound to its address.
-    On(&'a Host),
-    /// On `host` as a container: PID 1, bound to `0.0.0.0`.
-    Container(&'a Host),
-}
-
-impl Place<'_> {
-    /// The command running `program` here or there; whether it is contained.
-    fn command(self, program: &Path) -> (Command, bool) {
-        match self {
-            Place::Local => (Command::new(program), false),
-            Place::On(h) => (h.command(program), false),
-            Place::Container(h) => (h.container(program), true),
-        }
-    }
-
-    /// `--host` for a process placed here (none: its default, loopback).
-    fn bind(self) -> Option<String> {
-        match self {
-            Place::Local => None,
-            Place::On(h) => Some(h.addr.to_string()),
-            Place::Container(_) => Some("0.0.0.0".into()),
-        }
-    }
-
-    /// The URL the test process reaches `printed` (what the process printed) at.
-    fn url(self, printed: &str) -> String {
-        match self {
-            Place::Local => printed.to_owned(),
-            Place::On(h) | Place::Container(h) => h.url(printed),
-        }
-    }
-}
 
 /// Turns `&["a", "b"]` into owned arguments.
 pub fn args(a: &[&str]) -> Vec<String> {

@@ -357,3 +357,42 @@ impl Host {
         format!("http://{}:{port}", self.addr)
     }
 }
+
+/// Where a process runs: on the test's own machine, or on a host, as a container or not.
+#[derive(Debug, Clone, Copy)]
+pub enum Place<'a> {
+    /// Here, on loopback.
+    Local,
+    /// On `host`, bound to its address.
+    On(&'a Host),
+    /// On `host` as a container: PID 1, bound to `0.0.0.0`.
+    Container(&'a Host),
+}
+
+impl Place<'_> {
+    /// The command running `program` here or there; whether it is contained.
+    pub fn command(self, program: &Path) -> (Command, bool) {
+        match self {
+            Place::Local => (Command::new(program), false),
+            Place::On(h) => (h.command(program), false),
+            Place::Container(h) => (h.container(program), true),
+        }
+    }
+
+    /// `--host` for a process placed here (none: its default, loopback).
+    pub fn bind(self) -> Option<String> {
+        match self {
+            Place::Local => None,
+            Place::On(h) => Some(h.addr.to_string()),
+            Place::Container(_) => Some("0.0.0.0".into()),
+        }
+    }
+
+    /// The URL the test process reaches `printed` (what the process printed) at.
+    pub fn url(self, printed: &str) -> String {
+        match self {
+            Place::Local => printed.to_owned(),
+            Place::On(h) | Place::Container(h) => h.url(printed),
+        }
+    }
+}

@@ -25,7 +25,7 @@ use pd_cluster_tests::process::WorkDir;
 use pd_cluster_tests::python;
 use serde_json::Value;
 
-use super::openai_token_exact::{check_counters, compare, hermes, specs};
+use super::openai_token_exact::{check_counters, compare, hermes, round_robin, specs};
 
 /// The reference answers: one standalone node on this machine, no gateway.
 async fn reference(python: &std::path::Path, specs: &[Value]) -> Vec<Value> {
@@ -114,18 +114,12 @@ async fn nodes_started_as_containers_on_five_hosts_are_told_apart_and_all_serve(
     let python = python::interpreter();
     let specs = specs();
     let want = reference(&python, &specs).await;
-    let round_robin = pd_cluster_tests::bins::policy("round-robin");
     let c = TestCluster::start(
         "hosts-containers",
         ClusterSpec {
             prefill: 2,
             decode: 2,
-            gateway_args: args(&[
-                "--policy",
-                round_robin.to_str().expect("a UTF-8 path"),
-                "--policy-deadline-ms",
-                "50",
-            ]),
+            gateway_args: round_robin(),
             node_args: args(&["--threads", "1", "--tool-call-parser", "hermes"]),
             hosts: Some(Hosting { containers: true }),
             ..ClusterSpec::default()
@@ -177,6 +171,38 @@ async fn nodes_started_as_containers_on_five_hosts_are_told_apart_and_all_serve(
     );
 }
 
+/// `node` was refused by the gateway: it exits non-zero by itself, its log's refusal line holds
+/// every word of `says`, and the gateway counted one refusal for `reason`. Returns that line.
+async fn refused(c: &TestCluster, node: &mut Node, reason: &str, says: &[&str]) -> String {
+    let status = node
+        .proc
+        .wait_exit(Duration::from_secs(60))
+        .unwrap_or_else(|| {
+            panic!(
+                "{} kept running: {}",
+                node.engine_id,
+                node.proc.log_tail(20)
+            )
+        });
+    assert!(!status.success(), "{status}");
+    let log = node.proc.log();
+    let said = log
+        .lines()
+        .find(|l| l.contains("refused this node"))
+        .unwrap_or_else(|| panic!("{} did not say why it stopped: {log}", node.engine_id))
+        .to_owned();
+    assert!(says.iter().all(|w| said.contains(w)), "{said}");
+    let g = c.gateway_metrics().await;
+    let metric = "pd_gateway_registrations_refused_total";
+    assert_eq!(
+        g.sum(metric, &[("reason", reason)]),
+        1.0,
+        "{}",
+        g.show(metric)
+    );
+    said
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_node_claiming_a_live_engine_id_is_refused_and_the_first_keeps_it() {
     let c = TestCluster::start(
@@ -195,33 +221,11 @@ async fn a_second_node_claiming_a_live_engine_id_is_refused_and_the_first_keeps_
         true,
         &args(&["--engine-id", "s0"]),
     );
-    let status = twin
-        .proc
-        .wait_exit(Duration::from_secs(60))
-        .unwrap_or_else(|| panic!("the twin kept running: {}", twin.proc.log_tail(20)));
-    assert!(!status.success(), "{status}");
     let twin_addr = twin.host.as_ref().expect("on a host").addr.to_string();
     let first_addr = first.http.trim_start_matches("http://");
-    let log = twin.proc.log();
-    let said = log
-        .lines()
-        .find(|l| l.contains("refused this node"))
-        .unwrap_or_else(|| panic!("the twin did not say why it stopped: {log}"));
-    assert!(
-        said.contains("engine id `s0`") && said.contains(first_addr) && said.contains(&twin_addr),
-        "{said}"
-    );
-    // Counted; the first keeps its id and address and serves on, never swapped out.
-    let g = c.gateway_metrics().await;
-    assert_eq!(
-        g.sum(
-            "pd_gateway_registrations_refused_total",
-            &[("reason", "engine_id_taken")]
-        ),
-        1.0,
-        "{}",
-        g.show("pd_gateway_registrations_refused_total")
-    );
+    let says = ["engine id `s0`", first_addr, &twin_addr];
+    refused(&c, &mut twin, "engine_id_taken", &says).await;
+    // The first keeps its id and address and serves on, never swapped out.
     let listed = c.admin_nodes().await;
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(listed[0]["http_addr"], first_addr, "{listed:?}");
@@ -255,28 +259,13 @@ async fn a_loopback_address_from_another_host_is_refused_naming_the_fix() {
         false,
         &args(&["--engine-id", "lo", "--host", "127.0.0.1"]),
     );
-    let status = lo
-        .proc
-        .wait_exit(Duration::from_secs(60))
-        .unwrap_or_else(|| panic!("the node kept running: {}", lo.proc.log_tail(20)));
-    assert!(!status.success(), "{status}");
-    let log = lo.proc.log();
-    assert!(
-        log.lines().any(|l| l.contains("refused this node")
-            && l.contains("loopback")
-            && l.contains("--advertise-host")),
-        "{log}"
-    );
-    let g = c.gateway_metrics().await;
-    assert_eq!(
-        g.sum(
-            "pd_gateway_registrations_refused_total",
-            &[("reason", "unreachable_address")]
-        ),
-        1.0,
-        "{}",
-        g.show("pd_gateway_registrations_refused_total")
-    );
+    refused(
+        &c,
+        &mut lo,
+        "unreachable_address",
+        &["loopback", "--advertise-host"],
+    )
+    .await;
     assert!(c.admin_nodes().await.is_empty());
 }
 

@@ -176,6 +176,18 @@ pub(super) fn hermes() -> Vec<String> {
     args(&["--tool-call-parser", "hermes"])
 }
 
+/// The gateway flags of a cluster whose every node serves: the WASM round-robin, with a deadline
+/// a loaded 2-core debug build always meets (the tests assert zero fallbacks).
+pub(super) fn round_robin() -> Vec<String> {
+    let policy = pd_cluster_tests::bins::policy("round-robin");
+    args(&[
+        "--policy",
+        policy.to_str().expect("a UTF-8 path"),
+        "--policy-deadline-ms",
+        "50",
+    ])
+}
+
 /// Room for the structured specs' outputs to end where their constraint does.
 const STRUCTURED_MAX_TOKENS: u32 = 200;
 
@@ -480,7 +492,6 @@ async fn the_openai_package_gets_identical_tokens_through_the_gateway_and_p_d() 
     }
     // (b) gateway + 1P + 1D (default: the built-in policy), (c) gateway + 2P + 2D (the WASM
     // round-robin, so every node serves).
-    let round_robin = pd_cluster_tests::bins::policy("round-robin");
     let clusters = [
         (
             "openai-1p1d",
@@ -498,14 +509,7 @@ async fn the_openai_package_gets_identical_tokens_through_the_gateway_and_p_d() 
             ClusterSpec {
                 prefill: 2,
                 decode: 2,
-                // The WASM round-robin (so every node serves), with a deadline a loaded
-                // 2-core debug build always meets: the test asserts zero fallbacks.
-                gateway_args: args(&[
-                    "--policy",
-                    round_robin.to_str().expect("a UTF-8 path"),
-                    "--policy-deadline-ms",
-                    "50",
-                ]),
+                gateway_args: round_robin(),
                 // P in the GPU layout with blocks of 16, D in the CPU layout with blocks of 32:
                 // D converts every pull.
                 prefill_args: args(&["--kv-layout", "nhd"]),
