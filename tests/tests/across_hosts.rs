@@ -53,14 +53,21 @@ async fn assert_pulled_over_tcp(c: &TestCluster) {
             "{}: a peer's pool was mapped: shared memory across hosts",
             d.engine_id
         );
-        let log = d.proc.log();
-        let endpoint = log
-            .lines()
-            .find(|l| l.contains("TCP-emulated RMA") || l.contains("endpoint connected"))
-            .unwrap_or_else(|| panic!("{} logged no KV endpoint: {}", d.engine_id, log));
+        // The node reports the path to each peer it pulled from: UCX over TCP on eth0, gets.
+        let path = "pd_kv_peer_path_info";
+        let peers = c.role(Role::Prefill).count() as f64;
         assert!(
-            endpoint.contains(r#"transports=["tcp/eth0"]"#),
-            "{}: {endpoint}",
+            m.sum(path, &[]) >= 1.0 && m.sum(path, &[]) <= peers,
+            "{}",
+            m.show(path)
+        );
+        let tcp = [("transports", "tcp/eth0"), ("via", "get")];
+        assert_eq!(m.sum(path, &tcp), m.sum(path, &[]), "{}", m.show(path));
+        let log = d.proc.log();
+        assert!(
+            log.lines()
+                .any(|l| l.contains("TCP-emulated RMA") && l.contains(r#"["tcp/eth0"]"#)),
+            "{} did not warn of TCP-emulated RMA: {log}",
             d.engine_id
         );
     }

@@ -45,7 +45,7 @@ pub use pull::{
     copy_pull_landing, post_pull, pull_blocks, rechunk_pull,
 };
 pub use puller::{
-    EarlyConfirm, LeaseKeeper, LeasePull, LeasedBlocks, MAX_PEERS, MAX_PULLS_PER_PEER, PullVia,
-    Pulled, Puller, Unawaited, pull_under_lease, pull_under_lease_with,
+    EarlyConfirm, LeaseKeeper, LeasePull, LeasedBlocks, MAX_PEERS, MAX_PULLS_PER_PEER, PeerPath,
+    PullVia, Pulled, Puller, Unawaited, pull_under_lease, pull_under_lease_with,
 };
 pub use service::{KvPeerService, OwnerIdentity, constant_time_eq};

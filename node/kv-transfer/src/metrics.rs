@@ -3,8 +3,8 @@
 use std::sync::Mutex;
 
 use prometheus::{
-    Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
-    Registry,
+    Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry,
 };
 
 use crate::lease_authority::PoolStats;
@@ -96,6 +96,10 @@ pub struct TransferMetrics {
     /// Pulls by how the blocks were read: `mapped` (copied from the peer's pool mapped here) or
     /// `get` (UCX gets).
     pub pulls: IntCounterVec,
+    /// The path pulls from each peer take (`pd_kv_peer_path_info{peer, transports, via}` = 1):
+    /// the endpoint's UCX transports and whether blocks are copied from a mapped pool or read
+    /// with gets. Set at scrape time from the puller ([`TransferMetrics::observe_peer_paths`]).
+    pub peer_paths: IntGaugeVec,
     last_counts: Mutex<pd_kv_pool::LeaseCounts>,
 }
 
@@ -226,8 +230,17 @@ impl TransferMetrics {
             &["via"],
         )
         .expect("valid counter");
+        let peer_paths = IntGaugeVec::new(
+            Opts::new(
+                "pd_kv_peer_path_info",
+                "The path pulls from each peer take: its endpoint's UCX transports (transport/device) and how blocks are read (mapped or get)",
+            ),
+            &["peer", "transports", "via"],
+        )
+        .expect("valid gauge");
         for c in [
             Box::new(consume_stage_seconds.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(peer_paths.clone()),
             Box::new(pulls.clone()),
             Box::new(confirms.clone()),
             Box::new(board_alone.clone()),
@@ -269,7 +282,18 @@ impl TransferMetrics {
             confirms,
             board_alone,
             pulls,
+            peer_paths,
             last_counts: Mutex::new(Default::default()),
+        }
+    }
+
+    /// Sets `pd_kv_peer_path_info` to `paths` (engine id, path), replacing what it held.
+    pub fn observe_peer_paths(&self, paths: &[(String, crate::PeerPath)]) {
+        self.peer_paths.reset();
+        for (peer, path) in paths {
+            self.peer_paths
+                .with_label_values(&[peer.as_str(), path.transports.as_str(), path.via])
+                .set(1);
         }
     }
 

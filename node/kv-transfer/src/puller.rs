@@ -20,7 +20,7 @@
 //! deadlines running), and at most [`MAX_PEERS`] connected peers (the least recently used idle
 //! one is closed to make room).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -209,6 +209,19 @@ pub struct Puller {
     /// Peers' pools mapped here, for copies on the caller's thread (`None` with
     /// [`PullVia::Get`]).
     direct: Option<Arc<Direct>>,
+    /// The path to each peer connected so far, by engine id (written by the puller thread).
+    paths: Arc<Mutex<BTreeMap<String, PeerPath>>>,
+}
+
+/// How pulls from one peer travel, as its endpoint was set up: for the operator's report
+/// (which interface and transport KV moves over between which nodes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerPath {
+    /// The endpoint's UCX lanes as `transport/device`, comma-separated (`tcp/eth0`,
+    /// `cma/memory,posix/memory`, ...).
+    pub transports: String,
+    /// `mapped` (the peer's pool is mapped here: copies) or `get` (UCX gets).
+    pub via: &'static str,
 }
 
 /// Whole blocks of `block_bytes` in a part of about `bytes` (at least one).
@@ -298,16 +311,34 @@ impl Puller {
         let (jobs, rx) = mpsc::channel::<Msg>();
         let thread_direct = direct.clone();
         let thread_local = local.clone();
+        let paths = Arc::new(Mutex::new(BTreeMap::new()));
+        let thread_paths = paths.clone();
         std::thread::Builder::new()
             .name("pd-kv-puller".into())
-            .spawn(move || run(&ctx, &thread_local, block_bytes, thread_direct, &rx))?;
+            .spawn(move || {
+                let shared = Shared {
+                    direct: thread_direct,
+                    paths: thread_paths,
+                };
+                run(&ctx, &thread_local, block_bytes, shared, &rx);
+            })?;
         Ok(Self {
             jobs,
             local,
             block_bytes,
             per_part: parts_of(crate::pull::LANDING_PART_BYTES, block_bytes),
             direct,
+            paths,
         })
+    }
+
+    /// The path pulls from each peer connected so far take, by engine id (the latest
+    /// connection's, for a peer reconnected).
+    pub fn peer_paths(&self) -> Vec<(String, PeerPath)> {
+        lock(&self.paths)
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
     }
 
     /// Pulls with a [`Landing`] hand their blocks on in parts of about `bytes` (whole blocks,
@@ -622,16 +653,24 @@ struct State<'w> {
     /// Copies from a peer's pool mapped here instead of posting gets ([`PullVia::Auto`]), and
     /// shares those mappings with callers.
     direct: Option<Arc<Direct>>,
+    /// [`Puller::peer_paths`]' map.
+    paths: Arc<Mutex<BTreeMap<String, PeerPath>>>,
     peers: HashMap<PeerKey, Peer<'w>>,
     flights: Vec<Flight<'w>>,
     closing: Vec<Closing<'w>>,
+}
+
+/// What the puller thread shares with its handle.
+struct Shared {
+    direct: Option<Arc<Direct>>,
+    paths: Arc<Mutex<BTreeMap<String, PeerPath>>>,
 }
 
 fn run(
     ctx: &Context,
     local: &MemoryRegion,
     block_bytes: usize,
-    direct: Option<Arc<Direct>>,
+    shared: Shared,
     jobs: &mpsc::Receiver<Msg>,
 ) {
     let worker = match Worker::new(ctx) {
@@ -646,7 +685,8 @@ fn run(
         worker: &worker,
         local,
         block_bytes,
-        direct,
+        direct: shared.direct,
+        paths: shared.paths,
         peers: HashMap::new(),
         flights: Vec::new(),
         closing: Vec::new(),
@@ -753,7 +793,7 @@ impl<'w> State<'w> {
             }
             self.make_room();
             match connect(self.worker, &job.peer) {
-                Ok((ep, rkey)) => {
+                Ok((ep, rkey, transports)) => {
                     let board = (job.peer.board_slots > 0)
                         .then(|| {
                             rkey.local_ptr(job.peer.region_base + job.peer.board_offset)
@@ -778,6 +818,11 @@ impl<'w> State<'w> {
                         }
                         _ => None,
                     };
+                    let path = PeerPath {
+                        transports,
+                        via: if mapped.is_some() { "mapped" } else { "get" },
+                    };
+                    lock(&self.paths).insert(job.peer.engine_id.clone(), path);
                     self.peers.insert(
                         key.clone(),
                         Peer {
@@ -1240,18 +1285,21 @@ fn prefault(peer: &str, ptr: *const u8, len: usize) {
     }
 }
 
+/// An endpoint to `peer`, its pool's key, and the endpoint's transports (comma-separated).
 fn connect<'w>(
     worker: &'w Worker,
     peer: &PeerInfo,
-) -> Result<(Endpoint<'w>, RemoteKey<'w>), pd_ucx::Error> {
+) -> Result<(Endpoint<'w>, RemoteKey<'w>, String), pd_ucx::Error> {
     let ep = worker.connect(&peer.worker_address)?;
     let rkey = ep.unpack_rkey(&peer.rkey)?;
     if let Some(ptr) = rkey.local_ptr(peer.region_base) {
         prefault(&peer.engine_id, ptr, peer.region_len as usize);
     }
+    let mut named = String::new();
     match ep.transport_report() {
         Ok(report) => {
             let transports = report.transports();
+            named = transports.join(",");
             if pd_ucx::is_tcp_emulated_rma(&report) {
                 tracing::warn!(
                     peer = %peer.engine_id, ?transports,
@@ -1263,7 +1311,7 @@ fn connect<'w>(
         }
         Err(e) => tracing::warn!(error = %e, "cannot read the endpoint's transports"),
     }
-    Ok((ep, rkey))
+    Ok((ep, rkey, named))
 }
 
 /// Blocks of a peer held under one lease, and where they go locally.

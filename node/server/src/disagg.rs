@@ -292,6 +292,13 @@ impl Disagg {
     pub fn metrics(&self) -> &TransferMetrics {
         &self.metrics
     }
+
+    /// Brings the transfer metrics' view of the puller up to date (the path to each peer).
+    pub(crate) fn observe_puller(&self) {
+        if let Some(loader) = &self.loader {
+            self.metrics.observe_peer_paths(&loader.puller.peer_paths());
+        }
+    }
 }
 
 /// The consumer's pulling machinery.

@@ -450,6 +450,7 @@ async fn metrics(State(state): State<AppState>) -> Response {
             live_leases: leases.live,
             counts: leases.counts,
         });
+    state.disagg.observe_puller();
     let info = state.engine.info();
     let mut families = state.engine.metrics().registry().gather();
     let vllm = crate::vllm_metrics::families(
