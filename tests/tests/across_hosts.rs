@@ -35,14 +35,17 @@ async fn reference(python: &std::path::Path, specs: &[Value]) -> Vec<Value> {
     python::run_specs(python, &reference.http, specs).await
 }
 
-/// Every decode node pulled over the network: UCX gets (a peer's pool is never mapped across
-/// machines), on an endpoint whose lanes are TCP on `eth0`, the hosts' link.
+/// Every decode node pulled over the network: its first pull from a producer with UCX gets (a
+/// peer's pool is never mapped across machines), on an endpoint whose lanes are TCP on `eth0`,
+/// the hosts' link; the later ones over the producer's TCP data port, as the node chooses for
+/// a peer UCX reaches only over TCP.
 async fn assert_pulled_over_tcp(c: &TestCluster) {
     for d in c.role(Role::Decode) {
         let m = d.metrics(&c.client).await;
         let gets = m.sum("pd_kv_pulls_total", &[("via", "get")]);
+        let tcp = m.sum("pd_kv_pulls_total", &[("via", "tcp")]);
         assert!(
-            gets > 0.0,
+            gets > 0.0 && tcp > 0.0,
             "{}: {}",
             d.engine_id,
             m.show("pd_kv_pulls_total")
@@ -53,7 +56,8 @@ async fn assert_pulled_over_tcp(c: &TestCluster) {
             "{}: a peer's pool was mapped: shared memory across hosts",
             d.engine_id
         );
-        // The node reports the path to each peer it pulled from: UCX over TCP on eth0, gets.
+        // The node reports the path to each peer it pulled from: UCX's TCP lanes on eth0, and
+        // the data port for the blocks.
         let path = "pd_kv_peer_path_info";
         let peers = c.role(Role::Prefill).count() as f64;
         assert!(
@@ -61,7 +65,7 @@ async fn assert_pulled_over_tcp(c: &TestCluster) {
             "{}",
             m.show(path)
         );
-        let tcp = [("transports", "tcp/eth0"), ("via", "get")];
+        let tcp = [("transports", "tcp/eth0"), ("via", "tcp")];
         assert_eq!(m.sum(path, &tcp), m.sum(path, &[]), "{}", m.show(path));
         let log = d.proc.log();
         assert!(

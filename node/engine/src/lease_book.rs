@@ -146,6 +146,24 @@ impl LeaseBook {
             .map(|l| (l.deadline, l.contents))
     }
 
+    /// Whether every one of `blocks` is a block of the lease, live now for `peer` (what that
+    /// peer may read); not a confirmation.
+    ///
+    /// # Errors
+    /// [`LeaseError`] saying why the lease is not live.
+    pub fn covers(
+        &self,
+        id: LeaseId,
+        generation: u64,
+        peer: &str,
+        blocks: &[pd_kv_pool::BlockId],
+    ) -> Result<bool, LeaseError> {
+        self.lock()
+            .table
+            .check(id, generation, peer, Instant::now())
+            .map(|l| pd_kv_pool::lease_covers(&l.blocks, blocks))
+    }
+
     /// Ends a live lease; its blocks are freed at the engine's next loop turn (wake it).
     ///
     /// # Errors

@@ -155,6 +155,13 @@ impl LeaseContents {
     }
 }
 
+/// Whether every block of `asked` is one of `leased` (a lease's blocks).
+pub fn lease_covers(leased: &[BlockId], asked: &[BlockId]) -> bool {
+    let mut sorted: Vec<u32> = leased.iter().map(|b| b.0).collect();
+    sorted.sort_unstable();
+    asked.iter().all(|b| sorted.binary_search(&b.0).is_ok())
+}
+
 /// A lease's block ids, hashed in order (xxh3 of their little-endian bytes; never 0).
 pub fn blocks_hash(blocks: &[BlockId]) -> u64 {
     let mut bytes = Vec::with_capacity(blocks.len() * 4);

@@ -39,7 +39,7 @@ pub use hash::{
 pub use layout::{KvDtype, KvLayout, KvOrder};
 pub use lease::{
     Lease, LeaseContents, LeaseCounts, LeaseError, LeaseId, LeaseTable, blocks_hash,
-    deadline_on_wall_clock,
+    deadline_on_wall_clock, lease_covers,
 };
 pub use pool::{KvElem, KvPool, POOL_ALIGN};
 pub use rechunk::{RechunkError, check_rechunk, rechunk};

@@ -39,6 +39,18 @@ pub trait LeaseAuthority: Send + Sync + 'static {
         generation: u64,
         peer: &str,
     ) -> Result<(SystemTime, LeaseContents), LeaseError>;
+    /// Whether every one of `blocks` is a block of the lease, live now for `peer`: what that
+    /// peer may read of the pool ([`crate::tcp_data`]). Does not count as a confirmation.
+    ///
+    /// # Errors
+    /// [`LeaseError`] when the lease is not live for `peer`.
+    fn covers(
+        &self,
+        id: LeaseId,
+        generation: u64,
+        peer: &str,
+        blocks: &[BlockId],
+    ) -> Result<bool, LeaseError>;
     /// Ends the lease and drops its references.
     ///
     /// # Errors
@@ -132,6 +144,19 @@ impl LeaseAuthority for LocalBlocks {
         self.with(|_, l| {
             l.check(id, generation, peer, Instant::now())
                 .map(|x| (to_system_time(x.deadline), x.contents))
+        })
+    }
+
+    fn covers(
+        &self,
+        id: LeaseId,
+        generation: u64,
+        peer: &str,
+        blocks: &[BlockId],
+    ) -> Result<bool, LeaseError> {
+        self.with(|_, l| {
+            l.check(id, generation, peer, Instant::now())
+                .map(|lease| pd_kv_pool::lease_covers(&lease.blocks, blocks))
         })
     }
 

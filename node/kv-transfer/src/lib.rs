@@ -9,6 +9,7 @@
 //!   conversion after them); [`puller`] runs them on a thread that owns the worker.
 //! - [`service`] (owner) and [`peer`] (puller): the `KvPeer` gRPC side channel — handshake,
 //!   lease renew / confirm / release, pool stats — and the failure policy.
+//! - [`tcp_data`]: leased blocks over plain TCP, for peers UCX reaches only over TCP.
 //! - [`metrics`]: transfer time, bytes, descriptors, failures by reason, lease events.
 //! - [`lease_authority`]: the owner-side decisions about leases, behind a trait the engine
 //!   implements; [`LocalBlocks`] is the standalone implementation.
@@ -31,6 +32,7 @@ pub mod plan;
 pub mod pull;
 pub mod puller;
 pub mod service;
+pub mod tcp_data;
 
 pub use compat::{CompatError, CompatInfo, TRANSFER_PROTOCOL_VERSION, needs_rechunk};
 pub use copier::Copier;

@@ -225,7 +225,7 @@ impl TransferMetrics {
         let pulls = IntCounterVec::new(
             Opts::new(
                 "pd_kv_pulls_total",
-                "KV pulls by how the blocks were read (mapped: copied from the peer's pool mapped here; get: UCX gets)",
+                "KV pulls by how the blocks were read (mapped: copied from the peer's pool mapped here; get: UCX gets; tcp: the owner's TCP data port)",
             ),
             &["via"],
         )
@@ -313,9 +313,12 @@ impl TransferMetrics {
     /// Records a completed pull.
     pub fn record_pull(&self, s: &PullStats) {
         self.transfer_seconds.observe(s.total_time.as_secs_f64());
-        self.pulls
-            .with_label_values(&[if s.copied { "mapped" } else { "get" }])
-            .inc();
+        let via = match (s.copied, s.tcp) {
+            (true, _) => "mapped",
+            (false, true) => "tcp",
+            (false, false) => "get",
+        };
+        self.pulls.with_label_values(&[via]).inc();
         self.post_seconds.observe(s.post_time.as_secs_f64());
         self.bytes.inc_by(s.bytes as u64);
         self.copy_helper_bytes.inc_by(s.helper_bytes as u64);
@@ -403,6 +406,7 @@ mod tests {
             post_time: Duration::ZERO,
             total_time: Duration::from_millis(ms),
             copied: true,
+            tcp: false,
             helper_bytes: 0,
             landed_blocks: 0,
             landed_early: 0,

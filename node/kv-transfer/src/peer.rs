@@ -328,7 +328,32 @@ impl PeerClient {
             board_slots: r.board_slots,
             owner_clock: crate::OwnerClock::from_handshake(r.owner_clock_ns, sent_ns),
             kv_path: r.kv_path,
+            data_port: u16::try_from(r.data_port).unwrap_or(0),
+            data_host: self.host().to_owned(),
         })
+    }
+
+    /// The host of the side channel this client talks to (without brackets or port).
+    pub fn host(&self) -> &str {
+        let rest = self
+            .addr
+            .split_once("://")
+            .map_or(self.addr.as_str(), |(_, r)| r);
+        let host = rest.rsplit_once(':').map_or(rest, |(h, _)| h);
+        host.trim_start_matches('[').trim_end_matches(']')
+    }
+
+    /// This client's engine id (the grantee of the leases it reads).
+    pub fn me(&self) -> &str {
+        &self.me
+    }
+
+    /// The cluster token the calls carry now (empty: none).
+    pub fn token(&self) -> String {
+        self.token
+            .as_ref()
+            .and_then(|t| t.borrow().clone())
+            .unwrap_or_default()
     }
 
     fn lease_ref(&self, id: LeaseId, generation: u64) -> LeaseRef {

@@ -36,6 +36,8 @@ pub struct PullStats {
     /// Whether the blocks were copied from the peer's pool mapped here ([`copy_pull`]) rather
     /// than read with UCX gets.
     pub copied: bool,
+    /// Whether the blocks came over the owner's TCP data port ([`crate::tcp_data`]).
+    pub tcp: bool,
     /// Of `bytes`, those the copy helper thread moved ([`Copier`]; 0 for gets).
     pub helper_bytes: usize,
     /// Blocks handed on as they landed ([`crate::landing::Landing`]; 0 without one).
@@ -191,6 +193,7 @@ pub unsafe fn rechunk_pull(
         post_time: took,
         total_time: took,
         copied: true,
+        tcp: false,
         helper_bytes: 0,
         landed_blocks: 0,
         landed_early: 0,
@@ -228,6 +231,7 @@ pub fn pull_blocks(
         post_time,
         total_time: start.elapsed(),
         copied: false,
+        tcp: false,
         helper_bytes: 0,
         landed_blocks: 0,
         landed_early: 0,
@@ -313,6 +317,7 @@ pub unsafe fn copy_pull(
         post_time: took,
         total_time: took,
         copied: true,
+        tcp: false,
         helper_bytes,
         landed_blocks: 0,
         landed_early: 0,
@@ -404,6 +409,7 @@ pub(crate) unsafe fn copy_pull_in_parts(
         post_time: Duration::ZERO,
         total_time: Duration::ZERO,
         copied: true,
+        tcp: false,
         helper_bytes: 0,
         landed_blocks: 0,
         landed_early: 0,
@@ -453,6 +459,7 @@ impl PostedPull<'_> {
             post_time: self.post_time,
             total_time: self.start.elapsed(),
             copied: false,
+            tcp: false,
             helper_bytes: 0,
             landed_blocks: 0,
             landed_early: 0,

@@ -224,6 +224,30 @@ pub struct PeerPath {
     pub via: &'static str,
 }
 
+/// Connections a pull over a peer's TCP data port reads over at once.
+pub const TCP_CONNECTIONS: usize = 4;
+
+/// Stops a pull's TCP reads when the pull's future is dropped before they ended, and waits
+/// until they have (a read interrupted by the shutdown returns at once).
+struct StopReads {
+    cancel: Arc<crate::tcp_data::Cancel>,
+    finished: Arc<(Mutex<bool>, std::sync::Condvar)>,
+}
+
+impl Drop for StopReads {
+    fn drop(&mut self) {
+        let (done, cv) = &*self.finished;
+        let mut finished = done.lock().unwrap_or_else(|e| e.into_inner());
+        if *finished {
+            return;
+        }
+        self.cancel.cancel();
+        while !*finished {
+            finished = cv.wait(finished).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
 /// Whole blocks of `block_bytes` in a part of about `bytes` (at least one).
 fn parts_of(bytes: usize, block_bytes: usize) -> usize {
     (bytes / block_bytes.max(1)).max(1)
@@ -329,6 +353,106 @@ impl Puller {
             per_part: parts_of(crate::pull::LANDING_PART_BYTES, block_bytes),
             direct,
             paths,
+        })
+    }
+
+    /// Whether pulls from `peer` go over its TCP data port ([`crate::tcp_data`]): it has one,
+    /// and UCX reaches it only over TCP (every lane of the endpoint an earlier pull connected is
+    /// `tcp`, blocks read with gets), where UCX emulates one-sided reads on a socket.
+    pub fn over_tcp(&self, peer: &PeerInfo) -> bool {
+        peer.data_port != 0
+            && !peer.data_host.is_empty()
+            && lock(&self.paths).get(&peer.engine_id).is_some_and(|p| {
+                p.via != "mapped"
+                    && !p.transports.is_empty()
+                    && p.transports.split(',').all(|t| t.starts_with("tcp/"))
+            })
+    }
+
+    /// Reads lease `lease`'s blocks `remote` of `peer` into local blocks `local` over the
+    /// owner's TCP data port, [`TCP_CONNECTIONS`] connections at once, as engine `me` with the
+    /// cluster `token` (empty: none). Dropping the future stops
+    /// the reads and waits for them to end, so nothing writes the local blocks after it.
+    ///
+    /// # Errors
+    /// The owner could not be reached or refused ([`TransferError::PeerUnreachable`],
+    /// [`TransferError::Rpc`]), or the deadline passed.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn pull_over_tcp(
+        &self,
+        peer: &PeerInfo,
+        (me, token): (String, String),
+        lease: pd_kv_pool::LeaseId,
+        generation: u64,
+        remote: Vec<BlockId>,
+        local: Vec<BlockId>,
+        deadline: Instant,
+    ) -> Result<Pulled, TransferError> {
+        let host = &peer.data_host;
+        let addr = match host.contains(':') {
+            true => format!("[{host}]:{}", peer.data_port),
+            false => format!("{host}:{}", peer.data_port),
+        };
+        let region = self.local.clone();
+        let block_bytes = self.block_bytes;
+        let cancel = Arc::new(crate::tcp_data::Cancel::default());
+        let finished = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
+        let guard = StopReads {
+            cancel: cancel.clone(),
+            finished: finished.clone(),
+        };
+        let start = Instant::now();
+        let target = addr.clone();
+        let task = tokio::task::spawn_blocking(move || {
+            let req = crate::tcp_data::DataRequest {
+                addr: &target,
+                token: &token,
+                me: &me,
+                lease,
+                generation,
+                remote: &remote,
+                local: &local,
+                block_bytes,
+                connections: TCP_CONNECTIONS,
+                deadline,
+            };
+            // SAFETY: `region` is this node's pool, mapped while the Arc lives; the local blocks
+            // are reserved for this pull by the engine, and `StopReads` keeps the pull's future
+            // from ending before these reads do.
+            let read = unsafe {
+                crate::tcp_data::read_blocks_until(&req, region.as_ptr(), region.len(), &cancel)
+            };
+            let (done, cv) = &*finished;
+            *done.lock().unwrap_or_else(|e| e.into_inner()) = true;
+            cv.notify_all();
+            read
+        });
+        let read = task.await.map_err(|_| TransferError::PullerStopped)?;
+        drop(guard);
+        let bytes = read.map_err(|e| match e {
+            crate::tcp_data::DataError::Io(io) => TransferError::PeerUnreachable {
+                addr: addr.clone(),
+                message: format!("KV data port: {io}"),
+            },
+            other => TransferError::Rpc(other.to_string()),
+        })?;
+        if let Some(p) = lock(&self.paths).get_mut(&peer.engine_id) {
+            p.via = "tcp";
+        }
+        Ok(Pulled {
+            stats: PullStats {
+                bytes,
+                descriptors: 0,
+                post_time: Duration::ZERO,
+                total_time: start.elapsed(),
+                copied: false,
+                tcp: true,
+                helper_bytes: 0,
+                landed_blocks: 0,
+                landed_early: 0,
+            },
+            record: None,
+            on_caller: false,
         })
     }
 
@@ -1411,15 +1535,31 @@ pub async fn pull_under_lease_with(
         let (lease, generation) = (blocks.lease, blocks.generation);
         // Aborted on every way out that does not await it (a failed pull, a fresh board).
         let mut early = Unawaited(early.filter(|_| overlap));
-        let pull = puller.pull_converting(
-            peer,
-            blocks.remote,
-            blocks.local,
-            blocks.rechunk,
-            blocks.board_slot,
-            blocks.landing,
-            deadline,
-        );
+        let tcp = blocks.rechunk.is_none() && blocks.landing.is_none() && puller.over_tcp(peer);
+        let who = (client.me().to_owned(), client.token());
+        let pull = async {
+            match tcp {
+                true => {
+                    let (remote, local) = (blocks.remote, blocks.local);
+                    puller
+                        .pull_over_tcp(peer, who, lease, generation, remote, local, deadline)
+                        .await
+                }
+                false => {
+                    puller
+                        .pull_converting(
+                            peer,
+                            blocks.remote,
+                            blocks.local,
+                            blocks.rechunk,
+                            blocks.board_slot,
+                            blocks.landing,
+                            deadline,
+                        )
+                        .await
+                }
+            }
+        };
         // Without an early confirmation, one goes out alongside the reads — unless the caller
         // counts on a fresh board (then the owner is asked after the reads if it is not).
         let (pulled, mut asked) =

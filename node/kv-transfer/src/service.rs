@@ -47,6 +47,11 @@ pub struct OwnerIdentity {
     /// How blocks reach the registered region (`in-place`, `host-staged`, `cuda-host-staged`;
     /// the handshake's `kv_path`).
     pub kv_path: String,
+    /// The owner's TCP data port ([`crate::tcp_data`]; 0: none).
+    pub data_port: u16,
+    /// The host a consumer reached the owner's side channel at (set by the consumer; empty on
+    /// the owner): its data port is on that host.
+    pub data_host: String,
 }
 
 /// The `KvPeer` service over a [`LeaseAuthority`].
@@ -258,6 +263,7 @@ impl<A: LeaseAuthority> KvPeer for KvPeerService<A> {
                 0
             },
             kv_path: id.kv_path.clone(),
+            data_port: u32::from(id.data_port),
         }))
     }
 

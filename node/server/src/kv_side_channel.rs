@@ -123,6 +123,7 @@ impl UcxPool {
         engine: EngineHandle,
         engine_id: String,
         epoch: u64,
+        data_port: u16,
     ) -> Result<KvPeerService<EngineLeases>, KvSideChannelError> {
         let (region, board_at) = self
             .region
@@ -190,6 +191,8 @@ impl UcxPool {
             board_slots,
             owner_clock: Some(pd_kv_transfer::OwnerClock::local()),
             kv_path: info.kv_path.to_string(),
+            data_port,
+            data_host: String::new(),
         };
         tracing::info!(
             engine_id = %identity.engine_id,
@@ -201,6 +204,42 @@ impl UcxPool {
             identity,
             Arc::new(EngineLeases { engine }),
         ))
+    }
+}
+
+impl UcxPool {
+    /// A server of the pool's leased blocks over TCP ([`pd_kv_transfer::tcp_data`]), deciding
+    /// leases with `engine`'s lease book and admitting callers with the cluster token `token`.
+    ///
+    /// # Errors
+    /// [`KvSideChannelError::NoRegion`] before the engine allocated its pool here.
+    pub fn data_server(
+        &self,
+        engine: EngineHandle,
+        token: tokio::sync::watch::Receiver<Option<String>>,
+        refused: prometheus::IntCounter,
+    ) -> Result<pd_kv_transfer::tcp_data::DataServer, KvSideChannelError> {
+        let (region, board_at) = self
+            .region
+            .get()
+            .ok_or(KvSideChannelError::NoRegion)?
+            .clone();
+        let pool = pd_kv_transfer::tcp_data::PoolBytes {
+            base: region.as_ptr() as usize,
+            // Blocks only: the lease board after them is not served.
+            len: board_at,
+            block_bytes: engine.info().kv_layout.block_bytes(),
+        };
+        // SAFETY: the region stays mapped while the server holds it (`keep`).
+        Ok(unsafe {
+            pd_kv_transfer::tcp_data::DataServer::new(
+                pool,
+                Arc::new(region),
+                Arc::new(EngineLeases { engine }),
+                token,
+                refused,
+            )
+        })
     }
 }
 
@@ -229,6 +268,16 @@ impl LeaseAuthority for EngineLeases {
             .leases()
             .confirm(id, generation, peer)
             .map(|(deadline, contents)| (wall(deadline), contents))
+    }
+
+    fn covers(
+        &self,
+        id: LeaseId,
+        generation: u64,
+        peer: &str,
+        blocks: &[pd_kv_pool::BlockId],
+    ) -> Result<bool, LeaseError> {
+        self.engine.leases().covers(id, generation, peer, blocks)
     }
 
     fn release(&self, id: LeaseId, generation: u64, peer: &str) -> Result<(), LeaseError> {

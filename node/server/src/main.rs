@@ -149,9 +149,24 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     // New at every start, random (never 0, which names no epoch): peers and the gateway tell
     // a restarted node from the old one, even one restarted within the same clock tick.
     let epoch = rand::random::<u64>() | 1;
+    // The TCP data port beside the side channel (`pd_kv_transfer::tcp_data`): consumers that
+    // reach this node only over TCP read leased blocks through it.
+    let data_listener = match &ucx {
+        Some(_) => {
+            let l = std::net::TcpListener::bind((addr.ip(), 0))
+                .with_context(|| format!("binding a KV data port on {}", addr.ip()))?;
+            l.set_nonblocking(true)?;
+            Some(l)
+        }
+        None => None,
+    };
+    let data_port = match &data_listener {
+        Some(l) => l.local_addr()?.port(),
+        None => 0,
+    };
     let kv_service = match &ucx {
         Some(ucx) => Some(
-            ucx.service(engine.clone(), engine_id.clone(), epoch)
+            ucx.service(engine.clone(), engine_id.clone(), epoch, data_port)
                 .context("starting the KV side channel")?,
         ),
         None => None,
@@ -216,6 +231,20 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
             .with_context(|| format!("binding {addr}"))?;
         let local = listener.local_addr().context("reading the bound address")?;
         let mut side_channel = None;
+        if let (Some(ucx), Some(l)) = (&ucx, data_listener) {
+            let server = ucx
+                .data_server(
+                    engine.clone(),
+                    pull.cluster_token.clone(),
+                    transfer_metrics.side_channel_refused.clone(),
+                )
+                .context("starting the KV data port")?;
+            let listener = tokio::net::TcpListener::from_std(l).context("the KV data port")?;
+            let mut stop = kv_stop_tx.subscribe();
+            tokio::spawn(Arc::new(server).serve(listener, async move {
+                let _ = stop.wait_for(|s| *s).await;
+            }));
+        }
         if let (Some(service), Some(port)) = (kv_service, args.kv_port) {
             let (token_rx, refused) = (
                 pull.cluster_token.clone(),

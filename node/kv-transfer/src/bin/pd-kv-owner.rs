@@ -161,6 +161,8 @@ fn main() -> BoxResult<()> {
         board_slots: 0,
         owner_clock: None,
         kv_path: "in-place".into(),
+        data_port: 0,
+        data_host: String::new(),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
