@@ -430,14 +430,24 @@ impl Puller {
         let read = task.await.map_err(|_| TransferError::PullerStopped)?;
         drop(guard);
         let bytes = read.map_err(|e| match e {
+            // Out of time, as the gets' path says it: the reads are over.
+            _ if Instant::now() >= deadline => TransferError::Transfer(PullError::Deadline(
+                deadline.saturating_duration_since(start),
+            )),
             crate::tcp_data::DataError::Io(io) => TransferError::PeerUnreachable {
                 addr: addr.clone(),
                 message: format!("KV data port: {io}"),
             },
             other => TransferError::Rpc(other.to_string()),
         })?;
-        if let Some(p) = lock(&self.paths).get_mut(&peer.engine_id) {
+        if let Some(p) = lock(&self.paths).get_mut(&peer.engine_id)
+            && p.via != "tcp"
+        {
             p.via = "tcp";
+            tracing::info!(
+                peer = %peer.engine_id, data_port = %addr, connections = TCP_CONNECTIONS,
+                "KV pulls from this peer go over its TCP data port (UCX reaches it only over TCP)"
+            );
         }
         Ok(Pulled {
             stats: PullStats {

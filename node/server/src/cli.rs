@@ -127,6 +127,11 @@ pub struct ServeArgs {
     /// (handshake, leases, pool stats) on this port of `--host` (0 picks one; printed on stdout).
     #[arg(long)]
     pub kv_port: Option<u16>,
+    /// Port of the KV data port on `--host` (0: any free one; named in handshakes): a TCP port
+    /// that sends leased blocks to decode nodes that reach this node only over TCP, where UCX
+    /// emulates one-sided reads on a socket at a fraction of the link's rate. Needs `--kv-port`.
+    #[arg(long, default_value_t = 0)]
+    pub kv_data_port: u16,
     /// This node's engine id: its name at the gateway and in KV handshakes (one live node per
     /// id; the gateway refuses a second). Default: `<hostname>-<12 random hex digits>`, new at
     /// every start. Under Kubernetes give it the pod's name (the downward API).

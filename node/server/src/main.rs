@@ -153,7 +153,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     // reach this node only over TCP read leased blocks through it.
     let data_listener = match &ucx {
         Some(_) => {
-            let l = std::net::TcpListener::bind((addr.ip(), 0))
+            let l = std::net::TcpListener::bind((addr.ip(), args.kv_data_port))
                 .with_context(|| format!("binding a KV data port on {}", addr.ip()))?;
             l.set_nonblocking(true)?;
             Some(l)
