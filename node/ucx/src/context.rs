@@ -121,9 +121,20 @@ impl Context {
             sys::ucp_config_read(std::ptr::null(), std::ptr::null(), &mut config)
         })?;
         let mut handle: sys::ucp_context_h = std::ptr::null_mut();
-        // SAFETY: `params` is fully initialised with a matching field mask, `config` is live
-        // and `handle` is a valid out-pointer. `name` outlives the call (UCX copies it).
-        let status = unsafe { sys::ucp_init(&params, config, &mut handle) };
+        // As for workers (`Worker::new`): an interface that vanishes while UCX lists them fails
+        // the call with "No such device" (-14); a race, tried again a few times.
+        let mut status;
+        let mut tries = 0u64;
+        loop {
+            // SAFETY: `params` is fully initialised with a matching field mask, `config` is
+            // live and `handle` is a valid out-pointer. `name` outlives the call (UCX copies it).
+            status = unsafe { sys::ucp_init(&params, config, &mut handle) };
+            if status != -14 || tries >= 5 {
+                break;
+            }
+            tries += 1;
+            std::thread::sleep(std::time::Duration::from_millis(20 * tries));
+        }
         // SAFETY: `config` came from ucp_config_read and is not used after this.
         unsafe { sys::ucp_config_release(config) };
         check("ucp_init", status)?;

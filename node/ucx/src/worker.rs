@@ -90,17 +90,34 @@ impl Worker {
     /// # Errors
     /// [`Error::Ucs`] when `ucp_worker_create` fails.
     pub fn new(ctx: &Context) -> Result<Self> {
+        /// `UCS_ERR_NO_DEVICE`.
+        const NO_DEVICE: i8 = -14;
+        /// Attempts after the first when interfaces vanish under UCX's feet.
+        const WORKER_CREATE_TRIES: u64 = 5;
         let params = sys::ucp_worker_params_t {
             field_mask: u64::from(sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE),
             thread_mode: sys::UCS_THREAD_MODE_SINGLE,
             ..Default::default()
         };
         let mut handle: sys::ucp_worker_h = std::ptr::null_mut();
-        // SAFETY: the context handle is live (we keep its Arc), params are initialised with a
-        // matching field mask and `handle` is a valid out-pointer.
-        check("ucp_worker_create", unsafe {
-            sys::ucp_worker_create(ctx.inner.handle, &params, &mut handle)
-        })?;
+        // UCX lists the network interfaces when it makes a worker; one that disappears meanwhile
+        // (a container's veth on a busy machine) fails the whole call with "No such device".
+        // That is a race, not a missing device: try again a few times.
+        let mut tries = 0;
+        loop {
+            // SAFETY: the context handle is live (we keep its Arc), params are initialised with
+            // a matching field mask and `handle` is a valid out-pointer.
+            let created = check("ucp_worker_create", unsafe {
+                sys::ucp_worker_create(ctx.inner.handle, &params, &mut handle)
+            });
+            match created {
+                Err(e) if e.status() == Some(NO_DEVICE) && tries < WORKER_CREATE_TRIES => {
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(20 * tries));
+                }
+                other => break other?,
+            }
+        }
         Ok(Worker {
             handle,
             ctx: Arc::clone(&ctx.inner),
