@@ -119,16 +119,16 @@ fn join(host: Option<&str>, local: SocketAddr) -> String {
     }
 }
 
-/// The network interface that holds `ip` (for `UCX_NET_DEVICES`); `None` for loopback and
-/// wildcard addresses, names, or an address no interface has.
+/// The network interface that holds `host` (for UCX's `NET_DEVICES`): the loopback interface
+/// for a loopback address; `None` for wildcard addresses, names, or an address no interface has.
 pub fn ucx_net_device(host: &str) -> Option<String> {
     let ip: IpAddr = bare(host).parse().ok()?;
-    if ip.is_loopback() || ip.is_unspecified() {
+    if ip.is_unspecified() {
         return None;
     }
     interfaces()
         .into_iter()
-        .find(|(_, a)| *a == ip)
+        .find(|(_, a)| *a == ip || (ip.is_loopback() && a.is_loopback()))
         .map(|(n, _)| n)
 }
 
@@ -224,8 +224,11 @@ mod tests {
     }
 
     #[test]
-    fn loopback_has_no_ucx_device() {
-        assert_eq!(ucx_net_device("127.0.0.1"), None);
+    fn loopback_is_offered_on_the_loopback_interface_and_wildcards_on_none() {
+        // A node bound to loopback has only same-machine peers: UCX offers `lo` and never lists
+        // the machine's other interfaces, which come and go under containers.
+        assert_eq!(ucx_net_device("127.0.0.1").as_deref(), Some("lo"));
+        assert_eq!(ucx_net_device("[::1]").as_deref(), Some("lo"));
         assert_eq!(ucx_net_device("0.0.0.0"), None);
         assert_eq!(ucx_net_device("some.name"), None);
         // Every non-loopback address of this machine maps to its interface.

@@ -40,18 +40,24 @@ pub struct UcxPool {
 }
 
 impl UcxPool {
-    /// A UCX context for the pool.
+    /// A UCX context for the pool, offering peers `net_devices` only when given (UCX's
+    /// `NET_DEVICES`: interface names, comma-separated), every interface otherwise.
     ///
     /// # Errors
     /// When UCX cannot start.
-    pub fn new() -> Result<Self, KvSideChannelError> {
+    pub fn new(net_devices: Option<&str>) -> Result<Self, KvSideChannelError> {
+        // Wakeup: the owner's progress thread sleeps on the worker's event fd (asking for it
+        // keeps the transports: pd-ucx tests/transport.rs).
+        let features = pd_ucx::Features {
+            wakeup: true,
+            ..pd_ucx::Features::default()
+        };
+        let settings: Vec<(&str, &str)> = net_devices
+            .map(|d| ("NET_DEVICES", d))
+            .into_iter()
+            .collect();
         Ok(Self {
-            // Wakeup: the owner's progress thread sleeps on the worker's event fd (asking for it
-            // keeps the transports: pd-ucx tests/transport.rs).
-            ctx: Context::with_features(pd_ucx::Features {
-                wakeup: true,
-                ..pd_ucx::Features::default()
-            })?,
+            ctx: Context::with_config(features, &settings)?,
             region: Arc::new(OnceLock::new()),
         })
     }

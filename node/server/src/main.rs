@@ -18,9 +18,6 @@ fn main() -> ExitCode {
     };
     pin_compute_threads(threads);
     keep_freed_memory();
-    if let Command::Serve(args) = &cli.command {
-        ucx_on_the_advertised_interface(args);
-    }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -53,17 +50,16 @@ fn pin_compute_threads(threads: Option<u16>) {
 }
 
 /// UCX offers peers every interface it finds; a node that advertises an address (or binds a
-/// specific one) has UCX offer that address's interface, so KV moves where the operator said.
-/// An operator's own `UCX_NET_DEVICES` wins.
-fn ucx_on_the_advertised_interface(args: &ServeArgs) {
-    if args.kv_port.is_none() || std::env::var_os("UCX_NET_DEVICES").is_some() {
-        return;
+/// specific one, loopback included) has UCX offer that address's interface only, so KV moves
+/// where the operator said, and interfaces that come and go on the machine (containers' veths)
+/// are never listed (one that vanishes between UCX's start and its worker fails the worker).
+/// `None` when the operator set `UCX_NET_DEVICES` (theirs wins) or no interface holds it.
+fn ucx_net_devices(args: &ServeArgs) -> Option<String> {
+    if std::env::var_os("UCX_NET_DEVICES").is_some() {
+        return None;
     }
     let host = args.advertise_host.as_deref().unwrap_or(&args.host);
-    if let Some(dev) = pd_node::advertise::ucx_net_device(host) {
-        // SAFETY: called first thing in `main`, before any other thread exists.
-        unsafe { std::env::set_var("UCX_NET_DEVICES", &dev) };
-    }
+    pd_node::advertise::ucx_net_device(host)
 }
 
 /// Every step allocates and frees the same activation buffers (a 512-token prefill's are
@@ -108,7 +104,15 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     let role = args.role()?;
     let ucx = match args.kv_port {
         Some(_) => {
-            let ucx = pd_node::kv_side_channel::UcxPool::new().context("starting UCX")?;
+            let devices = ucx_net_devices(args);
+            if let Some(dev) = devices
+                .clone()
+                .or_else(|| std::env::var("UCX_NET_DEVICES").ok())
+            {
+                tracing::info!(ucx_net_devices = %dev, "UCX offers peers these network devices");
+            }
+            let ucx = pd_node::kv_side_channel::UcxPool::new(devices.as_deref())
+                .context("starting UCX")?;
             config.pool_memory = Some(ucx.pool_memory());
             Some(ucx)
         }
@@ -143,9 +147,6 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     }
     let engine_id = args.engine_id();
     let addresses = args.addresses(addr.ip());
-    if let Ok(dev) = std::env::var("UCX_NET_DEVICES") {
-        tracing::info!(ucx_net_devices = %dev, "UCX offers peers these network devices");
-    }
     // New at every start, random (never 0, which names no epoch): peers and the gateway tell
     // a restarted node from the old one, even one restarted within the same clock tick.
     let epoch = rand::random::<u64>() | 1;

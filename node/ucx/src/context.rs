@@ -101,6 +101,22 @@ impl Context {
     /// # Errors
     /// [`Error::Ucs`](crate::Error::Ucs) when `ucp_config_read` or `ucp_init` fails.
     pub fn with_features(features: Features) -> Result<Self> {
+        Self::with_config(features, &[])
+    }
+
+    /// A context with the given features and UCX settings on top of the `UCX_*` environment:
+    /// `(name, value)` pairs named as in the environment without the `UCX_` prefix, e.g.
+    /// `("NET_DEVICES", "lo")`. A setting here wins over the environment's.
+    ///
+    /// # Errors
+    /// [`Error::Ucs`](crate::Error::Ucs) when `ucp_config_read`, `ucp_config_modify` (an
+    /// unknown name or a bad value) or `ucp_init` fails; [`Error::Nul`](crate::Error::Nul)
+    /// for a name or value with a NUL byte.
+    pub fn with_config(features: Features, settings: &[(&str, &str)]) -> Result<Self> {
+        let settings = settings
+            .iter()
+            .map(|(k, v)| Ok((CString::new(*k)?, CString::new(*v)?)))
+            .collect::<Result<Vec<_>>>()?;
         let name = CString::new("pd-ucx").expect("no NUL in literal");
         let params = sys::ucp_params_t {
             field_mask: u64::from(
@@ -120,6 +136,18 @@ impl Context {
         check("ucp_config_read", unsafe {
             sys::ucp_config_read(std::ptr::null(), std::ptr::null(), &mut config)
         })?;
+        for (key, value) in &settings {
+            // SAFETY: `config` is live (from ucp_config_read); both strings are NUL-terminated
+            // and UCX copies them.
+            let modified = check("ucp_config_modify", unsafe {
+                sys::ucp_config_modify(config, key.as_ptr(), value.as_ptr())
+            });
+            if let Err(e) = modified {
+                // SAFETY: `config` came from ucp_config_read and is not used after this.
+                unsafe { sys::ucp_config_release(config) };
+                return Err(e);
+            }
+        }
         let mut handle: sys::ucp_context_h = std::ptr::null_mut();
         // As for workers (`Worker::new`): an interface that vanishes while UCX lists them fails
         // the call with "No such device" (-14); a race, tried again a few times.

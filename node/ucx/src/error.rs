@@ -54,6 +54,9 @@ pub enum Error {
     /// An active-message id already has a handler on this worker.
     #[error("active message id {0} already has a handler on this worker")]
     AmHandlerExists(u16),
+    /// A UCX setting's name or value holds a NUL byte.
+    #[error("a UCX setting holds a NUL byte")]
+    Nul(#[from] std::ffi::NulError),
     /// Capturing UCX's printed output (memstream) failed.
     #[error("capturing UCX output: {0}")]
     Capture(#[source] std::io::Error),

@@ -6,3 +6,4 @@ mod common;
 mod cross_process;
 mod rma;
 mod transport;
+mod vanishing_interface;
