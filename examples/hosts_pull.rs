@@ -14,7 +14,8 @@
 //! (P with `do_remote_decode`, D with P's `kv_transfer_params`), prompts of each length given as
 //! token ids (`prompt_token_ids`, random, so nothing is cached). The pull's rate is D's own
 //! account: bytes moved over time in transfer (`pd_kv_transfer_bytes_total`,
-//! `pd_kv_transfer_seconds`), per pull. Results go to BENCHMARKS.md by hand, with the command.
+//! `pd_kv_transfer_seconds`), per pull. Results go to BENCHMARKS.md ("KV pull between hosts")
+//! by hand, with the command.
 
 use std::process::Stdio;
 use std::time::{Duration, Instant};

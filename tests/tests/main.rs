@@ -7,6 +7,7 @@ mod admission;
 mod api_keys;
 mod burst;
 mod client_abort;
+mod configuration;
 mod kubernetes;
 mod multi_turn;
 mod node_hung;

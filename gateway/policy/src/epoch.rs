@@ -10,13 +10,13 @@
 //! for its own deadline (one `timerfd_settime`, unless the timer fires sooner already) and
 //! wakes nothing: the thread wakes at that deadline, advances the epoch, and ticks again.
 //!
-//! Measured on the 2-core VM (BENCHMARKS.md): a futex wake of the sleeping thread cost a call
-//! ~50 µs; a `timerfd_settime` costs 2.5–6 µs there (a VM exit to reprogram the timer), which
-//! is why calls do not arm the timer while the thread is awake, in place of ticking (that cut the
-//! thread's CPU 8–10× but put the syscall on every call's path). A call starting in a doze sees its
-//! first tick up to [`DOZE`] late; a runaway call stops at most [`TICK`] after its deadline
-//! once the thread ticks. Each advance also passes the spare thread its wake-up
-//! (`spare.rs`), which the request path never does itself.
+//! Measured on the 2-core VM (docs/bench-log/gateway.md, "The epoch thread asleep"): a futex wake
+//! of the sleeping thread cost a call ~50 µs; a `timerfd_settime` costs 2.5–6 µs there (a VM exit
+//! to reprogram the timer), which is why calls do not arm the timer while the thread is awake, in
+//! place of ticking (that cut the thread's CPU 8–10× but put the syscall on every call's path). A
+//! call starting in a doze sees its first tick up to [`DOZE`] late; a runaway call stops at most
+//! [`TICK`] after its deadline once the thread ticks. Each advance also passes the spare thread its
+//! wake-up (`spare.rs`), which the request path never does itself.
 //!
 //! This module owns the thread's loop and the timer; it does not touch stores or the engine
 //! (the caller's `on_tick` does).
@@ -79,16 +79,15 @@ const PACE_WINDOW_NS: u64 = 50_000;
 
 /// One call's deadline as its store's epoch callback checks it, on the call's own thread.
 ///
-/// The deadline is wall-clock time, but a thread that waits for a core (a loaded host) runs
-/// out of wall time without computing: on the 2-core VM a 5 µs decision once took 4.6 ms,
-/// and the fallback that decided instead knew nothing of the conversation it broke
-/// (BENCHMARKS.md, "Reservations are not work"). So past the deadline a call stops when it
-/// has *computed* for a deadline, estimated from its fuel: the fuel it burned since it
-/// started, at the pace it burns fuel per ns of its thread's CPU time, measured from its first
-/// tick on (the thread's CPU clock is a ~0.7 µs syscall here, so a call that ends before a
-/// tick never reads it). A runaway burns fuel at its pace and stops at the deadline (plus a
-/// tick when its first tick came late); a call that waited for a core burned little and runs
-/// on, up to [`DESCHEDULED_GRACE`] deadlines.
+/// The deadline is wall-clock time, but a thread that waits for a core (a loaded host) runs out of
+/// wall time without computing: on the 2-core VM a 5 µs decision once took 4.6 ms, and the fallback
+/// that decided instead knew nothing of the conversation it broke (docs/bench-log/multi-turn.md,
+/// "Reservations are not work"). So past the deadline a call stops when it has *computed* for a
+/// deadline, estimated from its fuel: the fuel it burned since it started, at the pace it burns
+/// fuel per ns of its thread's CPU time, measured from its first tick on (the thread's CPU clock is
+/// a ~0.7 µs syscall here, so a call that ends before a tick never reads it). A runaway burns fuel
+/// at its pace and stops at the deadline (plus a tick when its first tick came late); a call that
+/// waited for a core burned little and runs on, up to [`DESCHEDULED_GRACE`] deadlines.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Watch {
     /// The deadline ([`now_ns`]'s clock).

@@ -8,9 +8,10 @@
 //! lifted into 0.1.0's [`Decision`]):
 //! compiling and smoke-testing policy components ([`PolicyEngine::load`]), running them per
 //! request under memory, fuel and deadline limits ([`WasmPolicy::decide`]), checking their
-//! decisions ([`validate`]), the native policies that share the guests' rules ([`native`];
-//! `least-loaded` is the gateway's fallback), the [`PolicySlot`] that swaps and rolls back
-//! policies while requests read it, the on-disk cache of compiled components
+//! decisions ([`validate`]), the native policies that share the guests' rules ([`native`]:
+//! `least-loaded` serves by default until a policy is pushed; `prefix-aware` decides when a
+//! pushed one fails), the [`PolicySlot`] that swaps and rolls back policies while requests
+//! read it, the on-disk cache of compiled components
 //! ([`PolicyEngine::with_disk_cache`]), and decision records in the WIT's own names
 //! ([`record`]: the decision log's, test cases' and replay's format).
 //!

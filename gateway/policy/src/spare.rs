@@ -3,7 +3,8 @@
 //!
 //! A decision runs in a fresh store (see `engine.rs`). Instantiating the component into that
 //! store and dropping the store afterwards (which resets its pooled memory) were about 60% of a
-//! decision's host time, and all of an interpreted guest's runtime start-up (BENCHMARKS.md).
+//! decision's host time, and all of an interpreted guest's runtime start-up
+//! (docs/bench-log/policy-decisions.md, "Spare instances").
 //! Neither depends on the request. So each loaded policy keeps a few stores (`PolicySpec::spares`)
 //! instantiated and never called, and a call takes one when it is there (else it instantiates
 //! inline, as before); the used store goes back here to be dropped. Every call still runs in a
@@ -13,7 +14,7 @@
 //! raises a flag; the epoch thread (`epoch.rs`), awake anyway while calls come (every 250 µs
 //! during a call, every 1 ms in the gaps, and at the deadline of a call that found it asleep),
 //! passes the wake-up on ([`SpareWorker::pass_wake`]). A futex wake per call on the request
-//! path cost more than the epoch thread's own work (BENCHMARKS.md).
+//! path cost more than the epoch thread's own work (docs/bench-log/gateway.md).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};

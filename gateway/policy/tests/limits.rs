@@ -185,10 +185,10 @@ fn descheduled<T>(f: impl FnOnce() -> T) -> (T, Duration) {
     (out, took)
 }
 
-/// A call whose thread waits for a core past its wall-clock deadline is not a runaway: it
-/// answers (within 10 deadlines), where it used to fail as a timeout, and the gateway's
-/// fallback then decided without the policy (a multi-turn conversation lost its holder: 19.5 s
-/// TTFT in BENCHMARKS.md, run 21). A loop kept off its core the same way is still stopped.
+/// A call whose thread waits for a core past its wall-clock deadline is not a runaway: it answers
+/// (within 10 deadlines), where it used to fail as a timeout, and the gateway's fallback then
+/// decided without the policy (a multi-turn conversation lost its holder: 19.5 s TTFT in
+/// docs/bench-log/multi-turn.md, run 21). A loop kept off its core the same way is still stopped.
 #[test]
 fn a_call_that_waits_for_a_core_is_not_a_runaway() {
     let engine = PolicyEngine::new().expect("engine");

@@ -10,6 +10,8 @@
 
 use bytes::Bytes;
 use pd_policy::Api;
+use pd_wire::KvTransferParams;
+use pd_wire::sse::{Event, Framer};
 use serde_json::Value;
 
 use crate::openai::KV_FIELD;
@@ -35,8 +37,8 @@ pub struct Capture {
 /// What was taken.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct Captured {
-    /// A retained turn's `kv_transfer_params` (an object with `do_remote_decode: true`).
-    pub params: Option<Value>,
+    /// A retained turn's `kv_transfer_params` (`do_remote_decode: true`).
+    pub params: Option<KvTransferParams>,
     /// The final response object (`/v1/responses`).
     pub response: Option<Value>,
     /// Params were removed from the answer.
@@ -51,23 +53,22 @@ impl Capture {
     }
 
     /// Takes what it wants from `obj` (a whole answer, a stream chunk, or a response object);
-    /// `true` when `obj` changed.
+    /// `true` when `obj` changed. A retained turn's params are hidden even when they do not
+    /// read as params (they name a lease either way).
     fn take(&self, obj: &mut Value, out: &mut Captured) -> bool {
-        let retained = obj
-            .get(KV_FIELD)
-            .is_some_and(|p| p.get("do_remote_decode") == Some(&Value::Bool(true)));
-        let mut changed = false;
-        if retained {
-            let params = if self.hide_params {
-                changed = true;
-                out.hidden = true;
-                obj.as_object_mut().and_then(|o| o.remove(KV_FIELD))
-            } else {
-                obj.get(KV_FIELD).cloned()
-            };
-            out.params = params;
+        let Some(raw) = obj.get(KV_FIELD) else {
+            return false;
+        };
+        if raw.get("do_remote_decode") != Some(&Value::Bool(true)) {
+            return false;
         }
-        changed
+        out.params = KvTransferParams::from_value(raw).ok();
+        if !self.hide_params {
+            return false;
+        }
+        out.hidden = true;
+        obj.as_object_mut().and_then(|o| o.remove(KV_FIELD));
+        true
     }
 
     /// A whole (not streamed) JSON answer: what it holds, and the bytes for the client when
@@ -85,51 +86,32 @@ impl Capture {
         changed.then(|| serde_json::to_vec(&v).ok()).flatten()
     }
 
-    /// One SSE event's text (without the blank line that ends it): the event for the client
-    /// when it changed.
-    fn event(&self, event: &[u8], out: &mut Captured) -> Option<Vec<u8>> {
-        if !self.interested(event) {
+    /// One SSE event as it came: the event for the client when it changed.
+    fn event(&self, raw: &[u8], out: &mut Captured) -> Option<Vec<u8>> {
+        if !self.interested(raw) {
             return None;
         }
-        let text = std::str::from_utf8(event).ok()?;
-        let mut lines: Vec<String> = Vec::new();
-        let mut changed = false;
-        for line in text.split('\n') {
-            let Some(data) = line.strip_prefix("data:") else {
-                lines.push(line.to_owned());
-                continue;
-            };
-            let data = data.strip_prefix(' ').unwrap_or(data);
-            let Ok(mut v) = serde_json::from_str::<Value>(data) else {
-                lines.push(line.to_owned());
-                continue;
-            };
-            let final_response = matches!(
-                v.get("type").and_then(Value::as_str),
-                Some("response.completed" | "response.incomplete")
-            );
-            let this = if final_response {
-                match v.get_mut("response") {
-                    Some(r) => {
-                        let c = self.take(r, out);
-                        if self.want_response {
-                            out.response = Some(r.clone());
-                        }
-                        c
-                    }
-                    None => false,
-                }
-            } else {
-                self.take(&mut v, out)
-            };
-            if this {
-                changed = true;
-                lines.push(format!("data: {v}"));
-            } else {
-                lines.push(line.to_owned());
+        let mut event = Event::parse(raw);
+        let mut v = event.json()?;
+        let final_response = matches!(
+            v.get("type").and_then(Value::as_str),
+            Some("response.completed" | "response.incomplete")
+        );
+        let changed = if final_response {
+            let r = v.get_mut("response")?;
+            let changed = self.take(r, out);
+            if self.want_response {
+                out.response = Some(r.clone());
             }
+            changed
+        } else {
+            self.take(&mut v, out)
+        };
+        if !changed {
+            return None;
         }
-        changed.then(|| lines.join("\n").into_bytes())
+        event.data = Some(v.to_string());
+        Some(event.to_bytes())
     }
 }
 
@@ -137,15 +119,10 @@ impl Capture {
 #[derive(Debug)]
 pub struct SseCapture {
     capture: Capture,
-    /// Bytes of an event not yet ended by a blank line.
-    pending: Vec<u8>,
+    /// The stream cut into whole events (any SSE line ending).
+    framer: Framer,
     /// What was taken so far.
     pub captured: Captured,
-}
-
-/// Where the last complete event of `buf` ends (just past its blank line).
-fn complete_upto(buf: &[u8]) -> Option<usize> {
-    memchr::memmem::rfind(buf, b"\n\n").map(|i| i + 2)
 }
 
 impl SseCapture {
@@ -153,51 +130,31 @@ impl SseCapture {
     pub fn new(capture: Capture) -> Self {
         Self {
             capture,
-            pending: Vec::new(),
+            framer: Framer::new(),
             captured: Captured::default(),
         }
     }
 
     /// The next chunk of the node's stream; returns the bytes to send the client now (events
-    /// are passed on whole: a partial one waits for its end).
+    /// are passed on whole: a partial one waits for its end; untouched ones as they came).
     pub fn feed(&mut self, chunk: Bytes) -> Bytes {
-        if self.pending.is_empty() && chunk.ends_with(b"\n\n") && !self.capture.interested(&chunk) {
+        if self.framer.is_empty() && chunk.ends_with(b"\n\n") && !self.capture.interested(&chunk) {
             return chunk;
         }
-        self.pending.extend_from_slice(&chunk);
-        let Some(end) = complete_upto(&self.pending) else {
-            return Bytes::new();
-        };
-        let rest = self.pending.split_off(end);
-        let done = std::mem::replace(&mut self.pending, rest);
-        if !self.capture.interested(&done) {
-            return Bytes::from(done);
-        }
-        let mut out = Vec::with_capacity(done.len());
-        // `done` ends with "\n\n": every piece but the last (empty) one is an event.
-        let body = &done[..done.len() - 2];
-        let mut events = Vec::new();
-        let mut start = 0;
-        for i in memchr::memmem::find_iter(body, b"\n\n") {
-            if i >= start {
-                events.push(&body[start..i]);
-                start = i + 2;
-            }
-        }
-        events.push(&body[start..]);
-        for event in events {
-            match self.capture.event(event, &mut self.captured) {
+        self.framer.push(&chunk);
+        let mut out = Vec::new();
+        while let Some(raw) = self.framer.next_event() {
+            match self.capture.event(&raw, &mut self.captured) {
                 Some(changed) => out.extend_from_slice(&changed),
-                None => out.extend_from_slice(event),
+                None => out.extend_from_slice(&raw),
             }
-            out.extend_from_slice(b"\n\n");
         }
         Bytes::from(out)
     }
 
     /// The end of the stream: anything left (an unterminated last event), as it came.
     pub fn finish(&mut self) -> Bytes {
-        Bytes::from(std::mem::take(&mut self.pending))
+        Bytes::from(self.framer.finish())
     }
 }
 
@@ -208,6 +165,10 @@ mod tests {
 
     fn retained() -> Value {
         json!({"do_remote_decode": true, "remote_engine_id": "d1", "remote_num_tokens": 16})
+    }
+
+    fn typed() -> KvTransferParams {
+        KvTransferParams::from_value(&retained()).unwrap()
     }
 
     fn cap(api: Api, hide: bool) -> Capture {
@@ -228,12 +189,12 @@ mod tests {
         let out: Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(out.get(KV_FIELD), None);
         assert_eq!(out["choices"], body["choices"]);
-        assert_eq!(got.params, Some(retained()));
+        assert_eq!(got.params, Some(typed()));
         assert!(got.hidden);
         // A trusted client sees them; the index still gets them.
         let mut got = Captured::default();
         assert_eq!(cap(Api::Completions, false).json(&bytes, &mut got), None);
-        assert_eq!(got.params, Some(retained()));
+        assert_eq!(got.params, Some(typed()));
         // Nothing to take: the node's bytes pass untouched.
         let plain = br#"{"id":"cmpl-2","choices":[]}"#;
         let mut got = Captured::default();
@@ -252,7 +213,7 @@ mod tests {
         assert_eq!(out.get(KV_FIELD), None);
         assert_eq!(got.response.as_ref().unwrap()["id"], "resp_1");
         assert_eq!(got.response.unwrap().get(KV_FIELD), None);
-        assert_eq!(got.params, Some(retained()));
+        assert_eq!(got.params, Some(typed()));
     }
 
     #[test]
@@ -274,7 +235,7 @@ mod tests {
         assert!(!text.contains("kv_transfer_params"), "{text}");
         assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
         assert!(text.starts_with("data: {\"choices\":[]}\n\n"), "{text}");
-        assert_eq!(sse.captured.params, Some(retained()));
+        assert_eq!(sse.captured.params, Some(typed()));
         assert!(sse.finish().is_empty());
     }
 
@@ -294,6 +255,24 @@ mod tests {
         );
         assert!(!text.contains("kv_transfer_params"), "{text}");
         assert_eq!(sse.captured.response.as_ref().unwrap()["id"], "resp_9");
-        assert_eq!(sse.captured.params, Some(retained()));
+        assert_eq!(sse.captured.params, Some(typed()));
+    }
+
+    /// A node framing with `\r\n` and splitting data over lines is read the same.
+    #[test]
+    fn crlf_framed_multi_line_events_are_captured_and_rewritten() {
+        let mut sse = SseCapture::new(cap(Api::ChatCompletions, true));
+        let body = json!({"choices": [], "kv_transfer_params": retained()}).to_string();
+        // Split between two JSON tokens: the lines join with `\n`, which JSON reads as space.
+        let (a, b) = body.split_at(body.find(",\"kv").unwrap() + 1);
+        let ev = format!("id: 3\r\ndata: {a}\r\ndata: {b}\r\n\r\ndata: [DONE]\r\n\r\n");
+        let (x, y) = ev.split_at(ev.len() - 3);
+        let mut out = sse.feed(Bytes::from(x.to_owned())).to_vec();
+        out.extend_from_slice(&sse.feed(Bytes::from(y.to_owned())));
+        let text = String::from_utf8(out).unwrap();
+        assert!(!text.contains("kv_transfer_params"), "{text}");
+        assert!(text.starts_with("id: 3\ndata: {"), "{text}");
+        assert!(text.ends_with("data: [DONE]\r\n\r\n"), "{text}");
+        assert_eq!(sse.captured.params, Some(typed()));
     }
 }

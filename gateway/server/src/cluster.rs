@@ -114,7 +114,7 @@ pub struct NodeEntry {
 /// `running`, because the node computes nothing for them yet: a policy asking whether a node
 /// is free to prefill now must not see them as work (a conversation's holder reserved for a
 /// turn still queued at P looked busy for seconds, and every later turn then went to P, see
-/// BENCHMARKS.md, "Reservations are not work").
+/// docs/bench-log/multi-turn.md, "Reservations are not work").
 #[derive(Debug, Default)]
 pub struct OpenRequests {
     counts: Arc<Counts>,

@@ -27,6 +27,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use pd_wire::KvTransferParams;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
@@ -46,7 +47,7 @@ pub struct Holding {
     pub expires: SystemTime,
     /// The object as the node answered it (`do_remote_decode: true`): what a prefill node is
     /// sent to pull the turn first.
-    pub params: Value,
+    pub params: KvTransferParams,
     /// Chain hash of the last whole block of the prompt the turn answered, and the tokens up to
     /// it (the partial key; set by the gateway, which hashed that prompt).
     pub prompt_key: Option<(u64, u32)>,
@@ -65,29 +66,25 @@ pub struct Found {
     pub holding: Holding,
 }
 
-fn hex_u64(v: Option<&Value>) -> Option<u64> {
-    u64::from_str_radix(v?.as_str()?, 16).ok()
-}
-
 impl Holding {
     /// Reads a retained turn's `kv_transfer_params`; `None` for anything else (a handoff to a
-    /// decode node, a list, a node too old to name its last block hash).
-    pub fn from_params(params: &Value) -> Option<Self> {
-        if params.get("do_remote_decode") != Some(&Value::Bool(true)) {
+    /// decode node, a node too old to name its last block hash).
+    pub fn from_params(params: &KvTransferParams) -> Option<Self> {
+        if !params.do_remote_decode {
             return None;
         }
-        let engine_id: Arc<str> = Arc::from(params.get("remote_engine_id")?.as_str()?);
-        let tokens = u32::try_from(params.get("remote_num_tokens")?.as_u64()?).ok()?;
-        let last_hash = hex_u64(params.get("remote_last_block_hash"))?;
-        let expiry = params.get("remote_blocks_expiry_time")?.as_f64()?;
+        let engine_id: Arc<str> = Arc::from(params.remote_engine_id.as_deref()?);
+        let tokens = params.remote_num_tokens?;
+        let last_hash = params.remote_last_block_hash?.0;
+        let expiry = params.remote_blocks_expiry_time?;
         if tokens == 0 || !expiry.is_finite() || expiry <= 0.0 {
             return None;
         }
         let expires = UNIX_EPOCH.checked_add(Duration::try_from_secs_f64(expiry).ok()?)?;
-        params.get("remote_lease_id")?.as_str()?;
+        params.remote_lease_id.as_ref()?;
         Some(Self {
             engine_id,
-            epoch: hex_u64(params.get("remote_engine_epoch")).unwrap_or(0),
+            epoch: params.remote_engine_epoch.map_or(0, |e| e.0),
             tokens,
             last_hash,
             expires,
@@ -105,22 +102,15 @@ impl Holding {
     /// The params for a node that pulls this turn and decodes itself (a `whole` route): the
     /// same object as a pull request (`do_remote_prefill: true`). On the holder itself nothing
     /// moves: its prefix cache has the blocks, and it releases its own lease.
-    pub fn as_pull(&self) -> Value {
-        let mut p = self.params.clone();
-        p["do_remote_prefill"] = json!(true);
-        p["do_remote_decode"] = json!(false);
-        p
+    pub fn as_pull(&self) -> KvTransferParams {
+        self.params.to_pull()
     }
 
     /// The params for a prefill node that pulls this turn first, then hands the whole prompt to
     /// `consumers` decode nodes.
-    pub fn for_prefill(&self, consumers: u32) -> Value {
-        let mut p = self.params.clone();
-        p["do_remote_prefill"] = json!(false);
-        p["do_remote_decode"] = json!(true);
-        if consumers > 1 {
-            p["num_consumers"] = json!(consumers);
-        }
+    pub fn for_prefill(&self, consumers: u32) -> KvTransferParams {
+        let mut p = self.params.to_produce();
+        p.num_consumers = (consumers > 1).then_some(consumers);
         p
     }
 }
@@ -753,7 +743,11 @@ pub fn output_items(response: &Value) -> Vec<Value> {
 mod tests {
     use super::*;
 
-    fn params(engine: &str, tokens: u64, hash: u64, expiry: f64) -> Value {
+    fn params(engine: &str, tokens: u64, hash: u64, expiry: f64) -> KvTransferParams {
+        KvTransferParams::from_value(&raw_params(engine, tokens, hash, expiry)).unwrap()
+    }
+
+    fn raw_params(engine: &str, tokens: u64, hash: u64, expiry: f64) -> Value {
         json!({
             "do_remote_decode": true, "do_remote_prefill": false,
             "remote_engine_id": engine, "remote_engine_epoch": "00000000000000ab",
@@ -779,21 +773,16 @@ mod tests {
         assert_eq!(&*h.engine_id, "d1");
         assert_eq!((h.tokens, h.last_hash, h.epoch), (32, 0xfeed, 0xab));
         assert!(h.expiry_ms(SystemTime::now()) > 50_000);
-        let mut handoff = params("p1", 32, 1, in_a_minute());
-        handoff["do_remote_decode"] = json!(false);
-        handoff["do_remote_prefill"] = json!(true);
+        let handoff = params("p1", 32, 1, in_a_minute()).to_pull();
         assert_eq!(Holding::from_params(&handoff), None);
         let mut old_node = params("d1", 32, 1, in_a_minute());
-        old_node
-            .as_object_mut()
-            .unwrap()
-            .remove("remote_last_block_hash");
+        old_node.remote_last_block_hash = None;
         assert_eq!(Holding::from_params(&old_node), None);
         // The pull forms keep every field and flip the direction.
-        assert_eq!(h.as_pull()["do_remote_prefill"], true);
-        assert_eq!(h.as_pull()["remote_lease_id"], h.params["remote_lease_id"]);
-        assert_eq!(h.for_prefill(3)["num_consumers"], 3);
-        assert_eq!(h.for_prefill(1).get("num_consumers"), None);
+        assert!(h.as_pull().do_remote_prefill);
+        assert_eq!(h.as_pull().remote_lease_id, h.params.remote_lease_id);
+        assert_eq!(h.for_prefill(3).to_value()["num_consumers"], 3);
+        assert_eq!(h.for_prefill(1).to_value().get("num_consumers"), None);
     }
 
     #[test]

@@ -5,7 +5,7 @@
 
 use bytes::Bytes;
 use pd_policy::Api;
-use serde_json::json;
+use pd_wire::{ErrorBody, sse};
 
 /// Where a failure came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -204,13 +204,10 @@ impl GatewayError {
             Self::PreviousResponseNotFound(_) => Some("previous_response_id".to_owned()),
             _ => None,
         };
-        let body = json!({"error": {
-            "message": self.to_string(),
-            "type": kind,
-            "param": param,
-            "code": code,
-        }});
-        Bytes::from(body.to_string())
+        let body = ErrorBody::new(kind, self.to_string())
+            .param(param)
+            .code(code);
+        Bytes::from(body.to_json())
     }
 
     /// The error as the last event of a stream already under way (its 200 is sent): on chat and
@@ -222,26 +219,18 @@ impl GatewayError {
         let mut out = Vec::with_capacity(body.len() + 96);
         match api {
             Api::Responses => {
-                let error = serde_json::from_slice::<serde_json::Value>(&body)
-                    .ok()
-                    .and_then(|mut v| v.get_mut("error").map(serde_json::Value::take))
-                    .unwrap_or_default();
-                let event = json!({
-                    "type": "error",
-                    "code": error["code"].as_str().or(error["type"].as_str()),
-                    "message": error["message"],
-                    "param": error["param"],
-                    "error": error,
-                });
-                out.extend_from_slice(b"event: error\ndata: ");
-                out.extend_from_slice(event.to_string().as_bytes());
+                let event = match serde_json::from_slice::<ErrorBody>(&body) {
+                    Ok(e) => e.responses_event(),
+                    // A node's own body that is not an error object: its text as the message.
+                    Err(_) => ErrorBody::new("upstream_error", String::from_utf8_lossy(&body))
+                        .responses_event(),
+                };
+                sse::write_json(&mut out, Some("error"), &event);
             }
             Api::ChatCompletions | Api::Completions => {
-                out.extend_from_slice(b"data: ");
-                out.extend_from_slice(&body);
+                sse::write_event(&mut out, None, &String::from_utf8_lossy(&body));
             }
         }
-        out.extend_from_slice(b"\n\n");
         Bytes::from(out)
     }
 }

@@ -7,6 +7,7 @@
 
 use pd_policy::Api;
 use pd_tokenize::prompt::{self, ChatMessageIn, PromptKind};
+use pd_wire::{KvTransferParams, RoutingFields};
 use serde_json::{Map, Value, json};
 
 use crate::error::GatewayError;
@@ -14,41 +15,37 @@ use crate::error::GatewayError;
 /// The request field of the P/D protocol.
 pub const KV_FIELD: &str = "kv_transfer_params";
 
+/// The wire's name for an API (the policy contract has its own).
+pub fn wire_api(api: Api) -> pd_wire::Api {
+    match api {
+        Api::ChatCompletions => pd_wire::Api::ChatCompletions,
+        Api::Completions => pd_wire::Api::Completions,
+        Api::Responses => pd_wire::Api::Responses,
+    }
+}
+
 /// The three generation APIs and their paths.
 pub fn api_of(path: &str) -> Option<Api> {
-    match path {
-        "/v1/chat/completions" => Some(Api::ChatCompletions),
-        "/v1/completions" => Some(Api::Completions),
-        "/v1/responses" => Some(Api::Responses),
-        _ => None,
-    }
+    pd_wire::Api::of_path(path).map(|a| match a {
+        pd_wire::Api::ChatCompletions => Api::ChatCompletions,
+        pd_wire::Api::Completions => Api::Completions,
+        pd_wire::Api::Responses => Api::Responses,
+    })
 }
 
 /// The label of an API in metrics.
 pub fn api_label(api: Api) -> &'static str {
-    match api {
-        Api::ChatCompletions => "chat",
-        Api::Completions => "completions",
-        Api::Responses => "responses",
-    }
+    wire_api(api).label()
 }
 
 /// The path of an API on a node.
 pub fn api_path(api: Api) -> &'static str {
-    match api {
-        Api::ChatCompletions => "/v1/chat/completions",
-        Api::Completions => "/v1/completions",
-        Api::Responses => "/v1/responses",
-    }
+    wire_api(api).path()
 }
 
 /// The request field that holds an API's prompt, named in errors about it.
 pub fn prompt_param(api: Api) -> &'static str {
-    match api {
-        Api::ChatCompletions => "messages",
-        Api::Completions => "prompt",
-        Api::Responses => "input",
-    }
+    wire_api(api).prompt_field()
 }
 
 /// What routing needs from a request, read once.
@@ -98,22 +95,6 @@ fn bad(param: &'static str, message: impl Into<String>) -> GatewayError {
     GatewayError::invalid(param, message)
 }
 
-fn opt_u32(body: &Map<String, Value>, key: &'static str) -> Result<Option<u32>, GatewayError> {
-    match body.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_u64()
-            .and_then(|n| u32::try_from(n).ok())
-            .map(Some)
-            .ok_or_else(|| {
-                bad(
-                    key,
-                    format!("{key} must be a non-negative integer, got {v}"),
-                )
-            }),
-    }
-}
-
 /// Reads the fields routing needs. Validation of everything else is the node's job (its 400s
 /// pass through unchanged).
 ///
@@ -125,31 +106,13 @@ pub fn analyze(
     body: &Map<String, Value>,
     session_header: Option<&str>,
 ) -> Result<Analyzed, GatewayError> {
-    let model = match body.get("model") {
-        Some(Value::String(m)) if !m.is_empty() => m.clone(),
-        Some(_) => return Err(bad("model", "model must be a non-empty string")),
-        None => return Err(bad("model", "you must provide a model parameter")),
-    };
-    let stream = match body.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(v) => return Err(bad("stream", format!("stream must be a boolean, got {v}"))),
-    };
-    let n = match api {
-        Api::Responses => 1,
-        _ => opt_u32(body, "n")?.unwrap_or(1),
-    };
-    if n == 0 {
-        return Err(bad("n", "n must be at least 1"));
-    }
-    let max_tokens = match api {
-        Api::ChatCompletions => match opt_u32(body, "max_completion_tokens")? {
-            Some(m) => Some(m),
-            None => opt_u32(body, "max_tokens")?,
-        },
-        Api::Completions => opt_u32(body, "max_tokens")?,
-        Api::Responses => opt_u32(body, "max_output_tokens")?,
-    };
+    let RoutingFields {
+        model,
+        stream,
+        n,
+        max_tokens,
+        cache_salt,
+    } = RoutingFields::read(wire_api(api), body).map_err(|e| bad(e.param, e.message))?;
     let conversation_key = ["previous_response_id", "user"]
         .iter()
         .find_map(|k| body.get(*k).and_then(Value::as_str))
@@ -197,16 +160,6 @@ pub fn analyze(
                 Some(tools) => PromptKind::ChatWithTools(messages, tools, "input"),
                 None => PromptKind::Chat(messages, "input"),
             }
-        }
-    };
-    let cache_salt = match body.get("cache_salt") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
-        Some(v) => {
-            return Err(bad(
-                "cache_salt",
-                format!("cache_salt must be a non-empty string, got {v}"),
-            ));
         }
     };
     let set = |key: &str| body.get(key).is_some_and(|v| !v.is_null());
@@ -270,7 +223,7 @@ pub fn prefill_bytes(
     api: Api,
     body: &Map<String, Value>,
     consumers: u32,
-    held: Option<Value>,
+    held: Option<KvTransferParams>,
 ) -> Result<Vec<u8>, serde_json::Error> {
     let (set, drop) = prefill_patch(api, consumers, held);
     serde_json::to_vec(&Patched {
@@ -284,7 +237,7 @@ pub fn prefill_bytes(
 fn prefill_patch(
     api: Api,
     consumers: u32,
-    held: Option<Value>,
+    held: Option<KvTransferParams>,
 ) -> (Vec<(&'static str, Value)>, &'static [&'static str]) {
     let mut set: Vec<(&'static str, Value)> = match api {
         Api::ChatCompletions => vec![
@@ -296,20 +249,8 @@ fn prefill_patch(
         Api::Responses => vec![("max_output_tokens", json!(1))],
     };
     set.push(("stream", json!(false)));
-    let mut kv = json!({
-        "do_remote_decode": true,
-        "do_remote_prefill": false,
-        "remote_engine_id": null,
-        "remote_block_ids": null,
-        "remote_host": null,
-        "remote_port": null,
-    });
-    if consumers > 1
-        && let Value::Object(o) = &mut kv
-    {
-        o.insert("num_consumers".into(), json!(consumers));
-    }
-    set.push((KV_FIELD, held.unwrap_or(kv)));
+    let kv = held.unwrap_or_else(|| KvTransferParams::produce(consumers));
+    set.push((KV_FIELD, kv.to_value()));
     (set, &["stream_options"])
 }
 
@@ -343,7 +284,7 @@ impl serde::Serialize for Patched<'_> {
 ///
 /// # Errors
 /// P's body is not JSON, carries no params, or an object does not ask for a pull.
-pub fn prefill_params(p_body: &[u8]) -> Result<Vec<Value>, String> {
+pub fn prefill_params(p_body: &[u8]) -> Result<Vec<KvTransferParams>, String> {
     /// P's answer as far as the gateway reads it: the rest (choices, usage) is skipped
     /// unparsed.
     #[derive(serde::Deserialize)]
@@ -351,15 +292,16 @@ pub fn prefill_params(p_body: &[u8]) -> Result<Vec<Value>, String> {
         kv_transfer_params: Option<Value>,
     }
     let v: PrefillAnswer = serde_json::from_slice(p_body).map_err(|e| format!("P's body: {e}"))?;
-    let params = match v.kv_transfer_params {
-        Some(Value::Array(list)) if !list.is_empty() => list,
-        Some(o @ Value::Object(_)) => vec![o],
-        _ => return Err("P answered without kv_transfer_params".into()),
-    };
-    for p in &params {
-        if p.get("do_remote_prefill") != Some(&Value::Bool(true)) {
-            return Err(format!("P's kv_transfer_params do not ask for a pull: {p}"));
-        }
+    let params =
+        pd_wire::kv::read(v.kv_transfer_params.as_ref()).map_err(|e| format!("P's {e}"))?;
+    if params.is_empty() {
+        return Err("P answered without kv_transfer_params".into());
+    }
+    if let Some(p) = params.iter().find(|p| !p.do_remote_prefill) {
+        return Err(format!(
+            "P's kv_transfer_params do not ask for a pull: {}",
+            p.to_value()
+        ));
     }
     Ok(params)
 }
@@ -379,33 +321,19 @@ pub struct LeaseRef {
 }
 
 /// The lease P's params name, if they name one.
-pub fn lease_of(params: &Value) -> Option<LeaseRef> {
-    let host = params.get("remote_host")?.as_str()?;
-    let port = params.get("remote_port")?.as_u64()?;
-    let lease_id = params.get("remote_lease_id")?.as_str()?.to_owned();
-    let generation = params.get("remote_lease_generation")?.as_u64()?;
-    let epoch = params
-        .get("remote_engine_epoch")
-        .and_then(Value::as_str)
-        .and_then(|e| u64::from_str_radix(e, 16).ok())
-        .unwrap_or(0);
-    let side_channel = if host.contains(':') && !host.starts_with('[') {
-        format!("http://[{host}]:{port}")
-    } else {
-        format!("http://{host}:{port}")
-    };
+pub fn lease_of(params: &KvTransferParams) -> Option<LeaseRef> {
     Some(LeaseRef {
-        side_channel,
-        lease_id,
-        generation,
-        epoch,
+        side_channel: params.side_channel()?,
+        lease_id: params.remote_lease_id.clone()?,
+        generation: params.remote_lease_generation?,
+        epoch: params.remote_engine_epoch.map_or(0, |e| e.0),
     })
 }
 
 /// The body for a decode node: the client's, with P's params.
-pub fn decode_body(body: &Map<String, Value>, params: &Value) -> Map<String, Value> {
+pub fn decode_body(body: &Map<String, Value>, params: &KvTransferParams) -> Map<String, Value> {
     let mut d = body.clone();
-    d.insert(KV_FIELD.into(), params.clone());
+    d.insert(KV_FIELD.into(), params.to_value());
     d
 }
 
@@ -415,11 +343,11 @@ pub fn decode_body(body: &Map<String, Value>, params: &Value) -> Map<String, Val
 /// Serializing failed (a number serde_json cannot write).
 pub fn decode_bytes(
     body: &Map<String, Value>,
-    params: Value,
+    params: &KvTransferParams,
 ) -> Result<Vec<u8>, serde_json::Error> {
     serde_json::to_vec(&Patched {
         body,
-        set: &[(KV_FIELD, params)],
+        set: &[(KV_FIELD, params.to_value())],
         drop: &[],
     })
 }
@@ -512,9 +440,11 @@ mod tests {
                 );
             }
         }
-        let params = json!({"do_remote_prefill": true, "remote_port": 9});
+        let params =
+            KvTransferParams::from_value(&json!({"do_remote_prefill": true, "remote_port": 9}))
+                .unwrap();
         let parsed: Map<String, Value> =
-            serde_json::from_slice(&decode_bytes(&body, params.clone()).unwrap()).unwrap();
+            serde_json::from_slice(&decode_bytes(&body, &params).unwrap()).unwrap();
         assert_eq!(parsed, decode_body(&body, &params));
     }
 
@@ -522,11 +452,13 @@ mod tests {
     fn lease_from_params() {
         let params = json!({"do_remote_prefill": true, "remote_host": "127.0.0.1", "remote_port": 9,
             "remote_lease_id": "ab", "remote_lease_generation": 2, "remote_engine_epoch": "00ff"});
-        let l = lease_of(&params).unwrap();
+        let l = lease_of(&KvTransferParams::from_value(&params).unwrap()).unwrap();
         assert_eq!(l.side_channel, "http://127.0.0.1:9");
         assert_eq!((l.generation, l.epoch), (2, 255));
         let body = serde_json::to_vec(&json!({"kv_transfer_params": [params]})).unwrap();
-        assert_eq!(prefill_params(&body).unwrap()[0]["remote_port"], 9);
+        assert_eq!(prefill_params(&body).unwrap()[0].remote_port, Some(9));
         assert!(prefill_params(b"{}").is_err());
+        let bad = serde_json::to_vec(&json!({"kv_transfer_params": {"remote_port": "x"}})).unwrap();
+        assert!(prefill_params(&bad).unwrap_err().contains("remote_port"));
     }
 }

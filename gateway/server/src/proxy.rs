@@ -58,6 +58,7 @@ use crate::secret;
 use crate::spread;
 use crate::tokenizer_api;
 use crate::upstream::{NodeClient, NodeResponse, REQUEST_ID, UpstreamError};
+use pd_wire::KvTransferParams;
 
 /// Settings of the front door.
 #[derive(Debug, Clone)]
@@ -220,21 +221,6 @@ async fn client_gone(session: &mut Session) {
             Ok(None) | Err(_) => return,
         }
     }
-}
-
-/// Whether streamed `bytes` hold an answer's last event: chat and completions' `[DONE]`, or
-/// a response's terminal `response.completed` / `.incomplete` / `.failed`.
-fn ends_answer(bytes: &[u8]) -> bool {
-    const LAST: [&[u8]; 4] = [
-        b"data: [DONE]",
-        b"event: response.completed",
-        b"event: response.incomplete",
-        b"event: response.failed",
-    ];
-    // Whole lines only: text inside an event's JSON has its line breaks escaped.
-    bytes
-        .split(|&b| b == b'\n')
-        .any(|line| LAST.contains(&line.strip_suffix(b"\r").unwrap_or(line)))
 }
 
 /// Longest client-chosen request id kept; longer or unprintable ones are replaced.
@@ -672,7 +658,7 @@ impl Gateway {
                 let bytes = match pull {
                     // On the holder nothing moves (its prefix cache has the blocks, and it
                     // releases its own lease); any other node pulls the turn, then decodes.
-                    Some(h) => openai::decode_bytes(&body, h.as_pull()),
+                    Some(h) => openai::decode_bytes(&body, &h.as_pull()),
                     None => serde_json::to_vec(&body),
                 };
                 let bytes = Bytes::from(bytes.map_err(internal)?);
@@ -1258,7 +1244,7 @@ impl Gateway {
                 candidates.push(d.node);
             }
         }
-        let d_body = Bytes::from(openai::decode_bytes(body, first.clone()).map_err(internal)?);
+        let d_body = Bytes::from(openai::decode_bytes(body, &first).map_err(internal)?);
         // Phase 4: D pulls and decodes; failover while nothing reached the client.
         let outcome = self
             .whole(
@@ -1283,7 +1269,7 @@ impl Gateway {
     }
 
     /// Releases the lease `params` name at P, counted by `why`.
-    fn release(&self, params: Option<&Value>, why: &'static str) {
+    fn release(&self, params: Option<&KvTransferParams>, why: &'static str) {
         if let Some(lease) = params.and_then(openai::lease_of) {
             self.0.leases.release(lease, why);
         }
@@ -1300,7 +1286,7 @@ impl Gateway {
         body: &Map<String, Value>,
         snapshot: &Snapshot,
         groups: &[spread::Group],
-        params: Vec<Value>,
+        params: Vec<KvTransferParams>,
         reserved: Vec<OnNode>,
     ) -> Result<Outcome, GatewayError> {
         self.0
@@ -1545,7 +1531,7 @@ impl Gateway {
         candidates: &[u32],
         consumers: u32,
         pull: Option<&Holding>,
-    ) -> Result<Option<Vec<Value>>, GatewayError> {
+    ) -> Result<Option<Vec<KvTransferParams>>, GatewayError> {
         let held = pull.map(|h| h.for_prefill(consumers));
         let p_body = Bytes::from(
             openai::prefill_bytes(analyzed.api, body, consumers, held).map_err(internal)?,
@@ -1713,7 +1699,7 @@ impl Gateway {
                     // Once the answer's last event is out, the client has all of it and may
                     // close at once (the SDKs do on `[DONE]`): that is no abort, so stop
                     // watching for it while the node's stream ends.
-                    if !answered && ends_answer(&bytes) {
+                    if !answered && pd_wire::sse::ends_answer(&bytes) {
                         answered = true;
                         watch = false;
                     }
@@ -1798,25 +1784,5 @@ impl ProxyHttp for Gateway {
         let _open = self.0.drain.enter();
         self.serve(session).await;
         Ok(true)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_last_event_of_each_api_ends_an_answer() {
-        assert!(ends_answer(b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n"));
-        assert!(ends_answer(
-            b"event: response.completed\ndata: {\"type\":\"response.completed\"}\n\n"
-        ));
-        assert!(ends_answer(b"event: response.failed\ndata: {}\n\n"));
-        assert!(!ends_answer(
-            b"data: {\"choices\":[{\"text\":\"[DONE]\"}]}\n\n"
-        ));
-        assert!(!ends_answer(
-            b"event: response.output_text.delta\ndata: {}\n\n"
-        ));
     }
 }

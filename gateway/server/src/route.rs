@@ -8,8 +8,8 @@
 //! **Decided:** the fallback is prefix-aware, not least-loaded. A failed call on a
 //! conversation's turn then still sends it to the node holding the history (or has P pull it
 //! back); least-loaded knows no holders, and the turn's history was recomputed (a 19.5 s turn
-//! on the VM, BENCHMARKS.md, "Reservations are not work"). For a request without a holder it
-//! is least-loaded weighed against cached prefix blocks.
+//! on the VM, docs/bench-log/multi-turn.md, "Reservations are not work"). For a request
+//! without a holder it is least-loaded weighed against cached prefix blocks.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

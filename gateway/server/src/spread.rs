@@ -14,6 +14,7 @@
 //! once, after every group's.
 
 use pd_policy::DecodeTarget;
+use pd_wire::sse::{self, Framer};
 use serde_json::{Map, Value, json};
 
 /// Most groups one request is spread over: the number of leases a producer grants for one
@@ -160,7 +161,7 @@ pub fn merge_json(parts: &[(u32, &[u8])]) -> Result<Value, String> {
 #[derive(Debug)]
 pub struct SseMerge {
     offsets: Vec<u32>,
-    pending: Vec<Vec<u8>>,
+    pending: Vec<Framer>,
     done: Vec<bool>,
     /// The `id` of the first chunk seen, used for every chunk.
     id: Option<Value>,
@@ -171,15 +172,13 @@ pub struct SseMerge {
     so_far: Vec<Option<Value>>,
 }
 
-const DONE: &[u8] = b"data: [DONE]\n\n";
-
 impl SseMerge {
     /// For groups whose first children are `offsets`.
     pub fn new(offsets: Vec<u32>) -> Self {
         let k = offsets.len();
         Self {
             offsets,
-            pending: vec![Vec::new(); k],
+            pending: (0..k).map(|_| Framer::new()).collect(),
             done: vec![false; k],
             id: None,
             usage: vec![None; k],
@@ -190,15 +189,11 @@ impl SseMerge {
     /// Feeds bytes of group `j`'s stream; returns the merged bytes ready to send.
     pub fn feed(&mut self, j: usize, bytes: &[u8]) -> Vec<u8> {
         let mut out = Vec::new();
-        let Some(buf) = self.pending.get_mut(j) else {
+        let Some(framer) = self.pending.get_mut(j) else {
             return out;
         };
-        buf.extend_from_slice(bytes);
-        let mut events = Vec::new();
-        while let Some(end) = find(buf, b"\n\n") {
-            let event: Vec<u8> = buf.drain(..end + 2).collect();
-            events.push(event);
-        }
+        framer.push(bytes);
+        let events: Vec<_> = std::iter::from_fn(|| framer.next_event()).collect();
         for event in events {
             self.event(j, &event, &mut out);
         }
@@ -206,21 +201,17 @@ impl SseMerge {
     }
 
     fn event(&mut self, j: usize, event: &[u8], out: &mut Vec<u8>) {
-        let text = String::from_utf8_lossy(event);
-        let data = text
-            .lines()
-            .find_map(|l| l.strip_prefix("data:"))
-            .map(str::trim_start);
-        let Some(data) = data else {
+        let parsed = sse::Event::parse(event);
+        if parsed.data.is_none() {
             // A comment or keep-alive: pass it on.
             out.extend_from_slice(event);
             return;
-        };
-        if data == "[DONE]" {
+        }
+        if parsed.is_done() {
             self.done[j] = true;
             return;
         }
-        let Ok(mut v) = serde_json::from_str::<Value>(data) else {
+        let Some(mut v) = parsed.json() else {
             out.extend_from_slice(event);
             return;
         };
@@ -273,19 +264,13 @@ impl SseMerge {
             }
             write_data(&mut out, &chunk);
         }
-        out.extend_from_slice(DONE);
+        out.extend_from_slice(sse::DONE);
         out
     }
 }
 
 fn write_data(out: &mut Vec<u8>, v: &Value) {
-    out.extend_from_slice(b"data: ");
-    out.extend_from_slice(v.to_string().as_bytes());
-    out.extend_from_slice(b"\n\n");
-}
-
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
+    sse::write_json(out, None, v);
 }
 
 #[cfg(test)]
@@ -429,5 +414,23 @@ mod tests {
             out.contains(r#""completion_tokens":5"#) && out.contains(r#""total_tokens":10"#),
             "{out}"
         );
+    }
+
+    /// Any SSE line ending, and data split over several lines, merge as `\n\n` framing does.
+    #[test]
+    fn crlf_framed_and_multi_line_events_merge() {
+        let mut m = SseMerge::new(vec![0, 1]);
+        let chunk = "data: {\"id\": \"a\",\r\ndata: \"choices\": [{\"index\": 0, \"text\": \"x\"}]}\r\n\r\n";
+        let (head, tail) = chunk.split_at(chunk.len() - 1);
+        assert!(m.feed(1, head.as_bytes()).is_empty());
+        let out = String::from_utf8(m.feed(1, tail.as_bytes())).unwrap();
+        assert!(out.contains(r#""index":1"#), "{out}");
+        assert!(
+            m.feed(1, b": keep-alive\r\n\r\n")
+                .starts_with(b": keep-alive")
+        );
+        m.feed(0, b"data: [DONE]\r\n\r\n");
+        m.feed(1, b"data: [DONE]\n\n");
+        assert!(m.complete());
     }
 }

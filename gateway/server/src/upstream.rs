@@ -1,11 +1,11 @@
 //! The HTTP/1 client the request path calls nodes with: hyper's pooled keep-alive client, no
 //! more.
 //!
-//! `reqwest` (which wraps the same client) parsed every request's URL twice, ran a redirect
-//! layer and a proxy matcher, and cloned default headers: about a third of the gateway's CPU per
-//! request went to that (BENCHMARKS.md, "A plain hyper client"). Nodes answer `POST`s with JSON
-//! or SSE; nothing here follows redirects or uses a proxy. The control plane's scrapes and the
-//! CLI keep `reqwest`.
+//! `reqwest` (which wraps the same client) parsed every request's URL twice, ran a redirect layer
+//! and a proxy matcher, and cloned default headers: about a third of the gateway's CPU per request
+//! went to that (docs/bench-log/gateway.md, "A plain hyper client"). Nodes answer `POST`s with JSON
+//! or SSE; nothing here follows redirects or uses a proxy. The control plane's scrapes and the CLI
+//! keep `reqwest`.
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! at batch 1, on the same generated model, in the same process.
 //!
 //! Run (release): `cargo bench -p pd-engine --bench decode [-- --quick --layers 8 ...]`
-//! (`--help` lists the knobs). Results are recorded in `BENCHMARKS.md`.
+//! (`--help` lists the knobs). Results are recorded in `BENCHMARKS.md` ("Decode throughput").
 //!
 //! What is measured:
 //! - Reference: prefill the prompt with one `Llama::forward`, then time `tokens` greedy steps
@@ -369,7 +369,7 @@ fn main() -> BenchResult<()> {
     } else {
         format!(" -- {}", args.join(" "))
     };
-    // Thread-count variables change candle's matmul path (see BENCHMARKS.md): show them.
+    // Thread-count variables change candle's matmul path (docs/bench-log/decode.md): show them.
     let env: String = ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"]
         .iter()
         .filter_map(|k| std::env::var(k).ok().map(|v| format!("{k}={v} ")))

@@ -6,7 +6,7 @@
 //!
 //! Run (release): `PD_MODEL_GGUF=... cargo bench -p pd-engine --bench scoring`
 //! (`PD_BENCH_REPEAT`, default 5; `PD_BENCH_LENS`, default `128,512,2048`). Results are
-//! recorded in `BENCHMARKS.md`.
+//! recorded in `BENCHMARKS.md` ("Scoring prompts").
 //!
 //! Rows per prompt length, interleaved `repeat` times so that background load hits all alike;
 //! the prefix cache is off, so every row computes the whole prompt:

@@ -3,7 +3,7 @@
 //! model, whose 512-token byte-level vocabulary says little about a real one's 49 152).
 //!
 //! Run (release): `PD_MODEL_GGUF=... cargo bench -p pd-engine --bench structured`
-//! (`PD_BENCH_REPEAT`, default 5). Results are recorded in `BENCHMARKS.md`.
+//! (`PD_BENCH_REPEAT`, default 5). Results are recorded in `BENCHMARKS.md` ("Structured output").
 //!
 //! Rows, interleaved `repeat` times so that background load hits all alike:
 //! - *schema*: a chat request whose answer must be a JSON object holding a list of 30 short

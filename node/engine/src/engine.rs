@@ -119,7 +119,7 @@ pub enum KvCompute {
     HostStaged,
     /// On CUDA device `ordinal`: weights, activations and the compute pool in device memory,
     /// staged to and from the host transfer pool (`cuda` feature; **never run on a GPU so
-    /// far**: ARCHITECTURE.md, "The GPU path").
+    /// far**: `docs/gpu.md`).
     Cuda(usize),
 }
 

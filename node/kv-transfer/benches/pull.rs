@@ -1,7 +1,7 @@
 //! KV pull bandwidth against `ucx_perftest -t ucp_get`, between two processes on this host.
 //!
 //! Run (release): `cargo bench -p pd-kv-transfer --bench pull [-- --block-bytes 65536 ...]`
-//! (`--help` lists the knobs). Results are recorded in `BENCHMARKS.md`.
+//! (`--help` lists the knobs). Results are recorded in `BENCHMARKS.md` ("KV pull").
 //!
 //! For each size S (256 KiB, 2.25 MiB, 16 MiB by default):
 //! - **Reference:** `ucx_perftest -p PORT` as a server, then

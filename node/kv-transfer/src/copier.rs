@@ -1,14 +1,14 @@
 //! Large copies shared between the calling thread and one helper thread.
 //!
 //! A pull from a peer's pool mapped into this process is a `memcpy` of KV the producer has just
-//! written into blocks of ours that are not in any cache. One core moves such data at about
-//! half the rate of the same copy between warm buffers; two cores, each copying part, move it
-//! at about the warm rate (BENCHMARKS.md, "Two cores for the mapped copy"). [`Copier`] keeps one
-//! helper thread asleep for that: a copy is cut into chunks, the helper is woken, and both
-//! threads claim chunks from one counter until none are left. The caller never waits for the
-//! helper to *start*: if the helper is slow to wake or the other core is busy, the caller copies
-//! every chunk itself, so a copy never takes longer than one thread alone would, plus at most
-//! the one chunk the helper is in the middle of.
+//! written into blocks of ours that are not in any cache. One core moves such data at about half
+//! the rate of the same copy between warm buffers; two cores, each copying part, move it at about
+//! the warm rate (docs/bench-log/pd.md, "Two cores for the mapped copy"). [`Copier`] keeps one
+//! helper thread asleep for that: a copy is cut into chunks, the helper is woken, and both threads
+//! claim chunks from one counter until none are left. The caller never waits for the helper to
+//! *start*: if the helper is slow to wake or the other core is busy, the caller copies every chunk
+//! itself, so a copy never takes longer than one thread alone would, plus at most the one chunk the
+//! helper is in the middle of.
 //!
 //! Where the helper runs matters: woken on an otherwise idle machine, Linux often places it on
 //! the waker's own CPU, where the two threads take turns and the copy gains nothing (measured

@@ -14,8 +14,8 @@ use crate::pull::PullStats;
 /// Pulls smaller than this do not move the bandwidth average: their time is mostly fixed cost
 /// (a thread's wake-up, a preemption on a busy host), and a rate read from them is far below
 /// the link's. (At 256 KiB, a prefill node's first pull back, two blocks, once read 1 MB/s on
-/// the 2-core VM, against 5–11 GB/s from every later pull; see BENCHMARKS.md, "Reservations
-/// are not work".)
+/// the 2-core VM, against 5–11 GB/s from every later pull; see docs/bench-log/multi-turn.md,
+/// "Reservations are not work".)
 pub const PULL_RATE_MIN_BYTES: usize = 4 << 20;
 
 /// Weight of the newest pull in the bandwidth average.

@@ -7,7 +7,7 @@
 //!   cargo bench -p pd-model --bench gguf_forward [-- --policies fast,candle-kernels]
 //!   [--prompt 2000] [--kv-dtype f16]`
 //! (policies: `dense`, `fast`, `candle-kernels`, `as-stored`; all by default, interleaved per
-//! round). Results are in `BENCHMARKS.md`.
+//! round). Results are in `BENCHMARKS.md` ("GGUF weight formats").
 
 use std::time::Instant;
 

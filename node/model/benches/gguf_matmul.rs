@@ -6,7 +6,8 @@
 //!
 //! Run: `PD_MODEL_GGUF=$(bash scripts/fetch-model.sh) RAYON_NUM_THREADS=2 \
 //!   cargo bench -p pd-model --bench gguf_matmul [-- --rows 1,4,16,64,512]`
-//! Results and the decision are in `BENCHMARKS.md`.
+//! Results are in `BENCHMARKS.md` ("GGUF weight formats"); the decision and its history in
+//! `docs/bench-log/gguf.md`.
 
 use std::time::{Duration, Instant};
 

@@ -8,7 +8,7 @@
 //! English-like text, each distinct (a number in front), 2000 per row.
 //!
 //! Run: `PD_MODEL_GGUF=$(bash scripts/fetch-model.sh) cargo bench -p pd-model --bench tokenize`
-//! Results are in `BENCHMARKS.md`.
+//! Results are in `BENCHMARKS.md` ("Tokenizer"; history: `docs/bench-log/gateway.md`).
 
 use std::time::Instant;
 

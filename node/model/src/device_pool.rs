@@ -4,9 +4,8 @@
 //! K/V into it and attend over it on candle's stream, so they run in order with candle's ops.
 //!
 //! **Never run on a GPU so far.** It type-checks (`scripts/cuda-check.sh`), and the staging it
-//! plugs into is tested on CPU through [`crate::HostStaged`] (`pd-node --kv-staged`), but no
-//! GPU was lent to the sessions that wrote it: ARCHITECTURE.md, "The GPU path", lists what is
-//! unverified.
+//! plugs into is tested on CPU through [`crate::HostStaged`] (`pd-node --kv-staged`), but it
+//! has not run on a GPU yet: `docs/gpu.md` lists what is unverified.
 //!
 //! Blocks move between this pool and the host transfer pool one block per copy, all enqueued
 //! on the stream and then waited for once. The transfer pool is page-locked for the driver at

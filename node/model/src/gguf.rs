@@ -4,7 +4,7 @@
 //! the Hugging Face names the model asks for.
 //!
 //! What each tensor type becomes by default ([`QuantPolicy::Fast`], decided by measurement,
-//! see `BENCHMARKS.md`):
+//! see `BENCHMARKS.md`, "GGUF weight formats"):
 //! - `F32`, `F16`, `BF16` (norms, biases): dense f32.
 //! - `Q4_0`, `Q8_0`, `Q2_K`…`Q6_K`: kept as they are; candle has SIMD dot products for them.
 //! - `Q4_1`: kept, and multiplied by our own AVX2 / AVX-VNNI kernel ([`crate::q4_1`], llama.cpp's
@@ -48,11 +48,11 @@ use crate::error::ModelError;
 use crate::q4_1::{Q4_1Kernel, Q4_1Matrix};
 use crate::weights::{Proj, WeightSource};
 
-/// Whether a Q4_1 projection reading `in_dim` features goes to our kernel ([`crate::q4_1`])
-/// under [`QuantPolicy::Fast`]; else it is requantized to `Q8_0`. Decided by measurement
-/// (`BENCHMARKS.md`): where the width is a multiple of 256, candle's tiled VNNI `Q8_0` kernel
-/// is about twice as fast as ours at 1–15 rows (SmolLM2's `ffn_down`, input 1536), and it also
-/// serves large batches, where ours has no f32 copy to fall back on.
+/// Whether a Q4_1 projection reading `in_dim` features goes to our kernel ([`crate::q4_1`]) under
+/// [`QuantPolicy::Fast`]; else it is requantized to `Q8_0`. Decided by measurement
+/// (`docs/bench-log/gguf.md`): where the width is a multiple of 256, candle's tiled VNNI `Q8_0`
+/// kernel is about twice as fast as ours at 1–15 rows (SmolLM2's `ffn_down`, input 1536), and it
+/// also serves large batches, where ours has no f32 copy to fall back on.
 fn own_q4_1(in_dim: usize) -> bool {
     !in_dim.is_multiple_of(256)
 }
@@ -113,7 +113,7 @@ pub enum QuantPolicy {
     /// is a multiple of 256 (candle's tiled `Q8_0` kernel wins there); the others without a
     /// SIMD kernel (`Q5_0`, `Q5_1`, and `Q4_1` where ours does not run) are requantized to
     /// `Q8_0` at load, within `Q8_0`'s rounding of the stored values. The default; the
-    /// measurements behind it are in `BENCHMARKS.md`.
+    /// measurements behind it are in `docs/bench-log/gguf.md`.
     #[default]
     Fast,
     /// [`QuantPolicy::Fast`] with candle's kernels only, the default before [`crate::q4_1`]:
@@ -681,14 +681,16 @@ impl WeightSource for GgufWeights<'_> {
         let mut dense_parts = Vec::new();
         // candle's fast x86 kernels for batches of rows (repacked Q8_0 / K-quant tiles) need
         // the input width to be a multiple of 256; below that, f32 gemm wins from
-        // DENSE_MIN_ROWS rows (BENCHMARKS.md), so such projections also keep an f32 copy.
+        // DENSE_MIN_ROWS rows (docs/bench-log/gguf.md), so such projections also keep an f32
+        // copy.
         let keep_dense = matches!(self.policy, QuantPolicy::Fast | QuantPolicy::CandleKernels)
             && !in_dim.is_multiple_of(256);
         // All parts Q4_1 (a mix was requantized to Q8_0 above): our kernel.
         let own = dtype == GgmlDType::Q4_1 && plans.iter().all(|p| *p == Plan::OwnQ4_1);
         // Q8_0 whose input width candle's tiled VNNI kernel cannot take (a multiple of 256,
         // and out rows a multiple of 16): widen every row with zero blocks, when this CPU runs
-        // that kernel (BENCHMARKS.md: the tied LM head of SmolLM2).
+        // that kernel (docs/bench-log/llama-cpp.md, "The tied LM head on candle's tiled
+        // kernel").
         let total_rows: usize = parts.iter().map(|&(out, _)| out).sum();
         let padded_in = (self.policy == QuantPolicy::Fast
             && dtype == GgmlDType::Q8_0

@@ -21,7 +21,7 @@
 //! the hand-off.
 //!
 //! Measurements and the decision of where this kernel runs are in `BENCHMARKS.md`
-//! ("GGUF weight formats").
+//! ("GGUF weight formats") and `docs/bench-log/gguf.md` ("Our Q4_1 × Q8_1 kernel").
 
 use candle_core::backend::BackendStorage;
 use candle_core::quantized::k_quants::{BlockQ4_1, BlockQ8_1, GgmlType};
@@ -43,7 +43,7 @@ const _: () = assert!(std::mem::align_of::<BlockQ8_1>() <= 2);
 /// Block dot products (`out · in/32 · m`) below which one thread does a whole matmul. A 576×576
 /// matmul of one row (10 368 block dots, ~16 µs on one core) stays on one thread; larger ones
 /// are split. Measured only coarsely: on this 2-core machine, shared with other work, the
-/// 2-thread timings were too noisy to tune it (`BENCHMARKS.md`).
+/// 2-thread timings were too noisy to tune it (`docs/bench-log/gguf.md`).
 const MIN_PARALLEL_WORK: usize = 8 * 1024;
 
 /// Which implementation computes the block dot products.
@@ -245,7 +245,8 @@ impl Q4_1Matrix {
     /// All output rows into `yt` (out, m), split over candle's barrier pool (the threads its
     /// own quantized kernels run on, still spinning from the op before) when the work pays
     /// for it. rayon's pool was tried first: its worker then competed for the second core with
-    /// candle's spinning one, and two threads gained nothing (`BENCHMARKS.md`).
+    /// candle's spinning one, and two threads gained nothing (`docs/bench-log/llama-cpp.md`,
+    /// "The race again, with our Q4_1 kernel").
     fn rows_split(&self, xq: &Q8Rows, yt: &mut [f32]) {
         let m = xq.rows;
         let nb = xq.blocks;

@@ -81,7 +81,8 @@ fn transposed(dense: Option<&Tensor>) -> Result<Option<Tensor>, ModelError> {
 /// one. Below it, the quantized kernel: through the whole model a decode step of 16, 32 or 48
 /// rows runs 1.8×, 1.45× and 1.26× faster on the Q4_1 kernel than on the f32 copies, whose
 /// 320 MB stream from memory every step (a single matmul in cache favours f32 from 16 rows:
-/// `BENCHMARKS.md`, "GGUF weight formats" and "Batched decode on the Q4_1 kernel").
+/// `docs/bench-log/gguf.md`, and `docs/bench-log/llama-cpp.md`, "Batched decode on the Q4_1
+/// kernel").
 pub const DENSE_MIN_ROWS: usize = 64;
 
 /// A linear projection of the flattened batch: `y = x @ W^T + b`, `x`: (t, in) → (t, out).

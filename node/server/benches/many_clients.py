@@ -1,7 +1,7 @@
-"""Concurrent-clients decode throughput of one pd-node build (BENCHMARKS.md, "Batched decode on
-the Q4_1 kernel"). Starts the node on the real model, then three rounds of CLIENTS concurrent
-/v1/completions requests of 64 tokens (32-word prompts, greedy, EOS ignored); prints tokens / wall
-time per round.
+"""Concurrent-clients decode throughput of one pd-node build (BENCHMARKS.md, "Decode throughput";
+history: docs/bench-log/llama-cpp.md, "Batched decode on the Q4_1 kernel"). Starts the node on the
+real model, then three rounds of CLIENTS concurrent /v1/completions requests of 64 tokens (32-word
+prompts, greedy, EOS ignored); prints tokens / wall time per round.
 
 Usage: python3 node/server/benches/many_clients.py PD_NODE_BINARY PORT CLIENTS
 (the model: the newest ~/.cache/pd-serve/models/*/*.gguf, from bash scripts/fetch-model.sh)."""

@@ -7,7 +7,7 @@
 //! `"--block-size 32 --kv-layout nhd"` for a pull converted to another block size and order;
 //! `--p-args` the same for P, e.g. `"--kv-staged"` on both for the GPU path's copies on CPU).
 //! `PD_BENCH_NODE_BIN=PATH` runs another pd-node build (all three nodes) for an A/B.
-//! Results are recorded in `BENCHMARKS.md`.
+//! Results are recorded in `BENCHMARKS.md` ("P/D vs one node").
 //!
 //! Per prompt length (token-id prompts through `/v1/completions`, greedy, distinct prompts so no
 //! prefix cache helps):

@@ -4,7 +4,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use pd_engine::EngineError;
 
-use crate::openai::{ErrorObject, ErrorResponse};
+use pd_wire::ErrorBody;
 
 /// A failed API request. Rendered as `{"error": {"message", "type", "param", "code"}}` with the
 /// status of [`ApiError::status`].
@@ -139,15 +139,10 @@ impl ApiError {
     }
 
     /// The JSON body of this error.
-    pub(crate) fn to_body(&self) -> ErrorResponse {
-        ErrorResponse {
-            error: ErrorObject {
-                message: self.to_string(),
-                kind: self.error_type(),
-                param: self.param().map(str::to_owned),
-                code: self.code(),
-            },
-        }
+    pub(crate) fn to_body(&self) -> ErrorBody {
+        ErrorBody::new(self.error_type(), self.to_string())
+            .param(self.param())
+            .code(self.code())
     }
 }
 

@@ -14,7 +14,8 @@
 
 use pd_engine::KvHandoff;
 use pd_kv_pool::{BlockId, LeaseId, block_hash};
-use serde_json::{Map, Value, json};
+use pd_wire::{Hex64, KvTransferParams};
+use serde_json::Value;
 
 use crate::error::ApiError;
 
@@ -86,11 +87,7 @@ pub(crate) struct RemotePrefill {
 impl RemotePrefill {
     /// The producer's side channel, as a tonic endpoint URI.
     pub(crate) fn side_channel(&self) -> String {
-        if self.host.contains(':') && !self.host.starts_with('[') {
-            format!("http://[{}]:{}", self.host, self.port)
-        } else {
-            format!("http://{}:{}", self.host, self.port)
-        }
+        pd_wire::kv::side_channel_uri(&self.host, self.port)
     }
 }
 
@@ -99,198 +96,115 @@ pub(crate) fn prompt_hash(tokens: &[u32]) -> u64 {
     block_hash(None, tokens).0
 }
 
-fn bad(field: &str, message: String) -> ApiError {
+/// A 400 naming `field` of the object at `at` (`kv_transfer_params`, or `kv_transfer_params.1`
+/// in a list).
+fn bad(at: &str, field: &str, message: &str) -> ApiError {
     ApiError::InvalidRequest {
-        message,
-        param: Some(format!("{FIELD}.{field}")),
+        message: format!("{at}.{field} {message}"),
+        param: Some(format!("{at}.{field}")),
     }
 }
 
-fn get<'a>(o: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
-    o.get(k).filter(|v| !v.is_null())
+/// `0x…` hex digits as a lease id.
+fn lease_id(at: &str, s: &str) -> Result<LeaseId, ApiError> {
+    s.parse::<LeaseId>().map_err(|_| {
+        bad(
+            at,
+            "remote_lease_id",
+            &format!("must be 32 hex digits, got {s:?}"),
+        )
+    })
 }
 
-fn boolean(o: &Map<String, Value>, k: &str) -> Result<bool, ApiError> {
-    match get(o, k) {
-        None => Ok(false),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(v) => Err(bad(k, format!("{FIELD}.{k} must be a boolean, got {v}"))),
-    }
-}
-
-fn string(o: &Map<String, Value>, k: &str) -> Result<Option<String>, ApiError> {
-    match get(o, k) {
-        None => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s.clone())),
-        Some(v) => Err(bad(k, format!("{FIELD}.{k} must be a string, got {v}"))),
-    }
-}
-
-fn unsigned(o: &Map<String, Value>, k: &str, max: u64) -> Result<Option<u64>, ApiError> {
-    match get(o, k) {
-        None => Ok(None),
-        Some(v) => match v.as_u64() {
-            Some(n) if n <= max => Ok(Some(n)),
-            _ => Err(bad(
-                k,
-                format!("{FIELD}.{k} must be an integer between 0 and {max}, got {v}"),
-            )),
-        },
-    }
-}
-
-/// Parses one params object.
-fn parse_one(v: &Value) -> Result<KvDirective, ApiError> {
-    let Value::Object(o) = v else {
-        return Err(ApiError::InvalidRequest {
-            message: format!("{FIELD} must be an object or a list of objects, got {v}"),
-            param: Some(FIELD.into()),
-        });
-    };
-    let decode = boolean(o, "do_remote_decode")?;
-    let prefill = boolean(o, "do_remote_prefill")?;
-    let block_ids = match get(o, "remote_block_ids") {
-        None => None,
-        Some(Value::Array(ids)) => Some(
-            ids.iter()
-                .map(|id| {
-                    id.as_u64()
-                        .and_then(|n| u32::try_from(n).ok())
-                        .map(BlockId)
-                        .ok_or_else(|| {
-                            bad(
-                                "remote_block_ids",
-                                format!(
-                                    "{FIELD}.remote_block_ids must hold block numbers, got {id}"
-                                ),
-                            )
-                        })
-                })
-                .collect::<Result<Vec<_>, _>>()?,
-        ),
-        Some(v) => {
-            return Err(bad(
-                "remote_block_ids",
-                format!("{FIELD}.remote_block_ids must be a list, got {v}"),
-            ));
-        }
-    };
-    let engine_id = string(o, "remote_engine_id")?;
-    let request_id = match get(o, "remote_request_id") {
-        // vLLM sends a string; accept a number too.
-        Some(Value::Number(n)) => Some(n.to_string()),
-        _ => string(o, "remote_request_id")?,
-    };
-    let host = string(o, "remote_host")?;
-    let port = unsigned(o, "remote_port", u16::MAX.into())?.map(|p| p as u16);
-    if let Some(tp) = unsigned(o, "tp_size", u32::MAX.into())?
+/// What one params object (read at `at`) asks of this node.
+fn directive(at: &str, o: KvTransferParams) -> Result<KvDirective, ApiError> {
+    if let Some(tp) = o.tp_size
         && tp != 1
     {
         return Err(bad(
+            at,
             "tp_size",
-            format!("{FIELD}.tp_size {tp} is not supported: nodes run with tp_size 1"),
+            &format!("{tp} is not supported: nodes run with tp_size 1"),
         ));
     }
-    let num_tokens = unsigned(o, "remote_num_tokens", u32::MAX.into())?.map(|n| n as usize);
-    let lease = match string(o, "remote_lease_id")? {
-        None => None,
-        Some(s) => Some(s.parse::<LeaseId>().map_err(|_| {
-            bad(
-                "remote_lease_id",
-                format!("{FIELD}.remote_lease_id must be 32 hex digits, got {s:?}"),
-            )
-        })?),
-    };
-    let generation = unsigned(o, "remote_lease_generation", u64::MAX)?;
-    let board_slot = unsigned(o, "remote_lease_slot", u64::from(u32::MAX))?.map(|s| s as u32);
-    let block_size = match unsigned(o, "remote_block_size", MAX_BLOCK_SIZE as u64)? {
-        Some(0) => {
+    let block_size = match o.remote_block_size {
+        Some(0) => return Err(bad(at, "remote_block_size", "must be positive")),
+        Some(n) if n as usize > MAX_BLOCK_SIZE => {
             return Err(bad(
+                at,
                 "remote_block_size",
-                format!("{FIELD}.remote_block_size must be positive"),
+                &format!("must be at most {MAX_BLOCK_SIZE}, got {n}"),
             ));
         }
         n => n.map(|n| n as usize),
     };
-    let epoch = match string(o, "remote_engine_epoch")? {
+    let expiry = match o.remote_blocks_expiry_time {
         None => None,
-        Some(s) => Some(u64::from_str_radix(&s, 16).map_err(|_| {
-            bad(
-                "remote_engine_epoch",
-                format!("{FIELD}.remote_engine_epoch must be hex, got {s:?}"),
-            )
-        })?),
-    };
-    let prompt_hash = match string(o, "remote_prompt_hash")? {
-        None => None,
-        Some(s) => Some(u64::from_str_radix(&s, 16).map_err(|_| {
-            bad(
-                "remote_prompt_hash",
-                format!("{FIELD}.remote_prompt_hash must be hex, got {s:?}"),
-            )
-        })?),
-    };
-    let expiry = match get(o, "remote_blocks_expiry_time") {
-        None => None,
-        Some(v) => {
-            let secs = v
-                .as_f64()
-                .filter(|s| s.is_finite() && *s >= 0.0)
-                .ok_or_else(|| {
-                    bad(
-                        "remote_blocks_expiry_time",
-                        format!("{FIELD}.remote_blocks_expiry_time must be Unix seconds, got {v}"),
-                    )
-                })?;
+        Some(secs) if secs.is_finite() && secs >= 0.0 => {
             std::time::Duration::try_from_secs_f64(secs)
                 .ok()
                 .and_then(|d| std::time::UNIX_EPOCH.checked_add(d))
         }
+        Some(secs) => {
+            return Err(bad(
+                at,
+                "remote_blocks_expiry_time",
+                &format!("must be Unix seconds, got {secs}"),
+            ));
+        }
     };
+    let lease = o
+        .remote_lease_id
+        .as_deref()
+        .map(|s| lease_id(at, s))
+        .transpose()?;
+    if o.do_remote_decode && o.do_remote_prefill {
+        return Err(ApiError::InvalidRequest {
+            message: format!("{at} cannot ask for both do_remote_decode and do_remote_prefill"),
+            param: Some(at.into()),
+        });
+    }
     // Where the KV is and how to claim it, or the first field missing.
     let remote = (|| {
         Ok(RemotePrefill {
-            block_ids: block_ids.ok_or("remote_block_ids")?,
-            engine_id: engine_id.ok_or("remote_engine_id")?,
-            request_id: request_id.ok_or("remote_request_id")?,
-            host: host.ok_or("remote_host")?,
-            port: port.ok_or("remote_port")?,
+            block_ids: o
+                .remote_block_ids
+                .clone()
+                .ok_or("remote_block_ids")?
+                .into_iter()
+                .map(BlockId)
+                .collect(),
+            engine_id: o.remote_engine_id.clone().ok_or("remote_engine_id")?,
+            request_id: o.remote_request_id.clone().ok_or("remote_request_id")?,
+            host: o.remote_host.clone().ok_or("remote_host")?,
+            port: o.remote_port.ok_or("remote_port")?,
             lease: lease.ok_or("remote_lease_id")?,
-            generation: generation.ok_or("remote_lease_generation")?,
-            num_tokens,
-            prompt_hash,
+            generation: o.remote_lease_generation.ok_or("remote_lease_generation")?,
+            num_tokens: o.remote_num_tokens.map(|n| n as usize),
+            prompt_hash: o.remote_prompt_hash.map(|h| h.0),
             expiry,
-            epoch,
-            board_slot,
+            epoch: o.remote_engine_epoch.map(|e| e.0),
+            board_slot: o.remote_lease_slot,
             block_size,
         })
     })();
-    if decode && prefill {
-        return Err(ApiError::InvalidRequest {
-            message: format!("{FIELD} cannot ask for both do_remote_decode and do_remote_prefill"),
-            param: Some(FIELD.into()),
-        });
-    }
-    if decode {
-        let consumers = match get(o, "num_consumers") {
+    if o.do_remote_decode {
+        let consumers = match o.num_consumers {
             None => 1,
-            Some(v) => match v.as_u64() {
-                Some(n @ 1..=MAX_CONSUMERS) => n as usize,
-                _ => {
-                    return Err(bad(
-                        "num_consumers",
-                        format!(
-                            "{FIELD}.num_consumers must be an integer between 1 and {MAX_CONSUMERS}, got {v}"
-                        ),
-                    ));
-                }
-            },
+            Some(n) if (1..=MAX_CONSUMERS).contains(&u64::from(n)) => n as usize,
+            Some(n) => {
+                return Err(bad(
+                    at,
+                    "num_consumers",
+                    &format!("must be between 1 and {MAX_CONSUMERS}, got {n}"),
+                ));
+            }
         };
         // A retained turn to pull first: all of its fields, or none of it.
         let held = remote.ok().into_iter().collect();
         return Ok(KvDirective::Produce { consumers, held });
     }
-    if !prefill {
+    if !o.do_remote_prefill {
         return Ok(KvDirective::None);
     }
     Ok(match remote {
@@ -304,11 +218,27 @@ fn parse_one(v: &Value) -> Result<KvDirective, ApiError> {
 /// # Errors
 /// A 400 naming the field whose type is wrong, or a list that mixes directions.
 pub(crate) fn parse(v: Option<&Value>) -> Result<KvDirective, ApiError> {
-    match v {
-        None | Some(Value::Null) => Ok(KvDirective::None),
-        Some(Value::Array(items)) if items.is_empty() => Ok(KvDirective::None),
-        Some(Value::Array(items)) => {
-            let parsed = items.iter().map(parse_one).collect::<Result<Vec<_>, _>>()?;
+    let objects = pd_wire::kv::read(v).map_err(|e| ApiError::InvalidRequest {
+        message: e.message,
+        param: Some(e.param),
+    })?;
+    let listed = matches!(v, Some(Value::Array(_)));
+    let parsed = objects
+        .into_iter()
+        .enumerate()
+        .map(|(i, o)| {
+            let at = if listed {
+                format!("{FIELD}.{i}")
+            } else {
+                FIELD.to_owned()
+            };
+            directive(&at, o)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    match parsed.len() {
+        0 => Ok(KvDirective::None),
+        1 => Ok(parsed.into_iter().next().unwrap_or(KvDirective::None)),
+        _ => {
             let mut out = parsed[0].clone();
             for p in &parsed[1..] {
                 out = match (out, p) {
@@ -332,7 +262,6 @@ pub(crate) fn parse(v: Option<&Value>) -> Result<KvDirective, ApiError> {
             }
             Ok(out)
         }
-        Some(v) => parse_one(v),
     }
 }
 
@@ -352,58 +281,60 @@ pub(crate) struct Advert {
 }
 
 /// The response's `kv_transfer_params` for a prefill whose KV was handed off.
-pub(crate) fn handoff(advert: &Advert, request_id: &str, h: &KvHandoff, prompt_hash: u64) -> Value {
-    let mut v = held(advert, request_id, h);
-    v["do_remote_prefill"] = json!(true);
-    v["do_remote_decode"] = json!(false);
-    v["remote_prompt_hash"] = json!(format!("{prompt_hash:016x}"));
-    v
+pub(crate) fn handoff(
+    advert: &Advert,
+    request_id: &str,
+    h: &KvHandoff,
+    prompt_hash: u64,
+) -> KvTransferParams {
+    KvTransferParams {
+        do_remote_prefill: true,
+        remote_prompt_hash: Some(Hex64(prompt_hash)),
+        ..held(advert, request_id, h)
+    }
 }
 
 /// The final response's `kv_transfer_params` for a finished turn whose blocks this node keeps
 /// (`--kv-retain-after-decode`): `do_remote_decode: true`, so a proxy can copy the object as
 /// it is into the next turn's request to a prefill node, which then pulls this prefix first.
 /// (`remote_num_tokens` is the tokens held: prompt and generated, whole blocks only.)
-pub(crate) fn retained(advert: &Advert, request_id: &str, h: &KvHandoff) -> Value {
-    let mut v = held(advert, request_id, h);
-    v["do_remote_prefill"] = json!(false);
-    v["do_remote_decode"] = json!(true);
-    if let Some(hash) = h.last_block_hash {
+pub(crate) fn retained(advert: &Advert, request_id: &str, h: &KvHandoff) -> KvTransferParams {
+    KvTransferParams {
+        do_remote_decode: true,
         // The gateway's conversation index keys the turn by it (the next turn's prompt, when
         // it repeats this one and its answer, hashes to the same chain).
-        v["remote_last_block_hash"] = json!(format!("{hash:016x}"));
+        remote_last_block_hash: h.last_block_hash.map(Hex64),
+        ..held(advert, request_id, h)
     }
-    v
 }
 
-fn held(advert: &Advert, request_id: &str, h: &KvHandoff) -> Value {
+fn held(advert: &Advert, request_id: &str, h: &KvHandoff) -> KvTransferParams {
     let expiry = h
         .deadline
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
-    let mut v = json!({
-        "remote_block_ids": h.block_ids.iter().map(|b| b.0).collect::<Vec<_>>(),
-        "remote_engine_id": advert.engine_id,
-        "remote_engine_epoch": format!("{:016x}", advert.epoch),
-        "remote_request_id": request_id,
-        "remote_host": *advert.host.borrow(),
-        "remote_port": advert.port,
-        "remote_block_size": advert.block_size,
-        "tp_size": 1,
-        "remote_num_tokens": h.num_tokens,
-        "remote_lease_id": h.lease.to_string(),
-        "remote_lease_generation": h.generation,
-        "remote_blocks_expiry_time": expiry,
-    });
-    if let Some(slot) = h.board_slot {
-        v["remote_lease_slot"] = json!(slot);
+    KvTransferParams {
+        remote_block_ids: Some(h.block_ids.iter().map(|b| b.0).collect()),
+        remote_engine_id: Some(advert.engine_id.clone()),
+        remote_engine_epoch: Some(Hex64(advert.epoch)),
+        remote_request_id: Some(request_id.to_owned()),
+        remote_host: Some(advert.host.borrow().clone()),
+        remote_port: Some(advert.port),
+        remote_block_size: u32::try_from(advert.block_size).ok(),
+        tp_size: Some(1),
+        remote_num_tokens: u32::try_from(h.num_tokens).ok(),
+        remote_lease_id: Some(h.lease.to_string()),
+        remote_lease_generation: Some(h.generation),
+        remote_blocks_expiry_time: Some(expiry),
+        remote_lease_slot: h.board_slot,
+        ..KvTransferParams::default()
     }
-    v
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn p(v: Value) -> Result<KvDirective, ApiError> {
         parse(Some(&v))
@@ -523,7 +454,7 @@ mod tests {
             board_slot: Some(3),
         };
         let prompt = [1, 2, 3, 4, 5, 6, 7];
-        let v = handoff(&advert, "cmpl-9", &h, prompt_hash(&prompt));
+        let v = handoff(&advert, "cmpl-9", &h, prompt_hash(&prompt)).to_value();
         let KvDirective::Consume(r) = p(v).unwrap() else {
             panic!()
         };
@@ -543,9 +474,9 @@ pub(crate) struct KvReply {
     request_id: String,
     prompt_hash: u64,
     /// One object per lease granted, in grant order.
-    params: Vec<Value>,
+    params: Vec<KvTransferParams>,
     /// The finished turn's retained blocks, when kept.
-    retained: Option<Value>,
+    retained: Option<KvTransferParams>,
 }
 
 impl KvReply {
@@ -579,9 +510,11 @@ impl KvReply {
     /// retained the finished turn, the retained blocks' object.
     pub(crate) fn params(&self) -> Option<Value> {
         match self.params.as_slice() {
-            [] => self.retained.clone(),
-            [one] => Some(one.clone()),
-            many => Some(Value::Array(many.to_vec())),
+            [] => self.retained.as_ref().map(KvTransferParams::to_value),
+            [one] => Some(one.to_value()),
+            many => Some(Value::Array(
+                many.iter().map(KvTransferParams::to_value).collect(),
+            )),
         }
     }
 }

@@ -18,10 +18,11 @@
 //!
 //! this module runs the same steps on plain `&str`s: the added tokens with `aho-corasick`
 //! (leftmost-longest), each numeric character on its own, the split pattern with the same
-//! `fancy-regex`, bytes mapped to GPT-2's characters, and the library's own BPE model for each
-//! word (its merges, `ignore_merges` and its cache). About 3× faster (BENCHMARKS.md, "Tokenizing without the
-//! bookkeeping"); every other tokenizer takes the library's path. `tests/ids_only.rs` and the
-//! real model's test compare both paths on random text.
+//! `fancy-regex`, bytes mapped to GPT-2's characters, and the library's own BPE model for each word
+//! (its merges, `ignore_merges` and its cache). About 3× faster (BENCHMARKS.md, "Tokenizer";
+//! docs/bench-log/gateway.md, "Tokenizing without the bookkeeping"); every other tokenizer takes
+//! the library's path. `tests/ids_only.rs` and the real model's test compare both paths on random
+//! text.
 
 use aho_corasick::{AhoCorasick, MatchKind};
 use fancy_regex::Regex;

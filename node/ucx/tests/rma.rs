@@ -244,7 +244,7 @@ fn misuse_is_rejected() {
 /// with that request under the default transports: the region is mapped, peers still read it,
 /// and a peer's `put` into it is *not* refused — shared memory hands the peer a writable mapping.
 /// If a UCX upgrade starts enforcing it, this test fails and the limitation written down in
-/// ARCHITECTURE.md ("Who may read a pool") can be lifted.
+/// `docs/kv-transfer.md` ("Who may read a pool") can be lifted.
 #[test]
 fn remote_read_only_is_asked_for_but_not_enforced_on_shm() {
     let ctx_a = Context::new().unwrap();

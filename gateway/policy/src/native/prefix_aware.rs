@@ -27,15 +27,15 @@ pub struct Thresholds {
     /// ...and when the holder's load is at most the least-loaded node of its role's plus this
     /// (`holder-load-slack`): an overloaded holder is passed over.
     pub holder_load_slack: u64,
-    /// ...and when the holder has at most this many requests queued or running
-    /// (`holder-max-busy`; requests parked for KV, and decodes the gateway reserved there
-    /// during P's phase, compute nothing yet and do not count). The default, 0, sends a turn to
-    /// its holder only when the holder is idle, so no decode running there waits behind a new
-    /// turn's prefill (TPOT as on a decode node that only decodes: what P/D disaggregation is
-    /// for; a reserved decode whose KV lands during that prefill waits for it, and is counted
-    /// idle because counting it starved the holders: BENCHMARKS.md, "Reservations are not
-    /// work"); a busy holder's turn goes to P, which pulls the history back. Larger values
-    /// trade the holder's decodes' TPOT for the turn's TTFT.
+    /// ...and when the holder has at most this many requests queued or running (`holder-max-busy`;
+    /// requests parked for KV, and decodes the gateway reserved there during P's phase, compute
+    /// nothing yet and do not count). The default, 0, sends a turn to its holder only when the
+    /// holder is idle, so no decode running there waits behind a new turn's prefill (TPOT as on a
+    /// decode node that only decodes: what P/D disaggregation is for; a reserved decode whose KV
+    /// lands during that prefill waits for it, and is counted idle because counting it starved the
+    /// holders: docs/bench-log/multi-turn.md, "Reservations are not work"); a busy holder's turn
+    /// goes to P, which pulls the history back. Larger values trade the holder's decodes' TPOT for
+    /// the turn's TTFT.
     pub holder_max_busy: u64,
     /// On a turn pulled back to P, put the holder first among the decode candidates when its
     /// load is at most the least-loaded decode candidate's plus this (`decode-holder-slack`;
@@ -67,7 +67,7 @@ pub struct Thresholds {
     /// another turn's. The mirror of `spill_prefill_busy`: in a cluster whose decode nodes are
     /// all decoding and whose P is idle, P is the node with a step to spare. On by default
     /// since it met the multi-turn benchmark's TPOT goal where nodes compute at their own pace
-    /// (BENCHMARKS.md, "Nodes at their own pace on the VM").
+    /// (docs/bench-log/multi-turn.md, "Nodes at their own pace on the VM").
     pub keep_on_prefill_decode_busy: Option<u64>,
 }
 
@@ -507,8 +507,8 @@ mod tests {
     /// Requests parked for remote KV (a split's decode the gateway reserved there while P
     /// computes) are not work the holder's prefill would stall: the holder takes the turn. They
     /// still count in the least-loaded order and the slack. (Counting them as busy sent every
-    /// turn to P once each decode node had one reserved: BENCHMARKS.md, "Reservations are not
-    /// work".)
+    /// turn to P once each decode node had one reserved: docs/bench-log/multi-turn.md,
+    /// "Reservations are not work".)
     #[test]
     fn a_holder_with_only_parked_requests_is_idle() {
         let mut holder = holding(node(Role::Decode, 0, 10, false), 96);

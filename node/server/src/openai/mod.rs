@@ -20,22 +20,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::ApiError;
 
-/// `{"error": {...}}`, the body of every failed request.
-#[derive(Debug, Serialize)]
-pub(crate) struct ErrorResponse {
-    pub(crate) error: ErrorObject,
-}
-
-/// The OpenAI error object.
-#[derive(Debug, Serialize)]
-pub(crate) struct ErrorObject {
-    pub(crate) message: String,
-    #[serde(rename = "type")]
-    pub(crate) kind: &'static str,
-    pub(crate) param: Option<String>,
-    pub(crate) code: Option<&'static str>,
-}
-
 /// `stop`: one string or a list of them.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
