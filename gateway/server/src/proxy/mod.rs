@@ -1,0 +1,398 @@
+//! The front door: a pingora [`ProxyHttp`] whose `request_filter` answers every route itself,
+//! with each request's state in one [`Exchange`] (pingora's per-request `CTX`) and its metrics
+//! recorded in the `logging` phase.
+//!
+//! pingora proxies one upstream per request and cannot easily rewrite a large body before
+//! choosing it, while a P/D request needs the whole body before routing and then two upstream
+//! calls. So the LLM routes are served in `request_filter`: read the body, ask the policy, call
+//! P then D over pooled keep-alive HTTP, stream D's answer back with `write_response_body`,
+//! and return `Ok(true)` ("response already sent"). `upstream_peer` is never reached.
+//!
+//! One generation request, phase by phase, a file each:
+//! 1. [`admit`](Gateway::admit): the body read (bounded), a slot under
+//!    `--max-concurrent-requests`.
+//! 2. [`prepare`]: body → JSON, untrusted `kv_transfer_params` stripped, routing fields read,
+//!    prompt tokenized, block hashes, the view, the policy's decision, interpreted once into a
+//!    [`plan::Plan`] (which P, which Ds with how many children, pull-back, one node).
+//! 3. [`execute`]: the plan run: one node ([`whole`](Gateway::whole)), or P
+//!    ([`prefill`](Gateway::prefill)) then D — one decode request, or one per group with n>1
+//!    spread ([`spread`](Gateway::spread)); every candidate list walked by one failover loop.
+//! 4. [`relay`]: the node's answer to the client as it arrives (merged from several for spread
+//!    children); on the way out ([`crate::answer`]) a retained turn's `kv_transfer_params` are
+//!    taken (and removed for an untrusted client).
+//! 5. [`remember`]: the retained turn indexed, the earlier one retired, a `/v1/responses`
+//!    answer stored for `previous_response_id`.
+//!
+//! A client that leaves while P or D works is noticed (the downstream connection closes):
+//! D's connection is dropped (the node aborts the request) and P's lease is released at once
+//! over P's KV side channel, so nothing waits for the lease to expire.
+
+mod endpoints;
+mod exchange;
+mod execute;
+mod plan;
+mod prepare;
+mod relay;
+mod remember;
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use pd_policy::Api;
+use pingora::http::ResponseHeader;
+use pingora::prelude::{HttpPeer, ProxyHttp, Session};
+use tracing::{Instrument, debug};
+
+use crate::admission::Admission;
+use crate::cluster::Cluster;
+use crate::conversation::{Holdings, ResponseStore};
+use crate::drain::Drain;
+use crate::error::GatewayError;
+use crate::lease::LeaseReleaser;
+use crate::metrics::Metrics;
+use crate::openai;
+use crate::route::Router;
+use crate::secret;
+use crate::tokenizer_api;
+use crate::upstream::{NodeClient, REQUEST_ID};
+
+pub use exchange::Exchange;
+use exchange::Outcome;
+
+/// Settings of the front door.
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    /// Largest request body accepted.
+    pub max_body: usize,
+    /// A client whose bearer key equals this may send `kv_transfer_params`.
+    pub trusted_client_token: Option<String>,
+    /// Keys a client must send as its bearer key to use `/v1/` (the trusted client token also
+    /// does); empty: `/v1/` is open.
+    pub api_keys: Vec<String>,
+}
+
+/// State shared by every request.
+#[derive(Debug)]
+pub struct Shared {
+    /// The live cluster.
+    pub cluster: Arc<Cluster>,
+    /// The policy.
+    pub router: Arc<Router>,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// Pooled keep-alive HTTP to the nodes.
+    pub http: NodeClient,
+    /// Releases P's leases nobody will pull.
+    pub leases: LeaseReleaser,
+    /// Which node holds which finished turn's KV.
+    pub holdings: Arc<Holdings>,
+    /// `/v1/responses` turns, for `previous_response_id`.
+    pub responses: Arc<ResponseStore>,
+    /// How many generation requests are served at once.
+    pub admission: Admission,
+    /// Requests open now, and whether the gateway drains (`SIGTERM`).
+    pub drain: Arc<Drain>,
+    /// Settings.
+    pub config: ProxyConfig,
+}
+
+/// The pingora service.
+#[derive(Debug, Clone)]
+pub struct Gateway(pub Arc<Shared>);
+
+/// Resolves when the client closed its connection (or sent more than it should have).
+async fn client_gone(session: &mut Session) {
+    loop {
+        match session.read_body_or_idle(true).await {
+            Ok(Some(_)) => continue,
+            Ok(None) | Err(_) => return,
+        }
+    }
+}
+
+/// Longest client-chosen request id kept; longer or unprintable ones are replaced.
+const MAX_REQUEST_ID: usize = 128;
+
+/// The request's id: the client's `x-request-id` when it is printable ASCII of at most
+/// [`MAX_REQUEST_ID`] bytes, else a fresh one put in its place, so every later phase (the
+/// node requests, the answer's headers, the logs) reads the same id from the session.
+fn assign_request_id(session: &mut Session) -> String {
+    if let Some(id) = request_id(session) {
+        return id.to_owned();
+    }
+    let id = format!("gw-{:032x}", rand::random::<u128>());
+    let _ = session.req_header_mut().insert_header(REQUEST_ID, &id);
+    id
+}
+
+/// The id [`assign_request_id`] settled on (or the client's, if still unchecked).
+fn request_id(session: &Session) -> Option<&str> {
+    let v = session
+        .req_header()
+        .headers
+        .get(REQUEST_ID)?
+        .to_str()
+        .ok()?;
+    (!v.is_empty() && v.len() <= MAX_REQUEST_ID && v.bytes().all(|b| b.is_ascii_graphic()))
+        .then_some(v)
+}
+
+/// A response header: status, content type, the request's id, the length when known.
+fn header(
+    status: u16,
+    content_type: &str,
+    len: Option<usize>,
+    request: Option<&str>,
+) -> Box<ResponseHeader> {
+    // A status from a node or a validated policy decision is always a valid one; fall back to
+    // 500 rather than panic if it was not.
+    let mut h = ResponseHeader::build(status, Some(5))
+        .or_else(|_| ResponseHeader::build(500, Some(5)))
+        .expect("500 is a valid status");
+    let _ = h.insert_header("content-type", content_type);
+    if let Some(id) = request {
+        let _ = h.insert_header(REQUEST_ID, id);
+    }
+    if let Some(len) = len {
+        let _ = h.insert_header("content-length", len.to_string());
+    }
+    if content_type.starts_with("text/event-stream") {
+        let _ = h.insert_header("cache-control", "no-cache");
+    }
+    Box::new(h)
+}
+
+/// The client's `Authorization: Bearer KEY`.
+fn bearer_key(session: &Session) -> Option<&str> {
+    let header = session.req_header().headers.get("authorization");
+    secret::bearer(header.and_then(|v| v.to_str().ok()))
+}
+
+/// A whole answer.
+async fn respond(session: &mut Session, status: u16, content_type: &str, body: Bytes) {
+    let h = header(status, content_type, Some(body.len()), request_id(session));
+    send_whole(session, h, body).await;
+}
+
+async fn send_whole(session: &mut Session, h: Box<ResponseHeader>, body: Bytes) {
+    if session.write_response_header(h, false).await.is_ok() {
+        let _ = session.write_response_body(Some(body), true).await;
+    }
+}
+
+/// An error as the whole answer: its status and OpenAI error object.
+async fn respond_error(session: &mut Session, e: &GatewayError) {
+    let body = e.body();
+    let mut h = header(
+        e.status(),
+        "application/json",
+        Some(body.len()),
+        request_id(session),
+    );
+    if let GatewayError::Overloaded(_) = e {
+        // The OpenAI SDKs wait this long before they retry.
+        let _ = h.insert_header("retry-after", "1");
+    }
+    send_whole(session, h, body).await;
+}
+
+/// The request body, at most `limit` bytes.
+async fn read_body(session: &mut Session, limit: usize) -> Result<Vec<u8>, GatewayError> {
+    let mut body = Vec::new();
+    loop {
+        match session.read_request_body().await {
+            Ok(Some(chunk)) => {
+                if body.len() + chunk.len() > limit {
+                    return Err(GatewayError::PayloadTooLarge { limit });
+                }
+                body.extend_from_slice(&chunk);
+            }
+            Ok(None) => return Ok(body),
+            Err(e) => {
+                return Err(GatewayError::invalid(
+                    "body",
+                    format!("reading the body: {e}"),
+                ));
+            }
+        }
+    }
+}
+
+fn internal(e: impl std::fmt::Display) -> GatewayError {
+    GatewayError::Internal(e.to_string())
+}
+
+impl Gateway {
+    fn trusted(&self, session: &Session) -> bool {
+        let Some(token) = &self.0.config.trusted_client_token else {
+            return false;
+        };
+        bearer_key(session).is_some_and(|key| secret::same_secret(key, token))
+    }
+
+    /// Whether the client may use `/v1/`: always when the gateway has no API keys, else with
+    /// one of them, or the trusted client token, as its bearer key.
+    fn authorized(&self, session: &Session) -> bool {
+        let config = &self.0.config;
+        if config.api_keys.is_empty() {
+            return true;
+        }
+        bearer_key(session).is_some_and(|key| {
+            config
+                .api_keys
+                .iter()
+                .chain(&config.trusted_client_token)
+                .any(|k| secret::same_secret(key, k))
+        })
+    }
+
+    /// Routes the request: a generation API, or one of the small endpoints.
+    async fn serve(&self, session: &mut Session, x: &mut Exchange) {
+        let method = session.req_header().method.as_str().to_owned();
+        let path = session.req_header().uri.path().to_owned();
+        let guarded = path.starts_with("/v1/") || pd_tokenize::endpoints::is_tokenizer_path(&path);
+        if guarded && !self.authorized(session) {
+            self.0.metrics.unauthorized.inc();
+            respond_error(session, &GatewayError::Unauthorized).await;
+            return;
+        }
+        if method == "POST"
+            && let Some(api) = openai::api_of(&path)
+        {
+            let id = assign_request_id(session);
+            return self
+                .generate(session, x, api)
+                .instrument(tracing::info_span!("request", id = %id))
+                .await;
+        }
+        if let Some(endpoint) = tokenizer_api::Endpoint::of(&method, &path) {
+            return self.tokenizer_endpoint(session, endpoint).await;
+        }
+        self.endpoint(session, &method, &path).await;
+    }
+
+    /// A generation request, start to end; the error answer when it failed before any byte
+    /// reached the client.
+    async fn generate(&self, session: &mut Session, x: &mut Exchange, api: Api) {
+        x.api = Some(api);
+        let outcome = self.admit(session, x).await;
+        x.outcome = Some(match outcome {
+            Ok(Outcome::Ok) => "ok",
+            Ok(Outcome::Aborted) => "aborted",
+            Err(e) => {
+                debug!(
+                    api = openai::api_label(api),
+                    status = e.status(),
+                    "request failed: {e}"
+                );
+                if x.progress.timing.first_byte.is_none() {
+                    respond_error(session, &e).await;
+                }
+                e.outcome()
+            }
+        });
+    }
+
+    /// Reads the body (bounded by `--max-body`), then, under `--max-concurrent-requests`, waits
+    /// for a slot while watching the client: one that leaves gives its place up at once, and a
+    /// slow upload holds no slot. Waiting for a slot is waiting on the cluster, not the
+    /// gateway's own time. The slot is held until the answer's last byte.
+    async fn admit(
+        &self,
+        session: &mut Session,
+        x: &mut Exchange,
+    ) -> Result<Outcome, GatewayError> {
+        let s = &self.0;
+        let api = x.api.unwrap_or(Api::ChatCompletions);
+        let read = std::time::Instant::now();
+        let raw = read_body(session, s.config.max_body).await?;
+        s.metrics
+            .phase
+            .with_label_values(&["read"])
+            .observe(read.elapsed().as_secs_f64());
+        if !s.admission.limited() {
+            return self.answer(session, x, api, &raw).await;
+        }
+        // A completions request listing several prompts weighs as many (read here only when
+        // admission is limited; a body that does not parse weighs 1 and fails later).
+        let weight = match api {
+            Api::Completions => openai::prompts_listed(&raw),
+            _ => 1,
+        };
+        let timing = &mut x.progress.timing;
+        let admitted = tokio::select! {
+            a = timing.wait(s.admission.admit_weighted(weight)) => a,
+            () = client_gone(session) => return Ok(Outcome::Aborted),
+        };
+        s.metrics.queue_wait.observe(timing.waiting.as_secs_f64());
+        let _slot = admitted.map_err(|why| {
+            s.metrics
+                .admission_refused
+                .with_label_values(&[why.label()])
+                .inc();
+            GatewayError::Overloaded(why)
+        })?;
+        self.answer(session, x, api, &raw).await
+    }
+
+    /// Phases 2–5 of an admitted request.
+    async fn answer(
+        &self,
+        session: &mut Session,
+        x: &mut Exchange,
+        api: Api,
+        raw: &[u8],
+    ) -> Result<Outcome, GatewayError> {
+        let (prepared, reserved) = self.prepare(session, api, raw).await?;
+        x.progress.timing.prepared = Some(std::time::Instant::now());
+        let prepared = x.request.insert(prepared);
+        let outcome = self
+            .execute(session, prepared, &mut x.progress, reserved)
+            .await;
+        self.remember(prepared, &mut x.progress, &outcome);
+        outcome
+    }
+}
+
+#[async_trait]
+impl ProxyHttp for Gateway {
+    type CTX = Exchange;
+
+    fn new_ctx(&self) -> Self::CTX {
+        Exchange::new()
+    }
+
+    /// Never reached: `request_filter` answers every request.
+    async fn upstream_peer(
+        &self,
+        _session: &mut Session,
+        _x: &mut Self::CTX,
+    ) -> pingora::Result<Box<HttpPeer>> {
+        Err(pingora::Error::explain(
+            pingora::ErrorType::InternalError,
+            "every route is answered in request_filter",
+        ))
+    }
+
+    /// Serves the request and returns `Ok(true)`: the response was sent here.
+    async fn request_filter(
+        &self,
+        session: &mut Session,
+        x: &mut Self::CTX,
+    ) -> pingora::Result<bool> {
+        let _open = self.0.drain.enter();
+        self.serve(session, x).await;
+        Ok(true)
+    }
+
+    /// The request's metrics, once its answer is over.
+    async fn logging(
+        &self,
+        _session: &mut Session,
+        _e: Option<&pingora::Error>,
+        x: &mut Self::CTX,
+    ) {
+        x.record(&self.0.metrics);
+    }
+}
