@@ -82,8 +82,15 @@ pub enum GatewayError {
         message: String,
     },
     /// The policy failed and the operator chose to fail requests instead of falling back (503).
-    #[error("the routing policy failed: {0}")]
-    PolicyFailed(String),
+    #[error("the routing policy failed: {policy} {version}: {error}")]
+    PolicyFailed {
+        /// The policy's name.
+        policy: String,
+        /// Its version.
+        version: String,
+        /// How it failed.
+        error: pd_policy::PolicyError,
+    },
     /// A node answered with an error; its status and body are passed through.
     #[error("node error {status}")]
     Node {
@@ -92,12 +99,67 @@ pub enum GatewayError {
         /// The node's body (an OpenAI error object).
         body: Bytes,
     },
-    /// A node could not be reached or broke the protocol (502).
+    /// A node broke off or broke the protocol mid-answer (502).
     #[error("{0}")]
-    BadGateway(String),
+    BadGateway(#[from] NodeFailure),
     /// The gateway failed (500).
     #[error("internal error: {0}")]
-    Internal(String),
+    Internal(#[from] InternalError),
+}
+
+/// How a node failed a request it had started to answer.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeFailure {
+    /// The node left the cluster's view mid-answer and did not come back.
+    #[error("{node} left the view mid-answer and did not come back")]
+    Left {
+        /// The node's engine id.
+        node: String,
+    },
+    /// A decode node of a spread request left the view.
+    #[error("a decode node left the view mid-answer and did not come back")]
+    DecodeLeft,
+    /// Reading a whole answer failed.
+    #[error("node answer broke: {0}")]
+    AnswerBroke(crate::upstream::UpstreamError),
+    /// A streamed answer broke off.
+    #[error("node stream broke: {0}")]
+    StreamBroke(crate::upstream::UpstreamError),
+    /// A spread request's decode node ended its stream without `[DONE]`.
+    #[error("a decode node's stream ended early")]
+    StreamEndedEarly,
+    /// The spread children's answers could not be merged.
+    #[error(transparent)]
+    Merge(#[from] crate::spread::MergeError),
+}
+
+/// The gateway's own failures.
+#[derive(Debug, thiserror::Error)]
+pub enum InternalError {
+    /// Writing JSON failed (a number serde_json cannot write).
+    #[error("writing JSON: {0}")]
+    Json(#[from] serde_json::Error),
+    /// A blocking task (tokenizing) panicked or was cancelled.
+    #[error("a blocking task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+    /// The built-in fallback policy's decision did not validate.
+    #[error("fallback policy: {0}")]
+    Fallback(#[from] pd_policy::InvalidDecision),
+    /// Rendering or tokenizing a prompt failed for a reason other than the request.
+    #[error("{0}")]
+    Prompt(String),
+}
+
+impl From<serde_json::Error> for GatewayError {
+    fn from(e: serde_json::Error) -> Self {
+        Self::Internal(InternalError::Json(e))
+    }
+}
+
+impl From<tokio::task::JoinError> for GatewayError {
+    fn from(e: tokio::task::JoinError) -> Self {
+        Self::Internal(InternalError::Task(e))
+    }
 }
 
 fn overloaded_message(why: crate::admission::Refused) -> &'static str {
@@ -134,7 +196,7 @@ impl GatewayError {
             Self::NoCapacity { .. } | Self::Node { .. } | Self::BadGateway(_) => {
                 ErrorSource::Upstream
             }
-            Self::Rejected { .. } | Self::PolicyFailed(_) => ErrorSource::Policy,
+            Self::Rejected { .. } | Self::PolicyFailed { .. } => ErrorSource::Policy,
             Self::Internal(_) => ErrorSource::Internal,
         }
     }
@@ -150,7 +212,7 @@ impl GatewayError {
             | Self::UnknownRoute { .. } => 404,
             Self::PayloadTooLarge { .. } => 413,
             Self::Overloaded(_) => 429,
-            Self::NoCapacity { .. } | Self::PolicyFailed(_) => 503,
+            Self::NoCapacity { .. } | Self::PolicyFailed { .. } => 503,
             Self::Rejected { status, .. } | Self::Node { status, .. } => *status,
             Self::BadGateway(_) => 502,
             Self::Internal(_) => 500,
@@ -193,7 +255,7 @@ impl GatewayError {
             Self::Unauthorized => ("invalid_request_error", Some("invalid_api_key")),
             Self::Overloaded(_) => ("rate_limit_error", Some("rate_limit_exceeded")),
             Self::Rejected { .. } => ("invalid_request_error", Some("policy_rejected")),
-            Self::NoCapacity { .. } | Self::PolicyFailed(_) => {
+            Self::NoCapacity { .. } | Self::PolicyFailed { .. } => {
                 ("service_unavailable_error", Some("no_capacity"))
             }
             Self::BadGateway(_) | Self::Node { .. } => ("upstream_error", None),
@@ -258,7 +320,10 @@ mod tests {
         assert_eq!(e.status(), 404);
         let v: serde_json::Value = serde_json::from_slice(&e.body()).unwrap();
         assert_eq!(v["error"]["code"], "model_not_found");
-        assert_eq!(GatewayError::BadGateway("x".into()).status(), 502);
+        assert_eq!(
+            GatewayError::from(NodeFailure::StreamEndedEarly).status(),
+            502
+        );
         assert_eq!(
             GatewayError::Rejected {
                 status: 429,
@@ -275,7 +340,7 @@ mod tests {
 
     #[test]
     fn a_stream_ends_with_an_error_event_the_sdks_raise_on() {
-        let e = GatewayError::BadGateway("d0 left the view".into());
+        let e = GatewayError::from(NodeFailure::Left { node: "d0".into() });
         for api in [Api::ChatCompletions, Api::Completions] {
             let ev = e.stream_event(api);
             let data = ev
@@ -284,7 +349,10 @@ mod tests {
                 .expect("one data frame");
             let v: serde_json::Value = serde_json::from_slice(data).unwrap();
             assert_eq!(v["error"]["type"], "upstream_error");
-            assert_eq!(v["error"]["message"], "d0 left the view");
+            assert_eq!(
+                v["error"]["message"],
+                "d0 left the view mid-answer and did not come back"
+            );
         }
         let ev = e.stream_event(Api::Responses);
         let data = ev

@@ -188,7 +188,7 @@ pub fn analyze(
 impl From<prompt::PromptError> for GatewayError {
     fn from(e: prompt::PromptError) -> Self {
         if e.source.is_some() {
-            return GatewayError::Internal(e.message);
+            return GatewayError::Internal(crate::error::InternalError::Prompt(e.message));
         }
         GatewayError::InvalidRequest {
             message: e.message,

@@ -19,7 +19,7 @@ use pd_policy::{Decision, Installed, Measured, PolicySlot, Record, Request, View
 use tracing::warn;
 
 use crate::decision_log::DecisionLog;
-use crate::error::GatewayError;
+use crate::error::{GatewayError, InternalError};
 use crate::metrics::Metrics;
 
 /// The policy label of decisions the built-in fallback made.
@@ -174,10 +174,11 @@ impl Router {
                     .with_label_values(&[installed.name(), &version, reason])
                     .inc();
                 if self.on_failure == OnPolicyFailure::Fail {
-                    return Err(GatewayError::PolicyFailed(format!(
-                        "{} {version}: {e}",
-                        installed.name()
-                    )));
+                    return Err(GatewayError::PolicyFailed {
+                        policy: installed.name().to_owned(),
+                        version,
+                        error: e,
+                    });
                 }
                 self.metrics.fallbacks.with_label_values(&[reason]).inc();
                 self.metrics
@@ -195,8 +196,7 @@ impl Router {
                 );
                 let decision =
                     native::prefix_aware::prefix_aware_with(request, view, measured, &thresholds);
-                pd_policy::validate(&decision, request, view)
-                    .map_err(|e| GatewayError::Internal(format!("fallback policy: {e}")))?;
+                pd_policy::validate(&decision, request, view).map_err(InternalError::from)?;
                 Ok(Decided {
                     decision,
                     policy: FALLBACK.to_owned(),

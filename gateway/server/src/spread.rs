@@ -122,23 +122,36 @@ fn merge_usage(usages: &[&Value]) -> Option<Value> {
     Some(out)
 }
 
+/// Why spread children's answers could not be merged.
+#[derive(Debug, thiserror::Error)]
+pub enum MergeError {
+    /// A part is not JSON.
+    #[error("a decode node's body: {0}")]
+    Body(#[from] serde_json::Error),
+    /// A part has no `choices` list.
+    #[error("a decode node answered without choices: {0}")]
+    NoChoices(Value),
+    /// No part at all.
+    #[error("no decode answer")]
+    Empty,
+}
+
 /// One whole answer from several: `parts[j]` is group `j`'s body, moved by `offsets[j]`.
 ///
 /// # Errors
 /// A part that is not a JSON object with a `choices` list.
-pub fn merge_json(parts: &[(u32, &[u8])]) -> Result<Value, String> {
+pub fn merge_json(parts: &[(u32, &[u8])]) -> Result<Value, MergeError> {
     let mut values = Vec::with_capacity(parts.len());
     for (offset, body) in parts {
-        let mut v: Value =
-            serde_json::from_slice(body).map_err(|e| format!("a decode node's body: {e}"))?;
+        let mut v: Value = serde_json::from_slice(body)?;
         if !v.get("choices").is_some_and(Value::is_array) {
-            return Err(format!("a decode node answered without choices: {v}"));
+            return Err(MergeError::NoChoices(v));
         }
         shift_choices(&mut v, *offset);
         values.push(v);
     }
     let Some(mut out) = values.first().cloned() else {
-        return Err("no decode answer".into());
+        return Err(MergeError::Empty);
     };
     let mut choices: Vec<Value> = values
         .iter()

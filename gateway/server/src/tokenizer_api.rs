@@ -98,7 +98,9 @@ fn percent_decoded(value: &str) -> String {
 }
 
 fn internal(e: &serde_json::Error) -> GatewayError {
-    GatewayError::Internal(format!("encoding a tokenizer answer: {e}"))
+    GatewayError::Internal(crate::error::InternalError::Prompt(format!(
+        "encoding a tokenizer answer: {e}"
+    )))
 }
 
 fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, GatewayError> {

@@ -4,7 +4,7 @@
 use pingora::prelude::Session;
 use serde_json::{Value, json};
 
-use super::{Gateway, bearer_key, internal, read_body, respond, respond_error};
+use super::{Gateway, bearer_key, read_body, respond, respond_error};
 use crate::conversation::{self, Owner};
 use crate::error::GatewayError;
 use crate::tokenizer_api;
@@ -147,8 +147,7 @@ impl Gateway {
             tokio::task::spawn_blocking(move || {
                 tokenizer_api::answer(&cluster, endpoint, query.as_deref(), &body)
             })
-            .await
-            .map_err(internal)?
+            .await?
         }
         .await;
         match answered {

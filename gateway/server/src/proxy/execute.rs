@@ -11,7 +11,7 @@ use super::exchange::{Outcome, Progress};
 use super::plan::{Plan, SplitPlan};
 use super::prepare::Prepared;
 use super::relay::Parts;
-use super::{Gateway, client_gone, internal};
+use super::{Gateway, client_gone};
 use crate::cluster::{NodeRef, OnNode};
 use crate::error::GatewayError;
 use crate::openai;
@@ -112,7 +112,7 @@ impl Gateway {
                 };
                 let leg = Leg {
                     candidates,
-                    body: Bytes::from(bytes.map_err(internal)?),
+                    body: Bytes::from(bytes?),
                     stage,
                     reserved: None,
                 };
@@ -244,7 +244,7 @@ impl Gateway {
         }
         let leg = Leg {
             candidates: &split.decode,
-            body: Bytes::from(openai::decode_bytes(&req.body, &first).map_err(internal)?),
+            body: Bytes::from(openai::decode_bytes(&req.body, &first)?),
             stage: "decode",
             // The first group's node; the other groups' reservations end here.
             reserved: reserved.into_iter().next(),
@@ -276,7 +276,7 @@ impl Gateway {
     ) -> Result<Option<Vec<KvTransferParams>>, GatewayError> {
         let held = req.pulled().map(|h| h.for_prefill(split.consumers));
         let body = openai::prefill_bytes(req.api, &req.body, split.consumers, held);
-        let body = Bytes::from(body.map_err(internal)?);
+        let body = Bytes::from(body?);
         let path = req.path();
         let mut walk = self.walk(req, &split.prefill, "prefill");
         let served = loop {
@@ -379,7 +379,7 @@ impl Gateway {
         let mut bodies = Vec::with_capacity(groups.len());
         for (g, p) in groups.iter().zip(&params) {
             let b = spread::group_body(&openai::decode_body(&req.body, p), g, seed);
-            bodies.push(Bytes::from(serde_json::to_vec(&b).map_err(internal)?));
+            bodies.push(Bytes::from(serde_json::to_vec(&b)?));
         }
         let release_all = |why| {
             for p in &params {

@@ -219,10 +219,6 @@ async fn read_body(session: &mut Session, limit: usize) -> Result<Vec<u8>, Gatew
     }
 }
 
-fn internal(e: impl std::fmt::Display) -> GatewayError {
-    GatewayError::Internal(e.to_string())
-}
-
 impl Gateway {
     fn trusted(&self, session: &Session) -> bool {
         let Some(token) = &self.0.config.trusted_client_token else {

@@ -14,7 +14,7 @@ use tracing::{debug, warn};
 
 use super::exchange::PhaseClock;
 use super::plan::{self, Facts, HeldTurn, Plan};
-use super::{Gateway, bearer_key, internal};
+use super::{Gateway, bearer_key};
 use crate::answer::Capture;
 use crate::cluster::{NodeRef, OnNode, Snapshot};
 use crate::conversation::{self, Holding, Owner};
@@ -166,9 +166,7 @@ impl Gateway {
         let tokens = if pd_tokenize::prompt::tokenize_inline_ok(&prompt) {
             tokenize_inline(&tokenizer, prompt)?
         } else {
-            tokio::task::spawn_blocking(move || tokenize_inline(&tokenizer, prompt))
-                .await
-                .map_err(internal)??
+            tokio::task::spawn_blocking(move || tokenize_inline(&tokenizer, prompt)).await??
         };
         // Chained from the deployment's key and the request's salt, exactly as on the nodes.
         let root = pd_kv_pool::root_hash(

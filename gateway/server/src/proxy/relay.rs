@@ -10,10 +10,10 @@ use tracing::warn;
 
 use super::exchange::{Outcome, Progress};
 use super::prepare::Prepared;
-use super::{Gateway, client_gone, header, internal, request_id, respond};
+use super::{Gateway, client_gone, header, request_id, respond};
 use crate::answer::SseCapture;
 use crate::cluster::NodeRef;
-use crate::error::GatewayError;
+use crate::error::{GatewayError, NodeFailure};
 use crate::spread;
 use crate::upstream::{NodeResponse, UpstreamError};
 
@@ -45,10 +45,9 @@ impl Gateway {
     ) -> Result<Outcome, GatewayError> {
         let capture = req.capture();
         let left = || {
-            GatewayError::BadGateway(format!(
-                "{} left the view mid-answer and did not come back",
-                node.engine_id
-            ))
+            GatewayError::from(NodeFailure::Left {
+                node: node.engine_id.to_string(),
+            })
         };
         let status = resp.status().as_u16();
         let content_type = resp.content_type().unwrap_or("application/json").to_owned();
@@ -60,7 +59,7 @@ impl Gateway {
             };
             let body = match read {
                 Ok(b) => b,
-                Err(e) => return Err(GatewayError::BadGateway(format!("node answer broke: {e}"))),
+                Err(e) => return Err(NodeFailure::AnswerBroke(e).into()),
             };
             let body = match capture.json(&body, &mut st.captured) {
                 Some(changed) => Bytes::from(changed),
@@ -132,7 +131,7 @@ impl Gateway {
                     warn!("node stream broke: {e}");
                     let err = match e {
                         UpstreamError::Gone => left(),
-                        e => GatewayError::BadGateway(format!("node stream broke: {e}")),
+                        e => NodeFailure::StreamBroke(e).into(),
                     };
                     let last = (sse.is_some() && !answered).then(|| err.stream_event(req.api));
                     let _ = session.write_response_body(last, true).await;
@@ -186,17 +185,20 @@ impl Gateway {
         let bodies = tokio::select! {
             b = st.timing.wait(reads) => b,
             () = client_gone(session) => return Ok(Outcome::Aborted),
-            () = any_gone(&parts.nodes) => return Err(GatewayError::BadGateway(UpstreamError::Gone.to_string())),
+            () = any_gone(&parts.nodes) => return Err(NodeFailure::DecodeLeft.into()),
         };
-        let mut merged = Vec::with_capacity(bodies.len());
-        for (b, &offset) in bodies.iter().zip(&parts.offsets) {
-            match b {
-                Ok(b) => merged.push((offset, b.as_ref())),
-                Err(e) => return Err(GatewayError::BadGateway(format!("a decode node: {e}"))),
-            }
-        }
-        let merged = spread::merge_json(&merged).map_err(GatewayError::BadGateway)?;
-        let bytes = Bytes::from(serde_json::to_vec(&merged).map_err(internal)?);
+        let bodies = bodies
+            .into_iter()
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(NodeFailure::AnswerBroke)?;
+        let merged: Vec<(u32, &[u8])> = parts
+            .offsets
+            .iter()
+            .zip(&bodies)
+            .map(|(&offset, b)| (offset, b.as_ref()))
+            .collect();
+        let merged = spread::merge_json(&merged).map_err(NodeFailure::from)?;
+        let bytes = Bytes::from(serde_json::to_vec(&merged)?);
         st.timing.answered();
         respond(session, 200, "application/json", bytes).await;
         Ok(Outcome::Ok)
@@ -236,7 +238,7 @@ impl Gateway {
                 Some((j, Ok(bytes))) => merge.feed(j, &bytes),
                 Some((_, Err(e))) => {
                     warn!("decode stream broke: {e}");
-                    let err = GatewayError::BadGateway(format!("node stream broke: {e}"));
+                    let err = GatewayError::from(NodeFailure::StreamBroke(e));
                     // Children spread over nodes (n > 1) exist on chat and completions only,
                     // whose error frame is the same.
                     let _ = session
@@ -261,9 +263,7 @@ impl Gateway {
             // A node ended its stream without `[DONE]` (it reported an error frame): end the
             // merged stream the same way.
             let _ = session.write_response_body(None, true).await;
-            return Err(GatewayError::BadGateway(
-                "a decode node's stream ended early".into(),
-            ));
+            return Err(NodeFailure::StreamEndedEarly.into());
         }
         let tail = merge.finish();
         st.timing.answered();
