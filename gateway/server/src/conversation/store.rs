@@ -1,0 +1,480 @@
+//! [`ResponseStore`]: `/v1/responses` turns by response id, owned by the key that stored them,
+//! bounded by bytes and age.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+/// A response [`ResponseStore::delete`] forgot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deleted {
+    /// The key ([`Holding::last_hash`]) of the KV a node retained of that turn, if any.
+    pub held: Option<u64>,
+}
+
+/// Who stored a response: the SHA-256 of the bearer key its request came with (the key itself
+/// is not kept), or nobody (no key). Only the same owner reads, deletes or continues it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Owner(Option<[u8; 32]>);
+
+impl Owner {
+    /// Nobody: a request without a bearer key.
+    pub const NOBODY: Owner = Owner(None);
+
+    /// The owner of a request with this bearer key.
+    pub fn of(bearer: Option<&str>) -> Self {
+        Owner(bearer.map(|key| Sha256::digest(key.as_bytes()).into()))
+    }
+}
+
+/// A turn to store ([`ResponseStore::put`]).
+#[derive(Debug, Clone)]
+pub struct NewTurn<'a> {
+    /// Who stored it.
+    pub owner: Owner,
+    /// The response it continued (`previous_response_id`).
+    pub parent: Option<&'a str>,
+    /// This turn's own input items.
+    pub input: Vec<Value>,
+    /// The answer's output items.
+    pub output: Vec<Value>,
+    /// The response object as the client got it (`Value::Null`: not kept).
+    pub response: Value,
+    /// The key ([`Holding::last_hash`]) of the KV a node retained of it, if any.
+    pub held: Option<u64>,
+}
+
+/// One `/v1/responses` turn.
+#[derive(Debug, Clone)]
+struct StoredTurn {
+    /// Who stored it.
+    owner: Owner,
+    /// The response this one continued (`previous_response_id`).
+    parent: Option<Arc<str>>,
+    /// This turn's own input items, then the answer's output items.
+    items: Vec<Value>,
+    /// How many of `items` are this turn's input.
+    inputs: usize,
+    /// The response object as the client got it (`Value::Null`: not kept).
+    response: Value,
+    /// The key ([`Holding::last_hash`]) of the retained KV a node kept of this turn, if any.
+    held: Option<u64>,
+    bytes: usize,
+    stored_at: Instant,
+    /// Least-recently-used stamp (key of `lru`).
+    stamp: u64,
+}
+
+/// Why a conversation cannot be rebuilt.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HistoryError {
+    /// The id was never stored, or was evicted or expired.
+    #[error("Previous response with id '{0}' not found.")]
+    NotFound(String),
+    /// The id is stored but an earlier turn it continues was evicted or expired.
+    #[error(
+        "Previous response with id '{id}' continues '{missing}', which is no longer stored: send the whole conversation in `input`."
+    )]
+    Broken {
+        /// The id asked for.
+        id: String,
+        /// The earliest turn missing.
+        missing: String,
+    },
+}
+
+/// `/v1/responses` turns by id, bounded by bytes (least recently used first) and age.
+#[derive(Debug)]
+pub struct ResponseStore {
+    inner: Mutex<StoreInner>,
+    max_bytes: usize,
+    ttl: Duration,
+}
+
+#[derive(Debug, Default)]
+struct StoreInner {
+    turns: HashMap<Arc<str>, StoredTurn>,
+    lru: BTreeMap<u64, Arc<str>>,
+    bytes: usize,
+    stamp: u64,
+}
+
+/// Turns walked back at most when rebuilding one conversation.
+const MAX_TURNS: usize = 10_000;
+
+impl ResponseStore {
+    /// A store of at most `max_bytes` (serialized items) whose turns live at most `ttl`.
+    pub fn new(max_bytes: usize, ttl: Duration) -> Self {
+        Self {
+            inner: Mutex::default(),
+            max_bytes,
+            ttl,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, StoreInner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Bytes stored (for metrics).
+    pub fn bytes(&self) -> usize {
+        self.lock().bytes
+    }
+
+    /// Stores response `id` ([`NewTurn`]). A turn larger than the whole store is not kept.
+    /// Returns how many turns were evicted to make room.
+    pub fn put(&self, id: &str, turn: NewTurn<'_>) -> u64 {
+        let NewTurn {
+            owner,
+            parent,
+            input,
+            output,
+            response,
+            held,
+        } = turn;
+        let inputs = input.len();
+        let mut items = input;
+        items.extend(output);
+        let bytes = items.iter().map(|v| v.to_string().len()).sum::<usize>()
+            + id.len()
+            + if response.is_null() {
+                0
+            } else {
+                response.to_string().len()
+            };
+        if bytes > self.max_bytes {
+            return 0;
+        }
+        let mut s = self.lock();
+        s.stamp += 1;
+        let stamp = s.stamp;
+        let key: Arc<str> = Arc::from(id);
+        let turn = StoredTurn {
+            owner,
+            parent: parent.map(Arc::from),
+            items,
+            inputs,
+            response,
+            held,
+            bytes,
+            stored_at: Instant::now(),
+            stamp,
+        };
+        if let Some(old) = s.turns.insert(key.clone(), turn) {
+            s.lru.remove(&old.stamp);
+            s.bytes -= old.bytes;
+        }
+        s.lru.insert(stamp, key);
+        s.bytes += bytes;
+        let mut evicted = 0;
+        while s.bytes > self.max_bytes {
+            let Some((_, victim)) = s.lru.pop_first() else {
+                break;
+            };
+            if let Some(t) = s.turns.remove(&victim) {
+                s.bytes -= t.bytes;
+                evicted += 1;
+            }
+        }
+        evicted
+    }
+
+    /// Response `id` as the client got it, if `owner` stored it and it is not past the age
+    /// limit (a read does not count as a use: only a next turn keeps a conversation alive).
+    pub fn response(&self, id: &str, owner: Owner) -> Option<Value> {
+        self.fresh(id, owner, |t| t.response.clone())
+            .filter(|r| !r.is_null())
+    }
+
+    /// The input items response `id` answered (its own, not the earlier turns'), oldest first,
+    /// if `owner` stored it.
+    pub fn input_items(&self, id: &str, owner: Owner) -> Option<Vec<Value>> {
+        self.fresh(id, owner, |t| t.items[..t.inputs].to_vec())
+    }
+
+    /// Forgets response `id`: `None` when `owner` did not store it (or it had expired), else
+    /// the key of the KV a node retained of it, for the caller to release. A later turn that
+    /// continued it can no longer be continued ([`HistoryError::Broken`]).
+    pub fn delete(&self, id: &str, owner: Owner) -> Option<Deleted> {
+        let mut s = self.lock();
+        if s.turns.get(id)?.owner != owner {
+            return None;
+        }
+        let t = s.turns.remove(id)?;
+        s.lru.remove(&t.stamp);
+        s.bytes -= t.bytes;
+        (t.stored_at.elapsed() <= self.ttl).then_some(Deleted { held: t.held })
+    }
+
+    /// `read` of turn `id` when `owner` stored it and it is fresh; an expired one is dropped.
+    fn fresh<R>(&self, id: &str, owner: Owner, read: impl FnOnce(&StoredTurn) -> R) -> Option<R> {
+        let mut s = self.lock();
+        match s.turns.get(id) {
+            Some(t) if t.owner != owner => None,
+            Some(t) if t.stored_at.elapsed() <= self.ttl => Some(read(t)),
+            Some(_) => {
+                if let Some(t) = s.turns.remove(id) {
+                    s.lru.remove(&t.stamp);
+                    s.bytes -= t.bytes;
+                }
+                None
+            }
+            None => None,
+        }
+    }
+
+    /// The whole conversation up to and including response `id`, oldest item first: every
+    /// turn's input items and output items. Each turn on the way counts as used (it moves to
+    /// the back of the eviction order).
+    ///
+    /// # Errors
+    /// [`HistoryError`] when `id` or a turn it continues is not stored (never was, evicted,
+    /// or older than the store's age limit), or `owner` did not store it.
+    pub fn history(&self, id: &str, owner: Owner) -> Result<Vec<Value>, HistoryError> {
+        let mut s = self.lock();
+        let now = Instant::now();
+        let mut chain: Vec<Arc<str>> = Vec::new();
+        let mut at: Arc<str> = Arc::from(id);
+        loop {
+            let turn = s.turns.get(&at);
+            if turn.is_some_and(|t| t.owner != owner) {
+                // Not this client's: as if never stored (a turn only continues its own
+                // owner's, so this is the first one).
+                return Err(HistoryError::NotFound(id.to_owned()));
+            }
+            let fresh = turn.is_some_and(|t| now.duration_since(t.stored_at) <= self.ttl);
+            if !fresh {
+                if let Some(t) = s.turns.remove(&at) {
+                    s.lru.remove(&t.stamp);
+                    s.bytes -= t.bytes;
+                }
+                return Err(if chain.is_empty() {
+                    HistoryError::NotFound(id.to_owned())
+                } else {
+                    HistoryError::Broken {
+                        id: id.to_owned(),
+                        missing: at.to_string(),
+                    }
+                });
+            }
+            chain.push(at.clone());
+            match s.turns.get(&at).and_then(|t| t.parent.clone()) {
+                Some(parent) if chain.len() < MAX_TURNS => at = parent,
+                _ => break,
+            }
+        }
+        let mut items = Vec::new();
+        for key in chain.iter().rev() {
+            s.stamp += 1;
+            let stamp = s.stamp;
+            let StoreInner { turns, lru, .. } = &mut *s;
+            if let Some(t) = turns.get_mut(key) {
+                lru.remove(&t.stamp);
+                t.stamp = stamp;
+                lru.insert(stamp, key.clone());
+                items.extend(t.items.iter().cloned());
+            }
+        }
+        Ok(items)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// The owner of every turn these tests store, but where another is the point.
+    const ME: Owner = Owner(None);
+
+    fn msg(role: &str, text: &str) -> Value {
+        json!({"role": role, "content": text})
+    }
+
+    /// Stores a turn of one user message, no answer, no response object, no retained KV.
+    fn user_turn(store: &ResponseStore, id: &str, parent: Option<&str>, text: &str) -> u64 {
+        store.put(
+            id,
+            NewTurn {
+                owner: ME,
+                parent,
+                input: vec![msg("user", text)],
+                output: vec![],
+                response: Value::Null,
+                held: None,
+            },
+        )
+    }
+
+    #[test]
+    fn a_conversation_is_rebuilt_turn_by_turn() {
+        let store = ResponseStore::new(1 << 20, Duration::from_secs(60));
+        store.put(
+            "r1",
+            NewTurn {
+                owner: ME,
+                parent: None,
+                input: vec![msg("user", "hi")],
+                output: vec![msg("assistant", "hello")],
+                response: Value::Null,
+                held: None,
+            },
+        );
+        store.put(
+            "r2",
+            NewTurn {
+                owner: ME,
+                parent: Some("r1"),
+                input: vec![msg("user", "how?")],
+                output: vec![msg("assistant", "so")],
+                response: json!({"id": "r2", "object": "response"}),
+                held: None,
+            },
+        );
+        assert_eq!(
+            store.history("r2", ME).unwrap(),
+            vec![
+                msg("user", "hi"),
+                msg("assistant", "hello"),
+                msg("user", "how?"),
+                msg("assistant", "so")
+            ]
+        );
+        assert_eq!(store.history("r1", ME).unwrap().len(), 2);
+        assert_eq!(
+            store.history("nope", ME),
+            Err(HistoryError::NotFound("nope".into()))
+        );
+    }
+
+    #[test]
+    fn the_store_evicts_least_recently_used_turns_past_its_bytes() {
+        let one = {
+            let s = ResponseStore::new(1 << 20, Duration::from_secs(60));
+            user_turn(&s, "rA", None, "aaaa");
+            s.bytes()
+        };
+        let store = ResponseStore::new(2 * one + one / 2, Duration::from_secs(60));
+        user_turn(&store, "rA", None, "aaaa");
+        user_turn(&store, "rB", None, "bbbb");
+        // rA used: rB is now the least recently used.
+        store.history("rA", ME).unwrap();
+        assert_eq!(user_turn(&store, "rC", None, "cccc"), 1);
+        assert!(store.history("rA", ME).is_ok());
+        assert!(store.history("rC", ME).is_ok());
+        assert_eq!(
+            store.history("rB", ME),
+            Err(HistoryError::NotFound("rB".into()))
+        );
+        // A child whose parent went is refused by name.
+        user_turn(&store, "rD", Some("rB"), "d");
+        assert!(
+            matches!(store.history("rD", ME), Err(HistoryError::Broken { missing, .. }) if missing == "rB")
+        );
+    }
+
+    #[test]
+    fn a_stored_response_is_read_listed_and_deleted() {
+        let store = ResponseStore::new(1 << 20, Duration::from_secs(60));
+        let r1 = json!({"id": "r1", "object": "response", "output_text": "hello"});
+        store.put(
+            "r1",
+            NewTurn {
+                owner: ME,
+                parent: None,
+                input: vec![msg("system", "be brief"), msg("user", "hi")],
+                output: vec![msg("assistant", "hello")],
+                response: r1.clone(),
+                held: Some(7),
+            },
+        );
+        store.put(
+            "r2",
+            NewTurn {
+                owner: ME,
+                parent: Some("r1"),
+                input: vec![msg("user", "how?")],
+                output: vec![],
+                response: Value::Null,
+                held: None,
+            },
+        );
+        assert_eq!(store.response("r1", ME), Some(r1));
+        assert_eq!(store.response("r2", ME), None, "not kept");
+        assert_eq!(
+            store.input_items("r1", ME),
+            Some(vec![msg("system", "be brief"), msg("user", "hi")])
+        );
+        assert_eq!(store.input_items("r2", ME), Some(vec![msg("user", "how?")]));
+        assert_eq!(store.input_items("nope", ME), None);
+        let before = store.bytes();
+        assert_eq!(store.delete("r1", ME), Some(Deleted { held: Some(7) }));
+        assert_eq!(store.delete("r1", ME), None, "gone already");
+        assert!(
+            matches!(store.history("r2", ME), Err(HistoryError::Broken { missing, .. }) if missing == "r1")
+        );
+        assert_eq!(store.delete("r2", ME), Some(Deleted { held: None }));
+        assert!(store.bytes() < before);
+        assert_eq!(store.response("r1", ME), None);
+        let old = ResponseStore::new(1 << 20, Duration::ZERO);
+        old.put(
+            "r1",
+            NewTurn {
+                owner: ME,
+                parent: None,
+                input: vec![],
+                output: vec![],
+                response: json!({"id": "r1"}),
+                held: None,
+            },
+        );
+        std::thread::sleep(Duration::from_millis(2));
+        assert_eq!(old.response("r1", ME), None);
+        assert_eq!(old.bytes(), 0, "an expired turn read is dropped");
+    }
+
+    #[test]
+    fn another_key_finds_nothing_of_a_stored_response() {
+        let store = ResponseStore::new(1 << 20, Duration::from_secs(60));
+        let (a, b) = (Owner::of(Some("key-a")), Owner::of(Some("key-b")));
+        store.put(
+            "r1",
+            NewTurn {
+                owner: a,
+                parent: None,
+                input: vec![msg("user", "mine")],
+                output: vec![msg("assistant", "yes")],
+                response: json!({"id": "r1"}),
+                held: Some(3),
+            },
+        );
+        for other in [b, Owner::of(None)] {
+            assert_eq!(store.response("r1", other), None);
+            assert_eq!(store.input_items("r1", other), None);
+            assert_eq!(
+                store.history("r1", other),
+                Err(HistoryError::NotFound("r1".into()))
+            );
+            assert_eq!(store.delete("r1", other), None);
+        }
+        // Untouched for its owner.
+        assert_eq!(store.response("r1", a), Some(json!({"id": "r1"})));
+        assert_eq!(store.history("r1", a).unwrap().len(), 2);
+        assert_eq!(store.delete("r1", a), Some(Deleted { held: Some(3) }));
+    }
+
+    #[test]
+    fn turns_older_than_the_age_limit_are_gone() {
+        let store = ResponseStore::new(1 << 20, Duration::ZERO);
+        user_turn(&store, "r1", None, "hi");
+        std::thread::sleep(Duration::from_millis(2));
+        assert_eq!(
+            store.history("r1", ME),
+            Err(HistoryError::NotFound("r1".into()))
+        );
+        assert_eq!(store.bytes(), 0);
+    }
+}
