@@ -9,6 +9,40 @@ use pd_ucx::MemoryRegion;
 
 use crate::pull::PullError;
 
+/// Why a [`Landing`] could not take a pull's blocks (the pull then fails as `staging`).
+#[derive(Debug, thiserror::Error)]
+#[error("{source}")]
+pub struct LandingError {
+    /// Which call failed.
+    pub step: LandingStep,
+    /// Why: the node's error (a device's, the compute pool's).
+    pub source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+/// The [`Landing`] call that failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LandingStep {
+    /// [`Landing::begin`].
+    Begin,
+    /// [`Landing::landed`] of the run starting at this block.
+    Landed(BlockId),
+    /// [`Landing::settle`].
+    Settle,
+}
+
+impl LandingError {
+    /// `step` failed because of `source`.
+    pub fn new(
+        step: LandingStep,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        Self {
+            step,
+            source: source.into(),
+        }
+    }
+}
+
 /// The next stop of pulled blocks (see the module's doc). One pull calls
 /// [`Landing::begin`] once, then [`Landing::landed`] for each block it wrote, each exactly once,
 /// in the pull's order, then [`Landing::settle`] — on every way out once it began, so no copy
@@ -18,7 +52,7 @@ pub trait Landing: Send + Sync + std::fmt::Debug {
     ///
     /// # Errors
     /// Why the blocks cannot be taken (the pull fails).
-    fn begin(&self) -> Result<(), String>;
+    fn begin(&self) -> Result<(), LandingError>;
 
     /// Local blocks `first`, `first + 1`, … — a run of consecutive blocks, whose bytes are
     /// `bytes` (a whole number of blocks, in order) — are in: nothing writes them any more.
@@ -30,14 +64,14 @@ pub trait Landing: Send + Sync + std::fmt::Debug {
     /// # Safety
     /// The caller's pull owns those blocks (the engine touches them in neither pool until the
     /// pull returns), and `bytes` stays valid and unchanged until [`Landing::settle`] returned.
-    unsafe fn landed(&self, first: BlockId, bytes: &[u8]) -> Result<(), String>;
+    unsafe fn landed(&self, first: BlockId, bytes: &[u8]) -> Result<(), LandingError>;
 
     /// Returns once everything [`Landing::landed`] started has finished (at once when nothing
     /// began). It may wait for a device: call it outside locks.
     ///
     /// # Errors
     /// As [`Landing::begin`].
-    fn settle(&self) -> Result<(), String>;
+    fn settle(&self) -> Result<(), LandingError>;
 }
 
 /// [`Landing::landed`] for each run of consecutive blocks of `local`, in order (after `begin`,
@@ -99,12 +133,12 @@ mod tests {
     }
 
     impl Landing for Recorder {
-        fn begin(&self) -> Result<(), String> {
+        fn begin(&self) -> Result<(), LandingError> {
             self.log.lock().unwrap().push("begin".into());
             Ok(())
         }
 
-        unsafe fn landed(&self, first: BlockId, bytes: &[u8]) -> Result<(), String> {
+        unsafe fn landed(&self, first: BlockId, bytes: &[u8]) -> Result<(), LandingError> {
             let mut blocks = self.blocks.lock().unwrap();
             if blocks.is_empty() && self.last_block != 0 {
                 // SAFETY: a byte of the test's region; nothing writes it now (the copy of the
@@ -116,7 +150,10 @@ mod tests {
             log.push(format!("run of {}", bytes.len() / BLOCK));
             for (i, block) in bytes.chunks(BLOCK).enumerate() {
                 if Some(blocks.len()) == self.fail_at {
-                    return Err("the device is on fire".into());
+                    return Err(LandingError::new(
+                        LandingStep::Landed(first),
+                        "the device is on fire",
+                    ));
                 }
                 let b = BlockId(first.0 + i as u32);
                 blocks.push((b, block.to_vec()));
@@ -125,7 +162,7 @@ mod tests {
             Ok(())
         }
 
-        fn settle(&self) -> Result<(), String> {
+        fn settle(&self) -> Result<(), LandingError> {
             self.log.lock().unwrap().push("settle".into());
             Ok(())
         }
@@ -210,7 +247,7 @@ mod tests {
         };
         let err = pull(&failing).unwrap_err();
         assert!(
-            matches!(err, PullError::Landing(ref m) if m.contains("on fire")),
+            matches!(err, PullError::Landing(ref m) if m.to_string().contains("on fire")),
             "{err}"
         );
         let log = failing.log.lock().unwrap().clone();

@@ -7,9 +7,11 @@ use prometheus::{
     IntGaugeVec, Opts, Registry,
 };
 
+use crate::consumer::confirm::Confirmed;
 use crate::lease_authority::PoolStats;
 use crate::peer::TransferError;
 use crate::pull::PullStats;
+use crate::puller::LeaseTrace;
 
 /// Pulls smaller than this do not move the bandwidth average: their time is mostly fixed cost
 /// (a thread's wake-up, a preemption on a busy host), and a rate read from them is far below
@@ -336,6 +338,32 @@ impl TransferMetrics {
     /// Records a failed pull by its reason.
     pub fn record_failure(&self, e: &TransferError) {
         self.failures.with_label_values(&[e.reason()]).inc();
+    }
+
+    /// Records the pull of one lease as far as it got ([`crate::puller::pull_under_lease_with`]):
+    /// its reads' stage, how the lease was confirmed and that stage, and the pull or its
+    /// failure.
+    pub fn record_lease_pull(
+        &self,
+        trace: &LeaseTrace,
+        result: &Result<crate::puller::LeasePull, TransferError>,
+    ) {
+        if let Some(d) = trace.reads {
+            self.record_stage("reads", d);
+        }
+        if let Some(via) = trace.confirmed {
+            if via == Confirmed::BoardAlone {
+                self.board_alone.inc();
+            }
+            self.confirms.with_label_values(&[via.label()]).inc();
+        }
+        if let Some(d) = trace.confirm {
+            self.record_stage("confirm", d);
+        }
+        match result {
+            Ok(p) => self.record_pull(&p.stats),
+            Err(e) => self.record_failure(e),
+        }
     }
 
     /// Brings the owner-side lease metrics up to `stats`.

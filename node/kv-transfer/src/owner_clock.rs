@@ -62,7 +62,12 @@ impl OwnerClock {
     /// Whether the owner's clock has not yet reached `deadline_ns` (by our estimate, which may
     /// run ahead: a deadline never looks further away than it is).
     pub fn before(&self, deadline_ns: u64) -> bool {
-        i128::from(monotonic_ns()) + self.offset_ns < i128::from(deadline_ns)
+        self.before_at(deadline_ns, monotonic_ns())
+    }
+
+    /// [`OwnerClock::before`] at our clock's reading `now_ns`.
+    pub fn before_at(&self, deadline_ns: u64, now_ns: u64) -> bool {
+        i128::from(now_ns) + self.offset_ns < i128::from(deadline_ns)
     }
 
     /// Whether the owner beat at most `within` before now.

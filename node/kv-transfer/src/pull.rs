@@ -84,7 +84,7 @@ pub enum PullError {
     /// The blocks could not be handed on as they landed ([`crate::landing::Landing`]: a staged
     /// node's upload into its compute pool).
     #[error("uploading pulled blocks into the compute pool: {0}")]
-    Landing(String),
+    Landing(#[from] crate::landing::LandingError),
 }
 
 /// A pull from a peer whose blocks differ from ours in size or order

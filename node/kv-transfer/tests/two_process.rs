@@ -502,12 +502,16 @@ struct Landed {
 }
 
 impl pd_kv_transfer::Landing for Landed {
-    fn begin(&self) -> Result<(), String> {
+    fn begin(&self) -> Result<(), pd_kv_transfer::LandingError> {
         self.begun.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Ok(())
     }
 
-    unsafe fn landed(&self, first: BlockId, bytes: &[u8]) -> Result<(), String> {
+    unsafe fn landed(
+        &self,
+        first: BlockId,
+        bytes: &[u8],
+    ) -> Result<(), pd_kv_transfer::LandingError> {
         for (i, block) in bytes.chunks(layout().block_bytes()).enumerate() {
             let floats = block
                 .chunks_exact(4)
@@ -519,7 +523,7 @@ impl pd_kv_transfer::Landing for Landed {
         Ok(())
     }
 
-    fn settle(&self) -> Result<(), String> {
+    fn settle(&self) -> Result<(), pd_kv_transfer::LandingError> {
         self.settled
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Ok(())

@@ -11,9 +11,13 @@
 //! Response side: a prefill node answers with the object above, plus `remote_num_tokens`,
 //! `remote_lease_id`, `remote_lease_generation`, `remote_blocks_expiry_time` (Unix seconds) and
 //! `remote_prompt_hash` (hex xxh3 of the prompt's token ids, checked by the decode node).
+//!
+//! The wire form is [`pd_wire::KvTransferParams`]; what a pull needs of it is parsed here into
+//! the consumer's [`Remote`] (`pd_kv_transfer::consumer`), which checks and pulls it.
 
 use pd_engine::KvHandoff;
-use pd_kv_pool::{BlockId, LeaseId, block_hash};
+use pd_kv_pool::{BlockId, LeaseId};
+pub(crate) use pd_kv_transfer::consumer::{Remote, prompt_hash};
 use pd_wire::{Hex64, KvTransferParams};
 use serde_json::Value;
 
@@ -44,56 +48,16 @@ pub(crate) enum KvDirective {
         /// Decode nodes that will pull the prompt's KV, `1..=MAX_CONSUMERS`.
         consumers: usize,
         /// The earlier turn's KV to pull first (at most one).
-        held: Vec<RemotePrefill>,
+        held: Vec<Remote>,
     },
     /// `do_remote_prefill: true` with everything needed: pull the prompt's KV. More than one
     /// object (one per child) may name the same blocks; the first drives the pull.
-    Consume(Vec<RemotePrefill>),
+    Consume(Vec<Remote>),
     /// `do_remote_prefill: true` but `missing` is absent: served without a pull.
     Incomplete {
         /// The first missing field.
         missing: &'static str,
     },
-}
-
-/// Where a prompt's KV is and how to claim it.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct RemotePrefill {
-    pub(crate) block_ids: Vec<BlockId>,
-    pub(crate) engine_id: String,
-    pub(crate) request_id: String,
-    pub(crate) host: String,
-    pub(crate) port: u16,
-    pub(crate) lease: LeaseId,
-    pub(crate) generation: u64,
-    /// Prompt tokens the blocks hold, when the producer said.
-    pub(crate) num_tokens: Option<usize>,
-    /// xxh3 of the producer's prompt token ids, when it said.
-    pub(crate) prompt_hash: Option<u64>,
-    /// When the lease ends unless renewed (`remote_blocks_expiry_time`), when the producer said.
-    pub(crate) expiry: Option<std::time::SystemTime>,
-    /// The producer's incarnation (`remote_engine_epoch`, 16 hex digits), when it said: a
-    /// cached handshake with another epoch is redone before any read.
-    pub(crate) epoch: Option<u64>,
-    /// The lease's record on the producer's lease board (`remote_lease_slot`), when it said:
-    /// the lease is confirmed by reading it right after the blocks, without a round trip.
-    pub(crate) board_slot: Option<u32>,
-    /// Tokens per block of the producer's pool (`remote_block_size`), when it said; absent: the
-    /// same as ours. The handshake's word decides: a pull from a producer whose blocks are of
-    /// another size than this says fails as a mismatch.
-    pub(crate) block_size: Option<usize>,
-}
-
-impl RemotePrefill {
-    /// The producer's side channel, as a tonic endpoint URI.
-    pub(crate) fn side_channel(&self) -> String {
-        pd_wire::kv::side_channel_uri(&self.host, self.port)
-    }
-}
-
-/// Hash of a prompt's token ids as carried in `remote_prompt_hash`.
-pub(crate) fn prompt_hash(tokens: &[u32]) -> u64 {
-    block_hash(None, tokens).0
 }
 
 /// A 400 naming `field` of the object at `at` (`kv_transfer_params`, or `kv_transfer_params.1`
@@ -166,7 +130,7 @@ fn directive(at: &str, o: KvTransferParams) -> Result<KvDirective, ApiError> {
     }
     // Where the KV is and how to claim it, or the first field missing.
     let remote = (|| {
-        Ok(RemotePrefill {
+        Ok(Remote {
             block_ids: o
                 .remote_block_ids
                 .clone()

@@ -15,8 +15,10 @@
 //!   the node says it is and where others reach it (engine id, advertised hosts).
 //! - `vllm_metrics` gives `/metrics` vLLM's names for the engine's metrics (copies made at
 //!   scrape time), for tools that read vLLM servers.
-//! - [`disagg`] is the node's P/D role: `kv_transfer_params` (`kv_params`), the consumer's
-//!   pull task; [`kv_side_channel`] serves the pool to peers; [`report`] feeds the gateway;
+//! - [`disagg`] is the node's P/D role and the glue between a consumer request and its
+//!   engine: the pull itself (planning, peers, leases, reads, failure policy, metrics) is
+//!   [`pd_kv_transfer::Consumer`]'s; `kv_params` maps `kv_transfer_params` to and from the
+//!   wire; [`kv_side_channel`] serves the pool to peers; [`report`] feeds the gateway;
 //!   [`drain`] is what `SIGTERM` does before the process exits.
 //!
 //! This crate does not run the model, schedule sequences or touch KV memory: all of that is the

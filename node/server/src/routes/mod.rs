@@ -20,7 +20,7 @@ use pd_engine::{EngineError, EngineHandle, GenerateRequest, KvTransfer, RequestS
 use serde::de::DeserializeOwned;
 use tracing::Instrument;
 
-use crate::disagg::{Disagg, Events, check_prompt, consume, release_all};
+use crate::disagg::{Disagg, Events, consume};
 use crate::error::ApiError;
 use crate::kv_params::{self, KvDirective, KvReply};
 use crate::openai::{ModelCard, ModelList};
@@ -127,7 +127,7 @@ impl AppState {
             // serves a request that pulls and then decodes here: a policy may keep a turn
             // whole on P.
             KvDirective::Consume(_) | KvDirective::Incomplete { .. }
-                if !role.pulls() || self.disagg.loader.is_none() =>
+                if !role.pulls() || self.disagg.consumer.is_none() =>
             {
                 return Err(refuse("do_remote_prefill", "kv_consumer or kv_producer"));
             }
@@ -153,11 +153,11 @@ impl AppState {
 
     /// Refuses params naming a peer this node may not pull from, before anything is contacted
     /// (not even to release the lease): `remote_host` comes from the client.
-    fn check_peers(&self, remotes: &[kv_params::RemotePrefill]) -> Result<(), ApiError> {
+    fn check_peers(&self, remotes: &[kv_params::Remote]) -> Result<(), ApiError> {
         if remotes.is_empty() {
             return Ok(());
         }
-        let Some(loader) = &self.disagg.loader else {
+        let Some(consumer) = &self.disagg.consumer else {
             return Err(ApiError::InvalidRequest {
                 message: "this node cannot pull KV: it was started without --kv-port".into(),
                 param: Some(kv_params::FIELD.into()),
@@ -165,10 +165,10 @@ impl AppState {
         };
         match remotes
             .iter()
-            .find_map(|r| loader.check_peer(&r.host, r.port).err())
+            .find_map(|r| consumer.check_peer(&r.host, r.port).err())
         {
             Some(refusal) => Err(ApiError::InvalidRequest {
-                message: refusal,
+                message: refusal.to_string(),
                 param: Some(format!("{}.remote_host", kv_params::FIELD)),
             }),
             None => Ok(()),
@@ -233,10 +233,10 @@ impl KvPlan {
             &self.directive
         {
             for r in remotes {
-                check_prompt(r, prompt, block_size).map_err(|(field, message)| {
+                pd_kv_transfer::consumer::check_prompt(r, prompt, block_size).map_err(|e| {
                     ApiError::InvalidRequest {
-                        message: format!("kv_transfer_params do not match this request: {message}"),
-                        param: Some(format!("{}.{field}", kv_params::FIELD)),
+                        message: format!("kv_transfer_params do not match this request: {e}"),
+                        param: Some(format!("{}.{}", kv_params::FIELD, e.field)),
                     }
                 })?;
             }
@@ -250,7 +250,7 @@ impl Drop for KvPlan {
         if let KvDirective::Consume(remotes) | KvDirective::Produce { held: remotes, .. } =
             &self.directive
         {
-            release_all(&self.disagg, remotes);
+            self.disagg.release(remotes);
         }
     }
 }

@@ -6,7 +6,8 @@
 //! its pool ([`DataServer`]), and the reader receives them over several connections at once
 //! straight into its own blocks ([`read_blocks`]). Nothing else changes: the reader still
 //! confirms the lease after the bytes are in (`ConfirmLease`), so live then means live during
-//! the whole send, and checks what the blocks hold against its prompt.
+//! the whole send, and checks what the blocks hold against its prompt. [`pull`] is the
+//! puller's side: a pull of a lease's blocks over such a port, cancel-safe.
 //!
 //! One request per connection. Little-endian throughout:
 //! - hello: `PDKV`, version `1`, `u16` length + cluster token, `u16` length + the caller's
@@ -25,6 +26,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
 use crate::lease_authority::LeaseAuthority;
+
+pub mod pull;
 
 const MAGIC: &[u8; 5] = b"PDKV\x01";
 /// Longest token or engine id a hello may carry.
