@@ -1,0 +1,226 @@
+//! The cluster view's tests: joins, views, open-request counting.
+
+use super::*;
+
+fn entry(conn: ConnId, engine_id: &str, model: &str, source: &'static str) -> NodeEntry {
+    NodeEntry {
+        conn,
+        engine_id: engine_id.into(),
+        epoch: 0,
+        role: Role::Decode,
+        model: model.into(),
+        block_size: 16,
+        http_addr: format!("127.0.0.1:{conn}").into(),
+        kv_addr: "".into(),
+        max_model_len: 2048,
+        hash_key: 0,
+        kv_bytes_per_token: 0,
+        takes_prompt_token_ids: source == "registered",
+        state: pb::NodeState::default(),
+        hashes: HashSet::new(),
+        draining: false,
+        last_seen: Instant::now(),
+        registered_at: SystemTime::now(),
+        visible_from: Instant::now(),
+        outbox: mpsc::channel(1).0,
+        source,
+        open: OpenRequests::default(),
+        gone: CancellationToken::new(),
+    }
+}
+
+/// `(waiting, running, remote)` of a report with `open` requests open now and `at_state`
+/// open when the report came.
+fn adjusted(report: (u64, u64, u64), at_state: u32, open: u32) -> (u32, u32, u32) {
+    adjusted_reserved(report, at_state, open, 0)
+}
+
+/// [`adjusted`] with `reserved` decode phases reserved too.
+fn adjusted_reserved(
+    report: (u64, u64, u64),
+    at_state: u32,
+    open: u32,
+    reserved: u32,
+) -> (u32, u32, u32) {
+    let o = OpenRequests {
+        counts: Arc::new(Counts {
+            open: AtomicU32::new(open),
+            reserved: AtomicU32::new(reserved),
+        }),
+        at_state,
+    };
+    o.adjust(&pb::NodeState {
+        waiting: report.0,
+        running: report.1,
+        waiting_remote_kv: report.2,
+        ..pb::NodeState::default()
+    })
+}
+
+#[test]
+fn the_view_moves_a_report_on_by_the_requests_the_gateway_opened_and_closed() {
+    // A burst: three routed since an idle report; they wait.
+    assert_eq!(adjusted((0, 0, 0), 0, 3), (3, 0, 0));
+    // A request ended since the report that showed it running: the node is idle.
+    assert_eq!(adjusted((0, 1, 0), 1, 0), (0, 0, 0));
+    // Two ended, one was parked for KV: running first, then the parked one.
+    assert_eq!(adjusted((1, 1, 1), 2, 0), (1, 0, 0));
+    // A report that does not show two requests the gateway has open there: never below
+    // what is open.
+    assert_eq!(adjusted((0, 0, 0), 2, 2), (2, 0, 0));
+    // A decode node reserved during P's phase: waiting for remote KV, not work. (The
+    // holder of a conversation, its last turn just ended, one turn reserved there.)
+    assert_eq!(adjusted_reserved((0, 1, 0), 1, 0, 1), (0, 0, 1));
+    assert_eq!(adjusted_reserved((0, 0, 0), 0, 0, 2), (0, 0, 2));
+    // Load from elsewhere (other clients) stays.
+    assert_eq!(adjusted((2, 3, 0), 0, 0), (2, 3, 0));
+    assert_eq!(adjusted((2, 3, 0), 1, 2), (3, 3, 0));
+}
+
+#[test]
+fn an_open_request_counts_until_its_guard_drops() {
+    let r = NodeRef {
+        conn: 7,
+        engine_id: "d0".into(),
+        epoch: 1,
+        http_addr: "127.0.0.1:1".into(),
+        counts: Arc::default(),
+        gone: CancellationToken::new(),
+    };
+    let counts = |r: &NodeRef| {
+        (
+            r.counts.open.load(Ordering::Acquire),
+            r.counts.reserved.load(Ordering::Acquire),
+        )
+    };
+    let a = r.open();
+    let b = r.open();
+    assert_eq!((a.conn(), counts(&r)), (7, (2, 0)));
+    drop(a);
+    drop(b);
+    assert_eq!(counts(&r), (0, 0));
+    // A reservation counts apart until sent, then as open until dropped.
+    let c = r.reserve();
+    assert_eq!(counts(&r), (0, 1));
+    let c = c.sent();
+    assert_eq!(counts(&r), (1, 0));
+    let c = c.sent();
+    assert_eq!(counts(&r), (1, 0));
+    drop(c);
+    drop(r.reserve());
+    assert_eq!(counts(&r), (0, 0));
+}
+
+/// The test models' byte tokenizer and its fingerprint.
+fn byte_tokenizer(name: &str) -> (Arc<Tokenizer>, u64) {
+    let dir = std::env::temp_dir().join(format!("pd-cluster-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    pd_tokenize::write_byte_level_tokenizer(&dir, 300).unwrap();
+    let tokenizer = Arc::new(Tokenizer::from_dir(&dir).unwrap());
+    let _ = std::fs::remove_dir_all(&dir);
+    let fp = tokenizer.fingerprint();
+    (tokenizer, fp)
+}
+
+#[test]
+fn one_model_one_kind_of_node_and_one_node_per_engine_id() {
+    let (tokenizer, fp) = byte_tokenizer("one-kind");
+    let c = Cluster::default();
+    let join = |e: NodeEntry| {
+        c.join(e, || Ok((tokenizer.clone(), fp)), fp)
+            .map_err(|e| e.to_string())
+    };
+
+    join(entry(c.new_conn(), "d0", "m", "registered")).unwrap();
+    // A static node of a model registered nodes serve would take away their token ids and
+    // hash key: refused, naming both kinds.
+    let err = join(entry(c.new_conn(), "s0", "m", "static")).unwrap_err();
+    assert!(err.contains("all registered or all static"), "{err}");
+    // A static node taking a registered node's engine id: refused (they would push each
+    // other out on every scrape).
+    let err = join(entry(c.new_conn(), "d0", "m2", "static")).unwrap_err();
+    assert!(
+        err.contains("engine id `d0` is taken by a registered node"),
+        "{err}"
+    );
+    // Its own id and model: admitted; and the other way round is refused too.
+    join(entry(c.new_conn(), "s0", "m2", "static")).unwrap();
+    let err = join(entry(c.new_conn(), "d1", "m2", "registered")).unwrap_err();
+    assert!(err.contains("served by static nodes"), "{err}");
+    // The same registered engine again (a reconnect) replaces its old entry.
+    let again = c.new_conn();
+    join(entry(again, "d0", "m", "registered")).unwrap();
+    let state = c.read();
+    let ids: Vec<(ConnId, &str)> = state
+        .nodes
+        .values()
+        .map(|n| (n.conn, &*n.engine_id))
+        .collect();
+    assert_eq!(ids.len(), 2, "{ids:?}");
+    assert!(ids.contains(&(again, "d0")), "{ids:?}");
+    assert_eq!(state.models["m"].source, "registered");
+    assert_eq!(state.models["m2"].source, "static");
+}
+
+/// A node's requests wait on it while it is out of the view; they end once it has been
+/// gone past the grace period, unless the same process (engine id and epoch) came back. A
+/// restarted process ends the old one's at once.
+#[test]
+fn requests_end_when_their_node_is_gone_for_good() {
+    let (tokenizer, fp) = byte_tokenizer("gone");
+    let c = Cluster::default();
+    let join = |conn: ConnId, epoch: u64| {
+        let mut e = entry(conn, "d0", "m", "registered");
+        e.epoch = epoch;
+        c.join(e, || Ok((tokenizer.clone(), fp)), fp).unwrap();
+    };
+    let node = |c: &Cluster| c.snapshot("m", &[]).nodes[0].clone();
+    let never = Duration::from_secs(3600);
+
+    let first = c.new_conn();
+    join(first, 1);
+    let r = node(&c);
+    // It stalls and leaves the view; within the grace its requests go on waiting.
+    assert!(c.leave(first, "silent"));
+    assert_eq!(c.cut_departed(never), 0);
+    assert!(!r.gone.is_cancelled());
+    // The same process reconnects: past the grace nothing ends either.
+    let second = c.new_conn();
+    join(second, 1);
+    assert_eq!(c.cut_departed(Duration::ZERO), 0);
+    assert!(
+        !r.gone.is_cancelled(),
+        "the node came back: its requests go on"
+    );
+    // It leaves again and does not come back: past the grace its requests end, once.
+    assert!(c.leave(second, "silent"));
+    assert_eq!(c.cut_departed(Duration::ZERO), 1);
+    assert!(r.gone.is_cancelled());
+    assert_eq!(c.cut_departed(Duration::ZERO), 0);
+
+    // Another process (another epoch) claiming the id while the first is in the view is
+    // refused, naming both addresses; the first keeps it and its requests go on.
+    let listed = c.new_conn();
+    join(listed, 2);
+    let before = node(&c);
+    let mut other = entry(c.new_conn(), "d0", "m", "registered");
+    other.epoch = 3;
+    other.http_addr = "10.0.0.9:8000".into();
+    let err = c
+        .join(other, || Ok((tokenizer.clone(), fp)), fp)
+        .unwrap_err();
+    assert!(matches!(err, JoinError::EngineIdTaken { .. }), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!("127.0.0.1:{listed}")) && text.contains("10.0.0.9:8000"),
+        "{text}"
+    );
+    assert!(!before.gone.is_cancelled());
+    assert_eq!(node(&c).conn, listed);
+    // Once it has left, a restart (another epoch) is admitted and ends the old process's
+    // requests at once; the new process's are not touched.
+    assert!(c.leave(listed, "stream ended"));
+    join(c.new_conn(), 3);
+    assert!(before.gone.is_cancelled());
+    assert!(!node(&c).gone.is_cancelled());
+}
