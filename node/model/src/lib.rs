@@ -41,6 +41,8 @@ pub mod llama;
 pub mod paged_attention;
 pub mod q4_1;
 mod source;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod tiny;
 pub mod weights;
 

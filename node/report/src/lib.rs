@@ -8,7 +8,8 @@
 //!   stops it. A registration carries the node's cluster token and tokenizer files.
 //! - [`StateSource`]: what the node implements so the reporter can read it; [`StoredBlocks`] is
 //!   the ready-made, never-blocking set of stored hashes with a bounded change feed.
-//! - [`test_registry`]: a recording `NodeRegistry` server for tests (here and in `pd-node`'s).
+//! - `test_registry` (feature `testing`): a recording `NodeRegistry` server for tests (here and
+//!   in `pd-node`'s).
 //!
 //! This crate does not depend on the engine or the scheduler and never calls into them: it reads
 //! the node only through [`StateSource`], and nothing the node does waits for it (a gateway that
@@ -21,6 +22,7 @@ mod error;
 mod registration;
 mod reporter;
 mod source;
+#[cfg(feature = "testing")]
 pub mod test_registry;
 
 pub use error::ReportError;

@@ -21,7 +21,7 @@ impl Drop for Node {
 }
 
 fn model_file() -> Option<PathBuf> {
-    match pd_model::gguf::real_model_file() {
+    match pd_model::testing::real_model_file() {
         Ok(path) => Some(path),
         Err(msg) => {
             assert!(std::env::var("CI").as_deref() != Ok("true"), "{msg}");

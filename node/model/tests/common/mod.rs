@@ -13,7 +13,7 @@ use pd_model::{BatchInput, Model};
 
 /// The model file, or `None` (after saying why) when it is missing outside CI.
 pub fn model_file() -> Option<PathBuf> {
-    match pd_model::gguf::real_model_file() {
+    match pd_model::testing::real_model_file() {
         Ok(path) => Some(path),
         Err(msg) => {
             assert!(std::env::var("CI").as_deref() != Ok("true"), "{msg}");
