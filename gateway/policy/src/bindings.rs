@@ -11,8 +11,8 @@
 //!   `validate.rs` lifts into [`v1`]'s decision.
 //!
 //! Host imports (`pd:policy/host@0.1.0`) are plain, non-trappable functions implemented on
-//! the store's state in `engine.rs`. The generated types get `PartialEq`/`Eq` so decisions can
-//! be compared (tests, replay).
+//! the store's state in `engine/host.rs`. The generated types get `PartialEq`/`Eq` so
+//! decisions can be compared (tests, replay).
 
 #![allow(missing_docs, unreachable_pub, missing_debug_implementations)]
 

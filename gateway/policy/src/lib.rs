@@ -5,15 +5,28 @@
 //! (`wit/policy.wit` = `pd:policy@0.1.0`, `wit/0.2.0/policy.wit` = `pd:policy@0.2.0` and
 //! `wit/0.3.0/policy.wit` = `pd:policy@0.3.0`, world `policy` of each; the 0.2.0 and 0.3.0
 //! columnar views are built from 0.1.0's [`View`] plus [`Measured`], and a 0.3.0 decision is
-//! lifted into 0.1.0's [`Decision`]):
-//! compiling and smoke-testing policy components ([`PolicyEngine::load`]), running them per
-//! request under memory, fuel and deadline limits ([`WasmPolicy::decide`]), checking their
-//! decisions ([`validate`]), the native policies that share the guests' rules ([`native`]:
-//! `least-loaded` serves by default until a policy is pushed; `prefix-aware` decides when a
-//! pushed one fails), the [`PolicySlot`] that swaps and rolls back policies while requests
-//! read it, the on-disk cache of compiled components
-//! ([`PolicyEngine::with_disk_cache`]), and decision records in the WIT's own names
-//! ([`record`]: the decision log's, test cases' and replay's format).
+//! lifted into 0.1.0's [`Decision`]). The WASM host is `engine/`, one file per concern:
+//!
+//! - `engine/mod.rs`: the [`PolicyEngine`] (wasmtime configuration and pooling allocator,
+//!   linker, epoch thread) and [`PolicyEngine::load`]; [`PolicySpec`] and the host's limits;
+//! - `engine/compile.rs`: compiling, with the in-memory cache in front of the on-disk one
+//!   (`precompiled.rs`, [`PolicyEngine::with_disk_cache`]);
+//! - `engine/world.rs`: which contract version a component exports, and calling `decide`
+//!   through that version's bindings (`bindings.rs`, `columns.rs`);
+//! - `engine/smoke.rs`: the smoke test a policy passes before it is loaded;
+//! - `engine/call.rs`: [`WasmPolicy`] and the per-call path ([`WasmPolicy::decide_at`]: a
+//!   fresh or spare store (`spare.rs`) under memory, fuel and deadline limits (`epoch.rs`),
+//!   typed call errors, [`CallStats`]);
+//! - `engine/sandbox.rs`: the guest's locked-down, reproducible WASI and its memory limiter;
+//! - `engine/host.rs`: the host imports (`log`, `now-ns` = the request's recorded time,
+//!   `config`, `node-name`) and the store data they read.
+//!
+//! Beside it: checking decisions ([`validate`](fn@validate)), the native policies that share
+//! the guests' rules ([`native`]: `least-loaded` serves by default until a policy is pushed;
+//! `prefix-aware` decides when a pushed one fails), the [`PolicySlot`] that swaps and rolls
+//! back policies while requests read it, and decision records in the WIT's own names
+//! ([`record`]: the decision log's, test cases' and replay's format; a record's `time-ms` is
+//! what the guest's `now-ns` read, so a replay is exact).
 //!
 //! This crate does not speak HTTP, run an async runtime (no tokio: calls are synchronous and
 //! take microseconds; the gateway decides where they run), or touch models (no candle). It

@@ -66,14 +66,12 @@ impl Installed {
         }
     }
 
-    /// Decides with this policy, and validates the decision (see
-    /// [`WasmPolicy::decide_measured`]).
+    /// [`Installed::decide_at`] with no time recorded for the request (a WASM guest's
+    /// `now-ns` reads 0).
     ///
     /// # Errors
     ///
-    /// [`PolicyError::UnknownNative`] for a native name that is not one of
-    /// [`NativePolicy::ALL`]; [`PolicyError::Invalid`] for an invalid native decision; the
-    /// errors of [`WasmPolicy::decide_measured`].
+    /// As [`Installed::decide_at`].
     pub fn decide(
         &self,
         request: &Request,
@@ -81,13 +79,34 @@ impl Installed {
         measured: &Measured,
         node_names: &Arc<[Arc<str>]>,
     ) -> Result<Decision, PolicyError> {
+        self.decide_at(request, view, measured, node_names, 0)
+    }
+
+    /// Decides with this policy, and validates the decision (see
+    /// [`WasmPolicy::decide_at`]). `time_ms` is when the gateway took the request (ms since
+    /// the Unix epoch; what a WASM guest's `now-ns` reads, and a decision record's `time-ms`:
+    /// a replay passes the record's again). A native policy reads no clock.
+    ///
+    /// # Errors
+    ///
+    /// [`PolicyError::UnknownNative`] for a native name that is not one of
+    /// [`NativePolicy::ALL`]; [`PolicyError::Invalid`] for an invalid native decision; the
+    /// errors of [`WasmPolicy::decide_at`].
+    pub fn decide_at(
+        &self,
+        request: &Request,
+        view: &View,
+        measured: &Measured,
+        node_names: &Arc<[Arc<str>]>,
+        time_ms: u64,
+    ) -> Result<Decision, PolicyError> {
         match self {
             Installed::Native { name } => {
                 let d = NativePolicy::from_name(name)?.decide_measured(request, view, measured);
                 validate(&d, request, view)?;
                 Ok(d)
             }
-            Installed::Wasm(p) => p.decide_measured(request, view, measured, node_names),
+            Installed::Wasm(p) => p.decide_at(request, view, measured, node_names, time_ms),
         }
     }
 }

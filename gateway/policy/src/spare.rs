@@ -1,9 +1,9 @@
 //! Spare instances: the work of making and unmaking a decision's store, moved off the request
 //! path onto the `pd-policy-spare` thread.
 //!
-//! A decision runs in a fresh store (see `engine.rs`). Instantiating the component into that
-//! store and dropping the store afterwards (which resets its pooled memory) were about 60% of a
-//! decision's host time, and all of an interpreted guest's runtime start-up
+//! A decision runs in a fresh store (see `engine/call.rs`). Instantiating the component into
+//! that store and dropping the store afterwards (which resets its pooled memory) were about
+//! 60% of a decision's host time, and all of an interpreted guest's runtime start-up
 //! (docs/bench-log/policy-decisions.md, "Spare instances").
 //! Neither depends on the request. So each loaded policy keeps a few stores (`PolicySpec::spares`)
 //! instantiated and never called, and a call takes one when it is there (else it instantiates

@@ -1,10 +1,13 @@
 //! What a policy gets beyond the contract: a locked-down, reproducible WASI (for guests that
-//! import it, as Go guests do) and the on-disk cache of compiled components.
+//! import it, as Go guests do), a `now-ns` that replays, and the on-disk cache of compiled
+//! components.
 
 use std::os::unix::fs::PermissionsExt;
 
 use crate::common::{load, names, node, request, spec, wasm};
-use pd_policy::{CompiledFrom, PolicyEngine, PolicyError, Role, Route, View};
+use pd_policy::{
+    CompiledFrom, Installed, Measured, PolicyEngine, PolicyError, Record, Role, Route, View,
+};
 
 fn view() -> View {
     View {
@@ -55,6 +58,50 @@ fn wasi_is_locked_down_and_reproducible() {
     let b = probe(&probe_policy, 8);
     assert_ne!(get(&b, "rand"), get(&a, "rand"), "{a:?} {b:?}");
     assert_eq!(get(&b, "mono"), get(&a, "mono"));
+}
+
+/// The host's `now-ns` is the time passed with the call, a decision record's `time-ms`: a
+/// call logged as a record and replayed from it decides the same, and the echo guest, which
+/// reads `now-ns` twice per call, sees a clock that does not run backwards. (That the guest
+/// reads exactly the recorded time, live and in replay, is checked inside the crate, where the
+/// host's answers can be seen: `engine/host.rs`.)
+#[test]
+fn a_logged_call_replays_at_its_recorded_time() {
+    let engine = PolicyEngine::new().expect("engine");
+    let v = View {
+        nodes: vec![node(Role::Standalone, 0, 0, 10)],
+    };
+    let time_ms = 1_763_880_000_123;
+    let installed = Installed::Wasm(load(&engine, "echo"));
+    let live = installed
+        .decide_at(
+            &request(3, 1, vec![0]),
+            &v,
+            &Measured::default(),
+            &names(&v),
+            time_ms,
+        )
+        .expect("decide");
+    let Route::Reject(r) = &live.route else {
+        panic!("echo rejects: {live:?}")
+    };
+    assert!(r.message.contains(";clock=ok;"), "{}", r.message);
+
+    let mut record = Record::new(request(3, 1, vec![0]), v.clone(), live.clone());
+    record.time_ms = Some(time_ms);
+    let line = serde_json::to_string(&record.to_json()).expect("json");
+    let back = Record::from_json(&serde_json::from_str(&line).expect("parse")).expect("record");
+    assert_eq!(back.time_ms, Some(time_ms));
+    let replayed = installed
+        .decide_at(
+            &back.request,
+            &back.view,
+            &back.measured,
+            &names(&back.view),
+            back.time_ms.unwrap_or(0),
+        )
+        .expect("replay");
+    assert_eq!(replayed, live);
 }
 
 /// A policy's instances are made ahead of its calls, off the request path, and a call served

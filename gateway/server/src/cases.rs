@@ -232,7 +232,8 @@ pub fn run_cases(policy: &Installed, cases: &[Case], repeat: usize) -> Report {
         let mut outcome = None;
         for _ in 0..repeat.max(1) {
             let start = Instant::now();
-            let got = policy.decide(&r.request, &r.view, &r.measured, &names);
+            let at = r.time_ms.unwrap_or(0);
+            let got = policy.decide_at(&r.request, &r.view, &r.measured, &names, at);
             latencies.push(start.elapsed());
             outcome.get_or_insert(match got {
                 Ok(d) if d == r.decision => Outcome::Pass,

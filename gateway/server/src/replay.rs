@@ -155,8 +155,10 @@ pub fn replay(records: &[Record], after: &Installed, before: Option<&Installed>)
     };
     for record in records {
         let names = names(record);
-        let decide =
-            |p: &Installed| p.decide(&record.request, &record.view, &record.measured, &names);
+        let decide = |p: &Installed| {
+            let at = record.time_ms.unwrap_or(0);
+            p.decide_at(&record.request, &record.view, &record.measured, &names, at)
+        };
         let old = match before {
             Some(b) => decide(b),
             None => Ok(record.decision.clone()),

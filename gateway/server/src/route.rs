@@ -113,8 +113,15 @@ impl Router {
     ) -> Result<Decided, GatewayError> {
         let installed = self.slot.current();
         let version = installed.version();
+        // The time the policy's `now-ns` reads, recorded with the decision so replay gives the
+        // guest the same.
+        let time_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .ok()
+            .and_then(|d| u64::try_from(d.as_millis()).ok())
+            .unwrap_or(0);
         let start = Instant::now();
-        let outcome = installed.decide(request, view, measured, names);
+        let outcome = installed.decide_at(request, view, measured, names, time_ms);
         let elapsed = start.elapsed();
         let took = elapsed.as_secs_f64();
         let decided = self.settle(
@@ -131,10 +138,7 @@ impl Router {
             record.fallback = decided.policy == FALLBACK;
             record.policy = Some(installed.name().to_owned());
             record.policy_sha256 = installed.sha256().map(str::to_owned);
-            record.time_ms = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .ok()
-                .and_then(|d| u64::try_from(d.as_millis()).ok());
+            record.time_ms = Some(time_ms);
             record.latency_ns = u64::try_from(elapsed.as_nanos()).ok();
             self.log.record(&record);
         }
