@@ -5,11 +5,19 @@
 //! - [`EngineHandle`] is what the HTTP layer holds: `submit` a request, read its
 //!   [`RequestStream`], drop it to abort.
 //! - `engine` runs one step at a time: schedule, one batched forward pass, sample, emit events.
+//!   `engine/mod.rs`: the [`Engine`] type, its command loop and request checks;
+//!   `config.rs`: [`EngineConfig`]; `load.rs`: [`Engine::load`]; `step.rs`: the step pipeline
+//!   (plan, batch, forward, commit, prompt logprobs, sample); `emit.rs`: one token out of a
+//!   child in named steps (pick, grammar, detokenize, stops and hold-back, length, finish);
+//!   `hand_off.rs`: leases the engine grants (a prefill's prompt, a retained turn).
 //! - `scheduler` decides which sequences run each step (continuous batching, chunked prefill,
-//!   preemption by recompute, sequences waiting for remote KV).
+//!   preemption by recompute) and owns every block reference; `scheduler/remote.rs`: sequences
+//!   parked while their KV comes from another node.
 //! - `lease_book` holds the leases a prefill node grants on its blocks for decode nodes.
-//! - `sampler` turns a row of logits into a token (greedy, temperature, top-k, top-p, seed).
-//! - structured output masks that row first (`pd_grammar`: one matcher per child).
+//! - `sampler` turns a row of logits into a token (greedy, temperature, top-k, top-p, seed);
+//!   `sampler::pick` is the one way a token is picked: structured output masks the row first
+//!   (`pd_grammar`: one matcher per child), for an emitted token and for a prefill's attested
+//!   first token alike.
 //!
 //! This crate does not speak HTTP, parse JSON or know the OpenAI API; it never touches the pool's
 //! memory except through `pd_model` (forward pass) and `pd_kv_pool` (block bookkeeping).

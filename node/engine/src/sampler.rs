@@ -1,6 +1,7 @@
-//! Turns one row of logits into a token: penalties and biases, then greedy, or
-//! temperature → min-p → top-k → top-p → draw (vLLM's order).
+//! Turns one row of logits into a token: the structured-output mask ([`pick`]), penalties and
+//! biases, then greedy, or temperature → min-p → top-k → top-p → draw (vLLM's order).
 
+use pd_grammar::{GrammarError, TokenMatcher};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
@@ -19,6 +20,37 @@ impl<'a> History<'a> {
         let (prompt, output) = tokens.split_at(prompt_len.min(tokens.len()));
         Self { prompt, output }
     }
+}
+
+/// Picks a child's next token from its row of `logits` (vocab,): the row masked by the child's
+/// structured-output constraint first, when it has one (`grammar`), then [`sample`]d; with the
+/// masked row's [`logprobs`] when `params` ask for them. The one way a token is picked: a
+/// child's emitted token and a prefill's attested first token (drawn ahead on copies of the
+/// child's generator and matcher) both come from here.
+///
+/// # Errors
+/// The constraint could not compute its mask (the request fails).
+pub(crate) fn pick(
+    logits: &[f32],
+    grammar: Option<&mut TokenMatcher>,
+    params: &SamplingParams,
+    history: History<'_>,
+    banned: &[u32],
+    rng: &mut ChaCha8Rng,
+) -> Result<(u32, Option<TokenLogprob>), GrammarError> {
+    let masked;
+    let logits = match grammar {
+        None => logits,
+        Some(grammar) => {
+            let mut row = logits.to_vec();
+            grammar.mask(&mut row)?;
+            masked = row;
+            &masked[..]
+        }
+    };
+    let token = sample(logits, params, history, banned, rng);
+    let logprob = params.logprobs.map(|k| logprobs(logits, token, k));
+    Ok((token, logprob))
 }
 
 /// Picks the next token from `logits` (vocab,) under `params` for a child with `history`,
@@ -329,6 +361,32 @@ mod tests {
         assert_eq!(
             sample(&[0.1, 3.0, 2.9], &params(0.0, 0, 1.0), FRESH, &[], &mut rng),
             1
+        );
+    }
+
+    /// Without a constraint, [`pick`] is [`sample`] from the same generator state, with the
+    /// row's logprobs when asked.
+    #[test]
+    fn pick_without_a_constraint_samples_and_scores_the_row() {
+        let l = [0.3, 1.0, 0.9, -2.0, 0.5];
+        let p = SamplingParams {
+            logprobs: Some(2),
+            seed: Some(7),
+            ..params(0.8, 0, 0.95)
+        };
+        let (mut a, mut b) = (ChaCha8Rng::seed_from_u64(7), ChaCha8Rng::seed_from_u64(7));
+        for _ in 0..20 {
+            let (token, logprob) = pick(&l, None, &p, FRESH, &[], &mut a).unwrap();
+            assert_eq!(token, sample(&l, &p, FRESH, &[], &mut b));
+            let logprob = logprob.expect("asked for");
+            assert_eq!(logprob.token_id, token);
+            assert_eq!(logprob.top.len(), 2);
+        }
+        let plain = params(0.0, 0, 1.0);
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        assert_eq!(
+            pick(&l, None, &plain, FRESH, &[], &mut rng).unwrap(),
+            (1, None)
         );
     }
 
