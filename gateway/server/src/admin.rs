@@ -45,7 +45,7 @@ pub struct Admin {
 }
 
 fn error(status: StatusCode, message: impl std::fmt::Display) -> Response {
-    let body = json!({"error": {"message": message.to_string(), "type": "admin_error", "param": null, "code": null}});
+    let body = pd_wire::ErrorBody::new("admin_error", message.to_string());
     (status, axum::Json(body)).into_response()
 }
 
@@ -105,24 +105,26 @@ impl Admin {
         crate::secret::bearer(header).is_some_and(|t| crate::secret::same_secret(t, &self.token))
     }
 
-    fn spec(&self, q: &HashMap<String, String>) -> Result<PolicySpec, String> {
+    fn spec(&self, q: &HashMap<String, String>) -> Result<PolicySpec, BadSpec> {
         let mut spec = self.defaults.clone();
         if let Some(name) = q.get("name") {
             spec.name = name.clone();
         }
         if let Some(ms) = q.get("deadline_ms") {
-            let ms: f64 = ms
-                .parse()
-                .map_err(|_| format!("deadline_ms: not a number: {ms}"))?;
+            let ms: f64 = ms.parse().map_err(|_| BadSpec::NotANumber {
+                field: "deadline_ms",
+                value: ms.clone(),
+            })?;
             if !(ms > 0.0 && ms <= 10_000.0) {
-                return Err("deadline_ms must be in (0, 10000]".into());
+                return Err(BadSpec::Deadline);
             }
             spec.deadline = Duration::from_secs_f64(ms / 1000.0);
         }
         if let Some(mib) = q.get("memory_mib") {
-            let mib: usize = mib
-                .parse()
-                .map_err(|_| format!("memory_mib: not a number: {mib}"))?;
+            let mib: usize = mib.parse().map_err(|_| BadSpec::NotANumber {
+                field: "memory_mib",
+                value: mib.clone(),
+            })?;
             spec.memory_limit = mib << 20;
         }
         if let Some(fuel) = q.get("fuel") {
@@ -130,19 +132,14 @@ impl Admin {
                 .parse()
                 .ok()
                 .filter(|&f: &u64| f > 0)
-                .ok_or_else(|| format!("fuel: not a positive integer: {fuel}"))?;
+                .ok_or_else(|| BadSpec::Fuel(fuel.clone()))?;
         }
         if let Some(n) = q.get("spares") {
             spec.spares = n
                 .parse()
                 .ok()
                 .filter(|&n: &usize| n <= pd_policy::MAX_SPARES)
-                .ok_or_else(|| {
-                    format!(
-                        "spares: not an integer in 0..={}: {n}",
-                        pd_policy::MAX_SPARES
-                    )
-                })?;
+                .ok_or_else(|| BadSpec::Spares(n.clone()))?;
         }
         spec.config = q
             .iter()
@@ -151,14 +148,35 @@ impl Admin {
         Ok(spec)
     }
 
-    async fn compile(&self, wasm: Bytes, spec: PolicySpec) -> Result<Installed, String> {
+    async fn compile(&self, wasm: Bytes, spec: PolicySpec) -> Result<Installed, Refused> {
         let engine = self.engine.clone();
-        tokio::task::spawn_blocking(move || engine.load(&wasm, spec))
-            .await
-            .map_err(|e| e.to_string())?
-            .map(Installed::Wasm)
-            .map_err(|e| crate::error::chain(&e))
+        let loaded = tokio::task::spawn_blocking(move || engine.load(&wasm, spec)).await?;
+        Ok(Installed::Wasm(loaded?))
     }
+}
+
+/// A push's or dry run's query that does not make a policy's settings.
+#[derive(Debug, thiserror::Error)]
+enum BadSpec {
+    #[error("{field}: not a number: {value}")]
+    NotANumber { field: &'static str, value: String },
+    #[error("deadline_ms must be in (0, 10000]")]
+    Deadline,
+    #[error("fuel: not a positive integer: {0}")]
+    Fuel(String),
+    #[error("spares: not an integer in 0..={max}: {0}", max = pd_policy::MAX_SPARES)]
+    Spares(String),
+}
+
+/// Why a pushed component was not installed.
+#[derive(Debug, thiserror::Error)]
+enum Refused {
+    /// It failed to compile, instantiate or pass its smoke test.
+    #[error("{}", crate::error::chain(.0))]
+    Policy(#[from] pd_policy::PolicyError),
+    /// The compiling task panicked.
+    #[error("compiling: {0}")]
+    Task(#[from] tokio::task::JoinError),
 }
 
 /// Largest policy component a push or dry-run accepts.

@@ -141,19 +141,42 @@ impl Registry {
     }
 }
 
+/// Why a registered address cannot be dialled.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unreachable {
+    /// Not `host:port`.
+    #[error("`{0}` is not host:port")]
+    NotHostPort(String),
+    /// A wildcard host from a registration whose source address is unknown.
+    #[error(
+        "`{0}` is a wildcard address and the registration's source address is unknown; start \
+         the node with --advertise-host"
+    )]
+    Wildcard(String),
+    /// A loopback host registered from another machine.
+    #[error(
+        "`{addr}` is a loopback address registered from {seen}, another machine: no one there \
+         can reach it; start the node with --advertise-host ADDRESS (or bind --host to an \
+         address of its own)"
+    )]
+    LoopbackFromElsewhere {
+        /// The address registered.
+        addr: String,
+        /// Where the registration came from.
+        seen: IpAddr,
+    },
+}
+
 /// `addr` (`host:port`, as a node registered it) as the gateway will dial it: a wildcard host
 /// becomes `observed` (the address the registration came from); a loopback host is refused when
 /// the registration came from another machine. Host names pass as they are.
 ///
 /// # Errors
 /// Why no one could reach it.
-pub fn reachable(addr: &str, observed: Option<IpAddr>) -> Result<String, String> {
-    let Some((host, port)) = addr.rsplit_once(':') else {
-        return Err(format!("`{addr}` is not host:port"));
-    };
-    if port.parse::<u16>().is_err() {
-        return Err(format!("`{addr}` is not host:port"));
-    }
+pub fn reachable(addr: &str, observed: Option<IpAddr>) -> Result<String, Unreachable> {
+    let not_host_port = || Unreachable::NotHostPort(addr.to_owned());
+    let (host, port) = addr.rsplit_once(':').ok_or_else(not_host_port)?;
+    let port: u16 = port.parse().map_err(|_| not_host_port())?;
     let bare = host.trim_start_matches('[').trim_end_matches(']');
     let ip = match bare.parse::<IpAddr>() {
         Ok(ip) => ip.to_canonical(),
@@ -162,20 +185,14 @@ pub fn reachable(addr: &str, observed: Option<IpAddr>) -> Result<String, String>
     };
     let from_elsewhere = observed.filter(|o| !o.is_loopback());
     if ip.is_unspecified() {
-        let Some(seen) = observed else {
-            return Err(format!(
-                "`{addr}` is a wildcard address and the registration's source address is unknown; \
-                 start the node with --advertise-host"
-            ));
-        };
-        return Ok(SocketAddr::new(seen, port.parse().unwrap_or(0)).to_string());
+        let seen = observed.ok_or_else(|| Unreachable::Wildcard(addr.to_owned()))?;
+        return Ok(SocketAddr::new(seen, port).to_string());
     }
     if let Some(seen) = from_elsewhere.filter(|_| ip.is_loopback()) {
-        return Err(format!(
-            "`{addr}` is a loopback address registered from {seen}, another machine: no one there \
-             can reach it; start the node with --advertise-host ADDRESS (or bind --host to an \
-             address of its own)"
-        ));
+        return Err(Unreachable::LoopbackFromElsewhere {
+            addr: addr.to_owned(),
+            seen,
+        });
     }
     Ok(addr.to_owned())
 }
@@ -388,7 +405,7 @@ mod tests {
         assert_eq!(reachable("0.0.0.0:1", mapped).unwrap(), "10.1.2.3:1");
         assert!(reachable("0.0.0.0:8000", None).is_err());
         for lo in ["127.0.0.1:8000", "[::1]:8000", "localhost:8000"] {
-            let err = reachable(lo, far).unwrap_err();
+            let err = reachable(lo, far).unwrap_err().to_string();
             assert!(
                 err.contains("--advertise-host") && err.contains("10.1.2.3"),
                 "{err}"
