@@ -297,7 +297,7 @@ pub(super) fn compare(cluster: &str, specs: &[Value], want: &[Value], got: &[Val
         // D pulled every prompt token P computed (no shared prefix), and reports all of them as
         // cached. A greedy single completion takes P's first token, attested with the lease,
         // so D computes nothing before it: pulled = prompt. Sampled children compute the last
-        // prompt position on D for its logits: pulled = prompt - 1 (node/server/tests/pd.rs).
+        // prompt position on D for its logits: pulled = prompt - 1 (node/server/tests/pd/handoff.rs).
         let pulled = u64_of(g, "kv_pulled_tokens")
             .unwrap_or_else(|| panic!("no usage.*_details.kv_pulled_tokens: {at}: {g}"));
         assert!(pulled > 0, "{at}");
