@@ -150,12 +150,6 @@ impl KvTransferParams {
         }
     }
 
-    /// A retained turn: a node kept these blocks after answering (`do_remote_decode` with
-    /// blocks named).
-    pub fn is_retained_turn(&self) -> bool {
-        self.do_remote_decode && self.remote_block_ids.is_some()
-    }
-
     /// The same blocks, as a request to pull them (`do_remote_prefill: true`).
     pub fn to_pull(&self) -> Self {
         Self {
@@ -277,8 +271,7 @@ mod tests {
         let back = p.to_value();
         assert_eq!(back["vendor_field"], json!({"x": 1}));
         assert_eq!(back["remote_engine_epoch"], "00000000000000ab");
-        assert!(!p.is_retained_turn());
-        assert!(p.to_produce().is_retained_turn());
+        assert!(p.to_produce().do_remote_decode && !p.to_produce().do_remote_prefill);
         assert!(p.to_produce().to_pull().do_remote_prefill);
     }
 

@@ -45,17 +45,6 @@ impl Framer {
         Some(std::mem::replace(&mut self.buf, rest))
     }
 
-    /// Every whole event the bytes so far hold, appended to `out` as they came (a proxy's
-    /// pass-through); returns how many.
-    pub fn drain_into(&mut self, out: &mut Vec<u8>) -> usize {
-        let mut n = 0;
-        while let Some(e) = self.next_event() {
-            out.extend_from_slice(&e);
-            n += 1;
-        }
-        n
-    }
-
     /// The end of the stream: what is left (an event without its blank line), as it came.
     pub fn finish(&mut self) -> Vec<u8> {
         self.scanned = 0;
@@ -302,7 +291,9 @@ mod tests {
         let mut f = Framer::new();
         f.push(b"data: {\"a\":1}\r\n\r\ndata: [DONE]\n\ndata: par");
         let mut out = Vec::new();
-        assert_eq!(f.drain_into(&mut out), 2);
+        while let Some(e) = f.next_event() {
+            out.extend_from_slice(&e);
+        }
         assert_eq!(out, b"data: {\"a\":1}\r\n\r\ndata: [DONE]\n\n");
         assert_eq!(f.finish(), b"data: par");
         assert!(f.is_empty());
