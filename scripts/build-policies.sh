@@ -25,7 +25,7 @@ fi
 (cd "$repo/policies" && CARGO_TARGET_DIR="$build_dir" cargo build --release --target wasm32-wasip2 >&2)
 
 mkdir -p "$out_dir"
-for name in round-robin least-loaded prefix-aware looping hungry trapping lying echo echo-columns least-loaded-v1 least-loaded-v2 echo-v3 wasi-probe; do
+for name in round-robin least-loaded prefix-aware looping hungry trapping lying echo wasi-probe; do
     src="$build_dir/wasm32-wasip2/release/${name//-/_}.wasm"
     if [ ! -f "$src" ]; then
         echo "build-policies: $src is missing after the build" >&2

@@ -6,7 +6,7 @@
 #
 # POLICY_DIR holds the policy's C files (see policies/c/least-loaded), which include the
 # generated "policy.h" and implement `exports_policy_decide`. The steps:
-#   1. `wit-bindgen c` generates the bindings of the world `policy` (pd:policy@0.1.0) into a
+#   1. `wit-bindgen c` generates the bindings of the world `policy` (pd:policy@1.0.0) into a
 #      temporary folder: policy.h, policy.c and policy_component_type.o (the world's type
 #      information, which `wasm-tools component new` reads);
 #   2. Debian's clang (--target=wasm32-wasi, with Debian's wasi-libc) compiles and links them

@@ -6,7 +6,7 @@
 #
 # POLICY_DIR holds the policy's Go files (package `export_wit_world`, implementing
 # `Decide(request, view) Decision`; see policies/go/least-loaded). The steps:
-#   1. `wit-bindgen go` generates the bindings of the world `policy` (pd:policy@0.1.0) into a
+#   1. `wit-bindgen go` generates the bindings of the world `policy` (pd:policy@1.0.0) into a
 #      temporary module; the policy's files go into its `export_wit_world` package;
 #   2. Go (GOOS=wasip1 GOARCH=wasm, -buildmode=c-shared: a reactor, no main loop) builds a core
 #      module, with no network: the runtime package the bindings import

@@ -4,7 +4,7 @@
 #   Usage: build.sh POLICY_DIR OUT.wasm
 #
 # POLICY_DIR holds `policy.js`, an ES module exporting `decide(request, view)` for the world
-# `policy` of wit/policy.wit (`pd:policy@0.1.0`). OUT.wasm is written atomically (a temporary
+# `policy` of wit/policy.wit (`pd:policy@1.0.0`). OUT.wasm is written atomically (a temporary
 # file, then a rename). The component imports only `pd:policy/host`: the WASI features of the
 # JS runtime (stdio, random, clocks, http, fetch-event) are disabled, so it imports no WASI and
 # the gateway links it like any other policy.

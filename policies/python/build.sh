@@ -4,7 +4,7 @@
 #   Usage: build.sh POLICY_DIR OUT.wasm
 #
 # POLICY_DIR holds `app.py`, whose class `WitWorld` implements the world `policy` of
-# wit/policy.wit (`pd:policy@0.1.0`): `decide(request, view) -> decision`. OUT.wasm is written
+# wit/policy.wit (`pd:policy@1.0.0`): `decide(request, view) -> decision`. OUT.wasm is written
 # atomically (a temporary file, then a rename). The component imports only `pd:policy/host`: no
 # WASI (componentize-py `--stub-wasi`), so the gateway links it like any other policy.
 #

@@ -532,8 +532,8 @@ async fn openai_conversations_through_the_gateway_equal_one_node() {
     only_the_wasm_policy_decided(&c).await;
 }
 
-/// The last decision's record (`GET /admin/decisions`) carries what the policy's
-/// `pd:policy@0.3.0` view carried: the KV bytes per token the nodes registered with, and the
+/// The last decision's record (`GET /admin/decisions`) carries what the policy's view
+/// carried: the KV bytes per token the nodes registered with, and the
 /// prefill rate P measured (it has prefilled whole chat prompts of 32 tokens or more).
 async fn policy_saw_what_the_nodes_measure(c: &TestCluster) {
     let text = c

@@ -53,7 +53,7 @@ async fn misbehaving_policies_are_refused_or_contained() {
     let serving = c.policy().await["current"].clone();
     assert_eq!(serving["name"], "round-robin", "{serving}");
     assert_eq!(serving["kind"], "wasm", "{serving}");
-    assert_eq!(serving["contract"], "pd:policy@0.3.0", "{serving}");
+    assert_eq!(serving["contract"], "pd:policy@1.0.0", "{serving}");
     one_request(&c, "ok", 1).await;
     assert_eq!(decisions(&c, "round-robin").await, 1.0);
 

@@ -2,9 +2,7 @@
 //! whole host path (build the view from registry state, decide, validate). Calls run with a
 //! relaxed deadline so a descheduled call does not abort the run; limits cost the same.
 //!
-//! The shipped guests are on `pd:policy@0.3.0` (the view as columns, roles as index lists);
-//! `least-loaded-v2` and `least-loaded-v1` are the same least-loaded rules on 0.2.0 (columns,
-//! roles as a `list<role>`) and 0.1.0 (the view as records), measured in the same run.
+//! The guests are on `pd:policy@1.0.0` (the view as columns, roles as index lists).
 //!
 //! Run: `scripts/build-policies.sh && cargo bench -p pd-policy --bench decide`
 //! (`PD_BENCH_CALLS=N` changes the number of timed calls, default 20000; `PD_BENCH_PACED=N`
@@ -144,9 +142,8 @@ fn main() {
     let mut rows = Vec::new();
 
     type Native = fn(&Request, &View, &Measured) -> Decision;
-    let natives: [(&str, Native); 4] = [
+    let natives: [(&str, Native); 3] = [
         ("least-loaded", |r, v, _| native::least_loaded(r, v)),
-        ("least-loaded-v1", |r, v, _| native::least_loaded(r, v)),
         ("round-robin", |r, v, _| native::round_robin(r, v)),
         ("prefix-aware", |r, v, measured| {
             native::NativePolicy::PrefixAware.decide_measured(r, v, measured)
@@ -243,46 +240,15 @@ fn main() {
             }));
         }
     }
-    // The three contracts head to head: the same least-loaded rules on 0.3.0, 0.2.0 and 0.1.0,
-    // host path, calls interleaved one by one so all see the same machine (this VM's speed
-    // drifts by 2× between rows run minutes apart).
-    let label = "host path, least-loaded, interleaved";
-    if std::env::var("PD_BENCH_ONLY").is_ok_and(|only| !label.contains(&only)) {
-    } else {
-        let builds = ["least-loaded", "least-loaded-v2", "least-loaded-v1"]
-            .map(|name| engine.load(&wasm(name), spec(name)).expect("load"));
-        let mut samples = builds.each_ref().map(|_| Vec::with_capacity(calls));
-        for i in 0..(calls + calls / 10) as u64 {
-            for (k, p) in builds.iter().enumerate() {
-                let t = Instant::now();
-                let view = to_view(black_box(&reg));
-                let measured = to_measured(black_box(&reg));
-                let r = req(i);
-                black_box(
-                    p.decide_measured(&r, &view, &measured, &node_names)
-                        .expect("decide"),
-                );
-                if i as usize >= calls / 10 {
-                    samples[k].push(t.elapsed());
-                }
-            }
-        }
-        for (p, samples) in builds.iter().zip(&mut samples) {
-            rows.push(row(format!("{label} ({})", p.contract()), samples));
-        }
-    }
     // The request path alone, as the gateway runs it when a spare is ready: wait (untimed)
     // until the spare thread has made one, then time the host path. Caches stay warm, so this
     // is the call's own cost; the paced row below adds what idle gaps cost.
     let label = "host path, least-loaded, a spare ready";
     if std::env::var("PD_BENCH_ONLY").is_ok_and(|only| !label.contains(&only)) {
     } else {
-        // The shipped build (0.3.0) and the same rules on 0.2.0, called in turn (one call
-        // each) so that both see the same machine; `PD_BENCH_ALT=FILE.wasm` adds another build.
-        let mut builds = vec![
-            ("least-loaded".to_owned(), wasm("least-loaded")),
-            ("least-loaded-v2".to_owned(), wasm("least-loaded-v2")),
-        ];
+        // The shipped build; `PD_BENCH_ALT=FILE.wasm` adds another build of the same rules,
+        // called in turn (one call each) so that both see the same machine.
+        let mut builds = vec![("least-loaded".to_owned(), wasm("least-loaded"))];
         if let Ok(alt) = std::env::var("PD_BENCH_ALT") {
             builds.push((alt.clone(), std::fs::read(&alt).expect("PD_BENCH_ALT")));
         }
@@ -365,12 +331,7 @@ fn main() {
     // Fuel per call (about one unit per wasm instruction, instantiation included): what the
     // guest's own code costs, apart from the host path.
     let mut fuel = Vec::new();
-    for name in [
-        "round-robin",
-        "least-loaded",
-        "prefix-aware",
-        "least-loaded-v2",
-    ] {
+    for name in ["round-robin", "least-loaded", "prefix-aware"] {
         let (_, stats) = engine
             .load(&wasm(name), spec(name))
             .expect("load")

@@ -1,18 +1,19 @@
 //! Routing policies for `pd-gateway`: the WASM policy host, the native policies, and the
 //! hot-swappable slot that serves decisions.
 //!
-//! This crate owns the host side of the policy contract, every version the gateway hosts
-//! (`wit/policy.wit` = `pd:policy@0.1.0`, `wit/0.2.0/policy.wit` = `pd:policy@0.2.0` and
-//! `wit/0.3.0/policy.wit` = `pd:policy@0.3.0`, world `policy` of each; the 0.2.0 and 0.3.0
-//! columnar views are built from 0.1.0's [`View`] plus [`Measured`], and a 0.3.0 decision is
-//! lifted into 0.1.0's [`Decision`]). The WASM host is `engine/`, one file per concern:
+//! This crate owns the host side of the policy contract (`wit/policy.wit`, `pd:policy@1.0.0`,
+//! world `policy`) and the gateway's routing types ([`Request`], [`View`] of [`Node`]s,
+//! [`Measured`], [`Decision`], [`Route`]: `model.rs`). The contract's generated bindings are
+//! private to `wit.rs`, which converts once per call at the edge: the gateway's view into the
+//! contract's columns, the guest's answer back into a [`Decision`]. The WASM host is
+//! `engine/`, one file per concern:
 //!
 //! - `engine/mod.rs`: the [`PolicyEngine`] (wasmtime configuration and pooling allocator,
 //!   linker, epoch thread) and [`PolicyEngine::load`]; [`PolicySpec`] and the host's limits;
 //! - `engine/compile.rs`: compiling, with the in-memory cache in front of the on-disk one
 //!   (`precompiled.rs`, [`PolicyEngine::with_disk_cache`]);
-//! - `engine/world.rs`: which contract version a component exports, and calling `decide`
-//!   through that version's bindings (`bindings.rs`, `columns.rs`);
+//! - `engine/world.rs`: type-checking a component against the contract's world, and calling
+//!   `decide` through its bindings (`wit.rs`);
 //! - `engine/smoke.rs`: the smoke test a policy passes before it is loaded;
 //! - `engine/call.rs`: [`WasmPolicy`] and the per-call path ([`WasmPolicy::decide_at`]: a
 //!   fresh or spare store (`spare.rs`) under memory, fuel and deadline limits (`epoch.rs`),
@@ -35,28 +36,28 @@
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 #![deny(unused_must_use)]
 
-mod bindings;
-mod columns;
 mod engine;
 mod epoch;
 mod error;
+mod model;
 pub mod native;
 mod precompiled;
 pub mod record;
 mod slot;
 mod spare;
 mod validate;
+mod wit;
 
-pub use bindings::v1::pd::policy::types::{
-    Api, Decision, DecodeTarget, Node, Rejection, Request, ReversePull, Role, Route, Split, View,
-};
-pub use columns::{Measured, Rates};
 pub use engine::{
     CallStats, CompiledFrom, DEFAULT_FUEL, DEFAULT_SPARES, MAX_CONCURRENT_CALLS, MAX_MEMORY_LIMIT,
     MAX_SPARES, NodeNames, PolicyEngine, PolicySpec, WasmPolicy,
 };
 pub use epoch::TICK as EPOCH_TICK;
 pub use error::PolicyError;
+pub use model::{
+    Api, Decision, DecodeTarget, Measured, Node, Rates, Rejection, Request, ReversePull, Role,
+    Route, Split, View,
+};
 pub use precompiled::{CacheDirError, default_cache_dir};
 pub use record::{Record, RecordError, WIT_VERSION};
 pub use slot::{Installed, PolicySlot};

@@ -5,7 +5,7 @@
 //! One record is one JSON object (one line in a JSONL log):
 //!
 //! ```json
-//! {"wit": "pd:policy@0.1.0", "policy": "prefix-aware", "policy-sha256": "9f…", "time-ms": 1763880000000,
+//! {"wit": "pd:policy@1.0.0", "policy": "prefix-aware", "policy-sha256": "9f…", "time-ms": 1763880000000,
 //!  "latency-ns": 8100, "fallback": false, "node-names": ["p0", "d0"],
 //!  "request": {"seq": 7, "api": "chat-completions", "prompt-tokens": 40, "block-size": 16,
 //!              "block-hashes": [123, 456], "prefix-blocks": [2, 0], "n": 1, "max-tokens": 16,
@@ -23,8 +23,10 @@
 //! `view` and `decision` are required, and a missing `u32`/`bool` field of a node or request
 //! reads as 0/false, so hand-written cases stay short.
 //!
-//! The view is 0.1.0's (a 0.2.0 policy's columns are built from it). What 0.2.0 adds sits
-//! beside it in 0.2.0's names, each left out when unknown (and read as 0, unknown, when
+//! The view and the decision are the gateway's shapes ([`View`], a list of node objects;
+//! [`Decision`], a split's decode targets as `{node, children}` objects): the host converts
+//! them to and from the contract's columns for each call. What the nodes measure sits beside
+//! the view in the contract's names, each left out when unknown (and read as 0, unknown, when
 //! missing): the rates the nodes measured, one entry per node,
 //! `"rates": [{"prefill-tokens-per-s": 2400, "pull-mb-per-s": 0}, …]`, and the model's
 //! `"kv-bytes-per-token": 23040`.
@@ -42,7 +44,11 @@ use crate::{
 use crate::{Split, View};
 
 /// The package version of the contract records are written against.
-pub const WIT_VERSION: &str = "pd:policy@0.1.0";
+pub const WIT_VERSION: &str = "pd:policy@1.0.0";
+
+/// What a record's `wit` may say: [`WIT_VERSION`], or `pd:policy@0.1.0`, which gateways wrote
+/// before the contract's 1.0.0 (a record's shape did not change, so their logs still replay).
+const READABLE_WITS: [&str; 2] = [WIT_VERSION, "pd:policy@0.1.0"];
 
 /// A record that does not read as the contract's types.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -61,7 +67,7 @@ pub struct Record {
     pub request: Request,
     /// The view as the policy saw it.
     pub view: View,
-    /// What the nodes reported beyond the view (0.2.0's additions).
+    /// What the nodes reported beside the view.
     pub measured: Measured,
     /// The decision (a case: the expected one).
     pub decision: Decision,
@@ -130,7 +136,7 @@ impl Record {
     pub fn from_json(v: &Value) -> Result<Self, RecordError> {
         let o = object(v, "")?;
         if let Some(w) = o.get("wit").filter(|w| !w.is_null())
-            && w.as_str() != Some(WIT_VERSION)
+            && !w.as_str().is_some_and(|w| READABLE_WITS.contains(&w))
         {
             return Err(err("wit", format!("{w} is not {WIT_VERSION}")));
         }
@@ -236,7 +242,7 @@ fn u32_list(v: &Value, path: &str) -> Result<Vec<u32>, RecordError> {
         .collect()
 }
 
-/// Rates as JSON, in 0.2.0's field names.
+/// Rates as JSON, in the contract's field names.
 pub fn rates_json(rates: &[Rates]) -> Value {
     rates
         .iter()

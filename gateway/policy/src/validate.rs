@@ -1,8 +1,6 @@
-//! Checks a policy's decision against the request and view it was made for, and lifts a
-//! 0.3.0 decision into the one decision shape the gateway handles (0.1.0's).
+//! Checks a policy's decision against the request and view it was made for.
 
-use crate::bindings::v3::pd::policy0_3_0::cluster as v3;
-use crate::{Decision, DecodeTarget, Request, Role, Route, Split, View};
+use crate::{Decision, Request, Role, Route, View};
 
 /// Where in a decision a node index sits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,7 +72,7 @@ pub enum InvalidDecision {
         /// The request's `n`.
         n: u32,
     },
-    /// A 0.3.0 split whose `children` list is not as long as its `decode` list.
+    /// A split whose `children` list is not as long as its `decode` list.
     #[error("split.decode has {decode} entries but split.children has {children}")]
     ChildrenLength {
         /// Entries in `split.decode`.
@@ -176,86 +174,4 @@ pub fn validate(
         role_of(Slot::ReversePull, pull.from)?;
     }
     Ok(())
-}
-
-/// A 0.3.0 decision as 0.1.0's: a split's `decode` and `children` zipped into decode targets.
-///
-/// # Errors
-///
-/// [`InvalidDecision::ChildrenLength`] when the two lists differ in length; the rest is
-/// [`validate`]'s to check.
-pub(crate) fn lift_v3(decision: v3::Decision) -> Result<Decision, InvalidDecision> {
-    let route = match decision.route {
-        v3::Route::Split(split) => {
-            if split.decode.len() != split.children.len() {
-                return Err(InvalidDecision::ChildrenLength {
-                    decode: split.decode.len(),
-                    children: split.children.len(),
-                });
-            }
-            Route::Split(Split {
-                prefill: split.prefill,
-                decode: split
-                    .decode
-                    .into_iter()
-                    .zip(split.children)
-                    .map(|(node, children)| DecodeTarget { node, children })
-                    .collect(),
-            })
-        }
-        v3::Route::Whole(list) => Route::Whole(list),
-        v3::Route::Reject(rejection) => Route::Reject(rejection),
-    };
-    Ok(Decision {
-        route,
-        reverse_pull: decision.reverse_pull,
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_v3_split_lifts_to_decode_targets_and_mismatched_lists_are_invalid() {
-        let split = |decode: Vec<u32>, children: Vec<u32>| v3::Decision {
-            route: v3::Route::Split(v3::Split {
-                prefill: vec![0],
-                decode,
-                children,
-            }),
-            reverse_pull: None,
-        };
-        let lifted = lift_v3(split(vec![2, 1], vec![3, 1])).expect("same lengths");
-        assert_eq!(
-            lifted.route,
-            Route::Split(Split {
-                prefill: vec![0],
-                decode: vec![
-                    DecodeTarget {
-                        node: 2,
-                        children: 3
-                    },
-                    DecodeTarget {
-                        node: 1,
-                        children: 1
-                    },
-                ],
-            })
-        );
-        assert_eq!(
-            lift_v3(split(vec![2, 1], vec![3])),
-            Err(InvalidDecision::ChildrenLength {
-                decode: 2,
-                children: 1
-            })
-        );
-        assert_eq!(
-            lift_v3(split(vec![2], vec![1, 1])),
-            Err(InvalidDecision::ChildrenLength {
-                decode: 1,
-                children: 2
-            })
-        );
-    }
 }

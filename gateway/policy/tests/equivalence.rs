@@ -11,21 +11,13 @@ use pd_policy::{
 
 type Native = fn(&Request, &View, &Measured) -> Decision;
 
-/// The shipped Rust guests (on `pd:policy@0.3.0`, which carries the nodes' rates), least-loaded
-/// as it shipped on 0.1.0 and on 0.2.0, and their native copies.
-const SHIPPED: [(&str, &str, Native); 5] = [
-    ("least-loaded", "0.3.0", |r, v, _| {
-        native::least_loaded(r, v)
-    }),
-    ("round-robin", "0.3.0", |r, v, _| native::round_robin(r, v)),
-    ("prefix-aware", "0.3.0", |r, v, m| {
+/// The shipped Rust guests (on `pd:policy@1.0.0`, which carries the nodes' rates) and their
+/// native copies.
+const SHIPPED: [(&str, Native); 3] = [
+    ("least-loaded", |r, v, _| native::least_loaded(r, v)),
+    ("round-robin", |r, v, _| native::round_robin(r, v)),
+    ("prefix-aware", |r, v, m| {
         prefix_aware_with(r, v, m, &Thresholds::default())
-    }),
-    ("least-loaded-v2", "0.2.0", |r, v, _| {
-        native::least_loaded(r, v)
-    }),
-    ("least-loaded-v1", "0.1.0", |r, v, _| {
-        native::least_loaded(r, v)
     }),
 ];
 
@@ -34,9 +26,9 @@ const CASES: u64 = 200;
 #[test]
 fn guests_match_native_on_random_views() {
     let engine = PolicyEngine::new().expect("engine");
-    for (name, contract, native) in SHIPPED {
+    for (name, native) in SHIPPED {
         let policy = load(&engine, name);
-        assert_eq!(policy.contract(), contract, "{name}");
+        assert_eq!(policy.contract(), "1.0.0", "{name}");
         let mut rng = Rng::new(0x5eed_0000 + name.len() as u64);
         let (mut splits, mut wholes, mut rejects, mut rated) = (0, 0, 0, 0);
         for case in 0..CASES {
@@ -241,11 +233,9 @@ fn recorded_views() {
         ),
     ];
     let engine = PolicyEngine::new().expect("engine");
-    for (name, _, native) in SHIPPED {
+    for (name, native) in SHIPPED {
         let policy = load(&engine, name);
-        // The 0.1.0 build answers least-loaded's cases.
-        let rules = name.trim_end_matches("-v1");
-        for (i, (_, request, view, route)) in cases.iter().enumerate().filter(|(_, c)| c.0 == rules)
+        for (i, (_, request, view, route)) in cases.iter().enumerate().filter(|(_, c)| c.0 == name)
         {
             let want = Decision {
                 route: route.clone(),

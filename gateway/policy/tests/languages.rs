@@ -1,31 +1,44 @@
 //! The cross-language test: every language's build of a shipped policy (a real component under
-//! real wasmtime) decides exactly as the native copy, on the same seeded views: ties, draining
-//! nodes, roles missing from the view (empty candidate sets), empty views, n>1, and 64 nodes.
+//! real wasmtime, all on `pd:policy@1.0.0`) decides exactly as the native copy, on the same
+//! seeded views and measured rates: ties, draining nodes, roles missing from the view (empty
+//! candidate sets), empty views, n>1, 64 nodes, rates known, unknown and missing.
 //!
 //! Builds come from `scripts/build-policies.sh`: Rust at `<policies>/<policy>.wasm`, the
 //! others at `<policies>/<lang>/<policy>.wasm`. A missing build fails the test (never skips).
 
 use std::time::{Duration, Instant};
 
-use crate::common::{Rng, holder_cases, names, node, policies_dir, random_case, request};
+use crate::common::{
+    Rng, holder_cases, names, node, policies_dir, random_case, random_measured, request,
+};
 use pd_policy::native;
 use pd_policy::native::prefix_aware::{Thresholds, prefix_aware_with};
 use pd_policy::{
     Decision, Measured, PolicyEngine, PolicySpec, Request, Role, Route, View, validate,
 };
 
-type Native = fn(&Request, &View) -> Decision;
+type Native = fn(&Request, &View, &Measured) -> Decision;
 
 /// (language, policy, native copy): every build the repository ships.
 const BUILDS: [(&str, &str, Native); 7] = [
-    ("rust", "least-loaded", native::least_loaded),
-    ("python", "least-loaded", native::least_loaded),
-    ("python", "prefix-aware", native::prefix_aware),
-    ("js", "least-loaded", native::least_loaded),
-    ("js", "prefix-aware", native::prefix_aware),
-    ("go", "least-loaded", native::least_loaded),
-    ("c", "least-loaded", native::least_loaded),
+    ("rust", "least-loaded", least_loaded),
+    ("python", "least-loaded", least_loaded),
+    ("python", "prefix-aware", prefix_aware),
+    ("js", "least-loaded", least_loaded),
+    ("js", "prefix-aware", prefix_aware),
+    ("go", "least-loaded", least_loaded),
+    ("c", "least-loaded", least_loaded),
 ];
+
+/// Native least-loaded (it reads no rates).
+fn least_loaded(request: &Request, view: &View, _: &Measured) -> Decision {
+    native::least_loaded(request, view)
+}
+
+/// Native prefix-aware with its default thresholds and the nodes' rates.
+fn prefix_aware(request: &Request, view: &View, measured: &Measured) -> Decision {
+    prefix_aware_with(request, view, measured, &Thresholds::default())
+}
 
 /// Seeded views per build (the issue asks for at least 50).
 const CASES: u64 = 100;
@@ -76,10 +89,7 @@ fn every_language_decides_as_the_native_policy() {
         let guest = engine
             .load(&bytes, generous(&name))
             .unwrap_or_else(|e| panic!("{name}: {e:?}"));
-        // The ports stay on the first contract, which the gateway hosts beside 0.2.0 and 0.3.0
-        // (the shipped Rust guests').
-        let contract = if lang == "rust" { "0.3.0" } else { "0.1.0" };
-        assert_eq!(guest.contract(), contract, "{name}");
+        assert_eq!(guest.contract(), "1.0.0", "{name}");
         eprintln!(
             "{name}: {} bytes, loaded in {:?}",
             bytes.len(),
@@ -87,19 +97,21 @@ fn every_language_decides_as_the_native_policy() {
         );
         // The same seed for every build: every language sees the same views.
         let mut rng = Rng::new(0x1a46_0000 + policy.len() as u64);
-        let (mut splits, mut wholes, mut rejects, mut big) = (0, 0, 0, 0);
+        let (mut splits, mut wholes, mut rejects, mut big, mut rated) = (0, 0, 0, 0, 0);
         for case in 0..CASES {
             let (request, view) = random_case(&mut rng, case);
-            let want = native(&request, &view);
+            let measured = random_measured(&mut rng, view.nodes.len());
+            let want = native(&request, &view, &measured);
             validate(&want, &request, &view)
                 .unwrap_or_else(|e| panic!("{name} case {case}: native decision invalid: {e}"));
             let got = guest
-                .decide(&request, &view, &names(&view))
+                .decide_measured(&request, &view, &measured, &names(&view))
                 .unwrap_or_else(|e| panic!("{name} case {case}: {e:?}"));
             assert_eq!(
                 got, want,
-                "{name} case {case}: guest and native disagree on {request:?} {view:?}"
+                "{name} case {case}: guest and native disagree on {request:?} {view:?} {measured:?}"
             );
+            rated += usize::from(want != native(&request, &view, &Measured::default()));
             match want.route {
                 Route::Split(_) => splits += 1,
                 Route::Whole(_) => wholes += 1,
@@ -110,18 +122,22 @@ fn every_language_decides_as_the_native_policy() {
         // prefix-aware: every state of the holder rule 1 tells apart.
         if policy == "prefix-aware" {
             for (i, (request, view)) in holder_cases().into_iter().enumerate() {
-                let want = native(&request, &view);
+                let want = native(&request, &view, &Measured::default());
                 let got = guest
                     .decide(&request, &view, &names(&view))
                     .unwrap_or_else(|e| panic!("{name} holder case {i}: {e:?}"));
                 assert_eq!(got, want, "{name} holder case {i}: {view:?}");
             }
         }
-        // The sweep reaches every route shape and the 64-node views.
+        // The sweep reaches every route shape and the 64-node views, and what the nodes
+        // measured decides some of prefix-aware's pulls (a port that ignored the rates fails).
         assert!(
             splits > 10 && wholes > 10 && rejects > 5 && big >= 10,
             "{name}: {splits}/{wholes}/{rejects}/{big}"
         );
+        if policy == "prefix-aware" {
+            assert!(rated > 1, "{name}: measurements changed {rated} decisions");
+        }
         // An instance made ahead (the Go runtime starts while instantiating, and reads WASI
         // randomness and clocks then) decides as one made on the call.
         let inline = engine
@@ -182,8 +198,8 @@ fn opt_in_cases() -> Vec<(Request, View)> {
 /// Every port of `prefix-aware` reads the opt-in keys as the native copy does: with each key
 /// at 0, at 1 and `off`, the port decides as `prefix_aware_with` given the same config, over the
 /// seeded sweep, the holder cases and `opt_in_cases`, and each key changes some decisions (so
-/// a port that ignored it would fail). The ports are on `pd:policy@0.1.0`, which carries no
-/// measured rates: the native copy decides with none.
+/// a port that ignored it would fail). No rates are measured here (the sweep above has them):
+/// the native copy decides with none.
 #[test]
 fn every_port_reads_the_opt_in_keys_as_the_native_policy() {
     let only = std::env::var("PD_POLICY_LANGS").ok();

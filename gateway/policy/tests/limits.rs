@@ -408,20 +408,15 @@ fn bad_bytes_do_not_compile() {
     let core = b"\0asm\x01\0\0\0";
     let e = engine.load(core, spec("core")).expect_err("core module");
     assert!(matches!(e, PolicyError::Compile { .. }), "{e:?}");
-    // A valid component that exports no `decide`: it matches no hosted world, and the
-    // refusal says so for each.
+    // A valid component that exports no `decide`: it is not the contract's world, and the
+    // refusal says so.
     let empty_component = b"\0asm\x0d\0\x01\0";
     let e = engine
         .load(empty_component, spec("empty"))
         .expect_err("no world");
     assert!(matches!(e, PolicyError::Instantiate { .. }), "{e:?}");
     let text = chain(&e);
-    assert!(
-        ["pd:policy@0.1.0", "pd:policy@0.2.0", "pd:policy@0.3.0"]
-            .iter()
-            .all(|w| text.contains(w)),
-        "{text}"
-    );
+    assert!(text.contains("pd:policy@1.0.0"), "{text}");
 }
 
 /// An error and its sources, one line.
@@ -494,9 +489,10 @@ fn host_imports_and_every_field_reach_the_guest() {
     assert_eq!(rejection.status, 421);
     let want = "name0=node-0;name_out=-;greeting=hello;clock=ok\
         ;request=12345678901,responses,321,16,[1, 18446744073709551615],[3, 0, 2],21,99,true,conv-α\
-        ;node=S,11,12,13,14,15,16,true,17,4294967285\
-        ;node=P,21,22,23,24,25,26,false,27,4294967275\
-        ;node=D,31,32,33,34,35,36,true,37,4294967265";
+        ;prefill=[1];decode=[2];standalone=[0];free=[11, 21, 31];total=[12, 22, 32]\
+        ;leased=[13, 23, 33];waiting=[14, 24, 34];running=[15, 25, 35];remote=[16, 26, 36]\
+        ;draining=[0, 2];prefill_tps=[0, 0, 0];pull_mbps=[0, 0, 0]\
+        ;conversation=2,37,4294967265;kv_bytes_per_token=0";
     assert_eq!(rejection.message, want);
 
     // Without config and without names; options unset.
@@ -512,7 +508,9 @@ fn host_imports_and_every_field_reach_the_guest() {
     };
     assert_eq!(
         rejection.message,
-        "name0=-;name_out=-;greeting=-;clock=ok;request=5,chat,64,16,[1, 2, 3, 4],[],1,-,true,-"
+        "name0=-;name_out=-;greeting=-;clock=ok;request=5,chat,64,16,[1, 2, 3, 4],[],1,-,true,-\
+         ;prefill=[];decode=[];standalone=[];free=[];total=[];leased=[];waiting=[];running=[]\
+         ;remote=[];draining=[];prefill_tps=[];pull_mbps=[];conversation=-;kv_bytes_per_token=0"
     );
 }
 
@@ -527,55 +525,6 @@ fn first_three_measured() -> Measured {
         rates: vec![rates(1_111, 0), rates(2_222, 3_333), rates(0, u32::MAX)],
         kv_bytes_per_token: 23_040,
     }
-}
-
-#[test]
-fn every_column_and_rate_reaches_a_0_2_0_guest() {
-    let engine = PolicyEngine::new().expect("engine");
-    let policy = engine
-        .load(&wasm("echo-columns"), spec("echo-columns"))
-        .expect("load");
-    assert_eq!(policy.contract(), "0.2.0");
-    let v = View {
-        nodes: vec![
-            field_node(Role::Standalone, 10, true, 0),
-            field_node(Role::Prefill, 20, false, 0),
-            field_node(Role::Decode, 30, true, 480),
-            field_node(Role::Decode, 40, false, 0),
-        ],
-    };
-    // Node 3 has not reported (a shorter rates list than the view).
-    let d = policy
-        .decide_measured(
-            &request(77, 3, vec![5, 0, 9]),
-            &v,
-            &first_three_measured(),
-            &names(&v),
-        )
-        .expect("decide");
-    let Route::Reject(rejection) = d.route else {
-        panic!("echo-columns rejects: {d:?}")
-    };
-    assert_eq!(rejection.status, 403);
-    let want = "name0=node-0;seq=77;roles=[\"S\", \"P\", \"D\", \"D\"]\
-        ;free=[11, 21, 31, 41];total=[12, 22, 32, 42];leased=[13, 23, 33, 43]\
-        ;waiting=[14, 24, 34, 44];running=[15, 25, 35, 45];remote=[16, 26, 36, 46]\
-        ;draining=[0, 2];prefill_tps=[1111, 2222, 0, 0];pull_mbps=[0, 3333, 4294967295, 0]\
-        ;prefix=[5, 0, 9];conversation=2,480,4294967265;kv_bytes_per_token=23040";
-    assert_eq!(rejection.message, want);
-    // No rates at all, no conversation, no nodes.
-    let empty = View { nodes: vec![] };
-    let d = policy
-        .decide(&request(1, 1, vec![]), &empty, &std::sync::Arc::from([]))
-        .expect("decide");
-    let Route::Reject(rejection) = d.route else {
-        panic!("echo-columns rejects: {d:?}")
-    };
-    assert_eq!(
-        rejection.message,
-        "name0=-;seq=1;roles=[];free=[];total=[];leased=[];waiting=[];running=[];remote=[]\
-         ;draining=[];prefill_tps=[];pull_mbps=[];prefix=[];conversation=-;kv_bytes_per_token=0"
-    );
 }
 
 /// Collects what a tracing subscriber writes.
@@ -717,12 +666,10 @@ fn same_bytes_share_a_compiled_component() {
 }
 
 #[test]
-fn every_list_and_rate_reaches_a_0_3_0_guest() {
+fn every_list_and_rate_reaches_the_guest_at_its_node_index() {
     let engine = PolicyEngine::new().expect("engine");
-    let policy = engine
-        .load(&wasm("echo-v3"), spec("echo-v3"))
-        .expect("load");
-    assert_eq!(policy.contract(), "0.3.0");
+    let policy = engine.load(&wasm("echo"), spec("echo")).expect("load");
+    assert_eq!(policy.contract(), "1.0.0");
     let v = View {
         nodes: vec![
             field_node(Role::Standalone, 10, true, 0),
@@ -742,39 +689,30 @@ fn every_list_and_rate_reaches_a_0_3_0_guest() {
         )
         .expect("decide");
     let Route::Reject(rejection) = d.route else {
-        panic!("echo-v3 rejects: {d:?}")
+        panic!("echo rejects: {d:?}")
     };
     assert_eq!(rejection.status, 403);
-    let want = "name0=node-0;seq=77;prefill=[1, 4];decode=[2, 3];standalone=[0]\
+    let (_, lists) = rejection
+        .message
+        .split_once(";prefill=")
+        .expect("the view's lists");
+    let want = "[1, 4];decode=[2, 3];standalone=[0]\
         ;free=[11, 21, 31, 41, 51];total=[12, 22, 32, 42, 52];leased=[13, 23, 33, 43, 53]\
         ;waiting=[14, 24, 34, 44, 54];running=[15, 25, 35, 45, 55];remote=[16, 26, 36, 46, 56]\
         ;draining=[0, 2];prefill_tps=[1111, 2222, 0, 0, 0];pull_mbps=[0, 3333, 4294967295, 0, 0]\
-        ;prefix=[5, 0, 9];conversation=2,480,4294967265;kv_bytes_per_token=23040";
-    assert_eq!(rejection.message, want);
-    let empty = View { nodes: vec![] };
-    let d = policy
-        .decide(&request(1, 1, vec![]), &empty, &std::sync::Arc::from([]))
-        .expect("decide");
-    let Route::Reject(rejection) = d.route else {
-        panic!("echo-v3 rejects: {d:?}")
-    };
-    assert_eq!(
-        rejection.message,
-        "name0=-;seq=1;prefill=[];decode=[];standalone=[];free=[];total=[];leased=[];waiting=[]\
-         ;running=[];remote=[];draining=[];prefill_tps=[];pull_mbps=[];prefix=[]\
-         ;conversation=-;kv_bytes_per_token=0"
-    );
+        ;conversation=2,480,4294967265;kv_bytes_per_token=23040";
+    assert_eq!(lists, want);
 }
 
 #[test]
-fn a_0_3_0_split_with_children_and_decode_of_different_lengths_is_invalid() {
+fn a_split_with_children_and_decode_of_different_lengths_is_invalid() {
     let engine = PolicyEngine::new().expect("engine");
-    let mut mismatched = spec("echo-v3");
+    let mut mismatched = spec("echo");
     mismatched
         .config
         .insert("answer".into(), "mismatched-split".into());
     // The smoke test's first split already answers two decode entries with one child count.
-    match engine.load(&wasm("echo-v3"), mismatched) {
+    match engine.load(&wasm("echo"), mismatched) {
         Err(PolicyError::SmokeTest { source, .. }) => assert!(
             matches!(
                 *source,

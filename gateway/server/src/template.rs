@@ -3,9 +3,8 @@
 //! A template is the repository's least-loaded example in that language (the same source the
 //! cross-language test checks), with everything needed to build and test it away from the
 //! repository: the language's build script (and `tools.sh`, the shared installers, for Go and
-//! C), the WIT contract in `wit/policy.wit` (for Rust `pd:policy@0.3.0`, with 0.1.0 in
-//! `wit/deps/`; for the others 0.1.0), the least-loaded test cases in `cases/`, and a
-//! README. Its cases fail a policy that answers "the first node", so an author who breaks the
+//! C), the WIT contract in `wit/policy.wit` (`pd:policy@1.0.0`), the least-loaded test cases
+//! in `cases/`, and a README. Its cases fail a policy that answers "the first node", so an author who breaks the
 //! logic finds out.
 //!
 //! Every file is compiled into the binary (`include_str!`): the template is always the one
@@ -50,9 +49,8 @@ pub enum TemplateError {
     },
 }
 
+/// The contract, `pd:policy@1.0.0`, the same for every language.
 const WIT: &str = include_str!("../../../wit/policy.wit");
-/// `pd:policy@0.3.0`, the Rust template's contract (its `deps/` holds 0.1.0, which it uses).
-const WIT_0_3_0: &str = include_str!("../../../wit/0.3.0/policy.wit");
 const TOOLS: &str = include_str!("../../../policies/tools.sh");
 
 /// The least-loaded cases, shared by every language's template.
@@ -182,14 +180,7 @@ pub fn write(lang: Lang, name: &str, dir: &Path) -> Result<PathBuf, TemplateErro
         .into_iter()
         .map(|(p, c, x)| (p.to_string(), c.replace("{{name}}", name), x))
         .collect();
-    // Rust starts on the newest contract (the cheapest to call); the other languages' bindings
-    // generators start on 0.1.0, which every gateway hosts.
-    if lang == Lang::Rust {
-        files.push(("wit/policy.wit".into(), WIT_0_3_0.into(), false));
-        files.push(("wit/deps/policy-0.1.0.wit".into(), WIT.into(), false));
-    } else {
-        files.push(("wit/policy.wit".into(), WIT.into(), false));
-    }
+    files.push(("wit/policy.wit".into(), WIT.into(), false));
     files.extend(
         CASES
             .iter()

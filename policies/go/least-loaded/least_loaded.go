@@ -2,7 +2,9 @@
 //
 // The same rules as the Rust guest `policies/least-loaded` and the gateway's built-in fallback
 // `pd_policy::native::least_loaded`; the gateway's tests (gateway/policy/tests/languages.rs)
-// check that all of them give the same decision on the same inputs.
+// check that all of them give the same decision on the same inputs. Written against
+// `pd:policy@1.0.0` (`wit/policy.wit`): the view comes as columns, node `i` at index `i` of
+// each per-node list, and each role's nodes as a list of indices.
 //
 //   - Candidates for a role: its nodes that are not draining, or all its nodes when every one
 //     of them is draining.
@@ -33,65 +35,58 @@ const noNodes = "no node can serve this request: the view has no prefill+decode 
 
 // Decide decides where `request` goes, given `view`: the world's `decide` export.
 func Decide(request types.Request, view types.View) types.Decision {
-	nodes := view.Nodes
+	v := &view
 	var route types.Route
 	switch {
-	case has(nodes, types.RolePrefill) && has(nodes, types.RoleDecode):
-		children := max(request.N, 1)
-		order := ranked(nodes, candidates(nodes, types.RoleDecode))
-		decode := make([]types.DecodeTarget, len(order))
-		for k, i := range order {
-			decode[k] = types.DecodeTarget{Node: i, Children: children}
+	case len(v.Prefill) > 0 && len(v.Decode) > 0:
+		decode := ranked(v, v.Decode)
+		children := make([]uint32, len(decode))
+		for j := range children {
+			children[j] = max(request.N, 1)
 		}
 		route = types.MakeRouteSplit(types.Split{
-			Prefill: ranked(nodes, candidates(nodes, types.RolePrefill)),
-			Decode:  decode,
+			Prefill:  ranked(v, v.Prefill),
+			Decode:   decode,
+			Children: children,
 		})
-	case has(nodes, types.RoleStandalone):
-		route = types.MakeRouteWhole(ranked(nodes, candidates(nodes, types.RoleStandalone)))
+	case len(v.Standalone) > 0:
+		route = types.MakeRouteWhole(ranked(v, v.Standalone))
 	default:
 		route = types.MakeRouteReject(types.Rejection{Status: 503, Message: noNodes})
 	}
 	return types.Decision{Route: route, ReversePull: witTypes.None[types.ReversePull]()}
 }
 
-// has tells whether the view has a node of `role` (draining or not).
-func has(nodes []types.Node, role types.Role) bool {
-	return slices.ContainsFunc(nodes, func(n types.Node) bool { return n.Role == role })
-}
-
-// load is the requests on a node: queued, running, and parked waiting for KV (in uint64, so
+// load is the requests on node `i`: queued, running, and parked waiting for KV (in uint64, so
 // the sum of three uint32 cannot wrap).
-func load(n *types.Node) uint64 {
-	return uint64(n.Waiting) + uint64(n.Running) + uint64(n.WaitingRemoteKv)
+func load(v *types.View, i uint32) uint64 {
+	return uint64(v.Waiting[i]) + uint64(v.Running[i]) + uint64(v.WaitingRemoteKv[i])
 }
 
-// candidates is the indices of the nodes of `role`, not draining ones unless all of them drain.
-func candidates(nodes []types.Node, role types.Role) []uint32 {
-	pick := func(drainingOK bool) []uint32 {
-		c := make([]uint32, 0, len(nodes))
-		for i := range nodes {
-			if nodes[i].Role == role && (drainingOK || !nodes[i].Draining) {
-				c = append(c, uint32(i))
-			}
+// ranked is the nodes of `role` (one of the view's role lists), best first: the ones not
+// draining, or all of them when every one drains; in a new slice (`role` is left as it is).
+// Least load first, then most free blocks, then lowest index: keys are unique (the index is
+// part of them), so an unstable sort is exact.
+func ranked(v *types.View, role []uint32) []uint32 {
+	c := make([]uint32, 0, len(role))
+	// Both lists are ascending: one cursor walks `draining` beside the role's nodes.
+	d := 0
+	for _, i := range role {
+		for d < len(v.Draining) && v.Draining[d] < i {
+			d++
 		}
-		return c
+		if d == len(v.Draining) || v.Draining[d] != i {
+			c = append(c, i)
+		}
 	}
-	if live := pick(false); len(live) > 0 {
-		return live
+	if len(c) == 0 {
+		c = append(c, role...)
 	}
-	return pick(true)
-}
-
-// ranked sorts `c` least load first, then most free blocks, then lowest index (keys are
-// unique: the index is part of them, so an unstable sort is exact).
-func ranked(nodes []types.Node, c []uint32) []uint32 {
 	slices.SortFunc(c, func(a, b uint32) int {
-		na, nb := &nodes[a], &nodes[b]
-		if o := cmp.Compare(load(na), load(nb)); o != 0 {
+		if o := cmp.Compare(load(v, a), load(v, b)); o != 0 {
 			return o
 		}
-		if o := cmp.Compare(nb.FreeBlocks, na.FreeBlocks); o != 0 {
+		if o := cmp.Compare(v.FreeBlocks[b], v.FreeBlocks[a]); o != 0 {
 			return o
 		}
 		return cmp.Compare(a, b)

@@ -2,7 +2,7 @@
 //!
 //! The same rules as `pd_policy::native::least_loaded` (the gateway's built-in fallback); the
 //! gateway's tests check that both give the same decision on the same inputs. Written against
-//! `pd:policy@0.3.0` (`wit/0.3.0/policy.wit`): the view comes as columns, node `i` at index `i`
+//! `pd:policy@1.0.0` (`wit/policy.wit`): the view comes as columns, node `i` at index `i`
 //! of each per-node list, and each role's nodes as a list of indices.
 //!
 //! - Candidates for a role: its nodes that are not draining, or all its nodes when every one of
@@ -23,14 +23,9 @@ use alloc::vec::Vec;
 use core::cmp::Reverse;
 use guest_rt as _;
 
-wit_bindgen::generate!({
-    world: "pd:policy/policy@0.3.0",
-    path: "../../wit/0.3.0",
-    generate_all,
-});
+wit_bindgen::generate!({ world: "policy", path: "../../wit" });
 
-use pd::policy0_1_0::types::Rejection;
-use pd::policy0_3_0::cluster::{Route, Split};
+use pd::policy::types::{Rejection, Route, Split};
 
 struct LeastLoaded;
 

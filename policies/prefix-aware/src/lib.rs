@@ -1,8 +1,8 @@
 //! Prefix-aware routing policy, as a WebAssembly component for pd-gateway.
 //!
 //! The same rules as `pd_policy::native::prefix_aware`; the gateway's tests check that both
-//! give the same decision on the same inputs. Written against `pd:policy@0.3.0`
-//! (`wit/0.3.0/policy.wit`): the view comes as columns, node `i` at index `i` of each per-node
+//! give the same decision on the same inputs. Written against `pd:policy@1.0.0`
+//! (`wit/policy.wit`): the view comes as columns, node `i` at index `i` of each per-node
 //! list, each role's nodes as a list of indices, with the rates the nodes measure.
 //!
 //! - Candidates for a role: its nodes that are not draining, or all its nodes when every one of
@@ -74,16 +74,11 @@ use alloc::string::ToString;
 use alloc::vec::Vec;
 use guest_rt as _;
 
-wit_bindgen::generate!({
-    world: "pd:policy/policy@0.3.0",
-    path: "../../wit/0.3.0",
-    generate_all,
-});
+wit_bindgen::generate!({ world: "policy", path: "../../wit" });
 
 use core::cmp::Reverse;
-use pd::policy0_1_0::host::config;
-use pd::policy0_1_0::types::{Rejection, ReversePull};
-use pd::policy0_3_0::cluster::{Holding, Route, Split};
+use pd::policy::host::config;
+use pd::policy::types::{Holding, Rejection, ReversePull, Route, Split};
 
 struct PrefixAware;
 

@@ -2,7 +2,7 @@
 //!
 //! The same rules as `pd_policy::native::round_robin`; the gateway's tests check that both
 //! give the same decision on the same inputs. A policy keeps no state between calls, so it
-//! counts with `request.seq`. Written against `pd:policy@0.3.0` (`wit/0.3.0/policy.wit`): the
+//! counts with `request.seq`. Written against `pd:policy@1.0.0` (`wit/policy.wit`): the
 //! view comes as columns, node `i` at index `i` of each per-node list, and each role's nodes
 //! as a list of indices.
 //!
@@ -24,14 +24,9 @@ use alloc::string::ToString;
 use alloc::vec::Vec;
 use guest_rt as _;
 
-wit_bindgen::generate!({
-    world: "pd:policy/policy@0.3.0",
-    path: "../../wit/0.3.0",
-    generate_all,
-});
+wit_bindgen::generate!({ world: "policy", path: "../../wit" });
 
-use pd::policy0_1_0::types::Rejection;
-use pd::policy0_3_0::cluster::{Route, Split};
+use pd::policy::types::{Rejection, Route, Split};
 
 struct RoundRobin;
 

@@ -21,7 +21,7 @@ use super::host::{GuestMeta, HostState, NodeNames};
 use super::sandbox::MemoryLimitHit;
 use super::world::{Bound, Pre};
 use super::{CompiledFrom, EngineInner, PolicySpec, engine_err};
-use crate::columns::Measured;
+use crate::Measured;
 use crate::epoch::Watch;
 use crate::spare::Refill;
 use crate::{Decision, PolicyError, Request, View, validate};
@@ -113,7 +113,7 @@ impl WasmPolicy {
         (self.compiled_from, self.compile_time)
     }
 
-    /// The contract version the component exports: `"0.1.0"`, `"0.2.0"` or `"0.3.0"`.
+    /// The contract version the component exports (`"1.0.0"`).
     pub fn contract(&self) -> &'static str {
         self.core.pre.contract()
     }
@@ -172,8 +172,8 @@ impl WasmPolicy {
     /// Decides where `request` goes: a fresh store (one made ahead by the spare thread when
     /// one is ready, else made now), the spec's limits, the guest's `decide`, then
     /// [`validate`](fn@validate). `node_names[i]` names `view.nodes[i]` for the guest's
-    /// `host.node-name` (logs only); `measured` is what the nodes report beyond the 0.1.0 view
-    /// (a 0.2.0 policy sees it); `time_ms` is when the gateway took the request, in
+    /// `host.node-name` (logs only); `measured` is what the nodes report beside the view
+    /// (the policy sees it in its view's columns); `time_ms` is when the gateway took the request, in
     /// milliseconds since the Unix epoch (a decision record's `time-ms`): every `now-ns` of the
     /// call reads it, in nanoseconds, so a replay that passes the record's `time-ms` gives the
     /// guest the same clock.

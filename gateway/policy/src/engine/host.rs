@@ -13,9 +13,9 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use super::sandbox::{INSTANTIATE_SEED, Limiter, WasiState, wasi_ctx};
-use crate::bindings::v1::pd::policy::host::Level;
-use crate::bindings::{v1, v2, v3};
 use crate::epoch::Watch;
+use crate::wit::{contract, host};
+use host::Level;
 
 /// Engine ids of a view's nodes (`names[i]` names `view.nodes[i]`), shared with the caller:
 /// the host's `node-name` import reads them, nothing copies them per call.
@@ -98,12 +98,9 @@ impl HostState {
     }
 }
 
-impl v1::pd::policy::types::Host for HostState {}
+impl contract::Host for HostState {}
 
-impl v2::pd::policy0_2_0::cluster::Host for HostState {}
-impl v3::pd::policy0_3_0::cluster::Host for HostState {}
-
-impl v1::pd::policy::host::Host for HostState {
+impl host::Host for HostState {
     fn log(&mut self, level: Level, mut message: String) {
         self.log_lines += 1;
         if self.log_lines > MAX_LOG_LINES_PER_CALL {
@@ -159,7 +156,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::bindings::v1::pd::policy::host::Host as _;
+    use crate::wit::host::Host as _;
     use crate::{
         Api, Installed, Measured, Node, PolicyEngine, PolicySpec, Record, Request, Role, View,
     };

@@ -46,10 +46,10 @@ pub use compile::CompiledFrom;
 pub use host::NodeNames;
 
 use crate::PolicyError;
-use crate::bindings::{v1, v2, v3};
 use crate::epoch::EpochClock;
 use crate::precompiled::DiskCache;
 use crate::spare::SpareWorker;
+use crate::wit::Policy;
 use call::Core;
 use compile::CompileCache;
 use host::HostState;
@@ -190,20 +190,9 @@ impl PolicyEngine {
 
         let mut linker = Linker::<HostState>::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(engine_err)?;
-        // 0.1.0's world (its types and host imports), and the one new interface of each of
-        // 0.2.0 and 0.3.0: both use 0.1.0's types and host imports, so one linker serves all.
-        v1::Policy::add_to_linker::<HostState, HasSelf<HostState>>(&mut linker, |s| s)
+        // The contract's world: its types and the host imports.
+        Policy::add_to_linker::<HostState, HasSelf<HostState>>(&mut linker, |s| s)
             .map_err(engine_err)?;
-        v2::pd::policy0_2_0::cluster::add_to_linker::<HostState, HasSelf<HostState>>(
-            &mut linker,
-            |s| s,
-        )
-        .map_err(engine_err)?;
-        v3::pd::policy0_3_0::cluster::add_to_linker::<HostState, HasSelf<HostState>>(
-            &mut linker,
-            |s| s,
-        )
-        .map_err(engine_err)?;
 
         let spares = SpareWorker::start().map_err(|e| PolicyError::Engine {
             source: Box::new(e),

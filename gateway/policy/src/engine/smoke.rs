@@ -5,8 +5,7 @@ use std::sync::Arc;
 
 use super::call::WasmPolicy;
 use super::host::NodeNames;
-use crate::columns::{Measured, Rates};
-use crate::{Api, Node, PolicyError, Request, Role, View};
+use crate::{Api, Measured, Node, PolicyError, Rates, Request, Role, View};
 
 /// Extra tries a smoke-test call gets when it times out (and only then).
 const SMOKE_TIMEOUT_RETRIES: u32 = 2;
@@ -48,7 +47,7 @@ pub(super) fn test(policy: &WasmPolicy) -> Result<(), PolicyError> {
     Ok(())
 }
 
-/// Rates on some nodes, not all: a 0.2.0 policy must cope with both.
+/// Rates on some nodes, not all: a policy must cope with both.
 fn smoke_measured() -> Measured {
     Measured {
         rates: vec![

@@ -307,8 +307,7 @@ pub struct Snapshot {
     pub prefix_blocks: Vec<u32>,
     /// Engine ids (same order), for the policy's `host.node-name`.
     pub names: Arc<[Arc<str>]>,
-    /// What the nodes measured (rates in the same order): a 0.2.0 or 0.3.0 policy's view
-    /// carries it.
+    /// What the nodes measured (rates in the same order): a policy's view carries it.
     pub measured: Measured,
     /// The longest sequence any node here accepts (0 when none is live): a longer prompt fits
     /// none of them.

@@ -1,9 +1,9 @@
 //! A routing policy for pd-gateway, in Rust: least-loaded, to start from.
 //!
 //! The gateway calls `decide(request, view)` once per request, in a fresh instance; the
-//! contract (every field, with units) is `wit/policy.wit` (`pd:policy@0.3.0`: the view as
-//! one list per field, node `i` at index `i`, and each role's nodes as a list of indices; the
-//! request and the host imports come from `wit/deps/policy-0.1.0.wit`). The rules:
+//! contract (every field, with units) is `wit/policy.wit` (`pd:policy@1.0.0`: the view as
+//! one list per field, node `i` at index `i`, and each role's nodes as a list of indices). The
+//! rules:
 //!
 //! - Candidates for a role: its nodes that are not draining, or all of them when every node of
 //!   the role drains.
@@ -15,10 +15,9 @@
 //!
 //! Build: `bash build.sh . policy.wasm`; test: `pd-gateway policy test policy.wasm --cases cases`.
 
-wit_bindgen::generate!({ world: "pd:policy/policy@0.3.0", path: "wit", generate_all });
+wit_bindgen::generate!({ world: "policy", path: "wit" });
 
-use pd::policy0_1_0::types::Rejection;
-use pd::policy0_3_0::cluster::{Route, Split};
+use pd::policy::types::{Rejection, Route, Split};
 use std::cmp::Reverse;
 
 struct Policy;

@@ -38,13 +38,13 @@ impl Guest for Looping {
 
 /// A valid decision for any view: every node as a whole-request candidate, or 503 when none.
 fn valid(view: &View) -> Decision {
-    let route = if view.nodes.is_empty() {
+    let route = if view.free_blocks.is_empty() {
         Route::Reject(Rejection {
             status: 503,
             message: "no nodes".to_string(),
         })
     } else {
-        Route::Whole((0..view.nodes.len() as u32).collect())
+        Route::Whole((0..view.free_blocks.len() as u32).collect())
     };
     Decision {
         route,
