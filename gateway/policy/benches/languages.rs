@@ -73,14 +73,15 @@ fn main() {
         ..PolicySpec::default()
     };
     println!(
-        "{:<22} {:>12} {:>12} {:>12} {:>12}",
-        "build (64 nodes)", "size", "compile", "p50", "p99"
+        "{:<22} {:>12} {:>12} {:>12} {:>12} {:>12}",
+        "build (64 nodes)", "size", "compile", "fuel", "p50", "p99"
     );
     for (lang, policy, reference) in BUILDS {
         let engine = PolicyEngine::new().expect("engine");
-        let (size, compile, decide): (String, String, Decide) = if lang == "native" {
+        let (size, compile, fuel, decide): (String, String, String, Decide) = if lang == "native" {
             let v = v.clone();
-            ("-".into(), "-".into(), Box::new(move |r| reference(r, &v)))
+            let decide = Box::new(move |r: &Request| reference(r, &v));
+            ("-".into(), "-".into(), "-".into(), decide)
         } else {
             let path = match lang {
                 "rust" => policies_dir().join(format!("{policy}.wasm")),
@@ -100,10 +101,18 @@ fn main() {
                 )
                 .unwrap_or_else(|e| panic!("{lang}/{policy}: {e:?}"));
             let compile = started.elapsed();
+            // Fuel of one call, instantiation included: about one unit per wasm instruction.
+            let (_, stats) = p.decide_with_stats(
+                &request(0, 1, prefix.clone()),
+                &v,
+                &Default::default(),
+                &names,
+            );
             let (v, names) = (v.clone(), names.clone());
             (
                 format!("{:.1} KiB", bytes.len() as f64 / 1024.0),
                 format!("{:.0} ms", compile.as_secs_f64() * 1e3),
+                format!("{}", stats.fuel_used),
                 Box::new(move |r| p.decide(r, &v, &names).expect("decide")),
             )
         };
@@ -122,10 +131,11 @@ fn main() {
         }
         times.sort_unstable();
         println!(
-            "{:<22} {:>12} {:>12} {:>9.1} µs {:>9.1} µs",
+            "{:<22} {:>12} {:>12} {:>12} {:>9.1} µs {:>9.1} µs",
             format!("{lang}/{policy}"),
             size,
             compile,
+            fuel,
             pct(&times, 0.5),
             pct(&times, 0.99)
         );

@@ -95,7 +95,6 @@ struct Inner {
     tokenizer: Arc<pd_tokenize::Tokenizer>,
     metrics: EngineMetrics,
     leases: Arc<LeaseBook>,
-    uploader: Option<Arc<dyn pd_model::BlockUpload>>,
     /// The vocabulary structured outputs compile against, or why there is none.
     vocabulary: Result<Arc<pd_grammar::Vocabulary>, pd_grammar::GrammarError>,
     next_id: AtomicU64,
@@ -119,7 +118,6 @@ impl EngineHandle {
         let tokenizer = engine.tokenizer().clone();
         let metrics = engine.metrics().clone();
         let leases = engine.leases().clone();
-        let uploader = engine.uploader();
         let vocabulary = engine.vocabulary().clone();
         let thread = std::thread::Builder::new()
             .name("pd-engine".into())
@@ -131,7 +129,6 @@ impl EngineHandle {
                 tokenizer,
                 metrics,
                 leases,
-                uploader,
                 vocabulary,
                 next_id: AtomicU64::new(1),
                 thread: std::sync::Mutex::new(Some(thread)),
@@ -184,31 +181,24 @@ impl EngineHandle {
         Ok(())
     }
 
-    /// Ends the wait of request `id` (submitted with [`crate::KvTransfer::Consume`]) for its
-    /// prompt's KV: what arrived, or that it must be computed here.
-    pub fn remote_kv_ready(&self, id: RequestId, outcome: RemoteKv) {
+    /// Gives back the reservation of a request submitted with [`crate::KvTransfer::Consume`]
+    /// (its [`RequestEvent::AwaitingKv`]), ending its wait for the prompt's KV: what arrived
+    /// in the reservation's blocks, or that it must be computed here.
+    pub fn remote_kv_ready(&self, reservation: crate::KvReservation, outcome: RemoteKv) {
         let _ = self
             .inner
             .commands
-            .send(Command::RemoteKv(id, outcome, false));
+            .send(Command::RemoteKv(reservation.id, outcome, false));
     }
 
     /// [`EngineHandle::remote_kv_ready`] after a pull that uploaded every block it pulled into
-    /// the compute pool itself, through [`EngineHandle::uploader`] (settled): the engine copies
-    /// nothing more.
-    pub fn remote_kv_landed(&self, id: RequestId, outcome: RemoteKv) {
+    /// the compute pool itself, through the reservation's [`crate::KvReservation::upload`]
+    /// (settled): the engine copies nothing more.
+    pub fn remote_kv_landed(&self, reservation: crate::KvReservation, outcome: RemoteKv) {
         let _ = self
             .inner
             .commands
-            .send(Command::RemoteKv(id, outcome, true));
-    }
-
-    /// Where the model computes on a staged pool ([`EngineInfo::kv_path`] not `in-place`): the
-    /// handle a pull uploads its blocks with as they land, from its own thread, instead of the
-    /// engine copying them after the pull ([`pd_model::BlockUpload`]; then
-    /// [`EngineHandle::remote_kv_landed`]). `None` on a node that computes in place.
-    pub fn uploader(&self) -> Option<&Arc<dyn pd_model::BlockUpload>> {
-        self.inner.uploader.as_ref()
+            .send(Command::RemoteKv(reservation.id, outcome, true));
     }
 
     /// The prefix cache's hashes now, and its changes from then on.

@@ -30,6 +30,7 @@ mod handle;
 mod lease_book;
 mod metrics;
 mod request;
+mod reservation;
 mod sampler;
 mod scheduler;
 mod sequence;
@@ -44,4 +45,5 @@ pub use request::{
     MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_LEN, MAX_STOP_TOKEN_IDS, RemoteKv, RequestEvent,
     RequestId, SamplingParams, StructuredOutput, TokenLogprob,
 };
+pub use reservation::KvReservation;
 pub use sampler::first_token_key;

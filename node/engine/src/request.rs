@@ -319,8 +319,8 @@ pub enum KvTransfer {
         consumers: usize,
     },
     /// Decode node: the prompt's KV, or a prefix of it, comes from a peer. The request waits
-    /// with blocks reserved ([`RequestEvent::AwaitingKv`]) until
-    /// [`crate::EngineHandle::remote_kv_ready`], then computes what was not pulled.
+    /// with blocks reserved ([`RequestEvent::AwaitingKv`]) until the reservation is given back
+    /// ([`crate::EngineHandle::remote_kv_ready`]), then computes what was not pulled.
     Consume,
 }
 
@@ -411,7 +411,7 @@ pub struct TokenLogprob {
 }
 
 /// Something that happened to a request, in order.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Debug, PartialEq)]
 pub enum RequestEvent {
     /// The prompt was admitted; `cached_tokens` of it came from the prefix cache or a pull.
     Started {
@@ -422,18 +422,11 @@ pub enum RequestEvent {
         /// Of `cached_tokens`, those pulled from a peer.
         pulled_tokens: usize,
     },
-    /// ([`KvTransfer::Consume`], [`KvTransfer::PullThenProduce`]) Blocks are reserved for the prompt: the first `first_block`
-    /// prompt blocks were found in the local prefix cache (`cached_tokens` tokens); pull the
-    /// peer's blocks `first_block..` into `blocks`, then call
-    /// [`crate::EngineHandle::remote_kv_ready`]. Other requests keep running meanwhile.
-    AwaitingKv {
-        /// Local blocks to write, one per remaining prompt block.
-        blocks: Vec<pd_kv_pool::BlockId>,
-        /// Index of the first prompt block they stand for.
-        first_block: usize,
-        /// Prompt tokens already held locally.
-        cached_tokens: usize,
-    },
+    /// ([`KvTransfer::Consume`], [`KvTransfer::PullThenProduce`]) Blocks are reserved for the
+    /// prompt: pull the peer's blocks `first_block()..` into the reservation's blocks, then give
+    /// it back with [`crate::EngineHandle::remote_kv_ready`] (or `remote_kv_landed`). Other
+    /// requests keep running meanwhile.
+    AwaitingKv(crate::KvReservation),
     /// (`prompt_logprobs`) The logprobs of prompt tokens `first..first + logprobs.len()`, sent
     /// as the prompt is computed (in order, contiguous, from token 1, all before the first
     /// `Token`). The first prompt token has none.

@@ -207,17 +207,13 @@ pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
-/// Submits a consumer request and returns its stream and the `AwaitingKv` event.
+/// Submits a consumer request and returns its stream and the reservation its `AwaitingKv`
+/// event handed out.
 pub async fn consume(
     h: &EngineHandle,
     p: Vec<u32>,
     params: SamplingParams,
-) -> (
-    pd_engine::RequestStream,
-    Vec<pd_kv_pool::BlockId>,
-    usize,
-    usize,
-) {
+) -> (pd_engine::RequestStream, pd_engine::KvReservation) {
     let mut s = h
         .submit(GenerateRequest {
             prompt_tokens: p,
@@ -227,11 +223,10 @@ pub async fn consume(
         })
         .unwrap();
     match s.recv().await {
-        Some(RequestEvent::AwaitingKv {
-            blocks,
-            first_block,
-            cached_tokens,
-        }) => (s, blocks, first_block, cached_tokens),
+        Some(RequestEvent::AwaitingKv(reservation)) => {
+            assert_eq!(reservation.id(), s.id());
+            (s, reservation)
+        }
         other => panic!("expected AwaitingKv, got {other:?}"),
     }
 }

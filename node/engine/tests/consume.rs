@@ -9,13 +9,15 @@ async fn consumer_waits_without_blocking_others_and_recompute_is_exact() {
     let dir = model_dir("consume");
     let h = engine(&dir, |_| {});
     let p = prompt(11, 5);
-    let (mut s, blocks, first, cached) =
-        consume(&h, p.clone(), SamplingParams { n: 2, ..greedy(6) }).await;
-    assert_eq!((blocks.len(), first, cached), (3, 0, 0));
+    let (mut s, r) = consume(&h, p.clone(), SamplingParams { n: 2, ..greedy(6) }).await;
+    assert_eq!(
+        (r.blocks().len(), r.first_block(), r.cached_tokens()),
+        (3, 0, 0)
+    );
     // While it waits, another request runs to completion.
     let other = run(&h, prompt(6, 9), greedy(4)).await;
     assert_eq!(other.tokens[0], reference_greedy(&dir, &prompt(6, 9), 4));
-    h.remote_kv_ready(s.id(), RemoteKv::Recompute);
+    h.remote_kv_ready(r, RemoteKv::Recompute);
     let mut tokens = vec![Vec::new(); 2];
     let mut started = None;
     while let Some(e) = s.recv().await {
@@ -44,8 +46,11 @@ async fn consumer_reuses_its_local_prefix_and_asks_only_for_the_rest() {
     let h = engine(&dir, |_| {});
     let p = prompt(14, 2);
     run(&h, p[..9].to_vec(), greedy(1)).await; // caches blocks 0 and 1 (8 tokens)
-    let (s, blocks, first, cached) = consume(&h, p, greedy(3)).await;
-    assert_eq!((blocks.len(), first, cached), (2, 2, 8));
+    let (s, r) = consume(&h, p, greedy(3)).await;
+    assert_eq!(
+        (r.blocks().len(), r.first_block(), r.cached_tokens()),
+        (2, 2, 8)
+    );
     // A client that goes away while the pull is pending frees everything.
     drop(s);
     wait_all_free(&h).await;
@@ -122,10 +127,13 @@ async fn a_consumer_emits_the_producers_first_token_without_computing() {
     for (i, (params, key, want_pulled, emitted, want_reason)) in cases.into_iter().enumerate() {
         let (p, given) = (&prompts[i], given[i]);
         let what = format!("{params:?}, key {key}");
-        let (mut s, blocks, first, cached) = consume(&h, p.clone(), params).await;
-        assert_eq!((blocks.len(), first, cached), (3, 0, 0));
+        let (mut s, r) = consume(&h, p.clone(), params).await;
+        assert_eq!(
+            (r.blocks().len(), r.first_block(), r.cached_tokens()),
+            (3, 0, 0)
+        );
         h.remote_kv_ready(
-            s.id(),
+            r,
             RemoteKv::PulledWithFirstToken {
                 tokens: p.len(),
                 first_token: given,

@@ -206,9 +206,9 @@ async fn a_given_first_token_outside_the_constraint_fails_the_request_instead_of
     let key = first_token_key(&params);
     for (i, given, ok) in [(0, b'x', false), (1, b'7', true)] {
         let p = prompt(10, 90 + i);
-        let (mut s, _, _, _) = consume(&h, p.clone(), params.clone()).await;
+        let (mut s, r) = consume(&h, p.clone(), params.clone()).await;
         h.remote_kv_ready(
-            s.id(),
+            r,
             RemoteKv::PulledWithFirstToken {
                 tokens: p.len(),
                 first_token: u32::from(given),

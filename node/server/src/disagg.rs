@@ -7,11 +7,13 @@
 //! The consumer path of one request is a task between the engine's [`RequestStream`] and the
 //! HTTP body ([`Events::Relayed`]):
 //! 1. start the pull ([`Consumer::start`]: the lease is kept alive from now on) and wait for
-//!    [`RequestEvent::AwaitingKv`] (blocks reserved; other requests keep running);
-//! 2. pull into those blocks ([`pd_kv_transfer::consumer::Pull::run`]), on a staged node
-//!    uploading them into the compute pool as they land (`StagedLanding`);
-//! 3. tell the engine what arrived (or fail the request), then release the lease (in the
-//!    background, as the pull is dropped);
+//!    [`RequestEvent::AwaitingKv`] (the engine's [`pd_engine::KvReservation`]; other requests
+//!    keep running);
+//! 2. pull into the reserved blocks ([`pd_kv_transfer::consumer::Pull::run`]), on a staged
+//!    node uploading them into the compute pool as they land, through the reservation's
+//!    uploader (`StagedLanding`);
+//! 3. give the reservation back with what arrived (or fail the request), then release the
+//!    lease (in the background, as the pull is dropped);
 //! 4. hand the engine's stream over to the HTTP layer ([`Relay::Handover`]), which reads the
 //!    rest of the request's events itself. A client that goes away before that aborts the
 //!    request and releases the producer's lease at once; a pull already posted is waited for
@@ -30,10 +32,10 @@ pub use pd_kv_transfer::consumer::{AllowedPeers, PullConfig};
 use crate::kv_params::Advert;
 use crate::metrics::NodeMetrics;
 
-/// A pull's blocks, uploaded into the engine's staged compute pool as they land
-/// ([`pd_model::BlockUpload`] through [`pd_kv_transfer::Landing`]): on a GPU node each part's
-/// copy to the device runs while the next part is read, and the engine copies nothing after
-/// the pull (it hears [`EngineHandle::remote_kv_landed`]).
+/// A pull's blocks, uploaded into the engine's staged compute pool as they land (the
+/// reservation's [`pd_engine::KvReservation::upload`] through [`pd_kv_transfer::Landing`]): on
+/// a GPU node each part's copy to the device runs while the next part is read, and the engine
+/// copies nothing after the pull (it hears [`EngineHandle::remote_kv_landed`]).
 #[derive(Debug)]
 struct StagedLanding(Arc<dyn pd_model::BlockUpload>);
 
@@ -308,16 +310,8 @@ async fn relay(
             }
         },
     };
-    let reserved = match first {
-        Some(Some(RequestEvent::AwaitingKv {
-            blocks,
-            first_block,
-            cached_tokens,
-        })) => Reserved {
-            blocks,
-            first_block,
-            cached: cached_tokens,
-        },
+    let reservation = match first {
+        Some(Some(RequestEvent::AwaitingKv(reservation))) => reservation,
         other => {
             // Client gone, engine gone, or a failure (passed on): nothing to pull (dropping
             // `pull` releases the leases).
@@ -327,9 +321,15 @@ async fn relay(
             return;
         }
     };
-    // 2. Pull (into the compute pool too, as the blocks land, on a staged node).
-    let landing = engine
-        .uploader()
+    let reserved = Reserved {
+        blocks: reservation.blocks().to_vec(),
+        first_block: reservation.first_block(),
+        cached: reservation.cached_tokens(),
+    };
+    // 2. Pull into the reserved blocks (and, on a staged node, into the compute pool too, as
+    // they land, through the reservation's uploader).
+    let landing = reservation
+        .upload()
         .map(|u| Arc::new(StagedLanding(u.clone())) as Arc<dyn pd_kv_transfer::Landing>);
     let Some(outcome) = pull.run(reserved, landing, tx.closed()).await else {
         return; // the client left before the reads: dropping `pull` releases the leases
@@ -343,8 +343,8 @@ async fn relay(
             first_token,
         } => {
             match landed {
-                true => engine.remote_kv_landed(id, remote_kv(kv)),
-                false => engine.remote_kv_ready(id, remote_kv(kv)),
+                true => engine.remote_kv_landed(reservation, remote_kv(kv)),
+                false => engine.remote_kv_ready(reservation, remote_kv(kv)),
             }
             first_token
         }

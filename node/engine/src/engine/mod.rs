@@ -89,7 +89,8 @@ pub struct Engine {
     /// before `pool` so it drops first: a device pool page-locks the transfer pool's memory
     /// and must unregister it before that memory is freed.
     staged: Option<Box<dyn StagedKv>>,
-    /// `staged`'s uploader, for pulls that upload their blocks as they land.
+    /// `staged`'s uploader, handed to pulls with their reservations
+    /// ([`crate::KvReservation::upload`]) to upload their blocks as they land.
     uploader: Option<Arc<dyn pd_model::BlockUpload>>,
     /// The transfer pool: what peers read and pulls write.
     pool: KvPool,
@@ -113,11 +114,6 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// The staged pool's uploader for pulls ([`crate::EngineHandle::uploader`]).
-    pub(crate) fn uploader(&self) -> Option<Arc<dyn pd_model::BlockUpload>> {
-        self.uploader.clone()
-    }
-
     /// The vocabulary structured outputs compile against ([`crate::EngineHandle::submit`]).
     pub(crate) fn vocabulary(&self) -> &Result<Arc<Vocabulary>, GrammarError> {
         &self.vocabulary
@@ -247,11 +243,13 @@ impl Engine {
         }
         for (id, blocks, first_block, cached_tokens) in parked {
             if let Some(state) = self.requests.get(&id) {
-                let _ = state.events.send(RequestEvent::AwaitingKv {
+                let reservation = crate::KvReservation::new(
+                    id,
                     blocks,
-                    first_block,
-                    cached_tokens,
-                });
+                    (first_block, cached_tokens),
+                    self.uploader.clone(),
+                );
+                let _ = state.events.send(RequestEvent::AwaitingKv(reservation));
             }
         }
         for e in self.scheduler.take_cache_events() {
