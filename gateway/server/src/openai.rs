@@ -279,29 +279,43 @@ impl serde::Serialize for Patched<'_> {
     }
 }
 
+/// Why a prefill node's answer cannot be decoded from.
+#[derive(Debug, thiserror::Error)]
+pub enum PrefillAnswerError {
+    /// The body is not JSON.
+    #[error("P's body: {0}")]
+    NotJson(serde_json::Error),
+    /// Its `kv_transfer_params` do not read.
+    #[error("P's {0}")]
+    Params(pd_wire::kv::ParamsError),
+    /// It carries none.
+    #[error("P answered without kv_transfer_params")]
+    NoParams,
+    /// An object does not ask for a pull.
+    #[error("P's kv_transfer_params do not ask for a pull: {0}")]
+    NotAPull(Value),
+}
+
 /// The `kv_transfer_params` a prefill node answered with: one object per lease it granted (an
 /// object is a list of one).
 ///
 /// # Errors
 /// P's body is not JSON, carries no params, or an object does not ask for a pull.
-pub fn prefill_params(p_body: &[u8]) -> Result<Vec<KvTransferParams>, String> {
+pub fn prefill_params(p_body: &[u8]) -> Result<Vec<KvTransferParams>, PrefillAnswerError> {
     /// P's answer as far as the gateway reads it: the rest (choices, usage) is skipped
     /// unparsed.
     #[derive(serde::Deserialize)]
     struct PrefillAnswer {
         kv_transfer_params: Option<Value>,
     }
-    let v: PrefillAnswer = serde_json::from_slice(p_body).map_err(|e| format!("P's body: {e}"))?;
+    let v: PrefillAnswer = serde_json::from_slice(p_body).map_err(PrefillAnswerError::NotJson)?;
     let params =
-        pd_wire::kv::read(v.kv_transfer_params.as_ref()).map_err(|e| format!("P's {e}"))?;
+        pd_wire::kv::read(v.kv_transfer_params.as_ref()).map_err(PrefillAnswerError::Params)?;
     if params.is_empty() {
-        return Err("P answered without kv_transfer_params".into());
+        return Err(PrefillAnswerError::NoParams);
     }
     if let Some(p) = params.iter().find(|p| !p.do_remote_prefill) {
-        return Err(format!(
-            "P's kv_transfer_params do not ask for a pull: {}",
-            p.to_value()
-        ));
+        return Err(PrefillAnswerError::NotAPull(p.to_value()));
     }
     Ok(params)
 }
@@ -459,6 +473,11 @@ mod tests {
         assert_eq!(prefill_params(&body).unwrap()[0].remote_port, Some(9));
         assert!(prefill_params(b"{}").is_err());
         let bad = serde_json::to_vec(&json!({"kv_transfer_params": {"remote_port": "x"}})).unwrap();
-        assert!(prefill_params(&bad).unwrap_err().contains("remote_port"));
+        assert!(
+            prefill_params(&bad)
+                .unwrap_err()
+                .to_string()
+                .contains("remote_port")
+        );
     }
 }

@@ -22,7 +22,7 @@ use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{info, warn};
 
-use crate::cluster::{Cluster, ConnId, JoinError, NodeEntry, role_of};
+use crate::cluster::{Cluster, ConnId, JoinError, NodeEntry, TokenizerRefused, role_of};
 use crate::metrics::Metrics;
 
 /// The registry contract version this gateway speaks.
@@ -197,15 +197,16 @@ pub fn reachable(addr: &str, observed: Option<IpAddr>) -> Result<String, Unreach
     Ok(addr.to_owned())
 }
 
-fn tokenizer_of(bundle: Option<&pb::TokenizerBundle>) -> Result<(Arc<Tokenizer>, u64), String> {
-    let bundle = bundle.ok_or("registration carries no tokenizer")?;
+fn tokenizer_of(
+    bundle: Option<&pb::TokenizerBundle>,
+) -> Result<(Arc<Tokenizer>, u64), TokenizerRefused> {
+    let bundle = bundle.ok_or(TokenizerRefused::Missing)?;
     let files = bundle
         .files
         .iter()
         .map(|f| (f.name.clone(), f.content.clone()))
         .collect();
-    let tokenizer =
-        Tokenizer::from_files(&files).map_err(|e| format!("the node's tokenizer: {e}"))?;
+    let tokenizer = Tokenizer::from_files(&files).map_err(TokenizerRefused::Invalid)?;
     Ok((Arc::new(tokenizer), bundle.fingerprint))
 }
 

@@ -35,7 +35,7 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
-use crate::cluster::{Cluster, ConnId, NodeEntry};
+use crate::cluster::{Cluster, ConnId, JoinError, NodeEntry};
 
 /// One `--static-node` flag: `role=prefill|decode|standalone,url=http://HOST:PORT,
 /// tokenizer=DIR[,engine-id=NAME]`.
@@ -52,17 +52,43 @@ pub struct StaticNode {
     pub engine_id: String,
 }
 
-impl FromStr for StaticNode {
-    type Err = String;
+/// Why a `--static-node` spec does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SpecError {
+    /// A part without `=`.
+    #[error("`{0}` is not KEY=VALUE")]
+    NotKeyValue(String),
+    /// A key given twice.
+    #[error("`{0}` given twice")]
+    Twice(String),
+    /// A role that is none of the three.
+    #[error("role `{0}`: expected prefill, decode or standalone")]
+    Role(String),
+    /// A required key is missing (its form in the message).
+    #[error("{0} is missing")]
+    Missing(&'static str),
+    /// A URL that is not `http://`.
+    #[error("url `{0}`: only http://HOST:PORT is served")]
+    NotHttp(String),
+    /// An `http://` URL with a path or no host.
+    #[error("url `{0}`: expected http://HOST:PORT")]
+    Url(String),
+    /// A key the spec does not have.
+    #[error("unknown key `{0}` (keys: role, url, tokenizer, engine-id)")]
+    UnknownKey(String),
+}
 
-    fn from_str(spec: &str) -> Result<Self, String> {
+impl FromStr for StaticNode {
+    type Err = SpecError;
+
+    fn from_str(spec: &str) -> Result<Self, SpecError> {
         let mut fields = BTreeMap::new();
         for part in spec.split(',').filter(|p| !p.trim().is_empty()) {
             let (key, value) = part
                 .split_once('=')
-                .ok_or_else(|| format!("`{part}` is not KEY=VALUE"))?;
+                .ok_or_else(|| SpecError::NotKeyValue(part.to_owned()))?;
             if fields.insert(key.trim(), value.trim()).is_some() {
-                return Err(format!("`{key}` given twice"));
+                return Err(SpecError::Twice(key.to_owned()));
             }
         }
         let mut take = |key: &str| fields.remove(key);
@@ -70,31 +96,25 @@ impl FromStr for StaticNode {
             Some("prefill") => Role::Prefill,
             Some("decode") => Role::Decode,
             Some("standalone") => Role::Standalone,
-            Some(other) => {
-                return Err(format!(
-                    "role `{other}`: expected prefill, decode or standalone"
-                ));
-            }
-            None => return Err("role=prefill|decode|standalone is missing".into()),
+            Some(other) => return Err(SpecError::Role(other.to_owned())),
+            None => return Err(SpecError::Missing("role=prefill|decode|standalone")),
         };
-        let url = take("url").ok_or("url=http://HOST:PORT is missing")?;
+        let url = take("url").ok_or(SpecError::Missing("url=http://HOST:PORT"))?;
         let http_addr = url
             .strip_prefix("http://")
-            .ok_or_else(|| format!("url `{url}`: only http://HOST:PORT is served"))?
+            .ok_or_else(|| SpecError::NotHttp(url.to_owned()))?
             .trim_end_matches('/')
             .to_owned();
         if http_addr.is_empty() || http_addr.contains('/') {
-            return Err(format!("url `{url}`: expected http://HOST:PORT"));
+            return Err(SpecError::Url(url.to_owned()));
         }
-        let tokenizer = PathBuf::from(
-            take("tokenizer").ok_or("tokenizer=DIR (the model's tokenizer files) is missing")?,
-        );
+        let tokenizer = PathBuf::from(take("tokenizer").ok_or(SpecError::Missing(
+            "tokenizer=DIR (the model's tokenizer files)",
+        ))?);
         let engine_id =
             take("engine-id").map_or_else(|| format!("static-{http_addr}"), str::to_owned);
         if let Some(key) = fields.keys().next() {
-            return Err(format!(
-                "unknown key `{key}` (keys: role, url, tokenizer, engine-id)"
-            ));
+            return Err(SpecError::UnknownKey((*key).to_owned()));
         }
         Ok(Self {
             role,
@@ -118,17 +138,62 @@ pub struct Scraped {
     pub state: pb::NodeState,
 }
 
+/// Why a scrape of a static node does not put it in the view.
+#[derive(Debug, thiserror::Error)]
+pub enum ScrapeError {
+    /// A request failed or its body did not read.
+    #[error("GET {path}: {source}")]
+    Http {
+        /// `/v1/models` or `/metrics`.
+        path: &'static str,
+        /// Why.
+        source: reqwest::Error,
+    },
+    /// The answers lack what routing needs (see [`read_scrape`]).
+    #[error("{0}")]
+    Missing(&'static str),
+    /// It answers, but the cluster refused it.
+    #[error(transparent)]
+    Refused(#[from] JoinError),
+    /// It serves another model than the one its tokenizer is for.
+    #[error(
+        "it serves `{served}` now, not `{model}` (the model of its tokenizer); restart the gateway \
+         with the new model's tokenizer"
+    )]
+    OtherModel {
+        /// What it serves now.
+        served: String,
+        /// What it served first.
+        model: String,
+    },
+}
+
+/// Why a static node's tokenizer could not be read (at start).
+#[derive(Debug, thiserror::Error)]
+#[error("static node `{engine_id}`: its tokenizer ({}): {source}", dir.display())]
+pub struct TokenizerError {
+    /// The node.
+    pub engine_id: String,
+    /// The directory named.
+    pub dir: PathBuf,
+    /// Why.
+    pub source: pd_tokenize::TokenizeError,
+}
+
 /// Reads `/v1/models` and `/metrics` bodies.
 ///
 /// # Errors
-/// What is missing: a model, the queue gauges (a server that does not export vLLM's
+/// [`ScrapeError::Missing`]: a model, the queue gauges (a server that does not export vLLM's
 /// metrics cannot be routed on load), or `vllm:cache_config_info` with a block size (prompts
 /// are hashed in the node's blocks).
-pub fn read_scrape(models: &Value, metrics: &str) -> Result<Scraped, String> {
-    let first = models["data"].get(0).ok_or("/v1/models lists no model")?;
+pub fn read_scrape(models: &Value, metrics: &str) -> Result<Scraped, ScrapeError> {
+    let missing = ScrapeError::Missing;
+    let first = models["data"]
+        .get(0)
+        .ok_or(missing("/v1/models lists no model"))?;
     let model = first["id"]
         .as_str()
-        .ok_or("/v1/models: the first model has no id")?
+        .ok_or(missing("/v1/models: the first model has no id"))?
         .to_owned();
     let max_model_len = first["max_model_len"]
         .as_u64()
@@ -137,10 +202,10 @@ pub fn read_scrape(models: &Value, metrics: &str) -> Result<Scraped, String> {
         let values: Vec<f64> = samples(metrics, name).map(|(_, v)| v).collect();
         (!values.is_empty()).then(|| values.iter().sum())
     };
-    let waiting =
-        sum("vllm:num_requests_waiting").ok_or("/metrics has no vllm:num_requests_waiting")?;
-    let running =
-        sum("vllm:num_requests_running").ok_or("/metrics has no vllm:num_requests_running")?;
+    let waiting = sum("vllm:num_requests_waiting")
+        .ok_or(missing("/metrics has no vllm:num_requests_waiting"))?;
+    let running = sum("vllm:num_requests_running")
+        .ok_or(missing("/metrics has no vllm:num_requests_running"))?;
     // Several engines (data parallel) report one sample each: their blocks add up, and so do
     // the blocks each one's usage says are taken.
     let mut total_blocks = 0.0;
@@ -178,10 +243,10 @@ pub fn read_scrape(models: &Value, metrics: &str) -> Result<Scraped, String> {
         })
         .sum();
     if block_size == 0 {
-        return Err(
-            "/metrics has no vllm:cache_config_info with a block_size (the gateway hashes prompts in the node's blocks)"
-                .into(),
-        );
+        return Err(missing(
+            "/metrics has no vllm:cache_config_info with a block_size (the gateway hashes \
+             prompts in the node's blocks)",
+        ));
     }
     let total = total_blocks.round() as u64;
     let free = (total_blocks - used_blocks).round().max(0.0) as u64;
@@ -252,15 +317,13 @@ impl StaticNode {
     ///
     /// # Errors
     /// The directory lacks the tokenizer's files or they do not parse.
-    pub fn load_tokenizer(&self) -> Result<Arc<Tokenizer>, String> {
+    pub fn load_tokenizer(&self) -> Result<Arc<Tokenizer>, TokenizerError> {
         Tokenizer::from_dir(&self.tokenizer)
             .map(Arc::new)
-            .map_err(|e| {
-                format!(
-                    "static node `{}`: its tokenizer ({}): {e}",
-                    self.engine_id,
-                    self.tokenizer.display()
-                )
+            .map_err(|source| TokenizerError {
+                engine_id: self.engine_id.clone(),
+                dir: self.tokenizer.clone(),
+                source,
             })
     }
 }
@@ -302,11 +365,10 @@ pub async fn follow(
                 if let Some(c) = conn.take() {
                     cluster.leave(c, "it serves another model");
                 }
-                format!(
-                    "it serves `{}` now, not `{}` (the model of its tokenizer); restart the gateway with the new model's tokenizer",
-                    s.model,
-                    model.as_deref().unwrap_or_default()
-                )
+                ScrapeError::OtherModel {
+                    served: s.model,
+                    model: model.clone().unwrap_or_default(),
+                }
             }
             Ok(s) => {
                 // Still in the view: this is its state update. (Swept since: it joins again.)
@@ -324,11 +386,12 @@ pub async fn follow(
                         last_problem.clear();
                         continue;
                     }
-                    Err(why) => why,
+                    Err(why) => why.into(),
                 }
             }
             Err(why) => why,
-        };
+        }
+        .to_string();
         if problem != last_problem {
             warn!(engine_id = %node.engine_id, http = %node.http_addr, "static node not in the view: {problem}");
             last_problem = problem;
@@ -336,22 +399,27 @@ pub async fn follow(
     }
 }
 
-async fn scrape(http: &reqwest::Client, base: &str, timeout: Duration) -> Result<Scraped, String> {
+async fn scrape(
+    http: &reqwest::Client,
+    base: &str,
+    timeout: Duration,
+) -> Result<Scraped, ScrapeError> {
     let get = |path: &str| http.get(format!("{base}{path}")).timeout(timeout).send();
+    let failed = |path| move |source| ScrapeError::Http { path, source };
     let models = get("/v1/models")
         .await
         .and_then(reqwest::Response::error_for_status)
-        .map_err(|e| format!("GET /v1/models: {e}"))?
+        .map_err(failed("/v1/models"))?
         .json::<Value>()
         .await
-        .map_err(|e| format!("GET /v1/models: {e}"))?;
+        .map_err(failed("/v1/models"))?;
     let metrics = get("/metrics")
         .await
         .and_then(reqwest::Response::error_for_status)
-        .map_err(|e| format!("GET /metrics: {e}"))?
+        .map_err(failed("/metrics"))?
         .text()
         .await
-        .map_err(|e| format!("GET /metrics: {e}"))?;
+        .map_err(failed("/metrics"))?;
     read_scrape(&models, &metrics)
 }
 
@@ -361,7 +429,7 @@ fn join(
     node: &StaticNode,
     tokenizer: &Arc<Tokenizer>,
     s: Scraped,
-) -> Result<ConnId, String> {
+) -> Result<ConnId, JoinError> {
     let fingerprint = tokenizer.fingerprint();
     let conn = cluster.new_conn();
     // A static node has no registry stream to send on: the receiver is dropped here, so
@@ -391,9 +459,7 @@ fn join(
         open: Default::default(),
         gone: Default::default(),
     };
-    cluster
-        .join(entry, || Ok((tokenizer.clone(), fingerprint)), fingerprint)
-        .map_err(|e| e.to_string())?;
+    cluster.join(entry, || Ok((tokenizer.clone(), fingerprint)), fingerprint)?;
     Ok(conn)
 }
 
@@ -428,7 +494,7 @@ mod tests {
             ("role=decode,role=prefill", "twice"),
             ("role", "KEY=VALUE"),
         ] {
-            let err = spec.parse::<StaticNode>().unwrap_err();
+            let err = spec.parse::<StaticNode>().unwrap_err().to_string();
             assert!(err.contains(says), "{spec}: {err}");
         }
     }
@@ -488,16 +554,19 @@ vllm:prompt_tokens_total{engine="0",model_name="Qwen/Qwen3-0.6B"} 1234.0
     fn what_cannot_be_routed_on_is_refused_by_name() {
         let models = json!({"data": [{"id": "m"}]});
         let err = read_scrape(&models, "process_cpu_seconds_total 1\n").unwrap_err();
-        assert!(err.contains("vllm:num_requests_waiting"), "{err}");
+        assert!(
+            err.to_string().contains("vllm:num_requests_waiting"),
+            "{err}"
+        );
         let err = read_scrape(&json!({"data": []}), VLLM).unwrap_err();
-        assert!(err.contains("no model"), "{err}");
+        assert!(err.to_string().contains("no model"), "{err}");
         // Without cache_config_info the blocks (and their hashes) are unknown: refused.
         let err = read_scrape(
             &models,
             "vllm:num_requests_waiting 1\nvllm:num_requests_running 2\n",
         )
         .unwrap_err();
-        assert!(err.contains("vllm:cache_config_info"), "{err}");
+        assert!(err.to_string().contains("vllm:cache_config_info"), "{err}");
         // A name that only starts like a wanted one is not it.
         let s = read_scrape(
             &models,

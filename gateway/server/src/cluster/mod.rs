@@ -37,10 +37,73 @@ pub enum JoinError {
         /// HTTP address of the node refused.
         claimed_by: String,
     },
-    /// The node does not fit the model's other nodes (tokenizer, hash key, kind of node) or
-    /// another kind of node holds its engine id.
-    #[error("{0}")]
-    Incompatible(String),
+    /// A node of the other kind (static or registered) holds this engine id.
+    #[error("engine id `{engine_id}` is taken by a {kind} node at {held_by}")]
+    EngineIdOfOtherKind {
+        /// The id both claim.
+        engine_id: String,
+        /// How the node holding it joined.
+        kind: &'static str,
+        /// HTTP address of the node that keeps it.
+        held_by: String,
+    },
+    /// The model's nodes are static and this one registered, or the other way round.
+    #[error(
+        "model `{model}` is served by {held} nodes and node `{engine_id}` is {kind}; one model's \
+         nodes are all registered or all static"
+    )]
+    MixedKinds {
+        /// The model.
+        model: String,
+        /// How the model's nodes joined (`registered` or `static`).
+        held: &'static str,
+        /// The node refused.
+        engine_id: String,
+        /// How it joins.
+        kind: &'static str,
+    },
+    /// Its tokenizer (and chat template) is not the one the model's nodes serve.
+    #[error(
+        "tokenizer fingerprint {fingerprint:016x} of node `{engine_id}` differs from \
+         {model_fingerprint:016x}, the one model `{model}` was registered with; nodes of one \
+         model must serve the same tokenizer and chat template"
+    )]
+    TokenizerDiffers {
+        /// The node refused.
+        engine_id: String,
+        /// Its tokenizer's fingerprint.
+        fingerprint: u64,
+        /// The model.
+        model: String,
+        /// The model's tokenizer's fingerprint.
+        model_fingerprint: u64,
+    },
+    /// Its prefix-cache hash key is not the model's nodes' (the keys are secrets: never
+    /// printed).
+    #[error(
+        "the prefix-cache hash key (--kv-hash-key) of node `{engine_id}` differs from the one of \
+         model `{model}`'s nodes; nodes of one model must share it"
+    )]
+    HashKeyDiffers {
+        /// The node refused.
+        engine_id: String,
+        /// The model.
+        model: String,
+    },
+    /// The first node of a model came without a usable tokenizer.
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerRefused),
+}
+
+/// Why the tokenizer a model's first node brings cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerRefused {
+    /// The registration carries none.
+    #[error("registration carries no tokenizer")]
+    Missing,
+    /// Its files do not make a tokenizer.
+    #[error("the node's tokenizer: {0}")]
+    Invalid(pd_tokenize::TokenizeError),
 }
 
 /// What a node told the gateway at registration, plus what it streamed since.
@@ -397,7 +460,7 @@ impl Cluster {
     pub fn join(
         &self,
         entry: NodeEntry,
-        tokenizer: impl FnOnce() -> Result<(Arc<Tokenizer>, u64), String>,
+        tokenizer: impl FnOnce() -> Result<(Arc<Tokenizer>, u64), TokenizerRefused>,
         fingerprint: u64,
     ) -> Result<(), JoinError> {
         let mut state = self.write();
@@ -414,35 +477,37 @@ impl Cluster {
             });
         }
         self.admit(&mut state, entry, tokenizer, fingerprint)
-            .map_err(JoinError::Incompatible)
     }
 
     fn admit(
         &self,
         state: &mut ClusterState,
         entry: NodeEntry,
-        tokenizer: impl FnOnce() -> Result<(Arc<Tokenizer>, u64), String>,
+        tokenizer: impl FnOnce() -> Result<(Arc<Tokenizer>, u64), TokenizerRefused>,
         fingerprint: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), JoinError> {
         match state.models.get(&entry.model) {
             Some(m) if m.source != entry.source => {
-                return Err(format!(
-                    "model `{}` is served by {} nodes and node `{}` is {}; one model's nodes are all registered or all static",
-                    entry.model, m.source, entry.engine_id, entry.source
-                ));
+                return Err(JoinError::MixedKinds {
+                    model: entry.model.to_string(),
+                    held: m.source,
+                    engine_id: entry.engine_id.to_string(),
+                    kind: entry.source,
+                });
             }
             Some(m) if m.fingerprint != fingerprint => {
-                return Err(format!(
-                    "tokenizer fingerprint {fingerprint:016x} of node `{}` differs from {:016x}, the one model `{}` was registered with; nodes of one model must serve the same tokenizer and chat template",
-                    entry.engine_id, m.fingerprint, entry.model
-                ));
+                return Err(JoinError::TokenizerDiffers {
+                    engine_id: entry.engine_id.to_string(),
+                    fingerprint,
+                    model: entry.model.to_string(),
+                    model_fingerprint: m.fingerprint,
+                });
             }
             Some(m) if m.hash_key != entry.hash_key => {
-                // (The keys are secrets: never printed.)
-                return Err(format!(
-                    "the prefix-cache hash key (--kv-hash-key) of node `{}` differs from the one of model `{}`'s nodes; nodes of one model must share it",
-                    entry.engine_id, entry.model
-                ));
+                return Err(JoinError::HashKeyDiffers {
+                    engine_id: entry.engine_id.to_string(),
+                    model: entry.model.to_string(),
+                });
             }
             Some(m) if m.block_size != entry.block_size => {
                 tracing::warn!(
@@ -476,10 +541,11 @@ impl Cluster {
             .values()
             .find(|n| n.engine_id == entry.engine_id && n.source != entry.source)
         {
-            return Err(format!(
-                "engine id `{}` is taken by a {} node at {}",
-                entry.engine_id, other.source, other.http_addr
-            ));
+            return Err(JoinError::EngineIdOfOtherKind {
+                engine_id: entry.engine_id.to_string(),
+                kind: other.source,
+                held_by: other.http_addr.to_string(),
+            });
         }
         // The same engine registering again (a reconnect racing the old stream's end) replaces it.
         let stale: Vec<ConnId> = state

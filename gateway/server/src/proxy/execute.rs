@@ -351,7 +351,7 @@ impl Gateway {
                 body: bytes,
             }));
         }
-        openai::prefill_params(&bytes).map_err(Failed::Next)
+        openai::prefill_params(&bytes).map_err(|e| Failed::Next(e.to_string()))
     }
 
     /// D with the children spread: one decode request per group, each with its own lease and

@@ -51,6 +51,23 @@ pub enum DataError {
     Bad(&'static str),
 }
 
+/// Why the owner refuses a data request (sent to the reader as text).
+#[derive(Debug, thiserror::Error)]
+enum Refusal {
+    /// The lease is not live for the reader.
+    #[error("lease {lease}: {source}")]
+    Lease {
+        lease: LeaseId,
+        source: pd_kv_pool::LeaseError,
+    },
+    /// A block named is not one of the lease's.
+    #[error("blocks named are not lease {0}'s")]
+    NotTheLeases(LeaseId),
+    /// A block named lies outside the pool.
+    #[error("a block outside the pool")]
+    OutsidePool,
+}
+
 /// The owner's pool as bytes: where it starts, how long it is, how big a block is.
 #[derive(Debug, Clone, Copy)]
 pub struct PoolBytes {
@@ -135,6 +152,7 @@ impl DataServer {
         let (peer, lease, generation, ids) = asked;
         if let Err(why) = self.check(&peer, lease, generation, &ids) {
             self.refused.inc();
+            let why = why.to_string();
             let msg = why.as_bytes();
             let len = msg.len().min(u16::MAX as usize);
             s.write_u8(1).await?;
@@ -204,20 +222,20 @@ impl DataServer {
         lease: LeaseId,
         generation: u64,
         ids: &[BlockId],
-    ) -> Result<(), String> {
+    ) -> Result<(), Refusal> {
         let covered = self
             .authority
             .covers(lease, generation, peer, ids)
-            .map_err(|e| format!("lease {lease}: {e}"))?;
+            .map_err(|source| Refusal::Lease { lease, source })?;
         if !covered {
-            return Err(format!("blocks named are not lease {lease}'s"));
+            return Err(Refusal::NotTheLeases(lease));
         }
         let bb = self.pool.block_bytes;
         if ids
             .iter()
             .any(|b| (b.0 as usize).saturating_add(1).saturating_mul(bb) > self.pool.len)
         {
-            return Err("a block outside the pool".into());
+            return Err(Refusal::OutsidePool);
         }
         Ok(())
     }

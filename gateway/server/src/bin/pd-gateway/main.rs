@@ -412,7 +412,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let static_nodes = args
         .static_nodes
         .iter()
-        .map(|n| Ok((n.clone(), n.load_tokenizer().map_err(anyhow::Error::msg)?)))
+        .map(|n| Ok((n.clone(), n.load_tokenizer()?)))
         .collect::<anyhow::Result<Vec<_>>>()?;
     // A scrape's two requests together stay under half the node timeout, so a node that
     // answers slowly is not swept between two scrapes that reached it.
