@@ -239,15 +239,16 @@ fn prefill_patch(
     consumers: u32,
     held: Option<KvTransferParams>,
 ) -> (Vec<(&'static str, Value)>, &'static [&'static str]) {
-    let mut set: Vec<(&'static str, Value)> = match api {
-        Api::ChatCompletions => vec![
-            ("max_tokens", json!(1)),
-            ("max_completion_tokens", json!(1)),
-            ("n", json!(1)),
-        ],
-        Api::Completions => vec![("max_tokens", json!(1)), ("n", json!(1))],
-        Api::Responses => vec![("max_output_tokens", json!(1))],
-    };
+    // One token, whichever length field the node reads (every one the API has), and one
+    // completion (the Responses API has no `n`).
+    let mut set: Vec<(&'static str, Value)> = wire_api(api)
+        .max_tokens_fields()
+        .iter()
+        .map(|&field| (field, json!(1)))
+        .collect();
+    if api != Api::Responses {
+        set.push(("n", json!(1)));
+    }
     set.push(("stream", json!(false)));
     let kv = held.unwrap_or_else(|| KvTransferParams::produce(consumers));
     set.push((KV_FIELD, kv.to_value()));

@@ -60,7 +60,28 @@ impl Api {
             Api::Responses => &["max_output_tokens"],
         }
     }
+
+    /// Which length limit of a request wins: the first of [`Api::max_tokens_fields`] that
+    /// `value_of` (a field's value, by name) finds set, and that field. With none set, `None`
+    /// and the last field (chat: the deprecated `max_tokens`), the one an error about the
+    /// unset limit names. Fields after the winner are not looked at.
+    pub fn pick_max_tokens<T>(
+        self,
+        mut value_of: impl FnMut(&'static str) -> Option<T>,
+    ) -> (Option<T>, &'static str) {
+        let fields = self.max_tokens_fields();
+        for &field in fields {
+            if let Some(value) = value_of(field) {
+                return (Some(value), field);
+            }
+        }
+        (None, fields[fields.len() - 1])
+    }
 }
+
+/// Completions asked for when a request does not set `n` (always, on `/v1/responses`, which
+/// has no `n`).
+pub const DEFAULT_N: u32 = 1;
 
 /// A routing field that is not what it must be.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,7 +99,7 @@ pub struct RoutingFields {
     pub model: String,
     /// `stream`.
     pub stream: bool,
-    /// Completions asked for (`n`, 1 when absent; always 1 on `/v1/responses`).
+    /// Completions asked for (`n`, [`DEFAULT_N`] when absent and on `/v1/responses`).
     pub n: u32,
     /// The client's output limit ([`Api::max_tokens_fields`]), when set.
     pub max_tokens: Option<u32>,
@@ -127,19 +148,17 @@ impl RoutingFields {
             Some(v) => return Err(bad("stream", format!("stream must be a boolean, got {v}"))),
         };
         let n = match api {
-            Api::Responses => 1,
-            _ => opt_u32(body, "n")?.unwrap_or(1),
+            Api::Responses => DEFAULT_N,
+            _ => opt_u32(body, "n")?.unwrap_or(DEFAULT_N),
         };
         if n == 0 {
             return Err(bad("n", "n must be at least 1".into()));
         }
-        let mut max_tokens = None;
-        for key in api.max_tokens_fields() {
-            if let Some(m) = opt_u32(body, key)? {
-                max_tokens = Some(m);
-                break;
-            }
-        }
+        // A malformed field is an error only where it would win.
+        let max_tokens = api
+            .pick_max_tokens(|key| opt_u32(body, key).transpose())
+            .0
+            .transpose()?;
         let cache_salt = match set(body, "cache_salt") {
             None => None,
             Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
@@ -188,6 +207,49 @@ mod tests {
         let r = read(Api::Completions, json!({"model": "m", "stream": null})).unwrap();
         assert!(!r.stream);
         assert_eq!(Api::of_path("/v1/responses"), Some(Api::Responses));
+    }
+
+    #[test]
+    fn the_first_length_limit_set_wins_and_is_named() {
+        let chat = |mct: Option<i64>, mt: Option<i64>| {
+            Api::ChatCompletions.pick_max_tokens(|f| match f {
+                "max_completion_tokens" => mct,
+                "max_tokens" => mt,
+                _ => panic!("not a chat field: {f}"),
+            })
+        };
+        assert_eq!(chat(Some(5), Some(9)), (Some(5), "max_completion_tokens"));
+        assert_eq!(chat(None, Some(9)), (Some(9), "max_tokens"));
+        assert_eq!(chat(None, None), (None, "max_tokens"));
+        assert_eq!(
+            Api::Completions.pick_max_tokens(|_| None::<i64>),
+            (None, "max_tokens")
+        );
+        assert_eq!(
+            Api::Responses.pick_max_tokens(|f| (f == "max_output_tokens").then_some(3)),
+            (Some(3), "max_output_tokens")
+        );
+        // Nothing after the winner is read.
+        let mut asked = Vec::new();
+        Api::ChatCompletions.pick_max_tokens(|f| {
+            asked.push(f);
+            Some(1)
+        });
+        assert_eq!(asked, ["max_completion_tokens"]);
+        // Through the routing reader: a malformed loser is not looked at, a malformed winner is
+        // named.
+        let r = read(
+            Api::ChatCompletions,
+            json!({"model": "m", "max_completion_tokens": 5, "max_tokens": "x"}),
+        )
+        .unwrap();
+        assert_eq!(r.max_tokens, Some(5));
+        let e = read(
+            Api::ChatCompletions,
+            json!({"model": "m", "max_completion_tokens": null, "max_tokens": "x"}),
+        )
+        .unwrap_err();
+        assert_eq!(e.param, "max_tokens");
     }
 
     #[test]

@@ -41,6 +41,18 @@ pub(crate) struct ChatCompletionRequest {
     pub(crate) unsupported: super::unsupported::UnsupportedFields,
 }
 
+impl ChatCompletionRequest {
+    /// The answer's length limit as sent and the field it came from: which one wins is
+    /// `pd_wire`'s rule ([`pd_wire::Api::pick_max_tokens`]), shared with the gateway.
+    pub(crate) fn max_tokens(&self) -> (Option<i64>, &'static str) {
+        pd_wire::Api::ChatCompletions.pick_max_tokens(|field| match field {
+            "max_completion_tokens" => self.max_completion_tokens,
+            "max_tokens" => self.max_tokens,
+            _ => None,
+        })
+    }
+}
+
 /// One input message: `pd_tokenize`'s, so the gateway reads `messages` as the node does.
 pub(crate) use pd_tokenize::prompt::ChatMessageIn;
 

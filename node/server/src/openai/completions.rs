@@ -45,6 +45,17 @@ fn default_max_tokens() -> Option<i64> {
     Some(16)
 }
 
+impl CompletionRequest {
+    /// The answer's length limit (16 when absent, see `max_tokens`) and its field
+    /// ([`pd_wire::Api::pick_max_tokens`]).
+    pub(crate) fn max_tokens(&self) -> (Option<i64>, &'static str) {
+        pd_wire::Api::Completions.pick_max_tokens(|field| match field {
+            "max_tokens" => self.max_tokens,
+            _ => None,
+        })
+    }
+}
+
 /// A completion, or one chunk of a streamed one (same object in both cases).
 #[derive(Debug, Serialize)]
 pub(crate) struct CompletionResponse {

@@ -115,7 +115,7 @@ impl SamplingFields {
     ) -> Result<SamplingParams, ApiError> {
         let defaults = SamplingParams::default();
         let n = match self.n {
-            None => defaults.n,
+            None => pd_wire::request::DEFAULT_N as usize,
             Some(n) => non_negative(n, "n")?,
         };
         let top_k = match self.top_k {
@@ -416,5 +416,57 @@ mod tests {
             .to_params((Some(-1), "max_completion_tokens"), None)
             .unwrap_err();
         assert_eq!(e.param(), Some("max_completion_tokens"));
+    }
+
+    /// Each request type reads every length field `pd_wire` names for its API, and the one
+    /// `pd_wire` says wins does.
+    #[test]
+    fn length_limits_are_read_as_pd_wire_names_them() {
+        use pd_wire::Api;
+        use serde_json::{Value, json};
+
+        fn read(api: Api, mut body: Value, set: &[(&str, i64)]) -> (Option<i64>, &'static str) {
+            for (field, value) in set {
+                body[*field] = json!(value);
+            }
+            match api {
+                Api::ChatCompletions => serde_json::from_value::<chat::ChatCompletionRequest>(body)
+                    .unwrap()
+                    .max_tokens(),
+                Api::Completions => serde_json::from_value::<completions::CompletionRequest>(body)
+                    .unwrap()
+                    .max_tokens(),
+                Api::Responses => serde_json::from_value::<responses::ResponsesRequest>(body)
+                    .unwrap()
+                    .max_tokens(),
+            }
+        }
+        for api in Api::ALL {
+            let body = json!({"model": "m", (api.prompt_field()): []});
+            for &field in api.max_tokens_fields() {
+                assert_eq!(read(api, body.clone(), &[(field, 7)]), (Some(7), field));
+            }
+            let all: Vec<_> = api.max_tokens_fields().iter().map(|&f| (f, 7)).collect();
+            assert_eq!(read(api, body, &all).1, api.max_tokens_fields()[0]);
+        }
+        let chat = json!({"messages": []});
+        assert_eq!(
+            read(
+                Api::ChatCompletions,
+                chat.clone(),
+                &[("max_tokens", 9), ("max_completion_tokens", 5)]
+            ),
+            (Some(5), "max_completion_tokens")
+        );
+        assert_eq!(read(Api::ChatCompletions, chat, &[]), (None, "max_tokens"));
+        // Completions' OpenAI default.
+        assert_eq!(
+            read(Api::Completions, json!({"prompt": "p"}), &[]),
+            (Some(16), "max_tokens")
+        );
+        assert_eq!(
+            read(Api::Responses, json!({"input": "x"}), &[]),
+            (None, "max_output_tokens")
+        );
     }
 }

@@ -54,6 +54,16 @@ pub(crate) struct ResponsesRequest {
     pub(crate) unsupported: super::unsupported::UnsupportedFields,
 }
 
+impl ResponsesRequest {
+    /// The answer's length limit as sent and its field ([`pd_wire::Api::pick_max_tokens`]).
+    pub(crate) fn max_tokens(&self) -> (Option<i64>, &'static str) {
+        pd_wire::Api::Responses.pick_max_tokens(|field| match field {
+            "max_output_tokens" => self.max_output_tokens,
+            _ => None,
+        })
+    }
+}
+
 /// The `response` object (also the payload of `response.created` / `.completed` events).
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct ResponseObject {

@@ -8,6 +8,7 @@ use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use pd_engine::{EngineError, GenerateRequest, RequestEvent, TokenLogprob};
 use pd_tokenize::Tokenizer;
+use pd_wire::Api;
 
 use super::{AppState, JsonBody, logprob_entry, new_id, unix_now};
 use crate::error::ApiError;
@@ -24,6 +25,7 @@ use crate::prompt::{chat_messages, chat_tokens, token_text};
 use crate::sse::{SseFormatter, data_frame, done, error_frame, sse_response};
 
 const ROLE: &str = "assistant";
+const API: Api = Api::ChatCompletions;
 
 pub(super) async fn create(
     State(state): State<AppState>,
@@ -41,17 +43,14 @@ pub(super) async fn create(
         (false, _) => None,
         (true, k) => Some(non_negative(k.unwrap_or(0), "top_logprobs")?),
     };
-    let max_tokens = match req.max_completion_tokens {
-        Some(m) => (Some(m), "max_completion_tokens"),
-        None => (req.max_tokens, "max_tokens"),
-    };
+    let max_tokens = req.max_tokens();
     // The engine names `max_tokens` and `logprobs`; answer with the fields this client sent.
     let max_tokens_param = max_tokens.1;
     let engine_error = |e: EngineError| {
         ApiError::from(e)
             .rename_param("max_tokens", max_tokens_param)
             .rename_param("logprobs", "top_logprobs")
-            .rename_param("prompt", "messages")
+            .rename_param("prompt", API.prompt_field())
     };
     let tools = req.tools.for_chat(state.tool_parser)?;
     let mut params = req.sampling.to_params(max_tokens, logprobs)?;
@@ -67,7 +66,7 @@ pub(super) async fn create(
         req.prompt_token_ids,
         messages,
         template_tools,
-        "messages",
+        API.prompt_field(),
     )
     .await?;
     directive.check_prompt(&prompt_tokens, state.engine.info().block_size)?;

@@ -6,6 +6,7 @@ use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use pd_engine::{EngineError, GenerateRequest, RequestEvent, TokenLogprob};
 use pd_tokenize::Tokenizer;
+use pd_wire::Api;
 
 use super::{AppState, JsonBody, new_id, unix_now};
 use crate::error::ApiError;
@@ -42,11 +43,13 @@ pub(super) async fn create(
     let echo = req.echo == Some(true);
     // `echo` with `max_tokens: 0` returns the prompt alone (vLLM's "echo without
     // generation"): the engine generates one token, which is not returned.
-    let generate = !(echo && req.max_tokens == Some(0));
-    let max_tokens = if generate { req.max_tokens } else { Some(1) };
-    let mut params = req
-        .sampling
-        .to_params((max_tokens, "max_tokens"), logprobs.filter(|_| generate))?;
+    let (max_tokens, max_tokens_param) = req.max_tokens();
+    let generate = !(echo && max_tokens == Some(0));
+    let max_tokens = if generate { max_tokens } else { Some(1) };
+    let mut params = req.sampling.to_params(
+        (max_tokens, max_tokens_param),
+        logprobs.filter(|_| generate),
+    )?;
     params.structured = req.structured.to_structured()?;
     // Echoed logprobs score the prompt too, with as many alternatives as the rest.
     let echo_logprobs = logprobs.filter(|_| echo);
@@ -109,7 +112,7 @@ pub(super) async fn create(
         let entries = tokens * params.n * copies * (k + 1);
         if entries > MAX_SCORED_ENTRIES {
             return Err(ApiError::invalid(
-                "prompt",
+                Api::Completions.prompt_field(),
                 format!(
                     "the prompt scores asked for come to {entries} entries (prompt tokens × choices × \
                      alternatives), more than {MAX_SCORED_ENTRIES}: ask for fewer prompts, choices or \

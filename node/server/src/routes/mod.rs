@@ -25,6 +25,7 @@ use crate::error::ApiError;
 use crate::kv_params::{self, KvDirective, KvReply};
 use crate::openai::{ModelCard, ModelList};
 use pd_tokenize::endpoints;
+use pd_wire::Api;
 
 /// Largest request body accepted; larger ones get a 413.
 pub const MAX_BODY_BYTES: usize = 32 << 20;
@@ -277,9 +278,9 @@ pub(crate) fn router(
         .route("/v1/models", get(models))
         .route("/v1/models/{*id}", get(model))
         .route("/metrics", get(metrics))
-        .route("/v1/completions", post(completions::create))
-        .route("/v1/chat/completions", post(chat::create))
-        .route("/v1/responses", post(responses::create))
+        .route(Api::Completions.path(), post(completions::create))
+        .route(Api::ChatCompletions.path(), post(chat::create))
+        .route(Api::Responses.path(), post(responses::create))
         .route(endpoints::TOKENIZE_PATH, post(tokenize::tokenize))
         .route(endpoints::DETOKENIZE_PATH, post(tokenize::detokenize))
         .route(

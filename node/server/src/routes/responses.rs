@@ -9,6 +9,7 @@ use axum::extract::State;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use pd_engine::{EngineError, FinishReason, GenerateRequest, RequestEvent, SamplingParams};
+use pd_wire::Api;
 
 use super::{AppState, JsonBody, logprob_entry, new_id, unix_now};
 use crate::error::ApiError;
@@ -25,6 +26,8 @@ use crate::openai::tools::ToolCalling;
 use crate::prompt::{chat_tokens, responses_messages};
 use crate::sse::{SseFormatter, event_frame, sse_response};
 
+const API: Api = Api::Responses;
+
 pub(super) async fn create(
     State(state): State<AppState>,
     JsonBody(req): JsonBody<ResponsesRequest>,
@@ -38,13 +41,14 @@ pub(super) async fn create(
             "this server does not store responses; send the whole conversation in `input`",
         ));
     }
+    let (max_tokens, max_tokens_param) = req.max_tokens();
     let defaults = SamplingParams::default();
     let mut params = SamplingParams {
+        n: pd_wire::request::DEFAULT_N as usize, // `/v1/responses` has no `n`
         temperature: req.temperature.unwrap_or(defaults.temperature),
         top_p: req.top_p.unwrap_or(defaults.top_p),
-        max_tokens: req
-            .max_output_tokens
-            .map(|m| non_negative(m, "max_output_tokens"))
+        max_tokens: max_tokens
+            .map(|m| non_negative(m, max_tokens_param))
             .transpose()?,
         structured: req.structured.to_structured()?,
         ..defaults
@@ -70,8 +74,8 @@ pub(super) async fn create(
     let engine_error = |e: EngineError| {
         ApiError::from(e)
             .rename_param("logprobs", "top_logprobs")
-            .rename_param("max_tokens", "max_output_tokens")
-            .rename_param("prompt", "input")
+            .rename_param("max_tokens", max_tokens_param)
+            .rename_param("prompt", API.prompt_field())
     };
     params.validate().map_err(|e| engine_error(e.into()))?;
     let directive = state.kv_directive(req.kv_transfer_params.as_ref(), params.n)?;
@@ -82,7 +86,7 @@ pub(super) async fn create(
         req.prompt_token_ids,
         messages,
         template_tools,
-        "input",
+        API.prompt_field(),
     )
     .await?;
     directive.check_prompt(&prompt_tokens, state.engine.info().block_size)?;
