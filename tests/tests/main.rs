@@ -3,6 +3,7 @@
 //! subject with `cargo test -p pd-cluster-tests --test cluster node_killed::`.
 
 mod across_hosts;
+mod admin_api;
 mod admission;
 mod api_keys;
 mod burst;

@@ -115,23 +115,24 @@ impl Admin {
                 field: "deadline_ms",
                 value: ms.clone(),
             })?;
-            if !(ms > 0.0 && ms <= 10_000.0) {
+            if !(ms > 0.0 && ms <= MAX_DEADLINE_MS) {
                 return Err(BadSpec::Deadline);
             }
             spec.deadline = Duration::from_secs_f64(ms / 1000.0);
         }
         if let Some(mib) = q.get("memory_mib") {
-            let mib: usize = mib.parse().map_err(|_| BadSpec::NotANumber {
-                field: "memory_mib",
-                value: mib.clone(),
-            })?;
+            let mib: usize = mib
+                .parse()
+                .ok()
+                .filter(|m| (1..=pd_policy::MAX_MEMORY_LIMIT >> 20).contains(m))
+                .ok_or_else(|| BadSpec::Memory(mib.clone()))?;
             spec.memory_limit = mib << 20;
         }
         if let Some(fuel) = q.get("fuel") {
             spec.fuel = fuel
                 .parse()
                 .ok()
-                .filter(|&f: &u64| f > 0)
+                .filter(|f| (1..=MAX_FUEL).contains(f))
                 .ok_or_else(|| BadSpec::Fuel(fuel.clone()))?;
         }
         if let Some(n) = q.get("spares") {
@@ -160,10 +161,12 @@ impl Admin {
 enum BadSpec {
     #[error("{field}: not a number: {value}")]
     NotANumber { field: &'static str, value: String },
-    #[error("deadline_ms must be in (0, 10000]")]
+    #[error("deadline_ms must be in (0, {MAX_DEADLINE_MS}]")]
     Deadline,
-    #[error("fuel: not a positive integer: {0}")]
+    #[error("fuel: not an integer in 1..={MAX_FUEL}: {0}")]
     Fuel(String),
+    #[error("memory_mib: not an integer in 1..={max}: {0}", max = pd_policy::MAX_MEMORY_LIMIT >> 20)]
+    Memory(String),
     #[error("spares: not an integer in 0..={max}: {0}", max = pd_policy::MAX_SPARES)]
     Spares(String),
 }
@@ -179,6 +182,14 @@ enum Refused {
     Task(#[from] tokio::task::JoinError),
 }
 
+/// The longest deadline a push may give a policy's call, in milliseconds: a decision sits on
+/// every request's path (interpreted guests need tens of milliseconds, not seconds).
+pub const MAX_DEADLINE_MS: f64 = 1000.0;
+
+/// The most fuel a push may give a policy's call (about one unit per wasm instruction: seconds
+/// of computing, past any deadline a push may ask for).
+pub const MAX_FUEL: u64 = 10_000_000_000;
+
 /// Largest policy component a push or dry-run accepts.
 pub const MAX_POLICY_BYTES: usize = 64 << 20;
 
@@ -192,19 +203,30 @@ pub fn routes(admin: Admin) -> Axum {
         .route("/admin/nodes", get(nodes))
         .route("/admin/nodes/{engine_id}/drain", post(drain))
         // A Python or JavaScript policy carries its interpreter: ~12–18 MB.
+        // Every route asks for the token before its handler runs, so a caller without it is
+        // refused before a byte of its body is read.
+        .route_layer(axum::middleware::from_fn_with_state(
+            admin.clone(),
+            require_token,
+        ))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_POLICY_BYTES))
         .with_state(admin)
 }
 
-/// The decision log's last records (`?limit=N`, default 1000), as JSONL.
-async fn decisions(
+/// Refuses a call without the admin token, its body unread.
+async fn require_token(
     State(a): State<Admin>,
-    headers: HeaderMap,
-    Query(q): Query<HashMap<String, String>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
 ) -> Response {
-    if !a.authorized(&headers) {
+    if !a.authorized(request.headers()) {
         return error(StatusCode::UNAUTHORIZED, "missing or wrong admin token");
     }
+    next.run(request).await
+}
+
+/// The decision log's last records (`?limit=N`, default 1000), as JSONL.
+async fn decisions(State(a): State<Admin>, Query(q): Query<HashMap<String, String>>) -> Response {
     let limit = match q.get("limit").map(|l| l.parse::<usize>()) {
         None => 1000,
         Some(Ok(l)) => l,
@@ -217,10 +239,7 @@ async fn decisions(
         .into_response()
 }
 
-async fn show(State(a): State<Admin>, headers: HeaderMap) -> Response {
-    if !a.authorized(&headers) {
-        return error(StatusCode::UNAUTHORIZED, "missing or wrong admin token");
-    }
+async fn show(State(a): State<Admin>) -> Response {
     let slot = a.router.slot();
     let previous = slot.previous().map(|p| describe(&p));
     axum::Json(json!({"current": describe(&slot.current()), "previous": previous})).into_response()
@@ -228,13 +247,9 @@ async fn show(State(a): State<Admin>, headers: HeaderMap) -> Response {
 
 async fn push(
     State(a): State<Admin>,
-    headers: HeaderMap,
     Query(q): Query<HashMap<String, String>>,
     body: Bytes,
 ) -> Response {
-    if !a.authorized(&headers) {
-        return error(StatusCode::UNAUTHORIZED, "missing or wrong admin token");
-    }
     let installed = if let Some(native) = q.get("native") {
         if !["least-loaded", "round-robin", "prefix-aware"].contains(&native.as_str()) {
             return error(
@@ -265,10 +280,7 @@ async fn push(
     axum::Json(json!({"current": described})).into_response()
 }
 
-async fn rollback(State(a): State<Admin>, headers: HeaderMap) -> Response {
-    if !a.authorized(&headers) {
-        return error(StatusCode::UNAUTHORIZED, "missing or wrong admin token");
-    }
+async fn rollback(State(a): State<Admin>) -> Response {
     match a.router.slot().rollback() {
         Ok(()) => {
             a.router.publish_info();
@@ -282,13 +294,9 @@ async fn rollback(State(a): State<Admin>, headers: HeaderMap) -> Response {
 
 async fn dry_run(
     State(a): State<Admin>,
-    headers: HeaderMap,
     Query(q): Query<HashMap<String, String>>,
     body: Bytes,
 ) -> Response {
-    if !a.authorized(&headers) {
-        return error(StatusCode::UNAUTHORIZED, "missing or wrong admin token");
-    }
     let spec = match a.spec(&q) {
         Ok(s) => s,
         Err(e) => return error(StatusCode::BAD_REQUEST, e),
@@ -351,10 +359,7 @@ async fn dry_run(
     }
 }
 
-async fn nodes(State(a): State<Admin>, headers: HeaderMap) -> Response {
-    if !a.authorized(&headers) {
-        return error(StatusCode::UNAUTHORIZED, "missing or wrong admin token");
-    }
+async fn nodes(State(a): State<Admin>) -> Response {
     let state = a.cluster.read();
     let nodes: Vec<Value> = state
         .nodes
@@ -401,13 +406,9 @@ async fn nodes(State(a): State<Admin>, headers: HeaderMap) -> Response {
 
 async fn drain(
     State(a): State<Admin>,
-    headers: HeaderMap,
     Path(engine_id): Path<String>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
-    if !a.authorized(&headers) {
-        return error(StatusCode::UNAUTHORIZED, "missing or wrong admin token");
-    }
     let on = q.get("on").is_none_or(|v| v != "false");
     if a.cluster.set_draining(&engine_id, on) {
         axum::Json(json!({"engine_id": engine_id, "draining": on})).into_response()
