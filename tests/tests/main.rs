@@ -19,6 +19,7 @@ mod policy_hot_swap;
 mod policy_languages;
 mod policy_sdk;
 mod prompt_scoring;
+mod registry_trust;
 mod rolling_restart;
 mod static_nodes;
 mod untrusted_params_and_errors;

@@ -139,9 +139,15 @@ struct ServeArgs {
     #[arg(long)]
     admin_token_file: Option<PathBuf>,
     /// Cluster secret nodes must present (also PD_CLUSTER_TOKEN). Without one the gateway mints
-    /// one and hands it to nodes at registration.
+    /// one and hands it to nodes at registration, which it allows only on a loopback registry
+    /// (see --insecure-open-registry).
     #[arg(long)]
     cluster_token: Option<String>,
+    /// Start a registry that listens beyond loopback without a cluster token: whoever reaches
+    /// it can register a node, receive users' prompts and the minted token. For a trusted
+    /// network only.
+    #[arg(long)]
+    insecure_open_registry: bool,
     /// Clients whose bearer key equals this may send kv_transfer_params; everyone else's are
     /// stripped.
     #[arg(long)]
@@ -233,6 +239,20 @@ fn main() -> ExitCode {
             eprintln!("pd-gateway: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Whether `host` (an address or a name) means this machine only: every address it resolves
+/// to is loopback. A name that does not resolve is not.
+fn is_loopback(host: &str) -> bool {
+    use std::net::ToSocketAddrs;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    match (host, 0).to_socket_addrs() {
+        Ok(addrs) => {
+            let addrs: Vec<SocketAddr> = addrs.collect();
+            !addrs.is_empty() && addrs.iter().all(|a| a.ip().is_loopback())
+        }
+        Err(_) => false,
     }
 }
 
@@ -363,6 +383,14 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         Ok(l)
     };
     let registry_host = args.registry_host.as_deref().unwrap_or(&args.host);
+    if !token_required && !args.insecure_open_registry && !is_loopback(registry_host) {
+        anyhow::bail!(
+            "the node registry would listen on {registry_host} without a cluster token: anyone \
+             who reaches it could register a node, receive users' prompts and the minted token. \
+             Give --cluster-token (or PD_CLUSTER_TOKEN), listen on loopback (--registry-host \
+             127.0.0.1), or pass --insecure-open-registry on a trusted network"
+        );
+    }
     let registry_listener = bind(registry_host, args.registry_port)?;
     let admin_listener = bind(&args.admin_host, args.admin_port)?;
     // pingora binds its own listener: find a free port first when asked for any.
