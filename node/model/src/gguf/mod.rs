@@ -149,6 +149,27 @@ fn plan(dtype: GgmlDType, policy: QuantPolicy) -> Option<Plan> {
     }
 }
 
+/// GGUF's `general.alignment`, when given: a non-zero multiple of 8 (the format's rule), or
+/// why not.
+fn check_alignment(metadata: &HashMap<String, Value>) -> Result<(), String> {
+    // The integer types candle reads it from (another type: candle uses its default).
+    let alignment: Option<i64> = match metadata.get("general.alignment") {
+        Some(Value::U8(v)) => Some((*v).into()),
+        Some(Value::U16(v)) => Some((*v).into()),
+        Some(Value::U32(v)) => Some((*v).into()),
+        Some(Value::I8(v)) => Some((*v).into()),
+        Some(Value::I16(v)) => Some((*v).into()),
+        Some(Value::I32(v)) => Some((*v).into()),
+        _ => return Ok(()),
+    };
+    match alignment {
+        Some(a) if a > 0 && a % 8 == 0 => Ok(()),
+        other => Err(format!(
+            "general.alignment must be a non-zero multiple of 8, got {other:?}"
+        )),
+    }
+}
+
 impl GgufFile {
     /// Reads the header of the GGUF file at `path` and checks that every tensor's type can be
     /// served.
@@ -163,10 +184,22 @@ impl GgufFile {
             path: path.to_path_buf(),
             source,
         })?;
-        let content = gguf_file::Content::read(&mut file).map_err(|source| ModelError::Gguf {
+        let malformed = |why: String| ModelError::Gguf {
+            path: path.to_path_buf(),
+            source: candle_core::Error::Msg(why),
+        };
+        // candle's reader divides by the header's `general.alignment`: a 0 there is a panic
+        // inside it (a file from outside must be an error, not a crash), caught here; any other
+        // alignment is checked after.
+        let content = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            gguf_file::Content::read(&mut file)
+        }))
+        .map_err(|_| malformed("the header cannot be placed: general.alignment is 0".into()))?
+        .map_err(|source| ModelError::Gguf {
             path: path.to_path_buf(),
             source,
         })?;
+        check_alignment(&content.metadata).map_err(malformed)?;
         let mut names: Vec<&String> = content.tensor_infos.keys().collect();
         names.sort();
         for name in names {

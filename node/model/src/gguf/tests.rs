@@ -126,3 +126,34 @@ fn plans() {
     );
     assert_eq!(plan(GgmlDType::Q8K, QuantPolicy::AsStored), None);
 }
+
+/// A header whose `general.alignment` is 0 (candle's reader divides by it) is refused with an
+/// error naming the file, not a panic; so is one whose alignment is not a power of two.
+#[test]
+fn a_zero_or_odd_alignment_is_an_error_not_a_panic() {
+    let dir = std::env::temp_dir().join(format!("pd-gguf-alignment-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for alignment in [0u32, 3] {
+        let path = dir.join(format!("align-{alignment}.gguf"));
+        let mut file = std::fs::File::create(&path).unwrap();
+        let value = gguf_file::Value::U32(alignment);
+        gguf_file::write(&mut file, &[("general.alignment", &value)], &[]).unwrap();
+        drop(file);
+        match GgufFile::open(&path) {
+            Err(ModelError::Gguf { path: p, source }) => {
+                assert_eq!(p, path);
+                assert!(source.to_string().contains("alignment"), "{source}");
+            }
+            Err(e) => panic!("alignment {alignment}: {e}"),
+            Ok(_) => panic!("alignment {alignment}: a header candle cannot place was opened"),
+        }
+    }
+    // A valid one opens.
+    let path = dir.join("align-32.gguf");
+    let mut file = std::fs::File::create(&path).unwrap();
+    let value = gguf_file::Value::U32(32);
+    gguf_file::write(&mut file, &[("general.alignment", &value)], &[]).unwrap();
+    drop(file);
+    GgufFile::open(&path).expect("alignment 32");
+    let _ = std::fs::remove_dir_all(&dir);
+}
