@@ -17,7 +17,7 @@ pub struct Deleted {
 
 /// Who stored a response: the SHA-256 of the bearer key its request came with (the key itself
 /// is not kept), or nobody (no key). Only the same owner reads, deletes or continues it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct Owner(Option<[u8; 32]>);
 
 impl Owner {
@@ -64,7 +64,7 @@ struct StoredTurn {
     held: Option<u64>,
     bytes: usize,
     stored_at: Instant,
-    /// Least-recently-used stamp (key of `lru`).
+    /// Least-recently-used stamp (key of its owner's `Usage::lru`).
     stamp: u64,
 }
 
@@ -86,7 +86,14 @@ pub enum HistoryError {
     },
 }
 
-/// `/v1/responses` turns by id, bounded by bytes (least recently used first) and age.
+/// A response id another owner's response holds: never overwritten.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("response id `{0}` is another owner's")]
+pub struct IdTaken(pub String);
+
+/// `/v1/responses` turns by id, bounded by bytes and age. Past its bytes, the owner holding the
+/// most loses its least recently used turn first, so one key filling the store evicts its own
+/// turns, not everyone's.
 #[derive(Debug)]
 pub struct ResponseStore {
     inner: Mutex<StoreInner>,
@@ -97,9 +104,62 @@ pub struct ResponseStore {
 #[derive(Debug, Default)]
 struct StoreInner {
     turns: HashMap<Arc<str>, StoredTurn>,
-    lru: BTreeMap<u64, Arc<str>>,
+    /// Per owner: bytes held and turns by least-recently-used stamp.
+    owners: HashMap<Owner, Usage>,
     bytes: usize,
     stamp: u64,
+}
+
+/// What one owner holds.
+#[derive(Debug, Default)]
+struct Usage {
+    bytes: usize,
+    lru: BTreeMap<u64, Arc<str>>,
+}
+
+impl StoreInner {
+    /// Stores `turn` under `key` (replacing the same owner's turn of that id).
+    fn insert(&mut self, key: Arc<str>, turn: StoredTurn) {
+        self.remove(&key);
+        let usage = self.owners.entry(turn.owner).or_default();
+        usage.bytes += turn.bytes;
+        usage.lru.insert(turn.stamp, key.clone());
+        self.bytes += turn.bytes;
+        self.turns.insert(key, turn);
+    }
+
+    /// Forgets turn `id`.
+    fn remove(&mut self, id: &str) -> Option<StoredTurn> {
+        let t = self.turns.remove(id)?;
+        self.bytes -= t.bytes;
+        if let Some(usage) = self.owners.get_mut(&t.owner) {
+            usage.bytes -= t.bytes;
+            usage.lru.remove(&t.stamp);
+            if usage.lru.is_empty() {
+                self.owners.remove(&t.owner);
+            }
+        }
+        Some(t)
+    }
+
+    /// Moves turn `key` to the back of its owner's eviction order.
+    fn touch(&mut self, key: &Arc<str>) {
+        self.stamp += 1;
+        let stamp = self.stamp;
+        if let Some(t) = self.turns.get_mut(key)
+            && let Some(usage) = self.owners.get_mut(&t.owner)
+        {
+            usage.lru.remove(&t.stamp);
+            t.stamp = stamp;
+            usage.lru.insert(stamp, key.clone());
+        }
+    }
+
+    /// The least recently used turn of the owner holding the most bytes.
+    fn victim(&self) -> Option<Arc<str>> {
+        let usage = self.owners.values().max_by_key(|u| u.bytes)?;
+        usage.lru.first_key_value().map(|(_, id)| id.clone())
+    }
 }
 
 /// Turns walked back at most when rebuilding one conversation.
@@ -125,8 +185,12 @@ impl ResponseStore {
     }
 
     /// Stores response `id` ([`NewTurn`]). A turn larger than the whole store is not kept.
-    /// Returns how many turns were evicted to make room.
-    pub fn put(&self, id: &str, turn: NewTurn<'_>) -> u64 {
+    /// Returns how many turns were evicted to make room (the biggest owner's least recently
+    /// used first).
+    ///
+    /// # Errors
+    /// [`IdTaken`] when another owner's response holds `id`: it is kept, this one is not.
+    pub fn put(&self, id: &str, turn: NewTurn<'_>) -> Result<u64, IdTaken> {
         let NewTurn {
             owner,
             parent,
@@ -145,13 +209,15 @@ impl ResponseStore {
             } else {
                 response.to_string().len()
             };
-        if bytes > self.max_bytes {
-            return 0;
-        }
         let mut s = self.lock();
+        if s.turns.get(id).is_some_and(|t| t.owner != owner) {
+            return Err(IdTaken(id.to_owned()));
+        }
+        if bytes > self.max_bytes {
+            return Ok(0);
+        }
         s.stamp += 1;
         let stamp = s.stamp;
-        let key: Arc<str> = Arc::from(id);
         let turn = StoredTurn {
             owner,
             parent: parent.map(Arc::from),
@@ -163,23 +229,16 @@ impl ResponseStore {
             stored_at: Instant::now(),
             stamp,
         };
-        if let Some(old) = s.turns.insert(key.clone(), turn) {
-            s.lru.remove(&old.stamp);
-            s.bytes -= old.bytes;
-        }
-        s.lru.insert(stamp, key);
-        s.bytes += bytes;
+        s.insert(Arc::from(id), turn);
         let mut evicted = 0;
         while s.bytes > self.max_bytes {
-            let Some((_, victim)) = s.lru.pop_first() else {
+            let Some(victim) = s.victim() else {
                 break;
             };
-            if let Some(t) = s.turns.remove(&victim) {
-                s.bytes -= t.bytes;
-                evicted += 1;
-            }
+            s.remove(&victim);
+            evicted += 1;
         }
-        evicted
+        Ok(evicted)
     }
 
     /// Response `id` as the client got it, if `owner` stored it and it is not past the age
@@ -203,9 +262,7 @@ impl ResponseStore {
         if s.turns.get(id)?.owner != owner {
             return None;
         }
-        let t = s.turns.remove(id)?;
-        s.lru.remove(&t.stamp);
-        s.bytes -= t.bytes;
+        let t = s.remove(id)?;
         (t.stored_at.elapsed() <= self.ttl).then_some(Deleted { held: t.held })
     }
 
@@ -216,10 +273,7 @@ impl ResponseStore {
             Some(t) if t.owner != owner => None,
             Some(t) if t.stored_at.elapsed() <= self.ttl => Some(read(t)),
             Some(_) => {
-                if let Some(t) = s.turns.remove(id) {
-                    s.lru.remove(&t.stamp);
-                    s.bytes -= t.bytes;
-                }
+                s.remove(id);
                 None
             }
             None => None,
@@ -247,10 +301,7 @@ impl ResponseStore {
             }
             let fresh = turn.is_some_and(|t| now.duration_since(t.stored_at) <= self.ttl);
             if !fresh {
-                if let Some(t) = s.turns.remove(&at) {
-                    s.lru.remove(&t.stamp);
-                    s.bytes -= t.bytes;
-                }
+                s.remove(&at);
                 return Err(if chain.is_empty() {
                     HistoryError::NotFound(id.to_owned())
                 } else {
@@ -268,13 +319,8 @@ impl ResponseStore {
         }
         let mut items = Vec::new();
         for key in chain.iter().rev() {
-            s.stamp += 1;
-            let stamp = s.stamp;
-            let StoreInner { turns, lru, .. } = &mut *s;
-            if let Some(t) = turns.get_mut(key) {
-                lru.remove(&t.stamp);
-                t.stamp = stamp;
-                lru.insert(stamp, key.clone());
+            s.touch(key);
+            if let Some(t) = s.turns.get(key) {
                 items.extend(t.items.iter().cloned());
             }
         }
@@ -296,44 +342,110 @@ mod tests {
 
     /// Stores a turn of one user message, no answer, no response object, no retained KV.
     fn user_turn(store: &ResponseStore, id: &str, parent: Option<&str>, text: &str) -> u64 {
+        store
+            .put(
+                id,
+                NewTurn {
+                    owner: ME,
+                    parent,
+                    input: vec![msg("user", text)],
+                    output: vec![],
+                    response: Value::Null,
+                    held: None,
+                },
+            )
+            .expect("our own id")
+    }
+
+    /// Stores a turn of one user message for `owner`.
+    fn owned_turn(
+        store: &ResponseStore,
+        id: &str,
+        owner: Owner,
+        text: &str,
+    ) -> Result<u64, IdTaken> {
         store.put(
             id,
             NewTurn {
-                owner: ME,
-                parent,
+                owner,
+                parent: None,
                 input: vec![msg("user", text)],
                 output: vec![],
-                response: Value::Null,
+                response: json!({"id": id, "text": text}),
                 held: None,
             },
         )
     }
 
     #[test]
+    fn a_put_never_overwrites_another_owners_response() {
+        let store = ResponseStore::new(1 << 20, Duration::from_secs(60));
+        let (a, b) = (Owner::of(Some("key-a")), Owner::of(Some("key-b")));
+        owned_turn(&store, "resp_1", a, "mine").unwrap();
+        let taken = owned_turn(&store, "resp_1", b, "theirs").unwrap_err();
+        assert_eq!(taken, IdTaken("resp_1".into()));
+        assert_eq!(store.response("resp_1", a).unwrap()["text"], "mine");
+        assert_eq!(store.response("resp_1", b), None);
+        // Its owner may store it again.
+        owned_turn(&store, "resp_1", a, "again").unwrap();
+        assert_eq!(store.response("resp_1", a).unwrap()["text"], "again");
+    }
+
+    #[test]
+    fn one_owner_filling_the_store_evicts_its_own_turns_first() {
+        let one = {
+            let s = ResponseStore::new(1 << 20, Duration::from_secs(60));
+            owned_turn(&s, "r-00", ME, "xxxx").unwrap();
+            s.bytes()
+        };
+        let store = ResponseStore::new(10 * one, Duration::from_secs(60));
+        let (quiet, loud) = (Owner::of(Some("quiet")), Owner::of(Some("loud")));
+        owned_turn(&store, "q-00", quiet, "xxxx").unwrap();
+        owned_turn(&store, "q-01", quiet, "xxxx").unwrap();
+        // The loud key stores fifty turns, five times the store.
+        let mut evicted = 0;
+        for i in 0..50 {
+            evicted += owned_turn(&store, &format!("l-{i:02}"), loud, "xxxx").unwrap();
+        }
+        assert!(evicted >= 40, "{evicted}");
+        assert!(store.bytes() <= 10 * one);
+        // The quiet key's turns are all there; the loud key kept its most recent ones.
+        for id in ["q-00", "q-01"] {
+            assert!(store.response(id, quiet).is_some(), "{id} was evicted");
+        }
+        assert!(store.response("l-49", loud).is_some());
+        assert!(store.response("l-00", loud).is_none());
+    }
+
+    #[test]
     fn a_conversation_is_rebuilt_turn_by_turn() {
         let store = ResponseStore::new(1 << 20, Duration::from_secs(60));
-        store.put(
-            "r1",
-            NewTurn {
-                owner: ME,
-                parent: None,
-                input: vec![msg("user", "hi")],
-                output: vec![msg("assistant", "hello")],
-                response: Value::Null,
-                held: None,
-            },
-        );
-        store.put(
-            "r2",
-            NewTurn {
-                owner: ME,
-                parent: Some("r1"),
-                input: vec![msg("user", "how?")],
-                output: vec![msg("assistant", "so")],
-                response: json!({"id": "r2", "object": "response"}),
-                held: None,
-            },
-        );
+        store
+            .put(
+                "r1",
+                NewTurn {
+                    owner: ME,
+                    parent: None,
+                    input: vec![msg("user", "hi")],
+                    output: vec![msg("assistant", "hello")],
+                    response: Value::Null,
+                    held: None,
+                },
+            )
+            .unwrap();
+        store
+            .put(
+                "r2",
+                NewTurn {
+                    owner: ME,
+                    parent: Some("r1"),
+                    input: vec![msg("user", "how?")],
+                    output: vec![msg("assistant", "so")],
+                    response: json!({"id": "r2", "object": "response"}),
+                    held: None,
+                },
+            )
+            .unwrap();
         assert_eq!(
             store.history("r2", ME).unwrap(),
             vec![
@@ -380,28 +492,32 @@ mod tests {
     fn a_stored_response_is_read_listed_and_deleted() {
         let store = ResponseStore::new(1 << 20, Duration::from_secs(60));
         let r1 = json!({"id": "r1", "object": "response", "output_text": "hello"});
-        store.put(
-            "r1",
-            NewTurn {
-                owner: ME,
-                parent: None,
-                input: vec![msg("system", "be brief"), msg("user", "hi")],
-                output: vec![msg("assistant", "hello")],
-                response: r1.clone(),
-                held: Some(7),
-            },
-        );
-        store.put(
-            "r2",
-            NewTurn {
-                owner: ME,
-                parent: Some("r1"),
-                input: vec![msg("user", "how?")],
-                output: vec![],
-                response: Value::Null,
-                held: None,
-            },
-        );
+        store
+            .put(
+                "r1",
+                NewTurn {
+                    owner: ME,
+                    parent: None,
+                    input: vec![msg("system", "be brief"), msg("user", "hi")],
+                    output: vec![msg("assistant", "hello")],
+                    response: r1.clone(),
+                    held: Some(7),
+                },
+            )
+            .unwrap();
+        store
+            .put(
+                "r2",
+                NewTurn {
+                    owner: ME,
+                    parent: Some("r1"),
+                    input: vec![msg("user", "how?")],
+                    output: vec![],
+                    response: Value::Null,
+                    held: None,
+                },
+            )
+            .unwrap();
         assert_eq!(store.response("r1", ME), Some(r1));
         assert_eq!(store.response("r2", ME), None, "not kept");
         assert_eq!(
@@ -430,7 +546,8 @@ mod tests {
                 response: json!({"id": "r1"}),
                 held: None,
             },
-        );
+        )
+        .unwrap();
         std::thread::sleep(Duration::from_millis(2));
         assert_eq!(old.response("r1", ME), None);
         assert_eq!(old.bytes(), 0, "an expired turn read is dropped");
@@ -440,17 +557,19 @@ mod tests {
     fn another_key_finds_nothing_of_a_stored_response() {
         let store = ResponseStore::new(1 << 20, Duration::from_secs(60));
         let (a, b) = (Owner::of(Some("key-a")), Owner::of(Some("key-b")));
-        store.put(
-            "r1",
-            NewTurn {
-                owner: a,
-                parent: None,
-                input: vec![msg("user", "mine")],
-                output: vec![msg("assistant", "yes")],
-                response: json!({"id": "r1"}),
-                held: Some(3),
-            },
-        );
+        store
+            .put(
+                "r1",
+                NewTurn {
+                    owner: a,
+                    parent: None,
+                    input: vec![msg("user", "mine")],
+                    output: vec![msg("assistant", "yes")],
+                    response: json!({"id": "r1"}),
+                    held: Some(3),
+                },
+            )
+            .unwrap();
         for other in [b, Owner::of(None)] {
             assert_eq!(store.response("r1", other), None);
             assert_eq!(store.input_items("r1", other), None);

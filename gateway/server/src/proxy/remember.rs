@@ -63,7 +63,7 @@ impl Gateway {
         {
             let output = conversation::output_items(&response);
             let kept = conversation::as_retrieved(&response, turn.parent.as_deref());
-            let evicted = s.responses.put(
+            let stored = s.responses.put(
                 id,
                 NewTurn {
                     owner: turn.owner,
@@ -74,7 +74,11 @@ impl Gateway {
                     held,
                 },
             );
-            m.responses_evicted.inc_by(evicted);
+            match stored {
+                Ok(evicted) => m.responses_evicted.inc_by(evicted),
+                // A node answered with an id another key's response holds: that one stays.
+                Err(taken) => tracing::warn!("response not stored: {taken}"),
+            }
             m.responses_stored_bytes.set(s.responses.bytes() as i64);
         }
     }
