@@ -21,6 +21,10 @@ use tracing::{info, warn};
 mod error;
 pub use error::{JoinError, TokenizerRefused};
 
+/// The most prefix-cache hashes the gateway keeps of one node (of a pool that says it has
+/// more blocks, or does not say).
+pub const MAX_HASHES_PER_NODE: usize = 1 << 20;
+
 /// Identifies one registry connection (a node's registration); a reconnect gets a new one.
 pub type ConnId = u64;
 
@@ -573,7 +577,18 @@ impl Cluster {
             for h in events.removed {
                 n.hashes.remove(&h);
             }
-            n.hashes.extend(events.stored);
+            // One hash per block of its pool at most (a report of more grows nothing).
+            let cap = match n.state.total_blocks {
+                0 => MAX_HASHES_PER_NODE,
+                blocks => usize::try_from(blocks)
+                    .map_or(MAX_HASHES_PER_NODE, |b| b.min(MAX_HASHES_PER_NODE)),
+            };
+            for h in events.stored {
+                if n.hashes.len() >= cap {
+                    break;
+                }
+                n.hashes.insert(h);
+            }
             n.last_seen = Instant::now();
         }
         true

@@ -224,3 +224,43 @@ fn requests_end_when_their_node_is_gone_for_good() {
     assert!(before.gone.is_cancelled());
     assert!(!node(&c).gone.is_cancelled());
 }
+
+/// A node's prefix cache holds at most one hash per block of its pool: a report of more (a
+/// node that lies, or a gateway that missed removals) grows the gateway's memory no further.
+#[test]
+fn a_node_holds_no_more_hashes_than_its_pool_has_blocks() {
+    let (tokenizer, fp) = byte_tokenizer("hash-cap");
+    let c = Cluster::default();
+    let conn = c.new_conn();
+    let mut e = entry(conn, "d0", "m", "registered");
+    e.state.total_blocks = 100;
+    c.join(e, || Ok((tokenizer.clone(), fp)), fp).unwrap();
+    let held = |c: &Cluster| c.read().nodes[&conn].hashes.len();
+    assert!(c.blocks(
+        conn,
+        pb::BlockEvents {
+            stored: (0..10_000).collect(),
+            ..Default::default()
+        }
+    ));
+    assert_eq!(held(&c), 100);
+    // Removals make room again; a resync starts over.
+    assert!(c.blocks(
+        conn,
+        pb::BlockEvents {
+            removed: (0..10_000).collect(),
+            stored: (20_000..20_050).collect(),
+            ..Default::default()
+        }
+    ));
+    assert_eq!(held(&c), 50);
+    assert!(c.blocks(
+        conn,
+        pb::BlockEvents {
+            resync: true,
+            stored: (0..1_000).collect(),
+            ..Default::default()
+        }
+    ));
+    assert_eq!(held(&c), 100);
+}
