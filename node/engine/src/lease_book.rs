@@ -31,7 +31,8 @@ pub struct LeaseStats {
     /// Blocks held by retained leases (not in `leased_blocks`: revocable, so they do not count
     /// against `kv_max_leased_fraction`).
     pub retained_blocks: usize,
-    /// Blocks held by the live leases for decode nodes.
+    /// Blocks held by the live leases for decode nodes, each once however many leases share it
+    /// (what counts against `kv_max_leased_fraction`).
     pub leased_blocks: usize,
     /// Lifetime counters.
     pub counts: LeaseCounts,
@@ -221,7 +222,10 @@ impl LeaseBook {
             live: book.table.live(),
             retained,
             retained_blocks,
-            leased_blocks: book.table.leased_blocks() - retained_blocks,
+            leased_blocks: {
+                let retained: std::collections::HashSet<_> = book.retained.iter().collect();
+                book.table.held_blocks(|l| !retained.contains(&l.id))
+            },
             counts: book.table.counts(),
         }
     }

@@ -88,6 +88,9 @@ async fn a_producer_for_two_consumers_grants_two_leases_and_keeps_blocks_until_b
         h.free_blocks() == h.info().num_blocks - 3
     })
     .await;
+    // Two leases on the same three blocks hold three blocks: what the lease cap counts (a
+    // request for 16 consumers must not count 16 times what it holds).
+    assert_eq!(h.lease_stats().leased_blocks, 3);
     // One consumer done: the other still reads the blocks, so none is freed.
     h.release_lease(a.lease, a.generation, "d0").unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;

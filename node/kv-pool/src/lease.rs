@@ -268,6 +268,16 @@ impl LeaseTable {
         self.leases.values().map(|l| l.blocks.len()).sum()
     }
 
+    /// Distinct blocks held by the live leases `counted` keeps: what they pin of the pool (a
+    /// block two leases share counts once).
+    pub fn held_blocks(&self, counted: impl Fn(&Lease) -> bool) -> usize {
+        let mut held = std::collections::HashSet::new();
+        for l in self.leases.values().filter(|l| counted(l)) {
+            held.extend(l.blocks.iter().copied());
+        }
+        held.len()
+    }
+
     /// What happened so far.
     pub fn counts(&self) -> LeaseCounts {
         self.counts
