@@ -7,8 +7,9 @@
 //! without asking it (see [`read_record`]).
 //!
 //! The records follow the header. A record is [`BOARD_SLOT_WORDS`] little-endian `u64` words:
-//! `[generation, num_tokens | (next_token + 1) << 32, tokens_hash, blocks_hash,
-//! next_token_key, lease_tag, deadline]` — the lease's generation (0: the slot is free), its
+//! `[generation, num_tokens | (next_token + 1) << 32, tokens_digest (low), tokens_digest
+//! (high), blocks_hash, next_token_key, lease_tag, deadline]` — one cache line; the lease's
+//! generation (0: the slot is free), its
 //! [`LeaseContents`], its id folded to 64 bits ([`LeaseId::tag`]), and its deadline on the
 //! owner's clock (moved by renewals; `u64::MAX` on a board without a clock). The owner writes a record's
 //! contents, then its generation ([`LeaseBoard::publish`], at grant), and clears the generation
@@ -27,7 +28,7 @@ use std::time::Instant;
 use crate::lease::{LeaseContents, LeaseId};
 
 /// Words per record.
-pub const BOARD_SLOT_WORDS: usize = 7;
+pub const BOARD_SLOT_WORDS: usize = 8;
 
 /// Bytes per record.
 pub const BOARD_SLOT_BYTES: usize = BOARD_SLOT_WORDS * 8;
@@ -178,13 +179,15 @@ impl LeaseBoard {
             Ordering::Relaxed,
         );
         self.word(at + 2)
-            .store(contents.tokens_hash, Ordering::Relaxed);
+            .store(contents.tokens_digest as u64, Ordering::Relaxed);
         self.word(at + 3)
-            .store(contents.blocks_hash, Ordering::Relaxed);
+            .store((contents.tokens_digest >> 64) as u64, Ordering::Relaxed);
         self.word(at + 4)
+            .store(contents.blocks_hash, Ordering::Relaxed);
+        self.word(at + 5)
             .store(contents.next_token_key, Ordering::Relaxed);
-        self.word(at + 5).store(id.tag(), Ordering::Relaxed);
-        self.word(at + 6)
+        self.word(at + 6).store(id.tag(), Ordering::Relaxed);
+        self.word(at + 7)
             .store(self.clock_ns(deadline), Ordering::Relaxed);
         // Contents before the generation that vouches for them.
         self.word(at).store(generation, Ordering::Release);
@@ -202,7 +205,7 @@ impl LeaseBoard {
             return;
         }
         let ns = self.clock_ns(deadline);
-        self.word(slot as usize * BOARD_SLOT_WORDS + 6)
+        self.word(slot as usize * BOARD_SLOT_WORDS + 7)
             .store(ns, Ordering::Release);
     }
 
@@ -286,11 +289,12 @@ pub unsafe fn read_record(base: *const u8, slots: u32, slot: u32) -> Option<Boar
     for _ in 0..4 {
         let generation = word(0).load(Ordering::Acquire);
         let w1 = word(1).load(Ordering::Relaxed);
-        let tokens_hash = word(2).load(Ordering::Relaxed);
-        let blocks_hash = word(3).load(Ordering::Relaxed);
-        let next_token_key = word(4).load(Ordering::Relaxed);
-        let lease_tag = word(5).load(Ordering::Relaxed);
-        let deadline = word(6).load(Ordering::Relaxed);
+        let digest_low = word(2).load(Ordering::Relaxed);
+        let digest_high = word(3).load(Ordering::Relaxed);
+        let blocks_hash = word(4).load(Ordering::Relaxed);
+        let next_token_key = word(5).load(Ordering::Relaxed);
+        let lease_tag = word(6).load(Ordering::Relaxed);
+        let deadline = word(7).load(Ordering::Relaxed);
         fence(Ordering::Acquire);
         if word(0).load(Ordering::Relaxed) != generation {
             continue;
@@ -300,7 +304,7 @@ pub unsafe fn read_record(base: *const u8, slots: u32, slot: u32) -> Option<Boar
             generation,
             contents: LeaseContents {
                 num_tokens: w1 as u32,
-                tokens_hash,
+                tokens_digest: u128::from(digest_low) | u128::from(digest_high) << 64,
                 blocks_hash,
                 next_token: (next != 0).then(|| (next - 1) as u32),
                 next_token_key,

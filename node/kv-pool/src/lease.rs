@@ -95,8 +95,8 @@ pub enum LeaseError {
 pub struct LeaseContents {
     /// Tokens the blocks hold.
     pub num_tokens: u32,
-    /// `block_hash(None, tokens).0`.
-    pub tokens_hash: u64,
+    /// [`crate::prompt_digest`] of the tokens (0: the owner does not say).
+    pub tokens_digest: u128,
     /// [`blocks_hash`] of the lease's block ids, in order (0: the owner does not say).
     pub blocks_hash: u64,
     /// The token after `num_tokens` (a prefill's first token), when the owner says.
@@ -112,7 +112,7 @@ impl LeaseContents {
     pub fn of(tokens: &[u32]) -> Self {
         Self {
             num_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
-            tokens_hash: crate::block_hash(None, tokens).0,
+            tokens_digest: crate::prompt_digest(tokens),
             blocks_hash: 0,
             next_token: None,
             next_token_key: 0,
@@ -141,14 +141,14 @@ impl LeaseContents {
 
     /// Whether the owner said what the blocks hold.
     pub fn attested(&self) -> bool {
-        self.num_tokens != 0 || self.tokens_hash != 0
+        self.num_tokens != 0 || self.tokens_digest != 0
     }
 
     /// Whether `self` and `other` say the same tokens are held in the same blocks
     /// (`next_token` aside; blocks are compared only when both say).
     pub fn same_contents(&self, other: &Self) -> bool {
         self.num_tokens == other.num_tokens
-            && self.tokens_hash == other.tokens_hash
+            && self.tokens_digest == other.tokens_digest
             && (self.blocks_hash == 0
                 || other.blocks_hash == 0
                 || self.blocks_hash == other.blocks_hash)

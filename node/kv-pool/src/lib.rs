@@ -34,7 +34,7 @@ pub use board::{
 };
 pub use hash::{
     BlockHash, ROOT_HASH_SEED, block_hash, hash_full_blocks, hash_full_blocks_from, hash_key,
-    root_hash,
+    prompt_digest, root_hash,
 };
 pub use layout::{KvDtype, KvLayout, KvOrder};
 pub use lease::{

@@ -402,7 +402,10 @@ impl PeerClient {
             .into_inner();
         let contents = LeaseContents {
             num_tokens: r.num_tokens,
-            tokens_hash: r.tokens_hash,
+            // 16 bytes, little-endian; anything else reads as "not said" (0), which differs
+            // from every prompt the reader checks it against.
+            tokens_digest: <[u8; 16]>::try_from(r.tokens_digest.as_slice())
+                .map_or(0, u128::from_le_bytes),
             blocks_hash: r.blocks_hash,
             next_token: r.next_token,
             next_token_key: r.next_token_key,

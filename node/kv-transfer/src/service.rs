@@ -184,7 +184,10 @@ fn reply_with(
             deadline_unix_ms: unix_ms(t),
             reason: String::new(),
             num_tokens: c.num_tokens,
-            tokens_hash: c.tokens_hash,
+            tokens_digest: match c.tokens_digest {
+                0 => Vec::new(),
+                d => d.to_le_bytes().to_vec(),
+            },
             next_token: c.next_token,
             blocks_hash: c.blocks_hash,
             next_token_key: c.next_token_key,

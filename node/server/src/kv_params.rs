@@ -10,7 +10,8 @@
 //!
 //! Response side: a prefill node answers with the object above, plus `remote_num_tokens`,
 //! `remote_lease_id`, `remote_lease_generation`, `remote_blocks_expiry_time` (Unix seconds) and
-//! `remote_prompt_hash` (hex xxh3 of the prompt's token ids, checked by the decode node).
+//! `remote_prompt_hash` (32 hex digits: the 128-bit digest of the prompt's token ids, checked by
+//! the decode node).
 //!
 //! The wire form is [`pd_wire::KvTransferParams`]; what a pull needs of it is parsed here into
 //! the consumer's [`Remote`] (`pd_kv_transfer::consumer`), which checks and pulls it.
@@ -18,7 +19,7 @@
 use pd_engine::KvHandoff;
 use pd_kv_pool::{BlockId, LeaseId};
 pub(crate) use pd_kv_transfer::consumer::{Remote, prompt_hash};
-use pd_wire::{Hex64, KvTransferParams};
+use pd_wire::{Hex64, Hex128, KvTransferParams};
 use serde_json::Value;
 
 use crate::error::ApiError;
@@ -249,11 +250,11 @@ pub(crate) fn handoff(
     advert: &Advert,
     request_id: &str,
     h: &KvHandoff,
-    prompt_hash: u64,
+    prompt_hash: u128,
 ) -> KvTransferParams {
     KvTransferParams {
         do_remote_prefill: true,
-        remote_prompt_hash: Some(Hex64(prompt_hash)),
+        remote_prompt_hash: Some(Hex128(prompt_hash)),
         ..held(advert, request_id, h)
     }
 }
@@ -310,7 +311,8 @@ mod tests {
             "remote_block_ids": [3, 4, 9], "remote_engine_id": "p1", "remote_request_id": "cmpl-1",
             "remote_host": "127.0.0.1", "remote_port": 7000, "tp_size": 1,
             "remote_num_tokens": 40, "remote_lease_id": "000000000000000000000000000000ff",
-            "remote_lease_generation": 2, "remote_prompt_hash": "00ff"
+            "remote_lease_generation": 2,
+            "remote_prompt_hash": "000000000000000000000000000000ff"
         })
     }
 
@@ -436,7 +438,7 @@ mod tests {
 pub(crate) struct KvReply {
     advert: Option<Advert>,
     request_id: String,
-    prompt_hash: u64,
+    prompt_hash: u128,
     /// One object per lease granted, in grant order.
     params: Vec<KvTransferParams>,
     /// The finished turn's retained blocks, when kept.

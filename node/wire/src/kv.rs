@@ -19,8 +19,8 @@ use serde_json::{Map, Value};
 /// The request and answer field.
 pub const FIELD: &str = "kv_transfer_params";
 
-/// A 64-bit value written as 16 hex digits (`remote_engine_epoch`, `remote_prompt_hash`,
-/// `remote_last_block_hash`); read from any number of hex digits up to 16.
+/// A 64-bit value written as 16 hex digits (`remote_engine_epoch`, `remote_last_block_hash`);
+/// read from any number of hex digits up to 16.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct Hex64(pub u64);
 
@@ -35,6 +35,33 @@ impl<'de> Deserialize<'de> for Hex64 {
         let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
         u64::from_str_radix(&s, 16)
             .map(Hex64)
+            .map_err(|_| D::Error::custom(format!("must be hex, got {s:?}")))
+    }
+}
+
+/// A 128-bit value written as exactly 32 hex digits (`remote_prompt_hash`, the prompt's
+/// digest). Read only from 32 digits: a shorter value (a producer of the 64-bit binding) is
+/// refused, not widened, so no narrower binding is ever taken for this one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Hex128(pub u128);
+
+impl Serialize for Hex128 {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&format!("{:032x}", self.0))
+    }
+}
+
+impl<'de> Deserialize<'de> for Hex128 {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        if s.len() != 32 {
+            return Err(D::Error::custom(format!(
+                "must be 32 hex digits (a 128-bit digest), got {} characters",
+                s.len()
+            )));
+        }
+        u128::from_str_radix(&s, 16)
+            .map(Hex128)
             .map_err(|_| D::Error::custom(format!("must be hex, got {s:?}")))
     }
 }
@@ -101,9 +128,10 @@ pub struct KvTransferParams {
     /// The holder's incarnation: a restarted holder refuses what names another.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_engine_epoch: Option<Hex64>,
-    /// xxh3 of the prompt's token ids (checked by the decode node).
+    /// The 128-bit digest of the prompt's token ids (`pd_kv_pool::prompt_digest`), checked by
+    /// the decode node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub remote_prompt_hash: Option<Hex64>,
+    pub remote_prompt_hash: Option<Hex128>,
     /// A retained turn's last block's chain hash (the gateway's conversation key).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_last_block_hash: Option<Hex64>,
@@ -247,6 +275,27 @@ pub fn read(v: Option<&Value>) -> Result<Vec<KvTransferParams>, ParamsError> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn the_prompt_digest_is_read_only_at_its_full_width() {
+        let v = |h: &str| json!({"do_remote_prefill": true, "remote_prompt_hash": h});
+        let full = "0123456789abcdef0123456789abcdef";
+        let p: KvTransferParams = serde_json::from_value(v(full)).unwrap();
+        assert_eq!(
+            p.remote_prompt_hash,
+            Some(Hex128(0x0123_4567_89ab_cdef_0123_4567_89ab_cdef))
+        );
+        assert_eq!(p.to_value()["remote_prompt_hash"], full);
+        // A 64-bit binding (an older producer's), or any other width, is refused.
+        for short in [
+            "0123456789abcdef",
+            "ff",
+            "0123456789abcdef0123456789abcdef0",
+        ] {
+            let e = serde_json::from_value::<KvTransferParams>(v(short)).unwrap_err();
+            assert!(e.to_string().contains("32 hex digits"), "{short}: {e}");
+        }
+    }
 
     #[test]
     fn a_vllm_request_to_p_round_trips_with_its_nulls() {

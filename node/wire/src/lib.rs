@@ -15,5 +15,5 @@ pub mod request;
 pub mod sse;
 
 pub use error::{ErrorBody, ErrorObject};
-pub use kv::{Hex64, KvTransferParams, ParamsError};
+pub use kv::{Hex64, Hex128, KvTransferParams, ParamsError};
 pub use request::{Api, FieldError, RoutingFields};

@@ -32,8 +32,8 @@ pub struct Remote {
     pub generation: u64,
     /// Prompt tokens the blocks hold (`remote_num_tokens`), when the producer said.
     pub num_tokens: Option<usize>,
-    /// xxh3 of the producer's prompt token ids ([`prompt_hash`]), when it said.
-    pub prompt_hash: Option<u64>,
+    /// The digest of the producer's prompt token ids ([`prompt_hash`]), when it said.
+    pub prompt_hash: Option<u128>,
     /// When the lease ends unless renewed (`remote_blocks_expiry_time`), when the producer said.
     pub expiry: Option<std::time::SystemTime>,
     /// The producer's incarnation (`remote_engine_epoch`), when it said: a cached handshake
@@ -55,9 +55,10 @@ impl Remote {
     }
 }
 
-/// Hash of a prompt's token ids as carried in `remote_prompt_hash`.
-pub fn prompt_hash(tokens: &[u32]) -> u64 {
-    pd_kv_pool::block_hash(None, tokens).0
+/// The binding of a prompt's token ids as carried in `remote_prompt_hash`: 128 bits of a
+/// cryptographic hash ([`pd_kv_pool::prompt_digest`]).
+pub fn prompt_hash(tokens: &[u32]) -> u128 {
+    pd_kv_pool::prompt_digest(tokens)
 }
 
 /// Prompt tokens whose KV `remote` holds: `remote_num_tokens`, else whole blocks (of
@@ -393,6 +394,42 @@ mod tests {
             board_slot: None,
             block_size: None,
         }
+    }
+
+    /// Why the binding is 128 bits of a cryptographic hash: the same attack on a narrow one.
+    /// Truncated to 16 bits, the old binding (xxh3 of the token ids) collides within a few
+    /// hundred random prompts (a birthday search; at 64 bits, ~2^32 tries, in reach offline):
+    /// params made for one prompt of such a pair would pass as the other's, and D would decode
+    /// one prompt on the other's KV. The real binding tells the pair apart, and the params are
+    /// refused by name.
+    #[test]
+    fn a_colliding_pair_of_a_narrow_binding_is_told_apart_and_refused() {
+        let narrow = |t: &[u32]| pd_kv_pool::block_hash(None, t).0 & 0xffff;
+        let mut seen = std::collections::HashMap::new();
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let (a, b) = loop {
+            let prompt: Vec<u32> = (0..16)
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6_364_136_223_846_793_005)
+                        .wrapping_add(1);
+                    (state >> 40) as u32 % 50_000
+                })
+                .collect();
+            if let Some(other) = seen.insert(narrow(&prompt), prompt.clone())
+                && other != prompt
+            {
+                break (other, prompt);
+            }
+            assert!(seen.len() < 100_000, "no 16-bit collision found");
+        };
+        assert_eq!(narrow(&a), narrow(&b), "a collision of the narrow binding");
+        assert_ne!(prompt_hash(&a), prompt_hash(&b));
+        let mut r = remote(&[0, 1, 2, 3]);
+        (r.num_tokens, r.prompt_hash) = (Some(a.len()), Some(prompt_hash(&a)));
+        check_prompt(&r, &a, 4).expect("the params' own prompt");
+        let e = check_prompt(&r, &b, 4).expect_err("the colliding prompt");
+        assert_eq!(e.field, "remote_prompt_hash");
     }
 
     #[test]
