@@ -21,5 +21,6 @@ mod policy_sdk;
 mod prompt_scoring;
 mod registry_trust;
 mod rolling_restart;
+mod spread_params;
 mod static_nodes;
 mod untrusted_params_and_errors;

@@ -11,7 +11,9 @@
 //! indices are moved by each group's offset, one `id` is used throughout, usage is summed
 //! (completion tokens) or taken at its lowest over the groups (`prompt_tokens_details`, so a
 //! decode node that recomputed instead of pulling shows), and `[DONE]` ends the merged stream
-//! once, after every group's.
+//! once, after every group's. A group's `kv_transfer_params` (the lease on a turn its node
+//! kept) never reach the client: both mergers take them out and hand them to the caller, which
+//! releases them (a spread turn has no one holder to continue it).
 
 use pd_policy::DecodeTarget;
 use pd_wire::sse::{self, Framer};
@@ -140,13 +142,15 @@ pub enum MergeError {
 ///
 /// # Errors
 /// A part that is not a JSON object with a `choices` list.
-pub fn merge_json(parts: &[(u32, &[u8])]) -> Result<Value, MergeError> {
+pub fn merge_json(parts: &[(u32, &[u8])]) -> Result<Merged, MergeError> {
     let mut values = Vec::with_capacity(parts.len());
+    let mut leases = Vec::new();
     for (offset, body) in parts {
         let mut v: Value = serde_json::from_slice(body)?;
         if !v.get("choices").is_some_and(Value::is_array) {
             return Err(MergeError::NoChoices(v));
         }
+        leases.extend(take_params(&mut v));
         shift_choices(&mut v, *offset);
         values.push(v);
     }
@@ -167,7 +171,27 @@ pub fn merge_json(parts: &[(u32, &[u8])]) -> Result<Value, MergeError> {
     {
         out["usage"] = u;
     }
-    Ok(out)
+    Ok(Merged {
+        answer: out,
+        leases,
+    })
+}
+
+/// A merged answer ([`merge_json`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Merged {
+    /// The client's answer: no group's `kv_transfer_params` in it.
+    pub answer: Value,
+    /// Every group's `kv_transfer_params` as the nodes answered them (retained turns' leases),
+    /// for the caller to release.
+    pub leases: Vec<Value>,
+}
+
+/// Takes `kv_transfer_params` out of a group's answer or chunk.
+fn take_params(v: &mut Value) -> Option<Value> {
+    v.as_object_mut()?
+        .remove(pd_wire::kv::FIELD)
+        .filter(|p| !p.is_null())
 }
 
 /// Merges the SSE streams of several groups into one, event by event, as bytes arrive.
@@ -180,6 +204,8 @@ pub struct SseMerge {
     id: Option<Value>,
     /// Each group's usage chunk, held until every group finished.
     usage: Vec<Option<Value>>,
+    /// Groups' `kv_transfer_params` taken out of their chunks ([`SseMerge::take_leases`]).
+    leases: Vec<Value>,
     /// Each group's latest usage so far (vLLM's `continuous_usage_stats`): a chunk carrying
     /// one gets every group's summed instead.
     so_far: Vec<Option<Value>>,
@@ -196,7 +222,14 @@ impl SseMerge {
             id: None,
             usage: vec![None; k],
             so_far: vec![None; k],
+            leases: Vec::new(),
         }
+    }
+
+    /// The groups' `kv_transfer_params` taken out of their chunks so far (retained turns'
+    /// leases), for the caller to release.
+    pub fn take_leases(&mut self) -> Vec<Value> {
+        std::mem::take(&mut self.leases)
     }
 
     /// Feeds bytes of group `j`'s stream; returns the merged bytes ready to send.
@@ -232,6 +265,7 @@ impl SseMerge {
             out.extend_from_slice(event);
             return;
         }
+        self.leases.extend(take_params(&mut v));
         let empty = v
             .get("choices")
             .and_then(Value::as_array)
@@ -347,9 +381,17 @@ mod tests {
             .to_string();
         let b = json!({"id": "b", "choices": [{"index": 0, "text": "z"}],
             "usage": {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14,
-                      "prompt_tokens_details": {"cached_tokens": 9}}})
+                      "prompt_tokens_details": {"cached_tokens": 9}},
+            "kv_transfer_params": {"do_remote_decode": true, "remote_block_ids": [1, 2]}})
         .to_string();
-        let m = merge_json(&[(0, a.as_bytes()), (2, b.as_bytes())]).unwrap();
+        let merged = merge_json(&[(0, a.as_bytes()), (2, b.as_bytes())]).unwrap();
+        // The group's lease goes to the caller, not into the client's answer.
+        assert_eq!(
+            merged.leases,
+            vec![json!({"do_remote_decode": true, "remote_block_ids": [1, 2]})]
+        );
+        let m = merged.answer;
+        assert!(m.get("kv_transfer_params").is_none(), "{m}");
         assert_eq!(m["id"], "a");
         let idx: Vec<u64> = m["choices"]
             .as_array()
@@ -389,6 +431,20 @@ mod tests {
             out.contains(r#""index":2"#) && out.contains(r#""id":"a""#),
             "{out}"
         );
+        // A group's lease params (a turn its node kept, on its last chunk) go to the caller,
+        // not into the stream.
+        let kept = json!({"id": "b", "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+            "kv_transfer_params": {"do_remote_decode": true, "remote_block_ids": [7]}});
+        let out = String::from_utf8(m.feed(1, format!("data: {kept}\n\n").as_bytes())).unwrap();
+        assert!(
+            !out.contains("kv_transfer_params") && out.contains(r#""index":2"#),
+            "{out}"
+        );
+        assert_eq!(
+            m.take_leases(),
+            vec![json!({"do_remote_decode": true, "remote_block_ids": [7]})]
+        );
+        assert!(m.take_leases().is_empty());
         // [DONE] and usage are held until every group is done.
         let usage = |n: u64| {
             format!(

@@ -6,6 +6,7 @@
 use bytes::Bytes;
 use pd_policy::Api;
 use pingora::prelude::Session;
+use serde_json::Value;
 use tracing::warn;
 
 use super::exchange::{Outcome, Progress};
@@ -198,7 +199,8 @@ impl Gateway {
             .map(|(&offset, b)| (offset, b.as_ref()))
             .collect();
         let merged = spread::merge_json(&merged).map_err(NodeFailure::from)?;
-        let bytes = Bytes::from(serde_json::to_vec(&merged)?);
+        self.release_spread(&merged.leases);
+        let bytes = Bytes::from(serde_json::to_vec(&merged.answer)?);
         st.timing.answered();
         respond(session, 200, "application/json", bytes).await;
         Ok(Outcome::Ok)
@@ -235,7 +237,11 @@ impl Gateway {
                 () = &mut gone => Some((0, Err(UpstreamError::Gone))),
             };
             let out = match next {
-                Some((j, Ok(bytes))) => merge.feed(j, &bytes),
+                Some((j, Ok(bytes))) => {
+                    let out = merge.feed(j, &bytes);
+                    self.release_spread(&merge.take_leases());
+                    out
+                }
                 Some((_, Err(e))) => {
                     warn!("decode stream broke: {e}");
                     let err = GatewayError::from(NodeFailure::StreamBroke(e));
@@ -271,5 +277,16 @@ impl Gateway {
             .write_response_body(Some(Bytes::from(tail)), true)
             .await;
         Ok(Outcome::Ok)
+    }
+
+    /// Releases the turns a spread request's decode nodes kept (their answers'
+    /// `kv_transfer_params`, taken out of the client's answer): children on several nodes make
+    /// no one holder to continue from.
+    fn release_spread(&self, leases: &[Value]) {
+        for v in leases {
+            for params in pd_wire::kv::read(Some(v)).unwrap_or_default() {
+                self.release(Some(&params), "spread_turn");
+            }
+        }
     }
 }
