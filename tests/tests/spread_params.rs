@@ -64,4 +64,19 @@ async fn spread_answers_carry_no_lease_params_to_untrusted_clients() {
         f64::from(answers),
         "answers spread over two decode nodes"
     );
+    // Each group's kept turn is released by the gateway (no one holder continues a spread
+    // turn), not left holding a decode node's blocks until its lease expires.
+    let want = f64::from(2 * answers);
+    eventually(
+        "every group's kept turn released",
+        Duration::from_secs(10),
+        async || {
+            let m = c.gateway_metrics().await;
+            m.sum(
+                "pd_gateway_leases_released_total",
+                &[("why", "spread_turn")],
+            ) == want
+        },
+    )
+    .await;
 }
