@@ -40,6 +40,10 @@ pub enum AllocatorError {
         /// Requested size.
         bytes: usize,
     },
+    /// The layout's size overflows (layers × heads × head size × positions × blocks, as a model
+    /// file and the flags give them).
+    #[error("the KV layout's size overflows: {0:?}")]
+    TooLarge(crate::KvLayout),
 }
 
 const NIL: u32 = u32::MAX;

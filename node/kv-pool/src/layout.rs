@@ -133,6 +133,29 @@ impl KvLayout {
         self.block_bytes() * self.num_blocks
     }
 
+    /// [`KvLayout::block_bytes`], or `None` when the product overflows or exceeds what one
+    /// allocation may hold (`isize::MAX` bytes). The sizes come from a model file: check them
+    /// before anything else multiplies them.
+    pub fn checked_block_bytes(&self) -> Option<usize> {
+        [
+            self.num_kv_heads,
+            self.block_size,
+            self.head_dim,
+            self.dtype.size(),
+        ]
+        .into_iter()
+        .try_fold(self.num_layers.checked_mul(2)?, usize::checked_mul)
+        .filter(|&b| b <= isize::MAX as usize)
+    }
+
+    /// [`KvLayout::pool_bytes`], checked as [`KvLayout::checked_block_bytes`]. Every offset
+    /// inside the pool is then below it, so the unchecked offset arithmetic cannot overflow.
+    pub fn checked_pool_bytes(&self) -> Option<usize> {
+        self.checked_block_bytes()?
+            .checked_mul(self.num_blocks)
+            .filter(|&b| b <= isize::MAX as usize)
+    }
+
     /// Element offset of the slab of (`block`, `layer`, `kv` 0=K/1=V) in the pool.
     #[inline]
     pub fn slab_offset(&self, block: usize, layer: usize, kv: usize) -> usize {

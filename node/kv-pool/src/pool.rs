@@ -214,10 +214,13 @@ impl KvPool {
     /// pays for its page faults.
     ///
     /// # Errors
+    /// [`AllocatorError::TooLarge`] when the layout's size overflows,
     /// [`AllocatorError::OutOfMemory`] when the allocation fails.
     pub fn new(layout: KvLayout) -> Result<Self, AllocatorError> {
+        let bytes = layout
+            .checked_pool_bytes()
+            .ok_or(AllocatorError::TooLarge(layout))?;
         let elems = layout.num_blocks * layout.block_elems();
-        let bytes = layout.pool_bytes();
         let memory = PoolMemory::zeroed(bytes).ok_or(AllocatorError::OutOfMemory { bytes })?;
         Ok(Self {
             layout,
@@ -230,6 +233,7 @@ impl KvPool {
     /// A pool over memory someone else allocated (e.g. UCX, so peers read it one-sidedly).
     ///
     /// # Errors
+    /// [`AllocatorError::TooLarge`] when the layout's size overflows,
     /// [`AllocatorError::OutOfMemory`] when `bytes` is smaller than the layout needs or `ptr`
     /// is not aligned to the element size.
     ///
@@ -242,11 +246,12 @@ impl KvPool {
         bytes: usize,
         owner: Box<dyn std::any::Any + Send>,
     ) -> Result<Self, AllocatorError> {
+        let needed = layout
+            .checked_pool_bytes()
+            .ok_or(AllocatorError::TooLarge(layout))?;
         let elems = layout.num_blocks * layout.block_elems();
-        if bytes < layout.pool_bytes() || !(ptr as usize).is_multiple_of(layout.dtype.size()) {
-            return Err(AllocatorError::OutOfMemory {
-                bytes: layout.pool_bytes(),
-            });
+        if bytes < needed || !(ptr as usize).is_multiple_of(layout.dtype.size()) {
+            return Err(AllocatorError::OutOfMemory { bytes: needed });
         }
         let ptr = std::ptr::NonNull::new(ptr).ok_or(AllocatorError::OutOfMemory { bytes })?;
         Ok(Self {
@@ -428,6 +433,42 @@ impl KvPool {
 mod tests {
     use super::*;
     use crate::layout::KvOrder;
+
+    /// Sizes from a model file that overflow when multiplied are an error, not a wrapped size
+    /// (a small allocation that unchecked offsets would then run past) or a panic.
+    #[test]
+    fn a_layout_whose_size_overflows_is_refused() {
+        let fits = KvLayout {
+            num_blocks: 4,
+            block_size: 16,
+            num_layers: 2,
+            num_kv_heads: 2,
+            head_dim: 8,
+            dtype: crate::layout::KvDtype::F16,
+            order: KvOrder::Hnd,
+        };
+        assert!(KvPool::new(fits).is_ok());
+        for huge in [
+            KvLayout {
+                head_dim: usize::MAX / 3,
+                ..fits
+            },
+            KvLayout {
+                num_layers: 1 << 40,
+                num_kv_heads: 1 << 30,
+                ..fits
+            },
+            KvLayout {
+                num_blocks: usize::MAX / 64,
+                ..fits
+            },
+        ] {
+            match KvPool::new(huge) {
+                Err(AllocatorError::TooLarge(l)) => assert_eq!(l, huge),
+                other => panic!("{huge:?}: {other:?}"),
+            }
+        }
+    }
 
     /// A pool this type allocates starts on a page, as UCX's do (see [`POOL_ALIGN`]), holds
     /// zeros, and an empty one allocates nothing.

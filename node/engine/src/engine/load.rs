@@ -66,16 +66,26 @@ impl Engine {
             }),
             order: cfg.kv_layout,
         };
-        layout.num_blocks = cfg.num_blocks.unwrap_or_else(|| {
-            KvLayout::blocks_for_bytes(cfg.kv_cache_memory, layout.block_bytes())
-        });
+        // The model file's sizes, multiplied: checked before anything else multiplies them.
+        let block_bytes = layout.checked_block_bytes().ok_or_else(|| {
+            bad(
+                "model",
+                format!(
+                    "the model's KV block size overflows ({} layers × {} KV heads × {} head size \
+                     × {} positions)",
+                    layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size
+                ),
+            )
+        })?;
+        layout.num_blocks = cfg
+            .num_blocks
+            .unwrap_or_else(|| KvLayout::blocks_for_bytes(cfg.kv_cache_memory, block_bytes));
         if layout.num_blocks == 0 {
             return Err(bad(
                 "num_gpu_blocks",
                 format!(
                     "KV pool of {} bytes holds no block of {} bytes",
-                    cfg.kv_cache_memory,
-                    layout.block_bytes()
+                    cfg.kv_cache_memory, block_bytes
                 ),
             ));
         }
