@@ -373,8 +373,8 @@ impl Cluster {
     /// so once per registration).
     ///
     /// One engine id, one live node: a registration claiming the id of another process (another
-    /// epoch) still in the view is refused ([`JoinError::EngineIdTaken`]) and the first keeps
-    /// it, so two nodes sharing a name (containers that all call themselves the same) are never
+    /// epoch, or the same epoch for another model) still in the view is refused
+    /// ([`JoinError::EngineIdTaken`]) and the first keeps it, so two nodes sharing a name (containers that all call themselves the same) are never
     /// swapped in and out. The same process reconnecting (same epoch) replaces its entry.
     ///
     /// # Errors
@@ -390,7 +390,11 @@ impl Cluster {
             .nodes
             .values()
             .find(|n| n.engine_id == entry.engine_id && n.source == entry.source)
-            .filter(|n| n.source == "registered" && n.epoch != entry.epoch)
+            // Another process (epoch), or the same epoch claimed for another model: a
+            // reconnect of the live node serves the model it served.
+            .filter(|n| {
+                n.source == "registered" && (n.epoch != entry.epoch || n.model != entry.model)
+            })
         {
             return Err(JoinError::EngineIdTaken {
                 engine_id: entry.engine_id.to_string(),

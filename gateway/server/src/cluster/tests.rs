@@ -217,6 +217,16 @@ fn requests_end_when_their_node_is_gone_for_good() {
     );
     assert!(!before.gone.is_cancelled());
     assert_eq!(node(&c).conn, listed);
+    // The same epoch under another model (a registrant that learned the epoch) is refused
+    // too: a reconnect serves the model it served.
+    let mut rogue = entry(c.new_conn(), "d0", "m-other", "registered");
+    rogue.epoch = 2;
+    let err = c
+        .join(rogue, || Ok((tokenizer.clone(), fp)), fp)
+        .unwrap_err();
+    assert!(matches!(err, JoinError::EngineIdTaken { .. }), "{err}");
+    assert!(!before.gone.is_cancelled());
+    assert_eq!(node(&c).conn, listed);
     // Once it has left, a restart (another epoch) is admitted and ends the old process's
     // requests at once; the new process's are not touched.
     assert!(c.leave(listed, "stream ended"));
