@@ -374,8 +374,9 @@ impl Cluster {
     ///
     /// One engine id, one live node: a registration claiming the id of another process (another
     /// epoch, or the same epoch for another model) still in the view is refused
-    /// ([`JoinError::EngineIdTaken`]) and the first keeps it, so two nodes sharing a name (containers that all call themselves the same) are never
-    /// swapped in and out. The same process reconnecting (same epoch) replaces its entry.
+    /// ([`JoinError::EngineIdTaken`]) and the first keeps it, so two nodes sharing a name
+    /// (containers that all call themselves the same) are never swapped in and out. The same
+    /// process reconnecting (same epoch, same model) replaces its entry.
     ///
     /// # Errors
     /// The refusal, for the node's `Status`.
