@@ -294,11 +294,15 @@ impl NodeRegistry for Registry {
             open: Default::default(),
             gone: Default::default(),
         };
+        // Off the registry's task: a model's first node has its tokenizer parsed here.
         let bundle = reg.tokenizer.clone();
-        match self
-            .cluster
-            .join(entry, || tokenizer_of(bundle.as_ref()), fingerprint)
-        {
+        let cluster = self.cluster.clone();
+        let joined = tokio::task::spawn_blocking(move || {
+            cluster.join(entry, || tokenizer_of(bundle.as_ref()), fingerprint)
+        })
+        .await
+        .map_err(|e| Status::internal(format!("registering: {e}")))?;
+        match joined {
             Ok(()) => {}
             Err(why @ JoinError::EngineIdTaken { .. }) => {
                 let status = Status::already_exists(why.to_string());

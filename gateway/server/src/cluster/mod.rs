@@ -386,6 +386,19 @@ impl Cluster {
         tokenizer: impl FnOnce() -> Result<(Arc<Tokenizer>, u64), TokenizerRefused>,
         fingerprint: u64,
     ) -> Result<(), JoinError> {
+        // A model's first node brings its tokenizer, which may take long to parse: parsed
+        // before the write lock, so requests reading the view meanwhile wait for nothing. (A
+        // model gone between this look and the lock has its tokenizer parsed under it.)
+        let known = self.read().models.contains_key(&entry.model);
+        let (parsed, tokenizer) = match known {
+            true => (None, Some(tokenizer)),
+            false => (Some(tokenizer()?), None),
+        };
+        let tokenizer = move || match (parsed, tokenizer) {
+            (Some(parsed), _) => Ok(parsed),
+            (None, Some(parse)) => parse(),
+            (None, None) => Err(TokenizerRefused::Missing),
+        };
         let mut state = self.write();
         if let Some(held) = state
             .nodes

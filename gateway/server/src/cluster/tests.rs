@@ -274,3 +274,23 @@ fn a_node_holds_no_more_hashes_than_its_pool_has_blocks() {
     ));
     assert_eq!(held(&c), 100);
 }
+
+/// A model's first node brings its tokenizer, which can take long to parse: the parse runs
+/// before the cluster's write lock is taken, so requests reading the view meanwhile are not
+/// held up by it.
+#[test]
+fn a_first_nodes_tokenizer_is_parsed_outside_the_write_lock() {
+    let (tokenizer, fp) = byte_tokenizer("parse-unlocked");
+    let c = Cluster::default();
+    let mut readable = None;
+    c.join(
+        entry(c.new_conn(), "d0", "m", "registered"),
+        || {
+            readable = Some(c.state.try_read().is_ok());
+            Ok((tokenizer.clone(), fp))
+        },
+        fp,
+    )
+    .unwrap();
+    assert_eq!(readable, Some(true), "the view was locked during the parse");
+}
