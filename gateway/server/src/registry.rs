@@ -207,6 +207,14 @@ fn tokenizer_of(
         .map(|f| (f.name.clone(), f.content.clone()))
         .collect();
     let tokenizer = Tokenizer::from_files(&files).map_err(TokenizerRefused::Invalid)?;
+    // The node's word on its files is checked, not taken: the model's tokenizer is fixed by
+    // its first node, and later nodes are compared by fingerprint.
+    if tokenizer.fingerprint() != bundle.fingerprint {
+        return Err(TokenizerRefused::Fingerprint {
+            claimed: bundle.fingerprint,
+            computed: tokenizer.fingerprint(),
+        });
+    }
     Ok((Arc::new(tokenizer), bundle.fingerprint))
 }
 
@@ -396,6 +404,40 @@ async fn sweep(cluster: Arc<Cluster>, timeout: Duration) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A registration's tokenizer files are fingerprinted by the gateway; a bundle claiming
+    /// another fingerprint than its files have is refused (it would fix the model's tokenizer
+    /// under a fingerprint later nodes are compared against).
+    #[test]
+    fn a_tokenizer_bundle_must_have_the_fingerprint_it_claims() {
+        let dir = std::env::temp_dir().join(format!("pd-registry-fp-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        pd_tokenize::write_byte_level_tokenizer(&dir, 300).unwrap();
+        let real = Tokenizer::from_dir(&dir).unwrap().fingerprint();
+        let files = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                pb::TokenizerFile {
+                    name: e.file_name().to_string_lossy().into_owned(),
+                    content: std::fs::read_to_string(e.path()).unwrap(),
+                }
+            })
+            .collect::<Vec<_>>();
+        let _ = std::fs::remove_dir_all(&dir);
+        let bundle = |fingerprint| pb::TokenizerBundle {
+            files: files.clone(),
+            fingerprint,
+        };
+        let (_, fp) = tokenizer_of(Some(&bundle(real))).expect("honest bundle");
+        assert_eq!(fp, real);
+        match tokenizer_of(Some(&bundle(real ^ 1))) {
+            Err(TokenizerRefused::Fingerprint { claimed, computed }) => {
+                assert_eq!((claimed, computed), (real ^ 1, real));
+            }
+            other => panic!("a lying bundle: {:?}", other.map(|(_, f)| f)),
+        }
+    }
 
     #[test]
     fn wildcard_hosts_become_the_registrations_source_and_loopback_from_afar_is_refused() {

@@ -83,4 +83,15 @@ pub enum TokenizerRefused {
     /// Its files do not make a tokenizer.
     #[error("the node's tokenizer: {0}")]
     Invalid(pd_tokenize::TokenizeError),
+    /// Its files' fingerprint is not the one it claims.
+    #[error(
+        "the node's tokenizer files have fingerprint {computed:016x}, not the {claimed:016x} it \
+         claims"
+    )]
+    Fingerprint {
+        /// What the registration said.
+        claimed: u64,
+        /// What the gateway computed from the files.
+        computed: u64,
+    },
 }
