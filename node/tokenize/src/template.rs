@@ -55,6 +55,10 @@ impl fmt::Display for RaisedException {
 
 impl std::error::Error for RaisedException {}
 
+/// Instructions one render of a chat template may run (about a second at most): real templates
+/// spend a few hundred per message, so a conversation of thousands of messages fits.
+const TEMPLATE_FUEL: u64 = 20_000_000;
+
 impl ChatTemplate {
     /// Compiles `source` (read from `path`, named in errors).
     pub(crate) fn new(
@@ -63,6 +67,9 @@ impl ChatTemplate {
         path: &Path,
     ) -> Result<Self, TokenizeError> {
         let mut env = Environment::new();
+        // A template comes from a model's files (or a node's registration, on the gateway):
+        // each render gets at most this many instructions, then fails.
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -509,6 +516,25 @@ mod tests {
             ..SpecialTokens::default()
         };
         ChatTemplate::new(source, special, Path::new("t.jinja"))?.render(messages, None, true)
+    }
+
+    /// A template that loops without end in practice (10⁸ iterations) runs out of fuel and
+    /// fails fast instead of holding the caller (the gateway renders templates nodes sent).
+    #[test]
+    fn a_template_that_runs_too_long_runs_out_of_fuel() {
+        let hostile =
+            "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}x";
+        let started = std::time::Instant::now();
+        let e = render(hostile, &[]).expect_err("out of fuel");
+        let TokenizeError::TemplateRender { source } = &e else {
+            panic!("{e:?}")
+        };
+        assert_eq!(source.kind(), minijinja::ErrorKind::OutOfFuel, "{source}");
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
     }
 
     #[test]
