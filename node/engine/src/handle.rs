@@ -45,7 +45,8 @@ pub(crate) enum Command {
     /// Drop a request and free its blocks (client gone).
     Abort(RequestId),
     /// The wait of a [`crate::KvTransfer::Consume`] request for remote KV ended; with `true`,
-    /// the pull already put the pulled blocks in the compute pool ([`EngineHandle::uploader`]).
+    /// the pull already put the pulled blocks in the compute pool
+    /// ([`crate::KvReservation::upload`]).
     RemoteKv(RequestId, RemoteKv, bool),
     /// Something changed outside the engine (a lease was released): run a loop turn.
     Wake,
