@@ -10,8 +10,10 @@ set -euo pipefail
 # examples/ scripts that show the P/D protocol; python3-pip (the model wheel is fetched with
 # `pip download`) and python3-venv (the openai client venv of the tests and the demo); g++, the
 # host compiler nvcc preprocesses the CUDA kernels with (scripts/cuda-ptx.sh); xz-utils, which
-# packs the GPU bundle (scripts/gpu-bundle.sh, scripts/gpu-rehearse.sh).
-APT_PACKAGES=(curl ca-certificates pkg-config libucx-dev ucx-utils libclang-dev cmake jq python3-pip python3-venv g++ xz-utils iproute2 util-linux)
+# packs the GPU bundle (scripts/gpu-bundle.sh, scripts/gpu-rehearse.sh); openssl, which mints
+# the cluster's TLS certificates (scripts/cluster-certs.sh), and tcpdump, which captures the
+# hosts' link in the mutual-TLS test.
+APT_PACKAGES=(curl ca-certificates pkg-config libucx-dev ucx-utils libclang-dev cmake jq python3-pip python3-venv g++ xz-utils iproute2 util-linux openssl tcpdump)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

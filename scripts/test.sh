@@ -26,6 +26,12 @@ export NVCC
 bash scripts/cuda-ptx.sh
 cargo clippy -p pd-kernels --features cuda --all-targets --locked -- -D warnings
 cargo test --workspace --locked
+# Coverage-guided fuzzing (RELIABILITY.md): a few seconds per target, opt-in with PD_FUZZ=1
+# because the instrumented build from nothing costs more than 11 minutes on 2 cores; the
+# targets' bodies run on seeded inputs in the workspace tests above (pd-fuzz-bodies).
+if [ "${PD_FUZZ:-0}" = 1 ]; then
+  bash scripts/fuzz.sh --seconds 5 --gateway
+fi
 # The script a session with a GPU runs in one call (scripts/gpu-run.sh), rehearsed on CPU so it
 # does not rot while no GPU is lent.
 PD_NODE_BIN="${CARGO_TARGET_DIR:-target}/debug/pd-node" bash scripts/gpu-rehearse.sh

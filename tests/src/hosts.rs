@@ -49,6 +49,24 @@ pub struct Host {
     boot_id: PathBuf,
 }
 
+/// A running packet capture ([`Net::capture`]).
+#[derive(Debug)]
+pub struct Capture(Holder);
+
+impl Capture {
+    /// Stops the capture (SIGINT: tcpdump flushes its file) and waits for it; frames sent up to
+    /// half a second before are in the file.
+    pub fn stop(mut self) {
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        let child = &mut (self.0).0;
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(child.id() as i32, libc::SIGINT);
+        }
+        let _ = child.wait();
+    }
+}
+
 /// A process holding namespaces, killed on drop.
 #[derive(Debug)]
 struct Holder(Child);
@@ -184,6 +202,39 @@ impl Net {
         };
         net.write_hosts_file();
         net
+    }
+
+    /// Starts `tcpdump` on the bridge, writing every frame on it (between the hosts, and
+    /// between them and the test process) to `file`; returns once it captures. Stop it with
+    /// [`Capture::stop`] before reading the file.
+    pub fn capture(&self, file: &Path) -> Capture {
+        let target = format!("--target={}", self.bridge.pid());
+        let mut child = Command::new("nsenter")
+            .args([
+                target.as_str(),
+                "--net",
+                "--",
+                "tcpdump",
+                "-i",
+                "br0",
+                "--immediate-mode",
+                "-U",
+            ])
+            .arg("-w")
+            .arg(file)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start tcpdump ({e}): scripts/setup.sh installs it"));
+        let mut err = BufReader::new(child.stderr.take().expect("piped"));
+        let mut line = String::new();
+        let _ = err.read_line(&mut line);
+        assert!(
+            line.contains("listening on"),
+            "tcpdump did not start: {line}"
+        );
+        Capture(Holder(child))
     }
 
     /// The test process's own address on the bridge.
@@ -345,16 +396,16 @@ impl Host {
         cmd
     }
 
-    /// `http://ADDR:PORT` for `listened`, a `http://HOST:PORT` or `HOST:PORT` a process on this
-    /// host printed (a wildcard host becomes this host's address).
+    /// `http(s)://ADDR:PORT` for `listened`, a `http(s)://HOST:PORT` or `HOST:PORT` a process on
+    /// this host printed (a wildcard host becomes this host's address).
     pub fn url(&self, listened: &str) -> String {
-        let rest = listened.trim_start_matches("http://");
+        let (scheme, rest) = listened.split_once("://").unwrap_or(("http", listened));
         let port = rest
             .rsplit(':')
             .next()
             .unwrap_or(rest)
             .trim_end_matches('/');
-        format!("http://{}:{port}", self.addr)
+        format!("{scheme}://{}:{port}", self.addr)
     }
 }
 

@@ -9,6 +9,7 @@ mod api_keys;
 mod burst;
 mod client_abort;
 mod configuration;
+mod front_door_limits;
 mod kubernetes;
 mod multi_turn;
 mod node_hung;
@@ -18,9 +19,13 @@ mod policy_contained;
 mod policy_hot_swap;
 mod policy_languages;
 mod policy_sdk;
+// Needs the nodes' debug-build weakening of the binding (`PD_INSECURE_BINDING_BITS`).
+#[cfg(debug_assertions)]
+mod prompt_binding;
 mod prompt_scoring;
 mod registry_trust;
 mod rolling_restart;
 mod spread_params;
 mod static_nodes;
+mod tls_across_hosts;
 mod untrusted_params_and_errors;

@@ -172,3 +172,77 @@ async fn nodes_that_do_not_register_serve_p_to_d_through_the_gateway() {
     assert_eq!(got.texts, want.texts);
     assert!(got.pulled_tokens.unwrap_or(0) > 0, "{}", got.body);
 }
+
+/// The cluster token never goes to a static node unless the operator says so: two standalone
+/// nodes whose `--api-key` is the cluster token itself (so a node that is sent the token lets
+/// the gateway in). The one named without a bearer is refused every scrape (401) and never
+/// joins the view; the one named `bearer=cluster-token` joins and serves. On the old gateway,
+/// which sent every node the cluster token, both joined.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_static_node_is_not_sent_the_cluster_token_unless_told() {
+    let dir = pd_cluster_tests::process::WorkDir::new("static_bearer");
+    let model = pd_cluster_tests::cluster::tiny_model(&dir);
+    let key = args(&["--api-key", pd_cluster_tests::cluster::CLUSTER_TOKEN]);
+    let unnamed = Node::reference_with(&dir, &model, &key);
+    let told = Node::reference_with(&dir, &model, &key);
+    let spec = |n: &Node, id: &str, bearer: &str| {
+        format!(
+            "role=standalone,url={},tokenizer={},engine-id={id}{bearer}",
+            n.http,
+            model.display()
+        )
+    };
+    let gateway = pd_cluster_tests::cluster::Gateway::start(
+        &dir,
+        &[
+            "--static-scrape-ms".into(),
+            "100".into(),
+            "--static-node".into(),
+            spec(&unnamed, "unnamed", ""),
+            "--static-node".into(),
+            spec(&told, "told", ",bearer=cluster-token"),
+        ],
+    );
+    let client = reqwest::Client::new();
+    let listed = || async {
+        let v: serde_json::Value = client
+            .get(format!("{}/admin/nodes", gateway.admin))
+            .bearer_auth(pd_cluster_tests::cluster::ADMIN_TOKEN)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let mut ids: Vec<String> = v["nodes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|n| n["engine_id"].as_str().map(str::to_owned))
+            .collect();
+        ids.sort();
+        ids
+    };
+    eventually("only `told` in the view", Duration::from_secs(20), async || {
+        listed().await == ["told"]
+    })
+    .await;
+    // Scrapes keep coming (every 100 ms), and the unnamed node stays out.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(listed().await, ["told"], "{}", gateway.proc.log_tail(10));
+    assert!(
+        gateway.proc.log().contains("401"),
+        "the unnamed node was not refused: {}",
+        gateway.proc.log_tail(10)
+    );
+    let a = openai::send(
+        &client,
+        &gateway.http,
+        Api::Chat,
+        &Api::Chat.body("told", 3),
+        None,
+    )
+    .await
+    .ok();
+    assert_eq!(a.texts.len(), 1, "{a:?}");
+}

@@ -2,8 +2,9 @@
 //! up to `max_queued` more wait their turn (first come, first served) for at most
 //! `queue_timeout`, and the rest are refused at once with a 429 the OpenAI SDKs retry with
 //! backoff. This bounds what a burst of clients can make the cluster hold (queued requests,
-//! their blocks, P's leases) instead of letting every node's queue grow without limit.
-//! Unlimited unless the operator sets `--max-concurrent-requests`.
+//! their blocks, P's leases) and the gateway hold (bodies are read only by requests with a
+//! place) instead of letting every node's queue grow without limit. On by default:
+//! [`DEFAULT_MAX_CONCURRENT`] at once; `--max-concurrent-requests 0` lifts the limit.
 //!
 //! This module only counts and waits; the proxy decides what is a generation request and
 //! answers the refusal.
@@ -13,6 +14,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// Requests served at once by default: a fixed number, not one from the gateway's CPU count
+/// (the gateway's work per request is small; the limit guards the nodes' queues and the
+/// gateway's memory), a few full batches of a typical node.
+pub const DEFAULT_MAX_CONCURRENT: usize = 256;
 
 /// The limit and the waiting line.
 #[derive(Debug)]
@@ -112,6 +118,16 @@ impl Admission {
         }
     }
 
+    /// Waits for `extra` more slots for a request that already holds one (a completions
+    /// request found, once its body is read, to list several prompts); at most every slot but
+    /// the one held, so it cannot wait for itself.
+    pub async fn admit_more(&self, extra: usize) -> Result<Admitted, Refused> {
+        if extra == 0 || self.max_in_flight <= 1 {
+            return Ok(Admitted { _permit: None });
+        }
+        self.admit_weighted(extra.min(self.max_in_flight - 1)).await
+    }
+
     /// Whether a limit is set.
     pub fn limited(&self) -> bool {
         self.permits.is_some()
@@ -197,6 +213,16 @@ mod tests {
         let (held, in_flight) = big.await.unwrap().unwrap();
         assert_eq!(in_flight, 4);
         drop(held);
+        assert_eq!(a.in_flight(), 0);
+    }
+
+    #[tokio::test]
+    async fn more_slots_never_wait_for_the_one_held() {
+        let a = Admission::new(3, 2, Duration::from_millis(100));
+        let first = a.admit().await.unwrap();
+        let more = a.admit_more(10).await.unwrap();
+        assert_eq!(a.in_flight(), 3);
+        drop((first, more));
         assert_eq!(a.in_flight(), 0);
     }
 

@@ -59,11 +59,26 @@ pub enum GatewayError {
         /// The request's path.
         path: String,
     },
-    /// The body is larger than the limit (413).
+    /// The body is larger than the route's limit (413), said by its `content-length` or found
+    /// while reading it.
     #[error("Request body is larger than the limit of {limit} bytes.")]
     PayloadTooLarge {
         /// The limit in bytes.
         limit: usize,
+    },
+    /// The client did not send its request's head or body within the deadline (408).
+    #[error("The {what} did not arrive within {} ms.", .limit.as_millis())]
+    ReadTimeout {
+        /// What was being read ("request head", "request body").
+        what: &'static str,
+        /// The deadline.
+        limit: std::time::Duration,
+    },
+    /// The request ran past `--request-timeout-secs` (504).
+    #[error("The request did not complete within {} s (the gateway's request timeout).", .limit.as_secs())]
+    Timeout {
+        /// The deadline.
+        limit: std::time::Duration,
     },
     /// The model is registered but no live node can serve this request now (503).
     #[error("no live node can serve model `{model}` now: {why}")]
@@ -125,6 +140,14 @@ pub enum NodeFailure {
     /// A streamed answer broke off.
     #[error("node stream broke: {0}")]
     StreamBroke(crate::upstream::UpstreamError),
+    /// The node sent nothing more of its answer for `--node-idle-timeout-ms`.
+    #[error("{node} sent nothing of its answer for {} ms", .after.as_millis())]
+    Silent {
+        /// The node's engine id (or address).
+        node: String,
+        /// The deadline it missed.
+        after: std::time::Duration,
+    },
     /// A spread request's decode node ended its stream without `[DONE]`.
     #[error("a decode node's stream ended early")]
     StreamEndedEarly,
@@ -192,10 +215,12 @@ impl GatewayError {
             | Self::UnknownRoute { .. }
             | Self::Overloaded(_)
             | Self::Unauthorized
+            | Self::ReadTimeout { .. }
             | Self::PayloadTooLarge { .. } => ErrorSource::Downstream,
-            Self::NoCapacity { .. } | Self::Node { .. } | Self::BadGateway(_) => {
-                ErrorSource::Upstream
-            }
+            Self::NoCapacity { .. }
+            | Self::Node { .. }
+            | Self::BadGateway(_)
+            | Self::Timeout { .. } => ErrorSource::Upstream,
             Self::Rejected { .. } | Self::PolicyFailed { .. } => ErrorSource::Policy,
             Self::Internal(_) => ErrorSource::Internal,
         }
@@ -210,10 +235,12 @@ impl GatewayError {
             | Self::PreviousResponseNotFound(_)
             | Self::ResponseNotFound(_)
             | Self::UnknownRoute { .. } => 404,
+            Self::ReadTimeout { .. } => 408,
             Self::PayloadTooLarge { .. } => 413,
             Self::Overloaded(_) => 429,
             Self::NoCapacity { .. } | Self::PolicyFailed { .. } => 503,
             Self::Rejected { status, .. } | Self::Node { status, .. } => *status,
+            Self::BadGateway(NodeFailure::Silent { .. }) | Self::Timeout { .. } => 504,
             Self::BadGateway(_) => 502,
             Self::Internal(_) => 500,
         }
@@ -229,6 +256,9 @@ impl GatewayError {
         }
         if let Self::Overloaded(_) = self {
             return "overloaded";
+        }
+        if let Self::Timeout { .. } | Self::BadGateway(NodeFailure::Silent { .. }) = self {
+            return "timeout";
         }
         match self.source_kind() {
             ErrorSource::Downstream => "client_error",
@@ -252,6 +282,10 @@ impl GatewayError {
                 ("invalid_request_error", Some("previous_response_not_found"))
             }
             Self::UnknownRoute { .. } => ("invalid_request_error", Some("unknown_url")),
+            Self::ReadTimeout { .. } => ("invalid_request_error", Some("request_timeout")),
+            Self::Timeout { .. } | Self::BadGateway(NodeFailure::Silent { .. }) => {
+                ("timeout_error", Some("timeout"))
+            }
             Self::Unauthorized => ("invalid_request_error", Some("invalid_api_key")),
             Self::Overloaded(_) => ("rate_limit_error", Some("rate_limit_exceeded")),
             Self::Rejected { .. } => ("invalid_request_error", Some("policy_rejected")),

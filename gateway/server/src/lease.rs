@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use pd_rpc::kv as pb;
 use pd_rpc::kv::kv_peer_client::KvPeerClient;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tracing::{debug, warn};
 
 use crate::metrics::Metrics;
@@ -25,15 +25,19 @@ pub struct LeaseReleaser {
     metrics: Metrics,
     /// The cluster token, sent with every call (P's side channel requires it).
     token: Option<tonic::metadata::AsciiMetadataValue>,
+    /// Mutual TLS with the cluster CA; `None`: plain.
+    tls: Option<pd_tls::ClusterTls>,
 }
 
 impl LeaseReleaser {
-    /// A releaser counting into `metrics`, sending the cluster token `token`.
-    pub fn new(metrics: Metrics, token: &str) -> Self {
+    /// A releaser counting into `metrics`, sending the cluster token `token`, over mutual TLS
+    /// with `tls`'s CA when given.
+    pub fn new(metrics: Metrics, token: &str, tls: Option<pd_tls::ClusterTls>) -> Self {
         Self {
             channels: Arc::default(),
             metrics,
             token: tonic::metadata::AsciiMetadataValue::try_from(token).ok(),
+            tls,
         }
     }
 
@@ -42,7 +46,7 @@ impl LeaseReleaser {
         if let Some(c) = channels.get(addr) {
             return Some(c.clone());
         }
-        let endpoint = Endpoint::from_shared(addr.to_owned())
+        let endpoint = pd_tls::grpc_endpoint(addr, self.tls.as_ref())
             .ok()?
             .connect_timeout(RELEASE_TIMEOUT)
             .timeout(RELEASE_TIMEOUT);

@@ -31,6 +31,15 @@ pub const PROTOCOL_VERSION: u32 = 1;
 const OUTBOX: usize = 8;
 /// Largest message a node may send (a registration with its tokenizer files).
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// Longest engine id or model name a registration may carry.
+pub const MAX_NAME_BYTES: usize = 256;
+/// Longest address (`host:port`: a DNS name is at most 253 bytes).
+const MAX_ADDR_BYTES: usize = 270;
+/// Most files in a tokenizer bundle (`tokenizer.json`, its config, a chat template...).
+const MAX_TOKENIZER_FILES: usize = 16;
+/// Most bytes of a tokenizer bundle (the largest real `tokenizer.json` files are ~35 MB).
+const MAX_TOKENIZER_BYTES: usize = 48 << 20;
 /// How long a new node with a KV side channel stays out of the view: a new producer until the
 /// peer list naming it reaches the decode nodes, a new decode node until it has received the
 /// list (both are sent at once; decode nodes refuse producers they do not know).
@@ -50,6 +59,8 @@ pub struct RegistryConfig {
     pub token_required: bool,
     /// A node silent this long leaves the view.
     pub node_timeout: Duration,
+    /// Mutual TLS with the cluster CA: only nodes holding a certificate from it connect.
+    pub tls: Option<pd_tls::ClusterTls>,
 }
 
 /// The `NodeRegistry` service.
@@ -58,6 +69,8 @@ pub struct Registry {
     cluster: Arc<Cluster>,
     metrics: Metrics,
     config: Arc<RegistryConfig>,
+    /// What requests to registered nodes carry: the cluster token (they proved they hold it).
+    bearer: Option<http::HeaderValue>,
 }
 
 type OutStream = Pin<Box<dyn Stream<Item = Result<pb::GatewayMessage, Status>> + Send>>;
@@ -68,6 +81,7 @@ impl Registry {
         Self {
             cluster,
             metrics,
+            bearer: crate::upstream::bearer(&config.cluster_token).ok(),
             config: Arc::new(config),
         }
     }
@@ -96,8 +110,12 @@ impl Registry {
         listener: tokio::net::TcpListener,
         shutdown: impl std::future::Future<Output = ()> + Send,
     ) -> Result<(), tonic::transport::Error> {
+        let mut server = tonic::transport::Server::builder();
+        if let Some(tls) = &self.config.tls {
+            server = server.tls_config(tls.grpc_server())?;
+        }
         let sweeper = tokio::spawn(sweep(self.cluster.clone(), self.config.node_timeout));
-        let result = tonic::transport::Server::builder()
+        let result = server
             .http2_keepalive_interval(Some(Duration::from_secs(5)))
             .serve_with_incoming_shutdown(
                 // Registrations carry the tokenizer: real tokenizer.json files are 7-9 MiB,
@@ -133,6 +151,27 @@ impl Registry {
             return Err(Status::invalid_argument(
                 "registration needs engine_id, model and http_addr",
             ));
+        }
+        let names = [
+            ("engine_id", &r.engine_id, MAX_NAME_BYTES),
+            ("model", &r.model, MAX_NAME_BYTES),
+            ("http_addr", &r.http_addr, MAX_ADDR_BYTES),
+            ("kv_side_channel_addr", &r.kv_side_channel_addr, MAX_ADDR_BYTES),
+        ];
+        if let Some((field, _, max)) = names.iter().find(|(_, v, max)| v.len() > *max) {
+            return Err(Status::invalid_argument(format!(
+                "{field} is longer than {max} bytes"
+            )));
+        }
+        if let Some(t) = &r.tokenizer {
+            let bytes: usize = t.files.iter().map(|f| f.name.len() + f.content.len()).sum();
+            if t.files.len() > MAX_TOKENIZER_FILES || bytes > MAX_TOKENIZER_BYTES {
+                return Err(Status::invalid_argument(format!(
+                    "the tokenizer bundle ({} files, {bytes} bytes) is over {MAX_TOKENIZER_FILES} \
+                     files or {MAX_TOKENIZER_BYTES} bytes",
+                    t.files.len()
+                )));
+            }
         }
         if r.block_size == 0 {
             return Err(Status::invalid_argument("block_size must be positive"));
@@ -299,6 +338,7 @@ impl NodeRegistry for Registry {
             },
             outbox: tx.clone(),
             source: "registered",
+            bearer: self.bearer.clone(),
             open: Default::default(),
             gone: Default::default(),
         };

@@ -38,7 +38,7 @@ use tracing::{info, warn};
 use crate::cluster::{Cluster, ConnId, JoinError, NodeEntry};
 
 /// One `--static-node` flag: `role=prefill|decode|standalone,url=http://HOST:PORT,
-/// tokenizer=DIR[,engine-id=NAME]`.
+/// tokenizer=DIR[,engine-id=NAME][,bearer-env=VAR|bearer=cluster-token]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StaticNode {
     /// The node's part, as the policy sees it.
@@ -50,6 +50,44 @@ pub struct StaticNode {
     pub tokenizer: PathBuf,
     /// Its name in logs, the admin API and the policy's `host.node-name`.
     pub engine_id: String,
+    /// What requests and scrapes send it as the bearer key.
+    pub bearer: StaticBearer,
+}
+
+/// A static node's bearer key. The cluster token is never sent to a static node unless the
+/// operator says so: such a node is outside the cluster (a vLLM server, anyone's), and the token
+/// opens every node's KV side channel and the registry.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum StaticBearer {
+    /// No `Authorization` header (the default).
+    #[default]
+    None,
+    /// `bearer-env=VAR`: the key in the gateway's environment variable `VAR` (the node's
+    /// `--api-key`), read at start.
+    Env(String),
+    /// `bearer=cluster-token`: the cluster token (a `pd-node` of this cluster run without
+    /// `--gateway`).
+    ClusterToken,
+}
+
+impl StaticBearer {
+    /// The `Authorization` value to send, given the cluster token.
+    ///
+    /// # Errors
+    /// [`SpecError::Bearer`] when the variable is unset or not a header value.
+    pub fn header(&self, cluster_token: &str) -> Result<Option<http::HeaderValue>, SpecError> {
+        let key = match self {
+            Self::None => return Ok(None),
+            Self::ClusterToken => cluster_token.to_owned(),
+            Self::Env(var) => std::env::var(var)
+                .ok()
+                .filter(|k| !k.is_empty())
+                .ok_or_else(|| SpecError::Bearer(format!("${var} is not set")))?,
+        };
+        crate::upstream::bearer(&key)
+            .map(Some)
+            .map_err(|_| SpecError::Bearer("the key is not a valid header value".into()))
+    }
 }
 
 /// Why a `--static-node` spec does not parse.
@@ -74,8 +112,11 @@ pub enum SpecError {
     #[error("url `{0}`: expected http://HOST:PORT")]
     Url(String),
     /// A key the spec does not have.
-    #[error("unknown key `{0}` (keys: role, url, tokenizer, engine-id)")]
+    #[error("unknown key `{0}` (keys: role, url, tokenizer, engine-id, bearer-env, bearer)")]
     UnknownKey(String),
+    /// The bearer key cannot be had.
+    #[error("bearer: {0}")]
+    Bearer(String),
 }
 
 impl FromStr for StaticNode {
@@ -113,6 +154,16 @@ impl FromStr for StaticNode {
         ))?);
         let engine_id =
             take("engine-id").map_or_else(|| format!("static-{http_addr}"), str::to_owned);
+        let bearer = match (take("bearer-env"), take("bearer")) {
+            (None, None) => StaticBearer::None,
+            (Some(var), None) if !var.is_empty() => StaticBearer::Env(var.to_owned()),
+            (None, Some("cluster-token")) => StaticBearer::ClusterToken,
+            _ => {
+                return Err(SpecError::Bearer(
+                    "one of bearer-env=VAR or bearer=cluster-token".into(),
+                ));
+            }
+        };
         if let Some(key) = fields.keys().next() {
             return Err(SpecError::UnknownKey((*key).to_owned()));
         }
@@ -121,6 +172,7 @@ impl FromStr for StaticNode {
             http_addr,
             tokenizer,
             engine_id,
+            bearer,
         })
     }
 }
@@ -338,13 +390,13 @@ pub struct ScrapeTiming {
     pub timeout: Duration,
 }
 
-/// Keeps `node` in the view while it answers: scrapes it on `timing` with `http` (which
-/// carries the cluster token as the bearer key, as every request to a node does). The first
+/// Keeps `node` in the view while it answers: scrapes it on `timing` with `http`, sending
+/// `bearer` (requests routed to it send the same). The first
 /// model it serves is the one `tokenizer` belongs to; if it later serves another, it stays out
 /// of the view (that model's tokenizer is not known here). Runs until the gateway stops.
 pub async fn follow(
     cluster: Arc<Cluster>,
-    node: StaticNode,
+    (node, bearer): (StaticNode, Option<http::HeaderValue>),
     tokenizer: Arc<Tokenizer>,
     http: reqwest::Client,
     timing: ScrapeTiming,
@@ -360,7 +412,7 @@ pub async fn follow(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let problem = match scrape(&http, &base, timing.timeout).await {
+        let problem = match scrape(&http, &base, bearer.as_ref(), timing.timeout).await {
             Ok(s) if model.as_ref().is_some_and(|m| *m != s.model) => {
                 if let Some(c) = conn.take() {
                     cluster.leave(c, "it serves another model");
@@ -378,7 +430,7 @@ pub async fn follow(
                     continue;
                 }
                 let served = s.model.clone();
-                match join(&cluster, &node, &tokenizer, s) {
+                match join(&cluster, (&node, bearer.clone()), &tokenizer, s) {
                     Ok(c) => {
                         info!(engine_id = %node.engine_id, http = %node.http_addr, model = %served, "static node in the view");
                         conn = Some(c);
@@ -402,9 +454,16 @@ pub async fn follow(
 async fn scrape(
     http: &reqwest::Client,
     base: &str,
+    bearer: Option<&http::HeaderValue>,
     timeout: Duration,
 ) -> Result<Scraped, ScrapeError> {
-    let get = |path: &str| http.get(format!("{base}{path}")).timeout(timeout).send();
+    let get = |path: &str| {
+        let mut req = http.get(format!("{base}{path}")).timeout(timeout);
+        if let Some(b) = bearer {
+            req = req.header(http::header::AUTHORIZATION, b.clone());
+        }
+        req.send()
+    };
     let failed = |path| move |source| ScrapeError::Http { path, source };
     let models = get("/v1/models")
         .await
@@ -426,7 +485,7 @@ async fn scrape(
 /// Joins a scraped node to the cluster as a registration would; its id, or the refusal.
 fn join(
     cluster: &Cluster,
-    node: &StaticNode,
+    (node, bearer): (&StaticNode, Option<http::HeaderValue>),
     tokenizer: &Arc<Tokenizer>,
     s: Scraped,
 ) -> Result<ConnId, JoinError> {
@@ -456,6 +515,7 @@ fn join(
         visible_from: Instant::now(),
         outbox,
         source: "static",
+        bearer,
         open: Default::default(),
         gone: Default::default(),
     };
@@ -512,6 +572,26 @@ vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen3-0.6B"} 0.25
 vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="False",engine="0",num_gpu_blocks="4000",prefix_caching_hash_algo="sha256"} 1.0
 vllm:prompt_tokens_total{engine="0",model_name="Qwen/Qwen3-0.6B"} 1234.0
 "#;
+
+    #[test]
+    fn a_static_nodes_bearer_is_none_unless_named() {
+        let spec = "role=decode,url=http://h:1,tokenizer=/m";
+        let n: StaticNode = spec.parse().unwrap();
+        assert_eq!(n.bearer, StaticBearer::None);
+        assert_eq!(n.bearer.header("tok").unwrap(), None);
+        let n: StaticNode = format!("{spec},bearer=cluster-token").parse().unwrap();
+        let h = n.bearer.header("tok").unwrap().unwrap();
+        assert_eq!(h.to_str().unwrap(), "Bearer tok");
+        assert!(h.is_sensitive());
+        let n: StaticNode = format!("{spec},bearer-env=PD_TEST_UNSET_KEY_9")
+            .parse()
+            .unwrap();
+        assert!(n.bearer.header("tok").unwrap_err().to_string().contains("not set"));
+        for bad in ["bearer=yes", "bearer-env=", "bearer-env=A,bearer=cluster-token"] {
+            let err = format!("{spec},{bad}").parse::<StaticNode>().unwrap_err();
+            assert!(matches!(err, SpecError::Bearer(_)), "{bad}: {err}");
+        }
+    }
 
     #[test]
     fn a_vllm_servers_metrics_become_its_state() {

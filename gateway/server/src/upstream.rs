@@ -16,6 +16,7 @@ use http::{Method, Request, StatusCode, Uri};
 use http_body_util::{BodyDataStream, BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
@@ -24,11 +25,25 @@ use crate::error::chain;
 /// The header naming a request across the gateway's and the nodes' logs.
 pub const REQUEST_ID: &str = "x-request-id";
 
-/// Pooled keep-alive HTTP/1 to the nodes; every request carries the cluster token.
+/// Pooled keep-alive HTTP/1 to the nodes; each request carries the bearer key its node takes
+/// ([`crate::cluster::NodeRef::bearer`]: the cluster token for registered nodes, what the
+/// operator configured for static ones). Under the cluster's mutual TLS every connection is
+/// `https`, the node's certificate checked against the CA and the gateway's presented.
 #[derive(Debug, Clone)]
 pub struct NodeClient {
-    client: Client<HttpConnector, Full<Bytes>>,
-    auth: HeaderValue,
+    client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
+    /// `http://` or `https://`.
+    scheme: &'static str,
+}
+
+/// `Bearer {key}` as a header value kept out of logs.
+///
+/// # Errors
+/// The key is not a valid header value.
+pub fn bearer(key: &str) -> Result<HeaderValue, http::header::InvalidHeaderValue> {
+    let mut auth = HeaderValue::from_str(&format!("Bearer {key}"))?;
+    auth.set_sensitive(true);
+    Ok(auth)
 }
 
 /// A failed call: the connection, the request or the answer's head broke.
@@ -50,48 +65,56 @@ pub enum UpstreamError {
 }
 
 impl NodeClient {
-    /// A client whose requests carry `Authorization: Bearer {cluster_token}`.
-    ///
-    /// # Errors
-    /// The token is not a valid header value.
-    pub fn new(cluster_token: &str) -> Result<Self, http::header::InvalidHeaderValue> {
-        let mut auth = HeaderValue::from_str(&format!("Bearer {cluster_token}"))?;
-        auth.set_sensitive(true);
+    /// A client over mutual TLS with `tls`'s CA when given (plain HTTP otherwise).
+    pub fn new(tls: Option<&pd_tls::ClusterTls>) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(Duration::from_secs(2)));
+        // `https` URIs only need TLS; without the cluster's, no root is trusted at all.
+        connector.enforce_http(false);
+        let (config, scheme) = match tls {
+            Some(tls) => ((*tls.client_config()).clone(), "https://"),
+            None => (pd_tls::no_roots(), "http://"),
+        };
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(config)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(connector);
         let client = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(Duration::from_secs(90))
             .pool_max_idle_per_host(1024)
             .build(connector);
-        Ok(Self { client, auth })
+        Self { client, scheme }
     }
 
-    /// `POST http://{addr}{path}` with a JSON `body`; `request_id` goes in `x-request-id`
-    /// (a `HeaderValue` is cheap to clone from the client's request: no copy of it).
-    /// Returns once the answer's head is in.
+    /// `POST http://{addr}{path}` with a JSON `body`, `Authorization: {bearer}` when given;
+    /// `request_id` goes in `x-request-id` (a `HeaderValue` is cheap to clone from the client's
+    /// request: no copy of it). Returns once the answer's head is in.
     ///
     /// # Errors
     /// [`UpstreamError`] when no answer's head came back.
     pub async fn post_json(
         &self,
-        addr: &str,
+        (addr, bearer): (&str, Option<&HeaderValue>),
         path: &str,
         body: Bytes,
         request_id: Option<HeaderValue>,
     ) -> Result<NodeResponse, UpstreamError> {
-        // http://{addr}{path}, built without a format: parsed once, as a URI.
-        let mut uri = String::with_capacity(7 + addr.len() + path.len());
-        uri.push_str("http://");
+        // http(s)://{addr}{path}, built without a format: parsed once, as a URI.
+        let mut uri = String::with_capacity(8 + addr.len() + path.len());
+        uri.push_str(self.scheme);
         uri.push_str(addr);
         uri.push_str(path);
         let uri = Uri::try_from(uri).map_err(http::Error::from)?;
         let mut req = Request::builder()
             .method(Method::POST)
             .uri(uri)
-            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
-            .header(AUTHORIZATION, self.auth.clone());
+            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        if let Some(b) = bearer {
+            req = req.header(AUTHORIZATION, b.clone());
+        }
         if let Some(id) = request_id {
             req = req.header(REQUEST_ID, id);
         }
@@ -197,10 +220,11 @@ mod tests {
             .unwrap();
             String::from_utf8(got).unwrap()
         });
-        let client = NodeClient::new("s3cret").unwrap();
+        let client = NodeClient::new(None);
+        let key = bearer("s3cret").unwrap();
         let mut resp = client
             .post_json(
-                &addr,
+                (&addr, Some(&key)),
                 "/v1/completions",
                 Bytes::from_static(b"{\"a\":1}"),
                 Some(HeaderValue::from_static("req-7")),
@@ -239,15 +263,15 @@ mod tests {
             let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             l.local_addr().unwrap().to_string()
         };
-        let client = NodeClient::new("t").unwrap();
+        let client = NodeClient::new(None);
         let e = client
-            .post_json(&addr, "/v1/completions", Bytes::new(), None)
+            .post_json((&addr, None), "/v1/completions", Bytes::new(), None)
             .await
             .unwrap_err();
         assert!(matches!(e, UpstreamError::Send(_)), "{e}");
         assert!(e.to_string().contains("refused"), "the cause is named: {e}");
         let e = client
-            .post_json("not an address", "/x", Bytes::new(), None)
+            .post_json(("not an address", None), "/x", Bytes::new(), None)
             .await
             .unwrap_err();
         assert!(matches!(e, UpstreamError::Uri(_)), "{e}");

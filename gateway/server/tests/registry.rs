@@ -102,6 +102,7 @@ async fn serve_registry(token: &str, required: bool) -> (Arc<Cluster>, String) {
             cluster_token: token.into(),
             token_required: required,
             node_timeout: Duration::from_secs(5),
+            tls: None,
         },
     );
     tokio::spawn(registry.serve(listener, std::future::pending()));
@@ -269,4 +270,70 @@ async fn gateway_hashes_equal_the_hashes_the_node_reported() {
     drop(node);
     until("the dead node to leave", || cluster.read().nodes.is_empty()).await;
     let _ = std::fs::remove_dir_all(&tmp);
+}
+
+/// A registration is bounded before anything of it is kept: a name or an address over its
+/// length, and a tokenizer bundle over its file count or size, are refused as invalid, and the
+/// view stays empty. (Before, only the 64 MiB message cap bounded them.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_over_its_bounds_is_refused_as_invalid() {
+    use pd_rpc::registry as pb;
+    let (cluster, registry) = serve_registry("secret", true).await;
+    let register = |f: &dyn Fn(&mut pb::Register)| {
+        let mut r = pb::Register {
+            protocol_version: pd_gateway::registry::PROTOCOL_VERSION,
+            cluster_token: "secret".into(),
+            engine_id: "n0".into(),
+            model: "m".into(),
+            http_addr: "127.0.0.1:9".into(),
+            block_size: 16,
+            ..pb::Register::default()
+        };
+        f(&mut r);
+        pb::NodeMessage {
+            msg: Some(pb::node_message::Msg::Register(r)),
+        }
+    };
+    let file = |name: &str, bytes: usize| pb::TokenizerFile {
+        name: name.into(),
+        content: "x".repeat(bytes),
+    };
+    let cases: Vec<(&str, pb::NodeMessage)> = vec![
+        ("engine_id", register(&|r| r.engine_id = "e".repeat(300))),
+        ("model", register(&|r| r.model = "m".repeat(300))),
+        ("http_addr", register(&|r| r.http_addr = format!("{}:1", "h".repeat(300)))),
+        (
+            "tokenizer bundle",
+            register(&|r| {
+                r.tokenizer = Some(pb::TokenizerBundle {
+                    files: (0..17).map(|i| file(&format!("f{i}"), 1)).collect(),
+                    fingerprint: 0,
+                })
+            }),
+        ),
+        (
+            "tokenizer bundle",
+            register(&|r| {
+                r.tokenizer = Some(pb::TokenizerBundle {
+                    files: vec![file("tokenizer.json", 49 << 20)],
+                    fingerprint: 0,
+                })
+            }),
+        ),
+    ];
+    for (says, message) in cases {
+        let mut client = pb::node_registry_client::NodeRegistryClient::connect(format!(
+            "http://{registry}"
+        ))
+        .await
+        .unwrap()
+        .max_encoding_message_size(64 << 20);
+        let status = match client.report(tokio_stream::iter(vec![message])).await {
+            Ok(r) => r.into_inner().message().await.expect_err("refused"),
+            Err(s) => s,
+        };
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{says}: {status:?}");
+        assert!(status.message().contains(says), "{says}: {}", status.message());
+    }
+    assert!(cluster.read().nodes.is_empty());
 }

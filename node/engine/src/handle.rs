@@ -81,6 +81,9 @@ pub struct EngineInfo {
     /// How computed KV reaches the transfer pool: `in-place`, or the compute pool's
     /// [`pd_model::StagedKv::path`] (`host-staged`, `cuda-host-staged`).
     pub kv_path: &'static str,
+    /// The key binding leased KV to its prompt ([`crate::EngineConfig::binding_key`]): a
+    /// producer binds its leases with it, a consumer checks params and leases with it.
+    pub binding_key: pd_kv_pool::BindingKey,
 }
 
 /// Cheap, cloneable handle to a running engine thread.

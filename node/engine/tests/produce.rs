@@ -213,7 +213,7 @@ async fn retained_turns_are_revoked_oldest_first_before_anything_is_preempted() 
         let held: Vec<u32> = p.iter().chain(&tokens).copied().take(24).collect();
         assert_eq!(
             contents,
-            pd_kv_pool::LeaseContents::of(&held).in_blocks(&k.block_ids)
+            pd_kv_pool::LeaseContents::of(&h.info().binding_key, &held).in_blocks(&k.block_ids)
         );
         kept.push(k);
     }
@@ -287,7 +287,9 @@ async fn a_producer_attests_its_first_token_with_the_lease() {
         }
         let k = handoff.expect("a handoff");
         let (_, contents) = h.leases().confirm(k.lease, k.generation, "d").unwrap();
-        assert!(contents.same_contents(&pd_kv_pool::LeaseContents::of(&p).in_blocks(&k.block_ids)));
+        assert!(contents.same_contents(
+            &pd_kv_pool::LeaseContents::of(&h.info().binding_key, &p).in_blocks(&k.block_ids)
+        ));
         if greedy_first {
             assert_eq!(tokens, reference_greedy(&dir, &p, 1));
         }

@@ -321,6 +321,11 @@ pub unsafe fn read_record(base: *const u8, slots: u32, slot: u32) -> Option<Boar
 mod tests {
     use super::*;
 
+    /// The contents of blocks holding `tokens`, under a test key.
+    fn of(tokens: &[u32]) -> LeaseContents {
+        LeaseContents::of(&crate::BindingKey::from_cluster_token("t"), tokens)
+    }
+
     fn board(slots: usize, clock: Option<BeatClock>) -> (LeaseBoard, *const u8) {
         let mut mem = vec![0u64; board_bytes(slots) / 8].into_boxed_slice();
         let ptr = mem.as_mut_ptr().cast::<u8>();
@@ -333,7 +338,7 @@ mod tests {
     fn a_published_record_reads_back_until_cleared_and_slots_are_reused() {
         let (mut b, base) = board(2, None);
         let now = Instant::now();
-        let c = LeaseContents::of(&[1, 2, 3])
+        let c = of(&[1, 2, 3])
             .in_blocks(&[crate::BlockId(4)])
             .with_next_token(Some(0), 0xfeed_beef);
         let id = LeaseId(0x1234_0000_0000_0000_0000_0000_0000_5678);
@@ -351,21 +356,17 @@ mod tests {
                 beat: 0,
             })
         );
-        let s2 = b
-            .publish(8, id, &LeaseContents::of(&[9]), now, now)
-            .unwrap();
+        let s2 = b.publish(8, id, &of(&[9]), now, now).unwrap();
         assert_ne!(s, s2);
         assert_eq!(b.publish(9, id, &c, now, now), None, "full");
         b.clear(s);
         assert_eq!(read(s).map(|r| r.generation), Some(0));
         // The slot comes back, under a new generation and contents.
-        let s3 = b
-            .publish(10, LeaseId(3), &LeaseContents::of(&[5]), now, now)
-            .unwrap();
+        let s3 = b.publish(10, LeaseId(3), &of(&[5]), now, now).unwrap();
         assert_eq!(s3, s);
         let r = read(s3).unwrap();
         assert_eq!(r.generation, 10);
-        assert_eq!(r.contents, LeaseContents::of(&[5]));
+        assert_eq!(r.contents, of(&[5]));
         assert_eq!(r.lease_tag, 3);
         assert_eq!(read(5), None, "outside the board");
     }
@@ -385,7 +386,7 @@ mod tests {
         assert_eq!(slots, 4);
         // SAFETY: `base` is the board's memory, alive while `b` is.
         let read = |slot| unsafe { read_record(base, slots, slot) }.unwrap();
-        let c = LeaseContents::of(&[1]);
+        let c = of(&[1]);
         let later = t0 + std::time::Duration::from_millis(7);
         let s = b
             .publish(

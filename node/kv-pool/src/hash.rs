@@ -85,27 +85,6 @@ pub fn hash_full_blocks_from(
         .collect()
 }
 
-/// The binding of KV to the exact prompt it was computed for: 128 bits of SHA-256 over a
-/// domain tag and the token ids (little-endian `u32`s). Carried as `remote_prompt_hash` and
-/// in a lease's attested contents; a decode node compares it with its own prompt's before
-/// using pulled blocks.
-///
-/// A cryptographic hash, so a pair of prompts that bind alike costs about 2^64 work to find
-/// (a 64-bit xxh3 took about 2^32, within an attacker's reach offline). 0 never comes out of
-/// a real prompt in practice; it means "not said" where a digest is optional.
-pub fn prompt_digest(tokens: &[u32]) -> u128 {
-    use sha2::{Digest, Sha256};
-    let mut h = Sha256::new();
-    h.update(b"pd-kv-prompt-v2\0");
-    for t in tokens {
-        h.update(t.to_le_bytes());
-    }
-    let out = h.finalize();
-    let mut first = [0u8; 16];
-    first.copy_from_slice(&out[..16]);
-    u128::from_le_bytes(first)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -79,9 +79,9 @@ pub enum LeaseError {
     },
 }
 
-/// What a lease's blocks hold, as their owner computed them: `num_tokens` token ids hashed with
-/// [`crate::block_hash`]`(None, tokens)`. The owner tells a reader on confirm, so the reader can
-/// check the blocks hold its own prompt: request params are forgeable, the owner is not.
+/// What a lease's blocks hold, as their owner computed them: `num_tokens` token ids bound with
+/// [`crate::prompt_binding`]. The owner tells a reader on confirm, so the reader can check the
+/// blocks hold its own prompt: request params are forgeable, the owner is not.
 /// All zero: the owner does not say (not attested).
 ///
 /// The owner also binds the lease to its block ids (`blocks_hash`): a reader checks that the
@@ -95,7 +95,8 @@ pub enum LeaseError {
 pub struct LeaseContents {
     /// Tokens the blocks hold.
     pub num_tokens: u32,
-    /// [`crate::prompt_digest`] of the tokens (0: the owner does not say).
+    /// [`crate::prompt_binding`] of the tokens under the cluster's key (0: the owner does not
+    /// say).
     pub tokens_digest: u128,
     /// [`blocks_hash`] of the lease's block ids, in order (0: the owner does not say).
     pub blocks_hash: u64,
@@ -108,11 +109,11 @@ pub struct LeaseContents {
 }
 
 impl LeaseContents {
-    /// The contents of blocks holding `tokens`.
-    pub fn of(tokens: &[u32]) -> Self {
+    /// The contents of blocks holding `tokens`, bound to them under `key`.
+    pub fn of(key: &crate::BindingKey, tokens: &[u32]) -> Self {
         Self {
             num_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
-            tokens_digest: crate::prompt_digest(tokens),
+            tokens_digest: crate::prompt_binding(key, tokens),
             blocks_hash: 0,
             next_token: None,
             next_token_key: 0,
@@ -145,10 +146,11 @@ impl LeaseContents {
     }
 
     /// Whether `self` and `other` say the same tokens are held in the same blocks
-    /// (`next_token` aside; blocks are compared only when both say).
+    /// (`next_token` aside; blocks are compared only when both say; the bindings in constant
+    /// time).
     pub fn same_contents(&self, other: &Self) -> bool {
         self.num_tokens == other.num_tokens
-            && self.tokens_digest == other.tokens_digest
+            && crate::bindings_equal(self.tokens_digest, other.tokens_digest)
             && (self.blocks_hash == 0
                 || other.blocks_hash == 0
                 || self.blocks_hash == other.blocks_hash)
@@ -550,7 +552,8 @@ mod tests {
         t.attach_board(board);
         // SAFETY: the board's memory lives in `t` for the rest of the test.
         let record = |slot| unsafe { crate::read_record(base, 4, slot) }.unwrap();
-        let contents = LeaseContents::of(&[1, 2, 3]).in_blocks(&blocks);
+        let contents = LeaseContents::of(&crate::BindingKey::from_cluster_token("t"), &[1, 2, 3])
+            .in_blocks(&blocks);
         let mut live = Vec::new();
         for _ in 0..3 {
             for &b in &blocks {

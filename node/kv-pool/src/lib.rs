@@ -11,6 +11,7 @@
 //! - [`BlockAllocator`] owns the bookkeeping: free list in LRU order, reference counts, the
 //!   hash → block map of the prefix cache.
 //! - [`block_hash`] / [`hash_full_blocks`] chain a block's tokens onto its parent's hash.
+//! - [`prompt_binding`] binds leased KV to its prompt under the cluster's [`BindingKey`].
 //! - [`LeaseTable`] keeps blocks handed to a peer alive until released or expired; its
 //!   [`LeaseBoard`] publishes each live lease's record where peers read it one-sidedly.
 //!
@@ -20,6 +21,7 @@
 #![deny(unused_must_use)]
 
 mod allocator;
+mod binding;
 mod board;
 mod hash;
 mod layout;
@@ -28,13 +30,14 @@ mod pool;
 mod rechunk;
 
 pub use allocator::{AllocatorError, BlockAllocator, BlockId, CacheEvent};
+pub use binding::{BindingKey, bindings_equal, prompt_binding};
 pub use board::{
     BOARD_HEADER_BYTES, BOARD_SLOT_BYTES, BOARD_SLOT_WORDS, BeatClock, BoardRecord, LeaseBoard,
     board_bytes, read_beat, read_record,
 };
 pub use hash::{
     BlockHash, ROOT_HASH_SEED, block_hash, hash_full_blocks, hash_full_blocks_from, hash_key,
-    prompt_digest, root_hash,
+    root_hash,
 };
 pub use layout::{KvDtype, KvLayout, KvOrder};
 pub use lease::{

@@ -155,18 +155,23 @@ pub struct PeerClient {
 }
 
 impl PeerClient {
-    /// Connects to the peer's side channel at `addr` (`http://host:port`) as engine `me`. Every
+    /// Connects to the peer's side channel at `addr` (`http://host:port`; under `tls`, the same
+    /// address over mutual TLS) as engine `me`. Every
     /// call has a deadline ([`RPC_TIMEOUT`]): a stalled peer fails a call as unreachable instead
     /// of holding a pull (or a lease release) forever.
     ///
     /// # Errors
     /// [`TransferError::PeerUnreachable`].
-    pub async fn connect(addr: &str, me: &str) -> Result<Self, TransferError> {
+    pub async fn connect(
+        addr: &str,
+        me: &str,
+        tls: Option<&pd_tls::ClusterTls>,
+    ) -> Result<Self, TransferError> {
         let unreachable = |e: &dyn std::fmt::Display| TransferError::PeerUnreachable {
             addr: addr.to_string(),
             message: e.to_string(),
         };
-        let endpoint = Channel::from_shared(addr.to_string()).map_err(|e| unreachable(&e))?;
+        let endpoint = pd_tls::grpc_endpoint(addr, tls).map_err(|e| unreachable(&e))?;
         let channel = endpoint
             .connect_timeout(std::time::Duration::from_secs(5))
             .timeout(RPC_TIMEOUT)
@@ -246,91 +251,9 @@ impl PeerClient {
             .await
             .map_err(|s| self.status(s))?
             .into_inner();
-        let compat = r.compat.as_ref().map(compat_from_proto).ok_or_else(|| {
-            TransferError::HandshakeRefused("reply lacks compatibility info".into())
-        })?;
-        if !skip_check {
-            local.check(&compat)?;
-        }
-        let l = r
-            .layout
-            .ok_or_else(|| TransferError::HandshakeRefused("reply lacks the pool layout".into()))?;
-        let dtype = match l.dtype.as_str() {
-            "f32" => KvDtype::F32,
-            "f16" => KvDtype::F16,
-            "bf16" => KvDtype::BF16,
-            other => {
-                return Err(TransferError::HandshakeRefused(format!(
-                    "unknown pool dtype {other:?}"
-                )));
-            }
-        };
-        let Some(order) = pd_kv_pool::KvOrder::from_dim_order(&l.dim_order) else {
-            return Err(TransferError::HandshakeRefused(format!(
-                "unsupported pool dimension order {:?}",
-                l.dim_order
-            )));
-        };
-        let layout = KvLayout {
-            num_blocks: l.num_blocks as usize,
-            block_size: l.block_size as usize,
-            num_layers: l.num_layers as usize,
-            num_kv_heads: l.num_kv_heads as usize,
-            head_dim: l.head_dim as usize,
-            dtype,
-            order,
-        };
-        // The layout is the peer's word: its shape must be the one its compatibility info
-        // states (which was checked against ours, unless told not to), its block size one a
-        // request may name, and its sizes must not overflow before they are compared.
-        let shape_said = (l.num_layers, l.num_kv_heads, l.head_dim, l.dtype.as_str())
-            == (
-                compat.num_layers,
-                compat.num_kv_heads,
-                compat.head_dim,
-                compat.dtype.as_str(),
-            );
-        if !shape_said || layout.block_size == 0 || layout.block_size > MAX_PEER_BLOCK_SIZE {
-            return Err(TransferError::HandshakeRefused(format!(
-                "pool layout {layout:?} does not fit the peer's compatibility info"
-            )));
-        }
-        let block_bytes = [
-            layout.num_layers,
-            2,
-            layout.num_kv_heads,
-            layout.block_size,
-            layout.head_dim,
-            layout.dtype.size(),
-        ]
-        .into_iter()
-        .try_fold(1usize, usize::checked_mul);
-        let pool_bytes = block_bytes.and_then(|b| b.checked_mul(layout.num_blocks));
-        if block_bytes.is_none_or(|b| b as u64 != l.block_bytes)
-            || pool_bytes.is_none_or(|p| p as u64 > r.region_len)
-        {
-            return Err(TransferError::HandshakeRefused(
-                "pool layout and registered region disagree".into(),
-            ));
-        }
-        self.owner_epoch = r.epoch;
-        Ok(PeerInfo {
-            engine_id: r.engine_id,
-            epoch: r.epoch,
-            compat,
-            layout,
-            worker_address: r.worker_address,
-            region_base: r.region_base,
-            region_len: r.region_len,
-            rkey: r.rkey,
-            transports: r.transports,
-            board_offset: r.board_offset,
-            board_slots: r.board_slots,
-            owner_clock: crate::OwnerClock::from_handshake(r.owner_clock_ns, sent_ns),
-            kv_path: r.kv_path,
-            data_port: u16::try_from(r.data_port).unwrap_or(0),
-            data_host: self.host().to_owned(),
-        })
+        let info = check_handshake_reply(local, skip_check, r, self.host(), sent_ns)?;
+        self.owner_epoch = info.epoch;
+        Ok(info)
     }
 
     /// The host of the side channel this client talks to (without brackets or port).
@@ -440,6 +363,123 @@ impl PeerClient {
             .map_err(|s| self.status(s))?
             .into_inner())
     }
+}
+
+/// Checks a peer's handshake reply `r` against `local` (compatibility, unless `skip_check`; the
+/// pool layout against the peer's own compatibility info and registered region) and reads it as
+/// the peer's identity; `data_host` is the host of the side channel it came from, `sent_ns` when
+/// the handshake was sent ([`crate::monotonic_ns`]). No IO: the reply is the peer's word.
+///
+/// # Errors
+/// [`TransferError::HandshakeRefused`] / [`TransferError::Incompatible`] naming the field.
+pub fn check_handshake_reply(
+    local: &CompatInfo,
+    skip_check: bool,
+    r: pd_rpc::kv::HandshakeReply,
+    data_host: &str,
+    sent_ns: u64,
+) -> Result<PeerInfo, TransferError> {
+    let compat =
+        r.compat.as_ref().map(compat_from_proto).ok_or_else(|| {
+            TransferError::HandshakeRefused("reply lacks compatibility info".into())
+        })?;
+    if !skip_check {
+        local.check(&compat)?;
+    }
+    let l = r
+        .layout
+        .ok_or_else(|| TransferError::HandshakeRefused("reply lacks the pool layout".into()))?;
+    let dtype = match l.dtype.as_str() {
+        "f32" => KvDtype::F32,
+        "f16" => KvDtype::F16,
+        "bf16" => KvDtype::BF16,
+        other => {
+            return Err(TransferError::HandshakeRefused(format!(
+                "unknown pool dtype {other:?}"
+            )));
+        }
+    };
+    let Some(order) = pd_kv_pool::KvOrder::from_dim_order(&l.dim_order) else {
+        return Err(TransferError::HandshakeRefused(format!(
+            "unsupported pool dimension order {:?}",
+            l.dim_order
+        )));
+    };
+    let layout = KvLayout {
+        num_blocks: l.num_blocks as usize,
+        block_size: l.block_size as usize,
+        num_layers: l.num_layers as usize,
+        num_kv_heads: l.num_kv_heads as usize,
+        head_dim: l.head_dim as usize,
+        dtype,
+        order,
+    };
+    // The layout is the peer's word: its shape must be the one its compatibility info
+    // states (which was checked against ours, unless told not to), its block size one a
+    // request may name, and its sizes must not overflow before they are compared.
+    let shape_said = (l.num_layers, l.num_kv_heads, l.head_dim, l.dtype.as_str())
+        == (
+            compat.num_layers,
+            compat.num_kv_heads,
+            compat.head_dim,
+            compat.dtype.as_str(),
+        );
+    if !shape_said || layout.block_size == 0 || layout.block_size > MAX_PEER_BLOCK_SIZE {
+        return Err(TransferError::HandshakeRefused(format!(
+            "pool layout {layout:?} does not fit the peer's compatibility info"
+        )));
+    }
+    let block_bytes = [
+        layout.num_layers,
+        2,
+        layout.num_kv_heads,
+        layout.block_size,
+        layout.head_dim,
+        layout.dtype.size(),
+    ]
+    .into_iter()
+    .try_fold(1usize, usize::checked_mul);
+    let pool_bytes = block_bytes.and_then(|b| b.checked_mul(layout.num_blocks));
+    if block_bytes.is_none_or(|b| b as u64 != l.block_bytes)
+        || pool_bytes.is_none_or(|p| p as u64 > r.region_len)
+    {
+        return Err(TransferError::HandshakeRefused(
+            "pool layout and registered region disagree".into(),
+        ));
+    }
+    // The lease board is mapped and read through the same key as the pool
+    // (`puller/worker.rs`), in the same registered region after the pool (`region_len` counts
+    // the pool only): it must not overlap the pool, and neither may wrap the address space
+    // (found by the `handshake` fuzz target).
+    let board_end = r
+        .board_offset
+        .checked_add(pd_kv_pool::board_bytes(r.board_slots as usize) as u64)
+        .and_then(|end| r.region_base.checked_add(end));
+    if (r.board_slots > 0 && (r.board_offset < r.region_len || board_end.is_none()))
+        || r.region_base.checked_add(r.region_len).is_none()
+    {
+        return Err(TransferError::HandshakeRefused(format!(
+            "lease board ({} slots at offset {}) or region ({} bytes at {:#x}) out of bounds",
+            r.board_slots, r.board_offset, r.region_len, r.region_base
+        )));
+    }
+    Ok(PeerInfo {
+        engine_id: r.engine_id,
+        epoch: r.epoch,
+        compat,
+        layout,
+        worker_address: r.worker_address,
+        region_base: r.region_base,
+        region_len: r.region_len,
+        rkey: r.rkey,
+        transports: r.transports,
+        board_offset: r.board_offset,
+        board_slots: r.board_slots,
+        owner_clock: crate::OwnerClock::from_handshake(r.owner_clock_ns, sent_ns),
+        kv_path: r.kv_path,
+        data_port: u16::try_from(r.data_port).unwrap_or(0),
+        data_host: data_host.to_owned(),
+    })
 }
 
 /// `Ok` when the owner says the lease is live, else [`TransferError::LeaseLost`] with its reason.

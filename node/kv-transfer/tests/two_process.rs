@@ -134,7 +134,7 @@ async fn non_contiguous_blocks_arrive_byte_exact_and_release_frees_them() {
     let owner = Owner::start(30_000);
     let l = local();
     let metrics = TransferMetrics::new();
-    let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
+    let mut client = PeerClient::connect(&owner.addr, PEER, None).await.unwrap();
     let peer = client.handshake(&compat(), 1, false).await.unwrap();
     assert_eq!(peer.layout, layout());
     // Remote 7,2,3,11,5,20 into local 30,0,1,9,10,4: runs (2,3)->(0,1) coalesce, others don't.
@@ -174,7 +174,7 @@ async fn non_contiguous_blocks_arrive_byte_exact_and_release_frees_them() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unrenewed_lease_expires_frees_blocks_and_is_counted() {
     let owner = Owner::start(300);
-    let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
+    let mut client = PeerClient::connect(&owner.addr, PEER, None).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let s = client.stats().await.unwrap();
@@ -196,7 +196,7 @@ async fn unrenewed_lease_expires_frees_blocks_and_is_counted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renewal_keeps_a_lease_alive_past_its_first_deadline() {
     let owner = Owner::start(1200);
-    let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
+    let mut client = PeerClient::connect(&owner.addr, PEER, None).await.unwrap();
     // The keeper renews every duration/6 = 200 ms; wait 2.5 lease durations.
     let metrics = std::sync::Arc::new(TransferMetrics::new());
     let keeper = LeaseKeeper::start(
@@ -219,7 +219,7 @@ async fn renewal_keeps_a_lease_alive_past_its_first_deadline() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compatibility_mismatch_is_refused_naming_the_field() {
     let owner = Owner::start(30_000);
-    let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
+    let mut client = PeerClient::connect(&owner.addr, PEER, None).await.unwrap();
     let mut other = compat();
     other.head_dim = 64;
     let err = client.handshake(&other, 1, false).await.unwrap_err();
@@ -246,7 +246,7 @@ async fn stale_or_released_lease_is_detected_and_its_data_discarded() {
     let owner = Owner::start(30_000);
     let l = local();
     let metrics = TransferMetrics::new();
-    let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
+    let mut client = PeerClient::connect(&owner.addr, PEER, None).await.unwrap();
     let peer = client.handshake(&compat(), 1, false).await.unwrap();
     let stale = client
         .confirm(owner.lease, owner.generation + 1)
@@ -257,7 +257,7 @@ async fn stale_or_released_lease_is_detected_and_its_data_discarded() {
         "{stale}"
     );
     // Another peer cannot use the lease.
-    let mut intruder = PeerClient::connect(&owner.addr, "intruder").await.unwrap();
+    let mut intruder = PeerClient::connect(&owner.addr, "intruder", None).await.unwrap();
     let wrong = intruder
         .confirm(owner.lease, owner.generation)
         .await
@@ -294,7 +294,7 @@ async fn peer_killed_before_the_pull_triggers_the_failure_policy() {
     let mut owner = Owner::start(30_000);
     let l = local();
     let metrics = TransferMetrics::new();
-    let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
+    let mut client = PeerClient::connect(&owner.addr, PEER, None).await.unwrap();
     let peer = client.handshake(&compat(), 1, false).await.unwrap();
     owner.child.kill().unwrap();
     owner.child.wait().unwrap();
@@ -336,7 +336,7 @@ async fn peer_killed_while_pulls_run_back_to_back_triggers_the_failure_policy() 
     let mut owner = Owner::start(30_000);
     let l = local();
     let metrics = TransferMetrics::new();
-    let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
+    let mut client = PeerClient::connect(&owner.addr, PEER, None).await.unwrap();
     let peer = client.handshake(&compat(), 1, false).await.unwrap();
     let dead = Arc::new(std::sync::atomic::AtomicBool::new(false));
     // Pull the leased blocks again and again (reads, then confirmation) until one fails.
@@ -398,7 +398,7 @@ fn deadline() -> std::time::Instant {
 async fn more_concurrent_pulls_than_the_per_peer_bound_queue_and_all_arrive_byte_exact() {
     let owner = Owner::start(30_000);
     let l = local();
-    let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
+    let mut client = PeerClient::connect(&owner.addr, PEER, None).await.unwrap();
     let peer = client.handshake(&compat(), 1, false).await.unwrap();
     // 5 pulls at once (the bound is 4 in flight per peer), each into its own 6 local blocks.
     let pulls = pd_kv_transfer::MAX_PULLS_PER_PEER + 1;
@@ -457,7 +457,7 @@ async fn more_concurrent_pulls_than_the_per_peer_bound_queue_and_all_arrive_byte
 async fn mapped_pulls_after_the_first_copy_on_the_callers_thread_until_forgotten() {
     let owner = Owner::start(30_000);
     let l = local();
-    let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
+    let mut client = PeerClient::connect(&owner.addr, PEER, None).await.unwrap();
     let peer = client.handshake(&compat(), 1, false).await.unwrap();
     let n = owner.blocks.len() as u32;
     let mut on_caller = Vec::new();
@@ -558,7 +558,7 @@ async fn a_pull_hands_each_block_on_as_it_lands_whichever_way_it_reads() {
             .with_landing_part_bytes(2 * layout().block_bytes()),
         ..mapped
     };
-    let mut client = PeerClient::connect(&owner.addr, PEER).await.unwrap();
+    let mut client = PeerClient::connect(&owner.addr, PEER, None).await.unwrap();
     let peer = client.handshake(&compat(), 1, false).await.unwrap();
     let n = owner.blocks.len() as u32;
     let mut ways = Vec::new();

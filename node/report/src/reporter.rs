@@ -82,6 +82,9 @@ pub struct ReporterOptions {
     /// thousand wake-ups of its control thread). The gateway sees new blocks this much later.
     /// Default: 2 ms; zero sends at once.
     pub block_coalesce: Duration,
+    /// Mutual TLS with the cluster CA (the gateway's `--tls-*`): the connection is `https`,
+    /// the gateway's certificate checked against the CA, this node's presented. Default: none.
+    pub tls: Option<pd_tls::ClusterTls>,
 }
 
 impl Default for ReporterOptions {
@@ -97,6 +100,7 @@ impl Default for ReporterOptions {
             max_hashes_per_message: 16384,
             close_grace: Duration::from_secs(1),
             block_coalesce: Duration::from_millis(2),
+            tls: None,
         }
     }
 }
@@ -173,16 +177,13 @@ impl Reporter {
         options: ReporterOptions,
     ) -> Result<ReporterHandle, ReportError> {
         let given = gateway_addr.into();
-        let addr = if given.contains("://") {
-            given.clone()
-        } else {
-            format!("http://{given}")
-        };
-        let endpoint = Endpoint::from_shared(addr.clone())
+        let endpoint = pd_tls::grpc_endpoint(&given, options.tls.as_ref())
             .map_err(|source| ReportError::InvalidAddress {
-                addr: given,
+                addr: given.clone(),
                 source,
-            })?
+            })?;
+        let addr = endpoint.uri().to_string().trim_end_matches('/').to_owned();
+        let endpoint = endpoint
             .connect_timeout(options.connect_timeout)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(options.keepalive)

@@ -157,6 +157,7 @@ impl Disagg {
                 info.kv_layout,
                 epoch,
                 pull,
+                info.binding_key.clone(),
                 metrics.clone(),
             ))
         });

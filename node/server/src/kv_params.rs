@@ -10,15 +10,15 @@
 //!
 //! Response side: a prefill node answers with the object above, plus `remote_num_tokens`,
 //! `remote_lease_id`, `remote_lease_generation`, `remote_blocks_expiry_time` (Unix seconds) and
-//! `remote_prompt_hash` (32 hex digits: the 128-bit digest of the prompt's token ids, checked by
-//! the decode node).
+//! `remote_prompt_hash` (32 hex digits: the prompt's token ids bound under the cluster's key,
+//! [`pd_kv_pool::prompt_binding`], checked by the decode node).
 //!
 //! The wire form is [`pd_wire::KvTransferParams`]; what a pull needs of it is parsed here into
 //! the consumer's [`Remote`] (`pd_kv_transfer::consumer`), which checks and pulls it.
 
 use pd_engine::KvHandoff;
-use pd_kv_pool::{BlockId, LeaseId};
-pub(crate) use pd_kv_transfer::consumer::{Remote, prompt_hash};
+use pd_kv_pool::{BindingKey, BlockId, LeaseId};
+pub(crate) use pd_kv_transfer::consumer::Remote;
 use pd_wire::{Hex64, Hex128, KvTransferParams};
 use serde_json::Value;
 
@@ -33,6 +33,58 @@ pub(crate) const MAX_CONSUMERS: u64 = 16;
 
 /// Largest `remote_block_size` accepted (tokens per block).
 pub(crate) const MAX_BLOCK_SIZE: usize = 4096;
+
+/// Debug builds only: `PD_INSECURE_BINDING_BITS=N` makes this node's prompt binding unkeyed and
+/// N bits wide ([`BindingKey::insecure_unkeyed`]), so a test can find colliding prompts offline
+/// and show what a weak binding lets through. Release builds ignore it.
+pub(crate) const INSECURE_BINDING_BITS_ENV: &str = "PD_INSECURE_BINDING_BITS";
+
+/// The node's prompt binding key, read once at start from the cluster token it was started
+/// with (`--cluster-token`; empty: none, and a token the gateway mints later does not change
+/// it, so every node of such a cluster holds the empty token's key). In a debug build
+/// [`INSECURE_BINDING_BITS_ENV`] weakens it; a release build ignores the variable and says so.
+pub(crate) fn binding_key(cluster_token: &str) -> BindingKey {
+    let key = BindingKey::from_cluster_token(cluster_token);
+    if cluster_token.is_empty() {
+        tracing::debug!(
+            "no cluster token: prompt bindings are only as strong as an unkeyed 128-bit hash"
+        );
+    }
+    let Some(value) = std::env::var_os(INSECURE_BINDING_BITS_ENV) else {
+        return key;
+    };
+    #[cfg(debug_assertions)]
+    {
+        let weak = value
+            .to_str()
+            .and_then(|v| v.parse().ok())
+            .and_then(BindingKey::insecure_unkeyed);
+        match weak {
+            Some(weak) => {
+                tracing::error!(
+                    bits = weak.bits(),
+                    "{INSECURE_BINDING_BITS_ENV} is set: prompt bindings are UNKEYED and this                      narrow, so clients can forge them (a test build's weakening; never serve so)"
+                );
+                weak
+            }
+            None => {
+                tracing::warn!(
+                    value = ?value,
+                    "{INSECURE_BINDING_BITS_ENV} must be 1 to 128; ignored, bindings stay keyed"
+                );
+                key
+            }
+        }
+    }
+    #[cfg(not(debug_assertions))]
+    {
+        tracing::warn!(
+            value = ?value,
+            "{INSECURE_BINDING_BITS_ENV} is ignored: a release build's prompt bindings are always keyed"
+        );
+        key
+    }
+}
 
 /// What a request's `kv_transfer_params` asks of this node.
 #[derive(Debug, Clone, PartialEq)]
@@ -420,14 +472,15 @@ mod tests {
             board_slot: Some(3),
         };
         let prompt = [1, 2, 3, 4, 5, 6, 7];
-        let v = handoff(&advert, "cmpl-9", &h, prompt_hash(&prompt)).to_value();
+        let binding = pd_kv_pool::prompt_binding(&BindingKey::from_cluster_token("t"), &prompt);
+        let v = handoff(&advert, "cmpl-9", &h, binding).to_value();
         let KvDirective::Consume(r) = p(v).unwrap() else {
             panic!()
         };
         assert_eq!(r[0].lease, LeaseId(0xabc));
         assert_eq!(r[0].block_ids, h.block_ids);
         assert_eq!(r[0].num_tokens, Some(7));
-        assert_eq!(r[0].prompt_hash, Some(prompt_hash(&prompt)));
+        assert_eq!(r[0].prompt_hash, Some(binding));
         assert_eq!(r[0].epoch, Some(u64::MAX - 1));
         assert_eq!(r[0].board_slot, Some(3));
     }
@@ -446,12 +499,23 @@ pub(crate) struct KvReply {
 }
 
 impl KvReply {
-    /// For request `request_id` of `prompt`; `advert` is set on a node that produces.
-    pub(crate) fn new(advert: Option<Advert>, request_id: &str, prompt: &[u32]) -> Self {
+    /// For request `request_id` of `prompt`, bound under `key`; `advert` is set on a node that
+    /// produces.
+    pub(crate) fn new(
+        advert: Option<Advert>,
+        request_id: &str,
+        prompt: &[u32],
+        key: &BindingKey,
+    ) -> Self {
+        // Only a producer's handoff names it.
+        let prompt_hash = match advert {
+            Some(_) => pd_kv_pool::prompt_binding(key, prompt),
+            None => 0,
+        };
         Self {
             advert,
             request_id: request_id.to_string(),
-            prompt_hash: prompt_hash(prompt),
+            prompt_hash,
             params: Vec::new(),
             retained: None,
         }

@@ -19,7 +19,8 @@
 //!   engine: the pull itself (planning, peers, leases, reads, failure policy, metrics) is
 //!   [`pd_kv_transfer::Consumer`]'s; `kv_params` maps `kv_transfer_params` to and from the
 //!   wire; [`kv_side_channel`] serves the pool to peers; [`report`] feeds the gateway;
-//!   [`drain`] is what `SIGTERM` does before the process exits.
+//!   [`drain`] is what `SIGTERM` does before the process exits (under `--tls-*` the API
+//!   is served only over the cluster's mutual TLS, [`pd_tls::TlsListener`]).
 //!
 //! This crate does not run the model, schedule sequences or touch KV memory: all of that is the
 //! engine's, reached only through [`EngineHandle::submit`]. A streaming body owns its
@@ -73,6 +74,9 @@ pub struct HttpOptions {
     pub cluster_token: Option<tokio::sync::watch::Receiver<Option<String>>>,
     /// Whether the node drains: `/health` answers 503 once it does (see [`drain`]).
     pub drain: Arc<drain::Drain>,
+    /// Mutual TLS with the cluster CA (`--tls-*`): only the gateway and nodes holding a
+    /// certificate from it connect. `None`: plain HTTP.
+    pub tls: Option<pd_tls::ClusterTls>,
 }
 
 impl HttpOptions {
@@ -85,6 +89,7 @@ impl HttpOptions {
             api_key: None,
             cluster_token: None,
             drain: Arc::default(),
+            tls: None,
         }
     }
 }
@@ -121,7 +126,19 @@ pub async fn serve_with(
     options: HttpOptions,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, routes::router(engine, disagg, options))
-        .with_graceful_shutdown(shutdown)
-        .await
+    let tls = options.tls.clone();
+    let app = routes::router(engine, disagg, options);
+    match tls {
+        Some(tls) => {
+            let listener = pd_tls::TlsListener::new(listener, tls.acceptor(), "node HTTP API")?;
+            axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown)
+                .await
+        }
+        None => {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown)
+                .await
+        }
+    }
 }

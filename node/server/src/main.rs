@@ -174,10 +174,14 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     };
     // Every node with a side channel can pull: a decode node the prompt's KV from a prefill
     // node, any node an earlier turn's KV from the node that retained it (reverse pull).
+    // Mutual TLS with the cluster CA on every hop (`--tls-*`): this node's HTTP API, its side
+    // channel and data port, its pulls from peers and its registration with the gateway.
+    let tls = args.tls.load().context("--tls-cert/--tls-key/--tls-ca")?;
     let puller = match &ucx {
         Some(ucx) => Some(
             ucx.puller(info.kv_layout.block_bytes(), args.kv_pull_via.into())
-                .context("starting the KV puller")?,
+                .context("starting the KV puller")?
+                .with_tls(tls.clone()),
         ),
         None => None,
     };
@@ -208,6 +212,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         upload_while_pulling: args.kv_upload_while_pulling,
         allowed_peers: AllowedPeers::fixed(args.kv_allowed_peers.clone()),
         cluster_token: token_rx.clone(),
+        tls: tls.clone(),
     };
     if role != KvRole::Standalone {
         tracing::info!(role = role.as_str(), engine_id = %engine_id, "P/D role");
@@ -240,6 +245,10 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                     transfer_metrics.side_channel_refused.clone(),
                 )
                 .context("starting the KV data port")?;
+            let server = match &tls {
+                Some(tls) => server.with_tls(tls),
+                None => server,
+            };
             let listener = tokio::net::TcpListener::from_std(l).context("the KV data port")?;
             let mut stop = kv_stop_tx.subscribe();
             tokio::spawn(Arc::new(server).serve(listener, async move {
@@ -257,14 +266,26 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                 .with_context(|| format!("binding {kv_addr}"))?;
             let kv_local = kv_listener.local_addr().context("reading the KV address")?;
             side_channel = Some(kv_local);
-            println!("pd-node kv side channel on http://{kv_local}");
+            let scheme = pd_tls::scheme(tls.as_ref());
+            println!("pd-node kv side channel on {scheme}://{kv_local}");
+            let grpc_tls = tls.as_ref().map(pd_tls::ClusterTls::grpc_server);
             tokio::spawn(async move {
                 // No Nagle: a lease reply is small and on a decode node's path to its first
                 // token (tonic sets TCP_NODELAY only on listeners it binds itself).
                 let incoming = tonic::transport::server::TcpIncoming::from(kv_listener)
                     .with_nodelay(Some(true));
                 let service = service.into_guarded_server(token_rx, refused);
-                if let Err(e) = tonic::transport::Server::builder()
+                let mut server = tonic::transport::Server::builder();
+                if let Some(tls) = grpc_tls {
+                    server = match server.tls_config(tls) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            tracing::error!(error = %e, "KV side channel: TLS");
+                            return;
+                        }
+                    };
+                }
+                if let Err(e) = server
                     .add_service(service)
                     .serve_with_incoming_shutdown(incoming, kv_stop)
                     .await
@@ -274,7 +295,12 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
             });
         }
         let mut stdout = std::io::stdout().lock();
-        writeln!(stdout, "pd-node listening on http://{local}").context("writing to stdout")?;
+        writeln!(
+            stdout,
+            "pd-node listening on {}://{local}",
+            pd_tls::scheme(tls.as_ref())
+        )
+        .context("writing to stdout")?;
         stdout.flush().context("flushing stdout")?;
         drop(stdout);
         let reporter = match &args.gateway {
@@ -315,7 +341,10 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                     gateway.clone(),
                     registration,
                     source,
-                    pd_report::ReporterOptions::default(),
+                    pd_report::ReporterOptions {
+                        tls: tls.clone(),
+                        ..pd_report::ReporterOptions::default()
+                    },
                 )
                 .with_context(|| format!("--gateway {gateway}"))?;
                 tracing::info!(gateway = %gateway, "reporting to the gateway");
@@ -361,6 +390,7 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
             api_key,
             cluster_token: token_opens_v1.then_some(http_token),
             drain: drain.clone(),
+            tls: tls.clone(),
         };
         tokio::spawn(drain_on_signal(
             engine.clone(),

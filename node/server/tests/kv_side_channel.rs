@@ -116,7 +116,7 @@ async fn node_publishes_its_ucx_pool_and_serves_from_it_token_exact() {
         dtype: KvDtype::F32,
         order: pd_kv_pool::KvOrder::Hnd,
     };
-    let mut client = PeerClient::connect(with_kv.kv.as_deref().unwrap(), "node-b")
+    let mut client = PeerClient::connect(with_kv.kv.as_deref().unwrap(), "node-b", None)
         .await
         .unwrap();
     // The same model: same name, shapes and weights (its fingerprint).
@@ -154,7 +154,7 @@ async fn node_publishes_its_ucx_pool_and_serves_from_it_token_exact() {
         complete(&staged.http).await["choices"][0]["token_ids"],
         a["choices"][0]["token_ids"]
     );
-    let mut client = PeerClient::connect(staged.kv.as_deref().unwrap(), "node-b")
+    let mut client = PeerClient::connect(staged.kv.as_deref().unwrap(), "node-b", None)
         .await
         .unwrap();
     let peer = client.handshake(&ours, 1, false).await.unwrap();

@@ -159,8 +159,12 @@ impl Tokenizer {
         };
 
         let tokenizer_path = dir.join("tokenizer.json");
-        let inner = required("tokenizer.json")?
-            .parse::<tokenizers::Tokenizer>()
+        // `tokenizers` panics on some malformed files (an `expect` in its decoder's
+        // deserializer; found by the `registry` fuzz target): a file from outside (a node's
+        // registration, on the gateway) must be an error, never a crash.
+        let text = required("tokenizer.json")?;
+        let inner = std::panic::catch_unwind(|| text.parse::<tokenizers::Tokenizer>())
+            .unwrap_or_else(|_| Err("the tokenizers library panicked reading it".into()))
             .map_err(|source| TokenizeError::LoadTokenizer {
                 path: tokenizer_path.clone(),
                 source,
@@ -578,6 +582,24 @@ fn chat_template_source(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by the `registry` fuzz target (fuzz/): `tokenizers` 0.23 panics on a raw control
+    /// character inside the decoder's object instead of answering an error.
+    #[test]
+    fn a_tokenizer_json_that_makes_tokenizers_panic_is_an_error() {
+        let files = BTreeMap::from([
+            (
+                "tokenizer.json".to_string(),
+                "{\"decoder\": {\"type\": \"ByteLe\nx\"}}".to_string(),
+            ),
+            ("tokenizer_config.json".to_string(), "{}".to_string()),
+        ]);
+        let got = Tokenizer::from_files(&files);
+        assert!(
+            matches!(got, Err(TokenizeError::LoadTokenizer { .. })),
+            "{got:?}"
+        );
+    }
 
     #[test]
     fn tokenizer_is_send_sync() {

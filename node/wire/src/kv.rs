@@ -40,7 +40,7 @@ impl<'de> Deserialize<'de> for Hex64 {
 }
 
 /// A 128-bit value written as exactly 32 hex digits (`remote_prompt_hash`, the prompt's
-/// digest). Read only from 32 digits: a shorter value (a producer of the 64-bit binding) is
+/// binding). Read only from 32 digits: a shorter value (a producer of the 64-bit binding) is
 /// refused, not widened, so no narrower binding is ever taken for this one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct Hex128(pub u128);
@@ -128,8 +128,8 @@ pub struct KvTransferParams {
     /// The holder's incarnation: a restarted holder refuses what names another.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_engine_epoch: Option<Hex64>,
-    /// The 128-bit digest of the prompt's token ids (`pd_kv_pool::prompt_digest`), checked by
-    /// the decode node.
+    /// The 128-bit binding of the prompt's token ids under the cluster's key
+    /// (`pd_kv_pool::prompt_binding`), checked by the decode node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_prompt_hash: Option<Hex128>,
     /// A retained turn's last block's chain hash (the gateway's conversation key).

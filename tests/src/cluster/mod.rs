@@ -21,11 +21,14 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::bins;
-use crate::hosts::{Host, Net, Place};
+use crate::hosts::{Capture, Host, Net, Place};
 use crate::metrics::{Metrics, scrape};
 use crate::process::{Proc, WorkDir};
 
 mod admin;
+mod tls;
+
+pub use tls::Certs;
 
 /// The admin bearer token of every test gateway.
 pub const ADMIN_TOKEN: &str = "test-admin-token";
@@ -88,6 +91,16 @@ pub struct ClusterSpec {
     pub decode_args: Vec<String>,
     /// Each process on a host of its own (network namespaces on a bridge) instead of loopback.
     pub hosts: Option<Hosting>,
+    /// Extra environment variables of every node it starts (`NAME`, `value`; not of one
+    /// [`TestCluster::restart`] starts).
+    pub node_env: Vec<(String, String)>,
+    /// Mutual TLS on every cluster hop: a CA minted for the cluster, a certificate per process
+    /// naming its host's address ([`TestCluster::certs`]); the gateway's OpenAI and admin
+    /// ports over TLS too, and the test's client holds a certificate and trusts the CA.
+    pub tls: bool,
+    /// With hosts: capture the traffic between them into this file from before the first
+    /// process starts ([`TestCluster::capture`]).
+    pub capture: Option<PathBuf>,
 }
 
 /// How processes run across hosts.
@@ -131,6 +144,8 @@ struct NodeStart<'a> {
     named: bool,
     role: Role,
     gateway: Option<&'a str>,
+    /// Extra environment variables.
+    env: &'a [(String, String)],
 }
 
 impl Node {
@@ -143,8 +158,10 @@ impl Node {
             named,
             role,
             gateway,
+            env,
         } = start;
         let (mut cmd, contained) = place.command(&bins::pd_node());
+        cmd.envs(env.iter().map(|(k, v)| (k, v)));
         cmd.arg("serve")
             .arg("--model")
             .arg(model)
@@ -217,6 +234,7 @@ impl Node {
             named: true,
             role: Role::Standalone,
             gateway: None,
+            env: &[],
         };
         Self::local(start, extra)
     }
@@ -350,6 +368,10 @@ pub struct TestCluster {
     pub model: PathBuf,
     /// A client for tests to share (keep-alive).
     pub client: reqwest::Client,
+    /// The cluster CA and its certificates, under [`ClusterSpec::tls`].
+    pub certs: Option<Certs>,
+    /// The capture of [`ClusterSpec::capture`], running.
+    pub capture: Option<Capture>,
     /// The hosts' bridge, when the processes run on hosts (dropped after them).
     pub net: Option<Net>,
     // Last: dropped after the processes, so their logs are still there to print.
@@ -363,11 +385,22 @@ impl TestCluster {
         let dir = WorkDir::new(name);
         let model = tiny_model(&dir);
         let net = spec.hosts.map(|_| Net::new(dir.path()));
+        let capture = net.as_ref().zip(spec.capture.as_ref());
+        let capture = capture.map(|(net, file)| net.capture(file));
         let gateway_host = net.as_ref().map(|n| n.host("gw"));
         if let (Some(net), Some(h)) = (&net, &gateway_host) {
             net.alias(REGISTRY_NAME, h);
         }
-        let gateway = Gateway::start_on(&dir, &spec.gateway_args, gateway_host);
+        let certs = spec.tls.then(|| Certs::new(&dir.path().join("certs")));
+        let mut gateway_args = spec.gateway_args.clone();
+        if let Some(c) = &certs {
+            let at = gateway_host.as_ref().map(|h| h.addr.to_string());
+            let sans = [format!("DNS:{REGISTRY_NAME}"), "DNS:gw".into()];
+            c.mint("gw", &Certs::names(at.as_deref(), &sans));
+            gateway_args.extend(c.flags("gw"));
+            gateway_args.extend(c.client_flags("gw"));
+        }
+        let gateway = Gateway::start_on(&dir, &gateway_args, gateway_host);
         let containers = spec.hosts.is_some_and(|h| h.containers);
         let registry = match containers {
             true => {
@@ -380,7 +413,11 @@ impl TestCluster {
             gateway,
             nodes: Vec::new(),
             model,
-            client: reqwest::Client::new(),
+            client: certs
+                .as_ref()
+                .map_or_else(reqwest::Client::new, Certs::client),
+            certs,
+            capture,
             net,
             dir,
         };
@@ -403,6 +440,11 @@ impl TestCluster {
                     let mut all = spec.node_args.clone();
                     all.extend(extra.iter().cloned());
                     let host = cluster.net.as_ref().map(|n| n.host(&id));
+                    if let Some(c) = &cluster.certs {
+                        let at = host.as_ref().map(|h| h.addr.to_string());
+                        c.mint(&id, &Certs::names(at.as_deref(), &[format!("DNS:{id}")]));
+                        all.extend(c.flags(&id));
+                    }
                     let place = match &host {
                         None => Place::Local,
                         Some(h) if containers => Place::Container(h),
@@ -415,6 +457,7 @@ impl TestCluster {
                         named: !containers,
                         role,
                         gateway: Some(&registry),
+                        env: &spec.node_env,
                     };
                     let proc = Node::spawn(start, place, &all);
                     pending.push((id, role, proc, host));
@@ -462,6 +505,7 @@ impl TestCluster {
                 named: true,
                 role,
                 gateway: None,
+                env: &spec.node_env,
             };
             Node::spawn(start, Place::Local, &all)
         };
@@ -501,6 +545,8 @@ impl TestCluster {
             nodes,
             model,
             client: reqwest::Client::new(),
+            certs: None,
+            capture: None,
             net: None,
             dir,
         };
@@ -602,6 +648,7 @@ impl TestCluster {
             named: true,
             role,
             gateway: Some(&registry),
+            env: &[],
         };
         let fresh = Node::local(start, extra);
         *self.node_mut(engine_id) = fresh;
@@ -633,6 +680,7 @@ impl TestCluster {
             named: false,
             role,
             gateway: Some(&self.gateway.registry),
+            env: &[],
         };
         let proc = Node::spawn(start, place, extra);
         Node {

@@ -72,6 +72,9 @@ pub enum JoinError {
     /// The first node of a model came without a usable tokenizer.
     #[error(transparent)]
     Tokenizer(#[from] TokenizerRefused),
+    /// A new model while the view already knows [`super::MAX_MODELS`].
+    #[error("the gateway already serves {0} models; no more are admitted")]
+    TooManyModels(usize),
 }
 
 /// Why the tokenizer a model's first node brings cannot be used.

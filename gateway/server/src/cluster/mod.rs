@@ -25,6 +25,10 @@ pub use error::{JoinError, TokenizerRefused};
 /// more blocks, or does not say).
 pub const MAX_HASHES_PER_NODE: usize = 1 << 20;
 
+/// Models the view knows at most (those with nodes in the view, then the rest kept so they
+/// answer 503 rather than 404).
+pub const MAX_MODELS: usize = 1024;
+
 /// Identifies one registry connection (a node's registration); a reconnect gets a new one.
 pub type ConnId = u64;
 
@@ -73,6 +77,9 @@ pub struct NodeEntry {
     /// How the gateway knows it: `registered` over the registry stream, or `static` (named
     /// with `--static-node` and scraped; see [`crate::static_node`]).
     pub source: &'static str,
+    /// `Authorization` of requests to it: the cluster token for a registered node, a static
+    /// node's own key or none (the cluster token never leaves the cluster unless configured).
+    pub bearer: Option<http::HeaderValue>,
     /// The requests the gateway has routed to it and not seen end: what its view adds to the
     /// node's last report (see [`OpenRequests`]).
     pub open: OpenRequests,
@@ -243,6 +250,8 @@ pub struct NodeRef {
     pub epoch: u64,
     /// `host:port` of its OpenAI API.
     pub http_addr: Arc<str>,
+    /// [`NodeEntry::bearer`].
+    pub bearer: Option<http::HeaderValue>,
     /// Its open and reserved requests ([`OpenRequests`]).
     counts: Arc<Counts>,
     /// [`NodeEntry::gone`].
@@ -366,7 +375,10 @@ impl Cluster {
     }
 
     /// Admits a registered node. The model's tokenizer and block size are set by its first node;
-    /// a node whose tokenizer fingerprint or hash key differs is refused with the reason. A node
+    /// a node whose tokenizer fingerprint or hash key differs is refused with the reason while
+    /// any node of the model is in the view (so one registrant cannot change them for the
+    /// others); once none is, the next node's replace them (every node then serving it agrees:
+    /// a model upgraded with all its nodes). A node
     /// with another block size is admitted — P and D convert KV between block sizes (issue 13)
     /// — but the gateway hashes prompts in the model's block size, so that node's prefix-cache
     /// hits and retained turns are invisible to routing (it is still routed to; a warning says
@@ -426,6 +438,18 @@ impl Cluster {
         tokenizer: impl FnOnce() -> Result<(Arc<Tokenizer>, u64), TokenizerRefused>,
         fingerprint: u64,
     ) -> Result<(), JoinError> {
+        let differs = state
+            .models
+            .get(&entry.model)
+            .is_some_and(|m| m.fingerprint != fingerprint || m.hash_key != entry.hash_key);
+        if differs && !state.nodes.values().any(|n| n.model == entry.model) {
+            tracing::info!(
+                node = %entry.engine_id,
+                model = %entry.model,
+                "no node of the model is in the view: its tokenizer and hash key are this node's"
+            );
+            state.models.remove(&entry.model);
+        }
         match state.models.get(&entry.model) {
             Some(m) if m.source != entry.source => {
                 return Err(JoinError::MixedKinds {
@@ -461,6 +485,14 @@ impl Cluster {
             }
             Some(_) => {}
             None => {
+                // Models stay known after their nodes leave: without a bound, registrants
+                // naming new models would grow the gateway without end.
+                if state.models.len() >= MAX_MODELS {
+                    state.models.retain(|name, _| state.nodes.values().any(|n| n.model == *name));
+                    if state.models.len() >= MAX_MODELS {
+                        return Err(JoinError::TooManyModels(MAX_MODELS));
+                    }
+                }
                 let (tokenizer, fingerprint) = tokenizer()?;
                 state.models.insert(
                     entry.model.clone(),
@@ -725,6 +757,7 @@ impl Cluster {
                 engine_id: n.engine_id.clone(),
                 epoch: n.epoch,
                 http_addr: n.http_addr.clone(),
+                bearer: n.bearer.clone(),
                 counts: n.open.counts.clone(),
                 gone: n.gone.clone(),
             });

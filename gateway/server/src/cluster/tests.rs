@@ -24,6 +24,7 @@ fn entry(conn: ConnId, engine_id: &str, model: &str, source: &'static str) -> No
         visible_from: Instant::now(),
         outbox: mpsc::channel(1).0,
         source,
+        bearer: None,
         open: OpenRequests::default(),
         gone: CancellationToken::new(),
     }
@@ -84,6 +85,7 @@ fn an_open_request_counts_until_its_guard_drops() {
         engine_id: "d0".into(),
         epoch: 1,
         http_addr: "127.0.0.1:1".into(),
+        bearer: None,
         counts: Arc::default(),
         gone: CancellationToken::new(),
     };
@@ -293,4 +295,30 @@ fn a_first_nodes_tokenizer_is_parsed_outside_the_write_lock() {
     )
     .unwrap();
     assert_eq!(readable, Some(true), "the view was locked during the parse");
+}
+
+/// A model's tokenizer is replaced only when no node of it is left to disagree: a node with
+/// another tokenizer is refused while one with the model's is in the view, and admitted (its
+/// tokenizer now the model's) once that one left.
+#[test]
+fn a_models_tokenizer_changes_only_when_no_node_of_it_disagrees() {
+    let (old, old_fp) = byte_tokenizer("old");
+    // Another tokenizer, as far as the registry can tell: another fingerprint.
+    let (new, new_fp) = (old.clone(), old_fp ^ 1);
+    let c = Cluster::default();
+    let first = c.new_conn();
+    c.join(entry(first, "d0", "m", "registered"), || Ok((old.clone(), old_fp)), old_fp)
+        .unwrap();
+    let err = c
+        .join(entry(c.new_conn(), "d1", "m", "registered"), || Ok((new.clone(), new_fp)), new_fp)
+        .unwrap_err();
+    assert!(matches!(err, JoinError::TokenizerDiffers { .. }), "{err}");
+    assert!(c.leave(first, "stream ended"));
+    c.join(entry(c.new_conn(), "d1", "m", "registered"), || Ok((new.clone(), new_fp)), new_fp)
+        .unwrap();
+    // Now the old tokenizer is the odd one out.
+    let err = c
+        .join(entry(c.new_conn(), "d0", "m", "registered"), || Ok((old.clone(), old_fp)), old_fp)
+        .unwrap_err();
+    assert!(matches!(err, JoinError::TokenizerDiffers { .. }), "{err}");
 }

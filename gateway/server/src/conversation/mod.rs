@@ -25,6 +25,8 @@
 
 mod holdings;
 mod items;
+#[cfg(test)]
+mod proptests;
 mod store;
 
 pub use holdings::{Found, Holding, Holdings};

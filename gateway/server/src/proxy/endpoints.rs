@@ -4,7 +4,7 @@
 use pingora::prelude::Session;
 use serde_json::{Value, json};
 
-use super::{Gateway, bearer_key, read_body, respond, respond_error};
+use super::{Gateway, Placed, bearer_key, respond, respond_error};
 use crate::conversation::{self, Owner};
 use crate::error::GatewayError;
 use crate::tokenizer_api;
@@ -134,24 +134,31 @@ impl Gateway {
     }
 
     /// vLLM's `/tokenize`, `/detokenize`, `/tokenizer_info`, answered here
-    /// ([`tokenizer_api`]).
+    /// ([`tokenizer_api`]), admitted as a generation request is (one slot: tokenizing a long
+    /// prompt is real work) with the smaller body limit.
     pub(super) async fn tokenizer_endpoint(
         &self,
         session: &mut Session,
         endpoint: tokenizer_api::Endpoint,
     ) {
         let answered = async {
-            let body = read_body(session, self.0.config.max_body).await?;
+            let limit = self.0.config.max_small_body;
+            let (_slot, body) = match self.take_place(session, limit).await? {
+                Placed::Admitted(slot, body) => (slot, body),
+                Placed::Gone => return Ok(None),
+            };
             let query = session.req_header().uri.query().map(str::to_owned);
             let cluster = self.0.cluster.clone();
             tokio::task::spawn_blocking(move || {
                 tokenizer_api::answer(&cluster, endpoint, query.as_deref(), &body)
             })
             .await?
+            .map(Some)
         }
         .await;
         match answered {
-            Ok(body) => respond(session, 200, "application/json", body.into()).await,
+            Ok(Some(body)) => respond(session, 200, "application/json", body.into()).await,
+            Ok(None) => {}
             Err(e) => respond_error(session, &e).await,
         }
     }

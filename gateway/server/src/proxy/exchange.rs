@@ -50,6 +50,8 @@ pub(super) struct Progress {
     pub(super) timing: Timing,
     /// What was taken from the answer (a retained turn's params, a response object).
     pub(super) captured: Captured,
+    /// An event stream's head went out: an error from now on is its last event.
+    pub(super) streaming: bool,
 }
 
 /// One request, as pingora's per-request context.
@@ -79,6 +81,7 @@ impl Exchange {
                     prepared: None,
                 },
                 captured: Captured::default(),
+                streaming: false,
             },
         }
     }

@@ -1,6 +1,9 @@
 //! Phase 3: the plan run. One failover walk ([`Walk`]) goes over every candidate list — a whole request's, P's, each decode group's — before any byte reaches the
 //! client: a node that cannot be reached, answers 5xx, leaves the view or (P) answers without
-//! params is skipped, logged and counted (`pd_gateway_failovers_total{stage}`).
+//! params is skipped, logged and counted (`pd_gateway_failovers_total{stage}`). So is one that
+//! sends no byte of its answer's head within `--node-first-byte-timeout-ms` (a wedged engine
+//! whose reporter still reports): P's head always, another node's when its answer is streamed
+//! (a whole answer's head comes with its end, bounded by the request timeout only).
 
 use bytes::Bytes;
 use pingora::prelude::Session;
@@ -78,6 +81,14 @@ impl<'r> Walk<'r> {
     }
 }
 
+/// Sleeps `t`, or forever when `None`.
+pub(super) async fn sleep_or_never(t: Option<std::time::Duration>) {
+    match t {
+        Some(t) => tokio::time::sleep(t).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Counted on `node` while it serves: the decision's reservation when it names this node, else
 /// from now.
 fn open_on(node: &NodeRef, reserved: &mut Option<OnNode>) -> OnNode {
@@ -136,19 +147,31 @@ impl Gateway {
         }
     }
 
-    /// Posts `body` to `node`; a connection failure, a 5xx or the node leaving the view while
-    /// it works is [`Failed::Next`].
+    /// How long `req`'s node may take to its answer's head on `stage`: P's always, another's
+    /// when streamed.
+    fn head_deadline(&self, req: &Prepared, stage: &str) -> Option<std::time::Duration> {
+        (stage == "prefill" || req.analyzed.stream)
+            .then_some(self.0.config.node_first_byte_timeout)
+            .flatten()
+    }
+
+    /// Posts `body` to `node`; a connection failure, a 5xx, no answer's head within `head`
+    /// or the node leaving the view while it works is [`Failed::Next`].
     async fn post(
         &self,
         node: &NodeRef,
-        path: &str,
+        (path, head): (&str, Option<std::time::Duration>),
         body: Bytes,
         id: Option<http::HeaderValue>,
     ) -> Result<NodeResponse, Failed> {
         let addr = &*node.http_addr;
         let sent = tokio::select! {
-            r = self.0.http.post_json(addr, path, body, id) => r,
+            r = self.0.http.post_json((addr, node.bearer.as_ref()), path, body, id) => r,
             () = node.gone() => Err(UpstreamError::Gone),
+            () = sleep_or_never(head) => {
+                let ms = head.unwrap_or_default().as_millis();
+                return Err(Failed::Next(format!("{addr} sent no answer within {ms} ms")));
+            }
         };
         match sent {
             Ok(resp) if resp.status().is_server_error() => {
@@ -170,11 +193,11 @@ impl Gateway {
         session: &mut Session,
         st: &mut Progress,
         node: &NodeRef,
-        (path, body): (&str, Bytes),
+        (path, head, body): (&str, Option<std::time::Duration>, Bytes),
     ) -> Result<NodeResponse, Failed> {
         let id = session.req_header().headers.get(REQUEST_ID).cloned();
         tokio::select! {
-            r = st.timing.wait(self.post(node, path, body, id)) => r,
+            r = st.timing.wait(self.post(node, (path, head), body, id)) => r,
             () = client_gone(session) => Err(Failed::Gone),
         }
     }
@@ -189,13 +212,14 @@ impl Gateway {
         mut leg: Leg<'_>,
     ) -> Result<Outcome, GatewayError> {
         let path = req.path();
+        let head = self.head_deadline(req, leg.stage);
         let mut walk = self.walk(req, leg.candidates, leg.stage);
         let served = loop {
             let Some(node) = walk.next() else {
                 break walk.exhausted();
             };
             let open = open_on(node, &mut leg.reserved);
-            match self.send(session, st, node, (path, leg.body.clone())).await {
+            match self.send(session, st, node, (path, head, leg.body.clone())).await {
                 Ok(resp) => break Ok((resp, open, node)),
                 Err(f) => {
                     if let Some(end) = walk.fail(node, f) {
@@ -278,13 +302,14 @@ impl Gateway {
         let body = openai::prefill_bytes(req.api, &req.body, split.consumers, held);
         let body = Bytes::from(body?);
         let path = req.path();
+        let head = self.head_deadline(req, "prefill");
         let mut walk = self.walk(req, &split.prefill, "prefill");
         let served = loop {
             let Some(node) = walk.next() else {
                 break walk.exhausted();
             };
             let _open = node.open();
-            let answer = match self.send(session, st, node, (path, body.clone())).await {
+            let answer = match self.send(session, st, node, (path, head, body.clone())).await {
                 Ok(resp) => self.prefill_answer(session, st, node, resp).await,
                 Err(f) => Err(f),
             };
@@ -320,8 +345,16 @@ impl Gateway {
     ) -> Result<Vec<KvTransferParams>, Failed> {
         let status = resp.status().as_u16();
         let mut read = Box::pin(resp.bytes());
+        let idle = self.0.config.node_idle_timeout;
         let bytes = tokio::select! {
             b = st.timing.wait(&mut read) => b,
+            () = sleep_or_never(idle) => {
+                return Err(Failed::Next(format!(
+                    "{} sent nothing of its answer for {} ms",
+                    node.http_addr,
+                    idle.unwrap_or_default().as_millis()
+                )));
+            }
             () = client_gone(session) => {
                 let leases = self.0.leases.clone();
                 tokio::spawn(async move {
@@ -388,6 +421,7 @@ impl Gateway {
         };
         let id = session.req_header().headers.get(REQUEST_ID).cloned();
         let path = req.path();
+        let head = self.head_deadline(req, "decode");
         let mut reserved = reserved.into_iter();
         let sends = groups.iter().zip(bodies).map(|(g, body)| {
             let mut r = reserved.next();
@@ -400,7 +434,7 @@ impl Gateway {
                         break walk.exhausted();
                     };
                     let open = open_on(node, &mut r);
-                    match self.post(node, path, body.clone(), id.clone()).await {
+                    match self.post(node, (path, head), body.clone(), id.clone()).await {
                         Ok(resp) => break Ok((resp, open, node.clone())),
                         Err(f) => {
                             if let Some(end) = walk.fail(node, f) {

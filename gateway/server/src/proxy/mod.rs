@@ -30,12 +30,14 @@
 mod endpoints;
 mod exchange;
 mod execute;
+pub mod front;
 mod plan;
 mod prepare;
 mod relay;
 mod remember;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -63,8 +65,20 @@ use exchange::Outcome;
 /// Settings of the front door.
 #[derive(Debug, Clone)]
 pub struct ProxyConfig {
-    /// Largest request body accepted.
+    /// Largest body of a generation request (`--max-body`).
     pub max_body: usize,
+    /// Largest body of any other route: the tokenizer endpoints and the rest
+    /// (`--max-small-body`).
+    pub max_small_body: usize,
+    /// The whole body must be read within this (`None`: pingora's per-read timeout only).
+    pub body_timeout: Option<Duration>,
+    /// A generation request must end within this (`None`: no limit).
+    pub request_timeout: Option<Duration>,
+    /// A node must send its answer's head within this (P's always; D's and a whole node's when
+    /// the answer is streamed: a whole answer's head comes with its end).
+    pub node_first_byte_timeout: Option<Duration>,
+    /// A node must send the next piece of its answer within this.
+    pub node_idle_timeout: Option<Duration>,
     /// A client whose bearer key equals this may send `kv_transfer_params`.
     pub trusted_client_token: Option<String>,
     /// Keys a client must send as its bearer key to use `/v1/` (the trusted client token also
@@ -100,6 +114,27 @@ pub struct Shared {
 /// The pingora service.
 #[derive(Debug, Clone)]
 pub struct Gateway(pub Arc<Shared>);
+
+/// How [`Gateway::take_place`] ended, when the request was not refused.
+enum Placed {
+    Admitted(crate::admission::Admitted, Vec<u8>),
+    /// The client left while waiting for its slot.
+    Gone,
+}
+
+/// The client port's service: pingora's HTTP proxy running `gateway`, behind the connection
+/// cap and the head deadline ([`front`]).
+pub fn service(
+    conf: &Arc<pingora::server::configuration::ServerConf>,
+    gateway: Gateway,
+    limits: front::FrontLimits,
+) -> pingora::services::listening::Service<front::Front<pingora::proxy::HttpProxy<Gateway>>> {
+    let proxy = pingora::proxy::http_proxy(conf, gateway);
+    pingora::services::listening::Service::new(
+        "pd-gateway".to_owned(),
+        front::Front::new(proxy, limits),
+    )
+}
 
 /// Resolves when the client closed its connection (or sent more than it should have).
 async fn client_gone(session: &mut Session) {
@@ -197,8 +232,48 @@ async fn respond_error(session: &mut Session, e: &GatewayError) {
     send_whole(session, h, body).await;
 }
 
-/// The request body, at most `limit` bytes.
-async fn read_body(session: &mut Session, limit: usize) -> Result<Vec<u8>, GatewayError> {
+/// The route's body limit said by the client's `content-length`, before a byte of the body
+/// is read; the connection is not kept alive, so the unread body is never read as a request.
+fn declared_too_large(session: &mut Session, limit: usize) -> Result<(), GatewayError> {
+    let declared = session
+        .req_header()
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        session.set_keepalive(None);
+        return Err(GatewayError::PayloadTooLarge { limit });
+    }
+    Ok(())
+}
+
+/// The request body, at most `limit` bytes, read within `deadline`. A body over the limit
+/// (a chunked one, found while reading) or too slow ends the connection after the error.
+async fn read_body(
+    session: &mut Session,
+    limit: usize,
+    deadline: Option<Duration>,
+) -> Result<Vec<u8>, GatewayError> {
+    declared_too_large(session, limit)?;
+    let read = read_body_within(session, limit);
+    let read = match deadline {
+        Some(t) => match tokio::time::timeout(t, read).await {
+            Ok(r) => r,
+            Err(_) => Err(GatewayError::ReadTimeout {
+                what: "request body",
+                limit: t,
+            }),
+        },
+        None => read.await,
+    };
+    if read.is_err() {
+        session.set_keepalive(None);
+    }
+    read
+}
+
+async fn read_body_within(session: &mut Session, limit: usize) -> Result<Vec<u8>, GatewayError> {
     let mut body = Vec::new();
     loop {
         match session.read_request_body().await {
@@ -262,17 +337,31 @@ impl Gateway {
                 .instrument(tracing::info_span!("request", id = %id))
                 .await;
         }
+        // Every other route takes a small body at most: one declared larger is refused before
+        // it is read, and a chunked one is never drained for keep-alive.
+        if let Err(e) = declared_too_large(session, self.0.config.max_small_body) {
+            respond_error(session, &e).await;
+            return;
+        }
         if let Some(endpoint) = tokenizer_api::Endpoint::of(&method, &path) {
             return self.tokenizer_endpoint(session, endpoint).await;
+        }
+        if session.req_header().headers.contains_key(http::header::TRANSFER_ENCODING) {
+            session.set_keepalive(None);
         }
         self.endpoint(session, &method, &path).await;
     }
 
-    /// A generation request, start to end; the error answer when it failed before any byte
-    /// reached the client.
+    /// A generation request, start to end, within `--request-timeout-secs`; the error answer
+    /// when it failed before any byte reached the client, else an error event ending a stream.
     async fn generate(&self, session: &mut Session, x: &mut Exchange, api: Api) {
         x.api = Some(api);
-        let outcome = self.admit(session, x).await;
+        let outcome = match self.0.config.request_timeout {
+            Some(limit) => tokio::time::timeout(limit, self.admit(session, x))
+                .await
+                .unwrap_or(Err(GatewayError::Timeout { limit })),
+            None => self.admit(session, x).await,
+        };
         x.outcome = Some(match outcome {
             Ok(Outcome::Ok) => "ok",
             Ok(Outcome::Aborted) => "aborted",
@@ -282,18 +371,26 @@ impl Gateway {
                     status = e.status(),
                     "request failed: {e}"
                 );
-                if x.progress.timing.first_byte.is_none() {
+                if x.progress.timing.first_byte.is_none() && !x.progress.streaming {
                     respond_error(session, &e).await;
+                } else if let GatewayError::Timeout { .. } = e {
+                    // Cut mid-answer (the relay that was writing it is gone): a stream ends
+                    // with an error event and no `[DONE]`, another body where it stands.
+                    let last = x.progress.streaming.then(|| e.stream_event(api));
+                    let _ = session.write_response_body(last, true).await;
                 }
                 e.outcome()
             }
         });
     }
 
-    /// Reads the body (bounded by `--max-body`), then, under `--max-concurrent-requests`, waits
-    /// for a slot while watching the client: one that leaves gives its place up at once, and a
-    /// slow upload holds no slot. Waiting for a slot is waiting on the cluster, not the
-    /// gateway's own time. The slot is held until the answer's last byte.
+    /// Admission, then the body read (bounded by `--max-body` and `--body-timeout-ms`): the
+    /// request takes its place (a slot, or the bounded line for one) before its body is read,
+    /// so bodies in memory are bounded by slots and line, not by connections; a request refused
+    /// costs no read. While it waits its body is read; once read, the client is watched: one
+    /// that leaves gives its place up at once. A completions request listing several prompts
+    /// then takes the further slots it weighs. Waiting for a slot is waiting on the cluster, not
+    /// the gateway's own time. The slots are held until the answer's last byte.
     async fn admit(
         &self,
         session: &mut Session,
@@ -301,35 +398,88 @@ impl Gateway {
     ) -> Result<Outcome, GatewayError> {
         let s = &self.0;
         let api = x.api.unwrap_or(Api::ChatCompletions);
-        let read = std::time::Instant::now();
-        let raw = read_body(session, s.config.max_body).await?;
+        declared_too_large(session, s.config.max_body)?;
+        let waited = std::time::Instant::now();
+        let (slot, raw) = match self.take_place(session, s.config.max_body).await? {
+            Placed::Admitted(slot, raw) => (slot, raw),
+            Placed::Gone => return Ok(Outcome::Aborted),
+        };
+        x.progress.timing.waiting += waited.elapsed();
+        // A completions request listing several prompts weighs as many (a body that does not
+        // parse weighs 1 and fails later).
+        let extra = match api {
+            Api::Completions if s.admission.limited() => openai::prompts_listed(&raw) - 1,
+            _ => 0,
+        };
+        let _more = if extra > 0 {
+            let timing = &mut x.progress.timing;
+            let more = tokio::select! {
+                a = timing.wait(s.admission.admit_more(extra)) => a,
+                () = client_gone(session) => return Ok(Outcome::Aborted),
+            };
+            Some(more.map_err(|why| self.refused(why))?)
+        } else {
+            None
+        };
         s.metrics
-            .phase
-            .with_label_values(&["read"])
-            .observe(read.elapsed().as_secs_f64());
-        if !s.admission.limited() {
-            return self.answer(session, x, api, &raw).await;
-        }
-        // A completions request listing several prompts weighs as many (read here only when
-        // admission is limited; a body that does not parse weighs 1 and fails later).
-        let weight = match api {
-            Api::Completions => openai::prompts_listed(&raw),
-            _ => 1,
-        };
-        let timing = &mut x.progress.timing;
-        let admitted = tokio::select! {
-            a = timing.wait(s.admission.admit_weighted(weight)) => a,
-            () = client_gone(session) => return Ok(Outcome::Aborted),
-        };
-        s.metrics.queue_wait.observe(timing.waiting.as_secs_f64());
-        let _slot = admitted.map_err(|why| {
-            s.metrics
-                .admission_refused
-                .with_label_values(&[why.label()])
-                .inc();
-            GatewayError::Overloaded(why)
-        })?;
+            .queue_wait
+            .observe(x.progress.timing.waiting.as_secs_f64());
+        let _slot = slot;
         self.answer(session, x, api, &raw).await
+    }
+
+    /// A place under `--max-concurrent-requests` and the body, at most `limit` bytes: the
+    /// body is read while the request waits for its slot, and once it is in, the client is
+    /// watched until the slot comes.
+    async fn take_place(
+        &self,
+        session: &mut Session,
+        limit: usize,
+    ) -> Result<Placed, GatewayError> {
+        let s = &self.0;
+        let body_timeout = s.config.body_timeout;
+        let admit = s.admission.admit();
+        tokio::pin!(admit);
+        let mut slot = None;
+        let read = {
+            let read = read_body(session, limit, body_timeout);
+            tokio::pin!(read);
+            loop {
+                tokio::select! {
+                    a = &mut admit, if slot.is_none() => match a {
+                        Ok(a) => slot = Some(a),
+                        Err(why) => break Err(self.refused(why)),
+                    },
+                    r = &mut read => break r,
+                }
+            }
+        };
+        let raw = match read {
+            Ok(raw) => raw,
+            Err(e) => {
+                // Refused before its body was read: that body is never read as a request.
+                session.set_keepalive(None);
+                return Err(e);
+            }
+        };
+        let slot = match slot {
+            Some(slot) => slot,
+            None => tokio::select! {
+                a = &mut admit => a.map_err(|why| self.refused(why))?,
+                () = client_gone(session) => return Ok(Placed::Gone),
+            },
+        };
+        Ok(Placed::Admitted(slot, raw))
+    }
+
+    /// Counts a refusal and makes it the request's error (429).
+    fn refused(&self, why: crate::admission::Refused) -> GatewayError {
+        self.0
+            .metrics
+            .admission_refused
+            .with_label_values(&[why.label()])
+            .inc();
+        GatewayError::Overloaded(why)
     }
 
     /// Phases 2–5 of an admitted request.

@@ -1,7 +1,8 @@
 //! Phase 4: the node's answer to the client as it arrives. A whole (not streamed) answer is read
 //! first when it succeeded, so that what the request's capture takes out of it is gone from
 //! what the client gets; a stream passes event by event. Spread children's answers are merged
-//! into one ([`crate::spread`]).
+//! into one ([`crate::spread`]). A node that sends nothing more for `--node-idle-timeout-ms`
+//! ends the answer as one that broke off does (504, or a stream's error event).
 
 use bytes::Bytes;
 use pd_policy::Api;
@@ -10,6 +11,7 @@ use serde_json::Value;
 use tracing::warn;
 
 use super::exchange::{Outcome, Progress};
+use super::execute::sleep_or_never;
 use super::prepare::Prepared;
 use super::{Gateway, client_gone, header, request_id, respond};
 use crate::answer::SseCapture;
@@ -25,6 +27,13 @@ pub(super) struct Parts {
     pub(super) resps: Vec<NodeResponse>,
     /// Each group's first child's index among the request's `n`.
     pub(super) offsets: Vec<u32>,
+}
+
+/// Why a node's answer stopped before its end.
+enum Cut {
+    Broke(UpstreamError),
+    /// Nothing for the idle timeout.
+    Silent,
 }
 
 /// Resolves when any of `nodes` is gone ([`NodeRef::gone`]); never when `nodes` is empty.
@@ -50,6 +59,13 @@ impl Gateway {
                 node: node.engine_id.to_string(),
             })
         };
+        let idle = self.0.config.node_idle_timeout;
+        let silent = || {
+            GatewayError::from(NodeFailure::Silent {
+                node: node.engine_id.to_string(),
+                after: idle.unwrap_or_default(),
+            })
+        };
         let status = resp.status().as_u16();
         let content_type = resp.content_type().unwrap_or("application/json").to_owned();
         let streamed = content_type.starts_with("text/event-stream");
@@ -57,6 +73,7 @@ impl Gateway {
             let read = tokio::select! {
                 b = st.timing.wait(resp.bytes()) => b,
                 () = node.gone() => return Err(left()),
+                () = sleep_or_never(idle) => return Err(silent()),
             };
             let body = match read {
                 Ok(b) => b,
@@ -76,6 +93,7 @@ impl Gateway {
         if session.write_response_header(h, false).await.is_err() {
             return Ok(Outcome::Aborted);
         }
+        st.streaming = streamed;
         // Watch the client between chunks only for a chunked (streamed) answer: the client
         // cannot send its next request before the final chunk, which is written after this
         // loop. With a content length, the last body write completes the answer and a
@@ -89,14 +107,16 @@ impl Gateway {
         loop {
             let chunk = if watch {
                 tokio::select! {
-                    c = st.timing.wait(resp.chunk()) => c,
+                    c = st.timing.wait(resp.chunk()) => c.map_err(Cut::Broke),
                     () = client_gone(session) => return Ok(Outcome::Aborted),
-                    () = &mut gone => Err(UpstreamError::Gone),
+                    () = &mut gone => Err(Cut::Broke(UpstreamError::Gone)),
+                    () = sleep_or_never(idle) => Err(Cut::Silent),
                 }
             } else {
                 tokio::select! {
-                    c = st.timing.wait(resp.chunk()) => c,
-                    () = &mut gone => Err(UpstreamError::Gone),
+                    c = st.timing.wait(resp.chunk()) => c.map_err(Cut::Broke),
+                    () = &mut gone => Err(Cut::Broke(UpstreamError::Gone)),
+                    () = sleep_or_never(idle) => Err(Cut::Silent),
                 }
             };
             match chunk {
@@ -129,11 +149,12 @@ impl Gateway {
                     // The node broke off mid-answer. An event stream ends with an error event
                     // (no `[DONE]`), so the client knows its answer is cut; another body is
                     // cut where it stands.
-                    warn!("node stream broke: {e}");
                     let err = match e {
-                        UpstreamError::Gone => left(),
-                        e => NodeFailure::StreamBroke(e).into(),
+                        Cut::Broke(UpstreamError::Gone) => left(),
+                        Cut::Broke(e) => NodeFailure::StreamBroke(e).into(),
+                        Cut::Silent => silent(),
                     };
+                    warn!("node stream broke: {err}");
                     let last = (sse.is_some() && !answered).then(|| err.stream_event(req.api));
                     let _ = session.write_response_body(last, true).await;
                     return Err(err);
@@ -183,8 +204,16 @@ impl Gateway {
         parts: Parts,
     ) -> Result<Outcome, GatewayError> {
         let reads = futures::future::join_all(parts.resps.into_iter().map(NodeResponse::bytes));
+        let idle = self.0.config.node_idle_timeout;
         let bodies = tokio::select! {
             b = st.timing.wait(reads) => b,
+            () = sleep_or_never(idle) => {
+                return Err(NodeFailure::Silent {
+                    node: "a decode node".into(),
+                    after: idle.unwrap_or_default(),
+                }
+                .into());
+            }
             () = client_gone(session) => return Ok(Outcome::Aborted),
             () = any_gone(&parts.nodes) => return Err(NodeFailure::DecodeLeft.into()),
         };
@@ -219,6 +248,8 @@ impl Gateway {
         if session.write_response_header(h, false).await.is_err() {
             return Ok(Outcome::Aborted);
         }
+        st.streaming = true;
+        let idle = self.0.config.node_idle_timeout;
         let mut merge = spread::SseMerge::new(parts.offsets);
         let mut streams = futures::stream::select_all(
             parts
@@ -232,9 +263,10 @@ impl Gateway {
         tokio::pin!(gone);
         loop {
             let next = tokio::select! {
-                n = st.timing.wait(streams.next()) => n.map(|(j, b)| (j, b.map_err(UpstreamError::from))),
+                n = st.timing.wait(streams.next()) => n.map(|(j, b)| (j, b.map_err(|e| Cut::Broke(e.into())))),
                 () = client_gone(session) => return Ok(Outcome::Aborted),
-                () = &mut gone => Some((0, Err(UpstreamError::Gone))),
+                () = &mut gone => Some((0, Err(Cut::Broke(UpstreamError::Gone)))),
+                () = sleep_or_never(idle) => Some((0, Err(Cut::Silent))),
             };
             let out = match next {
                 Some((j, Ok(bytes))) => {
@@ -243,8 +275,14 @@ impl Gateway {
                     out
                 }
                 Some((_, Err(e))) => {
-                    warn!("decode stream broke: {e}");
-                    let err = GatewayError::from(NodeFailure::StreamBroke(e));
+                    let err = GatewayError::from(match e {
+                        Cut::Broke(e) => NodeFailure::StreamBroke(e),
+                        Cut::Silent => NodeFailure::Silent {
+                            node: "a decode node".into(),
+                            after: idle.unwrap_or_default(),
+                        },
+                    });
+                    warn!("decode stream broke: {err}");
                     // Children spread over nodes (n > 1) exist on chat and completions only,
                     // whose error frame is the same.
                     let _ = session

@@ -59,6 +59,10 @@ pub struct EngineConfig {
     /// The per-deployment prefix-cache hash key ([`pd_kv_pool::hash_key`] of the operator's
     /// secret; 0: none). The gateway must hash with the same key.
     pub kv_hash_key: u64,
+    /// The key binding leased KV to its prompt ([`pd_kv_pool::prompt_binding`]), from the
+    /// cluster token; a producer and its consumers must hold the same. Default: the key of no
+    /// token.
+    pub binding_key: pd_kv_pool::BindingKey,
     /// How a GGUF model's quantized weights are held and multiplied (ignored for a Hugging
     /// Face directory). Default: [`QuantPolicy::Fast`].
     pub gguf_weights: QuantPolicy,
@@ -166,6 +170,7 @@ impl Default for EngineConfig {
             kv_max_leased_fraction: 0.9,
             kv_retain_after_decode: None,
             kv_hash_key: 0,
+            binding_key: pd_kv_pool::BindingKey::from_cluster_token(""),
             gguf_weights: QuantPolicy::Fast,
             kv_compute: KvCompute::InPlace,
             dtype: ModelDtype::Auto,

@@ -55,9 +55,10 @@ impl Engine {
                 .map(|(token, _)| token)
             })
             .flatten();
-        let contents = pd_kv_pool::LeaseContents::of(&seq.tokens[..seq.prompt_len])
-            .in_blocks(&blocks)
-            .with_next_token(first, state.first_token_key);
+        let contents =
+            pd_kv_pool::LeaseContents::of(&self.info.binding_key, &seq.tokens[..seq.prompt_len])
+                .in_blocks(&blocks)
+                .with_next_token(first, state.first_token_key);
         // A peer reads the transfer pool: the computed KV goes there before any lease names it.
         if let Err(e) = stage_down(&mut self.staged, &mut self.pool, &self.metrics, &blocks) {
             tracing::error!(request = %id, error = %e, "staging the prompt's KV for its lease failed; no lease");
@@ -111,7 +112,9 @@ impl Engine {
         }
         let blocks = seq.blocks[..full].to_vec();
         let num_tokens = full * self.info.block_size;
-        let contents = pd_kv_pool::LeaseContents::of(&seq.tokens[..num_tokens]).in_blocks(&blocks);
+        let contents =
+            pd_kv_pool::LeaseContents::of(&self.info.binding_key, &seq.tokens[..num_tokens])
+                .in_blocks(&blocks);
         let last_block_hash = match seq.hashes.get(full - 1) {
             Some(h) => h.0,
             None => pd_kv_pool::hash_full_blocks_from(

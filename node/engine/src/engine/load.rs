@@ -179,6 +179,7 @@ impl Engine {
                 fingerprint,
                 max_leased_blocks: max_leased_blocks(cfg.kv_max_leased_fraction, layout.num_blocks),
                 kv_path: staged.as_ref().map_or("in-place", |s| s.path()),
+                binding_key: cfg.binding_key.clone(),
             },
             scheduler: Scheduler::new(
                 SchedulerConfig {

@@ -204,7 +204,8 @@ mod tests {
     const MS: Duration = Duration::from_millis(1);
 
     fn contents(tokens: &[u32]) -> LeaseContents {
-        LeaseContents::of(tokens).in_blocks(&[pd_kv_pool::BlockId(3)])
+        LeaseContents::of(&pd_kv_pool::BindingKey::from_cluster_token("t"), tokens)
+            .in_blocks(&[pd_kv_pool::BlockId(3)])
     }
 
     fn record(lease: LeaseId, generation: u64, beat: u64, deadline: u64) -> BoardRecord {

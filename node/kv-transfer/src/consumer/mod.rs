@@ -28,13 +28,13 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pd_kv_pool::KvLayout;
+use pd_kv_pool::{BindingKey, KvLayout};
 use tokio::sync::watch;
 
 pub use allowed::{AllowedPeers, PeerRefused};
 pub use plan::{
     Arrived, ParamsMismatch, PullPlan, Remote, Reserved, Step, Wanted, check_prompt, held_tokens,
-    plan_pull, prompt_hash,
+    plan_pull,
 };
 
 use crate::compat::CompatInfo;
@@ -74,6 +74,8 @@ pub struct PullConfig {
     /// The cluster token sent on every side-channel call (`--cluster-token`, or the one the
     /// gateway handed out at registration); `None` while there is none.
     pub cluster_token: watch::Receiver<Option<String>>,
+    /// Mutual TLS with the cluster CA on the side channel (`--tls-*`); `None`: plain.
+    pub tls: Option<pd_tls::ClusterTls>,
 }
 
 impl PullConfig {
@@ -108,6 +110,8 @@ pub struct Consumer {
     /// This process's incarnation (sent at the handshake).
     epoch: u64,
     cfg: PullConfig,
+    /// The key binding a lease to the prompt it holds: what a producer's lease must say.
+    binding_key: BindingKey,
     metrics: Arc<TransferMetrics>,
     /// Side-channel clients per producer address.
     clients: Mutex<HashMap<String, PeerClient>>,
@@ -124,13 +128,15 @@ impl std::fmt::Debug for Consumer {
 
 impl Consumer {
     /// A consumer pulling through `puller` into a pool laid out as `layout`, saying `compat` at
-    /// handshakes as incarnation `epoch`, recording into `metrics`.
+    /// handshakes as incarnation `epoch`, checking leases' contents under `binding_key` (the
+    /// producers'), recording into `metrics`.
     pub fn new(
         puller: Puller,
         compat: CompatInfo,
         layout: KvLayout,
         epoch: u64,
         cfg: PullConfig,
+        binding_key: BindingKey,
         metrics: Arc<TransferMetrics>,
     ) -> Self {
         Self {
@@ -139,6 +145,7 @@ impl Consumer {
             layout,
             epoch,
             cfg,
+            binding_key,
             metrics,
             clients: Mutex::new(HashMap::new()),
             handshakes: Mutex::new(HandshakeCache::default()),
@@ -395,8 +402,11 @@ impl Pull {
                             rechunk: plan.rechunk,
                             // The lease's tokens (our prompt's) in the lease's blocks (the ids
                             // the params name, which we read).
-                            expect: pd_kv_pool::LeaseContents::of(&self.prompt[..wanted.held])
-                                .in_blocks(&remote.block_ids),
+                            expect: pd_kv_pool::LeaseContents::of(
+                                &consumer.binding_key,
+                                &self.prompt[..wanted.held],
+                            )
+                            .in_blocks(&remote.block_ids),
                             board_slot: remote.board_slot,
                             board_freshness: cfg.board_freshness,
                             landing: landing.clone(),

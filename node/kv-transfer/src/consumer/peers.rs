@@ -20,7 +20,7 @@ impl Consumer {
         {
             return Ok(c.clone());
         }
-        let c = PeerClient::connect(addr, &self.cfg.engine_id)
+        let c = PeerClient::connect(addr, &self.cfg.engine_id, self.cfg.tls.as_ref())
             .await?
             .with_cluster_token(self.cfg.cluster_token.clone());
         let mut clients = self.clients.lock().unwrap_or_else(|p| p.into_inner());

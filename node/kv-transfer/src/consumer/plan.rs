@@ -5,7 +5,7 @@
 //! where block size or order differ), what arrived ([`arrived`]) and which failure policy
 //! applies ([`policy_for`]). Block counts are ours unless named the producer's.
 
-use pd_kv_pool::{BlockId, KvLayout, LeaseId};
+use pd_kv_pool::{BindingKey, BlockId, KvLayout, LeaseId};
 
 use crate::compat::needs_rechunk;
 use crate::peer::{FailurePolicy, TransferError};
@@ -32,7 +32,8 @@ pub struct Remote {
     pub generation: u64,
     /// Prompt tokens the blocks hold (`remote_num_tokens`), when the producer said.
     pub num_tokens: Option<usize>,
-    /// The digest of the producer's prompt token ids ([`prompt_hash`]), when it said.
+    /// The binding of the producer's prompt token ids (`remote_prompt_hash`,
+    /// [`pd_kv_pool::prompt_binding`]), when it said.
     pub prompt_hash: Option<u128>,
     /// When the lease ends unless renewed (`remote_blocks_expiry_time`), when the producer said.
     pub expiry: Option<std::time::SystemTime>,
@@ -53,12 +54,6 @@ impl Remote {
     pub fn side_channel(&self) -> String {
         pd_wire::kv::side_channel_uri(&self.host, self.port)
     }
-}
-
-/// The binding of a prompt's token ids as carried in `remote_prompt_hash`: 128 bits of a
-/// cryptographic hash ([`pd_kv_pool::prompt_digest`]).
-pub fn prompt_hash(tokens: &[u32]) -> u128 {
-    pd_kv_pool::prompt_digest(tokens)
 }
 
 /// Prompt tokens whose KV `remote` holds: `remote_num_tokens`, else whole blocks (of
@@ -83,9 +78,10 @@ pub struct ParamsMismatch {
 
 /// Whether `remote` describes this prompt's KV, or a prefix of it (a retained turn): no more
 /// blocks than the prompt has, `remote_num_tokens` within the prompt and filling exactly the
-/// blocks named, `remote_prompt_hash` equal to the hash of that prefix. Runs before the request
-/// is queued, so a mismatch is the client's error. The producer's own word on what its blocks
-/// hold is checked again at confirm ([`super::confirm::attest`]).
+/// blocks named, `remote_prompt_hash` equal to that prefix's binding under `key` (compared in
+/// constant time). Runs before the request is queued, so a mismatch is the client's error. The
+/// producer's own word on what its blocks hold is checked again at confirm
+/// ([`super::confirm::attest`]).
 ///
 /// # Errors
 /// [`ParamsMismatch`] naming the field that does not fit.
@@ -93,6 +89,7 @@ pub fn check_prompt(
     remote: &Remote,
     prompt: &[u32],
     block_size: usize,
+    key: &BindingKey,
 ) -> Result<(), ParamsMismatch> {
     // The producer's blocks: of the size it said (`remote_block_size`), else of ours.
     let block_size = remote.block_size.unwrap_or(block_size);
@@ -121,7 +118,7 @@ pub fn check_prompt(
         });
     }
     if let Some(h) = remote.prompt_hash
-        && h != prompt_hash(&prompt[..held])
+        && !key.verify(&prompt[..held], h)
     {
         return Err(ParamsMismatch {
             field: "remote_prompt_hash",
@@ -374,6 +371,16 @@ mod tests {
         }
     }
 
+    /// The test cluster's binding key.
+    fn key() -> BindingKey {
+        BindingKey::from_cluster_token("test-cluster")
+    }
+
+    /// `tokens`' binding under [`key`].
+    fn prompt_hash(tokens: &[u32]) -> u128 {
+        pd_kv_pool::prompt_binding(&key(), tokens)
+    }
+
     fn ids(v: &[u32]) -> Vec<BlockId> {
         v.iter().copied().map(BlockId).collect()
     }
@@ -396,7 +403,7 @@ mod tests {
         }
     }
 
-    /// Why the binding is 128 bits of a cryptographic hash: the same attack on a narrow one.
+    /// Why the binding is 128 bits of a keyed MAC: the same attack on a narrow one.
     /// Truncated to 16 bits, the old binding (xxh3 of the token ids) collides within a few
     /// hundred random prompts (a birthday search; at 64 bits, ~2^32 tries, in reach offline):
     /// params made for one prompt of such a pair would pass as the other's, and D would decode
@@ -427,8 +434,15 @@ mod tests {
         assert_ne!(prompt_hash(&a), prompt_hash(&b));
         let mut r = remote(&[0, 1, 2, 3]);
         (r.num_tokens, r.prompt_hash) = (Some(a.len()), Some(prompt_hash(&a)));
-        check_prompt(&r, &a, 4).expect("the params' own prompt");
-        let e = check_prompt(&r, &b, 4).expect_err("the colliding prompt");
+        check_prompt(&r, &a, 4, &key()).expect("the params' own prompt");
+        let e = check_prompt(&r, &b, 4, &key()).expect_err("the colliding prompt");
+        assert_eq!(e.field, "remote_prompt_hash");
+        // A binding made without this cluster's key (another token's) does not pass either.
+        r.prompt_hash = Some(pd_kv_pool::prompt_binding(
+            &BindingKey::from_cluster_token("another-cluster"),
+            &a,
+        ));
+        let e = check_prompt(&r, &a, 4, &key()).expect_err("another cluster's binding");
         assert_eq!(e.field, "remote_prompt_hash");
     }
 
@@ -443,15 +457,15 @@ mod tests {
         // 40 tokens in blocks of 16: 3 blocks at most.
         let r = remote(&[1, 2, 3]);
         assert_eq!(held_tokens(&r, 40, 16), 40);
-        assert_eq!(check_prompt(&r, &prompt, 16), Ok(()));
-        let e = check_prompt(&remote(&[1, 2, 3, 4]), &prompt, 16).unwrap_err();
+        assert_eq!(check_prompt(&r, &prompt, 16, &key()), Ok(()));
+        let e = check_prompt(&remote(&[1, 2, 3, 4]), &prompt, 16, &key()).unwrap_err();
         assert_eq!(e.field, "remote_block_ids");
         // Blocks of the producer's size: 4 blocks of 10 fit.
         let theirs = Remote {
             block_size: Some(10),
             ..remote(&[1, 2, 3, 4])
         };
-        assert_eq!(check_prompt(&theirs, &prompt, 16), Ok(()));
+        assert_eq!(check_prompt(&theirs, &prompt, 16, &key()), Ok(()));
         // A retained turn: a prefix of 20 tokens in 2 blocks, with its hash.
         let prefix = Remote {
             num_tokens: Some(20),
@@ -459,26 +473,28 @@ mod tests {
             ..remote(&[5, 6])
         };
         assert_eq!(held_tokens(&prefix, 40, 16), 20);
-        assert_eq!(check_prompt(&prefix, &prompt, 16), Ok(()));
+        assert_eq!(check_prompt(&prefix, &prompt, 16, &key()), Ok(()));
         let wrong_count = Remote {
             num_tokens: Some(33),
             ..prefix.clone()
         };
-        let e = check_prompt(&wrong_count, &prompt, 16).unwrap_err();
+        let e = check_prompt(&wrong_count, &prompt, 16, &key()).unwrap_err();
         assert_eq!(e.field, "remote_num_tokens");
         let too_many = Remote {
             num_tokens: Some(41),
             ..remote(&[1, 2, 3])
         };
         assert_eq!(
-            check_prompt(&too_many, &prompt, 16).unwrap_err().field,
+            check_prompt(&too_many, &prompt, 16, &key())
+                .unwrap_err()
+                .field,
             "remote_num_tokens"
         );
         let other = Remote {
             prompt_hash: Some(prompt_hash(&prompt[..21])),
             ..prefix
         };
-        let e = check_prompt(&other, &prompt, 16).unwrap_err();
+        let e = check_prompt(&other, &prompt, 16, &key()).unwrap_err();
         assert_eq!(e.field, "remote_prompt_hash");
         assert!(e.to_string().contains("another prompt"), "{e}");
     }

@@ -136,6 +136,8 @@ pub struct Puller {
     direct: Option<Arc<Direct>>,
     /// The path to each peer connected so far, by engine id (written by the puller thread).
     paths: Arc<Mutex<BTreeMap<String, PeerPath>>>,
+    /// Mutual TLS on peers' data ports ([`Puller::with_tls`]).
+    tls: Option<pd_tls::ClusterTls>,
 }
 
 /// How pulls from one peer travel, as its endpoint was set up: for the operator's report
@@ -219,7 +221,15 @@ impl Puller {
             per_part: parts_of(crate::pull::LANDING_PART_BYTES, block_bytes),
             direct,
             paths,
+            tls: None,
         })
+    }
+
+    /// Reads peers' data ports over mutual TLS with `tls`'s CA.
+    #[must_use]
+    pub fn with_tls(mut self, tls: Option<pd_tls::ClusterTls>) -> Self {
+        self.tls = tls;
+        self
     }
 
     /// Whether pulls from `peer` go over its TCP data port ([`crate::tcp_data`]): it has one,
@@ -263,6 +273,7 @@ impl Puller {
             remote,
             local,
             deadline,
+            tls: self.tls.clone(),
         };
         let (stats, addr) = read.run(peer).await?;
         if let Some(p) = lock(&self.paths).get_mut(&peer.engine_id)

@@ -15,6 +15,10 @@
 //! - request: lease id (`u128`), generation (`u64`), the block ids to send (`u32` count, then
 //!   `u32` each: every one must be a block of that lease, live for the caller);
 //! - answer: `0` then those blocks' bytes in order, or `1`, a `u16` length and why.
+//!
+//! Under the cluster's mutual TLS (`--tls-*`) the same exchange runs inside a TLS session: the
+//! owner accepts only certificates from the cluster CA, the reader checks the owner's names
+//! its data host. The token is still checked inside.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -22,7 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pd_kv_pool::{BlockId, LeaseId};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 
 use crate::lease_authority::LeaseAuthority;
@@ -49,6 +53,9 @@ pub enum DataError {
     /// The request was malformed or out of bounds.
     #[error("bad KV data request: {0}")]
     Bad(&'static str),
+    /// The owner's address names no host a certificate could carry.
+    #[error("KV data port under TLS: {0}")]
+    Tls(#[from] pd_tls::TlsError),
 }
 
 /// Why the owner refuses a data request (sent to the reader as text).
@@ -88,6 +95,8 @@ pub struct DataServer {
     token: watch::Receiver<Option<String>>,
     /// Requests refused (token, lease or bounds).
     refused: prometheus::IntCounter,
+    /// Mutual TLS with the cluster CA ([`DataServer::with_tls`]); `None`: plain TCP.
+    tls: Option<pd_tls::tokio_rustls::TlsAcceptor>,
 }
 
 impl std::fmt::Debug for DataServer {
@@ -118,7 +127,15 @@ impl DataServer {
             authority,
             token,
             refused,
+            tls: None,
         }
+    }
+
+    /// Serves only over mutual TLS with `tls`'s CA.
+    #[must_use]
+    pub fn with_tls(mut self, tls: &pd_tls::ClusterTls) -> Self {
+        self.tls = Some(tls.acceptor());
+        self
     }
 
     /// Accepts connections on `listener` until `stop` resolves, each on a task of its own.
@@ -136,7 +153,25 @@ impl DataServer {
                     let _ = stream.set_nodelay(true);
                     let me = self.clone();
                     tokio::spawn(async move {
-                        if let Err(e) = me.answer(stream).await {
+                        let answered = match &me.tls {
+                            Some(tls) => {
+                                let shake = tokio::time::timeout(
+                                    pd_tls::HANDSHAKE_TIMEOUT,
+                                    tls.accept(stream),
+                                );
+                                match shake.await {
+                                    Ok(Ok(s)) => me.answer(s).await,
+                                    Ok(Err(e)) => {
+                                        me.refused.inc();
+                                        tracing::warn!(%peer, error = %e, "KV data port: TLS handshake refused");
+                                        return;
+                                    }
+                                    Err(_) => return,
+                                }
+                            }
+                            None => me.answer(stream).await,
+                        };
+                        if let Err(e) = answered {
                             tracing::debug!(%peer, error = %e, "KV data request ended");
                         }
                     });
@@ -145,7 +180,7 @@ impl DataServer {
         }
     }
 
-    async fn answer(&self, mut s: tokio::net::TcpStream) -> Result<(), DataError> {
+    async fn answer<S: AsyncRead + AsyncWrite + Unpin>(&self, mut s: S) -> Result<(), DataError> {
         let asked = tokio::time::timeout(REQUEST_TIMEOUT, self.read_request(&mut s))
             .await
             .map_err(|_| DataError::Bad("no request in time"))??;
@@ -180,9 +215,9 @@ impl DataServer {
     }
 
     /// The hello and the request, bounded.
-    async fn read_request(
+    async fn read_request<S: AsyncRead + AsyncWrite + Unpin>(
         &self,
-        s: &mut tokio::net::TcpStream,
+        s: &mut S,
     ) -> Result<(String, LeaseId, u64, Vec<BlockId>), DataError> {
         let mut magic = [0u8; 5];
         s.read_exact(&mut magic).await?;
@@ -241,7 +276,7 @@ impl DataServer {
     }
 }
 
-async fn read_name(s: &mut tokio::net::TcpStream) -> Result<String, DataError> {
+async fn read_name<S: AsyncRead + Unpin>(s: &mut S) -> Result<String, DataError> {
     let len = s.read_u16_le().await? as usize;
     if len > MAX_NAME {
         return Err(DataError::Bad("name too long"));
@@ -274,6 +309,8 @@ pub struct DataRequest<'a> {
     pub connections: usize,
     /// Give up at.
     pub deadline: Instant,
+    /// Mutual TLS with the cluster CA; `None`: plain TCP.
+    pub tls: Option<&'a pd_tls::ClusterTls>,
 }
 
 /// Reads `req.remote[i]` into local block `req.local[i]` of the pool at `dst` (`dst_len`
@@ -405,6 +442,35 @@ unsafe fn read_part(
     s.set_nodelay(true)?;
     s.set_read_timeout(Some(left))?;
     s.set_write_timeout(Some(left))?;
+    match req.tls {
+        Some(tls) => {
+            let host = req.addr.rsplit_once(':').map_or(req.addr, |(h, _)| h);
+            let conn = pd_tls::rustls::ClientConnection::new(
+                tls.client_config(),
+                pd_tls::server_name(host)?,
+            )
+            .map_err(std::io::Error::other)?;
+            let mut s = pd_tls::rustls::StreamOwned::new(conn, s);
+            // SAFETY: the caller's contract.
+            unsafe { exchange(&mut s, req, first, count, dst, cancel) }
+        }
+        // SAFETY: the caller's contract.
+        None => unsafe { exchange(&mut s, req, first, count, dst, cancel) },
+    }
+}
+
+/// One connection's request and answer, over `s` (plain or TLS).
+///
+/// # Safety
+/// As [`read_part`].
+unsafe fn exchange<S: Read + Write>(
+    s: &mut S,
+    req: &DataRequest<'_>,
+    first: usize,
+    count: usize,
+    dst: *mut u8,
+    cancel: &Cancel,
+) -> Result<usize, DataError> {
     let mut hello = Vec::with_capacity(16 + req.token.len() + req.me.len());
     hello.extend_from_slice(MAGIC);
     for name in [req.token, req.me] {
@@ -505,6 +571,7 @@ mod tests {
             block_bytes: 64,
             connections: conns,
             deadline: Instant::now() + Duration::from_secs(5),
+            tls: None,
         };
         // SAFETY: `dst` is ours and outlives the call.
         unsafe { read_blocks(&req, dst.as_mut_ptr(), dst.len()) }?;

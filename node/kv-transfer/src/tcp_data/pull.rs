@@ -54,6 +54,8 @@ pub(crate) struct DataPull {
     pub(crate) local: Vec<BlockId>,
     /// Past it the reads stop and the pull fails as `deadline`.
     pub(crate) deadline: Instant,
+    /// Mutual TLS with the cluster CA; `None`: plain TCP.
+    pub(crate) tls: Option<pd_tls::ClusterTls>,
 }
 
 impl DataPull {
@@ -72,6 +74,7 @@ impl DataPull {
             remote,
             local,
             deadline,
+            tls,
         } = self;
         let host = &peer.data_host;
         let addr = match host.contains(':') {
@@ -98,6 +101,7 @@ impl DataPull {
                 block_bytes,
                 connections: TCP_CONNECTIONS,
                 deadline,
+                tls: tls.as_ref(),
             };
             // SAFETY: `region` is this node's pool, mapped while the Arc lives; the local blocks
             // are reserved for this pull by the engine, and `StopReads` keeps the pull's future

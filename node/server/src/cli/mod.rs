@@ -239,6 +239,9 @@ pub struct ServeArgs {
     /// Default: the `PD_KV_HASH_KEY` environment variable.
     #[arg(long, value_name = "SECRET")]
     pub kv_hash_key: Option<String>,
+    /// Mutual TLS with the cluster CA on every hop.
+    #[command(flatten)]
+    pub tls: pd_tls::TlsArgs,
 }
 
 /// The environment variable read when `--cluster-token` is absent.
@@ -369,6 +372,7 @@ impl ServeArgs {
             kv_max_leased_fraction: self.max_leased_fraction()?,
             kv_retain_after_decode: self.retain_after_decode()?,
             kv_hash_key: self.hash_key(),
+            binding_key: crate::kv_params::binding_key(&self.cluster_token()),
             gguf_weights: self.gguf_weights,
             kv_compute,
             dtype: self.dtype,

@@ -69,7 +69,7 @@ pub(super) async fn create(
         API.prompt_field(),
     )
     .await?;
-    directive.check_prompt(&prompt_tokens, state.engine.info().block_size)?;
+    directive.check_prompt(&prompt_tokens, state.engine.info())?;
 
     let n = params.n;
     let prompt_len = prompt_tokens.len();

@@ -101,7 +101,7 @@ pub(super) async fn create(
             _ => None, // token ids are decoded below, once checked
         };
         let prompt_tokens = completion_tokens(&state, given.take(), prompt).await?;
-        directive.check_prompt(&prompt_tokens, state.engine.info().block_size)?;
+        directive.check_prompt(&prompt_tokens, state.engine.info())?;
         tokenized.push((prompt_tokens, echo_text));
     }
     if let Some(k) = params.prompt_logprobs {

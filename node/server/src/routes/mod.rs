@@ -185,7 +185,12 @@ impl AppState {
         request_id: &str,
         prompt: &[u32],
     ) -> (Events, KvReply) {
-        let reply = KvReply::new(self.disagg.advert.clone(), request_id, prompt);
+        let reply = KvReply::new(
+            self.disagg.advert.clone(),
+            request_id,
+            prompt,
+            &self.engine.info().binding_key,
+        );
         let events = match std::mem::replace(&mut plan.directive, KvDirective::None) {
             KvDirective::Consume(remotes) | KvDirective::Produce { held: remotes, .. }
                 if !remotes.is_empty() =>
@@ -227,18 +232,23 @@ impl KvPlan {
         }
     }
 
-    /// Checks the params against the tokenized prompt: a mismatch is the caller's error (400
-    /// naming the field), found before anything is read.
-    pub(crate) fn check_prompt(&self, prompt: &[u32], block_size: usize) -> Result<(), ApiError> {
+    /// Checks the params against the tokenized prompt, in this engine's blocks and under its
+    /// binding key: a mismatch is the caller's error (400 naming the field), found before
+    /// anything is read.
+    pub(crate) fn check_prompt(
+        &self,
+        prompt: &[u32],
+        engine: &pd_engine::EngineInfo,
+    ) -> Result<(), ApiError> {
         if let KvDirective::Consume(remotes) | KvDirective::Produce { held: remotes, .. } =
             &self.directive
         {
             for r in remotes {
-                pd_kv_transfer::consumer::check_prompt(r, prompt, block_size).map_err(|e| {
-                    ApiError::InvalidRequest {
-                        message: format!("kv_transfer_params do not match this request: {e}"),
-                        param: Some(format!("{}.{}", kv_params::FIELD, e.field)),
-                    }
+                let (block_size, key) = (engine.block_size, &engine.binding_key);
+                let checked = pd_kv_transfer::consumer::check_prompt(r, prompt, block_size, key);
+                checked.map_err(|e| ApiError::InvalidRequest {
+                    message: format!("kv_transfer_params do not match this request: {e}"),
+                    param: Some(format!("{}.{}", kv_params::FIELD, e.field)),
                 })?;
             }
         }

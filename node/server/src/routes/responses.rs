@@ -89,7 +89,7 @@ pub(super) async fn create(
         API.prompt_field(),
     )
     .await?;
-    directive.check_prompt(&prompt_tokens, state.engine.info().block_size)?;
+    directive.check_prompt(&prompt_tokens, state.engine.info())?;
 
     let prompt_len = prompt_tokens.len();
     let (echo_tools, echo_choice) = req.tools.echo();

@@ -148,6 +148,17 @@ struct ServeArgs {
     /// network only.
     #[arg(long)]
     insecure_open_registry: bool,
+    /// Mutual TLS with the cluster CA on the registry, the requests to nodes and lease
+    /// releases: only nodes holding a certificate from the CA register.
+    #[command(flatten)]
+    tls: pd_tls::TlsArgs,
+    /// Serve the OpenAI API and the admin API over TLS with this certificate chain (PEM), for
+    /// clients outside the cluster (no client certificate asked for). Needs --client-tls-key.
+    #[arg(long, env = "PD_CLIENT_TLS_CERT", value_name = "PEM", requires = "client_tls_key")]
+    client_tls_cert: Option<PathBuf>,
+    /// The private key of --client-tls-cert (PEM).
+    #[arg(long, env = "PD_CLIENT_TLS_KEY", value_name = "PEM", requires = "client_tls_cert")]
+    client_tls_key: Option<PathBuf>,
     /// Clients whose bearer key equals this may send kv_transfer_params; everyone else's are
     /// stripped.
     #[arg(long)]
@@ -164,17 +175,55 @@ struct ServeArgs {
     /// A node that does not register: any server speaking vLLM's OpenAI API and metrics (a
     /// vLLM server, or a pd-node without --gateway), kept in the view by scraping its
     /// /v1/models and /metrics.
-    /// `role=prefill|decode|standalone,url=http://HOST:PORT,tokenizer=MODEL_DIR[,engine-id=NAME]`;
-    /// repeatable. The gateway sends it the cluster token as its bearer key, and pushes it no
-    /// peer list (a decode node allows its producers itself, e.g. --kv-allowed-peers).
+    /// `role=prefill|decode|standalone,url=http://HOST:PORT,tokenizer=MODEL_DIR[,engine-id=NAME]
+    /// [,bearer-env=VAR|bearer=cluster-token]`; repeatable. Requests to it carry the key in the
+    /// gateway's environment variable VAR (the node's --api-key), or the cluster token only when
+    /// told `bearer=cluster-token`; by default no key. The gateway pushes it no peer list (a
+    /// decode node allows its producers itself, e.g. --kv-allowed-peers).
     #[arg(long = "static-node")]
     static_nodes: Vec<StaticNode>,
     /// How often static nodes are scraped, milliseconds.
     #[arg(long, default_value_t = 250)]
     static_scrape_ms: u64,
-    /// Largest request body, bytes.
+    /// Largest body of a generation request (/v1/chat/completions, /v1/completions,
+    /// /v1/responses), bytes. A larger `content-length` is refused with 413 before the body is
+    /// read; a chunked body is cut with 413 as soon as it passes the limit.
     #[arg(long, default_value_t = 32 << 20)]
     max_body: usize,
+    /// Largest body of every other route (the tokenizer endpoints and the rest), bytes; 413
+    /// beyond it, as --max-body.
+    #[arg(long, default_value_t = 4 << 20)]
+    max_small_body: usize,
+    /// A request's head (request line and headers) must arrive within this, milliseconds,
+    /// counted from the connection's start (from the first byte for the next requests of a
+    /// keep-alive connection); else 408 and the connection is closed (slowloris). 0: only the
+    /// per-read timeout (60 s).
+    #[arg(long, default_value_t = 20_000)]
+    header_timeout_ms: u64,
+    /// A request's whole body must arrive within this, milliseconds; else 408 and the
+    /// connection is closed. 0: only the per-read timeout (60 s).
+    #[arg(long, default_value_t = 60_000)]
+    body_timeout_ms: u64,
+    /// A generation request must end within this, seconds (queueing included): else 504 with
+    /// an OpenAI error object, or, once a stream is under way, an error event and the end of
+    /// the stream. 0: no limit.
+    #[arg(long, default_value_t = 600)]
+    request_timeout_secs: u64,
+    /// A node must send its answer's head within this, milliseconds, else the request fails
+    /// over to the next candidate (or ends with 503 when none is left): a prefill node always,
+    /// a decode or whole node when the answer is streamed (a whole answer's head comes with its
+    /// end; --request-timeout-secs bounds it). Covers queueing and prefill on the node. 0: no
+    /// limit.
+    #[arg(long, default_value_t = 120_000)]
+    node_first_byte_timeout_ms: u64,
+    /// A node must send the next piece of its answer within this, milliseconds, else the
+    /// answer ends (504, or a stream's error event). 0: no limit.
+    #[arg(long, default_value_t = 120_000)]
+    node_idle_timeout_ms: u64,
+    /// Client connections open at once on the OpenAI port; one more is closed at once, before
+    /// it is read. 0: no limit.
+    #[arg(long, default_value_t = 4096)]
+    max_connections: usize,
     /// Worker threads of the HTTP server.
     #[arg(long, default_value_t = 2)]
     threads: usize,
@@ -195,8 +244,9 @@ struct ServeArgs {
     /// least as long as the nodes' `--kv-retain-after-decode`.
     #[arg(long, default_value_t = 3600)]
     responses_ttl_secs: u64,
-    /// Generation requests served at once; beyond it they wait for a slot (0: no limit).
-    #[arg(long, default_value_t = 0)]
+    /// Generation and tokenizer requests served at once; beyond it they wait for a slot
+    /// (0: no limit). A completions request listing several prompts takes as many slots.
+    #[arg(long, default_value_t = pd_gateway::admission::DEFAULT_MAX_CONCURRENT)]
     max_concurrent_requests: usize,
     /// Requests that may wait for a slot; beyond it a request is refused at once (429).
     #[arg(long, default_value_t = 1024)]
@@ -283,6 +333,11 @@ fn write_secret(path: &PathBuf, secret: &str) -> anyhow::Result<()> {
         .with_context(|| format!("creating {}", path.display()))?;
     writeln!(f, "{secret}").with_context(|| format!("writing {}", path.display()))?;
     Ok(())
+}
+
+/// `ms` milliseconds; 0: none.
+fn millis(ms: u64) -> Option<Duration> {
+    (ms > 0).then(|| Duration::from_millis(ms))
 }
 
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -382,13 +437,29 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         l.set_nonblocking(true)?;
         Ok(l)
     };
+    let tls = args.tls.load().context("--tls-cert/--tls-key/--tls-ca")?;
+    // The client port's TLS: pingora reads the files itself; the admin API's acceptor is ours.
+    let client_tls = match (&args.client_tls_cert, &args.client_tls_key) {
+        (Some(cert), Some(key)) => {
+            let admin = pd_tls::server_only(cert, key).context("--client-tls-cert/--client-tls-key")?;
+            let (cert, key) = (cert.display().to_string(), key.display().to_string());
+            Some((cert, key, admin))
+        }
+        _ => None,
+    };
+    let client_scheme = if client_tls.is_some() { "https" } else { "http" };
     let registry_host = args.registry_host.as_deref().unwrap_or(&args.host);
-    if !token_required && !args.insecure_open_registry && !is_loopback(registry_host) {
+    if !token_required
+        && tls.is_none()
+        && !args.insecure_open_registry
+        && !is_loopback(registry_host)
+    {
         anyhow::bail!(
             "the node registry would listen on {registry_host} without a cluster token: anyone \
              who reaches it could register a node, receive users' prompts and the minted token. \
-             Give --cluster-token (or PD_CLUSTER_TOKEN), listen on loopback (--registry-host \
-             127.0.0.1), or pass --insecure-open-registry on a trusted network"
+             Give --cluster-token (or PD_CLUSTER_TOKEN) or mutual TLS (--tls-cert, --tls-key, \
+             --tls-ca), listen on loopback (--registry-host 127.0.0.1), or pass \
+             --insecure-open-registry on a trusted network"
         );
     }
     let registry_listener = bind(registry_host, args.registry_port)?;
@@ -401,16 +472,14 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let registry_addr = registry_listener.local_addr()?;
     let admin_addr = admin_listener.local_addr()?;
 
-    // Every request to a node carries the cluster token as its bearer key: a node started
-    // with `--api-key` takes it, so its clients need not share the gateway's way in.
-    let mut node_auth = reqwest::header::HeaderValue::from_str(&format!("Bearer {cluster_token}"))
+    // Every request to a registered node carries the cluster token as its bearer key: a node
+    // started with `--api-key` takes it, so its clients need not share the gateway's way in.
+    // A static node gets only the key its spec names (`bearer-env=`), never the token unless
+    // told (`bearer=cluster-token`).
+    pd_gateway::upstream::bearer(&cluster_token)
         .context("the cluster token is not a valid header value")?;
-    node_auth.set_sensitive(true);
-    let node_headers =
-        reqwest::header::HeaderMap::from_iter([(reqwest::header::AUTHORIZATION, node_auth)]);
     // Static nodes are scraped from the control runtime: a client (and pool) of its own.
     let scrape_http = reqwest::Client::builder()
-        .default_headers(node_headers)
         .connect_timeout(Duration::from_secs(2))
         .build()
         .context("building the HTTP client")?;
@@ -440,7 +509,13 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let static_nodes = args
         .static_nodes
         .iter()
-        .map(|n| Ok((n.clone(), n.load_tokenizer()?)))
+        .map(|n| {
+            let bearer = n
+                .bearer
+                .header(&cluster_token)
+                .with_context(|| format!("--static-node `{}`", n.engine_id))?;
+            Ok(((n.clone(), bearer), n.load_tokenizer()?))
+        })
         .collect::<anyhow::Result<Vec<_>>>()?;
     // A scrape's two requests together stay under half the node timeout, so a node that
     // answers slowly is not swept between two scrapes that reached it.
@@ -449,15 +524,14 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         timeout: Duration::from_millis((args.node_timeout_ms / 4).clamp(50, 2000)),
     };
     let static_cluster = cluster.clone();
-    let http = pd_gateway::upstream::NodeClient::new(&cluster_token)
-        .context("the cluster token is not a valid header value")?;
+    let http = pd_gateway::upstream::NodeClient::new(tls.as_ref());
     let drain = Arc::new(Drain::default());
     let shared = Arc::new(Shared {
         cluster: cluster.clone(),
         router: router.clone(),
         metrics: metrics.clone(),
         http,
-        leases: LeaseReleaser::new(metrics.clone(), &cluster_token),
+        leases: LeaseReleaser::new(metrics.clone(), &cluster_token, tls.clone()),
         holdings: Arc::new(Holdings::new(args.conversation_holdings)),
         responses: Arc::new(ResponseStore::new(
             args.responses_store_mib << 20,
@@ -471,6 +545,11 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         drain: drain.clone(),
         config: ProxyConfig {
             max_body: args.max_body,
+            max_small_body: args.max_small_body,
+            body_timeout: millis(args.body_timeout_ms),
+            request_timeout: millis(args.request_timeout_secs.saturating_mul(1000)),
+            node_first_byte_timeout: millis(args.node_first_byte_timeout_ms),
+            node_idle_timeout: millis(args.node_idle_timeout_ms),
             trusted_client_token: args.trusted_client_token.clone(),
             api_keys,
         },
@@ -493,9 +572,11 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             cluster_token,
             token_required,
             node_timeout: Duration::from_millis(args.node_timeout_ms.max(100)),
+            tls,
         },
     );
     let watch = args.policy.clone().map(|p| (p, spec));
+    let admin_tls = client_tls.as_ref().map(|(_, _, acceptor)| acceptor.clone());
     let drain_timeout = args.drain_timeout;
     std::thread::Builder::new()
         .name("pd-gateway-control".into())
@@ -547,7 +628,16 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                     tokio::spawn(admin::watch_policy_file(admin.clone(), path, spec));
                 }
                 tokio::spawn(async move {
-                    if let Err(e) = axum::serve(admin_listener, admin::routes(admin)).await {
+                    let served = match admin_tls {
+                        Some(acceptor) => {
+                            match pd_tls::TlsListener::new(admin_listener, acceptor, "admin API") {
+                                Ok(l) => axum::serve(l, admin::routes(admin)).await,
+                                Err(e) => Err(e),
+                            }
+                        }
+                        None => axum::serve(admin_listener, admin::routes(admin)).await,
+                    };
+                    if let Err(e) = served {
                         eprintln!("pd-gateway: admin API stopped: {e}");
                         std::process::exit(1);
                     }
@@ -561,11 +651,11 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 }
                 let mut out = std::io::stdout().lock();
                 let _ = writeln!(out, "pd-gateway registry on {registry_addr}");
-                let _ = writeln!(out, "pd-gateway admin on http://{admin_addr}");
+                let _ = writeln!(out, "pd-gateway admin on {client_scheme}://{admin_addr}");
                 if let Some(f) = &token_file {
                     let _ = writeln!(out, "pd-gateway admin token in {}", f.display());
                 }
-                let _ = writeln!(out, "pd-gateway listening on http://{http_addr}");
+                let _ = writeln!(out, "pd-gateway listening on {client_scheme}://{http_addr}");
                 let _ = out.flush();
                 std::future::pending::<()>().await;
             });
@@ -582,12 +672,20 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
-    let mut service = pingora::proxy::http_proxy_service_with_name(
+    let mut service = pd_gateway::proxy::service(
         &server.configuration,
         Gateway(shared),
-        "pd-gateway",
+        pd_gateway::proxy::front::FrontLimits {
+            max_connections: args.max_connections,
+            header_timeout: millis(args.header_timeout_ms),
+        },
     );
-    service.add_tcp(&http_addr.to_string());
+    match client_tls {
+        Some((cert, key, _)) => service
+            .add_tls(&http_addr.to_string(), &cert, &key)
+            .map_err(|e| anyhow::anyhow!("--client-tls-cert/--client-tls-key: {e}"))?,
+        None => service.add_tcp(&http_addr.to_string()),
+    }
     server.add_service(service);
     info!(%http_addr, %registry_addr, %admin_addr, "pd-gateway starting");
     server.run_forever();
