@@ -63,15 +63,16 @@ fn turn_of(pad: usize, id: &str, owner_i: usize) -> (Vec<Value>, Vec<Value>, Val
     (input, output, response)
 }
 
-/// The bytes the store counts for a turn (its items, id and response serialized).
-fn bytes_of(input: &[Value], output: &[Value], response: &Value, id: &str) -> usize {
-    input
-        .iter()
-        .chain(output)
-        .map(|v| v.to_string().len())
-        .sum::<usize>()
-        + id.len()
-        + response.to_string().len()
+/// The bytes the store counts for a turn: what it holds in memory.
+fn bytes_of(
+    input: &[Value],
+    output: &[Value],
+    response: &Value,
+    id: &str,
+    parent: Option<&str>,
+) -> usize {
+    let items: Vec<Value> = input.iter().chain(output).cloned().collect();
+    super::store::turn_bytes(id, parent, &items, response)
 }
 
 proptest! {
@@ -89,8 +90,8 @@ proptest! {
                 StoreOp::Put { owner: o, id: i, pad, parent } => {
                     let key = id(i);
                     let (input, output, response) = turn_of(pad, &key, o);
-                    let bytes = bytes_of(&input, &output, &response, &key);
                     let parent = parent.map(id);
+                    let bytes = bytes_of(&input, &output, &response, &key, parent.as_deref());
                     let before = model.clone();
                     let got = store.put(&key, NewTurn {
                         owner: owner(o),

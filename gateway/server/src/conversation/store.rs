@@ -1,5 +1,7 @@
 //! [`ResponseStore`]: `/v1/responses` turns by response id, owned by the key that stored them,
-//! bounded by bytes and age.
+//! bounded by bytes and age. Bytes are what a turn holds in memory (its values' slots and heap), not its
+//! serialized length: a JSON array of small numbers takes a few bytes a number on the wire and
+//! a whole `Value` each here.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -7,6 +9,44 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
+
+/// What a turn costs beyond its values: the entry in the id map (its `StoredTurn` and key),
+/// its owner's LRU entry, and the allocators' headers, about.
+const TURN_OVERHEAD: usize = size_of::<StoredTurn>() + 128;
+
+/// Bytes a turn holds in memory: [`TURN_OVERHEAD`], its items (each a slot and its heap), its
+/// id (in the map and in its owner's LRU), its parent's id and its response.
+pub(crate) fn turn_bytes(
+    id: &str,
+    parent: Option<&str>,
+    items: &[Value],
+    response: &Value,
+) -> usize {
+    TURN_OVERHEAD
+        + items.len() * size_of::<Value>()
+        + items.iter().map(heap_bytes).sum::<usize>()
+        + 2 * id.len()
+        + parent.map_or(0, str::len)
+        + heap_bytes(response)
+}
+
+/// Bytes `v` owns on the heap (its strings', arrays' and maps' allocations, recursively); an
+/// object's entry counts its key, its value's slot and the map's index (a hash and a slot).
+fn heap_bytes(v: &Value) -> usize {
+    match v {
+        Value::String(s) => s.capacity(),
+        Value::Array(a) => {
+            a.capacity() * size_of::<Value>() + a.iter().map(heap_bytes).sum::<usize>()
+        }
+        Value::Object(m) => m
+            .iter()
+            .map(|(k, v)| {
+                size_of::<String>() + k.capacity() + size_of::<Value>() + 16 + heap_bytes(v)
+            })
+            .sum(),
+        Value::Null | Value::Bool(_) | Value::Number(_) => 0,
+    }
+}
 
 /// A response [`ResponseStore::delete`] forgot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -202,13 +242,8 @@ impl ResponseStore {
         let inputs = input.len();
         let mut items = input;
         items.extend(output);
-        let bytes = items.iter().map(|v| v.to_string().len()).sum::<usize>()
-            + id.len()
-            + if response.is_null() {
-                0
-            } else {
-                response.to_string().len()
-            };
+        items.shrink_to_fit();
+        let bytes = turn_bytes(id, parent, &items, &response);
         let mut s = self.lock();
         if s.turns.get(id).is_some_and(|t| t.owner != owner) {
             return Err(IdTaken(id.to_owned()));
@@ -375,6 +410,30 @@ mod tests {
                 held: None,
             },
         )
+    }
+
+    /// A turn counts what it holds in memory: an output of 10 000 small numbers is ~50 KB of
+    /// JSON but 10 000 `Value`s (a few hundred KB) here, and the store's bound counts that.
+    #[test]
+    fn a_turn_counts_its_memory_not_its_serialized_length() {
+        let numbers = Value::Array((0..10_000).map(|i| Value::from(i % 10)).collect());
+        let wire = numbers.to_string().len();
+        let store = ResponseStore::new(64 << 20, Duration::from_secs(60));
+        let turn = NewTurn {
+            owner: ME,
+            parent: None,
+            input: vec![],
+            output: vec![numbers],
+            response: Value::Null,
+            held: None,
+        };
+        store.put("r-big", turn).unwrap();
+        assert!(
+            store.bytes() >= 10_000 * size_of::<Value>(),
+            "{} bytes counted for 10 000 values ({wire} bytes serialized)",
+            store.bytes()
+        );
+        assert!(store.bytes() > 4 * wire, "{} vs {wire}", store.bytes());
     }
 
     #[test]

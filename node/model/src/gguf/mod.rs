@@ -46,7 +46,11 @@ use pd_tokenize::GgufVocab;
 use crate::config::{Arch, HfConfig, ModelConfig};
 use crate::error::ModelError;
 use crate::q4_1::{Q4_1Kernel, Q4_1Matrix};
+
+mod checks;
+
 use crate::weights::{Proj, WeightSource};
+use checks::{check_alignment, check_tensor_extents};
 
 /// Whether a Q4_1 projection reading `in_dim` features goes to our kernel ([`crate::q4_1`]) under
 /// [`QuantPolicy::Fast`]; else it is requantized to `Q8_0`. Decided by measurement
@@ -149,27 +153,6 @@ fn plan(dtype: GgmlDType, policy: QuantPolicy) -> Option<Plan> {
     }
 }
 
-/// GGUF's `general.alignment`, when given: a non-zero multiple of 8 (the format's rule), or
-/// why not.
-fn check_alignment(metadata: &HashMap<String, Value>) -> Result<(), String> {
-    // The integer types candle reads it from (another type: candle uses its default).
-    let alignment: Option<i64> = match metadata.get("general.alignment") {
-        Some(Value::U8(v)) => Some((*v).into()),
-        Some(Value::U16(v)) => Some((*v).into()),
-        Some(Value::U32(v)) => Some((*v).into()),
-        Some(Value::I8(v)) => Some((*v).into()),
-        Some(Value::I16(v)) => Some((*v).into()),
-        Some(Value::I32(v)) => Some((*v).into()),
-        _ => return Ok(()),
-    };
-    match alignment {
-        Some(a) if a > 0 && a % 8 == 0 => Ok(()),
-        other => Err(format!(
-            "general.alignment must be a non-zero multiple of 8, got {other:?}"
-        )),
-    }
-}
-
 impl GgufFile {
     /// Reads the header of the GGUF file at `path` and checks that every tensor's type can be
     /// served.
@@ -200,6 +183,14 @@ impl GgufFile {
             source,
         })?;
         check_alignment(&content.metadata).map_err(malformed)?;
+        let file_len = file
+            .metadata()
+            .map_err(|source| ModelError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?
+            .len();
+        check_tensor_extents(&content, file_len).map_err(malformed)?;
         let mut names: Vec<&String> = content.tensor_infos.keys().collect();
         names.sort();
         for name in names {

@@ -157,3 +157,39 @@ fn a_zero_or_odd_alignment_is_an_error_not_a_panic() {
     GgufFile::open(&path).expect("alignment 32");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A tensor whose shape asks for more bytes than the file holds (or whose dimensions overflow
+/// when multiplied) is refused at open naming it, before anything reads or allocates it.
+#[test]
+fn a_tensor_larger_than_its_file_is_refused_at_open() {
+    use candle_core::quantized::QTensor;
+    let dir = std::env::temp_dir().join(format!("pd-gguf-extent-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("small.gguf");
+    let t = QTensor::quantize(
+        &candle_core::Tensor::zeros((4, 32), candle_core::DType::F32, &candle_core::Device::Cpu)
+            .unwrap(),
+        candle_core::quantized::GgmlDType::F32,
+    )
+    .unwrap();
+    let mut file = std::fs::File::create(&path).unwrap();
+    gguf_file::write(&mut file, &[], &[("w", &t)]).unwrap();
+    drop(file);
+    GgufFile::open(&path).expect("a tensor that fits");
+    // Grow the first dimension in the header: the same 512 bytes on disk, 2^40 rows said.
+    let mut bytes = std::fs::read(&path).unwrap();
+    let dims_at = bytes
+        .windows(16)
+        .position(|w| w[..8] == 32u64.to_le_bytes() && w[8..] == 4u64.to_le_bytes())
+        .expect("the dims in the header");
+    bytes[dims_at + 8..dims_at + 16].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+    match GgufFile::open(&path) {
+        Err(ModelError::Gguf { source, .. }) => {
+            assert!(source.to_string().contains("tensor `w`"), "{source}");
+        }
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("a tensor of 2^40 rows in a small file was opened"),
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
