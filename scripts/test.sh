@@ -26,8 +26,8 @@ export NVCC
 bash scripts/cuda-ptx.sh
 cargo clippy -p pd-kernels --features cuda --all-targets --locked -- -D warnings
 cargo test --workspace --locked
-# Coverage-guided fuzzing (RELIABILITY.md): a few seconds per target, opt-in with PD_FUZZ=1
-# because the instrumented build from nothing costs more than 11 minutes on 2 cores; the
+# Coverage-guided fuzzing (RELIABILITY.md): 5 s per target, opt-in with PD_FUZZ=1 because the
+# instrumented build from nothing costs ~2,500 CPU-seconds (over 20 minutes on 2 cores); the
 # targets' bodies run on seeded inputs in the workspace tests above (pd-fuzz-bodies).
 if [ "${PD_FUZZ:-0}" = 1 ]; then
   bash scripts/fuzz.sh --seconds 5 --gateway

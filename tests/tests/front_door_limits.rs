@@ -8,10 +8,12 @@
 //!    `--max-body`, a tokenizer route over the smaller `--max-small-body`.
 //! 3. Admission applies by default (no `--max-concurrent-requests`): a request held on a
 //!    stopped decode node counts in flight, and it ends with an error within the node answer
-//!    deadline (`--node-first-byte-timeout-ms 3000`) instead of hanging.
+//!    deadline (`--node-first-byte-timeout-ms 2000`) instead of hanging.
 //! 4. A prefill node that stops answering: the request waiting on it fails over to the other
 //!    prefill node within the deadline and is answered.
 //! 5. The connection cap (`--max-connections`) closes the connection past it at once.
+//! 6. A whole (not streamed) request on a stopped decode node, whose answer head would only
+//!    come with its end, ends with a 504 at the request deadline (`--request-timeout-secs 6`).
 //!
 //! Before, the slowloris held its connection (pingora's read timeout is per read), the
 //! oversized bodies were waited for, admission was off (nothing counted in flight), the
@@ -59,13 +61,15 @@ async fn every_wait_on_the_request_path_is_bounded() {
                 "--header-timeout-ms",
                 "1000",
                 "--node-first-byte-timeout-ms",
-                "3000",
+                "2000",
                 "--max-body",
                 "1000000",
                 "--max-small-body",
                 "10000",
                 "--max-connections",
                 &MAX_CONNECTIONS.to_string(),
+                "--request-timeout-secs",
+                "6",
             ]),
             ..ClusterSpec::default()
         },
@@ -73,9 +77,15 @@ async fn every_wait_on_the_request_path_is_bounded() {
     .await;
     let addr = c.gateway.http.trim_start_matches("http://").to_owned();
     let api = Api::Chat;
-    openai::send(&c.client, &c.gateway.http, api, &api.body("Warm-up.", 4), None)
-        .await
-        .ok();
+    openai::send(
+        &c.client,
+        &c.gateway.http,
+        api,
+        &api.body("Warm-up.", 4),
+        None,
+    )
+    .await
+    .ok();
 
     // 1. Slowloris: a partial head, then a header line every 300 ms, the answer read meanwhile.
     let s = TcpStream::connect(&addr).await.unwrap();
@@ -155,17 +165,27 @@ async fn every_wait_on_the_request_path_is_bounded() {
         let (client, gw) = (c.client.clone(), c.gateway.http.clone());
         let start = Instant::now();
         let held = tokio::spawn(async move { openai::send(&client, &gw, api, &body, None).await });
-        eventually("the request in flight", Duration::from_secs(3), async || {
-            gauge("pd_gateway_requests_in_flight").await == 1.0
-        })
+        eventually(
+            "the request in flight",
+            Duration::from_secs(3),
+            async || gauge("pd_gateway_requests_in_flight").await == 1.0,
+        )
         .await;
         let a = tokio::time::timeout(Duration::from_secs(10), held)
             .await
             .expect("the request still waits on the stopped decode node")
             .unwrap();
         assert_eq!(a.status, 503, "{}", a.body);
-        assert!(a.body.contains("sent no answer within 3000 ms"), "{}", a.body);
-        assert!(start.elapsed() >= Duration::from_secs(3), "{:?}", start.elapsed());
+        assert!(
+            a.body.contains("sent no answer within 2000 ms"),
+            "{}",
+            a.body
+        );
+        assert!(
+            start.elapsed() >= Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
     }
     assert_eq!(gauge("pd_gateway_requests_in_flight").await, 0.0);
 
@@ -219,11 +239,34 @@ async fn every_wait_on_the_request_path_is_bounded() {
         "refused after {refused} connections of the test's own"
     );
     drop(held);
+
+    // 6. D stops under a whole request: the request deadline ends it.
+    {
+        let _d0 = Stopped::new(c.node("d0"));
+        let start = Instant::now();
+        let body = api.body("A whole answer from a stopped decode node.", 4);
+        let a = tokio::time::timeout(
+            Duration::from_secs(15),
+            openai::send(&c.client, &c.gateway.http, api, &body, None),
+        )
+        .await
+        .expect("the request still waits on the stopped decode node");
+        assert_eq!(a.status, 504, "{}", a.body);
+        let e = a.error.as_ref().expect("an error object");
+        assert_eq!(e["code"], "timeout", "{}", a.body);
+        assert!(
+            start.elapsed() >= Duration::from_secs(5),
+            "{:?}",
+            start.elapsed()
+        );
+    }
     eventually("a place free again", Duration::from_secs(3), async || {
         let Ok(mut s) = TcpStream::connect(&addr).await else {
             return false;
         };
-        let _ = s.write_all(b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n").await;
+        let _ = s
+            .write_all(b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n")
+            .await;
         let mut buf = [0u8; 64];
         matches!(s.read(&mut buf).await, Ok(n) if n > 0)
     })

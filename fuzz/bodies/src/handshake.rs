@@ -133,12 +133,13 @@ pub fn run(data: &[u8]) {
         let board_end = u128::from(info.board_offset)
             + BOARD_HEADER_BYTES as u128
             + u128::from(info.board_slots) * BOARD_SLOT_BYTES as u128;
-        // The board lies after the pool in the same registration (`region_len` counts the
-        // pool only): it must not overlap the pool nor wrap the address space.
+        // The board lies right after the pool in the same registration (`region_len` counts
+        // the pool only), no larger than an owner makes it, and does not wrap.
         assert!(
-            u128::from(info.board_offset) >= u128::from(info.region_len)
+            info.board_offset == info.region_len
+                && info.board_slots <= pd_kv_transfer::peer::MAX_PEER_BOARD_SLOTS
                 && u128::from(info.region_base) + board_end <= u128::from(u64::MAX),
-            "lease board (offset {}, {} slots) overlaps the pool of {} bytes or wraps",
+            "lease board (offset {}, {} slots) not right after the pool of {} bytes, or wraps",
             info.board_offset,
             info.board_slots,
             info.region_len

@@ -156,7 +156,11 @@ impl Registry {
             ("engine_id", &r.engine_id, MAX_NAME_BYTES),
             ("model", &r.model, MAX_NAME_BYTES),
             ("http_addr", &r.http_addr, MAX_ADDR_BYTES),
-            ("kv_side_channel_addr", &r.kv_side_channel_addr, MAX_ADDR_BYTES),
+            (
+                "kv_side_channel_addr",
+                &r.kv_side_channel_addr,
+                MAX_ADDR_BYTES,
+            ),
         ];
         if let Some((field, _, max)) = names.iter().find(|(_, v, max)| v.len() > *max) {
             return Err(Status::invalid_argument(format!(

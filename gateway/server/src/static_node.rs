@@ -586,8 +586,18 @@ vllm:prompt_tokens_total{engine="0",model_name="Qwen/Qwen3-0.6B"} 1234.0
         let n: StaticNode = format!("{spec},bearer-env=PD_TEST_UNSET_KEY_9")
             .parse()
             .unwrap();
-        assert!(n.bearer.header("tok").unwrap_err().to_string().contains("not set"));
-        for bad in ["bearer=yes", "bearer-env=", "bearer-env=A,bearer=cluster-token"] {
+        assert!(
+            n.bearer
+                .header("tok")
+                .unwrap_err()
+                .to_string()
+                .contains("not set")
+        );
+        for bad in [
+            "bearer=yes",
+            "bearer-env=",
+            "bearer-env=A,bearer=cluster-token",
+        ] {
             let err = format!("{spec},{bad}").parse::<StaticNode>().unwrap_err();
             assert!(matches!(err, SpecError::Bearer(_)), "{bad}: {err}");
         }

@@ -15,8 +15,8 @@ use http::header::{AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
 use http::{Method, Request, StatusCode, Uri};
 use http_body_util::{BodyDataStream, BodyExt, Full};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
 use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 

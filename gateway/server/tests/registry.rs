@@ -301,7 +301,10 @@ async fn a_registration_over_its_bounds_is_refused_as_invalid() {
     let cases: Vec<(&str, pb::NodeMessage)> = vec![
         ("engine_id", register(&|r| r.engine_id = "e".repeat(300))),
         ("model", register(&|r| r.model = "m".repeat(300))),
-        ("http_addr", register(&|r| r.http_addr = format!("{}:1", "h".repeat(300)))),
+        (
+            "http_addr",
+            register(&|r| r.http_addr = format!("{}:1", "h".repeat(300))),
+        ),
         (
             "tokenizer bundle",
             register(&|r| {
@@ -322,18 +325,25 @@ async fn a_registration_over_its_bounds_is_refused_as_invalid() {
         ),
     ];
     for (says, message) in cases {
-        let mut client = pb::node_registry_client::NodeRegistryClient::connect(format!(
-            "http://{registry}"
-        ))
-        .await
-        .unwrap()
-        .max_encoding_message_size(64 << 20);
+        let mut client =
+            pb::node_registry_client::NodeRegistryClient::connect(format!("http://{registry}"))
+                .await
+                .unwrap()
+                .max_encoding_message_size(64 << 20);
         let status = match client.report(tokio_stream::iter(vec![message])).await {
             Ok(r) => r.into_inner().message().await.expect_err("refused"),
             Err(s) => s,
         };
-        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{says}: {status:?}");
-        assert!(status.message().contains(says), "{says}: {}", status.message());
+        assert_eq!(
+            status.code(),
+            tonic::Code::InvalidArgument,
+            "{says}: {status:?}"
+        );
+        assert!(
+            status.message().contains(says),
+            "{says}: {}",
+            status.message()
+        );
     }
     assert!(cluster.read().nodes.is_empty());
 }

@@ -139,6 +139,9 @@ impl FailurePolicy {
 /// The largest block size (tokens) a peer's handshake may state.
 pub const MAX_PEER_BLOCK_SIZE: usize = 4096;
 
+/// Most lease-board records a peer's handshake may claim (owners make 4096).
+pub const MAX_PEER_BOARD_SLOTS: u32 = 1 << 16;
+
 /// Deadline of every side-channel call.
 pub const RPC_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -448,16 +451,20 @@ pub fn check_handshake_reply(
         ));
     }
     // The lease board is mapped and read through the same key as the pool
-    // (`puller/worker.rs`), in the same registered region after the pool (`region_len` counts
-    // the pool only): it must not overlap the pool, and neither may wrap the address space
-    // (found by the `handshake` fuzz target).
+    // (`puller/worker.rs`), registered with it right after it (`region_len` counts the pool
+    // only; every owner puts the board at its end): anywhere else, or larger than an owner
+    // makes it, and a mapped read could leave the registration. Neither may wrap the address
+    // space (found by the `handshake` fuzz target). A peer that lies about what it registered
+    // is beyond this check: the cluster token and the allowed peers keep such peers out.
     let board_end = r
         .board_offset
         .checked_add(pd_kv_pool::board_bytes(r.board_slots as usize) as u64)
         .and_then(|end| r.region_base.checked_add(end));
-    if (r.board_slots > 0 && (r.board_offset < r.region_len || board_end.is_none()))
-        || r.region_base.checked_add(r.region_len).is_none()
-    {
+    let board_ok = r.board_slots == 0
+        || (r.board_offset == r.region_len
+            && r.board_slots <= MAX_PEER_BOARD_SLOTS
+            && board_end.is_some());
+    if !board_ok || r.region_base.checked_add(r.region_len).is_none() {
         return Err(TransferError::HandshakeRefused(format!(
             "lease board ({} slots at offset {}) or region ({} bytes at {:#x}) out of bounds",
             r.board_slots, r.board_offset, r.region_len, r.region_base

@@ -1,6 +1,7 @@
-//! Handshake replies found by the `handshake` fuzz target (fuzz/, RELIABILITY.md): a reply whose
-//! pool fits its registered region but whose lease board does not was accepted, and the puller
-//! then maps and reads the board at `region_base + board_offset` (`puller/worker.rs`).
+//! Handshake replies found by the `handshake` fuzz target (fuzz/, RELIABILITY.md): a reply
+//! whose lease board lay anywhere, of any size, was accepted, and the puller then maps and reads
+//! the board at `region_base + board_offset` (`puller/worker.rs`). Owners register the board
+//! right after the pool (`region_len` counts the pool), at most 4096 records.
 
 use pd_kv_pool::{KvDtype, KvLayout, KvOrder};
 use pd_kv_transfer::compat::{CompatInfo, TRANSFER_PROTOCOL_VERSION};
@@ -21,7 +22,8 @@ fn local() -> CompatInfo {
     }
 }
 
-/// A compatible producer's reply: 8 blocks of 16 tokens, the region exactly the pool.
+/// A compatible producer's reply: 8 blocks of 16 tokens, the region exactly the pool, the board
+/// as given.
 fn reply(board_offset: u64, board_slots: u32) -> HandshakeReply {
     let local = local();
     let layout = KvLayout {
@@ -39,7 +41,7 @@ fn reply(board_offset: u64, board_slots: u32) -> HandshakeReply {
         epoch: 7,
         compat: Some(compat_to_proto(&local)),
         region_base: 0x7f00_0000_0000,
-        region_len: block_bytes * 8 + board_offset.min(1 << 20),
+        region_len: block_bytes * 8,
         layout: Some(Layout {
             num_blocks: 8,
             block_size: 16,
@@ -57,32 +59,33 @@ fn reply(board_offset: u64, board_slots: u32) -> HandshakeReply {
 }
 
 #[test]
-fn a_board_inside_the_region_is_accepted() {
+fn a_board_right_after_the_pool_is_accepted() {
     let r = reply(0, 0);
     let len = r.region_len;
-    // The board after the pool: the region grows by its bytes.
-    let mut with_board = reply(len, 4);
-    with_board.region_len = len + pd_kv_pool::board_bytes(4) as u64;
-    let info = check_handshake_reply(&local(), false, with_board, "10.0.0.1", 0).unwrap();
-    assert_eq!((info.board_offset, info.board_slots), (len, 4));
+    // As every owner registers it (`kv_side_channel.rs`): at the pool's end, 4096 records.
+    let info = check_handshake_reply(&local(), false, reply(len, 4096), "10.0.0.1", 0).unwrap();
+    assert_eq!((info.board_offset, info.board_slots), (len, 4096));
     assert!(check_handshake_reply(&local(), false, r, "10.0.0.1", 0).is_ok());
 }
 
 #[test]
-fn a_board_beyond_the_region_is_refused() {
-    // The fuzzer's find: slots far past the region's end.
-    let r = reply(64, 1 << 20);
-    let got = check_handshake_reply(&local(), false, r, "10.0.0.1", 0);
-    assert!(
-        matches!(got, Err(TransferError::HandshakeRefused(_))),
-        "{got:?}"
-    );
-    // An offset that wraps.
-    let got = check_handshake_reply(&local(), false, reply(u64::MAX - 8, 1), "10.0.0.1", 0);
-    assert!(
-        matches!(got, Err(TransferError::HandshakeRefused(_))),
-        "{got:?}"
-    );
+fn a_board_anywhere_else_or_larger_is_refused() {
+    let len = reply(0, 0).region_len;
+    for (offset, slots) in [
+        // The fuzzer's find: far more slots than an owner makes.
+        (len, 1 << 20),
+        // Over the pool, or past its end.
+        (64, 4),
+        (len + 4096, 4),
+        // An offset that wraps.
+        (u64::MAX - 8, 1),
+    ] {
+        let got = check_handshake_reply(&local(), false, reply(offset, slots), "10.0.0.1", 0);
+        assert!(
+            matches!(got, Err(TransferError::HandshakeRefused(_))),
+            "{offset} {slots}: {got:?}"
+        );
+    }
 }
 
 #[test]

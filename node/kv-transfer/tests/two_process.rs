@@ -257,7 +257,9 @@ async fn stale_or_released_lease_is_detected_and_its_data_discarded() {
         "{stale}"
     );
     // Another peer cannot use the lease.
-    let mut intruder = PeerClient::connect(&owner.addr, "intruder", None).await.unwrap();
+    let mut intruder = PeerClient::connect(&owner.addr, "intruder", None)
+        .await
+        .unwrap();
     let wrong = intruder
         .confirm(owner.lease, owner.generation)
         .await

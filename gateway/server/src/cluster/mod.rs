@@ -488,7 +488,9 @@ impl Cluster {
                 // Models stay known after their nodes leave: without a bound, registrants
                 // naming new models would grow the gateway without end.
                 if state.models.len() >= MAX_MODELS {
-                    state.models.retain(|name, _| state.nodes.values().any(|n| n.model == *name));
+                    state
+                        .models
+                        .retain(|name, _| state.nodes.values().any(|n| n.model == *name));
                     if state.models.len() >= MAX_MODELS {
                         return Err(JoinError::TooManyModels(MAX_MODELS));
                     }

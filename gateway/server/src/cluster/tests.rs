@@ -307,18 +307,34 @@ fn a_models_tokenizer_changes_only_when_no_node_of_it_disagrees() {
     let (new, new_fp) = (old.clone(), old_fp ^ 1);
     let c = Cluster::default();
     let first = c.new_conn();
-    c.join(entry(first, "d0", "m", "registered"), || Ok((old.clone(), old_fp)), old_fp)
-        .unwrap();
+    c.join(
+        entry(first, "d0", "m", "registered"),
+        || Ok((old.clone(), old_fp)),
+        old_fp,
+    )
+    .unwrap();
     let err = c
-        .join(entry(c.new_conn(), "d1", "m", "registered"), || Ok((new.clone(), new_fp)), new_fp)
+        .join(
+            entry(c.new_conn(), "d1", "m", "registered"),
+            || Ok((new.clone(), new_fp)),
+            new_fp,
+        )
         .unwrap_err();
     assert!(matches!(err, JoinError::TokenizerDiffers { .. }), "{err}");
     assert!(c.leave(first, "stream ended"));
-    c.join(entry(c.new_conn(), "d1", "m", "registered"), || Ok((new.clone(), new_fp)), new_fp)
-        .unwrap();
+    c.join(
+        entry(c.new_conn(), "d1", "m", "registered"),
+        || Ok((new.clone(), new_fp)),
+        new_fp,
+    )
+    .unwrap();
     // Now the old tokenizer is the odd one out.
     let err = c
-        .join(entry(c.new_conn(), "d0", "m", "registered"), || Ok((old.clone(), old_fp)), old_fp)
+        .join(
+            entry(c.new_conn(), "d0", "m", "registered"),
+            || Ok((old.clone(), old_fp)),
+            old_fp,
+        )
         .unwrap_err();
     assert!(matches!(err, JoinError::TokenizerDiffers { .. }), "{err}");
 }

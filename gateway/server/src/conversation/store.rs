@@ -23,7 +23,7 @@ pub(crate) fn turn_bytes(
     response: &Value,
 ) -> usize {
     TURN_OVERHEAD
-        + items.len() * size_of::<Value>()
+        + std::mem::size_of_val(items)
         + items.iter().map(heap_bytes).sum::<usize>()
         + 2 * id.len()
         + parent.map_or(0, str::len)

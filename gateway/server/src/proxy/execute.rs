@@ -219,7 +219,10 @@ impl Gateway {
                 break walk.exhausted();
             };
             let open = open_on(node, &mut leg.reserved);
-            match self.send(session, st, node, (path, head, leg.body.clone())).await {
+            match self
+                .send(session, st, node, (path, head, leg.body.clone()))
+                .await
+            {
                 Ok(resp) => break Ok((resp, open, node)),
                 Err(f) => {
                     if let Some(end) = walk.fail(node, f) {
@@ -309,7 +312,10 @@ impl Gateway {
                 break walk.exhausted();
             };
             let _open = node.open();
-            let answer = match self.send(session, st, node, (path, head, body.clone())).await {
+            let answer = match self
+                .send(session, st, node, (path, head, body.clone()))
+                .await
+            {
                 Ok(resp) => self.prefill_answer(session, st, node, resp).await,
                 Err(f) => Err(f),
             };
@@ -434,7 +440,10 @@ impl Gateway {
                         break walk.exhausted();
                     };
                     let open = open_on(node, &mut r);
-                    match self.post(node, (path, head), body.clone(), id.clone()).await {
+                    match self
+                        .post(node, (path, head), body.clone(), id.clone())
+                        .await
+                    {
                         Ok(resp) => break Ok((resp, open, node.clone())),
                         Err(f) => {
                             if let Some(end) = walk.fail(node, f) {

@@ -84,11 +84,18 @@ impl Drop for Counted {
 
 #[async_trait]
 impl<A: ServerApp + Send + Sync + 'static> ServerApp for Front<A> {
-    async fn process_new(self: &Arc<Self>, stream: Stream, shutdown: &ShutdownWatch) -> Option<Stream> {
+    async fn process_new(
+        self: &Arc<Self>,
+        stream: Stream,
+        shutdown: &ShutdownWatch,
+    ) -> Option<Stream> {
         let Some(_counted) = Counted::take(&self.open, self.limits.max_connections) else {
             // Closed before a byte is read: the client sees the connection end at once (as
             // Envoy's `max_downstream_connections` does) and may retry.
-            debug!(max = self.limits.max_connections, "connection refused: too many open");
+            debug!(
+                max = self.limits.max_connections,
+                "connection refused: too many open"
+            );
             return None;
         };
         let stream: Stream = match self.limits.header_timeout {

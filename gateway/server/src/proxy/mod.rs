@@ -9,8 +9,10 @@
 //! and return `Ok(true)` ("response already sent"). `upstream_peer` is never reached.
 //!
 //! One generation request, phase by phase, a file each:
-//! 1. [`admit`](Gateway::admit): the body read (bounded), a slot under
-//!    `--max-concurrent-requests`.
+//! 0. [`front`]: the connection cap and the head deadline, before pingora reads a request.
+//! 1. [`admit`](Gateway::admit): a slot under `--max-concurrent-requests`, the body read
+//!    meanwhile (bounded in size per route and in time); the whole request under
+//!    `--request-timeout-secs`.
 //! 2. [`prepare`]: body → JSON, untrusted `kv_transfer_params` stripped, routing fields read,
 //!    prompt tokenized, block hashes, the view, the policy's decision, interpreted once into a
 //!    [`plan::Plan`] (which P, which Ds with how many children, pull-back, one node).
@@ -346,7 +348,11 @@ impl Gateway {
         if let Some(endpoint) = tokenizer_api::Endpoint::of(&method, &path) {
             return self.tokenizer_endpoint(session, endpoint).await;
         }
-        if session.req_header().headers.contains_key(http::header::TRANSFER_ENCODING) {
+        if session
+            .req_header()
+            .headers
+            .contains_key(http::header::TRANSFER_ENCODING)
+        {
             session.set_keepalive(None);
         }
         self.endpoint(session, &method, &path).await;

@@ -154,10 +154,20 @@ struct ServeArgs {
     tls: pd_tls::TlsArgs,
     /// Serve the OpenAI API and the admin API over TLS with this certificate chain (PEM), for
     /// clients outside the cluster (no client certificate asked for). Needs --client-tls-key.
-    #[arg(long, env = "PD_CLIENT_TLS_CERT", value_name = "PEM", requires = "client_tls_key")]
+    #[arg(
+        long,
+        env = "PD_CLIENT_TLS_CERT",
+        value_name = "PEM",
+        requires = "client_tls_key"
+    )]
     client_tls_cert: Option<PathBuf>,
     /// The private key of --client-tls-cert (PEM).
-    #[arg(long, env = "PD_CLIENT_TLS_KEY", value_name = "PEM", requires = "client_tls_cert")]
+    #[arg(
+        long,
+        env = "PD_CLIENT_TLS_KEY",
+        value_name = "PEM",
+        requires = "client_tls_cert"
+    )]
     client_tls_key: Option<PathBuf>,
     /// Clients whose bearer key equals this may send kv_transfer_params; everyone else's are
     /// stripped.
@@ -441,13 +451,18 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // The client port's TLS: pingora reads the files itself; the admin API's acceptor is ours.
     let client_tls = match (&args.client_tls_cert, &args.client_tls_key) {
         (Some(cert), Some(key)) => {
-            let admin = pd_tls::server_only(cert, key).context("--client-tls-cert/--client-tls-key")?;
+            let admin =
+                pd_tls::server_only(cert, key).context("--client-tls-cert/--client-tls-key")?;
             let (cert, key) = (cert.display().to_string(), key.display().to_string());
             Some((cert, key, admin))
         }
         _ => None,
     };
-    let client_scheme = if client_tls.is_some() { "https" } else { "http" };
+    let client_scheme = if client_tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
     let registry_host = args.registry_host.as_deref().unwrap_or(&args.host);
     if !token_required
         && tls.is_none()
