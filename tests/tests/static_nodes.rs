@@ -223,9 +223,11 @@ async fn a_static_node_is_not_sent_the_cluster_token_unless_told() {
         ids.sort();
         ids
     };
-    eventually("only `told` in the view", Duration::from_secs(20), async || {
-        listed().await == ["told"]
-    })
+    eventually(
+        "only `told` in the view",
+        Duration::from_secs(20),
+        async || listed().await == ["told"],
+    )
     .await;
     // Scrapes keep coming (every 100 ms), and the unnamed node stays out.
     tokio::time::sleep(Duration::from_millis(800)).await;

@@ -49,7 +49,12 @@ async fn under_mutual_tls_across_hosts_nothing_sensitive_crosses_in_clear_and_st
         },
     )
     .await;
-    for url in c.nodes.iter().map(|n| &n.http).chain([&c.gateway.http, &c.gateway.admin]) {
+    for url in c
+        .nodes
+        .iter()
+        .map(|n| &n.http)
+        .chain([&c.gateway.http, &c.gateway.admin])
+    {
         assert!(url.starts_with("https://"), "{url}");
     }
 

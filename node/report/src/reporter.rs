@@ -177,11 +177,12 @@ impl Reporter {
         options: ReporterOptions,
     ) -> Result<ReporterHandle, ReportError> {
         let given = gateway_addr.into();
-        let endpoint = pd_tls::grpc_endpoint(&given, options.tls.as_ref())
-            .map_err(|source| ReportError::InvalidAddress {
+        let endpoint = pd_tls::grpc_endpoint(&given, options.tls.as_ref()).map_err(|source| {
+            ReportError::InvalidAddress {
                 addr: given.clone(),
                 source,
-            })?;
+            }
+        })?;
         let addr = endpoint.uri().to_string().trim_end_matches('/').to_owned();
         let endpoint = endpoint
             .connect_timeout(options.connect_timeout)

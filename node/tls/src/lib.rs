@@ -32,8 +32,8 @@ mod listener;
 
 pub use listener::TlsListener;
 pub use tokio_rustls::client::TlsStream as ClientStream;
-pub use {rustls, tokio_rustls};
 pub use tokio_rustls::server::TlsStream as ServerStream;
+pub use {rustls, tokio_rustls};
 
 /// How long a peer may take to finish its handshake after connecting.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
