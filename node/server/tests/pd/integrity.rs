@@ -162,9 +162,10 @@ async fn spliced_params_with_another_leases_blocks_never_reach_the_answer_or_the
     .await;
 }
 
-/// Who may read a pool: a producer with a cluster token refuses side-channel calls without it
-/// (`UNAUTHENTICATED`, counted), so a decode node outside the cluster cannot handshake, read or
-/// touch leases; one with the token pulls as usual.
+/// Who may read a pool: a decode node outside the cluster (without its token) refuses the
+/// params before any call, its prompt binding keyed otherwise; a caller without the token is
+/// refused by the producer's side channel (`UNAUTHENTICATED`, counted), so it cannot
+/// handshake, read or touch leases; a node with the token pulls as usual.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_side_channel_requires_the_cluster_token() {
     let dir = model("token");
@@ -181,12 +182,26 @@ async fn the_side_channel_requires_the_cluster_token() {
     let want = seen(api, post(&solo.http, api.path(), &body).await).await;
 
     let mut db = body.clone();
-    db["kv_transfer_params"] = prefill(&p, api, &body).await;
+    let params = prefill(&p, api, &body).await;
+    db["kv_transfer_params"] = params.clone();
     let r = post(&outsider.http, api.path(), &db).await;
-    assert_eq!(r.status(), 500);
+    assert_eq!(r.status(), 400);
     let text = r.text().await.unwrap();
-    assert!(text.contains("handshake_refused"), "{text}");
-    assert!(text.contains("cluster token"), "{text}");
+    assert!(text.contains("remote_prompt_hash"), "{text}");
+    let side_channel = format!(
+        "http://{}:{}",
+        params["remote_host"].as_str().unwrap(),
+        params["remote_port"]
+    );
+    let mut caller = pd_kv_transfer::peer::PeerClient::connect(&side_channel, "d9", None)
+        .await
+        .unwrap();
+    let err = caller
+        .confirm(pd_kv_pool::LeaseId(1), 1)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("cluster token"), "{err}");
     assert!(metric(&p, "pd_kv_side_channel_refused_total").await >= 1.0);
     assert_eq!(
         metric(&outsider, "pd_node_kv_pulled_tokens_total").await,
