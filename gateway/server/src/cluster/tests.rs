@@ -1,6 +1,7 @@
 //! The cluster view's tests: joins, views, open-request counting.
 
 use super::*;
+use std::sync::atomic::AtomicU32;
 
 fn entry(conn: ConnId, engine_id: &str, model: &str, source: &'static str) -> NodeEntry {
     NodeEntry {
