@@ -131,6 +131,16 @@ impl PolicySlot {
         }
     }
 
+    /// A slot serving `current` that rolls back to `previous`: the slot a restarted gateway
+    /// rebuilds from its state store.
+    pub fn restored(current: Installed, previous: Option<Installed>) -> Self {
+        PolicySlot {
+            current: ArcSwap::from_pointee(current),
+            previous: ArcSwapOption::new(previous.map(Arc::new)),
+            writer: Mutex::new(()),
+        }
+    }
+
     /// The policy serving now (cheap; hold it only for one decision).
     pub fn current(&self) -> Guard<Arc<Installed>> {
         self.current.load()

@@ -42,6 +42,35 @@ pub struct Admin {
     pub cluster: Arc<Cluster>,
     /// Defaults for pushed policies.
     pub defaults: PolicySpec,
+    /// Saves the policy slot at every change (`--state-dir`); none: memory only.
+    pub keeper: Option<crate::state::policy::PolicyKeeper>,
+    /// Records drains (`--state-dir`); none: memory only.
+    pub state: Option<crate::state::State>,
+}
+
+impl Admin {
+    /// Installs `p`, saved first when there is a state store (`component`: its bytes).
+    ///
+    /// # Errors
+    /// The store's error: nothing was installed.
+    async fn install(
+        &self,
+        p: Installed,
+        component: Option<Vec<u8>>,
+    ) -> Result<(), crate::state::StateError> {
+        let slot = self.router.slot();
+        let _held = match &self.keeper {
+            Some(k) => {
+                let held = k.lock().await;
+                k.save(&p, Some(&slot.current_arc()), component).await?;
+                Some(held)
+            }
+            None => None,
+        };
+        slot.install(p);
+        self.router.publish_info();
+        Ok(())
+    }
 }
 
 fn error(status: StatusCode, message: impl std::fmt::Display) -> Response {
@@ -265,7 +294,7 @@ async fn push(
             Ok(s) => s,
             Err(e) => return error(StatusCode::BAD_REQUEST, e),
         };
-        match a.compile(body, spec).await {
+        match a.compile(body.clone(), spec).await {
             Ok(p) => p,
             Err(e) => {
                 warn!("policy push refused: {e}");
@@ -274,14 +303,35 @@ async fn push(
         }
     };
     let described = describe(&installed);
-    a.router.slot().install(installed);
-    a.router.publish_info();
+    let component = installed.sha256().map(|_| body.to_vec());
+    if let Err(e) = a.install(installed, component).await {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("policy not installed: the state store did not save it: {e}"),
+        );
+    }
     info!(policy = %described, "policy installed");
     axum::Json(json!({"current": described})).into_response()
 }
 
 async fn rollback(State(a): State<Admin>) -> Response {
-    match a.router.slot().rollback() {
+    let slot = a.router.slot();
+    let _held = match &a.keeper {
+        Some(k) => {
+            let held = k.lock().await;
+            if let Some(previous) = slot.previous()
+                && let Err(e) = k.save(&previous, Some(&slot.current_arc()), None).await
+            {
+                return error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("policy not rolled back: the state store did not save it: {e}"),
+                );
+            }
+            Some(held)
+        }
+        None => None,
+    };
+    match slot.rollback() {
         Ok(()) => {
             a.router.publish_info();
             let current = describe(&a.router.slot().current());
@@ -411,6 +461,15 @@ async fn drain(
 ) -> Response {
     let on = q.get("on").is_none_or(|v| v != "false");
     if a.cluster.set_draining(&engine_id, on) {
+        if let Some(state) = &a.state
+            && let Err(e) = state.set_drain(&engine_id, on).await
+        {
+            // Applied here, but a restart would not remember it: say so.
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("drain applied but not saved: the state store did not answer: {e}"),
+            );
+        }
         axum::Json(json!({"engine_id": engine_id, "draining": on})).into_response()
     } else {
         error(StatusCode::NOT_FOUND, format!("no live node `{engine_id}`"))
@@ -434,11 +493,13 @@ pub async fn watch_policy_file(admin: Admin, path: PathBuf, spec: PolicySpec) {
             warn!(path = %path.display(), "policy file unreadable; keeping the current policy");
             continue;
         };
-        match admin.compile(bytes.into(), spec.clone()).await {
+        match admin.compile(bytes.clone().into(), spec.clone()).await {
             Ok(p) => {
                 let d = describe(&p);
-                admin.router.slot().install(p);
-                admin.router.publish_info();
+                if let Err(e) = admin.install(p, Some(bytes)).await {
+                    warn!(path = %path.display(), "policy file changed but was not installed: {e}");
+                    continue;
+                }
                 info!(path = %path.display(), policy = %d, "policy file changed: installed");
             }
             Err(e) => {

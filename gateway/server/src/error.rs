@@ -38,6 +38,13 @@ pub enum GatewayError {
     /// `previous_response_id` names no stored response (404).
     #[error("{0}")]
     PreviousResponseNotFound(String),
+    /// The state store did not answer when a response this gateway does not hold in memory
+    /// had to be read from it (a `previous_response_id`, `GET` or `DELETE /v1/responses/{id}`)
+    /// (503). Requests that need no stored state are served as usual.
+    #[error(
+        "Stored responses are unavailable right now (the gateway's state store does not answer: {0}); requests without previous_response_id are served. Retry later, or send the whole conversation in `input`."
+    )]
+    StateUnavailable(String),
     /// `GET` or `DELETE /v1/responses/{id}` of a response not stored (never was, `store: false`,
     /// evicted, expired or deleted) (404).
     #[error("Response with id '{0}' not found.")]
@@ -221,6 +228,7 @@ impl GatewayError {
             | Self::Node { .. }
             | Self::BadGateway(_)
             | Self::Timeout { .. } => ErrorSource::Upstream,
+            Self::StateUnavailable(_) => ErrorSource::Internal,
             Self::Rejected { .. } | Self::PolicyFailed { .. } => ErrorSource::Policy,
             Self::Internal(_) => ErrorSource::Internal,
         }
@@ -238,7 +246,7 @@ impl GatewayError {
             Self::ReadTimeout { .. } => 408,
             Self::PayloadTooLarge { .. } => 413,
             Self::Overloaded(_) => 429,
-            Self::NoCapacity { .. } | Self::PolicyFailed { .. } => 503,
+            Self::NoCapacity { .. } | Self::PolicyFailed { .. } | Self::StateUnavailable(_) => 503,
             Self::Rejected { status, .. } | Self::Node { status, .. } => *status,
             Self::BadGateway(NodeFailure::Silent { .. }) | Self::Timeout { .. } => 504,
             Self::BadGateway(_) => 502,
@@ -293,6 +301,7 @@ impl GatewayError {
                 ("service_unavailable_error", Some("no_capacity"))
             }
             Self::BadGateway(_) | Self::Node { .. } => ("upstream_error", None),
+            Self::StateUnavailable(_) => ("service_unavailable_error", Some("state_unavailable")),
             Self::Internal(_) => ("internal_error", None),
         };
         let param = match self {

@@ -25,6 +25,8 @@
 //! - [`admin`]: the operator's API (policy push, rollback, dry-run, decisions, nodes).
 //! - [`cases`], [`replay`], [`template`]: the policy author's tools (`pd-gateway policy test`,
 //!   `replay`, `new`), which run policies here, without a cluster.
+//! - [`state`]: what outlives the process (responses, the policy slot, drains, a minted token)
+//!   behind one interface, with an embedded store (`--state-dir`).
 //! - [`metrics`]: Prometheus metrics.
 //! - [`secret`]: checking API keys and tokens.
 //! - [`upstream`]: the pooled HTTP/1 client the request path calls nodes with.
@@ -54,6 +56,7 @@ pub mod replay;
 pub mod route;
 pub mod secret;
 pub mod spread;
+pub mod state;
 pub mod static_node;
 pub mod template;
 pub mod tokenizer_api;

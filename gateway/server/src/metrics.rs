@@ -89,6 +89,8 @@ pub struct Metrics {
     pub responses_stored_bytes: IntGauge,
     /// `/v1/responses` turns dropped to stay within the store's bytes.
     pub responses_evicted: IntCounter,
+    /// Calls to the state store (`--state-dir`), by operation and outcome (`ok`, `error`).
+    pub state_calls: IntCounterVec,
 }
 
 const LATENCY_BUCKETS: &[f64] = &[
@@ -306,6 +308,11 @@ impl Metrics {
             responses_evicted: counter(
                 "pd_gateway_responses_evicted_total",
                 "/v1/responses turns dropped to stay within the store's bytes.",
+            ),
+            state_calls: counters(
+                "pd_gateway_state_calls_total",
+                "Calls to the gateway's state store, by operation and outcome (ok, error).",
+                &["op", "outcome"],
             ),
             registry,
         }

@@ -24,6 +24,10 @@ use crate::error::chain;
 
 /// The header naming a request across the gateway's and the nodes' logs.
 pub const REQUEST_ID: &str = "x-request-id";
+/// The header naming the gateway a request came through (its registry's `gateway_id`): a
+/// producer tags the lease it grants for the request with it and releases the lease when this
+/// gateway's registry stream ends, so a dead gateway's leases do not wait for their expiry.
+pub const GATEWAY_ID: &str = "x-pd-gateway-id";
 
 /// Pooled keep-alive HTTP/1 to the nodes; each request carries the bearer key its node takes
 /// ([`crate::cluster::NodeRef::bearer`]: the cluster token for registered nodes, what the
@@ -34,6 +38,8 @@ pub struct NodeClient {
     client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     /// `http://` or `https://`.
     scheme: &'static str,
+    /// This gateway's id, sent as [`GATEWAY_ID`] on every request (none: not sent).
+    gateway_id: Option<HeaderValue>,
 }
 
 /// `Bearer {key}` as a header value kept out of logs.
@@ -86,7 +92,19 @@ impl NodeClient {
             .pool_idle_timeout(Duration::from_secs(90))
             .pool_max_idle_per_host(1024)
             .build(connector);
-        Self { client, scheme }
+        Self {
+            client,
+            scheme,
+            gateway_id: None,
+        }
+    }
+
+    /// Names this gateway on every request ([`GATEWAY_ID`]); an id that is no header value is
+    /// not sent.
+    #[must_use]
+    pub fn with_gateway_id(mut self, id: &str) -> Self {
+        self.gateway_id = HeaderValue::from_str(id).ok();
+        self
     }
 
     /// `POST http://{addr}{path}` with a JSON `body`, `Authorization: {bearer}` when given;
@@ -117,6 +135,9 @@ impl NodeClient {
         }
         if let Some(id) = request_id {
             req = req.header(REQUEST_ID, id);
+        }
+        if let Some(g) = &self.gateway_id {
+            req = req.header(GATEWAY_ID, g.clone());
         }
         let resp = self.client.request(req.body(Full::new(body))?).await?;
         Ok(NodeResponse(resp))

@@ -26,6 +26,7 @@ use crate::metrics::{Metrics, scrape};
 use crate::process::{Proc, WorkDir};
 
 mod admin;
+mod restart;
 mod tls;
 
 pub use tls::Certs;
@@ -292,6 +293,17 @@ pub fn tiny_model(dir: &WorkDir) -> PathBuf {
     out
 }
 
+/// The ports a gateway listens on (0: any free one).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GatewayPorts {
+    /// The OpenAI API's.
+    pub http: u16,
+    /// The node registry's.
+    pub registry: u16,
+    /// The admin API's.
+    pub admin: u16,
+}
+
 /// A running `pd-gateway`.
 #[derive(Debug)]
 pub struct Gateway {
@@ -317,16 +329,28 @@ impl Gateway {
     /// [`Gateway::start`] on `host`: every port on every interface there (the admin API too,
     /// for the test), its addresses as the test process reaches them.
     pub fn start_on(dir: &WorkDir, extra: &[String], host: Option<Host>) -> Self {
+        Self::start_at(dir, extra, host, GatewayPorts::default())
+    }
+
+    /// [`Gateway::start_on`] on these ports (a restarted gateway takes its predecessor's).
+    pub fn start_at(
+        dir: &WorkDir,
+        extra: &[String],
+        host: Option<Host>,
+        ports: GatewayPorts,
+    ) -> Self {
         let place = host.as_ref().map_or(Place::Local, Place::On);
         let (mut cmd, _) = place.command(&bins::pd_gateway());
+        let [http, registry, admin] =
+            [ports.http, ports.registry, ports.admin].map(|p| p.to_string());
         cmd.args([
             "serve",
             "--port",
-            "0",
+            &http,
             "--registry-port",
-            "0",
+            &registry,
             "--admin-port",
-            "0",
+            &admin,
         ])
         .args([
             "--admin-token",

@@ -129,6 +129,9 @@ pub struct ClusterState {
     /// Nodes out of the view whose requests still wait on them, until they come back or
     /// [`Cluster::cut_departed`] gives up on them.
     departed: Vec<Departed>,
+    /// Engine ids the operator drained: a node of one of them is draining from the moment it
+    /// (re)joins, until the operator says otherwise.
+    drained: HashSet<Arc<str>>,
 }
 
 /// A node process that left the view: its requests' token, and since when.
@@ -454,7 +457,8 @@ impl Cluster {
             }
             false
         });
-        info!(engine_id = %entry.engine_id, role = ?entry.role, model = %entry.model, http = %entry.http_addr, "node joined");
+        entry.draining = state.drained.contains(&entry.engine_id);
+        info!(engine_id = %entry.engine_id, role = ?entry.role, model = %entry.model, http = %entry.http_addr, draining = entry.draining, "node joined");
         state.nodes.insert(entry.conn, entry);
         self.publish_peers(state);
         Ok(())
@@ -547,9 +551,19 @@ impl Cluster {
         true
     }
 
-    /// Marks a node as draining or not; false when no live node has that engine id.
+    /// Marks a node as draining or not, from now and whenever it joins again; false (and
+    /// nothing recorded) when no live node has that engine id.
     pub fn set_draining(&self, engine_id: &str, draining: bool) -> bool {
         let mut state = self.write();
+        let known = state.nodes.values().any(|n| &*n.engine_id == engine_id);
+        if !known {
+            return false;
+        }
+        if draining {
+            state.drained.insert(Arc::from(engine_id));
+        } else {
+            state.drained.remove(engine_id);
+        }
         let mut found = false;
         for n in state.nodes.values_mut() {
             if &*n.engine_id == engine_id {
@@ -558,6 +572,13 @@ impl Cluster {
             }
         }
         found
+    }
+
+    /// The engine ids the operator drained ([`Cluster::set_draining`]), restored from the
+    /// state store at start: their nodes join draining.
+    pub fn restore_drains(&self, engine_ids: impl IntoIterator<Item = String>) {
+        let mut state = self.write();
+        state.drained.extend(engine_ids.into_iter().map(Arc::from));
     }
 
     /// Connections silent for longer than `timeout`.

@@ -20,9 +20,13 @@
 //!   delete or `previous_response_id` finds nothing, as on OpenAI, where responses belong to a
 //!   project.
 //!
+//! With a state store ([`crate::state`]) every stored turn is also written there, evictions
+//! forget it there too, and a turn memory lacks is read back from it (`durable.rs`).
+//!
 //! Neither talks to nodes: the proxy reads holdings into the policy's view and acts on the
 //! policy's `reverse-pull`; leases are released through `lease.rs`.
 
+mod durable;
 mod holdings;
 mod items;
 #[cfg(test)]

@@ -58,7 +58,7 @@ pub struct Deleted {
 /// Who stored a response: the SHA-256 of the bearer key its request came with (the key itself
 /// is not kept), or nobody (no key). Only the same owner reads, deletes or continues it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct Owner(Option<[u8; 32]>);
+pub struct Owner(pub(super) Option<[u8; 32]>);
 
 impl Owner {
     /// Nobody: a request without a bearer key.
@@ -89,23 +89,23 @@ pub struct NewTurn<'a> {
 
 /// One `/v1/responses` turn.
 #[derive(Debug, Clone)]
-struct StoredTurn {
+pub(super) struct StoredTurn {
     /// Who stored it.
-    owner: Owner,
+    pub(super) owner: Owner,
     /// The response this one continued (`previous_response_id`).
-    parent: Option<Arc<str>>,
+    pub(super) parent: Option<Arc<str>>,
     /// This turn's own input items, then the answer's output items.
-    items: Vec<Value>,
+    pub(super) items: Vec<Value>,
     /// How many of `items` are this turn's input.
-    inputs: usize,
+    pub(super) inputs: usize,
     /// The response object as the client got it (`Value::Null`: not kept).
-    response: Value,
+    pub(super) response: Value,
     /// The key ([`Holding::last_hash`]) of the retained KV a node kept of this turn, if any.
-    held: Option<u64>,
-    bytes: usize,
-    stored_at: Instant,
+    pub(super) held: Option<u64>,
+    pub(super) bytes: usize,
+    pub(super) stored_at: Instant,
     /// Least-recently-used stamp (key of its owner's `Usage::lru`).
-    stamp: u64,
+    pub(super) stamp: u64,
 }
 
 /// Why a conversation cannot be rebuilt.
@@ -137,17 +137,17 @@ pub struct IdTaken(pub String);
 #[derive(Debug)]
 pub struct ResponseStore {
     inner: Mutex<StoreInner>,
-    max_bytes: usize,
-    ttl: Duration,
+    pub(super) max_bytes: usize,
+    pub(super) ttl: Duration,
 }
 
 #[derive(Debug, Default)]
-struct StoreInner {
-    turns: HashMap<Arc<str>, StoredTurn>,
+pub(super) struct StoreInner {
+    pub(super) turns: HashMap<Arc<str>, StoredTurn>,
     /// Per owner: bytes held and turns by least-recently-used stamp.
     owners: HashMap<Owner, Usage>,
-    bytes: usize,
-    stamp: u64,
+    pub(super) bytes: usize,
+    pub(super) stamp: u64,
 }
 
 /// What one owner holds.
@@ -159,7 +159,7 @@ struct Usage {
 
 impl StoreInner {
     /// Stores `turn` under `key` (replacing the same owner's turn of that id).
-    fn insert(&mut self, key: Arc<str>, turn: StoredTurn) {
+    pub(super) fn insert(&mut self, key: Arc<str>, turn: StoredTurn) {
         self.remove(&key);
         let usage = self.owners.entry(turn.owner).or_default();
         usage.bytes += turn.bytes;
@@ -169,7 +169,7 @@ impl StoreInner {
     }
 
     /// Forgets turn `id`.
-    fn remove(&mut self, id: &str) -> Option<StoredTurn> {
+    pub(super) fn remove(&mut self, id: &str) -> Option<StoredTurn> {
         let t = self.turns.remove(id)?;
         self.bytes -= t.bytes;
         if let Some(usage) = self.owners.get_mut(&t.owner) {
@@ -196,14 +196,14 @@ impl StoreInner {
     }
 
     /// The least recently used turn of the owner holding the most bytes.
-    fn victim(&self) -> Option<Arc<str>> {
+    pub(super) fn victim(&self) -> Option<Arc<str>> {
         let usage = self.owners.values().max_by_key(|u| u.bytes)?;
         usage.lru.first_key_value().map(|(_, id)| id.clone())
     }
 }
 
 /// Turns walked back at most when rebuilding one conversation.
-const MAX_TURNS: usize = 10_000;
+pub(super) const MAX_TURNS: usize = 10_000;
 
 impl ResponseStore {
     /// A store of at most `max_bytes` (serialized items) whose turns live at most `ttl`.
@@ -215,7 +215,7 @@ impl ResponseStore {
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, StoreInner> {
+    pub(super) fn lock(&self) -> MutexGuard<'_, StoreInner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -231,6 +231,15 @@ impl ResponseStore {
     /// # Errors
     /// [`IdTaken`] when another owner's response holds `id`: it is kept, this one is not.
     pub fn put(&self, id: &str, turn: NewTurn<'_>) -> Result<u64, IdTaken> {
+        self.put_evicting(id, turn).map(|gone| gone.len() as u64)
+    }
+
+    /// [`ResponseStore::put`], returning the ids of the turns evicted to make room (for the
+    /// state store to forget too).
+    ///
+    /// # Errors
+    /// As [`ResponseStore::put`].
+    pub fn put_evicting(&self, id: &str, turn: NewTurn<'_>) -> Result<Vec<Arc<str>>, IdTaken> {
         let NewTurn {
             owner,
             parent,
@@ -249,7 +258,7 @@ impl ResponseStore {
             return Err(IdTaken(id.to_owned()));
         }
         if bytes > self.max_bytes {
-            return Ok(0);
+            return Ok(Vec::new());
         }
         s.stamp += 1;
         let stamp = s.stamp;
@@ -265,13 +274,13 @@ impl ResponseStore {
             stamp,
         };
         s.insert(Arc::from(id), turn);
-        let mut evicted = 0;
+        let mut evicted = Vec::new();
         while s.bytes > self.max_bytes {
             let Some(victim) = s.victim() else {
                 break;
             };
             s.remove(&victim);
-            evicted += 1;
+            evicted.push(victim);
         }
         Ok(evicted)
     }

@@ -89,6 +89,13 @@ impl Gateway {
             Some((id, sub)) => (id, Some(sub)),
             None => (rest, None),
         };
+        if self.0.state.is_some()
+            && store.input_items(id, owner).is_none()
+            && let Err(e) = self.fill_responses(id).await
+        {
+            respond_error(session, &e).await;
+            return;
+        }
         let answer = match (method, sub) {
             ("GET", None) => store.response(id, owner).map(|r| r.to_string()),
             ("GET", Some("input_items")) => {
@@ -103,17 +110,21 @@ impl Gateway {
                     }
                 }
             }
-            ("DELETE", None) => store.delete(id, owner).map(|deleted| {
-                // The KV a node still retains of that turn goes with it.
-                if let Some(h) = deleted.held.and_then(|key| self.0.holdings.remove(key)) {
-                    self.release(Some(&h.params), "response_deleted");
-                    self.0
-                        .metrics
-                        .conversation_holdings
-                        .set(self.0.holdings.len() as i64);
+            ("DELETE", None) => {
+                if let Some(state) = &self.0.state
+                    && store.input_items(id, owner).is_some()
+                {
+                    // Gone from the store first: a restart must not bring it back.
+                    let r = state.delete_turns(&[id.to_owned()]).await;
+                    self.count_state("delete_turns", &r);
+                    if let Err(e) = r {
+                        let e = GatewayError::StateUnavailable(e.to_string());
+                        respond_error(session, &e).await;
+                        return;
+                    }
                 }
-                json!({"id": id, "object": "response", "deleted": true}).to_string()
-            }),
+                self.delete_response(id, owner)
+            }
             _ => {
                 let e = GatewayError::UnknownRoute {
                     method: method.to_owned(),
@@ -131,6 +142,22 @@ impl Gateway {
             Some(body) => respond(session, 200, "application/json", body.into()).await,
             None => respond_error(session, &GatewayError::ResponseNotFound(id.to_owned())).await,
         }
+    }
+
+    /// `DELETE /v1/responses/{id}` in memory: the answer's body when `owner` stored it; the
+    /// KV a node still retains of that turn is released with it.
+    fn delete_response(&self, id: &str, owner: Owner) -> Option<String> {
+        self.0.responses.delete(id, owner).map(|deleted| {
+            // The KV a node still retains of that turn goes with it.
+            if let Some(h) = deleted.held.and_then(|key| self.0.holdings.remove(key)) {
+                self.release(Some(&h.params), "response_deleted");
+                self.0
+                    .metrics
+                    .conversation_holdings
+                    .set(self.0.holdings.len() as i64);
+            }
+            json!({"id": id, "object": "response", "deleted": true}).to_string()
+        })
     }
 
     /// vLLM's `/tokenize`, `/detokenize`, `/tokenizer_info`, answered here

@@ -105,6 +105,9 @@ pub struct Shared {
     pub holdings: Arc<Holdings>,
     /// `/v1/responses` turns, for `previous_response_id`.
     pub responses: Arc<ResponseStore>,
+    /// Where stored responses also go, and are read back from when memory lacks them
+    /// (`--state-dir`); none: memory only.
+    pub state: Option<crate::state::State>,
     /// How many generation requests are served at once.
     pub admission: Admission,
     /// Requests open now, and whether the gateway drains (`SIGTERM`).

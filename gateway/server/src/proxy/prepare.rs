@@ -151,7 +151,10 @@ impl Gateway {
             return Err(GatewayError::ModelNotFound(model.clone()));
         }
         let turn = match api {
-            Api::Responses => Some(self.responses_turn(&mut body, Owner::of(bearer_key(session)))?),
+            Api::Responses => Some(
+                self.responses_turn(&mut body, Owner::of(bearer_key(session)))
+                    .await?,
+            ),
             _ => None,
         };
         let mut analyzed = openai::analyze(api, &body, session_key.as_deref())?;
@@ -294,7 +297,7 @@ impl Gateway {
     /// A `/v1/responses` request: what to store with its answer; with `previous_response_id`,
     /// its `input` becomes the stored conversation followed by the new items (the field itself
     /// is removed: the nodes keep no conversations).
-    fn responses_turn(
+    async fn responses_turn(
         &self,
         body: &mut Map<String, Value>,
         owner: Owner,
@@ -315,11 +318,14 @@ impl Gateway {
             }
         };
         if let Some(id) = &parent {
-            let mut items = self
-                .0
-                .responses
-                .history(id, owner)
-                .map_err(|e| GatewayError::PreviousResponseNotFound(e.to_string()))?;
+            let mut history = self.0.responses.history(id, owner);
+            if history.is_err() && self.0.state.is_some() {
+                // Not in memory: this gateway restarted, or another replica answered it.
+                self.fill_responses(id).await?;
+                history = self.0.responses.history(id, owner);
+            }
+            let mut items =
+                history.map_err(|e| GatewayError::PreviousResponseNotFound(e.to_string()))?;
             items.extend(input.iter().cloned());
             body.insert("input".into(), Value::Array(items));
         }

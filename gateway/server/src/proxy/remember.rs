@@ -2,6 +2,8 @@
 //! its block hashes), the earlier turn it continues retired, a `/v1/responses` answer stored
 //! for `previous_response_id`.
 
+use std::sync::Arc;
+
 use serde_json::Value;
 
 use super::Gateway;
@@ -9,6 +11,7 @@ use super::exchange::{Outcome, Progress};
 use super::prepare::Prepared;
 use crate::conversation::{self, Holding, NewTurn};
 use crate::error::GatewayError;
+use crate::state::StateError;
 
 impl Gateway {
     /// What a request that ended with `outcome` leaves behind. A batch's answers are several
@@ -63,7 +66,7 @@ impl Gateway {
         {
             let output = conversation::output_items(&response);
             let kept = conversation::as_retrieved(&response, turn.parent.as_deref());
-            let stored = s.responses.put(
+            let stored = s.responses.put_evicting(
                 id,
                 NewTurn {
                     owner: turn.owner,
@@ -75,11 +78,63 @@ impl Gateway {
                 },
             );
             match stored {
-                Ok(evicted) => m.responses_evicted.inc_by(evicted),
+                Ok(evicted) => {
+                    m.responses_evicted.inc_by(evicted.len() as u64);
+                    self.persist_turn(id, evicted);
+                }
                 // A node answered with an id another key's response holds: that one stays.
                 Err(taken) => tracing::warn!("response not stored: {taken}"),
             }
             m.responses_stored_bytes.set(s.responses.bytes() as i64);
         }
+    }
+
+    /// Counts a state store call's outcome.
+    pub(super) fn count_state<T>(&self, op: &str, r: &Result<T, StateError>) {
+        let outcome = if r.is_ok() { "ok" } else { "error" };
+        self.0
+            .metrics
+            .state_calls
+            .with_label_values(&[op, outcome])
+            .inc();
+        if let Err(e) = r {
+            tracing::warn!(op, error = %e, "state store call failed");
+        }
+    }
+
+    /// Makes memory hold response `id` and the turns it continues, reading what it lacks from
+    /// the state store (a restart, or another replica answered them). Nothing without one.
+    ///
+    /// # Errors
+    /// [`GatewayError::StateUnavailable`] when the store does not answer.
+    pub(super) async fn fill_responses(&self, id: &str) -> Result<(), GatewayError> {
+        let Some(state) = &self.0.state else {
+            return Ok(());
+        };
+        let r = self.0.responses.fill_from(state, id).await;
+        self.count_state("read_turn", &r);
+        r.map(|_| ())
+            .map_err(|e| GatewayError::StateUnavailable(e.to_string()))
+    }
+
+    /// Writes response `id` to the state store and forgets the `evicted` ones there, behind
+    /// the answer (a failure is counted and logged: the turn stays in memory).
+    fn persist_turn(&self, id: &str, evicted: Vec<Arc<str>>) {
+        let Some(state) = self.0.state.clone() else {
+            return;
+        };
+        let record = self.0.responses.record(id);
+        let (id, me) = (id.to_owned(), self.clone());
+        tokio::spawn(async move {
+            if let Some(record) = record {
+                let r = state.put_turn(&id, &record).await;
+                me.count_state("write_turn", &r);
+            }
+            if !evicted.is_empty() {
+                let ids: Vec<String> = evicted.iter().map(|e| e.to_string()).collect();
+                let r = state.delete_turns(&ids).await;
+                me.count_state("delete_turns", &r);
+            }
+        });
     }
 }

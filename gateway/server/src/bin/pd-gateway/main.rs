@@ -37,6 +37,7 @@ use rand::Rng;
 use tracing::info;
 
 mod policy_cmd;
+mod state;
 
 use policy_cmd::{PolicyCommand, policy_local};
 
@@ -254,6 +255,13 @@ struct ServeArgs {
     /// least as long as the nodes' `--kv-retain-after-decode`.
     #[arg(long, default_value_t = 3600)]
     responses_ttl_secs: u64,
+    /// A directory for the state that outlives the process (also PD_STATE_DIR): stored
+    /// responses (within --responses-ttl-secs and --responses-store-mib), the policy slot as
+    /// pushed or rolled back, the operator's drains, a minted cluster token. One file,
+    /// `state.redb`, private to the gateway (0600); one gateway process at a time. Without it
+    /// all of these are lost at exit.
+    #[arg(long, env = "PD_STATE_DIR", value_name = "DIR")]
+    state_dir: Option<PathBuf>,
     /// Generation and tokenizer requests served at once; beyond it they wait for a slot
     /// (0: no limit). A completions request listing several prompts takes as many slots.
     #[arg(long, default_value_t = pd_gateway::admission::DEFAULT_MAX_CONCURRENT)]
@@ -393,8 +401,13 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         },
     };
     let log = Arc::new(log);
+    let state = state::open(args.state_dir.as_deref())?;
+    let slot = match &state {
+        Some(st) => state::slot(st, &engine, initial, args.policy.as_deref())?,
+        None => PolicySlot::new(initial),
+    };
     let router = Arc::new(Router::new(
-        PolicySlot::new(initial),
+        slot,
         args.on_policy_failure,
         metrics.clone(),
         log.clone(),
@@ -439,7 +452,15 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     } else {
         info!(keys = api_keys.len(), "/v1/ requires an API key");
     }
-    let cluster_token = configured_cluster_token.unwrap_or_else(random_token);
+    let cluster_token = match (configured_cluster_token, &state) {
+        (Some(t), _) => t,
+        // Minted once: nodes keep the token across the gateway's restarts.
+        (None, Some(st)) => state::cluster_token(st, random_token())?,
+        (None, None) => random_token(),
+    };
+    if let Some(st) = &state {
+        state::drains(st, &cluster)?;
+    }
 
     let bind = |host: &str, port: u16| -> anyhow::Result<TcpListener> {
         let l = TcpListener::bind((host.trim_start_matches('[').trim_end_matches(']'), port))
@@ -539,7 +560,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         timeout: Duration::from_millis((args.node_timeout_ms / 4).clamp(50, 2000)),
     };
     let static_cluster = cluster.clone();
-    let http = pd_gateway::upstream::NodeClient::new(tls.as_ref());
+    let gateway_id = format!("pd-gateway-{}", random_token());
+    let http = pd_gateway::upstream::NodeClient::new(tls.as_ref()).with_gateway_id(&gateway_id);
     let drain = Arc::new(Drain::default());
     let shared = Arc::new(Shared {
         cluster: cluster.clone(),
@@ -552,6 +574,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             args.responses_store_mib << 20,
             Duration::from_secs(args.responses_ttl_secs),
         )),
+        state: state.clone(),
         admission: Admission::new(
             args.max_concurrent_requests,
             args.max_queued_requests,
@@ -575,7 +598,15 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         router: router.clone(),
         cluster: cluster.clone(),
         defaults: spec.clone(),
+        keeper: state
+            .clone()
+            .map(|st| pd_gateway::state::policy::PolicyKeeper::new(st, args.policy.clone())),
+        state: state.clone(),
     };
+    let sweep = state.clone().map(|st| {
+        let ttl = Duration::from_secs(args.responses_ttl_secs);
+        state::sweep(st, ttl, (args.responses_store_mib as u64) << 20)
+    });
 
     // The control plane (registry, admin API, policy file watcher) runs on its own runtime, so
     // request load never delays a node's registration or an operator's push.
@@ -583,7 +614,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         cluster,
         metrics.clone(),
         RegistryConfig {
-            gateway_id: format!("pd-gateway-{}", random_token()),
+            gateway_id,
             cluster_token,
             token_required,
             node_timeout: Duration::from_millis(args.node_timeout_ms.max(100)),
@@ -639,6 +670,9 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                     })
                     .await;
                 });
+                if let Some(sweep) = sweep {
+                    tokio::spawn(sweep);
+                }
                 if let Some((path, spec)) = watch {
                     tokio::spawn(admin::watch_policy_file(admin.clone(), path, spec));
                 }

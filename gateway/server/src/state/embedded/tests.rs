@@ -1,0 +1,142 @@
+//! The embedded store against a real redb file: what is written is read back after a reopen,
+//! the sweep's bounds, and the schema version check.
+
+use std::collections::BTreeMap;
+
+use serde_json::json;
+
+use super::*;
+use crate::state::PolicyEntry;
+
+fn turn(parent: Option<&str>, at: u64) -> TurnRecord {
+    TurnRecord {
+        owner: Some("ab".repeat(32)),
+        parent: parent.map(str::to_owned),
+        items: vec![
+            json!({"role": "user", "content": "hi"}),
+            json!({"type": "message"}),
+        ],
+        inputs: 1,
+        response: json!({"id": "resp_1", "object": "response"}),
+        held: Some(7),
+        stored_unix_ms: at,
+    }
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn what_is_written_is_read_back_after_a_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    rt().block_on(async {
+        let s = Embedded::open(dir.path()).unwrap();
+        s.put_turn("resp_1", &turn(None, 10)).await.unwrap();
+        s.put_turn("resp_2", &turn(Some("resp_1"), 20))
+            .await
+            .unwrap();
+        let record = PolicyRecord {
+            generation: 3,
+            current: PolicyEntry::Wasm {
+                sha256: "00ff".into(),
+                name: "p".into(),
+                config: BTreeMap::from([("k".into(), "v".into())]),
+                deadline_us: 1000,
+                memory_limit: 1 << 20,
+                fuel: 5,
+                spares: 1,
+            },
+            previous: Some(PolicyEntry::Native {
+                name: "least-loaded".into(),
+            }),
+            saved_unix_ms: 1,
+            file_sha256: None,
+        };
+        s.put_policy(&record, &[("00ff".into(), b"wasm".to_vec())])
+            .await
+            .unwrap();
+        s.set_drain("node-a", true).await.unwrap();
+        s.set_drain("node-b", true).await.unwrap();
+        s.set_drain("node-b", false).await.unwrap();
+        assert_eq!(s.cluster_token("first").await.unwrap(), "first");
+        drop(s);
+
+        let s = Embedded::open(dir.path()).unwrap();
+        assert_eq!(
+            s.turn("resp_2").await.unwrap(),
+            Some(turn(Some("resp_1"), 20))
+        );
+        assert_eq!(s.policy().await.unwrap(), Some(record));
+        assert_eq!(
+            s.component("00ff").await.unwrap().as_deref(),
+            Some(&b"wasm"[..])
+        );
+        assert_eq!(s.drains().await.unwrap(), vec!["node-a".to_string()]);
+        // The minted token stays the first one.
+        assert_eq!(s.cluster_token("second").await.unwrap(), "first");
+        s.delete_turns(&["resp_1".into(), "nope".into()])
+            .await
+            .unwrap();
+        assert_eq!(s.turn("resp_1").await.unwrap(), None);
+    });
+    let mode = std::fs::metadata(dir.path().join(FILE_NAME)).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(mode.permissions().mode() & 0o777, 0o600);
+}
+
+#[test]
+fn the_sweep_drops_expired_turns_then_the_oldest_past_the_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    rt().block_on(async {
+        let s = Embedded::open(dir.path()).unwrap();
+        for (i, at) in [5u64, 10, 20, 30].iter().enumerate() {
+            s.put_turn(&format!("r{i}"), &turn(None, *at))
+                .await
+                .unwrap();
+        }
+        // Replacing a turn does not leave its old time behind.
+        s.put_turn("r0", &turn(None, 40)).await.unwrap();
+        assert_eq!(s.sweep_turns(11, u64::MAX).await.unwrap(), 1, "r1 expired");
+        assert!(s.turn("r1").await.unwrap().is_none());
+        assert!(s.turn("r0").await.unwrap().is_some());
+        let one = encode(&turn(None, 0)).len() as u64;
+        // Three left; room for two: the oldest (r2, at 20) goes.
+        assert_eq!(s.sweep_turns(0, 2 * one + 2).await.unwrap(), 1);
+        assert!(s.turn("r2").await.unwrap().is_none());
+        assert!(s.turn("r3").await.unwrap().is_some());
+        assert!(s.turn("r0").await.unwrap().is_some());
+        assert_eq!(s.sweep_turns(0, 0).await.unwrap(), 2);
+    });
+}
+
+#[test]
+fn a_store_of_a_newer_schema_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Embedded::open(dir.path()).unwrap();
+    let w = s.db.begin_write().unwrap();
+    {
+        let mut meta = w.open_table(META).unwrap();
+        meta.insert(SCHEMA_KEY, encode(&(SCHEMA_VERSION + 1)).as_slice())
+            .unwrap();
+    }
+    w.commit().unwrap();
+    drop(s);
+    match Embedded::open(dir.path()) {
+        Err(StateError::TooNew { found, ours }) => {
+            assert_eq!((found, ours), (SCHEMA_VERSION + 1, SCHEMA_VERSION));
+        }
+        other => panic!("expected TooNew, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_second_gateway_cannot_open_a_store_in_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let _first = Embedded::open(dir.path()).unwrap();
+    let second = Embedded::open(dir.path()).unwrap_err();
+    assert!(matches!(second, StateError::Backend(_)), "{second}");
+}
