@@ -11,9 +11,10 @@ set -euo pipefail
 # `pip download`) and python3-venv (the openai client venv of the tests and the demo); g++, the
 # host compiler nvcc preprocesses the CUDA kernels with (scripts/cuda-ptx.sh); xz-utils, which
 # packs the GPU bundle (scripts/gpu-bundle.sh, scripts/gpu-rehearse.sh); openssl, which mints
-# the cluster's TLS certificates (scripts/cluster-certs.sh), and tcpdump, which captures the
-# hosts' link in the mutual-TLS test.
-APT_PACKAGES=(curl ca-certificates pkg-config libucx-dev ucx-utils libclang-dev cmake jq python3-pip python3-venv g++ xz-utils iproute2 util-linux openssl tcpdump)
+# the cluster's TLS certificates (scripts/cluster-certs.sh), tcpdump, which captures the
+# hosts' link in the mutual-TLS test, and postgresql, the server the gateways' shared state
+# tests start (their own cluster in a test directory, not the package's service).
+APT_PACKAGES=(curl ca-certificates pkg-config libucx-dev ucx-utils libclang-dev cmake jq python3-pip python3-venv g++ xz-utils iproute2 util-linux openssl tcpdump postgresql)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -14,6 +14,7 @@
 //! - [`metrics`]: Prometheus text parsing and label-filtered sums.
 //! - [`openai`]: requests over plain HTTP, JSON and SSE answers read into one [`openai::Answer`].
 //! - [`load`]: streaming clients looping requests in the background, for changes under load.
+//! - [`postgres`]: a real PostgreSQL server for the gateways' shared state.
 //! - [`python`]: the unmodified `openai` Python package as a client (`tests/clients/`).
 //!
 //! This crate does not start anything in-process: every server under test is a separate process
@@ -29,6 +30,7 @@ pub mod k8s;
 pub mod load;
 pub mod metrics;
 pub mod openai;
+pub mod postgres;
 pub mod process;
 pub mod python;
 

@@ -164,6 +164,15 @@ impl PolicySlot {
         self.previous.store(Some(old));
     }
 
+    /// Serves `current` with `previous` as the rollback target, as another gateway saved them
+    /// (a shared state store).
+    pub fn replace(&self, current: Installed, previous: Option<Installed>) {
+        let _w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let old = self.current.swap(Arc::new(current));
+        tracing::info!(from = %old.name(), to = %self.current.load().name(), "policy replaced");
+        self.previous.store(previous.map(Arc::new));
+    }
+
     /// Goes back to the previous policy. The one rolled back from becomes the new rollback
     /// target, so a second rollback undoes the first.
     ///

@@ -581,6 +581,17 @@ impl Cluster {
         state.drained.extend(engine_ids.into_iter().map(Arc::from));
     }
 
+    /// Takes `engine_ids` as the operator's drains (another gateway changed them): live nodes
+    /// drain or resume accordingly.
+    pub fn replace_drains(&self, engine_ids: Vec<String>) {
+        let mut state = self.write();
+        state.drained = engine_ids.into_iter().map(Arc::from).collect();
+        let ClusterState { nodes, drained, .. } = &mut *state;
+        for n in nodes.values_mut() {
+            n.draining = drained.contains(&n.engine_id);
+        }
+    }
+
     /// Connections silent for longer than `timeout`.
     pub fn silent_since(&self, deadline: Instant) -> Vec<ConnId> {
         self.read()

@@ -106,6 +106,14 @@ impl ResponseStore {
         Ok(restored)
     }
 
+    /// Forgets these turns in memory only (another gateway deleted them from the store).
+    pub fn forget(&self, ids: &[String]) {
+        let mut s = self.lock();
+        for id in ids {
+            s.remove(id);
+        }
+    }
+
     /// `Some(parent)` of turn `id` when memory holds it; `None` when it does not.
     fn parent_in_memory(&self, id: &str) -> Option<Option<String>> {
         let s = self.lock();

@@ -111,10 +111,12 @@ impl Gateway {
                 }
             }
             ("DELETE", None) => {
+                let deleted = self.delete_response(id, owner);
                 if let Some(state) = &self.0.state
-                    && store.input_items(id, owner).is_some()
+                    && deleted.is_some()
                 {
-                    // Gone from the store first: a restart must not bring it back.
+                    // From the store too (which tells the other gateways): else a restart, or
+                    // another gateway, would bring it back.
                     let r = state.delete_turns(&[id.to_owned()]).await;
                     self.count_state("delete_turns", &r);
                     if let Err(e) = r {
@@ -123,7 +125,7 @@ impl Gateway {
                         return;
                     }
                 }
-                self.delete_response(id, owner)
+                deleted
             }
             _ => {
                 let e = GatewayError::UnknownRoute {

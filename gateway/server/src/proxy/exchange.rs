@@ -52,6 +52,9 @@ pub(super) struct Progress {
     pub(super) captured: Captured,
     /// An event stream's head went out: an error from now on is its last event.
     pub(super) streaming: bool,
+    /// The `/v1/responses` turn was stored before the answer's end went out
+    /// ([`super::Gateway::keep_turn_now`]).
+    pub(super) turn_kept: bool,
 }
 
 /// One request, as pingora's per-request context.
@@ -82,6 +85,7 @@ impl Exchange {
                 },
                 captured: Captured::default(),
                 streaming: false,
+                turn_kept: false,
             },
         }
     }

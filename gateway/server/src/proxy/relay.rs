@@ -84,6 +84,8 @@ impl Gateway {
                 None => body,
             };
             st.timing.answered();
+            self.keep_turn_now(req, &st.captured, &mut st.turn_kept)
+                .await;
             respond(session, status, &content_type, body).await;
             return Ok(Outcome::Ok);
         }
@@ -135,6 +137,10 @@ impl Gateway {
                     if !answered && pd_wire::sse::ends_answer(&bytes) {
                         answered = true;
                         watch = false;
+                        if let Some(sse) = &sse {
+                            self.keep_turn_now(req, &sse.captured, &mut st.turn_kept)
+                                .await;
+                        }
                     }
                     if session
                         .write_response_body(Some(bytes), false)

@@ -60,33 +60,85 @@ impl Gateway {
             s.holdings.insert(k);
         }
         m.conversation_holdings.set(s.holdings.len() as i64);
-        if let (Some(turn), Some(response)) = (req.turn.take(), captured.response)
-            && turn.store
-            && let Some(id) = response.get("id").and_then(Value::as_str)
+        if !st.turn_kept
+            && let Some(response) = &captured.response
+            && let Some((id, evicted)) = self.store_turn(req, response, held)
         {
-            let output = conversation::output_items(&response);
-            let kept = conversation::as_retrieved(&response, turn.parent.as_deref());
-            let stored = s.responses.put_evicting(
-                id,
-                NewTurn {
-                    owner: turn.owner,
-                    parent: turn.parent.as_deref(),
-                    input: turn.input,
-                    output,
-                    response: kept,
-                    held,
-                },
-            );
-            match stored {
-                Ok(evicted) => {
-                    m.responses_evicted.inc_by(evicted.len() as u64);
-                    self.persist_turn(id, evicted);
-                }
-                // A node answered with an id another key's response holds: that one stays.
-                Err(taken) => tracing::warn!("response not stored: {taken}"),
-            }
-            m.responses_stored_bytes.set(s.responses.bytes() as i64);
+            self.persist_turn(&id, evicted);
         }
+    }
+
+    /// Stores the `/v1/responses` turn `req` answered with `response` in memory (`held`: the
+    /// key of the KV a node retained of it); its id and the turns evicted for it, when kept.
+    fn store_turn(
+        &self,
+        req: &Prepared,
+        response: &Value,
+        held: Option<u64>,
+    ) -> Option<(String, Vec<Arc<str>>)> {
+        let s = &self.0;
+        let turn = req.turn.as_ref().filter(|t| t.store)?;
+        let id = response.get("id").and_then(Value::as_str)?;
+        let output = conversation::output_items(response);
+        let kept = conversation::as_retrieved(response, turn.parent.as_deref());
+        let stored = s.responses.put_evicting(
+            id,
+            NewTurn {
+                owner: turn.owner,
+                parent: turn.parent.as_deref(),
+                input: turn.input.clone(),
+                output,
+                response: kept,
+                held,
+            },
+        );
+        s.metrics
+            .responses_stored_bytes
+            .set(s.responses.bytes() as i64);
+        match stored {
+            Ok(evicted) => {
+                s.metrics.responses_evicted.inc_by(evicted.len() as u64);
+                Some((id.to_owned(), evicted))
+            }
+            // A node answered with an id another key's response holds: that one stays.
+            Err(taken) => {
+                tracing::warn!("response not stored: {taken}");
+                None
+            }
+        }
+    }
+
+    /// With a state store: stores the `/v1/responses` turn `req` answered (`captured` from its
+    /// answer) in memory and in the store, awaited, before the client gets the end of the
+    /// answer, so another gateway (or this one, restarted) finds it as soon as the client can
+    /// name it; then [`Gateway::remember`] does not store it again. A failed write is counted
+    /// and logged: the answer still goes out, the turn stays in memory.
+    pub(super) async fn keep_turn_now(
+        &self,
+        req: &Prepared,
+        captured: &crate::answer::Captured,
+        st_kept: &mut bool,
+    ) {
+        let (Some(state), Some(response)) = (&self.0.state, &captured.response) else {
+            return;
+        };
+        if *st_kept || req.analyzed.prompts != 1 {
+            return;
+        }
+        let held = captured
+            .params
+            .as_ref()
+            .and_then(Holding::from_params)
+            .map(|k| k.last_hash);
+        *st_kept = true;
+        let Some((id, evicted)) = self.store_turn(req, response, held) else {
+            return;
+        };
+        if let Some(record) = self.0.responses.record(&id) {
+            let r = state.put_turn(&id, &record).await;
+            self.count_state("write_turn", &r);
+        }
+        self.persist_turn_evictions(evicted);
     }
 
     /// Counts a state store call's outcome.
@@ -130,11 +182,23 @@ impl Gateway {
                 let r = state.put_turn(&id, &record).await;
                 me.count_state("write_turn", &r);
             }
-            if !evicted.is_empty() {
-                let ids: Vec<String> = evicted.iter().map(|e| e.to_string()).collect();
-                let r = state.delete_turns(&ids).await;
-                me.count_state("delete_turns", &r);
-            }
+        });
+        self.persist_turn_evictions(evicted);
+    }
+
+    /// Forgets `evicted` turns in the state store, behind the answer.
+    fn persist_turn_evictions(&self, evicted: Vec<Arc<str>>) {
+        let Some(state) = self.0.state.clone() else {
+            return;
+        };
+        if evicted.is_empty() {
+            return;
+        }
+        let me = self.clone();
+        tokio::spawn(async move {
+            let ids: Vec<String> = evicted.iter().map(|e| e.to_string()).collect();
+            let r = state.delete_turns(&ids).await;
+            me.count_state("delete_turns", &r);
         });
     }
 }

@@ -298,10 +298,11 @@ impl Backend for Embedded {
         &self,
         record: &PolicyRecord,
         components: &[(String, Vec<u8>)],
-    ) -> Result<(), StateError> {
-        let (record, components) = (encode(record), components.to_vec());
+    ) -> Result<u64, StateError> {
+        let (record, components) = (record.clone(), components.to_vec());
         self.run(move |db| {
             let w = db.begin_write().map_err(StateError::backend)?;
+            let generation;
             {
                 let mut stored = w.open_table(COMPONENTS).map_err(StateError::backend)?;
                 for (sha, bytes) in &components {
@@ -316,10 +317,21 @@ impl Backend for Embedded {
                     }
                 }
                 let mut meta = w.open_table(META).map_err(StateError::backend)?;
-                meta.insert(POLICY_KEY, record.as_slice())
+                let last = meta
+                    .get(POLICY_KEY)
+                    .map_err(StateError::backend)?
+                    .map(|v| decode::<PolicyRecord>(POLICY_KEY, v.value()))
+                    .transpose()?;
+                generation = last.map_or(1, |l| l.generation + 1);
+                let record = PolicyRecord {
+                    generation,
+                    ..record
+                };
+                meta.insert(POLICY_KEY, encode(&record).as_slice())
                     .map_err(StateError::backend)?;
             }
-            w.commit().map_err(StateError::backend)
+            w.commit().map_err(StateError::backend)?;
+            Ok(generation)
         })
         .await
     }

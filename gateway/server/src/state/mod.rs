@@ -3,7 +3,9 @@
 //! operator's drains, and a minted cluster token.
 //!
 //! One interface, [`Backend`], with an embedded default ([`embedded::Embedded`], a redb file
-//! under `--state-dir`: one gateway survives its restarts with no setup). The request path never
+//! under `--state-dir`: one gateway survives its restarts with no setup) and a shared one for
+//! several gateways ([`postgres::Postgres`], `--state-url`), which announces each change so
+//! every replica applies it ([`follow`]). The request path never
 //! waits on it except where a restarted gateway must read what it no longer holds in memory (a
 //! `previous_response_id` it has not seen since it started): writes go behind the answer,
 //! reads fill the in-memory stores ([`crate::conversation::ResponseStore`],
@@ -20,9 +22,13 @@ use std::fmt;
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use futures::future::BoxFuture;
+use tokio::sync::broadcast;
 
 pub mod embedded;
+pub mod follow;
 pub mod policy;
+pub mod postgres;
 pub mod records;
 
 pub use records::{PolicyEntry, PolicyRecord, TurnRecord};
@@ -67,12 +73,37 @@ impl StateError {
     }
 }
 
+/// A change another gateway made, announced by a shared store ([`Backend::changes`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    /// The policy slot was saved: serve what the store says.
+    Policy,
+    /// The drains changed.
+    Drains,
+    /// These stored responses were deleted (or evicted).
+    Turns(Vec<String>),
+    /// The store may have changed unannounced (the listener reconnected): read all again.
+    Resync,
+}
+
 /// Where the gateway's durable state lives. Every method may block on I/O for as long as the
 /// backend takes; callers on the request path await it off any lock.
 #[async_trait]
 pub trait Backend: Send + Sync + fmt::Debug {
     /// What the store is, for logs (`embedded /var/lib/pd-gateway/state.redb`).
     fn describe(&self) -> String;
+
+    /// Changes other gateways make, for a store several share; none for a store one gateway
+    /// owns.
+    fn changes(&self) -> Option<broadcast::Receiver<Change>> {
+        None
+    }
+
+    /// What must run (on the gateway's control runtime) for [`Backend::changes`] to receive
+    /// anything; none when nothing must.
+    fn listener(self: Arc<Self>) -> Option<BoxFuture<'static, ()>> {
+        None
+    }
 
     /// Stores turn `id` (replacing it).
     async fn put_turn(&self, id: &str, turn: &TurnRecord) -> Result<(), StateError>;
@@ -90,13 +121,14 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// The installed policy and its rollback target, if one was ever saved.
     async fn policy(&self) -> Result<Option<PolicyRecord>, StateError>;
 
-    /// Saves `record` (its `generation` one past the stored one's) and, first, the component
-    /// bytes it names that the store lacks (`(sha256, bytes)`).
+    /// Saves `record` and, first, the component bytes it names that the store lacks
+    /// (`(sha256, bytes)`). The store assigns its generation, one past the stored one's, and
+    /// returns it (what `record.generation` says is ignored).
     async fn put_policy(
         &self,
         record: &PolicyRecord,
         components: &[(String, Vec<u8>)],
-    ) -> Result<(), StateError>;
+    ) -> Result<u64, StateError>;
 
     /// A policy component's bytes by hex sha256.
     async fn component(&self, sha256: &str) -> Result<Option<Vec<u8>>, StateError>;

@@ -47,16 +47,15 @@ pub fn entry_of(p: &Installed) -> PolicyEntry {
     }
 }
 
-/// The record of a slot serving `current` with `previous` as its rollback target, one
-/// generation past `last`.
+/// The record of a slot serving `current` with `previous` as its rollback target (its
+/// generation is the store's to assign).
 pub fn record_of(
     current: &Installed,
     previous: Option<&Installed>,
-    last: Option<&PolicyRecord>,
     file_sha256: Option<String>,
 ) -> PolicyRecord {
     PolicyRecord {
-        generation: last.map_or(1, |r| r.generation + 1),
+        generation: 0,
         current: entry_of(current),
         previous: previous.map(entry_of),
         saved_unix_ms: unix_ms(),
@@ -144,6 +143,8 @@ pub struct PolicyKeeper {
     /// The `--policy` file, whose sha256 each record notes ([`PolicyRecord::file_sha256`]).
     file: Option<std::path::PathBuf>,
     lock: std::sync::Arc<tokio::sync::Mutex<()>>,
+    /// The generation the slot serves now (saved here, or applied from the store).
+    applied: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl PolicyKeeper {
@@ -153,7 +154,24 @@ impl PolicyKeeper {
             state,
             file,
             lock: std::sync::Arc::default(),
+            applied: std::sync::Arc::default(),
         }
+    }
+
+    /// The store this keeper saves to.
+    pub fn state(&self) -> &State {
+        &self.state
+    }
+
+    /// The generation the slot serves now.
+    pub fn applied(&self) -> u64 {
+        self.applied.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Records that the slot serves `generation` now.
+    pub fn set_applied(&self, generation: u64) {
+        self.applied
+            .store(generation, std::sync::atomic::Ordering::Release);
     }
 
     /// Held from before a save to after the slot changed.
@@ -171,19 +189,15 @@ impl PolicyKeeper {
         current: &Installed,
         previous: Option<&Installed>,
         component: Option<Vec<u8>>,
-    ) -> Result<(), StateError> {
-        let last = self.state.policy().await?;
-        let record = record_of(
-            current,
-            previous,
-            last.as_ref(),
-            file_sha256(self.file.as_deref()),
-        );
+    ) -> Result<u64, StateError> {
+        let record = record_of(current, previous, file_sha256(self.file.as_deref()));
         let components: Vec<(String, Vec<u8>)> = match (current.sha256(), component) {
             (Some(sha), Some(bytes)) => vec![(sha.to_owned(), bytes)],
             _ => Vec::new(),
         };
-        self.state.put_policy(&record, &components).await
+        let generation = self.state.put_policy(&record, &components).await?;
+        self.set_applied(generation);
+        Ok(generation)
     }
 }
 

@@ -260,8 +260,21 @@ struct ServeArgs {
     /// pushed or rolled back, the operator's drains, a minted cluster token. One file,
     /// `state.redb`, private to the gateway (0600); one gateway process at a time. Without it
     /// all of these are lost at exit.
-    #[arg(long, env = "PD_STATE_DIR", value_name = "DIR")]
+    #[arg(
+        long,
+        env = "PD_STATE_DIR",
+        value_name = "DIR",
+        conflicts_with = "state_url"
+    )]
     state_dir: Option<PathBuf>,
+    /// A PostgreSQL database several gateways share for that state instead (also PD_STATE_URL;
+    /// `postgres://USER:PASSWORD@HOST:PORT/DB` or libpq's `key=value` form): each change one
+    /// gateway makes (a push, a rollback, a drain, a deleted response) is announced to the
+    /// others, which apply it at once. Tables are created if missing (`pd_*`). While the
+    /// database does not answer, requests that need no stored state are served; a
+    /// `previous_response_id` this gateway does not hold is answered 503.
+    #[arg(long, env = "PD_STATE_URL", value_name = "URL", hide_env_values = true)]
+    state_url: Option<String>,
     /// Generation and tokenizer requests served at once; beyond it they wait for a slot
     /// (0: no limit). A completions request listing several prompts takes as many slots.
     #[arg(long, default_value_t = pd_gateway::admission::DEFAULT_MAX_CONCURRENT)]
@@ -401,9 +414,12 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         },
     };
     let log = Arc::new(log);
-    let state = state::open(args.state_dir.as_deref())?;
-    let slot = match &state {
-        Some(st) => state::slot(st, &engine, initial, args.policy.as_deref())?,
+    let state = state::open(args.state_dir.as_deref(), args.state_url.as_deref())?;
+    let keeper = state
+        .clone()
+        .map(|st| pd_gateway::state::policy::PolicyKeeper::new(st, args.policy.clone()));
+    let slot = match &keeper {
+        Some(k) => state::slot(k, &engine, initial, args.policy.as_deref())?,
         None => PolicySlot::new(initial),
     };
     let router = Arc::new(Router::new(
@@ -598,11 +614,21 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         router: router.clone(),
         cluster: cluster.clone(),
         defaults: spec.clone(),
-        keeper: state
-            .clone()
-            .map(|st| pd_gateway::state::policy::PolicyKeeper::new(st, args.policy.clone())),
+        keeper: keeper.clone(),
         state: state.clone(),
     };
+    // A shared store: apply what the other gateways change.
+    let follow = keeper.clone().zip(state.clone()).and_then(|(keeper, st)| {
+        let changes = st.changes()?;
+        let follower = pd_gateway::state::follow::Follower {
+            keeper,
+            engine: engine.clone(),
+            router: router.clone(),
+            cluster: cluster.clone(),
+            responses: shared.responses.clone(),
+        };
+        Some((st.clone().listener(), follower.follow(changes)))
+    });
     let sweep = state.clone().map(|st| {
         let ttl = Duration::from_secs(args.responses_ttl_secs);
         state::sweep(st, ttl, (args.responses_store_mib as u64) << 20)
@@ -672,6 +698,12 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 });
                 if let Some(sweep) = sweep {
                     tokio::spawn(sweep);
+                }
+                if let Some((listener, follow)) = follow {
+                    if let Some(l) = listener {
+                        tokio::spawn(l);
+                    }
+                    tokio::spawn(follow);
                 }
                 if let Some((path, spec)) = watch {
                     tokio::spawn(admin::watch_policy_file(admin.clone(), path, spec));

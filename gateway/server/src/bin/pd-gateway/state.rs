@@ -24,13 +24,21 @@ fn block_on<F: std::future::Future>(f: F) -> anyhow::Result<F::Output> {
     Ok(rt.block_on(f))
 }
 
-/// The embedded store in `dir`, if given.
-pub(crate) fn open(dir: Option<&Path>) -> anyhow::Result<Option<State>> {
-    let Some(dir) = dir else { return Ok(None) };
-    let store = st::embedded::Embedded::open(dir)
-        .with_context(|| format!("--state-dir {}", dir.display()))?;
-    info!(store = %pd_gateway::state::Backend::describe(&store), "state store open");
-    Ok(Some(std::sync::Arc::new(store)))
+/// The embedded store in `dir`, or the shared one at `url`, if either is given.
+pub(crate) fn open(dir: Option<&Path>, url: Option<&str>) -> anyhow::Result<Option<State>> {
+    let state: State = match (dir, url) {
+        (Some(dir), _) => std::sync::Arc::new(
+            st::embedded::Embedded::open(dir)
+                .with_context(|| format!("--state-dir {}", dir.display()))?,
+        ),
+        (None, Some(url)) => std::sync::Arc::new(
+            block_on(st::postgres::Postgres::connect(url))?
+                .context("--state-url: connecting to the shared state store")?,
+        ),
+        (None, None) => return Ok(None),
+    };
+    info!(store = %state.describe(), "state store open");
+    Ok(Some(state))
 }
 
 /// The cluster token: the one the store keeps, else `minted` (kept from now on).
@@ -53,11 +61,12 @@ pub(crate) fn drains(state: &State, cluster: &Cluster) -> anyhow::Result<()> {
 /// as a change while running would have installed it), or the stored policy no longer loads.
 /// `flags` is what the command line alone would serve.
 pub(crate) fn slot(
-    state: &State,
+    keeper: &policy::PolicyKeeper,
     engine: &PolicyEngine,
     flags: Installed,
     file: Option<&Path>,
 ) -> anyhow::Result<PolicySlot> {
+    let state = keeper.state();
     block_on(async {
         let Some(record) = state.policy().await.context("reading the stored policy")? else {
             return Ok(PolicySlot::new(flags));
@@ -69,7 +78,6 @@ pub(crate) fn slot(
                 "--policy changed since the stored policy was saved: the file serves"
             );
             let previous = policy::load(state, engine, &record.current).await.ok();
-            let keeper = policy::PolicyKeeper::new(state.clone(), file.map(Path::to_path_buf));
             let bytes = file.and_then(|f| std::fs::read(f).ok());
             if let Err(e) = keeper.save(&flags, previous.as_ref(), bytes).await {
                 warn!(error = %e, "the file's policy is not saved in the state store");
@@ -84,6 +92,7 @@ pub(crate) fn slot(
                     generation = record.generation,
                     "restored the stored policy"
                 );
+                keeper.set_applied(record.generation);
                 Ok(PolicySlot::restored(current, previous))
             }
             Err(e) => {

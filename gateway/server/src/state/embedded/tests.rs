@@ -56,9 +56,17 @@ fn what_is_written_is_read_back_after_a_reopen() {
             saved_unix_ms: 1,
             file_sha256: None,
         };
-        s.put_policy(&record, &[("00ff".into(), b"wasm".to_vec())])
+        // The store assigns generations: 1, then 2.
+        let first = s
+            .put_policy(&record, &[("00ff".into(), b"wasm".to_vec())])
             .await
             .unwrap();
+        let second = s.put_policy(&record, &[]).await.unwrap();
+        assert_eq!((first, second), (1, 2));
+        let record = PolicyRecord {
+            generation: 2,
+            ..record
+        };
         s.set_drain("node-a", true).await.unwrap();
         s.set_drain("node-b", true).await.unwrap();
         s.set_drain("node-b", false).await.unwrap();
