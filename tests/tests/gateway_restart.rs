@@ -184,3 +184,58 @@ async fn a_restarted_gateway_keeps_responses_the_pushed_policy_and_drains() {
     c.restart_gateway(&flags, RESTART).await;
     assert!(!draining(&c, &whole).await, "the undrain was forgotten");
 }
+
+/// A gateway started on the state an earlier version wrote (the committed fixture of schema
+/// version 1, `gateway/server/tests/fixtures/state-v1`) serves from it: the stored policy and
+/// its rollback target, the stored responses to their owner only (the store itself, drains and
+/// the token included, is read field by field in `pd-gateway`'s unit test of the fixture).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_reads_the_state_an_earlier_version_wrote() {
+    let dir = WorkDir::new("state-fixture");
+    let state = dir.path().join("state");
+    std::fs::create_dir_all(&state).expect("a state directory");
+    let fixture = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../gateway/server/tests/fixtures/state-v1/state.redb"
+    );
+    std::fs::copy(fixture, state.join("state.redb")).expect("copying the fixture");
+    let g = pd_cluster_tests::cluster::Gateway::start(
+        &dir,
+        &args(&[
+            "--state-dir",
+            state.to_str().expect("a UTF-8 path"),
+            // The fixture's turns are from November 2026.
+            "--responses-ttl-secs",
+            "100000000",
+        ]),
+    );
+    let client = reqwest::Client::new();
+    let policy: Value = client
+        .get(format!("{}/admin/policy", g.admin))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .expect("GET /admin/policy")
+        .json()
+        .await
+        .expect("JSON");
+    assert_eq!(policy["current"]["name"], "round-robin", "{policy}");
+    assert_eq!(policy["previous"]["name"], "least-loaded", "{policy}");
+    let url = format!("{}/v1/responses/resp_fixture_2/input_items", g.http);
+    let mine = client
+        .get(&url)
+        .bearer_auth("fixture-key")
+        .send()
+        .await
+        .expect("GET");
+    assert_eq!(mine.status().as_u16(), 200);
+    let items: Value = mine.json().await.expect("JSON");
+    assert_eq!(items["object"], "list", "{items}");
+    let theirs = client
+        .get(&url)
+        .bearer_auth("another-key")
+        .send()
+        .await
+        .expect("GET");
+    assert_eq!(theirs.status().as_u16(), 404, "another key's read");
+}

@@ -148,3 +148,90 @@ fn a_second_gateway_cannot_open_a_store_in_use() {
     let second = Embedded::open(dir.path()).unwrap_err();
     assert!(matches!(second, StateError::Backend(_)), "{second}");
 }
+
+/// The state schema version 1 wrote, as committed (`tests/fixtures/state-v1/state.redb`):
+/// every later gateway must read it as it was meant. `PD_BLESS=1` writes it again (only when
+/// the schema's version 1 itself is what changed, which it must not).
+fn fixture_v1() -> (Vec<(String, TurnRecord)>, PolicyRecord, Vec<String>, String) {
+    let owner = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b"fixture-key"));
+    let first = TurnRecord {
+        owner: Some(owner.clone()),
+        parent: None,
+        items: vec![
+            json!({"role": "user", "content": "Name three rivers of Europe."}),
+            json!({"type": "message", "role": "assistant",
+                   "content": [{"type": "output_text", "text": "Rhine, Danube, Seine."}]}),
+        ],
+        inputs: 1,
+        response: json!({"id": "resp_fixture_1", "object": "response", "status": "completed"}),
+        held: Some(0x1234_5678_9abc_def0),
+        stored_unix_ms: 1_796_000_000_000,
+    };
+    let second = TurnRecord {
+        parent: Some("resp_fixture_1".into()),
+        held: None,
+        response: json!({"id": "resp_fixture_2", "object": "response", "status": "completed"}),
+        stored_unix_ms: 1_796_000_001_000,
+        ..first.clone()
+    };
+    let policy = PolicyRecord {
+        generation: 1,
+        current: PolicyEntry::Native {
+            name: "round-robin".into(),
+        },
+        previous: Some(PolicyEntry::Native {
+            name: "least-loaded".into(),
+        }),
+        saved_unix_ms: 1_796_000_002_000,
+        file_sha256: None,
+    };
+    (
+        vec![
+            ("resp_fixture_1".into(), first),
+            ("resp_fixture_2".into(), second),
+        ],
+        policy,
+        vec!["node-a".into()],
+        "fixture-token".into(),
+    )
+}
+
+const FIXTURE_V1: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/fixtures/state-v1/state.redb"
+);
+
+#[test]
+fn the_state_version_1_wrote_is_read_as_it_was_meant() {
+    let (turns, policy, drains, token) = fixture_v1();
+    let dir = tempfile::tempdir().unwrap();
+    if std::env::var_os("PD_BLESS").is_some() {
+        rt().block_on(async {
+            let s = Embedded::open(dir.path()).unwrap();
+            for (id, t) in &turns {
+                s.put_turn(id, t).await.unwrap();
+            }
+            s.put_policy(&policy, &[]).await.unwrap();
+            for d in &drains {
+                s.set_drain(d, true).await.unwrap();
+            }
+            s.cluster_token(&token).await.unwrap();
+        });
+        let to = std::path::Path::new(FIXTURE_V1);
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(dir.path().join(FILE_NAME), to).unwrap();
+        return;
+    }
+    std::fs::copy(FIXTURE_V1, dir.path().join(FILE_NAME)).expect("the committed fixture");
+    rt().block_on(async {
+        let s = Embedded::open(dir.path()).unwrap();
+        for (id, t) in &turns {
+            assert_eq!(s.turn(id).await.unwrap().as_ref(), Some(t), "{id}");
+        }
+        assert_eq!(s.policy().await.unwrap(), Some(policy));
+        assert_eq!(s.drains().await.unwrap(), drains);
+        assert_eq!(s.cluster_token("another").await.unwrap(), token);
+        // And it takes new writes.
+        s.put_turn("resp_new", &turns[0].1).await.unwrap();
+    });
+}
