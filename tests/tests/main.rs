@@ -27,6 +27,7 @@ mod prompt_binding;
 mod prompt_scoring;
 mod registry_trust;
 mod rolling_restart;
+mod several_gateways;
 mod spread_params;
 mod static_nodes;
 mod tls_across_hosts;

@@ -287,6 +287,7 @@ async fn engine_decode(
             },
             kv: Default::default(),
             cache_salt: None,
+            gateway: None,
         })?);
     }
     let mut tasks = Vec::with_capacity(batch);

@@ -37,6 +37,7 @@ async fn run(handle: &EngineHandle, prompt: &[u32], k: Option<usize>) -> BenchRe
         },
         kv: Default::default(),
         cache_salt: None,
+        gateway: None,
     })?;
     let mut scored = 0;
     while let Some(e) = s.recv().await {

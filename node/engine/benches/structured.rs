@@ -57,6 +57,7 @@ async fn answer(
         params,
         kv: Default::default(),
         cache_salt: None,
+        gateway: None,
     })?;
     let (mut tokens, mut first, mut last) = (Vec::new(), None, Instant::now());
     while let Some(e) = s.recv().await {

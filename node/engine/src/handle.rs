@@ -185,6 +185,20 @@ impl EngineHandle {
         Ok(())
     }
 
+    /// Gateway `gateway_id` left (its registry stream ended): releases the live leases granted
+    /// for requests that came through it, through the same path as a reader's release, and
+    /// returns how many. Retained turns, untagged leases and other gateways' stay.
+    pub fn release_gateway_leases(&self, gateway_id: &str) -> usize {
+        let n = self
+            .inner
+            .leases
+            .release_gateway(gateway_id, Instant::now());
+        if n > 0 {
+            let _ = self.inner.commands.send(Command::Wake);
+        }
+        n
+    }
+
     /// Gives back the reservation of a request submitted with [`crate::KvTransfer::Consume`]
     /// (its [`RequestEvent::AwaitingKv`]), ending its wait for the prompt's KV: what arrived
     /// in the reservation's blocks, or that it must be computed here.

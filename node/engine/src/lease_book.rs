@@ -14,9 +14,14 @@
 //! reader or the deadline ends, and a finished conversation turn kept for the next turn
 //! (*retained*, `--kv-retain-after-decode`), which the engine may also revoke when it needs the
 //! blocks ([`LeaseBook::revoke_oldest_retained`]): evicted before anything is preempted.
+//!
+//! A handoff lease may be tagged with the gateway its request came through; when that gateway
+//! leaves (its registry stream ended), [`LeaseBook::release_gateway`] releases its leases as
+//! their readers would: nobody will hand them to a decode node any more. Retained leases are
+//! never tagged: a conversation's next turn may come through any gateway.
 
-use std::collections::VecDeque;
-use std::sync::Mutex;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pd_kv_pool::{BlockId, Lease, LeaseContents, LeaseCounts, LeaseError, LeaseId, LeaseTable};
@@ -36,6 +41,9 @@ pub struct LeaseStats {
     pub leased_blocks: usize,
     /// Lifetime counters.
     pub counts: LeaseCounts,
+    /// Leases released because the gateway they were granted for left
+    /// ([`crate::EngineHandle::release_gateway_leases`]; also counted in `counts.released`).
+    pub gateway_left: u64,
 }
 
 #[derive(Debug)]
@@ -45,6 +53,10 @@ struct Book {
     to_free: Vec<BlockId>,
     /// Retained leases, oldest first (ids of ended ones are pruned lazily).
     retained: VecDeque<LeaseId>,
+    /// The gateway each tagged live lease was granted for (ended leases leave at once).
+    gateways: HashMap<LeaseId, Arc<str>>,
+    /// Leases released because their gateway left.
+    gateway_left: u64,
 }
 
 /// The node's lease table; see the module docs.
@@ -60,6 +72,8 @@ impl LeaseBook {
                 table: LeaseTable::new(duration, seed),
                 to_free: Vec::new(),
                 retained: VecDeque::new(),
+                gateways: HashMap::new(),
+                gateway_left: 0,
             }),
         }
     }
@@ -81,15 +95,22 @@ impl LeaseBook {
         self.lock().table.duration()
     }
 
-    /// Grants a lease on `blocks`; the caller handed one reference per block over to it.
+    /// Grants a lease on `blocks`, tagged with the `gateway` its request came through if any;
+    /// the caller handed one reference per block over to it.
     pub(crate) fn grant(
         &self,
         blocks: Vec<BlockId>,
         contents: LeaseContents,
         peer: &str,
         now: Instant,
+        gateway: Option<Arc<str>>,
     ) -> Lease {
-        self.lock().table.grant(blocks, contents, peer, now)
+        let mut book = self.lock();
+        let lease = book.table.grant(blocks, contents, peer, now);
+        if let Some(g) = gateway {
+            book.gateways.insert(lease.id, g);
+        }
+        lease
     }
 
     /// Grants a retained lease on a finished turn's `blocks` for `ttl`; revocable by
@@ -177,8 +198,39 @@ impl LeaseBook {
     ) -> Result<(), LeaseError> {
         let mut book = self.lock();
         let lease = book.table.release(id, generation, peer, Instant::now())?;
+        book.gateways.remove(&id);
         book.to_free.extend(lease.blocks);
         Ok(())
+    }
+
+    /// Gateway `gateway` left: releases every live lease tagged with it, as its reader would
+    /// (the board record cleared, the blocks freed at the engine's next loop turn: wake it).
+    /// Returns how many; leases of other gateways, untagged and retained ones stay.
+    pub(crate) fn release_gateway(&self, gateway: &str, now: Instant) -> usize {
+        let mut book = self.lock();
+        let tagged: Vec<LeaseId> = book
+            .gateways
+            .iter()
+            .filter(|(_, g)| ***g == *gateway)
+            .map(|(id, _)| *id)
+            .collect();
+        let mut released = 0;
+        for id in tagged {
+            book.gateways.remove(&id);
+            let Some((generation, peer)) =
+                book.table.get(id).map(|l| (l.generation, l.peer.clone()))
+            else {
+                continue;
+            };
+            // Past its deadline (not collected yet): the expiry ends it instead.
+            if let Ok(lease) = book.table.release(id, generation, &peer, now) {
+                tracing::debug!(lease = %id, blocks = lease.blocks.len(), gateway, "lease released: its gateway left");
+                book.to_free.extend(lease.blocks);
+                released += 1;
+            }
+        }
+        book.gateway_left += released as u64;
+        released
     }
 
     /// Expires due leases and returns every block reference the engine must drop now.
@@ -192,6 +244,9 @@ impl LeaseBook {
             } else {
                 tracing::warn!(lease = %l.id, blocks = l.blocks.len(), "KV lease expired unreleased");
             }
+        }
+        for l in &expired {
+            book.gateways.remove(&l.id);
         }
         let mut out = std::mem::take(&mut book.to_free);
         out.extend(expired.into_iter().flat_map(|l| l.blocks));
@@ -227,6 +282,7 @@ impl LeaseBook {
                 book.table.held_blocks(|l| !retained.contains(&l.id))
             },
             counts: book.table.counts(),
+            gateway_left: book.gateway_left,
         }
     }
 }

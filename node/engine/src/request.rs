@@ -296,6 +296,11 @@ pub struct GenerateRequest {
     /// vLLM's `cache_salt`: prefix-cache hits only between requests with the same salt
     /// ([`pd_kv_pool::root_hash`]).
     pub cache_salt: Option<String>,
+    /// The gateway the request came through (its `gateway_id`, from the `x-pd-gateway-id`
+    /// header), when one said: a prefill node tags the leases it grants for the request with
+    /// it, and [`crate::EngineHandle::release_gateway_leases`] ends them when that gateway
+    /// leaves. `None`: untagged leases, which only their reader or their deadline ends.
+    pub gateway: Option<std::sync::Arc<str>>,
 }
 
 /// A request's part in prefill/decode disaggregation.

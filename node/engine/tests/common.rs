@@ -132,6 +132,7 @@ pub async fn run(
             params,
             kv: Default::default(),
             cache_salt: None,
+            gateway: None,
         })
         .unwrap();
     let mut o = Outcome {
@@ -220,6 +221,7 @@ pub async fn consume(
             params,
             kv: KvTransfer::Consume,
             cache_salt: None,
+            gateway: None,
         })
         .unwrap();
     match s.recv().await {

@@ -18,6 +18,7 @@ async fn dropping_streams_aborts_and_frees_blocks() {
                 params: greedy(900),
                 kv: Default::default(),
                 cache_salt: None,
+                gateway: None,
             })
             .unwrap();
         // Wait for a first token so the request holds blocks.
@@ -42,6 +43,7 @@ async fn invalid_requests_are_refused_with_the_param_named() {
         params,
         kv: Default::default(),
         cache_salt: None,
+        gateway: None,
     }) {
         Err(pd_engine::EngineError::Invalid(e)) => e.param,
         other => panic!("expected invalid, got {other:?}"),
@@ -90,6 +92,7 @@ async fn invalid_requests_are_refused_with_the_param_named() {
         params: stops(vec!["y".repeat(512); 32]),
         kv: Default::default(),
         cache_salt: None,
+        gateway: None,
     });
     assert!(ok.is_ok(), "{ok:?}");
 }
@@ -104,6 +107,7 @@ async fn shutdown_fails_live_requests_and_refuses_new_ones() {
             params: greedy(900),
             kv: Default::default(),
             cache_salt: None,
+            gateway: None,
         })
         .unwrap();
     h.shutdown();
@@ -122,6 +126,7 @@ async fn shutdown_fails_live_requests_and_refuses_new_ones() {
             params: greedy(4),
             kv: Default::default(),
             cache_salt: None,
+            gateway: None,
         }) {
             Err(pd_engine::EngineError::Shutdown) => break,
             Ok(_) => assert!(Instant::now() < deadline, "engine did not shut down"),

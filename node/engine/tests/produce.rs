@@ -20,6 +20,7 @@ async fn producer_prefills_once_and_leases_the_prompt_blocks_until_released() {
             params: SamplingParams { n: 3, ..greedy(50) },
             kv: KvTransfer::Produce { consumers: 1 },
             cache_salt: None,
+            gateway: None,
         })
         .unwrap();
     let mut handoffs = Vec::new();
@@ -72,6 +73,7 @@ async fn a_producer_for_two_consumers_grants_two_leases_and_keeps_blocks_until_b
             params: greedy(1),
             kv: KvTransfer::Produce { consumers: 2 },
             cache_salt: None,
+            gateway: None,
         })
         .unwrap();
     let mut handoffs = Vec::new();
@@ -112,6 +114,7 @@ async fn an_unreleased_lease_expires_frees_its_blocks_and_is_counted() {
             params: greedy(1),
             kv: KvTransfer::Produce { consumers: 1 },
             cache_salt: None,
+            gateway: None,
         })
         .unwrap();
     let mut lease = None;
@@ -144,6 +147,7 @@ async fn a_producer_whose_client_leaves_mid_prefill_grants_no_lease() {
             params: greedy(1),
             kv: KvTransfer::Produce { consumers: 1 },
             cache_salt: None,
+            gateway: None,
         })
         .unwrap();
     assert!(matches!(s.recv().await, Some(RequestEvent::Started { .. })));
@@ -171,6 +175,7 @@ async fn run_retained(
             params: greedy(max_tokens),
             kv: KvTransfer::Local,
             cache_salt: None,
+            gateway: None,
         })
         .unwrap();
     let (mut tokens, mut kept) = (Vec::new(), None);
@@ -275,6 +280,7 @@ async fn a_producer_attests_its_first_token_with_the_lease() {
                 params,
                 kv: KvTransfer::Produce { consumers: 1 },
                 cache_salt: None,
+                gateway: None,
             })
             .unwrap();
         let (mut handoff, mut tokens) = (None, Vec::new());
@@ -306,4 +312,88 @@ async fn a_producer_attests_its_first_token_with_the_lease() {
         h.release_lease(k.lease, k.generation, "d").unwrap();
     }
     wait_all_free(&h).await;
+}
+
+/// Leases follow their gateway: releasing gateway `g1`'s leases ends exactly the lease granted
+/// for the request tagged `g1` (its blocks go back once the engine turns), and leaves `g2`'s,
+/// an untagged one and a retained turn alone.
+#[tokio::test]
+async fn a_gateway_leaving_releases_only_the_leases_granted_for_it() {
+    let dir = model_dir("gateway-left");
+    let h = engine(&dir, |c| {
+        c.kv_retain_after_decode = Some(Duration::from_secs(60));
+    });
+    let mut handoffs = Vec::new();
+    for (salt, gateway) in [(11, Some("g1")), (12, Some("g2")), (13, None)] {
+        let mut s = h
+            .submit(GenerateRequest {
+                prompt_tokens: prompt(10, salt),
+                params: greedy(1),
+                kv: KvTransfer::Produce { consumers: 1 },
+                cache_salt: None,
+                gateway: gateway.map(Into::into),
+            })
+            .unwrap();
+        let mut handoff = None;
+        while let Some(e) = s.recv().await {
+            if let RequestEvent::KvReady(k) = e {
+                handoff = Some(k);
+            }
+        }
+        handoffs.push(handoff.expect("a handoff"));
+    }
+    // A turn kept on a decode node for its conversation, whichever gateway sent it.
+    let mut s = h
+        .submit(GenerateRequest {
+            prompt_tokens: prompt(10, 14),
+            params: greedy(4),
+            kv: KvTransfer::Local,
+            cache_salt: None,
+            gateway: Some("g1".into()),
+        })
+        .unwrap();
+    let mut retained = None;
+    while let Some(e) = s.recv().await {
+        if let RequestEvent::Retained(k) = e {
+            retained = Some(k);
+        }
+    }
+    let retained = retained.expect("a retained turn");
+    assert_eq!(h.lease_stats().live, 4);
+    eventually("only leases hold blocks", || {
+        h.free_blocks() == h.info().num_blocks - 3 * 3 - retained.block_ids.len()
+    })
+    .await;
+
+    assert_eq!(h.release_gateway_leases("g3"), 0, "nobody's leases");
+    assert_eq!(h.release_gateway_leases("g1"), 1);
+    eventually("g1's blocks back", || {
+        h.free_blocks() == h.info().num_blocks - 2 * 3 - retained.block_ids.len()
+    })
+    .await;
+    assert_eq!(h.release_gateway_leases("g1"), 0, "released once");
+    let st = h.lease_stats();
+    assert_eq!((st.live, st.gateway_left, st.counts.released), (3, 1, 1));
+    let (g1, g2, untagged) = (&handoffs[0], &handoffs[1], &handoffs[2]);
+    assert!(h.leases().confirm(g1.lease, g1.generation, "d").is_err());
+    for k in [g2, untagged] {
+        h.leases().confirm(k.lease, k.generation, "d").unwrap();
+    }
+    h.leases()
+        .confirm(retained.lease, retained.generation, "")
+        .unwrap();
+    // g1's blocks go back; the others' stay held.
+    for k in [g2, untagged] {
+        h.release_lease(k.lease, k.generation, "d").unwrap();
+    }
+    assert!(
+        h.leases()
+            .confirm(retained.lease, retained.generation, "")
+            .is_ok()
+    );
+    assert_eq!(
+        h.release_gateway_leases("g2"),
+        0,
+        "g2's lease was released by its reader"
+    );
 }

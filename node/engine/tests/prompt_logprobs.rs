@@ -160,6 +160,7 @@ async fn prompt_logprobs_score_every_prompt_token_as_a_plain_forward_pass_does()
                 params: params.clone(),
                 kv,
                 cache_salt: None,
+                gateway: None,
             })
             .expect_err("refused");
         assert!(e.to_string().contains("prompt logprobs"), "{e}");
@@ -172,6 +173,7 @@ async fn prompt_logprobs_score_every_prompt_token_as_a_plain_forward_pass_does()
         },
         kv: KvTransfer::Local,
         cache_salt: None,
+        gateway: None,
     });
     assert!(too_many.is_err());
     wait_all_free(&h).await;

@@ -178,6 +178,7 @@ async fn structured_outputs_follow_their_constraint_token_for_token() {
         },
         kv: Default::default(),
         cache_salt: None,
+        gateway: None,
     }) {
         Err(pd_engine::EngineError::Invalid(e)) => {
             assert_eq!(e.param, Some("structured_outputs"), "{e}");

@@ -55,7 +55,9 @@ pub struct TransferMetrics {
     pub notification_failures: IntCounter,
     /// Side-channel calls refused on this node as owner for lacking the cluster token.
     pub side_channel_refused: IntCounter,
-    /// Leases granted / renewed / released / expired on this node as owner.
+    /// Leases granted / renewed / released / expired on this node as owner; pd-node adds
+    /// `gateway_left`: released (also counted in `released`) because the gateway whose request
+    /// they were granted for left.
     pub leases: IntCounterVec,
     /// Live leases on this node as owner.
     pub live_leases: IntGauge,

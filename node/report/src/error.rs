@@ -49,12 +49,34 @@ pub enum ReportError {
     /// The gateway did not acknowledge the registration in time.
     #[error("no registration acknowledgement within {0:?}")]
     AckTimeout(Duration),
+    /// A `--gateway` entry is not `host:port` (or `http://host:port`, `https://host:port`).
+    #[error("invalid gateway address {addr:?}: {why}")]
+    InvalidGateway {
+        /// The entry as given.
+        addr: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// The node refused this gateway for good: its acknowledgement carried a cluster token
+    /// other than the one the node took from another gateway that is still connected (the
+    /// gateways do not share one `--cluster-token`). Its reporter stops.
+    #[error(
+        "the gateway at {gateway} handed out a cluster token other than the one this node uses, \
+         from the gateway at {other}; refusing it (give every gateway the same --cluster-token)"
+    )]
+    TokenConflict {
+        /// The gateway refused.
+        gateway: String,
+        /// The connected gateway whose token the node uses.
+        other: String,
+    },
 }
 
 impl ReportError {
-    /// Whether retrying cannot help ([`Refused`](Self::Refused)).
+    /// Whether retrying cannot help ([`Refused`](Self::Refused),
+    /// [`TokenConflict`](Self::TokenConflict)).
     pub fn is_final(&self) -> bool {
-        matches!(self, Self::Refused(_))
+        matches!(self, Self::Refused(_) | Self::TokenConflict { .. })
     }
 }
 

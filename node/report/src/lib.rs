@@ -6,6 +6,11 @@
 //!   reconnecting with backoff and resyncing after every reconnect. [`ReporterHandle`] shows its
 //!   [`ReporterStatus`], what the gateway pushed (its KV peer list, the cluster token), and
 //!   stops it. A registration carries the node's cluster token and tokenizer files.
+//! - [`Gateways`]: a node reporting to several gateways at once (active-active): a [`Reporter`]
+//!   per gateway address (`--gateway` entries; a DNS name resolved again and again, one
+//!   reporter per address it stands for), what they hear merged (the union of their KV peer
+//!   lists, one cluster token, the first observed host), [`GatewayLeft`] when a gateway's
+//!   stream ends (its leases follow it), refused only once every gateway refused.
 //! - [`StateSource`]: what the node implements so the reporter can read it; [`StoredBlocks`] is
 //!   the ready-made, never-blocking set of stored hashes with a bounded change feed.
 //! - `test_registry` (feature `testing`): a recording `NodeRegistry` server for tests (here and
@@ -18,7 +23,11 @@
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations)]
 #![deny(unused_must_use)]
 
+mod backoff;
 mod error;
+mod gateways;
+mod joined;
+mod live;
 mod registration;
 mod reporter;
 mod source;
@@ -26,6 +35,8 @@ mod source;
 pub mod test_registry;
 
 pub use error::ReportError;
+pub use gateways::{GatewayEntry, Gateways, GatewaysOptions, Resolve, Resolving, SystemResolver};
+pub use joined::{GatewayLeft, GatewayView};
 pub use registration::{REGISTRY_PROTOCOL_VERSION, Registration, Role};
 pub use reporter::{Reporter, ReporterHandle, ReporterOptions, ReporterStatus};
 pub use source::{

@@ -5,8 +5,8 @@
 //!
 //! 1. `Register`, then wait for the gateway's `RegisterAck` ([`ReporterOptions::ack_timeout`]);
 //! 2. a full `NodeState` (seq 1);
-//! 3. a block resync: a fresh [`BlockSubscription`], its snapshot sent as `BlockEvents` with
-//!    `resync = true` (split into several messages when larger than
+//! 3. a block resync: a fresh [`BlockSubscription`](crate::BlockSubscription), its snapshot
+//!    sent as `BlockEvents` with `resync = true` (split into several messages when larger than
 //!    [`ReporterOptions::max_hashes_per_message`]; only the first carries `resync`);
 //! 4. then, until the stream breaks: `NodeState` every [`ReporterOptions::change_poll`] when it
 //!    differs from the last one sent and at least every state interval regardless; `BlockEvents`
@@ -14,35 +14,37 @@
 //!    the first; a new resync whenever the feed lagged.
 //!
 //! Gateway messages are read at any time after `Register`: a `RegisterAck` (also a later one)
-//! sets the state interval and, when it carries one, the cluster token in effect
+//! sets the state interval and, when it carries one, offers the cluster token
 //! ([`ReporterHandle::cluster_token`]); a `PeerList` replaces the KV peers the gateway
 //! registered ([`ReporterHandle::peers`]). Both are kept across reconnects: a gateway that is
-//! away leaves the node with what it said last.
+//! away leaves the node with what it said last. What every reporter of a node hears is merged
+//! by its `Joined` (one per [`crate::Gateways`], or one of its own for a lone reporter), which
+//! may refuse a gateway whose cluster token conflicts.
 //!
 //! The task only reads from the [`StateSource`]; nothing the node does waits for it. A stalled
 //! gateway stalls only this task (HTTP/2 flow control, then a bounded outgoing queue), and the
 //! block feed it stops draining drops old events instead of growing: the task resyncs when it
 //! catches up.
 
-use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use pd_rpc::registry as pb;
 use pd_rpc::registry::node_registry_client::NodeRegistryClient;
-use rand::Rng;
-use tokio::sync::broadcast::{self, error::RecvError};
+use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::MissedTickBehavior;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::Streaming;
 use tonic::transport::Endpoint;
 use tracing::{debug, error, info, warn};
 
+use crate::backoff::Backoff;
 use crate::error::{ReportError, chain};
+use crate::joined::Joined;
+use crate::live::Live;
 use crate::registration::Registration;
-use crate::source::{BlockEvent, BlockSubscription, NodeStateSnapshot, StateSource};
+use crate::source::StateSource;
 
 /// Messages queued for the gateway beyond what HTTP/2 flow control already buffers.
 const OUTBOUND_QUEUE: usize = 16;
@@ -123,8 +125,9 @@ pub struct ReporterStatus {
     pub state_interval: Duration,
     /// The most recent failure, kept after a successful reconnect.
     pub last_error: Option<Arc<ReportError>>,
-    /// Set when the gateway refused the node for good ([`ReportError::is_final`]): the reporter
-    /// has stopped, and the node should exit with this error.
+    /// Set when the gateway refused the node for good, or the node the gateway
+    /// ([`ReportError::is_final`]): the reporter has stopped. A node reporting to this gateway
+    /// alone should exit with this error.
     pub refused: Option<Arc<ReportError>>,
 }
 
@@ -139,10 +142,11 @@ pub struct Reporter {
     status: watch::Sender<ReporterStatus>,
     /// The gateway's latest `PeerList`.
     peers: watch::Sender<Option<Vec<String>>>,
-    /// The cluster token in effect.
-    cluster_token: watch::Sender<Option<String>>,
     /// The address the gateway saw this node register from.
     observed_host: watch::Sender<Option<String>>,
+    /// What this node's gateways said, merged; this gateway's key there.
+    joined: Arc<Joined>,
+    key: u64,
     backoff: Backoff,
     /// The connection being streamed on, kept outside the session future so a shutdown can end
     /// it cleanly after cancelling that future.
@@ -184,7 +188,29 @@ impl Reporter {
             }
         })?;
         let addr = endpoint.uri().to_string().trim_end_matches('/').to_owned();
-        let endpoint = endpoint
+        let (joined, _left) = Joined::new(&registration.cluster_token);
+        let key = joined.add(&addr);
+        Ok(Self::launch(
+            Target { addr, endpoint },
+            pb::Register::from(&registration),
+            source,
+            options,
+            joined,
+            key,
+        ))
+    }
+
+    /// Starts reporting to `target` as gateway `key` of `joined`.
+    pub(crate) fn launch(
+        target: Target,
+        register: pb::Register,
+        source: Arc<dyn StateSource>,
+        options: ReporterOptions,
+        joined: Arc<Joined>,
+        key: u64,
+    ) -> ReporterHandle {
+        let endpoint = target
+            .endpoint
             .connect_timeout(options.connect_timeout)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(options.keepalive)
@@ -196,31 +222,31 @@ impl Reporter {
         });
         let (stop, stop_rx) = watch::channel(false);
         let (peers, peers_rx) = watch::channel(None);
-        let configured = Some(registration.cluster_token.clone()).filter(|t| !t.is_empty());
-        let (cluster_token, cluster_token_rx) = watch::channel(configured);
         let (observed_host, observed_host_rx) = watch::channel(None);
+        let cluster_token = joined.watch_token();
         let reporter = Self {
-            addr,
+            addr: target.addr,
             endpoint,
-            register: pb::Register::from(&registration),
+            register,
             source,
             backoff: Backoff::new(options.backoff_initial, options.backoff_max),
             options,
             status,
             peers,
-            cluster_token,
             observed_host,
+            joined,
+            key,
             live: None,
         };
         let task = tokio::spawn(reporter.run(stop_rx));
-        Ok(ReporterHandle {
+        ReporterHandle {
             status: status_rx,
             peers: peers_rx,
-            cluster_token: cluster_token_rx,
+            cluster_token,
             observed_host: observed_host_rx,
             stop,
             task: Some(task),
-        })
+        }
     }
 
     async fn run(mut self, mut stop: watch::Receiver<bool>) {
@@ -231,6 +257,9 @@ impl Reporter {
             };
             self.live = None;
             let was_connected = self.status.borrow().connected;
+            if was_connected {
+                self.joined.ended(self.key, false);
+            }
             let failures = {
                 let mut failures = 0;
                 self.status.send_modify(|s| {
@@ -241,12 +270,13 @@ impl Reporter {
                 failures
             };
             if err.is_final() {
-                error!(gateway = %self.addr, error = %chain(&err), "the gateway refused this node for good; not retrying");
+                error!(gateway = %self.addr, error = %chain(&err), "no more reporting to this gateway: refused for good; not retrying");
                 let err = Arc::new(err);
                 self.status.send_modify(|s| {
                     s.last_error = Some(err.clone());
-                    s.refused = Some(err);
+                    s.refused = Some(err.clone());
                 });
+                self.joined.refused(self.key, err);
                 return;
             }
             let delay = self.backoff.next_delay();
@@ -278,7 +308,11 @@ impl Reporter {
     /// Ends the current connection cleanly: the request stream finishes (the gateway reads "node
     /// leaving", not a failure), and the gateway gets `close_grace` to end its side.
     async fn close(&mut self) {
+        let was_connected = self.status.borrow().connected;
         self.status.send_modify(|s| s.connected = false);
+        if was_connected {
+            self.joined.ended(self.key, true);
+        }
         let Some(Live {
             tx, mut inbound, ..
         }) = self.live.take()
@@ -315,7 +349,7 @@ impl Reporter {
         tx.send(register).await.map_err(|_| ReportError::Closed)?;
 
         let ack_timeout = self.options.ack_timeout;
-        let peers = &self.peers;
+        let (peers, joined, key) = (&self.peers, &self.joined, self.key);
         let (inbound, ack) = tokio::time::timeout(ack_timeout, async {
             let mut inbound = client.report(ReceiverStream::new(rx)).await?.into_inner();
             loop {
@@ -325,7 +359,7 @@ impl Reporter {
                     }) => return Ok((inbound, ack)),
                     Some(pb::GatewayMessage {
                         msg: Some(pb::gateway_message::Msg::Peers(list)),
-                    }) => publish_peers(peers, list),
+                    }) => publish_peers(peers, joined, key, list),
                     // A message this version does not know: not an acknowledgement.
                     Some(_) => debug!("ignoring a gateway message before the acknowledgement"),
                     None => return Err(ReportError::Closed),
@@ -335,7 +369,7 @@ impl Reporter {
         .await
         .map_err(|_| ReportError::AckTimeout(ack_timeout))??;
 
-        publish_token(&self.cluster_token, &ack);
+        self.joined.acked(self.key, &ack)?;
         if !ack.observed_host.is_empty() {
             self.observed_host.send_if_modified(|h| {
                 let changed = h.as_deref() != Some(ack.observed_host.as_str());
@@ -375,14 +409,14 @@ impl Reporter {
             tokio::select! {
                 msg = live.inbound.message() => match msg? {
                     Some(pb::GatewayMessage { msg: Some(pb::gateway_message::Msg::Ack(ack)) }) => {
-                        publish_token(&self.cluster_token, &ack);
+                        self.joined.acked(self.key, &ack)?;
                         let interval = state_interval_from(&ack, self.options.state_interval);
                         live.state_interval = interval;
                         poll = poll_timer(self.options.change_poll, interval);
                         self.status.send_modify(|s| s.state_interval = interval);
                     }
                     Some(pb::GatewayMessage { msg: Some(pb::gateway_message::Msg::Peers(list)) }) => {
-                        publish_peers(&self.peers, list);
+                        publish_peers(&self.peers, &self.joined, self.key, list);
                     }
                     Some(_) => debug!("ignoring an unknown gateway message"),
                     None => return Err(ReportError::Closed),
@@ -425,8 +459,14 @@ fn poll_timer(change_poll: Duration, state_interval: Duration) -> tokio::time::I
     timer
 }
 
-/// Replaces the published peer list with the gateway's (a change is logged).
-fn publish_peers(peers: &watch::Sender<Option<Vec<String>>>, list: pb::PeerList) {
+/// Replaces this gateway's published peer list with `list` (a change is logged) and hands it to
+/// the merge.
+fn publish_peers(
+    peers: &watch::Sender<Option<Vec<String>>>,
+    joined: &Joined,
+    key: u64,
+    list: pb::PeerList,
+) {
     let addrs = list.kv_side_channel_addrs;
     let changed = peers.send_if_modified(|current| {
         if current.as_ref() == Some(&addrs) {
@@ -436,25 +476,9 @@ fn publish_peers(peers: &watch::Sender<Option<Vec<String>>>, list: pb::PeerList)
         true
     });
     if changed {
-        info!(peers = ?addrs, "KV peers registered with the gateway");
+        debug!(peers = ?addrs, "the gateway's KV peers");
     }
-}
-
-/// Publishes the cluster token `ack` carries, if any.
-fn publish_token(token: &watch::Sender<Option<String>>, ack: &pb::RegisterAck) {
-    if ack.cluster_token.is_empty() {
-        return;
-    }
-    let changed = token.send_if_modified(|current| {
-        if current.as_deref() == Some(ack.cluster_token.as_str()) {
-            return false;
-        }
-        *current = Some(ack.cluster_token.clone());
-        true
-    });
-    if changed {
-        info!("using the cluster token the gateway sent");
-    }
+    joined.peers(key, addrs);
 }
 
 /// The state interval `ack` asks for, or `default`.
@@ -465,183 +489,11 @@ fn state_interval_from(ack: &pb::RegisterAck, default: Duration) -> Duration {
     }
 }
 
-/// One registered connection.
-struct Live {
-    tx: mpsc::Sender<pb::NodeMessage>,
-    inbound: Streaming<pb::GatewayMessage>,
-    /// Last `NodeState.seq` sent on this connection.
-    seq: u64,
-    last_state: Option<NodeStateSnapshot>,
-    last_sent: Instant,
-    state_interval: Duration,
-}
-
-impl Live {
-    async fn send(&self, msg: pb::node_message::Msg) -> Result<(), ReportError> {
-        self.tx
-            .send(pb::NodeMessage { msg: Some(msg) })
-            .await
-            .map_err(|_| ReportError::Closed)
-    }
-
-    async fn send_state(&mut self, state: NodeStateSnapshot) -> Result<(), ReportError> {
-        self.seq += 1;
-        let leases = state.leases;
-        let msg = pb::NodeState {
-            seq: self.seq,
-            unix_ms: unix_ms(),
-            total_blocks: state.total_blocks,
-            free_blocks: state.free_blocks,
-            waiting: state.waiting,
-            running: state.running,
-            waiting_remote_kv: state.waiting_remote_kv,
-            leases: Some(pb::LeaseCounters {
-                granted: leases.granted,
-                renewed: leases.renewed,
-                released: leases.released,
-                expired: leases.expired,
-                live: leases.live,
-            }),
-            leased_blocks: state.leased_blocks,
-            prefill_tokens_per_s: state.prefill_tokens_per_s,
-            pull_mb_per_s: state.pull_mb_per_s,
-            draining: state.draining,
-        };
-        self.send(pb::node_message::Msg::State(msg)).await?;
-        self.last_state = Some(state);
-        self.last_sent = Instant::now();
-        Ok(())
-    }
-
-    /// Sends `blocks.stored` as a resync (at least one message, even when empty).
-    async fn send_resync(
-        &mut self,
-        blocks: &mut BlockSubscription,
-        max_per_message: usize,
-    ) -> Result<(), ReportError> {
-        let stored = std::mem::take(&mut blocks.stored);
-        let mut chunks = stored.chunks(max_per_message.max(1));
-        let first = chunks.next().unwrap_or_default();
-        self.send(pb::node_message::Msg::Blocks(pb::BlockEvents {
-            resync: true,
-            stored: first.to_vec(),
-            removed: Vec::new(),
-        }))
-        .await?;
-        for chunk in chunks {
-            self.send(pb::node_message::Msg::Blocks(pb::BlockEvents {
-                resync: false,
-                stored: chunk.to_vec(),
-                removed: Vec::new(),
-            }))
-            .await?;
-        }
-        Ok(())
-    }
-
-    /// Sends `first` and the events already waiting behind it (see [`drain_deltas`]).
-    async fn send_deltas(
-        &mut self,
-        first: BlockEvent,
-        blocks: &mut BlockSubscription,
-        max_per_message: usize,
-    ) -> Result<(), ReportError> {
-        for msg in drain_deltas(first, &mut blocks.events, max_per_message) {
-            self.send(pb::node_message::Msg::Blocks(msg)).await?;
-        }
-        Ok(())
-    }
-}
-
-/// `first` and up to `max - 1` events already waiting behind it, as `BlockEvents` deltas in
-/// order, split so that no hash appears twice in one message (the two lists of one message
-/// commute; see the proto). Never waits, and takes at most `max` events, so a node producing
-/// events faster than they are sent cannot keep this loop busy. A lag noticed here is left in
-/// the feed: the next `recv` reports it and the caller resyncs.
-fn drain_deltas(
-    first: BlockEvent,
-    events: &mut broadcast::Receiver<BlockEvent>,
-    max: usize,
-) -> Vec<pb::BlockEvents> {
-    let mut out = Vec::new();
-    let mut batch = DeltaBatch::default();
-    batch.push(first);
-    let mut taken = 1;
-    while taken < max {
-        let Ok(event) = events.try_recv() else {
-            break;
-        };
-        if batch.hashes.contains(&event.hash()) {
-            out.push(batch.take());
-        }
-        batch.push(event);
-        taken += 1;
-    }
-    out.push(batch.take());
-    out
-}
-
-/// A `BlockEvents` delta being built.
-#[derive(Default)]
-struct DeltaBatch {
-    stored: Vec<u64>,
-    removed: Vec<u64>,
-    hashes: HashSet<u64>,
-}
-
-impl DeltaBatch {
-    fn push(&mut self, event: BlockEvent) {
-        self.hashes.insert(event.hash());
-        match event {
-            BlockEvent::Stored(h) => self.stored.push(h),
-            BlockEvent::Removed(h) => self.removed.push(h),
-        }
-    }
-
-    fn take(&mut self) -> pb::BlockEvents {
-        self.hashes.clear();
-        pb::BlockEvents {
-            resync: false,
-            stored: std::mem::take(&mut self.stored),
-            removed: std::mem::take(&mut self.removed),
-        }
-    }
-}
-
-/// Exponential backoff with jitter: `initial`, doubling up to `max`; each delay is drawn from
-/// `[d/2, d]` so that nodes restarted together do not reconnect in lockstep.
+/// Where one reporter connects: its label for logs and the endpoint.
 #[derive(Debug)]
-struct Backoff {
-    initial: Duration,
-    max: Duration,
-    next: Duration,
-    /// Delays handed out since the last reset.
-    attempts: u32,
-}
-
-impl Backoff {
-    fn new(initial: Duration, max: Duration) -> Self {
-        let initial = initial.max(Duration::from_millis(1));
-        Self {
-            initial,
-            max: max.max(initial),
-            next: initial,
-            attempts: 0,
-        }
-    }
-
-    fn next_delay(&mut self) -> Duration {
-        let d = self.next;
-        self.next = (d * 2).min(self.max);
-        self.attempts += 1;
-        let half = d / 2;
-        half + rand::rng().random_range(Duration::ZERO..=d - half)
-    }
-
-    fn reset(&mut self) {
-        self.next = self.initial;
-        self.attempts = 0;
-    }
+pub(crate) struct Target {
+    pub(crate) addr: String,
+    pub(crate) endpoint: Endpoint,
 }
 
 /// Handle to a running [`Reporter`]. Dropping it stops the task as
@@ -668,13 +520,14 @@ impl ReporterHandle {
     }
 
     /// The KV side channels (`host:port`) of the gateway's latest `PeerList`: `None` until a
-    /// gateway sent one, then the last one received (kept while the gateway is away).
+    /// gateway sent one, then the last one received (kept while the gateway is away). This
+    /// gateway's alone; [`crate::Gateways::peers`] merges them.
     pub fn peers(&self) -> watch::Receiver<Option<Vec<String>>> {
         self.peers.clone()
     }
 
-    /// The cluster token in effect: the registration's (when not empty) until a gateway's
-    /// `RegisterAck` carries one, then the last one received. Registrations keep sending the
+    /// The cluster token in effect: the registration's when not empty; else the one a gateway's
+    /// `RegisterAck` carried (see `Joined` for several). Registrations keep sending the
     /// configured token.
     pub fn cluster_token(&self) -> watch::Receiver<Option<String>> {
         self.cluster_token.clone()
@@ -724,69 +577,4 @@ impl Drop for ReporterHandle {
 /// Resolves once a stop is requested (or the handle is gone).
 async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
-}
-
-fn unix_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_doubles_to_the_cap_with_jitter_and_resets() {
-        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(400));
-        let bounds = [(50, 100), (100, 200), (200, 400), (200, 400), (200, 400)];
-        for (lo, hi) in bounds {
-            let d = b.next_delay();
-            assert!(
-                d >= Duration::from_millis(lo) && d <= Duration::from_millis(hi),
-                "{d:?} not in [{lo}, {hi}] ms"
-            );
-        }
-        b.reset();
-        assert!(b.next_delay() <= Duration::from_millis(100));
-    }
-
-    #[test]
-    fn deltas_keep_order_and_never_repeat_a_hash_within_one_message() {
-        let feed = crate::StoredBlocks::with_capacity(64);
-        let mut sub = feed.subscribe();
-        feed.insert(7);
-        feed.insert(8);
-        feed.remove(7);
-        feed.insert(7);
-        feed.insert(9);
-        let first = sub.events.try_recv().expect("an event");
-        let msgs: Vec<_> = drain_deltas(first, &mut sub.events, 64)
-            .into_iter()
-            .map(|m| (m.resync, m.stored, m.removed))
-            .collect();
-        assert_eq!(
-            msgs,
-            vec![
-                (false, vec![7, 8], vec![]),
-                (false, vec![], vec![7]),
-                (false, vec![7, 9], vec![]),
-            ]
-        );
-    }
-
-    #[test]
-    fn one_drain_takes_at_most_max_events() {
-        let feed = crate::StoredBlocks::with_capacity(64);
-        let mut sub = feed.subscribe();
-        for h in 0..10 {
-            feed.insert(h);
-        }
-        let first = sub.events.try_recv().expect("an event");
-        let msgs = drain_deltas(first, &mut sub.events, 4);
-        assert_eq!(msgs.len(), 1);
-        assert_eq!(msgs[0].stored, vec![0, 1, 2, 3]);
-        let next = sub.events.try_recv().expect("the rest stays in the feed");
-        assert_eq!(next, BlockEvent::Stored(4));
-    }
 }

@@ -88,6 +88,11 @@ pub struct TestRegistryOptions {
     /// The peer list sent after every acknowledgement until [`TestRegistry::send_peers`]
     /// replaces it; `None`: no `PeerList` until then. Default: `None`.
     pub peers: Option<Vec<String>>,
+    /// Refuse every registration with this status code (`AlreadyExists`, say) instead of
+    /// acknowledging it. Default: `None`.
+    pub refuse: Option<tonic::Code>,
+    /// Serve over mutual TLS with these (the gateway's `--tls-*`). Default: `None`.
+    pub tls: Option<pd_tls::ClusterTls>,
 }
 
 impl Default for TestRegistryOptions {
@@ -99,6 +104,8 @@ impl Default for TestRegistryOptions {
             cluster_token: None,
             ack_cluster_token: String::new(),
             peers: None,
+            refuse: None,
+            tls: None,
         }
     }
 }
@@ -298,6 +305,7 @@ impl TestRegistry {
             stop: stop_rx.clone(),
             peers: peers_rx,
             cluster_token: options.cluster_token,
+            refuse: options.refuse,
             ack: pb::RegisterAck {
                 gateway_id: options.gateway_id,
                 state_interval_ms: options.state_interval_ms,
@@ -306,8 +314,12 @@ impl TestRegistry {
             },
         };
         let mut shutdown = stop_rx;
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = &options.tls {
+            builder = builder.tls_config(tls.grpc_server())?;
+        }
         let server = tokio::spawn(
-            tonic::transport::Server::builder()
+            builder
                 .add_service(
                     NodeRegistryServer::new(service).max_decoding_message_size(MAX_MESSAGE_BYTES),
                 )
@@ -370,6 +382,7 @@ struct RegistryService {
     stop: watch::Receiver<bool>,
     peers: watch::Receiver<Option<Vec<String>>>,
     cluster_token: Option<String>,
+    refuse: Option<tonic::Code>,
     ack: pb::RegisterAck,
 }
 
@@ -392,6 +405,7 @@ impl NodeRegistry for RegistryService {
                 stop: self.stop.clone(),
                 peers: self.peers.clone(),
                 cluster_token: self.cluster_token.clone(),
+                refuse: self.refuse,
                 ack: self.ack.clone(),
             },
             inbound,
@@ -408,6 +422,7 @@ struct Connection {
     stop: watch::Receiver<bool>,
     peers: watch::Receiver<Option<Vec<String>>>,
     cluster_token: Option<String>,
+    refuse: Option<tonic::Code>,
     ack: pb::RegisterAck,
 }
 
@@ -453,7 +468,9 @@ async fn serve_connection(mut conn: Connection, mut inbound: Streaming<pb::NodeM
                     let refusal = if registered {
                         None
                     } else {
-                        check_register(&msg, conn.cluster_token.as_deref())
+                        check_register(&msg, conn.cluster_token.as_deref()).or_else(|| {
+                            conn.refuse.map(|code| Status::new(code, "refused by the test registry"))
+                        })
                     };
                     conn.log.push(conn.index, msg);
                     if let Some(status) = refusal {

@@ -303,8 +303,9 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         .context("writing to stdout")?;
         stdout.flush().context("flushing stdout")?;
         drop(stdout);
-        let reporter = match &args.gateway {
-            Some(gateway) => {
+        let reporter = match args.gateway.is_empty() {
+            true => None,
+            false => {
                 let registration = pd_report::Registration {
                     engine_id: engine_id.clone(),
                     epoch,
@@ -337,42 +338,33 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                     transfer_metrics.pull_bytes_per_second.clone(),
                     drain.clone(),
                 ));
-                let handle = pd_report::Reporter::spawn(
-                    gateway.clone(),
+                let gateway_left = transfer_metrics
+                    .leases
+                    .with_label_values(&[pd_node::report::GATEWAY_LEFT_EVENT]);
+                let gateways = pd_node::report::report_to_gateways(
+                    pd_node::report::GatewaysConfig {
+                        entries: args.gateway.clone(),
+                        resolve_every: std::time::Duration::from_millis(
+                            args.gateway_resolve_ms.max(1),
+                        ),
+                        tls: tls.clone(),
+                    },
                     registration,
                     source,
-                    pd_report::ReporterOptions {
-                        tls: tls.clone(),
-                        ..pd_report::ReporterOptions::default()
-                    },
+                    engine.clone(),
+                    cluster_token,
+                    gateway_left,
                 )
-                .with_context(|| format!("--gateway {gateway}"))?;
-                tracing::info!(gateway = %gateway, "reporting to the gateway");
-                // From now on a decode node pulls from the gateway's registered peers (and
+                .with_context(|| format!("--gateway {}", args.gateway.join(",")))?;
+                // From now on a decode node pulls from the gateways' registered peers (and
                 // only from those when --kv-allowed-peers is empty).
-                pull.allowed_peers.gateway = Some(handle.peers());
-                // The gateway's token (configured there, or minted) becomes the side channel's.
-                let mut from_gateway = handle.cluster_token();
-                tokio::spawn(async move {
-                    loop {
-                        let t = from_gateway.borrow_and_update().clone();
-                        if t.as_deref().is_some_and(|t| !t.is_empty()) {
-                            cluster_token.send_replace(t);
-                        }
-                        if from_gateway.changed().await.is_err() {
-                            return;
-                        }
-                    }
-                });
-                Some(handle)
+                pull.allowed_peers.gateway = Some(gateways.peers());
+                Some(gateways)
             }
-            None => None,
         };
         // What KV handoffs name as `remote_host`: the advertised host, else where the gateway
         // saw this node register from.
-        let observed = reporter
-            .as_ref()
-            .map(pd_report::ReporterHandle::observed_host);
+        let observed = reporter.as_ref().map(pd_report::Gateways::observed_host);
         let side_channel = side_channel.map(|kv| (addresses.remote_host(observed), kv.port()));
         let disagg = Arc::new(Disagg::new(
             role,

@@ -3,16 +3,23 @@
 //!
 //! [`EngineSource`] is the [`pd_report::StateSource`] over an [`EngineHandle`]: counters come from
 //! the engine's gauges and lease book; block hashes from a [`StoredBlocks`] set kept in step with
-//! the engine's prefix-cache events by [`mirror_cache`]. The reporter itself (connect, backoff,
-//! resync) is `pd_report`'s.
+//! the engine's prefix-cache events by [`mirror_cache`]. The reporters themselves (one per
+//! gateway address: connect, backoff, resync, merging what the gateways say) are
+//! `pd_report`'s; [`report_to_gateways`] starts them, adopts the cluster token they agree on,
+//! and releases a gateway's leases when its stream ends ([`release_leases_of_gateways_left`]).
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::time::Duration;
 
 use pd_engine::EngineHandle;
 use pd_kv_pool::CacheEvent;
-use pd_report::{BlockSubscription, LeaseCounters, NodeStateSnapshot, StateSource, StoredBlocks};
+use pd_report::{
+    BlockSubscription, GatewayLeft, Gateways, LeaseCounters, NodeStateSnapshot, Registration,
+    ReportError, StateSource, StoredBlocks,
+};
 use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::{mpsc, watch};
 
 use crate::KvRole;
 use crate::drain::Drain;
@@ -114,5 +121,83 @@ pub fn role(role: KvRole) -> pd_report::Role {
         KvRole::Producer => pd_report::Role::Producer,
         KvRole::Consumer => pd_report::Role::Consumer,
         KvRole::Both => pd_report::Role::Both,
+    }
+}
+
+/// The `event` label of `pd_kv_leases_total` counting leases released because the gateway
+/// they were granted for left.
+pub const GATEWAY_LEFT_EVENT: &str = "gateway_left";
+
+/// Where and how [`report_to_gateways`] reports.
+#[derive(Debug)]
+pub struct GatewaysConfig {
+    /// `--gateway` entries.
+    pub entries: Vec<String>,
+    /// `--gateway-resolve-ms`.
+    pub resolve_every: Duration,
+    /// The cluster's TLS (`--tls-*`).
+    pub tls: Option<pd_tls::ClusterTls>,
+}
+
+/// Starts reporting `registration` and `source` to every gateway of `config` on the current
+/// runtime. The cluster token the gateways hand out (when the node has none of its own) goes
+/// to `cluster_token`; when a gateway's stream ends, the leases granted for its requests are
+/// released and counted in `gateway_left` (`pd_kv_leases_total{event="gateway_left"}`).
+///
+/// # Errors
+/// A `--gateway` entry that is not `host:port`.
+pub fn report_to_gateways(
+    config: GatewaysConfig,
+    registration: Registration,
+    source: Arc<dyn StateSource>,
+    engine: EngineHandle,
+    cluster_token: watch::Sender<Option<String>>,
+    gateway_left: prometheus::IntCounter,
+) -> Result<Gateways, ReportError> {
+    let options = pd_report::GatewaysOptions {
+        reporter: pd_report::ReporterOptions {
+            tls: config.tls,
+            ..pd_report::ReporterOptions::default()
+        },
+        resolve_every: config.resolve_every,
+        ..pd_report::GatewaysOptions::default()
+    };
+    let mut gateways = Gateways::spawn(&config.entries, registration, source, options)?;
+    tracing::info!(gateways = ?config.entries, "reporting to the gateways");
+    // The gateways' token (configured there, or minted) becomes the side channel's.
+    let mut from_gateways = gateways.cluster_token();
+    tokio::spawn(async move {
+        loop {
+            let t = from_gateways.borrow_and_update().clone();
+            if t.as_deref().is_some_and(|t| !t.is_empty()) {
+                cluster_token.send_replace(t);
+            }
+            if from_gateways.changed().await.is_err() {
+                return;
+            }
+        }
+    });
+    if let Some(left) = gateways.take_gateways_left() {
+        tokio::spawn(release_leases_of_gateways_left(left, engine, gateway_left));
+    }
+    Ok(gateways)
+}
+
+/// For each gateway that left, releases the leases this node granted for the requests it
+/// sent (`x-pd-gateway-id`): nobody will hand them to a decode node any more. Counted in
+/// `released`. Retained turns, untagged leases and other gateways' stay. Ends with the feed.
+pub async fn release_leases_of_gateways_left(
+    mut left: mpsc::UnboundedReceiver<GatewayLeft>,
+    engine: EngineHandle,
+    released: prometheus::IntCounter,
+) {
+    while let Some(GatewayLeft { gateway_id, addr }) = left.recv().await {
+        let n = engine.release_gateway_leases(&gateway_id);
+        released.inc_by(n as u64);
+        if n > 0 {
+            tracing::warn!(gateway = %addr, gateway_id = %gateway_id, leases = n, "the gateway's stream ended: released the leases granted for its requests");
+        } else {
+            tracing::debug!(gateway = %addr, gateway_id = %gateway_id, "the gateway's stream ended; it held no lease here");
+        }
     }
 }

@@ -3,6 +3,7 @@
 //! `cargo test -p pd-node --test node pd::`.
 
 mod api;
+mod gateways;
 mod kv_side_channel;
 mod multi_turn;
 mod pd;

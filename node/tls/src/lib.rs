@@ -343,6 +343,20 @@ pub fn grpc_endpoint(
     uri: &str,
     tls: Option<&ClusterTls>,
 ) -> Result<tonic::transport::Endpoint, tonic::transport::Error> {
+    grpc_endpoint_named(uri, tls, None)
+}
+
+/// [`grpc_endpoint`], but under `tls` the peer's certificate must name `server_name` when
+/// given, not the URI's host: for a peer reached at an address that a DNS name resolved to
+/// (one of a headless Service's pods), whose certificate names the DNS name.
+///
+/// # Errors
+/// The URI is not one, or tonic refused the TLS config.
+pub fn grpc_endpoint_named(
+    uri: &str,
+    tls: Option<&ClusterTls>,
+    server_name: Option<&str>,
+) -> Result<tonic::transport::Endpoint, tonic::transport::Error> {
     let rest = uri
         .strip_prefix("http://")
         .or_else(|| uri.strip_prefix("https://"))
@@ -352,9 +366,13 @@ pub fn grpc_endpoint(
         Some(_) => uri.to_owned(),
     };
     let endpoint = tonic::transport::Endpoint::from_shared(uri)?;
-    match tls {
-        Some(tls) => endpoint.tls_config(tls.grpc_client()),
-        None => Ok(endpoint),
+    match (tls, server_name) {
+        (Some(tls), Some(name)) => endpoint.tls_config(
+            tls.grpc_client()
+                .domain_name(name.trim_start_matches('[').trim_end_matches(']')),
+        ),
+        (Some(tls), None) => endpoint.tls_config(tls.grpc_client()),
+        (None, _) => Ok(endpoint),
     }
 }
 

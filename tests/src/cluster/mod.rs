@@ -27,8 +27,10 @@ use crate::process::{Proc, WorkDir};
 
 mod admin;
 mod restart;
+mod several;
 mod tls;
 
+pub use several::{SeveralGateways, SeveralSpec};
 pub use tls::Certs;
 
 /// The admin bearer token of every test gateway.

@@ -66,9 +66,13 @@ impl Engine {
         }
         for _ in 0..consumers.max(1) {
             self.scheduler.hold_for_lease(&blocks);
-            let lease = self
-                .leases
-                .grant(blocks.clone(), contents, "", Instant::now());
+            let lease = self.leases.grant(
+                blocks.clone(),
+                contents,
+                "",
+                Instant::now(),
+                state.gateway.clone(),
+            );
             tracing::debug!(request = %id, lease = %lease.id, blocks = lease.blocks.len(), "prompt KV leased");
             let _ = state.events.send(RequestEvent::KvReady(KvHandoff {
                 lease: lease.id,

@@ -68,6 +68,8 @@ struct RequestState {
     min_tokens_ban: Vec<u32>,
     /// Its part in P/D disaggregation.
     kv: KvTransfer,
+    /// The gateway it came through, which tags the leases granted for it.
+    gateway: Option<Arc<str>>,
 }
 
 impl RequestState {
@@ -352,6 +354,7 @@ impl Engine {
             params,
             kv,
             cache_salt,
+            gateway,
         } = request;
         let prompt_len = prompt_tokens.len();
         let max_tokens = match kv {
@@ -407,6 +410,7 @@ impl Engine {
                 max_stop_len,
                 min_tokens_ban,
                 kv,
+                gateway,
             },
         );
         let remote_kv = matches!(kv, KvTransfer::Consume | KvTransfer::PullThenProduce { .. });

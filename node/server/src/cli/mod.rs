@@ -224,11 +224,30 @@ pub struct ServeArgs {
     /// naming another `remote_host` get a 400. Default: any (set it when clients are untrusted).
     #[arg(long, value_delimiter = ',')]
     pub kv_allowed_peers: Vec<String>,
-    /// Gateway to register with and stream state to (`host:port` or `http://host:port`).
-    /// A decode node then also pulls from the producers the gateway registered, and with no
-    /// --kv-allowed-peers only from those.
-    #[arg(long)]
-    pub gateway: Option<String>,
+    /// Gateways to register with and stream state to, each `host:port` (or
+    /// `http://host:port`): comma-separated, or the flag repeated (also `PD_GATEWAY`, one or a
+    /// comma-separated list). The node reports to all of them at once (active-active). A host
+    /// that is a DNS name standing for several addresses (a Kubernetes headless Service) is one
+    /// gateway per address, looked up again every --gateway-resolve-ms: a gateway that appears
+    /// is registered with, one that disappears is left. Under --tls-* the node dials the
+    /// address and checks the gateway's certificate against the host as given.
+    /// A decode node then also pulls from the producers the gateways registered (the union of
+    /// the connected gateways' lists), and with no --kv-allowed-peers only from those. Without
+    /// its own --cluster-token the node takes the first token a gateway hands out and leaves a
+    /// gateway that hands out another. A gateway refusing the node for good stops reporting
+    /// to that gateway; the node exits only once every gateway refused it. The leases a
+    /// prefill node grants for a gateway's requests (`x-pd-gateway-id`) are released when
+    /// that gateway's stream ends.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        env = "PD_GATEWAY",
+        value_name = "HOST:PORT"
+    )]
+    pub gateway: Vec<String>,
+    /// Milliseconds between lookups of the --gateway names (addresses are never looked up).
+    #[arg(long, default_value_t = 5000, value_name = "MS")]
+    pub gateway_resolve_ms: u64,
     /// Cluster secret sent when registering with the gateway (a gateway with a secret refuses
     /// nodes without it). Default: the `PD_CLUSTER_TOKEN` environment variable.
     #[arg(long, value_name = "TOKEN")]
@@ -532,7 +551,7 @@ impl ServeArgs {
         ))
         .filter(|k| !k.is_empty());
         let own_token = !self.cluster_token().is_empty();
-        if key.is_some() && self.gateway.is_some() && !own_token {
+        if key.is_some() && !self.gateway.is_empty() && !own_token {
             return Err(CliError::Http(
                 "--api-key behind --gateway needs --cluster-token (or PD_CLUSTER_TOKEN), the same as the gateway's: \
                  the gateway reaches this node with it, and a token the gateway mints itself is handed to anyone who can reach its registry"

@@ -128,3 +128,22 @@ fn gen_tiny_model_defaults() {
     );
     assert!(Cli::try_parse_from(["pd-node", "gen-tiny-model", "--out", "/tmp/x"]).is_err());
 }
+
+/// `--gateway`: a comma-separated list, the flag repeated, or both; names are looked up again
+/// every `--gateway-resolve-ms` (5 s by default).
+#[test]
+fn several_gateways_by_list_and_by_repeating_the_flag() {
+    let parse = |extra: &[&str]| {
+        let mut argv = vec!["pd-node", "serve", "--model", "/m"];
+        argv.extend_from_slice(extra);
+        let Command::Serve(args) = Cli::try_parse_from(argv).unwrap().command else {
+            panic!("expected serve")
+        };
+        (args.gateway, args.gateway_resolve_ms)
+    };
+    let (gateways, every) = parse(&["--gateway", "g1:50051,g2:50051", "--gateway", "10.0.0.3:1"]);
+    assert_eq!(gateways, ["g1:50051", "g2:50051", "10.0.0.3:1"]);
+    assert_eq!(every, 5000);
+    let (one, every) = parse(&["--gateway", "g:1", "--gateway-resolve-ms", "250"]);
+    assert_eq!((one, every), (vec!["g:1".to_string()], 250));
+}

@@ -10,7 +10,7 @@ use pd_engine::{EngineError, GenerateRequest, RequestEvent, TokenLogprob};
 use pd_tokenize::Tokenizer;
 use pd_wire::Api;
 
-use super::{AppState, JsonBody, logprob_entry, new_id, unix_now};
+use super::{AppState, GatewayId, JsonBody, logprob_entry, new_id, unix_now};
 use crate::error::ApiError;
 use crate::generation::{TokenCounts, collect};
 use crate::kv_params::KvReply;
@@ -29,6 +29,7 @@ const API: Api = Api::ChatCompletions;
 
 pub(super) async fn create(
     State(state): State<AppState>,
+    GatewayId(gateway): GatewayId,
     JsonBody(req): JsonBody<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     let model = state.model_name(req.model.as_deref())?;
@@ -84,6 +85,7 @@ pub(super) async fn create(
             params,
             kv: directive.transfer(),
             cache_salt: crate::openai::cache_salt(req.sampling.cache_salt.as_ref())?,
+            gateway,
         })
         .await
         .map_err(engine_error)?;

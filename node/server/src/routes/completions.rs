@@ -8,7 +8,7 @@ use pd_engine::{EngineError, GenerateRequest, RequestEvent, TokenLogprob};
 use pd_tokenize::Tokenizer;
 use pd_wire::Api;
 
-use super::{AppState, JsonBody, new_id, unix_now};
+use super::{AppState, GatewayId, JsonBody, new_id, unix_now};
 use crate::error::ApiError;
 use crate::generation::{TokenCounts, collect};
 use crate::kv_params::KvReply;
@@ -31,6 +31,7 @@ const MAX_SCORED_ENTRIES: usize = 1 << 22;
 
 pub(super) async fn create(
     State(state): State<AppState>,
+    GatewayId(gateway): GatewayId,
     JsonBody(req): JsonBody<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     let model = state.model_name(req.model.as_deref())?;
@@ -137,6 +138,7 @@ pub(super) async fn create(
                 params: params.clone(),
                 kv: directive.transfer(),
                 cache_salt: cache_salt.clone(),
+                gateway: gateway.clone(),
             })
             .await?;
         let (stream, kv) = state.events(stream, directive, &id, &prompt_tokens);

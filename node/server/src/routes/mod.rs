@@ -3,8 +3,12 @@
 
 mod chat;
 mod completions;
+mod gateway_id;
 mod responses;
 mod tokenize;
+
+pub(crate) use gateway_id::GatewayId;
+pub use gateway_id::{GATEWAY_ID_HEADER, MAX_GATEWAY_ID_BYTES};
 
 use std::time::{SystemTime, UNIX_EPOCH};
 

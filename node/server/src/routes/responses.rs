@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use pd_engine::{EngineError, FinishReason, GenerateRequest, RequestEvent, SamplingParams};
 use pd_wire::Api;
 
-use super::{AppState, JsonBody, logprob_entry, new_id, unix_now};
+use super::{AppState, GatewayId, JsonBody, logprob_entry, new_id, unix_now};
 use crate::error::ApiError;
 use crate::generation::{TokenCounts, collect};
 use crate::kv_params::KvReply;
@@ -30,6 +30,7 @@ const API: Api = Api::Responses;
 
 pub(super) async fn create(
     State(state): State<AppState>,
+    GatewayId(gateway): GatewayId,
     JsonBody(req): JsonBody<ResponsesRequest>,
 ) -> Result<Response, ApiError> {
     let model = state.model_name(req.model.as_deref())?;
@@ -118,6 +119,7 @@ pub(super) async fn create(
             params,
             kv: directive.transfer(),
             cache_salt: crate::openai::cache_salt(req.cache_salt.as_ref())?,
+            gateway,
         })
         .await
         .map_err(engine_error)?;
