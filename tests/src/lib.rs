@@ -9,6 +9,7 @@
 //!   for tests that cross hosts; a process on a host may run as PID 1, as in a container.
 //! - [`cluster`]: [`cluster::TestCluster::start`] brings up a gateway and its nodes (every port
 //!   `:0`) and waits until the gateway lists every node; admin calls and metrics scrapes.
+//! - [`envoy`]: a real Envoy balancing over several gateways.
 //! - [`k8s`]: the Kubernetes manifests (`examples/k8s`) rendered and read as a kubelet starts
 //!   their containers, for the harness to start on its hosts.
 //! - [`metrics`]: Prometheus text parsing and label-filtered sums.
@@ -25,6 +26,7 @@
 
 pub mod bins;
 pub mod cluster;
+pub mod envoy;
 pub mod hosts;
 pub mod k8s;
 pub mod load;

@@ -10,6 +10,7 @@ mod burst;
 mod client_abort;
 mod configuration;
 mod front_door_limits;
+mod gateway_failover;
 mod gateway_replicas;
 mod gateway_restart;
 mod kubernetes;

