@@ -67,6 +67,11 @@ async fn a_gateway_killed_under_load_behind_envoy_fails_only_its_own_requests() 
     let killed_at = Instant::now();
     c.gateways[0].proc.kill_and_wait();
     let before = load.done();
+    eventually("a first answer after the kill", BOUND, async || {
+        load.done() > before
+    })
+    .await;
+    let first = killed_at.elapsed();
     eventually(
         "requests through the surviving gateway",
         BOUND,
@@ -78,7 +83,7 @@ async fn a_gateway_killed_under_load_behind_envoy_fails_only_its_own_requests() 
         .await
         .expect("no request hung past the bound");
     println!(
-        "failover: {} ok, {} failed, {recovered:?} from the kill to 40 more answers",
+        "failover: {} ok, {} failed, {first:?} from the kill to the next answer, {recovered:?} to 40 more",
         outcome.ok,
         outcome.failed.len()
     );
