@@ -1,10 +1,12 @@
-//! Two gateways behind a real Envoy (round robin, retried on a refused or reset connection),
-//! sharing one PostgreSQL state store, P and D reporting to both:
-//! - one gateway killed with `SIGKILL` under streaming load: only requests it was serving fail,
-//!   each with an error and none hanging past a bound; everything after goes through the other;
-//!   the prefill node releases the dead gateway's leases at once;
-//! - a `/v1/responses` conversation whose turns alternate between the gateways equals one node
-//!   given the whole conversation, token for token.
+//! Two gateways, P and D reporting to both:
+//! - across hosts (each process on a harness host of its own), behind a real Envoy (round
+//!   robin, retried on a refused or reset connection): one gateway killed with `SIGKILL` under
+//!   streaming load: only requests it was serving fail, each with an error and none hanging past
+//!   a bound; everything after goes through the other; the prefill node releases the dead
+//!   gateway's leases at once;
+//! - sharing one PostgreSQL state store (on this machine): a `/v1/responses` conversation whose
+//!   turns alternate between the gateways equals one node given the whole conversation, token
+//!   for token.
 
 use std::time::{Duration, Instant};
 
@@ -49,9 +51,18 @@ fn text_of(response: &Value) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_killed_under_load_behind_envoy_fails_only_its_own_requests() {
-    let work = WorkDir::new("failover-pg");
-    let pg = PgServer::start(work.path());
-    let mut c = start("failover", &pg).await;
+    let work = WorkDir::new("failover-envoy");
+    let mut c = SeveralGateways::start_on_hosts(
+        "failover",
+        SeveralSpec {
+            gateways: 2,
+            prefill: 1,
+            decode: 1,
+            ..SeveralSpec::default()
+        },
+    )
+    .await;
+    // Envoy here, the gateways on their hosts.
     let upstreams: Vec<String> = c
         .gateways
         .iter()
