@@ -57,7 +57,9 @@ async fn replicas_share_the_policy_and_responses_and_survive_a_store_outage() {
     )
     .await;
     let g1 = &c.gateway;
-    let g2 = Gateway::start(c.dir(), &flags);
+    // A scratch directory of its own: its log is not the first gateway's.
+    let g2_dir = WorkDir::new("replicas-g2");
+    let g2 = Gateway::start(&g2_dir, &flags);
     let client = &c.client;
 
     // A push on one serves on the other within a second (notified, not polled).
