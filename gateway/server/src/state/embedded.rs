@@ -329,6 +329,11 @@ impl Backend for Embedded {
                 };
                 meta.insert(POLICY_KEY, encode(&record).as_slice())
                     .map_err(StateError::backend)?;
+                // Only what the slot can serve is kept.
+                let keep = record.components();
+                stored
+                    .retain(|sha, _| keep.contains(&sha))
+                    .map_err(StateError::backend)?;
             }
             w.commit().map_err(StateError::backend)?;
             Ok(generation)

@@ -5,7 +5,8 @@
 //! change when it commits; and operators already back it up and run it highly available.
 //!
 //! Tables (created at connect, `pd_` prefixed): `pd_meta` (schema version, cluster token),
-//! `pd_policy` (one row: generation, record), `pd_components` (sha256 → bytes), `pd_turns`
+//! `pd_policy` (one row: generation, record), `pd_components` (sha256 → bytes: those the policy
+//! names, and those added in the last hour, which a replica's push in flight may name), `pd_turns`
 //! (id, stored ms, bytes, record), `pd_drains` (engine id). Every change other replicas must
 //! apply is announced on the channel [`CHANNEL`] ([`Change`]).
 //!
@@ -29,13 +30,15 @@ use super::{Backend, Change, PolicyRecord, SCHEMA_VERSION, StateError, TurnRecor
 pub const CHANNEL: &str = "pd_state";
 /// How long one call to the store may take.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a component nothing names is kept (a replica's push may be about to name it).
+const COMPONENT_GRACE_MS: i64 = 3_600_000;
 /// The longest notification payload sent (PostgreSQL's limit is 8000 bytes).
 const MAX_PAYLOAD: usize = 7000;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS pd_meta (key text PRIMARY KEY, value text NOT NULL);
 CREATE TABLE IF NOT EXISTS pd_policy (id int PRIMARY KEY CHECK (id = 1), generation bigint NOT NULL, record bytea NOT NULL);
-CREATE TABLE IF NOT EXISTS pd_components (sha256 text PRIMARY KEY, bytes bytea NOT NULL);
+CREATE TABLE IF NOT EXISTS pd_components (sha256 text PRIMARY KEY, bytes bytea NOT NULL, added_ms bigint NOT NULL);
 CREATE TABLE IF NOT EXISTS pd_turns (id text PRIMARY KEY, stored_ms bigint NOT NULL, bytes bigint NOT NULL, record bytea NOT NULL);
 CREATE INDEX IF NOT EXISTS pd_turns_stored_ms ON pd_turns (stored_ms);
 CREATE TABLE IF NOT EXISTS pd_drains (engine_id text PRIMARY KEY, since_ms bigint NOT NULL);
@@ -309,10 +312,12 @@ impl Backend for Postgres {
         components: &[(String, Vec<u8>)],
     ) -> Result<u64, StateError> {
         let c = self.client().await?;
+        let now = super::unix_ms() as i64;
         for (sha, bytes) in components {
             timed(c.execute(
-                "INSERT INTO pd_components (sha256, bytes) VALUES ($1, $2) ON CONFLICT DO NOTHING",
-                &[sha, bytes],
+                "INSERT INTO pd_components (sha256, bytes, added_ms) VALUES ($1, $2, $3)
+                 ON CONFLICT (sha256) DO UPDATE SET added_ms = $3",
+                &[sha, bytes, &now],
             ))
             .await?;
         }
@@ -327,6 +332,13 @@ impl Backend for Postgres {
         ))
         .await?;
         self.notify(&c, "policy").await?;
+        // Components nothing serves any more go, once no push in flight can name them.
+        let keep: Vec<String> = record.components().into_iter().map(str::to_owned).collect();
+        timed(c.execute(
+            "DELETE FROM pd_components WHERE sha256 <> ALL($1) AND added_ms < $2",
+            &[&keep, &(now - COMPONENT_GRACE_MS)],
+        ))
+        .await?;
         Ok(row.get::<_, i64>(0) as u64)
     }
 

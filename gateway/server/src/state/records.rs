@@ -71,3 +71,18 @@ pub struct PolicyRecord {
     #[serde(default)]
     pub file_sha256: Option<String>,
 }
+
+impl PolicyRecord {
+    /// The components the record names (what serves, what a rollback returns to): the ones a
+    /// store keeps.
+    pub fn components(&self) -> Vec<&str> {
+        [Some(&self.current), self.previous.as_ref()]
+            .into_iter()
+            .flatten()
+            .filter_map(|e| match e {
+                PolicyEntry::Wasm { sha256, .. } => Some(sha256.as_str()),
+                PolicyEntry::Native { .. } => None,
+            })
+            .collect()
+    }
+}

@@ -63,8 +63,26 @@ fn what_is_written_is_read_back_after_a_reopen() {
             .unwrap();
         let second = s.put_policy(&record, &[]).await.unwrap();
         assert_eq!((first, second), (1, 2));
+        // A component no record names is not kept.
+        let native = PolicyRecord {
+            current: PolicyEntry::Native {
+                name: "round-robin".into(),
+            },
+            previous: None,
+            ..record.clone()
+        };
+        s.put_policy(&native, &[("11ee".into(), b"orphan".to_vec())])
+            .await
+            .unwrap();
+        assert_eq!(s.component("11ee").await.unwrap(), None);
+        assert_eq!(s.component("00ff").await.unwrap(), None, "no longer named");
+        let again = s
+            .put_policy(&record, &[("00ff".into(), b"wasm".to_vec())])
+            .await
+            .unwrap();
+        assert_eq!(again, 4);
         let record = PolicyRecord {
-            generation: 2,
+            generation: 4,
             ..record
         };
         s.set_drain("node-a", true).await.unwrap();
