@@ -18,6 +18,8 @@ pub struct PgServer {
     dir: PathBuf,
     port: u16,
     proc: Option<Proc>,
+    /// Extra `postgres` settings (`-c` pairs).
+    settings: Vec<String>,
     /// `postgres://pd@127.0.0.1:PORT/postgres`.
     pub url: String,
 }
@@ -58,6 +60,16 @@ fn as_postgres(program: &Path) -> Command {
 impl PgServer {
     /// Makes a cluster under `dir` and starts it.
     pub fn start(dir: &Path) -> Self {
+        Self::start_with(dir, None)
+    }
+
+    /// [`PgServer::start`] with TLS on, its certificate and key `certs/postgres.pem` and
+    /// `certs/postgres.key` (as `scripts/cluster-certs.sh` mints them).
+    pub fn start_tls(dir: &Path, certs: &Path) -> Self {
+        Self::start_with(dir, Some(certs))
+    }
+
+    fn start_with(dir: &Path, certs: Option<&Path>) -> Self {
         let bin = pg_bin();
         let data = dir.join("pg-data");
         std::fs::create_dir_all(&data).expect("creating the data directory");
@@ -84,12 +96,38 @@ impl PgServer {
             let l = TcpListener::bind("127.0.0.1:0").expect("a free port");
             l.local_addr().expect("its address").port()
         };
+        let mut settings = Vec::new();
+        if let Some(certs) = certs {
+            // The server reads them as its own user, the key private to it.
+            for (from, to) in [
+                ("postgres.pem", "server.crt"),
+                ("postgres.key", "server.key"),
+            ] {
+                let to = data.join(to);
+                std::fs::copy(certs.join(from), &to).expect("copying the server's certificate");
+                let ok = Command::new("chmod").arg("0600").arg(&to).status();
+                assert!(ok.is_ok_and(|s| s.success()));
+                if is_root() {
+                    let ok = Command::new("chown")
+                        .arg("postgres:postgres")
+                        .arg(&to)
+                        .status();
+                    assert!(ok.is_ok_and(|s| s.success()));
+                }
+            }
+            settings = vec![
+                "ssl=on".into(),
+                "ssl_cert_file=server.crt".into(),
+                "ssl_key_file=server.key".into(),
+            ];
+        }
         let mut pg = PgServer {
             bin,
             data,
             dir: dir.to_owned(),
             port,
             proc: None,
+            settings,
             url: format!("postgres://pd@127.0.0.1:{port}/postgres"),
         };
         pg.resume();
@@ -105,6 +143,9 @@ impl PgServer {
             .args(["-p", &self.port.to_string(), "-k"])
             .arg(&self.data)
             .args(["-c", "listen_addresses=127.0.0.1"]);
+        for setting in &self.settings {
+            cmd.args(["-c", setting]);
+        }
         self.proc = Some(Proc::spawn("postgres", cmd, &self.dir));
         let start = Instant::now();
         loop {
@@ -125,6 +166,31 @@ impl PgServer {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Runs `sql` with `psql` as the test's user; its output, unaligned, tuples only.
+    pub fn query(&self, sql: &str) -> String {
+        let out = Command::new(self.bin.join("psql"))
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                "pd",
+                "-d",
+                "postgres",
+            ])
+            .args(["-A", "-t", "-c", sql])
+            .env("PGSSLMODE", "disable")
+            .output()
+            .expect("running psql");
+        assert!(
+            out.status.success(),
+            "psql: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
     }
 
     /// Stops the server (fast shutdown: clients are disconnected) and waits for its exit.

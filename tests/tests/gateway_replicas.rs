@@ -162,3 +162,64 @@ async fn replicas_share_the_policy_and_responses_and_survive_a_store_outage() {
     )
     .await;
 }
+
+/// The shared store over TLS: with `sslmode=require` and the database's CA, the gateway's
+/// connections are TLS ones (the server's `pg_stat_ssl` says so); with another CA, the gateway
+/// does not start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shared_store_is_reached_over_tls() {
+    let work = WorkDir::new("replicas-pg-tls");
+    let certs = pd_cluster_tests::cluster::Certs::new(&work.path().join("certs"));
+    certs.mint("postgres", &["IP:127.0.0.1".to_owned()]);
+    let pg = PgServer::start_tls(work.path(), &work.path().join("certs"));
+    let url = format!("{}?sslmode=require", pg.url);
+    let ca = work.path().join("certs/ca.pem");
+    let flags = args(&[
+        "--state-url",
+        &url,
+        "--state-tls-ca",
+        ca.to_str().expect("UTF-8"),
+    ]);
+    let g = Gateway::start(&work, &flags);
+    let client = reqwest::Client::new();
+    let (status, v) = push(&client, &g, "round-robin").await;
+    assert_eq!(status, 200, "a push saved over TLS: {v}");
+    let tls_backends = pg.query(
+        "SELECT count(*) FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) \
+         WHERE s.ssl AND a.usename = 'pd' AND a.pid <> pg_backend_pid()",
+    );
+    assert!(
+        tls_backends.parse::<u32>().unwrap_or(0) >= 1,
+        "no TLS connection from the gateway: {tls_backends}"
+    );
+    let plain = pg.query(
+        "SELECT count(*) FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) \
+         WHERE NOT s.ssl AND a.usename = 'pd' AND a.pid <> pg_backend_pid() \
+         AND a.backend_type = 'client backend'",
+    );
+    assert_eq!(plain, "0", "a plain connection from the gateway");
+
+    // Another CA: the gateway refuses the database's certificate and does not start.
+    let other = pd_cluster_tests::cluster::Certs::new(&work.path().join("other"));
+    drop(other);
+    let other_ca = work.path().join("other/ca.pem");
+    let mut cmd = std::process::Command::new(pd_cluster_tests::bins::pd_gateway());
+    cmd.args([
+        "serve",
+        "--port",
+        "0",
+        "--registry-port",
+        "0",
+        "--admin-port",
+        "0",
+    ])
+    .args(["--state-url", &url, "--state-tls-ca"])
+    .arg(&other_ca);
+    let out = cmd.output().expect("running pd-gateway");
+    assert!(
+        !out.status.success(),
+        "started with a CA that did not sign the database's certificate"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("state"), "{err}");
+}

@@ -318,6 +318,30 @@ pub fn no_roots() -> ClientConfig {
         .unwrap_or_else(|_| unreachable!("ring supports the default protocol versions"))
 }
 
+/// A client config that trusts the CA certificates in `ca` (PEM) and presents none: for a
+/// server outside the cluster with a CA of its own (the gateways' PostgreSQL state store).
+///
+/// # Errors
+/// The file cannot be read or holds no usable certificate.
+pub fn client_trusting(ca: &Path) -> Result<ClientConfig, TlsError> {
+    let pem = read(ca)?;
+    let mut roots = RootCertStore::empty();
+    for c in certs(ca, &pem)? {
+        roots.add(c).map_err(|source| TlsError::Rustls {
+            what: "a CA certificate",
+            source,
+        })?;
+    }
+    Ok(ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|source| TlsError::Rustls {
+            what: "protocol versions",
+            source,
+        })?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
+}
+
 /// The name a certificate must carry for `host` (a DNS name or an IP address; IPv6 in brackets
 /// or not).
 ///

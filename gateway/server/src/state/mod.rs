@@ -27,6 +27,7 @@ use tokio::sync::broadcast;
 
 pub mod embedded;
 pub mod follow;
+pub mod pg_tls;
 pub mod policy;
 pub mod postgres;
 pub mod records;

@@ -24,7 +24,30 @@ use tokio::sync::{Mutex, broadcast};
 use tokio_postgres::{AsyncMessage, Client, Config, NoTls};
 use tracing::{info, warn};
 
+use super::pg_tls::Rustls;
 use super::{Backend, Change, PolicyRecord, SCHEMA_VERSION, StateError, TurnRecord};
+
+/// A connection's messages (notifications, and the end of the connection); polling them drives
+/// the connection.
+type Messages =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<AsyncMessage, tokio_postgres::Error>> + Send>>;
+
+/// Connects, over TLS when `tls` is given (what `sslmode` then asks for).
+async fn open(
+    config: &Config,
+    tls: Option<&Rustls>,
+) -> Result<(Client, Messages), tokio_postgres::Error> {
+    match tls {
+        None => {
+            let (c, mut conn) = config.connect(NoTls).await?;
+            Ok((c, Box::pin(futures::stream::poll_fn(move |cx| conn.poll_message(cx)))))
+        }
+        Some(t) => {
+            let (c, mut conn) = config.connect(t.clone()).await?;
+            Ok((c, Box::pin(futures::stream::poll_fn(move |cx| conn.poll_message(cx)))))
+        }
+    }
+}
 
 /// The notification channel.
 pub const CHANNEL: &str = "pd_state";
@@ -47,6 +70,8 @@ CREATE TABLE IF NOT EXISTS pd_drains (engine_id text PRIMARY KEY, since_ms bigin
 /// The PostgreSQL store ([module docs](self)).
 pub struct Postgres {
     config: Config,
+    /// TLS to the database (`--state-tls-ca`); none: plain.
+    tls: Option<Rustls>,
     /// Where it is, for logs (no password).
     target: String,
     client: Mutex<Option<Arc<Client>>>,
@@ -90,13 +115,13 @@ fn parse(payload: &str) -> Option<Change> {
 }
 
 impl Postgres {
-    /// Connects to `url` (a libpq URL or `key=value` string), creates the tables, checks the
-    /// schema version.
+    /// Connects to `url` (a libpq URL or `key=value` string; with `tls`, TLS as its `sslmode`
+    /// says, `prefer` by default), creates the tables, checks the schema version.
     ///
     /// # Errors
     /// [`StateError`] when the URL does not parse, the server does not answer, or a newer
     /// gateway wrote the store.
-    pub async fn connect(url: &str) -> Result<Self, StateError> {
+    pub async fn connect(url: &str, tls: Option<Rustls>) -> Result<Self, StateError> {
         let mut config: Config = url
             .parse()
             .map_err(|e| StateError::backend(format!("--state-url: {e}")))?;
@@ -109,6 +134,7 @@ impl Postgres {
         );
         let store = Postgres {
             config,
+            tls,
             target,
             client: Mutex::new(None),
             changes: broadcast::channel(1024).0,
@@ -141,10 +167,13 @@ impl Postgres {
         if let Some(c) = slot.as_ref().filter(|c| !c.is_closed()) {
             return Ok(c.clone());
         }
-        let (client, connection) = timed(self.config.connect(NoTls)).await?;
+        let (client, mut messages) = timed(open(&self.config, self.tls.as_ref())).await?;
         tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                warn!(error = %e, "state store connection ended");
+            while let Some(m) = messages.next().await {
+                if let Err(e) = m {
+                    warn!(error = %e, "state store connection ended");
+                    return;
+                }
             }
         });
         let client = Arc::new(client);
@@ -165,12 +194,10 @@ impl Postgres {
         let mut delay = Duration::from_millis(100);
         let mut first = true;
         loop {
-            match self.config.connect(NoTls).await {
-                Ok((client, mut connection)) => {
+            match open(&self.config, self.tls.as_ref()).await {
+                Ok((client, messages)) => {
                     let (tx, mut rx) = futures::channel::mpsc::unbounded();
-                    let driver = futures::stream::poll_fn(move |cx| connection.poll_message(cx))
-                        .map(Ok)
-                        .forward(tx);
+                    let driver = messages.map(Ok).forward(tx);
                     let driver = tokio::spawn(driver);
                     match client.batch_execute(&format!("LISTEN {CHANNEL}")).await {
                         Ok(()) => {

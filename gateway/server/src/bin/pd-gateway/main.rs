@@ -275,6 +275,12 @@ struct ServeArgs {
     /// `previous_response_id` this gateway does not hold is answered 503.
     #[arg(long, env = "PD_STATE_URL", value_name = "URL", hide_env_values = true)]
     state_url: Option<String>,
+    /// Speak TLS to --state-url's database, trusting this CA (PEM) for its certificate, which
+    /// must name the URL's host; add `sslmode=require` to the URL to refuse a database without
+    /// TLS (the default, `prefer`, falls back to plain when the server offers no TLS). The
+    /// database holds the cluster token and every stored response: off loopback, use it.
+    #[arg(long, env = "PD_STATE_TLS_CA", value_name = "PEM", requires = "state_url")]
+    state_tls_ca: Option<PathBuf>,
     /// Generation and tokenizer requests served at once; beyond it they wait for a slot
     /// (0: no limit). A completions request listing several prompts takes as many slots.
     #[arg(long, default_value_t = pd_gateway::admission::DEFAULT_MAX_CONCURRENT)]
@@ -414,7 +420,11 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         },
     };
     let log = Arc::new(log);
-    let state = state::open(args.state_dir.as_deref(), args.state_url.as_deref())?;
+    let state = state::open(
+        args.state_dir.as_deref(),
+        args.state_url.as_deref(),
+        args.state_tls_ca.as_deref(),
+    )?;
     let keeper = state
         .clone()
         .map(|st| pd_gateway::state::policy::PolicyKeeper::new(st, args.policy.clone()));
@@ -646,7 +656,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             node_timeout: Duration::from_millis(args.node_timeout_ms.max(100)),
             tls,
         },
-    );
+    )
+    .with_holdings(shared.holdings.clone());
     let watch = args.policy.clone().map(|p| (p, spec));
     let admin_tls = client_tls.as_ref().map(|(_, _, acceptor)| acceptor.clone());
     let drain_timeout = args.drain_timeout;

@@ -24,15 +24,27 @@ fn block_on<F: std::future::Future>(f: F) -> anyhow::Result<F::Output> {
     Ok(rt.block_on(f))
 }
 
-/// The embedded store in `dir`, or the shared one at `url`, if either is given.
-pub(crate) fn open(dir: Option<&Path>, url: Option<&str>) -> anyhow::Result<Option<State>> {
+/// The embedded store in `dir`, or the shared one at `url` (over TLS trusting `ca` when given),
+/// if either is given.
+pub(crate) fn open(
+    dir: Option<&Path>,
+    url: Option<&str>,
+    ca: Option<&Path>,
+) -> anyhow::Result<Option<State>> {
+    let tls = ca
+        .map(|ca| {
+            pd_tls::client_trusting(ca)
+                .map(|c| st::pg_tls::Rustls(std::sync::Arc::new(c)))
+                .with_context(|| format!("--state-tls-ca {}", ca.display()))
+        })
+        .transpose()?;
     let state: State = match (dir, url) {
         (Some(dir), _) => std::sync::Arc::new(
             st::embedded::Embedded::open(dir)
                 .with_context(|| format!("--state-dir {}", dir.display()))?,
         ),
         (None, Some(url)) => std::sync::Arc::new(
-            block_on(st::postgres::Postgres::connect(url))?
+            block_on(st::postgres::Postgres::connect(url, tls))?
                 .context("--state-url: connecting to the shared state store")?,
         ),
         (None, None) => return Ok(None),
