@@ -9,10 +9,10 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use futures::future::BoxFuture;
-use tokio_rustls::rustls;
-use tokio_rustls::rustls::pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_postgres::tls::{ChannelBinding, MakeTlsConnect, TlsConnect};
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::ServerName;
 
 /// Makes a TLS connection per database connection.
 #[derive(Clone)]

@@ -29,8 +29,9 @@ use super::{Backend, Change, PolicyRecord, SCHEMA_VERSION, StateError, TurnRecor
 
 /// A connection's messages (notifications, and the end of the connection); polling them drives
 /// the connection.
-type Messages =
-    std::pin::Pin<Box<dyn futures::Stream<Item = Result<AsyncMessage, tokio_postgres::Error>> + Send>>;
+type Messages = std::pin::Pin<
+    Box<dyn futures::Stream<Item = Result<AsyncMessage, tokio_postgres::Error>> + Send>,
+>;
 
 /// Connects, over TLS when `tls` is given (what `sslmode` then asks for).
 async fn open(
@@ -40,11 +41,17 @@ async fn open(
     match tls {
         None => {
             let (c, mut conn) = config.connect(NoTls).await?;
-            Ok((c, Box::pin(futures::stream::poll_fn(move |cx| conn.poll_message(cx)))))
+            Ok((
+                c,
+                Box::pin(futures::stream::poll_fn(move |cx| conn.poll_message(cx))),
+            ))
         }
         Some(t) => {
             let (c, mut conn) = config.connect(t.clone()).await?;
-            Ok((c, Box::pin(futures::stream::poll_fn(move |cx| conn.poll_message(cx)))))
+            Ok((
+                c,
+                Box::pin(futures::stream::poll_fn(move |cx| conn.poll_message(cx))),
+            ))
         }
     }
 }

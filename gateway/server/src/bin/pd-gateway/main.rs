@@ -279,7 +279,12 @@ struct ServeArgs {
     /// must name the URL's host; add `sslmode=require` to the URL to refuse a database without
     /// TLS (the default, `prefer`, falls back to plain when the server offers no TLS). The
     /// database holds the cluster token and every stored response: off loopback, use it.
-    #[arg(long, env = "PD_STATE_TLS_CA", value_name = "PEM", requires = "state_url")]
+    #[arg(
+        long,
+        env = "PD_STATE_TLS_CA",
+        value_name = "PEM",
+        requires = "state_url"
+    )]
     state_tls_ca: Option<PathBuf>,
     /// Generation and tokenizer requests served at once; beyond it they wait for a slot
     /// (0: no limit). A completions request listing several prompts takes as many slots.
