@@ -27,6 +27,7 @@ mod policy_sdk;
 mod prompt_binding;
 mod prompt_scoring;
 mod registry_trust;
+mod reported_turns;
 mod rolling_restart;
 mod several_gateways;
 mod spread_params;

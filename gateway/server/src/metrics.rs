@@ -85,6 +85,10 @@ pub struct Metrics {
     pub conversation_dropped: IntCounterVec,
     /// Retained turns indexed now.
     pub conversation_holdings: IntGauge,
+    /// Retained turns the nodes reported on their registry streams, by `event`: `added`
+    /// (indexed), `removed` (their lease ended, or the node resynced or left), `refused`
+    /// (unreadable, another node's, over the bounds).
+    pub reported_turns: IntCounterVec,
     /// Bytes of `/v1/responses` turns kept for `previous_response_id`.
     pub responses_stored_bytes: IntGauge,
     /// `/v1/responses` turns dropped to stay within the store's bytes.
@@ -288,6 +292,11 @@ impl Metrics {
                 "pd_gateway_conversation_dropped_total",
                 "Retained turns dropped from the index unused, by why.",
                 &["why"],
+            ),
+            reported_turns: counters(
+                "pd_gateway_reported_turns_total",
+                "Retained turns the nodes reported on their registry streams, by event.",
+                &["event"],
             ),
             conversation_holdings: reg(
                 &registry,

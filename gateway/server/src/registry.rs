@@ -1,7 +1,9 @@
 //! The gateway's side of `pd.registry.v1.NodeRegistry` (`node/rpc/proto/registry.proto`): nodes
 //! dial in, register (cluster token checked, tokenizer taken), then stream their state and block
 //! hashes into the [`Cluster`]. A stream that ends, fails or falls silent past the node timeout
-//! takes its node out of the view at once; the node comes back when it reconnects.
+//! takes its node out of the view at once; the node comes back when it reconnects. The retained
+//! conversation turns a node reports go to the proxy's [`Holdings`] ([`Registry::with_holdings`];
+//! `conversation/reported.rs`) and leave it with the node.
 //!
 //! Addresses: a node bound to a wildcard address registers it as such, and is listed under the
 //! address its registration came from ([`reachable`]); a loopback address registered from
@@ -23,6 +25,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::{info, warn};
 
 use crate::cluster::{Cluster, ConnId, JoinError, NodeEntry, TokenizerRefused, role_of};
+use crate::conversation::{Applied, Holdings, ReportedTurns};
 use crate::metrics::Metrics;
 
 /// The registry contract version this gateway speaks.
@@ -71,6 +74,8 @@ pub struct Registry {
     config: Arc<RegistryConfig>,
     /// What requests to registered nodes carry: the cluster token (they proved they hold it).
     bearer: Option<http::HeaderValue>,
+    /// The conversation index the nodes' reported retained turns go to (the proxy's).
+    holdings: Option<Arc<Holdings>>,
 }
 
 type OutStream = Pin<Box<dyn Stream<Item = Result<pb::GatewayMessage, Status>> + Send>>;
@@ -83,7 +88,15 @@ impl Registry {
             metrics,
             bearer: crate::upstream::bearer(&config.cluster_token).ok(),
             config: Arc::new(config),
+            holdings: None,
         }
+    }
+
+    /// Indexes the retained turns nodes report (`RetainedTurns`) in `holdings`, the index the
+    /// proxy routes conversations by; without it they are ignored.
+    pub fn with_holdings(mut self, holdings: Arc<Holdings>) -> Self {
+        self.holdings = Some(holdings);
+        self
     }
 
     /// Counts a refused registration and logs it; returns `status`.
@@ -379,7 +392,12 @@ impl NodeRegistry for Registry {
         };
         // The outbox has room: nothing else was sent on it yet.
         let _ = tx.try_send(Ok(ack));
-        tokio::spawn(follow(self.cluster.clone(), conn, inbound, tx));
+        let turns = self.holdings.clone().map(|h| Turns {
+            holdings: h,
+            reported: ReportedTurns::new(&reg.engine_id, reg.epoch),
+            metrics: self.metrics.clone(),
+        });
+        tokio::spawn(follow(self.cluster.clone(), conn, inbound, tx, turns));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }
@@ -390,6 +408,7 @@ async fn follow(
     conn: ConnId,
     mut inbound: Streaming<pb::NodeMessage>,
     outbox: mpsc::Sender<Result<pb::GatewayMessage, Status>>,
+    mut turns: Option<Turns>,
 ) {
     let mut peers = cluster.peers();
     peers.mark_changed();
@@ -401,6 +420,10 @@ async fn follow(
                     let live = match m.msg {
                         Some(pb::node_message::Msg::State(s)) => cluster.state(conn, s),
                         Some(pb::node_message::Msg::Blocks(b)) => cluster.blocks(conn, b),
+                        Some(pb::node_message::Msg::Turns(t)) => {
+                            if let Some(turns) = turns.as_mut() { turns.apply(t); }
+                            cluster.is_live(conn)
+                        }
                         Some(pb::node_message::Msg::Register(_)) => break "registered twice on one stream",
                         None => true,
                     };
@@ -424,7 +447,61 @@ async fn follow(
             _ = check.tick() => if !cluster.is_live(conn) { break "left the view"; },
         }
     };
+    // Before leaving: the node may register again once it left, and report the same turns.
+    if let Some(mut turns) = turns {
+        turns.clear();
+    }
     cluster.leave(conn, why);
+}
+
+/// One node's reported retained turns and where they go.
+struct Turns {
+    holdings: Arc<Holdings>,
+    reported: ReportedTurns,
+    metrics: Metrics,
+}
+
+impl Turns {
+    fn apply(&mut self, msg: pb::RetainedTurns) {
+        let a = self.reported.apply(&self.holdings, msg);
+        self.count(a);
+    }
+
+    /// The node left the view: its turns leave the index.
+    fn clear(&mut self) {
+        let removed = self.reported.clear(&self.holdings);
+        self.count(Applied {
+            removed,
+            ..Applied::default()
+        });
+    }
+
+    fn count(&self, a: Applied) {
+        let m = &self.metrics;
+        for (event, n) in [
+            ("added", a.added),
+            ("removed", a.removed),
+            ("refused", a.refused),
+        ] {
+            if n > 0 {
+                m.reported_turns
+                    .with_label_values(&[event])
+                    .inc_by(n as u64);
+            }
+        }
+        if a.expired > 0 {
+            m.conversation_dropped
+                .with_label_values(&["expired"])
+                .inc_by(a.expired as u64);
+        }
+        if a.refused > 0 {
+            warn!(
+                refused = a.refused,
+                "a node reported retained turns that are not its own or not readable"
+            );
+        }
+        m.conversation_holdings.set(self.holdings.len() as i64);
+    }
 }
 
 /// Takes silent nodes out of the view. Their streams are ended by dropping the entry's outbox

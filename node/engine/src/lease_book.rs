@@ -141,6 +141,16 @@ impl LeaseBook {
         None
     }
 
+    /// Those of `ids` that are no longer live (released, revoked, or expired and collected),
+    /// under one lock.
+    pub fn ended(&self, ids: &[LeaseId]) -> Vec<LeaseId> {
+        let book = self.lock();
+        ids.iter()
+            .copied()
+            .filter(|id| !book.table.contains(*id))
+            .collect()
+    }
+
     /// Extends a live lease; returns the new deadline.
     ///
     /// # Errors

@@ -346,6 +346,10 @@ pub struct KvHandoff {
     /// from the request's root): what a gateway keys a retained turn by, since the next turn's
     /// prompt hashes to the same chain. Set for retained turns.
     pub last_block_hash: Option<u64>,
+    /// The chained hash of the last whole block of the prompt, and the tokens up to it: where a
+    /// resent history whose answer re-encodes differently still meets this turn. Set for
+    /// retained turns whose prompt fills a block.
+    pub prompt_key: Option<(u64, usize)>,
     /// The lease's record on the node's lease board, where a reader confirms it one-sidedly
     /// (`None`: no board, or it was full; confirm through the side channel).
     pub board_slot: Option<u32>,

@@ -12,7 +12,9 @@
 //!   lists, one cluster token, the first observed host), [`GatewayLeft`] when a gateway's
 //!   stream ends (its leases follow it), refused only once every gateway refused.
 //! - [`StateSource`]: what the node implements so the reporter can read it; [`StoredBlocks`] is
-//!   the ready-made, never-blocking set of stored hashes with a bounded change feed.
+//!   the ready-made, never-blocking set of stored hashes with a bounded change feed, and
+//!   [`RetainedTurns`] the same for the conversation turns a decode node retains (reported so
+//!   that every gateway, not only the one that relayed the answer, routes the next turn).
 //! - `test_registry` (feature `testing`): a recording `NodeRegistry` server for tests (here and
 //!   in `pd-node`'s).
 //!
@@ -33,6 +35,7 @@ mod reporter;
 mod source;
 #[cfg(feature = "testing")]
 pub mod test_registry;
+mod turns;
 
 pub use error::ReportError;
 pub use gateways::{GatewayEntry, Gateways, GatewaysOptions, Resolve, Resolving, SystemResolver};
@@ -41,4 +44,8 @@ pub use registration::{REGISTRY_PROTOCOL_VERSION, Registration, Role};
 pub use reporter::{Reporter, ReporterHandle, ReporterOptions, ReporterStatus};
 pub use source::{
     BlockEvent, BlockSubscription, LeaseCounters, NodeStateSnapshot, StateSource, StoredBlocks,
+};
+pub use turns::{
+    MAX_RETAINED_TURNS, MAX_TURN_BYTES_PER_MESSAGE, MAX_TURN_PARAMS_BYTES, MAX_TURNS_PER_MESSAGE,
+    RetainedTurn, RetainedTurns, TurnEvent, TurnSubscription,
 };

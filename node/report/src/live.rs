@@ -10,6 +10,7 @@ use tonic::Streaming;
 
 use crate::error::ReportError;
 use crate::source::{BlockEvent, BlockSubscription, NodeStateSnapshot};
+use crate::turns::{TurnEvent, TurnSubscription};
 
 /// One registered connection.
 pub(crate) struct Live {
@@ -81,6 +82,31 @@ impl Live {
                 removed: Vec::new(),
             }))
             .await?;
+        }
+        Ok(())
+    }
+
+    /// Sends `turns.turns` as a `RetainedTurns` resync (at least one message).
+    pub(crate) async fn send_turns_resync(
+        &mut self,
+        turns: &mut TurnSubscription,
+    ) -> Result<(), ReportError> {
+        let now = std::mem::take(&mut turns.turns);
+        for msg in crate::turns::resync_messages(&now) {
+            self.send(pb::node_message::Msg::Turns(msg)).await?;
+        }
+        Ok(())
+    }
+
+    /// Sends `first` and the turn events already waiting behind it, as deltas.
+    pub(crate) async fn send_turn_deltas(
+        &mut self,
+        first: TurnEvent,
+        turns: &mut TurnSubscription,
+        max: usize,
+    ) -> Result<(), ReportError> {
+        for msg in crate::turns::turn_deltas(first, &mut turns.events, max) {
+            self.send(pb::node_message::Msg::Turns(msg)).await?;
         }
         Ok(())
     }

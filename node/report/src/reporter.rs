@@ -8,10 +8,14 @@
 //! 3. a block resync: a fresh [`BlockSubscription`](crate::BlockSubscription), its snapshot
 //!    sent as `BlockEvents` with `resync = true` (split into several messages when larger than
 //!    [`ReporterOptions::max_hashes_per_message`]; only the first carries `resync`);
-//! 4. then, until the stream breaks: `NodeState` every [`ReporterOptions::change_poll`] when it
+//! 4. a retained turn resync, when the source reports turns
+//!    ([`StateSource::subscribe_turns`]): `RetainedTurns` with `resync = true`, split within
+//!    the message bounds;
+//! 5. then, until the stream breaks: `NodeState` every [`ReporterOptions::change_poll`] when it
 //!    differs from the last one sent and at least every state interval regardless; `BlockEvents`
 //!    deltas as the feed delivers them, gathered for [`ReporterOptions::block_coalesce`] after
-//!    the first; a new resync whenever the feed lagged.
+//!    the first; `RetainedTurns` deltas as turns are retained and end; a new resync whenever a
+//!    feed lagged.
 //!
 //! Gateway messages are read at any time after `Register`: a `RegisterAck` (also a later one)
 //! sets the state interval and, when it carries one, offers the cluster token
@@ -402,6 +406,10 @@ impl Reporter {
         live.send_resync(&mut blocks, self.options.max_hashes_per_message)
             .await?;
         self.status.send_modify(|s| s.resyncs += 1);
+        let mut turns = self.source.subscribe_turns();
+        if let Some(t) = turns.as_mut() {
+            live.send_turns_resync(t).await?;
+        }
 
         let mut feed_open = true;
         let mut poll = poll_timer(self.options.change_poll, live.state_interval);
@@ -445,8 +453,35 @@ impl Reporter {
                         feed_open = false;
                     }
                 },
+                event = next_turn(&mut turns) => match event {
+                    Ok(first) => {
+                        let t = turns.as_mut().expect("a feed only when subscribed");
+                        live.send_turn_deltas(first, t, crate::MAX_TURNS_PER_MESSAGE).await?;
+                    }
+                    Err(RecvError::Lagged(missed)) => {
+                        warn!(missed, "retained turn feed lagged behind the node; resyncing");
+                        turns = self.source.subscribe_turns();
+                        if let Some(t) = turns.as_mut() {
+                            live.send_turns_resync(t).await?;
+                        }
+                    }
+                    Err(RecvError::Closed) => {
+                        debug!("the node closed its retained turn feed");
+                        turns = None;
+                    }
+                },
             }
         }
+    }
+}
+
+/// The next retained turn event; pending forever without a feed.
+async fn next_turn(
+    turns: &mut Option<crate::TurnSubscription>,
+) -> Result<crate::TurnEvent, RecvError> {
+    match turns {
+        Some(t) => t.events.recv().await,
+        None => std::future::pending().await,
     }
 }
 

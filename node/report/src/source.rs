@@ -109,6 +109,14 @@ pub trait StateSource: Send + Sync + 'static {
     /// lagged; must not block for long (copying a set of up to `num_blocks` hashes is fine).
     /// [`StoredBlocks::subscribe`] implements it.
     fn subscribe_blocks(&self) -> BlockSubscription;
+
+    /// The conversation turns the node retains and the feed of later changes
+    /// ([`RetainedTurns::subscribe`](crate::RetainedTurns::subscribe)), taken atomically in the
+    /// sense of [`BlockSubscription`]; `None` (the default): the node retains none and sends no
+    /// `RetainedTurns`. Called once per connection and again after the feed lagged.
+    fn subscribe_turns(&self) -> Option<crate::TurnSubscription> {
+        None
+    }
 }
 
 /// The set of block hashes a node can serve, plus a bounded change feed for any number of

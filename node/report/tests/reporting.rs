@@ -156,6 +156,7 @@ fn msg_kind(m: &pb::NodeMessage) -> &'static str {
         Some(pb::node_message::Msg::Register(_)) => "register",
         Some(pb::node_message::Msg::State(_)) => "state",
         Some(pb::node_message::Msg::Blocks(_)) => "blocks",
+        Some(pb::node_message::Msg::Turns(_)) => "turns",
         None => "empty",
     }
 }

@@ -147,6 +147,7 @@ impl Disagg {
             host,
             port,
             block_size: info.block_size,
+            turns: None,
         });
         let consumer = puller.map(|puller| {
             let compat = CompatInfo::new(info.model_name.clone(), &info.kv_layout)
@@ -168,6 +169,15 @@ impl Disagg {
             metrics,
             node_metrics: NodeMetrics::new(),
         }
+    }
+
+    /// Reports the turns this node retains to `turns` as well (read by the gateways' reporters):
+    /// a node with a side channel, reporting to gateways, retaining turns.
+    pub fn with_retained_turns(mut self, turns: Option<Arc<pd_report::RetainedTurns>>) -> Self {
+        if let Some(advert) = &mut self.advert {
+            advert.turns = turns;
+        }
+        self
     }
 
     /// The transfer metrics (for `/metrics`).

@@ -295,6 +295,9 @@ pub(crate) struct Advert {
     pub(crate) port: u16,
     /// Tokens per block of this node's pool (`remote_block_size`).
     pub(crate) block_size: usize,
+    /// Where retained turns are reported to the gateways (`--gateway` with
+    /// `--kv-retain-after-decode`), besides riding on the answer.
+    pub(crate) turns: Option<std::sync::Arc<pd_report::RetainedTurns>>,
 }
 
 /// The response's `kv_transfer_params` for a prefill whose KV was handed off.
@@ -322,6 +325,17 @@ pub(crate) fn retained(advert: &Advert, request_id: &str, h: &KvHandoff) -> KvTr
         // it repeats this one and its answer, hashes to the same chain).
         remote_last_block_hash: h.last_block_hash.map(Hex64),
         ..held(advert, request_id, h)
+    }
+}
+
+/// A retained turn as the gateways are told of it: the answer's params, as they are.
+pub(crate) fn reported(params: &KvTransferParams, h: &KvHandoff) -> pd_report::RetainedTurn {
+    let (hash, tokens) = h.prompt_key.unwrap_or((0, 0));
+    pd_report::RetainedTurn {
+        lease_id: h.lease.to_string(),
+        last_block_hash: h.last_block_hash.unwrap_or(0),
+        params: params.to_value().to_string(),
+        prompt_key: (hash, u32::try_from(tokens).unwrap_or(0)),
     }
 }
 
@@ -461,6 +475,7 @@ mod tests {
             host: tokio::sync::watch::channel("127.0.0.1".to_owned()).1,
             port: 7000,
             block_size: 16,
+            turns: None,
         };
         let h = KvHandoff {
             lease: LeaseId(0xabc),
@@ -469,6 +484,7 @@ mod tests {
             block_ids: vec![BlockId(1), BlockId(2)],
             num_tokens: 7,
             last_block_hash: None,
+            prompt_key: None,
             board_slot: Some(3),
         };
         let prompt = [1, 2, 3, 4, 5, 6, 7];
@@ -529,7 +545,11 @@ impl KvReply {
                     .push(handoff(advert, &self.request_id, h, self.prompt_hash));
             }
             (pd_engine::RequestEvent::Retained(h), Some(advert)) => {
-                self.retained = Some(retained(advert, &self.request_id, h));
+                let params = retained(advert, &self.request_id, h);
+                if let Some(turns) = &advert.turns {
+                    turns.add(reported(&params, h));
+                }
+                self.retained = Some(params);
             }
             _ => {}
         }

@@ -303,6 +303,12 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         .context("writing to stdout")?;
         stdout.flush().context("flushing stdout")?;
         drop(stdout);
+        // The turns this node retains, reported to every gateway (not only the one that
+        // relayed the answer).
+        let retained_turns = (!args.gateway.is_empty()
+            && args.report_retained_turns
+            && args.retain_after_decode()?.is_some())
+        .then(|| Arc::new(pd_report::RetainedTurns::new()));
         let reporter = match args.gateway.is_empty() {
             true => None,
             false => {
@@ -333,11 +339,14 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
                     tokenizer_files: engine.tokenizer().files().clone(),
                     tokenizer_fingerprint: engine.tokenizer().fingerprint(),
                 };
-                let source = Arc::new(pd_node::report::EngineSource::new(
-                    engine.clone(),
-                    transfer_metrics.pull_bytes_per_second.clone(),
-                    drain.clone(),
-                ));
+                let source = Arc::new(
+                    pd_node::report::EngineSource::new(
+                        engine.clone(),
+                        transfer_metrics.pull_bytes_per_second.clone(),
+                        drain.clone(),
+                    )
+                    .with_turns(retained_turns.clone()),
+                );
                 let gateway_left = transfer_metrics
                     .leases
                     .with_label_values(&[pd_node::report::GATEWAY_LEFT_EVENT]);
@@ -366,16 +375,19 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
         // saw this node register from.
         let observed = reporter.as_ref().map(pd_report::Gateways::observed_host);
         let side_channel = side_channel.map(|kv| (addresses.remote_host(observed), kv.port()));
-        let disagg = Arc::new(Disagg::new(
-            role,
-            &engine,
-            &engine_id,
-            epoch,
-            side_channel,
-            puller,
-            pull,
-            transfer_metrics,
-        ));
+        let disagg = Arc::new(
+            Disagg::new(
+                role,
+                &engine,
+                &engine_id,
+                epoch,
+                side_channel,
+                puller,
+                pull,
+                transfer_metrics,
+            )
+            .with_retained_turns(retained_turns),
+        );
         let options = pd_node::HttpOptions {
             sse_keep_alive,
             tool_parser,

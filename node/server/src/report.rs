@@ -3,7 +3,9 @@
 //!
 //! [`EngineSource`] is the [`pd_report::StateSource`] over an [`EngineHandle`]: counters come from
 //! the engine's gauges and lease book; block hashes from a [`StoredBlocks`] set kept in step with
-//! the engine's prefix-cache events by [`mirror_cache`]. The reporters themselves (one per
+//! the engine's prefix-cache events by [`mirror_cache`]; the conversation turns it retains from a
+//! [`RetainedTurns`] set the HTTP layer fills as it answers them and [`forget_ended_turns`]
+//! empties as their leases end. The reporters themselves (one per
 //! gateway address: connect, backoff, resync, merging what the gateways say) are
 //! `pd_report`'s; [`report_to_gateways`] starts them, adopts the cluster token they agree on,
 //! and releases a gateway's leases when its stream ends ([`release_leases_of_gateways_left`]).
@@ -16,7 +18,7 @@ use pd_engine::EngineHandle;
 use pd_kv_pool::CacheEvent;
 use pd_report::{
     BlockSubscription, GatewayLeft, Gateways, LeaseCounters, NodeStateSnapshot, Registration,
-    ReportError, StateSource, StoredBlocks,
+    ReportError, RetainedTurns, StateSource, StoredBlocks, TurnSubscription,
 };
 use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::{mpsc, watch};
@@ -33,6 +35,8 @@ pub struct EngineSource {
     pull_rate: prometheus::Gauge,
     /// Set once the node drains (`SIGTERM`): sent as `NodeState.draining`.
     drain: Arc<Drain>,
+    /// The conversation turns this node retains, when it reports them.
+    turns: Option<Arc<RetainedTurns>>,
 }
 
 impl EngineSource {
@@ -46,7 +50,22 @@ impl EngineSource {
             stored,
             pull_rate,
             drain,
+            turns: None,
         }
+    }
+
+    /// Reports the retained turns `turns` too (the HTTP layer adds them as it answers them),
+    /// and starts taking out those whose lease ended ([`forget_ended_turns`]).
+    pub fn with_turns(mut self, turns: Option<Arc<RetainedTurns>>) -> Self {
+        if let Some(t) = &turns {
+            tokio::spawn(forget_ended_turns(
+                self.engine.clone(),
+                Arc::downgrade(t),
+                TURN_SWEEP,
+            ));
+        }
+        self.turns = turns;
+        self
     }
 }
 
@@ -77,6 +96,44 @@ impl StateSource for EngineSource {
 
     fn subscribe_blocks(&self) -> BlockSubscription {
         self.stored.subscribe()
+    }
+
+    fn subscribe_turns(&self) -> Option<TurnSubscription> {
+        self.turns.as_ref().map(|t| t.subscribe())
+    }
+}
+
+/// How often the reported turns are checked against the lease book.
+pub const TURN_SWEEP: Duration = Duration::from_millis(100);
+
+/// Takes out of `turns`, every `every`, the turns whose retained lease ended (released by a
+/// gateway or a reader, pulled, expired, revoked for blocks): the gateways then forget them.
+/// One short lock on the lease book per sweep, never the engine thread. Ends with `turns`.
+pub async fn forget_ended_turns(
+    engine: EngineHandle,
+    turns: std::sync::Weak<RetainedTurns>,
+    every: Duration,
+) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(turns) = turns.upgrade() else {
+            return;
+        };
+        let mut ids = Vec::new();
+        for id in turns.lease_ids() {
+            match id.parse::<pd_kv_pool::LeaseId>() {
+                Ok(l) => ids.push(l),
+                Err(_) => {
+                    turns.remove(&id);
+                }
+            }
+        }
+        // One short lock on the lease book for all of them.
+        for ended in engine.leases().ended(&ids) {
+            turns.remove(&ended.to_string());
+        }
     }
 }
 

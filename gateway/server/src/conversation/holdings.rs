@@ -138,6 +138,10 @@ impl Holdings {
     /// one); returns what it displaced: a holding under the same key, and those evicted to stay
     /// within the bound.
     pub fn insert(&self, h: Holding) -> Vec<Holding> {
+        self.insert_as(h, false)
+    }
+
+    fn insert_as(&self, h: Holding, reported: bool) -> Vec<Holding> {
         let mut s = self.lock();
         s.generation += 1;
         let generation = s.generation;
@@ -155,6 +159,7 @@ impl Holdings {
                 generation,
                 tokens,
                 exact,
+                reported,
             };
             s.holdings += usize::from(exact);
             if let Some(old) = s.by_hash.insert(key, entry)
@@ -220,6 +225,56 @@ impl Holdings {
     pub fn remove(&self, last_hash: u64) -> Option<Holding> {
         self.lock().remove_holding(last_hash)
     }
+
+    /// Indexes a turn a node reported (`registry.proto`, `RetainedTurns`) as [`insert`] does,
+    /// unless the index already holds that very turn (same key, same lease: captured from the
+    /// answer, or reported by the node to this gateway before): one entry per turn, the one
+    /// indexed first kept (a captured turn indexed later replaces a reported one: it is then
+    /// this gateway's own). Returns what it displaced.
+    ///
+    /// [`insert`]: Self::insert
+    pub fn insert_reported(&self, h: Holding) -> Vec<Holding> {
+        {
+            let s = self.lock();
+            if s.by_hash
+                .get(&h.last_hash)
+                .is_some_and(|e| e.exact && same_lease(&e.holding, &h))
+            {
+                return Vec::new();
+            }
+        }
+        self.insert_as(h, true)
+    }
+
+    /// Takes the holding keyed `last_hash` out of the index if it is the turn under lease
+    /// `lease_id` and, with `reported_only`, known only from a node's report (not captured from
+    /// an answer this gateway relayed): a node said that lease ended (`false`: whichever way
+    /// it was learned), or it left the view or resynced (`true`: a turn this gateway captured
+    /// stays, checked by expiry and epoch as before). Another turn under the same key stays.
+    pub fn remove_lease(
+        &self,
+        last_hash: u64,
+        lease_id: &str,
+        reported_only: bool,
+    ) -> Option<Holding> {
+        let mut s = self.lock();
+        let e = s.by_hash.get(&last_hash)?;
+        if !e.exact
+            || e.holding.params.remote_lease_id.as_deref() != Some(lease_id)
+            || (reported_only && !e.reported)
+        {
+            return None;
+        }
+        s.remove_holding(last_hash)
+    }
+}
+
+/// The same turn: one node, one lease.
+fn same_lease(a: &Holding, b: &Holding) -> bool {
+    a.engine_id == b.engine_id
+        && a.epoch == b.epoch
+        && a.params.remote_lease_id.is_some()
+        && a.params.remote_lease_id == b.params.remote_lease_id
 }
 
 /// One key of a holding.
@@ -231,6 +286,8 @@ struct Entry {
     tokens: u32,
     /// The holding's own last block (not its prompt's).
     exact: bool,
+    /// Known only from a node's report ([`Holdings::insert_reported`]).
+    reported: bool,
 }
 
 impl HoldingsInner {

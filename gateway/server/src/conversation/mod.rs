@@ -20,6 +20,10 @@
 //!   delete or `previous_response_id` finds nothing, as on OpenAI, where responses belong to a
 //!   project.
 //!
+//! Holdings come from the answers this gateway relayed and from the nodes themselves: a decode
+//! node reports the turns it retains on its registry stream ([`ReportedTurns`] applies them), so
+//! another gateway, or this one restarted, knows them too.
+//!
 //! With a state store ([`crate::state`]) every stored turn is also written there, evictions
 //! forget it there too, and a turn memory lacks is read back from it (`durable.rs`).
 //!
@@ -31,8 +35,10 @@ mod holdings;
 mod items;
 #[cfg(test)]
 mod proptests;
+mod reported;
 mod store;
 
 pub use holdings::{Found, Holding, Holdings};
 pub use items::{ItemsQuery, QueryError, as_retrieved, input_items, item_list, output_items};
+pub use reported::{Applied, MAX_REPORTED_TURNS, ReportedTurns};
 pub use store::{Deleted, HistoryError, NewTurn, Owner, ResponseStore};

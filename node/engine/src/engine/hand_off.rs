@@ -81,6 +81,7 @@ impl Engine {
                 block_ids: lease.blocks,
                 num_tokens,
                 last_block_hash: None,
+                prompt_key: None,
                 board_slot: lease.slot,
             }));
         }
@@ -119,16 +120,20 @@ impl Engine {
         let contents =
             pd_kv_pool::LeaseContents::of(&self.info.binding_key, &seq.tokens[..num_tokens])
                 .in_blocks(&blocks);
-        let last_block_hash = match seq.hashes.get(full - 1) {
+        let hash_at = |blocks: usize| match seq.hashes.get(blocks - 1) {
             Some(h) => h.0,
             None => pd_kv_pool::hash_full_blocks_from(
                 seq.root,
-                &seq.tokens[..num_tokens],
+                &seq.tokens[..blocks * self.info.block_size],
                 self.info.block_size,
             )
             .last()
             .map_or(0, |h| h.0),
         };
+        let last_block_hash = hash_at(full);
+        let prompt_blocks = (seq.prompt_len / self.info.block_size).min(full);
+        let prompt_key = (prompt_blocks > 0)
+            .then(|| (hash_at(prompt_blocks), prompt_blocks * self.info.block_size));
         if let Err(e) = stage_down(&mut self.staged, &mut self.pool, &self.metrics, &blocks) {
             tracing::error!(request = %id, error = %e, "staging a finished turn's KV failed; not retained");
             return;
@@ -145,6 +150,7 @@ impl Engine {
             block_ids: lease.blocks,
             num_tokens,
             last_block_hash: Some(last_block_hash),
+            prompt_key,
             board_slot: lease.slot,
         }));
     }

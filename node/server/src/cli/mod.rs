@@ -167,6 +167,12 @@ pub struct ServeArgs {
     /// untrusted client sees; a client that reaches this node directly sees them.
     #[arg(long, default_value_t = 0.0)]
     pub kv_retain_after_decode: f64,
+    /// Report the turns kept by `--kv-retain-after-decode` to every `--gateway` (their
+    /// `kv_transfer_params`, and when their leases end), so that any gateway, not only the one
+    /// that relayed the answer, routes the next turn to this node; `false` leaves them to the
+    /// answers alone.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub report_retained_turns: bool,
     /// What a decode node does when the KV does not arrive: fail the request, or compute the
     /// prompt itself (counted by reason either way).
     #[arg(long, value_enum, default_value_t = FailurePolicyArg::Fail)]
