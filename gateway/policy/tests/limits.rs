@@ -204,8 +204,9 @@ fn a_call_that_waits_for_a_core_is_not_a_runaway() {
         )
         .expect("load");
     let spin = |rounds: u64| request(rounds, 8, vec![]);
-    // Size the call to ~2 ms of computing here (a fifth of the deadline), so the signal lands
-    // while it runs: rounds per ms from the fastest of three undisturbed calls.
+    // Size the call to ~4 ms of computing here (under half the deadline), so the signal lands
+    // while it runs even when the signalling thread waits for a core itself: rounds per ms from
+    // the fastest of three undisturbed calls.
     let probe = 200_000;
     let fastest = (0..3)
         .map(|_| {
@@ -216,11 +217,11 @@ fn a_call_that_waits_for_a_core_is_not_a_runaway() {
         .min()
         .expect("three probes");
     let per_ms = probe as f64 / fastest.as_secs_f64().max(1e-6) / 1e3;
-    let rounds = (2.0 * per_ms) as u64;
+    let rounds = (4.0 * per_ms) as u64;
     // Every call answers. A call the signal missed (the signalling thread itself late on a busy
     // machine) proves nothing, so it is tried again; one must have waited past the deadline.
     let mut waited = Vec::new();
-    for _ in 0..5 {
+    for _ in 0..10 {
         let (answer, took) = descheduled(|| call(&policy, &spin(rounds)));
         let d = answer.expect("a call that waited for a core answers");
         assert_eq!(d.route, Route::Whole(vec![0, 1, 2]));
