@@ -295,6 +295,18 @@ pub async fn send_raw(
     a
 }
 
+/// The text of a `/v1/responses` answer's message items, concatenated.
+pub fn response_text(response: &Value) -> String {
+    response["output"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|i| i["type"] == "message")
+        .flat_map(|i| i["content"].as_array().cloned().unwrap_or_default())
+        .filter_map(|c| c["text"].as_str().map(str::to_owned))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -14,6 +14,7 @@ use pd_cluster_tests::cluster::{Node, SeveralGateways, SeveralSpec, args};
 use pd_cluster_tests::envoy::Envoy;
 use pd_cluster_tests::eventually;
 use pd_cluster_tests::load::Load;
+use pd_cluster_tests::openai::response_text;
 use pd_cluster_tests::postgres::PgServer;
 use pd_cluster_tests::process::WorkDir;
 use serde_json::{Value, json};
@@ -36,17 +37,6 @@ async fn start(name: &str, pg: &PgServer) -> SeveralGateways {
         },
     )
     .await
-}
-
-fn text_of(response: &Value) -> String {
-    response["output"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|i| i["type"] == "message")
-        .flat_map(|i| i["content"].as_array().cloned().unwrap_or_default())
-        .filter_map(|c| c["text"].as_str().map(str::to_owned))
-        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -184,12 +174,12 @@ async fn a_conversation_alternating_between_gateways_equals_one_node() {
             .await
             .expect("JSON");
         assert_eq!(
-            text_of(&got),
-            text_of(&want),
+            response_text(&got),
+            response_text(&want),
             "turn {turn} through gateway {}",
             turn % 2
         );
-        history.push(json!({"role": "assistant", "content": text_of(&got)}));
+        history.push(json!({"role": "assistant", "content": response_text(&got)}));
         parent = got["id"].as_str().map(str::to_owned);
     }
 }

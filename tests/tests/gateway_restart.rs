@@ -7,22 +7,11 @@ use std::time::Duration;
 
 use pd_cluster_tests::bins;
 use pd_cluster_tests::cluster::{ADMIN_TOKEN, ClusterSpec, Node, Role, TestCluster, args};
+use pd_cluster_tests::openai::response_text;
 use pd_cluster_tests::process::WorkDir;
 use serde_json::{Value, json};
 
 const RESTART: Duration = Duration::from_secs(60);
-
-/// The text of a `/v1/responses` answer's message items.
-fn text_of(response: &Value) -> String {
-    response["output"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|i| i["type"] == "message")
-        .flat_map(|i| i["content"].as_array().cloned().unwrap_or_default())
-        .filter_map(|c| c["text"].as_str().map(str::to_owned))
-        .collect()
-}
 
 async fn post(client: &reqwest::Client, url: &str, body: &Value) -> (u16, Value) {
     let resp = client
@@ -130,7 +119,7 @@ async fn a_restarted_gateway_keeps_responses_the_pushed_policy_and_drains() {
     assert_eq!(resp.status().as_u16(), 200, "GET {url}");
     let got: Value = resp.json().await.expect("a JSON response");
     assert_eq!(got["id"], id1.as_str());
-    assert_eq!(text_of(&got), text_of(&r1), "{got}");
+    assert_eq!(response_text(&got), response_text(&r1), "{got}");
     let next = json!({"model": "tiny", "previous_response_id": id1,
                       "input": "Which is the longest?", "max_output_tokens": 8, "temperature": 0});
     let (status, r2) = post(
@@ -143,7 +132,7 @@ async fn a_restarted_gateway_keeps_responses_the_pushed_policy_and_drains() {
     let whole_conversation = json!({"model": "tiny", "max_output_tokens": 8, "temperature": 0,
     "input": [
         {"role": "user", "content": "Name three rivers of Europe."},
-        {"role": "assistant", "content": text_of(&r1)},
+        {"role": "assistant", "content": response_text(&r1)},
         {"role": "user", "content": "Which is the longest?"},
     ]});
     let (status, want) = post(
@@ -153,7 +142,11 @@ async fn a_restarted_gateway_keeps_responses_the_pushed_policy_and_drains() {
     )
     .await;
     assert_eq!(status, 200, "{want}");
-    assert_eq!(text_of(&r2), text_of(&want), "continued turn vs one node");
+    assert_eq!(
+        response_text(&r2),
+        response_text(&want),
+        "continued turn vs one node"
+    );
 
     // Read from the state store, not from memory (which the kill emptied); decided by the
     // restored policy.
