@@ -593,26 +593,7 @@ impl TestCluster {
             .filter(|n| n["role"] == Role::Prefill.label())
             .filter_map(|n| n["kv_side_channel_addr"].as_str().map(str::to_owned))
             .collect();
-        for d in self.role(Role::Decode) {
-            let known = || {
-                d.proc
-                    .log()
-                    .lines()
-                    .rev()
-                    .find(|l| l.contains("KV peers registered with the gateway"))
-                    .is_some_and(|l| producers.iter().all(|p| l.contains(p.as_str())))
-            };
-            let start = Instant::now();
-            while !known() {
-                assert!(
-                    start.elapsed() < timeout,
-                    "{} logged no peer list naming every producer {producers:?} within                      {timeout:?}; its log:\n{}",
-                    d.engine_id,
-                    d.proc.log_tail(30)
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
+        wait_decoders_know(&producers, self.role(Role::Decode), timeout).await;
     }
 
     /// The scratch directory (logs, model).
@@ -747,6 +728,35 @@ impl TestCluster {
                 "the gateway did not list a node at every address within {timeout:?}: {listed:?}\n\
                  gateway log:\n{}",
                 self.gateway.proc.log_tail(30)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// Waits until every decode node of `decoders` has logged a peer list (from its gateway, or
+/// the union of its gateways') naming every one of `producers`.
+pub(crate) async fn wait_decoders_know<'a>(
+    producers: &[String],
+    decoders: impl Iterator<Item = &'a Node>,
+    timeout: Duration,
+) {
+    for d in decoders {
+        let known = || {
+            d.proc
+                .log()
+                .lines()
+                .rev()
+                .find(|l| l.contains("KV peers registered with the gateway"))
+                .is_some_and(|l| producers.iter().all(|p| l.contains(p.as_str())))
+        };
+        let start = Instant::now();
+        while !known() {
+            assert!(
+                start.elapsed() < timeout,
+                "{} logged no peer list naming every producer {producers:?} within {timeout:?}; its log:\n{}",
+                d.engine_id,
+                d.proc.log_tail(30)
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

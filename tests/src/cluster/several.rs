@@ -260,26 +260,8 @@ impl SeveralGateways {
             .filter(|n| n["role"] == Role::Prefill.label())
             .filter_map(|n| n["kv_side_channel_addr"].as_str().map(str::to_owned))
             .collect();
-        for d in self.nodes.iter().filter(|n| n.role == Role::Decode) {
-            let known = || {
-                d.proc
-                    .log()
-                    .lines()
-                    .rev()
-                    .find(|l| l.contains("KV peers registered with the gateways"))
-                    .is_some_and(|l| producers.iter().all(|p| l.contains(p.as_str())))
-            };
-            let start = Instant::now();
-            while !known() {
-                assert!(
-                    start.elapsed() < timeout,
-                    "{} logged no peer list naming every producer {producers:?}; its log:\n{}",
-                    d.engine_id,
-                    d.proc.log_tail(30)
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
+        let decoders = self.nodes.iter().filter(|n| n.role == Role::Decode);
+        super::wait_decoders_know(&producers, decoders, timeout).await;
     }
 
     /// A node's metrics.
