@@ -82,7 +82,7 @@ pub(super) struct Held {
 }
 
 /// A `/v1/responses` request, as it will be stored once answered.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(super) struct ResponsesTurn {
     /// The API key it came with: the stored turn is that key's alone.
     pub(super) owner: Owner,

@@ -8,7 +8,7 @@ use serde_json::Value;
 
 use super::Gateway;
 use super::exchange::{Outcome, Progress};
-use super::prepare::Prepared;
+use super::prepare::{Prepared, ResponsesTurn};
 use crate::conversation::{self, Holding, NewTurn};
 use crate::error::GatewayError;
 use crate::state::StateError;
@@ -61,8 +61,8 @@ impl Gateway {
         }
         m.conversation_holdings.set(s.holdings.len() as i64);
         if !st.turn_kept
-            && let Some(response) = &captured.response
-            && let Some((id, evicted)) = self.store_turn(req, response, held)
+            && let (Some(turn), Some(response)) = (req.turn.take(), &captured.response)
+            && let Some((id, evicted)) = self.store_turn(turn, response, held)
         {
             self.persist_turn(&id, evicted);
         }
@@ -72,12 +72,14 @@ impl Gateway {
     /// key of the KV a node retained of it); its id and the turns evicted for it, when kept.
     fn store_turn(
         &self,
-        req: &Prepared,
+        turn: ResponsesTurn,
         response: &Value,
         held: Option<u64>,
     ) -> Option<(String, Vec<Arc<str>>)> {
         let s = &self.0;
-        let turn = req.turn.as_ref().filter(|t| t.store)?;
+        if !turn.store {
+            return None;
+        }
         let id = response.get("id").and_then(Value::as_str)?;
         let output = conversation::output_items(response);
         let kept = conversation::as_retrieved(response, turn.parent.as_deref());
@@ -86,7 +88,7 @@ impl Gateway {
             NewTurn {
                 owner: turn.owner,
                 parent: turn.parent.as_deref(),
-                input: turn.input.clone(),
+                input: turn.input,
                 output,
                 response: kept,
                 held,
@@ -131,7 +133,10 @@ impl Gateway {
             .and_then(Holding::from_params)
             .map(|k| k.last_hash);
         *st_kept = true;
-        let Some((id, evicted)) = self.store_turn(req, response, held) else {
+        let Some(turn) = req.turn.clone() else {
+            return;
+        };
+        let Some((id, evicted)) = self.store_turn(turn, response, held) else {
             return;
         };
         if let Some(record) = self.0.responses.record(&id) {
