@@ -12,9 +12,11 @@ set -euo pipefail
 # host compiler nvcc preprocesses the CUDA kernels with (scripts/cuda-ptx.sh); xz-utils, which
 # packs the GPU bundle (scripts/gpu-bundle.sh, scripts/gpu-rehearse.sh); openssl, which mints
 # the cluster's TLS certificates (scripts/cluster-certs.sh), tcpdump, which captures the
-# hosts' link in the mutual-TLS test, and postgresql, the server the gateways' shared state
-# tests start (their own cluster in a test directory, not the package's service).
-APT_PACKAGES=(curl ca-certificates pkg-config libucx-dev ucx-utils libclang-dev cmake jq python3-pip python3-venv g++ xz-utils iproute2 util-linux openssl tcpdump postgresql)
+# hosts' link in the mutual-TLS test, postgresql, the server the gateways' shared state
+# tests start (their own cluster in a test directory, not the package's service), and for the
+# chaos suite nftables (partitions and packet loss inside the harness hosts) and faketime
+# (libfaketime: a node's wall clock off).
+APT_PACKAGES=(curl ca-certificates pkg-config libucx-dev ucx-utils libclang-dev cmake jq python3-pip python3-venv g++ xz-utils iproute2 util-linux openssl tcpdump postgresql nftables faketime)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

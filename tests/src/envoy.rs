@@ -73,6 +73,14 @@ impl Envoy {
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: front
           stream_idle_timeout: 300s
+          # Envoy's own answers (no gateway reachable) as OpenAI error objects.
+          local_reply_config:
+            body_format:
+              json_format:
+                error:
+                  message: "%LOCAL_REPLY_BODY%"
+                  type: "server_error"
+                  code: "balancer_%RESPONSE_CODE%"
           route_config:
             virtual_hosts:
             - name: gateways

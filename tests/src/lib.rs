@@ -9,6 +9,8 @@
 //!   for tests that cross hosts; a process on a host may run as PID 1, as in a container.
 //! - [`cluster`]: [`cluster::TestCluster::start`] brings up a gateway and its nodes (every port
 //!   `:0`) and waits until the gateway lists every node; admin calls and metrics scrapes.
+//! - [`chaos`]: the chaos suite: a cluster on hosts behind Envoy, a mixed load checked against
+//!   a reference node, one fault at a time, and a row per scenario of what survived.
 //! - [`envoy`]: a real Envoy balancing over several gateways.
 //! - [`k8s`]: the Kubernetes manifests (`examples/k8s`) rendered and read as a kubelet starts
 //!   their containers, for the harness to start on its hosts.
@@ -25,6 +27,7 @@
 #![deny(unused_must_use)]
 
 pub mod bins;
+pub mod chaos;
 pub mod cluster;
 pub mod envoy;
 pub mod hosts;

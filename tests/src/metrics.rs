@@ -148,6 +148,20 @@ pub async fn scrape(client: &reqwest::Client, base: &str) -> Metrics {
     Metrics::parse(&resp.text().await.unwrap_or_default())
 }
 
+/// [`scrape`] within `timeout`; `None` when the server does not answer (stopped, gone).
+pub async fn try_scrape(
+    client: &reqwest::Client,
+    base: &str,
+    timeout: std::time::Duration,
+) -> Option<Metrics> {
+    let get = async {
+        let resp = client.get(format!("{base}/metrics")).send().await.ok()?;
+        let text = resp.error_for_status().ok()?.text().await.ok()?;
+        Some(Metrics::parse(&text))
+    };
+    tokio::time::timeout(timeout, get).await.ok().flatten()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -86,6 +86,8 @@ pub struct Answer {
     pub body: String,
     /// The `retry-after` header, if any.
     pub retry_after: Option<String>,
+    /// A `/v1/responses` answer's `id` (for `previous_response_id`).
+    pub response_id: Option<String>,
 }
 
 impl Answer {
@@ -146,6 +148,7 @@ fn read_response_object(a: &mut Answer, r: &Value) {
         .collect();
     a.texts = vec![text];
     a.finish = vec![r["status"].as_str().map(str::to_owned)];
+    a.response_id = r["id"].as_str().map(str::to_owned);
     if let Some(u) = r.get("usage").filter(|u| !u.is_null()) {
         read_usage(a, u);
     }
@@ -244,17 +247,39 @@ pub async fn send_raw(
     bearer: Option<&str>,
 ) -> Answer {
     let url = format!("{base}{}", api.path());
+    try_send_raw(client, &url, api, body, bearer)
+        .await
+        .unwrap_or_else(|e| panic!("POST {url}: {e}"))
+}
+
+/// [`send`] that returns a transport failure (refused, reset, a body cut short) instead of
+/// panicking: what a client sees when a server dies under it.
+pub async fn try_send(
+    client: &reqwest::Client,
+    base: &str,
+    api: Api,
+    body: &Value,
+) -> Result<Answer, String> {
+    let url = format!("{base}{}", api.path());
+    let bytes = serde_json::to_vec(body).expect("a Value serializes");
+    try_send_raw(client, &url, api, bytes, None).await
+}
+
+async fn try_send_raw(
+    client: &reqwest::Client,
+    url: &str,
+    api: Api,
+    body: Vec<u8>,
+    bearer: Option<&str>,
+) -> Result<Answer, String> {
     let mut req = client
-        .post(&url)
+        .post(url)
         .header("content-type", "application/json")
         .body(body);
     if let Some(b) = bearer {
         req = req.bearer_auth(b);
     }
-    let resp = req
-        .send()
-        .await
-        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
+    let resp = req.send().await.map_err(|e| format!("sending: {e}"))?;
     let status = resp.status().as_u16();
     let sse = resp
         .headers()
@@ -269,7 +294,7 @@ pub async fn send_raw(
     let text = resp
         .text()
         .await
-        .unwrap_or_else(|e| panic!("POST {url}: reading the body: {e}"));
+        .map_err(|e| format!("reading the body: {e}"))?;
     let mut a = Answer {
         status,
         retry_after,
@@ -292,7 +317,7 @@ pub async fn send_raw(
         }
     }
     a.body = text;
-    a
+    Ok(a)
 }
 
 /// The text of a `/v1/responses` answer's message items, concatenated.

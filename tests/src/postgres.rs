@@ -2,7 +2,7 @@
 //! a fresh cluster (`initdb`) in a test's directory, on a free loopback port, run as the
 //! `postgres` user when the tests run as root (PostgreSQL refuses root).
 
-use std::net::TcpListener;
+use std::net::{Ipv4Addr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -20,7 +20,7 @@ pub struct PgServer {
     proc: Option<Proc>,
     /// Extra `postgres` settings (`-c` pairs).
     settings: Vec<String>,
-    /// `postgres://pd@127.0.0.1:PORT/postgres`.
+    /// `postgres://pd@ADDR:PORT/postgres` (ADDR: `127.0.0.1`, or the address it was started on).
     pub url: String,
 }
 
@@ -60,16 +60,23 @@ fn as_postgres(program: &Path) -> Command {
 impl PgServer {
     /// Makes a cluster under `dir` and starts it.
     pub fn start(dir: &Path) -> Self {
-        Self::start_with(dir, None)
+        Self::start_with(dir, None, None)
+    }
+
+    /// [`PgServer::start`] also listening on `addr` (the test's address on a [`crate::hosts::Net`]),
+    /// trusting the hosts' subnet: the store of gateways on harness hosts. [`PgServer::url`]
+    /// names `addr`.
+    pub fn start_on(dir: &Path, addr: Ipv4Addr) -> Self {
+        Self::start_with(dir, None, Some(addr))
     }
 
     /// [`PgServer::start`] with TLS on, its certificate and key `certs/postgres.pem` and
     /// `certs/postgres.key` (as `scripts/cluster-certs.sh` mints them).
     pub fn start_tls(dir: &Path, certs: &Path) -> Self {
-        Self::start_with(dir, Some(certs))
+        Self::start_with(dir, Some(certs), None)
     }
 
-    fn start_with(dir: &Path, certs: Option<&Path>) -> Self {
+    fn start_with(dir: &Path, certs: Option<&Path>, on: Option<Ipv4Addr>) -> Self {
         let bin = pg_bin();
         let data = dir.join("pg-data");
         std::fs::create_dir_all(&data).expect("creating the data directory");
@@ -96,7 +103,15 @@ impl PgServer {
             let l = TcpListener::bind("127.0.0.1:0").expect("a free port");
             l.local_addr().expect("its address").port()
         };
-        let mut settings = Vec::new();
+        let mut settings = vec!["listen_addresses=127.0.0.1".to_owned()];
+        if let Some(addr) = on {
+            let [a, b, _, _] = addr.octets();
+            let hba = data.join("pg_hba.conf");
+            let mut text = std::fs::read_to_string(&hba).expect("reading pg_hba.conf");
+            text.push_str(&format!("host all all {a}.{b}.0.0/16 trust\n"));
+            std::fs::write(&hba, text).expect("writing pg_hba.conf");
+            settings = vec![format!("listen_addresses=127.0.0.1,{addr}")];
+        }
         if let Some(certs) = certs {
             // The server reads them as its own user, the key private to it.
             for (from, to) in [
@@ -115,11 +130,11 @@ impl PgServer {
                     assert!(ok.is_ok_and(|s| s.success()));
                 }
             }
-            settings = vec![
+            settings.extend([
                 "ssl=on".into(),
                 "ssl_cert_file=server.crt".into(),
                 "ssl_key_file=server.key".into(),
-            ];
+            ]);
         }
         let mut pg = PgServer {
             bin,
@@ -128,7 +143,10 @@ impl PgServer {
             port,
             proc: None,
             settings,
-            url: format!("postgres://pd@127.0.0.1:{port}/postgres"),
+            url: format!(
+                "postgres://pd@{}:{port}/postgres",
+                on.map_or("127.0.0.1".to_owned(), |a| a.to_string())
+            ),
         };
         pg.resume();
         pg
@@ -141,8 +159,7 @@ impl PgServer {
         cmd.arg("-D")
             .arg(&self.data)
             .args(["-p", &self.port.to_string(), "-k"])
-            .arg(&self.data)
-            .args(["-c", "listen_addresses=127.0.0.1"]);
+            .arg(&self.data);
         for setting in &self.settings {
             cmd.args(["-c", setting]);
         }

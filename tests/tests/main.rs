@@ -7,6 +7,7 @@ mod admin_api;
 mod admission;
 mod api_keys;
 mod burst;
+mod chaos;
 mod client_abort;
 mod configuration;
 mod front_door_limits;

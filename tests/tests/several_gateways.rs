@@ -249,3 +249,60 @@ async fn one_name_for_every_gateway_and_a_new_gateway_behind_it_is_found() {
         g.show("pd_gateway_requests_total")
     );
 }
+
+/// A frozen gateway (`SIGSTOP`: its sockets open, nothing read; as a VM paused or a process
+/// starved) neither takes the nodes out of the other gateway's view nor, once it runs again,
+/// holds its own stall against the nodes: for three node timeouts g2 lists P and D as
+/// routable and serves split requests token-exact, and right after `SIGCONT` g1 does too.
+/// Found by the chaos suite (`SIGSTOP a gateway`): the resumed gateway's sweeper found every
+/// node silent past the timeout, emptied its view, and answered `no_capacity` until the nodes'
+/// reports, queued in its sockets, brought them back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_gateway_leaves_the_other_serving_and_serves_again_at_once() {
+    const NODE_TIMEOUT_MS: u64 = 1000;
+    let c = SeveralGateways::start(
+        "frozen-gateway",
+        SeveralSpec {
+            gateways: 2,
+            prefill: 1,
+            decode: 1,
+            gateway_args: args(&["--node-timeout-ms", &NODE_TIMEOUT_MS.to_string()]),
+            ..SeveralSpec::default()
+        },
+    )
+    .await;
+    let reference = Node::reference(c.dir(), &c.model);
+    let exact = async |g: usize, i: usize| {
+        let api = Api::Completions;
+        let body = api.body(&format!("{i} Served while a gateway is frozen."), 4);
+        let got = openai::send(&c.client, &c.gateways[g].http, api, &body, None).await;
+        let want = openai::send(&c.client, &reference.http, api, &body, None).await;
+        match got.status == 200 && got.complete && got.texts == want.texts {
+            true => Ok(()),
+            false => Err(format!("gateway {}: {} {}", g + 1, got.status, got.body)),
+        }
+    };
+    exact(0, 0).await.expect("g1 serves");
+    c.gateways[0].proc.signal(libc::SIGSTOP);
+    let frozen = Instant::now();
+    let (mut served, mut gaps) = (0, Vec::new());
+    while frozen.elapsed() < Duration::from_millis(NODE_TIMEOUT_MS * 3) {
+        let nodes = c.admin_nodes(1).await;
+        if nodes.iter().filter(|n| n["routable"] == true).count() != 2 {
+            gaps.push(format!("{:?}: g2 lists {nodes:?}", frozen.elapsed()));
+        }
+        match exact(1, served + 1).await {
+            Ok(()) => served += 1,
+            Err(e) => gaps.push(format!("{:?}: {e}", frozen.elapsed())),
+        }
+    }
+    c.gateways[0].proc.signal(libc::SIGCONT);
+    let resumed = Instant::now();
+    for i in 0..5 {
+        if let Err(e) = exact(0, 100 + i).await {
+            gaps.push(format!("{:?} after SIGCONT: {e}", resumed.elapsed()));
+        }
+    }
+    assert!(gaps.is_empty(), "{served} served by g2; {gaps:#?}");
+    assert!(served >= 3, "{served}");
+}

@@ -507,10 +507,26 @@ impl Turns {
 /// Takes silent nodes out of the view. Their streams are ended by dropping the entry's outbox
 /// (the node reconnects and registers anew). Gives up on nodes gone for good.
 async fn sweep(cluster: Arc<Cluster>, timeout: Duration) {
-    let mut tick = tokio::time::interval(timeout / 4);
+    let every = timeout / 4;
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last = Instant::now();
     loop {
         tick.tick().await;
-        let Some(deadline) = Instant::now().checked_sub(timeout) else {
+        let now = Instant::now();
+        let gap = now.saturating_duration_since(last);
+        last = now;
+        if stalled(gap, every) {
+            // This process did not run (frozen, paused, starved): the nodes' reports wait
+            // unread in its sockets, and their silence is its own.
+            warn!(
+                stalled_ms = gap.as_millis() as u64,
+                "the gateway stalled: nodes' silence during it is not held against them"
+            );
+            cluster.forgive_stall(now);
+            continue;
+        }
+        let Some(deadline) = now.checked_sub(timeout) else {
             continue;
         };
         for conn in cluster.silent_since(deadline) {
@@ -522,9 +538,24 @@ async fn sweep(cluster: Arc<Cluster>, timeout: Duration) {
     }
 }
 
+/// Whether a sweep `gap` after the previous one, ticking `every`, means the gateway itself
+/// stalled: twice the tick (half the node timeout) without running.
+fn stalled(gap: Duration, every: Duration) -> bool {
+    gap > every * 2
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sweep_late_by_half_the_node_timeout_is_the_gateways_own_stall() {
+        let every = Duration::from_millis(750);
+        assert!(!stalled(every, every));
+        assert!(!stalled(every * 2, every));
+        assert!(stalled(every * 2 + Duration::from_millis(1), every));
+        assert!(stalled(Duration::from_secs(7), every));
+    }
 
     /// A registration's tokenizer files are fingerprinted by the gateway; a bundle claiming
     /// another fingerprint than its files have is refused (it would fix the model's tokenizer

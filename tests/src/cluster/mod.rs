@@ -244,11 +244,7 @@ impl Node {
 
     /// The TCP port of its OpenAI API.
     pub fn port(&self) -> u16 {
-        self.http
-            .rsplit(':')
-            .next()
-            .and_then(|p| p.trim_end_matches('/').parse().ok())
-            .unwrap_or_else(|| panic!("no port in {}", self.http))
+        port_of(&self.http)
     }
 
     /// Request bytes sent to its OpenAI port that it has not read (see
@@ -280,6 +276,14 @@ impl Drop for Stopped<'_> {
     fn drop(&mut self) {
         self.0.proc.signal(libc::SIGCONT);
     }
+}
+
+/// The port of `url` (`http://host:port`, or `host:port`).
+pub(crate) fn port_of(url: &str) -> u16 {
+    url.rsplit(':')
+        .next()
+        .and_then(|p| p.trim_end_matches('/').parse().ok())
+        .unwrap_or_else(|| panic!("no port in {url}"))
 }
 
 /// Generates the tiny random model (`pd-node gen-tiny-model --seed 1`) into `<dir>/model`.

@@ -3,15 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{Gateway, GatewayPorts, TestCluster};
-
-/// The port of `url` (`http://host:port`, or `host:port`).
-fn port_of(url: &str) -> u16 {
-    url.rsplit(':')
-        .next()
-        .and_then(|p| p.trim_end_matches('/').parse().ok())
-        .unwrap_or_else(|| panic!("no port in {url}"))
-}
+use super::{Gateway, GatewayPorts, TestCluster, port_of};
 
 impl TestCluster {
     /// Kills the gateway with `SIGKILL` and starts another on its ports with `extra` flags (the

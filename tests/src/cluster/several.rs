@@ -19,13 +19,12 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use super::{
-    ADMIN_TOKEN, CLUSTER_TOKEN, Gateway, Node, NodeStart, READY_TIMEOUT, REGISTRY_NAME, Role,
-    START_TIMEOUT, tiny_model,
+    ADMIN_TOKEN, Gateway, GatewayPorts, Node, NodeStart, READY_TIMEOUT, REGISTRY_NAME, Role,
+    port_of, tiny_model,
 };
-use crate::bins;
 use crate::hosts::{Host, Net, Place};
 use crate::metrics::{Metrics, scrape};
-use crate::process::{Proc, WorkDir};
+use crate::process::WorkDir;
 
 /// What to start.
 #[derive(Debug, Clone, Default)]
@@ -62,6 +61,8 @@ pub struct SeveralGateways {
     /// The registry port of every gateway, on hosts.
     pub registry_port: Option<u16>,
     gateway_args: Vec<String>,
+    /// Every prefill node's flags, then every decode node's (for restarts).
+    node_args: Vec<Vec<String>>,
     // Last: dropped after the processes, so their logs are still there to print.
     gateway_dirs: Vec<WorkDir>,
     dir: WorkDir,
@@ -90,6 +91,7 @@ impl SeveralGateways {
             net: None,
             registry_port: None,
             gateway_args: spec.gateway_args.clone(),
+            node_args: Vec::new(),
             gateway_dirs,
             dir,
         };
@@ -100,10 +102,18 @@ impl SeveralGateways {
     /// [`SeveralGateways::start`] with every process on a host of its own, the nodes given
     /// `REGISTRY_NAME:PORT`, the name resolving to every gateway.
     pub async fn start_on_hosts(name: &str, spec: SeveralSpec) -> Self {
+        let mut c = Self::hosts(name, &spec);
+        c.start_on_net(&spec).await;
+        c
+    }
+
+    /// The hosts' net and the model for [`SeveralGateways::start_on_net`], nothing started yet
+    /// (for what the gateways need first: a state store on the net).
+    pub fn hosts(name: &str, spec: &SeveralSpec) -> Self {
         let dir = WorkDir::new(name);
         let model = tiny_model(&dir);
         let net = Net::new(dir.path());
-        let mut c = Self {
+        Self {
             gateways: Vec::new(),
             nodes: Vec::new(),
             model,
@@ -111,16 +121,21 @@ impl SeveralGateways {
             net: Some(net),
             registry_port: None,
             gateway_args: spec.gateway_args.clone(),
+            node_args: Vec::new(),
             gateway_dirs: Vec::new(),
             dir,
-        };
-        for _ in 0..spec.gateways {
-            c.add_gateway();
         }
-        let port = c.registry_port.unwrap_or_default();
-        c.start_nodes(&spec, &format!("{REGISTRY_NAME}:{port}"))
+    }
+
+    /// Starts `spec`'s gateways and then its nodes on the net of [`SeveralGateways::hosts`].
+    pub async fn start_on_net(&mut self, spec: &SeveralSpec) {
+        self.gateway_args = spec.gateway_args.clone();
+        for _ in 0..spec.gateways {
+            self.add_gateway();
+        }
+        let port = self.registry_port.unwrap_or_default();
+        self.start_nodes(spec, &format!("{REGISTRY_NAME}:{port}"))
             .await;
-        c
     }
 
     /// On hosts: starts one more gateway on a host of its own, serving its registry on the
@@ -131,46 +146,100 @@ impl SeveralGateways {
         let net = self.net.as_ref().expect("a cluster on hosts");
         let host: Host = net.host(&format!("gw{}", g + 1));
         let dir = WorkDir::new(&format!("gw{}", g + 1));
-        let place = Place::On(&host);
-        let (mut cmd, _) = place.command(&bins::pd_gateway());
-        let port = self.registry_port.unwrap_or(0).to_string();
-        cmd.args(["serve", "--port", "0", "--registry-port", &port])
-            .args(["--admin-port", "0", "--admin-token", ADMIN_TOKEN])
-            .args(["--cluster-token", CLUSTER_TOKEN])
-            .args(["--host", "0.0.0.0", "--registry-host", "0.0.0.0"])
-            .args(["--admin-host", "0.0.0.0"])
-            .args(&self.gateway_args);
-        let mut proc = Proc::spawn("gateway", cmd, dir.path());
-        let registry = proc.wait_line("pd-gateway registry on ", START_TIMEOUT);
-        let admin = place.url(&proc.wait_line("pd-gateway admin on ", START_TIMEOUT));
-        let http = place.url(&proc.wait_line("pd-gateway listening on ", START_TIMEOUT));
-        let registry = host.url(&registry).trim_start_matches("http://").to_owned();
-        let listened_port = registry.rsplit(':').next().and_then(|p| p.parse().ok());
-        net.alias(REGISTRY_NAME, &host);
-        self.registry_port = self.registry_port.or(listened_port);
-        self.gateways.push(Gateway {
-            http,
-            admin,
-            registry,
-            proc,
-            host: Some(host),
-        });
+        let ports = GatewayPorts {
+            registry: self.registry_port.unwrap_or(0),
+            ..GatewayPorts::default()
+        };
+        let gateway = Gateway::start_at(&dir, &self.gateway_args, Some(host), ports);
+        let host = gateway.host.as_ref().expect("on its host");
+        net.alias(REGISTRY_NAME, host);
+        self.registry_port = self.registry_port.or(Some(port_of(&gateway.registry)));
+        self.gateways.push(gateway);
         self.gateway_dirs.push(dir);
         g
+    }
+
+    /// On hosts: kills gateway `g` (`SIGKILL`) and starts another on its host and ports, with
+    /// the gateways' flags; waits until it lists every node as routable.
+    pub async fn restart_gateway(&mut self, g: usize, timeout: Duration) {
+        let old = &mut self.gateways[g];
+        old.proc.kill_and_wait();
+        let ports = GatewayPorts {
+            http: port_of(&old.http),
+            registry: port_of(&old.registry),
+            admin: port_of(&old.admin),
+        };
+        let host = old.host.take().expect("a gateway on a host");
+        let fresh = Gateway::start_at(&self.gateway_dirs[g], &self.gateway_args, Some(host), ports);
+        self.gateways[g] = fresh;
+        let ids: Vec<String> = self.nodes.iter().map(|n| n.engine_id.clone()).collect();
+        let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+        self.wait_listed(g, &ids, timeout).await;
+    }
+
+    /// Kills node `engine_id` with `SIGKILL` (start it again with
+    /// [`SeveralGateways::restart_node`]).
+    pub fn kill_node(&mut self, engine_id: &str) {
+        let i = self.index_of(engine_id);
+        let _ = self.nodes[i].proc.kill_and_wait();
+    }
+
+    fn index_of(&self, engine_id: &str) -> usize {
+        self.nodes
+            .iter()
+            .position(|n| n.engine_id == engine_id)
+            .unwrap_or_else(|| panic!("no node {engine_id}"))
+    }
+
+    /// The engine id of the `i`-th node of `role` (ids change when a node restarts as another).
+    pub fn id_of(&self, role: Role, i: usize) -> String {
+        let n = self.nodes.iter().filter(|n| n.role == role).nth(i);
+        n.unwrap_or_else(|| panic!("no {role:?} node {i}"))
+            .engine_id
+            .clone()
+    }
+
+    /// On hosts: kills node `engine_id` (`SIGKILL`) and starts it again on its host as
+    /// `new_id` (the same id, or a new one), with `env` added; waits until every gateway lists
+    /// it and every decode node knows every producer.
+    pub async fn restart_node(&mut self, engine_id: &str, new_id: &str, env: &[(String, String)]) {
+        let i = self.index_of(engine_id);
+        let _ = self.nodes[i].proc.kill_and_wait();
+        let host = self.nodes[i].host.take().expect("a node on a host");
+        let role = self.nodes[i].role;
+        let port = self.registry_port.unwrap_or_default();
+        let gateways = format!("{REGISTRY_NAME}:{port}");
+        let start = NodeStart {
+            dir: self.dir.path(),
+            model: &self.model,
+            engine_id: new_id,
+            named: true,
+            role,
+            gateway: Some(&gateways),
+            env,
+        };
+        let place = Place::On(&host);
+        let proc = Node::spawn(start, place, &self.node_args[role_index(role)]);
+        let mut node = Node::listening(new_id, role, proc, place);
+        node.host = Some(host);
+        self.nodes[i] = node;
+        for g in 0..self.gateways.len() {
+            self.wait_listed(g, &[new_id], READY_TIMEOUT).await;
+        }
+        self.wait_peers_known(READY_TIMEOUT).await;
     }
 
     /// Starts the prefill nodes, then the decode nodes, each given `gateways`; waits until
     /// every gateway lists them and every decode node knows every producer.
     async fn start_nodes(&mut self, spec: &SeveralSpec, gateways: &str) {
-        for (role, count, extra) in [
-            (Role::Prefill, spec.prefill, &spec.prefill_args),
-            (Role::Decode, spec.decode, &spec.decode_args),
-        ] {
+        self.node_args = [&spec.prefill_args, &spec.decode_args]
+            .map(|extra| [&spec.node_args[..], &extra[..]].concat())
+            .to_vec();
+        for (role, count) in [(Role::Prefill, spec.prefill), (Role::Decode, spec.decode)] {
             let mut ids = Vec::new();
             for i in 0..count {
                 let id = format!("{}{i}", role.id_prefix());
-                let mut all = spec.node_args.clone();
-                all.extend(extra.iter().cloned());
+                let all = self.node_args[role_index(role)].clone();
                 let host = self.net.as_ref().map(|n| n.host(&id));
                 let place = host.as_ref().map_or(Place::Local, Place::On);
                 let start = NodeStart {
@@ -257,7 +326,7 @@ impl SeveralGateways {
             .admin_nodes(0)
             .await
             .iter()
-            .filter(|n| n["role"] == Role::Prefill.label())
+            .filter(|n| n["role"] == Role::Prefill.label() && n["routable"] == true)
             .filter_map(|n| n["kv_side_channel_addr"].as_str().map(str::to_owned))
             .collect();
         let decoders = self.nodes.iter().filter(|n| n.role == Role::Decode);
@@ -272,5 +341,13 @@ impl SeveralGateways {
     /// Gateway `g`'s scratch directory.
     pub fn gateway_dir(&self, g: usize) -> &WorkDir {
         &self.gateway_dirs[g]
+    }
+}
+
+/// Where a role's flags are in `SeveralGateways::node_args`.
+fn role_index(role: Role) -> usize {
+    match role {
+        Role::Prefill => 0,
+        _ => 1,
     }
 }

@@ -481,6 +481,20 @@ impl Cluster {
         true
     }
 
+    /// After this gateway itself stalled (frozen, paused, starved of CPU) until `now`: what
+    /// it did not hear during the stall is not held against the nodes. Every node counts as
+    /// heard from now, and every departed node's grace starts again; a node that really went
+    /// away leaves one node timeout later (at once if its stream closed).
+    pub fn forgive_stall(&self, now: Instant) {
+        let mut state = self.write();
+        for n in state.nodes.values_mut() {
+            n.last_seen = n.last_seen.max(now);
+        }
+        for d in &mut state.departed {
+            d.since = d.since.max(now);
+        }
+    }
+
     /// Gives up on nodes out of the view for longer than `grace` that did not come back (the
     /// same process, by engine id and epoch): requests still open on them stop waiting
     /// ([`NodeRef::gone`]). Returns how many.
