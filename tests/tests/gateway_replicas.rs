@@ -2,7 +2,8 @@
 //! policy pushed on one serves on the other within a second; two pushed at once end on one
 //! policy, the same on both; a response stored through one is read through the other, and
 //! deleted everywhere; with the store stopped, plain requests are served and what needs it is
-//! refused with a clear error; once it is back, everything works again.
+//! refused with a clear error, and a turn answered meanwhile is written once it is back;
+//! then everything works again.
 
 use std::time::{Duration, Instant};
 
@@ -138,6 +139,11 @@ async fn replicas_share_the_policy_and_responses_and_survive_a_store_outage() {
     let (status, v) = push(client, g1, "round-robin").await;
     assert_eq!(status, 503, "a push the store cannot keep is refused: {v}");
     assert_eq!(policy_of(client, g1).await["version"], settled["version"]);
+    // A new turn is answered (it needs nothing stored) and kept in g1's memory; its write
+    // waits for the store.
+    let (status, r3) = send(client.post(format!("{}/v1/responses", g1.http)).json(&ask)).await;
+    assert_eq!(status, 200, "a new turn while the store is down: {r3}");
+    let id3 = r3["id"].as_str().expect("an id").to_owned();
 
     // Back: the stored response is read again, and pushes converge again.
     pg.resume();
@@ -146,6 +152,19 @@ async fn replicas_share_the_policy_and_responses_and_survive_a_store_outage() {
         Duration::from_secs(10),
         async || {
             send(client.get(format!("{}/v1/responses/{id2}", g2.http)))
+                .await
+                .0
+                == 200
+        },
+    )
+    .await;
+    // The turn answered during the outage reached the store once it was back: the other
+    // gateway reads it (before, its write was lost and g2 answered 404 for good).
+    eventually(
+        "the turn answered during the outage, through the other gateway",
+        Duration::from_secs(10),
+        async || {
+            send(client.get(format!("{}/v1/responses/{id3}", g2.http)))
                 .await
                 .0
                 == 200

@@ -15,6 +15,7 @@ mod gateway_failover;
 mod gateway_replicas;
 mod gateway_restart;
 mod kubernetes;
+mod kv_partition;
 mod multi_turn;
 mod node_hung;
 mod node_killed;

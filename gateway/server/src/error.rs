@@ -254,6 +254,15 @@ impl GatewayError {
         }
     }
 
+    /// Seconds a client should wait before it retries (`retry-after`), for a refusal that
+    /// passes: overload, no live node, the state store out.
+    pub fn retry_after(&self) -> Option<u64> {
+        match self {
+            Self::Overloaded(_) | Self::NoCapacity { .. } | Self::StateUnavailable(_) => Some(1),
+            _ => None,
+        }
+    }
+
     /// The `outcome` label of the request counter.
     pub fn outcome(&self) -> &'static str {
         if let Self::Node { status, .. } = self
@@ -264,6 +273,9 @@ impl GatewayError {
         }
         if let Self::Overloaded(_) = self {
             return "overloaded";
+        }
+        if let Self::StateUnavailable(_) = self {
+            return "state_unavailable";
         }
         if let Self::Timeout { .. } | Self::BadGateway(NodeFailure::Silent { .. }) = self {
             return "timeout";
@@ -379,6 +391,23 @@ mod tests {
         let v: serde_json::Value = serde_json::from_slice(&e.body()).unwrap();
         assert_eq!(v["error"]["param"], "messages");
         assert_eq!(e.outcome(), "client_error");
+        assert_eq!(e.retry_after(), None);
+    }
+
+    /// A store outage is its own outcome (not an internal error) and, like no capacity, a 503
+    /// the client retries after a second.
+    #[test]
+    fn passing_refusals_say_when_to_retry() {
+        let e = GatewayError::StateUnavailable("down".into());
+        assert_eq!(
+            (e.status(), e.outcome(), e.retry_after()),
+            (503, "state_unavailable", Some(1))
+        );
+        let e = GatewayError::NoCapacity {
+            model: "m".into(),
+            why: "none".into(),
+        };
+        assert_eq!((e.status(), e.retry_after()), (503, Some(1)));
     }
 
     #[test]

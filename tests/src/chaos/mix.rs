@@ -65,6 +65,8 @@ pub struct Tally {
     pub hung: usize,
     /// Requests their client left on purpose.
     pub left: usize,
+    /// The longest a request took that was answered (exact, wrong or an error).
+    pub slowest: Duration,
 }
 
 impl Tally {
@@ -92,6 +94,7 @@ impl Tally {
         self.cut.extend(other.cut);
         self.hung += other.hung;
         self.left += other.left;
+        self.slowest = self.slowest.max(other.slowest);
     }
 
     /// OpenAI errors, all codes.
@@ -131,8 +134,14 @@ impl Mix {
     /// Starts `clients` clients sending through `front` (Envoy) and checking against
     /// `reference`; each stops after `max_per_client` requests whatever happens. `seed` varies
     /// prompts between runs (so a run does not hit the previous run's prefix cache only).
-    pub fn start(front: &str, reference: &str, clients: usize, how: Clients, seed: u64) -> Self {
-        const MAX_PER_CLIENT: usize = 2_000;
+    pub fn start(
+        front: &str,
+        reference: &str,
+        clients: (usize, usize),
+        how: Clients,
+        seed: u64,
+    ) -> Self {
+        let (clients, max_per_client) = clients;
         let stop = Arc::new(AtomicBool::new(false));
         let done = Arc::new(AtomicU64::new(0));
         let exact = Arc::new(AtomicU64::new(0));
@@ -148,11 +157,14 @@ impl Mix {
                 tokio::spawn(async move {
                     let mut c = Client::new(target, w, how, seed);
                     let mut tally = Tally::default();
-                    for i in 0..MAX_PER_CLIENT {
+                    for i in 0..max_per_client {
                         if stop.load(Ordering::Relaxed) {
                             break;
                         }
-                        let seen = c.one(i).await;
+                        let (seen, took) = c.one(i).await;
+                        if !matches!(seen, Seen::Left | Seen::Hung) {
+                            tally.slowest = tally.slowest.max(took);
+                        }
                         if seen == Seen::Exact {
                             exact.fetch_add(1, Ordering::Relaxed);
                         }
@@ -314,7 +326,8 @@ impl Client {
         }
     }
 
-    async fn one(&mut self, i: usize) -> Seen {
+    /// The `i`-th request sent, what came of it, and how long the answer took.
+    async fn one(&mut self, i: usize) -> (Seen, Duration) {
         let r = self.request(i);
         let (leave, after) = (
             self.next_random() % 10 < 7,
@@ -324,21 +337,23 @@ impl Client {
             (self.how == Clients::Leaving && leave).then(|| Duration::from_millis(after));
         let t = &self.target;
         let send = openai::try_send(&t.client, &t.front, r.api, &r.body);
+        let start = std::time::Instant::now();
         let answer = match leave_after {
             Some(after) => match tokio::time::timeout(after, send).await {
                 Ok(a) => a,
-                Err(_) => return Seen::Left,
+                Err(_) => return (Seen::Left, start.elapsed()),
             },
             None => match tokio::time::timeout(BOUND, send).await {
                 Ok(a) => a,
-                Err(_) => return Seen::Hung,
+                Err(_) => return (Seen::Hung, start.elapsed()),
             },
         };
+        let took = start.elapsed();
         let a = match answer {
             Ok(a) => a,
             Err(e) => {
                 self.conversation = None;
-                return Seen::Cut(format!("{:?}: {e}", r.api));
+                return (Seen::Cut(format!("{:?}: {e}", r.api)), took);
             }
         };
         let seen = self.judge(&r, &a).await;
@@ -352,7 +367,7 @@ impl Client {
             (_, Some(_)) => self.conversation = None,
             _ => {}
         }
-        seen
+        (seen, took)
     }
 
     async fn judge(&self, r: &Request, a: &Answer) -> Seen {

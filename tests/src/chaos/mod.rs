@@ -35,6 +35,8 @@ pub const RETAIN_SECS: u64 = 3;
 pub const NODE_TIMEOUT: Duration = Duration::from_millis(3000);
 /// Load clients.
 pub const CLIENTS: usize = 4;
+/// The most requests a client sends in one scenario.
+pub const MAX_PER_CLIENT: usize = 2_000;
 
 /// The cluster under test and the rows so far.
 #[derive(Debug)]
@@ -76,6 +78,8 @@ pub struct Run {
     mix: Mix,
     /// The counters at the start, and those of processes killed since.
     pub ledger: Ledger,
+    /// What the scenario observed beyond the row's columns (printed under the table).
+    pub notes: Vec<String>,
     started: Instant,
 }
 
@@ -112,17 +116,21 @@ pub struct Row {
     pub rss_growth: (f64, String),
     /// How long the scenario ran.
     pub took: Duration,
+    /// What the counters do not account for ([`check::unaccounted`]); empty when they add up.
+    pub unaccounted: Vec<String>,
+    /// The scenario's own observations.
+    pub notes: Vec<String>,
 }
 
 impl Row {
     /// Recomputes the decode nodes made instead of pulling.
     pub fn recomputes(&self) -> f64 {
-        check::total(&self.counts, "pd_kv_recompute_total")
+        check::total(&self.counts, "D:pd_kv_recompute_total")
     }
 
     /// Pulls that failed.
     pub fn failed_pulls(&self) -> f64 {
-        check::total(&self.counts, "pd_kv_transfer_failures_total")
+        check::total(&self.counts, "D:pd_kv_transfer_failures_total")
     }
 
     /// The slowest gateway's recovery (`None`: one never recovered).
@@ -207,12 +215,17 @@ impl Chaos {
 
     /// Starts scenario `name`: counters read, load started (`how`), and running.
     pub async fn begin(&mut self, name: &str, how: Clients) -> Run {
+        self.begin_bounded(name, how, MAX_PER_CLIENT).await
+    }
+
+    /// [`Chaos::begin`] with each client sending at most `max_per_client` requests.
+    pub async fn begin_bounded(&mut self, name: &str, how: Clients, max_per_client: usize) -> Run {
         self.runs += 1;
         let ledger = Ledger::open(self).await;
         let mix = Mix::start(
             &self.envoy.http,
             &self.reference.http,
-            CLIENTS,
+            (CLIENTS, max_per_client),
             how,
             self.runs,
         );
@@ -220,6 +233,7 @@ impl Chaos {
             name: name.to_owned(),
             mix,
             ledger,
+            notes: Vec::new(),
             started: Instant::now(),
         };
         run.wait_exact(4).await;
@@ -230,7 +244,7 @@ impl Chaos {
     /// (under load), the load stopped, leaks, counters and memory read; the row kept and
     /// returned.
     pub async fn end(&mut self, run: Run, healed: Instant) -> Row {
-        let recovery = check::recovery(self, healed, BOUND).await;
+        let (recovery, probes_failed) = check::recovery(self, healed, BOUND).await;
         // A little more load after the recovery: the cluster serves as before.
         run.wait_exact(4).await;
         let tally = run.mix.stop().await;
@@ -244,7 +258,11 @@ impl Chaos {
                 rss_growth = (now - start, m.name);
             }
         }
+        let unaccounted =
+            check::unaccounted(&counts, &tally, probes_failed, run.ledger.gateway_killed());
         let row = Row {
+            unaccounted,
+            notes: run.notes,
             scenario: run.name,
             tally,
             leaks,
@@ -262,8 +280,8 @@ impl Chaos {
 /// The rows as a Markdown table (and, below, each row's counters).
 pub fn table(rows: &[Row]) -> String {
     let mut out = String::from(
-        "| scenario | requests | exact | wrong | errors | cut | hung | left | leaks | recomputes | failed pulls | recovery (gw1, gw2) | RSS growth |\n\
-         |---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|\n",
+        "| scenario | requests | exact | wrong | errors | cut | hung | left | slowest | leaks | recomputes | failed pulls | accounted | recovery (gw1, gw2) | RSS growth |\n\
+         |---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|\n",
     );
     for r in rows {
         let t = &r.tally;
@@ -285,7 +303,7 @@ pub fn table(rows: &[Row]) -> String {
             .collect();
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {errors} | {} | {} | {} | {} | {} | {} | {} | {:.0} MiB ({}) |",
+            "| {} | {} | {} | {} | {errors} | {} | {} | {} | {:.2} s | {} | {} | {} | {} | {} | {:.0} MiB ({}) |",
             r.scenario,
             t.sent,
             t.exact,
@@ -293,9 +311,15 @@ pub fn table(rows: &[Row]) -> String {
             t.cut.len(),
             t.hung,
             t.left,
+            t.slowest.as_secs_f64(),
             r.leaks.len(),
             r.recomputes(),
             r.failed_pulls(),
+            if r.unaccounted.is_empty() {
+                "yes"
+            } else {
+                "no"
+            },
             recovery.join(", "),
             r.rss_growth.0,
             r.rss_growth.1,
@@ -319,6 +343,12 @@ pub fn table(rows: &[Row]) -> String {
         }
         for l in r.leaks.iter().take(5) {
             let _ = writeln!(out, "  - leak: {l}");
+        }
+        for u in &r.unaccounted {
+            let _ = writeln!(out, "  - unaccounted: {u}");
+        }
+        for n in &r.notes {
+            let _ = writeln!(out, "  - {n}");
         }
     }
     out

@@ -291,11 +291,73 @@ pub async fn store_outage(ch: &mut Chaos) -> Row {
     ch.end(run, Instant::now()).await
 }
 
-/// Load and nothing else for `d`, in batches of scenarios' length (a soak): one row.
+/// Load and nothing else for `d` (a soak): one row, with notes on each process's resident
+/// memory (sampled every minute) and on the nodes' registrations with each gateway (sampled
+/// every 5 s): a node not routable at a sample, or registered anew (its stream to that
+/// gateway dropped and reconnected), is noted.
 pub async fn soak(ch: &mut Chaos, d: Duration) -> Row {
-    let run: Run = ch
-        .begin(&format!("soak, {} min", d.as_secs() / 60), Clients::Patient)
+    let minutes = d.as_secs().div_ceil(60) as usize;
+    let mut run: Run = ch
+        .begin_bounded(
+            &format!("soak, {minutes} min"),
+            Clients::Patient,
+            minutes * 3_000,
+        )
         .await;
-    under_load(d).await;
+    let registrations = |nodes: &[serde_json::Value]| -> Vec<(String, String, bool)> {
+        nodes
+            .iter()
+            .map(|n| {
+                (
+                    n["engine_id"].as_str().unwrap_or("").to_owned(),
+                    n["registered_at"].to_string(),
+                    n["routable"] == true,
+                )
+            })
+            .collect()
+    };
+    let mut first = Vec::new();
+    for g in 0..ch.c.gateways.len() {
+        first.push(registrations(&ch.c.admin_nodes(g).await));
+    }
+    let start = Instant::now();
+    let mut rss: Vec<(String, Vec<f64>)> = ch
+        .processes()
+        .into_iter()
+        .map(|m| (m.name, Vec::new()))
+        .collect();
+    let (mut unroutable, mut reconnected) = (0usize, std::collections::BTreeSet::new());
+    let mut samples = 0u64;
+    while start.elapsed() < d {
+        if samples % 12 == 0 {
+            for (m, (_, series)) in ch.processes().iter().zip(rss.iter_mut()) {
+                series.push(super::check::rss_mib(m.pid));
+            }
+        }
+        for (g, before) in first.iter().enumerate() {
+            for (id, at, routable) in registrations(&ch.c.admin_nodes(g).await) {
+                unroutable += usize::from(!routable);
+                if before.iter().any(|(i, a, _)| *i == id && *a != at) {
+                    reconnected.insert(format!("{id} with gw{}", g + 1));
+                }
+            }
+        }
+        samples += 1;
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    }
+    for (name, series) in &rss {
+        let v: Vec<String> = series.iter().map(|m| format!("{m:.0}")).collect();
+        run.notes
+            .push(format!("{name} RSS MiB each minute: {}", v.join(" ")));
+    }
+    run.notes.push(format!(
+        "registrations: {samples} samples of both gateways' node lists; a node not routable \
+         {unroutable} times; registered anew: {}",
+        if reconnected.is_empty() {
+            "none (every stream kept the whole soak)".to_owned()
+        } else {
+            reconnected.into_iter().collect::<Vec<_>>().join(", ")
+        }
+    ));
     ch.end(run, Instant::now()).await
 }

@@ -25,7 +25,8 @@
 //! another gateway, or this one restarted, knows them too.
 //!
 //! With a state store ([`crate::state`]) every stored turn is also written there, evictions
-//! forget it there too, and a turn memory lacks is read back from it (`durable.rs`).
+//! forget it there too, and a turn memory lacks is read back from it (`durable.rs`); a turn
+//! whose write failed waits in [`Unsaved`] until the store answers again.
 //!
 //! Neither talks to nodes: the proxy reads holdings into the policy's view and acts on the
 //! policy's `reverse-pull`; leases are released through `lease.rs`.
@@ -37,8 +38,10 @@ mod items;
 mod proptests;
 mod reported;
 mod store;
+mod unsaved;
 
 pub use holdings::{Found, Holding, Holdings};
 pub use items::{ItemsQuery, QueryError, as_retrieved, input_items, item_list, output_items};
 pub use reported::{Applied, MAX_REPORTED_TURNS, ReportedTurns};
 pub use store::{Deleted, HistoryError, NewTurn, Owner, ResponseStore};
+pub use unsaved::{MAX_UNSAVED, Unsaved};

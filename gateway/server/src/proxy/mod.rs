@@ -63,6 +63,7 @@ use crate::upstream::{NodeClient, REQUEST_ID};
 
 pub use exchange::Exchange;
 use exchange::Outcome;
+pub use remember::write_unsaved_turns;
 
 /// Settings of the front door.
 #[derive(Debug, Clone)]
@@ -108,6 +109,8 @@ pub struct Shared {
     /// Where stored responses also go, and are read back from when memory lacks them
     /// (`--state-dir`); none: memory only.
     pub state: Option<crate::state::State>,
+    /// Turns whose write to `state` failed, written by [`write_unsaved_turns`] once it answers.
+    pub unsaved: Arc<crate::conversation::Unsaved>,
     /// How many generation requests are served at once.
     pub admission: Admission,
     /// Requests open now, and whether the gateway drains (`SIGTERM`).
@@ -230,9 +233,9 @@ async fn respond_error(session: &mut Session, e: &GatewayError) {
         Some(body.len()),
         request_id(session),
     );
-    if let GatewayError::Overloaded(_) = e {
+    if let Some(seconds) = e.retry_after() {
         // The OpenAI SDKs wait this long before they retry.
-        let _ = h.insert_header("retry-after", "1");
+        let _ = h.insert_header("retry-after", seconds.to_string());
     }
     send_whole(session, h, body).await;
 }

@@ -1,14 +1,15 @@
 //! Phase 5: after a served turn, what the gateway keeps — the turn a node retained (indexed by
 //! its block hashes), the earlier turn it continues retired, a `/v1/responses` answer stored
-//! for `previous_response_id`.
+//! for `previous_response_id` (and written to the state store, now or, when it is out, once it
+//! is back: [`write_unsaved_turns`]).
 
 use std::sync::Arc;
 
 use serde_json::Value;
 
-use super::Gateway;
 use super::exchange::{Outcome, Progress};
 use super::prepare::{Prepared, ResponsesTurn};
+use super::{Gateway, Shared};
 use crate::conversation::{self, Holding, NewTurn};
 use crate::error::GatewayError;
 use crate::state::StateError;
@@ -142,8 +143,18 @@ impl Gateway {
         if let Some(record) = self.0.responses.record(&id) {
             let r = state.put_turn(&id, &record).await;
             self.count_state("write_turn", &r);
+            self.unsaved_if_failed(&id, &r);
         }
         self.persist_turn_evictions(evicted);
+    }
+
+    /// A turn whose write failed waits for [`write_unsaved_turns`].
+    fn unsaved_if_failed(&self, id: &str, r: &Result<(), StateError>) {
+        if r.is_err() && !self.0.unsaved.add(id) {
+            tracing::warn!(
+                "too many turns wait for the state store: the oldest stays in memory only"
+            );
+        }
     }
 
     /// Counts a state store call's outcome.
@@ -186,6 +197,7 @@ impl Gateway {
             if let Some(record) = record {
                 let r = state.put_turn(&id, &record).await;
                 me.count_state("write_turn", &r);
+                me.unsaved_if_failed(&id, &r);
             }
         });
         self.persist_turn_evictions(evicted);
@@ -205,5 +217,35 @@ impl Gateway {
             let r = state.delete_turns(&ids).await;
             me.count_state("delete_turns", &r);
         });
+    }
+}
+
+/// With a state store: every second, writes the turns whose write failed ([`Shared::unsaved`]),
+/// oldest first, stopping at the first failure (the store is still out); a turn gone from
+/// memory meanwhile (deleted, evicted) is not written. Runs for the gateway's life.
+pub async fn write_unsaved_turns(shared: Arc<Shared>) {
+    let Some(state) = shared.state.clone() else {
+        return;
+    };
+    let gateway = Gateway(shared);
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let mut ids = gateway.0.unsaved.take().into_iter();
+        while let Some(id) = ids.next() {
+            let Some(record) = gateway.0.responses.record(&id) else {
+                continue;
+            };
+            let r = state.put_turn(&id, &record).await;
+            gateway.count_state("write_turn_retry", &r);
+            if r.is_err() {
+                gateway
+                    .0
+                    .unsaved
+                    .put_back(std::iter::once(id).chain(ids).collect());
+                break;
+            }
+        }
     }
 }

@@ -6,6 +6,8 @@
 //!   the prompt, what to pull into which blocks, whether to ask the producer early, what
 //!   confirms the lease, what arrived, which failure policy applies. Unit-tested alone.
 //! - [`allowed`]: which producers may be contacted at all (the request names them).
+//! - [`suspects`]: producers that could not be reached lately, whose pulls are skipped for a
+//!   cool-off where the prompt would be recomputed anyway (one request probes).
 //! - [`Consumer`] does the IO: side-channel clients and handshakes cached per producer
 //!   (`peers`), the lease kept alive while a request waits, the early confirmation, the pull
 //!   under lease ([`crate::puller::lease`]), the release, the failure policy — and records
@@ -22,6 +24,7 @@ pub mod allowed;
 pub mod confirm;
 mod peers;
 pub mod plan;
+pub mod suspects;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -42,6 +45,7 @@ use crate::landing::Landing;
 use crate::metrics::TransferMetrics;
 use crate::peer::{FailurePolicy, Fallback, HandshakeCache, PeerClient, TransferError};
 use crate::puller::{LeasedBlocks, Puller, Unawaited, pull_under_lease_with};
+use suspects::{Suspects, Verdict};
 
 /// How a consumer pulls.
 #[derive(Debug, Clone)]
@@ -116,6 +120,8 @@ pub struct Consumer {
     /// Side-channel clients per producer address.
     clients: Mutex<HashMap<String, PeerClient>>,
     handshakes: Mutex<HandshakeCache>,
+    /// Producers that could not be reached lately.
+    suspects: Mutex<Suspects>,
 }
 
 impl std::fmt::Debug for Consumer {
@@ -139,6 +145,7 @@ impl Consumer {
         binding_key: BindingKey,
         metrics: Arc<TransferMetrics>,
     ) -> Self {
+        let cfg_cool_off = cfg.pull_timeout.max(Duration::from_secs(1));
         Self {
             puller,
             compat,
@@ -149,6 +156,7 @@ impl Consumer {
             metrics,
             clients: Mutex::new(HashMap::new()),
             handshakes: Mutex::new(HandshakeCache::default()),
+            suspects: Mutex::new(Suspects::new(cfg_cool_off)),
         }
     }
 
@@ -359,12 +367,23 @@ impl Pull {
                 tracing::debug!(request = %self.request, tokens, "below kv_recompute_threshold: computing locally");
                 Ok(Arrived::Recompute)
             }
+            Step::Pull(wanted) if self.skip(&remote, wanted.held, prompt_len) => {
+                metrics
+                    .recomputes
+                    .with_label_values(&["peer_suspect"])
+                    .inc();
+                tracing::debug!(request = %self.request, peer = %remote.side_channel(), "the producer could not be reached lately: computing locally");
+                Ok(Arrived::Recompute)
+            }
             Step::Pull(wanted) => {
                 held = wanted.held;
                 let deadline = cfg.pull_deadline(wanted.bytes);
                 let preparing = Instant::now();
                 let prepared = tokio::select! {
-                    () = cancelled => return None,
+                    () = cancelled => {
+                        self.abandon_probe(&remote);
+                        return None;
+                    }
                     p = tokio::time::timeout_at(deadline.into(), consumer.prepare(&remote)) => {
                         p.unwrap_or_else(|_| Err(TransferError::Deadline(format!(
                             "the producer at {} did not answer the handshake in time",
@@ -388,6 +407,7 @@ impl Pull {
                 match planned {
                     Err(e) => {
                         metrics.record_failure(&e);
+                        self.pulled(&remote, Err(&e));
                         Err(e)
                     }
                     Ok((mut client, peer, plan)) => {
@@ -423,6 +443,7 @@ impl Pull {
                         )
                         .await;
                         metrics.record_lease_pull(&trace, &r);
+                        self.pulled(&remote, r.as_ref().map(|_| ()));
                         r.map(|p| {
                             landed = landing.is_some();
                             plan::arrived(&p, wanted.held, prompt_len)
@@ -466,6 +487,38 @@ impl Pull {
             }
             Err(e) => Some(Outcome::Failed(PullFailed(e))),
         }
+    }
+
+    /// Whether to compute the prompt instead of pulling from `remote`, which could not be
+    /// reached lately ([`Suspects`]): only where a failed pull would be recomputed anyway.
+    /// Otherwise this pull may be the producer's probe.
+    fn skip(&mut self, remote: &Remote, held: usize, prompt_len: usize) -> bool {
+        let cfg = &self.consumer.cfg;
+        if plan::policy_for(held, prompt_len, cfg.policy) != FailurePolicy::Recompute {
+            return false;
+        }
+        let verdict = self
+            .suspects()
+            .check(&remote.side_channel(), Instant::now());
+        verdict == Verdict::Skip
+    }
+
+    /// A pull from `remote` ended: what it says of reaching the producer.
+    fn pulled(&self, remote: &Remote, result: Result<(), &TransferError>) {
+        self.suspects()
+            .ended(&remote.side_channel(), Instant::now(), result);
+    }
+
+    /// The request left before its pull said anything of the producer.
+    fn abandon_probe(&self, remote: &Remote) {
+        self.suspects().probe_abandoned(&remote.side_channel());
+    }
+
+    fn suspects(&self) -> std::sync::MutexGuard<'_, Suspects> {
+        self.consumer
+            .suspects
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Releases the producers' leases now (once).

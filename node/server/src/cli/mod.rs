@@ -180,7 +180,9 @@ pub struct ServeArgs {
     /// Seconds a decode node gives one pull (handshake, reads and the owner's confirmation)
     /// before cancelling it and following `--kv-load-failure-policy`; larger pulls get more, at
     /// 100 MiB/s. A producer that stops answering (a frozen process, a hung host) costs a
-    /// request at most this long.
+    /// request at most this long; under `recompute`, the requests after it for as long again
+    /// (at least 1 s) compute their prompts at once instead of waiting for it
+    /// (`pd_kv_recompute_total{reason="peer_suspect"}`), and one of them then tries it again.
     #[arg(long, default_value_t = 5.0)]
     pub kv_pull_timeout: f64,
     /// Milliseconds within which a producer's lease board must have beaten (the producer's

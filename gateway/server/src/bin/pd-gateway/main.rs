@@ -606,6 +606,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             Duration::from_secs(args.responses_ttl_secs),
         )),
         state: state.clone(),
+        unsaved: Default::default(),
         admission: Admission::new(
             args.max_concurrent_requests,
             args.max_queued_requests,
@@ -646,7 +647,9 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     });
     let sweep = state.clone().map(|st| {
         let ttl = Duration::from_secs(args.responses_ttl_secs);
-        state::sweep(st, ttl, (args.responses_store_mib as u64) << 20)
+        let sweep = state::sweep(st, ttl, (args.responses_store_mib as u64) << 20);
+        let unsaved = pd_gateway::proxy::write_unsaved_turns(shared.clone());
+        async { tokio::join!(sweep, unsaved) }
     });
 
     // The control plane (registry, admin API, policy file watcher) runs on its own runtime, so
