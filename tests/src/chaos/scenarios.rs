@@ -329,7 +329,7 @@ pub async fn soak(ch: &mut Chaos, d: Duration) -> Row {
     let (mut unroutable, mut reconnected) = (0usize, std::collections::BTreeSet::new());
     let mut samples = 0u64;
     while start.elapsed() < d {
-        if samples % 12 == 0 {
+        if samples.is_multiple_of(12) {
             for (m, (_, series)) in ch.processes().iter().zip(rss.iter_mut()) {
                 series.push(super::check::rss_mib(m.pid));
             }
