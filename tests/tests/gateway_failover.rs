@@ -53,12 +53,7 @@ async fn a_gateway_killed_under_load_behind_envoy_fails_only_its_own_requests() 
     )
     .await;
     // Envoy here, the gateways on their hosts.
-    let upstreams: Vec<String> = c
-        .gateways
-        .iter()
-        .map(|g| g.http.trim_start_matches("http://").to_owned())
-        .collect();
-    let envoy = Envoy::start(work.path(), &upstreams);
+    let envoy = Envoy::start(work.path(), &c.upstreams());
     let load = Load::start(&envoy.http, CLIENTS, MAX_PER_CLIENT, "Failing over.");
     eventually("requests through both gateways", BOUND, async || {
         load.done() >= 20

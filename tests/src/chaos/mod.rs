@@ -167,12 +167,7 @@ impl Chaos {
         let pg = PgServer::start_on(work.path(), bridge);
         spec.gateway_args = args(&["--state-url", &pg.url]);
         c.start_on_net(&spec).await;
-        let upstreams: Vec<String> = c
-            .gateways
-            .iter()
-            .map(|g| g.http.trim_start_matches("http://").to_owned())
-            .collect();
-        let envoy = Envoy::start(work.path(), &upstreams);
+        let envoy = Envoy::start(work.path(), &c.upstreams());
         let reference = Node::reference_with(c.dir(), &c.model, &args(&["--threads", "1"]));
         let mut ch = Self {
             c,

@@ -8,7 +8,7 @@ use super::faults::{self, bad_link, clock_off, partition};
 use super::{Chaos, Clients, NODE_TIMEOUT, Row, Run};
 use crate::bins;
 use crate::cluster::{ADMIN_TOKEN, Role};
-use crate::metrics::try_scrape;
+use crate::metrics::{Metrics, try_scrape};
 
 /// How long a fault lasts where nothing else decides it.
 const FAULT: Duration = Duration::from_secs(8);
@@ -50,44 +50,32 @@ fn gateway_addrs(ch: &Chaos) -> Vec<Ipv4Addr> {
         .collect()
 }
 
-/// `kill -9` a prefill node while decode nodes pull from it (a lease of it live), down a
-/// moment, then started again under its id or a new one.
-pub async fn kill_prefill(ch: &mut Chaos, new_id: bool) -> Row {
-    let name = match new_id {
-        true => "kill -9 P during pulls, restart as a new engine id",
-        false => "kill -9 P during pulls, restart as the same engine id",
+/// `kill -9` a node busy with the load — a prefill node while decode nodes pull from it (a
+/// lease of it live), a decode node mid-stream (requests running on it) — down a moment, then
+/// started again under its engine id or a new one.
+pub async fn kill_node(ch: &mut Chaos, role: Role, new_id: bool) -> Row {
+    let (what, busy): (&str, fn(&Metrics) -> bool) = match role {
+        Role::Prefill => ("P during pulls", |m| m.sum("pd_kv_leases_live", &[]) > 0.0),
+        _ => ("D mid-stream", |m| {
+            m.sum("pd_node_requests_running", &[]) > 0.0
+        }),
     };
-    let mut run = ch.begin(name, Clients::Patient).await;
-    let p = ch.c.id_of(Role::Prefill, 0);
-    when_node(ch, &p, Duration::from_secs(20), |m| {
-        m.sum("pd_kv_leases_live", &[]) > 0.0
-    })
-    .await;
-    run.ledger.before_kill(ch, &p).await;
-    ch.c.kill_node(&p);
+    let name = format!(
+        "kill -9 {what}, restart as {}",
+        if new_id {
+            "a new engine id"
+        } else {
+            "the same engine id"
+        }
+    );
+    let mut run = ch.begin(&name, Clients::Patient).await;
+    let id = ch.c.id_of(role, 0);
+    when_node(ch, &id, Duration::from_secs(20), busy).await;
+    run.ledger.before_kill(ch, &id).await;
+    ch.c.kill_node(&id);
     run.wait_exact(8).await;
-    let again = if new_id { format!("{p}x") } else { p.clone() };
-    ch.c.restart_node(&p, &again, &[]).await;
-    ch.end(run, Instant::now()).await
-}
-
-/// `kill -9` a decode node mid-stream (requests running on it), then started again.
-pub async fn kill_decode(ch: &mut Chaos, new_id: bool) -> Row {
-    let name = match new_id {
-        true => "kill -9 D mid-stream, restart as a new engine id",
-        false => "kill -9 D mid-stream, restart as the same engine id",
-    };
-    let mut run = ch.begin(name, Clients::Patient).await;
-    let d = ch.c.id_of(Role::Decode, 0);
-    when_node(ch, &d, Duration::from_secs(20), |m| {
-        m.sum("pd_node_requests_running", &[]) > 0.0
-    })
-    .await;
-    run.ledger.before_kill(ch, &d).await;
-    ch.c.kill_node(&d);
-    run.wait_exact(8).await;
-    let again = if new_id { format!("{d}x") } else { d.clone() };
-    ch.c.restart_node(&d, &again, &[]).await;
+    let again = if new_id { format!("{id}x") } else { id.clone() };
+    ch.c.restart_node(&id, &again, &[]).await;
     ch.end(run, Instant::now()).await
 }
 
@@ -200,8 +188,8 @@ pub async fn bad_link_on_decode(ch: &mut Chaos) -> Row {
     ch.end(run, Instant::now()).await
 }
 
-/// A node restarted with its wall clock `offset` (`+30s`, `-30s`) off, served under load for
-/// [`FAULT`], then restarted on the right time.
+/// A node restarted (drained first, `SIGTERM`) with its wall clock `offset` (`+30s`, `-30s`)
+/// off, served under load for [`FAULT`], then restarted on the right time.
 pub async fn clock_skew(ch: &mut Chaos, role: Role, offset: &str) -> Row {
     let env = clock_off(offset);
     assert!(
@@ -213,11 +201,14 @@ pub async fn clock_skew(ch: &mut Chaos, role: Role, offset: &str) -> Row {
     let mut run = ch
         .begin(&format!("{label}'s clock {offset} off"), Clients::Patient)
         .await;
+    // Restarted gracefully (drained), so that only the clock can cost a request.
     run.ledger.before_kill(ch, &id).await;
+    ch.c.stop_node(&id, Duration::from_secs(30));
     ch.c.restart_node(&id, &id, &env).await;
     run.wait_exact(16).await;
     under_load(FAULT).await;
     run.ledger.before_kill(ch, &id).await;
+    ch.c.stop_node(&id, Duration::from_secs(30));
     ch.c.restart_node(&id, &id, &[]).await;
     ch.end(run, Instant::now()).await
 }

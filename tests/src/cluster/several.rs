@@ -184,6 +184,18 @@ impl SeveralGateways {
         let _ = self.nodes[i].proc.kill_and_wait();
     }
 
+    /// Stops node `engine_id` as an operator does (`SIGTERM`: it drains, then exits); waits
+    /// for its exit, at most `timeout` (then kills it). Start it again with
+    /// [`SeveralGateways::restart_node`].
+    pub fn stop_node(&mut self, engine_id: &str, timeout: Duration) {
+        let i = self.index_of(engine_id);
+        let proc = &mut self.nodes[i].proc;
+        proc.signal(libc::SIGTERM);
+        if proc.wait_exit(timeout).is_none() {
+            let _ = proc.kill_and_wait();
+        }
+    }
+
     fn index_of(&self, engine_id: &str) -> usize {
         self.nodes
             .iter()
@@ -263,6 +275,14 @@ impl SeveralGateways {
             }
         }
         self.wait_peers_known(READY_TIMEOUT).await;
+    }
+
+    /// Every gateway's OpenAI port as `host:port`, for a balancer in front of them.
+    pub fn upstreams(&self) -> Vec<String> {
+        self.gateways
+            .iter()
+            .map(|g| g.http.trim_start_matches("http://").to_owned())
+            .collect()
     }
 
     /// The scratch directory (logs, model).
