@@ -242,3 +242,49 @@ async fn the_shared_store_is_reached_over_tls() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("state"), "{err}");
 }
+
+/// The shared store forgets turns past their age: a gateway's sweep (at its start, then every
+/// minute) deletes them from PostgreSQL. Found by the chaos suite: the sweep's statement
+/// compared PostgreSQL's `numeric` (a `SUM` of `bigint`s) with an `i64` parameter and failed
+/// every time (`sweeping stored responses failed`), so the table only grew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shared_store_forgets_turns_past_their_age() {
+    let work = WorkDir::new("replicas-sweep");
+    let pg = PgServer::start(work.path());
+    let c = TestCluster::start(
+        "replicas-sweep",
+        ClusterSpec {
+            prefill: 1,
+            decode: 1,
+            gateway_args: args(&["--state-url", &pg.url]),
+            ..ClusterSpec::default()
+        },
+    )
+    .await;
+    let ask = json!({"model": "tiny", "input": "Keep me a moment.", "max_output_tokens": 2,
+                     "temperature": 0});
+    let (status, v) = send(
+        c.client
+            .post(format!("{}/v1/responses", c.gateway.http))
+            .json(&ask),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(pg.query("SELECT count(*) FROM pd_turns"), "1");
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // Another gateway whose responses live a second: its first sweep forgets the turn.
+    let dir = WorkDir::new("replicas-sweep-g2");
+    let g2 = Gateway::start(
+        &dir,
+        &args(&["--state-url", &pg.url, "--responses-ttl-secs", "1"]),
+    );
+    eventually("the old turn swept", Duration::from_secs(10), async || {
+        pg.query("SELECT count(*) FROM pd_turns") == "0"
+    })
+    .await;
+    assert!(
+        !g2.proc.log().contains("sweeping stored responses failed"),
+        "{}",
+        g2.proc.log_tail(20)
+    );
+}

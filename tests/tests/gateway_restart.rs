@@ -232,3 +232,43 @@ async fn a_gateway_reads_the_state_an_earlier_version_wrote() {
         .expect("GET");
     assert_eq!(theirs.status().as_u16(), 404, "another key's read");
 }
+
+/// A gateway that has just started, before any node registered with it (a replica restarted
+/// behind a balancer), answers a request for a model with a 503 to retry (`no_capacity`,
+/// `retry-after: 1`), not a 404 `model_not_found` the OpenAI SDKs do not retry; once twice the
+/// node timeout passed with still no node, the model is unknown (404). Found by the chaos suite
+/// (`kill -9 a gateway, restart`: 44 `model_not_found` from the restarted one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_without_nodes_yet_says_retry_not_unknown_model() {
+    const NODE_TIMEOUT_MS: u64 = 500;
+    let dir = WorkDir::new("settling");
+    let g = pd_cluster_tests::cluster::Gateway::start(
+        &dir,
+        &args(&["--node-timeout-ms", &NODE_TIMEOUT_MS.to_string()]),
+    );
+    let started = std::time::Instant::now();
+    let client = reqwest::Client::new();
+    let body =
+        json!({"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]});
+    let url = format!("{}/v1/chat/completions", g.http);
+    let resp = client.post(&url).json(&body).send().await.expect("POST");
+    let retry_after = resp.headers().get("retry-after").cloned();
+    let (status, v) = (
+        resp.status().as_u16(),
+        resp.json::<Value>().await.unwrap_or_default(),
+    );
+    assert!(
+        started.elapsed() < Duration::from_millis(NODE_TIMEOUT_MS * 2),
+        "asked too late"
+    );
+    assert_eq!(status, 503, "{v}");
+    assert_eq!(v["error"]["code"], "no_capacity", "{v}");
+    assert_eq!(
+        retry_after.as_ref().and_then(|h| h.to_str().ok()),
+        Some("1")
+    );
+    tokio::time::sleep(Duration::from_millis(NODE_TIMEOUT_MS * 2)).await;
+    let (status, v) = post(&client, &url, &body).await;
+    assert_eq!(status, 404, "{v}");
+    assert_eq!(v["error"]["code"], "model_not_found", "{v}");
+}

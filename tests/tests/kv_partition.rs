@@ -6,6 +6,9 @@
 //! 2. The next requests do not wait out the deadline again: D remembers it could not reach P
 //!    and computes their prompts at once (`pd_kv_recompute_total{reason="peer_suspect"}`), each
 //!    answered well within the pull timeout, token-exact, no further failed pull.
+//!    D names P in `x-pd-kv-unreachable` on its answers, and the gateway releases the leases
+//!    P granted for those requests (D's own releases cannot get through): P does not hold one
+//!    per request until they expire (before, P's lease cap filled and it refused prefills).
 //! 3. Healed, once the cool-off passed, one request probes P, pulls, and clears it: the next
 //!    requests pull again (`kv_pulled_tokens` in their usage).
 //!
@@ -16,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use pd_cluster_tests::chaos::faults::partition;
 use pd_cluster_tests::cluster::{ClusterSpec, Hosting, Node, Role, TestCluster, args};
+use pd_cluster_tests::eventually;
 use pd_cluster_tests::openai::{self, Api};
 
 const PULL_TIMEOUT_S: u64 = 2;
@@ -95,6 +99,37 @@ async fn a_producer_d_cannot_reach_is_not_waited_for_again_until_it_can_be() {
         "{}",
         m.show("pd_kv_recompute_total")
     );
+
+    // D names P as unreachable on its answers ...
+    let named = reqwest::get(format!("{}/health", d.http))
+        .await
+        .expect("D's health")
+        .headers()
+        .get("x-pd-kv-unreachable")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let p_side = format!("http://{}", p.host.as_ref().expect("on a host").addr);
+    assert!(
+        named.as_deref().is_some_and(|n| n.starts_with(&p_side)),
+        "D names {named:?}, not P ({p_side})"
+    );
+    // ... so the gateway, which can reach P, released the leases D could not: all six (each
+    // answer's head came after D found P unreachable: they are not streamed). P holds none,
+    // rather than one per request until they expire (which filled P's lease cap in the chaos
+    // suite).
+    eventually(
+        "the gateway to release the leases D could not",
+        Duration::from_secs(5),
+        async || {
+            c.gateway_metrics().await.sum(
+                "pd_gateway_leases_released_total",
+                &[("why", "unreachable_from_decode")],
+            ) == 6.0
+        },
+    )
+    .await;
+    let live = p.metrics(&c.client).await.sum("pd_kv_leases_live", &[]);
+    assert_eq!(live, 0.0, "P's live leases during the partition");
 
     cut.heal();
     tokio::time::sleep(Duration::from_secs(PULL_TIMEOUT_S)).await;

@@ -28,6 +28,12 @@ pub const REQUEST_ID: &str = "x-request-id";
 /// producer tags the lease it grants for the request with it and releases the lease when this
 /// gateway's registry stream ends, so a dead gateway's leases do not wait for their expiry.
 pub const GATEWAY_ID: &str = "x-pd-gateway-id";
+/// The header a decode node names the producers it could not reach lately in (their KV side
+/// channels, comma-separated): its release of their leases cannot get through, so the gateway
+/// releases the one it had granted for the request.
+pub const KV_UNREACHABLE: &str = "x-pd-kv-unreachable";
+/// The longest [`KV_UNREACHABLE`] value read (the node names at most 16).
+const MAX_KV_UNREACHABLE_BYTES: usize = 4096;
 
 /// Pooled keep-alive HTTP/1 to the nodes; each request carries the bearer key its node takes
 /// ([`crate::cluster::NodeRef::bearer`]: the cluster token for registered nodes, what the
@@ -157,6 +163,17 @@ impl NodeResponse {
     /// The answer's `content-type`, if it has a readable one.
     pub fn content_type(&self) -> Option<&str> {
         self.0.headers().get(CONTENT_TYPE)?.to_str().ok()
+    }
+
+    /// Whether the answering decode node names `side_channel` among the producers it could not
+    /// reach ([`KV_UNREACHABLE`]).
+    pub fn could_not_reach(&self, side_channel: &str) -> bool {
+        self.0
+            .headers()
+            .get(KV_UNREACHABLE)
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| v.len() <= MAX_KV_UNREACHABLE_BYTES)
+            .is_some_and(|v| v.split(',').any(|p| p.trim() == side_channel))
     }
 
     /// The answer's `content-length`, if it has one (a streamed answer is chunked: none).

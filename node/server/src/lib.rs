@@ -54,7 +54,10 @@ use pd_engine::EngineHandle;
 pub use disagg::{AllowedPeers, Disagg, KvRole, PullConfig};
 pub use error::ApiError;
 pub use openai::tool_parser::ToolCallParser;
-pub use routes::{GATEWAY_ID_HEADER, MAX_BODY_BYTES, MAX_GATEWAY_ID_BYTES};
+pub use routes::{
+    GATEWAY_ID_HEADER, KV_UNREACHABLE_HEADER, MAX_BODY_BYTES, MAX_GATEWAY_ID_BYTES,
+    MAX_UNREACHABLE_NAMED,
+};
 pub use sse::KEEP_ALIVE as SSE_KEEP_ALIVE;
 
 /// How the HTTP front answers, beyond what the engine serves.

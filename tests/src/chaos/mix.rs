@@ -39,7 +39,8 @@ pub enum Clients {
 enum Seen {
     Exact,
     Wrong(String),
-    Error(String),
+    /// Its code and message.
+    Error(String, String),
     NotOpenAi(String),
     Cut(String),
     Hung,
@@ -57,6 +58,8 @@ pub struct Tally {
     pub wrong: Vec<String>,
     /// OpenAI errors (status ≥ 400 with an error object, or an SSE error event), by code.
     pub errors: BTreeMap<String, usize>,
+    /// The first message seen of each code.
+    pub messages: BTreeMap<String, String>,
     /// Errors that were not OpenAI error objects.
     pub not_openai: Vec<String>,
     /// Answers cut short (connection closed, or a stream without its end).
@@ -75,7 +78,10 @@ impl Tally {
         match seen {
             Seen::Exact => self.exact += 1,
             Seen::Wrong(w) => self.wrong.push(w),
-            Seen::Error(code) => *self.errors.entry(code).or_default() += 1,
+            Seen::Error(code, message) => {
+                *self.errors.entry(code.clone()).or_default() += 1;
+                self.messages.entry(code).or_insert(message);
+            }
             Seen::NotOpenAi(e) => self.not_openai.push(e),
             Seen::Cut(e) => self.cut.push(e),
             Seen::Hung => self.hung += 1,
@@ -89,6 +95,9 @@ impl Tally {
         self.wrong.extend(other.wrong);
         for (k, v) in other.errors {
             *self.errors.entry(k).or_default() += v;
+        }
+        for (k, v) in other.messages {
+            self.messages.entry(k).or_insert(v);
         }
         self.not_openai.extend(other.not_openai);
         self.cut.extend(other.cut);
@@ -383,7 +392,13 @@ impl Client {
                 .as_str()
                 .or(e["type"].as_str())
                 .unwrap_or("unknown");
-            return Seen::Error(format!("{code}/{}", a.status));
+            let message = e["message"]
+                .as_str()
+                .unwrap_or("")
+                .chars()
+                .take(200)
+                .collect();
+            return Seen::Error(format!("{code}/{}", a.status), message);
         }
         if !a.complete {
             return Seen::Cut(format!("{:?} {}: {}", r.api, a.status, a.body));

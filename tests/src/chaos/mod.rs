@@ -33,6 +33,9 @@ pub const LEASE_SECS: u64 = 5;
 pub const RETAIN_SECS: u64 = 3;
 /// The gateways' `--node-timeout-ms` (their default).
 pub const NODE_TIMEOUT: Duration = Duration::from_millis(3000);
+/// The gateways' `--responses-store-mib`: small enough that the soak fills it, so that a
+/// gateway's memory must level off there.
+pub const STORE_MIB: u64 = 64;
 /// Load clients.
 pub const CLIENTS: usize = 4;
 /// The most requests a client sends in one scenario.
@@ -165,7 +168,12 @@ impl Chaos {
         let mut c = SeveralGateways::hosts(name, &spec);
         let bridge = c.net.as_ref().expect("on hosts").gateway_addr();
         let pg = PgServer::start_on(work.path(), bridge);
-        spec.gateway_args = args(&["--state-url", &pg.url]);
+        spec.gateway_args = args(&[
+            "--state-url",
+            &pg.url,
+            "--responses-store-mib",
+            &STORE_MIB.to_string(),
+        ]);
         c.start_on_net(&spec).await;
         let envoy = Envoy::start(work.path(), &c.upstreams());
         let reference = Node::reference_with(c.dir(), &c.model, &args(&["--threads", "1"]));
@@ -330,6 +338,9 @@ pub fn table(rows: &[Row]) -> String {
             r.took.as_secs_f64(),
             c.join("; ")
         );
+        for (code, message) in &r.tally.messages {
+            let _ = writeln!(out, "  - {code}: {message}");
+        }
         for w in r.tally.wrong.iter().take(3) {
             let _ = writeln!(out, "  - wrong: {w}");
         }

@@ -5,7 +5,7 @@ use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
 use super::faults::{self, bad_link, clock_off, partition};
-use super::{Chaos, Clients, NODE_TIMEOUT, Row, Run};
+use super::{Chaos, Clients, NODE_TIMEOUT, Row, Run, STORE_MIB};
 use crate::bins;
 use crate::cluster::{ADMIN_TOKEN, Role};
 use crate::metrics::{Metrics, try_scrape};
@@ -317,12 +317,20 @@ pub async fn soak(ch: &mut Chaos, d: Duration) -> Row {
         .into_iter()
         .map(|m| (m.name, Vec::new()))
         .collect();
+    let mut stored = vec![Vec::new(); ch.c.gateways.len()];
     let (mut unroutable, mut reconnected) = (0usize, std::collections::BTreeSet::new());
     let mut samples = 0u64;
     while start.elapsed() < d {
         if samples.is_multiple_of(12) {
             for (m, (_, series)) in ch.processes().iter().zip(rss.iter_mut()) {
                 series.push(super::check::rss_mib(m.pid));
+            }
+            for (g, series) in stored.iter_mut().enumerate() {
+                let m =
+                    try_scrape(&ch.c.client, &ch.c.gateways[g].http, Duration::from_secs(2)).await;
+                series.push(
+                    m.map_or(0.0, |m| m.sum("pd_gateway_responses_stored_bytes", &[])) / 1048576.0,
+                );
             }
         }
         for (g, before) in first.iter().enumerate() {
@@ -340,6 +348,14 @@ pub async fn soak(ch: &mut Chaos, d: Duration) -> Row {
         let v: Vec<String> = series.iter().map(|m| format!("{m:.0}")).collect();
         run.notes
             .push(format!("{name} RSS MiB each minute: {}", v.join(" ")));
+    }
+    for (g, series) in stored.iter().enumerate() {
+        let v: Vec<String> = series.iter().map(|m| format!("{m:.0}")).collect();
+        run.notes.push(format!(
+            "gw{} stored responses MiB each minute (bound {STORE_MIB}): {}",
+            g + 1,
+            v.join(" ")
+        ));
     }
     run.notes.push(format!(
         "registrations: {samples} samples of both gateways' node lists; a node not routable \

@@ -55,6 +55,9 @@ pub(super) struct Progress {
     /// The `/v1/responses` turn was stored before the answer's end went out
     /// ([`super::Gateway::keep_turn_now`]).
     pub(super) turn_kept: bool,
+    /// The decode node said it could not reach the producer whose lease it was given: the
+    /// gateway releases that lease itself once the answer is done.
+    pub(super) lease_left: bool,
 }
 
 /// One request, as pingora's per-request context.
@@ -86,6 +89,7 @@ impl Exchange {
                 captured: Captured::default(),
                 streaming: false,
                 turn_kept: false,
+                lease_left: false,
             },
         }
     }

@@ -17,7 +17,7 @@ use super::relay::Parts;
 use super::{Gateway, client_gone};
 use crate::cluster::{NodeRef, OnNode};
 use crate::error::GatewayError;
-use crate::openai;
+use crate::openai::{self, LeaseRef};
 use crate::spread;
 use crate::upstream::{NodeResponse, REQUEST_ID, UpstreamError};
 use pd_wire::KvTransferParams;
@@ -39,6 +39,8 @@ pub(super) struct Leg<'a> {
     pub(super) stage: &'static str,
     /// A reservation made at the decision, used when the node it names serves.
     pub(super) reserved: Option<OnNode>,
+    /// The producer's lease the node is to pull (a decode leg).
+    pub(super) lease: Option<&'a LeaseRef>,
 }
 
 /// A candidate list walked in order until one node serves; every node skipped is logged and
@@ -126,6 +128,7 @@ impl Gateway {
                     body: Bytes::from(bytes?),
                     stage,
                     reserved: None,
+                    lease: None,
                 };
                 self.whole(session, req, st, leg).await
             }
@@ -232,7 +235,12 @@ impl Gateway {
             }
         };
         match served {
-            Ok((resp, _open, node)) => self.relay(session, req, st, (node, resp)).await,
+            Ok((resp, _open, node)) => {
+                st.lease_left = leg
+                    .lease
+                    .is_some_and(|l| resp.could_not_reach(&l.side_channel));
+                self.relay(session, req, st, (node, resp)).await
+            }
             Err(Failed::Gone) => Ok(Outcome::Aborted),
             Err(Failed::Fatal(e)) => Err(e),
             Err(Failed::Next(why)) => Err(GatewayError::NoCapacity {
@@ -269,15 +277,21 @@ impl Gateway {
         for extra in &params {
             self.release(Some(extra), "unused");
         }
+        let lease = openai::lease_of(&first);
         let leg = Leg {
             candidates: &split.decode,
             body: Bytes::from(openai::decode_bytes(&req.body, &first)?),
             stage: "decode",
             // The first group's node; the other groups' reservations end here.
             reserved: reserved.into_iter().next(),
+            lease: lease.as_ref(),
         };
         let outcome = self.whole(session, req, st, leg).await;
         match &outcome {
+            // D could not reach P: its release cannot get through; this one can.
+            Ok(Outcome::Ok) if st.lease_left => {
+                self.release(Some(&first), "unreachable_from_decode");
+            }
             Ok(Outcome::Ok) => {}
             Ok(Outcome::Aborted) => self.release(Some(&first), "client_left"),
             Err(_) => self.release(Some(&first), "decode_failed"),

@@ -70,6 +70,9 @@ pub use remember::write_unsaved_turns;
 pub struct ProxyConfig {
     /// Largest body of a generation request (`--max-body`).
     pub max_body: usize,
+    /// Until this instant (the start plus twice the node timeout) the nodes may still be
+    /// registering: a model no node serves yet is a 503 to retry, not a 404.
+    pub settled_at: std::time::Instant,
     /// Largest body of any other route: the tokenizer endpoints and the rest
     /// (`--max-small-body`).
     pub max_small_body: usize,

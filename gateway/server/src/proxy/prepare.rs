@@ -114,6 +114,20 @@ fn json_object(raw: &[u8]) -> Result<Map<String, Value>, GatewayError> {
 }
 
 impl Gateway {
+    /// A model no node serves: a 404, but a 503 to retry while the gateway has only just
+    /// started and no node has registered yet (a restarted replica behind a balancer must not
+    /// tell clients the model does not exist).
+    fn unknown_model(&self, model: &str) -> GatewayError {
+        let s = &self.0;
+        if std::time::Instant::now() < s.config.settled_at && s.cluster.live_models().is_empty() {
+            return GatewayError::NoCapacity {
+                model: model.to_owned(),
+                why: "the gateway has just started and its nodes are still registering".into(),
+            };
+        }
+        GatewayError::ModelNotFound(model.to_owned())
+    }
+
     /// Phase 2; also returns the decode nodes reserved from the decision on (their sends come
     /// only after P's phase), so the next decisions see them.
     pub(super) async fn prepare(
@@ -148,7 +162,7 @@ impl Gateway {
         if let Some(Value::String(model)) = body.get("model")
             && s.cluster.model(model).is_none()
         {
-            return Err(GatewayError::ModelNotFound(model.clone()));
+            return Err(self.unknown_model(model));
         }
         let turn = match api {
             Api::Responses => Some(
@@ -164,7 +178,7 @@ impl Gateway {
         let (tokenizer, block_size) = s
             .cluster
             .model(&analyzed.model)
-            .ok_or_else(|| GatewayError::ModelNotFound(analyzed.model.clone()))?;
+            .ok_or_else(|| self.unknown_model(&analyzed.model))?;
         let prompt = analyzed.prompt.clone();
         let tokens = if pd_tokenize::prompt::tokenize_inline_ok(&prompt) {
             tokenize_inline(&tokenizer, prompt)?

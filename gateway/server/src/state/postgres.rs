@@ -320,8 +320,9 @@ impl Backend for Postgres {
         ))
         .await?;
         let over = timed(c.execute(
-            "DELETE FROM pd_turns WHERE id IN (SELECT id FROM (SELECT id, SUM(bytes) OVER
-             (ORDER BY stored_ms DESC, id) AS kept FROM pd_turns) t WHERE kept > $1)",
+            // SUM of a bigint is a numeric: cast back, so that $1 is a bigint.
+            "DELETE FROM pd_turns WHERE id IN (SELECT id FROM (SELECT id, (SUM(bytes) OVER
+             (ORDER BY stored_ms DESC, id))::bigint AS kept FROM pd_turns) t WHERE kept > $1)",
             &[&(max_bytes.min(i64::MAX as u64) as i64)],
         ))
         .await?;

@@ -174,6 +174,15 @@ impl Consumer {
         self.cfg.allowed_peers.check(host, port)
     }
 
+    /// The producers this node could not reach lately (side channels), whose pulls it skips
+    /// where it would recompute anyway ([`suspects`]).
+    pub fn unreachable(&self) -> Vec<String> {
+        self.suspects
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .peers()
+    }
+
     /// Brings the metrics' view of the puller up to date (the path to each peer).
     pub fn observe_paths(&self) {
         self.metrics.observe_peer_paths(&self.puller.peer_paths());

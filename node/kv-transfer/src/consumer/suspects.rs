@@ -100,6 +100,11 @@ impl Suspects {
         }
     }
 
+    /// The suspect producers' side channels.
+    pub fn peers(&self) -> Vec<String> {
+        self.peers.keys().cloned().collect()
+    }
+
     /// How many producers are suspect now.
     pub fn len(&self) -> usize {
         self.peers.len()

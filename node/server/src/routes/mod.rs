@@ -4,11 +4,13 @@
 mod chat;
 mod completions;
 mod gateway_id;
+mod kv_unreachable;
 mod responses;
 mod tokenize;
 
 pub(crate) use gateway_id::GatewayId;
 pub use gateway_id::{GATEWAY_ID_HEADER, MAX_GATEWAY_ID_BYTES};
+pub use kv_unreachable::{KV_UNREACHABLE_HEADER, MAX_UNREACHABLE_NAMED};
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -279,6 +281,7 @@ pub(crate) fn router(
         api_key: options.api_key,
         cluster_token: options.cluster_token,
     });
+    let unreachable = disagg.clone();
     let state = AppState {
         engine,
         started: unix_now(),
@@ -305,6 +308,10 @@ pub(crate) fn router(
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(keys, require_key))
         .layer(axum::middleware::from_fn(request_id))
+        .layer(axum::middleware::map_response_with_state(
+            unreachable,
+            kv_unreachable::name_unreachable,
+        ))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }

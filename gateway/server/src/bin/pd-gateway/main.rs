@@ -14,7 +14,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
@@ -620,6 +620,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             request_timeout: millis(args.request_timeout_secs.saturating_mul(1000)),
             node_first_byte_timeout: millis(args.node_first_byte_timeout_ms),
             node_idle_timeout: millis(args.node_idle_timeout_ms),
+            settled_at: Instant::now() + Duration::from_millis(args.node_timeout_ms * 2),
             trusted_client_token: args.trusted_client_token.clone(),
             api_keys,
         },
