@@ -58,6 +58,8 @@ pub(super) struct Progress {
     /// The decode node said it could not reach the producer whose lease it was given: the
     /// gateway releases that lease itself once the answer is done.
     pub(super) lease_left: bool,
+    /// The status of the node's answer relayed to the client (0: none yet).
+    pub(super) relayed: u16,
 }
 
 /// One request, as pingora's per-request context.
@@ -90,6 +92,7 @@ impl Exchange {
                 streaming: false,
                 turn_kept: false,
                 lease_left: false,
+                relayed: 0,
             },
         }
     }

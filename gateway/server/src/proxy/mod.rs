@@ -378,6 +378,9 @@ impl Gateway {
             None => self.admit(session, x).await,
         };
         x.outcome = Some(match outcome {
+            // A node's own refusal, relayed as it answered it.
+            Ok(Outcome::Ok) if x.progress.relayed >= 500 => "node_error",
+            Ok(Outcome::Ok) if x.progress.relayed >= 400 => "client_error",
             Ok(Outcome::Ok) => "ok",
             Ok(Outcome::Aborted) => "aborted",
             Err(e) => {

@@ -67,6 +67,7 @@ impl Gateway {
             })
         };
         let status = resp.status().as_u16();
+        st.relayed = status;
         let content_type = resp.content_type().unwrap_or("application/json").to_owned();
         let streamed = content_type.starts_with("text/event-stream");
         if status == 200 && !streamed {

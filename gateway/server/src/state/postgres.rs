@@ -81,8 +81,18 @@ pub struct Postgres {
     tls: Option<Rustls>,
     /// Where it is, for logs (no password).
     target: String,
-    client: Mutex<Option<Arc<Client>>>,
+    /// One connection for the requests' calls (turns), one for everything else (the policy
+    /// and its components, drains, sweeps): a 17 MiB component written must not hold up the
+    /// turn a request waits on (statements on one connection run one after another).
+    clients: [Mutex<Option<Arc<Client>>>; 2],
     changes: broadcast::Sender<Change>,
+}
+
+/// Which connection a call takes ([`Postgres::clients`]).
+#[derive(Debug, Clone, Copy)]
+enum Lane {
+    Turns = 0,
+    Admin = 1,
 }
 
 impl std::fmt::Debug for Postgres {
@@ -143,10 +153,10 @@ impl Postgres {
             config,
             tls,
             target,
-            client: Mutex::new(None),
+            clients: [Mutex::new(None), Mutex::new(None)],
             changes: broadcast::channel(1024).0,
         };
-        let c = store.client().await?;
+        let c = store.client(Lane::Admin).await?;
         timed(c.batch_execute(SCHEMA)).await?;
         timed(c.execute(
             "INSERT INTO pd_meta (key, value) VALUES ('schema_version', $1) ON CONFLICT DO NOTHING",
@@ -169,8 +179,8 @@ impl Postgres {
     }
 
     /// The calls' connection, made again when it broke.
-    async fn client(&self) -> Result<Arc<Client>, StateError> {
-        let mut slot = self.client.lock().await;
+    async fn client(&self, lane: Lane) -> Result<Arc<Client>, StateError> {
+        let mut slot = self.clients[lane as usize].lock().await;
         if let Some(c) = slot.as_ref().filter(|c| !c.is_closed()) {
             return Ok(c.clone());
         }
@@ -272,7 +282,7 @@ impl Backend for Postgres {
 
     async fn put_turn(&self, id: &str, turn: &TurnRecord) -> Result<(), StateError> {
         let record = serde_json::to_vec(turn).expect("state records serialize");
-        let c = self.client().await?;
+        let c = self.client(Lane::Turns).await?;
         timed(c.execute(
             "INSERT INTO pd_turns (id, stored_ms, bytes, record) VALUES ($1, $2, $3, $4)
              ON CONFLICT (id) DO UPDATE SET stored_ms = $2, bytes = $3, record = $4",
@@ -288,7 +298,7 @@ impl Backend for Postgres {
     }
 
     async fn turn(&self, id: &str) -> Result<Option<TurnRecord>, StateError> {
-        let c = self.client().await?;
+        let c = self.client(Lane::Turns).await?;
         let row = timed(c.query_opt("SELECT record FROM pd_turns WHERE id = $1", &[&id])).await?;
         row.map(|r| decode(id, r.get::<_, &[u8]>(0))).transpose()
     }
@@ -297,7 +307,7 @@ impl Backend for Postgres {
         if ids.is_empty() {
             return Ok(());
         }
-        let c = self.client().await?;
+        let c = self.client(Lane::Turns).await?;
         timed(c.execute("DELETE FROM pd_turns WHERE id = ANY($1)", &[&ids])).await?;
         // Other replicas may hold them in memory.
         let mut payload = String::from("turns:");
@@ -313,7 +323,7 @@ impl Backend for Postgres {
     }
 
     async fn sweep_turns(&self, unix_ms: u64, max_bytes: u64) -> Result<u64, StateError> {
-        let c = self.client().await?;
+        let c = self.client(Lane::Admin).await?;
         let old = timed(c.execute(
             "DELETE FROM pd_turns WHERE stored_ms < $1",
             &[&(unix_ms as i64)],
@@ -330,7 +340,7 @@ impl Backend for Postgres {
     }
 
     async fn policy(&self) -> Result<Option<PolicyRecord>, StateError> {
-        let c = self.client().await?;
+        let c = self.client(Lane::Admin).await?;
         let row = timed(c.query_opt("SELECT generation, record FROM pd_policy WHERE id = 1", &[]))
             .await?;
         row.map(|r| {
@@ -346,7 +356,7 @@ impl Backend for Postgres {
         record: &PolicyRecord,
         components: &[(String, Vec<u8>)],
     ) -> Result<u64, StateError> {
-        let c = self.client().await?;
+        let c = self.client(Lane::Admin).await?;
         let now = super::unix_ms() as i64;
         for (sha, bytes) in components {
             timed(c.execute(
@@ -378,7 +388,7 @@ impl Backend for Postgres {
     }
 
     async fn component(&self, sha256: &str) -> Result<Option<Vec<u8>>, StateError> {
-        let c = self.client().await?;
+        let c = self.client(Lane::Admin).await?;
         let row = timed(c.query_opt(
             "SELECT bytes FROM pd_components WHERE sha256 = $1",
             &[&sha256],
@@ -388,14 +398,14 @@ impl Backend for Postgres {
     }
 
     async fn drains(&self) -> Result<Vec<String>, StateError> {
-        let c = self.client().await?;
+        let c = self.client(Lane::Admin).await?;
         let rows =
             timed(c.query("SELECT engine_id FROM pd_drains ORDER BY engine_id", &[])).await?;
         Ok(rows.iter().map(|r| r.get::<_, String>(0)).collect())
     }
 
     async fn set_drain(&self, engine_id: &str, on: bool) -> Result<(), StateError> {
-        let c = self.client().await?;
+        let c = self.client(Lane::Admin).await?;
         if on {
             timed(c.execute(
                 "INSERT INTO pd_drains (engine_id, since_ms) VALUES ($1, $2) ON CONFLICT DO NOTHING",
@@ -409,7 +419,7 @@ impl Backend for Postgres {
     }
 
     async fn cluster_token(&self, minted: &str) -> Result<String, StateError> {
-        let c = self.client().await?;
+        let c = self.client(Lane::Admin).await?;
         timed(c.execute(
             "INSERT INTO pd_meta (key, value) VALUES ('cluster_token', $1) ON CONFLICT DO NOTHING",
             &[&minted],

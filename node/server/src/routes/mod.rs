@@ -102,7 +102,7 @@ impl AppState {
                 param: Some(kv_params::FIELD.into()),
             });
         }
-        let d = kv_params::parse(params)?;
+        let mut d = kv_params::parse(params)?;
         let asked = match &d {
             KvDirective::None => None,
             KvDirective::Produce { .. } => Some("produce"),
@@ -138,7 +138,22 @@ impl AppState {
             {
                 return Err(refuse("do_remote_prefill", "kv_consumer or kv_producer"));
             }
-            KvDirective::Consume(remotes) => self.check_peers(remotes)?,
+            KvDirective::Consume(remotes) => {
+                if let Err(refused) = self.check_peers(remotes) {
+                    if !self.recomputes_instead() {
+                        return Err(refused);
+                    }
+                    // A producer the gateways no longer list (it left the view after the
+                    // request was routed): not contacted, the prompt computed here.
+                    self.disagg
+                        .metrics
+                        .recomputes
+                        .with_label_values(&["peer_not_allowed"])
+                        .inc();
+                    tracing::warn!(error = %refused, "computing locally instead");
+                    d = KvDirective::None;
+                }
+            }
             KvDirective::Incomplete { missing } => {
                 // As vLLM: no pull. Unlike vLLM: counted and logged.
                 self.disagg
@@ -156,6 +171,15 @@ impl AppState {
             directive: d,
             disagg: self.disagg.clone(),
         })
+    }
+
+    /// Whether a pull that cannot be made is computed here instead (`--kv-load-failure-policy
+    /// recompute`).
+    fn recomputes_instead(&self) -> bool {
+        self.disagg
+            .consumer
+            .as_ref()
+            .is_some_and(|c| c.config().policy == pd_kv_transfer::FailurePolicy::Recompute)
     }
 
     /// Refuses params naming a peer this node may not pull from, before anything is contacted

@@ -96,6 +96,37 @@ async fn failures_follow_the_policy_and_are_counted() {
     let e: Value = r.json().await.unwrap();
     assert_eq!(e["error"]["param"], "kv_transfer_params.remote_host");
     assert_eq!(metric(&d_strict, "pd_kv_transfer_bytes_total").await, 0.0);
+    // Under `recompute` the producer is not contacted either, and the prompt is computed here
+    // (a producer the gateways stopped listing after the request was routed to it).
+    let d_strict_recompute = start(
+        &dir,
+        &[
+            "--kv-role",
+            "kv_consumer",
+            "--kv-port",
+            "0",
+            "--engine-id",
+            "d4",
+            "--kv-allowed-peers",
+            "10.9.8.7",
+            "--kv-load-failure-policy",
+            "recompute",
+        ],
+    );
+    let got = seen(api, post(&d_strict_recompute.http, api.path(), &db).await).await;
+    assert_eq!(got.tokens, want.tokens);
+    assert_eq!(
+        metric(
+            &d_strict_recompute,
+            "pd_kv_recompute_total{reason=\"peer_not_allowed\"}"
+        )
+        .await,
+        1.0
+    );
+    assert_eq!(
+        metric(&d_strict_recompute, "pd_kv_transfer_bytes_total").await,
+        0.0
+    );
 
     // Incomplete params: no pull, as vLLM; counted.
     let mut partial = fresh;
