@@ -368,7 +368,9 @@ async fn frozen_producer(tls: Option<&str>) {
     ] {
         assert_eq!(metric(&d, m).await, 0.0, "{name}: {m}");
     }
-    // P1 serves again, through a fresh endpoint.
+    // P1 serves again, through a fresh endpoint, once D's cool-off for it passed (for one pull
+    // timeout after A's deadline D computes P1's prompts itself; then one request probes P1).
+    tokio::time::sleep(Duration::from_secs_f64(timeout)).await;
     let body = api.body(&format!("{name}: P1 after the thaw."), 4);
     let want = seen(api, post(&solo.http, api.path(), &body).await).await;
     let got = through_pd(&p1, &d, api, &body).await;
