@@ -17,7 +17,8 @@ use crate::openai::{self, Api};
 const SCRAPE: Duration = Duration::from_secs(2);
 
 /// The counters a row accounts with, and the label each is split by.
-const COUNTED: [(&str, &str); 11] = [
+const COUNTED: [(&str, &str); 12] = [
+    ("pd_node_kv_pulled_tokens_total", ""),
     ("pd_kv_recompute_total", "reason"),
     ("pd_kv_transfer_failures_total", "reason"),
     ("pd_kv_leases_total", "event"),

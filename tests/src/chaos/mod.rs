@@ -131,6 +131,11 @@ impl Row {
         check::total(&self.counts, "D:pd_kv_recompute_total")
     }
 
+    /// Prompt tokens the decode nodes pulled (the P/D path ran, not only recomputes).
+    pub fn pulled_tokens(&self) -> f64 {
+        check::total(&self.counts, "D:pd_node_kv_pulled_tokens_total")
+    }
+
     /// Pulls that failed.
     pub fn failed_pulls(&self) -> f64 {
         check::total(&self.counts, "D:pd_kv_transfer_failures_total")
