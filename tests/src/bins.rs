@@ -51,6 +51,12 @@ pub fn pd_gateway() -> PathBuf {
     binary("pd-gateway")
 }
 
+/// `pd-node-sim`, the node simulator (benchmarks; the cluster test `simulator` checks it
+/// against a real gateway).
+pub fn pd_node_sim() -> PathBuf {
+    binary("pd-node-sim")
+}
+
 /// The guest policy `name` (`round-robin`, `trapping`, ...) built by `scripts/build-policies.sh`;
 /// panics with that command when missing.
 pub fn policy(name: &str) -> PathBuf {

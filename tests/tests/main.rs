@@ -32,6 +32,7 @@ mod registry_trust;
 mod reported_turns;
 mod rolling_restart;
 mod several_gateways;
+mod simulator;
 mod spread_params;
 mod static_nodes;
 mod tls_across_hosts;

@@ -10,7 +10,11 @@ use serde_json::{Value, json};
 
 fn config(registry: String) -> FleetConfig {
     FleetConfig {
-        roles: vec![(Role::Producer, 2), (Role::Consumer, 2), (Role::Standalone, 1)],
+        roles: vec![
+            (Role::Producer, 2),
+            (Role::Consumer, 2),
+            (Role::Standalone, 1),
+        ],
         id_prefix: "t".into(),
         model: "sim".into(),
         host: "127.0.0.1".parse().unwrap(),
@@ -33,14 +37,23 @@ fn config(registry: String) -> FleetConfig {
 }
 
 async fn post(url: String, body: Value) -> (u16, String) {
-    let r = reqwest::Client::new().post(url).json(&body).send().await.unwrap();
+    let r = reqwest::Client::new()
+        .post(url)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     (r.status().as_u16(), r.text().await.unwrap())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fleet_registers_and_a_split_answer_equals_a_whole_one() {
-    let registry = TestRegistry::start("127.0.0.1:0".parse().unwrap()).await.unwrap();
-    let fleet = Fleet::start(config(registry.addr().to_string())).await.unwrap();
+    let registry = TestRegistry::start("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let fleet = Fleet::start(config(registry.addr().to_string()))
+        .await
+        .unwrap();
     let conns = registry
         .log()
         .wait_for(Duration::from_secs(10), |c| {
@@ -49,20 +62,39 @@ async fn a_fleet_registers_and_a_split_answer_equals_a_whole_one() {
         .await
         .unwrap();
     let roles: Vec<i32> = conns.iter().map(|c| c.register().unwrap().role).collect();
-    assert_eq!(roles.iter().filter(|&&r| r == pd_rpc::registry::Role::Producer as i32).count(), 2);
+    assert_eq!(
+        roles
+            .iter()
+            .filter(|&&r| r == pd_rpc::registry::Role::Producer as i32)
+            .count(),
+        2
+    );
     for c in &conns {
         let reg = c.register().unwrap();
-        assert!(reg.takes_prompt_token_ids && reg.tokenizer.is_some(), "{}", reg.engine_id);
+        assert!(
+            reg.takes_prompt_token_ids && reg.tokenizer.is_some(),
+            "{}",
+            reg.engine_id
+        );
         let producer = reg.role == pd_rpc::registry::Role::Producer as i32;
-        assert_eq!(!reg.kv_side_channel_addr.is_empty(), producer, "{}", reg.engine_id);
+        assert_eq!(
+            !reg.kv_side_channel_addr.is_empty(),
+            producer,
+            "{}",
+            reg.engine_id
+        );
     }
     assert_eq!(fleet.registered(), 5);
 
     let [p, _, d, _, s] = [0, 1, 2, 3, 4].map(|i| fleet.nodes[i].clone());
     let url = |n: &pd_node_sim::SimNode, api: &str| format!("http://{}/v1/{api}", n.id.http);
     let ids: Vec<u32> = (0..10).collect();
-    let (code, body) = post(url(&p, "completions"), json!({"prompt_token_ids": ids, "max_tokens": 1,
-        "kv_transfer_params": {"do_remote_decode": true}})).await;
+    let (code, body) = post(
+        url(&p, "completions"),
+        json!({"prompt_token_ids": ids, "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": true}}),
+    )
+    .await;
     assert_eq!(code, 200, "{body}");
     let handoff: Value = serde_json::from_str(&body).unwrap();
     let params = handoff["kv_transfer_params"].clone();
@@ -83,7 +115,12 @@ async fn a_fleet_registers_and_a_split_answer_equals_a_whole_one() {
     let (_, whole) = post(url(&s, "completions"), ask(None, false)).await;
     let texts = |b: &str| -> Vec<Value> {
         let v: Value = serde_json::from_str(b).unwrap();
-        v["choices"].as_array().unwrap().iter().map(|c| c["text"].clone()).collect()
+        v["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["text"].clone())
+            .collect()
     };
     assert_eq!(texts(&pulled), texts(&whole));
     assert_eq!(
@@ -116,10 +153,17 @@ async fn a_fleet_registers_and_a_split_answer_equals_a_whole_one() {
     assert!(sse.trim_end().ends_with("data: [DONE]"));
 
     // Refusals are OpenAI errors.
-    let (code, body) = post(url(&s, "completions"), json!({"prompt": "x",
-        "kv_transfer_params": {"do_remote_decode": true}})).await;
+    let (code, body) = post(
+        url(&s, "completions"),
+        json!({"prompt": "x",
+        "kv_transfer_params": {"do_remote_decode": true}}),
+    )
+    .await;
     assert_eq!(code, 400);
-    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["error"]["param"], "kv_transfer_params");
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["error"]["param"],
+        "kv_transfer_params"
+    );
     fleet.shutdown().await;
 }
 
