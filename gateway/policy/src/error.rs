@@ -59,7 +59,8 @@ pub enum PolicyError {
     SmokeTest {
         /// The spec's name.
         name: String,
-        /// What failed: `instantiate` (a first instance), or a synthetic call (`n=1`, `n=3`).
+        /// What failed: `instantiate` (a first instance), or a synthetic call (`n=1`, `n=3`;
+        /// asked again of a policy that declares itself stateless: [`PolicyError::NotStateless`]).
         case: &'static str,
         /// How it failed.
         #[source]
@@ -104,6 +105,18 @@ pub enum PolicyError {
     /// The guest answered a decision that breaks the contract's rules.
     #[error("policy answered an invalid decision: {0}")]
     Invalid(#[from] InvalidDecision),
+    /// A component that declares itself stateless ([`crate::STATELESS_SECTION`]) answered a
+    /// smoke-test case differently when asked again in the same instance.
+    #[error(
+        "the component declares itself stateless but answered the same call differently the \
+         second time: {first:?}, then {again:?}"
+    )]
+    NotStateless {
+        /// The first answer.
+        first: Box<crate::Decision>,
+        /// The answer to the same call, in the same instance, later.
+        again: Box<crate::Decision>,
+    },
     /// No native policy has this name.
     #[error("no native policy is named {name:?} (known: least-loaded, round-robin, prefix-aware)")]
     UnknownNative {
@@ -118,7 +131,7 @@ pub enum PolicyError {
 impl PolicyError {
     /// A short, fixed label for metrics: `engine`, `memory_limit_too_large`, `compile`,
     /// `instantiate`, `smoke_test`, `trap`, `timeout`, `out_of_fuel`, `memory`, `call`,
-    /// `invalid_decision`, `unknown_native`, `nothing_to_roll_back`.
+    /// `invalid_decision`, `not_stateless`, `unknown_native`, `nothing_to_roll_back`.
     pub fn reason(&self) -> &'static str {
         match self {
             PolicyError::Engine { .. } => "engine",
@@ -134,6 +147,7 @@ impl PolicyError {
             PolicyError::MemoryLimit { .. } => "memory",
             PolicyError::Call { .. } => "call",
             PolicyError::Invalid(_) => "invalid_decision",
+            PolicyError::NotStateless { .. } => "not_stateless",
             PolicyError::UnknownNative { .. } => "unknown_native",
             PolicyError::NothingToRollBack => "nothing_to_roll_back",
         }

@@ -16,8 +16,9 @@
 //!   `decide` through its bindings (`wit.rs`);
 //! - `engine/smoke.rs`: the smoke test a policy passes before it is loaded;
 //! - `engine/call.rs`: [`WasmPolicy`] and the per-call path ([`WasmPolicy::decide_at`]: a
-//!   fresh or spare store (`spare.rs`) under memory, fuel and deadline limits (`epoch.rs`),
-//!   typed call errors, [`CallStats`]);
+//!   fresh or spare store (`spare.rs`), or a warm one for a policy that declares itself
+//!   stateless (`stateless.rs`: [`declare_stateless`]), under memory, fuel and deadline limits
+//!   (`epoch.rs`), typed call errors, [`CallStats`]);
 //! - `engine/sandbox.rs`: the guest's locked-down, reproducible WASI and its memory limiter;
 //! - `engine/host.rs`: the host imports (`log`, `now-ns` = the request's recorded time,
 //!   `config`, `node-name`) and the store data they read.
@@ -45,6 +46,7 @@ mod precompiled;
 pub mod record;
 mod slot;
 mod spare;
+mod stateless;
 mod validate;
 mod wit;
 
@@ -61,6 +63,29 @@ pub use model::{
 pub use precompiled::{CacheDirError, default_cache_dir};
 pub use record::{Record, RecordError, WIT_VERSION};
 pub use slot::{Installed, PolicySlot};
+pub use stateless::{STATELESS_SECTION, declare_stateless, declares_stateless};
 pub use validate::{InvalidDecision, Slot, validate};
 /// The trap codes of [`PolicyError::Trap`], re-exported so callers need no wasmtime dependency.
 pub use wasmtime::Trap;
+
+/// For the crate's benches only, not part of the API: the host's own share of a call,
+/// without a guest.
+#[doc(hidden)]
+pub mod bench_support {
+    use crate::{Decision, Measured, Request, View};
+
+    /// What the host does per call besides lowering, the guest and lifting: converts
+    /// `request` and `view` into the contract's types (the columns a call lowers) and
+    /// validates `decision`. Returns a figure of the columns so nothing is optimized away.
+    pub fn host_side(
+        request: &Request,
+        view: &View,
+        measured: &Measured,
+        decision: &Decision,
+    ) -> usize {
+        let r = crate::wit::request(request);
+        let v = crate::wit::view(view, measured);
+        let valid = crate::validate(decision, request, view).is_ok();
+        r.prefix_blocks.len() + v.free_blocks.len() + v.decode.len() + usize::from(valid)
+    }
+}

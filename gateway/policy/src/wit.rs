@@ -77,29 +77,38 @@ pub(crate) fn view(view: &View, measured: &Measured) -> contract::View {
     let [prefill, decode, standalone] = by_role;
     // One pass per column: an exact-size `collect` writes each vector without a capacity check
     // per element (ten `push`es per node in one loop cost ~1.5 µs of a ~8 µs call at 64 nodes).
-    let column = |field: fn(&crate::Node) -> u32| -> Vec<u32> { nodes.iter().map(field).collect() };
-    let rates = |field: fn(&crate::Rates) -> u32| -> Vec<u32> {
-        (0..nodes.len())
-            .map(|i| field(&measured.rates_of(i)))
-            .collect()
-    };
+    // Generic over the field, not a `fn` pointer: a pointer was called per element, not
+    // inlined, which was a third of the host's own part at 1 024 nodes (docs/bench-log/
+    // policy-decisions.md, 2026-12-02).
+    fn column(nodes: &[crate::Node], field: impl Fn(&crate::Node) -> u32) -> Vec<u32> {
+        nodes.iter().map(field).collect()
+    }
+    // Rates missing for the last nodes read as not measured (0).
+    fn rates(nodes: usize, measured: &Measured, field: impl Fn(&crate::Rates) -> u32) -> Vec<u32> {
+        let known = measured.rates.len().min(nodes);
+        let mut out = Vec::with_capacity(nodes);
+        out.extend(measured.rates[..known].iter().map(field));
+        out.resize(nodes, 0);
+        out
+    }
+    let n = nodes.len();
     contract::View {
         prefill,
         decode,
         standalone,
-        free_blocks: column(|n| n.free_blocks),
-        total_blocks: column(|n| n.total_blocks),
-        leased_blocks: column(|n| n.leased_blocks),
-        waiting: column(|n| n.waiting),
-        running: column(|n| n.running),
-        waiting_remote_kv: column(|n| n.waiting_remote_kv),
+        free_blocks: column(nodes, |n| n.free_blocks),
+        total_blocks: column(nodes, |n| n.total_blocks),
+        leased_blocks: column(nodes, |n| n.leased_blocks),
+        waiting: column(nodes, |n| n.waiting),
+        running: column(nodes, |n| n.running),
+        waiting_remote_kv: column(nodes, |n| n.waiting_remote_kv),
         draining: (0u32..)
             .zip(nodes)
             .filter(|(_, n)| n.draining)
             .map(|(i, _)| i)
             .collect(),
-        prefill_tokens_per_s: rates(|r| r.prefill_tokens_per_s),
-        pull_mb_per_s: rates(|r| r.pull_mb_per_s),
+        prefill_tokens_per_s: rates(n, measured, |r| r.prefill_tokens_per_s),
+        pull_mb_per_s: rates(n, measured, |r| r.pull_mb_per_s),
         conversation,
         kv_bytes_per_token: measured.kv_bytes_per_token,
     }

@@ -6,6 +6,7 @@ mod common;
 mod equivalence;
 mod languages;
 mod limits;
+mod reuse;
 mod sandbox;
 mod slot;
 mod validate;

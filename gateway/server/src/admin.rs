@@ -100,6 +100,7 @@ pub fn describe(p: &Installed) -> Value {
         v["fuel"] = json!(w.spec().fuel);
         v["spares"] = json!(w.spec().spares);
         v["spares_ready"] = json!(w.spares_ready());
+        v["reuses_instances"] = json!(w.reuses_instances());
         v["config"] = json!(w.spec().config);
         let (from, took) = w.compiled();
         v["compiled"] = json!({

@@ -11,6 +11,15 @@
 //! lowering); the result is validated, and the store goes to the spare thread to be dropped
 //! (its pooled memory reset there). A store that trapped is never reused. Both ways give the
 //! same decision and use the same fuel (`tests/sandbox.rs`).
+//!
+//! A policy whose component declares itself stateless (`stateless.rs`) keeps the stores that
+//! answered a valid decision, warm, in the same ready list (at most `max(spares, 1)`), and the
+//! next call takes one: no cold copy-on-write pages, no runtime start-up, which is most of an
+//! interpreted guest's call (docs/bench-log/policy-decisions.md, 2026-12-02). Each call still
+//! gets its own store (a call pops it; concurrent calls each take or make one), the whole
+//! fuel budget, a new deadline, and the per-request data above, the WASI clock set back to
+//! where instantiation left it, so its decision and record are those of a fresh store. A call
+//! that fails in any way drops its store: a trapped instance is never called again.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
@@ -34,6 +43,9 @@ pub struct CallStats {
     /// The call ran in an instance made ahead of it, off the request path
     /// ([`PolicySpec::spares`]); else it instantiated on the request path.
     pub spare: bool,
+    /// The call ran in a warm instance that had served earlier calls (a policy that declares
+    /// itself stateless: [`WasmPolicy::reuses_instances`]); its fuel is the call's alone.
+    pub warm: bool,
 }
 
 /// A loaded, smoke-tested policy component, ready to decide. Shared across threads; each
@@ -53,16 +65,23 @@ pub(crate) struct Core {
     pre: Pre,
     guest: Arc<GuestMeta>,
     pub(super) spec: PolicySpec,
-    /// Stores instantiated ahead and never called, at most `spec.spares`.
+    /// The component declares itself stateless (`stateless.rs`): a store that answered a
+    /// call goes back to `spares` as a warm instance instead of being dropped.
+    reuse: bool,
+    /// Stores instantiated ahead: never called, at most `spec.spares`; for a policy that
+    /// reuses instances also warm ones that answered calls, at most [`Core::ready_cap`].
     spares: Mutex<Vec<Fresh>>,
 }
 
 /// A store with the component instantiated in it and nothing called yet: the spec's memory
 /// limit and fuel set (instantiation spent some of the fuel, as it would inline), the
 /// instantiation's WASI randomness seeded with the fixed instantiation seed, no node names.
+/// Reused (a stateless policy), it is also a store that answered calls, none of which failed.
 pub(super) struct Fresh {
     store: Store<HostState>,
     bound: Bound,
+    /// Calls it answered.
+    calls: u64,
 }
 
 impl std::fmt::Debug for WasmPolicy {
@@ -118,9 +137,18 @@ impl WasmPolicy {
         self.core.pre.contract()
     }
 
-    /// Instances made ahead of calls and ready now (at most [`PolicySpec::spares`]).
+    /// Instances made ahead of calls and ready now (at most [`PolicySpec::spares`]; for a
+    /// policy that [reuses instances](WasmPolicy::reuses_instances), warm ones included).
     pub fn spares_ready(&self) -> usize {
         self.core.lock_spares().len()
+    }
+
+    /// The component declares itself stateless ([`crate::STATELESS_SECTION`]), so calls run
+    /// in warm instances reused across calls (one per concurrent call, at most
+    /// `max(spares, 1)` kept); an instance whose call failed in any way is dropped, never
+    /// reused. Else every call runs in a fresh store.
+    pub fn reuses_instances(&self) -> bool {
+        self.core.reuse
     }
 
     /// Asks the spare thread to make this policy's spares now (none when `spares` is 0).
@@ -216,6 +244,13 @@ impl WasmPolicy {
         let (result, stats) = match fresh {
             Err((e, stats)) => (Err(e), stats),
             Ok(mut fresh) => {
+                let warm = fresh.calls > 0;
+                if warm {
+                    // The call gets the whole budget: instantiation was paid by an earlier one.
+                    if let Err(e) = fresh.store.set_fuel(core.spec.fuel) {
+                        return (Err(engine_err(e)), CallStats::default());
+                    }
+                }
                 let fuel = fresh.store.get_fuel().unwrap_or(0);
                 let active = core.engine.clock.enter(core.spec.deadline);
                 let state = fresh.store.data_mut();
@@ -228,23 +263,21 @@ impl WasmPolicy {
                 drop(active);
                 let result = result
                     .map_err(|e| core.call_error(e, false))
-                    .and_then(|lifted| lifted.map_err(PolicyError::Invalid));
+                    .and_then(|lifted| lifted.map_err(PolicyError::Invalid))
+                    .and_then(|d| {
+                        validate(&d, request, view)?;
+                        Ok(d)
+                    });
                 let stats = CallStats {
                     spare: from_spare,
-                    ..core.stats(&fresh.store)
+                    warm,
+                    ..core.stats(&fresh.store, warm)
                 };
-                // Dropping the store resets its pooled memory: the spare thread does it, and
-                // makes this policy a new spare.
-                if core.spec.spares > 0 {
-                    core.engine.spares.recycle(fresh.store, core);
-                }
+                fresh.calls += 1;
+                core.put_back(fresh, result.is_ok());
                 (result, stats)
             }
         };
-        let result = result.and_then(|d| {
-            validate(&d, request, view)?;
-            Ok(d)
-        });
         if let Err(e) = &result {
             tracing::debug!(policy = %core.spec.name, reason = e.reason(), error = %e, "policy call failed");
         }
@@ -254,7 +287,14 @@ impl WasmPolicy {
 
 impl Core {
     /// What a call of the component `pre` (whose hex sha256 is `sha256`) under `spec` needs.
-    pub(super) fn new(engine: Arc<EngineInner>, pre: Pre, spec: PolicySpec, sha256: &str) -> Self {
+    /// `reuse`: the component declares itself stateless (`stateless.rs`).
+    pub(super) fn new(
+        engine: Arc<EngineInner>,
+        pre: Pre,
+        spec: PolicySpec,
+        sha256: &str,
+        reuse: bool,
+    ) -> Self {
         let guest = Arc::new(GuestMeta {
             name: spec.name.clone(),
             version: sha256[..12].to_string(),
@@ -265,7 +305,42 @@ impl Core {
             pre,
             guest,
             spec,
+            reuse,
             spares: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Instances a policy that reuses them keeps ready, warm or not: one per concurrent call
+    /// up to `spares`, and at least one, so that a policy with no spares still stays warm.
+    fn ready_cap(&self) -> usize {
+        self.spec.spares.max(1)
+    }
+
+    /// After a call in `used`: a policy that reuses instances keeps it warm when the call
+    /// succeeded (`ok`), its memory did not grow past half its room (`Limiter::worn`: a guest
+    /// that leaks gets a new instance before a call fails at the limit) and fewer than
+    /// [`Core::ready_cap`] are ready. Otherwise (a trap,
+    /// fuel, memory or deadline, or an invalid or unreadable answer: the instance may be
+    /// broken; or a policy that never reuses) the store is dropped, on the spare thread when
+    /// the policy has spares (which also makes a new one), else here.
+    fn put_back(self: &Arc<Self>, mut used: Fresh, ok: bool) {
+        if self.reuse && ok && !used.store.data().limiter.worn() {
+            let mut ready = self.lock_spares();
+            if ready.len() < self.ready_cap() {
+                ready.push(used);
+                return;
+            }
+            // Full: the spare thread topped the list up while this call ran. Keep the warm
+            // instance and give up a never-called one (at the front) instead.
+            if ready.first().is_some_and(|f| f.calls == 0) {
+                used = std::mem::replace(&mut ready[0], used);
+                ready.rotate_left(1);
+            }
+        }
+        // Dropping the store resets its pooled memory: the spare thread does it, and makes
+        // this policy a new spare.
+        if self.spec.spares > 0 {
+            self.engine.spares.recycle(used.store, self);
         }
     }
 
@@ -298,15 +373,24 @@ impl Core {
         let bound = self.pre.instantiate(&mut store);
         drop(active);
         match bound {
-            Ok(bound) => Ok(Fresh { store, bound }),
-            Err(e) => Err((self.call_error(e, true), self.stats(&store))),
+            Ok(bound) => {
+                store.data_mut().instantiated();
+                Ok(Fresh {
+                    store,
+                    bound,
+                    calls: 0,
+                })
+            }
+            Err(e) => Err((self.call_error(e, true), self.stats(&store, false))),
         }
     }
 
-    fn stats(&self, store: &Store<HostState>) -> CallStats {
+    /// What the call (with its instantiation, unless `warm`) cost.
+    fn stats(&self, store: &Store<HostState>, warm: bool) -> CallStats {
         CallStats {
             fuel_used: self.spec.fuel.saturating_sub(store.get_fuel().unwrap_or(0)),
             spare: false,
+            warm,
         }
     }
 
@@ -344,6 +428,9 @@ impl Refill for Core {
     fn refill(&self) {
         while self.lock_spares().len() < self.spec.spares {
             match self.instantiate() {
+                // A policy that reuses instances takes the warmest first (from the end):
+                // new ones queue behind the warm ones, for concurrent calls.
+                Ok(fresh) if self.reuse => self.lock_spares().insert(0, fresh),
                 Ok(fresh) => self.lock_spares().push(fresh),
                 Err((e, _)) => {
                     tracing::debug!(policy = %self.spec.name, error = %e, "spare instance not made");

@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::sandbox::{INSTANTIATE_SEED, Limiter, WasiState, wasi_ctx};
 use crate::epoch::Watch;
@@ -55,8 +55,12 @@ pub(super) struct HostState {
     /// Seeds the WASI random generators: [`INSTANTIATE_SEED`] while the component is
     /// instantiated, then the request's `seq`.
     pub(super) seed: u64,
-    /// The guest's WASI monotonic clock (ns): it runs on across [`HostState::begin_call`].
+    /// The guest's WASI monotonic clock (ns), shared with its WASI context.
     pub(super) clock: Arc<AtomicU64>,
+    /// What `clock` read when the instantiation ended: every call starts from it
+    /// ([`HostState::begin_call`]), so a call in an instance reused across calls (a stateless
+    /// policy: `engine/call.rs`) reads the clock a fresh instance would.
+    clock_at_start: u64,
     /// Built on the guest's first WASI call: most policies never make one.
     pub(super) wasi: Option<WasiState>,
     /// The running call's (or instantiation's) deadline, which the store's epoch callback
@@ -77,21 +81,31 @@ impl HostState {
             log_lines: 0,
             seed: INSTANTIATE_SEED,
             clock: Arc::default(),
+            clock_at_start: 0,
             wasi: None,
             watch: Watch::IDLE,
         }
     }
 
+    /// The component's instantiation in this store ended: calls start the WASI monotonic
+    /// clock from where it is now, and memory growth counts from here ([`Limiter::worn`]).
+    pub(super) fn instantiated(&mut self) {
+        self.clock_at_start = self.clock.load(Ordering::Relaxed);
+        self.limiter.instantiated();
+    }
+
     /// The instance is about to serve request `seq`, whose view's nodes `names` names, which
     /// the gateway took at `time_ms` (what `now-ns` reads, in ns). A WASI context built while
-    /// instantiating is rebuilt, its randomness seeded with `seq` (its resources and its
-    /// monotonic clock carry on), so a decision draws the same bytes whether its instance was
-    /// made ahead or just now.
+    /// instantiating is rebuilt, its randomness seeded with `seq` (its resources carry on),
+    /// and the monotonic clock set back to where the instantiation left it, so a decision
+    /// draws the same bytes and reads the same times whether its instance was made ahead,
+    /// just now, or served calls before (a reused instance).
     pub(super) fn begin_call(&mut self, seq: u64, names: NodeNames, time_ms: u64) {
         self.names = names;
         self.seed = seq;
         self.now_ns = now_ns_at(time_ms);
         self.log_lines = 0;
+        self.clock.store(self.clock_at_start, Ordering::Relaxed);
         if let Some(w) = &mut self.wasi {
             w.ctx = wasi_ctx(seq, self.clock.clone());
         }

@@ -12,8 +12,9 @@
 //! matches is the policy's contract), then a smoke test (`smoke.rs`).
 //!
 //! Per call ([`WasmPolicy::decide`], `call.rs`): a store that has seen one instantiation and no
-//! call, either made ahead on the `pd-policy-spare` thread (`spare.rs`) or made now, the call's
-//! per-request data set in it (node names, the WASI seed, the time `now-ns` reads), a new epoch
+//! call, either made ahead on the `pd-policy-spare` thread (`spare.rs`) or made now (for a
+//! component that declares itself stateless, `stateless.rs`: a warm one that answered earlier
+//! calls, when one is ready), the call's per-request data set in it (node names, the WASI seed, the time `now-ns` reads), a new epoch
 //! deadline, `decide` through the bindings of the policy's world, then [`validate`].
 //!
 //! What a guest reads is reproducible: its WASI clocks and randomness (`sandbox.rs`) and the
@@ -280,7 +281,8 @@ impl PolicyEngine {
             .map_err(|e| instantiate_err(e.into_boxed_dyn_error()))?;
         // Type-checks the `decide` export against each world the gateway hosts, once.
         let pre = Pre::new(pre).map_err(|e| instantiate_err(Box::new(e)))?;
-        let core = Core::new(self.inner.clone(), pre, spec, &sha256);
+        let reuse = crate::stateless::declares_stateless(wasm);
+        let core = Core::new(self.inner.clone(), pre, spec, &sha256, reuse);
         let policy = WasmPolicy::new(core, sha256, compiled_from, compile_time);
         smoke::test(&policy)?;
         tracing::info!(
@@ -288,6 +290,7 @@ impl PolicyEngine {
             version = %&policy.sha256()[..12],
             ?compiled_from,
             ?compile_time,
+            reuses_instances = policy.reuses_instances(),
             "policy loaded"
         );
         policy.refill_spares();

@@ -122,6 +122,10 @@ pub(super) struct MemoryLimitHit {
 pub(super) struct Limiter {
     memory_limit: usize,
     last_desired: usize,
+    /// The largest size any memory was granted (its creation counts as growth from 0).
+    largest: usize,
+    /// `largest` when the instantiation ended.
+    largest_at_start: usize,
 }
 
 impl Limiter {
@@ -129,7 +133,22 @@ impl Limiter {
         Limiter {
             memory_limit,
             last_desired: 0,
+            largest: 0,
+            largest_at_start: 0,
         }
+    }
+
+    /// The instantiation ended: what the guest's memories hold now is its starting size.
+    pub(super) fn instantiated(&mut self) {
+        self.largest_at_start = self.largest;
+    }
+
+    /// A memory grew past half of the room it had after instantiation. A warm instance that
+    /// did (a guest whose allocator never frees, like `policies/guest-rt`'s bump allocator,
+    /// grows a little every call) is retired before a call of it would fail at the limit.
+    pub(super) fn worn(&self) -> bool {
+        let room = self.memory_limit.saturating_sub(self.largest_at_start);
+        self.largest > self.largest_at_start + room / 2
     }
 }
 
@@ -145,6 +164,7 @@ impl ResourceLimiter for Limiter {
         if desired > limit {
             return Err(wasmtime::Error::new(MemoryLimitHit { desired, limit }));
         }
+        self.largest = self.largest.max(desired);
         Ok(true)
     }
 

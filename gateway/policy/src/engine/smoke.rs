@@ -1,5 +1,6 @@
 //! The smoke test a policy passes before it is loaded: an instance can be made, and `decide`
-//! answers valid decisions on synthetic views under the spec's limits.
+//! answers valid decisions on synthetic views under the spec's limits; a policy that declares
+//! itself stateless answers them again the same in the instance that answered them.
 
 use std::sync::Arc;
 
@@ -30,17 +31,38 @@ pub(super) fn test(policy: &WasmPolicy) -> Result<(), PolicyError> {
         return Err(failed("instantiate", e));
     }
     let measured = smoke_measured();
-    for (case, request, view, names) in smoke_cases() {
+    let decide = |request: &Request, view: &View, names: &NodeNames| {
         // A timeout can be the machine's fault (the thread was descheduled, the pool slot
         // was cold): refuse only a policy that times out every time.
         let mut timeouts = 0;
         loop {
-            match policy.decide_at(&request, &view, &measured, &names, SMOKE_TIME_MS) {
-                Ok(_) => break,
+            match policy.decide_at(request, view, &measured, names, SMOKE_TIME_MS) {
                 Err(PolicyError::Timeout { .. }) if timeouts < SMOKE_TIMEOUT_RETRIES => {
                     timeouts += 1;
                 }
-                Err(e) => return Err(failed(case, e)),
+                answer => return answer,
+            }
+        }
+    };
+    let mut first = Vec::new();
+    for (case, request, view, names) in smoke_cases() {
+        first.push(decide(&request, &view, &names).map_err(|e| failed(case, e))?);
+    }
+    if policy.reuses_instances() {
+        // The cases again, now in the instance that answered them (the ready list was empty
+        // before the smoke test, so every call above and here ran in the one instance the
+        // first made): a policy that declares itself stateless must answer as it did. This
+        // catches a counter or a cache that changes answers, not every kind of state.
+        for ((case, request, view, names), before) in smoke_cases().into_iter().zip(first) {
+            let again = decide(&request, &view, &names).map_err(|e| failed(case, e))?;
+            if again != before {
+                return Err(failed(
+                    case,
+                    PolicyError::NotStateless {
+                        first: Box::new(before),
+                        again: Box::new(again),
+                    },
+                ));
             }
         }
     }

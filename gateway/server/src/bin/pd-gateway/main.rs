@@ -58,7 +58,7 @@ enum Command {
     Serve(Box<ServeArgs>),
     /// Manage the policy of a running gateway.
     #[command(subcommand)]
-    Policy(PolicyCommand),
+    Policy(Box<PolicyCommand>),
 }
 
 #[derive(Args, Debug)]
@@ -323,7 +323,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Serve(args) => serve(*args).map(|()| ExitCode::SUCCESS),
-        Command::Policy(cmd) => policy_local(cmd),
+        Command::Policy(cmd) => policy_local(*cmd),
     };
     match result {
         Ok(code) => code,

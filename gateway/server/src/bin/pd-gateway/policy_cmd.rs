@@ -55,6 +55,12 @@ pub(crate) enum PolicyCommand {
         /// Configuration, KEY=VALUE (repeatable).
         #[arg(long)]
         config: Vec<String>,
+        /// Declare the policy stateless before pushing it (a `pd:policy/stateless` custom
+        /// section, which changes its sha256): the gateway then calls it in warm instances
+        /// reused across calls. Only for a policy whose answer depends on nothing but its
+        /// arguments and whose memory does not grow per call.
+        #[arg(long)]
+        stateless: bool,
     },
     /// Write a new policy from a template: source, build script, WIT, and test cases.
     New {
@@ -252,6 +258,7 @@ fn policy(cmd: PolicyCommand) -> anyhow::Result<()> {
                 fuel,
                 spares,
                 config,
+                stateless,
             } => {
                 let (c, base, token) = admin_client(admin)?;
                 let mut q: HashMap<String, String> = parse_config(config)?
@@ -274,8 +281,11 @@ fn policy(cmd: PolicyCommand) -> anyhow::Result<()> {
                 if let Some(n) = spares {
                     q.insert("spares".into(), n.to_string());
                 }
-                let bytes =
+                let mut bytes =
                     std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+                if *stateless {
+                    bytes = pd_policy::declare_stateless(&bytes);
+                }
                 let url = format!("{base}/admin/policy");
                 let req = c.put(&url).query(&q).bearer_auth(token).body(bytes);
                 (c, url, req)
