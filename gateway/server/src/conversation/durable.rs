@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::store::{MAX_TURNS, Owner, ResponseStore, StoredTurn, turn_bytes};
+use super::store::{MAX_TURNS, Owner, Packed, ResponseStore, StoredTurn, turn_bytes};
 use crate::state::{State, StateError, TurnRecord, unix_ms};
 
 impl ResponseStore {
@@ -18,9 +18,9 @@ impl ResponseStore {
         Some(TurnRecord {
             owner: t.owner.0.map(hex::encode),
             parent: t.parent.as_deref().map(str::to_owned),
-            items: t.items.clone(),
+            items: t.packed.items(),
             inputs: t.inputs,
-            response: t.response.clone(),
+            response: t.packed.response(),
             held: t.held,
             stored_unix_ms: unix_ms().saturating_sub(t.stored_at.elapsed().as_millis() as u64),
         })
@@ -44,12 +44,8 @@ impl ResponseStore {
         if age > self.ttl || record.inputs > record.items.len() {
             return Vec::new();
         }
-        let bytes = turn_bytes(
-            id,
-            record.parent.as_deref(),
-            &record.items,
-            &record.response,
-        );
+        let packed = Packed::new(&record.items, &record.response);
+        let bytes = turn_bytes(id, record.parent.as_deref(), &packed);
         let mut s = self.lock();
         if s.turns.contains_key(id) || bytes > self.max_bytes {
             return Vec::new();
@@ -58,9 +54,8 @@ impl ResponseStore {
         let turn = StoredTurn {
             owner,
             parent: record.parent.map(Arc::from),
-            items: record.items,
+            packed,
             inputs: record.inputs,
-            response: record.response,
             held: record.held,
             bytes,
             stored_at,

@@ -153,9 +153,10 @@ impl Holdings {
         {
             keys.push((k, tokens, false));
         }
+        let h = Arc::new(h);
         for (key, tokens, exact) in keys {
             let entry = Entry {
-                holding: h.clone(),
+                holding: Arc::clone(&h),
                 generation,
                 tokens,
                 exact,
@@ -167,7 +168,7 @@ impl Holdings {
             {
                 s.holdings -= 1;
                 s.unlink(&old.holding, key);
-                out.push(old.holding);
+                out.push(Arc::unwrap_or_clone(old.holding));
             }
             s.order.push_back((key, generation));
         }
@@ -208,7 +209,7 @@ impl Holdings {
                     blocks: i + 1,
                     tokens: e.tokens,
                     exact: e.exact,
-                    holding: e.holding.clone(),
+                    holding: Holding::clone(&e.holding),
                 };
                 return (Some(found), expired);
             }
@@ -280,7 +281,8 @@ fn same_lease(a: &Holding, b: &Holding) -> bool {
 /// One key of a holding.
 #[derive(Debug)]
 struct Entry {
-    holding: Holding,
+    /// Shared by the holding's two keys (exact and partial): one copy of its params.
+    holding: Arc<Holding>,
     generation: u64,
     /// Tokens of a prompt that reaches this key.
     tokens: u32,
@@ -301,7 +303,7 @@ impl HoldingsInner {
         }
         self.holdings -= 1;
         self.unlink(&e.holding, last_hash);
-        Some(e.holding)
+        Some(Arc::unwrap_or_clone(e.holding))
     }
 
     /// Drops `h`'s partial key if it still names `h` (its exact key `exact_key` is gone).

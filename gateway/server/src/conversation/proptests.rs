@@ -72,7 +72,7 @@ fn bytes_of(
     parent: Option<&str>,
 ) -> usize {
     let items: Vec<Value> = input.iter().chain(output).cloned().collect();
-    super::store::turn_bytes(id, parent, &items, response)
+    super::store::turn_bytes(id, parent, &super::store::Packed::new(&items, response))
 }
 
 proptest! {

@@ -1,7 +1,9 @@
 //! [`ResponseStore`]: `/v1/responses` turns by response id, owned by the key that stored them,
-//! bounded by bytes and age. Bytes are what a turn holds in memory (its values' slots and heap), not its
-//! serialized length: a JSON array of small numbers takes a few bytes a number on the wire and
-//! a whole `Value` each here.
+//! bounded by bytes and age. A turn is kept as compact JSON text ([`Packed`]: its items as one
+//! array, its response object), parsed again when read: a `Value` tree takes five to ten times
+//! its text in memory (a slot per value, a map entry and index per key), and at a million turns
+//! that was 9 KiB a turn for 1.3 KB of JSON (BENCHMARKS.md, "Conversation state at a million
+//! turns"). Bytes are what a turn holds: its text, ids and bookkeeping.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -10,42 +12,53 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-/// What a turn costs beyond its values: the entry in the id map (its `StoredTurn` and key),
+/// What a turn costs beyond its text: the entry in the id map (its `StoredTurn` and key),
 /// its owner's LRU entry, and the allocators' headers, about.
 const TURN_OVERHEAD: usize = size_of::<StoredTurn>() + 128;
 
-/// Bytes a turn holds in memory: [`TURN_OVERHEAD`], its items (each a slot and its heap), its
-/// id (in the map and in its owner's LRU), its parent's id and its response.
-pub(crate) fn turn_bytes(
-    id: &str,
-    parent: Option<&str>,
-    items: &[Value],
-    response: &Value,
-) -> usize {
-    TURN_OVERHEAD
-        + std::mem::size_of_val(items)
-        + items.iter().map(heap_bytes).sum::<usize>()
-        + 2 * id.len()
-        + parent.map_or(0, str::len)
-        + heap_bytes(response)
+/// A turn's items and response object as compact JSON text.
+#[derive(Debug, Clone)]
+pub(super) struct Packed {
+    /// The items (the turn's input items, then its output items) as one JSON array.
+    items: Box<str>,
+    /// The response object as the client got it; `None`: not kept.
+    response: Option<Box<str>>,
 }
 
-/// Bytes `v` owns on the heap (its strings', arrays' and maps' allocations, recursively); an
-/// object's entry counts its key, its value's slot and the map's index (a hash and a slot).
-fn heap_bytes(v: &Value) -> usize {
-    match v {
-        Value::String(s) => s.capacity(),
-        Value::Array(a) => {
-            a.capacity() * size_of::<Value>() + a.iter().map(heap_bytes).sum::<usize>()
+impl Packed {
+    /// Packs `items` and `response` (`Value::Null`: not kept).
+    pub(super) fn new(items: &[Value], response: &Value) -> Self {
+        // A slice of `Value`s always serializes.
+        let items = serde_json::to_string(items).unwrap_or_else(|_| "[]".into());
+        Self {
+            items: items.into_boxed_str(),
+            response: (!response.is_null()).then(|| response.to_string().into_boxed_str()),
         }
-        Value::Object(m) => m
-            .iter()
-            .map(|(k, v)| {
-                size_of::<String>() + k.capacity() + size_of::<Value>() + 16 + heap_bytes(v)
-            })
-            .sum(),
-        Value::Null | Value::Bool(_) | Value::Number(_) => 0,
     }
+
+    /// The items, parsed (text this store wrote: it parses).
+    pub(super) fn items(&self) -> Vec<Value> {
+        serde_json::from_str(&self.items).unwrap_or_default()
+    }
+
+    /// The response object, parsed; `Value::Null` when not kept.
+    pub(super) fn response(&self) -> Value {
+        self.response
+            .as_deref()
+            .and_then(|r| serde_json::from_str(r).ok())
+            .unwrap_or(Value::Null)
+    }
+
+    /// Bytes of text held.
+    fn len(&self) -> usize {
+        self.items.len() + self.response.as_deref().map_or(0, str::len)
+    }
+}
+
+/// Bytes a turn holds in memory: [`TURN_OVERHEAD`], its packed text, its id (in the map and in
+/// its owner's LRU) and its parent's id.
+pub(crate) fn turn_bytes(id: &str, parent: Option<&str>, packed: &Packed) -> usize {
+    TURN_OVERHEAD + packed.len() + 2 * id.len() + parent.map_or(0, str::len)
 }
 
 /// A response [`ResponseStore::delete`] forgot.
@@ -94,12 +107,11 @@ pub(super) struct StoredTurn {
     pub(super) owner: Owner,
     /// The response this one continued (`previous_response_id`).
     pub(super) parent: Option<Arc<str>>,
-    /// This turn's own input items, then the answer's output items.
-    pub(super) items: Vec<Value>,
-    /// How many of `items` are this turn's input.
+    /// This turn's own input items, then the answer's output items, and the response object
+    /// as the client got it.
+    pub(super) packed: Packed,
+    /// How many of the items are this turn's input.
     pub(super) inputs: usize,
-    /// The response object as the client got it (`Value::Null`: not kept).
-    pub(super) response: Value,
     /// The key ([`Holding::last_hash`]) of the retained KV a node kept of this turn, if any.
     pub(super) held: Option<u64>,
     pub(super) bytes: usize,
@@ -251,8 +263,9 @@ impl ResponseStore {
         let inputs = input.len();
         let mut items = input;
         items.extend(output);
-        items.shrink_to_fit();
-        let bytes = turn_bytes(id, parent, &items, &response);
+        let packed = Packed::new(&items, &response);
+        drop((items, response));
+        let bytes = turn_bytes(id, parent, &packed);
         let mut s = self.lock();
         if s.turns.get(id).is_some_and(|t| t.owner != owner) {
             return Err(IdTaken(id.to_owned()));
@@ -265,9 +278,8 @@ impl ResponseStore {
         let turn = StoredTurn {
             owner,
             parent: parent.map(Arc::from),
-            items,
+            packed,
             inputs,
-            response,
             held,
             bytes,
             stored_at: Instant::now(),
@@ -288,14 +300,18 @@ impl ResponseStore {
     /// Response `id` as the client got it, if `owner` stored it and it is not past the age
     /// limit (a read does not count as a use: only a next turn keeps a conversation alive).
     pub fn response(&self, id: &str, owner: Owner) -> Option<Value> {
-        self.fresh(id, owner, |t| t.response.clone())
+        self.fresh(id, owner, |t| t.packed.response())
             .filter(|r| !r.is_null())
     }
 
     /// The input items response `id` answered (its own, not the earlier turns'), oldest first,
     /// if `owner` stored it.
     pub fn input_items(&self, id: &str, owner: Owner) -> Option<Vec<Value>> {
-        self.fresh(id, owner, |t| t.items[..t.inputs].to_vec())
+        self.fresh(id, owner, |t| {
+            let mut items = t.packed.items();
+            items.truncate(t.inputs);
+            items
+        })
     }
 
     /// Forgets response `id`: `None` when `owner` did not store it (or it had expired), else
@@ -365,7 +381,7 @@ impl ResponseStore {
         for key in chain.iter().rev() {
             s.touch(key);
             if let Some(t) = s.turns.get(key) {
-                items.extend(t.items.iter().cloned());
+                items.extend(t.packed.items());
             }
         }
         Ok(items)
@@ -421,28 +437,37 @@ mod tests {
         )
     }
 
-    /// A turn counts what it holds in memory: an output of 10 000 small numbers is ~50 KB of
-    /// JSON but 10 000 `Value`s (a few hundred KB) here, and the store's bound counts that.
+    /// A turn is held as its JSON text, so what the bound counts is that text (plus a
+    /// bounded overhead), and it reads back equal to what was stored.
     #[test]
-    fn a_turn_counts_its_memory_not_its_serialized_length() {
+    fn a_turn_is_held_as_its_text_and_reads_back_equal() {
         let numbers = Value::Array((0..10_000).map(|i| Value::from(i % 10)).collect());
         let wire = numbers.to_string().len();
         let store = ResponseStore::new(64 << 20, Duration::from_secs(60));
+        let response = json!({"id": "r-big", "object": "response", "n": 1.5, "s": "é\u{1F600}"});
         let turn = NewTurn {
             owner: ME,
             parent: None,
-            input: vec![],
-            output: vec![numbers],
-            response: Value::Null,
+            input: vec![msg("user", "count")],
+            output: vec![numbers.clone()],
+            response: response.clone(),
             held: None,
         };
         store.put("r-big", turn).unwrap();
+        let counted = store.bytes();
         assert!(
-            store.bytes() >= 10_000 * size_of::<Value>(),
-            "{} bytes counted for 10 000 values ({wire} bytes serialized)",
-            store.bytes()
+            counted > wire && counted < wire + 1024,
+            "{counted} counted for {wire} bytes of text"
         );
-        assert!(store.bytes() > 4 * wire, "{} vs {wire}", store.bytes());
+        assert_eq!(store.response("r-big", ME), Some(response));
+        assert_eq!(
+            store.input_items("r-big", ME),
+            Some(vec![msg("user", "count")])
+        );
+        assert_eq!(
+            store.history("r-big", ME).unwrap(),
+            vec![msg("user", "count"), numbers]
+        );
     }
 
     #[test]
