@@ -7,6 +7,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use axum::serve::ListenerExt;
 use pd_report::{Registration, Reporter, ReporterHandle, ReporterOptions, Role};
 use pd_rpc::kv::kv_peer_server::KvPeerServer;
 use tokio::net::TcpListener;
@@ -137,7 +138,8 @@ impl Fleet {
             let listener = bind(SocketAddr::new(config.host, 0)).await?;
             let addr = listener.local_addr().ok();
             let service = KvPeerServer::new(SimKvPeer(Arc::clone(leases)));
-            let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+            let incoming =
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
             self.tasks.push(tokio::spawn(async move {
                 let served = tonic::transport::Server::builder()
                     .add_service(service)
@@ -170,6 +172,10 @@ impl Fleet {
             config.hash_key,
         ));
         let app = crate::serve::router(Arc::clone(&node));
+        // No Nagle: stream chunks are small, and a delayed ACK would hold each one back.
+        let http = http.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         self.tasks.push(tokio::spawn(async move {
             if let Err(e) = axum::serve(http, app).await {
                 tracing::warn!("HTTP server ended: {e}");

@@ -24,7 +24,7 @@ pub struct NodeLoad {
     /// When set, every read of the state differs from the last (a `renewed` count that ticks),
     /// so the reporter sends a state message on every change poll: the registry's load at
     /// its highest rate.
-    churn: bool,
+    churn: std::sync::atomic::AtomicBool,
     ticks: AtomicU64,
     draining: std::sync::atomic::AtomicBool,
     blocks: StoredBlocks,
@@ -43,7 +43,7 @@ impl NodeLoad {
             released: AtomicU64::new(0),
             expired: AtomicU64::new(0),
             leased_blocks: AtomicU64::new(0),
-            churn,
+            churn: std::sync::atomic::AtomicBool::new(churn),
             ticks: AtomicU64::new(0),
             draining: std::sync::atomic::AtomicBool::new(false),
             blocks: StoredBlocks::new(),
@@ -61,6 +61,11 @@ impl NodeLoad {
     /// gateway sees a change).
     pub fn set_waiting(&self, waiting: u64) {
         self.waiting.store(waiting, Ordering::Relaxed);
+    }
+
+    /// Turns churn (see the field) on or off.
+    pub fn set_churn(&self, churn: bool) {
+        self.churn.store(churn, Ordering::Relaxed);
     }
 
     /// Reports the node as shutting down (draining) or not.
@@ -109,7 +114,7 @@ impl StateSource for NodeLoad {
     fn state(&self) -> NodeStateSnapshot {
         let leased = self.leased_blocks.load(Ordering::Relaxed);
         let running = self.running.load(Ordering::Relaxed);
-        let renewed = if self.churn {
+        let renewed = if self.churn.load(Ordering::Relaxed) {
             self.ticks.fetch_add(1, Ordering::Relaxed)
         } else {
             0
