@@ -7,7 +7,7 @@
 //!
 //! A `pd-node-sim` fleet in this process (one prefill and two decode nodes; prefill and pull
 //! instant, one output token a second), the gateway on the P/D route. `BENCH_STREAMS` clients
-//! each open a streamed chat request (`max_tokens` 40) over their own connection, in a ramp of
+//! each open a streamed chat request (`max_tokens` 150) over their own connection, in a ramp of
 //! 1 000 a second; once all are open and relaying, the gateway's resident memory against its
 //! idle figure gives the memory per stream, and its CPU over `BENCH_SECONDS` (default 10)
 //! against the tokens the clients received gives the CPU per token relayed. Every stream must
@@ -25,7 +25,7 @@ use futures::StreamExt;
 use pd_node_sim::{Role, Timing};
 use serde_json::json;
 
-const MAX_TOKENS: usize = 40;
+const MAX_TOKENS: usize = 150;
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
@@ -92,17 +92,18 @@ async fn main() {
     let failed = Arc::new(AtomicU64::new(0));
     let t0 = Instant::now();
     let mut tasks = Vec::with_capacity(streams);
+    // HTTP/1.1: every open stream holds a connection of its own, as separate clients' would.
+    let streaming = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .expect("client");
     for i in 0..streams {
         // A ramp of 1 000 new streams a second.
         let due = Duration::from_millis(i as u64);
         if let Some(wait) = due.checked_sub(t0.elapsed()) {
             tokio::time::sleep(wait).await;
         }
-        // One connection per stream, as separate clients have.
-        let client = reqwest::Client::builder()
-            .pool_max_idle_per_host(0)
-            .build()
-            .expect("client");
+        let client = streaming.clone();
         let url = format!("{}/v1/chat/completions", gw.http);
         let (tokens, open, done, failed) =
             (tokens.clone(), open.clone(), done.clone(), failed.clone());

@@ -781,12 +781,11 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             header_timeout: millis(args.header_timeout_ms),
         },
     );
-    match client_tls {
-        Some((cert, key, _)) => service
-            .add_tls(&http_addr.to_string(), &cert, &key)
-            .map_err(|e| anyhow::anyhow!("--client-tls-cert/--client-tls-key: {e}"))?,
-        None => service.add_tcp(&http_addr.to_string()),
-    }
+    let tls = client_tls
+        .as_ref()
+        .map(|(c, k, _)| (c.as_str(), k.as_str()));
+    pd_gateway::proxy::listen(&mut service, &http_addr.to_string(), tls)
+        .map_err(|e| anyhow::anyhow!("--client-tls-cert/--client-tls-key: {e}"))?;
     server.add_service(service);
     info!(%http_addr, %registry_addr, %admin_addr, "pd-gateway starting");
     server.run_forever();
