@@ -147,9 +147,10 @@ pub fn service(
     )
 }
 
-/// Bytes pingora buffers when it reads a client connection. Its default, 64 KiB, was most of
-/// what an open stream cost the gateway (BENCHMARKS.md, "Many slow streams"); heads and bodies
-/// read as well through 16 KiB (a larger body takes more reads).
+/// Bytes pingora buffers when it reads a client connection. With its default, 64 KiB, a client
+/// that once sent a large body kept 64 KiB resident for as long as its connection stayed open;
+/// heads and bodies read as well through 16 KiB (a larger body takes more reads). An open
+/// stream's other costs: docs/bench-log/scale.md, "Many slow streams".
 pub const CLIENT_READ_BUFFER: usize = 16 * 1024;
 
 /// Adds the client port at `addr` to `service`, with TLS when `tls` names a certificate and a
