@@ -19,9 +19,8 @@
 //!
 //! `BENCH_GATEWAY_BIN=PATH` runs another `pd-gateway` build against the same nodes (A/B).
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use pd_gateway::openai::{decode_body, prefill_body, prefill_params};
@@ -29,49 +28,8 @@ use pd_policy::Api;
 use pd_tokenize::{Tokenizer, prompt};
 use serde_json::{Map, Value, json};
 
-struct Proc(Child);
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts `bin args`; returns it and, for each of `prefixes`, the rest of the stdout line
-/// starting with it.
-fn start<S: AsRef<std::ffi::OsStr>>(
-    bin: &Path,
-    args: &[S],
-    prefixes: &[&str],
-) -> (Proc, Vec<String>) {
-    let mut child = Command::new(bin)
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()));
-    let stdout = child.stdout.take().expect("piped stdout");
-    let mut found = vec![String::new(); prefixes.len()];
-    let mut lines = BufReader::new(stdout).lines();
-    while found.iter().any(String::is_empty) {
-        let line = lines
-            .next()
-            .unwrap_or_else(|| panic!("{} exited before it was ready", bin.display()))
-            .expect("stdout line");
-        for (i, p) in prefixes.iter().enumerate() {
-            if let Some(rest) = line.strip_prefix(p) {
-                found[i] = rest.trim().to_owned();
-            }
-        }
-    }
-    // Keep draining stdout so the child never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines {});
-    (Proc(child), found)
-}
-
-fn pct(sorted: &[f64], p: f64) -> f64 {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
-}
+mod common;
+use common::{pct, start};
 
 struct Stats {
     p50: f64,
