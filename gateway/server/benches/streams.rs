@@ -110,12 +110,19 @@ async fn main() {
         tasks.push(tokio::spawn(async move {
             let body = json!({"model": "sim", "max_tokens": MAX_TOKENS, "stream": true,
                 "messages": [{"role": "user", "content": format!("stream {i}")}]});
-            let Ok(r) = client.post(url).json(&body).send().await else {
-                failed.fetch_add(1, Ordering::Relaxed);
-                return;
+            let r = match client.post(url).json(&body).send().await {
+                Ok(r) => r,
+                Err(e) => {
+                    failed.fetch_add(1, Ordering::Relaxed);
+                    eprintln!("stream {i}: not sent: {:?}", std::error::Error::source(&e));
+                    return;
+                }
             };
             if !r.status().is_success() {
                 failed.fetch_add(1, Ordering::Relaxed);
+                let status = r.status();
+                let text = r.text().await.unwrap_or_default();
+                eprintln!("stream {i}: answered {status}: {text}");
                 return;
             }
             open.fetch_add(1, Ordering::Relaxed);
@@ -133,6 +140,7 @@ async fn main() {
                 done.fetch_add(1, Ordering::Relaxed);
             } else {
                 failed.fetch_add(1, Ordering::Relaxed);
+                eprintln!("stream {i}: cut before [DONE]");
             }
         }));
     }
