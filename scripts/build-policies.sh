@@ -9,7 +9,7 @@
 # Idempotent: adds the rustup target only when missing; cargo rebuilds only what changed; a
 # policy of another language is rebuilt only when its inputs (its folder, its build script,
 # tools.sh, the WIT) changed since its last build (a sha256 of them is kept next to the output).
-# PD_POLICY_LANGS=python,go limits the other languages built (default: all).
+# PD_POLICY_LANGS=python,go limits the other languages built (default: all; `none`: Rust only).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 target_root="${CARGO_TARGET_DIR:-$repo/target}"
@@ -36,6 +36,7 @@ for name in round-robin least-loaded prefix-aware looping hungry trapping lying 
 done
 
 langs="${PD_POLICY_LANGS:-python,js,go,c}"
+[ "$langs" = none ] && langs=""
 for lang in ${langs//,/ }; do
     [ -f "$repo/policies/$lang/build.sh" ] || { echo "build-policies: no language $lang" >&2; exit 1; }
     for dir in "$repo/policies/$lang"/*/; do

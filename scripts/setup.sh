@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Installs what a fresh Debian machine with only a Rust toolchain lacks. Idempotent: each step
 # checks first and does nothing when its thing is already there.
+# `--demo`: only what the demo (scripts/demo.sh) runs with — the build's packages, the model;
+# not the test harness's servers and tools, nor the CUDA compiler.
 set -euo pipefail
+demo=0
+[ "${1:-}" = "--demo" ] && demo=1
 
 # System packages the build, the tests or the demo need: UCX (library, headers, ucx_perftest);
 # iproute2 and util-linux (ip, unshare, nsenter) for the tests' hosts as network namespaces;
@@ -17,6 +21,9 @@ set -euo pipefail
 # chaos suite nftables (partitions and packet loss inside the harness hosts) and faketime
 # (libfaketime: a node's wall clock off).
 APT_PACKAGES=(curl ca-certificates pkg-config libucx-dev ucx-utils libclang-dev cmake jq python3-pip python3-venv g++ xz-utils iproute2 util-linux openssl tcpdump postgresql nftables faketime)
+if [ "$demo" = 1 ]; then
+  APT_PACKAGES=(curl ca-certificates pkg-config libucx-dev ucx-utils libclang-dev cmake jq python3-pip python3-venv)
+fi
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -45,6 +52,8 @@ fi
 # The real model (SmolLM2-135M-Instruct, GGUF) for the demo and the real-model tests, cached
 # outside the clone and checked by sha256 (scripts/fetch-model.sh).
 bash "$(dirname "$0")/fetch-model.sh" >/dev/null
+
+[ "$demo" = 1 ] && exit 0
 
 # The pinned CUDA 13.0 compiler (wheels, no GPU needed) the kernels in kernels/cuda are compiled
 # to PTX with, cached outside the clone (scripts/cuda-toolchain.sh).

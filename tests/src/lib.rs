@@ -11,7 +11,8 @@
 //!   `:0`) and waits until the gateway lists every node; admin calls and metrics scrapes.
 //! - [`chaos`]: the chaos suite: a cluster on hosts behind Envoy, a mixed load checked against
 //!   a reference node, one fault at a time, and a row per scenario of what survived.
-//! - [`envoy`]: a real Envoy balancing over several gateways.
+//! - [`envoy`]: a real Envoy balancing over several gateways, or asking an Endpoint Picker.
+//! - [`vllm_router`]: vLLM's router (PyPI's `vllm-router`) driving our prefill and decode nodes.
 //! - [`k8s`]: the Kubernetes manifests (`examples/k8s`) rendered and read as a kubelet starts
 //!   their containers, for the harness to start on its hosts.
 //! - [`metrics`]: Prometheus text parsing and label-filtered sums.
@@ -38,6 +39,7 @@ pub mod openai;
 pub mod postgres;
 pub mod process;
 pub mod python;
+pub mod vllm_router;
 
 use std::time::{Duration, Instant};
 

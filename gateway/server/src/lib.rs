@@ -7,6 +7,8 @@
 //!
 //! Brief overview:
 //! - [`proxy`]: the pingora service; one small method per phase of a request.
+//! - [`picker`]: the same routing as an Endpoint Picker (Envoy's `ext_proc`) for another data
+//!   plane: it names the endpoint, the data plane and the nodes carry the request.
 //! - [`admission`]: how many requests are served at once, and the bounded wait for a slot.
 //! - [`openai`]: what routing reads from a request and how it is rewritten for P and D.
 //! - [`cluster`]: the live view of nodes, their load and prefix-cache hashes.
@@ -50,6 +52,7 @@ pub mod error;
 pub mod lease;
 pub mod metrics;
 pub mod openai;
+pub mod picker;
 pub mod proxy;
 pub mod registry;
 pub mod replay;

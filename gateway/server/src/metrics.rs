@@ -95,6 +95,15 @@ pub struct Metrics {
     pub responses_evicted: IntCounter,
     /// Calls to the state store (`--state-dir`), by operation and outcome (`ok`, `error`).
     pub state_calls: IntCounterVec,
+    /// Endpoint Picker (`--ext-proc-port`) picks, by `route` (`split`, `whole`, `any`: a
+    /// request without a generation body) and `outcome` (`picked`, or the immediate response's
+    /// class: `rejected`, `unavailable`, `client_error`).
+    pub picks: IntCounterVec,
+    /// What the data plane reported as the endpoint that served a picked request, by `as`:
+    /// `picked` (the primary), `fallback` (one of the fallbacks), `other`, `unreported`.
+    pub picker_served: IntCounterVec,
+    /// Time the picker took to answer a request's body (tokenize, view, policy).
+    pub pick_duration: Histogram,
 }
 
 const LATENCY_BUCKETS: &[f64] = &[
@@ -322,6 +331,27 @@ impl Metrics {
                 "pd_gateway_state_calls_total",
                 "Calls to the gateway's state store, by operation and outcome (ok, error).",
                 &["op", "outcome"],
+            ),
+            picks: counters(
+                "pd_gateway_picker_picks_total",
+                "Endpoint Picker picks, by route and outcome.",
+                &["route", "outcome"],
+            ),
+            picker_served: counters(
+                "pd_gateway_picker_served_total",
+                "Picked requests by how the endpoint the data plane reported as serving relates to the pick.",
+                &["as"],
+            ),
+            pick_duration: reg(
+                &registry,
+                Histogram::with_opts(
+                    HistogramOpts::new(
+                        "pd_gateway_picker_pick_duration_seconds",
+                        "Time the Endpoint Picker took to pick for a request's body.",
+                    )
+                    .buckets(LATENCY_BUCKETS.to_vec()),
+                )
+                .expect("valid metric"),
             ),
             registry,
         }

@@ -7,13 +7,13 @@
 
 use pd_policy::Api;
 use pd_tokenize::prompt::{self, ChatMessageIn, PromptKind};
-use pd_wire::{KvTransferParams, RoutingFields};
-use serde_json::{Map, Value, json};
+use pd_wire::{KvTransferParams, RoutingFields, handoff};
+use serde_json::{Map, Value};
 
 use crate::error::GatewayError;
 
 /// The request field of the P/D protocol.
-pub const KV_FIELD: &str = "kv_transfer_params";
+pub use pd_wire::handoff::KV_FIELD;
 
 /// The wire's name for an API (the policy contract has its own).
 pub fn wire_api(api: Api) -> pd_wire::Api {
@@ -197,25 +197,14 @@ impl From<prompt::PromptError> for GatewayError {
     }
 }
 
-/// The body for a prefill node: the client's, answering with one token, not streamed, one
-/// completion, and asking P to hold the prompt's KV for `consumers` decode nodes (each under a
-/// lease of its own; `num_consumers` is sent only when more than one, so a vLLM prefill node
-/// sees its own protocol).
+/// The body for a prefill node ([`pd_wire::handoff::prefill_body`]).
 pub fn prefill_body(api: Api, body: &Map<String, Value>, consumers: u32) -> Map<String, Value> {
-    let (set, drop) = prefill_patch(api, consumers, None);
-    let mut p = body.clone();
-    for key in drop {
-        p.remove(*key);
-    }
-    for (key, value) in set {
-        p.insert(key.to_owned(), value);
-    }
-    p
+    handoff::prefill_body(wire_api(api), body, consumers)
 }
 
-/// [`prefill_body`], serialized straight from the client's body (no copy of its map). With
-/// `held` (a retained turn's params, `Holding::for_prefill`), P is asked to pull that earlier
-/// turn's KV first (reverse pull), then hand the whole prompt off as usual.
+/// [`prefill_body`], serialized straight from the client's body
+/// ([`pd_wire::handoff::prefill_bytes`]); with `held` (a retained turn's params,
+/// `Holding::for_prefill`), P pulls that earlier turn's KV first.
 ///
 /// # Errors
 /// Serializing failed (a number serde_json cannot write).
@@ -225,100 +214,7 @@ pub fn prefill_bytes(
     consumers: u32,
     held: Option<KvTransferParams>,
 ) -> Result<Vec<u8>, serde_json::Error> {
-    let (set, drop) = prefill_patch(api, consumers, held);
-    serde_json::to_vec(&Patched {
-        body,
-        set: &set,
-        drop,
-    })
-}
-
-/// What [`prefill_body`] changes: fields set (replacing the client's) and fields removed.
-fn prefill_patch(
-    api: Api,
-    consumers: u32,
-    held: Option<KvTransferParams>,
-) -> (Vec<(&'static str, Value)>, &'static [&'static str]) {
-    // One token, whichever length field the node reads (every one the API has), and one
-    // completion (the Responses API has no `n`).
-    let mut set: Vec<(&'static str, Value)> = wire_api(api)
-        .max_tokens_fields()
-        .iter()
-        .map(|&field| (field, json!(1)))
-        .collect();
-    if api != Api::Responses {
-        set.push(("n", json!(1)));
-    }
-    set.push(("stream", json!(false)));
-    let kv = held.unwrap_or_else(|| KvTransferParams::produce(consumers));
-    set.push((KV_FIELD, kv.to_value()));
-    (set, &["stream_options"])
-}
-
-/// A client body as serialized with some fields replaced or removed, written without copying
-/// the client's map: its fields first (minus the changed ones), then the replacements.
-struct Patched<'a> {
-    body: &'a Map<String, Value>,
-    set: &'a [(&'static str, Value)],
-    drop: &'a [&'static str],
-}
-
-impl serde::Serialize for Patched<'_> {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::SerializeMap;
-        let mut m = s.serialize_map(None)?;
-        for (k, v) in self.body {
-            if self.drop.contains(&k.as_str()) || self.set.iter().any(|(sk, _)| sk == k) {
-                continue;
-            }
-            m.serialize_entry(k, v)?;
-        }
-        for (k, v) in self.set {
-            m.serialize_entry(k, v)?;
-        }
-        m.end()
-    }
-}
-
-/// Why a prefill node's answer cannot be decoded from.
-#[derive(Debug, thiserror::Error)]
-pub enum PrefillAnswerError {
-    /// The body is not JSON.
-    #[error("P's body: {0}")]
-    NotJson(serde_json::Error),
-    /// Its `kv_transfer_params` do not read.
-    #[error("P's {0}")]
-    Params(pd_wire::kv::ParamsError),
-    /// It carries none.
-    #[error("P answered without kv_transfer_params")]
-    NoParams,
-    /// An object does not ask for a pull.
-    #[error("P's kv_transfer_params do not ask for a pull: {0}")]
-    NotAPull(Value),
-}
-
-/// The `kv_transfer_params` a prefill node answered with: one object per lease it granted (an
-/// object is a list of one).
-///
-/// # Errors
-/// P's body is not JSON, carries no params, or an object does not ask for a pull.
-pub fn prefill_params(p_body: &[u8]) -> Result<Vec<KvTransferParams>, PrefillAnswerError> {
-    /// P's answer as far as the gateway reads it: the rest (choices, usage) is skipped
-    /// unparsed.
-    #[derive(serde::Deserialize)]
-    struct PrefillAnswer {
-        kv_transfer_params: Option<Value>,
-    }
-    let v: PrefillAnswer = serde_json::from_slice(p_body).map_err(PrefillAnswerError::NotJson)?;
-    let params =
-        pd_wire::kv::read(v.kv_transfer_params.as_ref()).map_err(PrefillAnswerError::Params)?;
-    if params.is_empty() {
-        return Err(PrefillAnswerError::NoParams);
-    }
-    if let Some(p) = params.iter().find(|p| !p.do_remote_prefill) {
-        return Err(PrefillAnswerError::NotAPull(p.to_value()));
-    }
-    Ok(params)
+    handoff::prefill_bytes(wire_api(api), body, consumers, held)
 }
 
 /// Where to release P's lease if nobody pulls: the side channel and the lease in P's params.
@@ -345,31 +241,12 @@ pub fn lease_of(params: &KvTransferParams) -> Option<LeaseRef> {
     })
 }
 
-/// The body for a decode node: the client's, with P's params.
-pub fn decode_body(body: &Map<String, Value>, params: &KvTransferParams) -> Map<String, Value> {
-    let mut d = body.clone();
-    d.insert(KV_FIELD.into(), params.to_value());
-    d
-}
-
-/// [`decode_body`], serialized straight from the client's body (no copy of its map).
-///
-/// # Errors
-/// Serializing failed (a number serde_json cannot write).
-pub fn decode_bytes(
-    body: &Map<String, Value>,
-    params: &KvTransferParams,
-) -> Result<Vec<u8>, serde_json::Error> {
-    serde_json::to_vec(&Patched {
-        body,
-        set: &[(KV_FIELD, params.to_value())],
-        drop: &[],
-    })
-}
+pub use pd_wire::handoff::{PrefillAnswerError, decode_body, decode_bytes, prefill_params};
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn a_batch_weighs_its_prompts() {

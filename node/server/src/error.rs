@@ -63,6 +63,15 @@ pub enum ApiError {
     /// A blocking helper task panicked or was cancelled (500).
     #[error("internal task failed: {0}")]
     Task(#[from] tokio::task::JoinError),
+    /// The prefill node named in `x-prefiller-host-port` could not be asked, or answered with
+    /// nothing to pull (502).
+    #[error("the prefill node {addr} failed: {why}")]
+    PrefillFailed {
+        /// The node, as the header named it.
+        addr: String,
+        /// What went wrong.
+        why: String,
+    },
 }
 
 impl ApiError {
@@ -99,6 +108,7 @@ impl ApiError {
             Self::Engine(_) | Self::Tokenize(_) | Self::GenerationFailed(_) | Self::Task(_) => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
+            Self::PrefillFailed { .. } => StatusCode::BAD_GATEWAY,
         }
     }
 
@@ -134,6 +144,7 @@ impl ApiError {
             Self::InvalidApiKey => Some("invalid_api_key"),
             Self::Engine(EngineError::Shutdown) | Self::EngineStopped => Some("engine_unavailable"),
             Self::Engine(EngineError::LeaseCapacity { .. }) => Some("kv_lease_capacity"),
+            Self::PrefillFailed { .. } => Some("prefill_failed"),
             _ => None,
         }
     }

@@ -19,6 +19,7 @@
 //!   engine: the pull itself (planning, peers, leases, reads, failure policy, metrics) is
 //!   [`pd_kv_transfer::Consumer`]'s; `kv_params` maps `kv_transfer_params` to and from the
 //!   wire; [`kv_side_channel`] serves the pool to peers; [`report`] feeds the gateway;
+//!   [`prefiller`] runs the prefill an Endpoint Picker names (`x-prefiller-host-port`) first;
 //!   [`drain`] is what `SIGTERM` does before the process exits (under `--tls-*` the API
 //!   is served only over the cluster's mutual TLS, [`pd_tls::TlsListener`]).
 //!
@@ -39,6 +40,7 @@ mod kv_params;
 pub mod kv_side_channel;
 mod metrics;
 mod openai;
+pub mod prefiller;
 mod prompt;
 pub mod report;
 mod routes;
@@ -80,6 +82,9 @@ pub struct HttpOptions {
     /// Mutual TLS with the cluster CA (`--tls-*`): only the gateway and nodes holding a
     /// certificate from it connect. `None`: plain HTTP.
     pub tls: Option<pd_tls::ClusterTls>,
+    /// Runs the prefill `x-prefiller-host-port` names first (`--prefiller-header`); `None`:
+    /// such a request is refused.
+    pub prefiller: Option<Arc<prefiller::Prefiller>>,
 }
 
 impl HttpOptions {
@@ -93,6 +98,7 @@ impl HttpOptions {
             cluster_token: None,
             drain: Arc::default(),
             tls: None,
+            prefiller: None,
         }
     }
 }

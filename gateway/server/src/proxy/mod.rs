@@ -33,8 +33,8 @@ mod endpoints;
 mod exchange;
 mod execute;
 pub mod front;
-mod plan;
-mod prepare;
+pub(crate) mod plan;
+pub(crate) mod prepare;
 mod relay;
 mod remember;
 

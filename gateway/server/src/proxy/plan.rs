@@ -9,35 +9,35 @@ use crate::spread::{self, Group};
 
 /// What the plan needs to know about the request besides its route.
 #[derive(Debug, Clone, Copy, Default)]
-pub(super) struct Facts {
+pub(crate) struct Facts {
     /// The retained turn the prompt continues, when a live node holds one.
-    pub(super) held: Option<HeldTurn>,
+    pub(crate) held: Option<HeldTurn>,
     /// The policy's ask to move that turn.
-    pub(super) reverse_pull: Option<ReversePull>,
+    pub(crate) reverse_pull: Option<ReversePull>,
     /// The answer scores the prompt, or the body lists several prompts: the node that computes
     /// the prompt answers, so one node serves it and no KV comes from elsewhere.
-    pub(super) one_node: bool,
+    pub(crate) one_node: bool,
     /// A trusted client's own `kv_transfer_params`: `Some(true)` when they ask for a prefill
     /// (`do_remote_decode`), `Some(false)` for anything else (a decode).
-    pub(super) client_asks_prefill: Option<bool>,
+    pub(crate) client_asks_prefill: Option<bool>,
     /// Completions asked for.
-    pub(super) n: u32,
+    pub(crate) n: u32,
 }
 
 /// A retained turn, as the plan sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct HeldTurn {
+pub(crate) struct HeldTurn {
     /// The holder's index in the view.
-    pub(super) index: u32,
+    pub(crate) index: u32,
     /// The prompt continues every block held: the turn can be pulled whole.
-    pub(super) exact: bool,
+    pub(crate) exact: bool,
     /// Tokens held.
-    pub(super) tokens: u32,
+    pub(crate) tokens: u32,
 }
 
 /// What the executor runs.
 #[derive(Debug, Clone, PartialEq)]
-pub(super) enum Plan {
+pub(crate) enum Plan {
     /// The policy refused the request.
     Reject { status: u16, message: String },
     /// One node serves the request: the first of `candidates` that answers.
@@ -55,40 +55,40 @@ pub(super) enum Plan {
 
 /// P, then D.
 #[derive(Debug, Clone, PartialEq)]
-pub(super) struct SplitPlan {
+pub(crate) struct SplitPlan {
     /// Prefill candidates, best first.
-    pub(super) prefill: Vec<u32>,
+    pub(crate) prefill: Vec<u32>,
     /// The decode requests: one group per decode node when the children are spread (n>1
     /// over several nodes), else one.
-    pub(super) groups: Vec<Group>,
+    pub(crate) groups: Vec<Group>,
     /// Every decode node once, in ranking order: a single group's failover list.
-    pub(super) decode: Vec<u32>,
+    pub(crate) decode: Vec<u32>,
     /// Leases asked of P: one per group when spread, else 1.
-    pub(super) consumers: u32,
+    pub(crate) consumers: u32,
     /// P pulls the retained turn first.
-    pub(super) pull: bool,
+    pub(crate) pull: bool,
 }
 
 /// A plan and how it uses the retained turn the prompt continues.
 #[derive(Debug, Clone, PartialEq)]
-pub(super) struct Planned {
-    pub(super) plan: Plan,
+pub(crate) struct Planned {
+    pub(crate) plan: Plan,
     /// `pd_gateway_reverse_pulls_total{how}`: `holder`, `decode_pulls`, `prefill_pulls`,
     /// `partial` (asked, but the prompt does not continue all of it), `not_used` (held, not
     /// asked); `None` when there is nothing to count.
-    pub(super) how: Option<&'static str>,
+    pub(crate) how: Option<&'static str>,
 }
 
 impl SplitPlan {
     /// The nodes reserved from the decision on: each group's first candidate, in group order.
-    pub(super) fn reserved_nodes(&self) -> impl Iterator<Item = u32> + '_ {
+    pub(crate) fn reserved_nodes(&self) -> impl Iterator<Item = u32> + '_ {
         self.groups
             .iter()
             .filter_map(|g| g.candidates.first().copied())
     }
 
     /// Spread: one decode request per group, each with a lease of its own.
-    pub(super) fn spread(&self) -> bool {
+    pub(crate) fn spread(&self) -> bool {
         self.consumers > 1
     }
 }
@@ -105,7 +105,7 @@ fn distinct(nodes: impl IntoIterator<Item = u32>) -> Vec<u32> {
 }
 
 /// Interprets `route` for a request with `facts`.
-pub(super) fn plan(route: Route, facts: &Facts) -> Planned {
+pub(crate) fn plan(route: Route, facts: &Facts) -> Planned {
     // The earlier turn is moved only when the policy asks for it, from the node holding it,
     // it is worth the policy's threshold, and the prompt continues all of it (a lease is
     // pulled whole).

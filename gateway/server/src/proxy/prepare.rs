@@ -94,12 +94,15 @@ pub(super) struct ResponsesTurn {
     pub(super) store: bool,
 }
 
-fn tokenize_inline(tokenizer: &Tokenizer, prompt: PromptKind) -> Result<Vec<u32>, GatewayError> {
+pub(crate) fn tokenize_inline(
+    tokenizer: &Tokenizer,
+    prompt: PromptKind,
+) -> Result<Vec<u32>, GatewayError> {
     Ok(pd_tokenize::prompt::prompt_tokens(tokenizer, prompt)?)
 }
 
 /// The body as a JSON object.
-fn json_object(raw: &[u8]) -> Result<Map<String, Value>, GatewayError> {
+pub(crate) fn json_object(raw: &[u8]) -> Result<Map<String, Value>, GatewayError> {
     match serde_json::from_slice::<Value>(raw) {
         Ok(Value::Object(m)) => Ok(m),
         Ok(_) => Err(GatewayError::invalid(
@@ -398,7 +401,7 @@ impl Gateway {
 /// Refuses a request no live node can take: none of its model is live, or its prompt leaves
 /// no room for an answer (the nodes' own 400, answered before any of them is asked; a
 /// `max_model_len` of 0: no node said, they answer for themselves).
-fn check_fits(
+pub(crate) fn check_fits(
     snapshot: &Snapshot,
     analyzed: &Analyzed,
     prompt_len: usize,

@@ -232,6 +232,15 @@ pub struct ServeArgs {
     /// naming another `remote_host` get a 400. Default: any (set it when clients are untrusted).
     #[arg(long, value_delimiter = ',')]
     pub kv_allowed_peers: Vec<String>,
+    /// Behind an Endpoint Picker: a decode node (kv_consumer) that receives
+    /// `x-prefiller-host-port` runs the prompt on that prefill node first and decodes with the
+    /// KV it pulls from there (llm-d's routing-sidecar protocol). Without it such a request gets
+    /// a 400. Plain HTTP to the prefill node: not with --tls-*.
+    #[arg(long)]
+    pub prefiller_header: bool,
+    /// How long the prefill that x-prefiller-host-port names may take, seconds.
+    #[arg(long, default_value_t = 300, requires = "prefiller_header")]
+    pub prefiller_timeout_secs: u64,
     /// Gateways to register with and stream state to, each `host:port` (or
     /// `http://host:port`): comma-separated, or the flag repeated (also `PD_GATEWAY`, one or a
     /// comma-separated list). The node reports to all of them at once (active-active). A host
@@ -527,6 +536,12 @@ impl ServeArgs {
         if self.kv_port.is_none() {
             return Err(CliError::Kv(format!(
                 "--kv-role {} needs --kv-port (the KV side channel)",
+                role.as_str()
+            )));
+        }
+        if self.prefiller_header && role != crate::KvRole::Consumer {
+            return Err(CliError::Kv(format!(
+                "--prefiller-header is for decode nodes (--kv-role kv_consumer), not {}",
                 role.as_str()
             )));
         }

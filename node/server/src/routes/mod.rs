@@ -127,6 +127,7 @@ pub(crate) fn router(
         cluster_token: options.cluster_token,
     });
     let unreachable = disagg.clone();
+    let prefiller = options.prefiller.clone();
     let state = AppState {
         engine,
         started: unix_now(),
@@ -151,6 +152,10 @@ pub(crate) fn router(
         )
         .fallback(unknown_route)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            prefiller,
+            crate::prefiller::prefill_first,
+        ))
         .layer(axum::middleware::from_fn_with_state(keys, require_key))
         .layer(axum::middleware::from_fn(request_id))
         .layer(axum::middleware::map_response_with_state(

@@ -36,6 +36,7 @@ use pingora::server::configuration::ServerConf;
 use rand::Rng;
 use tracing::info;
 
+mod picker;
 mod policy_cmd;
 mod state;
 
@@ -296,6 +297,8 @@ struct ServeArgs {
     /// How long a request waits for a slot before it is refused (429), milliseconds.
     #[arg(long, default_value_t = 30_000)]
     queue_timeout_ms: u64,
+    #[command(flatten)]
+    picker: picker::PickerArgs,
 }
 
 /// A policy engine with the on-disk cache when one can be had (a warning, not an error,
@@ -531,6 +534,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     let registry_listener = bind(registry_host, args.registry_port)?;
     let admin_listener = bind(&args.admin_host, args.admin_port)?;
+    let picker_listener = args.picker.bind()?;
     // pingora binds its own listener: find a free port first when asked for any.
     let http_addr: SocketAddr = {
         let l = bind(&args.host, args.port)?;
@@ -625,6 +629,15 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             api_keys,
         },
     });
+    let picker_addr = match picker_listener {
+        Some(l) => Some(picker::spawn(
+            l,
+            Gateway(shared.clone()),
+            args.max_body,
+            args.threads,
+        )?),
+        None => None,
+    };
     let admin = Admin {
         token: admin_token.into(),
         engine: engine.clone(),
@@ -753,6 +766,9 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 let mut out = std::io::stdout().lock();
                 let _ = writeln!(out, "pd-gateway registry on {registry_addr}");
                 let _ = writeln!(out, "pd-gateway admin on {client_scheme}://{admin_addr}");
+                if let Some(a) = picker_addr {
+                    let _ = writeln!(out, "pd-gateway ext_proc on {a}");
+                }
                 if let Some(f) = &token_file {
                     let _ = writeln!(out, "pd-gateway admin token in {}", f.display());
                 }

