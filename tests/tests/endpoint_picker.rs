@@ -10,7 +10,7 @@
 //! front door served nothing; the picker's choice is followed and the data plane reports the
 //! endpoint that served; the subset hint is honoured (a subset naming no live node is an
 //! immediate 503 with an OpenAI error); a picker that is down fails closed or open as Envoy is
-//! configured.
+//! configured; a node not started with `--prefiller-header` refuses the header with 400.
 
 use std::time::Duration;
 
@@ -19,6 +19,9 @@ use pd_cluster_tests::envoy::{Envoy, PickerSetup, free_port};
 use pd_cluster_tests::process::WorkDir;
 use pd_cluster_tests::{eventually, python};
 use serde_json::{Value, json};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
 
 use super::openai_token_exact::{compare, hermes, round_robin, specs};
 
@@ -137,6 +140,26 @@ async fn the_openai_package_through_envoy_and_the_picker_is_token_exact_with_kv_
     }
 }
 
+/// The health status of `service`, once it is serving (or after 10 s, whatever it is then).
+async fn eventually_serving(
+    health: &mut HealthClient<tonic::transport::Channel>,
+    service: &str,
+) -> i32 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = health
+            .check(HealthCheckRequest {
+                service: service.to_owned(),
+            })
+            .await
+            .map_or(-1, |r| r.into_inner().status);
+        if status == ServingStatus::Serving as i32 || std::time::Instant::now() > deadline {
+            return status;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// One chat request through `envoy`: its status and body.
 async fn ask(client: &reqwest::Client, envoy: &Envoy, text: &str) -> (u16, Value) {
     let r = client
@@ -173,6 +196,17 @@ async fn envoy_follows_the_pick_within_the_subset_and_fails_open_or_closed_witho
         },
     )
     .await;
+    // gRPC health, as a kubelet's probe asks it: liveness and readiness serving.
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
+        .expect("an endpoint")
+        .connect()
+        .await
+        .expect("the picker's port answers");
+    let mut health = HealthClient::new(channel);
+    for service in ["", "envoy.service.ext_proc.v3.ExternalProcessor"] {
+        let status = eventually_serving(&mut health, service).await;
+        assert_eq!(status, ServingStatus::Serving as i32, "{service:?}");
+    }
     let dir = c.dir().path();
     let [a, b] = [&c.nodes[0], &c.nodes[1]].map(endpoint);
     let ext_proc = format!("127.0.0.1:{port}");
@@ -255,4 +289,19 @@ async fn envoy_follows_the_pick_within_the_subset_and_fails_open_or_closed_witho
     assert_eq!(status, 200, "fail open: {body}");
     let after = finished(&c).await;
     assert_eq!(after[0] - before[0], 1.0, "fail open went to A's endpoint");
+
+    // A node not started with --prefiller-header refuses a request naming a prefill node
+    // (a silent recompute would hide a misconfigured pool).
+    let r = c
+        .client
+        .post(format!("{}/v1/chat/completions", c.nodes[0].http))
+        .header("x-prefiller-host-port", b.as_str())
+        .json(&json!({"model": "tiny", "max_tokens": 3,
+            "messages": [{"role": "user", "content": "named"}]}))
+        .send()
+        .await
+        .expect("the node answers");
+    assert_eq!(r.status().as_u16(), 400);
+    let body: Value = r.json().await.expect("an OpenAI error");
+    assert_eq!(body["error"]["param"], "x-prefiller-host-port", "{body}");
 }

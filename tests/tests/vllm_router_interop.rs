@@ -11,7 +11,39 @@ use pd_cluster_tests::vllm_router::VllmRouter;
 use pd_cluster_tests::{eventually, python};
 use serde_json::Value;
 
-use super::openai_token_exact::{compare, hermes, specs};
+use super::openai_token_exact::{hermes, specs};
+
+/// Each answer against the reference's, token for token; returns the KV tokens each answer says
+/// D pulled: all of the prompt, or all but its last token when D computes that one itself for
+/// its logits (vllm-router asks P for its one token with parameters of its own; D takes P's
+/// token only when the way P picked it equals its own).
+fn compare(specs: &[Value], want: &[Value], got: &[Value]) -> Vec<u64> {
+    let mut pulled_each = Vec::new();
+    for ((spec, w), g) in specs.iter().zip(want).zip(got) {
+        for key in [
+            "token_ids",
+            "texts",
+            "finish_reasons",
+            "tool_calls",
+            "prompt_tokens",
+        ] {
+            assert_eq!(
+                g[key], w[key],
+                "{key} differ from the reference: {spec}: {g}"
+            );
+        }
+        let prompt = g["prompt_tokens"].as_u64().expect("usage");
+        let pulled = g["kv_pulled_tokens"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no kv_pulled_tokens: {spec}: {g}"));
+        assert!(
+            pulled == prompt || pulled + 1 == prompt,
+            "KV pulled from P: {pulled} of {prompt}: {spec}: {g}"
+        );
+        pulled_each.push(pulled);
+    }
+    pulled_each
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_router_drives_our_prefill_and_decode_nodes_token_exact() {
@@ -41,7 +73,7 @@ async fn vllm_router_drives_our_prefill_and_decode_nodes_token_exact() {
     let urls = |role: Role| -> Vec<String> { c.role(role).map(|n| n.http.clone()).collect() };
     let router = VllmRouter::start(c.dir().path(), &urls(Role::Prefill), &urls(Role::Decode)).await;
     let got = python::run_specs(&python, &router.http, &specs).await;
-    let pulled = compare("vllm-router", &specs, &want, &got);
+    let pulled = compare(&specs, &want, &got);
     eprintln!(
         "vllm-router: {} answers token-identical to one node; {} prompt tokens pulled P→D",
         got.len(),
