@@ -105,6 +105,26 @@ fn check_dashboard_shape(d: &Value) {
     }
 }
 
+/// `prometheus-kubernetes.yml` as far as Debian's promtool can check it: that Prometheus is
+/// built without Kubernetes discovery, so each job's `kubernetes_sd_configs` is swapped for a
+/// static target and the rest (relabelling, rule files) checked in `scratch`.
+fn check_kubernetes_config(rules_dir: &Path, scratch: &Path) {
+    let text = std::fs::read_to_string(rules_dir.join("prometheus-kubernetes.yml"))
+        .expect("reading prometheus-kubernetes.yml");
+    let discovery =
+        "    kubernetes_sd_configs:\n      - role: pod\n        namespaces: {names: [pd]}\n";
+    assert_eq!(text.matches(discovery).count(), 2, "each job finds pods");
+    let checked = text.replace(
+        discovery,
+        "    static_configs:\n      - targets: [\"pod.example:8000\"]\n",
+    );
+    let dir = scratch.join("k8s-config");
+    std::fs::create_dir_all(&dir).expect("a scratch directory");
+    std::fs::write(dir.join("prometheus.yml"), checked).expect("writing the config");
+    std::fs::copy(rules_dir.join("alerts.yml"), dir.join("alerts.yml")).expect("copying");
+    promtool_ok(&dir, &["check", "config", "prometheus.yml"]);
+}
+
 fn promtool_ok(dir: &Path, args: &[&str]) {
     let (ok, out) = promtool(dir, args);
     assert!(ok, "promtool {}:\n{out}", args.join(" "));
@@ -246,6 +266,7 @@ async fn every_dashboard_panel_and_alert_reads_a_live_cluster() {
             targets: c.nodes.iter().map(|n| hostport(&n.http)).collect(),
         },
     ];
+    check_kubernetes_config(&rules_dir, c.dir().path());
     let client = reqwest::Client::new();
     let prom = Prometheus::start(
         c.dir().path(),
@@ -271,8 +292,21 @@ async fn every_dashboard_panel_and_alert_reads_a_live_cluster() {
         },
     )
     .await;
-    // Two more scrapes, so every rate() has a sample after the traffic.
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    // Two more scrapes of every target, so a series that first appeared with the traffic has
+    // the two samples a rate() needs.
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_secs_f64();
+    eventually("two more scrapes", Duration::from_secs(30), async || {
+        let oldest = prom.query(&client, "min(timestamp(up))").await;
+        oldest
+            .first()
+            .and_then(|s| s["value"][1].as_str())
+            .and_then(|v| v.parse::<f64>().ok())
+            .is_some_and(|t| t > now + 1.0)
+    })
+    .await;
 
     // Every panel's every query returns series; every metric it names exists.
     let mut failed = Vec::new();
