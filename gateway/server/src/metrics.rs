@@ -375,3 +375,27 @@ impl Metrics {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Closed label sets are exported at 0 before their first event: a dashboard's rate reads
+    /// 0, not "no data".
+    #[test]
+    fn closed_label_sets_start_at_zero() {
+        let text = String::from_utf8(Metrics::new().render()).expect("utf-8");
+        for sample in [
+            r#"pd_gateway_routes_total{route="split"} 0"#,
+            r#"pd_gateway_routes_total{route="whole"} 0"#,
+            r#"pd_gateway_routes_total{route="reject"} 0"#,
+            r#"pd_gateway_policy_fallbacks_total{reason="trap"} 0"#,
+            r#"pd_gateway_policy_fallbacks_total{reason="timeout"} 0"#,
+            r#"pd_gateway_admission_refused_total{reason="queue_full"} 0"#,
+            r#"pd_gateway_failovers_total{stage="decode"} 0"#,
+            r#"pd_gateway_reverse_pulls_total{how="holder"} 0"#,
+        ] {
+            assert!(text.contains(sample), "no {sample} in:\n{text}");
+        }
+    }
+}

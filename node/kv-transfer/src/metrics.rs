@@ -442,6 +442,29 @@ mod tests {
         );
     }
 
+    /// Closed label sets are exported at 0 before their first event.
+    #[test]
+    fn reasons_and_transports_start_at_zero() {
+        let m = TransferMetrics::new();
+        let text = prometheus::TextEncoder::new()
+            .encode_to_string(&m.registry().gather())
+            .unwrap();
+        for reason in TransferError::REASONS {
+            for name in ["pd_kv_transfer_failures_total", "pd_kv_recompute_total"] {
+                let sample = format!("{name}{{reason=\"{reason}\"}} 0");
+                assert!(text.contains(&sample), "no {sample} in:\n{text}");
+            }
+        }
+        for sample in [
+            r#"pd_kv_recompute_total{reason="below_threshold"} 0"#,
+            r#"pd_kv_recompute_total{reason="peer_not_allowed"} 0"#,
+            r#"pd_kv_pulls_total{via="mapped"} 0"#,
+            r#"pd_kv_pulls_total{via="tcp"} 0"#,
+        ] {
+            assert!(text.contains(sample), "no {sample} in:\n{text}");
+        }
+    }
+
     /// Small pulls do not move the average; a slow outlier halves it at most; fast samples
     /// move it by the average's weight.
     #[test]
