@@ -19,8 +19,10 @@ demo=0
 # hosts' link in the mutual-TLS test, postgresql, the server the gateways' shared state
 # tests start (their own cluster in a test directory, not the package's service), and for the
 # chaos suite nftables (partitions and packet loss inside the harness hosts) and faketime
-# (libfaketime: a node's wall clock off).
-APT_PACKAGES=(curl ca-certificates pkg-config libucx-dev ucx-utils libclang-dev cmake jq python3-pip python3-venv g++ xz-utils iproute2 util-linux openssl tcpdump postgresql nftables faketime)
+# (libfaketime: a node's wall clock off); prometheus (the server and promtool), which the
+# observability test runs against a test cluster to evaluate every dashboard panel and alert
+# rule (examples/observability).
+APT_PACKAGES=(curl ca-certificates pkg-config libucx-dev ucx-utils libclang-dev cmake jq python3-pip python3-venv g++ xz-utils iproute2 util-linux openssl tcpdump postgresql nftables faketime prometheus)
 if [ "$demo" = 1 ]; then
   APT_PACKAGES=(curl ca-certificates pkg-config libucx-dev ucx-utils libclang-dev cmake jq python3-pip python3-venv)
 fi

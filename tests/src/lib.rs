@@ -19,6 +19,8 @@
 //! - [`openai`]: requests over plain HTTP, JSON and SSE answers read into one [`openai::Answer`].
 //! - [`load`]: streaming clients looping requests in the background, for changes under load.
 //! - [`postgres`]: a real PostgreSQL server for the gateways' shared state.
+//! - [`prometheus`]: a real Prometheus scraping a cluster, and `promtool`, for the dashboard
+//!   and alert rules of `examples/observability`.
 //! - [`python`]: the unmodified `openai` Python package as a client (`tests/clients/`).
 //!
 //! This crate does not start anything in-process: every server under test is a separate process
@@ -38,6 +40,7 @@ pub mod metrics;
 pub mod openai;
 pub mod postgres;
 pub mod process;
+pub mod prometheus;
 pub mod python;
 pub mod vllm_router;
 

@@ -20,6 +20,7 @@ mod kv_partition;
 mod multi_turn;
 mod node_hung;
 mod node_killed;
+mod observability;
 mod openai_token_exact;
 mod policy_contained;
 mod policy_hot_swap;

@@ -932,7 +932,7 @@ async fn a_lost_history_is_recomputed_and_counted() {
         for id in ["p0", "d0", "d1"] {
             let m = c.node_metrics(id).await;
             if m.sum("pd_kv_leases_live", &[]) != 0.0
-                || m.sum("pd_node_kv_blocks_free", &[]) != m.sum("pd_node_kv_blocks_total", &[])
+                || m.sum("pd_node_kv_blocks_free", &[]) != m.sum("pd_node_kv_blocks_capacity", &[])
             {
                 return false;
             }

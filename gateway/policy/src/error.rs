@@ -128,6 +128,19 @@ pub enum PolicyError {
     NothingToRollBack,
 }
 
+/// The [`PolicyError::reason`] labels a decision call can fail with (a pool slot not free, a
+/// trap, the deadline, fuel, memory, an unreadable answer, a decision breaking the contract):
+/// the gateway starts its failure and fallback counters at 0 for each.
+pub const CALL_FAILURE_REASONS: [&str; 7] = [
+    "instantiate",
+    "trap",
+    "timeout",
+    "out_of_fuel",
+    "memory",
+    "call",
+    "invalid_decision",
+];
+
 impl PolicyError {
     /// A short, fixed label for metrics: `engine`, `memory_limit_too_large`, `compile`,
     /// `instantiate`, `smoke_test`, `trap`, `timeout`, `out_of_fuel`, `memory`, `call`,

@@ -55,7 +55,7 @@ pub use engine::{
     MAX_SPARES, NodeNames, PolicyEngine, PolicySpec, WasmPolicy,
 };
 pub use epoch::TICK as EPOCH_TICK;
-pub use error::PolicyError;
+pub use error::{CALL_FAILURE_REASONS, PolicyError};
 pub use model::{
     Api, Decision, DecodeTarget, Measured, Node, Rates, Rejection, Request, ReversePull, Role,
     Route, Split, View,

@@ -10,8 +10,8 @@ use prometheus::{
 #[derive(Debug, Clone)]
 pub struct Metrics {
     registry: Registry,
-    /// Requests by `api` and `outcome` (ok, client_error, node_error, rejected, internal_error,
-    /// aborted, overloaded).
+    /// Requests by `api` and `outcome` (ok, client_error, node_error, timeout, rejected,
+    /// internal_error, state_unavailable, aborted, overloaded).
     pub requests: IntCounterVec,
     /// Seconds from arrival to the last byte, by `api`.
     pub e2e: HistogramVec,
@@ -30,8 +30,12 @@ pub struct Metrics {
     /// Policy failures by `policy`, `version` and `reason` (trap, timeout, out_of_fuel, memory,
     /// invalid_decision, ...).
     pub policy_failures: IntCounterVec,
-    /// Decisions made by the built-in fallback after a policy failure, by `reason`.
+    /// Decisions made by the built-in fallback after a policy failure, by `reason` (each of
+    /// [`pd_policy::CALL_FAILURE_REASONS`] starts at 0).
     pub fallbacks: IntCounterVec,
+    /// Decisions served (the policy's or the fallback's), by `route`: `split` (prefill on one
+    /// node, decode on another), `whole` (one node serves it alone), `reject` (each starts at 0).
+    pub routes: IntCounterVec,
     /// The policy serving now: 1 for its `name`, `version`, `sha256`.
     pub policy_info: IntGaugeVec,
     /// Live nodes by `role`.
@@ -43,7 +47,7 @@ pub struct Metrics {
     /// `/v1/` calls refused for a missing or wrong API key (`--api-key`).
     pub unauthorized: IntCounter,
     /// Generation requests refused by admission (`--max-concurrent-requests`), by `reason`
-    /// (`queue_full`, `queue_timeout`).
+    /// (`queue_full`, `queue_timeout`; each starts at 0).
     pub admission_refused: IntCounterVec,
     /// Node registrations refused, by `reason` (`engine_id_taken`: another live node holds the
     /// engine id; `unreachable_address`: a loopback address from another machine; `token`;
@@ -56,7 +60,8 @@ pub struct Metrics {
     /// Seconds a generation request waited for a slot, admitted or not (with a limit set; most
     /// find one at once).
     pub queue_wait: Histogram,
-    /// Candidates given up for the next one, by `stage` (prefill, decode, whole).
+    /// Candidates given up for the next one, by `stage` (prefill, decode, whole: each starts
+    /// at 0; others as they happen).
     pub failovers: IntCounterVec,
     /// P leases the gateway released itself (the client left, or a decode node failed).
     pub leases_released: IntCounterVec,
@@ -68,7 +73,7 @@ pub struct Metrics {
     /// `decode_pulls` (a whole request on another node, which pulled it), `partial` (asked
     /// for, but the prompt continues only the turn's prompt, not its answer as the model wrote
     /// it: a lease is pulled whole, so the history is recomputed), `not_used` (the policy did not
-    /// ask for it: recomputed or served from a prefix cache).
+    /// ask for it: recomputed or served from a prefix cache). Each starts at 0.
     pub reverse_pulls: IntCounterVec,
     /// Seconds from arrival to the first byte of a request continuing a retained turn, by
     /// `how` the turn's KV was used (as in `reverse_pulls`): what route-to-holder and reverse
@@ -105,6 +110,18 @@ pub struct Metrics {
     /// Time the picker took to answer a request's body (tokenize, view, policy).
     pub pick_duration: Histogram,
 }
+
+/// `how` label values of [`Metrics::reverse_pulls`].
+const REVERSE_PULL_HOWS: [&str; 5] = [
+    "prefill_pulls",
+    "holder",
+    "decode_pulls",
+    "partial",
+    "not_used",
+];
+
+/// `route` label values of [`Metrics::routes`].
+pub const ROUTES: [&str; 3] = ["split", "whole", "reject"];
 
 const LATENCY_BUCKETS: &[f64] = &[
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -157,7 +174,7 @@ impl Metrics {
                 IntCounter::with_opts(Opts::new(name, help)).expect("valid metric"),
             )
         };
-        Self {
+        let m = Self {
             requests: counters(
                 "pd_gateway_requests_total",
                 "Requests by API and outcome.",
@@ -207,6 +224,11 @@ impl Metrics {
                 "pd_gateway_policy_fallbacks_total",
                 "Decisions made by the built-in fallback after a policy failure.",
                 &["reason"],
+            ),
+            routes: counters(
+                "pd_gateway_routes_total",
+                "Decisions served, by route (split: prefill and decode on two nodes; whole: one node; reject).",
+                &["route"],
             ),
             policy_info: gauges(
                 "pd_gateway_policy_info",
@@ -354,7 +376,25 @@ impl Metrics {
                 .expect("valid metric"),
             ),
             registry,
+        };
+        // Closed label sets start at 0, so a dashboard or an alert reads 0, not "no data",
+        // before the first event.
+        for reason in pd_policy::CALL_FAILURE_REASONS {
+            m.fallbacks.with_label_values(&[reason]);
         }
+        for route in ROUTES {
+            m.routes.with_label_values(&[route]);
+        }
+        for reason in ["queue_full", "queue_timeout"] {
+            m.admission_refused.with_label_values(&[reason]);
+        }
+        for stage in ["prefill", "decode", "whole"] {
+            m.failovers.with_label_values(&[stage]);
+        }
+        for how in REVERSE_PULL_HOWS {
+            m.reverse_pulls.with_label_values(&[how]);
+        }
+        m
     }
 
     /// The text exposition of every metric.
@@ -363,5 +403,29 @@ impl Metrics {
         // Encoding into a Vec cannot fail for the text format.
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Closed label sets are exported at 0 before their first event: a dashboard's rate reads
+    /// 0, not "no data".
+    #[test]
+    fn closed_label_sets_start_at_zero() {
+        let text = String::from_utf8(Metrics::new().render()).expect("utf-8");
+        for sample in [
+            r#"pd_gateway_routes_total{route="split"} 0"#,
+            r#"pd_gateway_routes_total{route="whole"} 0"#,
+            r#"pd_gateway_routes_total{route="reject"} 0"#,
+            r#"pd_gateway_policy_fallbacks_total{reason="trap"} 0"#,
+            r#"pd_gateway_policy_fallbacks_total{reason="timeout"} 0"#,
+            r#"pd_gateway_admission_refused_total{reason="queue_full"} 0"#,
+            r#"pd_gateway_failovers_total{stage="decode"} 0"#,
+            r#"pd_gateway_reverse_pulls_total{how="holder"} 0"#,
+        ] {
+            assert!(text.contains(sample), "no {sample} in:\n{text}");
+        }
     }
 }

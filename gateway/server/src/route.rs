@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use pd_policy::{Decision, Installed, Measured, PolicySlot, Record, Request, View, native};
+use pd_policy::{Decision, Installed, Measured, PolicySlot, Record, Request, Route, View, native};
 use tracing::warn;
 
 use crate::decision_log::DecisionLog;
@@ -84,14 +84,23 @@ impl Router {
         &self.log
     }
 
-    /// Refreshes the `policy_info` gauge after a swap.
+    /// Refreshes the `policy_info` gauge after a swap, and starts the new policy's decision
+    /// and failure counters at 0 (a dashboard shows the version serving before its first
+    /// decision, and each failure reason as 0 rather than no data).
     pub fn publish_info(&self) {
         let p = self.slot.current();
+        let (name, version) = (p.name(), p.version());
         self.metrics.policy_info.reset();
         self.metrics
             .policy_info
-            .with_label_values(&[p.name(), &p.version(), p.sha256().unwrap_or("")])
+            .with_label_values(&[name, &version, p.sha256().unwrap_or("")])
             .set(1);
+        self.metrics.decisions.with_label_values(&[name, &version]);
+        for reason in pd_policy::CALL_FAILURE_REASONS {
+            self.metrics
+                .policy_failures
+                .with_label_values(&[name, &version, reason]);
+        }
     }
 
     /// The next request sequence number.
@@ -131,6 +140,12 @@ impl Router {
             took,
             (request, view, measured),
         )?;
+        let route = match decided.decision.route {
+            Route::Split(_) => "split",
+            Route::Whole(_) => "whole",
+            Route::Reject(_) => "reject",
+        };
+        self.metrics.routes.with_label_values(&[route]).inc();
         if self.log.sample() {
             let mut record = Record::new(request.clone(), view.clone(), decided.decision.clone());
             record.measured = measured.clone();

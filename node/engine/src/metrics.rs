@@ -18,8 +18,8 @@ pub struct EngineMetrics {
     pub waiting: IntGauge,
     /// Sequences waiting for their KV to arrive from another node.
     pub waiting_remote_kv: IntGauge,
-    /// Total blocks in the pool.
-    pub kv_blocks_total: IntGauge,
+    /// Blocks in the pool (`pd_node_kv_blocks_capacity`: a gauge, so no `_total`).
+    pub kv_blocks_capacity: IntGauge,
     /// Blocks not referenced by any sequence (includes cached, evictable ones).
     pub kv_blocks_free: IntGauge,
     /// Prompt tokens looked up in the prefix cache.
@@ -200,7 +200,7 @@ impl EngineMetrics {
                 "pd_node_requests_waiting_remote_kv",
                 "Sequences waiting for KV from another node",
             ),
-            kv_blocks_total: gauge("pd_node_kv_blocks_total", "Blocks in the KV pool"),
+            kv_blocks_capacity: gauge("pd_node_kv_blocks_capacity", "Blocks in the KV pool"),
             kv_blocks_free: gauge(
                 "pd_node_kv_blocks_free",
                 "KV blocks not referenced by any sequence",

@@ -20,6 +20,11 @@ use crate::puller::LeaseTrace;
 /// "Reservations are not work".)
 pub const PULL_RATE_MIN_BYTES: usize = 4 << 20;
 
+/// `reason` labels of [`TransferMetrics::recomputes`] besides a pull's failure
+/// ([`TransferError::REASONS`]): the pull was not worth it (`below_threshold`), the producer
+/// failed lately (`peer_suspect`), or it is no longer an allowed peer (`peer_not_allowed`).
+pub const RECOMPUTE_REASONS: [&str; 3] = ["below_threshold", "peer_suspect", "peer_not_allowed"];
+
 /// Weight of the newest pull in the bandwidth average.
 pub const PULL_RATE_EWMA_WEIGHT: f64 = 0.2;
 
@@ -242,6 +247,18 @@ impl TransferMetrics {
             &["peer", "transports", "via"],
         )
         .expect("valid gauge");
+        // Closed label sets start at 0: a dashboard or an alert reads 0, not "no data", before
+        // the first event.
+        for reason in TransferError::REASONS {
+            failures.with_label_values(&[reason]);
+            recomputes.with_label_values(&[reason]);
+        }
+        for reason in RECOMPUTE_REASONS {
+            recomputes.with_label_values(&[reason]);
+        }
+        for via in ["mapped", "get", "tcp"] {
+            pulls.with_label_values(&[via]);
+        }
         for c in [
             Box::new(consume_stage_seconds.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(peer_paths.clone()),
@@ -423,6 +440,29 @@ mod tests {
             text.contains("pd_kv_leases_total{event=\"granted\"} 5"),
             "{text}"
         );
+    }
+
+    /// Closed label sets are exported at 0 before their first event.
+    #[test]
+    fn reasons_and_transports_start_at_zero() {
+        let m = TransferMetrics::new();
+        let text = prometheus::TextEncoder::new()
+            .encode_to_string(&m.registry().gather())
+            .unwrap();
+        for reason in TransferError::REASONS {
+            for name in ["pd_kv_transfer_failures_total", "pd_kv_recompute_total"] {
+                let sample = format!("{name}{{reason=\"{reason}\"}} 0");
+                assert!(text.contains(&sample), "no {sample} in:\n{text}");
+            }
+        }
+        for sample in [
+            r#"pd_kv_recompute_total{reason="below_threshold"} 0"#,
+            r#"pd_kv_recompute_total{reason="peer_not_allowed"} 0"#,
+            r#"pd_kv_pulls_total{via="mapped"} 0"#,
+            r#"pd_kv_pulls_total{via="tcp"} 0"#,
+        ] {
+            assert!(text.contains(sample), "no {sample} in:\n{text}");
+        }
     }
 
     /// Small pulls do not move the average; a slow outlier halves it at most; fast samples

@@ -77,7 +77,24 @@ pub enum TransferError {
 }
 
 impl TransferError {
-    /// Metric label of this failure.
+    /// Every label [`TransferError::reason`] gives: the failure and recompute counters start
+    /// at 0 for each.
+    pub const REASONS: [&'static str; 12] = [
+        "peer_unreachable",
+        "handshake_refused",
+        "deadline",
+        "staging",
+        "transfer_error",
+        "stale_epoch",
+        "lease_expired",
+        "rpc_error",
+        "puller_stopped",
+        "wait_timeout",
+        "params_mismatch",
+        "prompt_mismatch",
+    ];
+
+    /// Metric label of this failure (one of [`TransferError::REASONS`]).
     pub fn reason(&self) -> &'static str {
         match self {
             TransferError::PeerUnreachable { .. } => "peer_unreachable",

@@ -135,7 +135,7 @@ pub(crate) fn families(own: &[MetricFamily], model: ServedModel<'_>) -> Vec<Metr
     }
     if let (Some(free), Some(total)) = (
         gauge_value("pd_node_kv_blocks_free"),
-        gauge_value("pd_node_kv_blocks_total"),
+        gauge_value("pd_node_kv_blocks_capacity"),
     ) && total > 0.0
     {
         out.push(gauge(
@@ -254,7 +254,7 @@ mod tests {
         m.running.set(3);
         m.waiting.set(2);
         m.waiting_remote_kv.set(4);
-        m.kv_blocks_total.set(200);
+        m.kv_blocks_capacity.set(200);
         m.kv_blocks_free.set(150);
         m.prompt_tokens.inc_by(640);
         m.generation_tokens.inc_by(17);

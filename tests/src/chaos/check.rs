@@ -172,7 +172,7 @@ pub async fn leaks(ch: &Chaos, deadline: Duration) -> Vec<String> {
                 ("pd_node_requests_waiting_remote_kv", 0.0),
                 (
                     "pd_node_kv_blocks_free",
-                    m.sum("pd_node_kv_blocks_total", &[]),
+                    m.sum("pd_node_kv_blocks_capacity", &[]),
                 ),
             ] {
                 let got = m.sum(name, &[]);

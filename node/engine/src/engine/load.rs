@@ -161,7 +161,7 @@ impl Engine {
         eos.sort_unstable();
         eos.dedup();
         let metrics = EngineMetrics::new();
-        metrics.kv_blocks_total.set(layout.num_blocks as i64);
+        metrics.kv_blocks_capacity.set(layout.num_blocks as i64);
         metrics.kv_blocks_free.set(layout.num_blocks as i64);
         tracing::info!(
             model = %model_name, blocks = layout.num_blocks, block_size = layout.block_size,

@@ -47,7 +47,7 @@ async fn health_models_and_metrics() {
     assert_eq!(status, 200);
     for name in [
         "pd_node_kv_blocks_free",
-        "pd_node_kv_blocks_total",
+        "pd_node_kv_blocks_capacity",
         "pd_node_requests_running",
         "pd_node_requests_waiting",
     ] {

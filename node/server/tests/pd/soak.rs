@@ -231,7 +231,7 @@ async fn soak_two_producers_two_consumers_with_aborts_and_a_producer_restart() {
                 && metric(node, "pd_node_requests_waiting").await == 0.0
                 && metric(node, "pd_node_requests_waiting_remote_kv").await == 0.0
                 && metric(node, "pd_node_kv_blocks_free").await
-                    == metric(node, "pd_node_kv_blocks_total").await;
+                    == metric(node, "pd_node_kv_blocks_capacity").await;
             if idle {
                 break;
             }
