@@ -394,6 +394,15 @@ impl Metrics {
         for how in REVERSE_PULL_HOWS {
             m.reverse_pulls.with_label_values(&[how]);
         }
+        for route in ["split", "whole", "any"] {
+            m.picks.with_label_values(&[route, "picked"]);
+        }
+        for outcome in ["rejected", "unavailable", "client_error", "error"] {
+            m.picks.with_label_values(&["none", outcome]);
+        }
+        for how in ["picked", "fallback", "other", "unreported"] {
+            m.picker_served.with_label_values(&[how]);
+        }
         m
     }
 
