@@ -36,4 +36,5 @@ mod simulator;
 mod spread_params;
 mod static_nodes;
 mod tls_across_hosts;
+mod traces;
 mod untrusted_params_and_errors;
