@@ -94,6 +94,16 @@ pub struct Service<'a> {
     pub instance: Option<&'a str>,
 }
 
+impl<'a> Service<'a> {
+    /// `name`, no instance id.
+    pub fn named(name: &'a str) -> Self {
+        Self {
+            name,
+            instance: None,
+        }
+    }
+}
+
 /// Why the subscriber or the exporter could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum TelemetryError {

@@ -316,13 +316,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // Logs (RUST_LOG); `serve` also exports traces with --otlp-endpoint.
     let traces = match &cli.command {
-        Command::Serve(args) => Some((
-            &args.otlp,
-            pd_telemetry::Service {
-                name: "pd-gateway",
-                instance: None,
-            },
-        )),
+        Command::Serve(args) => Some((&args.otlp, pd_telemetry::Service::named("pd-gateway"))),
         Command::Policy(_) => None,
     };
     let filter = "info,pingora_core=warn,pingora_proxy=warn";
