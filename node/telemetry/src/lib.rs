@@ -165,6 +165,7 @@ pub fn install(
         .with_tracer(exporter.provider.tracer("pd-serve"))
         .with_location(false)
         .with_threads(false)
+        .with_tracked_inactivity(false)
         .with_filter(tracing_subscriber::filter::filter_fn(exported));
     let logs = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
