@@ -104,10 +104,13 @@ impl AppState {
             KvDirective::Consume(remotes) | KvDirective::Produce { held: remotes, .. }
                 if !remotes.is_empty() =>
             {
-                let pull = phase.in_scope(|| match TRACED.try_with(Arc::clone) {
-                    Ok(id) => pd_telemetry::phase!("pull", id),
-                    Err(_) => tracing::Span::none(),
-                });
+                let pull = match phase.is_none() {
+                    true => tracing::Span::none(),
+                    false => phase.in_scope(|| match TRACED.try_with(Arc::clone) {
+                        Ok(id) => pd_telemetry::phase!("pull", id),
+                        Err(_) => tracing::Span::none(),
+                    }),
+                };
                 consume(
                     self.disagg.clone(),
                     self.engine.clone(),
@@ -131,6 +134,9 @@ tokio::task_local! {
 /// producer's, a reverse pull first when it names a held turn), `decode` (after a pull), or
 /// `generate` (the whole request); none while traces are off.
 fn phase_span(directive: &KvDirective) -> tracing::Span {
+    if !pd_telemetry::enabled() {
+        return tracing::Span::none();
+    }
     let Ok(id) = TRACED.try_with(Arc::clone) else {
         return tracing::Span::none();
     };
