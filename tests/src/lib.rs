@@ -17,6 +17,7 @@
 //!   their containers, for the harness to start on its hosts.
 //! - [`metrics`]: Prometheus text parsing and label-filtered sums.
 //! - [`openai`]: requests over plain HTTP, JSON and SSE answers read into one [`openai::Answer`].
+//! - [`otlp`]: a real OTLP/gRPC trace receiver, keeping the spans the processes export.
 //! - [`load`]: streaming clients looping requests in the background, for changes under load.
 //! - [`postgres`]: a real PostgreSQL server for the gateways' shared state.
 //! - [`prometheus`]: a real Prometheus scraping a cluster, and `promtool`, for the dashboard
@@ -38,6 +39,7 @@ pub mod k8s;
 pub mod load;
 pub mod metrics;
 pub mod openai;
+pub mod otlp;
 pub mod postgres;
 pub mod process;
 pub mod prometheus;

@@ -38,5 +38,6 @@ mod simulator;
 mod spread_params;
 mod static_nodes;
 mod tls_across_hosts;
+mod traces;
 mod untrusted_params_and_errors;
 mod vllm_router_interop;

@@ -115,7 +115,8 @@ impl NodeClient {
 
     /// `POST http://{addr}{path}` with a JSON `body`, `Authorization: {bearer}` when given;
     /// `request_id` goes in `x-request-id` (a `HeaderValue` is cheap to clone from the client's
-    /// request: no copy of it). Returns once the answer's head is in.
+    /// request: no copy of it); while traces are exported, the current span's trace context
+    /// goes in `traceparent` (`tracestate`). Returns once the answer's head is in.
     ///
     /// # Errors
     /// [`UpstreamError`] when no answer's head came back.
@@ -144,6 +145,12 @@ impl NodeClient {
         }
         if let Some(g) = &self.gateway_id {
             req = req.header(GATEWAY_ID, g.clone());
+        }
+        // The node's spans join the request's trace, under the phase that calls it.
+        if pd_telemetry::enabled()
+            && let Some(headers) = req.headers_mut()
+        {
+            pd_telemetry::inject_current(headers);
         }
         let resp = self.client.request(req.body(Full::new(body))?).await?;
         Ok(NodeResponse(resp))

@@ -5,7 +5,7 @@
 //! the engine what arrived.
 //!
 //! The consumer path of one request is a task between the engine's [`RequestStream`] and the
-//! HTTP body ([`Events::Relayed`]):
+//! HTTP body ([`Events`]):
 //! 1. start the pull ([`Consumer::start`]: the lease is kept alive from now on) and wait for
 //!    [`RequestEvent::AwaitingKv`] (the engine's [`pd_engine::KvReservation`]; other requests
 //!    keep running);
@@ -200,12 +200,20 @@ impl Disagg {
     }
 }
 
-/// A request's events as the HTTP layer reads them: straight from the engine, or from the
-/// consumer task while it pulls, then — once the engine has the KV — straight from the engine
-/// again (the task hands the stream over: no hop per token). Dropping it aborts the request
-/// either way.
+/// A request's events as the HTTP layer reads them, and the span of the request's phase on
+/// this node (`prefill`, `decode`, `generate`: none while traces are off), which ends with
+/// them. Dropping it aborts the request.
 #[derive(Debug)]
-pub(crate) enum Events {
+pub(crate) struct Events {
+    source: Source,
+    _phase: tracing::Span,
+}
+
+/// Where the events come from: straight from the engine, or from the consumer task while it
+/// pulls, then — once the engine has the KV — straight from the engine again (the task hands
+/// the stream over: no hop per token).
+#[derive(Debug)]
+enum Source {
     Engine(RequestStream),
     Relayed(RequestId, mpsc::UnboundedReceiver<Relay>),
     /// Handed over by the consumer task; its first token (or whatever ends the request instead)
@@ -223,19 +231,33 @@ pub(crate) enum Relay {
 }
 
 impl Events {
+    /// Straight from the engine, timed as `phase`.
+    pub(crate) fn engine(stream: RequestStream, phase: tracing::Span) -> Self {
+        Self {
+            source: Source::Engine(stream),
+            _phase: phase,
+        }
+    }
+
     pub(crate) fn id(&self) -> RequestId {
-        match self {
-            Events::Engine(s) | Events::Handed(s, _) => s.id(),
-            Events::Relayed(id, _) => *id,
+        match &self.source {
+            Source::Engine(s) | Source::Handed(s, _) => s.id(),
+            Source::Relayed(id, _) => *id,
         }
     }
 
     /// Next event; `None` when the request ended.
     pub(crate) async fn recv(&mut self) -> Option<RequestEvent> {
+        self.source.recv().await
+    }
+}
+
+impl Source {
+    async fn recv(&mut self) -> Option<RequestEvent> {
         loop {
             let handed = match self {
-                Events::Engine(s) => return s.recv().await,
-                Events::Handed(s, first) => {
+                Source::Engine(s) => return s.recv().await,
+                Source::Handed(s, first) => {
                     let e = s.recv().await;
                     if !matches!(e, Some(RequestEvent::Started { .. }))
                         && let Some(f) = first.take()
@@ -244,9 +266,9 @@ impl Events {
                     }
                     return e;
                 }
-                Events::Relayed(_, rx) => match rx.recv().await {
+                Source::Relayed(_, rx) => match rx.recv().await {
                     Some(Relay::Event(e)) => return Some(e),
-                    Some(Relay::Handover(stream, first)) => Events::Handed(stream, Some(first)),
+                    Some(Relay::Handover(stream, first)) => Source::Handed(stream, Some(first)),
                     None => return None,
                 },
             };
@@ -257,19 +279,36 @@ impl Events {
 
 /// Runs a consumer request: returns the events the HTTP layer reads while a task pulls the KV.
 /// `remotes[0]` drives the pull; every distinct lease in `remotes` is released at the end.
+/// The task runs in `spans`' `pull` (its end: the engine has the KV, or the request failed),
+/// the events are timed as its `phase` (both none while traces are off).
 ///
 /// Without a consumer (a node that does not pull) the request fails with a clear message.
 pub(crate) fn consume(
     disagg: Arc<Disagg>,
     engine: EngineHandle,
     stream: RequestStream,
-    remotes: Vec<Remote>,
-    prompt: Vec<u32>,
+    (remotes, prompt): (Vec<Remote>, Vec<u32>),
+    spans: PullSpans,
 ) -> Events {
     let id = stream.id();
     let (tx, rx) = mpsc::unbounded_channel();
-    tokio::spawn(relay(disagg, engine, stream, remotes, prompt, tx));
-    Events::Relayed(id, rx)
+    let task = relay(disagg, engine, stream, remotes, prompt, tx);
+    if spans.pull.is_none() {
+        tokio::spawn(task);
+    } else {
+        tokio::spawn(tracing::Instrument::instrument(task, spans.pull));
+    }
+    Events {
+        source: Source::Relayed(id, rx),
+        _phase: spans.phase,
+    }
+}
+
+/// The spans of a request that pulls: its phase on this node, and the pull within it.
+#[derive(Debug)]
+pub(crate) struct PullSpans {
+    pub(crate) phase: tracing::Span,
+    pub(crate) pull: tracing::Span,
 }
 
 /// What the engine hears of what arrived.

@@ -83,18 +83,35 @@ fn keep_freed_memory() {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        // Colours only on a terminal: log files and collectors get plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     match cli.command {
-        Command::Serve(args) => serve(&args),
-        Command::GenTinyModel(args) => gen_tiny_model(&args),
+        Command::Serve(mut args) => {
+            // Logs (RUST_LOG), and traces with --otlp-endpoint, under the node's role and id
+            // (a default id is drawn once, here).
+            let engine_id = args.engine_id();
+            args.engine_id = Some(engine_id.clone());
+            let service = pd_telemetry::Service {
+                name: service_name(args.role().unwrap_or_default()),
+                instance: Some(&engine_id),
+            };
+            pd_telemetry::install("info", Some((&args.otlp, service)))?;
+            let served = serve(&args);
+            // The spans still queued leave before the process does.
+            pd_telemetry::shutdown();
+            served
+        }
+        Command::GenTinyModel(args) => {
+            pd_telemetry::install("info", None)?;
+            gen_tiny_model(&args)
+        }
+    }
+}
+
+/// The `service.name` a node's spans are exported under, unless `--otlp-service-name` says.
+fn service_name(role: KvRole) -> &'static str {
+    match role {
+        KvRole::Producer => "pd-node-prefill",
+        KvRole::Consumer => "pd-node-decode",
+        KvRole::Standalone | KvRole::Both => "pd-node",
     }
 }
 

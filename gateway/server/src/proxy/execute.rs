@@ -8,13 +8,13 @@
 use bytes::Bytes;
 use pingora::prelude::Session;
 use serde_json::Value;
-use tracing::warn;
+use tracing::{Instrument, warn};
 
 use super::exchange::{Outcome, Progress};
 use super::plan::{Plan, SplitPlan};
 use super::prepare::Prepared;
 use super::relay::Parts;
-use super::{Gateway, client_gone};
+use super::{Gateway, client_gone, request_id};
 use crate::cluster::{NodeRef, OnNode};
 use crate::error::GatewayError;
 use crate::openai::{self, LeaseRef};
@@ -206,8 +206,25 @@ impl Gateway {
     }
 
     /// One node serves the request, the first of the leg's candidates that answers; its answer
-    /// is relayed (and what the request's capture asks for taken from it).
+    /// is relayed (and what the request's capture asks for taken from it). Traced as the leg's
+    /// phase: `decode` on a decode node, else `generate` (one node computes it all).
     pub(super) async fn whole(
+        &self,
+        session: &mut Session,
+        req: &Prepared,
+        st: &mut Progress,
+        leg: Leg<'_>,
+    ) -> Result<Outcome, GatewayError> {
+        let id = || request_id(session).unwrap_or_default();
+        let span = match leg.stage {
+            "decode" => pd_telemetry::phase!("decode", id(), otel.kind = "client"),
+            stage => pd_telemetry::phase!("generate", id(), otel.kind = "client", stage),
+        };
+        self.serve_leg(session, req, st, leg).instrument(span).await
+    }
+
+    /// [`Gateway::whole`]'s walk and relay.
+    async fn serve_leg(
         &self,
         session: &mut Session,
         req: &Prepared,
@@ -239,7 +256,10 @@ impl Gateway {
                 st.lease_left = leg
                     .lease
                     .is_some_and(|l| resp.could_not_reach(&l.side_channel));
-                self.relay(session, req, st, (node, resp)).await
+                let relay = pd_telemetry::phase!("relay", request_id(session).unwrap_or_default());
+                self.relay(session, req, st, (node, resp))
+                    .instrument(relay)
+                    .await
             }
             Err(Failed::Gone) => Ok(Outcome::Aborted),
             Err(Failed::Fatal(e)) => Err(e),
@@ -260,15 +280,24 @@ impl Gateway {
         split: &SplitPlan,
         reserved: Vec<OnNode>,
     ) -> Result<Outcome, GatewayError> {
-        let Some(mut params) = self.prefill(session, req, st, split).await? else {
+        let id = || request_id(session).unwrap_or_default();
+        let prefill = pd_telemetry::phase!("prefill", id(), otel.kind = "client");
+        let Some(mut params) = self
+            .prefill(session, req, st, split)
+            .instrument(prefill)
+            .await?
+        else {
             return Ok(Outcome::Aborted);
         };
         if split.spread() && params.len() >= split.groups.len() {
             for extra in params.drain(split.groups.len()..) {
                 self.release(Some(&extra), "unused");
             }
+            let id = || request_id(session).unwrap_or_default();
+            let decode = pd_telemetry::phase!("decode", id(), otel.kind = "client");
             return self
                 .spread(session, req, st, (split, params), reserved)
+                .instrument(decode)
                 .await;
         }
         // One group, or a P that granted one lease for several (a node without
@@ -512,7 +541,11 @@ impl Gateway {
             nodes,
             resps,
         };
-        let outcome = self.relay_merged(session, st, parts).await;
+        let relay = pd_telemetry::phase!("relay", request_id(session).unwrap_or_default());
+        let outcome = self
+            .relay_merged(session, st, parts)
+            .instrument(relay)
+            .await;
         match &outcome {
             Ok(Outcome::Ok) => {}
             Ok(Outcome::Aborted) => release_all("client_left"),

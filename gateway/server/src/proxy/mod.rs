@@ -372,10 +372,13 @@ impl Gateway {
             && let Some(api) = openai::api_of(&path)
         {
             let id = assign_request_id(session);
-            return self
-                .generate(session, x, api)
-                .instrument(tracing::info_span!("request", id = %id))
-                .await;
+            let span = if pd_telemetry::enabled() {
+                // Exported: a child of the client's `traceparent`, if it sent one.
+                pd_telemetry::server_span!(id, &session.req_header().headers)
+            } else {
+                tracing::info_span!("request", id = %id)
+            };
+            return self.generate(session, x, api).instrument(span).await;
         }
         // Every other route takes a small body at most: one declared larger is refused before
         // it is read, and a chunked one is never drained for keep-alive.
@@ -447,7 +450,9 @@ impl Gateway {
         let api = x.api.unwrap_or(Api::ChatCompletions);
         declared_too_large(session, s.config.max_body)?;
         let waited = std::time::Instant::now();
-        let (slot, raw) = match self.take_place(session, s.config.max_body).await? {
+        let admission = pd_telemetry::phase!("admission", request_id(session).unwrap_or_default());
+        let place = self.take_place(session, s.config.max_body);
+        let (slot, raw) = match place.instrument(admission.clone()).await? {
             Placed::Admitted(slot, raw) => (slot, raw),
             Placed::Gone => return Ok(Outcome::Aborted),
         };
@@ -461,13 +466,14 @@ impl Gateway {
         let _more = if extra > 0 {
             let timing = &mut x.progress.timing;
             let more = tokio::select! {
-                a = timing.wait(s.admission.admit_more(extra)) => a,
+                a = timing.wait(s.admission.admit_more(extra)).instrument(admission.clone()) => a,
                 () = client_gone(session) => return Ok(Outcome::Aborted),
             };
             Some(more.map_err(|why| self.refused(why))?)
         } else {
             None
         };
+        drop(admission);
         s.metrics
             .queue_wait
             .observe(x.progress.timing.waiting.as_secs_f64());

@@ -10,11 +10,11 @@ use pd_tokenize::Tokenizer;
 use pd_tokenize::prompt::{GIVEN_IDS_FIELD, PromptInput, PromptKind};
 use pingora::prelude::Session;
 use serde_json::{Map, Value};
-use tracing::{debug, warn};
+use tracing::{Instrument, debug, warn};
 
 use super::exchange::PhaseClock;
 use super::plan::{self, Facts, HeldTurn, Plan};
-use super::{Gateway, bearer_key};
+use super::{Gateway, bearer_key, request_id};
 use crate::answer::Capture;
 use crate::cluster::{NodeRef, OnNode, Snapshot};
 use crate::conversation::{self, Holding, Owner};
@@ -183,21 +183,25 @@ impl Gateway {
             .model(&analyzed.model)
             .ok_or_else(|| self.unknown_model(&analyzed.model))?;
         let prompt = analyzed.prompt.clone();
+        let tokenize = pd_telemetry::phase!("tokenize", request_id(session).unwrap_or_default());
         let tokens = if pd_tokenize::prompt::tokenize_inline_ok(&prompt) {
-            tokenize_inline(&tokenizer, prompt)?
+            tokenize.in_scope(|| tokenize_inline(&tokenizer, prompt))?
         } else {
-            tokio::task::spawn_blocking(move || tokenize_inline(&tokenizer, prompt)).await??
+            let blocking = tokio::task::spawn_blocking(move || tokenize_inline(&tokenizer, prompt));
+            blocking.instrument(tokenize.clone()).await??
         };
         // Chained from the deployment's key and the request's salt, exactly as on the nodes.
         let root = pd_kv_pool::root_hash(
             s.cluster.hash_key(&analyzed.model),
             analyzed.cache_salt.as_deref(),
         );
-        let hashes: Vec<u64> =
+        let hashes: Vec<u64> = tokenize.in_scope(|| {
             pd_kv_pool::hash_full_blocks_from(root, &tokens, block_size as usize)
                 .into_iter()
                 .map(|h| h.0)
-                .collect();
+                .collect()
+        });
+        drop(tokenize);
         clock.lap("tokenize");
         let prompt_key = hashes.last().map(|&h| {
             let tokens = u32::try_from(hashes.len()).unwrap_or(u32::MAX);
@@ -234,12 +238,16 @@ impl Gateway {
             conversation_key: analyzed.conversation_key.clone(),
         };
         clock.lap("view");
-        let decided = s.router.decide(
-            &request,
-            &snapshot.view,
-            &snapshot.measured,
-            &snapshot.names,
-        )?;
+        let policy = pd_telemetry::phase!("policy", request_id(session).unwrap_or_default());
+        let decided = policy.in_scope(|| {
+            s.router.decide(
+                &request,
+                &snapshot.view,
+                &snapshot.measured,
+                &snapshot.names,
+            )
+        })?;
+        drop(policy);
         clock.lap("policy");
         debug!(policy = %decided.policy, version = %decided.version, route = ?decided.decision.route, "decided");
         self.count_prefix_hit(&snapshot, &decided.decision.route, block_size);

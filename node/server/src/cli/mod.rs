@@ -278,6 +278,9 @@ pub struct ServeArgs {
     /// Mutual TLS with the cluster CA on every hop.
     #[command(flatten)]
     pub tls: pd_tls::TlsArgs,
+    /// Traces over OTLP (off without an endpoint).
+    #[command(flatten)]
+    pub otlp: pd_telemetry::OtlpArgs,
 }
 
 /// The environment variable read when `--cluster-token` is absent.

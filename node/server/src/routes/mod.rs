@@ -28,7 +28,7 @@ use pd_engine::{EngineError, EngineHandle, GenerateRequest, RequestStream};
 use serde::de::DeserializeOwned;
 use tracing::Instrument;
 
-use crate::disagg::{Disagg, Events, consume};
+use crate::disagg::{Disagg, Events, PullSpans, consume};
 use crate::error::ApiError;
 use crate::kv_params::{KvDirective, KvReply};
 use crate::openai::{ModelCard, ModelList};
@@ -99,21 +99,53 @@ impl AppState {
             prompt,
             &self.engine.info().binding_key,
         );
+        let phase = phase_span(&plan.directive);
         let events = match std::mem::replace(&mut plan.directive, KvDirective::None) {
             KvDirective::Consume(remotes) | KvDirective::Produce { held: remotes, .. }
                 if !remotes.is_empty() =>
             {
+                let pull = match phase.is_none() {
+                    true => tracing::Span::none(),
+                    false => phase.in_scope(|| match TRACED.try_with(Arc::clone) {
+                        Ok(id) => pd_telemetry::phase!("pull", id),
+                        Err(_) => tracing::Span::none(),
+                    }),
+                };
                 consume(
                     self.disagg.clone(),
                     self.engine.clone(),
                     stream,
-                    remotes,
-                    prompt.to_vec(),
+                    (remotes, prompt.to_vec()),
+                    PullSpans { phase, pull },
                 )
             }
-            _ => Events::Engine(stream),
+            _ => Events::engine(stream, phase),
         };
         (events, reply)
+    }
+}
+
+tokio::task_local! {
+    /// The id of the request being served, while its spans are exported (set by [`request_id`]).
+    static TRACED: Arc<str>;
+}
+
+/// The span of what `directive` has this node do, within the request's: `prefill` (a
+/// producer's, a reverse pull first when it names a held turn), `decode` (after a pull), or
+/// `generate` (the whole request); none while traces are off.
+fn phase_span(directive: &KvDirective) -> tracing::Span {
+    if !pd_telemetry::enabled() {
+        return tracing::Span::none();
+    }
+    let Ok(id) = TRACED.try_with(Arc::clone) else {
+        return tracing::Span::none();
+    };
+    match directive {
+        KvDirective::Produce { .. } => pd_telemetry::phase!("prefill", id),
+        KvDirective::Consume(_) => pd_telemetry::phase!("decode", id),
+        KvDirective::None | KvDirective::Incomplete { .. } => {
+            pd_telemetry::phase!("generate", id)
+        }
     }
 }
 
@@ -211,8 +243,21 @@ async fn request_id(req: Request, next: axum::middleware::Next) -> Response {
         .and_then(|v| v.to_str().ok())
         .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
         .map_or_else(|| new_id("node-"), str::to_owned);
-    let span = tracing::info_span!("request", id = %id);
-    let mut resp = next.run(req).instrument(span.clone()).await;
+    // Exported (a POST, while traces are): a child of the caller's `traceparent`, its id
+    // within reach of the phases' spans.
+    let traced = pd_telemetry::enabled() && method == Method::POST;
+    let span = match traced {
+        true => pd_telemetry::server_span!(id, req.headers()),
+        false => tracing::info_span!("request", id = %id),
+    };
+    let run = next.run(req);
+    let mut resp = match traced {
+        true => {
+            let run = TRACED.scope(Arc::from(id.as_str()), run);
+            run.instrument(span.clone()).await
+        }
+        false => run.instrument(span.clone()).await,
+    };
     if path.starts_with("/v1/") {
         let ms = start.elapsed().as_secs_f64() * 1e3;
         span.in_scope(|| {

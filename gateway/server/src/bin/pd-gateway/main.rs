@@ -299,6 +299,8 @@ struct ServeArgs {
     queue_timeout_ms: u64,
     #[command(flatten)]
     picker: picker::PickerArgs,
+    #[command(flatten)]
+    otlp: pd_telemetry::OtlpArgs,
 }
 
 /// A policy engine with the on-disk cache when one can be had (a warning, not an error,
@@ -314,16 +316,17 @@ fn engine_with_cache(dir: Option<PathBuf>) -> anyhow::Result<PolicyEngine> {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,pingora_core=warn,pingora_proxy=warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        // Colours only on a terminal: log files and collectors get plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     let cli = Cli::parse();
+    // Logs (RUST_LOG); `serve` also exports traces with --otlp-endpoint.
+    let traces = match &cli.command {
+        Command::Serve(args) => Some((&args.otlp, pd_telemetry::Service::named("pd-gateway"))),
+        Command::Policy(_) => None,
+    };
+    let filter = "info,pingora_core=warn,pingora_proxy=warn";
+    if let Err(e) = pd_telemetry::install(filter, traces) {
+        eprintln!("pd-gateway: {e}");
+        return ExitCode::FAILURE;
+    }
     let result = match cli.command {
         Command::Serve(args) => serve(*args).map(|()| ExitCode::SUCCESS),
         Command::Policy(cmd) => policy_local(*cmd),
@@ -726,6 +729,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                         if !log.flush(Duration::from_secs(2)) {
                             tracing::warn!("the decision log's last lines may not be in its file");
                         }
+                        pd_telemetry::shutdown();
                     })
                     .await;
                 });
