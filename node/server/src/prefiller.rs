@@ -21,7 +21,7 @@ use axum::response::{IntoResponse, Response};
 use pd_wire::Api;
 use pd_wire::handoff::{self, KV_FIELD, PREFILLER_HEADER};
 use serde_json::{Map, Value};
-use tracing::debug;
+use tracing::{Instrument, debug};
 
 use crate::error::ApiError;
 use crate::routes::MAX_BODY_BYTES;
@@ -146,7 +146,23 @@ async fn with_prefill(
             call = call.header(*name, v.clone());
         }
     }
-    let answer = call.send().await.map_err(|e| failed(e.to_string()))?;
+    // Traced: the call is a `prefill` client span of this request, P's spans its children.
+    let id = parts
+        .headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let span = pd_telemetry::phase!("prefill", id, otel.kind = "client");
+    if pd_telemetry::enabled() {
+        let mut headers = axum::http::HeaderMap::new();
+        span.in_scope(|| pd_telemetry::inject_current(&mut headers));
+        call = call.headers(headers);
+    }
+    let answer = call
+        .send()
+        .instrument(span)
+        .await
+        .map_err(|e| failed(e.to_string()))?;
     let status = answer.status();
     let bytes = answer.bytes().await.map_err(|e| failed(e.to_string()))?;
     if !status.is_success() {
