@@ -8,7 +8,6 @@
 //! pd-gateway policy replay decisions.jsonl --policy NEW.wasm
 //! ```
 
-use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
@@ -33,12 +32,14 @@ use pd_gateway::static_node::{self, ScrapeTiming, StaticNode};
 use pd_policy::{Installed, PolicyEngine, PolicySlot, PolicySpec};
 use pingora::server::Server;
 use pingora::server::configuration::ServerConf;
-use rand::Rng;
 use tracing::info;
 
 mod picker;
 mod policy_cmd;
+mod startup;
 mod state;
+
+use startup::{is_loopback, millis, parse_config, random_token, write_secret};
 
 use policy_cmd::{PolicyCommand, policy_local};
 
@@ -342,52 +343,6 @@ fn main() -> ExitCode {
 
 /// Whether `host` (an address or a name) means this machine only: every address it resolves
 /// to is loopback. A name that does not resolve is not.
-fn is_loopback(host: &str) -> bool {
-    use std::net::ToSocketAddrs;
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    match (host, 0).to_socket_addrs() {
-        Ok(addrs) => {
-            let addrs: Vec<SocketAddr> = addrs.collect();
-            !addrs.is_empty() && addrs.iter().all(|a| a.ip().is_loopback())
-        }
-        Err(_) => false,
-    }
-}
-
-fn parse_config(items: &[String]) -> anyhow::Result<BTreeMap<String, String>> {
-    items
-        .iter()
-        .map(|kv| {
-            kv.split_once('=')
-                .map(|(k, v)| (k.to_owned(), v.to_owned()))
-                .with_context(|| format!("policy config `{kv}` is not KEY=VALUE"))
-        })
-        .collect()
-}
-
-fn random_token() -> String {
-    let bytes: [u8; 16] = rand::rng().random();
-    hex::encode(bytes)
-}
-
-fn write_secret(path: &PathBuf, secret: &str) -> anyhow::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let _ = std::fs::remove_file(path);
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)
-        .with_context(|| format!("creating {}", path.display()))?;
-    writeln!(f, "{secret}").with_context(|| format!("writing {}", path.display()))?;
-    Ok(())
-}
-
-/// `ms` milliseconds; 0: none.
-fn millis(ms: u64) -> Option<Duration> {
-    (ms > 0).then(|| Duration::from_millis(ms))
-}
-
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let metrics = Metrics::new();
     let cache_dir = if args.no_policy_cache {
