@@ -83,3 +83,24 @@ pub fn policy(name: &str) -> PathBuf {
          with `scripts/build-policies.sh`"
     );
 }
+
+/// A tool a script installs outside the repository (Envoy, vllm-router): the path in the
+/// environment variable `var` when set (`scripts/test.sh` sets it), else what `script` (under
+/// `scripts/`) prints once it has installed the tool; not under `CI=true`, which must set `var`.
+pub fn installed_tool(var: &str, script: &str) -> PathBuf {
+    if let Some(p) = std::env::var_os(var).filter(|p| !p.is_empty()) {
+        return PathBuf::from(p);
+    }
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "{var} is not set under CI=true: run `export {var}=$(bash scripts/{script})` first (scripts/test.sh does)"
+    );
+    let script = workspace_root().join("scripts").join(script);
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
+    assert!(out.status.success(), "{} failed", script.display());
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}

@@ -6,30 +6,16 @@
 
 use std::net::TcpListener;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
-use crate::bins::workspace_root;
+use crate::bins::installed_tool;
 use crate::process::Proc;
 
 /// The Envoy binary: `PD_TEST_ENVOY` when set (`scripts/test.sh` sets it), else what
 /// `scripts/envoy.sh` installs (not under `CI=true`, which must set it).
 pub fn binary() -> PathBuf {
-    if let Some(p) = std::env::var_os("PD_TEST_ENVOY").filter(|p| !p.is_empty()) {
-        return PathBuf::from(p);
-    }
-    assert!(
-        std::env::var("CI").as_deref() != Ok("true"),
-        "PD_TEST_ENVOY is not set under CI=true: run `export PD_TEST_ENVOY=$(bash scripts/envoy.sh)` first (scripts/test.sh does)"
-    );
-    let script = workspace_root().join("scripts/envoy.sh");
-    let out = Command::new("bash")
-        .arg(&script)
-        .stderr(Stdio::inherit())
-        .output()
-        .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
-    assert!(out.status.success(), "{} failed", script.display());
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+    installed_tool("PD_TEST_ENVOY", "envoy.sh")
 }
 
 /// A free loopback port (bound, then let go).

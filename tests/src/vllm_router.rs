@@ -3,31 +3,17 @@
 //! would run it.
 
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crate::bins::workspace_root;
+use crate::bins::installed_tool;
 use crate::envoy::free_port;
 use crate::process::Proc;
 
 /// The binary: `PD_TEST_VLLM_ROUTER` when set (`scripts/test.sh` sets it), else what
 /// `scripts/vllm-router.sh` installs (not under `CI=true`, which must set it).
 pub fn binary() -> PathBuf {
-    if let Some(p) = std::env::var_os("PD_TEST_VLLM_ROUTER").filter(|p| !p.is_empty()) {
-        return PathBuf::from(p);
-    }
-    assert!(
-        std::env::var("CI").as_deref() != Ok("true"),
-        "PD_TEST_VLLM_ROUTER is not set under CI=true: run `export PD_TEST_VLLM_ROUTER=$(bash scripts/vllm-router.sh)` first (scripts/test.sh does)"
-    );
-    let script = workspace_root().join("scripts/vllm-router.sh");
-    let out = Command::new("bash")
-        .arg(&script)
-        .stderr(Stdio::inherit())
-        .output()
-        .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
-    assert!(out.status.success(), "{} failed", script.display());
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+    installed_tool("PD_TEST_VLLM_ROUTER", "vllm-router.sh")
 }
 
 /// A running `vllm-router`.

@@ -11,7 +11,7 @@
 use std::net::SocketAddr;
 
 use pd_policy::{Api, Request};
-use pd_tokenize::prompt::{GIVEN_IDS_FIELD, PromptKind};
+use pd_tokenize::prompt::GIVEN_IDS_FIELD;
 use pd_wire::handoff::PREFILLER_HEADER;
 use serde_json::Value;
 
@@ -21,7 +21,7 @@ use crate::error::GatewayError;
 use crate::openai::{self, KV_FIELD};
 use crate::proxy::Gateway;
 use crate::proxy::plan::{self, Facts, Plan};
-use crate::proxy::prepare::{check_fits, json_object, tokenize_inline};
+use crate::proxy::prepare::{check_fits, json_object};
 use crate::secret;
 
 /// What the data plane asked about.
@@ -175,25 +175,7 @@ impl Gateway {
             s.metrics.kv_params_stripped.inc();
         }
         let analyzed = openai::analyze(api, &body, asked.headers.get("x-session-id"))?;
-        let (tokenizer, block_size) = s
-            .cluster
-            .model(&analyzed.model)
-            .ok_or_else(|| GatewayError::ModelNotFound(analyzed.model.clone()))?;
-        let prompt: PromptKind = analyzed.prompt.clone();
-        let tokens = if pd_tokenize::prompt::tokenize_inline_ok(&prompt) {
-            tokenize_inline(&tokenizer, prompt)?
-        } else {
-            tokio::task::spawn_blocking(move || tokenize_inline(&tokenizer, prompt)).await??
-        };
-        let root = pd_kv_pool::root_hash(
-            s.cluster.hash_key(&analyzed.model),
-            analyzed.cache_salt.as_deref(),
-        );
-        let hashes: Vec<u64> =
-            pd_kv_pool::hash_full_blocks_from(root, &tokens, block_size as usize)
-                .into_iter()
-                .map(|h| h.0)
-                .collect();
+        let (tokens, hashes, block_size) = self.prompt_blocks(&analyzed).await?;
         let snapshot = s.cluster.snapshot(&analyzed.model, &hashes);
         check_fits(&snapshot, &analyzed, tokens.len())?;
         let request = Request {

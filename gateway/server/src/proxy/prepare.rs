@@ -94,10 +94,7 @@ pub(super) struct ResponsesTurn {
     pub(super) store: bool,
 }
 
-pub(crate) fn tokenize_inline(
-    tokenizer: &Tokenizer,
-    prompt: PromptKind,
-) -> Result<Vec<u32>, GatewayError> {
+fn tokenize_inline(tokenizer: &Tokenizer, prompt: PromptKind) -> Result<Vec<u32>, GatewayError> {
     Ok(pd_tokenize::prompt::prompt_tokens(tokenizer, prompt)?)
 }
 
@@ -129,6 +126,35 @@ impl Gateway {
             };
         }
         GatewayError::ModelNotFound(model.to_owned())
+    }
+
+    /// The prompt's tokens (tokenized with the model's registered tokenizer, on the blocking
+    /// pool when long), its full blocks' chain hashes (from the deployment's key and the
+    /// request's salt, exactly as on the nodes), and the model's block size.
+    pub(crate) async fn prompt_blocks(
+        &self,
+        analyzed: &Analyzed,
+    ) -> Result<(Vec<u32>, Vec<u64>, u32), GatewayError> {
+        let s = &self.0;
+        let (tokenizer, block_size) = s
+            .cluster
+            .model(&analyzed.model)
+            .ok_or_else(|| self.unknown_model(&analyzed.model))?;
+        let prompt = analyzed.prompt.clone();
+        let tokens = if pd_tokenize::prompt::tokenize_inline_ok(&prompt) {
+            tokenize_inline(&tokenizer, prompt)?
+        } else {
+            tokio::task::spawn_blocking(move || tokenize_inline(&tokenizer, prompt)).await??
+        };
+        let root = pd_kv_pool::root_hash(
+            s.cluster.hash_key(&analyzed.model),
+            analyzed.cache_salt.as_deref(),
+        );
+        let hashes = pd_kv_pool::hash_full_blocks_from(root, &tokens, block_size as usize)
+            .into_iter()
+            .map(|h| h.0)
+            .collect();
+        Ok((tokens, hashes, block_size))
     }
 
     /// Phase 2; also returns the decode nodes reserved from the decision on (their sends come
@@ -178,30 +204,9 @@ impl Gateway {
         if let Some(parent) = turn.as_ref().and_then(|t| t.parent.clone()) {
             analyzed.conversation_key = Some(parent);
         }
-        let (tokenizer, block_size) = s
-            .cluster
-            .model(&analyzed.model)
-            .ok_or_else(|| self.unknown_model(&analyzed.model))?;
-        let prompt = analyzed.prompt.clone();
         let tokenize = pd_telemetry::phase!("tokenize", request_id(session).unwrap_or_default());
-        let tokens = if pd_tokenize::prompt::tokenize_inline_ok(&prompt) {
-            tokenize.in_scope(|| tokenize_inline(&tokenizer, prompt))?
-        } else {
-            let blocking = tokio::task::spawn_blocking(move || tokenize_inline(&tokenizer, prompt));
-            blocking.instrument(tokenize.clone()).await??
-        };
-        // Chained from the deployment's key and the request's salt, exactly as on the nodes.
-        let root = pd_kv_pool::root_hash(
-            s.cluster.hash_key(&analyzed.model),
-            analyzed.cache_salt.as_deref(),
-        );
-        let hashes: Vec<u64> = tokenize.in_scope(|| {
-            pd_kv_pool::hash_full_blocks_from(root, &tokens, block_size as usize)
-                .into_iter()
-                .map(|h| h.0)
-                .collect()
-        });
-        drop(tokenize);
+        let (tokens, hashes, block_size) =
+            self.prompt_blocks(&analyzed).instrument(tokenize).await?;
         clock.lap("tokenize");
         let prompt_key = hashes.last().map(|&h| {
             let tokens = u32::try_from(hashes.len()).unwrap_or(u32::MAX);
