@@ -10,11 +10,13 @@
 //! front door served nothing; the picker's choice is followed and the data plane reports the
 //! endpoint that served; the subset hint is honoured (a subset naming no live node is an
 //! immediate 503 with an OpenAI error); a picker that is down fails closed or open as Envoy is
-//! configured; a node not started with `--prefiller-header` refuses the header with 400.
+//! configured; a node not started with `--prefiller-header` refuses the header with 400; picks
+//! take places under the gateway's admission limit, wait in line for one (or give it up when
+//! the client leaves), and are refused with an immediate 429 beyond it, before reaching any node.
 
 use std::time::Duration;
 
-use pd_cluster_tests::cluster::{ClusterSpec, Node, Role, TestCluster, args, tiny_model};
+use pd_cluster_tests::cluster::{ClusterSpec, Node, Role, Stopped, TestCluster, args, tiny_model};
 use pd_cluster_tests::envoy::{Envoy, PickerSetup, free_port};
 use pd_cluster_tests::process::WorkDir;
 use pd_cluster_tests::{eventually, python};
@@ -162,16 +164,24 @@ async fn eventually_serving(
 
 /// One chat request through `envoy`: its status and body.
 async fn ask(client: &reqwest::Client, envoy: &Envoy, text: &str) -> (u16, Value) {
+    let (status, _, body) = ask_at(client, &envoy.http, text).await;
+    (status, body)
+}
+
+/// One chat request to `base`: its status, `retry-after` and body.
+async fn ask_at(client: &reqwest::Client, base: &str, text: &str) -> (u16, Option<String>, Value) {
     let r = client
-        .post(format!("{}/v1/chat/completions", envoy.http))
+        .post(format!("{base}/v1/chat/completions"))
         .json(&json!({"model": "tiny", "max_tokens": 3, "temperature": 0,
             "messages": [{"role": "user", "content": text}]}))
         .send()
         .await
         .expect("Envoy answers");
     let status = r.status().as_u16();
+    let retry = r.headers().get("retry-after");
+    let retry = retry.and_then(|v| v.to_str().ok()).map(str::to_owned);
     let body = r.json().await.unwrap_or(Value::Null);
-    (status, body)
+    (status, retry, body)
 }
 
 /// Requests each node of `c` finished.
@@ -304,4 +314,127 @@ async fn envoy_follows_the_pick_within_the_subset_and_fails_open_or_closed_witho
     assert_eq!(r.status().as_u16(), 400);
     let body: Value = r.json().await.expect("an OpenAI error");
     assert_eq!(body["error"]["param"], "x-prefiller-host-port", "{body}");
+}
+
+#[track_caller]
+fn assert_overloaded((status, retry, body): &(u16, Option<String>, Value)) {
+    assert_eq!(*status, 429, "{body}");
+    assert_eq!(retry.as_deref(), Some("1"), "{body}");
+    assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{body}");
+    assert_eq!(body["error"]["type"], "rate_limit_error", "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn picks_queue_under_the_admission_limit_then_get_an_immediate_429_that_reaches_no_node() {
+    let port = free_port();
+    let mut gateway_args = picker_args(port);
+    // A stopped node stops reporting too: keep it in the view for the test's length.
+    gateway_args.extend(args(&[
+        "--node-timeout-ms",
+        "120000",
+        "--max-concurrent-requests",
+        "1",
+        "--max-queued-requests",
+        "1",
+        "--queue-timeout-ms",
+        "5000",
+    ]));
+    let c = TestCluster::start(
+        "picker-admission",
+        ClusterSpec {
+            standalone: 1,
+            gateway_args,
+            ..ClusterSpec::default()
+        },
+    )
+    .await;
+    let envoy = Envoy::start_picker(
+        c.dir().path(),
+        &PickerSetup {
+            ext_proc: format!("127.0.0.1:{port}"),
+            ..PickerSetup::default()
+        },
+    );
+    let gauge = async |name: &str| c.gateway_metrics().await.sum(name, &[]);
+    let send = |text: &'static str| {
+        let base = envoy.http.clone();
+        // Each on its own client (its own connection).
+        tokio::spawn(async move { ask_at(&reqwest::Client::new(), &base, text).await })
+    };
+    let before = finished(&c).await;
+    let (status, _, body) = send("Warm-up: the whole path works.").await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    // The slot is given back once the exchange ends.
+    eventually(
+        "the warm-up's slot free",
+        Duration::from_secs(10),
+        async || gauge("pd_gateway_requests_in_flight").await == 0.0,
+    )
+    .await;
+
+    let stopped = Stopped::new(&c.nodes[0]);
+    let held = send("Holds the only slot while the node is stopped.");
+    eventually("the slot taken", Duration::from_secs(10), async || {
+        gauge("pd_gateway_requests_in_flight").await == 1.0
+    })
+    .await;
+    let waiting = send("Waits in line for the slot.");
+    eventually("one pick in line", Duration::from_secs(10), async || {
+        gauge("pd_gateway_requests_queued").await == 1.0
+    })
+    .await;
+    // The line is full: refused at once, by the picker, with an OpenAI error.
+    assert_overloaded(&send("Finds the line full.").await.unwrap());
+    // The one in line gives up when its wait runs out.
+    assert_overloaded(&waiting.await.unwrap());
+    // A client that leaves while in line gives its place up at once (Envoy resets the
+    // exchange), long before the wait would run out.
+    let leaving = send("Leaves while in line.");
+    eventually(
+        "the leaving pick in line",
+        Duration::from_secs(10),
+        async || gauge("pd_gateway_requests_queued").await == 1.0,
+    )
+    .await;
+    let left = std::time::Instant::now();
+    leaving.abort();
+    eventually("its place given up", Duration::from_secs(10), async || {
+        gauge("pd_gateway_requests_queued").await == 0.0
+    })
+    .await;
+    assert!(
+        left.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        left.elapsed()
+    );
+    assert!(!held.is_finished(), "the held request waits on the node");
+    drop(stopped);
+    let (status, _, body) = held.await.unwrap();
+    assert_eq!(status, 200, "{body}");
+
+    let g = c.gateway_metrics().await;
+    for (reason, want) in [("queue_full", 1.0), ("queue_timeout", 1.0)] {
+        assert_eq!(
+            g.sum("pd_gateway_admission_refused_total", &[("reason", reason)]),
+            want,
+            "{reason}: {}",
+            g.show("pd_gateway_admission_refused_total")
+        );
+    }
+    assert_eq!(
+        g.sum(
+            "pd_gateway_picker_picks_total",
+            &[("route", "none"), ("outcome", "overloaded")]
+        ),
+        2.0,
+        "{}",
+        g.show("pd_gateway_picker_picks_total")
+    );
+    // Only the two admitted requests reached the node; the front door carried none.
+    assert_eq!(finished(&c).await[0] - before[0], 2.0);
+    assert_eq!(g.sum("pd_gateway_requests_total", &[]), 0.0);
+    eventually("the held slot free", Duration::from_secs(10), async || {
+        gauge("pd_gateway_requests_in_flight").await == 0.0
+    })
+    .await;
 }

@@ -397,7 +397,13 @@ impl Metrics {
         for route in ["split", "whole", "any"] {
             m.picks.with_label_values(&[route, "picked"]);
         }
-        for outcome in ["rejected", "unavailable", "client_error", "error"] {
+        for outcome in [
+            "overloaded",
+            "rejected",
+            "unavailable",
+            "client_error",
+            "error",
+        ] {
             m.picks.with_label_values(&["none", outcome]);
         }
         for how in ["picked", "fallback", "other", "unreported"] {

@@ -28,7 +28,7 @@ const COUNTED: [(&str, &str); 12] = [
     ("pd_gateway_admission_refused_total", "reason"),
     ("pd_gateway_policy_failures_total", "reason"),
     ("pd_gateway_policy_fallbacks_total", ""),
-    ("pd_gateway_leases_released_total", "reason"),
+    ("pd_gateway_leases_released_total", "why"),
     ("pd_gateway_state_calls_total", "outcome"),
 ];
 

@@ -26,6 +26,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 
+use crate::error::GatewayError;
+
 /// The header (and metadata key) naming the picked endpoint.
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
 /// The metadata key of the fallback endpoints.
@@ -256,19 +258,24 @@ pub fn continue_response_body() -> ProcessingResponse {
     }
 }
 
-/// Answer the client at once with `status` and an OpenAI error `body`.
-pub fn immediate(status: u16, body: Vec<u8>) -> ProcessingResponse {
+/// Answer the client at once with `e` as an OpenAI error (and `retry-after` for a refusal that
+/// passes, as the gateway's front door answers it).
+pub fn immediate(e: &GatewayError) -> ProcessingResponse {
+    let mut set_headers = vec![set_header("content-type", "application/json")];
+    if let Some(seconds) = e.retry_after() {
+        set_headers.push(set_header("retry-after", &seconds.to_string()));
+    }
     ProcessingResponse {
         response: Some(processing_response::Response::ImmediateResponse(
             ImmediateResponse {
                 status: Some(HttpStatus {
-                    code: i32::from(status),
+                    code: i32::from(e.status()),
                 }),
                 headers: Some(HeaderMutation {
-                    set_headers: vec![set_header("content-type", "application/json")],
+                    set_headers,
                     remove_headers: Vec::new(),
                 }),
-                body,
+                body: e.body().to_vec(),
                 details: "pd_gateway_picker".to_owned(),
                 ..ImmediateResponse::default()
             },

@@ -13,6 +13,12 @@
 //! 3. response headers: the endpoint the data plane reports as having served is compared with
 //!    the pick (`pd_gateway_picker_served_total`), and the picked nodes stop counting as open.
 //!
+//! A generation request takes a place under the gateway's admission limit
+//! (`--max-concurrent-requests`, shared with the front door) before it is tokenized, waits in
+//! line for one or is refused with a 429, and holds it until the data plane ends the exchange
+//! (Envoy ends it once no more processing is configured, at the latest with the request). A
+//! data plane that resets the exchange while its pick waits gives the place up at once.
+//!
 //! Health: the standard gRPC health service on the same port; the empty service name is
 //! liveness (serving while the process runs), [`READINESS`] is readiness (serving while a
 //! node of some model is live).
@@ -64,12 +70,17 @@ struct Exchange {
     subset: Option<Vec<String>>,
     body: Vec<u8>,
     picked: Option<pick::Picked>,
+    /// The place under the admission limit, once the pick's other holds are let go.
+    slot: Option<crate::admission::Admitted>,
     /// Every answer after an immediate response is moot: the request is over.
     over: bool,
 }
 
 /// The `outcome` label of a pick that failed.
 fn failed_outcome(e: &GatewayError) -> &'static str {
+    if let GatewayError::Overloaded(_) = e {
+        return "overloaded";
+    }
     match e.status() {
         429 => "rejected",
         503 => "unavailable",
@@ -102,7 +113,7 @@ impl Exchange {
                     let e = GatewayError::PayloadTooLarge {
                         limit: picker.max_body,
                     };
-                    return Some(envoy::immediate(e.status(), e.body().to_vec()));
+                    return Some(envoy::immediate(&e));
                 }
                 self.body.extend_from_slice(&b.body);
                 if !b.end_of_stream {
@@ -156,16 +167,19 @@ impl Exchange {
                     .inc();
                 debug!(path = %self.path, status = e.status(), "no pick: {e}");
                 self.over = true;
-                envoy::immediate(e.status(), e.body().to_vec())
+                envoy::immediate(&e)
             }
         }
     }
 
     /// The endpoint the data plane reports as serving, against the pick.
     fn served(&mut self, picker: &Picker, served: Option<String>) {
-        let Some(picked) = self.picked.take() else {
+        let Some(mut picked) = self.picked.take() else {
             return;
         };
+        // The nodes' own reports count the request from here on; its place under the admission
+        // limit lasts as long as the exchange.
+        self.slot = picked.slot.take();
         let how = match served {
             None => "unreported",
             Some(s) if s == picked.pick.primary => "picked",
@@ -197,7 +211,13 @@ impl ExternalProcessor for Picker {
         tokio::spawn(async move {
             let mut exchange = Exchange::default();
             while let Ok(Some(msg)) = inbound.message().await {
-                if let Some(answer) = exchange.on(&picker, msg).await
+                // A data plane that resets the stream (its client left) drops the answers'
+                // receiver: a pick waiting in line gives its place up at once.
+                let answer = tokio::select! {
+                    a = exchange.on(&picker, msg) => a,
+                    () = tx.closed() => break,
+                };
+                if let Some(answer) = answer
                     && tx.send(Ok(answer)).await.is_err()
                 {
                     break;

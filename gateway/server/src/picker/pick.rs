@@ -16,6 +16,7 @@ use pd_wire::handoff::PREFILLER_HEADER;
 use serde_json::Value;
 
 use super::envoy::{DESTINATION, Headers, Pick};
+use crate::admission::Admitted;
 use crate::cluster::{NodeRef, OnNode, Snapshot};
 use crate::error::GatewayError;
 use crate::openai::{self, KV_FIELD};
@@ -47,6 +48,9 @@ pub struct Picked {
     /// The picked nodes, counted as open on them until the response's head (the next picks see
     /// them busy).
     pub open: Vec<OnNode>,
+    /// A generation request's place under `--max-concurrent-requests` (shared with the front
+    /// door: both load the same nodes), held until the data plane ends the exchange.
+    pub slot: Option<Admitted>,
 }
 
 /// `host:port` as `ip:port`: the data plane dials the header's address as it is (an
@@ -99,6 +103,17 @@ impl Gateway {
         token.is_some_and(|t| headers.bearer().is_some_and(|k| secret::same_secret(k, t)))
     }
 
+    /// A place under `--max-concurrent-requests` for `weight` requests: taken at once, waited
+    /// for in line (the data plane's `message_timeout` must outlast `--queue-timeout-ms`), or
+    /// refused (429).
+    async fn picker_admit(&self, weight: usize) -> Result<Admitted, GatewayError> {
+        let s = &self.0;
+        let waited = std::time::Instant::now();
+        let slot = s.admission.admit_weighted(weight).await;
+        s.metrics.queue_wait.observe(waited.elapsed().as_secs_f64());
+        slot.map_err(|why| self.refused(why))
+    }
+
     fn no_endpoint(model: &str, why: &str) -> GatewayError {
         GatewayError::NoCapacity {
             model: model.to_owned(),
@@ -110,8 +125,8 @@ impl Gateway {
     ///
     /// # Errors
     /// What the client is answered with at once: 401, 400 (an unreadable body, too long a
-    /// prompt), 404 (an unknown model), 429 (the policy sheds it), 503 (no live endpoint, or
-    /// none in the subset).
+    /// prompt), 404 (an unknown model), 429 (no place under `--max-concurrent-requests`, or the
+    /// policy sheds it), 503 (no live endpoint, or none in the subset).
     pub async fn pick(&self, asked: Asked<'_>) -> Result<Picked, GatewayError> {
         let guarded = asked.path.starts_with("/v1/");
         if guarded && !self.picker_authorized(asked.headers) {
@@ -152,6 +167,7 @@ impl Gateway {
             },
             route: "any",
             open: vec![node.open()],
+            slot: None,
         })
     }
 
@@ -175,6 +191,11 @@ impl Gateway {
             s.metrics.kv_params_stripped.inc();
         }
         let analyzed = openai::analyze(api, &body, asked.headers.get("x-session-id"))?;
+        let weight = match api {
+            Api::Completions => analyzed.prompts,
+            _ => 1,
+        };
+        let slot = self.picker_admit(weight).await?;
         let (tokens, hashes, block_size) = self.prompt_blocks(&analyzed).await?;
         let snapshot = s.cluster.snapshot(&analyzed.model, &hashes);
         check_fits(&snapshot, &analyzed, tokens.len())?;
@@ -246,6 +267,11 @@ impl Gateway {
             None => pick.remove.push(PREFILLER_HEADER),
         }
         debug_assert!(!pick.set.iter().any(|(k, _)| *k == DESTINATION));
-        Ok(Picked { pick, route, open })
+        Ok(Picked {
+            pick,
+            route,
+            open,
+            slot: Some(slot),
+        })
     }
 }

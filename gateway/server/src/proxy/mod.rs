@@ -526,7 +526,7 @@ impl Gateway {
     }
 
     /// Counts a refusal and makes it the request's error (429).
-    fn refused(&self, why: crate::admission::Refused) -> GatewayError {
+    pub(crate) fn refused(&self, why: crate::admission::Refused) -> GatewayError {
         self.0
             .metrics
             .admission_refused

@@ -288,8 +288,9 @@ struct ServeArgs {
         requires = "state_url"
     )]
     state_tls_ca: Option<PathBuf>,
-    /// Generation and tokenizer requests served at once; beyond it they wait for a slot
-    /// (0: no limit). A completions request listing several prompts takes as many slots.
+    /// Generation and tokenizer requests served at once, the front door's and the Endpoint
+    /// Picker's together; beyond it they wait for a slot (0: no limit). A completions request
+    /// listing several prompts takes as many slots.
     #[arg(long, default_value_t = pd_gateway::admission::DEFAULT_MAX_CONCURRENT)]
     max_concurrent_requests: usize,
     /// Requests that may wait for a slot; beyond it a request is refused at once (429).
