@@ -20,7 +20,8 @@ use pd_rpc::registry::node_registry_server::{NodeRegistry, NodeRegistryServer};
 use pd_tokenize::Tokenizer;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{info, warn};
 
@@ -134,7 +135,8 @@ impl Registry {
                 // Registrations carry the tokenizer: real tokenizer.json files are 7-9 MiB,
                 // above tonic's 4 MiB default.
                 NodeRegistryServer::new(self).max_decoding_message_size(MAX_MESSAGE_BYTES),
-                TcpListenerStream::new(listener),
+                // No Nagle: reports and answers are small and read as they come.
+                TcpIncoming::from(listener).with_nodelay(Some(true)),
                 shutdown,
             )
             .await;
