@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Checks the Kubernetes manifests in examples/k8s: renders each overlay with `kubectl kustomize`,
-# validates every document against Kubernetes' own schemas (kubernetes-validate, strict), checks
-# the references between them (Secret and ConfigMap keys, PVCs, selectors, ports), and scans
-# them with checkov. Non-zero exit on any failure.
+# validates every document of Kubernetes' own kinds against its schemas (kubernetes-validate,
+# strict), checks the references between them (Secret and ConfigMap keys, PVCs, selectors,
+# ports; and for the Gateway API kinds of overlays/inference-extension, which those schemas do
+# not hold: the InferencePool's fields, the pods it selects, its port, its picker's Service and
+# flags, the route's pool and Gateway), and scans them with checkov. Non-zero exit on any failure.
 #
 #   bash scripts/k8s-check.sh                  # check both overlays
 #   bash scripts/k8s-check.sh --render OUT_DIR # also write OUT_DIR/<overlay>.yaml and
@@ -24,7 +26,7 @@ set -euo pipefail
 K8S_VERSIONS=(1.30.0 1.37.0)
 KUBERNETES_VALIDATE_VERSION=1.37.0
 CHECKOV_VERSION=3.3.30
-OVERLAYS=(cpu gpu)
+OVERLAYS=(cpu gpu inference-extension)
 
 # checkov checks skipped for every workload, each with why. Everything else that fails is fatal
 # (checkov without a Prisma Cloud key knows no severities, so every check counts).
@@ -104,10 +106,14 @@ for o in "${OVERLAYS[@]}"; do
   grep -v "^# Warning: '[A-Za-z0-9]*' is deprecated" "$work/$o.err" >&2 || true
 
   # Documents as a JSON array, and the references between them.
-  if ! "$py" - "$out" "$work/$o.json" <<'EOF'
+  if ! "$py" - "$out" "$work/$o.json" "$work/$o.core.yaml" <<'EOF'
 import json, sys, yaml
 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
 json.dump(docs, open(sys.argv[2], "w"), indent=1)
+# Kubernetes' own kinds, for kubernetes-validate; the Gateway API's are checked below.
+EXTENSION_GROUPS = ("inference.networking.k8s.io/", "gateway.networking.k8s.io/")
+core = [d for d in docs if not d["apiVersion"].startswith(EXTENSION_GROUPS)]
+yaml.safe_dump_all(core, open(sys.argv[3], "w"), sort_keys=False)
 by = {}
 for d in docs:
     by.setdefault(d["kind"], {})[d["metadata"]["name"]] = d
@@ -116,10 +122,12 @@ def keys(kind, name):
     d = by.get(kind, {}).get(name)
     return None if d is None else set(d.get("data") or {}) | set(d.get("stringData") or {})
 pods = {}  # Deployment name -> pod template labels
+containers = {}  # Deployment name -> its pod's containers
 for name, dep in by.get("Deployment", {}).items():
     tpl = dep["spec"]["template"]
     labels = tpl["metadata"].get("labels", {})
     pods[name] = labels
+    containers[name] = tpl["spec"]["containers"]
     if any(labels.get(k) != v for k, v in dep["spec"]["selector"]["matchLabels"].items()):
         errors.append(f"Deployment {name}: selector does not match its pod labels")
     spec = tpl["spec"]
@@ -160,6 +168,67 @@ for kind in ("PodDisruptionBudget", "NetworkPolicy"):
     for name, d in by.get(kind, {}).items():
         sel = d["spec"].get("selector") or d["spec"].get("podSelector")
         selects(sel["matchLabels"], f"{kind} {name}")
+def selected(sel):
+    return [n for n, l in pods.items() if all(l.get(k) == v for k, v in sel.items())]
+def flag(c, name):
+    a = c.get("args", [])
+    return a[a.index(name) + 1] if name in a[:-1] else None
+def port_number(c, port):
+    for p in c.get("ports", []):
+        if port in (p["containerPort"], p.get("name")):
+            return p["containerPort"]
+    return None
+# The Inference Extension's InferencePool (v1), as its CRD has it, and what it points at.
+for name, pool in by.get("InferencePool", {}).items():
+    what = f"InferencePool {name}"
+    if pool["apiVersion"] != "inference.networking.k8s.io/v1":
+        errors.append(f"{what}: apiVersion {pool['apiVersion']}, not inference.networking.k8s.io/v1")
+    spec = pool.get("spec", {})
+    unknown = set(spec) - {"selector", "targetPorts", "endpointPickerRef"}
+    if unknown:
+        errors.append(f"{what}: unknown spec fields {sorted(unknown)}")
+    members = selected(spec.get("selector", {}).get("matchLabels", {}))
+    if not members:
+        errors.append(f"{what}: selects no pod")
+    ports = spec.get("targetPorts", [])
+    if len(ports) != 1:
+        errors.append(f"{what}: targetPorts must list exactly one port")
+    for m in members:
+        for p in ports:
+            if port_number(containers[m][0], p["number"]) is None:
+                errors.append(f"{what}: {m} has no container port {p['number']}")
+        c = containers[m][0]
+        if flag(c, "--kv-role") == "kv_consumer" and "--prefiller-header" not in c.get("args", []):
+            errors.append(f"{what}: decode pods of {m} lack --prefiller-header")
+    ref = spec.get("endpointPickerRef", {})
+    if ref.get("failureMode", "FailClose") not in ("FailOpen", "FailClose"):
+        errors.append(f"{what}: failureMode {ref.get('failureMode')}")
+    svc = by.get("Service", {}).get(ref.get("name")) if ref.get("kind", "Service") == "Service" else None
+    if svc is None:
+        errors.append(f"{what}: endpointPickerRef names no Service {ref.get('name')}")
+        continue
+    number = ref.get("port", {}).get("number", 9002)
+    sp = [p for p in svc["spec"]["ports"] if p["port"] == number]
+    if not sp:
+        errors.append(f"{what}: Service {svc['metadata']['name']} has no port {number}")
+        continue
+    pickers = selected(svc["spec"]["selector"])
+    for m in pickers:
+        c = containers[m][0]
+        target = port_number(c, sp[0].get("targetPort", number))
+        if flag(c, "--ext-proc-port") != str(target) or flag(c, "--ext-proc-host") in (None, "127.0.0.1", "localhost"):
+            errors.append(f"{what}: {m} does not serve the picker on its address at {target} (--ext-proc-port, --ext-proc-host)")
+for name, route in by.get("HTTPRoute", {}).items():
+    for parent in route["spec"].get("parentRefs", []):
+        if parent.get("kind", "Gateway") == "Gateway" and parent["name"] not in by.get("Gateway", {}):
+            errors.append(f"HTTPRoute {name}: no Gateway {parent['name']}")
+    for rule in route["spec"].get("rules", []):
+        for b in rule.get("backendRefs", []):
+            if b.get("kind") == "InferencePool" and b["name"] not in by.get("InferencePool", {}):
+                errors.append(f"HTTPRoute {name}: no InferencePool {b['name']}")
+for name, gw in by.get("Gateway", {}).items():
+    if not gw["spec"].get("gatewayClassName") or not gw["spec"].get("listeners"):
+        errors.append(f"Gateway {name}: needs a gatewayClassName and listeners")
 for e in errors:
     print(f"  {e}", file=sys.stderr)
 sys.exit(1 if errors else 0)
@@ -170,7 +239,7 @@ EOF
 
   # Kubernetes' schemas, strict: unknown fields are errors.
   for v in "${K8S_VERSIONS[@]}"; do
-    if ! "$venv/bin/kubernetes-validate" --strict --quiet -k "$v" "$out" >"$work/$o.kv" 2>&1; then
+    if ! "$venv/bin/kubernetes-validate" --strict --quiet -k "$v" "$work/$o.core.yaml" >"$work/$o.kv" 2>&1; then
       cat "$work/$o.kv" >&2
       fail "not valid for Kubernetes $v"
     fi

@@ -16,6 +16,9 @@ use pd_wire::handoff::PREFILLER_HEADER;
 use serde_json::Value;
 
 use super::envoy::{DESTINATION, Headers, Pick};
+
+/// The header a node's credential goes in.
+const AUTHORIZATION: &str = "authorization";
 use crate::admission::Admitted;
 use crate::cluster::{NodeRef, OnNode, Snapshot};
 use crate::error::GatewayError;
@@ -61,6 +64,16 @@ async fn ip_port(addr: &str) -> Option<String> {
     }
     let mut found = tokio::net::lookup_host(addr).await.ok()?;
     found.next().map(|a| a.to_string())
+}
+
+/// The client's key swapped for what requests to `node` carry (the cluster token for a
+/// registered node, a static node's own header): the client's key was checked here, and a node
+/// may require a key its clients do not hold, as the front door does it. Without one, the
+/// client's `authorization` goes on unchanged.
+fn credential(pick: &mut Pick, node: &NodeRef) {
+    if let Some(v) = node.bearer.as_ref().and_then(|v| v.to_str().ok()) {
+        pick.set.push((AUTHORIZATION, v.to_owned()));
+    }
 }
 
 /// The nodes of `indices` as endpoints, in order, those outside `subset` left out.
@@ -159,12 +172,14 @@ impl Gateway {
         }
         let (_, primary, node) =
             best.ok_or_else(|| Self::no_endpoint("", "no live node (in the subset)"))?;
+        let mut pick = Pick {
+            primary,
+            remove: vec![PREFILLER_HEADER],
+            ..Pick::default()
+        };
+        credential(&mut pick, &node);
         Ok(Picked {
-            pick: Pick {
-                primary,
-                remove: vec![PREFILLER_HEADER],
-                ..Pick::default()
-            },
+            pick,
             route: "any",
             open: vec![node.open()],
             slot: None,
@@ -259,6 +274,7 @@ impl Gateway {
             body,
             ..Pick::default()
         };
+        credential(&mut pick, &node);
         match prefill {
             Some((addr, p)) => {
                 open.push(p.open());
