@@ -165,6 +165,10 @@ impl Envoy {
                 list.join(", ")
             )
         });
+        let (pool_tls, picker_tls) = match &picker.tls {
+            Some(t) => (upstream_tls(t, None), upstream_tls(t, Some("h2"))),
+            None => (String::new(), String::new()),
+        };
         let config = format!(
             r#"static_resources:
   listeners:
@@ -217,14 +221,14 @@ impl Envoy {
     original_dst_lb_config:
       use_http_header: true
       http_header_name: x-gateway-destination-endpoint
-  - name: picker
+{pool_tls}  - name: picker
     type: STATIC
     connect_timeout: 1s
     typed_extension_protocol_options:
       envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
         explicit_http_config: {{http2_protocol_options: {{}}}}
-    load_assignment:
+{picker_tls}    load_assignment:
       cluster_name: picker
       endpoints:
       - lb_endpoints:
@@ -247,4 +251,42 @@ pub struct PickerSetup {
     pub fail_open_to: Option<String>,
     /// The subset hint (`envoy.lb.subset_hint`) the pick must come from.
     pub subset: Option<Vec<String>>,
+    /// Mutual TLS to the picker and the nodes, as a data plane inside the cluster's trust
+    /// speaks it: `None` for plain.
+    pub tls: Option<UpstreamTls>,
+}
+
+/// A client certificate of the cluster CA, and the CA to trust.
+#[derive(Debug, Clone)]
+pub struct UpstreamTls {
+    /// The certificate (PEM).
+    pub cert: std::path::PathBuf,
+    /// Its key (PEM).
+    pub key: std::path::PathBuf,
+    /// The cluster CA (PEM): the only one trusted for the upstreams' certificates.
+    pub ca: std::path::PathBuf,
+}
+
+/// A cluster's `transport_socket`: TLS presenting `t`'s certificate, trusting its CA, offering
+/// `alpn` when given.
+fn upstream_tls(t: &UpstreamTls, alpn: Option<&str>) -> String {
+    let alpn = alpn.map_or(String::new(), |a| {
+        format!("          alpn_protocols: [\"{a}\"]\n")
+    });
+    format!(
+        r#"    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        common_tls_context:
+{alpn}          tls_certificates:
+          - certificate_chain: {{filename: "{}"}}
+            private_key: {{filename: "{}"}}
+          validation_context:
+            trusted_ca: {{filename: "{}"}}
+"#,
+        t.cert.display(),
+        t.key.display(),
+        t.ca.display()
+    )
 }

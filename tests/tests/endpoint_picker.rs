@@ -12,12 +12,14 @@
 //! immediate 503 with an OpenAI error); a picker that is down fails closed or open as Envoy is
 //! configured; a node not started with `--prefiller-header` refuses the header with 400; picks
 //! take places under the gateway's admission limit, wait in line for one (or give it up when
-//! the client leaves), and are refused with an immediate 429 beyond it, before reaching any node.
+//! the client leaves), and are refused with an immediate 429 beyond it, before reaching any node;
+//! under the cluster's mutual TLS, Envoy asks the picker and sends to D over it (a plain client
+//! is refused), and D asks P over it.
 
 use std::time::Duration;
 
 use pd_cluster_tests::cluster::{ClusterSpec, Node, Role, Stopped, TestCluster, args, tiny_model};
-use pd_cluster_tests::envoy::{Envoy, PickerSetup, free_port};
+use pd_cluster_tests::envoy::{Envoy, PickerSetup, UpstreamTls, free_port};
 use pd_cluster_tests::process::WorkDir;
 use pd_cluster_tests::{eventually, python};
 use serde_json::{Value, json};
@@ -437,4 +439,87 @@ async fn picks_queue_under_the_admission_limit_then_get_an_immediate_429_that_re
         gauge("pd_gateway_requests_in_flight").await == 0.0
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_mutual_tls_the_picker_envoy_to_d_and_d_to_p_all_speak_it() {
+    let want: Vec<Value> = {
+        let dir = WorkDir::new("picker-tls-reference");
+        let model = tiny_model(&dir);
+        let reference = Node::reference_with(&dir, &model, &[]);
+        let client = reqwest::Client::new();
+        let mut out = Vec::new();
+        for i in 0..3 {
+            let (_, _, body) = ask_at(&client, &reference.http, &format!("mutual TLS {i}")).await;
+            out.push(body["choices"].clone());
+        }
+        out
+    };
+    let port = free_port();
+    let c = TestCluster::start(
+        "picker-tls",
+        ClusterSpec {
+            prefill: 1,
+            decode: 1,
+            tls: true,
+            gateway_args: picker_args(port),
+            decode_args: args(&["--prefiller-header"]),
+            ..ClusterSpec::default()
+        },
+    )
+    .await;
+    c.wait_peers_known(Duration::from_secs(30)).await;
+    let certs = c.certs.as_ref().expect("a TLS cluster's certificates");
+    let file = |f: &str| certs.dir().join(f);
+    let envoy = Envoy::start_picker(
+        c.dir().path(),
+        &PickerSetup {
+            ext_proc: format!("127.0.0.1:{port}"),
+            tls: Some(UpstreamTls {
+                cert: file("tester.pem"),
+                key: file("tester.key"),
+                ca: file("ca.pem"),
+            }),
+            ..PickerSetup::default()
+        },
+    );
+    let client = reqwest::Client::new();
+    for (i, want) in want.iter().enumerate() {
+        let (status, _, body) = ask_at(&client, &envoy.http, &format!("mutual TLS {i}")).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(&body["choices"], want, "{body}");
+        let pulled = body["usage"]["prompt_tokens_details"]["kv_pulled_tokens"].as_u64();
+        assert!(pulled > Some(0), "{body}");
+    }
+    let g = c.gateway_metrics().await;
+    assert_eq!(
+        g.sum(
+            "pd_gateway_picker_picks_total",
+            &[("route", "split"), ("outcome", "picked")]
+        ),
+        want.len() as f64,
+        "{}",
+        g.show("pd_gateway_picker_picks_total")
+    );
+    assert_eq!(
+        c.sum_over(Role::Prefill, "pd_kv_leases_total", &[("event", "granted")])
+            .await,
+        want.len() as f64,
+        "P prefilled each request, asked by D over TLS"
+    );
+    // The picker's port speaks only mutual TLS: a plain gRPC client gets no health answer.
+    let plain = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
+        .expect("an endpoint")
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(2));
+    let refused = match plain.connect().await {
+        Err(_) => true,
+        Ok(ch) => HealthClient::new(ch)
+            .check(HealthCheckRequest {
+                service: String::new(),
+            })
+            .await
+            .is_err(),
+    };
+    assert!(refused, "the picker answered a plain gRPC client");
 }

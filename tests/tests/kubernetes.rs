@@ -342,7 +342,7 @@ async fn the_inference_extension_overlay_serves_through_envoy_and_the_picker_lik
         &PickerSetup {
             ext_proc: format!("{}:{picker_port}", k.gw.addr),
             subset: Some(subset),
-            fail_open_to: None,
+            ..PickerSetup::default()
         },
     );
 

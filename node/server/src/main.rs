@@ -194,15 +194,11 @@ fn serve(args: &ServeArgs) -> anyhow::Result<()> {
     // Mutual TLS with the cluster CA on every hop (`--tls-*`): this node's HTTP API, its side
     // channel and data port, its pulls from peers and its registration with the gateway.
     let tls = args.tls.load().context("--tls-cert/--tls-key/--tls-ca")?;
-    if args.prefiller_header && tls.is_some() {
-        anyhow::bail!(
-            "--prefiller-header calls the prefill node over plain HTTP: not with --tls-*"
-        );
-    }
     let prefiller = if args.prefiller_header {
         let timeout = std::time::Duration::from_secs(args.prefiller_timeout_secs.max(1));
         Some(Arc::new(
-            pd_node::prefiller::Prefiller::new(timeout).context("the prefill client")?,
+            pd_node::prefiller::Prefiller::new(timeout, tls.as_ref())
+                .context("the prefill client")?,
         ))
     } else {
         None

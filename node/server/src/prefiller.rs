@@ -36,19 +36,32 @@ const FORWARDED: &[&str] = &["authorization", "x-request-id", "traceparent", "tr
 #[derive(Debug, Clone)]
 pub struct Prefiller {
     client: reqwest::Client,
+    /// `http` or, under the cluster's mutual TLS, `https`.
+    scheme: &'static str,
 }
 
 impl Prefiller {
-    /// A prefill client waiting up to `timeout` for P's whole answer.
+    /// A prefill client waiting up to `timeout` for P's whole answer; with `tls` (`--tls-*`),
+    /// it speaks the cluster's mutual TLS to P, presenting this node's certificate and
+    /// trusting only the cluster CA for P's, which must name the address it is dialled at.
     ///
     /// # Errors
     /// The HTTP client could not be built.
-    pub fn new(timeout: Duration) -> Result<Self, reqwest::Error> {
-        let client = reqwest::Client::builder()
+    pub fn new(
+        timeout: Duration,
+        tls: Option<&pd_tls::ClusterTls>,
+    ) -> Result<Self, reqwest::Error> {
+        let mut builder = reqwest::Client::builder()
             .timeout(timeout)
             .connect_timeout(Duration::from_secs(5))
-            .build()?;
-        Ok(Self { client })
+            .tcp_nodelay(true);
+        if let Some(tls) = tls {
+            builder = builder.use_preconfigured_tls((*tls.client_config()).clone());
+        }
+        Ok(Self {
+            client: builder.build()?,
+            scheme: pd_tls::scheme(tls),
+        })
     }
 }
 
@@ -138,7 +151,7 @@ async fn with_prefill(
     let p_body = handoff::prefill_bytes(api, &body, 1, None).map_err(|e| failed(e.to_string()))?;
     let mut call = prefiller
         .client
-        .post(format!("http://{addr}{}", api.path()))
+        .post(format!("{}://{addr}{}", prefiller.scheme, api.path()))
         .header(header::CONTENT_TYPE, "application/json")
         .body(p_body);
     for name in FORWARDED {

@@ -21,7 +21,8 @@ use envoy_types::pb::envoy::config::core::v3::{
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpHeaders,
-    ImmediateResponse, ProcessingRequest, ProcessingResponse, body_mutation, processing_response,
+    ImmediateResponse, ProcessingRequest, ProcessingResponse, TrailersResponse, body_mutation,
+    processing_response,
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
@@ -254,6 +255,20 @@ pub fn continue_response_body() -> ProcessingResponse {
         response: Some(processing_response::Response::ResponseBody(
             BodyResponse::default(),
         )),
+        ..ProcessingResponse::default()
+    }
+}
+
+/// Go on unchanged, after the request's (`response` false) or the response's trailers: a data
+/// plane configured to send them waits for an answer.
+pub fn continue_trailers(response: bool) -> ProcessingResponse {
+    let go_on = TrailersResponse::default();
+    ProcessingResponse {
+        response: Some(if response {
+            processing_response::Response::ResponseTrailers(go_on)
+        } else {
+            processing_response::Response::RequestTrailers(go_on)
+        }),
         ..ProcessingResponse::default()
     }
 }

@@ -129,7 +129,8 @@ impl Exchange {
                 Some(envoy::continue_response_headers())
             }
             R::ResponseBody(_) => Some(envoy::continue_response_body()),
-            R::RequestTrailers(_) | R::ResponseTrailers(_) => None,
+            R::RequestTrailers(_) => Some(envoy::continue_trailers(false)),
+            R::ResponseTrailers(_) => Some(envoy::continue_trailers(true)),
         }
     }
 
@@ -235,13 +236,16 @@ impl Picker {
         Self { gateway, max_body }
     }
 
-    /// Serves `ext_proc` and gRPC health on `listener` until the process ends.
+    /// Serves `ext_proc` and gRPC health on `listener` until the process ends; under `tls`
+    /// (the cluster's mutual TLS), only to data planes presenting a certificate of the cluster
+    /// CA.
     ///
     /// # Errors
     /// The gRPC server failed.
     pub async fn serve(
         self,
         listener: tokio::net::TcpListener,
+        tls: Option<tonic::transport::ServerTlsConfig>,
     ) -> Result<(), tonic::transport::Error> {
         let (reporter, health) = tonic_health::server::health_reporter();
         reporter
@@ -266,7 +270,11 @@ impl Picker {
         });
         // The whole body comes in one message: room for the largest body and its framing.
         let max_message = self.max_body.saturating_add(1 << 16);
-        tonic::transport::Server::builder()
+        let mut server = tonic::transport::Server::builder();
+        if let Some(tls) = tls {
+            server = server.tls_config(tls)?;
+        }
+        server
             .add_service(health)
             .add_service(ExternalProcessorServer::new(self).max_decoding_message_size(max_message))
             // No Nagle: each answer is a few small frames the data plane waits on before it

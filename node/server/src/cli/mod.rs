@@ -235,7 +235,7 @@ pub struct ServeArgs {
     /// Behind an Endpoint Picker: a decode node (kv_consumer) that receives
     /// `x-prefiller-host-port` runs the prompt on that prefill node first and decodes with the
     /// KV it pulls from there (llm-d's routing-sidecar protocol). Without it such a request gets
-    /// a 400. Plain HTTP to the prefill node: not with --tls-*.
+    /// a 400. Under --tls-* the prefill node is asked over the cluster's mutual TLS.
     #[arg(long)]
     pub prefiller_header: bool,
     /// How long the prefill that x-prefiller-host-port names may take, seconds.

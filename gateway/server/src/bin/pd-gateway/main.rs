@@ -592,8 +592,11 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         Some(l) => Some(picker::spawn(
             l,
             Gateway(shared.clone()),
-            args.max_body,
-            args.threads,
+            picker::Serving {
+                max_body: args.max_body,
+                threads: args.threads,
+                tls: tls.clone(),
+            },
         )?),
         None => None,
     };
