@@ -523,3 +523,60 @@ async fn under_mutual_tls_the_picker_envoy_to_d_and_d_to_p_all_speak_it() {
     };
     assert!(refused, "the picker answered a plain gRPC client");
 }
+
+/// A streamed answer keeps its place under the admission limit past its first byte, until
+/// its last (Envoy keeps the `ext_proc` exchange open that long).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_answer_holds_its_admission_place_until_its_last_byte() {
+    use futures::StreamExt;
+    let port = free_port();
+    let mut gateway_args = picker_args(port);
+    // A stopped node stops reporting too: keep it in the view meanwhile.
+    gateway_args.extend(args(&["--node-timeout-ms", "120000"]));
+    let c = TestCluster::start(
+        "picker-streamed-place",
+        ClusterSpec {
+            standalone: 1,
+            gateway_args,
+            ..ClusterSpec::default()
+        },
+    )
+    .await;
+    let envoy = Envoy::start_picker(
+        c.dir().path(),
+        &PickerSetup {
+            ext_proc: format!("127.0.0.1:{port}"),
+            ..PickerSetup::default()
+        },
+    );
+    let in_flight = async || {
+        c.gateway_metrics()
+            .await
+            .sum("pd_gateway_requests_in_flight", &[])
+    };
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", envoy.http))
+        .json(&json!({"model": "tiny", "max_tokens": 1000, "stream": true,
+            "messages": [{"role": "user", "content": "A long answer, streamed."}]}))
+        .send()
+        .await
+        .expect("Envoy answers");
+    assert_eq!(r.status().as_u16(), 200);
+    let mut answer = r.bytes_stream();
+    let first = answer.next().await.expect("a first chunk").expect("bytes");
+    assert!(!first.is_empty());
+    {
+        // The node paused mid-answer: the response's head is long gone, the place still held.
+        let _stopped = Stopped::new(&c.nodes[0]);
+        assert_eq!(in_flight().await, 1.0);
+    }
+    while let Some(chunk) = answer.next().await {
+        chunk.expect("the rest of the answer");
+    }
+    eventually(
+        "the place given back",
+        Duration::from_secs(10),
+        async || in_flight().await == 0.0,
+    )
+    .await;
+}

@@ -16,7 +16,7 @@
 //! A generation request takes a place under the gateway's admission limit
 //! (`--max-concurrent-requests`, shared with the front door) before it is tokenized, waits in
 //! line for one or is refused with a 429, and holds it until the data plane ends the exchange
-//! (Envoy ends it once no more processing is configured, at the latest with the request). A
+//! (Envoy 1.40 ends it with the request: a streamed answer holds its place to its end). A
 //! data plane that resets the exchange while its pick waits gives the place up at once.
 //!
 //! Health: the standard gRPC health service on the same port; the empty service name is
