@@ -318,31 +318,15 @@ async fn envoy_follows_the_pick_within_the_subset_and_fails_open_or_closed_witho
     assert_eq!(body["error"]["param"], "x-prefiller-host-port", "{body}");
 }
 
-#[track_caller]
-fn assert_overloaded((status, retry, body): &(u16, Option<String>, Value)) {
-    assert_eq!(*status, 429, "{body}");
-    assert_eq!(retry.as_deref(), Some("1"), "{body}");
-    assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{body}");
-    assert_eq!(body["error"]["type"], "rate_limit_error", "{body}");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn picks_queue_under_the_admission_limit_then_get_an_immediate_429_that_reaches_no_node() {
+/// One standalone node, its gateway serving the picker (with `extra` flags), and Envoy asking
+/// it. The node may be stopped: the gateway keeps it in the view for the test's length.
+async fn one_node_behind_envoy(name: &str, extra: &[&str]) -> (TestCluster, Envoy) {
     let port = free_port();
     let mut gateway_args = picker_args(port);
-    // A stopped node stops reporting too: keep it in the view for the test's length.
-    gateway_args.extend(args(&[
-        "--node-timeout-ms",
-        "120000",
-        "--max-concurrent-requests",
-        "1",
-        "--max-queued-requests",
-        "1",
-        "--queue-timeout-ms",
-        "5000",
-    ]));
+    gateway_args.extend(args(&["--node-timeout-ms", "120000"]));
+    gateway_args.extend(args(extra));
     let c = TestCluster::start(
-        "picker-admission",
+        name,
         ClusterSpec {
             standalone: 1,
             gateway_args,
@@ -357,6 +341,31 @@ async fn picks_queue_under_the_admission_limit_then_get_an_immediate_429_that_re
             ..PickerSetup::default()
         },
     );
+    (c, envoy)
+}
+
+#[track_caller]
+fn assert_overloaded((status, retry, body): &(u16, Option<String>, Value)) {
+    assert_eq!(*status, 429, "{body}");
+    assert_eq!(retry.as_deref(), Some("1"), "{body}");
+    assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{body}");
+    assert_eq!(body["error"]["type"], "rate_limit_error", "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn picks_queue_under_the_admission_limit_then_get_an_immediate_429_that_reaches_no_node() {
+    let (c, envoy) = one_node_behind_envoy(
+        "picker-admission",
+        &[
+            "--max-concurrent-requests",
+            "1",
+            "--max-queued-requests",
+            "1",
+            "--queue-timeout-ms",
+            "5000",
+        ],
+    )
+    .await;
     let gauge = async |name: &str| c.gateway_metrics().await.sum(name, &[]);
     let send = |text: &'static str| {
         let base = envoy.http.clone();
@@ -529,26 +538,7 @@ async fn under_mutual_tls_the_picker_envoy_to_d_and_d_to_p_all_speak_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_answer_holds_its_admission_place_until_its_last_byte() {
     use futures::StreamExt;
-    let port = free_port();
-    let mut gateway_args = picker_args(port);
-    // A stopped node stops reporting too: keep it in the view meanwhile.
-    gateway_args.extend(args(&["--node-timeout-ms", "120000"]));
-    let c = TestCluster::start(
-        "picker-streamed-place",
-        ClusterSpec {
-            standalone: 1,
-            gateway_args,
-            ..ClusterSpec::default()
-        },
-    )
-    .await;
-    let envoy = Envoy::start_picker(
-        c.dir().path(),
-        &PickerSetup {
-            ext_proc: format!("127.0.0.1:{port}"),
-            ..PickerSetup::default()
-        },
-    );
+    let (c, envoy) = one_node_behind_envoy("picker-streamed-place", &[]).await;
     let in_flight = async || {
         c.gateway_metrics()
             .await
