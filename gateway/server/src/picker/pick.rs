@@ -268,9 +268,11 @@ impl Gateway {
             )
         })?;
         let mut open = vec![node.open()];
+        // A fallback gets the primary's credential: only nodes taking the same one qualify.
+        let fallback = dest.filter(|(_, n)| n.bearer == node.bearer);
         let mut pick = Pick {
             primary,
-            fallback: dest.map(|(a, _)| a).collect(),
+            fallback: fallback.map(|(a, _)| a).collect(),
             body,
             ..Pick::default()
         };
