@@ -21,6 +21,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use pd_cluster_tests::bins;
+use pd_cluster_tests::flag;
 use pd_cluster_tests::hosts::{Host, Net};
 use pd_cluster_tests::metrics::scrape;
 use pd_cluster_tests::process::{Proc, WorkDir};
@@ -30,14 +31,6 @@ use serde_json::{Value, json};
 mod perftest;
 
 const TOKEN: &str = "hosts-pull-token";
-
-fn arg(name: &str, default: &str) -> String {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-        .unwrap_or_else(|| default.to_owned())
-}
 
 /// `iperf3` from B to A, one stream, 5 s: GB/s received.
 fn iperf3(a: &Host, b: &Host) -> f64 {
@@ -130,11 +123,11 @@ async fn post(client: &reqwest::Client, url: &str, body: &Value) -> Value {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let tokens: Vec<usize> = arg("--tokens", "512,4096")
+    let tokens: Vec<usize> = flag("--tokens", "512,4096".to_owned())
         .split(',')
         .map(|t| t.parse().expect("--tokens N,M"))
         .collect();
-    let repeat: usize = arg("--repeat", "3").parse().expect("--repeat N");
+    let repeat: usize = flag("--repeat", 3);
     let dir = WorkDir::new("hosts-pull");
     let net = Net::new(dir.path());
     let a = net.host("p");

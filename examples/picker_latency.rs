@@ -26,17 +26,9 @@ use std::time::{Duration, Instant};
 use pd_cluster_tests::bins;
 use pd_cluster_tests::cluster::{ClusterSpec, Role, TestCluster, args};
 use pd_cluster_tests::envoy::{Envoy, PickerSetup, free_port};
+use pd_cluster_tests::flag;
 use pd_cluster_tests::metrics::Metrics;
 use serde_json::{Value, json};
-
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 /// A prompt of `len` tokens (the tiny model's tokenizer is byte-level) that no other shares a
 /// block with.
@@ -97,8 +89,8 @@ fn mean_us(before: &Metrics, after: &Metrics, name: &str) -> f64 {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
-    let n = arg("--requests", 400);
-    let len = arg("--prompt", 64);
+    let n = flag("--requests", 400);
+    let len = flag("--prompt", 64);
     let port = free_port();
     let mut gateway_args = args(&["--ext-proc-port", &port.to_string(), "--policy"]);
     gateway_args.push(bins::policy("least-loaded").display().to_string());

@@ -18,18 +18,10 @@
 use std::time::{Duration, Instant};
 
 use pd_cluster_tests::cluster::{ClusterSpec, Gateway, Role, TestCluster, args};
+use pd_cluster_tests::flag;
 use pd_cluster_tests::postgres::PgServer;
 use pd_cluster_tests::process::WorkDir;
 use serde_json::{Value, json};
-
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 /// The process's CPU time so far, in clock ticks (10 ms).
 fn cpu_ticks(pid: u32) -> u64 {
@@ -52,8 +44,8 @@ struct Row {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
-    let conversations = arg("--conversations", 100);
-    let turns = arg("--turns", 4);
+    let conversations = flag("--conversations", 100);
+    let turns = flag("--turns", 4);
     let work = WorkDir::new("state-cost");
     let pg = PgServer::start(work.path());
     let c = TestCluster::start(

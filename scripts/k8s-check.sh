@@ -6,7 +6,7 @@
 # not hold: the InferencePool's fields, the pods it selects, its port, its picker's Service and
 # flags, the route's pool and Gateway), and scans them with checkov. Non-zero exit on any failure.
 #
-#   bash scripts/k8s-check.sh                  # check both overlays
+#   bash scripts/k8s-check.sh                  # check every overlay
 #   bash scripts/k8s-check.sh --render OUT_DIR # also write OUT_DIR/<overlay>.yaml and
 #                                              # OUT_DIR/<overlay>.json (the documents as a JSON array;
 #                                              # Secrets carry stringData, in clear, not base64 data)
@@ -156,8 +156,10 @@ for name, dep in by.get("Deployment", {}).items():
         claim = v.get("persistentVolumeClaim", {}).get("claimName")
         if claim and claim not in by.get("PersistentVolumeClaim", {}):
             errors.append(f"Deployment {name}: no PersistentVolumeClaim {claim}")
+def selected(sel):
+    return [n for n, l in pods.items() if all(l.get(k) == v for k, v in sel.items())]
 def selects(sel, what):
-    if not any(all(l.get(k) == v for k, v in sel.items()) for l in pods.values()):
+    if not selected(sel):
         errors.append(f"{what}: selects no pod")
 for name, s in by.get("Service", {}).items():
     selects(s["spec"]["selector"], f"Service {name}")
@@ -168,8 +170,6 @@ for kind in ("PodDisruptionBudget", "NetworkPolicy"):
     for name, d in by.get(kind, {}).items():
         sel = d["spec"].get("selector") or d["spec"].get("podSelector")
         selects(sel["matchLabels"], f"{kind} {name}")
-def selected(sel):
-    return [n for n, l in pods.items() if all(l.get(k) == v for k, v in sel.items())]
 def flag(c, name):
     a = c.get("args", [])
     return a[a.index(name) + 1] if name in a[:-1] else None

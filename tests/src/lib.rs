@@ -48,6 +48,17 @@ pub mod vllm_router;
 
 use std::time::{Duration, Instant};
 
+/// The value after `name` on the command line (`--requests 400`), parsed; `default` when the
+/// flag is absent or does not parse. For the examples (benchmarks) built on this crate.
+pub fn flag<T: std::str::FromStr>(name: &str, default: T) -> T {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 /// Polls `check` every 20 ms until it holds; panics naming `what` after `timeout`. Returns how
 /// long it took.
 pub async fn eventually(

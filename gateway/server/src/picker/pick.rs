@@ -16,9 +16,6 @@ use pd_wire::handoff::PREFILLER_HEADER;
 use serde_json::Value;
 
 use super::envoy::{DESTINATION, Headers, Pick};
-
-/// The header a node's credential goes in.
-const AUTHORIZATION: &str = "authorization";
 use crate::admission::Admitted;
 use crate::cluster::{NodeRef, OnNode, Snapshot};
 use crate::error::GatewayError;
@@ -55,6 +52,9 @@ pub struct Picked {
     /// door: both load the same nodes), held until the data plane ends the exchange.
     pub slot: Option<Admitted>,
 }
+
+/// The header a node's credential goes in.
+const AUTHORIZATION: &str = "authorization";
 
 /// `host:port` as `ip:port`: the data plane dials the header's address as it is (an
 /// `ORIGINAL_DST` cluster takes no name).
